@@ -1,0 +1,34 @@
+# Two commands do everything on a fresh machine (Python 3.11, no torch, no venv):
+#   make demo   - the main job: compile a built-in model and show the result
+#   make test   - the test suite
+# Both create .venv (with --system-site-packages, so a torch you already have — e.g. a CUDA build — is kept)
+# and install the CPU build of torch into it only when no torch is importable.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.rpcompile-installed
+TORCH_CPU ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-slow setup clean
+
+demo: $(STAMP)
+	$(VENV)/bin/rpcompile demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_CPU)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

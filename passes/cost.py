@@ -1,0 +1,408 @@
+"""``cost_pass``: forward/backward time, bytes and FLOPs for every node.
+
+Terms
+-----
+- **NodeCost** (``node.meta["rpcompile.cost"]``): what the partitioner needs about one compute node —
+  forward and backward time per call, the bytes its output allocates, the bytes autograd keeps for its
+  backward (*activation bytes*), the bytes of the parameters it reads and of their gradients, and FLOPs.
+- **NodeCall**: one node with concrete input values, able to run itself on any device (``materialize``).
+  Cost models only ever see NodeCalls, so the same model costs torch.fx graphs (``call_module`` leaves such
+  as ``nn.Linear``) and torch.export graphs (aten ops) alike.
+- **CostModel**: turns a NodeCall into an :class:`OpEstimate` (times, optionally FLOPs). Two live here and in
+  :mod:`rpcompile.passes.analytic`: :class:`MeasuredCostModel` times nodes on the device at hand;
+  ``AnalyticCostModel`` predicts them from FLOPs and bytes for a named :class:`~rpcompile.specs.DeviceSpec`.
+
+The driver runs the graph once on the model's own device (``meta`` for shape-only models) to get every node's
+inputs. Independently of the cost model it runs each node once more on ``meta`` with autograd on, to count
+FLOPs (``FlopCounterMode``, exact for matmul/conv/attention) and to see which tensors autograd saves
+(``saved_tensors_hooks``): a saved tensor is attributed to the node that produced it, parameters excluded.
+"""
+
+from __future__ import annotations
+
+import abc
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+from torch.utils.flop_counter import FlopCounterMode
+
+from .shape import SHAPE_KEY, describe, storage_key
+from .util import flat_inputs, is_compute, node_buffers, node_params, tensor_leaves
+
+__all__ = [
+    "COST_KEY",
+    "NodeCost",
+    "OpEstimate",
+    "NodeCall",
+    "Materialized",
+    "CostModel",
+    "MeasuredCostModel",
+    "cost_pass",
+    "node_cost",
+]
+
+COST_KEY = "rpcompile.cost"
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeCost:
+    """Costs of one node, per call (one microbatch)."""
+
+    fwd_time_s: float = 0.0
+    bwd_time_s: float = 0.0
+    output_bytes: int = 0
+    """New bytes the output allocates (views of inputs count 0)."""
+    act_bytes: int = 0
+    """Bytes autograd keeps for backward that this node produced (its output if a consumer saves it, plus
+    internal tensors such as an attention's log-sum-exp)."""
+    param_bytes: int = 0
+    grad_bytes: int = 0
+    """Bytes of the gradients of the trainable parameters it reads (0 for frozen ones)."""
+    fwd_flops: int = 0
+    bwd_flops: int = 0
+    params: tuple[str, ...] = ()
+    """Fully-qualified names of the parameters it reads."""
+
+
+@dataclass(frozen=True)
+class OpEstimate:
+    """What a cost model says about one NodeCall. FLOPs left as None are filled in by the driver."""
+
+    fwd_time_s: float
+    bwd_time_s: float
+    fwd_flops: int | None = None
+    bwd_flops: int | None = None
+
+
+@dataclass
+class Materialized:
+    """A NodeCall moved to one device: ``run()`` executes the node; ``leaves`` are the tensors to
+    differentiate with respect to (already ``requires_grad``)."""
+
+    run: Callable[[], Any]
+    leaves: list[torch.Tensor]
+    memo: dict[int, torch.Tensor]
+    """id(original tensor) -> its copy, to map inputs back to the nodes that produced them."""
+
+    def forward_backward(self) -> tuple[Any, Callable[[], Any] | None]:
+        """Run forward with autograd on; return the output and a thunk that runs its backward
+        (None when nothing differentiable came out)."""
+        with torch.enable_grad():
+            out = self.run()
+        outs = [t for t in tensor_leaves(out) if t.requires_grad]
+        if not outs or not self.leaves:
+            return out, None
+        grads = [torch.ones_like(t) for t in outs]
+
+        def backward() -> Any:
+            return torch.autograd.grad(outs, self.leaves, grads, retain_graph=True, allow_unused=True)
+
+        return out, backward
+
+
+def _is_inplace(node: fx.Node) -> bool:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.is_mutable
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    return name.endswith("_") and not name.endswith("__") or name.startswith("__i")
+
+
+@dataclass
+class NodeCall:
+    """One compute node with concrete inputs (see module docstring)."""
+
+    node: fx.Node
+    fn: Callable[..., Any]
+    args: tuple
+    kwargs: dict
+    params: dict[str, torch.Tensor]
+    """Parameters of a call_module target (get_attr parameters are already inside ``args``)."""
+    buffers: dict[str, torch.Tensor]
+    trainable: set[int] = field(default_factory=set)
+    """ids of the tensors in args/kwargs/params that need a gradient."""
+
+    @property
+    def inplace(self) -> bool:
+        return _is_inplace(self.node)
+
+    def materialize(self, device: torch.device | str, *, dtype: torch.dtype | None = None) -> Materialized:
+        """Copy the inputs to ``device`` (``meta``: shapes only), optionally casting floating tensors to
+        ``dtype``; inputs are copied so running the node never mutates the reference values."""
+        device = torch.device(device)
+        memo: dict[int, torch.Tensor] = {}
+        leaves: list[torch.Tensor] = []
+
+        def move(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            if id(t) in memo:
+                return memo[id(t)]
+            floating = t.is_floating_point()
+            to_dtype = dtype if (dtype is not None and floating) else t.dtype
+            with torch.no_grad():
+                if device.type == "meta":
+                    c = torch.empty_strided(t.shape, t.stride(), dtype=to_dtype, device="meta")
+                else:
+                    c = t.detach().to(device=device, dtype=to_dtype, copy=True)
+            if floating and id(t) in self.trainable:
+                c.requires_grad_(True)
+                leaves.append(c)
+            memo[id(t)] = c
+            return c
+
+        args, kwargs = pytree.tree_map(move, (self.args, self.kwargs))
+        state = {name: move(t) for name, t in {**self.params, **self.buffers}.items()}
+        clone_first = self.inplace and bool(args) and isinstance(args[0], torch.Tensor) and args[0].requires_grad
+        fn = self.fn
+
+        def run() -> Any:
+            a = (args[0].clone(), *args[1:]) if clone_first and torch.is_grad_enabled() else args
+            if state:
+                return torch.func.functional_call(fn, state, a, kwargs, strict=False)
+            return fn(*a, **kwargs)
+
+        return Materialized(run, leaves, memo)
+
+
+class CostModel(abc.ABC):
+    """Turns a NodeCall into times (and optionally FLOPs)."""
+
+    name: str = "cost-model"
+
+    @abc.abstractmethod
+    def estimate(self, call: NodeCall) -> OpEstimate:
+        """Forward and backward time of one call of ``call.node`` (backward 0 when nothing needs grad)."""
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class MeasuredCostModel(CostModel):
+    """Times every node on the device at hand: ``warmup`` untimed runs, then the median of ``repeats``.
+
+    On CUDA it uses events around each run; on the CPU ``time.perf_counter``. Inputs are copied to ``device``
+    node by node, so a model larger than the device can still be profiled. ``dtype`` casts floating inputs
+    (e.g. ``torch.bfloat16`` to profile mixed-precision compute).
+    """
+
+    name = "measured"
+
+    def __init__(
+        self, device: torch.device | str = "cpu", *, warmup: int = 1, repeats: int = 5, dtype: torch.dtype | None = None
+    ):
+        if repeats < 1 or warmup < 0:
+            raise ValueError(f"MeasuredCostModel: need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
+        self.device = torch.device(device)
+        self.warmup, self.repeats, self.dtype = warmup, repeats, dtype
+
+    def __repr__(self) -> str:
+        return f"MeasuredCostModel(device={str(self.device)!r}, repeats={self.repeats})"
+
+    def _time(self, fn: Callable[[], Any]) -> float:
+        for _ in range(self.warmup):
+            fn()
+        samples = []
+        if self.device.type == "cuda":
+            for _ in range(self.repeats):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                samples.append(start.elapsed_time(end) / 1e3)
+        else:
+            for _ in range(self.repeats):
+                t0 = time.perf_counter()
+                fn()
+                samples.append(time.perf_counter() - t0)
+        return statistics.median(samples)
+
+    def estimate(self, call: NodeCall) -> OpEstimate:
+        m = call.materialize(self.device, dtype=self.dtype)
+        with torch.no_grad():
+            fwd = self._time(m.run)
+        _, backward = m.forward_backward()
+        bwd = self._time(backward) if backward is not None else 0.0
+        _sync(self.device)
+        return OpEstimate(fwd, bwd)
+
+
+# --------------------------------------------------------------------------------------------- the driver
+def _call_for(gm: fx.GraphModule, node: fx.Node, args: tuple, kwargs: dict, needs_grad: dict[fx.Node, bool]) -> NodeCall:
+    params = node_params(gm, node)
+    trainable = {id(p) for p in params.values() if p.requires_grad}
+    for arg_node in node.all_input_nodes:
+        if needs_grad.get(arg_node, False):
+            trainable.update(id(t) for t in tensor_leaves(_env_lookup(args, kwargs, node, arg_node)))
+    if node.op == "call_module":
+        mod = gm.get_submodule(node.target)
+        prefix = node.target + "."
+        own_params = {k.removeprefix(prefix): v for k, v in params.items()}
+        own_buffers = {k.removeprefix(prefix): v for k, v in node_buffers(gm, node).items() if k.startswith(prefix)}
+        return NodeCall(node, mod, args, kwargs, own_params, own_buffers, trainable)
+    if node.op == "call_method":
+        return NodeCall(node, _method(node.target), args, kwargs, {}, {}, trainable)
+    return NodeCall(node, node.target, args, kwargs, {}, {}, trainable)
+
+
+def _method(name: str) -> Callable[..., Any]:
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self, name)(*args, **kwargs)
+
+    call.__name__ = name
+    return call
+
+
+def _env_lookup(args: tuple, kwargs: dict, node: fx.Node, arg_node: fx.Node) -> list[Any]:
+    """Concrete values in (args, kwargs) that stand where ``arg_node`` stands in node.args/node.kwargs."""
+    flat_sym, spec = pytree.tree_flatten((node.args, node.kwargs), is_leaf=lambda x: isinstance(x, fx.Node))
+    flat_val = spec.flatten_up_to((args, kwargs))
+    return [v for s, v in zip(flat_sym, flat_val) if s is arg_node]
+
+
+def _autograd_profile(call: NodeCall, producers: dict[int, fx.Node]) -> tuple[int, int, set[fx.Node], int]:
+    """Run ``call`` on meta with autograd: (fwd FLOPs, bwd FLOPs, input nodes whose value it saves, own saved bytes)."""
+    m = call.materialize("meta")
+    saved_keys: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved_keys.append(t)
+        return t
+
+    with FlopCounterMode(display=False) as fwd_counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out, backward = m.forward_backward()
+    bwd_flops = 0
+    if backward is not None:
+        with FlopCounterMode(display=False) as bwd_counter:
+            backward()
+        bwd_flops = bwd_counter.get_total_flops()
+    param_keys = {storage_key(m.memo[id(t)]) for t in {**call.params, **call.buffers}.values() if id(t) in m.memo}
+    input_keys: dict[int, fx.Node] = {}
+    for orig_id, copy in m.memo.items():
+        if orig_id in producers:
+            input_keys[storage_key(copy)] = producers[orig_id]
+    out_keys = {storage_key(t) for t in tensor_leaves(out)}
+    saved_inputs: set[fx.Node] = set()
+    own = 0
+    seen: set[int] = set()
+    for t in saved_keys:
+        key = storage_key(t)
+        if key in param_keys or key in seen:
+            continue
+        seen.add(key)
+        if key in input_keys:
+            if is_compute(input_keys[key]):
+                saved_inputs.add(input_keys[key])
+        elif key not in out_keys:
+            own += t.numel() * t.element_size()
+        else:
+            saved_inputs.add(call.node)
+    return fwd_counter.get_total_flops(), bwd_flops, saved_inputs, own
+
+
+class _CostInterpreter(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule, cost_model: CostModel, on_node: Callable[[], None]):
+        super().__init__(gm)
+        self.cost_model, self.on_node = cost_model, on_node
+        self.needs_grad: dict[fx.Node, bool] = {}
+        self.producer_of: dict[int, fx.Node] = {}
+        self.kept: set[fx.Node] = set()
+        self.partial: dict[fx.Node, dict[str, Any]] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        result = super().run_node(n)
+        if n.op == "get_attr":
+            self.needs_grad[n] = isinstance(result, torch.nn.Parameter) and result.requires_grad
+        elif is_compute(n):
+            self._cost(n, args, kwargs, result)
+        for t in tensor_leaves(result):
+            self.producer_of.setdefault(id(t), n)
+        return result
+
+    def _cost(self, n: fx.Node, args: tuple, kwargs: dict, result: Any) -> None:
+        call = _call_for(self.module, n, args, kwargs, self.needs_grad)
+        params = node_params(self.module, n)
+        self.needs_grad[n] = bool(call.trainable) and any(t.is_floating_point() for t in tensor_leaves(result))
+        producers = {
+            id(t): self.producer_of[id(t)]
+            for t in tensor_leaves((args, kwargs))
+            if id(t) in self.producer_of
+        }
+        fwd_flops, bwd_flops, saved_inputs, own = _autograd_profile(call, producers)
+        if not self.needs_grad[n]:
+            saved_inputs, own, bwd_flops = set(), 0, 0
+        self.kept |= saved_inputs
+        est = self.cost_model.estimate(call)
+        if n.meta.get(SHAPE_KEY) is None:
+            n.meta[SHAPE_KEY] = describe(result, list(args) + list(kwargs.values()) + list(params.values()))
+        self.partial[n] = dict(
+            fwd_time_s=est.fwd_time_s,
+            bwd_time_s=est.bwd_time_s if self.needs_grad[n] else 0.0,
+            output_bytes=n.meta[SHAPE_KEY].nbytes,
+            act_bytes=own,
+            param_bytes=sum(p.numel() * p.element_size() for p in params.values()),
+            grad_bytes=sum(p.numel() * p.element_size() for p in params.values() if p.requires_grad),
+            fwd_flops=est.fwd_flops if est.fwd_flops is not None else fwd_flops,
+            bwd_flops=(est.bwd_flops if est.bwd_flops is not None else bwd_flops) if self.needs_grad[n] else 0,
+            params=tuple(params),
+        )
+        self.on_node()
+
+
+def _progress(total: int, label: str, enabled: bool):  # pragma: no cover - terminal UI
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(
+        TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        transient=True, disable=not enabled, console=None,
+    )
+    return bar, bar.add_task(label, total=total)
+
+
+def cost_pass(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any] = (),
+    example_kwargs: Mapping[str, Any] | None = None,
+    *,
+    cost_model: CostModel,
+    progress: bool | None = None,
+) -> fx.GraphModule:
+    """Write a :class:`NodeCost` into ``node.meta["rpcompile.cost"]`` for every compute node of ``gm``.
+
+    ``progress`` shows a progress bar (default: when stderr is a terminal). Buffers mutated by the graph
+    (BatchNorm statistics) are restored afterwards. Also fills ``rpcompile.shape`` where missing.
+    """
+    enabled = sys.stderr.isatty() if progress is None else progress
+    n_compute = sum(1 for n in gm.graph.nodes if is_compute(n))
+    saved = {name: b.detach().clone() for name, b in gm.named_buffers() if b.device.type != "meta"}
+    bar, task = _progress(n_compute, f"profiling ({cost_model.name})", enabled)
+    interp = _CostInterpreter(gm, cost_model, lambda: bar.advance(task))
+    try:
+        with bar, torch.no_grad():
+            interp.run(*flat_inputs(gm, example_inputs, example_kwargs), enable_io_processing=False)
+    finally:
+        with torch.no_grad():
+            for name, b in gm.named_buffers():
+                if name in saved:
+                    b.copy_(saved[name])
+    for n, fields in interp.partial.items():
+        if n in interp.kept:
+            fields["act_bytes"] += fields["output_bytes"]
+        n.meta[COST_KEY] = NodeCost(**fields)
+    gm.meta["rpcompile.cost_model"] = cost_model.name
+    return gm
+
+
+def node_cost(node: fx.Node) -> NodeCost:
+    """The NodeCost of ``node`` (zero for nodes that do no work)."""
+    return node.meta.get(COST_KEY) or NodeCost()

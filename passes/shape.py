@@ -1,0 +1,94 @@
+"""``shape_pass``: the dtype, shape and bytes of every node's output.
+
+Writes ``node.meta["rpcompile.shape"]`` (a :class:`ShapeInfo`) on every node. ``nbytes`` counts only *new*
+memory: an output that is a view of one of the node's own inputs (``view``, ``transpose``, ``getitem`` of a
+tuple, …) allocates nothing and counts 0. Aliasing is detected against the node's own inputs, never by
+deduplicating pointers across the graph (the allocator reuses freed blocks; DESIGN.md §7).
+
+Runs on whatever device the inputs live on, including ``meta`` (shape-only models that are too big to allocate).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.fx as fx
+
+from .util import flat_inputs, tensor_leaves
+
+__all__ = ["SHAPE_KEY", "TensorInfo", "ShapeInfo", "shape_pass", "describe", "storage_key"]
+
+SHAPE_KEY = "rpcompile.shape"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One output tensor."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    is_alias: bool
+    """True when the tensor shares storage with one of the node's inputs (a view): it allocates nothing."""
+
+
+@dataclass(frozen=True)
+class ShapeInfo:
+    """All tensors a node outputs (pytree leaves, in order)."""
+
+    tensors: tuple[TensorInfo, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """New bytes this node allocates (aliases excluded)."""
+        return sum(t.nbytes for t in self.tensors if not t.is_alias)
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of ``t``'s storage; equal for views of one tensor, also on the meta device."""
+    return t.untyped_storage()._cdata
+
+
+def describe(value: Any, inputs: Sequence[Any] = ()) -> ShapeInfo:
+    """ShapeInfo of ``value``; tensors sharing storage with a tensor in ``inputs`` are marked as aliases."""
+    in_keys = {storage_key(t) for t in tensor_leaves(list(inputs))}
+    infos = []
+    for t in tensor_leaves(value):
+        nbytes = t.numel() * t.element_size()
+        infos.append(TensorInfo(tuple(t.shape), str(t.dtype).removeprefix("torch."), nbytes, storage_key(t) in in_keys))
+    return ShapeInfo(tuple(infos))
+
+
+class _ShapeInterpreter(fx.Interpreter):
+    def run_node(self, n: fx.Node) -> Any:
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        result = super().run_node(n)
+        inputs = list(args) + list(kwargs.values())
+        if n.op == "call_module":
+            mod = self.fetch_attr(n.target)
+            inputs += list(mod.parameters()) + list(mod.buffers())
+        n.meta[SHAPE_KEY] = describe(result, inputs) if n.op not in ("get_attr", "placeholder") else describe(result, [result])
+        return result
+
+
+def shape_pass(
+    gm: fx.GraphModule, example_inputs: Sequence[Any] = (), example_kwargs: Mapping[str, Any] | None = None
+) -> fx.GraphModule:
+    """Run ``gm`` once on the example inputs and record every node's output :class:`ShapeInfo`.
+
+    Placeholders and get_attr nodes are recorded as aliases (they allocate nothing inside the graph).
+    Runs under ``torch.no_grad()``; the graph's buffers are restored afterwards, so running it does not
+    advance BatchNorm statistics.
+    """
+    saved = {name: b.detach().clone() for name, b in gm.named_buffers() if b.device.type != "meta"}
+    try:
+        with torch.no_grad():
+            _ShapeInterpreter(gm).run(*flat_inputs(gm, example_inputs, example_kwargs), enable_io_processing=False)
+    finally:
+        with torch.no_grad():
+            for name, b in gm.named_buffers():
+                if name in saved:
+                    b.copy_(saved[name])
+    return gm

@@ -1,0 +1,104 @@
+"""Small helpers shared by the graph passes.
+
+Terms: a *compute node* is a ``call_function``/``call_method``/``call_module`` node that does work (not a
+placeholder, output, get_attr, nor torch.export's ``_guards_fn`` input check). A node's *parameters* are the
+model parameters it reads: those of a ``call_module`` target and those reached through ``get_attr`` arguments,
+named by their fully-qualified names in the original model.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+__all__ = [
+    "COMPUTE_OPS",
+    "is_compute",
+    "compute_nodes",
+    "flat_inputs",
+    "node_params",
+    "node_buffers",
+    "tensor_leaves",
+]
+
+COMPUTE_OPS = ("call_function", "call_method", "call_module")
+_IGNORED_MODULES = ("_guards_fn",)
+
+
+def is_compute(node: fx.Node) -> bool:
+    """True for nodes that do work (see module docstring)."""
+    return node.op in COMPUTE_OPS and not (node.op == "call_module" and node.target in _IGNORED_MODULES)
+
+
+def compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    """Compute nodes in topological (graph) order."""
+    return [n for n in gm.graph.nodes if is_compute(n)]
+
+
+def flat_inputs(gm: fx.GraphModule, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> list[Any]:
+    """The values of ``gm``'s placeholders, in order, for a call ``gm(*args, **kwargs)``.
+
+    Graphs from torch.export take pytree-flattened inputs; graphs from symbolic_trace take one value per
+    placeholder (positional first, then keyword by placeholder name, then defaults).
+    """
+    kwargs = dict(kwargs or {})
+    info = getattr(gm.graph._codegen, "pytree_info", None)
+    if info is not None and info.in_spec is not None:
+        spec = info.in_spec
+        children = spec.children()
+        if len(children) == 2 and children[1].context is not None:
+            order = list(children[1].context)
+            kwargs = {k: kwargs[k] for k in order if k in kwargs}
+        return pytree.tree_leaves((tuple(args), kwargs))
+    values: list[Any] = []
+    it = iter(args)
+    for node in gm.graph.find_nodes(op="placeholder"):
+        try:
+            values.append(next(it))
+        except StopIteration:
+            if node.name in kwargs:
+                values.append(kwargs[node.name])
+            elif node.target.lstrip("*") in kwargs:
+                values.append(kwargs[node.target.lstrip("*")])
+            elif node.args:
+                values.append(node.args[0])
+            else:
+                raise TypeError(f"missing input for placeholder {node.name!r}") from None
+    return values
+
+
+def _attr_values(gm: fx.GraphModule, node: fx.Node, kind: str) -> Iterator[tuple[str, torch.Tensor]]:
+    if node.op == "call_module" and node.target not in _IGNORED_MODULES:
+        mod = gm.get_submodule(node.target)
+        items = mod.named_parameters(prefix=node.target) if kind == "param" else mod.named_buffers(prefix=node.target)
+        yield from items
+    for arg in node.all_input_nodes:
+        if arg.op == "get_attr":
+            value = _fetch(gm, arg.target)
+            if isinstance(value, torch.nn.Parameter) == (kind == "param") and isinstance(value, torch.Tensor):
+                yield arg.target, value
+
+
+def _fetch(gm: fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def node_params(gm: fx.GraphModule, node: fx.Node) -> dict[str, torch.nn.Parameter]:
+    """Parameters ``node`` reads, by fully-qualified name."""
+    return dict(_attr_values(gm, node, "param"))
+
+
+def node_buffers(gm: fx.GraphModule, node: fx.Node) -> dict[str, torch.Tensor]:
+    """Buffers (and tensor constants) ``node`` reads, by qualified name."""
+    return dict(_attr_values(gm, node, "buffer"))
+
+
+def tensor_leaves(value: Any) -> list[torch.Tensor]:
+    """Every tensor inside a (possibly nested) value."""
+    return [v for v in pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]

@@ -1,0 +1,57 @@
+"""rpcompile: compile a PyTorch model into a round-robin pipeline that trains on a few PCIe GPUs.
+
+Public surface (imported lazily, so ``import rpcompile`` and the CLI start fast and the solver stays torch-free)::
+
+    gm = rpcompile.trace(model, example_inputs)             # torch.fx, torch.export as the fallback
+    prof = rpcompile.profile(model, example_inputs, spec="rtx4090")   # per-node and per-module costs
+    plan = rpcompile.Plan.load("plan.json"); rpcompile.verify_plan(plan, gm)
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "trace": "rpcompile.tracing",
+    "module_path": "rpcompile.tracing",
+    "Plan": "rpcompile.plan",
+    "Stage": "rpcompile.plan",
+    "Hardware": "rpcompile.plan",
+    "Fingerprint": "rpcompile.plan",
+    "Prediction": "rpcompile.plan",
+    "SCHEMA_VERSION": "rpcompile.plan",
+    "verify_plan": "rpcompile.verify",
+    "fingerprint": "rpcompile.verify",
+    "DeviceSpec": "rpcompile.specs",
+    "SPECS": "rpcompile.specs",
+    "get_spec": "rpcompile.specs",
+    "load_model": "rpcompile.models",
+    "list_models": "rpcompile.models",
+    "profile": "rpcompile.profiling",
+    "Profile": "rpcompile.profiling",
+    "RPCompileError": "rpcompile.errors",
+    "TraceError": "rpcompile.errors",
+    "PlanError": "rpcompile.errors",
+    "PlanFileError": "rpcompile.errors",
+    "PlanMismatchError": "rpcompile.errors",
+    "PlanVerificationError": "rpcompile.errors",
+    "InfeasibleError": "rpcompile.errors",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rpcompile' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

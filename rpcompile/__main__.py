@@ -1,0 +1,5 @@
+import sys
+
+from rpcompile.cli import main
+
+sys.exit(main())

@@ -1,0 +1,57 @@
+"""The error hierarchy: every domain error rpcompile raises derives from :class:`RPCompileError`.
+
+Messages follow one shape: the constraint, the actual values, the remedy and the place.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "RPCompileError",
+    "TraceError",
+    "PlanError",
+    "PlanFileError",
+    "PlanMismatchError",
+    "PlanVerificationError",
+    "InfeasibleError",
+    "ModelSpecError",
+]
+
+
+class RPCompileError(Exception):
+    """Base class of every error rpcompile raises on purpose."""
+
+
+class TraceError(RPCompileError):
+    """Neither torch.fx symbolic tracing nor torch.export could capture the model."""
+
+
+class ModelSpecError(RPCompileError):
+    """A MODEL argument (built-in name or ``file.py:factory``) could not be resolved."""
+
+
+class PlanError(RPCompileError):
+    """Base class of plan problems."""
+
+
+class PlanFileError(PlanError):
+    """A plan file is unreadable, corrupt, or written by a newer rpcompile."""
+
+
+class PlanMismatchError(PlanError):
+    """A plan was made for a different model (fingerprint mismatch)."""
+
+
+class PlanVerificationError(PlanError):
+    """A plan breaks one or more of the rules of :func:`rpcompile.verify_plan`.
+
+    ``violations`` holds one line per broken rule instance.
+    """
+
+    def __init__(self, violations: list[str]):
+        self.violations = list(violations)
+        lines = "\n".join(f"  - {v}" for v in self.violations)
+        super().__init__(f"plan is invalid ({len(self.violations)} problem(s)):\n{lines}")
+
+
+class InfeasibleError(RPCompileError):
+    """No partition fits the memory budget."""

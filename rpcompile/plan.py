@@ -1,0 +1,270 @@
+"""The plan file: what rpcompile decided, as plain data.
+
+A :class:`Plan` is a frozen tree of names and numbers — no fx objects — so it can be saved as JSON, checked
+into a repository, diffed and verified in CI. It holds
+
+- the **model fingerprint** (graph structure, parameter names/shapes/dtypes) so a plan is never run on a model
+  it was not made for;
+- the **hardware** (device count and :class:`~rpcompile.specs.DeviceSpec`, usable memory per device);
+- the **stages** in execution order ``[F0, …, F(f-1), FB, B1, …, B(b-1)]`` (DESIGN.md §3): forward stages
+  (ascending node ranges, run without autograd), one fused stage (the last nodes: forward, loss and backward in
+  one go) and backward stages (descending ranges, recomputing what was not saved). Each stage lists its compute
+  nodes in topological order, the parameters it reads, and which nodes' activations are *saved* (to host memory
+  in the forward pass, so the backward pass need not recompute them);
+- the **prediction**: per-stage time and memory and the iteration time of the round-robin schedule.
+
+The JSON carries ``schema_version``; a newer file than this rpcompile understands is refused with a clear error,
+as is a corrupt file. Never pickle a plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+from .errors import PlanFileError, PlanMismatchError
+from .specs import DeviceSpec
+
+__all__ = ["SCHEMA_VERSION", "Fingerprint", "Hardware", "Stage", "Prediction", "Plan", "StageKind"]
+
+SCHEMA_VERSION = 1
+StageKind = Literal["forward", "fused", "backward"]
+_KINDS = ("forward", "fused", "backward")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fingerprint:
+    """Identity of a traced model: a digest of its graph and of its parameters' names, shapes and dtypes."""
+
+    graph_digest: str
+    """sha256 of every node's op, target and arguments, in order."""
+    params_digest: str
+    """sha256 of the sorted (name, shape, dtype) of every parameter."""
+    num_nodes: int
+    num_params: int
+    """Number of parameter tensors."""
+    param_elements: int
+    """Total number of parameter elements."""
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256((self.graph_digest + self.params_digest).encode()).hexdigest()[:16]
+
+    def differences(self, other: "Fingerprint") -> list[str]:
+        """Human-readable differences between two fingerprints (empty when they match)."""
+        out = []
+        if self.graph_digest != other.graph_digest:
+            out.append(f"graph differs ({self.num_nodes} vs {other.num_nodes} nodes)")
+        if self.params_digest != other.params_digest:
+            out.append(
+                f"parameters differ ({self.num_params} tensors / {self.param_elements:,} elements vs "
+                f"{other.num_params} / {other.param_elements:,})"
+            )
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hardware:
+    """The devices a plan was made for."""
+
+    device_count: int
+    spec: DeviceSpec
+    memory_bytes: int
+    """Usable memory per device that the plan was checked against."""
+    link_bytes_per_s: float
+    """Host link bandwidth per device and direction assumed by the plan."""
+
+    def __post_init__(self) -> None:
+        if self.device_count < 1:
+            raise ValueError(f"Hardware: device_count must be >= 1, got {self.device_count}")
+        if self.memory_bytes <= 0:
+            raise ValueError(f"Hardware: memory_bytes must be > 0, got {self.memory_bytes}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stage:
+    """One stage of the round-robin schedule."""
+
+    name: str
+    """``F<i>``, ``FB`` or ``B<i>``."""
+    kind: StageKind
+    nodes: tuple[str, ...]
+    """Compute nodes, in topological order (for a backward stage: the forward nodes whose backward it runs)."""
+    params: tuple[str, ...]
+    """Fully-qualified names of the parameters its nodes read (uploaded before it runs)."""
+    saved: tuple[str, ...] = ()
+    """Nodes whose activations are saved to host memory in the forward pass (forward stages: what they save;
+    backward stages: what they upload instead of recomputing). Empty for the fused stage."""
+    modules: tuple[str, ...] = ()
+    """Source modules its nodes come from, in order (for people; not checked)."""
+    time_s: float = 0.0
+    """Predicted time per microbatch, including recompute and unhidden transfers."""
+    memory_bytes: int = 0
+    """Predicted peak device memory while it runs (weights, prefetch, gradients, activations)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:
+            raise ValueError(f"stage {self.name}: kind must be one of {_KINDS}, got {self.kind!r}")
+        for name in ("nodes", "params", "saved", "modules"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+
+    @property
+    def recomputed(self) -> tuple[str, ...]:
+        """Backward stages: nodes whose forward is recomputed before their backward."""
+        if self.kind != "backward":
+            return ()
+        saved = set(self.saved)
+        return tuple(n for n in self.nodes if n not in saved)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prediction:
+    """What the timing model predicts for one training iteration."""
+
+    iteration_time_s: float
+    bubble_fraction: float
+    peak_memory_bytes: int
+    bound_s: float = 0.0
+    """A proven lower bound on the iteration time (ILP strategies), 0 when unknown."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """A complete, self-describing pipeline plan (see module docstring)."""
+
+    model: Fingerprint
+    hardware: Hardware
+    microbatches: int
+    stages: tuple[Stage, ...]
+    predicted: Prediction
+    strategy: str = "manual"
+    cost_model: str = ""
+    precision: str = "fp32"
+    stats: Mapping[str, Any] = field(default_factory=dict)
+    """Solver statistics (free-form numbers and strings)."""
+    schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stages", tuple(self.stages))
+        if self.microbatches < 1:
+            raise ValueError(f"Plan: microbatches must be >= 1, got {self.microbatches}")
+
+    # ---- views ----------------------------------------------------------------------------------------
+    @property
+    def forward_stages(self) -> tuple[Stage, ...]:
+        return tuple(s for s in self.stages if s.kind == "forward")
+
+    @property
+    def fused_stage(self) -> Stage | None:
+        return next((s for s in self.stages if s.kind == "fused"), None)
+
+    @property
+    def backward_stages(self) -> tuple[Stage, ...]:
+        return tuple(s for s in self.stages if s.kind == "backward")
+
+    @property
+    def saved(self) -> tuple[str, ...]:
+        """Nodes whose activations are saved to host memory."""
+        return tuple(n for s in self.forward_stages for n in s.saved)
+
+    @property
+    def recomputed(self) -> tuple[str, ...]:
+        """Nodes recomputed in the backward pass."""
+        return tuple(n for s in self.backward_stages for n in s.recomputed)
+
+    def device_of(self, stage_index: int, offset: int = 0) -> int:
+        """Device that runs stage ``stage_index`` (round-robin, DESIGN.md §3)."""
+        return (stage_index + offset) % self.hardware.device_count
+
+    # ---- serialisation --------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["hardware"]["spec"] = self.hardware.spec.to_dict()
+        d["stats"] = _jsonable(dict(self.stats))
+        d = {"schema_version": d.pop("schema_version"), **d}
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, allow_nan=False) + "\n"
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the plan as JSON (atomically: a crash never leaves half a file)."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(self.to_json())
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], *, source: str = "plan") -> "Plan":
+        if not isinstance(d, Mapping):
+            raise PlanFileError(f"{source} is corrupt: expected a JSON object, found {type(d).__name__}")
+        version = d.get("schema_version")
+        if not isinstance(version, int):
+            raise PlanFileError(f"{source} is not an rpcompile plan: no integer 'schema_version'")
+        if version > SCHEMA_VERSION:
+            raise PlanFileError(
+                f"{source} has schema_version {version} but this rpcompile reads up to {SCHEMA_VERSION}; "
+                "upgrade rpcompile (pip install -U rpcompile) or re-plan with this version"
+            )
+        try:
+            return cls(
+                schema_version=version,
+                model=Fingerprint(**d["model"]),
+                hardware=Hardware(**{**d["hardware"], "spec": DeviceSpec.from_dict(d["hardware"]["spec"])}),
+                microbatches=d["microbatches"],
+                stages=tuple(Stage(**s) for s in d["stages"]),
+                predicted=Prediction(**d["predicted"]),
+                strategy=d.get("strategy", "manual"),
+                cost_model=d.get("cost_model", ""),
+                precision=d.get("precision", "fp32"),
+                stats=d.get("stats", {}),
+            )
+        except KeyError as e:
+            raise PlanFileError(f"{source} is corrupt: missing field {e.args[0]!r}; re-plan to regenerate it") from None
+        except (TypeError, ValueError, AttributeError) as e:
+            raise PlanFileError(f"{source} is corrupt: {e}; re-plan to regenerate it") from None
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Plan":
+        """Read a plan file. Raises :class:`PlanFileError` (one line: what is wrong, what to do)."""
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise PlanFileError(f"cannot read plan file {path}: {e.strerror or e}") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanFileError(
+                f"{path} is corrupt: invalid JSON at line {e.lineno} column {e.colno} ({e.msg}); "
+                "re-plan to regenerate it"
+            ) from None
+        return cls.from_dict(data, source=str(path))
+
+    def check_model(self, fingerprint: Fingerprint, *, source: str = "plan") -> None:
+        """Raise :class:`PlanMismatchError` unless the plan was made for a model with ``fingerprint``."""
+        diffs = self.model.differences(fingerprint)
+        if diffs:
+            raise PlanMismatchError(
+                f"{source} was made for a different model ({'; '.join(diffs)}); "
+                "re-plan for this model (rpcompile plan MODEL ...) or load the model the plan was made for"
+            )
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)

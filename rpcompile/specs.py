@@ -1,0 +1,135 @@
+"""Device specifications for analytic costing and planning.
+
+A :class:`DeviceSpec` is what the analytic cost model and the partitioner need to know about one accelerator:
+peak arithmetic rates, memory bandwidth, memory size and the host link. Figures are public datasheet numbers
+(dense, no sparsity; DESIGN.md §5). Achieved rates are lower than peak, so every op class carries an efficiency
+factor; measured profiles (:class:`rpcompile.passes.cost.MeasuredCostModel`) always beat analytic ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
+
+__all__ = ["DeviceSpec", "OP_CLASSES", "SPECS", "get_spec", "GB", "GiB"]
+
+GB = 10**9
+GiB = 2**30
+
+#: Op classes the analytic model distinguishes (see :mod:`rpcompile.passes.analytic`).
+OP_CLASSES = ("matmul", "conv", "attention", "norm", "elementwise", "reduction", "embedding", "memory")
+
+_DEFAULT_EFFICIENCY = MappingProxyType(
+    {
+        "matmul": 0.70,
+        "conv": 0.55,
+        "attention": 0.50,
+        "norm": 0.60,
+        "elementwise": 0.75,
+        "reduction": 0.60,
+        "embedding": 0.50,
+        "memory": 0.80,
+    }
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceSpec:
+    """One accelerator as the cost model and the partitioner see it."""
+
+    name: str
+    """Preset name, e.g. ``rtx4090``."""
+    tensor_flops: float
+    """Peak dense bf16/fp16 tensor-core rate (FLOP/s) with fp32 accumulate."""
+    fp32_flops: float
+    """Peak fp32 rate (FLOP/s) for ops that run in fp32."""
+    memory_bandwidth: float
+    """Device memory bandwidth (bytes/s)."""
+    memory_bytes: int
+    """Device memory size (bytes)."""
+    host_link_bandwidth: float
+    """Host<->device link bandwidth per direction (bytes/s), e.g. ~25 GB/s for PCIe 4.0 x16."""
+    kernel_overhead_s: float = 5e-6
+    """Fixed cost of one kernel launch (s)."""
+    efficiency: Mapping[str, float] = field(default_factory=lambda: dict(_DEFAULT_EFFICIENCY))
+    """Achieved fraction of peak per op class (keys from :data:`OP_CLASSES`)."""
+    usable_memory_fraction: float = 0.9
+    """Share of ``memory_bytes`` the planner may fill (the rest: CUDA context, allocator slack)."""
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_flops", "fp32_flops", "memory_bandwidth", "host_link_bandwidth"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"DeviceSpec {self.name!r}: {name} must be > 0, got {getattr(self, name)}")
+        if self.memory_bytes <= 0:
+            raise ValueError(f"DeviceSpec {self.name!r}: memory_bytes must be > 0, got {self.memory_bytes}")
+        unknown = set(self.efficiency) - set(OP_CLASSES)
+        if unknown:
+            raise ValueError(f"DeviceSpec {self.name!r}: unknown op classes {sorted(unknown)}; known: {OP_CLASSES}")
+        bad = {k: v for k, v in self.efficiency.items() if not 0 < v <= 1}
+        if bad:
+            raise ValueError(f"DeviceSpec {self.name!r}: efficiency factors must be in (0, 1], got {bad}")
+        if not 0 < self.usable_memory_fraction <= 1:
+            raise ValueError(f"DeviceSpec {self.name!r}: usable_memory_fraction must be in (0, 1]")
+        # complete the efficiency table so lookups never miss
+        object.__setattr__(self, "efficiency", MappingProxyType({**_DEFAULT_EFFICIENCY, **self.efficiency}))
+
+    @property
+    def usable_memory_bytes(self) -> int:
+        return int(self.memory_bytes * self.usable_memory_fraction)
+
+    def with_memory(self, memory_bytes: int) -> "DeviceSpec":
+        return dataclasses.replace(self, memory_bytes=int(memory_bytes))
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["efficiency"] = dict(self.efficiency)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "DeviceSpec":
+        return cls(**dict(d))
+
+
+def _gpu(name: str, tflops: float, fp32_tflops: float, gbps: float, mem_gb: float, link_gbps: float) -> DeviceSpec:
+    return DeviceSpec(
+        name=name,
+        tensor_flops=tflops * 1e12,
+        fp32_flops=fp32_tflops * 1e12,
+        memory_bandwidth=gbps * GB,
+        memory_bytes=int(mem_gb * GB),
+        host_link_bandwidth=link_gbps * GB,
+    )
+
+
+#: Named presets (DESIGN.md §5). fp32 rates are the non-tensor-core datasheet figures.
+SPECS: Mapping[str, DeviceSpec] = MappingProxyType(
+    {
+        "rtx4090": _gpu("rtx4090", 165, 82.6, 1008, 24, 25),
+        "rtx3090": _gpu("rtx3090", 71, 35.6, 936, 24, 25),
+        "a100-80g": _gpu("a100-80g", 312, 19.5, 2039, 80, 25),
+        "h100-sxm": _gpu("h100-sxm", 989, 67, 3350, 80, 50),
+        "h200": _gpu("h200", 989, 67, 4800, 141, 50),
+        # A small CPU as a "device": logical CPU devices share host memory, so the link is memory bandwidth.
+        "cpu": DeviceSpec(
+            name="cpu",
+            tensor_flops=0.2e12,
+            fp32_flops=0.1e12,
+            memory_bandwidth=20 * GB,
+            memory_bytes=24 * GiB,
+            host_link_bandwidth=10 * GB,
+            kernel_overhead_s=10e-6,
+        ),
+    }
+)
+
+
+def get_spec(spec: "str | DeviceSpec") -> DeviceSpec:
+    """Return the preset called ``spec`` (or ``spec`` itself when it already is a DeviceSpec)."""
+    if isinstance(spec, DeviceSpec):
+        return spec
+    try:
+        return SPECS[spec]
+    except KeyError:
+        raise ValueError(f"unknown device spec {spec!r}; choose one of: {', '.join(SPECS)}") from None

@@ -1,0 +1,116 @@
+"""Plan file format: JSON round trip, schema versioning, corrupt and mismatched files."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from _toy import TiedToy, toy_graph
+from rpcompile.errors import PlanFileError, PlanMismatchError
+from rpcompile.lowering import plan_from_ranges
+from rpcompile.plan import SCHEMA_VERSION, Hardware, Plan, Prediction
+from rpcompile.specs import get_spec
+from rpcompile.verify import fingerprint
+
+
+def make_plan(gm) -> Plan:
+    hw = Hardware(device_count=2, spec=get_spec("rtx4090"), memory_bytes=10**9, link_bytes_per_s=25e9)
+    return plan_from_ranges(
+        gm, forward=[(0, 2), (2, 4)], fused=(4, 6), backward=[(2, 4), (0, 2)], hardware=hw, microbatches=3,
+        saved=["l1"], stage_times=[1e-3, 2e-3, 3e-3, 4e-3, 5e-3], stage_memory=[10, 20, 30, 40, 50],
+        predicted=Prediction(iteration_time_s=0.5, bubble_fraction=0.1, peak_memory_bytes=50, bound_s=0.49),
+        strategy="manual", stats={"gap": 0.01, "inf": float("inf"), "names": ("a", "b")},
+    )
+
+
+def test_round_trip(tmp_path):
+    gm, _ = toy_graph()
+    plan = make_plan(gm)
+    path = plan.save(tmp_path / "plan.json")
+    loaded = Plan.load(path)
+    assert loaded.stages == plan.stages
+    assert loaded.model == plan.model and loaded.hardware == plan.hardware
+    assert loaded.predicted == plan.predicted and loaded.microbatches == 3
+    assert dict(loaded.stats) == {"gap": 0.01, "inf": None, "names": ["a", "b"]}  # JSON-safe stats
+    assert loaded.to_json() == Plan.load(loaded.save(tmp_path / "again.json")).to_json()
+    data = json.loads(path.read_text())
+    assert list(data)[0] == "schema_version" and data["schema_version"] == SCHEMA_VERSION
+    assert [s["name"] for s in data["stages"]] == ["F0", "F1", "FB", "B1", "B2"]
+    assert data["stages"][0]["params"] == ["embed.weight", "l1.weight", "l1.bias"]
+
+
+def test_views_of_saved_and_recomputed():
+    gm, _ = toy_graph()
+    plan = make_plan(gm)
+    assert plan.saved == ("l1",)
+    b2 = plan.backward_stages[1]
+    assert b2.saved == ("l1",) and b2.recomputed == ("embed",)
+    assert plan.fused_stage.name == "FB" and [s.name for s in plan.forward_stages] == ["F0", "F1"]
+    assert [plan.device_of(k) for k in range(5)] == [0, 1, 0, 1, 0]
+
+
+def test_save_is_atomic_and_leaves_no_tmp(tmp_path):
+    gm, _ = toy_graph()
+    make_plan(gm).save(tmp_path / "p.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"schema_version": 1, "stages": [', r"p\.json is corrupt: invalid JSON at line 1 column \d+ \(.*\); re-plan to regenerate it"),
+        ("[1, 2]", r"p\.json is not an rpcompile plan: no integer 'schema_version'"),
+        ('{"hello": 1}', r"p\.json is not an rpcompile plan: no integer 'schema_version'"),
+        ('{"schema_version": 99}', r"p\.json has schema_version 99 but this rpcompile reads up to 1; upgrade rpcompile"),
+        ('{"schema_version": 1}', r"p\.json is corrupt: missing field 'model'; re-plan to regenerate it"),
+    ],
+)
+def test_bad_files_give_one_line_errors(tmp_path, content, message):
+    path = tmp_path / "p.json"
+    path.write_text(content)
+    with pytest.raises(PlanFileError, match=message) as info:
+        Plan.load(path)
+    assert "\n" not in str(info.value)
+
+
+def test_wrong_field_type_is_reported(tmp_path):
+    gm, _ = toy_graph()
+    data = make_plan(gm).to_dict()
+    data["stages"][0]["kind"] = "sideways"
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlanFileError, match=r"p\.json is corrupt: stage F0: kind must be one of"):
+        Plan.load(path)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(PlanFileError, match=r"cannot read plan file .*nope\.json: No such file or directory"):
+        Plan.load(tmp_path / "nope.json")
+
+
+def test_fingerprint_is_stable_and_sensitive():
+    gm1, _ = toy_graph(seed=0)
+    gm2, _ = toy_graph(seed=1)  # other weights, same structure
+    assert fingerprint(gm1) == fingerprint(gm2)
+    other = torch.fx.symbolic_trace(TiedToy(dim=12))
+    diffs = fingerprint(gm1).differences(fingerprint(other))
+    assert diffs == ["parameters differ (6 tensors / 280 elements vs 6 / 516)"]
+
+
+def test_mismatched_model_is_refused():
+    gm, _ = toy_graph()
+    plan = make_plan(gm)
+    frozen = TiedToy()
+    frozen.l1.weight.requires_grad_(False)
+    with pytest.raises(PlanMismatchError, match=r"^plan\.json was made for a different model \(parameters differ .*\); re-plan for this model"):
+        plan.check_model(fingerprint(torch.fx.symbolic_trace(frozen)), source="plan.json")
+
+
+def test_plan_is_frozen():
+    gm, _ = toy_graph()
+    plan = make_plan(gm)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.microbatches = 4  # type: ignore[misc]

@@ -38,6 +38,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(func=_cmd_profile)
 
+    p = sub.add_parser("plan", help="partition a model into round-robin stages and compare with the baselines")
+    _add_model_args(p)
+    p.add_argument("--gpus", type=int, required=True, help="number of devices")
+    p.add_argument("--microbatches", type=int, default=None, help="microbatches per iteration (default gpus + 1)")
+    p.add_argument("--memory-limit", type=_parse_bytes, default=None, help="usable memory per device, e.g. 20GiB (default: the spec's)")
+    p.add_argument("--strategy", choices=("ilp", "dp", "roundpipe", "uniform"), default="ilp")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16", help="compute/upload precision (default bf16)")
+    p.add_argument("--time-limit", type=float, default=10.0, help="solver time limit in seconds")
+    p.add_argument("--max-segments", type=int, default=None, help="coarsening target (default ~2 per layer)")
+    p.add_argument("-o", "--output", default=None, help="write the plan JSON here")
+    p.add_argument("--compare", action="store_true", help="(with --json) report every strategy")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.set_defaults(func=_cmd_plan)
+
     p = sub.add_parser("demo", help="the main job: compile a built-in model and show what rpcompile does")
     p.add_argument("--model", default="llama-demo", help="built-in model (default llama-demo)")
     p.set_defaults(func=_cmd_demo)
@@ -71,6 +85,64 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         print(json.dumps(prof.to_dict(nodes=args.nodes)))
     else:
         print_table(profile_table(prof, nodes=args.nodes, title=f"{args.model}: cost table ({prof.cost_model}, traced with {prof.trace})"))
+    return 0
+
+
+def _parse_bytes(text: str) -> int:
+    import re
+
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]i?B|B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 20GiB, 24GB, 1073741824)")
+    unit = (m.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    return int(float(m.group(1)) * scale)
+
+
+def _strategy_json(result, plan) -> dict:
+    d = {"feasible": bool(result.feasible), "solve_time_s": result.solve_time_s}
+    if plan is None:
+        return d | {"iteration_time_s": None, "bound_s": None}
+    p = plan.predicted
+    n_bwd = sum(len(s.nodes) for s in plan.backward_stages)
+    return d | {
+        "iteration_time_s": p.iteration_time_s,
+        "bound_s": p.bound_s or None,
+        "bubble_fraction": p.bubble_fraction,
+        "peak_memory_bytes": p.peak_memory_bytes,
+        "forward_stages": len(plan.forward_stages),
+        "backward_stages": len(plan.backward_stages),
+        "recompute_fraction": len(plan.recomputed) / n_bwd if n_bwd else 0.0,
+    }
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from rpcompile.planning import compare, make_hardware, prepare
+    from rpcompile.report import compare_table, plan_table, print_table
+
+    ms = _load(args)
+    gm, m = prepare(ms.model, ms.example_inputs, gpus=args.gpus, spec=args.spec, device=args.device,
+                    microbatches=args.microbatches, precision=args.precision, max_segments=args.max_segments,
+                    progress=False if args.json else None)
+    model_device = next((p.device.type for p in ms.model.parameters()), "cpu")
+    hw_spec = args.spec or ("cpu" if (args.device or "cpu") == "cpu" and model_device != "meta" else "rtx4090")
+    hardware = make_hardware(args.gpus, hw_spec, args.memory_limit)
+    rows = compare(gm, hardware=hardware, microbatches=m, precision=args.precision, time_limit_s=args.time_limit)
+    result, chosen = rows[args.strategy]
+    if chosen is None:
+        from rpcompile.planning import _infeasible, partition_problem
+
+        raise _infeasible(partition_problem(gm, hardware=hardware, microbatches=m, precision=args.precision), hardware)
+    if args.output:
+        chosen.save(args.output)
+    if args.json:
+        out = {"strategies": {k: _strategy_json(r, p) for k, r_p in rows.items() for r, p in [r_p]}} if args.compare else chosen.to_dict()
+        print(json.dumps(out))
+        return 0
+    print_table(plan_table(chosen, title=f"{args.model}: {args.strategy} plan, {len(chosen.stages)} stages on {args.gpus} × {hardware.spec.name}, {m} microbatches"))
+    print_table(compare_table(rows, reference=args.strategy))
+    if args.output:
+        print(f"plan written to {args.output}")
     return 0
 
 

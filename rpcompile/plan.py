@@ -204,7 +204,7 @@ class Plan:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, source: str = "plan") -> "Plan":
         if not isinstance(d, Mapping):
-            raise PlanFileError(f"{source} is corrupt: expected a JSON object, found {type(d).__name__}")
+            raise PlanFileError(f"{source} is not an rpcompile plan: expected a JSON object, found {type(d).__name__}")
         version = d.get("schema_version")
         if not isinstance(version, int):
             raise PlanFileError(f"{source} is not an rpcompile plan: no integer 'schema_version'")

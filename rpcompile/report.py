@@ -9,7 +9,7 @@ from rich.table import Table
 
 from .profiling import CostRow, Profile
 
-__all__ = ["fmt_bytes", "fmt_time", "fmt_count", "profile_table", "print_table"]
+__all__ = ["fmt_bytes", "fmt_time", "fmt_count", "profile_table", "plan_table", "compare_table", "stage_range", "print_table"]
 
 
 def fmt_bytes(n: float) -> str:
@@ -58,3 +58,52 @@ def profile_table(prof: Profile, *, nodes: bool = False, title: str = "") -> Tab
 
 def print_table(table: Table, console: Console | None = None) -> None:
     (console or Console(width=max(Console().width, 120))).print(table)
+
+
+def stage_range(stage) -> str:
+    """A stage's node range in module terms: ``layers.3.attn → layers.5.mlp``."""
+    mods = stage.modules
+    if not mods:
+        return f"{stage.nodes[0]} → {stage.nodes[-1]}" if stage.nodes else "(empty)"
+    return mods[0] if len(mods) == 1 else f"{mods[0]} → {mods[-1]}"
+
+
+def plan_table(plan, *, title: str = "") -> Table:
+    """One row per stage in execution order: device, kind, range, time, memory, saved/recomputed."""
+    table = Table(title=title or f"plan: {plan.strategy}, {len(plan.stages)} stages on {plan.hardware.device_count} × {plan.hardware.spec.name}, {plan.microbatches} microbatches")
+    for col, justify in (("stage", "left"), ("dev", "right"), ("kind", "left"), ("modules", "left"), ("nodes", "right"),
+                         ("time/mb", "right"), ("memory", "right"), ("activations", "left")):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for k, s in enumerate(plan.stages):
+        if s.kind == "forward":
+            act = f"saves {len(s.saved)} node(s)" if s.saved else "stage input only"
+        elif s.kind == "backward":
+            act = f"recomputes {len(s.recomputed)}, uploads {len(s.saved)}" if s.saved else f"recomputes all {len(s.nodes)}"
+        else:
+            act = "forward+loss+backward, nothing recomputed"
+        table.add_row(s.name, str(plan.device_of(k)), s.kind, stage_range(s), str(len(s.nodes)), fmt_time(s.time_s),
+                      fmt_bytes(s.memory_bytes), act)
+    p = plan.predicted
+    table.caption = (f"iteration {fmt_time(p.iteration_time_s)}, bubble {p.bubble_fraction:.1%}, peak memory "
+                     f"{fmt_bytes(p.peak_memory_bytes)} of {fmt_bytes(plan.hardware.memory_bytes)}"
+                     + (f", bound {fmt_time(p.bound_s)}" if p.bound_s else ""))
+    return table
+
+
+def compare_table(rows: dict, *, reference: str = "ilp") -> Table:
+    """Strategies side by side: ``rows`` maps name -> (PartitionResult, Plan | None)."""
+    table = Table(title="strategies under the same timing model")
+    for col in ("strategy", "feasible", "F/B stages", "iteration", f"vs {reference}", "bubble", "recompute", "peak memory", "solve"):
+        table.add_column(col, justify="left" if col == "strategy" else "right")
+    ref = rows.get(reference, (None, None))[1]
+    for name, (result, plan) in rows.items():
+        if plan is None:
+            table.add_row(name, "no", "-", "-", "-", "-", "-", "-", fmt_time(result.solve_time_s))
+            continue
+        p = plan.predicted
+        ratio = f"{p.iteration_time_s / ref.predicted.iteration_time_s:.3f}×" if ref else "-"
+        n_bwd = sum(len(s.nodes) for s in plan.backward_stages)
+        recompute = f"{len(plan.recomputed) / n_bwd:.0%}" if n_bwd else "-"
+        table.add_row(name, "yes", f"{len(plan.forward_stages)}/{len(plan.backward_stages)}", fmt_time(p.iteration_time_s),
+                      ratio, f"{p.bubble_fraction:.1%}", recompute, fmt_bytes(p.peak_memory_bytes), fmt_time(result.solve_time_s))
+    return table

@@ -73,7 +73,7 @@ class DeviceSpec:
         if not 0 < self.usable_memory_fraction <= 1:
             raise ValueError(f"DeviceSpec {self.name!r}: usable_memory_fraction must be in (0, 1]")
         # complete the efficiency table so lookups never miss
-        object.__setattr__(self, "efficiency", MappingProxyType({**_DEFAULT_EFFICIENCY, **self.efficiency}))
+        object.__setattr__(self, "efficiency", {**_DEFAULT_EFFICIENCY, **self.efficiency})
 
     @property
     def usable_memory_bytes(self) -> int:

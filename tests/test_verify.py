@@ -24,8 +24,8 @@ def plan(gm) -> Plan:
     return make_plan(gm)
 
 
-def with_stage(plan: Plan, name: str, **changes) -> Plan:
-    stages = tuple(dataclasses.replace(s, **changes) if s.name == name else s for s in plan.stages)
+def with_stage(plan: Plan, stage_name: str, **changes) -> Plan:
+    stages = tuple(dataclasses.replace(s, **changes) if s.name == stage_name else s for s in plan.stages)
     return dataclasses.replace(plan, stages=stages)
 
 

@@ -1,0 +1,211 @@
+"""``coarsen_pass``: group a costed graph's compute nodes into *segments* the partitioner can afford.
+
+Terms
+-----
+- **Position**: the index of a compute node in topological order. A **cut after position i** separates nodes
+  ``≤ i`` from nodes ``> i``; any position can be a cut. Its **cost** is the bytes of every tensor *live across
+  it* — produced at or before ``i`` (or a model input) and used after it — because a stage boundary there must
+  ship all of them (activations through host memory, gradients back).
+- **Group**: a maximal run of consecutive nodes from the same source module at one level below the model's first
+  module list (``layers.3.attn``, ``layers.3.mlp``, ``embed``…); for a model without a module list, the top-level
+  children.
+- **Segment**: a run of groups. Coarsening starts from groups and repeatedly merges the cheapest segment
+  (forward + backward time) into the neighbour across the *more expensive* cut, so cheap norms and residual adds
+  join the half-block whose boundary is narrower, until at most ``max_segments`` remain: attention and MLP halves
+  of a transformer block by default (torchgpipe's block partition works on the same idea of fixed candidate cuts).
+- **Layer**: a run of segments from the same top-level unit (``layers.3``); baselines cut only between layers.
+
+Outputs: ``node.meta["rpcompile.segment"]`` (segment index) and ``gm.meta["rpcompile.segments"]``: a tuple of
+:class:`Segment` with summed costs, the bytes live across the cut after it, and the parameters it reads.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch.fx as fx
+
+from .cost import node_cost
+from .shape import SHAPE_KEY
+from .util import compute_nodes
+
+__all__ = ["SEGMENT_KEY", "SEGMENTS_KEY", "Segment", "coarsen_pass", "live_bytes", "segments_of"]
+
+SEGMENT_KEY = "rpcompile.segment"
+SEGMENTS_KEY = "rpcompile.segments"
+_NUMERIC = re.compile(r"^\d+$")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A contiguous run of compute nodes ``[start, stop)`` (positions) and its summed costs (one microbatch)."""
+
+    index: int
+    name: str
+    """Source modules, e.g. ``layers.3.attn`` or ``layers.3.mlp_norm..layers.3.mlp``."""
+    layer: int
+    start: int
+    stop: int
+    nodes: tuple[str, ...]
+    fwd_s: float
+    bwd_s: float
+    act_bytes: int
+    """Bytes autograd keeps for this segment's backward."""
+    peak_bytes: int
+    """Largest live set inside the segment when run forward without autograd."""
+    boundary_bytes: int
+    """Bytes live across the cut after this segment."""
+    params: tuple[str, ...]
+
+
+def _nbytes(node: fx.Node) -> int:
+    """Bytes a node's value occupies that no earlier node already holds (model inputs count in full)."""
+    info = node.meta.get(SHAPE_KEY)
+    if info is None:
+        return 0
+    return sum(t.nbytes for t in info.tensors) if node.op == "placeholder" else info.nbytes
+
+
+def _is_alias(node: fx.Node) -> bool:
+    info = node.meta.get(SHAPE_KEY)
+    return info is not None and bool(info.tensors) and all(t.is_alias for t in info.tensors)
+
+
+def live_bytes(gm: fx.GraphModule) -> tuple[int, list[int]]:
+    """(bytes of model inputs live before position 0, bytes live across the cut after each position).
+
+    A view keeps its base alive, so uses of an alias node count as uses of what it aliases."""
+    nodes = compute_nodes(gm)
+    pos = {n: i for i, n in enumerate(nodes)}
+    n = len(nodes)
+    last_use: dict[fx.Node, int] = {}
+    for node in reversed(list(gm.graph.nodes)):
+        if node.op == "get_attr":
+            continue
+        uses = [pos.get(u, n) for u in node.users]  # the output node counts as "after everything"
+        last = max([last_use.get(node, -1), *uses]) if uses else last_use.get(node, -1)
+        last_use[node] = last
+        if node.op != "placeholder" and _is_alias(node):
+            for inp in node.all_input_nodes:
+                last_use[inp] = max(last_use.get(inp, -1), last)
+    diff = [0] * (n + 1)
+    inputs = 0
+    for node, last in last_use.items():
+        size = _nbytes(node)
+        start = pos.get(node, -1)
+        if size == 0 or last <= start:
+            continue
+        if start < 0:
+            inputs += size
+            start = 0
+            diff[0] += size
+        else:
+            diff[start] += size
+        diff[min(last, n)] -= size
+    live, acc = [], 0
+    for i in range(n):
+        acc += diff[i]
+        live.append(acc)
+    return inputs, live
+
+
+def _group_keys(nodes: Sequence[fx.Node]) -> tuple[list[str], list[str]]:
+    """(group key, layer key) per node."""
+    from rpcompile.tracing import module_path
+
+    paths = [module_path(n) for n in nodes]
+    depths = [i + 1 for p in paths for i, part in enumerate(p.split(".")) if _NUMERIC.match(part)]
+    d = min(depths) if depths else 1
+    groups, layers = [], []
+    for p in paths:
+        parts = p.split(".") if p else []
+        layered = len(parts) >= d and _NUMERIC.match(parts[d - 1] if d - 1 < len(parts) else "")
+        groups.append(".".join(parts[: d + 1]) if layered else ".".join(parts[:d]) or "(root)")
+        layers.append(".".join(parts[:d]) or "(root)")
+    return groups, layers
+
+
+def _runs(keys: Sequence[str]) -> list[tuple[int, int]]:
+    runs, start = [], 0
+    for i in range(1, len(keys) + 1):
+        if i == len(keys) or keys[i] != keys[start]:
+            runs.append((start, i))
+            start = i
+    return runs
+
+
+def _merge(bounds: list[tuple[int, int]], time: list[float], cut_cost: list[int], target: int) -> list[tuple[int, int]]:
+    """Merge adjacent runs until ``target`` remain: smallest first, across its more expensive cut."""
+    segs = list(bounds)
+    t = [sum(time[a:b]) for a, b in segs]
+    while len(segs) > max(target, 1):
+        k = min(range(len(segs)), key=lambda i: (t[i], i))
+        left = cut_cost[segs[k - 1][1] - 1] if k > 0 else -1
+        right = cut_cost[segs[k][1] - 1] if k + 1 < len(segs) else -1
+        j = k - 1 if (left, -t[k - 1] if k > 0 else 0) > (right, -t[k + 1] if k + 1 < len(segs) else 0) else k + 1
+        a, b = min(k, j), max(k, j)
+        segs[a:b + 1] = [(segs[a][0], segs[b][1])]
+        t[a:b + 1] = [t[a] + t[b]]
+    return segs
+
+
+def default_max_segments(n_layers: int) -> int:
+    """About two segments per layer (attention and MLP halves) plus a few for embeddings and head."""
+    return min(256, max(16, 2 * n_layers + 6))
+
+
+def coarsen_pass(gm: fx.GraphModule, *, max_segments: int | None = None) -> fx.GraphModule:
+    """Group the compute nodes of a costed graph into segments (see module docstring)."""
+    nodes = compute_nodes(gm)
+    if not nodes:
+        raise ValueError("coarsen_pass: the graph has no compute nodes")
+    inputs, live = live_bytes(gm)
+    groups, layer_keys = _group_keys(nodes)
+    runs = _runs(groups)
+    n_layers = len(_runs(layer_keys))
+    target = max_segments or default_max_segments(n_layers)
+    time = [node_cost(n).fwd_time_s + node_cost(n).bwd_time_s for n in nodes]
+    bounds = _merge(runs, time, live, target)
+    layer_index, previous = [], None
+    for a, _ in bounds:
+        layer_index.append(len(layer_index) and layer_index[-1] + (layer_keys[a] != previous))
+        previous = layer_keys[a]
+    segments = tuple(_segment(i, nodes, a, b, groups, live, layer_index[i]) for i, (a, b) in enumerate(bounds))
+    for seg in segments:
+        for n in nodes[seg.start:seg.stop]:
+            n.meta[SEGMENT_KEY] = seg.index
+    gm.meta[SEGMENTS_KEY] = segments
+    gm.meta["rpcompile.input_bytes"] = inputs
+    return gm
+
+
+def _segment(i: int, nodes: Sequence[fx.Node], a: int, b: int, groups: Sequence[str], live: Sequence[int], layer: int) -> Segment:
+    costs = [node_cost(n) for n in nodes[a:b]]
+    names = list(dict.fromkeys(groups[a:b]))
+    params: dict[str, None] = {}
+    for c in costs:
+        params.update(dict.fromkeys(c.params))
+    return Segment(
+        index=i,
+        name=names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}",
+        layer=layer,
+        start=a,
+        stop=b,
+        nodes=tuple(n.name for n in nodes[a:b]),
+        fwd_s=sum(c.fwd_time_s for c in costs),
+        bwd_s=sum(c.bwd_time_s for c in costs),
+        act_bytes=sum(c.act_bytes for c in costs),
+        peak_bytes=max(live[a:b]),
+        boundary_bytes=live[b - 1],
+        params=tuple(params),
+    )
+
+
+def segments_of(gm: fx.GraphModule) -> tuple[Segment, ...]:
+    """The segments ``coarsen_pass`` recorded on ``gm``."""
+    try:
+        return gm.meta[SEGMENTS_KEY]
+    except KeyError:
+        raise ValueError("run coarsen_pass on the graph first") from None

@@ -1,0 +1,269 @@
+"""Planning: costed graph → segments → :class:`~rpcompile.passes.problem.PartitionProblem` → solver → Plan.
+
+Microbatches: ``example_inputs`` is one full batch; it is split along dim 0 into ``microbatches`` pieces
+(``torch.tensor_split``: sizes differ by at most one) and the graph is costed on the first (largest) piece, so every
+time and byte in the problem is per microbatch. The default is ``gpus + 1`` microbatches (DESIGN.md §3).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.fx as fx
+
+from .errors import InfeasibleError
+from .plan import Hardware, Plan, Prediction
+from .specs import DeviceSpec, get_spec
+
+__all__ = [
+    "plan",
+    "plan_graph",
+    "compare",
+    "partition_problem",
+    "to_plan",
+    "split_microbatches",
+    "make_hardware",
+    "STRATEGIES",
+    "PRECISION_BYTES",
+]
+
+STRATEGIES = ("ilp", "dp", "roundpipe", "uniform")
+PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+DEFAULT_STAGE_OVERHEAD_S = 30e-6
+
+
+def split_microbatches(values: Sequence[Any], microbatches: int) -> list[tuple[Any, ...]]:
+    """Split every tensor in ``values`` along dim 0 into ``microbatches`` pieces (other values are repeated)."""
+    sizes = {v.shape[0] for v in values if isinstance(v, torch.Tensor) and v.dim() > 0}
+    if len(sizes) > 1:
+        raise ValueError(f"inputs disagree on the batch size (dim 0): {sorted(sizes)}")
+    batch = sizes.pop() if sizes else 1
+    if microbatches < 1 or batch < microbatches:
+        raise ValueError(
+            f"a batch of {batch} cannot be split into {microbatches} microbatches; "
+            f"use microbatches between 1 and {batch} or a larger batch"
+        )
+    pieces = [
+        torch.tensor_split(v, microbatches, dim=0) if isinstance(v, torch.Tensor) and v.dim() > 0 else [v] * microbatches
+        for v in values
+    ]
+    return [tuple(p[j] for p in pieces) for j in range(microbatches)]
+
+
+def make_hardware(gpus: int, spec: "str | DeviceSpec", memory_limit: int | None = None) -> Hardware:
+    spec = get_spec(spec)
+    if gpus < 1:
+        raise ValueError(f"gpus must be >= 1, got {gpus}")
+    memory = int(memory_limit) if memory_limit is not None else spec.usable_memory_bytes
+    return Hardware(device_count=gpus, spec=spec, memory_bytes=memory, link_bytes_per_s=spec.host_link_bandwidth)
+
+
+def _act_scale(gm: fx.GraphModule, precision: str) -> float:
+    floats = [p for p in gm.parameters() if p.is_floating_point()]
+    model_bytes = floats[0].element_size() if floats else 4
+    return PRECISION_BYTES[precision] / model_bytes
+
+
+def partition_problem(
+    gm: fx.GraphModule,
+    *,
+    hardware: Hardware,
+    microbatches: int,
+    precision: str = "fp32",
+    stage_overhead_s: float = DEFAULT_STAGE_OVERHEAD_S,
+):
+    """Lower a coarsened graph to plain numbers. Parameters read by several segments (tied embeddings) become
+    :class:`SharedParam`s: every stage that uses one receives it, and its gradient is summed over them."""
+    from rpcompile.passes.coarsen import segments_of
+    from rpcompile.passes.problem import PartitionProblem, SharedParam
+
+    segs = segments_of(gm)
+    elt = PRECISION_BYTES[precision]
+    params = dict(gm.named_parameters())
+    users: dict[str, list[int]] = {}
+    for s in segs:
+        for p in s.params:
+            users.setdefault(p, []).append(s.index)
+    own_bytes, own_grads = [0] * len(segs), [0] * len(segs)
+    shared = []
+    for name, segments in users.items():
+        p = params[name]
+        size, grad = p.numel() * elt, p.numel() * elt if p.requires_grad else 0
+        if len(segments) == 1:
+            own_bytes[segments[0]] += size
+            own_grads[segments[0]] += grad
+        else:
+            shared.append(SharedParam(name=name, bytes=size, grad_bytes=grad, segments=tuple(segments)))
+    scale = _act_scale(gm, precision)
+    return PartitionProblem(
+        names=tuple(s.name for s in segs),
+        layer=tuple(s.layer for s in segs),
+        fwd_s=tuple(s.fwd_s for s in segs),
+        bwd_s=tuple(s.bwd_s for s in segs),
+        rec_s=tuple(s.fwd_s for s in segs),
+        act_bytes=tuple(int(s.act_bytes * scale) for s in segs),
+        peak_bytes=tuple(int(s.peak_bytes * scale) for s in segs),
+        boundary_bytes=tuple(int(s.boundary_bytes * scale) for s in segs),
+        input_bytes=int(gm.meta.get("rpcompile.input_bytes", 0)),
+        param_bytes=tuple(own_bytes),
+        grad_bytes=tuple(own_grads),
+        shared=tuple(shared),
+        device_count=hardware.device_count,
+        memory_bytes=hardware.memory_bytes,
+        link_bytes_per_s=hardware.link_bytes_per_s,
+        microbatches=microbatches,
+        stage_overhead_s=stage_overhead_s,
+    )
+
+
+def to_plan(gm: fx.GraphModule, problem: Any, result: Any, *, hardware: Hardware, precision: str) -> Plan:
+    """Map a solver's SegmentPlan back to node names."""
+    from rpcompile.passes.coarsen import segments_of
+    from rpcompile.passes.problem import bubble_fraction, iteration_time, stage_costs
+
+    from .lowering import plan_from_ranges
+
+    segs = segments_of(gm)
+    sp = result.plan
+
+    def nodes_of(r: tuple[int, int]) -> tuple[int, int]:
+        return segs[r[0]].start, segs[r[1] - 1].stop
+
+    costs = stage_costs(problem, sp)
+    saved = [n for s, keep in zip(segs, sp.saved) if keep for n in s.nodes]
+    iteration = iteration_time(problem, sp)
+    return plan_from_ranges(
+        gm,
+        forward=[nodes_of(r) for r in sp.forward],
+        fused=nodes_of(sp.fused),
+        backward=[nodes_of(r) for r in sp.backward],
+        hardware=hardware,
+        microbatches=problem.microbatches,
+        saved=saved,
+        stage_times=[c.time_s for c in costs],
+        stage_memory=[c.memory_bytes for c in costs],
+        predicted=Prediction(
+            iteration_time_s=iteration,
+            bubble_fraction=bubble_fraction(problem, sp),
+            peak_memory_bytes=max(c.memory_bytes for c in costs),
+            bound_s=float(result.stats.get("bound_s", 0.0) or 0.0),
+        ),
+        strategy=result.strategy,
+        cost_model=str(gm.meta.get("rpcompile.cost_model", "")),
+        precision=precision,
+        stats={k: v for k, v in result.stats.items() if isinstance(v, (int, float, str, bool))}
+        | {"solve_time_s": result.solve_time_s, "segments": len(segs)},
+    )
+
+
+def _infeasible(problem: Any, hardware: Hardware) -> InfeasibleError:
+    from rpcompile.passes.problem import min_feasible_memory
+
+    need, seg = min_feasible_memory(problem)
+    gib = 2**30
+    return InfeasibleError(
+        f"no plan fits {hardware.memory_bytes / gib:.2f} GiB per device: segment {seg} ({problem.names[seg]}) needs "
+        f"at least {need / gib:.2f} GiB (its weights, the prefetched next stage, gradients and one microbatch's "
+        f"activations); allow memory_limit >= {need} bytes, use more microbatches (smaller ones) or a lower precision"
+    )
+
+
+def plan_graph(
+    gm: fx.GraphModule,
+    *,
+    hardware: Hardware,
+    microbatches: int,
+    strategy: str = "ilp",
+    precision: str = "fp32",
+    time_limit_s: float = 10.0,
+) -> Plan:
+    """Partition a costed, coarsened graph with one strategy; raise :class:`InfeasibleError` if nothing fits."""
+    from rpcompile.passes.partition import solve
+
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    problem = partition_problem(gm, hardware=hardware, microbatches=microbatches, precision=precision)
+    result = solve(problem, strategy, time_limit_s=time_limit_s)
+    if not result.feasible:
+        raise _infeasible(problem, hardware)
+    return to_plan(gm, problem, result, hardware=hardware, precision=precision)
+
+
+def compare(
+    gm: fx.GraphModule, *, hardware: Hardware, microbatches: int, precision: str = "fp32", time_limit_s: float = 10.0
+) -> dict[str, tuple[Any, Plan | None]]:
+    """Every strategy on the same problem: name -> (PartitionResult, Plan or None when infeasible)."""
+    from rpcompile.passes.partition import solve
+
+    problem = partition_problem(gm, hardware=hardware, microbatches=microbatches, precision=precision)
+    out = {}
+    for name in STRATEGIES:
+        result = solve(problem, name, time_limit_s=time_limit_s)
+        out[name] = (result, to_plan(gm, problem, result, hardware=hardware, precision=precision) if result.feasible else None)
+    return out
+
+
+def prepare(
+    model: torch.nn.Module,
+    example_inputs: Sequence[Any],
+    *,
+    gpus: int,
+    spec: "str | DeviceSpec | None" = None,
+    device: "str | torch.device | None" = None,
+    microbatches: int | None = None,
+    precision: str = "fp32",
+    example_kwargs: Mapping[str, Any] | None = None,
+    max_segments: int | None = None,
+    leaf_modules: Sequence[Any] = (),
+    progress: bool | None = None,
+) -> tuple[fx.GraphModule, int]:
+    """Trace, cost (on one microbatch) and coarsen; returns the graph and the microbatch count."""
+    from rpcompile.passes.coarsen import coarsen_pass
+
+    from .profiling import analyze, make_cost_model
+
+    m = microbatches or gpus + 1
+    first = split_microbatches(tuple(example_inputs), m)[0]
+    model_device = next((p.device.type for p in model.parameters()), "cpu")
+    dtype = None if precision == "fp32" else {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    cost_model = make_cost_model(spec=spec, device=device, dtype=dtype, model_device=model_device)
+    gm = analyze(model, first, example_kwargs=example_kwargs, cost_model=cost_model, leaf_modules=leaf_modules, progress=progress)
+    coarsen_pass(gm, max_segments=max_segments)
+    return gm, m
+
+
+def plan(
+    model: torch.nn.Module,
+    example_inputs: Sequence[Any],
+    *,
+    gpus: int,
+    spec: "str | DeviceSpec | None" = None,
+    device: "str | torch.device | None" = None,
+    microbatches: int | None = None,
+    memory_limit: int | None = None,
+    strategy: str = "ilp",
+    precision: str = "fp32",
+    example_kwargs: Mapping[str, Any] | None = None,
+    time_limit_s: float = 10.0,
+    max_segments: int | None = None,
+    leaf_modules: Sequence[Any] = (),
+    progress: bool | None = None,
+) -> Plan:
+    """Make a round-robin plan for ``model`` on ``gpus`` devices.
+
+    Costs are analytic for ``spec`` (a :class:`DeviceSpec` or preset name) or measured on ``device``; with neither,
+    measured on the CPU (analytic ``rtx4090`` for a meta-device model). The hardware is ``gpus`` devices of
+    ``spec`` (``cpu`` when measuring on the CPU, else ``rtx4090``) with ``memory_limit`` usable bytes each.
+    """
+    if precision not in PRECISION_BYTES:
+        raise ValueError(f"precision must be one of {sorted(PRECISION_BYTES)}, got {precision!r}")
+    gm, m = prepare(model, example_inputs, gpus=gpus, spec=spec, device=device, microbatches=microbatches,
+                    precision=precision, example_kwargs=example_kwargs, max_segments=max_segments,
+                    leaf_modules=leaf_modules, progress=progress)
+    hw_spec = spec if spec is not None else ("cpu" if device is None or torch.device(device).type == "cpu" else "rtx4090")
+    model_device = next((p.device.type for p in model.parameters()), "cpu")
+    if spec is None and device is None and model_device == "meta":
+        hw_spec = "rtx4090"
+    hardware = make_hardware(gpus, hw_spec, memory_limit)
+    return plan_graph(gm, hardware=hardware, microbatches=m, strategy=strategy, precision=precision, time_limit_s=time_limit_s)

@@ -175,6 +175,10 @@ class CostModel(abc.ABC):
     """Turns a NodeCall into times (and optionally FLOPs)."""
 
     name: str = "cost-model"
+    dtype: torch.dtype | None = None
+
+    def prepare(self, gm: fx.GraphModule, flat_args: list[Any]) -> None:
+        """Called once before any node is costed (e.g. to warm the device up)."""
 
     @abc.abstractmethod
     def estimate(self, call: NodeCall) -> OpEstimate:
@@ -206,6 +210,18 @@ class MeasuredCostModel(CostModel):
 
     def __repr__(self) -> str:
         return f"MeasuredCostModel(device={str(self.device)!r}, repeats={self.repeats})"
+
+    def prepare(self, gm: fx.GraphModule, flat_args: list[Any]) -> None:
+        """Warm the device up with one forward and backward of the whole graph (first calls of many kernels
+        pay one-off initialisation that must not land on the first layer's nodes)."""
+        if any(t.device.type == "meta" for t in tensor_leaves(flat_args)):
+            return
+        with torch.enable_grad():
+            out = torch.fx.Interpreter(gm).run(*flat_args, enable_io_processing=False)
+            floats = [t for t in tensor_leaves(out) if t.requires_grad]
+            if floats:
+                torch.autograd.backward([t.float().sum() for t in floats])
+        gm.zero_grad(set_to_none=True)
 
     def _time(self, fn: Callable[[], Any]) -> float:
         for _ in range(self.warmup):
@@ -269,9 +285,24 @@ def _env_lookup(args: tuple, kwargs: dict, node: fx.Node, arg_node: fx.Node) -> 
     return [v for s, v in zip(flat_sym, flat_val) if s is arg_node]
 
 
-def _autograd_profile(call: NodeCall, producers: dict[int, fx.Node]) -> tuple[int, int, set[fx.Node], int]:
+def _scaled_nbytes(info: Any, dtype: torch.dtype | None) -> int:
+    """New bytes of a node's output if its floating tensors were ``dtype``."""
+    if dtype is None:
+        return info.nbytes
+    size = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    for t in info.tensors:
+        if not t.is_alias:
+            floating = getattr(torch, t.dtype).is_floating_point
+            total += t.nbytes // torch.empty((), dtype=getattr(torch, t.dtype)).element_size() * size if floating else t.nbytes
+    return total
+
+
+def _autograd_profile(
+    call: NodeCall, producers: dict[int, fx.Node], dtype: torch.dtype | None = None
+) -> tuple[int, int, set[fx.Node], int]:
     """Run ``call`` on meta with autograd: (fwd FLOPs, bwd FLOPs, input nodes whose value it saves, own saved bytes)."""
-    m = call.materialize("meta")
+    m = call.materialize("meta", dtype=dtype)
     saved_keys: list[torch.Tensor] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -313,8 +344,8 @@ class _CostInterpreter(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule, cost_model: CostModel, on_node: Callable[[], None]):
         super().__init__(gm)
         self.cost_model, self.on_node = cost_model, on_node
+        self.dtype: torch.dtype | None = getattr(cost_model, "dtype", None)
         self.needs_grad: dict[fx.Node, bool] = {}
-        self.producer_of: dict[int, fx.Node] = {}
         self.kept: set[fx.Node] = set()
         self.partial: dict[fx.Node, dict[str, Any]] = {}
 
@@ -325,20 +356,14 @@ class _CostInterpreter(fx.Interpreter):
             self.needs_grad[n] = isinstance(result, torch.nn.Parameter) and result.requires_grad
         elif is_compute(n):
             self._cost(n, args, kwargs, result)
-        for t in tensor_leaves(result):
-            self.producer_of.setdefault(id(t), n)
         return result
 
     def _cost(self, n: fx.Node, args: tuple, kwargs: dict, result: Any) -> None:
         call = _call_for(self.module, n, args, kwargs, self.needs_grad)
         params = node_params(self.module, n)
         self.needs_grad[n] = bool(call.trainable) and any(t.is_floating_point() for t in tensor_leaves(result))
-        producers = {
-            id(t): self.producer_of[id(t)]
-            for t in tensor_leaves((args, kwargs))
-            if id(t) in self.producer_of
-        }
-        fwd_flops, bwd_flops, saved_inputs, own = _autograd_profile(call, producers)
+        producers = {id(t): a for a in n.all_input_nodes if a in self.env for t in tensor_leaves(self.env[a])}
+        fwd_flops, bwd_flops, saved_inputs, own = _autograd_profile(call, producers, self.dtype)
         if not self.needs_grad[n]:
             saved_inputs, own, bwd_flops = set(), 0, 0
         self.kept |= saved_inputs
@@ -348,7 +373,7 @@ class _CostInterpreter(fx.Interpreter):
         self.partial[n] = dict(
             fwd_time_s=est.fwd_time_s,
             bwd_time_s=est.bwd_time_s if self.needs_grad[n] else 0.0,
-            output_bytes=n.meta[SHAPE_KEY].nbytes,
+            output_bytes=_scaled_nbytes(n.meta[SHAPE_KEY], self.dtype),
             act_bytes=own,
             param_bytes=sum(p.numel() * p.element_size() for p in params.values()),
             grad_bytes=sum(p.numel() * p.element_size() for p in params.values() if p.requires_grad),
@@ -387,14 +412,20 @@ def cost_pass(
     saved = {name: b.detach().clone() for name, b in gm.named_buffers() if b.device.type != "meta"}
     bar, task = _progress(n_compute, f"profiling ({cost_model.name})", enabled)
     interp = _CostInterpreter(gm, cost_model, lambda: bar.advance(task))
+    flat = flat_inputs(gm, example_inputs, example_kwargs)
+    grads = {name: p.grad for name, p in gm.named_parameters()}
     try:
-        with bar, torch.no_grad():
-            interp.run(*flat_inputs(gm, example_inputs, example_kwargs), enable_io_processing=False)
+        with torch.random.fork_rng(devices=[]), bar:
+            cost_model.prepare(gm, flat)
+            with torch.no_grad():
+                interp.run(*flat, enable_io_processing=False)
     finally:
         with torch.no_grad():
             for name, b in gm.named_buffers():
                 if name in saved:
                     b.copy_(saved[name])
+            for name, p in gm.named_parameters():
+                p.grad = grads.get(name)
     for n, fields in interp.partial.items():
         if n in interp.kept:
             fields["act_bytes"] += fields["output_bytes"]

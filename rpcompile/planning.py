@@ -59,12 +59,6 @@ def make_hardware(gpus: int, spec: "str | DeviceSpec", memory_limit: int | None 
     return Hardware(device_count=gpus, spec=spec, memory_bytes=memory, link_bytes_per_s=spec.host_link_bandwidth)
 
 
-def _act_scale(gm: fx.GraphModule, precision: str) -> float:
-    floats = [p for p in gm.parameters() if p.is_floating_point()]
-    model_bytes = floats[0].element_size() if floats else 4
-    return PRECISION_BYTES[precision] / model_bytes
-
-
 def partition_problem(
     gm: fx.GraphModule,
     *,
@@ -95,16 +89,15 @@ def partition_problem(
             own_grads[segments[0]] += grad
         else:
             shared.append(SharedParam(name=name, bytes=size, grad_bytes=grad, segments=tuple(segments)))
-    scale = _act_scale(gm, precision)
     return PartitionProblem(
         names=tuple(s.name for s in segs),
         layer=tuple(s.layer for s in segs),
         fwd_s=tuple(s.fwd_s for s in segs),
         bwd_s=tuple(s.bwd_s for s in segs),
         rec_s=tuple(s.fwd_s for s in segs),
-        act_bytes=tuple(int(s.act_bytes * scale) for s in segs),
-        peak_bytes=tuple(int(s.peak_bytes * scale) for s in segs),
-        boundary_bytes=tuple(int(s.boundary_bytes * scale) for s in segs),
+        act_bytes=tuple(s.act_bytes for s in segs),
+        peak_bytes=tuple(s.peak_bytes for s in segs),
+        boundary_bytes=tuple(s.boundary_bytes for s in segs),
         input_bytes=int(gm.meta.get("rpcompile.input_bytes", 0)),
         param_bytes=tuple(own_bytes),
         grad_bytes=tuple(own_grads),

@@ -1,0 +1,410 @@
+"""Capture a model as a ``torch.fx.GraphModule`` whose parameters are the model's own.
+
+Terms:
+- *fx path*: ``torch.fx`` symbolic tracing. Runs ``forward`` on Proxy objects; ``torch.nn`` modules (and any in
+  ``leaf_modules``) stay as single ``call_module`` nodes. Fast, but fails on data-dependent Python control flow and
+  on forwards it cannot introspect (HuggingFace transformers 5.x: ``co_varnames is too small``).
+- *export path*: ``torch.export.export(..., strict=False)``. Runs the real Python with fake tensors and records
+  aten-level ops; every compute node carries ``meta["nn_module_stack"]``. The graph is specialised to the example
+  input shapes and to non-tensor arguments (e.g. ``use_cache=False``).
+- *FQN*: a fully-qualified attribute name such as ``layers.3.attn.q_proj.weight``. Both paths return a graph module
+  whose parameters and buffers are the model's own tensor objects (shared storage, no copies) under their original
+  FQNs; a tied weight appears once, under the name ``model.named_parameters()`` gives it.
+- *module path*: the FQN of the innermost module that owns a node (:func:`module_path`); ``""`` is the root.
+
+``gm.meta["rpcompile.trace"]`` records the path taken: ``"fx"`` or ``"export"``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import sys
+import sysconfig
+import traceback
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, fx, nn
+
+from rpcompile.errors import TraceError
+
+__all__ = ["trace", "module_path", "TRACE_META_KEY"]
+
+TRACE_META_KEY = "rpcompile.trace"
+"""``gm.meta`` key holding ``"fx"`` or ``"export"``."""
+
+LeafSpec = type[nn.Module] | str
+"""A module type, or the qualified name of one submodule, to keep as one ``call_module`` node (fx path only)."""
+
+
+def trace(
+    model: nn.Module,
+    example_inputs: tuple[Any, ...] | Mapping[str, Any] = (),
+    *,
+    example_kwargs: Mapping[str, Any] | None = None,
+    leaf_modules: Iterable[LeafSpec] = (),
+    method: Literal["auto", "fx", "export"] = "auto",
+) -> fx.GraphModule:
+    """Trace ``model`` with fx symbolic tracing, falling back to non-strict ``torch.export``.
+
+    ``example_inputs`` are the positional arguments (a dict is taken as keyword arguments); the model is traced in
+    its current train/eval mode. Non-tensor keyword arguments (``use_cache=False``) skip fx and are specialised by
+    export. ``leaf_modules`` only affects fx (export records every op). ``method`` forces one path. Raises
+    :class:`TraceError` naming the failing module and source line of each path tried when all fail; its
+    ``failures`` attribute keeps the originals.
+
+    The exported graph module is called like the model (same arguments, same output structure, e.g. a HuggingFace
+    ``ModelOutput``): its placeholders and output node are flat and a pytree codegen (un)flattens around them.
+    """
+    if method not in ("auto", "fx", "export"):
+        raise ValueError(f"method={method!r}; use 'auto', 'fx' or 'export'")
+    args, kwargs = _split_inputs(example_inputs, example_kwargs)
+    leaves = _check_leaves(model, tuple(leaf_modules))
+    tracker = _ModuleTracker(model)
+    failures: dict[str, _Failure | str] = {}
+    if method != "export":
+        try:
+            with tracker:
+                return _trace_fx(model, kwargs, leaves)
+        except _SkipFx as skip:
+            failures["fx"] = str(skip)
+        except Exception as e:  # noqa: BLE001 - any failure sends us down the export path
+            failures["fx"] = tracker.failure(e)
+    if method != "fx":
+        try:
+            with tracker:
+                return _trace_export(model, args, kwargs)
+        except Exception as e:  # noqa: BLE001
+            failures["export"] = tracker.failure(e)
+    # Raised outside the except blocks: no pages of chained traceback; the originals stay on `.failures`.
+    error = TraceError(_message(model, failures))
+    error.failures = failures  # type: ignore[attr-defined]
+    raise error
+
+
+def module_path(node: fx.Node) -> str:
+    """FQN of the innermost module owning ``node`` (``""`` for the root), for fx and exported graphs alike.
+
+    ``call_module`` nodes: their target. ``get_attr`` nodes: the module holding the attribute. Other nodes: the last
+    entry of ``meta["nn_module_stack"]`` (recorded by both paths), normalised to plain FQN form.
+    """
+    if node.op == "call_module":
+        return str(node.target)
+    if node.op == "get_attr":
+        return str(node.target).rpartition(".")[0]
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path, _ = list(stack.values())[-1]
+    return _normalise_path(str(path))
+
+
+# --- inputs and leaves -------------------------------------------------------------------------------------------
+
+
+def _split_inputs(
+    example_inputs: tuple[Any, ...] | Mapping[str, Any], example_kwargs: Mapping[str, Any] | None
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    kwargs = dict(example_kwargs or {})
+    if isinstance(example_inputs, Mapping):
+        return (), {**example_inputs, **kwargs}
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), kwargs
+    return (example_inputs,), kwargs
+
+
+def _check_leaves(model: nn.Module, leaves: tuple[LeafSpec, ...]) -> tuple[LeafSpec, ...]:
+    names = dict(model.named_modules())
+    unknown = [leaf for leaf in leaves if isinstance(leaf, str) and leaf not in names]
+    if unknown:
+        example = next((n for n in names if n), "layers.0")
+        raise TraceError(
+            f"leaf_modules names {unknown} but {type(model).__name__} has no such submodule; "
+            f"use qualified names as in model.named_modules(), e.g. {example!r}"
+        )
+    return leaves
+
+
+# --- the fx path ---------------------------------------------------------------------------------------------------
+
+
+class _SkipFx(Exception):
+    """The fx path cannot represent these inputs; go straight to export."""
+
+
+class _Tracer(fx.Tracer):
+    """An fx tracer that also keeps the given module types and qualified names as leaves."""
+
+    def __init__(self, leaves: tuple[LeafSpec, ...]) -> None:
+        super().__init__()
+        self.leaf_types = tuple(leaf for leaf in leaves if isinstance(leaf, type))
+        self.leaf_names = frozenset(leaf for leaf in leaves if isinstance(leaf, str))
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return (
+            isinstance(m, self.leaf_types)
+            or module_qualified_name in self.leaf_names
+            or super().is_leaf_module(m, module_qualified_name)
+        )
+
+
+def _trace_fx(model: nn.Module, kwargs: dict[str, Any], leaves: tuple[LeafSpec, ...]) -> fx.GraphModule:
+    constants = [k for k, v in kwargs.items() if not isinstance(v, Tensor)]
+    if constants:
+        # fx would bake them in with an assert and rename the placeholder; export specialises them cleanly.
+        raise _SkipFx(f"skipped: non-tensor keyword argument(s) {constants} (torch.export specialises those)")
+    tracer = _Tracer(leaves)
+    graph = tracer.trace(model)
+    gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+    _stringify_module_stacks(gm.graph)
+    gm.meta[TRACE_META_KEY] = "fx"
+    return gm
+
+
+def _stringify_module_stacks(graph: fx.Graph) -> None:
+    """fx records ``{key: (fqn, type)}``; torch.export records ``{key: (fqn, "module.QualName")}``: use the latter."""
+    for node in graph.nodes:
+        stack = node.meta.get("nn_module_stack")
+        if stack:
+            node.meta["nn_module_stack"] = {k: (path, _type_name(t)) for k, (path, t) in stack.items()}
+
+
+def _type_name(t: Any) -> str:
+    return f"{t.__module__}.{t.__qualname__}" if isinstance(t, type) else str(t)
+
+
+# --- the export path -----------------------------------------------------------------------------------------------
+
+
+def _trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> fx.GraphModule:
+    # On failure torch.export prints the partial graph to stderr (pages); keep it only when export succeeds.
+    captured = io.StringIO()
+    with contextlib.redirect_stderr(captured):
+        ep = torch.export.export(model, args, kwargs, strict=False)
+    sys.stderr.write(captured.getvalue())
+    # check_guards=False: no `_guards_fn` call_module node; its pre-hook is dropped with the module below.
+    unlifted = ep.module(check_guards=False)
+    graph = unlifted.graph
+    holder = _rebind_attributes(model, unlifted, graph)
+    gm = fx.GraphModule(holder, graph, type(model).__name__)
+    gm.meta.update(unlifted.meta)
+    gm.meta[TRACE_META_KEY] = "export"
+    return gm
+
+
+def _rebind_attributes(model: nn.Module, unlifted: nn.Module, graph: fx.Graph) -> nn.Module:
+    """Point every ``get_attr`` at the model's own tensor under its canonical FQN; return a module holding them.
+
+    ``ep.module()`` already reuses the model's tensor objects, but a tied weight may be reached under its second
+    name (GPT-2's embedding reads ``lm_head.weight``) and other torch versions may copy or rename: the canonical
+    name comes from object identity, then from the target name.
+    """
+    canonical = _canonical_names(model)
+    by_name = dict(model.named_parameters(remove_duplicate=False))
+    by_name.update(model.named_buffers(remove_duplicate=False))
+    first: dict[str, fx.Node] = {}
+    holder = nn.Module()
+    for node in [n for n in graph.nodes if n.op == "get_attr"]:  # graph order: a kept node precedes its twins
+        obj = _resolve(unlifted, str(node.target))
+        target, obj = _original(str(node.target), obj, canonical, by_name)
+        if not node.users:
+            graph.erase_node(node)
+        elif target in first:  # a second read of a tied weight: reuse the first node
+            node.replace_all_uses_with(first[target])
+            graph.erase_node(node)
+        else:
+            node.target, first[target] = target, node
+            _attach(holder, target, obj)
+    for node in [n for n in graph.nodes if n.op == "call_module"]:
+        _attach(holder, str(node.target), _resolve(unlifted, str(node.target)))
+    return holder
+
+
+def _canonical_names(model: nn.Module) -> dict[int, str]:
+    names: dict[int, str] = {}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        names.setdefault(id(t), name)
+    return names
+
+
+def _original(target: str, obj: Any, canonical: dict[int, str], by_name: dict[str, Tensor]) -> tuple[str, Any]:
+    if id(obj) in canonical:
+        return canonical[id(obj)], obj
+    orig = by_name.get(target)
+    if isinstance(obj, Tensor) and orig is not None and orig.shape == obj.shape and orig.dtype == obj.dtype:
+        return canonical[id(orig)], orig
+    return target, obj  # a constant export lifted out of forward (not a model attribute)
+
+
+def _resolve(root: nn.Module, target: str) -> Any:
+    obj: Any = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _attach(root: nn.Module, target: str, obj: Any) -> None:
+    *path, field = target.split(".")
+    for part in path:
+        if not hasattr(root, part):
+            root.add_module(part, nn.Module())
+        root = getattr(root, part)
+    if isinstance(obj, Tensor) and not isinstance(obj, nn.Parameter):
+        root.register_buffer(field, obj)
+    else:
+        setattr(root, field, obj)
+
+
+# --- failure diagnosis ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """Where one tracing path failed."""
+
+    module: str
+    module_class: str
+    location: str
+    source: str
+    error: str
+    exception: BaseException
+
+
+class _ModuleTracker:
+    """Knows which submodule is running, with forward pre-hooks (push) and forward hooks (pop).
+
+    When a forward raises, its post-hook never runs, so the stack still ends at the innermost failing module.
+    Non-strict export runs the real Python, so the hooks fire there as under fx.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.stack: list[str] = []
+        self.handles: list[Any] = []
+
+    def __enter__(self) -> _ModuleTracker:
+        self.stack.clear()
+        for name, module in self.model.named_modules():
+            if name:
+                self.handles.append(module.register_forward_pre_hook(self._push(name)))
+                self.handles.append(module.register_forward_hook(self._pop(name)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    def _push(self, name: str) -> Any:
+        return lambda module, args: self.stack.append(name)
+
+    def _pop(self, name: str) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            # cut back to this module's entry: also drops entries left by exceptions caught inside it
+            while self.stack and self.stack.pop() != name:
+                pass
+
+        return hook
+
+    def failure(self, exc: BaseException) -> _Failure:
+        name = self.stack[-1] if self.stack else ""
+        location, source = _user_frame(exc)
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        return _Failure(
+            module=name,
+            module_class=type(self.model.get_submodule(name)).__name__,
+            location=location,
+            source=source,
+            error=f"{type(exc).__name__}: {_shorten(first_line, 160)}",
+            exception=exc,
+        )
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_STDLIB_DIR = sysconfig.get_paths()["stdlib"] + os.sep
+_SITE_DIRS = tuple({sysconfig.get_paths()[key] + os.sep for key in ("purelib", "platlib")})
+
+
+def _user_frame(exc: BaseException) -> tuple[str, str]:
+    """``("file:line in func", "source line")`` of the innermost frame outside torch, stdlib and this file."""
+    for e in reversed(_exception_chain(exc)):
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if _is_user_file(f.filename)]
+        if frames:
+            f = frames[-1]
+            return f"{_short_path(f.filename)}:{f.lineno} in {f.name}", (f.line or "").strip()
+    return "<unknown location>", ""
+
+
+def _exception_chain(exc: BaseException) -> list[BaseException]:
+    chain: list[BaseException] = []
+    cur: BaseException | None = exc
+    while cur is not None and cur not in chain:
+        chain.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    return chain
+
+
+def _is_user_file(filename: str) -> bool:
+    if filename.startswith((_TORCH_DIR, "<eval_with_key", "<frozen")) or _same_file(filename, __file__):
+        return False
+    # site-packages sits inside the stdlib folder; model libraries there (transformers, ...) count as user code
+    return filename.startswith(_SITE_DIRS) or not filename.startswith(_STDLIB_DIR)
+
+
+def _same_file(a: str, b: str) -> bool:
+    return os.path.abspath(a) == os.path.abspath(b)
+
+
+def _short_path(filename: str) -> str:
+    rel = os.path.relpath(filename)
+    return filename if rel.startswith("..") else rel
+
+
+def _shorten(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_PATH_NAMES = {"fx": "torch.fx.symbolic_trace", "export": "torch.export (non-strict)"}
+
+
+def _message(model: nn.Module, failures: dict[str, _Failure | str]) -> str:
+    tried = " and ".join(_PATH_NAMES[k] for k in failures)
+    lines = [f"cannot trace {type(model).__name__}: {tried} {'both ' if len(failures) > 1 else ''}failed"]
+    for key, failure in failures.items():
+        lines += _describe(f"{key}:".ljust(7), failure)
+    lines.append(_advice(*failures.values()))
+    return "\n".join(lines)
+
+
+def _describe(label: str, failure: _Failure | str) -> list[str]:
+    if isinstance(failure, str):
+        return [f"  {label} {failure}"]
+    cls = failure.module_class
+    where = f"module '{failure.module}' ({cls})" if failure.module else f"the root module ({cls})"
+    pad = " " * (len(label) + 3)
+    source = f": {failure.source}" if failure.source else ""
+    return [f"  {label} in {where} at {failure.location}{source}", f"{pad}{failure.error}"]
+
+
+def _advice(*failures: _Failure | str) -> str:
+    culprits = [f.module for f in failures if isinstance(f, _Failure) and f.module]
+    leaf = f"pass leaf_modules=[{culprits[0]!r}] to keep that module opaque under fx" if culprits else (
+        "move the offending code into a submodule and pass it in leaf_modules="
+    )
+    return (
+        f"try: {leaf}; replace data-dependent Python control flow with torch.where or torch.cond; "
+        "avoid .item(), .tolist() and Python loops over data-dependent sizes (e.g. len(torch.nonzero(x)))"
+    )
+
+
+def _normalise_path(path: str) -> str:
+    """``L['self'].model.layers[3]._modules['attn']`` (dynamo style) or ``model.layers.3.attn`` -> the latter."""
+    path = re.sub(r"^L\['self'\]", "", path)
+    path = re.sub(r"\._modules\['([^']*)'\]", r".\1", path)
+    path = re.sub(r"\[(\d+)\]|\['([^']*)'\]", lambda m: "." + (m.group(1) or m.group(2)), path)
+    return path.split("@")[0].strip(".")

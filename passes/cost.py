@@ -32,6 +32,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
+from .meta import MetaSafeMode
 from .shape import SHAPE_KEY, describe, storage_key
 from .util import flat_inputs, is_compute, node_buffers, node_params, tensor_leaves
 
@@ -309,11 +310,12 @@ def _autograd_profile(
         saved_keys.append(t)
         return t
 
-    with FlopCounterMode(display=False) as fwd_counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with FlopCounterMode(display=False) as fwd_counter, MetaSafeMode(), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out, backward = m.forward_backward()
     bwd_flops = 0
     if backward is not None:
-        with FlopCounterMode(display=False) as bwd_counter:
+        with FlopCounterMode(display=False) as bwd_counter, MetaSafeMode():
             backward()
         bwd_flops = bwd_counter.get_total_flops()
     param_keys = {storage_key(m.memo[id(t)]) for t in {**call.params, **call.buffers}.values() if id(t) in m.memo}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
@@ -90,7 +91,30 @@ def test_export_graph_is_costed_too():
 
 
 def test_measured_model_validates_arguments():
-    import pytest
 
     with pytest.raises(ValueError, match="need repeats >= 1 and warmup >= 0, got 0, 1"):
         MeasuredCostModel("cpu", repeats=0)
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("precision", [None, torch.bfloat16])
+def test_huggingface_llama_is_costed_on_meta_and_measured(precision):
+    transformers = pytest.importorskip("transformers")
+    from rpcompile.passes.analytic import AnalyticCostModel
+    from rpcompile.tracing import trace
+
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    kwargs = {"input_ids": torch.randint(0, 128, (2, 16)), "use_cache": False}
+    gm = trace(model, (), example_kwargs=kwargs)
+    # HF code moves tensors with .to(device) and export adds dtype asserts: the meta runs must cope with both
+    cost_pass(gm, (), kwargs, cost_model=AnalyticCostModel("rtx4090", dtype=precision), progress=False)
+    linears = [n for n in gm.graph.nodes if n.target is torch.ops.aten.linear.default]
+    assert len(linears) == 2 * 7 + 1
+    q_proj = node_cost(linears[0])
+    assert q_proj.params == ("model.layers.0.self_attn.q_proj.weight",)
+    assert q_proj.fwd_flops == 2 * 2 * 16 * 32 * 32 and q_proj.fwd_time_s > 0
+    total_act = sum(node_cost(n).act_bytes for n in gm.graph.nodes)
+    assert total_act > 0

@@ -65,7 +65,7 @@ from .meta import stay_on_meta as _stay_on_meta
 
 __all__ = [
     "AnalyticCostModel", "OpRecord", "CacheInfo", "OP_FLOPS_PER_ELEMENT", "TENSOR_CORE_DTYPES", "op_class",
-    "roofline_time",
+    "roofline_time", "GpuKernels",
 ]
 
 aten = torch.ops.aten
@@ -333,7 +333,7 @@ _REWRITES: dict[Any, Callable[..., Any]] = {
 }
 
 
-class _GpuKernels(TorchFunctionMode):
+class GpuKernels(TorchFunctionMode):
     """Replaces calls whose meta path differs from the GPU's (see module docstring)."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -441,7 +441,7 @@ class AnalyticCostModel(CostModel):
         run = m.run
 
         def recorded_run() -> Any:
-            with _GpuKernels(), _Recorder(self.spec, "fwd", fwd):
+            with GpuKernels(), _Recorder(self.spec, "fwd", fwd):
                 return run()
 
         m.run = recorded_run

@@ -310,12 +310,14 @@ def _autograd_profile(
         saved_keys.append(t)
         return t
 
-    with FlopCounterMode(display=False) as fwd_counter, MetaSafeMode(), \
+    from .analytic import GpuKernels  # attention as a GPU (or the CPU) runs it: flash, not meta's math path
+
+    with FlopCounterMode(display=False) as fwd_counter, MetaSafeMode(), GpuKernels(), \
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out, backward = m.forward_backward()
     bwd_flops = 0
     if backward is not None:
-        with FlopCounterMode(display=False) as bwd_counter, MetaSafeMode():
+        with FlopCounterMode(display=False) as bwd_counter, MetaSafeMode(), GpuKernels():
             backward()
         bwd_flops = bwd_counter.get_total_flops()
     param_keys = {storage_key(m.memo[id(t)]) for t in {**call.params, **call.buffers}.values() if id(t) in m.memo}

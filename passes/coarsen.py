@@ -44,7 +44,7 @@ class Segment:
 
     index: int
     name: str
-    """Source modules, e.g. ``layers.3.attn`` or ``layers.3.mlp_norm..layers.3.mlp``."""
+    """The source module group holding most of its time, e.g. ``layers.3.attn``."""
     layer: int
     start: int
     stop: int
@@ -137,14 +137,16 @@ def _runs(keys: Sequence[str]) -> list[tuple[int, int]]:
 
 
 def _merge(bounds: list[tuple[int, int]], time: list[float], cut_cost: list[int], target: int) -> list[tuple[int, int]]:
-    """Merge adjacent runs until ``target`` remain: smallest first, across its more expensive cut."""
+    """Merge adjacent runs, smallest first, across its more expensive cut, until at most ``target`` remain and
+    none is tiny (under a tenth of the largest: a norm or a residual add never stands alone)."""
     segs = list(bounds)
     t = [sum(time[a:b]) for a, b in segs]
-    while len(segs) > max(target, 1):
+    tiny = 0.1 * max(t, default=0.0)
+    while len(segs) > 1 and (len(segs) > max(target, 1) or min(t) < tiny):
         k = min(range(len(segs)), key=lambda i: (t[i], i))
-        left = cut_cost[segs[k - 1][1] - 1] if k > 0 else -1
-        right = cut_cost[segs[k][1] - 1] if k + 1 < len(segs) else -1
-        j = k - 1 if (left, -t[k - 1] if k > 0 else 0) > (right, -t[k + 1] if k + 1 < len(segs) else 0) else k + 1
+        left = (cut_cost[segs[k - 1][1] - 1], -t[k - 1]) if k > 0 else None
+        right = (cut_cost[segs[k][1] - 1], -t[k + 1]) if k + 1 < len(segs) else None
+        j = k - 1 if right is None or (left is not None and left > right) else k + 1
         a, b = min(k, j), max(k, j)
         segs[a:b + 1] = [(segs[a][0], segs[b][1])]
         t[a:b + 1] = [t[a] + t[b]]
@@ -164,7 +166,7 @@ def coarsen_pass(gm: fx.GraphModule, *, max_segments: int | None = None) -> fx.G
     inputs, live = live_bytes(gm)
     groups, layer_keys = _group_keys(nodes)
     runs = _runs(groups)
-    n_layers = len(_runs(layer_keys))
+    n_layers = sum(1 for a, _ in _runs(layer_keys) if _NUMERIC.match(layer_keys[a].rsplit(".", 1)[-1]))
     target = max_segments or default_max_segments(n_layers)
     time = [node_cost(n).fwd_time_s + node_cost(n).bwd_time_s for n in nodes]
     bounds = _merge(runs, time, live, target)
@@ -183,13 +185,15 @@ def coarsen_pass(gm: fx.GraphModule, *, max_segments: int | None = None) -> fx.G
 
 def _segment(i: int, nodes: Sequence[fx.Node], a: int, b: int, groups: Sequence[str], live: Sequence[int], layer: int) -> Segment:
     costs = [node_cost(n) for n in nodes[a:b]]
-    names = list(dict.fromkeys(groups[a:b]))
+    weight: dict[str, float] = {}
+    for g, c in zip(groups[a:b], costs):
+        weight[g] = weight.get(g, 0.0) + c.fwd_time_s + c.bwd_time_s
     params: dict[str, None] = {}
     for c in costs:
         params.update(dict.fromkeys(c.params))
     return Segment(
         index=i,
-        name=names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}",
+        name=max(weight, key=lambda g: weight[g]),  # the group that dominates its time, e.g. layers.3.mlp
         layer=layer,
         start=a,
         stop=b,

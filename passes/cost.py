@@ -34,7 +34,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from .meta import MetaSafeMode
 from .shape import SHAPE_KEY, describe, storage_key
-from .util import flat_inputs, is_compute, node_buffers, node_params, tensor_leaves
+from .util import flat_inputs, is_compute, node_params, tensor_leaves
 
 __all__ = [
     "COST_KEY",
@@ -262,10 +262,7 @@ def _call_for(gm: fx.GraphModule, node: fx.Node, args: tuple, kwargs: dict, need
             trainable.update(id(t) for t in tensor_leaves(_env_lookup(args, kwargs, node, arg_node)))
     if node.op == "call_module":
         mod = gm.get_submodule(node.target)
-        prefix = node.target + "."
-        own_params = {k.removeprefix(prefix): v for k, v in params.items()}
-        own_buffers = {k.removeprefix(prefix): v for k, v in node_buffers(gm, node).items() if k.startswith(prefix)}
-        return NodeCall(node, mod, args, kwargs, own_params, own_buffers, trainable)
+        return NodeCall(node, mod, args, kwargs, dict(mod.named_parameters()), dict(mod.named_buffers()), trainable)
     if node.op == "call_method":
         return NodeCall(node, _method(node.target), args, kwargs, {}, {}, trainable)
     return NodeCall(node, node.target, args, kwargs, {}, {}, trainable)

@@ -22,6 +22,7 @@ __all__ = [
     "node_params",
     "node_buffers",
     "tensor_leaves",
+    "canonical_names",
 ]
 
 COMPUTE_OPS = ("call_function", "call_method", "call_module")
@@ -70,16 +71,27 @@ def flat_inputs(gm: fx.GraphModule, args: Sequence[Any], kwargs: Mapping[str, An
     return values
 
 
+def canonical_names(gm: fx.GraphModule) -> dict[int, str]:
+    """id(tensor) -> the one name ``gm.named_parameters()``/``named_buffers()`` gives it (a tied weight has
+    several attribute paths but one canonical name)."""
+    cache = gm.meta.get("rpcompile.canonical_names")
+    if cache is None:
+        cache = {id(t): name for name, t in [*gm.named_parameters(), *gm.named_buffers()]}
+        gm.meta["rpcompile.canonical_names"] = cache
+    return cache
+
+
 def _attr_values(gm: fx.GraphModule, node: fx.Node, kind: str) -> Iterator[tuple[str, torch.Tensor]]:
+    names = canonical_names(gm)
     if node.op == "call_module" and node.target not in _IGNORED_MODULES:
         mod = gm.get_submodule(node.target)
         items = mod.named_parameters(prefix=node.target) if kind == "param" else mod.named_buffers(prefix=node.target)
-        yield from items
+        yield from ((names.get(id(t), name), t) for name, t in items)
     for arg in node.all_input_nodes:
         if arg.op == "get_attr":
             value = _fetch(gm, arg.target)
             if isinstance(value, torch.nn.Parameter) == (kind == "param") and isinstance(value, torch.Tensor):
-                yield arg.target, value
+                yield names.get(id(value), arg.target), value
 
 
 def _fetch(gm: fx.GraphModule, target: str) -> Any:

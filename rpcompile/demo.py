@@ -1,8 +1,12 @@
-"""The main job (``make demo`` / ``rpcompile demo``): show rpcompile end to end on a built-in model.
+"""The main job (``make demo`` / ``rpcompile demo``): rpcompile end to end on built-in models.
 
-It grows with the compiler. Today: trace a built-in model, cost every node on the device at hand (CUDA if
-present, else the CPU) and print the per-module table; then cost the real LLaMA-8B shape analytically for an
-RTX 4090 on the meta device — the laptop-side half of planning an 8-GPU run.
+It grows with the compiler. Today:
+
+1. trace a built-in model, cost every node on the device at hand (CUDA if present, else the CPU) and print the
+   per-module table;
+2. partition it for the devices that exist (each GPU, or two logical CPU devices) and compare the ILP plan with the
+   baselines under one timing model;
+3. plan the real LLaMA-8B shape for 8 × RTX 4090 on the meta device — the laptop side of an 8-GPU run.
 """
 
 from __future__ import annotations
@@ -15,29 +19,43 @@ from rich.console import Console
 __all__ = ["run_demo"]
 
 
-def run_demo(model_name: str = "llama-demo") -> int:
+def _devices() -> tuple[int, str]:
+    if torch.cuda.is_available():
+        return torch.cuda.device_count(), f"cuda:0..{torch.cuda.device_count() - 1}"
+    return 2, "2 logical CPU devices"
+
+
+def run_demo(model_name: str = "llama-demo", *, big_model: str = "llama-8b", big_gpus: int = 8) -> int:
     from rpcompile.models import load_model
-    from rpcompile.profiling import profile
-    from rpcompile.report import fmt_bytes, fmt_count, fmt_time, print_table, profile_table
+    from rpcompile.planning import compare, make_hardware, prepare
+    from rpcompile.profiling import profile_graph
+    from rpcompile.report import compare_table, plan_table, print_table, profile_table
 
     console = Console(width=max(Console().width, 120))
+    n_dev, where = _devices()
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
-    console.rule(f"[bold]rpcompile demo: {model_name} on {device}")
+
+    console.rule(f"[bold]1. {model_name}: trace and cost on {device}")
     ms = load_model(model_name)
     t0 = time.perf_counter()
-    prof = profile(ms.model, ms.example_inputs, device=device)
-    print_table(profile_table(prof, title=f"{model_name}: measured on {device} (traced with {prof.trace})"), console)
-    console.print(f"traced and profiled {prof.total.nodes} nodes in {time.perf_counter() - t0:.1f} s")
+    gm, m = prepare(ms.model, ms.example_inputs, gpus=n_dev, device=device)
+    prof = profile_graph(gm)
+    print_table(profile_table(prof, title=f"{model_name}: one microbatch measured on {device} (traced with {prof.trace})"), console)
+    console.print(f"traced, profiled and coarsened {prof.total.nodes} nodes in {time.perf_counter() - t0:.1f} s")
 
-    console.rule("[bold]llama-8b (Llama-3-8B shape) on the meta device, analytic rtx4090, seq 4096")
+    console.rule(f"[bold]2. {model_name}: round-robin plan for {where}, {m} microbatches")
+    hardware = make_hardware(n_dev, "cpu" if device == "cpu" else "rtx4090")
+    rows = compare(gm, hardware=hardware, microbatches=m, time_limit_s=5.0)
+    print_table(plan_table(rows["ilp"][1]), console)
+    print_table(compare_table(rows), console)
+
+    console.rule(f"[bold]3. {big_model} on {big_gpus} × rtx4090 (meta device, analytic costs, bf16, seq 4096)")
     t0 = time.perf_counter()
-    big = load_model("llama-8b")
-    prof8 = profile(big.model, big.example_inputs, spec="rtx4090", dtype=torch.bfloat16)
-    t = prof8.total
-    console.print(
-        f"{fmt_count(t.params)} parameters ({fmt_bytes(t.param_bytes)} fp32), {fmt_count(t.fwd_flops)}FLOP forward per "
-        f"sequence; predicted forward {fmt_time(t.fwd_time_s)}, backward {fmt_time(t.bwd_time_s)}, "
-        f"activations {fmt_bytes(t.activation_bytes)} — costed in {time.perf_counter() - t0:.1f} s without allocating weights"
-    )
-    console.print("[dim]partitioning, code generation and training join this demo as the partitioner and runtime land.")
+    big = load_model(big_model, batch_size=2 * big_gpus)
+    gm8, m8 = prepare(big.model, big.example_inputs, gpus=big_gpus, spec="rtx4090", microbatches=2 * big_gpus,
+                      precision="bf16", progress=False)
+    rows8 = compare(gm8, hardware=make_hardware(big_gpus, "rtx4090"), microbatches=m8, precision="bf16", time_limit_s=10.0)
+    print_table(compare_table(rows8), console)
+    console.print(f"planned {big_model} without allocating its weights in {time.perf_counter() - t0:.1f} s")
+    console.print("[dim]code generation and training join this demo as the runtime lands.")
     return 0

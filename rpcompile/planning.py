@@ -66,6 +66,7 @@ def partition_problem(
     microbatches: int,
     precision: str = "fp32",
     stage_overhead_s: float = DEFAULT_STAGE_OVERHEAD_S,
+    allow_save: bool = True,
 ):
     """Lower a coarsened graph to plain numbers. Parameters read by several segments (tied embeddings) become
     :class:`SharedParam`s: every stage that uses one receives it, and its gradient is summed over them."""
@@ -107,6 +108,7 @@ def partition_problem(
         link_bytes_per_s=hardware.link_bytes_per_s,
         microbatches=microbatches,
         stage_overhead_s=stage_overhead_s,
+        allow_save=allow_save,
     )
 
 
@@ -170,13 +172,16 @@ def plan_graph(
     strategy: str = "ilp",
     precision: str = "fp32",
     time_limit_s: float = 10.0,
+    allow_save: bool = True,
 ) -> Plan:
-    """Partition a costed, coarsened graph with one strategy; raise :class:`InfeasibleError` if nothing fits."""
+    """Partition a costed, coarsened graph with one strategy; raise :class:`InfeasibleError` if nothing fits.
+    ``allow_save=False`` makes every backward stage recompute (no activations kept in host memory)."""
     from rpcompile.passes.partition import solve
 
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
-    problem = partition_problem(gm, hardware=hardware, microbatches=microbatches, precision=precision)
+    problem = partition_problem(gm, hardware=hardware, microbatches=microbatches, precision=precision,
+                                allow_save=allow_save)
     result = solve(problem, strategy, time_limit_s=time_limit_s)
     if not result.feasible:
         raise _infeasible(problem, hardware)

@@ -1,0 +1,103 @@
+"""A small device layer: what the executor needs from a device, for CUDA and for logical CPU devices.
+
+There are no logical CPU devices in torch (``cpu:1`` tensors report ``cpu``; CPU streams and events are stubs), so
+the runtime defines its own (DESIGN.md §7). A :class:`Device` moves tensors to and from the host and knows its
+``torch.device``:
+
+- :class:`CpuDevice`: a logical device on the CPU. Moving is free (tensors stay where they are); each logical
+  device gets its own worker thread in the executor, which is how CI tests the multi-device logic.
+- :class:`CudaDevice`: one GPU. Uploads go through a dedicated copy stream from pinned host memory and the compute
+  stream waits on an event; downloads land in pinned host buffers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+__all__ = ["Device", "CpuDevice", "CudaDevice", "make_devices"]
+
+
+class Device:
+    """Base class: identity moves on ``torch_device``."""
+
+    def __init__(self, torch_device: torch.device, index: int):
+        self.torch_device = torch_device
+        self.index = index
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.index}: {self.torch_device})"
+
+    def upload(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Host tensor -> device tensor (cast to ``dtype`` for floating tensors)."""
+        if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+            return t.to(dtype)
+        return t
+
+    def download(self, t: torch.Tensor) -> torch.Tensor:
+        """Device tensor -> host tensor."""
+        return t
+
+    def compute(self) -> Any:
+        """Context in which this device's computation runs."""
+        return contextlib.nullcontext()
+
+    def synchronize(self) -> None:
+        """Wait for queued work on this device."""
+
+
+class CpuDevice(Device):
+    """A logical device on the CPU (see module docstring)."""
+
+
+class CudaDevice(Device):
+    """One GPU with a copy stream for uploads and pinned host memory for downloads."""
+
+    def __init__(self, torch_device: torch.device, index: int):
+        super().__init__(torch_device, index)
+        self.copy_stream = torch.cuda.Stream(torch_device)
+        self.compute_stream = torch.cuda.Stream(torch_device)
+
+    def upload(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        with torch.cuda.stream(self.copy_stream):
+            src = t if t.is_pinned() or t.device.type != "cpu" else t.pin_memory()
+            out = src.to(self.torch_device, non_blocking=True)
+            if dtype is not None and out.is_floating_point():
+                out = out.to(dtype)
+        self.compute_stream.wait_stream(self.copy_stream)
+        out.record_stream(self.compute_stream)
+        return out
+
+    def download(self, t: torch.Tensor) -> torch.Tensor:
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        torch.cuda.current_stream(self.torch_device).synchronize()
+        return host
+
+    def compute(self) -> Any:
+        return torch.cuda.stream(self.compute_stream)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.torch_device)
+
+
+def make_devices(devices: "list[str | torch.device] | None", gpus: int | None) -> list[Device]:
+    """Devices from an explicit list (``["cpu", "cpu"]``, ``["cuda:0", "cuda:1"]``) or ``gpus=k``."""
+    if devices is None:
+        if gpus is None:
+            raise ValueError("give devices=[...] or gpus=k")
+        if gpus > torch.cuda.device_count():
+            raise ValueError(
+                f"gpus={gpus} but {torch.cuda.device_count()} CUDA device(s) are visible; "
+                "use devices=['cpu'] * k for logical CPU devices"
+            )
+        devices = [f"cuda:{i}" for i in range(gpus)]
+    if not devices:
+        raise ValueError("need at least one device")
+    out: list[Device] = []
+    for i, d in enumerate(devices):
+        dev = torch.device(d)
+        out.append(CudaDevice(dev, i) if dev.type == "cuda" else CpuDevice(dev, i))
+    return out

@@ -1,0 +1,260 @@
+"""The round-robin executor: a small interpreter of per-device action lists (:mod:`.schedule`).
+
+One worker thread per device runs its list in order. ``kW`` makes the device's copy of stage k's weights (from the
+fp32 masters on the CPU, cast to the compute precision), ``kFj`` runs stage k on microbatch j once stage k−1 has
+finished microbatch j, ``kG`` adds the stage's gradients into the masters' ``.grad``. Values between stages live in
+host memory (:class:`ValueStore`), keyed by (value name, microbatch).
+
+Stage semantics (DESIGN.md §3):
+- forward stages run without autograd and hand on the values later stages need;
+- the fused stage runs forward, loss and backward in one go;
+- backward stages recompute their forward from the saved boundary values with autograd on, then run backward with
+  the gradients later stages left for their outputs, and leave gradients for their own inputs.
+Buffers (BatchNorm statistics) are updated by the real forward only: recomputation runs on copies. Randomness
+(dropout) is replayed per node (:mod:`.rng`), so recomputation draws the forward's masks.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from rpcompile.passes.util import tensor_leaves
+
+from . import rng
+from .devices import Device
+from .schedule import Action
+from .split import Program, StageProgram
+
+__all__ = ["ValueStore", "Executor", "TimelineEvent", "PipelineError"]
+
+
+class PipelineError(RuntimeError):
+    """A stage failed on a worker; carries the stage, microbatch and device."""
+
+
+@dataclass(frozen=True)
+class TimelineEvent:
+    """One executed action: what ran where and when (seconds since the call started)."""
+
+    action: str
+    stage: str
+    microbatch: int
+    device: int
+    start: float
+    end: float
+
+
+class ValueStore:
+    """Host memory between stages: values and accumulated gradients by (name, microbatch)."""
+
+    def __init__(self) -> None:
+        self.values: dict[tuple[str, int], Any] = {}
+        self.grads: dict[tuple[str, int], torch.Tensor] = {}
+        self.lock = threading.Lock()
+
+    def put(self, name: str, mb: int, value: Any) -> None:
+        self.values[(name, mb)] = value
+
+    def get(self, name: str, mb: int) -> Any:
+        return self.values[(name, mb)]
+
+    def add_grad(self, name: str, mb: int, grad: torch.Tensor) -> None:
+        with self.lock:
+            old = self.grads.get((name, mb))
+            self.grads[(name, mb)] = grad if old is None else old + grad
+
+    def grad(self, name: str, mb: int) -> torch.Tensor | None:
+        return self.grads.get((name, mb))
+
+
+@dataclass
+class _StageState:
+    """A stage's device copies of its weights while it is resident."""
+
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+    """canonical name -> device tensor (a leaf with requires_grad for trainable params of grad stages)."""
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class Executor:
+    """Runs one iteration of a schedule (see module docstring)."""
+
+    def __init__(
+        self,
+        program: Program,
+        devices: Sequence[Device],
+        params: dict[str, torch.nn.Parameter],
+        buffers: dict[str, torch.Tensor],
+        *,
+        dtype: torch.dtype | None = None,
+    ):
+        self.program, self.devices = program, list(devices)
+        self.params, self.buffers, self.dtype = params, buffers, dtype
+        self.grad_lock = threading.Lock()
+        self.timeline: list[TimelineEvent] = []
+
+    # ------------------------------------------------------------------------------------------ the loop
+    def run(self, schedule: list[list[Action]], store: ValueStore, *, iteration: int,
+            loss_fn: Callable[[Any, int], torch.Tensor] | None, grad_scale: float = 1.0) -> list[torch.Tensor]:
+        """Run every device's action list; return the fused stage's per-microbatch losses."""
+        self.store, self.iteration, self.loss_fn, self.grad_scale = store, iteration, loss_fn, grad_scale
+        self.losses: dict[int, torch.Tensor] = {}
+        self.done = {(a.stage, a.microbatch): threading.Event() for acts in schedule for a in acts if a.kind == "F"}
+        self.failed: list[BaseException] = []
+        self.t0 = time.perf_counter()
+        self.timeline = []
+        workers = [threading.Thread(target=self._worker, args=(d, acts), name=f"rpcompile-dev{d}", daemon=True)
+                   for d, acts in enumerate(schedule)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        if self.failed:
+            raise self.failed[0]
+        return [self.losses[j] for j in sorted(self.losses)]
+
+    def _worker(self, d: int, actions: list[Action]) -> None:
+        device = self.devices[d]
+        states: dict[int, _StageState] = {}
+        torch.set_num_threads(max(1, torch.get_num_threads() // max(1, len(self.devices))) or 1)
+        try:
+            with torch.device(device.torch_device) if device.torch_device.type == "cuda" else _nullcontext():
+                for act in actions:
+                    if self.failed:
+                        return
+                    self._dispatch(device, act, states)
+        except BaseException as e:  # noqa: BLE001 - reported to the caller, other workers stop
+            stage = self.program.stages[act.stage]
+            err = PipelineError(f"stage {stage.name} ({act}) failed on device {d} ({device.torch_device}): "
+                                f"{type(e).__name__}: {e}")
+            err.__cause__ = e
+            err.details = traceback.format_exc()  # type: ignore[attr-defined]
+            self.failed.append(err)
+            for ev in self.done.values():
+                ev.set()
+
+    def run_forward(self, store: ValueStore, *, iteration: int) -> Any:
+        """Evaluation: forward and fused stages in order, one batch, no autograd; returns the model output."""
+        self.store, self.iteration = store, iteration
+        for prog in self.program.stages:
+            if prog.kind == "backward":
+                continue
+            device = self.devices[prog.index % len(self.devices)]
+            state = self._upload(device, prog)
+            rng.context.iteration, rng.context.microbatch, rng.context.device = iteration, 0, device.torch_device
+            with device.compute():
+                outs = self._call(prog, state, self._inputs(device, prog, 0, leaves=False), copy_buffers=False)
+            if prog.kind == "fused":
+                return prog.model_output(outs)
+            for name, v in zip(prog.outputs, outs):
+                store.put(name, 0, device.download(v) if isinstance(v, torch.Tensor) else v)
+        raise RuntimeError("plan has no fused stage")
+
+    def _dispatch(self, device: Device, act: Action, states: dict[int, _StageState]) -> None:
+        prog = self.program.stages[act.stage]
+        start = time.perf_counter() - self.t0
+        if act.kind == "W":
+            states[act.stage] = self._upload(device, prog)
+        elif act.kind == "F":
+            if act.stage > 0:
+                self.done[(act.stage - 1, act.microbatch)].wait()
+                if self.failed:
+                    return
+            with device.compute():
+                self._compute(device, prog, states[act.stage], act.microbatch)
+            self.done[(act.stage, act.microbatch)].set()
+        else:
+            self._download_grads(device, prog, states.pop(act.stage))
+        self.timeline.append(TimelineEvent(str(act), prog.name, act.microbatch, device.index, start,
+                                           time.perf_counter() - self.t0))
+
+    # ------------------------------------------------------------------------------------------ weights
+    def _upload(self, device: Device, prog: StageProgram) -> _StageState:
+        grads = prog.kind != "forward"
+        state = _StageState()
+        for name in dict.fromkeys(prog.params.values()):
+            master = self.params[name]
+            t = device.upload(master.detach(), self.dtype)
+            if t is master or t.data_ptr() == master.data_ptr():
+                t = t.detach()  # a new leaf sharing the master's storage: its own .grad
+            state.params[name] = t.requires_grad_(grads and master.requires_grad)
+        for name in dict.fromkeys(prog.buffers.values()):
+            state.buffers[name] = device.upload(self.buffers[name])
+        return state
+
+    def _download_grads(self, device: Device, prog: StageProgram, state: _StageState) -> None:
+        for name, t in state.params.items():
+            if t.grad is None:
+                continue
+            g = device.download(t.grad).to(torch.float32)  # still multiplied by grad_scale: GradScaler unscales
+            master = self.params[name]
+            with self.grad_lock:
+                master.grad = g.clone() if master.grad is None else master.grad + g
+        for name, t in state.buffers.items():  # real forward updated them on the device: write back
+            if prog.kind in ("forward", "fused") and device.torch_device.type != "cpu":
+                self.buffers[name].copy_(device.download(t))
+
+    # ------------------------------------------------------------------------------------------ compute
+    def _inputs(self, device: Device, prog: StageProgram, mb: int, *, leaves: bool) -> list[Any]:
+        out = []
+        for name in prog.inputs:
+            v = self.store.get(name, mb)
+            if isinstance(v, torch.Tensor):
+                v = device.upload(v, self.dtype)
+                if leaves and v.is_floating_point() and name in self.program.needs_grad:
+                    v = v.detach().requires_grad_(True)
+            out.append(v)
+        return out
+
+    def _call(self, prog: StageProgram, state: _StageState, inputs: list[Any], *, copy_buffers: bool) -> Any:
+        tensors = {attr: state.params[name] for attr, name in prog.params.items()}
+        for attr, name in prog.buffers.items():
+            b = state.buffers[name]
+            tensors[attr] = b.clone() if copy_buffers else b
+        return torch.func.functional_call(prog.gm, tensors, tuple(inputs), strict=False, tie_weights=False)
+
+    def _compute(self, device: Device, prog: StageProgram, state: _StageState, mb: int) -> None:
+        rng.context.iteration, rng.context.microbatch, rng.context.device = self.iteration, mb, device.torch_device
+        if prog.kind == "forward":
+            with torch.no_grad():
+                outs = self._call(prog, state, self._inputs(device, prog, mb, leaves=False), copy_buffers=False)
+            for name, v in zip(prog.outputs, outs):
+                self.store.put(name, mb, device.download(v) if isinstance(v, torch.Tensor) else v)
+            return
+        inputs = self._inputs(device, prog, mb, leaves=True)
+        with torch.enable_grad():
+            raw = self._call(prog, state, inputs, copy_buffers=prog.kind == "backward")
+        if prog.kind == "fused":
+            loss = self.loss_fn(prog.model_output(raw), mb)  # type: ignore[misc]
+            self.losses[mb] = loss.detach().float().cpu()
+            roots, grads = [loss * self.grad_scale], [None]
+        else:
+            roots, grads = self._output_grads(device, prog, raw, mb)
+        if roots:
+            torch.autograd.backward(roots, grads)
+        for name, v in zip(prog.inputs, inputs):
+            if isinstance(v, torch.Tensor) and v.requires_grad and v.grad is not None:
+                self.store.add_grad(name, mb, device.download(v.grad))
+
+    def _output_grads(self, device: Device, prog: StageProgram, outs: Any, mb: int) -> tuple[list, list]:
+        roots, grads = [], []
+        for name, v in zip(prog.outputs, outs):
+            g = self.store.grad(name, mb)
+            if g is not None and isinstance(v, torch.Tensor) and v.requires_grad:
+                roots.append(v)
+                grads.append(device.upload(g, v.dtype))
+        return roots, grads
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None

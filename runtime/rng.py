@@ -1,0 +1,99 @@
+"""Replayable randomness: dropout masks that match between a forward pass and its recomputation.
+
+Forward and backward stages cut the graph differently, so randomness cannot be keyed by stage. Instead every
+random node of a stage graph (dropout and friends) is rewritten by :func:`seed_random_nodes` to run under a
+generator seeded from (iteration, node name, microbatch) — the executor sets those in :data:`context` before it
+runs a stage. A node therefore draws the same mask whenever and wherever it runs, on any number of devices.
+Logical CPU devices share one generator, so seeding takes a process-wide lock there.
+"""
+
+from __future__ import annotations
+
+import threading
+import zlib
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+__all__ = ["context", "seed_random_nodes", "seeded_call", "RANDOM_MODULES", "RANDOM_FUNCTIONS"]
+
+RANDOM_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+_RANDOM_NAMES = {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",
+                 "native_dropout", "bernoulli", "bernoulli_", "rand", "rand_like", "randn", "randn_like",
+                 "randint", "randint_like", "randperm", "multinomial", "normal", "uniform_", "normal_", "rrelu"}
+RANDOM_FUNCTIONS = frozenset(_RANDOM_NAMES)
+
+context = threading.local()
+"""Per worker thread: ``iteration``, ``microbatch`` and ``device`` (a torch.device) of the stage running now."""
+
+_CPU_LOCK = threading.Lock()
+
+
+def _target_name(node: fx.Node) -> str:
+    t = node.target
+    if isinstance(t, str):
+        return t
+    return getattr(getattr(t, "_overloadpacket", t), "__name__", "").split(".")[-1]
+
+
+def _is_random(gm: fx.GraphModule, node: fx.Node) -> bool:
+    if node.op == "call_module":
+        return isinstance(gm.get_submodule(node.target), RANDOM_MODULES)
+    if node.op in ("call_function", "call_method"):
+        return _target_name(node) in RANDOM_FUNCTIONS
+    return False
+
+
+def seeded_call(key: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run ``fn`` with the current device's generator seeded from (iteration, ``key``, microbatch)."""
+    iteration = getattr(context, "iteration", 0)
+    mb = getattr(context, "microbatch", 0)
+    device = getattr(context, "device", torch.device("cpu"))
+    seed = zlib.crc32(f"{iteration}/{key}/{mb}".encode())
+    if device.type == "cuda":
+        state = torch.cuda.get_rng_state(device)
+        torch.cuda.manual_seed(seed)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.cuda.set_rng_state(state, device)
+    with _CPU_LOCK:
+        state = torch.get_rng_state()
+        torch.manual_seed(seed)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.set_rng_state(state)
+
+
+def _method(name: str) -> Callable[..., Any]:
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self, name)(*args, **kwargs)
+
+    return call
+
+
+def seed_random_nodes(gm: fx.GraphModule) -> int:
+    """Rewrite every random node of ``gm`` into ``seeded_call(node_name, original, ...)``; returns the count."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        if not _is_random(gm, node):
+            continue
+        with gm.graph.inserting_before(node):
+            if node.op == "call_module":
+                fn: Any = gm.graph.get_attr(node.target)
+            elif node.op == "call_method":
+                fn = _method(node.target)
+            else:
+                fn = node.target
+            new = gm.graph.call_function(seeded_call, (node.name, fn, *node.args), dict(node.kwargs))
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        new.name = node.name
+        count += 1
+    if count:
+        gm.recompile()
+    return count

@@ -1,0 +1,60 @@
+"""The round-robin schedule as data (DESIGN.md §3).
+
+An :class:`Action` is one unit of work on one device and prints as ``<stage><kind><microbatch>``:
+``3F1`` runs stage 3 on microbatch 1; ``3W`` uploads stage 3's weights, ``3G`` sends its gradients home. A
+schedule is one list of actions per device; the executor runs each list in order on its device's worker and the
+simulator walks the very same lists with a clock.
+
+Stage ``k`` runs on device ``(k + offset) mod N``. On its device a stage's weight upload comes right after the
+previous stage's compute begins (so it is prefetched while that stage computes), every microbatch follows, then
+its gradient download (backward and fused stages only).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+__all__ = ["Action", "ActionKind", "round_robin", "format_schedule", "parse_action"]
+
+ActionKind = Literal["W", "F", "G"]
+_ACTION = re.compile(r"^(\d+)([WFG])(\d*)$")
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    """One unit of work: ``W`` upload weights, ``F`` compute one microbatch, ``G`` download gradients."""
+
+    stage: int
+    kind: ActionKind
+    microbatch: int = -1
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.microbatch if self.kind == 'F' else ''}"
+
+
+def parse_action(text: str) -> Action:
+    m = _ACTION.match(text)
+    if not m or (m.group(2) == "F") != bool(m.group(3)):
+        raise ValueError(f"not an action: {text!r} (examples: 3W, 3F0, 3G)")
+    return Action(int(m.group(1)), m.group(2), int(m.group(3)) if m.group(3) else -1)  # type: ignore[arg-type]
+
+
+def round_robin(kinds: Sequence[str], devices: int, microbatches: int, *, offset: int = 0) -> list[list[Action]]:
+    """Per-device action lists for stages of the given kinds (``forward``/``fused``/``backward``) in order."""
+    if devices < 1 or microbatches < 1:
+        raise ValueError(f"need devices >= 1 and microbatches >= 1, got {devices}, {microbatches}")
+    lists: list[list[Action]] = [[] for _ in range(devices)]
+    for k, kind in enumerate(kinds):
+        actions = lists[(k + offset) % devices]
+        actions.append(Action(k, "W"))
+        actions.extend(Action(k, "F", j) for j in range(microbatches))
+        if kind != "forward":
+            actions.append(Action(k, "G"))
+    return lists
+
+
+def format_schedule(lists: Sequence[Sequence[Action]]) -> str:
+    """``dev0: 0W 0F0 0F1 2W …`` one line per device."""
+    return "\n".join(f"dev{d}: " + " ".join(map(str, acts)) for d, acts in enumerate(lists))

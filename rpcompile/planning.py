@@ -222,7 +222,9 @@ def prepare(
     from .profiling import analyze, make_cost_model
 
     m = microbatches or gpus + 1
-    first = split_microbatches(tuple(example_inputs), m)[0]
+    args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
+    piece = split_microbatches((*args, *kwargs.values()), m)[0]
+    first, example_kwargs = piece[: len(args)], dict(zip(kwargs, piece[len(args):]))
     model_device = next((p.device.type for p in model.parameters()), "cpu")
     dtype = None if precision == "fp32" else {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     cost_model = make_cost_model(spec=spec, device=device, dtype=dtype, model_device=model_device)

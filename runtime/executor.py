@@ -158,14 +158,14 @@ class Executor:
 
     def _dispatch(self, device: Device, act: Action, states: dict[int, _StageState]) -> None:
         prog = self.program.stages[act.stage]
+        if act.kind == "F" and act.stage > 0:
+            self.done[(act.stage - 1, act.microbatch)].wait()
+            if self.failed:
+                return
         start = time.perf_counter() - self.t0
         if act.kind == "W":
             states[act.stage] = self._upload(device, prog)
         elif act.kind == "F":
-            if act.stage > 0:
-                self.done[(act.stage - 1, act.microbatch)].wait()
-                if self.failed:
-                    return
             with device.compute():
                 self._compute(device, prog, states[act.stage], act.microbatch)
             self.done[(act.stage, act.microbatch)].set()

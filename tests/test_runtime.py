@@ -1,0 +1,223 @@
+"""The runtime on logical CPU devices: loss, every gradient and the weights after AdamW equal eager PyTorch."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import rpcompile
+from rpcompile.models import load_model
+from rpcompile.planning import split_microbatches
+from rpcompile.runtime.schedule import Action, format_schedule, parse_action, round_robin
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def assert_grads_equal(model, ref):
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        r = ref_params[name]
+        if r.grad is None:
+            assert p.grad is None, f"{name}: got a gradient, eager has none"
+            continue
+        assert p.grad is not None, f"{name}: no gradient, eager has one"
+        torch.testing.assert_close(p.grad, r.grad, **TOL, msg=lambda m: f"gradient of {name} differs: {m}")
+
+
+def eager_step(ref, loss_fn, x, y, microbatches):
+    """Eager reference: gradient accumulation over the same microbatches, weighted to the batch mean."""
+    total = x.shape[0]
+    loss = 0.0
+    for (xs,), (ys,) in zip(split_microbatches((x,), microbatches), split_microbatches((y,), microbatches)):
+        part = loss_fn(ref(xs), ys) * (xs.shape[0] / total)
+        part.backward()
+        loss += part.detach()
+    return loss
+
+
+def make(name, k, m, batch_size=10, **options):
+    spec = load_model(name, batch_size=batch_size)  # 10 splits evenly into 1, 2, 5 and unevenly into 3
+    ref = copy.deepcopy(spec.model)
+    x, = spec.example_inputs
+    pipe = rpcompile.compile(spec.model, (x,), loss_fn=spec.loss_fn, devices=["cpu"] * k, microbatches=m,
+                             time_limit_s=2.0, **options)
+    return spec, ref, pipe, x, spec.example_target
+
+
+@pytest.mark.parametrize("name", ["llama-demo", "gpt-demo"])
+@pytest.mark.parametrize("k,m", [(1, 1), (2, 3), (3, 5), (3, 1)])
+def test_decoders_match_eager(name, k, m):
+    spec, ref, pipe, x, y = make(name, k, m)
+    loss = pipe.forward_backward(x, target=y)
+    ref_loss = spec.loss_fn(ref(x), y)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+    assert_grads_equal(spec.model, ref)
+
+
+@pytest.mark.parametrize("strategy", ["ilp", "dp", "roundpipe", "uniform"])
+def test_every_strategy_matches_eager(strategy):
+    spec, ref, pipe, x, y = make("llama-demo", 2, 3, strategy=strategy)
+    assert pipe.plan.strategy == strategy
+    pipe.forward_backward(x, target=y)
+    spec.loss_fn(ref(x), y).backward()
+    assert_grads_equal(spec.model, ref)
+
+
+def test_tied_embedding_gets_the_summed_gradient():
+    spec, ref, pipe, x, y = make("gpt-demo", 2, 3)
+    users = [s.name for s in pipe.plan.stages if "wte.weight" in s.params and s.kind != "forward"]
+    assert len(users) >= 2  # the fused stage (lm_head) and the first backward stage (embedding)
+    pipe.forward_backward(x, target=y)
+    spec.loss_fn(ref(x), y).backward()
+    torch.testing.assert_close(spec.model.wte.weight.grad, ref.wte.weight.grad, **TOL)
+
+
+def test_gradients_accumulate_across_calls_and_adamw_matches():
+    spec, ref, pipe, x, y = make("llama-demo", 2, 3)
+    # eps keeps Adam from amplifying 1e-9 summation-order differences of near-zero gradients into lr-sized steps
+    opt = torch.optim.AdamW(spec.model.parameters(), lr=1e-3, eps=1e-6)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
+    pipe.forward_backward(x, target=y)
+    pipe.forward_backward(x, target=y)  # accumulates, as eager does
+    spec.loss_fn(ref(x), y).backward()
+    spec.loss_fn(ref(x), y).backward()
+    assert_grads_equal(spec.model, ref)
+    for step in range(3):
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+        pipe.forward_backward(x, target=y)
+        spec.loss_fn(ref(x), y).backward()
+    opt.step(), ref_opt.step()
+    ref_params = dict(ref.named_parameters())
+    for name, p in spec.model.named_parameters():
+        torch.testing.assert_close(p.detach(), ref_params[name].detach(), rtol=1e-5, atol=2e-6,
+                                   msg=lambda msg: f"weight {name} after AdamW differs: {msg}")
+
+
+def test_frozen_parameters_get_no_gradient():
+    spec = load_model("llama-demo")
+    for name, p in spec.model.named_parameters():
+        if not name.startswith("layers.3"):
+            p.requires_grad_(False)  # LoRA-style: only the last block trains
+    ref = copy.deepcopy(spec.model)
+    x, = spec.example_inputs
+    pipe = rpcompile.compile(spec.model, (x,), loss_fn=spec.loss_fn, devices=["cpu", "cpu"], microbatches=3, time_limit_s=2.0)
+    pipe.forward_backward(x, target=spec.example_target)
+    spec.loss_fn(ref(x), spec.example_target).backward()
+    assert_grads_equal(spec.model, ref)
+    assert all(p.grad is None for n, p in spec.model.named_parameters() if not n.startswith("layers.3"))
+
+
+@pytest.mark.parametrize("k,m", [(2, 3), (3, 2)])
+def test_cnn_batchnorm_and_dropout(k, m):
+    """BatchNorm statistics update once per microbatch (never in recompute); dropout masks replay in recompute.
+    Reference: the same graph with the same per-node seeds run eagerly on one device, no recompute."""
+    from rpcompile.runtime import rng
+    from rpcompile.tracing import trace
+
+    spec = load_model("cnn-demo")
+    ref = copy.deepcopy(spec.model)
+    x, = spec.example_inputs
+    y = spec.example_target
+    pipe = rpcompile.compile(spec.model, (x,), loss_fn=spec.loss_fn, devices=["cpu"] * k, microbatches=m, time_limit_s=2.0)
+    assert any(s.kind == "backward" for s in pipe.plan.stages)
+    loss = pipe.forward_backward(x, target=y)
+
+    ref_gm = trace(ref, (x,))
+    assert rng.seed_random_nodes(ref_gm) == 1
+    rng.context.iteration, rng.context.device = 0, torch.device("cpu")
+    ref_loss = 0.0
+    for j, ((xs,), (ys,)) in enumerate(zip(split_microbatches((x,), m), split_microbatches((y,), m))):
+        rng.context.microbatch = j
+        part = spec.loss_fn(ref_gm(xs), ys) * (xs.shape[0] / x.shape[0])
+        part.backward()
+        ref_loss += part.detach()
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+    assert_grads_equal(spec.model, ref)
+    for name, buf in spec.model.named_buffers():
+        torch.testing.assert_close(buf, dict(ref.named_buffers())[name], msg=lambda msg: f"buffer {name}: {msg}")
+    assert int(spec.model.blocks[0].bn.num_batches_tracked) == m
+
+
+def test_forward_for_evaluation():
+    spec, ref, pipe, x, y = make("llama-demo", 2, 3)
+    torch.testing.assert_close(pipe.forward(x), ref(x), **TOL)
+
+
+def test_schedule_is_literal_round_robin():
+    lists = round_robin(["forward", "forward", "fused", "backward", "backward"], devices=2, microbatches=2)
+    assert format_schedule(lists) == (
+        "dev0: 0W 0F0 0F1 2W 2F0 2F1 2G 4W 4F0 4F1 4G\n"
+        "dev1: 1W 1F0 1F1 3W 3F0 3F1 3G"
+    )
+    assert parse_action("3F1") == Action(3, "F", 1) and str(parse_action("3G")) == "3G"
+    with pytest.raises(ValueError, match=r"not an action: '3X' \(examples: 3W, 3F0, 3G\)"):
+        parse_action("3X")
+
+
+def test_timeline_order_per_device():
+    spec, ref, pipe, x, y = make("llama-demo", 2, 2, strategy="uniform")
+    pipe.forward_backward(x, target=y)
+    by_device = {}
+    for ev in sorted(pipe.timeline, key=lambda e: e.start):
+        by_device.setdefault(ev.device, []).append(ev.action)
+    for d, actions in enumerate(pipe.schedule):
+        assert by_device[d] == [str(a) for a in actions]
+    # stage k+1 never starts a microbatch before stage k finished it
+    ends = {(e.action): e.end for e in pipe.timeline}
+    for e in pipe.timeline:
+        if "F" in e.action and not e.action.startswith("0"):
+            k, j = e.action.split("F")
+            assert e.start >= ends[f"{int(k) - 1}F{j}"]
+
+
+def test_codegen_is_readable(tmp_path):
+    spec, ref, pipe, x, y = make("llama-demo", 2, 3)
+    files = pipe.codegen(tmp_path)
+    assert [f.name for f in files] == [f"stage_{k:02d}_{s.name}.py" for k, s in enumerate(pipe.plan.stages)]
+    text = files[0].read_text()
+    assert text.startswith("# rpcompile stage F0 (forward), position 0 of")
+    assert "# source modules: (root), embed" in text and "def forward(self" in text
+    compile(text, str(files[0]), "exec")  # valid Python
+
+
+def test_loaded_plan_for_other_device_count_is_refused(tmp_path):
+    spec, ref, pipe, x, y = make("llama-demo", 2, 3)
+    path = pipe.plan.save(tmp_path / "plan.json")
+    with pytest.raises(rpcompile.RPCompileError, match=r"the plan is for 2 devices but 3 were given; re-plan"):
+        rpcompile.compile(spec.model, (x,), loss_fn=spec.loss_fn, devices=["cpu"] * 3, plan=path)
+    again = rpcompile.compile(spec.model, (x,), loss_fn=spec.loss_fn, devices=["cpu"] * 2, plan=path)
+    assert again.plan == pipe.plan
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_huggingface_models_match_eager(arch):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2)
+        model = transformers.LlamaForCausalLM(cfg)
+    else:
+        cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
+                                      embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        model = transformers.GPT2LMHeadModel(cfg)
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 64, (4, 8))
+    y = torch.randint(0, 64, (4, 8))
+
+    def loss_fn(out, target):
+        return F.cross_entropy(out.logits.flatten(0, 1).float(), target.flatten())
+
+    pipe = rpcompile.compile(model, (), example_kwargs={"input_ids": ids, "use_cache": False}, loss_fn=loss_fn,
+                             devices=["cpu", "cpu"], microbatches=2, time_limit_s=2.0)
+    loss = pipe.forward_backward(input_ids=ids, use_cache=False, target=y)
+    ref_loss = loss_fn(ref(input_ids=ids, use_cache=False), y)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+    assert_grads_equal(model, ref)

@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=float, default=10.0, help="solver time limit in seconds")
     p.add_argument("--max-segments", type=int, default=None, help="coarsening target (default ~2 per layer)")
     p.add_argument("-o", "--output", default=None, help="write the plan JSON here")
+    p.add_argument("--emit", default=None, metavar="DIR", help="write each stage's generated Python into DIR")
     p.add_argument("--compare", action="store_true", help="(with --json) report every strategy")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.set_defaults(func=_cmd_plan)
@@ -135,6 +136,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         raise _infeasible(partition_problem(gm, hardware=hardware, microbatches=m, precision=args.precision), hardware)
     if args.output:
         chosen.save(args.output)
+    if args.emit:
+        from rpcompile.runtime.codegen import write_stages
+        from rpcompile.runtime.split import split_plan
+
+        write_stages(split_plan(chosen, gm), chosen, args.emit)
     if args.json:
         out = {"strategies": {k: _strategy_json(r, p) for k, r_p in rows.items() for r, p in [r_p]}} if args.compare else chosen.to_dict()
         print(json.dumps(out))
@@ -143,6 +149,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     print_table(compare_table(rows, reference=args.strategy))
     if args.output:
         print(f"plan written to {args.output}")
+    if args.emit:
+        print(f"stage code written to {args.emit}/")
     return 0
 
 

@@ -166,8 +166,14 @@ def compile(
     memory_limit = plan_options.pop("memory_limit", None)
     if memory_limit is None and not on_cpu:
         memory_limit = int(torch.cuda.get_device_properties(devs[0].torch_device).total_memory * 0.9)
-    gm, m = prepare(model, example_inputs, gpus=len(devs), device=devs[0].torch_device, microbatches=microbatches,
-                    precision=precision, example_kwargs=example_kwargs, progress=False)
+    threads = torch.get_num_threads()
+    if on_cpu and len(devs) > 1:  # measure with the intra-op threads each logical device will have
+        torch.set_num_threads(max(1, threads // len(devs)))
+    try:
+        gm, m = prepare(model, example_inputs, gpus=len(devs), device=devs[0].torch_device,
+                        microbatches=microbatches, precision=precision, example_kwargs=example_kwargs, progress=False)
+    finally:
+        torch.set_num_threads(threads)
     hardware = make_hardware(len(devs), "cpu" if on_cpu else "rtx4090", memory_limit)
     # The runtime recomputes every backward stage from its input boundary; plans that save activations to host
     # memory arrive with the runtime's save path (until then the planner is told saving is unavailable).

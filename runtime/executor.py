@@ -111,10 +111,17 @@ class Executor:
         self.timeline = []
         workers = [threading.Thread(target=self._worker, args=(d, acts), name=f"rpcompile-dev{d}", daemon=True)
                    for d, acts in enumerate(schedule)]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
+        threads = torch.get_num_threads()
+        cpu_workers = sum(1 for d in self.devices if d.torch_device.type == "cpu")
+        if cpu_workers > 1:  # logical CPU devices share the cores: more intra-op threads than cores thrash
+            torch.set_num_threads(max(1, threads // cpu_workers))
+        try:
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+        finally:
+            torch.set_num_threads(threads)
         if self.failed:
             raise self.failed[0]
         return [self.losses[j] for j in sorted(self.losses)]
@@ -122,7 +129,6 @@ class Executor:
     def _worker(self, d: int, actions: list[Action]) -> None:
         device = self.devices[d]
         states: dict[int, _StageState] = {}
-        torch.set_num_threads(max(1, torch.get_num_threads() // max(1, len(self.devices))) or 1)
         try:
             with torch.device(device.torch_device) if device.torch_device.type == "cuda" else _nullcontext():
                 for act in actions:

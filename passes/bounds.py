@@ -1,0 +1,136 @@
+"""Lower bounds on the slowest stage of any plan with ``S`` stages when segments may be saved.
+
+A plan with fused start ``a``, ``f`` forward and ``b`` backward stages, all within ``T`` (``T' = T − overhead``),
+must satisfy, besides the per-side min-max bounds of :mod:`.balance`:
+
+- *forward link*: the forward stages download the saved activations plus one boundary each:
+  ``Σ_saved α + Fo(a, f) <= f·T'`` (``α = act_bytes / link``);
+- *backward link*: the backward stages upload them again plus their inputs, incoming gradients and weights:
+  ``Σ_saved α + Bo(a, b) <= b·T'``; their downloads ``Bd(a, b) <= b·T'``;
+- *backward compute*: ``Σ_{i<a} (bwd + rec) − Σ_saved rec <= b·T'``.
+
+``Fo``, ``Bo``, ``Bd`` use the smallest boundary below ``a`` for the unknown inner cuts. The best saved set for
+these aggregates is a fractional knapsack (recompute removed per link second, Dantzig's greedy), so the least
+feasible ``T'`` of each ``(a, f, b)`` is found by bisection on a monotone test, vectorised over all triples that
+could still beat the incumbent. The bound per stage count is the least over its triples; it is what lets the ILP
+skip stage budgets whose plans would need more link time than exists (the per-range relaxation cannot see that).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .balance import BalanceTable
+from .problem import PartitionProblem
+from .tables import INF, RangeTables
+
+__all__ = ["saving_bounds"]
+
+_BISECT_STEPS = 48
+
+
+class _Knapsack:
+    """``R_a(σ)``: most recompute removable by saving segments below ``a`` within ``σ`` seconds of link."""
+
+    def __init__(self, pb: PartitionProblem, alpha: np.ndarray) -> None:
+        n, rec = pb.n, np.asarray(pb.rec_s)
+        below = np.arange(n)[None, :] < np.arange(n + 1)[:, None]  # [a, i]: segment i lies below a
+        paid = alpha > 0
+        self.free = (below & ~paid[None, :]) @ rec
+        order = np.argsort(-np.where(paid, rec / np.where(paid, alpha, 1.0), 0.0), kind="stable")[: paid.sum()]
+        mask = below[:, order]
+        zeros = np.zeros((n + 1, 1))
+        self.cum_a = np.hstack([zeros, np.cumsum(mask * alpha[order], axis=1)])
+        self.cum_r = np.hstack([zeros, np.cumsum(mask * rec[order], axis=1)])
+        step_a, step_r = np.diff(self.cum_a, axis=1), np.diff(self.cum_r, axis=1)
+        slope = np.where(step_a > 0, step_r / np.where(step_a > 0, step_a, 1.0), 0.0)
+        self.slope = np.hstack([slope, zeros])
+        self.total = self.cum_a[:, -1]
+        self.big = 2.0 * float(self.total.max()) + 1.0
+        width = self.cum_a.shape[1]
+        self.keys = (self.cum_a + np.arange(n + 1)[:, None] * self.big).ravel()
+        self.width = width
+
+    def __call__(self, a: np.ndarray, sigma: np.ndarray) -> np.ndarray:
+        pos = np.searchsorted(self.keys, sigma + a * self.big, side="right") - 1
+        k = np.clip(pos - a * self.width, 0, self.width - 1)
+        # the next breakpoint after a run of equal ones carries the slope of the next item saved
+        k = np.minimum(k, self.width - 1)
+        return self.free[a] + self.cum_r[a, k] + self.slope[a, k] * (sigma - self.cum_a[a, k])
+
+
+def _triples(fwd: np.ndarray, bwd: np.ndarray, fused: np.ndarray, max_stages: int, ovh: float,
+             keep: np.ndarray) -> tuple[np.ndarray, ...]:
+    """All ``(a, f, b)`` with finite per-side bounds, ``f + b + 1 <= max_stages`` and ``keep[f + b + 1]`` above
+    the per-side bound (flat arrays), plus that bound ``lo`` in ``T'`` units."""
+    kf = min(fwd.shape[0], max_stages)
+    kb = min(bwd.shape[0], max_stages)
+    f, b, a = np.meshgrid(np.arange(1, kf), np.arange(1, kb), np.arange(fwd.shape[1]), indexing="ij")
+    lo = np.maximum(np.maximum(fwd[f, a], bwd[b, a]), fused[a]) - ovh
+    s = f + b + 1
+    ok = np.isfinite(lo) & (s <= max_stages)
+    ok &= lo + ovh < keep[np.minimum(s, len(keep) - 1)]
+    return a[ok], f[ok], b[ok], np.maximum(lo[ok], 0.0)
+
+
+def saving_bounds(pb: PartitionProblem, t: RangeTables, relaxed: BalanceTable, c: np.ndarray,
+                  incumbent: float) -> np.ndarray:
+    """``LB[S]`` for every stage count ``S`` (length ``len(c)``); ``relaxed`` is the balance table over no-save
+    forward times and relaxed backward times (:func:`.balance.relaxed_backward_time`), ``c`` the factors
+    ``c(S)``, ``incumbent`` the best ``c(S)·T`` known (triples that cannot beat it keep their per-side bound)."""
+    size, ovh = len(c), pb.stage_overhead_s
+    lb = np.full(size, INF)
+    base = relaxed.t_star[: size]
+    lb[: len(base)] = base
+    with np.errstate(divide="ignore", invalid="ignore"):
+        keep = np.where(c > 0, incumbent / c, INF)
+    hopeful = np.flatnonzero(np.isfinite(lb) & (lb < keep))  # stage counts that might still beat the incumbent
+    if hopeful.size == 0:
+        return lb
+    a, f, b, lo = _triples(relaxed.fwd_best, relaxed.bwd_best, _fused_times(pb, t), int(hopeful.max()), ovh, keep)
+    if a.size == 0:
+        return lb
+    t_min = _least_time(pb, t, a, f, b, lo) + ovh
+    best = np.full(size, INF)
+    np.minimum.at(best, f + b + 1, t_min)
+    # triples left out could not beat the incumbent: they are at least keep[S]
+    lb[2:] = np.maximum(lb[2:], np.minimum(best, keep)[2:])
+    return lb
+
+
+def _fused_times(pb: PartitionProblem, t: RangeTables) -> np.ndarray:
+    fits = t.fused_need + t.fused_weight <= pb.memory_bytes
+    return np.where(fits, t.fused_time, INF)
+
+
+def _least_time(pb: PartitionProblem, t: RangeTables, a: np.ndarray, f: np.ndarray, b: np.ndarray,
+                lo: np.ndarray) -> np.ndarray:
+    """Least ``T'`` meeting the aggregate link and compute tests of each triple (bisection; valid bound)."""
+    n, link, m = pb.n, pb.link_bytes_per_s, pb.microbatches
+    alpha = np.asarray(pb.act_bytes, dtype=float) / link
+    knap = _Knapsack(pb, alpha)
+    work = np.concatenate([[0.0], np.cumsum(np.asarray(pb.bwd_s) + np.asarray(pb.rec_s))])
+    out = t.out_bytes / link
+    inner = np.full(n + 1, INF)  # smallest boundary strictly inside [0, a)
+    for p in range(2, n + 1):
+        inner[p] = min(inner[p - 1], out[p - 1])
+    inner_a = np.where(np.isfinite(inner[a]), inner[a], 0.0)
+    w_a = np.where(a > 0, t.weight[0, np.maximum(a, 1)], 0) / (m * link)
+    g_a = np.where(a > 0, t.grad[0, np.maximum(a, 1)], 0) / (m * link)
+    fo = out[a] + (f - 1) * inner_a
+    bo = w_a + (t.in_bytes[0] / link + out[a]) + 2 * (b - 1) * inner_a
+    bd = g_a + (b - 1) * inner_a
+    need = work[a]
+
+    def feasible(x: np.ndarray) -> np.ndarray:
+        sigma = np.clip(np.minimum(f * x - fo, b * x - bo), 0.0, knap.total[a])
+        return (f * x >= fo) & (b * x >= bo) & (b * x >= bd) & (b * x + knap(a, sigma) >= need)
+
+    hi = np.maximum.reduce([lo, need / b, fo / f, bo / b, bd / b]) * (1 + 1e-12) + 1e-15
+    done = feasible(lo)
+    low = lo.copy()
+    for _ in range(_BISECT_STEPS):
+        mid = 0.5 * (low + hi)
+        ok = feasible(mid)
+        hi, low = np.where(ok, mid, hi), np.where(ok, low, mid)
+    return np.where(done, lo, low)

@@ -1,0 +1,291 @@
+"""Joint partition and checkpointing as a CP-SAT model (OR-Tools), one model per stage budget.
+
+**What is optimised.** A plan with ``S`` stages whose slowest stage takes ``T`` finishes an iteration within
+``c(S)·T`` (:func:`.problem.equal_time_factors`; DESIGN §3: about ``(⌈S/N⌉·m + N − 1)·T``), so finer stages
+shrink the fill/drain bubble while per-stage transfers and overheads push back. For a *stage budget* ``S`` the model
+minimises ``T`` over plans with at most ``S`` stages; :func:`ilp` walks budgets in order of their lower bound
+``c(S)·LB(S)`` and stops when none can beat the incumbent. Enumerating budgets keeps every model linear (the
+product ``c(S)·T`` never appears) and lets each one start from a strong hint.
+
+**Variables** (per budget; ranges are half-open segment ranges, kept only if they can meet the current ``T``
+upper bound and fit memory):
+
+- ``xf[a, b]``, ``xb[a, b]``: forward / backward stage ``[a, b)`` is used; ``z[a]``: the fused stage is ``[a, n)``;
+- ``s[i]``: segment ``i`` is saved to host in forward (else recomputed in backward) — Checkmate's choice
+  (Jain et al., MLSys 2020) at segment grain, under RoundPipe's round-robin execution (arXiv 2604.27085);
+- ``T``: the slowest stage minus the per-stage overhead, in integer time units; ``P``: the prefetch bytes.
+
+**Constraint families** (each in its own ``_add_*`` helper):
+
+- *flow*: forward ranges form a path from 0 to the fused start, backward ranges another; one fused start;
+- *budget*: ``Σ xf + Σ xb + 1 <= S``;
+- *saved*: no saving inside the fused range (or anywhere when ``allow_save=False``);
+- *time*: per used range, compute, upload and download each ``<= T`` (saving moves a segment's activations onto
+  the forward download and backward upload and removes its recompute from the backward compute);
+- *memory*: ``P >= W`` of every used range and ``need + P <= memory`` (exact bytes);
+- *aggregate cuts*: per side, total compute and link time ``<= count·T`` (McCormick-linearised), redundant
+  sums that tighten the relaxation (:mod:`.bounds` derives the same sums as a fast lower bound).
+
+Time constants are scaled to integers with the lower-bound-safe rounding (constants down, subtracted terms up), so
+the proven bound is valid in seconds; plans are re-scored with the exact float model. Search is deterministic:
+fixed seed, ``interleave_search`` and a ``max_deterministic_time`` budget.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from ortools.sat.python import cp_model
+
+from .problem import PartitionProblem, SegmentPlan
+from .tables import RangeTables
+
+__all__ = ["BudgetResult", "solve_budget", "TIME_UNITS"]
+
+#: Integer time units per upper bound ``T`` (rounding error below 1e-7·T per term). Larger scales made CP-SAT 9.15
+#: claim wrong optima on small models (coefficients near 1e11 in its LP), so keep it modest.
+TIME_UNITS = 10**7
+
+
+@dataclass(eq=False)
+class _Model:
+    cp: cp_model.CpModel
+    T: cp_model.IntVar
+    xf: dict[tuple[int, int], cp_model.IntVar]
+    xb: dict[tuple[int, int], cp_model.IntVar]
+    z: dict[int, cp_model.IntVar]
+    s: dict[int, cp_model.IntVar]
+    unit: float
+    """Seconds per integer time unit."""
+    t_range: tuple[int, int] = (0, 0)
+    """Domain of ``T``."""
+
+
+@dataclass(frozen=True)
+class BudgetResult:
+    """Outcome of one stage budget."""
+
+    stages: int
+    status: str
+    plan: SegmentPlan | None
+    bound_s: float
+    """Proven lower bound on the slowest stage of any plan within the budget (seconds, overhead included)."""
+    det_time: float
+    """CP-SAT deterministic time spent."""
+    variables: int = 0
+    """Booleans in the model (ranges, fused starts, saved flags)."""
+
+
+def _floor(x: float, unit: float) -> int:
+    return math.floor(x / unit)
+
+
+def _ceil(x: float, unit: float) -> int:
+    return math.ceil(x / unit)
+
+
+def _candidate_ranges(pb: PartitionProblem, t: RangeTables, b_relaxed: np.ndarray,
+                      ub: float) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[int]]:
+    """Ranges that can meet ``ub`` and fit memory with ``P = their own weight`` (a relaxation)."""
+    tol = ub * 1e-12
+    fits_f = t.fwd_need + t.weight <= pb.memory_bytes
+    fits_b = t.bwd_need + t.weight <= pb.memory_bytes
+    fwd = np.argwhere((t.fwd_time <= ub + tol) & fits_f)
+    bwd = np.argwhere((b_relaxed <= ub + tol) & fits_b)
+    n = pb.n
+    fwd = [(int(a), int(b)) for a, b in fwd if b < n]
+    bwd = [(int(a), int(b)) for a, b in bwd if b < n]
+    fused = [a for a in range(n) if t.fused_time[a] <= ub + tol
+             and t.fused_need[a] + t.fused_weight[a] <= pb.memory_bytes]
+    return fwd, bwd, fused
+
+
+def _add_variables(pb: PartitionProblem, ranges: tuple[list, list, list], ub: float, lb: float,
+                   unit: float) -> _Model:
+    cp = cp_model.CpModel()
+    fwd, bwd, fused = ranges
+    ovh = pb.stage_overhead_s
+    t_range = (max(0, _floor(lb - ovh, unit)), max(0, _ceil(ub - ovh, unit)))
+    T = cp.NewIntVar(*t_range, "T")
+    xf = {r: cp.NewBoolVar(f"xf_{r[0]}_{r[1]}") for r in fwd}
+    xb = {r: cp.NewBoolVar(f"xb_{r[0]}_{r[1]}") for r in bwd}
+    z = {a: cp.NewBoolVar(f"z_{a}") for a in fused}
+    last = max(fused, default=0)
+    s = {i: cp.NewBoolVar(f"s_{i}") for i in range(last)} if pb.allow_save else {}
+    return _Model(cp=cp, T=T, xf=xf, xb=xb, z=z, s=s, unit=unit, t_range=t_range)
+
+
+def _add_flow_constraints(pb: PartitionProblem, md: _Model) -> None:
+    """Forward ranges: a path 0 → fused start; backward ranges: the same positions, walked down."""
+    for x in (md.xf, md.xb):
+        out_of = {p: [] for p in range(pb.n + 1)}
+        into = {p: [] for p in range(pb.n + 1)}
+        for (a, b), v in x.items():
+            out_of[a].append(v)
+            into[b].append(v)
+        md.cp.Add(sum(out_of[0]) + md.z.get(0, 0) == 1)
+        for p in range(1, pb.n):
+            md.cp.Add(sum(into[p]) == sum(out_of[p]) + md.z.get(p, 0))
+    md.cp.AddExactlyOne(md.z.values())
+
+
+def _add_budget_constraint(md: _Model, stages: int) -> None:
+    md.cp.Add(sum(md.xf.values()) + sum(md.xb.values()) + 1 <= stages)
+
+
+def _covered(md: _Model, i: int) -> list:
+    """Literals that put segment ``i`` inside the fused stage."""
+    return [v for a, v in md.z.items() if a <= i]
+
+
+def _add_saved_constraints(md: _Model) -> None:
+    for i, v in md.s.items():
+        md.cp.Add(v + sum(_covered(md, i)) <= 1)
+
+
+def _add_time_constraints(pb: PartitionProblem, t: RangeTables, md: _Model) -> None:
+    """compute, upload and download of every used stage fit in ``T`` (overhead excluded)."""
+    u, link, m, ovh = md.unit, pb.link_bytes_per_s, pb.microbatches, pb.stage_overhead_s
+    act_lo = [_floor(x / link, u) for x in pb.act_bytes]
+    rec_hi = [_ceil(x, u) for x in pb.rec_s]
+    grad_in = lambda a: t.in_bytes[a] if a > 0 else 0  # noqa: E731
+    for (a, b), x in md.xf.items():
+        fixed = max(sum(pb.fwd_s[a:b]), (t.in_bytes[a] + t.weight[a, b] / m) / link)
+        md.cp.Add(md.T >= _floor(fixed, u) * x)
+        saves = [(act_lo[i], md.s[i]) for i in range(a, b) if i in md.s]
+        down = _floor(t.out_bytes[b] / link, u)
+        if saves:
+            md.cp.Add(sum(c * v for c, v in saves) + down <= md.T).OnlyEnforceIf(x)
+        else:
+            md.cp.Add(md.T >= down * x)
+    for (a, b), x in md.xb.items():
+        down = (grad_in(a) + t.grad[a, b] / m) / link
+        up = (t.in_bytes[a] + t.out_bytes[b] + t.weight[a, b] / m) / link
+        full = sum(pb.bwd_s[a:b]) + sum(pb.rec_s[a:b])
+        md.cp.Add(md.T >= _floor(down, u) * x)
+        idx = [i for i in range(a, b) if i in md.s]
+        if idx:
+            md.cp.Add(_floor(full, u) - sum(rec_hi[i] * md.s[i] for i in idx) <= md.T).OnlyEnforceIf(x)
+            md.cp.Add(_floor(up, u) + sum(act_lo[i] * md.s[i] for i in idx) <= md.T).OnlyEnforceIf(x)
+        else:
+            md.cp.Add(md.T >= _floor(max(full, up), u) * x)
+    for a, x in md.z.items():
+        md.cp.Add(md.T >= _floor(t.fused_time[a] - ovh, u) * x)
+
+
+def _add_memory_constraints(pb: PartitionProblem, t: RangeTables, md: _Model) -> None:
+    """``P >= W`` of each used stage, ``need + P <= memory``; skipped when no choice can break the limit."""
+    items = ([(t.weight[r], t.fwd_need[r], v) for r, v in md.xf.items()]
+             + [(t.weight[r], t.bwd_need[r], v) for r, v in md.xb.items()]
+             + [(t.fused_weight[a], t.fused_need[a], v) for a, v in md.z.items()])
+    if not items:
+        return
+    p_min, p_max = t.min_weight(), max(int(w) for w, _, _ in items)
+    if all(need + p_max <= pb.memory_bytes for _, need, _ in items):
+        return
+    P = md.cp.NewIntVar(p_min, max(p_min, p_max), "P")
+    for w, need, v in items:
+        if w > p_min:
+            md.cp.Add(P >= int(w) * v)
+        if need + p_max > pb.memory_bytes:
+            md.cp.Add(P + int(need) * v <= pb.memory_bytes)
+
+
+def _mccormick_upper(md: _Model, count: cp_model.LinearExpr, lo_n: int, hi_n: int) -> list:
+    """Two linear over-estimators of ``count·T`` (McCormick; exact at the bounds of either factor)."""
+    t_lo, t_hi = md.t_range
+    return [count * t_hi + lo_n * md.T - lo_n * t_hi, hi_n * md.T + count * t_lo - hi_n * t_lo]
+
+
+def _add_aggregate_cuts(pb: PartitionProblem, t: RangeTables, md: _Model, stages: int) -> None:
+    """Redundant sums over all stages of a side: compute and link time fit in ``count·T`` (see :mod:`.bounds`).
+
+    ``count·T`` is bilinear; it is replaced by its McCormick over-estimators, tight because ``T``'s domain is
+    narrow (between the lower bound and the incumbent)."""
+    u, link, m = md.unit, pb.link_bytes_per_s, pb.microbatches
+    n_f, n_b = sum(md.xf.values()), sum(md.xb.values())
+    cover = {i: sum(_covered(md, i)) for i in range(pb.n)}  # 1 when segment i is in the fused stage
+    below = lambda per_seg: [(per_seg(i), cover[i]) for i in range(pb.n)]  # noqa: E731
+    alpha = [_floor(x / link, u) for x in pb.act_bytes]
+    saved = sum(alpha[i] * v for i, v in md.s.items())
+    fwd_work = sum(_floor(c, u) * (1 - z) for c, z in below(lambda i: pb.fwd_s[i]) if c)
+    bwd_work = sum(_floor(c, u) * (1 - z) for c, z in below(lambda i: pb.bwd_s[i] + pb.rec_s[i]) if c)
+    bwd_work -= sum(_ceil(pb.rec_s[i], u) * v for i, v in md.s.items())
+    f_link = saved + sum(_floor(t.out_bytes[b] / link, u) * x for (a, b), x in md.xf.items())
+    b_up = saved + sum(_floor((t.in_bytes[a] + t.out_bytes[b] + t.weight[a, b] / m) / link, u) * x
+                       for (a, b), x in md.xb.items())
+    hi = stages - 1
+    for count, lhs_all in ((n_f, (fwd_work, f_link)), (n_b, (bwd_work, b_up))):
+        for over in _mccormick_upper(md, count, 0, hi):
+            for lhs in lhs_all:
+                md.cp.Add(lhs <= over)
+
+
+def _hint(md: _Model, plan: SegmentPlan) -> None:
+    used_f, used_b = set(plan.forward), set(plan.backward)
+    for r, v in md.xf.items():
+        md.cp.AddHint(v, r in used_f)
+    for r, v in md.xb.items():
+        md.cp.AddHint(v, r in used_b)
+    for a, v in md.z.items():
+        md.cp.AddHint(v, a == plan.fused[0])
+    for i, v in md.s.items():
+        md.cp.AddHint(v, plan.saved[i])
+
+
+def _hint_fits(md: _Model, plan: SegmentPlan) -> bool:
+    return (all(r in md.xf for r in plan.forward) and all(r in md.xb for r in plan.backward)
+            and plan.fused[0] in md.z and all(i in md.s for i, s in enumerate(plan.saved) if s))
+
+
+def _decode(pb: PartitionProblem, md: _Model, solver: cp_model.CpSolver) -> SegmentPlan:
+    fwd = sorted(r for r, v in md.xf.items() if solver.Value(v))
+    bwd = sorted((r for r, v in md.xb.items() if solver.Value(v)), reverse=True)
+    a = next(a for a, v in md.z.items() if solver.Value(v))
+    saved = tuple(bool(solver.Value(md.s[i])) if i in md.s else False for i in range(pb.n))
+    return SegmentPlan(forward=tuple(fwd), fused=(a, pb.n), backward=tuple(bwd), saved=saved)
+
+
+def solve_budget(pb: PartitionProblem, t: RangeTables, b_relaxed: np.ndarray, stages: int, *, ub: float,
+                 lb: float = 0.0, hint: SegmentPlan | None = None, det_time: float = 5.0, wall_time: float = 60.0,
+                 seed: int = 0, workers: int = 1) -> BudgetResult:
+    """Least slowest-stage time over plans with at most ``stages`` stages, if one is at most ``ub`` seconds.
+
+    ``b_relaxed`` (from :func:`.balance.relaxed_backward_time`) prunes backward ranges that cannot meet ``ub``
+    even when saving; ``lb`` is a known lower bound on the answer.
+    """
+    unit = max(ub, 1e-12) / TIME_UNITS
+    ranges = _candidate_ranges(pb, t, b_relaxed, ub)
+    if not ranges[2]:
+        return BudgetResult(stages=stages, status="INFEASIBLE", plan=None, bound_s=ub, det_time=0.0)
+    md = _add_variables(pb, ranges, ub, lb, unit)
+    _add_flow_constraints(pb, md)
+    _add_budget_constraint(md, stages)
+    _add_saved_constraints(md)
+    _add_time_constraints(pb, t, md)
+    _add_memory_constraints(pb, t, md)
+    _add_aggregate_cuts(pb, t, md, stages)
+    md.cp.Minimize(md.T)
+    if hint is not None and _hint_fits(md, hint):
+        _hint(md, hint)
+    solver = cp_model.CpSolver()
+    prm = solver.parameters
+    prm.random_seed, prm.num_workers = seed, workers
+    prm.interleave_search = workers > 1  # deterministic whatever the thread timing
+    prm.interleave_batch_size = 2 * workers  # small batches keep max_deterministic_time honest
+    prm.max_deterministic_time, prm.max_time_in_seconds = det_time, wall_time
+    status = solver.Solve(md.cp)
+    name = solver.StatusName(status)
+    nvars = len(md.xf) + len(md.xb) + len(md.z) + len(md.s)
+    dt = solver.ResponseProto().deterministic_time
+    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        plan = _decode(pb, md, solver)
+        bound = pb.stage_overhead_s + max(solver.BestObjectiveBound() - 1, 0) * unit
+        return BudgetResult(stages=stages, status=name, plan=plan, bound_s=max(bound, lb), det_time=dt,
+                            variables=nvars)
+    if status == cp_model.INFEASIBLE:
+        return BudgetResult(stages=stages, status=name, plan=None, bound_s=ub, det_time=dt, variables=nvars)
+    return BudgetResult(stages=stages, status=name, plan=None, bound_s=lb, det_time=dt, variables=nvars)
+

@@ -1,0 +1,216 @@
+"""Partition strategies behind one front door: ``solve(problem, strategy)`` → :class:`.problem.PartitionResult`.
+
+Strategies (all ``(problem, *, time_limit_s, seed) -> PartitionResult``, infeasible is a result):
+
+- ``ilp``: :func:`ilp` below — CP-SAT over cuts, stage count and per-segment saving (:mod:`.ilp`);
+- ``dp``: exact pure balance, nothing saved (:mod:`.balance`);
+- ``roundpipe``: RoundPipe's greedy at layer granularity (arXiv 2604.27085, DESIGN §4);
+- ``uniform``: ``N`` equal layer groups, the static-pipeline baseline.
+
+- ``greedy``: the ILP's preparation below without CP-SAT.
+
+**The ILP search.** What is minimised is the bound ``c(S)·T`` of a plan with ``S`` stages whose slowest stage
+takes ``T`` (:mod:`.ilp`); every plan met is finally re-scored by the exact :func:`.problem.iteration_time` and
+the best one returned, so the ``objective`` never exceeds ``stats["model_best_s"]``. In order:
+
+1. *seeds*: ``dp``, ``roundpipe``, ``uniform`` and the no-save optima of the best stage counts form the pool and
+   the incumbent — ``ilp`` is never worse than a baseline by construction;
+2. *bounds*: ``LB(S)`` per stage count from the balance DP with a relaxed backward cost
+   (:func:`.balance.relaxed_backward_time`) and the link/compute aggregates of :mod:`.bounds`;
+3. *greedy*: save-aware heuristic plans (:mod:`.greedy`) for the ``GREEDY_BUDGETS`` most promising budgets;
+4. *CP-SAT*: budgets in increasing order of ``c(S)·LB(S)``, each with ``T <= incumbent / c(S)``, the best known
+   plan as hint, and a share of the deterministic time ``time_limit_s · DET_TIME_PER_S``; a solve raises
+   ``LB`` for every smaller budget. It stops when no budget's bound can beat the incumbent (``status``
+   ``OPTIMAL``) or the time is spent (``FEASIBLE``).
+
+``stats["bound_s"] = min(incumbent, min_S c(S)·LB(S))`` is a proven lower bound on ``c(S)·T`` over all plans;
+``stats["gap"] = model_best_s / bound_s − 1`` (an upper bound on ``objective / bound_s − 1``, also reported as
+``objective_gap``). Same input, same plan: every limit is deterministic (the wall clock only guards overruns).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import numpy as np
+
+from .balance import balance_table, bound_values, exact_balance, relaxed_backward_time, relaxed_balance
+from .bounds import saving_bounds
+from .baselines import dp, infeasible_result, make_result, roundpipe, uniform
+from .greedy import greedy_plan, masks_for
+from .ilp import solve_budget
+from .problem import (PartitionProblem, PartitionResult, SegmentPlan, equal_time_factors, iteration_time,
+                      stage_costs, validate_segment_plan)
+from .tables import RangeTables, min_memory
+
+__all__ = ["solve", "ilp", "dp", "roundpipe", "uniform", "greedy", "STRATEGIES", "DET_TIME_PER_S"]
+
+#: CP-SAT deterministic-time units granted per second of ``time_limit_s`` (calibrated on a 2-core machine).
+DET_TIME_PER_S = 0.3
+#: Stage budgets the greedy heuristic tries before CP-SAT starts.
+GREEDY_BUDGETS = 12
+
+
+class _Pool:
+    """Every plan met so far, with its slowest stage, indexed by stage count."""
+
+    def __init__(self, pb: PartitionProblem, size: int) -> None:
+        self.pb, self.plans = pb, {}  # plans: SegmentPlan -> slowest stage (s)
+        self.best_t = np.full(size, np.inf)
+        self.best_plan: dict[int, SegmentPlan] = {}
+        self.c = np.asarray(equal_time_factors(size - 1, pb.device_count, pb.microbatches), dtype=float)
+
+    def add(self, plan: SegmentPlan | None) -> None:
+        """Keep ``plan`` if it is new and valid (heuristic plans may break the memory limit)."""
+        if plan is None or plan in self.plans or validate_segment_plan(self.pb, plan):
+            return
+        t = max(c.time_s for c in stage_costs(self.pb, plan))
+        self.plans[plan] = t
+        s = plan.stage_count
+        if t < self.best_t[s]:
+            self.best_t[s], self.best_plan[s] = t, plan
+
+    def incumbent(self) -> float:
+        """Least ``c(S)·T`` over the plans met."""
+        return float(np.min(bound_values(self.c, self.best_t)))
+
+    def hint(self, stages: int) -> tuple[float, SegmentPlan | None]:
+        """The fastest known plan with at most ``stages`` stages."""
+        s = int(np.argmin(self.best_t[: stages + 1]))
+        return float(self.best_t[s]), self.best_plan.get(s)
+
+
+def _seed(pb: PartitionProblem, pool: _Pool, tables: RangeTables) -> dict[str, float]:
+    """Baselines and the no-save DP's plans near the optimum go into the pool."""
+    seeds = {}
+    for fn in (dp, roundpipe, uniform):
+        res = fn(pb)
+        seeds[res.strategy] = res.objective
+        pool.add(res.plan if res.feasible else None)
+    bal = exact_balance(pb, tables)
+    values = bound_values(pool.c[: len(bal.t_star)], bal.t_star)
+    for s in np.argsort(values, kind="stable")[:8]:
+        if np.isfinite(values[s]):
+            pool.add(bal.plan(int(s)))
+    return seeds
+
+
+def _lower_bounds(pb: PartitionProblem, tables: RangeTables, pool: _Pool) -> tuple[np.ndarray, np.ndarray]:
+    """``LB[S]`` <= slowest stage of any plan with exactly ``S`` stages (saving allowed), and the relaxed
+    backward range times."""
+    inc = pool.incumbent()
+    b_relaxed = relaxed_backward_time(pb, tables, inc / pool.c[1])
+    relaxed = relaxed_balance(pb, tables, b_relaxed)
+    return saving_bounds(pb, tables, relaxed, pool.c, inc), b_relaxed
+
+
+def _next_budget(pool: _Pool, lb: np.ndarray, tried: set[int]) -> int | None:
+    values = bound_values(pool.c, lb)
+    inc = pool.incumbent()
+    for s in np.argsort(values, kind="stable"):
+        if values[s] >= inc * (1 - 1e-9):
+            return None
+        if int(s) not in tried:
+            return int(s)
+    return None
+
+
+def _greedy_phase(pb: PartitionProblem, tables: RangeTables, pool: _Pool, lb: np.ndarray) -> int:
+    """Heuristic plans for the most promising stage budgets (:mod:`.greedy`); returns how many were tried."""
+    masks = masks_for(pb, tables)
+    fwd = balance_table(masks[0], masks[0], masks[2])
+    tried: set[int] = set()
+    while len(tried) < GREEDY_BUDGETS:
+        s = _next_budget(pool, lb, tried)
+        if s is None:
+            break
+        tried.add(s)
+        hint_t, _ = pool.hint(s)
+        # not capped by incumbent / c(s): a plan with a worse bound may still have the better iteration time
+        hi = hint_t if np.isfinite(hint_t) else pool.incumbent() / pool.c[1]
+        pool.add(greedy_plan(pb, tables, fwd, masks, s, float(lb[s]), hi))
+    return len(tried)
+
+
+def _prepare(pb: PartitionProblem, strategy: str, started: float) -> PartitionResult | tuple:
+    """Tables, the seeded pool, lower bounds and the greedy plans — or an infeasible result."""
+    tables = RangeTables.build(pb)
+    if min_memory(tables)[0] > pb.memory_bytes:
+        return infeasible_result(strategy, pb, started, tables)
+    pool = _Pool(pb, 2 * pb.n + 1)
+    seeds = _seed(pb, pool, tables)
+    lb, b_relaxed = _lower_bounds(pb, tables, pool)
+    greedy_tried = _greedy_phase(pb, tables, pool, lb) if pb.allow_save else 0
+    return tables, pool, seeds, lb, b_relaxed, greedy_tried
+
+
+def greedy(pb: PartitionProblem, *, time_limit_s: float = 10.0, seed: int = 0) -> PartitionResult:
+    """The ILP's preparation without CP-SAT: baselines, no-save optima and save-aware greedy plans
+    (:mod:`.greedy`) for the most promising stage budgets; the best by iteration time wins."""
+    started = time.perf_counter()
+    prep = _prepare(pb, "greedy", started)
+    if isinstance(prep, PartitionResult):
+        return prep
+    _, pool, _, _, _, greedy_tried = prep
+    best = min(pool.plans, key=lambda p: (iteration_time(pb, p), p.stage_count))
+    return make_result("greedy", pb, best, started, model_best_s=pool.incumbent(), greedy_budgets=greedy_tried)
+
+
+def ilp(pb: PartitionProblem, *, time_limit_s: float = 10.0, seed: int = 0) -> PartitionResult:
+    """Joint partition + checkpointing by CP-SAT (see the module docstring and :mod:`.ilp`)."""
+    started = time.perf_counter()
+    prep = _prepare(pb, "ilp", started)
+    if isinstance(prep, PartitionResult):
+        return prep
+    tables, pool, seeds, lb, b_relaxed, greedy_tried = prep
+    det_left, tried, log = time_limit_s * DET_TIME_PER_S, set(), []
+    while det_left > 0 and time.perf_counter() - started < time_limit_s:
+        s = _next_budget(pool, lb, tried)
+        if s is None:
+            break
+        tried.add(s)
+        hint_t, hint = pool.hint(s)
+        ub = min(pool.incumbent() / pool.c[s], hint_t)
+        share = det_left / min(_open_budgets(pool, lb, tried) + 1, 3)
+        res = solve_budget(pb, tables, b_relaxed, s, ub=ub, lb=float(lb[s]),
+                           hint=hint if hint_t <= ub else None, det_time=max(share, 0.05),
+                           wall_time=max(0.85 * (time_limit_s - (time.perf_counter() - started)), 0.2), seed=seed)
+        det_left -= res.det_time
+        pool.add(res.plan)
+        lb[: s + 1] = np.maximum(lb[: s + 1], res.bound_s)  # plans with <= s stages are at least this slow
+        log.append((s, res.status, round(res.det_time, 3), res.variables))
+    return _finish(pb, pool, lb, started, seeds, log, greedy_tried)
+
+
+def _open_budgets(pool: _Pool, lb: np.ndarray, tried: set[int]) -> int:
+    values = bound_values(pool.c, lb)
+    inc = pool.incumbent()
+    return sum(1 for s in range(len(values)) if values[s] < inc * (1 - 1e-9) and s not in tried)
+
+
+def _finish(pb: PartitionProblem, pool: _Pool, lb: np.ndarray, started: float, seeds: dict[str, float],
+            log: list, greedy_tried: int) -> PartitionResult:
+    best = min(pool.plans, key=lambda p: (iteration_time(pb, p), p.stage_count))
+    inc = pool.incumbent()
+    bound = min(inc, float(np.min(bound_values(pool.c, lb))))
+    proven = bound >= inc * (1 - 1e-9)
+    ratio = (lambda x: x / bound - 1) if bound > 0 else (lambda x: 0.0 if x == 0 else float("inf"))
+    gaps = dict(gap=ratio(inc), objective_gap=ratio(iteration_time(pb, best)))
+    return make_result("ilp", pb, best, started, bound_s=bound, **gaps,
+                       status="OPTIMAL" if proven else "FEASIBLE", model_best_s=inc, seeds=seeds,
+                       candidates_tried=len(log), budgets=log, greedy_budgets=greedy_tried)
+
+
+STRATEGIES: dict[str, Callable[..., PartitionResult]] = {
+    "ilp": ilp, "dp": dp, "roundpipe": roundpipe, "uniform": uniform, "greedy": greedy,
+}
+
+
+def solve(problem: PartitionProblem, strategy: str = "ilp", *, time_limit_s: float = 10.0,
+          seed: int = 0) -> PartitionResult:
+    """Partition ``problem`` with the named strategy (``ilp``, ``dp``, ``roundpipe`` or ``uniform``)."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown partition strategy {strategy!r}; choose one of {sorted(STRATEGIES)}")
+    return STRATEGIES[strategy](problem, time_limit_s=time_limit_s, seed=seed)
+

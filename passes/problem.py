@@ -1,0 +1,370 @@
+"""The partition problem as plain numbers, the plan the solvers return, and the one timing model that scores them.
+
+Terms (DESIGN.md §3; RoundPipe, Luo et al., arXiv 2604.27085):
+
+- A **segment** is a run of graph nodes between cheap cut points; the model is a *chain* of ``n`` segments
+  (the coarsener linearises DAGs: tensors live across a cut, e.g. skip connections, are in ``boundary_bytes``).
+- A **plan** (:class:`SegmentPlan`) cuts the chain three ways: forward stages ``F0..F(f-1)`` cover
+  ``[0, fused[0])`` in ascending order, one **fused** stage ``FB = [fused[0], n)`` runs forward, loss and backward
+  in one go, and backward stages ``B1..`` cover ``[0, fused[0])`` in *descending* order. Forward and backward cuts
+  are independent. ``saved[i]`` says whether segment ``i``'s activations go to host memory in the forward pass
+  (``True``) or are recomputed by its backward stage (``False``) — the checkpointing choice of Checkmate
+  (Jain et al., MLSys 2020), made per segment.
+- Stage ``k`` of ``[F0.., FB, B1..]`` runs on device ``k mod N`` for every microbatch in turn.
+
+**Stage time** (per microbatch) is ``stage_overhead_s + max(compute, upload/link, download/link)``: copies run on
+their own streams and the host link is full duplex, so a stage is as slow as its slowest resource.
+**Stage memory** is ``W + G + P + working`` with ``W``/``G`` the stage's weight/gradient bytes (a shared parameter
+counts once per stage using it), ``P`` the largest ``W`` of any stage in the plan (the next stage's weights are
+prefetched during this one; conservative) and ``working`` one microbatch's live tensors. Forward stages compute no
+gradients, so their ``G`` is 0 (the only place this model departs from a literal ``W + G + P + working``).
+**Iteration time** is the exact event recurrence of :func:`pipeline_time`; with equal stage times it reduces to
+DESIGN §3's ``(⌊(S−1)/N⌋·m + (S−1) mod N + m)·T`` for ``m ≥ N``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal, Sequence
+
+import numpy as np
+
+__all__ = [
+    "SharedParam",
+    "PartitionProblem",
+    "SegmentPlan",
+    "StageCost",
+    "PartitionResult",
+    "plan_stages",
+    "stage_costs",
+    "pipeline_time",
+    "equal_time_factor",
+    "equal_time_factors",
+    "iteration_time",
+    "plan_memory",
+    "bubble_fraction",
+    "validate_segment_plan",
+    "min_feasible_memory",
+]
+
+StageKind = Literal["forward", "fused", "backward"]
+
+
+def _ints(name: str, values: Sequence[int], n: int | None = None) -> tuple[int, ...]:
+    out = tuple(values)
+    if n is not None and len(out) != n:
+        raise ValueError(f"{name} has {len(out)} entries but there are {n} segments; give one per segment")
+    for i, v in enumerate(out):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+            raise ValueError(f"{name}[{i}] = {v!r} must be a non-negative int (bytes / ids)")
+    return tuple(int(v) for v in out)
+
+
+def _times(name: str, values: Sequence[float], n: int) -> tuple[float, ...]:
+    out = tuple(float(v) for v in values)
+    if len(out) != n:
+        raise ValueError(f"{name} has {len(out)} entries but there are {n} segments; give one per segment")
+    for i, v in enumerate(out):
+        if not math.isfinite(v) or v < 0:
+            raise ValueError(f"{name}[{i}] = {v!r} must be a finite time >= 0 (seconds)")
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class SharedParam:
+    """A parameter read by several segments (e.g. an embedding tied to the LM head)."""
+
+    name: str
+    """Parameter name, for messages."""
+    bytes: int
+    """Upload-precision bytes; counted once in every stage that uses it."""
+    grad_bytes: int
+    """Gradient bytes (0 when frozen); counted once in every fused/backward stage that uses it."""
+    segments: tuple[int, ...]
+    """Ascending ids of the segments that read it."""
+
+    def __post_init__(self) -> None:
+        _ints(f"SharedParam {self.name!r} bytes", (self.bytes, self.grad_bytes))
+        segs = _ints(f"SharedParam {self.name!r} segments", self.segments)
+        if not segs or list(segs) != sorted(set(segs)):
+            raise ValueError(f"SharedParam {self.name!r}: segments {segs} must be non-empty, ascending, unique")
+        object.__setattr__(self, "segments", segs)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PartitionProblem:
+    """A chain of segments with per-microbatch costs, and the machine to partition it for."""
+
+    names: tuple[str, ...]
+    """Segment labels such as ``layers.3.attn`` (messages only)."""
+    layer: tuple[int, ...]
+    """Layer id per segment, non-decreasing; the layer-granular baselines cut only where it changes."""
+    fwd_s: tuple[float, ...]
+    """Forward time per segment and microbatch (s)."""
+    bwd_s: tuple[float, ...]
+    """Backward time, recompute excluded (s)."""
+    rec_s: tuple[float, ...]
+    """Recompute time, paid by the backward stage when the segment is not saved (s)."""
+    act_bytes: tuple[int, ...]
+    """Bytes autograd keeps for the segment's backward (one microbatch, output included): shipped to host and back
+    when saved, and resident on the device while its backward stage runs either way."""
+    peak_bytes: tuple[int, ...]
+    """Transient working bytes of the segment's forward without grad."""
+    boundary_bytes: tuple[int, ...]
+    """Bytes live across the cut after the segment (one microbatch); its gradient has the same size."""
+    input_bytes: int
+    """Bytes of the model inputs (the cut before segment 0)."""
+    param_bytes: tuple[int, ...]
+    """Bytes of parameters owned by the segment alone, in upload precision."""
+    grad_bytes: tuple[int, ...]
+    """Bytes of those parameters' gradients (0 for frozen ones)."""
+    shared: tuple[SharedParam, ...] = ()
+    """Parameters read by several segments."""
+    device_count: int
+    """Number of devices N."""
+    memory_bytes: int
+    """Usable memory per device."""
+    link_bytes_per_s: float
+    """Host<->device bandwidth per device and direction (full duplex)."""
+    microbatches: int
+    """Microbatches per iteration m."""
+    stage_overhead_s: float = 0.0
+    """Fixed cost per stage and microbatch (launch, synchronisation)."""
+    allow_save: bool = True
+    """When False every segment is recomputed (``saved`` all False): the pure balance problem."""
+
+    def __post_init__(self) -> None:
+        n = len(self.names)
+        if n < 1:
+            raise ValueError("a partition problem needs at least one segment")
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass normalisation
+        set_("names", tuple(str(x) for x in self.names))
+        set_("layer", _ints("layer", self.layer, n))
+        if any(b < a for a, b in zip(self.layer, self.layer[1:])):
+            raise ValueError(f"layer ids must be non-decreasing along the chain, got {self.layer}")
+        for key in ("fwd_s", "bwd_s", "rec_s"):
+            set_(key, _times(key, getattr(self, key), n))
+        for key in ("act_bytes", "peak_bytes", "boundary_bytes", "param_bytes", "grad_bytes"):
+            set_(key, _ints(key, getattr(self, key), n))
+        set_("input_bytes", _ints("input_bytes", (self.input_bytes,))[0])
+        set_("shared", tuple(self.shared))
+        for p in self.shared:
+            if not isinstance(p, SharedParam) or p.segments[-1] >= n:
+                raise ValueError(f"shared parameter {p!r} must be a SharedParam naming segments < {n}")
+        if self.device_count < 1 or self.microbatches < 1:
+            raise ValueError(f"device_count={self.device_count} and microbatches={self.microbatches} must be >= 1")
+        if self.memory_bytes < 0 or not self.link_bytes_per_s > 0 or not math.isfinite(self.link_bytes_per_s):
+            raise ValueError(
+                f"memory_bytes={self.memory_bytes} must be >= 0 and link_bytes_per_s={self.link_bytes_per_s} "
+                "a finite positive rate"
+            )
+        if not (math.isfinite(self.stage_overhead_s) and self.stage_overhead_s >= 0):
+            raise ValueError(f"stage_overhead_s={self.stage_overhead_s} must be a finite time >= 0")
+
+    @property
+    def n(self) -> int:
+        """Number of segments."""
+        return len(self.names)
+
+    def in_bytes(self, a: int) -> int:
+        """Bytes entering a stage that starts at segment ``a``."""
+        return self.input_bytes if a == 0 else self.boundary_bytes[a - 1]
+
+    def weight(self, a: int, b: int, *, grads: bool = False) -> int:
+        """Weight (or gradient) bytes of the range ``[a, b)``; shared parameters count once."""
+        own = self.grad_bytes if grads else self.param_bytes
+        total = sum(own[a:b])
+        for p in self.shared:
+            if any(a <= s < b for s in p.segments):
+                total += p.grad_bytes if grads else p.bytes
+        return total
+
+
+@dataclass(frozen=True, kw_only=True)
+class SegmentPlan:
+    """Where the chain is cut, as half-open segment ranges, and what is saved (see the module docstring)."""
+
+    forward: tuple[tuple[int, int], ...]
+    """F0..F(f-1), ascending, covering ``[0, fused[0])``."""
+    fused: tuple[int, int]
+    """``[fused[0], n)``: forward + loss + backward, nothing saved or recomputed."""
+    backward: tuple[tuple[int, int], ...]
+    """B1..B(b-1), descending, covering ``[0, fused[0])``: the first ends at ``fused[0]``, the last starts at 0."""
+    saved: tuple[bool, ...]
+    """Per segment: activations saved to host (True) or recomputed (False); False inside the fused range."""
+
+    def __post_init__(self) -> None:
+        pair = lambda r: (int(r[0]), int(r[1]))  # noqa: E731
+        object.__setattr__(self, "forward", tuple(pair(r) for r in self.forward))
+        object.__setattr__(self, "backward", tuple(pair(r) for r in self.backward))
+        object.__setattr__(self, "fused", pair(self.fused))
+        object.__setattr__(self, "saved", tuple(bool(s) for s in self.saved))
+
+    @property
+    def stage_count(self) -> int:
+        """Total number of stages S."""
+        return len(self.forward) + 1 + len(self.backward)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageCost:
+    """One stage as the timing model sees it (per microbatch unless said otherwise)."""
+
+    kind: StageKind
+    start: int
+    stop: int
+    compute_s: float
+    """Forward, backward and recompute time."""
+    upload_bytes: float
+    """Host->device bytes (weights amortised over the microbatches)."""
+    download_bytes: float
+    """Device->host bytes (gradients amortised over the microbatches)."""
+    time_s: float
+    """``overhead + max(compute, upload/link, download/link)``."""
+    memory_bytes: int
+    """``W + G + P + working`` (whole stage, not per microbatch)."""
+    weight_bytes: int = 0
+    grad_bytes: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class PartitionResult:
+    """What every strategy returns; an infeasible problem is a result (``feasible=False``), not an exception."""
+
+    strategy: str
+    feasible: bool
+    plan: SegmentPlan | None
+    objective: float
+    """Predicted iteration time (s) by :func:`iteration_time`; ``inf`` when infeasible."""
+    solve_time_s: float
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    def require_plan(self) -> SegmentPlan:
+        """The plan, or :class:`rpcompile.errors.InfeasibleError` with the solver's reason when there is none."""
+        if self.feasible and self.plan is not None:
+            return self.plan
+        from rpcompile.errors import InfeasibleError  # local: keeps the solver free of the package's imports
+
+        reason = self.stats.get("reason") or "; ".join(self.stats.get("violations", ())) or "no plan"
+        raise InfeasibleError(f"{self.strategy}: {reason}")
+
+
+def plan_stages(plan: SegmentPlan) -> list[tuple[StageKind, int, int]]:
+    """The stages in execution order ``[F0.., FB, B1..]`` as ``(kind, start, stop)``."""
+    stages: list[tuple[StageKind, int, int]] = [("forward", a, b) for a, b in plan.forward]
+    stages.append(("fused", plan.fused[0], plan.fused[1]))
+    stages.extend(("backward", a, b) for a, b in plan.backward)
+    return stages
+
+
+def _stage(pb: PartitionProblem, kind: StageKind, a: int, b: int, saved: Sequence[bool], p: int) -> StageCost:
+    m, link, seg = pb.microbatches, pb.link_bytes_per_s, range(a, b)
+    w, g = pb.weight(a, b), pb.weight(a, b, grads=True)
+    inb, outb = pb.in_bytes(a), pb.boundary_bytes[b - 1]
+    grad_in = inb if a > 0 else 0
+    act = sum(pb.act_bytes[i] for i in seg)
+    saved_act = sum(pb.act_bytes[i] for i in seg if saved[i])
+    if kind == "forward":
+        g = 0
+        compute = sum(pb.fwd_s[i] for i in seg)
+        up, down = inb + w / m, outb + saved_act
+        working = inb + outb + max(pb.peak_bytes[i] for i in seg)
+    elif kind == "fused":
+        compute = sum(pb.fwd_s[i] + pb.bwd_s[i] for i in seg)
+        up, down = inb + w / m, grad_in + g / m
+        working = inb + outb + act
+    else:
+        compute = sum(pb.bwd_s[i] + (0.0 if saved[i] else pb.rec_s[i]) for i in seg)
+        up, down = inb + outb + saved_act + w / m, grad_in + g / m
+        working = inb + outb + act
+    time = pb.stage_overhead_s + max(compute, up / link, down / link)
+    return StageCost(kind=kind, start=a, stop=b, compute_s=compute, upload_bytes=up, download_bytes=down,
+                     time_s=time, memory_bytes=w + g + p + working, weight_bytes=w, grad_bytes=g)
+
+
+def stage_costs(problem: PartitionProblem, plan: SegmentPlan) -> tuple[StageCost, ...]:
+    """Cost of every stage of a structurally valid plan, in execution order."""
+    stages = plan_stages(plan)
+    prefetch = max(problem.weight(a, b) for _, a, b in stages)
+    return tuple(_stage(problem, kind, a, b, plan.saved, prefetch) for kind, a, b in stages)
+
+
+def pipeline_time(stage_times: Sequence[float], devices: int, microbatches: int) -> float:
+    """Iteration time of the round-robin schedule (DESIGN §3) by the exact event recurrence.
+
+    Microbatch ``j`` of stage ``k`` starts at ``max(e(k, j-1), e(k-1, j), e(k-N, m-1))`` (0 for negative
+    indices) and ends ``t_k`` later. Along ``j`` this is a max-plus scan, so each stage is one vectorised step:
+    ``e(k, j) = (j+1)·t_k + max_{i<=j}(a_i − i·t_k)`` with ``a_i = max(e(k-1, i), e(k-N, m-1))``.
+    """
+    ends = _stage_ends(stage_times, devices, microbatches)
+    return ends[-1] if ends else 0.0
+
+
+def _stage_ends(stage_times: Sequence[float], devices: int, m: int) -> list[float]:
+    """``e(k, m-1)`` for every stage ``k``: when each stage finishes its last microbatch."""
+    steps = np.arange(m, dtype=float)
+    prev = np.zeros(m)
+    last: list[float] = []
+    for k, t in enumerate(stage_times):
+        ready = np.maximum(prev, last[k - devices] if k >= devices else 0.0)
+        prev = (steps + 1.0) * t + np.maximum.accumulate(ready - steps * t)
+        last.append(float(prev[-1]))
+    return last
+
+
+def equal_time_factor(stages: int, devices: int, microbatches: int) -> int:
+    """``c(S)``: iteration time in units of ``T`` when all ``S`` stages take ``T`` (non-decreasing in ``S``)."""
+    return equal_time_factors(stages, devices, microbatches)[stages]
+
+
+def equal_time_factors(max_stages: int, devices: int, microbatches: int) -> list[int]:
+    """``[c(0), c(1), ..., c(max_stages)]`` in one pass (``c(0) = 0``)."""
+    return [0] + [round(e) for e in _stage_ends([1.0] * max_stages, devices, microbatches)]
+
+
+def iteration_time(problem: PartitionProblem, plan: SegmentPlan) -> float:
+    """Predicted time of one training iteration (s)."""
+    times = [c.time_s for c in stage_costs(problem, plan)]
+    return pipeline_time(times, problem.device_count, problem.microbatches)
+
+
+def plan_memory(problem: PartitionProblem, plan: SegmentPlan) -> int:
+    """Peak memory any device needs under ``plan`` (bytes): the largest stage ``W + G + P + working``."""
+    return max(c.memory_bytes for c in stage_costs(problem, plan))
+
+
+def bubble_fraction(problem: PartitionProblem, plan: SegmentPlan) -> float:
+    """Idle device time over ``N × iteration``: ``1 − m·Σ t_k / (N · iteration)``."""
+    times = [c.time_s for c in stage_costs(problem, plan)]
+    total = pipeline_time(times, problem.device_count, problem.microbatches)
+    busy = problem.microbatches * sum(times)
+    return 1.0 - busy / (problem.device_count * total) if total > 0 else 0.0
+
+
+def min_feasible_memory(problem: PartitionProblem) -> tuple[int, int]:
+    """The smallest ``memory_bytes`` for which some plan fits, and the segment that sets it.
+
+    Usually the plan of single-segment stages; computed exactly over all plans by :mod:`.tables`. The segment
+    returned is the most demanding single segment of the binding stage (name it in "does not fit" messages).
+    """
+    from .tables import RangeTables, min_memory  # local: tables imports this module for its types
+
+    return min_memory(RangeTables.build(problem))
+
+
+def validate_segment_plan(problem: PartitionProblem, plan: SegmentPlan, *, memory: bool = True) -> list[str]:
+    """Every rule ``plan`` breaks, one message each (empty when valid). Rules:
+
+    1. ``fused = (a, n)`` with ``0 <= a < n``.
+    2. ``forward`` ranges are non-empty, ascending and contiguous, from 0 to ``a``.
+    3. ``backward`` ranges are non-empty, descending and contiguous, from ``a`` down to 0.
+    4. ``saved`` has one flag per segment, all False in the fused range (and everywhere when saving is off).
+    5. (``memory=True``) every stage fits ``memory_bytes``.
+    """
+    from .validate import structural_violations, memory_violations
+
+    problems = structural_violations(problem, plan)
+    if memory and not problems:
+        problems = memory_violations(problem, plan, stage_costs(problem, plan))
+    return problems

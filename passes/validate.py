@@ -1,0 +1,96 @@
+"""The rules of a :class:`~.problem.SegmentPlan`, checked all at once (see :func:`.problem.validate_segment_plan`).
+
+Messages name the rule, the values found, the place (segment names) and a remedy.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from .problem import PartitionProblem, SegmentPlan, StageCost
+
+__all__ = ["structural_violations", "memory_violations", "format_bytes"]
+
+
+
+def format_bytes(n: float) -> str:
+    """``1536`` -> ``1.50 KiB``: the unit that keeps the number readable."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _where(pb: PartitionProblem, i: int) -> str:
+    return pb.names[i] if 0 <= i < pb.n else f"segment {i}"
+
+
+def _fused_violations(pb: PartitionProblem, plan: SegmentPlan) -> list[str]:
+    a, b = plan.fused
+    if b != pb.n or not 0 <= a < pb.n:
+        return [f"fused stage must be [a, {pb.n}) with 0 <= a < {pb.n} (it holds the loss), got [{a}, {b})"]
+    return []
+
+
+def _chain_violations(pb: PartitionProblem, plan: SegmentPlan, kind: str) -> list[str]:
+    """Rules 2 and 3: ranges non-empty, contiguous, covering ``[0, fused[0])`` in the required direction."""
+    ranges = plan.forward if kind == "forward" else plan.backward
+    label = "F" if kind == "forward" else "B"
+    first = 0 if kind == "forward" else 1
+    a = plan.fused[0]
+    out: list[str] = []
+    if (len(ranges) == 0) != (a == 0):
+        out.append(f"{kind} stages: there are {len(ranges)} but the fused stage starts at segment {a}; "
+                   f"a plan has {kind} stages exactly when the fused stage does not start at 0")
+        return out
+    # walk in the order the stages chain their segments: forward upward from 0, backward downward from a
+    expect = 0 if kind == "forward" else a
+    for k, (lo, hi) in enumerate(ranges):
+        name = f"{label}{k + first} [{lo}, {hi})"
+        if lo >= hi:
+            out.append(f"{kind} stage {name} is empty or reversed; ranges are half-open [start, stop), start < stop")
+            continue
+        edge = lo if kind == "forward" else hi
+        if edge != expect:
+            what = "gap" if (edge > expect) == (kind == "forward") else "overlap"
+            out.append(f"{kind} stage {name} should {'start' if kind == 'forward' else 'end'} at segment {expect} "
+                       f"({_where(pb, expect)}) but does at {edge}: {what} between stages; "
+                       f"{kind} stages must be {'ascending' if kind == 'forward' else 'descending'} and contiguous")
+        expect = hi if kind == "forward" else lo
+    end = a if kind == "forward" else 0
+    if ranges and expect != end:
+        out.append(f"{kind} stages end at segment {expect} but must reach {end} "
+                   f"({'the fused stage start' if kind == 'forward' else 'the first segment'})")
+    return out
+
+
+def _saved_violations(pb: PartitionProblem, plan: SegmentPlan) -> list[str]:
+    if len(plan.saved) != pb.n:
+        return [f"saved has {len(plan.saved)} flags but there are {pb.n} segments; give one per segment"]
+    out = [f"segment {i} ({_where(pb, i)}) is in the fused stage and cannot be saved; set saved[{i}] = False"
+           for i in range(max(plan.fused[0], 0), pb.n) if plan.saved[i]]
+    if not pb.allow_save and any(plan.saved):
+        out.append(f"the problem forbids saving (allow_save=False) but segments "
+                   f"{[i for i, s in enumerate(plan.saved) if s]} are saved")
+    return out
+
+
+def structural_violations(pb: PartitionProblem, plan: SegmentPlan) -> list[str]:
+    """Rules 1-4 of :func:`.problem.validate_segment_plan`."""
+    out = _fused_violations(pb, plan)
+    if not out:
+        out += _chain_violations(pb, plan, "forward") + _chain_violations(pb, plan, "backward")
+    return out + _saved_violations(pb, plan)
+
+
+def memory_violations(pb: PartitionProblem, plan: SegmentPlan, costs: Sequence[StageCost]) -> list[str]:
+    """Rule 5: every stage fits the device."""
+    out = []
+    for k, c in enumerate(costs):
+        if c.memory_bytes > pb.memory_bytes:
+            worst = max(range(c.start, c.stop), key=lambda i: pb.act_bytes[i] + pb.param_bytes[i])
+            out.append(f"stage {k} ({c.kind} [{c.start}, {c.stop})) needs {format_bytes(c.memory_bytes)} but the "
+                       f"device has {format_bytes(pb.memory_bytes)}; split the stage or lower the micro-batch size "
+                       f"(segment: {_where(pb, worst)})")
+    return out

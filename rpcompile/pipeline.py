@@ -98,7 +98,9 @@ class Pipeline:
                 loss = self.loss_fn(output, targets[j][0] if targets is not None else target)
             return loss * (sizes[j] / total)
 
-        scale = float(self.scaler.get_scale()) if self.scaler is not None and self.scaler.is_enabled() else 1.0
+        scale = 1.0
+        if self.scaler is not None and self.scaler.is_enabled():
+            scale = float(self.scaler.scale(torch.ones(())))  # also starts the scaler's bookkeeping
         losses = self.executor.run(self.schedule, store, iteration=self.iteration, loss_fn=loss_of, grad_scale=scale)
         self.iteration += 1
         return torch.stack(losses).sum()

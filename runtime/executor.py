@@ -105,6 +105,7 @@ class Executor:
         """Run every device's action list; return the fused stage's per-microbatch losses."""
         self.store, self.iteration, self.loss_fn, self.grad_scale = store, iteration, loss_fn, grad_scale
         self.losses: dict[int, torch.Tensor] = {}
+        self.microbatches = 1 + max(a.microbatch for acts in schedule for a in acts)
         self.done = {(a.stage, a.microbatch): threading.Event() for acts in schedule for a in acts if a.kind == "F"}
         self.failed: list[BaseException] = []
         self.t0 = time.perf_counter()
@@ -174,6 +175,8 @@ class Executor:
         elif act.kind == "F":
             with device.compute():
                 self._compute(device, prog, states[act.stage], act.microbatch)
+                if prog.kind != "backward" and act.microbatch == self.microbatches - 1:
+                    self._writeback_buffers(device, prog, states[act.stage])
             self.done[(act.stage, act.microbatch)].set()
         else:
             self._download_grads(device, prog, states.pop(act.stage))
@@ -190,9 +193,17 @@ class Executor:
             if t is master or t.data_ptr() == master.data_ptr():
                 t = t.detach()  # a new leaf sharing the master's storage: its own .grad
             state.params[name] = t.requires_grad_(grads and master.requires_grad)
-        for name in dict.fromkeys(prog.buffers.values()):
-            state.buffers[name] = device.upload(self.buffers[name])
+        for name in dict.fromkeys(prog.buffers.values()):  # like model.to(dtype): floating buffers too
+            state.buffers[name] = device.upload(self.buffers[name], self.dtype)
         return state
+
+    def _writeback_buffers(self, device: Device, prog: StageProgram, state: _StageState) -> None:
+        """After a real forward's last microbatch: device copies of buffers (BatchNorm statistics) go home."""
+        for name, t in state.buffers.items():
+            master = self.buffers[name]
+            if t is not master:
+                with torch.no_grad():
+                    master.copy_(device.download(t))
 
     def _download_grads(self, device: Device, prog: StageProgram, state: _StageState) -> None:
         for name, t in state.params.items():
@@ -202,9 +213,6 @@ class Executor:
             master = self.params[name]
             with self.grad_lock:
                 master.grad = g.clone() if master.grad is None else master.grad + g
-        for name, t in state.buffers.items():  # real forward updated them on the device: write back
-            if prog.kind in ("forward", "fused") and device.torch_device.type != "cpu":
-                self.buffers[name].copy_(device.download(t))
 
     # ------------------------------------------------------------------------------------------ compute
     def _inputs(self, device: Device, prog: StageProgram, mb: int, *, leaves: bool) -> list[Any]:

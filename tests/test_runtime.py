@@ -221,3 +221,49 @@ def test_huggingface_models_match_eager(arch):
     ref_loss.backward()
     torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
     assert_grads_equal(model, ref)
+
+
+def _normwise(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@pytest.mark.parametrize("precision,dtype,tol", [("bf16", torch.bfloat16, 3e-2), ("fp16", torch.float16, 3e-2)])
+def test_mixed_precision_matches_low_precision_eager(precision, dtype, tol):
+    """Compute in bf16/fp16 with fp32 masters: loss and gradients agree with eager run in that precision (to
+    its rounding), and the masters and their gradients stay fp32."""
+    spec = load_model("llama-demo", batch_size=6)
+    ref = copy.deepcopy(spec.model).to(dtype)
+    x, y = spec.example_inputs[0], spec.example_target
+    pipe = rpcompile.compile(spec.model, (x,), loss_fn=spec.loss_fn, devices=["cpu", "cpu"], microbatches=3,
+                             precision=precision, time_limit_s=2.0)
+    loss = pipe.forward_backward(x, target=y)
+    ref_loss = spec.loss_fn(ref(x), y)
+    ref_loss.backward()
+    assert abs(loss.item() - ref_loss.item()) < 1e-3 * abs(ref_loss.item())
+    ref_params = dict(ref.named_parameters())
+    for name, p in spec.model.named_parameters():
+        assert p.dtype == torch.float32 and p.grad.dtype == torch.float32
+        assert _normwise(p.grad, ref_params[name].grad) < tol, name
+
+
+def test_fp16_loss_scaling_skips_overflowing_steps():
+    spec = load_model("llama-demo", batch_size=6)
+    x, y = spec.example_inputs[0], spec.example_target
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40, growth_interval=1)  # 2**40 overflows fp16 at once
+    pipe = rpcompile.compile(spec.model, (x,), loss_fn=spec.loss_fn, devices=["cpu", "cpu"], microbatches=3,
+                             precision="fp16", scaler=scaler, time_limit_s=2.0)
+    opt = torch.optim.AdamW(spec.model.parameters(), lr=1e-2)
+    before = {n: p.detach().clone() for n, p in spec.model.named_parameters()}
+    pipe.forward_backward(x, target=y)
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 2.0**39  # lowered
+    assert all(torch.equal(p, before[n]) for n, p in spec.model.named_parameters())  # step skipped
+    opt.zero_grad()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1)
+    pipe.scaler = scaler
+    pipe.forward_backward(x, target=y)
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 2.0**9  # a good step raises it (growth_interval=1)
+    assert any(not torch.equal(p, before[n]) for n, p in spec.model.named_parameters())

@@ -131,7 +131,9 @@ class Prediction:
     bubble_fraction: float
     peak_memory_bytes: int
     bound_s: float = 0.0
-    """A proven lower bound on the iteration time (ILP strategies), 0 when unknown."""
+    """ILP strategies: a proven lower bound on the solver's objective, ``c(S)·T`` (stage-count factor times the
+    slowest stage, DESIGN.md §3), which bounds the iteration time of equal stages; the exact iteration time of an
+    unequal plan can be lower. 0 when unknown."""
 
 
 @dataclass(frozen=True, kw_only=True)

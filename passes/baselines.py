@@ -83,7 +83,8 @@ def _full_recompute(pb: PartitionProblem, fwd: list[tuple[int, int]], fused_star
 
 
 def uniform(pb: PartitionProblem, *, time_limit_s: float = 10.0, seed: int = 0) -> PartitionResult:
-    """The classic static pipeline: ``N`` equal layer groups (the first ones one layer longer when uneven)."""
+    """The classic static pipeline: ``N`` equal layer groups (the first ones one layer longer when uneven; one
+    group per layer when there are fewer layers than devices)."""
     started = time.perf_counter()
     layers = layer_ranges(pb)
     groups = [g for g in np.array_split(np.arange(len(layers)), min(pb.device_count, len(layers))) if len(g)]

@@ -26,9 +26,12 @@ upper bound and fit memory):
 - *aggregate cuts*: per side, total compute and link time ``<= count·T`` (McCormick-linearised), redundant
   sums that tighten the relaxation (:mod:`.bounds` derives the same sums as a fast lower bound).
 
-Time constants are scaled to integers with the lower-bound-safe rounding (constants down, subtracted terms up), so
-the proven bound is valid in seconds; plans are re-scored with the exact float model. Search is deterministic:
-fixed seed, ``interleave_search`` and a ``max_deterministic_time`` budget.
+Time constants are scaled to integers (``TIME_UNITS`` per upper bound) with lower-bound-safe rounding (constants
+down, subtracted terms up), so the proven bound is valid in seconds; plans are re-scored with the exact float model
+(:mod:`.partition` keeps every plan met and returns the best by :func:`.problem.iteration_time`, which can be well
+below ``c(S)·T`` when stages are unequal, e.g. around a slow LM-head stage). Search is deterministic: one worker
+(on 2 cores it found better plans per second than two interleaved workers), a fixed seed and a
+``max_deterministic_time`` budget; ``workers > 1`` switches to CP-SAT's deterministic ``interleave_search``.
 """
 
 from __future__ import annotations

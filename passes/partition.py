@@ -50,6 +50,8 @@ __all__ = ["solve", "ilp", "dp", "roundpipe", "uniform", "greedy", "STRATEGIES",
 DET_TIME_PER_S = 0.3
 #: Stage budgets the greedy heuristic tries before CP-SAT starts.
 GREEDY_BUDGETS = 12
+#: Smallest CP-SAT solve worth building a model for (deterministic seconds).
+MIN_SOLVE_DET = 0.3
 
 
 class _Pool:
@@ -165,7 +167,7 @@ def ilp(pb: PartitionProblem, *, time_limit_s: float = 10.0, seed: int = 0) -> P
         return prep
     tables, pool, seeds, lb, b_relaxed, greedy_tried = prep
     det_left, tried, log = time_limit_s * DET_TIME_PER_S, set(), []
-    while det_left > 0 and time.perf_counter() - started < time_limit_s:
+    while det_left >= MIN_SOLVE_DET and time.perf_counter() - started < time_limit_s:
         s = _next_budget(pool, lb, tried)
         if s is None:
             break
@@ -174,7 +176,7 @@ def ilp(pb: PartitionProblem, *, time_limit_s: float = 10.0, seed: int = 0) -> P
         ub = min(pool.incumbent() / pool.c[s], hint_t)
         share = det_left / min(_open_budgets(pool, lb, tried) + 1, 3)
         res = solve_budget(pb, tables, b_relaxed, s, ub=ub, lb=float(lb[s]),
-                           hint=hint if hint_t <= ub else None, det_time=max(share, 0.05),
+                           hint=hint if hint_t <= ub else None, det_time=max(share, MIN_SOLVE_DET),
                            wall_time=max(0.85 * (time_limit_s - (time.perf_counter() - started)), 0.2), seed=seed)
         det_left -= res.det_time
         pool.add(res.plan)

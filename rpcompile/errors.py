@@ -14,6 +14,7 @@ __all__ = [
     "PlanVerificationError",
     "InfeasibleError",
     "ModelSpecError",
+    "BatchSplitError",
 ]
 
 
@@ -27,6 +28,10 @@ class TraceError(RPCompileError):
 
 class ModelSpecError(RPCompileError):
     """A MODEL argument (built-in name or ``file.py:factory``) could not be resolved."""
+
+
+class BatchSplitError(RPCompileError, ValueError):
+    """A batch cannot be split into the requested microbatches."""
 
 
 class PlanError(RPCompileError):

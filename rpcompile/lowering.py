@@ -1,4 +1,4 @@
-"""Lowering node ranges into a :class:`~rpcompile.plan.Plan`.
+"""Lowering node ranges into a :class:`~rpcompile.planfile.Plan`.
 
 Strategies decide *where* to cut (in segments or node indices); this module turns those cuts into a plan of
 names: each stage's compute nodes, the parameters they read, the source modules they come from, and the saved
@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch.fx as fx
 
-from .plan import Hardware, Plan, Prediction, Stage
+from .planfile import Hardware, Plan, Prediction, Stage
 from .verify import fingerprint
 
 __all__ = ["plan_from_ranges"]

@@ -21,8 +21,8 @@ Contracts
   place is picked up by the next call — nothing to refresh by hand.
 - **Buffers** (BatchNorm statistics) are updated once per microbatch by the real forward pass, never by
   recomputation: the pipeline equals eager training with gradient accumulation over the same microbatches.
-- **Randomness** (dropout) is seeded per (iteration, node, microbatch): recomputation replays the forward's masks,
-  and results do not depend on the number of devices.
+- **Randomness** (dropout) is seeded per (iteration, node, microbatch): recomputation replays the forward's masks
+  (saved segments keep them), and results do not depend on the number of devices.
 - **fp16** uses loss scaling through ``torch.amp.GradScaler("cpu")`` (pass ``scaler=``): the loss is multiplied by
   the scaler's scale, master gradients arrive scaled, and ``scaler.step(optimizer)`` / ``scaler.update()`` skip the
   step and lower the scale on overflow, raising it after a run of good steps — the standard torch contract.
@@ -38,7 +38,7 @@ import torch
 import torch.fx as fx
 
 from .errors import RPCompileError
-from .plan import Plan
+from .planfile import Plan
 
 __all__ = ["compile", "Pipeline"]
 
@@ -177,7 +177,7 @@ def compile(
     finally:
         torch.set_num_threads(threads)
     hardware = make_hardware(len(devs), "cpu" if on_cpu else "rtx4090", memory_limit)
-    # The runtime recomputes every backward stage from its input boundary; plans that save activations to host
-    # memory arrive with the runtime's save path (until then the planner is told saving is unavailable).
-    made = plan_graph(gm, hardware=hardware, microbatches=m, precision=precision, allow_save=False, **plan_options)
+    # Saved segments run without recomputation (rpcompile.runtime.saved): the planner may keep activations in host
+    # memory wherever that is faster than recomputing them and fits.
+    made = plan_graph(gm, hardware=hardware, microbatches=m, precision=precision, **plan_options)
     return Pipeline(model, gm, made, devs, loss_fn, precision, scaler)

@@ -2,7 +2,8 @@
 
 Microbatches: ``example_inputs`` is one full batch; it is split along dim 0 into ``microbatches`` pieces
 (``torch.tensor_split``: sizes differ by at most one) and the graph is costed on the first (largest) piece, so every
-time and byte in the problem is per microbatch. The default is ``gpus + 1`` microbatches (DESIGN.md §3).
+time and byte in the problem is per microbatch. The default is ``gpus + 1`` microbatches (DESIGN.md §3), and 1 on a
+single device.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.fx as fx
 
-from .errors import InfeasibleError
-from .plan import Hardware, Plan, Prediction
+from .errors import BatchSplitError, InfeasibleError
+from .planfile import Hardware, Plan, Prediction
 from .specs import DeviceSpec, get_spec
 
 __all__ = [
@@ -37,12 +38,13 @@ def split_microbatches(values: Sequence[Any], microbatches: int) -> list[tuple[A
     """Split every tensor in ``values`` along dim 0 into ``microbatches`` pieces (other values are repeated)."""
     sizes = {v.shape[0] for v in values if isinstance(v, torch.Tensor) and v.dim() > 0}
     if len(sizes) > 1:
-        raise ValueError(f"inputs disagree on the batch size (dim 0): {sorted(sizes)}")
+        raise BatchSplitError(f"inputs disagree on the batch size (dim 0): {sorted(sizes)}; pass tensors with one "
+                              "batch dimension, or constants as non-tensor arguments")
     batch = sizes.pop() if sizes else 1
     if microbatches < 1 or batch < microbatches:
-        raise ValueError(
+        raise BatchSplitError(
             f"a batch of {batch} cannot be split into {microbatches} microbatches; "
-            f"use microbatches between 1 and {batch} or a larger batch"
+            f"use microbatches between 1 and {batch} (--microbatches) or a larger batch (--batch-size)"
         )
     pieces = [
         torch.tensor_split(v, microbatches, dim=0) if isinstance(v, torch.Tensor) and v.dim() > 0 else [v] * microbatches
@@ -154,13 +156,14 @@ def to_plan(gm: fx.GraphModule, problem: Any, result: Any, *, hardware: Hardware
 
 def _infeasible(problem: Any, hardware: Hardware) -> InfeasibleError:
     from rpcompile.passes.problem import min_feasible_memory
+    from rpcompile.passes.validate import format_bytes
 
     need, seg = min_feasible_memory(problem)
-    gib = 2**30
     return InfeasibleError(
-        f"no plan fits {hardware.memory_bytes / gib:.2f} GiB per device: segment {seg} ({problem.names[seg]}) needs "
-        f"at least {need / gib:.2f} GiB (its weights, the prefetched next stage, gradients and one microbatch's "
-        f"activations); allow memory_limit >= {need} bytes, use more microbatches (smaller ones) or a lower precision"
+        f"no plan fits {format_bytes(hardware.memory_bytes)} per device: segment {seg} ({problem.names[seg]}) needs "
+        f"at least {format_bytes(need)} (its weights, the prefetched next stage, gradients and one microbatch's "
+        f"activations); allow at least {need} bytes per device (memory_limit= / --memory-limit), use more "
+        "microbatches (smaller ones) or a lower precision"
     )
 
 
@@ -221,7 +224,9 @@ def prepare(
 
     from .profiling import analyze, make_cost_model
 
-    m = microbatches or gpus + 1
+    # DESIGN.md §3: N + 1 is the fewest microbatches without a bubble between stages; one device has no
+    # pipeline to fill, and splitting the batch would only shrink its kernels.
+    m = microbatches or (gpus + 1 if gpus > 1 else 1)
     args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
     piece = split_microbatches((*args, *kwargs.values()), m)[0]
     first, example_kwargs = piece[: len(args)], dict(zip(kwargs, piece[len(args):]))

@@ -7,16 +7,11 @@ from typing import Sequence
 from rich.console import Console
 from rich.table import Table
 
+from rpcompile.passes.validate import format_bytes as fmt_bytes
+
 from .profiling import CostRow, Profile
 
 __all__ = ["fmt_bytes", "fmt_time", "fmt_count", "profile_table", "plan_table", "compare_table", "stage_range", "print_table"]
-
-
-def fmt_bytes(n: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 def fmt_time(s: float) -> str:

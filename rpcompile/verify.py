@@ -1,4 +1,4 @@
-"""Checking a :class:`~rpcompile.plan.Plan` against the traced graph it was made for."""
+"""Checking a :class:`~rpcompile.planfile.Plan` against the traced graph it was made for."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import torch.fx as fx
 
 from .errors import PlanVerificationError
-from .plan import Fingerprint, Plan
+from .planfile import Fingerprint, Plan
 
 __all__ = ["fingerprint", "verify_plan", "plan_violations"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from rpcompile.plan import Plan
+from rpcompile.planfile import Plan
 
 from .split import Program, StageProgram
 

@@ -9,7 +9,9 @@ Stage semantics (DESIGN.md §3):
 - forward stages run without autograd and hand on the values later stages need;
 - the fused stage runs forward, loss and backward in one go;
 - backward stages recompute their forward from the saved boundary values with autograd on, then run backward with
-  the gradients later stages left for their outputs, and leave gradients for their own inputs.
+  the gradients later stages left for their outputs, and leave gradients for their own inputs. Saved segments
+  (:mod:`.saved`) are not recomputed: the forward stage runs their fw graph and ships their saved tensors
+  (:class:`~.saved.HostSaved`); in the backward stage they are one autograd node that runs their bw graph.
 Buffers (BatchNorm statistics) are updated by the real forward only: recomputation runs on copies. Randomness
 (dropout) is replayed per node (:mod:`.rng`), so recomputation draws the forward's masks.
 """
@@ -26,7 +28,7 @@ import torch
 
 from rpcompile.passes.util import tensor_leaves
 
-from . import rng
+from . import rng, saved
 from .devices import Device
 from .schedule import Action
 from .split import Program, StageProgram
@@ -110,8 +112,10 @@ class Executor:
         self.failed: list[BaseException] = []
         self.t0 = time.perf_counter()
         self.timeline = []
+        # Device 0 runs on the calling thread: a fresh thread would start its own OpenMP team while the caller's
+        # idles (spinning) on the same cores, which made one-device CPU steps ~2× slower than eager.
         workers = [threading.Thread(target=self._worker, args=(d, acts), name=f"rpcompile-dev{d}", daemon=True)
-                   for d, acts in enumerate(schedule)]
+                   for d, acts in enumerate(schedule) if d > 0]
         threads = torch.get_num_threads()
         cpu_workers = sum(1 for d in self.devices if d.torch_device.type == "cpu")
         if cpu_workers > 1:  # logical CPU devices share the cores: more intra-op threads than cores thrash
@@ -119,6 +123,7 @@ class Executor:
         try:
             for w in workers:
                 w.start()
+            self._worker(0, schedule[0])
             for w in workers:
                 w.join()
         finally:
@@ -155,12 +160,13 @@ class Executor:
             device = self.devices[prog.index % len(self.devices)]
             state = self._upload(device, prog)
             rng.context.iteration, rng.context.microbatch, rng.context.device = iteration, 0, device.torch_device
+            saved.context.save = False  # evaluation keeps nothing for a backward pass
             with device.compute():
                 outs = self._call(prog, state, self._inputs(device, prog, 0, leaves=False), copy_buffers=False)
             if prog.kind == "fused":
                 return prog.model_output(outs)
             for name, v in zip(prog.outputs, outs):
-                store.put(name, 0, device.download(v) if isinstance(v, torch.Tensor) else v)
+                store.put(name, 0, _to_host(device, v))
         raise RuntimeError("plan has no fused stage")
 
     def _dispatch(self, device: Device, act: Action, states: dict[int, _StageState]) -> None:
@@ -223,6 +229,8 @@ class Executor:
                 v = device.upload(v, self.dtype)
                 if leaves and v.is_floating_point() and name in self.program.needs_grad:
                     v = v.detach().requires_grad_(True)
+            elif isinstance(v, saved.HostSaved):  # saved activations keep their dtype (the compute precision)
+                v = v.map(device.upload)
             out.append(v)
         return out
 
@@ -236,10 +244,11 @@ class Executor:
     def _compute(self, device: Device, prog: StageProgram, state: _StageState, mb: int) -> None:
         rng.context.iteration, rng.context.microbatch, rng.context.device = self.iteration, mb, device.torch_device
         if prog.kind == "forward":
+            saved.context.save = True  # saved segments keep their activations for the backward stage
             with torch.no_grad():
                 outs = self._call(prog, state, self._inputs(device, prog, mb, leaves=False), copy_buffers=False)
             for name, v in zip(prog.outputs, outs):
-                self.store.put(name, mb, device.download(v) if isinstance(v, torch.Tensor) else v)
+                self.store.put(name, mb, _to_host(device, v))
             return
         inputs = self._inputs(device, prog, mb, leaves=True)
         with torch.enable_grad():
@@ -264,6 +273,14 @@ class Executor:
                 roots.append(v)
                 grads.append(device.upload(g, v.dtype))
         return roots, grads
+
+
+def _to_host(device: Device, v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return device.download(v)
+    if isinstance(v, saved.HostSaved):
+        return v.map(device.download)
+    return v
 
 
 class _nullcontext:

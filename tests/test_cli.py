@@ -87,3 +87,10 @@ def test_spec_and_device_are_exclusive(capsys):
         main(["profile", "llama-demo", "--spec", "rtx4090", "--device", "cpu"])
     assert info.value.code == 2
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_batch_too_small_for_microbatches_is_one_line(capsys):
+    code, out, err = run(capsys, "plan", "llama-demo", "--gpus", "4", "--spec", "rtx4090")
+    assert code == 2 and out == ""
+    assert err == ("rpcompile: error: a batch of 4 cannot be split into 5 microbatches; use microbatches between "
+                   "1 and 4 (--microbatches) or a larger batch (--batch-size)\n")

@@ -11,7 +11,7 @@ import torch
 from _toy import TiedToy, toy_graph
 from rpcompile.errors import PlanFileError, PlanMismatchError
 from rpcompile.lowering import plan_from_ranges
-from rpcompile.plan import SCHEMA_VERSION, Hardware, Plan, Prediction
+from rpcompile.planfile import SCHEMA_VERSION, Hardware, Plan, Prediction
 from rpcompile.specs import get_spec
 from rpcompile.verify import fingerprint
 

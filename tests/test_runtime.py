@@ -267,3 +267,82 @@ def test_fp16_loss_scaling_skips_overflowing_steps():
     scaler.update()
     assert scaler.get_scale() == 2.0**9  # a good step raises it (growth_interval=1)
     assert any(not torch.equal(p, before[n]) for n, p in spec.model.named_parameters())
+
+
+# ---------------------------------------------------------------------------------------------- saved segments
+def _saving_pipeline(name, parity, k=2, m=3):
+    """A hand-made plan over ``name``: two forward stages, two backward stages cut elsewhere, and every other
+    segment (outside the fused stage) saved, so each backward stage mixes saved and recomputed segments."""
+    from rpcompile.lowering import plan_from_ranges
+    from rpcompile.passes.coarsen import coarsen_pass, segments_of
+    from rpcompile.passes.util import compute_nodes
+    from rpcompile.pipeline import Pipeline
+    from rpcompile.planning import make_hardware, prepare
+    from rpcompile.runtime.devices import make_devices
+
+    spec = load_model(name, batch_size=10)
+    ref = copy.deepcopy(spec.model)
+    x, = spec.example_inputs
+    gm, m = prepare(spec.model, (x,), gpus=k, microbatches=m, progress=False)
+    segs = segments_of(coarsen_pass(gm, max_segments=len(compute_nodes(gm))))  # finest: one per module group
+    n, c = len(segs), [s.start for s in segs]
+    saved = [node for i, s in enumerate(segs[:n - 2]) if i % 2 == parity for node in s.nodes]
+    plan = plan_from_ranges(gm, forward=[(0, c[n // 2]), (c[n // 2], c[n - 2])], fused=(c[n - 2], segs[-1].stop),
+                            backward=[(c[n // 3], c[n - 2]), (0, c[n // 3])], hardware=make_hardware(k, "cpu"),
+                            microbatches=m, saved=saved)
+    assert plan.saved
+    pipe = Pipeline(spec.model, gm, plan, make_devices(["cpu"] * k, None), spec.loss_fn, "fp32")
+    return spec, ref, pipe, x, spec.example_target
+
+
+def _assert_saved_not_recomputed(pipe):
+    """Saved nodes run once per microbatch in their forward stage (fw graph) and never in a backward stage: the
+    backward stage graph holds a bw call in their place."""
+    assert pipe.program.saved
+    for prog in pipe.program.stages:
+        if prog.kind == "backward" and prog.stage.saved:
+            calls = [nd for nd in prog.gm.graph.nodes if getattr(nd.target, "__name__", "") == "backward_call"]
+            assert calls, prog.name
+            names = {nd.name for nd in prog.gm.graph.nodes if nd.op != "placeholder" and nd not in calls
+                     and not (nd.args and nd.args[0] in calls)}  # the bw call and its getitems
+            assert not names & set(prog.stage.saved), (prog.name, sorted(names & set(prog.stage.saved)))
+    for seg in pipe.program.saved:
+        assert seg.calls == {"forward": pipe.microbatches, "backward": pipe.microbatches}, seg.name
+
+
+def test_saved_segments_match_eager():
+    spec, ref, pipe, x, y = _saving_pipeline("llama-demo", 1)
+    loss = pipe.forward_backward(x, target=y)
+    ref_loss = eager_step(ref, spec.loss_fn, x, y, pipe.microbatches)
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+    assert_grads_equal(spec.model, ref)
+    _assert_saved_not_recomputed(pipe)
+    torch.testing.assert_close(pipe.forward(x), ref(x), **TOL)  # evaluation runs saved segments plainly
+
+
+@pytest.mark.parametrize("parity", [0, 1])
+def test_saved_segments_batchnorm_and_dropout(parity):
+    """Saved BatchNorm updates the statistics once per microbatch (fw graph's buffer outputs); a saved dropout's
+    mask is a saved tensor drawn with the recompute path's seed."""
+    from rpcompile.runtime import rng
+    from rpcompile.tracing import trace
+
+    spec, ref, pipe, x, y = _saving_pipeline("cnn-demo", parity)
+    m = pipe.microbatches
+    loss = pipe.forward_backward(x, target=y)
+    ref_gm = trace(ref, (x,))
+    rng.seed_random_nodes(ref_gm)
+    rng.context.iteration, rng.context.device = 0, torch.device("cpu")
+    ref_loss = 0.0
+    for j, ((xs,), (ys,)) in enumerate(zip(split_microbatches((x,), m), split_microbatches((y,), m))):
+        rng.context.microbatch = j
+        part = spec.loss_fn(ref_gm(xs), ys) * (xs.shape[0] / x.shape[0])
+        part.backward()
+        ref_loss += part.detach()
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+    assert_grads_equal(spec.model, ref)
+    ref_buffers = dict(ref.named_buffers())
+    for name, buf in spec.model.named_buffers():
+        torch.testing.assert_close(buf, ref_buffers[name], msg=lambda msg: f"buffer {name}: {msg}")
+    assert int(spec.model.blocks[0].bn.num_batches_tracked) == m
+    _assert_saved_not_recomputed(pipe)

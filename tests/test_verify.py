@@ -9,7 +9,7 @@ import torch
 
 from _toy import TiedToy, toy_graph
 from rpcompile.errors import PlanVerificationError
-from rpcompile.plan import Plan
+from rpcompile.planfile import Plan
 from rpcompile.verify import plan_violations, verify_plan
 from test_plan import make_plan
 

@@ -1,0 +1,325 @@
+"""Saved segments: run a segment's backward from activations kept in host memory instead of recomputing it.
+
+Terms
+-----
+- **Saved segment**: a segment (the coarsener's unit, ``node.meta["rpcompile.segment"]``) whose nodes the plan
+  lists in ``Stage.saved``. It lies inside one forward stage and one backward stage.
+- **fw / bw graph**: AOTAutograd (``aot_function`` with recording compilers) splits the segment into two aten FX
+  graphs. ``fw(*params, *buffers, *inputs) -> (*outputs, *updated_buffers, *saved)`` and
+  ``bw(*saved, *tangents) -> one gradient per fw input`` (None where there is none). Buffers are cloned inside the
+  traced function, so BatchNorm's running-statistics update is an output, not an input mutation.
+- **Passthrough**: a saved tensor that is just a fw input (a parameter, a segment input) or a segment output. It is
+  not shipped: the backward stage has the parameters on its device and receives inputs and outputs anyway.
+- **Host saved**: the remaining saved tensors; the forward stage sends them to host memory as one
+  :class:`HostSaved` value per (segment, microbatch), tagged with the capture they belong to.
+
+Graphs are captured lazily, on the device and in the compute precision, once per input signature (shapes,
+strides, dtypes, devices, non-tensor values): make_fx specialises shapes, and microbatches can differ in size by one.
+Dropout inside a saved segment is rewritten to ``x * seeded_noise(x)`` where the noise op is opaque to tracing and
+draws the mask with :func:`rpcompile.runtime.rng.seeded_call` (same seed as the recompute path: bit-identical on
+CPU); the mask is then simply a saved tensor. Segments with other random ops are not saveable (recomputed instead).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from . import rng
+
+__all__ = ["HostSaved", "SegmentAOT", "SavedSegment", "capture_segment", "dropout_to_noise", "context"]
+
+context = threading.local()
+"""Per worker thread: ``save`` (bool) — a training forward stage keeps activations; otherwise segments run plainly."""
+
+_CAPTURE_LOCK = threading.Lock()  # AOT tracing is not meant to run concurrently
+_NOISE: dict[str, tuple[str, Callable[..., Any], tuple, dict]] = {}
+_TOKENS = itertools.count()
+_DROPOUT_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
+_DROPOUT_NAMES = {"dropout", "dropout1d", "dropout2d", "dropout3d", "feature_dropout"}
+
+
+@torch.library.custom_op("rpcompile::seeded_noise", mutates_args=())
+def seeded_noise(like: torch.Tensor, token: str) -> torch.Tensor:
+    """Dropout's multiplicative noise for ``like`` (mask / (1 - p)), seeded like the node it replaces."""
+    name, fn, args, kwargs = _NOISE[token]
+    return rng.seeded_call(name, fn, torch.ones_like(like), *args, **kwargs).clone()
+
+
+@seeded_noise.register_fake
+def _(like: torch.Tensor, token: str) -> torch.Tensor:
+    return torch.empty_like(like)
+
+
+def _random_kind(gm: fx.GraphModule, node: fx.Node) -> str | None:
+    """'dropout' for a multiplicative dropout with constant options, 'other' for other random nodes, else None."""
+    if not rng._is_random(gm, node):
+        return None
+    if node.op == "call_module":
+        ok = isinstance(gm.get_submodule(node.target), _DROPOUT_MODULES) and len(node.args) == 1 and not node.kwargs
+    else:
+        ok = node.op == "call_function" and rng._target_name(node) in _DROPOUT_NAMES and bool(node.args)
+    consts = [*node.args[1:], *node.kwargs.values()]
+    return "dropout" if ok and not any(isinstance(a, fx.Node) for a in consts) else "other"
+
+
+def dropout_to_noise(gm: fx.GraphModule) -> bool:
+    """Rewrite every dropout node of ``gm`` into ``x * seeded_noise(x.detach())``; False if another random node
+    remains (such a segment cannot be saved)."""
+    for node in list(gm.graph.nodes):
+        kind = _random_kind(gm, node)
+        if kind == "other":
+            return False
+        if kind is None:
+            continue
+        fn = gm.get_submodule(node.target) if node.op == "call_module" else node.target
+        token = f"{next(_TOKENS)}/{node.name}"
+        _NOISE[token] = (node.name, fn, tuple(node.args[1:]), dict(node.kwargs))
+        x = node.args[0]
+        with gm.graph.inserting_before(node):
+            noise = gm.graph.call_function(torch.ops.rpcompile.seeded_noise.default,
+                                           (gm.graph.call_method("detach", (x,)), token))
+            new = gm.graph.call_function(torch.mul, (x, noise))
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+    gm.recompile()
+    return True
+
+
+class HostSaved(NamedTuple):
+    """What a forward stage keeps in host memory for one saved segment and microbatch."""
+
+    key: Any
+    """The capture (input signature) the tensors belong to."""
+    tensors: tuple[torch.Tensor, ...]
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "HostSaved":
+        return HostSaved(self.key, tuple(fn(t) for t in self.tensors))
+
+
+def _like(t: torch.Tensor, meta: Any) -> torch.Tensor:
+    """``t`` with the dtype and strides the graph was traced with (host round trips make tensors contiguous)."""
+    if meta is None or (t.dtype == meta.dtype and t.stride() == meta.stride()):
+        return t
+    out = torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype, device=t.device)
+    return out.copy_(t)
+
+
+@dataclass
+class SegmentAOT:
+    """One capture of a segment: fw and bw graphs and where the bw graph's saved tensors come from."""
+
+    fw: fx.GraphModule
+    bw: fx.GraphModule | None
+    n_outputs: int
+    """Tensor outputs of the segment (the fw graph then returns the updated buffers, then the saved tensors)."""
+    n_buffers: int
+    saved: tuple[tuple[str, int], ...]
+    """Per saved slot of bw: ("input", i) fw input i, ("output", i) tensor output i, ("host", j) host tensor j."""
+    host: tuple[int, ...]
+    """fw output positions of the host-saved tensors."""
+    tangents: tuple[int, ...]
+    """fw output index (among outputs + buffers) of each tangent of bw."""
+    constants: tuple[Any, ...]
+    """The segment's outputs with tensors as None: non-tensor outputs are constants of the signature."""
+    inputs: tuple[int, ...] = ()
+    """Positions of the tensors among the segment's fw arguments (params, buffers, inputs): the fw graph's inputs."""
+
+    def forward(self, tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor], tuple]:
+        res = self.fw(*tensors)
+        n = self.n_outputs
+        return list(res[:n]), list(res[n:n + self.n_buffers]), tuple(res[i] for i in self.host)
+
+    def backward(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], host: Sequence[torch.Tensor],
+                 grads: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+        if self.bw is None:
+            return [None] * len(inputs)
+        pool = {"input": inputs, "output": outputs, "host": host}
+        args = [pool[kind][i] for kind, i in self.saved]
+        args += [grads[i] for i in self.tangents]
+        metas = [p.meta.get("val") for p in self.bw.graph.find_nodes(op="placeholder")]
+        res = self.bw(*[_like(a, m) if isinstance(a, torch.Tensor) else a for a, m in zip(args, metas)])
+        return list(res)
+
+
+def capture_segment(fn: Callable[..., tuple], examples: Sequence[torch.Tensor], n_outputs: int, n_buffers: int,
+                    constants: tuple) -> SegmentAOT:
+    """Trace ``fn(*examples) -> (*outputs, *updated_buffers)`` with AOTAutograd into a :class:`SegmentAOT`.
+
+    ``examples`` carry ``requires_grad`` where a gradient is wanted; ``fn`` runs once forward and backward on them.
+    """
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_function
+    from torch._functorch.partitioners import default_partition
+
+    graphs: dict[str, Any] = {}
+
+    def compiler(name: str) -> Callable:
+        def record(gm: fx.GraphModule, _inputs: Any) -> Callable:
+            graphs[name] = gm
+            return make_boxed_func(gm.forward)
+        return record
+
+    def partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **kw: Any) -> Any:
+        graphs["num_fwd_outputs"] = num_fwd_outputs
+        return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kw)
+
+    with torch.enable_grad():
+        res = aot_function(fn, fw_compiler=compiler("fw"), bw_compiler=compiler("bw"), partition_fn=partition)(*examples)
+        diff = [r for r in res if r.requires_grad]
+        if diff:
+            torch.autograd.backward(diff, [torch.ones_like(r) for r in diff])
+    fw, bw = graphs["fw"], graphs.get("bw")
+    n_fwd = n_outputs + n_buffers
+    if graphs.get("num_fwd_outputs", n_fwd) != n_fwd:
+        raise _Aliased(f"fw graph returns {graphs['num_fwd_outputs']} outputs for {n_fwd}")
+    outs = list(next(iter(fw.graph.find_nodes(op="output"))).args[0])
+    places = {p: i for i, p in enumerate(fw.graph.find_nodes(op="placeholder"))}
+    saved, host = [], []
+    for pos, node in enumerate(outs[n_fwd:], n_fwd):
+        if node in places:
+            saved.append(("input", places[node]))
+        elif node in outs[:n_outputs]:
+            saved.append(("output", outs.index(node)))
+        else:
+            saved.append(("host", len(host)))
+            host.append(pos)
+    tangents = tuple(i for i, r in enumerate(res) if r.requires_grad)
+    if bw is not None:
+        n_bw = len(bw.graph.find_nodes(op="placeholder"))
+        if n_bw != len(saved) + len(tangents):  # an output aliases another one: AOT folds their tangents
+            raise _Aliased(f"unexpected bw graph: {n_bw} inputs for {len(saved)} saved and {len(tangents)} tangents")
+    return SegmentAOT(fw, bw, n_outputs, n_buffers, tuple(saved), tuple(host), tangents, constants)
+
+
+class _Aliased(Exception):
+    """AOTAutograd regenerated an output outside the graph (it aliases an input): capture again with copies."""
+
+
+class _SegmentFunction(torch.autograd.Function):
+    """Backward stage: a saved segment's outputs as an autograd node whose backward is the bw graph."""
+
+    @staticmethod
+    def forward(ctx: Any, aot: SegmentAOT, host: tuple, n_in: int, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
+        ctx.aot, ctx.host, ctx.n_in = aot, host, n_in
+        outs = tuple(t.detach() for t in tensors[n_in:])
+        ctx.save_for_backward(*tensors[:n_in], *outs)
+        return outs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:  # type: ignore[override]
+        saved = ctx.saved_tensors
+        ins, outs = saved[:ctx.n_in], saved[ctx.n_in:]
+        aot: SegmentAOT = ctx.aot
+        grads = list(grads) + [None] * aot.n_buffers  # buffers carry no gradient
+        grads = [g if g is not None else torch.zeros_like(o) for g, o in zip(grads, outs)] + grads[len(outs):]
+        g_in = aot.backward(ins, outs, ctx.host, grads)
+        return (None, None, None, *g_in, *[None] * len(outs))
+
+
+class SavedSegment:
+    """One saved segment of a plan, shared by its forward stage (:meth:`forward_call`) and its backward stage
+    (:meth:`backward_call`), which call it from their graphs with parameters and buffers as ``get_attr`` values."""
+
+    def __init__(self, name: str, gm: fx.GraphModule, params: Sequence[Sequence[str]], buffers: Sequence[str],
+                 inputs: Sequence[str], outputs: Sequence[str], wants_grad: Sequence[bool]):
+        self.name, self.gm = name, gm
+        self.params = [tuple(p) for p in params]
+        """Attribute paths inside ``gm`` per unique parameter (tied weights: several paths)."""
+        self.buffers, self.inputs, self.outputs = list(buffers), list(inputs), list(outputs)
+        self.wants_grad = list(wants_grad)
+        """Per fw argument (params, buffers, inputs): whether its gradient is wanted (if a float tensor)."""
+        self.host_name = f"{name}::saved"
+        self.nodes: tuple[str, ...] = ()
+        """Names of the segment's nodes in the traced graph."""
+        self.captures: dict[Any, SegmentAOT] = {}
+        self.calls = {"forward": 0, "backward": 0}
+
+    def __repr__(self) -> str:  # shows up in generated stage code
+        return f"SavedSegment({self.name!r})"
+
+    def _run(self, flat: Sequence[Any], copy_buffers: bool) -> Any:
+        p, b = len(self.params), len(self.buffers)
+        tensors = {attr: flat[i] for i, attrs in enumerate(self.params) for attr in attrs}
+        bufs = [t.clone() if copy_buffers else t for t in flat[p:p + b]]
+        tensors.update(zip(self.buffers, bufs))
+        outs = torch.func.functional_call(self.gm, tensors, tuple(flat[p + b:]), strict=False, tie_weights=False)
+        return outs, bufs
+
+    def _key(self, flat: Sequence[Any]) -> tuple:
+        def one(v: Any) -> Any:
+            if isinstance(v, torch.Tensor):
+                return (tuple(v.shape), v.stride(), v.dtype, v.device)
+            try:
+                hash(v)
+                return ("const", v)
+            except TypeError:
+                return ("const", repr(v))
+        return tuple(one(v) for v in flat)
+
+    def _capture(self, key: tuple, flat: Sequence[Any]) -> SegmentAOT:
+        where = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
+        examples = [flat[i].detach().requires_grad_(self.wants_grad[i] and flat[i].is_floating_point())
+                    for i in where]
+        with torch.no_grad():
+            plain, _ = self._run(flat, True)
+        constants = tuple(None if isinstance(o, torch.Tensor) else o for o in plain)
+
+        def make(copy_outputs: bool) -> Callable[..., tuple]:
+            def fn(*tensors: torch.Tensor) -> tuple:
+                args = list(flat)
+                for i, t in zip(where, tensors):
+                    args[i] = t
+                outs, bufs = self._run(args, True)
+                outs = [o.clone() if copy_outputs else o for o in outs if isinstance(o, torch.Tensor)]
+                return (*outs, *bufs)
+            return fn
+
+        n_out = sum(c is None for c in constants)
+        with _CAPTURE_LOCK:
+            try:
+                aot = capture_segment(make(False), examples, n_out, len(self.buffers), constants)
+            except _Aliased:  # outputs that alias inputs or each other: return copies (one copy per output)
+                try:
+                    aot = capture_segment(make(True), examples, n_out, len(self.buffers), constants)
+                except _Aliased as e:
+                    raise RuntimeError(f"cannot capture saved segment {self.name}: {e}") from None
+        aot.inputs = tuple(where)
+        self.captures[key] = aot
+        return aot
+
+    def forward_call(self, *flat: Any) -> tuple:
+        """Forward stage: ``(*outputs, HostSaved)``; updates the buffers in place (the real forward)."""
+        if not getattr(context, "save", False):
+            outs, _ = self._run(flat, False)
+            return (*outs, None)
+        self.calls["forward"] += 1
+        key = self._key(flat)
+        aot = self.captures.get(key) or self._capture(key, flat)
+        tensors = [flat[i] for i in aot.inputs]
+        with torch.no_grad():
+            outs, new_bufs, host = aot.forward(tensors)
+            p = len(self.params)
+            for buf, new in zip(flat[p:p + len(self.buffers)], new_bufs):
+                buf.copy_(new)
+        it = iter(outs)
+        full = [next(it) if c is None else c for c in aot.constants]
+        return (*full, HostSaved(key, host))
+
+    def backward_call(self, host: HostSaved, *flat: Any) -> tuple:
+        """Backward stage: the segment's outputs (``flat`` ends with them, as the forward stage shipped them) as an
+        autograd node whose backward runs the bw graph on ``host``."""
+        self.calls["backward"] += 1
+        n = len(self.params) + len(self.buffers) + len(self.inputs)
+        fw_in, shipped = flat[:n], flat[n:]
+        aot = self.captures[host.key]
+        ins = [fw_in[i] for i in aot.inputs]
+        touts = [o.detach() for o, c in zip(shipped, aot.constants) if c is None]
+        res = iter(_SegmentFunction.apply(aot, host.tensors, len(ins), *ins, *touts))
+        return tuple(next(res) if c is None else s for s, c in zip(shipped, aot.constants))

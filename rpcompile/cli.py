@@ -118,7 +118,7 @@ def _strategy_json(result, plan) -> dict:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from rpcompile.planning import compare, make_hardware, prepare
+    from rpcompile.planning import compare, default_spec, make_hardware, prepare
     from rpcompile.report import compare_table, plan_table, print_table
 
     ms = _load(args)
@@ -126,8 +126,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                     microbatches=args.microbatches, precision=args.precision, max_segments=args.max_segments,
                     progress=False if args.json else None)
     model_device = next((p.device.type for p in ms.model.parameters()), "cpu")
-    hw_spec = args.spec or ("cpu" if (args.device or "cpu") == "cpu" and model_device != "meta" else "rtx4090")
-    hardware = make_hardware(args.gpus, hw_spec, args.memory_limit)
+    hardware = make_hardware(args.gpus, default_spec(args.spec, args.device, model_device), args.memory_limit)
     rows = compare(gm, hardware=hardware, microbatches=m, precision=args.precision, time_limit_s=args.time_limit)
     result, chosen = rows[args.strategy]
     if chosen is None:

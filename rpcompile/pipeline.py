@@ -145,7 +145,7 @@ def compile(
     """
     from rpcompile.runtime.devices import make_devices
 
-    from .planning import make_hardware, plan_graph, prepare
+    from .planning import default_spec, make_hardware, plan_graph, prepare
     from .tracing import trace
     from .verify import fingerprint, verify_plan
 
@@ -176,7 +176,7 @@ def compile(
                         microbatches=microbatches, precision=precision, example_kwargs=example_kwargs, progress=False)
     finally:
         torch.set_num_threads(threads)
-    hardware = make_hardware(len(devs), "cpu" if on_cpu else "rtx4090", memory_limit)
+    hardware = make_hardware(len(devs), default_spec(None, devs[0].torch_device, "cpu"), memory_limit)
     # Saved segments run without recomputation (rpcompile.runtime.saved): the planner may keep activations in host
     # memory wherever that is faster than recomputing them and fits.
     made = plan_graph(gm, hardware=hardware, microbatches=m, precision=precision, **plan_options)

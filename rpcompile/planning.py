@@ -25,6 +25,7 @@ __all__ = [
     "to_plan",
     "split_microbatches",
     "make_hardware",
+    "default_spec",
     "STRATEGIES",
     "PRECISION_BYTES",
 ]
@@ -154,6 +155,16 @@ def to_plan(gm: fx.GraphModule, problem: Any, result: Any, *, hardware: Hardware
     )
 
 
+def default_spec(spec: "str | DeviceSpec | None", device: "str | torch.device | None", model_device: str) -> "str | DeviceSpec":
+    """The hardware a plan is for: ``spec`` when given; the CPU when costs are measured there; else an RTX 4090
+    (also for meta-device models, which can only be costed analytically)."""
+    if spec is not None:
+        return spec
+    if model_device != "meta" and (device is None or torch.device(device).type == "cpu"):
+        return "cpu"
+    return "rtx4090"
+
+
 def _infeasible(problem: Any, hardware: Hardware) -> InfeasibleError:
     from rpcompile.passes.problem import min_feasible_memory
     from rpcompile.passes.validate import format_bytes
@@ -266,9 +277,6 @@ def plan(
     gm, m = prepare(model, example_inputs, gpus=gpus, spec=spec, device=device, microbatches=microbatches,
                     precision=precision, example_kwargs=example_kwargs, max_segments=max_segments,
                     leaf_modules=leaf_modules, progress=progress)
-    hw_spec = spec if spec is not None else ("cpu" if device is None or torch.device(device).type == "cpu" else "rtx4090")
     model_device = next((p.device.type for p in model.parameters()), "cpu")
-    if spec is None and device is None and model_device == "meta":
-        hw_spec = "rtx4090"
-    hardware = make_hardware(gpus, hw_spec, memory_limit)
+    hardware = make_hardware(gpus, default_spec(spec, device, model_device), memory_limit)
     return plan_graph(gm, hardware=hardware, microbatches=m, strategy=strategy, precision=precision, time_limit_s=time_limit_s)

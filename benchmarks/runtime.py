@@ -25,14 +25,17 @@ import rpcompile
 from rpcompile.models import load_model
 
 
-def _median_step(fn, steps: int) -> float:
-    fn()  # warm-up
-    samples = []
+def _paired(a, b, steps: int) -> tuple[float, float]:
+    """Median step times of ``a`` and ``b`` measured alternately (so load changes hit both alike)."""
+    for _ in range(3):  # warm-up (the first step of a saving plan also captures its AOT graphs)
+        a(), b()
+    ta, tb = [], []
     for _ in range(steps):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+        for fn, out in ((a, ta), (b, tb)):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return statistics.median(ta), statistics.median(tb)
 
 
 def cpu_rows(models: list[str], steps: int, batch: int) -> list[dict]:
@@ -46,7 +49,6 @@ def cpu_rows(models: list[str], steps: int, batch: int) -> list[dict]:
             spec.loss_fn(eager(x), y).backward()
             eager.zero_grad(set_to_none=True)
 
-        t_eager = _median_step(eager_step, steps)
         for k in (1, 2):
             pipe = rpcompile.compile(spec.model, (x,), loss_fn=spec.loss_fn, devices=["cpu"] * k, time_limit_s=5.0)
 
@@ -54,7 +56,7 @@ def cpu_rows(models: list[str], steps: int, batch: int) -> list[dict]:
                 pipe.forward_backward(x, target=y)
                 spec.model.zero_grad(set_to_none=True)
 
-            t_pipe = _median_step(pipe_step, steps)
+            t_eager, t_pipe = _paired(eager_step, pipe_step, steps)
             rows.append({"model": name, "devices": k, "microbatches": pipe.microbatches,
                          "stages": len(pipe.plan.stages), "eager_step_s": t_eager, "rpcompile_step_s": t_pipe,
                          "ratio": t_pipe / t_eager, "predicted_iteration_s": pipe.plan.predicted.iteration_time_s})
@@ -64,7 +66,7 @@ def cpu_rows(models: list[str], steps: int, batch: int) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="llama-demo,gpt-demo,cnn-demo")
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch", type=int, default=12)
     args = ap.parse_args()
     rows = cpu_rows(args.models.split(","), args.steps, args.batch)

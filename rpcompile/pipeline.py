@@ -135,13 +135,16 @@ def compile(
     precision: str = "fp32",
     example_kwargs: Mapping[str, Any] | None = None,
     scaler: Any = None,
+    spec: Any = None,
     **plan_options: Any,
 ) -> Pipeline:
     """Trace ``model``, plan it (or load/check ``plan``) and return a :class:`Pipeline` on its devices.
 
     ``devices=["cpu"] * k`` runs k logical devices on the CPU; ``gpus=k`` uses ``cuda:0..k-1``; with neither, every
-    visible GPU, or one logical CPU device. ``plan_options`` go to :func:`rpcompile.planning.plan_graph`
-    (``strategy``, ``memory_limit``, ``time_limit_s``, ...).
+    visible GPU, or one logical CPU device. Costs are measured on the first device unless ``spec`` (a
+    :class:`~rpcompile.specs.DeviceSpec` or preset name) asks for analytic ones — which also makes the plan
+    independent of timing noise. ``plan_options`` go to :func:`rpcompile.planning.plan_graph` (``strategy``,
+    ``memory_limit``, ``time_limit_s``, ...).
     """
     from rpcompile.runtime.devices import make_devices
 
@@ -172,11 +175,12 @@ def compile(
     if on_cpu and len(devs) > 1:  # measure with the intra-op threads each logical device will have
         torch.set_num_threads(max(1, threads // len(devs)))
     try:
-        gm, m = prepare(model, example_inputs, gpus=len(devs), device=devs[0].torch_device,
-                        microbatches=microbatches, precision=precision, example_kwargs=example_kwargs, progress=False)
+        gm, m = prepare(model, example_inputs, gpus=len(devs), spec=spec,
+                        device=None if spec is not None else devs[0].torch_device, microbatches=microbatches,
+                        precision=precision, example_kwargs=example_kwargs, progress=False)
     finally:
         torch.set_num_threads(threads)
-    hardware = make_hardware(len(devs), default_spec(None, devs[0].torch_device, "cpu"), memory_limit)
+    hardware = make_hardware(len(devs), default_spec(spec, devs[0].torch_device, "cpu"), memory_limit)
     # Saved segments run without recomputation (rpcompile.runtime.saved): the planner may keep activations in host
     # memory wherever that is faster than recomputing them and fits.
     made = plan_graph(gm, hardware=hardware, microbatches=m, precision=precision, **plan_options)

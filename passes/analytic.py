@@ -42,7 +42,6 @@ requirements) are analysed once: the 32 blocks of a transformer cost one block's
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, NamedTuple

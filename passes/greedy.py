@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .balance import BalanceTable, balance_table
+from .balance import BalanceTable
 from .problem import PartitionProblem, SegmentPlan
 from .tables import INF, RangeTables
 

@@ -154,7 +154,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
-    from rpcompile.models import list_models, load_model
+    from rpcompile.models import list_models
 
     for name in list_models():
         print(name)

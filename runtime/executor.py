@@ -26,8 +26,6 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from rpcompile.passes.util import tensor_leaves
-
 from . import rng, saved
 from .devices import Device
 from .schedule import Action

@@ -23,10 +23,9 @@ import operator
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-import torch
 import torch.fx as fx
 
-from rpcompile.passes.util import canonical_names, compute_nodes, node_buffers, node_params
+from rpcompile.passes.util import canonical_names, compute_nodes, node_params
 from rpcompile.planfile import Plan, Stage
 
 from .rng import seed_random_nodes

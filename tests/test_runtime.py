@@ -27,6 +27,29 @@ def assert_grads_equal(model, ref):
         torch.testing.assert_close(p.grad, r.grad, **TOL, msg=lambda m: f"gradient of {name} differs: {m}")
 
 
+def assert_matches_seeded_reference(spec, ref, x, y, m, loss):
+    """Reference for models with BatchNorm and dropout: the same graph, with the same per-node seeds, run eagerly
+    on one device over the same microbatches (gradient accumulation, no recompute); loss, gradients and buffers
+    must match."""
+    from rpcompile.runtime import rng
+    from rpcompile.tracing import trace
+
+    ref_gm = trace(ref, (x,))
+    assert rng.seed_random_nodes(ref_gm) >= 1
+    rng.context.iteration, rng.context.device = 0, torch.device("cpu")
+    ref_loss = 0.0
+    for j, ((xs,), (ys,)) in enumerate(zip(split_microbatches((x,), m), split_microbatches((y,), m))):
+        rng.context.microbatch = j
+        part = spec.loss_fn(ref_gm(xs), ys) * (xs.shape[0] / x.shape[0])
+        part.backward()
+        ref_loss += part.detach()
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+    assert_grads_equal(spec.model, ref)
+    ref_buffers = dict(ref.named_buffers())
+    for name, buf in spec.model.named_buffers():
+        torch.testing.assert_close(buf, ref_buffers[name], msg=lambda msg: f"buffer {name}: {msg}")
+
+
 def eager_step(ref, loss_fn, x, y, microbatches):
     """Eager reference: gradient accumulation over the same microbatches, weighted to the batch mean."""
     total = x.shape[0]
@@ -120,8 +143,6 @@ def test_frozen_parameters_get_no_gradient():
 def test_cnn_batchnorm_and_dropout(k, m):
     """BatchNorm statistics update once per microbatch (never in recompute); dropout masks replay in recompute.
     Reference: the same graph with the same per-node seeds run eagerly on one device, no recompute."""
-    from rpcompile.runtime import rng
-    from rpcompile.tracing import trace
 
     spec = load_model("cnn-demo")
     ref = copy.deepcopy(spec.model)
@@ -131,19 +152,7 @@ def test_cnn_batchnorm_and_dropout(k, m):
     assert any(s.kind == "backward" for s in pipe.plan.stages)
     loss = pipe.forward_backward(x, target=y)
 
-    ref_gm = trace(ref, (x,))
-    assert rng.seed_random_nodes(ref_gm) == 1
-    rng.context.iteration, rng.context.device = 0, torch.device("cpu")
-    ref_loss = 0.0
-    for j, ((xs,), (ys,)) in enumerate(zip(split_microbatches((x,), m), split_microbatches((y,), m))):
-        rng.context.microbatch = j
-        part = spec.loss_fn(ref_gm(xs), ys) * (xs.shape[0] / x.shape[0])
-        part.backward()
-        ref_loss += part.detach()
-    torch.testing.assert_close(loss, ref_loss, **TOL)
-    assert_grads_equal(spec.model, ref)
-    for name, buf in spec.model.named_buffers():
-        torch.testing.assert_close(buf, dict(ref.named_buffers())[name], msg=lambda msg: f"buffer {name}: {msg}")
+    assert_matches_seeded_reference(spec, ref, x, y, m, loss)
     assert int(spec.model.blocks[0].bn.num_batches_tracked) == m
 
 
@@ -328,25 +337,10 @@ def test_saved_segments_match_eager():
 def test_saved_segments_batchnorm_and_dropout(parity):
     """Saved BatchNorm updates the statistics once per microbatch (fw graph's buffer outputs); a saved dropout's
     mask is a saved tensor drawn with the recompute path's seed."""
-    from rpcompile.runtime import rng
-    from rpcompile.tracing import trace
 
     spec, ref, pipe, x, y = _saving_pipeline("cnn-demo", parity)
     m = pipe.microbatches
     loss = pipe.forward_backward(x, target=y)
-    ref_gm = trace(ref, (x,))
-    rng.seed_random_nodes(ref_gm)
-    rng.context.iteration, rng.context.device = 0, torch.device("cpu")
-    ref_loss = 0.0
-    for j, ((xs,), (ys,)) in enumerate(zip(split_microbatches((x,), m), split_microbatches((y,), m))):
-        rng.context.microbatch = j
-        part = spec.loss_fn(ref_gm(xs), ys) * (xs.shape[0] / x.shape[0])
-        part.backward()
-        ref_loss += part.detach()
-    torch.testing.assert_close(loss, ref_loss, **TOL)
-    assert_grads_equal(spec.model, ref)
-    ref_buffers = dict(ref.named_buffers())
-    for name, buf in spec.model.named_buffers():
-        torch.testing.assert_close(buf, ref_buffers[name], msg=lambda msg: f"buffer {name}: {msg}")
+    assert_matches_seeded_reference(spec, ref, x, y, m, loss)
     assert int(spec.model.blocks[0].bn.num_batches_tracked) == m
     _assert_saved_not_recomputed(pipe)

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
-__all__ = ["Action", "ActionKind", "round_robin", "format_schedule", "parse_action"]
+__all__ = ["Action", "ActionKind", "round_robin", "gpipe", "one_f_one_b", "format_schedule", "parse_action"]
 
 ActionKind = Literal["W", "F", "G"]
 _ACTION = re.compile(r"^(\d+)([WFG])(\d*)$")
@@ -58,3 +58,36 @@ def round_robin(kinds: Sequence[str], devices: int, microbatches: int, *, offset
 def format_schedule(lists: Sequence[Sequence[Action]]) -> str:
     """``dev0: 0W 0F0 0F1 2W …`` one line per device."""
     return "\n".join(f"dev{d}: " + " ".join(map(str, acts)) for d, acts in enumerate(lists))
+
+
+def _static_chain(devices: int) -> tuple[list[int], list[int]]:
+    """Chain positions of a static pipeline with one stage per device: forward F_d is position d, backward B_d is
+    position 2N−1−d, so "position k−1 finished microbatch j" is the dependency for both directions."""
+    fwd = list(range(devices))
+    bwd = [2 * devices - 1 - d for d in range(devices)]
+    return fwd, bwd
+
+
+def gpipe(devices: int, microbatches: int) -> list[list[Action]]:
+    """GPipe (Huang et al., 2019) with one stage bound to each device: every forward, then every backward.
+    Stages are chain positions (:func:`_static_chain`); weights stay resident, so there are no W/G actions."""
+    fwd, bwd = _static_chain(devices)
+    return [[Action(fwd[d], "F", j) for j in range(microbatches)] + [Action(bwd[d], "F", j) for j in range(microbatches)]
+            for d in range(devices)]
+
+
+def one_f_one_b(devices: int, microbatches: int) -> list[list[Action]]:
+    """1F1B (PipeDream-Flush, Narayanan et al., 2021): device d runs N−1−d warm-up forwards, then alternates one
+    forward and one backward, then drains the remaining backwards."""
+    fwd, bwd = _static_chain(devices)
+    lists = []
+    for d in range(devices):
+        warm = min(devices - 1 - d, microbatches)
+        acts = [Action(fwd[d], "F", j) for j in range(warm)]
+        f, b = warm, 0
+        while f < microbatches:
+            acts += [Action(fwd[d], "F", f), Action(bwd[d], "F", b)]
+            f, b = f + 1, b + 1
+        acts += [Action(bwd[d], "F", j) for j in range(b, microbatches)]
+        lists.append(acts)
+    return lists

@@ -53,3 +53,27 @@ def test_timeline_lanes_and_gradient_download():
         ("1F1", "compute", 3.5, 4.5), ("1G", "download", 4.5, 4.75),
     ]
     assert res.iteration_time_s == 4.75 and res.utilisation == (4.0 / 4.75,)
+
+
+@pytest.mark.parametrize("devices,m", [(2, 4), (4, 8), (8, 16), (4, 2)])
+@pytest.mark.parametrize("builder", ["gpipe", "one_f_one_b"])
+def test_static_schedules_have_the_classic_bubble(devices, m, builder):
+    """One stage per device, forward t and backward 2t: both take (m + N − 1)·3t, bubble (N−1)/(m+N−1)."""
+    from rpcompile.runtime import schedule
+
+    lists = getattr(schedule, builder)(devices, m)
+    t = 0.01
+    times = [t] * devices + [2 * t] * devices  # chain positions: F_0..F_{N-1}, then B_{N-1}..B_0
+    res = simulate(lists, times)
+    assert res.iteration_time_s == pytest.approx((m + devices - 1) * 3 * t)
+    assert res.bubble_fraction == pytest.approx((devices - 1) / (m + devices - 1))
+
+
+def test_one_f_one_b_order_is_literal():
+    from rpcompile.runtime.schedule import format_schedule, one_f_one_b
+
+    # chain positions for N=2: F_0=0, F_1=1, B_1=2, B_0=3
+    assert format_schedule(one_f_one_b(2, 3)) == (
+        "dev0: 0F0 0F1 3F0 0F2 3F1 3F2\n"
+        "dev1: 1F0 2F0 1F1 2F1 1F2 2F2"
+    )

@@ -226,6 +226,8 @@ class StageCost:
     """``W + G + P + working`` (whole stage, not per microbatch)."""
     weight_bytes: int = 0
     grad_bytes: int = 0
+    working_bytes: int = 0
+    """One microbatch's live tensors (the ``working`` term of ``memory_bytes``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -280,7 +282,8 @@ def _stage(pb: PartitionProblem, kind: StageKind, a: int, b: int, saved: Sequenc
         working = inb + outb + act
     time = pb.stage_overhead_s + max(compute, up / link, down / link)
     return StageCost(kind=kind, start=a, stop=b, compute_s=compute, upload_bytes=up, download_bytes=down,
-                     time_s=time, memory_bytes=w + g + p + working, weight_bytes=w, grad_bytes=g)
+                     time_s=time, memory_bytes=w + g + p + working, weight_bytes=w, grad_bytes=g,
+                     working_bytes=working)
 
 
 def stage_costs(problem: PartitionProblem, plan: SegmentPlan) -> tuple[StageCost, ...]:

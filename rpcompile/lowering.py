@@ -7,6 +7,7 @@ set. Ranges are half-open intervals over the graph's compute nodes in topologica
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch.fx as fx
@@ -28,6 +29,17 @@ def _modules(nodes: Sequence[fx.Node]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(out))
 
 
+def _tokens(gm: fx.GraphModule) -> int:
+    """Elements of the first integer-typed input (token ids), else the first input's batch size; 0 if unknown."""
+    from rpcompile.passes.shape import SHAPE_KEY
+
+    shapes = [t for n in gm.graph.nodes if n.op == "placeholder" and SHAPE_KEY in n.meta for t in n.meta[SHAPE_KEY].tensors]
+    for t in shapes:
+        if t.dtype.startswith(("int", "uint")):
+            return math.prod(t.shape)
+    return shapes[0].shape[0] if shapes and shapes[0].shape else 0
+
+
 def plan_from_ranges(
     gm: fx.GraphModule,
     *,
@@ -39,6 +51,7 @@ def plan_from_ranges(
     saved: Sequence[str] = (),
     stage_times: Sequence[float] | None = None,
     stage_memory: Sequence[int] | None = None,
+    stage_figures: Sequence[dict] | None = None,
     predicted: Prediction | None = None,
     strategy: str = "manual",
     cost_model: str = "",
@@ -47,7 +60,8 @@ def plan_from_ranges(
 ) -> Plan:
     """Build a Plan whose stages are ``forward`` (F0.. ascending), ``fused`` and ``backward`` (B1.. descending)
     node-index ranges of ``gm``'s compute nodes. ``saved`` names nodes whose activations are saved to host;
-    ``stage_times``/``stage_memory`` are per stage in execution order."""
+    ``stage_times``/``stage_memory`` are per stage in execution order, and so are ``stage_figures`` (extra
+    :class:`Stage` fields such as ``compute_s`` and ``weight_bytes``)."""
     from rpcompile.passes.util import compute_nodes, node_params
 
     nodes = compute_nodes(gm)
@@ -57,10 +71,11 @@ def plan_from_ranges(
     n_stages = len(specs)
     times = list(stage_times) if stage_times is not None else [0.0] * n_stages
     memory = list(stage_memory) if stage_memory is not None else [0] * n_stages
-    if len(times) != n_stages or len(memory) != n_stages:
-        raise ValueError(f"need {n_stages} stage times and memories, got {len(times)} and {len(memory)}")
+    figures = list(stage_figures) if stage_figures is not None else [{}] * n_stages
+    if len(times) != n_stages or len(memory) != n_stages or len(figures) != n_stages:
+        raise ValueError(f"need {n_stages} stage times, memories and figures, got {len(times)}, {len(memory)}, {len(figures)}")
     stages = []
-    for (kind, name, (a, b)), t, mem in zip(specs, times, memory):
+    for (kind, name, (a, b)), t, mem, fig in zip(specs, times, memory, figures):
         run = nodes[a:b]
         params: dict[str, None] = {}
         for n in run:
@@ -75,6 +90,7 @@ def plan_from_ranges(
                 modules=_modules(run),
                 time_s=float(t),
                 memory_bytes=int(mem),
+                **fig,
             )
         )
     return Plan(
@@ -86,5 +102,6 @@ def plan_from_ranges(
         strategy=strategy,
         cost_model=cost_model,
         precision=precision,
+        tokens_per_microbatch=_tokens(gm),
         stats=stats or {},
     )

@@ -33,7 +33,9 @@ from .specs import DeviceSpec
 
 __all__ = ["SCHEMA_VERSION", "Fingerprint", "Hardware", "Stage", "Prediction", "Plan", "StageKind"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""2 added the per-stage transfer figures (``compute_s``, ``weight_bytes``, …) and ``tokens_per_microbatch``;
+version-1 files still load (those figures read as 0 and the simulator falls back to stage times)."""
 StageKind = Literal["forward", "fused", "backward"]
 _KINDS = ("forward", "fused", "backward")
 
@@ -107,6 +109,19 @@ class Stage:
     """Predicted time per microbatch, including recompute and unhidden transfers."""
     memory_bytes: int = 0
     """Predicted peak device memory while it runs (weights, prefetch, gradients, activations)."""
+    compute_s: float = 0.0
+    """Predicted compute per microbatch (forward, backward and recompute; no transfers)."""
+    weight_bytes: int = 0
+    """Bytes uploaded once per iteration before microbatch 0 (its parameters in upload precision)."""
+    grad_bytes: int = 0
+    """Gradient bytes downloaded once after the last microbatch (0 for forward stages and frozen parameters)."""
+    upload_bytes: int = 0
+    """Activation bytes uploaded per microbatch (its inputs; for backward stages also the incoming gradient and
+    the saved activations)."""
+    download_bytes: int = 0
+    """Activation bytes downloaded per microbatch (outputs and saved activations; input gradients)."""
+    working_bytes: int = 0
+    """Device memory one microbatch's live tensors take while it computes."""
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
@@ -148,6 +163,8 @@ class Plan:
     strategy: str = "manual"
     cost_model: str = ""
     precision: str = "fp32"
+    tokens_per_microbatch: int = 0
+    """Tokens (elements of the first integer input; else samples) in one microbatch, for tokens/s; 0 if unknown."""
     stats: Mapping[str, Any] = field(default_factory=dict)
     """Solver statistics (free-form numbers and strings)."""
     schema_version: int = SCHEMA_VERSION
@@ -226,6 +243,7 @@ class Plan:
                 strategy=d.get("strategy", "manual"),
                 cost_model=d.get("cost_model", ""),
                 precision=d.get("precision", "fp32"),
+                tokens_per_microbatch=d.get("tokens_per_microbatch", 0),
                 stats=d.get("stats", {}),
             )
         except KeyError as e:

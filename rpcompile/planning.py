@@ -141,6 +141,7 @@ def to_plan(gm: fx.GraphModule, problem: Any, result: Any, *, hardware: Hardware
         saved=saved,
         stage_times=[c.time_s for c in costs],
         stage_memory=[c.memory_bytes for c in costs],
+        stage_figures=[_figures(c, problem.microbatches) for c in costs],
         predicted=Prediction(
             iteration_time_s=iteration,
             bubble_fraction=bubble_fraction(problem, sp),
@@ -153,6 +154,18 @@ def to_plan(gm: fx.GraphModule, problem: Any, result: Any, *, hardware: Hardware
         stats={k: v for k, v in result.stats.items() if isinstance(v, (int, float, str, bool))}
         | {"solve_time_s": result.solve_time_s, "segments": len(segs)},
     )
+
+
+def _figures(c: Any, microbatches: int) -> dict:
+    """A StageCost's transfer figures as Stage fields (the cost keeps weights amortised per microbatch)."""
+    return {
+        "compute_s": c.compute_s,
+        "weight_bytes": c.weight_bytes,
+        "grad_bytes": c.grad_bytes,
+        "upload_bytes": round(c.upload_bytes - c.weight_bytes / microbatches),
+        "download_bytes": round(c.download_bytes - c.grad_bytes / microbatches),
+        "working_bytes": c.working_bytes,
+    }
 
 
 def default_spec(spec: "str | DeviceSpec | None", device: "str | torch.device | None", model_device: str) -> "str | DeviceSpec":

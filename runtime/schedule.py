@@ -16,7 +16,8 @@ import re
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
-__all__ = ["Action", "ActionKind", "round_robin", "gpipe", "one_f_one_b", "format_schedule", "parse_action"]
+__all__ = ["Action", "ActionKind", "round_robin", "gpipe", "one_f_one_b", "interleaved_one_f_one_b", "format_schedule",
+           "parse_action"]
 
 ActionKind = Literal["W", "F", "G"]
 _ACTION = re.compile(r"^(\d+)([WFG])(\d*)$")
@@ -89,5 +90,38 @@ def one_f_one_b(devices: int, microbatches: int) -> list[list[Action]]:
             acts += [Action(fwd[d], "F", f), Action(bwd[d], "F", b)]
             f, b = f + 1, b + 1
         acts += [Action(bwd[d], "F", j) for j in range(b, microbatches)]
+        lists.append(acts)
+    return lists
+
+
+def interleaved_one_f_one_b(devices: int, microbatches: int, chunks: int) -> list[list[Action]]:
+    """Interleaved 1F1B (Narayanan et al., SC 2021, Megatron-LM's virtual pipeline): each device holds ``chunks``
+    model chunks; virtual stage ``s = c·N + d`` is chunk ``c`` of device ``d``. Forward chain positions are
+    ``0..V−1`` and the backward of virtual stage ``s`` is position ``2V−1−s`` (V = N·chunks). Microbatches go
+    through the chunks in groups of N; device d first runs ``2(N−1−d) + (chunks−1)·N`` warm-up forwards, then
+    alternates one forward and one backward, then drains. Like Megatron-LM it needs ``microbatches % N == 0``."""
+    n, m, v = devices, microbatches, chunks
+    if n < 1 or m < 1 or v < 1:
+        raise ValueError(f"need devices, microbatches and chunks >= 1, got {n}, {m}, {v}")
+    if m % n:
+        raise ValueError(f"interleaved 1F1B needs microbatches to be a multiple of devices ({m} is not a multiple "
+                         f"of {n}); use {m + n - m % n} microbatches")
+    positions, total = n * v, m * v
+
+    def step(i: int, d: int, forward: bool) -> Action:
+        chunk = (i // n) % v
+        mb = (i // (n * v)) * n + i % n
+        s = (chunk if forward else v - 1 - chunk) * n + d
+        return Action(s if forward else 2 * positions - 1 - s, "F", mb)
+
+    lists = []
+    for d in range(n):
+        warm = min(2 * (n - 1 - d) + (v - 1) * n, total)
+        acts = [step(i, d, True) for i in range(warm)]
+        f, b = warm, 0
+        while f < total:
+            acts += [step(f, d, True), step(b, d, False)]
+            f, b = f + 1, b + 1
+        acts += [step(i, d, False) for i in range(b, total)]
         lists.append(acts)
     return lists

@@ -1,33 +1,98 @@
-"""The simulator's core: walk the executor's own per-device action lists with a clock instead of devices.
+"""The simulator: walk the executor's own per-device action lists with a clock instead of devices.
 
-Each device has a compute queue, an upload link and a download link. ``kW`` occupies the device's upload link for
-``upload_s[k]`` and may start as soon as the link is free — so a stage's weights are prefetched while the device
-still computes its previous stage; ``kFj`` starts when the device's compute queue is free, stage k−1 has finished
-microbatch j and stage k's weights are on the device; ``kG`` occupies the download link after the stage's last
-microbatch. With no transfers this is exactly the timing model's recurrence
-(:func:`rpcompile.passes.problem.pipeline_time`, DESIGN.md §3).
+Every device has one **compute queue** and four copy queues — weights up, activations up, activations down,
+gradients down (the executor's streams) — that share two physical links: the device's **upload link** and its
+**download link**, each ``link_bytes_per_s`` and full duplex. All links share the host's memory bandwidth
+(``host_bytes_per_s``). Transfers running at the same time split the bandwidth max-min fairly (a fluid model:
+each gets an equal share of its tightest resource), so eight GPUs streaming weights at once are as slow as the
+host allows, not eight times a single link.
 
-(First slice of the simulator issue: host-bandwidth caps, memory accounting and the static GPipe/1F1B schedules
-build on this loop.)
+What an action list turns into (``kW``/``kFj``/``kG``, see :mod:`.schedule`):
+
+- ``kW`` uploads stage k's weights. It may start once the device has *started* the stage before k in its list
+  (the weight prefetch: at most the running stage and the next one are resident).
+- ``kFj`` first brings microbatch j's inputs in (``upload_bytes`` through host memory; may start once the
+  device began its previous compute action — a double buffer), then computes once the compute queue is free,
+  chain position k−1 finished j (and its output reached host memory) and k's weights are in; then sends its
+  outputs down (``download_bytes``).
+- ``kG`` sends the gradients down after k's last microbatch.
+
+Memory per device is accounted from the same events: weights from the start of their upload until the stage's
+last microbatch ends; gradients from the first microbatch until the ``G`` copy ends; input buffers, working
+activations and output buffers around each microbatch; ``resident_bytes`` for the whole iteration (static
+schedules keep weights, gradients and optimizer state on the device) and ``stash_bytes`` from a forward
+microbatch until the backward position named by ``releases`` ends it (activations kept for the backward pass).
+
+With transfers free this is exactly the timing model's recurrence
+(:func:`rpcompile.passes.problem.pipeline_time`, DESIGN.md §3); :mod:`.scenarios` builds the action lists and
+stages for a plan, for the classic static schedules (GPipe, 1F1B, interleaved 1F1B) and for published layer
+profiles.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from .schedule import Action
 
-__all__ = ["SimEvent", "SimResult", "simulate"]
+__all__ = ["SimStage", "SimEvent", "SimResult", "simulate"]
+
+_INF = math.inf
+# lane -> (physical link, what it carries, display lane)
+_LANES = {
+    "compute": (None, "compute", "compute"),
+    "w_up": ("up", "weights", "upload"),
+    "a_up": ("up", "activations", "upload"),
+    "a_down": ("down", "activations", "download"),
+    "g_down": ("down", "gradients", "download"),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimStage:
+    """One chain position (a stage of the round-robin schedule, or a forward/backward half of a static stage)."""
+
+    name: str
+    compute_s: float
+    """Compute per microbatch (s)."""
+    weight_bytes: float = 0.0
+    """Uploaded by the ``W`` action."""
+    grad_bytes: float = 0.0
+    """Downloaded by the ``G`` action; held on the device from the first microbatch until then."""
+    upload_bytes: float = 0.0
+    """Per microbatch, host → device before computing (inputs, saved activations)."""
+    download_bytes: float = 0.0
+    """Per microbatch, device → host after computing (outputs, saved activations)."""
+    upload_s: float | None = None
+    """A fixed per-microbatch hand-off time instead of ``upload_bytes`` over the link (published profiles)."""
+    working_bytes: float = 0.0
+    """Device memory one microbatch's live tensors take while it computes."""
+    resident_bytes: float = 0.0
+    """Device memory held for the whole iteration (static schedules: weights, gradients, optimizer state)."""
+    stash_bytes: float = 0.0
+    """Kept after each microbatch until the backward position that releases it ends that microbatch."""
+    releases: int = -1
+    """Chain position whose stash this position's microbatches free (static backward halves)."""
+    kind: str = "forward"
+    """``forward``, ``fused`` or ``backward`` (colours and labels only)."""
 
 
 @dataclass(frozen=True)
 class SimEvent:
-    """One simulated action: where it ran (``lane``: compute, upload or download) and when."""
+    """One simulated piece of work: an action's compute, or one of its copies."""
 
     action: str
+    """``3F1``, ``3W``, ``3G``; copies of a microbatch's activations are ``3F1<`` (in) and ``3F1>`` (out)."""
     device: int
     lane: str
+    """Display lane: ``compute``, ``upload`` or ``download``."""
+    kind: str
+    """``compute``, ``weights``, ``activations`` or ``gradients``."""
+    stage: int
+    microbatch: int
     start: float
     end: float
 
@@ -38,6 +103,13 @@ class SimResult:
     iteration_time_s: float
     busy_s: tuple[float, ...]
     """Compute time per device."""
+    peak_memory_bytes: tuple[int, ...] = ()
+    """Peak device memory per device."""
+    host_traffic_bytes: float = 0.0
+    """Bytes that crossed host memory in the iteration (both directions)."""
+    tokens_per_iteration: int = 0
+    stage_names: tuple[str, ...] = ()
+    memory_limit_bytes: int | None = None
 
     @property
     def bubble_fraction(self) -> float:
@@ -49,56 +121,276 @@ class SimResult:
     def utilisation(self) -> tuple[float, ...]:
         return tuple(b / self.iteration_time_s if self.iteration_time_s else 0.0 for b in self.busy_s)
 
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_iteration / self.iteration_time_s if self.iteration_time_s > 0 else 0.0
+
+    @property
+    def fits(self) -> bool:
+        """Every device's peak memory within the limit (True when no limit was given)."""
+        return self.memory_limit_bytes is None or max(self.peak_memory_bytes, default=0) <= self.memory_limit_bytes
+
+    def stage_times(self) -> dict[int, float]:
+        """Per stage: mean compute time per microbatch as simulated."""
+        sums: dict[int, list[float]] = {}
+        for e in self.timeline:
+            if e.lane == "compute":
+                sums.setdefault(e.stage, []).append(e.end - e.start)
+        return {k: sum(v) / len(v) for k, v in sorted(sums.items())}
+
+    def summary(self) -> dict:
+        """The JSON-able figures (``rpcompile simulate --json``)."""
+        return {
+            "iteration_time_s": self.iteration_time_s,
+            "bubble_fraction": self.bubble_fraction,
+            "tokens_per_s": self.tokens_per_s,
+            "peak_memory_bytes": list(self.peak_memory_bytes),
+            "utilisation": list(self.utilisation),
+            "host_traffic_bytes": self.host_traffic_bytes,
+            "fits": self.fits,
+        }
+
+
+@dataclass(eq=False)
+class _Task:
+    label: str
+    device: int
+    lane: str
+    stage: int
+    microbatch: int
+    work: float
+    """Bytes for transfers over a link, seconds for compute and fixed-time copies."""
+    on_link: bool
+    after_end: list["_Task"] = field(default_factory=list)
+    after_start: list["_Task"] = field(default_factory=list)
+    alloc_start: float = 0.0
+    """Bytes allocated on the device when the task starts."""
+    alloc_end: float = 0.0
+    """Bytes allocated on the device when it ends."""
+    free_end: list[tuple[int, float]] = field(default_factory=list)
+    """(device, bytes) released when it ends."""
+    start: float = -1.0
+    end: float = -1.0
+    left: float = 0.0
+
 
 def simulate(
     lists: Sequence[Sequence[Action]],
-    stage_times: Sequence[float],
+    stages: Sequence[SimStage | float],
     *,
-    upload_s: Sequence[float] | None = None,
-    download_s: Sequence[float] | None = None,
+    link_bytes_per_s: float = _INF,
+    host_bytes_per_s: float = _INF,
+    memory_limit_bytes: int | None = None,
+    tokens_per_iteration: int = 0,
 ) -> SimResult:
-    """Run the action lists with a clock; ``stage_times[k]`` is stage k's time per microbatch."""
-    n_stages = len(stage_times)
-    up = list(upload_s) if upload_s is not None else [0.0] * n_stages
-    down = list(download_s) if download_s is not None else [0.0] * n_stages
-    compute_free = [0.0] * len(lists)
-    up_free, down_free = [0.0] * len(lists), [0.0] * len(lists)
-    weights_ready: dict[int, float] = {}
-    finished: dict[tuple[int, int], float] = {}
-    last_mb: dict[int, float] = {}
-    events: list[SimEvent] = []
-    busy = [0.0] * len(lists)
-    cursor = [0] * len(lists)
-    pending = sum(len(acts) for acts in lists)
-    while pending:
-        progressed = False
-        for d, acts in enumerate(lists):
-            while cursor[d] < len(acts):
-                act = acts[cursor[d]]
-                if act.kind == "W":
-                    start = up_free[d]
-                    end = start + up[act.stage]
-                    up_free[d] = weights_ready[act.stage] = end
-                    lane = "upload"
-                elif act.kind == "F":
-                    dep = (act.stage - 1, act.microbatch)
-                    if act.stage > 0 and dep not in finished:
-                        break  # waits for another device
-                    start = max(compute_free[d], finished.get(dep, 0.0), weights_ready.get(act.stage, 0.0))
-                    end = start + stage_times[act.stage]
-                    compute_free[d] = finished[(act.stage, act.microbatch)] = last_mb[act.stage] = end
-                    busy[d] += stage_times[act.stage]
-                    lane = "compute"
+    """Run the per-device action lists with a clock.
+
+    ``stages[k]`` describes chain position k (a bare number is a :class:`SimStage` with only ``compute_s``).
+    Bandwidths are bytes/s; infinite bandwidth makes byte transfers free.
+    """
+    sts = [s if isinstance(s, SimStage) else SimStage(name=str(k), compute_s=float(s)) for k, s in enumerate(stages)]
+    tasks, lanes, compute_of = _build(lists, sts, link_bytes_per_s)
+    devices = len(lists)
+    memory = [0.0] * devices
+    peak = [0.0] * devices
+    for d, acts in enumerate(lists):  # static residency: every stage this device runs, from t = 0
+        memory[d] = peak[d] = sum(sts[k].resident_bytes for k in {a.stage for a in acts})
+    queues = {key: deque(ts) for key, ts in lanes.items()}
+    running: dict[tuple[int, str], _Task] = {}
+    now, left = 0.0, len(tasks)
+    traffic = 0.0
+    while left:
+        started = True
+        while started:  # start every task whose lane is free and whose dependencies are met
+            started = False
+            for key, q in queues.items():
+                if key in running or not q:
+                    continue
+                t = q[0]
+                if any(p.end < 0 for p in t.after_end) or any(p.start < 0 for p in t.after_start):
+                    continue
+                q.popleft()
+                t.start, t.left = now, t.work
+                memory[t.device] += t.alloc_start
+                peak[t.device] = max(peak[t.device], memory[t.device])
+                running[key] = t
+                started = True
+        if not running:
+            waiting = [q[0].label for q in queues.values() if q][:4]
+            raise ValueError(f"the action lists deadlock at t={now:.6g}s: {', '.join(waiting)} wait for work that never runs")
+        rates = _rates(running.values(), link_bytes_per_s, host_bytes_per_s)
+        dt = min((t.left / rates[id(t)] if rates[id(t)] > 0 else _INF) for t in running.values())
+        if dt == _INF:
+            raise ValueError("a transfer has no bandwidth (link_bytes_per_s and host_bytes_per_s must be > 0)")
+        now += dt
+        for key, t in list(running.items()):
+            r = rates[id(t)]
+            t.left -= r * dt
+            if t.left <= 1e-9 * max(1.0, t.work) or (r > 0 and t.left / r <= 1e-12 * max(1.0, now)):
+                t.end = now
+                del running[key]
+                left -= 1
+                if t.on_link:
+                    traffic += t.work
+                memory[t.device] += t.alloc_end
+                peak[t.device] = max(peak[t.device], memory[t.device])
+                for dev, b in t.free_end:
+                    memory[dev] -= b
+    busy = [0.0] * devices
+    for t in compute_of.values():
+        busy[t.device] += t.end - t.start
+    events = tuple(
+        SimEvent(t.label, t.device, _LANES[t.lane][2], _LANES[t.lane][1], t.stage, t.microbatch, t.start, t.end)
+        for t in tasks
+    )
+    return SimResult(
+        timeline=events,
+        iteration_time_s=max((t.end for t in tasks), default=0.0),
+        busy_s=tuple(busy),
+        peak_memory_bytes=tuple(int(round(p)) for p in peak),
+        host_traffic_bytes=traffic,
+        tokens_per_iteration=tokens_per_iteration,
+        stage_names=tuple(s.name for s in sts),
+        memory_limit_bytes=memory_limit_bytes,
+    )
+
+
+def _build(lists: Sequence[Sequence[Action]], sts: Sequence[SimStage], link: float):
+    """Tasks in device-list order, the queue of every (device, lane), and the compute task of every (stage, mb)."""
+    free = math.isinf(link)
+    tasks: list[_Task] = []
+    lanes: dict[tuple[int, str], list[_Task]] = {}
+    compute: dict[tuple[int, int], _Task] = {}
+    out_copy: dict[tuple[int, int], _Task] = {}
+    weights: dict[int, _Task] = {}
+    first_compute: dict[int, _Task] = {}
+    last_compute: dict[int, _Task] = {}
+    stash_release: list[tuple[_Task, int, int, float]] = []  # (backward compute, device, position, bytes)
+
+    def add(t: _Task) -> _Task:
+        tasks.append(t)
+        lanes.setdefault((t.device, t.lane), []).append(t)
+        return t
+
+    def copy(label, d, lane, k, j, nbytes, fixed=None):
+        if fixed is not None:
+            return _Task(label, d, lane, k, j, float(fixed), on_link=False)
+        return _Task(label, d, lane, k, j, 0.0 if free else float(nbytes), on_link=not free)
+
+    for d, acts in enumerate(lists):
+        prev_compute: _Task | None = None
+        current_stage = None  # the stage of the latest compute action in this list
+        for a in acts:
+            if a.stage >= len(sts):
+                raise ValueError(f"action {a} names stage {a.stage} but only {len(sts)} stages were given")
+            s = sts[a.stage]
+            if a.kind == "W":
+                t = add(copy(f"{a}", d, "w_up", a.stage, -1, s.weight_bytes))
+                t.alloc_start = s.weight_bytes
+                if current_stage is not None and current_stage in first_compute:
+                    t.after_start.append(first_compute[current_stage])  # prefetch at most one stage ahead
+                weights[a.stage] = t
+            elif a.kind == "F":
+                current_stage = a.stage
+                c = _Task(str(a), d, "compute", a.stage, a.microbatch, s.compute_s, on_link=False)
+                c.alloc_start = s.working_bytes
+                c.free_end.append((d, s.working_bytes))
+                if s.upload_bytes or s.upload_s:
+                    cin = add(copy(f"{a}<", d, "a_up", a.stage, a.microbatch, s.upload_bytes, s.upload_s))
+                    cin.alloc_start = s.upload_bytes
+                    c.free_end.append((d, s.upload_bytes))
+                    if prev_compute is not None:
+                        cin.after_start.append(prev_compute)
+                    c.after_end.append(cin)
+                    _depend_on_producer(cin, a, compute, out_copy)
                 else:
-                    start = max(down_free[d], last_mb[act.stage])
-                    end = start + down[act.stage]
-                    down_free[d] = end
-                    lane = "download"
-                events.append(SimEvent(str(act), d, lane, start, end))
-                cursor[d] += 1
-                pending -= 1
-                progressed = True
-        if not progressed:
-            raise ValueError("the action lists deadlock: a microbatch waits for a stage that never runs it")
-    end = max((e.end for e in events), default=0.0)
-    return SimResult(tuple(events), end, tuple(busy))
+                    _depend_on_producer(c, a, compute, out_copy)
+                if a.stage in weights:
+                    c.after_end.append(weights[a.stage])
+                if a.stage not in first_compute and s.grad_bytes:
+                    c.alloc_start += s.grad_bytes
+                add(c)
+                compute[(a.stage, a.microbatch)] = c
+                first_compute.setdefault(a.stage, c)
+                last_compute[a.stage] = c
+                if s.stash_bytes:
+                    c.alloc_end += s.stash_bytes
+                if s.releases >= 0:
+                    stash_release.append((c, d, s.releases, sts[s.releases].stash_bytes))
+                if s.download_bytes:
+                    out = add(copy(f"{a}>", d, "a_down", a.stage, a.microbatch, s.download_bytes))
+                    out.after_end.append(c)
+                    c.alloc_end += s.download_bytes
+                    out.free_end.append((d, s.download_bytes))
+                    out_copy[(a.stage, a.microbatch)] = out
+                prev_compute = c
+            else:  # G
+                g = add(copy(f"{a}", d, "g_down", a.stage, -1, s.grad_bytes))
+                if a.stage not in last_compute:
+                    raise ValueError(f"action {a} on device {d} comes before any microbatch of stage {a.stage}")
+                g.after_end.append(last_compute[a.stage])
+                g.free_end.append((d, s.grad_bytes))
+    # weights leave when the stage's last microbatch ends (gradients stay until their copy)
+    for k, w in weights.items():
+        if k in last_compute:
+            last_compute[k].free_end.append((w.device, sts[k].weight_bytes))
+    for c, d, pos, nbytes in stash_release:
+        producer = compute.get((pos, c.microbatch))
+        if producer is not None:
+            c.free_end.append((producer.device, nbytes))
+    # the producer dependency may name a position that a later device list defines: resolve lazily
+    for t in tasks:
+        t.after_end = [p if isinstance(p, _Task) else _resolve(p, compute, out_copy) for p in t.after_end]
+    return tasks, lanes, compute
+
+
+def _depend_on_producer(t: _Task, a: Action, compute: dict, out_copy: dict) -> None:
+    if a.stage > 0:
+        t.after_end.append(("producer", a.stage - 1, a.microbatch))  # type: ignore[arg-type]
+
+
+def _resolve(ref, compute: dict, out_copy: dict) -> _Task:
+    _, k, j = ref
+    if (k, j) in out_copy:
+        return out_copy[(k, j)]
+    if (k, j) not in compute:
+        raise ValueError(f"the action lists deadlock: {k + 1}F{j} waits for {k}F{j}, which no device runs")
+    return compute[(k, j)]
+
+
+def _rates(running, link: float, host: float) -> dict[int, float]:
+    """Max-min fair rates: compute and fixed-time copies progress at 1 s/s; byte copies share their device link
+    (one per direction) and the host's memory bandwidth (progressive filling)."""
+    rates: dict[int, float] = {}
+    flows = []
+    for t in running:
+        if t.on_link:
+            flows.append(t)
+        else:
+            rates[id(t)] = 1.0
+    if not flows:
+        return rates
+    cap: dict[object, float] = {"host": host}
+    members: dict[object, list] = {"host": list(flows)}
+    for t in flows:
+        key = (t.device, _LANES[t.lane][0])
+        cap.setdefault(key, link)
+        members.setdefault(key, []).append(t)
+    unfrozen = set(id(t) for t in flows)
+    while unfrozen:
+        best, share = None, _INF
+        for key, ts in members.items():
+            n = sum(1 for t in ts if id(t) in unfrozen)
+            if n and cap[key] / n < share:
+                best, share = key, cap[key] / n
+        if best is None:
+            break
+        for t in members[best]:
+            if id(t) in unfrozen:
+                rates[id(t)] = share
+                unfrozen.discard(id(t))
+                for key, ts in members.items():
+                    if key != best and t in ts:
+                        cap[key] -= share
+        cap[best] = 0.0
+    return rates

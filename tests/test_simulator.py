@@ -8,7 +8,7 @@ import pytest
 
 from rpcompile.passes.problem import pipeline_time
 from rpcompile.runtime.schedule import round_robin
-from rpcompile.runtime.simulator import simulate
+from rpcompile.runtime.simulator import SimStage, simulate
 
 
 def kinds(f: int, b: int) -> list[str]:
@@ -35,22 +35,28 @@ def test_random_stage_times_match_the_timing_model():
         assert res.iteration_time_s == pytest.approx(pipeline_time(times, devices, m))
 
 
+def stages(times, **per_stage):
+    """SimStages with ``compute_s`` from ``times`` and any other field given as a list."""
+    return [SimStage(name=str(k), compute_s=t, **{f: v[k] for f, v in per_stage.items()}) for k, t in enumerate(times)]
+
+
 def test_prefetched_weights_hide_behind_the_previous_stage():
     lists = round_robin(kinds(1, 2), devices=2, microbatches=4)  # stages 0..3; device 0 runs 0 and 2
     base = simulate(lists, [1.0] * 4).iteration_time_s
-    hidden = simulate(lists, [1.0] * 4, upload_s=[0.0, 0.0, 3.0, 3.0]).iteration_time_s  # < 4 s of stage 0/1
-    assert hidden == pytest.approx(base)
-    exposed = simulate(lists, [1.0] * 4, upload_s=[0.0, 0.0, 6.0, 0.0]).iteration_time_s
+    # a link of 1 byte/s makes bytes read as seconds
+    hidden = simulate(lists, stages([1.0] * 4, weight_bytes=[0, 0, 3, 3]), link_bytes_per_s=1.0).iteration_time_s
+    assert hidden == pytest.approx(base)  # 3 s uploads < the 4 s of stage 0/1
+    exposed = simulate(lists, stages([1.0] * 4, weight_bytes=[0, 0, 6, 0]), link_bytes_per_s=1.0).iteration_time_s
     assert exposed == pytest.approx(base + 2.0)  # stage 2 could start at 4 s, its weights land at 6 s
 
 
 def test_timeline_lanes_and_gradient_download():
     lists = round_robin(kinds(0, 1), devices=1, microbatches=2)
-    res = simulate(lists, [1.0, 1.0], upload_s=[0.5, 0.5], download_s=[0.25, 0.25])
-    assert [(e.action, e.lane, e.start, e.end) for e in res.timeline] == [
-        ("0W", "upload", 0.0, 0.5), ("0F0", "compute", 0.5, 1.5), ("0F1", "compute", 1.5, 2.5),
-        ("0G", "download", 2.5, 2.75), ("1W", "upload", 0.5, 1.0), ("1F0", "compute", 2.5, 3.5),
-        ("1F1", "compute", 3.5, 4.5), ("1G", "download", 4.5, 4.75),
+    res = simulate(lists, stages([1.0, 1.0], weight_bytes=[0.5, 0.5], grad_bytes=[0.25, 0.25]), link_bytes_per_s=1.0)
+    assert sorted((e.start, e.action, e.lane, e.end) for e in res.timeline) == [
+        (0.0, "0W", "upload", 0.5), (0.5, "0F0", "compute", 1.5), (0.5, "1W", "upload", 1.0),
+        (1.5, "0F1", "compute", 2.5), (2.5, "0G", "download", 2.75), (2.5, "1F0", "compute", 3.5),
+        (3.5, "1F1", "compute", 4.5), (4.5, "1G", "download", 4.75),
     ]
     assert res.iteration_time_s == 4.75 and res.utilisation == (4.0 / 4.75,)
 

@@ -1,0 +1,126 @@
+"""``polish``: local search on the exact iteration time, after the solvers.
+
+The ILP and the balance DP minimise ``c(S)·T`` — the stage-count factor times the slowest stage — which is the
+iteration time only when every stage takes ``T``. When one stage is the bottleneck (an LM head, a fused stage),
+many partitions share that objective while their exact times (:func:`pipeline_time`) differ: finer forward
+stages fill the pipeline sooner. ``polish`` hill-climbs from the solver's plan with three moves on the forward
+and on the backward cuts — split a stage, merge two neighbours, shift a cut by one segment — and one macro move, re-cutting a whole side into
+``f−2 … f+3`` time-balanced stages, keeping a move when
+the exact iteration time drops and every stage still fits in memory. The checkpointing choices stay as the
+solver made them. Deterministic: moves are tried in a fixed order and the first improvement is taken.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Iterator
+
+from .problem import PartitionProblem, SegmentPlan, _stage, pipeline_time, validate_segment_plan
+
+__all__ = ["polish"]
+
+Ranges = list[tuple[int, int]]
+
+
+def _neighbours(rngs: Ranges, descending: bool) -> Iterator[Ranges]:
+    """Every plan one move away: splits, merges and one-segment shifts of the cuts of ``rngs``."""
+    for i, (a, b) in enumerate(rngs):
+        for c in range(a + 1, b):  # split stage i at c (order within the list follows the direction)
+            halves = [(c, b), (a, c)] if descending else [(a, c), (c, b)]
+            yield rngs[:i] + halves + rngs[i + 1:]
+    for i in range(len(rngs) - 1):
+        (a0, b0), (a1, b1) = rngs[i], rngs[i + 1]
+        merged = (a1, b0) if descending else (a0, b1)
+        yield rngs[:i] + [merged] + rngs[i + 2:]
+        # shift the cut between them by one segment either way
+        if descending:  # rngs[i] = (cut, b0) above rngs[i+1] = (a1, cut)
+            for cut in (a0 - 1, a0 + 1):
+                if a1 < cut < b0:
+                    yield rngs[:i] + [(cut, b0), (a1, cut)] + rngs[i + 2:]
+        else:
+            for cut in (b0 - 1, b0 + 1):
+                if a0 < cut < b1:
+                    yield rngs[:i] + [(a0, cut), (cut, b1)] + rngs[i + 2:]
+
+
+def _packed(lo: int, hi: int, parts: int, cost, descending: bool) -> Ranges | None:
+    """``[lo, hi)`` cut into at most ``parts`` contiguous stages minimising the slowest (bisection on the bound,
+    greedy packing); ``cost(a, b)`` is a stage's time. ``None`` when ``parts`` exceeds the segments."""
+    if parts < 1 or parts > hi - lo:
+        return None
+
+    def pack(limit: float) -> Ranges | None:
+        out, a = [], lo
+        while a < hi:
+            b = a + 1
+            while b < hi and cost(a, b + 1) <= limit:
+                b += 1
+            out.append((a, b))
+            a = b
+            if len(out) > parts:
+                return None
+        return out
+
+    low, high = max(cost(i, i + 1) for i in range(lo, hi)), cost(lo, hi)
+    best = pack(high)
+    for _ in range(40):
+        mid = (low + high) / 2
+        got = pack(mid)
+        if got is None:
+            low = mid
+        else:
+            best, high = got, mid
+        if high - low <= 1e-6 * high:
+            break
+    return best[::-1] if descending and best else best
+
+
+def polish(pb: PartitionProblem, plan: SegmentPlan, *, time_budget_s: float = 1.0) -> SegmentPlan:
+    """A plan at least as fast as ``plan`` by exact iteration time (see the module docstring). First-improvement
+    climbs depend on the order of moves, so two climbs run — local moves only, and re-cuts first — and the
+    faster result wins."""
+    (t1, p1), (t2, p2) = (_climb(pb, plan, time_budget_s / 2, macro) for macro in (False, True))
+    return p1 if t1 <= t2 else p2
+
+
+def _climb(pb: PartitionProblem, plan: SegmentPlan, time_budget_s: float, macro: bool) -> tuple[float, SegmentPlan]:
+    deadline = time.perf_counter() + time_budget_s
+    saved = plan.saved
+    cache: dict[tuple[str, int, int], float] = {}
+
+    def t(kind: str, a: int, b: int) -> float:
+        key = (kind, a, b)
+        if key not in cache:
+            cache[key] = _stage(pb, kind, a, b, saved, 0).time_s  # type: ignore[arg-type]
+        return cache[key]
+
+    def total(fwd: Ranges, bwd: Ranges) -> float:
+        times = [t("forward", a, b) for a, b in fwd] + [t("fused", *plan.fused)] + [t("backward", a, b) for a, b in bwd]
+        return pipeline_time(times, pb.device_count, pb.microbatches)
+
+    fwd, bwd = list(plan.forward), list(plan.backward)
+    best = total(fwd, bwd)
+    improved = True
+    while improved and time.perf_counter() < deadline:
+        improved = False
+        for side in ("forward", "backward"):
+            current = fwd if side == "forward" else bwd
+            desc = side == "backward"
+            cost = (lambda a, b, _k=side: t(_k, a, b))
+            lo, hi = 0, plan.fused[0]
+            counts = range(max(1, len(current) - 2), len(current) + 4) if macro else range(0)
+            rebalanced = (_packed(lo, hi, p, cost, desc) for p in counts)
+            for cand in itertools.chain((c for c in rebalanced if c), _neighbours(current, descending=desc)):
+                if time.perf_counter() >= deadline:
+                    break
+                f2, b2 = (cand, bwd) if side == "forward" else (fwd, cand)
+                value = total(f2, b2)
+                if value < best * (1 - 1e-9):
+                    trial = SegmentPlan(forward=tuple(f2), fused=plan.fused, backward=tuple(b2), saved=saved)
+                    if not validate_segment_plan(pb, trial):
+                        fwd, bwd, best, improved = f2, b2, value, True
+                        break
+            if improved:
+                break
+    return best, SegmentPlan(forward=tuple(fwd), fused=plan.fused, backward=tuple(bwd), saved=saved)

@@ -1,0 +1,312 @@
+"""What to simulate: action lists and per-position costs for every schedule, from one cost model.
+
+- :func:`from_plan` — a saved :class:`~rpcompile.planfile.Plan` on its own hardware (round-robin);
+- :func:`from_segment_plan` — a partitioner result (``ilp``, ``roundpipe``, …) on a :class:`PartitionProblem`;
+- :func:`static_scenarios` — the classic static-binding pipelines on the same problem: GPipe and 1F1B with one
+  stage per device, interleaved 1F1B with ``chunks`` stages per device. They keep weights, gradients, optimizer
+  state and every in-flight microbatch's activations on the device (no streaming, no recompute), hand
+  activations between devices through host memory, and take a time-balanced contiguous partition of the layers
+  (the best static partition, as torchgpipe's ``balance_by_time`` aims for);
+- :func:`layer_profile_scenarios` — a published per-layer profile such as the RoundPipe paper's simulator inputs
+  (``benchmarks/data/roundpipe-simulator-inputs.json``): every schedule with the file's own partitions, plus
+  ``ilp`` (rpcompile's partitioner on the same layer costs, layer granularity, no memory limit, full recompute
+  like the paper's round-robin).
+
+Every scenario runs on :func:`~rpcompile.runtime.simulator.simulate`, so all comparisons share one clock.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from .schedule import Action, gpipe, interleaved_one_f_one_b, one_f_one_b, round_robin
+from .simulator import SimResult, SimStage, simulate
+
+__all__ = [
+    "Scenario",
+    "SCHEDULES",
+    "from_plan",
+    "from_segment_plan",
+    "static_scenarios",
+    "balanced_ranges",
+    "load_layer_profile",
+    "layer_profile_scenarios",
+    "layer_profile_problem",
+]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "roundpipe", "ilp")
+"""Schedule names, in the order tables show them."""
+
+#: Optimizer state a static pipeline keeps on the device per weight byte: Adam's two moments, plus an fp32
+#: master copy when weights are 16-bit (mixed-precision Adam: 2 + 4 + 4 + 4 bytes per parameter).
+_OPTIMIZER_STATE_PER_WEIGHT_BYTE = {"fp32": 2.0, "bf16": 6.0, "fp16": 6.0}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One schedule ready to simulate."""
+
+    name: str
+    lists: list[list[Action]]
+    stages: list[SimStage]
+    link_bytes_per_s: float = math.inf
+    host_bytes_per_s: float = math.inf
+    memory_limit_bytes: int | None = None
+    tokens_per_iteration: int = 0
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def run(self) -> SimResult:
+        return simulate(self.lists, self.stages, link_bytes_per_s=self.link_bytes_per_s,
+                        host_bytes_per_s=self.host_bytes_per_s, memory_limit_bytes=self.memory_limit_bytes,
+                        tokens_per_iteration=self.tokens_per_iteration)
+
+
+# ---------------------------------------------------------------------------------------------- round-robin
+def from_plan(plan: Any, *, host_bytes_per_s: float = math.inf) -> Scenario:
+    """The round-robin schedule of a saved plan, with its stages' transfer figures (schema 2). A version-1 plan
+    has none: its stages run for their predicted ``time_s`` and transfers are not simulated."""
+    hw, m = plan.hardware, plan.microbatches
+    stages = []
+    for s in plan.stages:
+        detailed = s.compute_s > 0 or s.weight_bytes > 0
+        stages.append(SimStage(
+            name=s.name, kind=s.kind, compute_s=s.compute_s if detailed else s.time_s,
+            weight_bytes=s.weight_bytes, grad_bytes=s.grad_bytes, upload_bytes=s.upload_bytes,
+            download_bytes=s.download_bytes, working_bytes=s.working_bytes,
+        ))
+    lists = round_robin([s.kind for s in plan.stages], hw.device_count, m)
+    return Scenario(plan.strategy, lists, stages, link_bytes_per_s=hw.link_bytes_per_s,
+                    host_bytes_per_s=host_bytes_per_s, memory_limit_bytes=hw.memory_bytes,
+                    tokens_per_iteration=plan.tokens_per_microbatch * m)
+
+
+def from_segment_plan(problem: Any, plan: Any, *, name: str, tokens_per_iteration: int = 0,
+                      host_bytes_per_s: float = math.inf, handoff_s: float | None = None) -> Scenario:
+    """The round-robin schedule of a partitioner's :class:`SegmentPlan` (stage figures from ``stage_costs``).
+    ``handoff_s``: a fixed activation hand-off time per microbatch into every stage but the first, instead of
+    the byte model (published profiles give it that way)."""
+    from rpcompile.passes.problem import stage_costs
+
+    m, link = problem.microbatches, problem.link_bytes_per_s
+    stages = []
+    for k, c in enumerate(stage_costs(problem, plan)):
+        name_k = "FB" if c.kind == "fused" else f"{c.kind[0].upper()}{k if c.kind == 'forward' else k - len(plan.forward)}"
+        transfers = max(c.compute_s, c.upload_bytes / link, c.download_bytes / link)
+        stages.append(SimStage(
+            name=name_k, kind=c.kind, compute_s=c.compute_s + max(0.0, c.time_s - transfers),
+            weight_bytes=c.weight_bytes, grad_bytes=c.grad_bytes,
+            upload_bytes=max(0.0, c.upload_bytes - c.weight_bytes / m),
+            download_bytes=max(0.0, c.download_bytes - c.grad_bytes / m),
+            upload_s=handoff_s if handoff_s is not None and k > 0 else None,
+            working_bytes=c.working_bytes,
+        ))
+    if handoff_s is not None:  # the profile's hand-off replaces the byte model entirely
+        stages = [_replace(s, upload_bytes=0.0, download_bytes=0.0, weight_bytes=0.0, grad_bytes=0.0) for s in stages]
+    lists = round_robin([s.kind for s in stages], problem.device_count, m)
+    return Scenario(name, lists, stages, link_bytes_per_s=link if handoff_s is None else math.inf,
+                    host_bytes_per_s=host_bytes_per_s, memory_limit_bytes=problem.memory_bytes,
+                    tokens_per_iteration=tokens_per_iteration)
+
+
+def _replace(s: SimStage, **kw: Any) -> SimStage:
+    import dataclasses
+
+    return dataclasses.replace(s, **kw)
+
+
+# ---------------------------------------------------------------------------------------------- static
+def balanced_ranges(costs: Sequence[float], parts: int) -> list[tuple[int, int]]:
+    """Split ``costs`` into ``parts`` contiguous non-empty runs minimising the largest run's sum (exact DP)."""
+    n = len(costs)
+    if not 1 <= parts <= n:
+        raise ValueError(f"cannot split {n} layers into {parts} non-empty stages")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = math.inf
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0.0
+    for p in range(1, parts + 1):
+        for i in range(p, n - (parts - p) + 1):
+            for j in range(p - 1, i):
+                v = max(best[p - 1][j], prefix[i] - prefix[j])
+                if v < best[p][i]:
+                    best[p][i], cut[p][i] = v, j
+    out, i = [], n
+    for p in range(parts, 0, -1):
+        out.append((cut[p][i], i))
+        i = cut[p][i]
+    return out[::-1]
+
+
+def static_scenarios(problem: Any, *, chunks: int = 2, precision: str = "bf16", tokens_per_iteration: int = 0,
+                     host_bytes_per_s: float = math.inf, schedules: Sequence[str] = ("gpipe", "1f1b", "interleaved-1f1b"),
+                     ) -> dict[str, Scenario]:
+    """GPipe, 1F1B and interleaved 1F1B (``chunks`` stages per device) on ``problem``'s segments, partitioned at
+    layer boundaries to balance forward + backward time."""
+    from rpcompile.passes.baselines import layer_ranges
+
+    n_dev, m = problem.device_count, problem.microbatches
+    layers = layer_ranges(problem)
+    layer_cost = [sum(problem.fwd_s[i] + problem.bwd_s[i] for i in range(a, b)) for a, b in layers]
+    opt = _OPTIMIZER_STATE_PER_WEIGHT_BYTE.get(precision, 6.0)
+    out = {}
+    for name in schedules:
+        v = chunks if name == "interleaved-1f1b" else 1
+        parts = min(n_dev * v, len(layers))
+        if parts < n_dev * v:
+            continue  # fewer layers than virtual stages: this schedule does not apply
+        groups = balanced_ranges(layer_cost, parts)
+        ranges = [(layers[a][0], layers[b - 1][1]) for a, b in groups]
+        stages = _static_stages(problem, ranges, n_dev, opt)
+        if name == "gpipe":
+            lists = gpipe(n_dev, m)
+        elif name == "1f1b":
+            lists = one_f_one_b(n_dev, m)
+        else:
+            if m % n_dev:
+                continue
+            lists = interleaved_one_f_one_b(n_dev, m, v)
+        out[name] = Scenario(name, lists, stages, link_bytes_per_s=problem.link_bytes_per_s,
+                             host_bytes_per_s=host_bytes_per_s, memory_limit_bytes=problem.memory_bytes,
+                             tokens_per_iteration=tokens_per_iteration, notes={"stages_per_device": v})
+    return out
+
+
+def _static_stages(pb: Any, ranges: list[tuple[int, int]], n_dev: int, opt: float) -> list[SimStage]:
+    """Chain positions ``F_0..F_{V-1}, B_{V-1}..B_0`` of a static pipeline over segment ``ranges``."""
+    V = len(ranges)
+    fwd, bwd = [], []
+    for s, (a, b) in enumerate(ranges):
+        w, g = pb.weight(a, b), pb.weight(a, b, grads=True)
+        seg = range(a, b)
+        inb, outb = pb.in_bytes(a), pb.boundary_bytes[b - 1]
+        cross_in = s > 0 and (s - 1) % n_dev != s % n_dev  # the previous virtual stage lives elsewhere
+        cross_out = s < V - 1 and (s + 1) % n_dev != s % n_dev
+        fwd.append(SimStage(
+            name=f"F{s}", kind="forward", compute_s=sum(pb.fwd_s[i] for i in seg) + pb.stage_overhead_s,
+            upload_bytes=inb if cross_in else 0, download_bytes=outb if cross_out else 0,
+            working_bytes=inb + outb + max(pb.peak_bytes[i] for i in seg),
+            resident_bytes=w + g + opt * w, stash_bytes=sum(pb.act_bytes[i] for i in seg),
+        ))
+        bwd.append(SimStage(
+            name=f"B{s}", kind="backward", compute_s=sum(pb.bwd_s[i] for i in seg) + pb.stage_overhead_s,
+            upload_bytes=outb if cross_out else 0, download_bytes=inb if cross_in else 0,
+            working_bytes=inb + outb, releases=s,
+        ))
+    return fwd + bwd[::-1]
+
+
+# ---------------------------------------------------------------------------------------------- layer profiles
+def load_layer_profile(path: str | Path, model: str) -> tuple[dict[str, Any], int, int]:
+    """``(entry, gpus, microbatches)`` for ``model`` from a RoundPipe-style simulator input file (milliseconds).
+    Raises ValueError naming the models the file has, or the field that is missing."""
+    from rpcompile.errors import RPCompileError
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise RPCompileError(f"cannot read layer profile {path}: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise RPCompileError(f"{path} is not JSON (line {e.lineno}: {e.msg})") from None
+    models = data.get("models") if isinstance(data, Mapping) else None
+    if not isinstance(models, Mapping):
+        raise RPCompileError(f"{path} is not a layer profile: no 'models' object")
+    if model not in models:
+        raise RPCompileError(f"{path} has no model {model!r}; it has: {', '.join(models)}")
+    entry = models[model]
+    for key in ("num_layers", "fwd_ms_per_layer", "bwd_ms_per_layer", "head_fwd_ms", "head_bwd_ms", "comm_ms"):
+        if key not in entry:
+            raise RPCompileError(f"{path}: model {model!r} lacks {key!r}")
+    return entry, int(data.get("num_gpus", 8)), int(data.get("num_microbatches", 16))
+
+
+def _counts(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip() != ""]
+
+
+def layer_profile_scenarios(entry: Mapping[str, Any], *, devices: int, microbatches: int,
+                            schedules: Sequence[str] = SCHEDULES, time_limit_s: float = 10.0) -> dict[str, Scenario]:
+    """Every schedule on a per-layer profile (see module docstring). Times in the entry are milliseconds."""
+    ms = 1e-3
+    L = int(entry["num_layers"])
+    f, b = entry["fwd_ms_per_layer"] * ms, entry["bwd_ms_per_layer"] * ms
+    hf, hb, comm = entry["head_fwd_ms"] * ms, entry["head_bwd_ms"] * ms, entry["comm_ms"] * ms
+    parts = entry.get("partitions", {})
+    out: dict[str, Scenario] = {}
+    for name in schedules:
+        if name in ("gpipe", "1f1b", "interleaved-1f1b"):
+            if name not in parts:
+                continue
+            counts = _counts(parts[name])
+            if sum(counts) != L:
+                raise ValueError(f"{name} partition {parts[name]!r} covers {sum(counts)} layers, not {L}")
+            V = len(counts)
+            if V % devices:
+                raise ValueError(f"{name} partition has {V} stages, not a multiple of {devices} devices")
+            stages = []
+            for s, c in enumerate(counts):  # forward positions; the last virtual stage holds the LM head
+                head = s == V - 1
+                stages.append(SimStage(name=f"F{s}", compute_s=c * f + (hf if head else 0.0),
+                                       upload_s=comm if s > 0 and devices > 1 else None))
+            for s in reversed(range(V)):
+                head = s == V - 1
+                stages.append(SimStage(name=f"B{s}", kind="backward", compute_s=counts[s] * b + (hb if head else 0.0),
+                                       upload_s=comm if s < V - 1 and devices > 1 else None))
+            if name == "gpipe":
+                lists = gpipe(devices, microbatches)
+            elif name == "1f1b":
+                lists = one_f_one_b(devices, microbatches)
+            else:
+                lists = interleaved_one_f_one_b(devices, microbatches, V // devices)
+            out[name] = Scenario(name, lists, stages, notes={"partition": parts[name]})
+        elif name == "roundpipe" and "roundpipe" in parts:
+            fwd_text, bwd_text = parts["roundpipe"].split("|")
+            fwd_counts, bwd_counts = _counts(fwd_text), _counts(bwd_text)
+            top = L - sum(fwd_counts)  # layers the fused stage owns beside the head
+            if bwd_counts[0] != top or sum(bwd_counts[1:]) != sum(fwd_counts):
+                raise ValueError(f"roundpipe partition {parts['roundpipe']!r} does not cover {L} layers")
+            comp = [c * f for c in fwd_counts] + [top * (f + b) + hf + hb] + [c * (f + b) for c in bwd_counts[1:]]
+            kinds = ["forward"] * len(fwd_counts) + ["fused"] + ["backward"] * (len(bwd_counts) - 1)
+            stages = [SimStage(name=str(k), kind=kd, compute_s=t, upload_s=comm if k > 0 and devices > 1 else None)
+                      for k, (kd, t) in enumerate(zip(kinds, comp))]
+            out[name] = Scenario(name, round_robin(kinds, devices, microbatches), stages,
+                                 notes={"partition": parts["roundpipe"]})
+        elif name in ("ilp", "dp"):
+            from rpcompile.passes.partition import solve
+
+            pb = layer_profile_problem(entry, devices=devices, microbatches=microbatches)
+            res = solve(pb, name, time_limit_s=time_limit_s)
+            sc = from_segment_plan(pb, res.require_plan(), name=name, handoff_s=comm if devices > 1 else None)
+            out[name] = Scenario(name, sc.lists, sc.stages, notes={"partition": _describe(res.plan, L),
+                                                                  "solve_time_s": res.solve_time_s})
+    return out
+
+
+def layer_profile_problem(entry: Mapping[str, Any], *, devices: int, microbatches: int) -> Any:
+    """The profile as a :class:`PartitionProblem`: one segment per layer plus the LM head, no bytes, no memory
+    limit, and full recompute (``allow_save=False``), so partitions compete on the paper's own terms."""
+    from rpcompile.passes.problem import PartitionProblem
+
+    ms, L = 1e-3, int(entry["num_layers"])
+    f, b = entry["fwd_ms_per_layer"] * ms, entry["bwd_ms_per_layer"] * ms
+    zeros = (0,) * (L + 1)
+    return PartitionProblem(
+        names=tuple(f"layers.{i}" for i in range(L)) + ("lm_head",), layer=tuple(range(L + 1)),
+        fwd_s=(f,) * L + (entry["head_fwd_ms"] * ms,), bwd_s=(b,) * L + (entry["head_bwd_ms"] * ms,),
+        rec_s=(f,) * L + (entry["head_fwd_ms"] * ms,), act_bytes=zeros, peak_bytes=zeros, boundary_bytes=zeros,
+        input_bytes=0, param_bytes=zeros, grad_bytes=zeros, device_count=devices, memory_bytes=1 << 62,
+        link_bytes_per_s=1e30, microbatches=microbatches, allow_save=False,
+    )
+
+
+def _describe(plan: Any, layers: int) -> str:
+    """A SegmentPlan in the fixture's ``forward|backward`` layer-count notation."""
+    fwd = [b - a for a, b in plan.forward]
+    top = layers - plan.fused[0]
+    return ",".join(map(str, fwd)) + "|" + ",".join(map(str, [top] + [b - a for a, b in plan.backward]))

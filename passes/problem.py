@@ -228,6 +228,13 @@ class StageCost:
     grad_bytes: int = 0
     working_bytes: int = 0
     """One microbatch's live tensors (the ``working`` term of ``memory_bytes``)."""
+    prefetch_bytes: int = 0
+    """Part of ``upload_bytes`` already in host memory before the stage's producer runs (backward stages: the
+    saved activations and the forward input they recompute from), so it can be uploaded ahead."""
+    offload_bytes: int = 0
+    """Part of ``download_bytes`` no later stage of this pass waits for (forward stages: saved activations)."""
+    overhead_s: float = 0.0
+    """The fixed per-microbatch cost in ``time_s`` (``stage_overhead_s``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -267,10 +274,11 @@ def _stage(pb: PartitionProblem, kind: StageKind, a: int, b: int, saved: Sequenc
     grad_in = inb if a > 0 else 0
     act = sum(pb.act_bytes[i] for i in seg)
     saved_act = sum(pb.act_bytes[i] for i in seg if saved[i])
+    prefetch = offload = 0
     if kind == "forward":
         g = 0
         compute = sum(pb.fwd_s[i] for i in seg)
-        up, down = inb + w / m, outb + saved_act
+        up, down, offload = inb + w / m, outb + saved_act, saved_act
         working = inb + outb + max(pb.peak_bytes[i] for i in seg)
     elif kind == "fused":
         compute = sum(pb.fwd_s[i] + pb.bwd_s[i] for i in seg)
@@ -278,12 +286,13 @@ def _stage(pb: PartitionProblem, kind: StageKind, a: int, b: int, saved: Sequenc
         working = inb + outb + act
     else:
         compute = sum(pb.bwd_s[i] + (0.0 if saved[i] else pb.rec_s[i]) for i in seg)
-        up, down = inb + outb + saved_act + w / m, grad_in + g / m
+        up, down, prefetch = inb + outb + saved_act + w / m, grad_in + g / m, inb + saved_act
         working = inb + outb + act
     time = pb.stage_overhead_s + max(compute, up / link, down / link)
     return StageCost(kind=kind, start=a, stop=b, compute_s=compute, upload_bytes=up, download_bytes=down,
                      time_s=time, memory_bytes=w + g + p + working, weight_bytes=w, grad_bytes=g,
-                     working_bytes=working)
+                     working_bytes=working, prefetch_bytes=prefetch, offload_bytes=offload,
+                     overhead_s=pb.stage_overhead_s)
 
 
 def stage_costs(problem: PartitionProblem, plan: SegmentPlan) -> tuple[StageCost, ...]:

@@ -1,4 +1,4 @@
-"""The ``rpcompile`` command line: ``profile`` (cost table of a model), ``demo`` (the main job).
+"""The ``rpcompile`` command line: ``profile`` (cost table of a model), ``plan``, ``simulate``, ``demo`` (the main job).
 
 MODEL is a built-in name (``rpcompile profile --list``) or ``path/to/file.py:factory`` where ``factory()``
 returns ``(model, example_inputs)``. Every error rpcompile anticipates prints one line and exits 2.
@@ -53,6 +53,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.set_defaults(func=_cmd_plan)
 
+    p = sub.add_parser("simulate", help="simulate schedules on one clock: a plan file, a model, or a layer profile",
+                       description="rpcompile simulate plan.json | MODEL --gpus N [--schedules all] | "
+                                   "--layer-profile FILE --model NAME")
+    p.add_argument("target", nargs="?", default=None, help="a plan .json file, or a built-in model / path/to/file.py:factory")
+    p.add_argument("--batch-size", type=int, default=None, help="override the model's example batch size (default: >= microbatches)")
+    p.add_argument("--seq-len", type=int, default=None, help="override the example sequence length (decoders)")
+    p.add_argument("--model-device", default=None, help=argparse.SUPPRESS)
+    cost = p.add_mutually_exclusive_group()
+    cost.add_argument("--spec", default=None, help="analytic costs for this GPU spec (rtx4090, a100-80g, h100-sxm, ...)")
+    cost.add_argument("--device", default=None, help="measured costs on this device (cpu, cuda:0, ...)")
+    p.add_argument("--gpus", type=int, default=None, help="number of devices (MODEL; a layer profile has its own)")
+    p.add_argument("--microbatches", type=int, default=None, help="microbatches per iteration (default 2 × gpus for MODEL)")
+    p.add_argument("--memory-limit", type=_parse_bytes, default=None, help="usable memory per device (default: the spec's)")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16")
+    p.add_argument("--schedules", default=None, help="comma list of gpipe,1f1b,interleaved-1f1b,roundpipe,ilp or 'all' (default all)")
+    p.add_argument("--chunks", type=int, default=2, help="stages per device for interleaved-1f1b (default 2)")
+    p.add_argument("--host-bandwidth", type=_parse_rate, default=None, help="the host memory's total bandwidth, e.g. 100GB/s (default: unlimited)")
+    p.add_argument("--layer-profile", default=None, metavar="FILE", help="per-layer times (RoundPipe simulator-input format)")
+    p.add_argument("--model", dest="profile_model", default=None, metavar="NAME", help="(with --layer-profile) which model of the file")
+    p.add_argument("--time-limit", type=float, default=10.0, help="solver time limit in seconds")
+    p.add_argument("--timeline", default=None, metavar="FILE.svg", help="draw a Gantt chart (FILE-<schedule>.svg when several)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.set_defaults(func=_cmd_simulate)
+
     p = sub.add_parser("demo", help="the main job: compile a built-in model and show what rpcompile does")
     p.add_argument("--model", default="llama-demo", help="built-in model (default llama-demo)")
     p.set_defaults(func=_cmd_demo)
@@ -98,6 +122,91 @@ def _parse_bytes(text: str) -> int:
     unit = (m.group(2) or "B").upper()
     scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
     return int(float(m.group(1)) * scale)
+
+
+def _parse_rate(text: str) -> float:
+    base = text.strip().removesuffix("/s").removesuffix("ps")
+    try:
+        return float(_parse_bytes(base))
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"not a bandwidth: {text!r} (examples: 100GB/s, 50GiB/s)") from None
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    import math
+    from pathlib import Path
+
+    from rpcompile.errors import RPCompileError
+    from rpcompile.simulation import model_scenarios, parse_schedules, plan_scenarios, profile_scenarios, run_all
+
+    host = args.host_bandwidth or math.inf
+    try:
+        schedules = parse_schedules(args.schedules or "all")
+    except ValueError as e:
+        raise RPCompileError(str(e)) from None
+    if args.layer_profile:
+        if not args.profile_model:
+            raise RPCompileError("--layer-profile needs --model NAME (which model of the file to simulate)")
+        title = f"{args.profile_model} from {Path(args.layer_profile).name}"
+        try:
+            scenarios = profile_scenarios(args.layer_profile, args.profile_model, schedules=schedules, gpus=args.gpus,
+                                          microbatches=args.microbatches, time_limit_s=args.time_limit)
+        except ValueError as e:
+            raise RPCompileError(f"{args.layer_profile}: {e}") from None
+    elif args.target is None:
+        raise RPCompileError("say what to simulate: a plan .json file, a MODEL with --gpus N, or --layer-profile FILE --model NAME")
+    elif args.target.endswith(".json"):
+        from rpcompile.planfile import Plan
+
+        plan = Plan.load(args.target)
+        title = f"{args.target}: {plan.strategy} plan, {len(plan.stages)} stages on {plan.hardware.device_count} × {plan.hardware.spec.name}"
+        scenarios = plan_scenarios(plan, host_bytes_per_s=host)
+    else:
+        if args.gpus is None:
+            raise RPCompileError(f"simulating model {args.target} needs --gpus N")
+        m = args.microbatches or 2 * args.gpus
+        args.model = args.target
+        ms = _load_for(args, m)
+        title = f"{args.target} on {args.gpus} × {args.spec or args.device or 'default spec'}, {m} microbatches"
+        scenarios = model_scenarios(ms.model, ms.example_inputs, gpus=args.gpus, spec=args.spec, device=args.device,
+                                    microbatches=m, memory_limit=args.memory_limit, precision=args.precision,
+                                    schedules=schedules, chunks=args.chunks, host_bytes_per_s=host,
+                                    time_limit_s=args.time_limit, progress=False if args.json else None)
+    results = run_all(scenarios)
+    if args.timeline:
+        _write_timelines(args.timeline, results, title)
+    if args.json:
+        out = {name: r.summary() | {"stages": scenarios[name].stage_count} for name, r in results.items()}
+        print(json.dumps({"schedules": out}, allow_nan=False))
+        return 0
+    from rpcompile.report import print_table, simulate_table
+
+    print_table(simulate_table(results, scenarios, title=title))
+    if args.timeline:
+        print(f"timeline written to {args.timeline}" if len(results) == 1 else f"timelines written next to {args.timeline}")
+    return 0
+
+
+def _load_for(args: argparse.Namespace, microbatches: int):
+    """The model with a batch of at least ``microbatches`` (one sample per microbatch at least)."""
+    ms = _load(args)
+    first = ms.example_inputs[0] if ms.example_inputs else None
+    if args.batch_size is None and getattr(first, "shape", None) and first.shape[0] < microbatches:
+        args.batch_size = microbatches
+        ms = _load(args)
+    return ms
+
+
+def _write_timelines(path: str, results: dict, title: str) -> None:
+    from pathlib import Path
+
+    from rpcompile.runtime.gantt import write_timeline_svg
+
+    target = Path(path)
+    for name, r in results.items():
+        out = target if len(results) == 1 else target.with_name(f"{target.stem}-{name}{target.suffix or '.svg'}")
+        write_timeline_svg(out, r.timeline, devices=len(r.busy_s), stage_names=list(r.stage_names),
+                           title=f"{title} — {name}: {r.iteration_time_s * 1e3:.1f} ms, bubble {r.bubble_fraction:.1%}")
 
 
 def _strategy_json(result, plan) -> dict:

@@ -110,16 +110,22 @@ class Stage:
     memory_bytes: int = 0
     """Predicted peak device memory while it runs (weights, prefetch, gradients, activations)."""
     compute_s: float = 0.0
-    """Predicted compute per microbatch (forward, backward and recompute; no transfers)."""
+    """Predicted compute per microbatch (forward, backward, recompute and the fixed per-stage overhead; no
+    transfers)."""
     weight_bytes: int = 0
     """Bytes uploaded once per iteration before microbatch 0 (its parameters in upload precision)."""
     grad_bytes: int = 0
     """Gradient bytes downloaded once after the last microbatch (0 for forward stages and frozen parameters)."""
     upload_bytes: int = 0
-    """Activation bytes uploaded per microbatch (its inputs; for backward stages also the incoming gradient and
-    the saved activations)."""
+    """Bytes uploaded per microbatch that wait for the previous stage (its input; for backward stages the
+    gradient of its output)."""
+    prefetch_bytes: int = 0
+    """Bytes uploaded per microbatch that are in host memory already (backward stages: saved activations and
+    the forward input they recompute from)."""
     download_bytes: int = 0
-    """Activation bytes downloaded per microbatch (outputs and saved activations; input gradients)."""
+    """Bytes downloaded per microbatch that the next stage waits for (outputs; input gradients)."""
+    offload_bytes: int = 0
+    """Bytes downloaded per microbatch that only the backward pass needs (forward stages: saved activations)."""
     working_bytes: int = 0
     """Device memory one microbatch's live tensors take while it computes."""
 

@@ -157,13 +157,16 @@ def to_plan(gm: fx.GraphModule, problem: Any, result: Any, *, hardware: Hardware
 
 
 def _figures(c: Any, microbatches: int) -> dict:
-    """A StageCost's transfer figures as Stage fields (the cost keeps weights amortised per microbatch)."""
+    """A StageCost's figures as Stage fields (the cost keeps weights amortised per microbatch; the plan's
+    ``compute_s`` includes the fixed per-stage overhead)."""
     return {
-        "compute_s": c.compute_s,
+        "compute_s": c.compute_s + c.overhead_s,
         "weight_bytes": c.weight_bytes,
         "grad_bytes": c.grad_bytes,
-        "upload_bytes": round(c.upload_bytes - c.weight_bytes / microbatches),
-        "download_bytes": round(c.download_bytes - c.grad_bytes / microbatches),
+        "upload_bytes": round(c.upload_bytes - c.weight_bytes / microbatches - c.prefetch_bytes),
+        "prefetch_bytes": c.prefetch_bytes,
+        "download_bytes": round(c.download_bytes - c.grad_bytes / microbatches - c.offload_bytes),
+        "offload_bytes": c.offload_bytes,
         "working_bytes": c.working_bytes,
     }
 

@@ -11,7 +11,8 @@ from rpcompile.passes.validate import format_bytes as fmt_bytes
 
 from .profiling import CostRow, Profile
 
-__all__ = ["fmt_bytes", "fmt_time", "fmt_count", "profile_table", "plan_table", "compare_table", "stage_range", "print_table"]
+__all__ = ["fmt_bytes", "fmt_time", "fmt_count", "profile_table", "plan_table", "compare_table", "stage_range", "print_table",
+           "simulate_table"]
 
 
 def fmt_time(s: float) -> str:
@@ -103,3 +104,21 @@ def compare_table(rows: dict, *, reference: str = "ilp") -> Table:
         table.add_row(name, "yes", f"{len(plan.forward_stages)}/{len(plan.backward_stages)}", fmt_time(p.iteration_time_s),
                       ratio, f"{p.bubble_fraction:.1%}", recompute, fmt_bytes(p.peak_memory_bytes), fmt_time(result.solve_time_s))
     return table
+
+
+def simulate_table(results: dict, scenarios: dict, *, title: str = "") -> Table:
+    """One row per simulated schedule: time, bubble, throughput, memory, and whether it fits."""
+    t = Table(title=title)
+    for col in ("schedule", "stages", "iteration", "bubble", "tokens/s", "peak memory", "fits", "vs ilp"):
+        t.add_column(col, justify="left" if col == "schedule" else "right")
+    ref = results.get("ilp")
+    for name, r in results.items():
+        limit = r.memory_limit_bytes
+        fits = "—" if limit is None else ("yes" if r.fits else f"no (> {fmt_bytes(limit)})")
+        ratio = f"{r.iteration_time_s / ref.iteration_time_s:.2f}×" if ref and ref.iteration_time_s else ""
+        sc = scenarios.get(name)
+        memory = max(r.peak_memory_bytes, default=0)
+        t.add_row(name, str(sc.stage_count if sc else len(r.stage_names)), fmt_time(r.iteration_time_s), f"{r.bubble_fraction:.1%}",
+                  fmt_count(r.tokens_per_s) if r.tokens_per_iteration else "—",
+                  fmt_bytes(memory) if memory else "—", fits, ratio)
+    return t

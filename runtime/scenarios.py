@@ -59,6 +59,12 @@ class Scenario:
     tokens_per_iteration: int = 0
     notes: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def stage_count(self) -> int:
+        """Stages of the schedule (a static stage's forward and backward halves count once)."""
+        static = any(s.releases >= 0 for s in self.stages)
+        return len(self.stages) // 2 if static else len(self.stages)
+
     def run(self) -> SimResult:
         return simulate(self.lists, self.stages, link_bytes_per_s=self.link_bytes_per_s,
                         host_bytes_per_s=self.host_bytes_per_s, memory_limit_bytes=self.memory_limit_bytes,
@@ -76,7 +82,8 @@ def from_plan(plan: Any, *, host_bytes_per_s: float = math.inf) -> Scenario:
         stages.append(SimStage(
             name=s.name, kind=s.kind, compute_s=s.compute_s if detailed else s.time_s,
             weight_bytes=s.weight_bytes, grad_bytes=s.grad_bytes, upload_bytes=s.upload_bytes,
-            download_bytes=s.download_bytes, working_bytes=s.working_bytes,
+            prefetch_bytes=s.prefetch_bytes, download_bytes=s.download_bytes, offload_bytes=s.offload_bytes,
+            working_bytes=s.working_bytes,
         ))
     lists = round_robin([s.kind for s in plan.stages], hw.device_count, m)
     return Scenario(plan.strategy, lists, stages, link_bytes_per_s=hw.link_bytes_per_s,
@@ -95,17 +102,19 @@ def from_segment_plan(problem: Any, plan: Any, *, name: str, tokens_per_iteratio
     stages = []
     for k, c in enumerate(stage_costs(problem, plan)):
         name_k = "FB" if c.kind == "fused" else f"{c.kind[0].upper()}{k if c.kind == 'forward' else k - len(plan.forward)}"
-        transfers = max(c.compute_s, c.upload_bytes / link, c.download_bytes / link)
         stages.append(SimStage(
-            name=name_k, kind=c.kind, compute_s=c.compute_s + max(0.0, c.time_s - transfers),
+            name=name_k, kind=c.kind, compute_s=c.compute_s + c.overhead_s,
             weight_bytes=c.weight_bytes, grad_bytes=c.grad_bytes,
-            upload_bytes=max(0.0, c.upload_bytes - c.weight_bytes / m),
-            download_bytes=max(0.0, c.download_bytes - c.grad_bytes / m),
+            upload_bytes=max(0.0, c.upload_bytes - c.weight_bytes / m - c.prefetch_bytes),
+            prefetch_bytes=c.prefetch_bytes,
+            download_bytes=max(0.0, c.download_bytes - c.grad_bytes / m - c.offload_bytes),
+            offload_bytes=c.offload_bytes,
             upload_s=handoff_s if handoff_s is not None and k > 0 else None,
             working_bytes=c.working_bytes,
         ))
     if handoff_s is not None:  # the profile's hand-off replaces the byte model entirely
-        stages = [_replace(s, upload_bytes=0.0, download_bytes=0.0, weight_bytes=0.0, grad_bytes=0.0) for s in stages]
+        stages = [_replace(s, upload_bytes=0.0, download_bytes=0.0, prefetch_bytes=0.0, offload_bytes=0.0,
+                           weight_bytes=0.0, grad_bytes=0.0) for s in stages]
     lists = round_robin([s.kind for s in stages], problem.device_count, m)
     return Scenario(name, lists, stages, link_bytes_per_s=link if handoff_s is None else math.inf,
                     host_bytes_per_s=host_bytes_per_s, memory_limit_bytes=problem.memory_bytes,
@@ -257,7 +266,7 @@ def layer_profile_scenarios(entry: Mapping[str, Any], *, devices: int, microbatc
             for s in reversed(range(V)):
                 head = s == V - 1
                 stages.append(SimStage(name=f"B{s}", kind="backward", compute_s=counts[s] * b + (hb if head else 0.0),
-                                       upload_s=comm if s < V - 1 and devices > 1 else None))
+                                       upload_s=comm if s < V - 1 and devices > 1 else None, releases=s))
             if name == "gpipe":
                 lists = gpipe(devices, microbatches)
             elif name == "1f1b":

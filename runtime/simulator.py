@@ -1,7 +1,8 @@
 """The simulator: walk the executor's own per-device action lists with a clock instead of devices.
 
-Every device has one **compute queue** and four copy queues — weights up, activations up, activations down,
-gradients down (the executor's streams) — that share two physical links: the device's **upload link** and its
+Every device has one **compute queue** and copy queues — weights up, activations up (inputs that wait for the
+previous stage; saved activations already in host memory), activations down (outputs the next stage waits for;
+saved activations), gradients down — that share two physical links: the device's **upload link** and its
 **download link**, each ``link_bytes_per_s`` and full duplex. All links share the host's memory bandwidth
 (``host_bytes_per_s``). Transfers running at the same time split the bandwidth max-min fairly (a fluid model:
 each gets an equal share of its tightest resource), so eight GPUs streaming weights at once are as slow as the
@@ -11,10 +12,12 @@ What an action list turns into (``kW``/``kFj``/``kG``, see :mod:`.schedule`):
 
 - ``kW`` uploads stage k's weights. It may start once the device has *started* the stage before k in its list
   (the weight prefetch: at most the running stage and the next one are resident).
-- ``kFj`` first brings microbatch j's inputs in (``upload_bytes`` through host memory; may start once the
-  device began its previous compute action — a double buffer), then computes once the compute queue is free,
-  chain position k−1 finished j (and its output reached host memory) and k's weights are in; then sends its
-  outputs down (``download_bytes``).
+- ``kFj`` first brings microbatch j's inputs in — ``prefetch_bytes`` (in host memory already) and
+  ``upload_bytes`` (once chain position k−1's output for j reached host memory); both may start once the device
+  began its previous compute action, a double buffer — then computes once the compute queue is free and k's
+  weights are in; then sends ``download_bytes`` down (the next position waits for them) and, on their own
+  queue, ``offload_bytes`` (saved activations, which only the backward pass reads; that they land before the
+  backward stage prefetches them is assumed, not simulated).
 - ``kG`` sends the gradients down after k's last microbatch.
 
 Memory per device is accounted from the same events: weights from the start of their upload until the stage's
@@ -46,7 +49,9 @@ _LANES = {
     "compute": (None, "compute", "compute"),
     "w_up": ("up", "weights", "upload"),
     "a_up": ("up", "activations", "upload"),
+    "s_up": ("up", "activations", "upload"),
     "a_down": ("down", "activations", "download"),
+    "s_down": ("down", "activations", "download"),
     "g_down": ("down", "gradients", "download"),
 }
 
@@ -63,9 +68,13 @@ class SimStage:
     grad_bytes: float = 0.0
     """Downloaded by the ``G`` action; held on the device from the first microbatch until then."""
     upload_bytes: float = 0.0
-    """Per microbatch, host → device before computing (inputs, saved activations)."""
+    """Per microbatch, host → device before computing, once the previous position's output is in host memory."""
+    prefetch_bytes: float = 0.0
+    """Per microbatch, host → device before computing, already in host memory (saved activations)."""
     download_bytes: float = 0.0
-    """Per microbatch, device → host after computing (outputs, saved activations)."""
+    """Per microbatch, device → host after computing; the next position waits for it."""
+    offload_bytes: float = 0.0
+    """Per microbatch, device → host after computing; nobody in this pass waits for it (saved activations)."""
     upload_s: float | None = None
     """A fixed per-microbatch hand-off time instead of ``upload_bytes`` over the link (published profiles)."""
     working_bytes: float = 0.0
@@ -85,7 +94,8 @@ class SimEvent:
     """One simulated piece of work: an action's compute, or one of its copies."""
 
     action: str
-    """``3F1``, ``3W``, ``3G``; copies of a microbatch's activations are ``3F1<`` (in) and ``3F1>`` (out)."""
+    """``3F1``, ``3W``, ``3G``; copies of a microbatch's activations are ``3F1<`` (in), ``3F1<<`` (saved, in),
+    ``3F1>`` (out) and ``3F1>>`` (saved, out)."""
     device: int
     lane: str
     """Display lane: ``compute``, ``upload`` or ``download``."""
@@ -143,7 +153,7 @@ class SimResult:
         return {
             "iteration_time_s": self.iteration_time_s,
             "bubble_fraction": self.bubble_fraction,
-            "tokens_per_s": self.tokens_per_s,
+            "tokens_per_s": self.tokens_per_s if self.tokens_per_iteration else None,
             "peak_memory_bytes": list(self.peak_memory_bytes),
             "utilisation": list(self.utilisation),
             "host_traffic_bytes": self.host_traffic_bytes,
@@ -295,6 +305,13 @@ def _build(lists: Sequence[Sequence[Action]], sts: Sequence[SimStage], link: flo
                 c = _Task(str(a), d, "compute", a.stage, a.microbatch, s.compute_s, on_link=False)
                 c.alloc_start = s.working_bytes
                 c.free_end.append((d, s.working_bytes))
+                if s.prefetch_bytes:
+                    pre = add(copy(f"{a}<<", d, "s_up", a.stage, a.microbatch, s.prefetch_bytes))
+                    pre.alloc_start = s.prefetch_bytes
+                    c.free_end.append((d, s.prefetch_bytes))
+                    if prev_compute is not None:
+                        pre.after_start.append(prev_compute)
+                    c.after_end.append(pre)
                 if s.upload_bytes or s.upload_s:
                     cin = add(copy(f"{a}<", d, "a_up", a.stage, a.microbatch, s.upload_bytes, s.upload_s))
                     cin.alloc_start = s.upload_bytes
@@ -323,6 +340,11 @@ def _build(lists: Sequence[Sequence[Action]], sts: Sequence[SimStage], link: flo
                     c.alloc_end += s.download_bytes
                     out.free_end.append((d, s.download_bytes))
                     out_copy[(a.stage, a.microbatch)] = out
+                if s.offload_bytes:
+                    off = add(copy(f"{a}>>", d, "s_down", a.stage, a.microbatch, s.offload_bytes))
+                    off.after_end.append(c)
+                    c.alloc_end += s.offload_bytes
+                    off.free_end.append((d, s.offload_bytes))
                 prev_compute = c
             else:  # G
                 g = add(copy(f"{a}", d, "g_down", a.stage, -1, s.grad_bytes))

@@ -1,0 +1,77 @@
+"""Driver of ``rpcompile simulate``: every schedule for a model, a plan file or a published layer profile.
+
+Names (``--schedules``): ``gpipe``, ``1f1b``, ``interleaved-1f1b`` (static binding, weights resident on the
+devices), ``roundpipe`` (the paper's partitioner on our costs) and ``ilp`` (rpcompile's plan), all on one clock
+(:mod:`rpcompile.runtime.simulator`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+from rpcompile.runtime.scenarios import SCHEDULES, Scenario, from_plan, from_segment_plan, static_scenarios
+
+__all__ = ["SCHEDULES", "parse_schedules", "model_scenarios", "plan_scenarios", "profile_scenarios", "run_all"]
+
+
+def parse_schedules(text: str) -> list[str]:
+    """``all`` or a comma list of schedule names; unknown names raise ValueError listing the known ones."""
+    if text.strip() == "all":
+        return list(SCHEDULES)
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in names if s not in SCHEDULES]
+    if bad or not names:
+        raise ValueError(f"unknown schedule {', '.join(bad) or repr(text)}; choose from {', '.join(SCHEDULES)} or all")
+    return names
+
+
+def model_scenarios(model: Any, example_inputs: Sequence[Any], *, gpus: int, spec: Any = None, device: Any = None,
+                    microbatches: int | None = None, memory_limit: int | None = None, precision: str = "bf16",
+                    schedules: Sequence[str] = SCHEDULES, chunks: int = 2, host_bytes_per_s: float = math.inf,
+                    time_limit_s: float = 10.0, progress: Any = None) -> dict[str, Scenario]:
+    """Trace and cost ``model`` once, then build every requested schedule on that one problem."""
+    from rpcompile.lowering import _tokens
+    from rpcompile.passes.partition import solve
+
+    from .planning import default_spec, make_hardware, partition_problem, prepare
+
+    gm, m = prepare(model, example_inputs, gpus=gpus, spec=spec, device=device, microbatches=microbatches,
+                    precision=precision, progress=progress)
+    model_device = next((p.device.type for p in model.parameters()), "cpu")
+    hardware = make_hardware(gpus, default_spec(spec, device, model_device), memory_limit)
+    pb = partition_problem(gm, hardware=hardware, microbatches=m, precision=precision)
+    tokens = _tokens(gm) * m
+    out: dict[str, Scenario] = {}
+    static = [s for s in schedules if s in ("gpipe", "1f1b", "interleaved-1f1b")]
+    if static:
+        out.update(static_scenarios(pb, chunks=chunks, precision=precision, tokens_per_iteration=tokens,
+                                    host_bytes_per_s=host_bytes_per_s, schedules=static))
+    for name in (s for s in schedules if s in ("roundpipe", "ilp")):
+        res = solve(pb, name, time_limit_s=time_limit_s)
+        if not res.feasible:
+            continue
+        sc = from_segment_plan(pb, res.plan, name=name, tokens_per_iteration=tokens, host_bytes_per_s=host_bytes_per_s)
+        sc.notes.update(stages=res.plan.stage_count, solve_time_s=res.solve_time_s)
+        out[name] = sc
+    return {name: out[name] for name in schedules if name in out}
+
+
+def plan_scenarios(plan: Any, *, host_bytes_per_s: float = math.inf) -> dict[str, Scenario]:
+    """A saved plan's own schedule, named after its strategy."""
+    return {plan.strategy: from_plan(plan, host_bytes_per_s=host_bytes_per_s)}
+
+
+def profile_scenarios(path: str, model: str, *, schedules: Sequence[str] = SCHEDULES, gpus: int | None = None,
+                      microbatches: int | None = None, time_limit_s: float = 10.0) -> dict[str, Scenario]:
+    """Every schedule on a RoundPipe-style layer profile (the file's partitions, plus ``ilp``)."""
+    from rpcompile.runtime.scenarios import layer_profile_scenarios, load_layer_profile
+
+    entry, n, m = load_layer_profile(path, model)
+    return layer_profile_scenarios(entry, devices=gpus or n, microbatches=microbatches or m, schedules=schedules,
+                                   time_limit_s=time_limit_s)
+
+
+def run_all(scenarios: dict[str, Scenario]) -> dict[str, Any]:
+    """``{name: SimResult}`` in the given order."""
+    return {name: sc.run() for name, sc in scenarios.items()}

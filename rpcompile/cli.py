@@ -188,7 +188,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _load_for(args: argparse.Namespace, microbatches: int):
-    """The model with a batch of at least ``microbatches`` (one sample per microbatch at least)."""
+    """The model with a batch of at least ``microbatches`` (one sample per microbatch at least) unless
+    ``--batch-size`` says otherwise: the meta presets come with a batch of one sequence."""
     ms = _load(args)
     first = ms.example_inputs[0] if ms.example_inputs else None
     if args.batch_size is None and getattr(first, "shape", None) and first.shape[0] < microbatches:
@@ -230,7 +231,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from rpcompile.planning import compare, default_spec, make_hardware, prepare
     from rpcompile.report import compare_table, plan_table, print_table
 
-    ms = _load(args)
+    ms = _load_for(args, args.microbatches or args.gpus + 1)
     gm, m = prepare(ms.model, ms.example_inputs, gpus=args.gpus, spec=args.spec, device=args.device,
                     microbatches=args.microbatches, precision=args.precision, max_segments=args.max_segments,
                     progress=False if args.json else None)

@@ -15,8 +15,9 @@ from rpcompile.models import GPT, GPTConfig, Llama, LlamaConfig, ModelSpec, list
 from rpcompile.models.llama import Attention
 
 DEMOS = ["llama-demo", "llama-32x64", "gpt-demo", "cnn-demo"]
+OTHER_DEMOS = ["moe-demo"]  # tested in test_moe.py (sequence length 16)
 # published parameter counts (tied embeddings counted once)
-META_PRESETS = {"llama-1.7b": 1.72e9, "llama-8b": 8.03e9, "llama-32b": 32.76e9}
+META_PRESETS = {"llama-1.7b": 1.72e9, "llama-8b": 8.03e9, "llama-32b": 32.76e9, "qwen3-30b-a3b": 30.53e9}
 
 
 def _n_params(model: torch.nn.Module) -> int:
@@ -24,7 +25,7 @@ def _n_params(model: torch.nn.Module) -> int:
 
 
 def test_list_models_names_every_builtin() -> None:
-    assert list_models() == sorted([*DEMOS, *META_PRESETS])
+    assert list_models() == sorted([*DEMOS, *OTHER_DEMOS, *META_PRESETS])
 
 
 @pytest.mark.parametrize("name", DEMOS)

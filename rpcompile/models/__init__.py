@@ -1,4 +1,4 @@
-"""Built-in models (LLaMA/Qwen3-style, GPT-2-style, a small ConvNet) and the MODEL-argument resolver.
+"""Built-in models (LLaMA/Qwen3-style, Qwen3-MoE-style, GPT-2-style, a small ConvNet) and the MODEL resolver.
 
 Every built-in model is traceable by plain ``torch.fx.symbolic_trace``; :func:`load_model` turns a name such as
 ``llama-demo`` or ``llama-8b`` (built on the ``meta`` device) or a ``path/to/file.py:factory`` into a
@@ -8,6 +8,7 @@ Every built-in model is traceable by plain ``torch.fx.symbolic_trace``; :func:`l
 from rpcompile.models.cnn import CNNConfig, ConvNet
 from rpcompile.models.gpt import GPT, GPTConfig
 from rpcompile.models.llama import Llama, LlamaConfig
+from rpcompile.models.moe import MoE, MoEConfig
 from rpcompile.models.registry import ModelSpec, classification_loss, list_models, lm_loss, load_model
 
 __all__ = [
@@ -17,6 +18,8 @@ __all__ = [
     "GPTConfig",
     "Llama",
     "LlamaConfig",
+    "MoE",
+    "MoEConfig",
     "ModelSpec",
     "classification_loss",
     "list_models",

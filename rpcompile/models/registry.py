@@ -5,8 +5,8 @@ Terms:
   ``factory()`` returns a :class:`ModelSpec`, ``(model, example_inputs)``, ``(model, example_inputs, loss_fn)`` or
   ``(model, example_inputs, loss_fn, example_target)``.
 - *demo* models are tiny and train on a CPU in milliseconds per step; *published shapes* (``llama-1.7b``,
-  ``llama-8b``, ``llama-32b``) are built on the ``meta`` device by default: every tensor has a shape and a dtype but
-  no storage, which is all that costing and partitioning need.
+  ``llama-8b``, ``llama-32b``, ``qwen3-30b-a3b``) are built on the ``meta`` device by default: every tensor has a
+  shape and a dtype but no storage, which is all that costing and partitioning need.
 - *loss contract*: ``loss_fn(output, target)`` returns a scalar tensor (mean over the batch).
 """
 
@@ -28,6 +28,7 @@ from rpcompile.errors import ModelSpecError
 from rpcompile.models.cnn import CNNConfig, ConvNet
 from rpcompile.models.gpt import GPT, GPTConfig
 from rpcompile.models.llama import Llama, LlamaConfig
+from rpcompile.models.moe import MoE, MoEConfig
 
 __all__ = ["ModelSpec", "LossFn", "load_model", "list_models", "lm_loss", "classification_loss"]
 
@@ -85,6 +86,10 @@ def _llama(seq_len: int, **shape: Any) -> Llama:
     return Llama(LlamaConfig(max_seq_len=seq_len, **shape))
 
 
+def _moe(seq_len: int, **shape: Any) -> MoE:
+    return MoE(MoEConfig(max_seq_len=seq_len, **shape))
+
+
 _QWEN3 = dict(vocab_size=151_936, head_dim=128, qk_norm=True, rope_theta=1_000_000.0, norm_eps=1e-6)
 
 _PRESETS: dict[str, _Preset] = {
@@ -108,6 +113,12 @@ _PRESETS: dict[str, _Preset] = {
         kind="image", batch_size=8, seq_len=0, device="cpu",
         description="tiny ConvNet: 3x16x16 images, conv blocks 16/32/64, 10 classes",
     ),
+    "moe-demo": _Preset(
+        build=lambda s: _moe(s, vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, qk_norm=True,
+                             num_experts=8, experts_per_token=2, moe_intermediate_size=32),
+        kind="lm", batch_size=4, seq_len=16, device="cpu",
+        description="tiny Qwen3-MoE: 2 layers, dim 64, 4 heads (2 kv), 8 experts (2 active) of width 32, vocab 256",
+    ),
     "llama-1.7b": _Preset(
         build=lambda s: _llama(s, **_QWEN3, dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, ffn_dim=6144,
                                tie_embeddings=True),
@@ -124,6 +135,13 @@ _PRESETS: dict[str, _Preset] = {
         build=lambda s: _llama(s, **_QWEN3, dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, ffn_dim=25_600),
         kind="lm", batch_size=1, seq_len=4096, device="meta",
         description="Qwen3-32B shape: 64 layers, dim 5120, 64 heads (8 kv), ffn 25600, vocab 151936",
+    ),
+    "qwen3-30b-a3b": _Preset(
+        build=lambda s: _moe(s, **_QWEN3, dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, num_experts=128,
+                             experts_per_token=8, moe_intermediate_size=768),
+        kind="lm", batch_size=1, seq_len=4096, device="meta",
+        description="Qwen3-30B-A3B shape: 48 layers, dim 2048, 32 heads (4 kv), 128 experts (8 active) of width "
+                    "768, vocab 151936",
     ),
 }
 

@@ -1,0 +1,144 @@
+"""A Qwen3-MoE-style decoder: LLaMA/Qwen3 attention and a mixture-of-experts feed-forward in every layer.
+
+Terms:
+- *expert*: a SwiGLU MLP of width ``moe_intermediate_size``. The ``num_experts`` experts of a layer are stored
+  stacked, ``experts.gate_up [E, H, 2I]`` and ``experts.down [E, I, H]``, and run as two batched matmuls.
+- *router*: ``Linear(H, E, bias=False)``; its softmax over experts is each token's affinity to each expert.
+- *expert-choice routing* (Zhou et al., 2022): instead of every token picking its top-k experts, every expert
+  picks its top-``C`` tokens by affinity, with capacity ``C = ceil(T * experts_per_token / num_experts)``. The
+  chosen tokens are gathered, run through their expert, weighted by their affinity and scatter-added back;
+  a token may be chosen by any number of experts (zero included: it then passes on the residual alone).
+
+Why expert choice: every shape is static, so the model traces with plain ``torch.fx.symbolic_trace`` and runs on
+the ``meta`` device (the cost model's only input), where token choice needs data-dependent sizes (``nonzero``,
+boolean masks) or a capacity-padded dispatch. The compute equals top-k token choice at capacity factor 1:
+``E * C ≈ T * k`` token-expert pairs, so FLOPs, weights and activation sizes are those of the published model.
+Routing is *per sequence* (``topk`` over the sequence dimension of each batch row), so a sample's output does not
+depend on the other samples of its batch: splitting a batch into microbatches, as the pipeline does, gives
+exactly the eager result. Not modelled: Qwen3's renormalisation of each token's top-k weights and its
+load-balancing auxiliary loss (expert choice is balanced by construction).
+
+Module names follow :mod:`rpcompile.models.llama` (``layers.3.attn``, ``layers.3.mlp``), with
+``layers.3.mlp.router`` and ``layers.3.mlp.experts`` inside the MoE feed-forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from rpcompile.models.llama import Attention, LlamaConfig, rope_tables
+
+__all__ = ["MoEConfig", "MoE", "MoEBlock", "SparseMoE", "Experts"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEConfig(LlamaConfig):
+    """Shape of a :class:`MoE` model: a :class:`LlamaConfig` (``ffn_dim`` unused) plus the experts."""
+
+    num_experts: int = 8
+    """Experts per layer."""
+    experts_per_token: int = 2
+    """Active experts per token (top-k); sets the expert capacity."""
+    moe_intermediate_size: int = 32
+    """Inner width of one SwiGLU expert."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 1 <= self.experts_per_token <= self.num_experts:
+            raise ValueError(f"experts_per_token={self.experts_per_token} must be in 1..num_experts={self.num_experts}")
+
+
+class Experts(nn.Module):
+    """``num_experts`` SwiGLU MLPs as stacked weights: ``[E, N, H]`` tokens -> ``[E, N, H]``."""
+
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        e, h, i = cfg.num_experts, cfg.dim, cfg.moe_intermediate_size
+        self.gate_up = nn.Parameter(torch.empty(e, h, 2 * i))  # gate and up side by side: x @ gate_up = [gate|up]
+        self.down = nn.Parameter(torch.empty(e, i, h))
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = torch.bmm(x, self.gate_up).chunk(2, dim=-1)
+        return torch.bmm(F.silu(gate) * up, self.down)
+
+
+class SparseMoE(nn.Module):
+    """Mixture-of-experts feed-forward with per-sequence expert-choice routing (see the module docstring)."""
+
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.num_experts, self.top_k, self.dim = cfg.num_experts, cfg.experts_per_token, cfg.dim
+        self.router = nn.Linear(cfg.dim, cfg.num_experts, bias=False)
+        self.experts = Experts(cfg)
+
+    def forward(self, x: Tensor) -> Tensor:
+        batch, seq_len = x.size(0), x.size(1)
+        capacity = (seq_len * self.top_k + self.num_experts - 1) // self.num_experts  # ceil(T·k/E) <= T
+        affinity = F.softmax(self.router(x), dim=-1, dtype=torch.float32).to(x.dtype)  # [B, T, E]
+        weight, token = torch.topk(affinity.transpose(1, 2), capacity, dim=-1)      # [B, E, C] each
+        index = token.flatten(1).unsqueeze(-1).expand(-1, -1, self.dim)             # [B, E·C, H]
+        picked = torch.gather(x, 1, index).unflatten(1, (self.num_experts, -1))     # [B, E, C, H]
+        y = self.experts(picked.transpose(0, 1).flatten(1, 2))                      # [E, B·C, H]
+        y = y.unflatten(1, (batch, -1)).transpose(0, 1) * weight.unsqueeze(-1)      # [B, E, C, H]
+        return torch.zeros_like(x).scatter_add(1, index, y.flatten(1, 2))
+
+
+class MoEBlock(nn.Module):
+    """One pre-norm layer: ``x + attn(attn_norm(x))`` then ``x + mlp(mlp_norm(x))`` with an MoE ``mlp``."""
+
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.mlp = SparseMoE(cfg)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class MoE(nn.Module):
+    """Decoder-only MoE language model: ``input_ids [B, T]`` (int64) -> ``logits [B, T, vocab_size]``."""
+
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        # `_weight`: see Llama (skips Embedding's init, which on meta imports torch._dynamo)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=torch.empty(cfg.vocab_size, cfg.dim))
+        self.layers = nn.ModuleList(MoEBlock(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        cos, sin = rope_tables(cfg.max_seq_len, cfg.hd, cfg.rope_theta)
+        device = torch.get_default_device()  # meta inside `with torch.device("meta")`
+        self.register_buffer("rope_cos", cos.to(device), persistent=False)
+        self.register_buffer("rope_sin", sin.to(device), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Every Linear, expert weight and the embedding ~ N(0, 0.02); norms start at one."""
+        for module in self.modules():
+            if isinstance(module, Experts):
+                weights = [module.gate_up, module.down]
+            elif isinstance(module, (nn.Linear, nn.Embedding)):
+                weights = [module.weight]
+            else:
+                continue
+            for w in weights:
+                if not w.is_meta:  # meta tensors hold no values to fill
+                    nn.init.normal_(w, std=0.02)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        seq_len = input_ids.size(1)
+        cos = torch.narrow(self.rope_cos, 0, 0, seq_len)
+        sin = torch.narrow(self.rope_sin, 0, 0, seq_len)
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.lm_head(self.norm(x))

@@ -53,8 +53,8 @@ DET_TIME_PER_S = 0.3
 GREEDY_BUDGETS = 12
 #: Smallest CP-SAT solve worth building a model for (deterministic seconds).
 MIN_SOLVE_DET = 0.3
-#: Wall-clock budget of the exact-time local search that finishes every ILP solve (:mod:`.polish`).
-POLISH_S = 1.0
+#: Candidate plans the exact-time local search that finishes every ILP solve may score (:mod:`.polish`).
+POLISH_EVALUATIONS = 3000
 
 
 class _Pool:
@@ -197,7 +197,7 @@ def _open_budgets(pool: _Pool, lb: np.ndarray, tried: set[int]) -> int:
 def _finish(pb: PartitionProblem, pool: _Pool, lb: np.ndarray, started: float, seeds: dict[str, float],
             log: list, greedy_tried: int) -> PartitionResult:
     best = min(pool.plans, key=lambda p: (iteration_time(pb, p), p.stage_count))
-    best = polish(pb, best, time_budget_s=POLISH_S)
+    best = polish(pb, best, max_evaluations=POLISH_EVALUATIONS)
     inc = pool.incumbent()
     bound = min(inc, float(np.min(bound_values(pool.c, lb))))
     proven = bound >= inc * (1 - 1e-9)

@@ -1,0 +1,109 @@
+"""The simulator against reality: run a compiled pipeline, record what its executor did, and compare it with
+the simulator fed by the plan's own (measured) costs.
+
+Per stage, the measured figure is the median duration of its microbatch actions in the executor's timeline
+(dependency waits excluded: an action's clock starts once its inputs are ready) and the predicted figure is the
+plan's ``compute_s``. For the iteration, the simulator walks the pipeline's own action lists with those stage
+times (``link_bytes_per_s`` infinite for logical CPU devices, which share memory; the device's own link
+otherwise) and is compared with the timeline's span.
+
+Measure the costs under the conditions the executor runs in: ``k`` logical CPU devices each get
+``threads // k`` intra-op threads, so profile with that many (:func:`compile_for_validation` does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import torch
+
+__all__ = ["StageComparison", "Validation", "compile_for_validation", "validate"]
+
+
+@dataclass(frozen=True)
+class StageComparison:
+    name: str
+    predicted_s: float
+    measured_s: float
+
+    @property
+    def ratio(self) -> float:
+        """Measured over predicted."""
+        return self.measured_s / self.predicted_s if self.predicted_s > 0 else math.inf
+
+
+@dataclass(frozen=True)
+class Validation:
+    stages: tuple[StageComparison, ...]
+    predicted_iteration_s: float
+    """The simulator's iteration time."""
+    measured_iteration_s: float
+    """The executor's: first action start to last action end, best of the measured iterations."""
+
+    @property
+    def iteration_ratio(self) -> float:
+        return self.measured_iteration_s / self.predicted_iteration_s if self.predicted_iteration_s > 0 else math.inf
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "predicted_iteration_s": self.predicted_iteration_s,
+            "measured_iteration_s": self.measured_iteration_s,
+            "iteration_ratio": self.iteration_ratio,
+            "stages": [{"name": s.name, "predicted_s": s.predicted_s, "measured_s": s.measured_s, "ratio": s.ratio}
+                       for s in self.stages],
+        }
+
+
+@contextlib.contextmanager
+def _threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, n))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def compile_for_validation(model: torch.nn.Module, example_inputs: Sequence[Any], *, devices: Sequence[str],
+                           **kwargs: Any) -> Any:
+    """``rpcompile.compile`` with costs measured at the intra-op thread count each logical CPU device gets."""
+    import rpcompile
+
+    cpu = sum(1 for d in devices if torch.device(d).type == "cpu")
+    with _threads(torch.get_num_threads() // cpu if cpu > 1 else torch.get_num_threads()):
+        return rpcompile.compile(model, example_inputs, devices=list(devices), **kwargs)
+
+
+def validate(pipe: Any, *inputs: Any, target: Any = None, iterations: int = 5, warmup: int = 2) -> Validation:
+    """Run ``iterations`` training iterations of ``pipe`` (after ``warmup``; gradients are zeroed after each)
+    and compare the executor's timeline with the simulator (see the module docstring)."""
+    from rpcompile.runtime.simulator import SimStage, simulate
+
+    def step() -> list:
+        pipe.forward_backward(*inputs, target=target)
+        for p in pipe.model.parameters():
+            p.grad = None
+        return list(pipe.timeline)
+
+    for _ in range(warmup):
+        step()
+    runs = [step() for _ in range(max(1, iterations))]
+    span = lambda tl: max(e.end for e in tl) - min(e.start for e in tl)  # noqa: E731
+    durations: dict[str, list[float]] = {}
+    for tl in runs:
+        for e in tl:
+            if e.action[len(str(e.action).split("F")[0]):].startswith("F"):
+                durations.setdefault(e.stage, []).append(e.end - e.start)
+    plan = pipe.plan
+    predicted = [s.compute_s if s.compute_s > 0 else s.time_s for s in plan.stages]
+    stages = tuple(StageComparison(s.name, t, statistics.median(durations.get(s.name, [math.nan])))
+                   for s, t in zip(plan.stages, predicted))
+    cpu = all(getattr(d, "torch_device", torch.device("cpu")).type == "cpu" for d in pipe.devices)
+    link = math.inf if cpu else plan.hardware.link_bytes_per_s
+    sim_stages = [SimStage(name=s.name, kind=s.kind, compute_s=t) for s, t in zip(plan.stages, predicted)]
+    sim = simulate(pipe.schedule, sim_stages, link_bytes_per_s=link)
+    return Validation(stages, sim.iteration_time_s, min(span(tl) for tl in runs))

@@ -77,6 +77,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.set_defaults(func=_cmd_simulate)
 
+    p = sub.add_parser("check", help="exit 1 when a plan file is stale, invalid, does not fit or has regressed (for CI)")
+    p.add_argument("plan", help="the plan .json file")
+    p.add_argument("model", help="built-in model name or path/to/file.py:factory the plan is for")
+    p.add_argument("--batch-size", type=int, default=None, help="override the model's example batch size (default: >= microbatches)")
+    p.add_argument("--seq-len", type=int, default=None, help="override the example sequence length (decoders)")
+    p.add_argument("--model-device", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--max-regression", type=_parse_percent, default=0.02, help="allowed slowdown against a fresh plan (default 2%%)")
+    p.add_argument("--time-limit", type=float, default=10.0, help="solver time limit for the fresh plan (s)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
+    p.set_defaults(func=_cmd_check)
+
+    p = sub.add_parser("diff", help="what changed between two plan files (exit 1 when they differ)")
+    p.add_argument("a", help="the old plan .json")
+    p.add_argument("b", help="the new plan .json")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
+    p.set_defaults(func=_cmd_diff)
+
+    p = sub.add_parser("show", help="a plan file's stage table; --graph draws the model rolled up by module")
+    p.add_argument("plan", help="the plan .json file")
+    p.add_argument("--graph", default=None, metavar="FILE.svg", help="write the rolled-up graph (.svg or .dot)")
+    p.add_argument("--model", dest="graph_model", default=None, metavar="MODEL",
+                   help="(with --graph) trace MODEL for the graph's edges and exact module boxes")
+    p.add_argument("--depth", type=int, default=None, help="(with --graph) module depth of the roll-up")
+    p.set_defaults(func=_cmd_show)
+
     p = sub.add_parser("demo", help="the main job: compile a built-in model and show what rpcompile does")
     p.add_argument("--model", default="llama-demo", help="built-in model (default llama-demo)")
     p.set_defaults(func=_cmd_demo)
@@ -208,6 +233,79 @@ def _write_timelines(path: str, results: dict, title: str) -> None:
         out = target if len(results) == 1 else target.with_name(f"{target.stem}-{name}{target.suffix or '.svg'}")
         write_timeline_svg(out, r.timeline, devices=len(r.busy_s), stage_names=list(r.stage_names),
                            title=f"{title} — {name}: {r.iteration_time_s * 1e3:.1f} ms, bubble {r.bubble_fraction:.1%}")
+
+
+def _parse_percent(text: str) -> float:
+    try:
+        return float(text.strip().removesuffix("%")) / 100 if text.strip().endswith("%") else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a percentage: {text!r} (examples: 2%, 0.02)") from None
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from rpcompile.checking import check_plan
+    from rpcompile.errors import PlanFileError
+    from rpcompile.planfile import Plan
+
+    try:
+        microbatches = Plan.load(args.plan).microbatches
+    except PlanFileError:
+        microbatches = 1  # check_plan reports the file
+    args.model_device = args.model_device
+    ms = _load_for(args, microbatches)
+    res = check_plan(args.plan, ms.model, ms.example_inputs, max_regression=args.max_regression,
+                     time_limit_s=args.time_limit)
+    if args.json:
+        print(json.dumps(res.to_dict()))
+    else:
+        for line in res.problems:
+            print(f"{args.plan}: {line}")
+        print(res.summary())
+    return 0 if res.ok else 1
+
+
+def _cmd_diff(args: argparse.Namespace) -> int:
+    from rpcompile.planfile import Plan
+    from rpcompile.plandiff import diff_plans
+
+    d = diff_plans(Plan.load(args.a), Plan.load(args.b), a_name=args.a, b_name=args.b)
+    print(json.dumps(d.to_dict()) if args.json else "\n".join(d.lines()))
+    return 1 if d.changed else 0
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    from rpcompile.planfile import Plan
+    from rpcompile.report import plan_table, print_table
+
+    plan = Plan.load(args.plan)
+    hw = plan.hardware
+    print_table(plan_table(plan, title=f"{args.plan}: {plan.strategy} plan, {len(plan.stages)} stages on "
+                                       f"{hw.device_count} × {hw.spec.name}, {plan.microbatches} microbatches"))
+    if args.graph:
+        from rpcompile.graphview import write_graph
+
+        graph = None
+        if args.graph_model:
+            from rpcompile.tracing import trace
+
+            args.model, args.batch_size, args.seq_len, args.model_device = args.graph_model, None, None, None
+            ms = _load_for(args, plan.microbatches)
+            graph = trace(ms.model, ms.example_inputs)
+            plan.check_model(_fingerprint(graph), source=args.plan)
+        try:
+            write_graph(args.graph, plan, graph, depth=args.depth)
+        except ValueError as e:
+            from rpcompile.errors import RPCompileError
+
+            raise RPCompileError(str(e)) from None
+        print(f"graph written to {args.graph}")
+    return 0
+
+
+def _fingerprint(gm):
+    from rpcompile.verify import fingerprint
+
+    return fingerprint(gm)
 
 
 def _strategy_json(result, plan) -> dict:

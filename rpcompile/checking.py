@@ -1,0 +1,141 @@
+"""``rpcompile check``: is a checked-in plan still right for its model?
+
+A plan goes stale when the model changes (its fingerprint no longer matches), when rpcompile's cost model or
+partitioner change (its predictions are out of date, its stages no longer fit, or a fresh plan would be
+faster), or when someone edits it by hand (``verify_plan`` fails). :func:`check_plan` traces and costs the
+model with the plan's own cost model, hardware, precision and microbatch count, re-scores the plan's stages
+under today's costs and plans afresh with the plan's strategy, and reports one line per problem.
+
+Problems (each a line starting with its kind):
+
+- ``corrupt`` — the file is not a readable plan;
+- ``stale model`` — the fingerprint differs (nothing else is checked);
+- ``invalid`` — a ``verify_plan`` rule fails;
+- ``stale cuts`` — a stage boundary is no longer a cut point of today's coarsening (re-plan);
+- ``does not fit`` — under today's costs a stage needs more memory than the hardware has;
+- ``stale prediction`` — (analytic cost models) the predicted iteration time in the file differs from today's
+  by more than the margin;
+- ``regressed`` — a fresh plan is more than the margin faster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = ["CheckResult", "check_plan", "rescore"]
+
+
+@dataclass
+class CheckResult:
+    path: str
+    problems: list[str] = field(default_factory=list)
+    figures: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def summary(self) -> str:
+        f = self.figures
+        if not self.ok:
+            return f"{self.path}: {len(self.problems)} problem{'s' * (len(self.problems) != 1)}"
+        return (f"{self.path}: OK — {f['stages']} stages on {f['devices']} × {f['spec']}, peak {f['peak']} of "
+                f"{f['memory']}, predicted {f['iteration_s'] * 1e3:.3f} ms, a fresh plan {f['fresh_iteration_s'] * 1e3:.3f} ms "
+                f"({f['regression']:+.1%})")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"plan": self.path, "ok": self.ok, "problems": list(self.problems), **self.figures}
+
+
+def rescore(plan: Any, gm: Any, problem: Any) -> tuple[Any, list[str]]:
+    """The plan as a :class:`SegmentPlan` of ``problem`` (today's segments of ``gm``), or ``None`` and the
+    stage boundaries that are no longer cut points."""
+    from rpcompile.passes.coarsen import segments_of
+    from rpcompile.passes.problem import SegmentPlan
+    from rpcompile.passes.util import compute_nodes
+
+    order = {n.name: i for i, n in enumerate(compute_nodes(gm))}
+    segs = segments_of(gm)
+    seg_at = {s.start: s.index for s in segs} | {segs[-1].stop: len(segs)}
+    ranges, bad = [], []
+    for s in plan.stages:
+        a, b = order[s.nodes[0]], order[s.nodes[-1]] + 1
+        if a not in seg_at or b not in seg_at:
+            bad.append(f"stale cuts: stage {s.name} ({s.nodes[0]} … {s.nodes[-1]}) no longer starts and ends at "
+                       "cut points of the model's segments; re-plan")
+            continue
+        ranges.append((s.kind, seg_at[a], seg_at[b]))
+    if bad:
+        return None, bad
+    saved_nodes = set(plan.saved)
+    saved = tuple(bool(s.nodes) and all(n in saved_nodes for n in s.nodes) for s in segs)
+    fused = next((a, b) for k, a, b in ranges if k == "fused")
+    return SegmentPlan(forward=[(a, b) for k, a, b in ranges if k == "forward"], fused=fused,
+                       backward=[(a, b) for k, a, b in ranges if k == "backward"],
+                       saved=tuple(x and i < fused[0] for i, x in enumerate(saved))), []
+
+
+def check_plan(path: str | Path, model: Any, example_inputs: Sequence[Any], *, max_regression: float = 0.02,
+               time_limit_s: float = 10.0, progress: bool | None = False) -> CheckResult:
+    """Check the plan file at ``path`` against ``model`` (see the module docstring)."""
+    from rpcompile.errors import InfeasibleError, PlanFileError
+    from rpcompile.passes.problem import iteration_time, stage_costs, validate_segment_plan
+    from rpcompile.passes.validate import format_bytes
+
+    from .planfile import Plan
+    from .planning import partition_problem, plan_graph, prepare
+    from .verify import fingerprint, plan_violations
+
+    result = CheckResult(str(path))
+    try:
+        plan = Plan.load(path)
+    except PlanFileError as e:
+        text = str(e)
+        result.problems.append("corrupt: " + (text.split(" is corrupt: ", 1)[1] if " is corrupt: " in text else text))
+        return result
+    hw = plan.hardware
+    measured = plan.cost_model.startswith("measured")
+    spec = None if measured else hw.spec
+    device = "cpu" if measured else None
+    gm, m = prepare(model, example_inputs, gpus=hw.device_count, spec=spec, device=device,
+                    microbatches=plan.microbatches, precision=plan.precision, progress=progress)
+    diffs = plan.model.differences(fingerprint(gm))
+    if diffs:
+        result.problems.append(f"stale model: the plan was made for a different model ({'; '.join(diffs)}); re-plan")
+        return result
+    result.problems += [f"invalid: {v}" for v in plan_violations(plan, gm)]
+    problem = partition_problem(gm, hardware=hw, microbatches=plan.microbatches, precision=plan.precision)
+    sp, bad = rescore(plan, gm, problem)
+    result.problems += bad
+    if sp is None:
+        return result
+    costs = stage_costs(problem, sp)
+    for v in validate_segment_plan(problem, sp):
+        result.problems.append(f"does not fit: {v}")
+    now = iteration_time(problem, sp)
+    if not measured and abs(now / plan.predicted.iteration_time_s - 1) > max_regression:
+        result.problems.append(
+            f"stale prediction: the plan predicts {plan.predicted.iteration_time_s * 1e3:.3f} ms per iteration but "
+            f"today's cost model gives {now * 1e3:.3f} ms ({now / plan.predicted.iteration_time_s - 1:+.1%}); re-plan "
+            "to refresh it")
+    strategy = plan.strategy if plan.strategy in ("ilp", "dp", "roundpipe", "uniform") else "ilp"
+    try:
+        fresh = plan_graph(gm, hardware=hw, microbatches=plan.microbatches, strategy=strategy,
+                           precision=plan.precision, time_limit_s=time_limit_s)
+    except InfeasibleError as e:
+        result.problems.append(f"does not fit: {e}")
+        return result
+    regression = now / fresh.predicted.iteration_time_s - 1
+    if regression > max_regression:
+        result.problems.append(
+            f"regressed: the plan takes {now * 1e3:.3f} ms per iteration but a fresh {fresh.strategy} plan takes "
+            f"{fresh.predicted.iteration_time_s * 1e3:.3f} ms ({regression:+.1%}, allowed {max_regression:+.1%}); re-plan")
+    peak = max(c.memory_bytes for c in costs)
+    result.figures = {
+        "stages": len(plan.stages), "devices": hw.device_count, "spec": hw.spec.name,
+        "peak": format_bytes(peak), "memory": format_bytes(hw.memory_bytes), "peak_memory_bytes": peak,
+        "iteration_s": now, "fresh_iteration_s": fresh.predicted.iteration_time_s, "regression": regression,
+    }
+    return result

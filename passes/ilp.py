@@ -22,7 +22,8 @@ upper bound and fit memory):
 - *saved*: no saving inside the fused range (or anywhere when ``allow_save=False``);
 - *time*: per used range, compute, upload and download each ``<= T`` (saving moves a segment's activations onto
   the forward download and backward upload and removes its recompute from the backward compute);
-- *memory*: ``P >= W`` of every used range and ``need + P <= memory`` (exact bytes);
+- *memory*: ``P >= W`` of every used range and ``need + P <= memory`` (exact bytes; a forward range's need
+  grows by the activations it saves);
 - *aggregate cuts*: per side, total compute and link time ``<= count·T`` (McCormick-linearised), redundant
   sums that tighten the relaxation (:mod:`.bounds` derives the same sums as a fast lower bound).
 
@@ -180,19 +181,26 @@ def _add_time_constraints(pb: PartitionProblem, t: RangeTables, md: _Model) -> N
 
 def _add_memory_constraints(pb: PartitionProblem, t: RangeTables, md: _Model) -> None:
     """``P >= W`` of each used stage, ``need + P <= memory``; skipped when no choice can break the limit."""
-    items = ([(t.weight[r], t.fwd_need[r], v) for r, v in md.xf.items()]
-             + [(t.weight[r], t.bwd_need[r], v) for r, v in md.xb.items()]
-             + [(t.fused_weight[a], t.fused_need[a], v) for a, v in md.z.items()])
+    # forward stages also hold the activations they save until those are copied out: sum(act_i * s_i)
+    saves = {r: [(pb.act_bytes[i], md.s[i]) for i in range(*r) if i in md.s and pb.act_bytes[i]] for r in md.xf}
+    items = ([(t.weight[r], t.fwd_need[r], v, saves[r]) for r, v in md.xf.items()]
+             + [(t.weight[r], t.bwd_need[r], v, []) for r, v in md.xb.items()]
+             + [(t.fused_weight[a], t.fused_need[a], v, []) for a, v in md.z.items()])
     if not items:
         return
-    p_min, p_max = t.min_weight(), max(int(w) for w, _, _ in items)
-    if all(need + p_max <= pb.memory_bytes for _, need, _ in items):
+    p_min, p_max = t.min_weight(), max(int(w) for w, _, _, _ in items)
+    worst = lambda need, sv: need + sum(b for b, _ in sv) + p_max  # noqa: E731
+    if all(worst(need, sv) <= pb.memory_bytes for _, need, _, sv in items):
         return
     P = md.cp.NewIntVar(p_min, max(p_min, p_max), "P")
-    for w, need, v in items:
+    for w, need, v, sv in items:
         if w > p_min:
             md.cp.Add(P >= int(w) * v)
-        if need + p_max > pb.memory_bytes:
+        if worst(need, sv) <= pb.memory_bytes:
+            continue
+        if sv:
+            md.cp.Add(P + int(need) + sum(int(b) * s for b, s in sv) <= pb.memory_bytes).OnlyEnforceIf(v)
+        else:
             md.cp.Add(P + int(need) * v <= pb.memory_bytes)
 
 

@@ -16,7 +16,8 @@ Terms (DESIGN.md §3; RoundPipe, Luo et al., arXiv 2604.27085):
 their own streams and the host link is full duplex, so a stage is as slow as its slowest resource.
 **Stage memory** is ``W + G + P + working`` with ``W``/``G`` the stage's weight/gradient bytes (a shared parameter
 counts once per stage using it), ``P`` the largest ``W`` of any stage in the plan (the next stage's weights are
-prefetched during this one; conservative) and ``working`` one microbatch's live tensors. Forward stages compute no
+prefetched during this one; conservative) and ``working`` one microbatch's live tensors (for a forward stage
+also the activations it saves, held until they are copied to the host). Forward stages compute no
 gradients, so their ``G`` is 0 (the only place this model departs from a literal ``W + G + P + working``).
 **Iteration time** is the exact event recurrence of :func:`pipeline_time`; with equal stage times it reduces to
 DESIGN §3's ``(⌊(S−1)/N⌋·m + (S−1) mod N + m)·T`` for ``m ≥ N``.
@@ -279,7 +280,8 @@ def _stage(pb: PartitionProblem, kind: StageKind, a: int, b: int, saved: Sequenc
         g = 0
         compute = sum(pb.fwd_s[i] for i in seg)
         up, down, offload = inb + w / m, outb + saved_act, saved_act
-        working = inb + outb + max(pb.peak_bytes[i] for i in seg)
+        # the activations it saves pile up on the device during the microbatch, until they are copied out
+        working = inb + outb + max(pb.peak_bytes[i] for i in seg) + saved_act
     elif kind == "fused":
         compute = sum(pb.fwd_s[i] + pb.bwd_s[i] for i in seg)
         up, down = inb + w / m, grad_in + g / m

@@ -57,6 +57,7 @@ class Scenario:
     host_bytes_per_s: float = math.inf
     memory_limit_bytes: int | None = None
     tokens_per_iteration: int = 0
+    copies_wait_for_memory: bool = True
     notes: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -68,6 +69,7 @@ class Scenario:
     def run(self) -> SimResult:
         return simulate(self.lists, self.stages, link_bytes_per_s=self.link_bytes_per_s,
                         host_bytes_per_s=self.host_bytes_per_s, memory_limit_bytes=self.memory_limit_bytes,
+                        copies_wait_for_memory=self.copies_wait_for_memory,
                         tokens_per_iteration=self.tokens_per_iteration)
 
 
@@ -83,7 +85,7 @@ def from_plan(plan: Any, *, host_bytes_per_s: float = math.inf) -> Scenario:
             name=s.name, kind=s.kind, compute_s=s.compute_s if detailed else s.time_s,
             weight_bytes=s.weight_bytes, grad_bytes=s.grad_bytes, upload_bytes=s.upload_bytes,
             prefetch_bytes=s.prefetch_bytes, download_bytes=s.download_bytes, offload_bytes=s.offload_bytes,
-            working_bytes=s.working_bytes,
+            working_bytes=max(0, s.working_bytes - s.upload_bytes - s.prefetch_bytes),
         ))
     lists = round_robin([s.kind for s in plan.stages], hw.device_count, m)
     return Scenario(plan.strategy, lists, stages, link_bytes_per_s=hw.link_bytes_per_s,
@@ -101,16 +103,16 @@ def from_segment_plan(problem: Any, plan: Any, *, name: str, tokens_per_iteratio
     m, link = problem.microbatches, problem.link_bytes_per_s
     stages = []
     for k, c in enumerate(stage_costs(problem, plan)):
+        up = max(0.0, c.upload_bytes - c.weight_bytes / m - c.prefetch_bytes)
         name_k = "FB" if c.kind == "fused" else f"{c.kind[0].upper()}{k if c.kind == 'forward' else k - len(plan.forward)}"
         stages.append(SimStage(
             name=name_k, kind=c.kind, compute_s=c.compute_s + c.overhead_s,
             weight_bytes=c.weight_bytes, grad_bytes=c.grad_bytes,
-            upload_bytes=max(0.0, c.upload_bytes - c.weight_bytes / m - c.prefetch_bytes),
-            prefetch_bytes=c.prefetch_bytes,
+            upload_bytes=up, prefetch_bytes=c.prefetch_bytes,
             download_bytes=max(0.0, c.download_bytes - c.grad_bytes / m - c.offload_bytes),
             offload_bytes=c.offload_bytes,
             upload_s=handoff_s if handoff_s is not None and k > 0 else None,
-            working_bytes=c.working_bytes,
+            working_bytes=max(0.0, c.working_bytes - up - c.prefetch_bytes),
         ))
     if handoff_s is not None:  # the profile's hand-off replaces the byte model entirely
         stages = [_replace(s, upload_bytes=0.0, download_bytes=0.0, prefetch_bytes=0.0, offload_bytes=0.0,
@@ -183,7 +185,8 @@ def static_scenarios(problem: Any, *, chunks: int = 2, precision: str = "bf16", 
             lists = interleaved_one_f_one_b(n_dev, m, v)
         out[name] = Scenario(name, lists, stages, link_bytes_per_s=problem.link_bytes_per_s,
                              host_bytes_per_s=host_bytes_per_s, memory_limit_bytes=problem.memory_bytes,
-                             tokens_per_iteration=tokens_per_iteration, notes={"stages_per_device": v})
+                             tokens_per_iteration=tokens_per_iteration, copies_wait_for_memory=False,
+                             notes={"stages_per_device": v})
     return out
 
 
@@ -200,13 +203,13 @@ def _static_stages(pb: Any, ranges: list[tuple[int, int]], n_dev: int, opt: floa
         fwd.append(SimStage(
             name=f"F{s}", kind="forward", compute_s=sum(pb.fwd_s[i] for i in seg) + pb.stage_overhead_s,
             upload_bytes=inb if cross_in else 0, download_bytes=outb if cross_out else 0,
-            working_bytes=inb + outb + max(pb.peak_bytes[i] for i in seg),
+            working_bytes=outb + max(pb.peak_bytes[i] for i in seg) + (0 if cross_in else inb),
             resident_bytes=w + g + opt * w, stash_bytes=sum(pb.act_bytes[i] for i in seg),
         ))
         bwd.append(SimStage(
             name=f"B{s}", kind="backward", compute_s=sum(pb.bwd_s[i] for i in seg) + pb.stage_overhead_s,
             upload_bytes=outb if cross_out else 0, download_bytes=inb if cross_in else 0,
-            working_bytes=inb + outb, releases=s,
+            working_bytes=inb + (0 if cross_out else outb), releases=s,
         ))
     return fwd + bwd[::-1]
 

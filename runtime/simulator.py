@@ -15,11 +15,16 @@ What an action list turns into (``kW``/``kFj``/``kG``, see :mod:`.schedule`):
 - ``kFj`` first brings microbatch j's inputs in — ``prefetch_bytes`` (in host memory already) and
   ``upload_bytes`` (once chain position k−1's output for j reached host memory); both may start once the device
   began its previous compute action, a double buffer — then computes once the compute queue is free and k's
-  weights are in; then sends ``download_bytes`` down (the next position waits for them) and, on their own
+  weights are in and the outputs of its compute action two before have drained (double buffering); then
+  sends ``download_bytes`` down (the next position waits for them) and, on their own
   queue, ``offload_bytes`` (saved activations, which only the backward pass reads; that they land before the
   backward stage prefetches them is assumed, not simulated).
 - ``kG`` sends the gradients down after k's last microbatch.
 
+Work is admitted only while it fits: with ``memory_limit_bytes`` a copy that would overfill its device waits
+until compute frees memory (a prefetcher that respects the allocator), and a compute action that would overfill
+waits while copies out of its device are draining — so a plan whose overlap does not fit loses time instead of
+memory. Only when nothing else can run does work overfill a device, and the peak shows it.
 Memory per device is accounted from the same events: weights from the start of their upload until the stage's
 last microbatch ends; gradients from the first microbatch until the ``G`` copy ends; input buffers, working
 activations and output buffers around each microbatch; ``resident_bytes`` for the whole iteration (static
@@ -44,6 +49,11 @@ from .schedule import Action
 __all__ = ["SimStage", "SimEvent", "SimResult", "simulate"]
 
 _INF = math.inf
+#: Output buffers per device: a compute action waits until the outputs of the one ``OUTPUT_BUFFERS`` before it
+#: have gone down to the host, so a stage whose copies are slower than its compute stalls instead of piling
+#: up device memory (inputs are double-buffered the same way, see ``kFj`` below).
+OUTPUT_BUFFERS = 2
+_DOWN = ("a_down", "s_down", "g_down")
 # lane -> (physical link, what it carries, display lane)
 _LANES = {
     "compute": (None, "compute", "compute"),
@@ -78,7 +88,8 @@ class SimStage:
     upload_s: float | None = None
     """A fixed per-microbatch hand-off time instead of ``upload_bytes`` over the link (published profiles)."""
     working_bytes: float = 0.0
-    """Device memory one microbatch's live tensors take while it computes."""
+    """Device memory one microbatch's live tensors take while it computes, beyond its input buffers
+    (``upload_bytes`` + ``prefetch_bytes``, held from their copy until the compute ends)."""
     resident_bytes: float = 0.0
     """Device memory held for the whole iteration (static schedules: weights, gradients, optimizer state)."""
     stash_bytes: float = 0.0
@@ -191,12 +202,15 @@ def simulate(
     link_bytes_per_s: float = _INF,
     host_bytes_per_s: float = _INF,
     memory_limit_bytes: int | None = None,
+    copies_wait_for_memory: bool = True,
     tokens_per_iteration: int = 0,
 ) -> SimResult:
     """Run the per-device action lists with a clock.
 
     ``stages[k]`` describes chain position k (a bare number is a :class:`SimStage` with only ``compute_s``).
-    Bandwidths are bytes/s; infinite bandwidth makes byte transfers free.
+    Bandwidths are bytes/s; infinite bandwidth makes byte transfers free. ``copies_wait_for_memory=False``
+    admits copies regardless of ``memory_limit_bytes`` (static schedules, which do not stream and are only
+    checked against the limit).
     """
     sts = [s if isinstance(s, SimStage) else SimStage(name=str(k), compute_s=float(s)) for k, s in enumerate(stages)]
     tasks, lanes, compute_of = _build(lists, sts, link_bytes_per_s)
@@ -205,12 +219,14 @@ def simulate(
     peak = [0.0] * devices
     for d, acts in enumerate(lists):  # static residency: every stage this device runs, from t = 0
         memory[d] = peak[d] = sum(sts[k].resident_bytes for k in {a.stage for a in acts})
-    queues = {key: deque(ts) for key, ts in lanes.items()}
+    # copies first: a compute that would overfill its device must see the copies that are about to free memory
+    queues = {key: deque(ts) for key, ts in sorted(lanes.items(), key=lambda kv: kv[0][1] == "compute")}
     running: dict[tuple[int, str], _Task] = {}
     now, left = 0.0, len(tasks)
     traffic = 0.0
+    limit = memory_limit_bytes if memory_limit_bytes is not None and copies_wait_for_memory else _INF
     while left:
-        started = True
+        started, force = True, False
         while started:  # start every task whose lane is free and whose dependencies are met
             started = False
             for key, q in queues.items():
@@ -219,12 +235,35 @@ def simulate(
                 t = q[0]
                 if any(p.end < 0 for p in t.after_end) or any(p.start < 0 for p in t.after_start):
                     continue
+                if not force and memory[t.device] + t.alloc_start + (t.alloc_end if t.lane == "compute" else 0) > limit:
+                    if t.lane != "compute":
+                        continue  # a copy waits for room (the prefetcher never overfills a device)
+                    if any(r.device == t.device and r.lane in _DOWN for r in running.values()):
+                        continue  # compute waits while copies out of this device free memory
                 q.popleft()
                 t.start, t.left = now, t.work
                 memory[t.device] += t.alloc_start
                 peak[t.device] = max(peak[t.device], memory[t.device])
                 running[key] = t
                 started = True
+        if not running and not force and any(queues.values()):
+            # nothing runs and only copies waiting for room are left: let them overfill (the peak shows it)
+            force = True
+            started = True
+            while started:
+                started = False
+                for key, q in queues.items():
+                    if key in running or not q:
+                        continue
+                    t = q[0]
+                    if any(p.end < 0 for p in t.after_end) or any(p.start < 0 for p in t.after_start):
+                        continue
+                    q.popleft()
+                    t.start, t.left = now, t.work
+                    memory[t.device] += t.alloc_start
+                    peak[t.device] = max(peak[t.device], memory[t.device])
+                    running[key] = t
+                    started = True
         if not running:
             waiting = [q[0].label for q in queues.values() if q][:4]
             raise ValueError(f"the action lists deadlock at t={now:.6g}s: {', '.join(waiting)} wait for work that never runs")
@@ -242,10 +281,10 @@ def simulate(
                 left -= 1
                 if t.on_link:
                     traffic += t.work
+                for dev, b in t.free_end:  # working memory goes before the outputs it held become buffers
+                    memory[dev] -= b
                 memory[t.device] += t.alloc_end
                 peak[t.device] = max(peak[t.device], memory[t.device])
-                for dev, b in t.free_end:
-                    memory[dev] -= b
     busy = [0.0] * devices
     for t in compute_of.values():
         busy[t.device] += t.end - t.start
@@ -289,6 +328,7 @@ def _build(lists: Sequence[Sequence[Action]], sts: Sequence[SimStage], link: flo
 
     for d, acts in enumerate(lists):
         prev_compute: _Task | None = None
+        drains: list[list[_Task]] = []  # per compute action of this device: its output copies
         current_stage = None  # the stage of the latest compute action in this list
         for a in acts:
             if a.stage >= len(sts):
@@ -304,6 +344,9 @@ def _build(lists: Sequence[Sequence[Action]], sts: Sequence[SimStage], link: flo
                 current_stage = a.stage
                 c = _Task(str(a), d, "compute", a.stage, a.microbatch, s.compute_s, on_link=False)
                 c.alloc_start = s.working_bytes
+                if len(drains) >= OUTPUT_BUFFERS:  # double-buffered outputs: wait until the oldest has drained
+                    c.after_end.extend(drains[-OUTPUT_BUFFERS])
+                drains.append([])
                 c.free_end.append((d, s.working_bytes))
                 if s.prefetch_bytes:
                     pre = add(copy(f"{a}<<", d, "s_up", a.stage, a.microbatch, s.prefetch_bytes))
@@ -340,11 +383,13 @@ def _build(lists: Sequence[Sequence[Action]], sts: Sequence[SimStage], link: flo
                     c.alloc_end += s.download_bytes
                     out.free_end.append((d, s.download_bytes))
                     out_copy[(a.stage, a.microbatch)] = out
+                    drains[-1].append(out)
                 if s.offload_bytes:
                     off = add(copy(f"{a}>>", d, "s_down", a.stage, a.microbatch, s.offload_bytes))
                     off.after_end.append(c)
                     c.alloc_end += s.offload_bytes
                     off.free_end.append((d, s.offload_bytes))
+                    drains[-1].append(off)
                 prev_compute = c
             else:  # G
                 g = add(copy(f"{a}", d, "g_down", a.stage, -1, s.grad_bytes))

@@ -55,7 +55,8 @@ def test_stage_costs_three_stage_example_by_hand():
     assert (f0.kind, f0.start, f0.stop) == ("forward", 0, 1)
     assert (f0.compute_s, f0.upload_bytes, f0.download_bytes) == (1.0, 530.0, 140.0)
     assert f0.time_s == pytest.approx(0.1 + 5.3)
-    assert (f0.weight_bytes, f0.grad_bytes, f0.memory_bytes) == (1000, 0, 1000 + 2000 + 30 + 40 + 10)
+    # working: input 30 + boundary 40 + peak 10 + the 100 saved bytes it holds until they are copied out
+    assert (f0.weight_bytes, f0.grad_bytes, f0.memory_bytes) == (1000, 0, 1000 + 2000 + 30 + 40 + 10 + 100)
     # FB [1,2): compute fwd+bwd; up = boundary 40 + 2000/2; down = grad of boundary 40 + G/m 0
     assert (fb.kind, fb.compute_s, fb.upload_bytes, fb.download_bytes) == ("fused", 6.0, 1040.0, 40.0)
     assert fb.time_s == pytest.approx(0.1 + 10.4)

@@ -115,12 +115,32 @@ def test_copies_on_one_link_share_it_fairly():
 
 def test_memory_accounting_follows_prefetch_and_gradients():
     """One device, stages FB (W=100, G=10, working 5) and B1 (W=50, G=20, working 7), free links: at t=0 the
-    device holds FB's weights, gradients and working set and the prefetched B1 weights: 165 bytes."""
+    device holds FB's weights, gradients and working set and the prefetched B1 weights: 165 bytes. Under a
+    160-byte limit the prefetch waits until FB's microbatch ends and frees its weights: peak 115, and it fits."""
     lists = round_robin(kinds(0, 1), devices=1, microbatches=1)
     sts = stages([1.0, 1.0], weight_bytes=[100, 50], grad_bytes=[10, 20], working_bytes=[5, 7])
+    free = simulate(lists, sts)
+    assert free.peak_memory_bytes == (165,) and free.fits
     res = simulate(lists, sts, memory_limit_bytes=160)
-    assert res.peak_memory_bytes == (165,)
-    assert not res.fits and res.summary()["fits"] is False
+    assert res.peak_memory_bytes == (115,) and res.fits and res.summary()["fits"] is True
+    assert {e.action: e.start for e in res.timeline}["1W"] == 1.0
+    over = simulate(lists, sts, memory_limit_bytes=100)  # nothing fits: work goes on and the peak says so
+    assert over.peak_memory_bytes == (115,) and not over.fits
+
+
+def test_a_link_bound_stage_waits_for_its_copies_instead_of_overfilling():
+    """Each microbatch leaves 10 bytes of saved activations to copy out at 10 B/s (1 s) while compute takes
+    0.1 s: double buffering holds two outputs; with room for one, compute waits for the copy before it."""
+    lists = round_robin(kinds(1, 0), devices=1, microbatches=4)
+    sts = stages([0.1, 0.1], offload_bytes=[10, 0])
+    piled = simulate(lists, sts, link_bytes_per_s=10.0)
+    held = simulate(lists, sts, link_bytes_per_s=10.0, memory_limit_bytes=10)
+    assert piled.peak_memory_bytes == (20,)  # the third microbatch waits until the first output has drained
+    assert piled.iteration_time_s == pytest.approx(4.4)  # the copies end at 4.1; stage 1's 2nd mb waits for the 4th
+    assert {e.action: e.start for e in piled.timeline}["0F2"] == pytest.approx(1.1)
+    assert held.peak_memory_bytes == (10,) and held.fits
+    assert held.iteration_time_s == pytest.approx(4.7)  # every compute waits for the copy before it
+    assert {e.action: e.start for e in held.timeline}["0F1"] == pytest.approx(1.1)
 
 
 @pytest.mark.parametrize("builder,stashes", [("gpipe", 3), ("one_f_one_b", 2)])

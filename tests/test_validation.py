@@ -1,0 +1,31 @@
+"""The executor's measured timeline against the simulator fed by measured costs (the machinery; the accuracy
+targets are measured by benchmarks/simulator.py, not asserted by timed tests)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rpcompile.models import Llama, LlamaConfig
+from rpcompile.models.registry import lm_loss
+from rpcompile.validation import compile_for_validation, validate
+
+
+def test_measured_timeline_compares_with_the_simulator():
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=128, dim=64, ffn_dim=128, n_layers=2, n_heads=4, max_seq_len=32))
+    x, y = torch.randint(0, 128, (4, 32)), torch.randint(0, 128, (4, 32))
+    pipe = compile_for_validation(model, (x,), devices=["cpu", "cpu"], loss_fn=lm_loss, microbatches=2)
+    assert pipe.gm.meta["rpcompile.calibration"]["applied"] in (True, False)
+    v = validate(pipe, x, target=y, iterations=2, warmup=1)
+    assert [s.name for s in v.stages] == [s.name for s in pipe.plan.stages]
+    for s in v.stages:
+        assert s.predicted_s > 0 and s.measured_s > 0 and math.isfinite(s.ratio), s
+        assert 0.1 < s.ratio < 10, s  # a units or bookkeeping bug shows up as orders of magnitude
+    assert 0.2 < v.iteration_ratio < 5, v
+    d = v.to_dict()
+    assert d["iteration_ratio"] == v.iteration_ratio and len(d["stages"]) == len(v.stages)
+    # gradients still land: validate zeroes them after each run, a last call refills them
+    pipe.forward_backward(x, target=y)
+    assert all(p.grad is not None for p in model.parameters())

@@ -22,8 +22,9 @@ upper bound and fit memory):
 - *saved*: no saving inside the fused range (or anywhere when ``allow_save=False``);
 - *time*: per used range, compute, upload and download each ``<= T`` (saving moves a segment's activations onto
   the forward download and backward upload and removes its recompute from the backward compute);
-- *memory*: ``P >= W`` of every used range and ``need + P <= memory`` (exact bytes; a forward range's need
-  grows by the activations it saves);
+- *memory*: ``P >= W`` of every used range and ``need + P <= memory`` (exact bytes; saved activations add to
+  the need: twice on a forward range, which produces one microbatch's while the last one's go down, once on a
+  backward range, which prefetches the next microbatch's);
 - *aggregate cuts*: per side, total compute and link time ``<= count·T`` (McCormick-linearised), redundant
   sums that tighten the relaxation (:mod:`.bounds` derives the same sums as a fast lower bound).
 
@@ -181,10 +182,11 @@ def _add_time_constraints(pb: PartitionProblem, t: RangeTables, md: _Model) -> N
 
 def _add_memory_constraints(pb: PartitionProblem, t: RangeTables, md: _Model) -> None:
     """``P >= W`` of each used stage, ``need + P <= memory``; skipped when no choice can break the limit."""
-    # forward stages also hold the activations they save until those are copied out: sum(act_i * s_i)
-    saves = {r: [(pb.act_bytes[i], md.s[i]) for i in range(*r) if i in md.s and pb.act_bytes[i]] for r in md.xf}
-    items = ([(t.weight[r], t.fwd_need[r], v, saves[r]) for r, v in md.xf.items()]
-             + [(t.weight[r], t.bwd_need[r], v, []) for r, v in md.xb.items()]
+    # saved activations take room: a forward stage holds the ones it is producing and the previous microbatch's
+    # being copied out (2 × act_i), a backward stage the next microbatch's, prefetched (act_i)
+    saves = lambda r, k: [(k * pb.act_bytes[i], md.s[i]) for i in range(*r) if i in md.s and pb.act_bytes[i]]  # noqa: E731
+    items = ([(t.weight[r], t.fwd_need[r], v, saves(r, 2)) for r, v in md.xf.items()]
+             + [(t.weight[r], t.bwd_need[r], v, saves(r, 1)) for r, v in md.xb.items()]
              + [(t.fused_weight[a], t.fused_need[a], v, []) for a, v in md.z.items()])
     if not items:
         return

@@ -16,8 +16,10 @@ Terms (DESIGN.md §3; RoundPipe, Luo et al., arXiv 2604.27085):
 their own streams and the host link is full duplex, so a stage is as slow as its slowest resource.
 **Stage memory** is ``W + G + P + working`` with ``W``/``G`` the stage's weight/gradient bytes (a shared parameter
 counts once per stage using it), ``P`` the largest ``W`` of any stage in the plan (the next stage's weights are
-prefetched during this one; conservative) and ``working`` one microbatch's live tensors (for a forward stage
-also the activations it saves, held until they are copied to the host). Forward stages compute no
+prefetched during this one; conservative), ``working`` one microbatch's live tensors (for a forward stage also
+the activations it saves, held until they are copied to the host) and ``buffers`` what double buffering keeps
+beside them so that copies overlap compute: a forward stage's previous saved activations still going down, a
+backward stage's next input and saved activations already coming up. Forward stages compute no
 gradients, so their ``G`` is 0 (the only place this model departs from a literal ``W + G + P + working``).
 **Iteration time** is the exact event recurrence of :func:`pipeline_time`; with equal stage times it reduces to
 DESIGN §3's ``(⌊(S−1)/N⌋·m + (S−1) mod N + m)·T`` for ``m ≥ N``.
@@ -224,7 +226,7 @@ class StageCost:
     time_s: float
     """``overhead + max(compute, upload/link, download/link)``."""
     memory_bytes: int
-    """``W + G + P + working`` (whole stage, not per microbatch)."""
+    """``W + G + P + working + buffers`` (whole stage, not per microbatch)."""
     weight_bytes: int = 0
     grad_bytes: int = 0
     working_bytes: int = 0
@@ -275,13 +277,15 @@ def _stage(pb: PartitionProblem, kind: StageKind, a: int, b: int, saved: Sequenc
     grad_in = inb if a > 0 else 0
     act = sum(pb.act_bytes[i] for i in seg)
     saved_act = sum(pb.act_bytes[i] for i in seg if saved[i])
-    prefetch = offload = 0
+    prefetch = offload = buffers = 0
     if kind == "forward":
         g = 0
         compute = sum(pb.fwd_s[i] for i in seg)
         up, down, offload = inb + w / m, outb + saved_act, saved_act
-        # the activations it saves pile up on the device during the microbatch, until they are copied out
+        # the activations it saves pile up on the device during the microbatch; the previous microbatch's are
+        # still being copied out meanwhile (double buffering, so the copy overlaps the compute)
         working = inb + outb + max(pb.peak_bytes[i] for i in seg) + saved_act
+        buffers = saved_act
     elif kind == "fused":
         compute = sum(pb.fwd_s[i] + pb.bwd_s[i] for i in seg)
         up, down = inb + w / m, grad_in + g / m
@@ -290,9 +294,10 @@ def _stage(pb: PartitionProblem, kind: StageKind, a: int, b: int, saved: Sequenc
         compute = sum(pb.bwd_s[i] + (0.0 if saved[i] else pb.rec_s[i]) for i in seg)
         up, down, prefetch = inb + outb + saved_act + w / m, grad_in + g / m, inb + saved_act
         working = inb + outb + act
+        buffers = inb + saved_act  # the next microbatch's input and saved activations, prefetched
     time = pb.stage_overhead_s + max(compute, up / link, down / link)
     return StageCost(kind=kind, start=a, stop=b, compute_s=compute, upload_bytes=up, download_bytes=down,
-                     time_s=time, memory_bytes=w + g + p + working, weight_bytes=w, grad_bytes=g,
+                     time_s=time, memory_bytes=w + g + p + working + buffers, weight_bytes=w, grad_bytes=g,
                      working_bytes=working, prefetch_bytes=prefetch, offload_bytes=offload,
                      overhead_s=pb.stage_overhead_s)
 

@@ -101,7 +101,7 @@ class RangeTables:
         b_time = ovh + np.maximum(bwd, np.maximum(inb[:, None] + outb[None, :] + w / m, down_b) / link)
         fused_time = ovh + np.maximum(fb[:, n], np.maximum(up_f[:, n], down_b[:, n]) / link)
         f_need = w + inb[:, None] + outb[None, :] + _running_max(pb.peak_bytes)
-        b_need = w + g + inb[:, None] + outb[None, :] + act
+        b_need = w + g + 2 * inb[:, None] + outb[None, :] + act  # + the next microbatch's input, prefetched
         mask = lambda x, fill: np.where(valid, x, fill)  # noqa: E731
         big = np.iinfo(np.int64).max // 4
         return RangeTables(
@@ -109,7 +109,7 @@ class RangeTables:
             fwd_time=mask(f_time, INF), bwd_time=mask(b_time, INF),
             fused_time=np.where(np.arange(n + 1) < n, fused_time, INF),
             fwd_need=mask(f_need, big), bwd_need=mask(b_need, big),
-            fused_need=np.where(np.arange(n + 1) < n, b_need[:, n], big),
+            fused_need=np.where(np.arange(n + 1) < n, b_need[:, n] - inb, big),  # it prefetches nothing
             fused_weight=np.where(np.arange(n + 1) < n, w[:, n], big),
         )
 

@@ -90,7 +90,15 @@ def test_spec_and_device_are_exclusive(capsys):
 
 
 def test_batch_too_small_for_microbatches_is_one_line(capsys):
-    code, out, err = run(capsys, "plan", "llama-demo", "--gpus", "4", "--spec", "rtx4090")
+    code, out, err = run(capsys, "plan", "llama-demo", "--gpus", "4", "--spec", "rtx4090", "--batch-size", "4")
     assert code == 2 and out == ""
     assert err == ("rpcompile: error: a batch of 4 cannot be split into 5 microbatches; use microbatches between "
                    "1 and 4 (--microbatches) or a larger batch (--batch-size)\n")
+
+
+def test_a_small_example_batch_grows_to_one_sample_per_microbatch(capsys):
+    """Without --batch-size, a built-in model whose example batch is smaller than the microbatch count (the meta
+    presets have one sequence) is loaded with one sample per microbatch."""
+    code, out, _ = run(capsys, "plan", "llama-demo", "--gpus", "4", "--spec", "rtx4090", "--json")
+    plan = json.loads(out)
+    assert code == 0 and plan["microbatches"] == 5 and plan["tokens_per_microbatch"] == 32

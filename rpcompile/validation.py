@@ -42,7 +42,7 @@ class Validation:
     predicted_iteration_s: float
     """The simulator's iteration time."""
     measured_iteration_s: float
-    """The executor's: first action start to last action end, best of the measured iterations."""
+    """The executor's: first action start to last action end, median over the measured iterations."""
 
     @property
     def iteration_ratio(self) -> float:
@@ -106,4 +106,4 @@ def validate(pipe: Any, *inputs: Any, target: Any = None, iterations: int = 5, w
     link = math.inf if cpu else plan.hardware.link_bytes_per_s
     sim_stages = [SimStage(name=s.name, kind=s.kind, compute_s=t) for s, t in zip(plan.stages, predicted)]
     sim = simulate(pipe.schedule, sim_stages, link_bytes_per_s=link)
-    return Validation(stages, sim.iteration_time_s, min(span(tl) for tl in runs))
+    return Validation(stages, sim.iteration_time_s, statistics.median(span(tl) for tl in runs))

@@ -21,7 +21,8 @@ Node → module mapping. With the traced graph (``graph``: a ``torch.fx.GraphMod
 the boxes exactly. A :class:`~rpcompile.planfile.Plan` alone stores node *names* and, per stage, the module paths
 its nodes come from (``Stage.modules``, written by :mod:`rpcompile.lowering`) but not which node belongs to which
 module — so without a graph the boxes come from ``Stage.modules`` (forward stages in order, then the backward
-stages from the last), they are chained in that order, and the saved marker is left out (each stage's saved
+stages from the last), they are chained in that order, and saved modules come from ``Stage.saved_modules``
+(plans older than that field leave the saved marker out: each stage's saved
 count goes in the box tooltip instead).
 
 The SVG is laid out here: boxes in topological order, wrapped into columns of at most :data:`ROWS_PER_COLUMN`
@@ -194,11 +195,16 @@ def _rollup_plan(plan: Plan, depth: int | None) -> Rollup:
 
     fwd_seq = [(norm(m), s.name) for s in plan.stages if s.kind != "backward" for m in s.modules]
     bwd_seq = [(norm(m), s.name) for s in reversed(plan.stages) if s.kind == "backward" for m in s.modules]
+    saved_of = {(s.name, norm(m)) for s in plan.forward_stages for m in s.saved_modules}
+    # plans written before Stage.saved_modules existed cannot place their saved nodes on modules
+    known = not plan.saved or bool(saved_of)
     depth = depth or _auto_depth([m for m, _ in fwd_seq + bwd_seq])
     members: dict[str, tuple[list[str], list[str]]] = {}
+    saved: dict[str, int] = {}
     for seq, side in ((fwd_seq, 0), (bwd_seq, 1)):
-        for box, (_, stage) in zip(_fold([_key(m, depth) for m, _ in seq]), seq):
+        for box, (m, stage) in zip(_fold([_key(m, depth) for m, _ in seq]), seq):
             members.setdefault(box, ([], []))[side].append(stage)
+            saved[box] = saved.get(box, 0) + (side == 0 and (stage, m) in saved_of)
     fused = plan.fused_stage
     boxes = tuple(
         ModuleBox(
@@ -207,7 +213,7 @@ def _rollup_plan(plan: Plan, depth: int | None) -> Rollup:
             forward=_ordered(f, plan),
             # the fused stage runs its own backward
             backward=_ordered(bw + (["FB"] if fused is not None and "FB" in f else []), plan),
-            saved=None,
+            saved=saved.get(b, 0) if known else None,
         )
         for b, (f, bw) in members.items()
     )

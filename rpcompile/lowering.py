@@ -88,6 +88,7 @@ def plan_from_ranges(
                 params=tuple(params),
                 saved=tuple(n.name for n in run if n.name in saved_set) if kind != "fused" else (),
                 modules=_modules(run),
+                saved_modules=_modules([n for n in run if n.name in saved_set]) if kind == "forward" else (),
                 time_s=float(t),
                 memory_bytes=int(mem),
                 **fig,

@@ -105,6 +105,8 @@ class Stage:
     backward stages: what they upload instead of recomputing). Empty for the fused stage."""
     modules: tuple[str, ...] = ()
     """Source modules its nodes come from, in order (for people; not checked)."""
+    saved_modules: tuple[str, ...] = ()
+    """Source modules of its ``saved`` nodes, in order (for views of the plan without the traced graph)."""
     time_s: float = 0.0
     """Predicted time per microbatch, including recompute and unhidden transfers."""
     memory_bytes: int = 0
@@ -132,7 +134,7 @@ class Stage:
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
             raise ValueError(f"stage {self.name}: kind must be one of {_KINDS}, got {self.kind!r}")
-        for name in ("nodes", "params", "saved", "modules"):
+        for name in ("nodes", "params", "saved", "modules", "saved_modules"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
 
     @property

@@ -1,0 +1,102 @@
+"""``rpcompile simulate``: plan files, models and layer profiles, in the JSON format tools read."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from rpcompile.cli import main
+from rpcompile.passes.problem import pipeline_time
+from rpcompile.planfile import Plan
+from rpcompile.runtime.scenarios import SCHEDULES, from_plan
+
+GOLDEN = Path(__file__).parent / "golden" / "llama-demo.json"
+PROFILE = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "roundpipe-simulator-inputs.json"
+FIELDS = {"iteration_time_s", "bubble_fraction", "tokens_per_s", "peak_memory_bytes"}
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_a_plan_file_simulates_on_its_own_hardware(capsys, tmp_path):
+    plan = Plan.load(GOLDEN)
+    svg = tmp_path / "t.svg"
+    code, out, _ = run(capsys, "simulate", str(GOLDEN), "--json", "--timeline", str(svg))
+    assert code == 0
+    res = json.loads(out)["schedules"]
+    assert list(res) == [plan.strategy]
+    r = res[plan.strategy]
+    assert FIELDS <= set(r) and len(r["peak_memory_bytes"]) == plan.hardware.device_count
+    assert r["fits"] and max(r["peak_memory_bytes"]) <= plan.hardware.memory_bytes
+    tokens = plan.tokens_per_microbatch * plan.microbatches
+    assert r["tokens_per_s"] == pytest.approx(tokens / r["iteration_time_s"])
+    # transfers only add time to the plan's compute
+    free = dataclasses.replace(from_plan(plan), link_bytes_per_s=math.inf).run()
+    assert free.iteration_time_s == pytest.approx(pipeline_time([s.compute_s for s in plan.stages],
+                                                                plan.hardware.device_count, plan.microbatches))
+    assert r["iteration_time_s"] >= free.iteration_time_s
+    root = ET.parse(svg).getroot()
+    assert root.tag.endswith("svg")
+
+
+def test_a_version_1_plan_simulates_its_stage_times(tmp_path):
+    data = json.loads(GOLDEN.read_text())
+    data["schema_version"] = 1
+    data.pop("tokens_per_microbatch")
+    for s in data["stages"]:
+        for key in ("compute_s", "weight_bytes", "grad_bytes", "upload_bytes", "prefetch_bytes", "download_bytes",
+                    "offload_bytes", "working_bytes", "saved_modules"):
+            s.pop(key)
+    path = tmp_path / "v1.json"
+    path.write_text(json.dumps(data))
+    plan = Plan.load(path)
+    res = from_plan(plan).run()
+    assert res.iteration_time_s == pytest.approx(pipeline_time([s.time_s for s in plan.stages],
+                                                               plan.hardware.device_count, plan.microbatches))
+    assert res.tokens_per_iteration == 0 and res.summary()["tokens_per_s"] is None
+
+
+def test_a_model_runs_every_requested_schedule(capsys, tmp_path):
+    svg = tmp_path / "t.svg"
+    code, out, _ = run(capsys, "simulate", "llama-demo", "--gpus", "2", "--spec", "rtx4090", "--schedules",
+                       "1f1b,interleaved-1f1b,ilp", "--json", "--timeline", str(svg))
+    assert code == 0
+    res = json.loads(out)["schedules"]
+    assert list(res) == ["1f1b", "interleaved-1f1b", "ilp"]
+    for r in res.values():
+        assert FIELDS <= set(r) and len(r["peak_memory_bytes"]) == 2 and r["tokens_per_s"] > 0
+    assert res["interleaved-1f1b"]["stages"] == 4 and res["1f1b"]["stages"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t-1f1b.svg", "t-ilp.svg", "t-interleaved-1f1b.svg"]
+
+
+def test_the_papers_layer_profile(capsys):
+    code, out, _ = run(capsys, "simulate", "--layer-profile", str(PROFILE), "--model", "qwen3-1.7b",
+                       "--schedules", "all", "--json")
+    assert code == 0
+    res = json.loads(out)["schedules"]
+    assert list(res) == list(SCHEDULES)
+    for r in res.values():
+        assert FIELDS <= set(r) and len(r["peak_memory_bytes"]) == 8 and r["tokens_per_s"] is None
+    assert res["1f1b"]["bubble_fraction"] > res["interleaved-1f1b"]["bubble_fraction"] > res["roundpipe"]["bubble_fraction"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["llama-demo", "--gpus", "2", "--schedules", "1f1b,zb"],
+     "unknown schedule zb; choose from gpipe, 1f1b, interleaved-1f1b, roundpipe, ilp or all"),
+    (["llama-demo"], "simulating model llama-demo needs --gpus N"),
+    ([], "say what to simulate: a plan .json file, a MODEL with --gpus N, or --layer-profile FILE --model NAME"),
+    (["--layer-profile", str(PROFILE)], "--layer-profile needs --model NAME (which model of the file to simulate)"),
+    (["--layer-profile", str(PROFILE), "--model", "gpt-5"],
+     f"{PROFILE} has no model 'gpt-5'; it has: qwen3-1.7b, llama3-8b, gpt-oss-20b, qwen3-32b, qwen3-235b-a22b"),
+])
+def test_bad_input_is_one_line(capsys, argv, message):
+    code, out, err = run(capsys, "simulate", *argv)
+    assert code == 2 and out == "" and err == f"rpcompile: error: {message}\n"

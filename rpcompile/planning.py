@@ -33,6 +33,7 @@ __all__ = [
 STRATEGIES = ("ilp", "dp", "roundpipe", "uniform")
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 DEFAULT_STAGE_OVERHEAD_S = 30e-6
+"""The GPU presets' :attr:`DeviceSpec.stage_overhead_s` (the ``cpu`` preset's is larger)."""
 
 
 def split_microbatches(values: Sequence[Any], microbatches: int) -> list[tuple[Any, ...]]:
@@ -68,7 +69,7 @@ def partition_problem(
     hardware: Hardware,
     microbatches: int,
     precision: str = "fp32",
-    stage_overhead_s: float = DEFAULT_STAGE_OVERHEAD_S,
+    stage_overhead_s: float | None = None,
     allow_save: bool = True,
 ):
     """Lower a coarsened graph to plain numbers. Parameters read by several segments (tied embeddings) become
@@ -110,7 +111,7 @@ def partition_problem(
         memory_bytes=hardware.memory_bytes,
         link_bytes_per_s=hardware.link_bytes_per_s,
         microbatches=microbatches,
-        stage_overhead_s=stage_overhead_s,
+        stage_overhead_s=hardware.spec.stage_overhead_s if stage_overhead_s is None else stage_overhead_s,
         allow_save=allow_save,
     )
 

@@ -57,6 +57,9 @@ class DeviceSpec:
     """Achieved fraction of peak per op class (keys from :data:`OP_CLASSES`)."""
     usable_memory_fraction: float = 0.9
     """Share of ``memory_bytes`` the planner may fill (the rest: CUDA context, allocator slack)."""
+    stage_overhead_s: float = 30e-6
+    """Fixed runtime cost per stage and microbatch beyond its kernels: waiting on events, handing activations
+    over, bookkeeping. It is what keeps the planner from cutting stages finer than pays off."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_flops", "fp32_flops", "memory_bandwidth", "host_link_bandwidth"):
@@ -70,6 +73,8 @@ class DeviceSpec:
         bad = {k: v for k, v in self.efficiency.items() if not 0 < v <= 1}
         if bad:
             raise ValueError(f"DeviceSpec {self.name!r}: efficiency factors must be in (0, 1], got {bad}")
+        if not (0 <= self.stage_overhead_s < 1):
+            raise ValueError(f"DeviceSpec {self.name!r}: stage_overhead_s must be in [0, 1) seconds")
         if not 0 < self.usable_memory_fraction <= 1:
             raise ValueError(f"DeviceSpec {self.name!r}: usable_memory_fraction must be in (0, 1]")
         # complete the efficiency table so lookups never miss
@@ -120,6 +125,9 @@ SPECS: Mapping[str, DeviceSpec] = MappingProxyType(
             memory_bytes=24 * GiB,
             host_link_bandwidth=10 * GB,
             kernel_overhead_s=10e-6,
+            # measured: 1 → 7 stages of llama-demo on one logical CPU device added ~0.4 ms per microbatch action
+            # (thread hand-off, host value store, module call); benchmarks/RESULTS.md, peers
+            stage_overhead_s=400e-6,
         ),
     }
 )

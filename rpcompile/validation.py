@@ -8,16 +8,15 @@ times (``link_bytes_per_s`` infinite for logical CPU devices, which share memory
 otherwise) and is compared with the timeline's span.
 
 Measure the costs under the conditions the executor runs in: ``k`` logical CPU devices each get
-``threads // k`` intra-op threads, so profile with that many (:func:`compile_for_validation` does).
+``threads // k`` intra-op threads, and ``rpcompile.compile`` profiles with that many.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import statistics
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -58,24 +57,15 @@ class Validation:
         }
 
 
-@contextlib.contextmanager
-def _threads(n: int) -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(max(1, n))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def compile_for_validation(model: torch.nn.Module, example_inputs: Sequence[Any], *, devices: Sequence[str],
                            **kwargs: Any) -> Any:
-    """``rpcompile.compile`` with costs measured at the intra-op thread count each logical CPU device gets."""
+    """``rpcompile.compile`` with measured costs (no ``spec``): on ``k`` logical CPU devices it already measures
+    at the ``threads // k`` intra-op threads each device will run with."""
     import rpcompile
 
-    cpu = sum(1 for d in devices if torch.device(d).type == "cpu")
-    with _threads(torch.get_num_threads() // cpu if cpu > 1 else torch.get_num_threads()):
-        return rpcompile.compile(model, example_inputs, devices=list(devices), **kwargs)
+    if "spec" in kwargs:
+        raise ValueError("validation compares measured costs with the executor: do not pass spec=")
+    return rpcompile.compile(model, example_inputs, devices=list(devices), **kwargs)
 
 
 def validate(pipe: Any, *inputs: Any, target: Any = None, iterations: int = 5, warmup: int = 2) -> Validation:

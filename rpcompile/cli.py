@@ -204,9 +204,12 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         out = {name: r.summary() | {"stages": scenarios[name].stage_count} for name, r in results.items()}
         print(json.dumps({"schedules": out}, allow_nan=False))
         return 0
-    from rpcompile.report import print_table, simulate_table
+    from rpcompile.report import devices_table, print_table, simulate_table
 
     print_table(simulate_table(results, scenarios, title=title))
+    if len(results) == 1:
+        (name, only), = results.items()
+        print_table(devices_table(only, title=f"{name}: per device"))
     if args.timeline:
         print(f"timeline written to {args.timeline}" if len(results) == 1 else f"timelines written next to {args.timeline}")
     return 0

@@ -12,7 +12,7 @@ from rpcompile.passes.validate import format_bytes as fmt_bytes
 from .profiling import CostRow, Profile
 
 __all__ = ["fmt_bytes", "fmt_time", "fmt_count", "profile_table", "plan_table", "compare_table", "stage_range", "print_table",
-           "simulate_table"]
+           "simulate_table", "devices_table"]
 
 
 def fmt_time(s: float) -> str:
@@ -121,4 +121,16 @@ def simulate_table(results: dict, scenarios: dict, *, title: str = "") -> Table:
         t.add_row(name, str(sc.stage_count if sc else len(r.stage_names)), fmt_time(r.iteration_time_s), f"{r.bubble_fraction:.1%}",
                   fmt_count(r.tokens_per_s) if r.tokens_per_iteration else "—",
                   fmt_bytes(memory) if memory else "—", fits, ratio)
+    return t
+
+
+def devices_table(result, *, title: str = "") -> Table:
+    """Per device of one simulated schedule: compute utilisation, bytes through its links, peak memory."""
+    t = Table(title=title)
+    for col in ("device", "busy", "utilisation", "uploaded", "downloaded", "peak memory"):
+        t.add_column(col, justify="right")
+    for d, (busy, util) in enumerate(zip(result.busy_s, result.utilisation)):
+        peak = result.peak_memory_bytes[d] if d < len(result.peak_memory_bytes) else 0
+        moved = [fmt_bytes(int(x[d])) if d < len(x) else "—" for x in (result.uploaded_bytes, result.downloaded_bytes)]
+        t.add_row(str(d), fmt_time(busy), f"{util:.1%}", *moved, fmt_bytes(peak) if peak else "—")
     return t

@@ -128,6 +128,10 @@ class SimResult:
     """Peak device memory per device."""
     host_traffic_bytes: float = 0.0
     """Bytes that crossed host memory in the iteration (both directions)."""
+    uploaded_bytes: tuple[float, ...] = ()
+    """Per device: bytes copied host → device."""
+    downloaded_bytes: tuple[float, ...] = ()
+    """Per device: bytes copied device → host."""
     tokens_per_iteration: int = 0
     stage_names: tuple[str, ...] = ()
     memory_limit_bytes: int | None = None
@@ -168,6 +172,8 @@ class SimResult:
             "peak_memory_bytes": list(self.peak_memory_bytes),
             "utilisation": list(self.utilisation),
             "host_traffic_bytes": self.host_traffic_bytes,
+            "uploaded_bytes": list(self.uploaded_bytes),
+            "downloaded_bytes": list(self.downloaded_bytes),
             "fits": self.fits,
         }
 
@@ -288,6 +294,10 @@ def simulate(
     busy = [0.0] * devices
     for t in compute_of.values():
         busy[t.device] += t.end - t.start
+    moved = {"up": [0.0] * devices, "down": [0.0] * devices}
+    for t in tasks:
+        if t.on_link:
+            moved[_LANES[t.lane][0]][t.device] += t.work
     events = tuple(
         SimEvent(t.label, t.device, _LANES[t.lane][2], _LANES[t.lane][1], t.stage, t.microbatch, t.start, t.end)
         for t in tasks
@@ -298,6 +308,8 @@ def simulate(
         busy_s=tuple(busy),
         peak_memory_bytes=tuple(int(round(p)) for p in peak),
         host_traffic_bytes=traffic,
+        uploaded_bytes=tuple(moved["up"]),
+        downloaded_bytes=tuple(moved["down"]),
         tokens_per_iteration=tokens_per_iteration,
         stage_names=tuple(s.name for s in sts),
         memory_limit_bytes=memory_limit_bytes,

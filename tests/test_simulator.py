@@ -204,3 +204,11 @@ def test_paper_profiles_reproduce_the_bubble_ordering(paper_results):
 def test_ilp_beats_the_papers_partition_on_its_own_costs(paper_results):
     for model, r in paper_results.items():
         assert r["ilp"].iteration_time_s <= r["roundpipe"].iteration_time_s, model
+
+
+def test_per_device_traffic_adds_up():
+    lists = round_robin(kinds(0, 1), devices=1, microbatches=2)
+    sts = stages([1.0, 1.0], weight_bytes=[3, 4], grad_bytes=[1, 2], upload_bytes=[5, 0], download_bytes=[0, 7])
+    res = simulate(lists, sts, link_bytes_per_s=100.0)
+    assert res.uploaded_bytes == (3 + 4 + 2 * 5,) and res.downloaded_bytes == (1 + 2 + 2 * 7,)
+    assert res.host_traffic_bytes == sum(res.uploaded_bytes) + sum(res.downloaded_bytes)

@@ -100,3 +100,17 @@ def test_the_papers_layer_profile(capsys):
 def test_bad_input_is_one_line(capsys, argv, message):
     code, out, err = run(capsys, "simulate", *argv)
     assert code == 2 and out == "" and err == f"rpcompile: error: {message}\n"
+
+
+def test_host_bandwidth_cap_slows_a_streaming_plan(capsys):
+    times = []
+    for extra in ([], ["--host-bandwidth", "2MB/s"]):
+        code, out, _ = run(capsys, "simulate", str(GOLDEN), "--json", *extra)
+        assert code == 0
+        times.append(json.loads(out)["schedules"]["ilp"]["iteration_time_s"])
+    assert times[1] > times[0]
+    with pytest.raises(SystemExit) as exc:  # argparse's own usage error
+        main(["simulate", str(GOLDEN), "--host-bandwidth", "fast"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "error: argument --host-bandwidth: not a bandwidth: 'fast' (examples: 100GB/s, 50GiB/s)")

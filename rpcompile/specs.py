@@ -125,8 +125,9 @@ SPECS: Mapping[str, DeviceSpec] = MappingProxyType(
             memory_bytes=24 * GiB,
             host_link_bandwidth=10 * GB,
             kernel_overhead_s=10e-6,
-            # measured: 1 → 7 stages of llama-demo on one logical CPU device added ~0.4 ms per microbatch action
-            # (thread hand-off, host value store, module call); benchmarks/RESULTS.md, peers
+            # an effective figure for logical CPU devices: each extra stage costs a hand-off between worker threads
+            # that contend for the GIL and the cores. Swept on the peers.py model (2 devices, 4 microbatches):
+            # 30 µs -> 16 stages, 109 ms a step; 0.1-0.4 ms -> 6 stages, 103-96 ms; 1 ms -> 5 stages, 89 ms
             stage_overhead_s=400e-6,
         ),
     }

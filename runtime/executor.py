@@ -233,11 +233,50 @@ class Executor:
         return out
 
     def _call(self, prog: StageProgram, state: _StageState, inputs: list[Any], *, copy_buffers: bool) -> Any:
-        tensors = {attr: state.params[name] for attr, name in prog.params.items()}
-        for attr, name in prog.buffers.items():
-            b = state.buffers[name]
-            tensors[attr] = b.clone() if copy_buffers else b
-        return torch.func.functional_call(prog.gm, tensors, tuple(inputs), strict=False, tie_weights=False)
+        """Run the stage's module with this device's copies of its parameters and buffers.
+
+        The copies are put straight into the module's parameter and buffer slots for the call and the originals
+        put back after it — what ``torch.func.functional_call`` does, without its generic attribute walk, which
+        cost ~0.2 ms per call (a quarter of a CPU stage's hand-off)."""
+        slots = self._slots(prog)
+        if slots is None:  # an attribute outside _parameters/_buffers: the generic path
+            tensors = {attr: state.params[name] for attr, name in prog.params.items()}
+            for attr, name in prog.buffers.items():
+                b = state.buffers[name]
+                tensors[attr] = b.clone() if copy_buffers else b
+            return torch.func.functional_call(prog.gm, tensors, tuple(inputs), strict=False, tie_weights=False)
+        originals = []
+        try:
+            for table, key, name, is_param in slots:
+                originals.append((table, key, table[key]))
+                if is_param:
+                    table[key] = state.params[name]
+                else:
+                    b = state.buffers[name]
+                    table[key] = b.clone() if copy_buffers else b
+            return prog.gm(*inputs)
+        finally:
+            for table, key, value in reversed(originals):
+                table[key] = value
+
+    def _slots(self, prog: StageProgram) -> list[tuple[dict, str, str, bool]] | None:
+        """``(module._parameters or ._buffers, key, canonical name, is_param)`` per attribute of the stage, cached."""
+        cache = self.__dict__.setdefault("_slot_cache", {})
+        if prog.index not in cache:
+            slots: list[tuple[dict, str, str, bool]] | None = []
+            for attrs, is_param in ((prog.params, True), (prog.buffers, False)):
+                for attr, name in attrs.items():
+                    path, _, key = attr.rpartition(".")
+                    mod = prog.gm.get_submodule(path) if path else prog.gm
+                    table = mod._parameters if is_param else mod._buffers
+                    if key not in table:
+                        slots = None
+                        break
+                    slots.append((table, key, name, is_param))
+                if slots is None:
+                    break
+            cache[prog.index] = slots
+        return cache[prog.index]
 
     def _compute(self, device: Device, prog: StageProgram, state: _StageState, mb: int) -> None:
         rng.context.iteration, rng.context.microbatch, rng.context.device = self.iteration, mb, device.torch_device

@@ -238,7 +238,8 @@ class Executor:
         The copies are put straight into the module's parameter and buffer slots for the call and the originals
         put back after it — what ``torch.func.functional_call`` does, without its generic attribute walk, which
         cost ~0.2 ms per call (a quarter of a CPU stage's hand-off)."""
-        slots = self._slots(prog)
+        import os
+        slots = None if os.environ.get('RPC_OLD') else self._slots(prog)
         if slots is None:  # an attribute outside _parameters/_buffers: the generic path
             tensors = {attr: state.params[name] for attr, name in prog.params.items()}
             for attr, name in prog.buffers.items():

@@ -24,6 +24,7 @@ import abc
 import statistics
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -482,6 +483,11 @@ def _calibrate(gm: fx.GraphModule, partial: dict, forward_s: float, step_s: floa
     factors = {"forward": forward_s / fwd, "backward": (step_s - forward_s) / bwd}
     if not all(lo <= f <= hi for f in factors.values()):
         gm.meta["rpcompile.calibration"] = {**factors, "applied": False}
+        warnings.warn(
+            f"measured node times do not add up to a whole-graph step (forward ×{factors['forward']:.2f}, backward "
+            f"×{factors['backward']:.2f}): the machine was probably busy while profiling, and plans made from these "
+            "costs may be poor; profile on an idle machine, or plan from analytic costs (spec=...)",
+            RuntimeWarning, stacklevel=2)
         return
     for f in partial.values():
         f["fwd_time_s"] *= factors["forward"]

@@ -118,3 +118,19 @@ def test_huggingface_llama_is_costed_on_meta_and_measured(precision):
     assert q_proj.fwd_flops == 2 * 2 * 16 * 32 * 32 and q_proj.fwd_time_s > 0
     total_act = sum(node_cost(n).act_bytes for n in gm.graph.nodes)
     assert total_act > 0
+
+
+def test_calibration_scales_node_times_to_the_whole_graph_and_warns_when_they_disagree():
+    import torch.fx as fx
+
+    from rpcompile.passes.cost import _calibrate
+
+    gm = fx.GraphModule(torch.nn.Module(), fx.Graph())
+    partial = {"a": {"fwd_time_s": 1.0, "bwd_time_s": 2.0}, "b": {"fwd_time_s": 1.0, "bwd_time_s": 2.0}}
+    _calibrate(gm, partial, forward_s=3.0, step_s=3.0 + 6.0)  # forward ×1.5, backward ×1.5
+    assert partial["a"] == {"fwd_time_s": 1.5, "bwd_time_s": 3.0}
+    assert gm.meta["rpcompile.calibration"] == {"forward": 1.5, "backward": 1.5, "applied": True}
+    busy = {"a": {"fwd_time_s": 1.0, "bwd_time_s": 1.0}}
+    with pytest.warns(RuntimeWarning, match=r"measured node times do not add up to a whole-graph step \(forward ×0\.03"):
+        _calibrate(gm, busy, forward_s=0.03, step_s=0.06)
+    assert busy["a"] == {"fwd_time_s": 1.0, "bwd_time_s": 1.0} and gm.meta["rpcompile.calibration"]["applied"] is False

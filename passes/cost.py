@@ -21,7 +21,6 @@ FLOPs (``FlopCounterMode``, exact for matmul/conv/attention) and to see which te
 from __future__ import annotations
 
 import abc
-import statistics
 import sys
 import time
 import warnings
@@ -193,7 +192,8 @@ def _sync(device: torch.device) -> None:
 
 
 class MeasuredCostModel(CostModel):
-    """Times every node on the device at hand: ``warmup`` untimed runs, then the median of ``repeats``.
+    """Times every node on the device at hand: ``warmup`` untimed runs, then the fastest of ``repeats`` (noise
+    only ever adds time).
 
     On CUDA it uses events around each run; on the CPU ``time.perf_counter``. Inputs are copied to ``device``
     node by node, so a model larger than the device can still be profiled. ``dtype`` casts floating inputs
@@ -242,7 +242,7 @@ class MeasuredCostModel(CostModel):
                 t0 = time.perf_counter()
                 fn()
                 samples.append(time.perf_counter() - t0)
-        return statistics.median(samples)
+        return min(samples)  # noise only ever adds time: the fastest run is the least disturbed
 
     def calibration(self, gm: fx.GraphModule, flat_args: list[Any]) -> tuple[float, float] | None:
         """Whole-graph times ``(forward without grad, forward with grad + backward)`` for one microbatch, or

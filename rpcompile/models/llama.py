@@ -144,12 +144,12 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """One pre-norm transformer layer."""
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.attn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = mlp if mlp is not None else MLP(cfg)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
@@ -165,7 +165,7 @@ class Llama(nn.Module):
         # `_weight` skips Embedding's own normal_ init (reset_parameters below fills it): on the meta device that
         # init would import torch._dynamo, ~2 s on first use, for a tensor that holds no values anyway.
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=torch.empty(cfg.vocab_size, cfg.dim))
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, self.make_mlp(cfg)) for _ in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -175,6 +175,10 @@ class Llama(nn.Module):
         self.register_buffer("rope_cos", cos.to(device), persistent=False)
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
         self.reset_parameters()
+
+    def make_mlp(self, cfg: LlamaConfig) -> nn.Module:
+        """The feed-forward of one layer (subclasses swap in another, e.g. a mixture of experts)."""
+        return MLP(cfg)
 
     def reset_parameters(self) -> None:
         """GPT-2-style init: every Linear and the embedding ~ N(0, 0.02); norms start at one."""

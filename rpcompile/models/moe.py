@@ -30,9 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rpcompile.models.llama import Attention, LlamaConfig, rope_tables
+from rpcompile.models.llama import Llama, LlamaConfig
 
-__all__ = ["MoEConfig", "MoE", "MoEBlock", "SparseMoE", "Experts"]
+__all__ = ["MoEConfig", "MoE", "SparseMoE", "Experts"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,58 +87,18 @@ class SparseMoE(nn.Module):
         return torch.zeros_like(x).scatter_add(1, index, y.flatten(1, 2))
 
 
-class MoEBlock(nn.Module):
-    """One pre-norm layer: ``x + attn(attn_norm(x))`` then ``x + mlp(mlp_norm(x))`` with an MoE ``mlp``."""
+class MoE(Llama):
+    """Decoder-only MoE language model: ``input_ids [B, T]`` (int64) -> ``logits [B, T, vocab_size]``; a
+    :class:`Llama` whose feed-forwards are :class:`SparseMoE`."""
 
-    def __init__(self, cfg: MoEConfig) -> None:
-        super().__init__()
-        self.attn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.attn = Attention(cfg)
-        self.mlp_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.mlp = SparseMoE(cfg)
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
-        return x + self.mlp(self.mlp_norm(x))
-
-
-class MoE(nn.Module):
-    """Decoder-only MoE language model: ``input_ids [B, T]`` (int64) -> ``logits [B, T, vocab_size]``."""
-
-    def __init__(self, cfg: MoEConfig) -> None:
-        super().__init__()
-        self.config = cfg
-        # `_weight`: see Llama (skips Embedding's init, which on meta imports torch._dynamo)
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=torch.empty(cfg.vocab_size, cfg.dim))
-        self.layers = nn.ModuleList(MoEBlock(cfg) for _ in range(cfg.n_layers))
-        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.embed.weight
-        cos, sin = rope_tables(cfg.max_seq_len, cfg.hd, cfg.rope_theta)
-        device = torch.get_default_device()  # meta inside `with torch.device("meta")`
-        self.register_buffer("rope_cos", cos.to(device), persistent=False)
-        self.register_buffer("rope_sin", sin.to(device), persistent=False)
-        self.reset_parameters()
+    def make_mlp(self, cfg: LlamaConfig) -> nn.Module:
+        return SparseMoE(cfg)  # type: ignore[arg-type]  # an MoEConfig
 
     def reset_parameters(self) -> None:
         """Every Linear, expert weight and the embedding ~ N(0, 0.02); norms start at one."""
+        super().reset_parameters()
         for module in self.modules():
             if isinstance(module, Experts):
-                weights = [module.gate_up, module.down]
-            elif isinstance(module, (nn.Linear, nn.Embedding)):
-                weights = [module.weight]
-            else:
-                continue
-            for w in weights:
-                if not w.is_meta:  # meta tensors hold no values to fill
-                    nn.init.normal_(w, std=0.02)
-
-    def forward(self, input_ids: Tensor) -> Tensor:
-        seq_len = input_ids.size(1)
-        cos = torch.narrow(self.rope_cos, 0, 0, seq_len)
-        sin = torch.narrow(self.rope_sin, 0, 0, seq_len)
-        x = self.embed(input_ids)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.lm_head(self.norm(x))
+                for w in (module.gate_up, module.down):
+                    if not w.is_meta:  # meta tensors hold no values to fill
+                        nn.init.normal_(w, std=0.02)

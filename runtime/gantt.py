@@ -3,7 +3,7 @@
 Terms:
 - *bar*: one timed action on one device — a stage computing one microbatch (``3F1``), a weight upload (``3W``),
   activations going up or down, a gradient download (``3G``). Anything with the attributes of
-  :class:`TimelineBar` can be drawn (the simulator's events have the same names); an event that has only
+  :class:`~rpcompile.runtime.simulator.SimEvent` can be drawn (the executor's measured events too); an event that has only
   ``action``, ``device``, ``lane``, ``start`` and ``end`` gets its stage, microbatch and kind from the action text.
 - *lane*: each device has three — ``compute`` (tall), ``upload`` and ``download`` (thin). Bars that overlap in
   time on one lane (weights and activations share the upload link) are stacked into *sub-rows*, so none hides
@@ -25,13 +25,13 @@ from __future__ import annotations
 import heapq
 import math
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from rpcompile.runtime.simulator import SimEvent
 from rpcompile.svg import TRANSFER_COLORS, document, esc, line, num, rect, stage_color, text, text_width
 
-__all__ = ["TimelineBar", "timeline_svg", "write_timeline_svg", "LANES"]
+__all__ = ["timeline_svg", "write_timeline_svg", "LANES"]
 
 LANES = ("compute", "upload", "download")
 _KINDS = ("compute", "weights", "activations", "gradients")
@@ -70,28 +70,7 @@ _IDLE_PATTERN = (
 )
 
 
-@dataclass(frozen=True)
-class TimelineBar:
-    """One timed action on one device (the attributes :func:`timeline_svg` reads)."""
-
-    device: int
-    lane: str
-    """``compute``, ``upload`` or ``download``."""
-    kind: str
-    """``compute``, ``weights``, ``activations`` or ``gradients``."""
-    stage: int
-    """Index into the stage names; -1 for none."""
-    microbatch: int
-    """-1 when the action is not per microbatch (weights, gradients)."""
-    start: float
-    """Seconds."""
-    end: float
-    """Seconds."""
-    action: str = ""
-    """Short label such as ``3F1``, ``3W``, ``3G``."""
-
-
-def _as_bar(e: Any) -> TimelineBar:
+def _as_bar(e: Any) -> SimEvent:
     """Read an event's attributes; stage, microbatch and kind missing from it come from its action text."""
     action = str(getattr(e, "action", ""))
     m = _ACTION.match(action)
@@ -103,10 +82,10 @@ def _as_bar(e: Any) -> TimelineBar:
     lane = str(getattr(e, "lane", "compute"))
     if lane not in LANES:
         raise ValueError(f"timeline event {action or e!r}: lane must be one of {', '.join(LANES)}, got {lane!r}")
-    return TimelineBar(int(e.device), lane, str(kind), int(stage), int(mb), float(e.start), float(e.end), action)
+    return SimEvent(action, int(e.device), lane, str(kind), int(stage), int(mb), float(e.start), float(e.end))
 
 
-def _stack(bars: list[TimelineBar]) -> tuple[list[int], int]:
+def _stack(bars: list[SimEvent]) -> tuple[list[int], int]:
     """Sub-row of each bar (bars sorted by start) so that bars overlapping in time get different rows; and the
     number of rows (at least 1). Greedy interval colouring: the lowest free row, which is optimal."""
     busy: list[tuple[float, int]] = []  # (end, row) of bars still running
@@ -157,7 +136,7 @@ def _stage_class(name: str) -> str:
     return "bar fused" if name == "FB" else "bar bwd" if name.startswith("B") else "bar"
 
 
-def _busy(bars: Iterable[TimelineBar]) -> float:
+def _busy(bars: Iterable[SimEvent]) -> float:
     """Length of the union of the bars' intervals."""
     total, cur_a, cur_b = 0.0, None, None
     for b in sorted(bars, key=lambda b: b.start):
@@ -172,7 +151,7 @@ def _busy(bars: Iterable[TimelineBar]) -> float:
 class _Chart:
     """Coordinates of one chart: the time origin and scale."""
 
-    def __init__(self, bars: Sequence[TimelineBar]) -> None:
+    def __init__(self, bars: Sequence[SimEvent]) -> None:
         first = min((b.start for b in bars), default=0.0)
         last = max((b.end for b in bars), default=0.0)
         # A simulated iteration starts at 0; a measured one carries absolute clock readings: start at its first bar.
@@ -187,7 +166,7 @@ class _Chart:
         return _LEFT + (t - self.t0) * self.px_per_s
 
 
-def _header(title: str, bars: Sequence[TimelineBar], devices: int, chart: _Chart) -> list[str]:
+def _header(title: str, bars: Sequence[SimEvent], devices: int, chart: _Chart) -> list[str]:
     end = max((b.end for b in bars), default=0.0) - chart.t0
     label = title or f"pipeline timeline: {devices} device{'s' * (devices != 1)}, {len(bars)} bars"
     out = ['<g class="header">', "  " + text(12, 20, f"{label} — {end * chart.scale:.4g} {chart.unit}",
@@ -205,7 +184,7 @@ def _header(title: str, bars: Sequence[TimelineBar], devices: int, chart: _Chart
     return out
 
 
-def _compute_bar(b: TimelineBar, x: float, y: float, w: float, h: float, names: Sequence[str] | None,
+def _compute_bar(b: SimEvent, x: float, y: float, w: float, h: float, names: Sequence[str] | None,
                  scale: float, unit: str) -> list[str]:
     name = _name(b.stage, names)
     mb = f"microbatch {b.microbatch}" if b.microbatch >= 0 else "no microbatch"
@@ -220,7 +199,7 @@ def _compute_bar(b: TimelineBar, x: float, y: float, w: float, h: float, names: 
     return out
 
 
-def _transfer_bar(b: TimelineBar, x: float, y: float, w: float, h: float, names: Sequence[str] | None) -> str:
+def _transfer_bar(b: SimEvent, x: float, y: float, w: float, h: float, names: Sequence[str] | None) -> str:
     name = _name(b.stage, names)
     mb = f", microbatch {b.microbatch}" if b.microbatch >= 0 else ""
     arrow = "↑ upload" if b.lane == "upload" else "↓ download" if b.lane == "download" else b.lane
@@ -228,11 +207,11 @@ def _transfer_bar(b: TimelineBar, x: float, y: float, w: float, h: float, names:
     return rect(x, y, w, h, tip=tip, class_="bar", fill=TRANSFER_COLORS.get(b.kind, "#999999"))
 
 
-def _device(d: int, bars: list[TimelineBar], y0: float, chart: _Chart, names: Sequence[str] | None,
+def _device(d: int, bars: list[SimEvent], y0: float, chart: _Chart, names: Sequence[str] | None,
             iteration: float) -> tuple[list[str], float]:
     """The row group of device ``d`` starting at ``y0``; returns its lines and its height."""
     out = [f'<g class="device" id="dev{d}">']
-    by_lane: dict[str, list[TimelineBar]] = {lane: [] for lane in LANES}
+    by_lane: dict[str, list[SimEvent]] = {lane: [] for lane in LANES}
     for b in bars:
         by_lane[b.lane].append(b)
     busy = _busy(by_lane["compute"])
@@ -289,7 +268,7 @@ def timeline_svg(events: Iterable[Any], *, devices: int, title: str = "",
     if devices < 1:
         raise ValueError(f"timeline_svg: devices must be >= 1, got {devices}")
     bars = [_as_bar(e) for e in events]
-    per_device: list[list[TimelineBar]] = [[] for _ in range(devices)]
+    per_device: list[list[SimEvent]] = [[] for _ in range(devices)]
     for b in bars:
         if not 0 <= b.device < devices:
             raise ValueError(f"timeline event {b.action or b} runs on device {b.device}, but devices={devices}")

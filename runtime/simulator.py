@@ -229,11 +229,11 @@ def simulate(
     queues = {key: deque(ts) for key, ts in sorted(lanes.items(), key=lambda kv: kv[0][1] == "compute")}
     running: dict[tuple[int, str], _Task] = {}
     now, left = 0.0, len(tasks)
-    traffic = 0.0
     limit = memory_limit_bytes if memory_limit_bytes is not None and copies_wait_for_memory else _INF
-    while left:
-        started, force = True, False
-        while started:  # start every task whose lane is free and whose dependencies are met
+    def start_ready(force: bool) -> None:
+        """Start every task whose lane is free and whose dependencies are met (and, unless ``force``, that fits)."""
+        started = True
+        while started:
             started = False
             for key, q in queues.items():
                 if key in running or not q:
@@ -252,24 +252,11 @@ def simulate(
                 peak[t.device] = max(peak[t.device], memory[t.device])
                 running[key] = t
                 started = True
-        if not running and not force and any(queues.values()):
-            # nothing runs and only copies waiting for room are left: let them overfill (the peak shows it)
-            force = True
-            started = True
-            while started:
-                started = False
-                for key, q in queues.items():
-                    if key in running or not q:
-                        continue
-                    t = q[0]
-                    if any(p.end < 0 for p in t.after_end) or any(p.start < 0 for p in t.after_start):
-                        continue
-                    q.popleft()
-                    t.start, t.left = now, t.work
-                    memory[t.device] += t.alloc_start
-                    peak[t.device] = max(peak[t.device], memory[t.device])
-                    running[key] = t
-                    started = True
+
+    while left:
+        start_ready(force=False)
+        if not running and any(queues.values()):
+            start_ready(force=True)  # only work waiting for room is left: let it overfill (the peak shows it)
         if not running:
             waiting = [q[0].label for q in queues.values() if q][:4]
             raise ValueError(f"the action lists deadlock at t={now:.6g}s: {', '.join(waiting)} wait for work that never runs")
@@ -285,8 +272,6 @@ def simulate(
                 t.end = now
                 del running[key]
                 left -= 1
-                if t.on_link:
-                    traffic += t.work
                 for dev, b in t.free_end:  # working memory goes before the outputs it held become buffers
                     memory[dev] -= b
                 memory[t.device] += t.alloc_end
@@ -307,7 +292,7 @@ def simulate(
         iteration_time_s=max((t.end for t in tasks), default=0.0),
         busy_s=tuple(busy),
         peak_memory_bytes=tuple(int(round(p)) for p in peak),
-        host_traffic_bytes=traffic,
+        host_traffic_bytes=sum(moved["up"]) + sum(moved["down"]),
         uploaded_bytes=tuple(moved["up"]),
         downloaded_bytes=tuple(moved["down"]),
         tokens_per_iteration=tokens_per_iteration,

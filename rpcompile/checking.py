@@ -49,8 +49,8 @@ class CheckResult:
         return {"plan": self.path, "ok": self.ok, "problems": list(self.problems), **self.figures}
 
 
-def rescore(plan: Any, gm: Any, problem: Any) -> tuple[Any, list[str]]:
-    """The plan as a :class:`SegmentPlan` of ``problem`` (today's segments of ``gm``), or ``None`` and the
+def rescore(plan: Any, gm: Any) -> tuple[Any, list[str]]:
+    """The plan as a :class:`SegmentPlan` over today's segments of ``gm``, or ``None`` and the
     stage boundaries that are no longer cut points."""
     from rpcompile.passes.coarsen import segments_of
     from rpcompile.passes.problem import SegmentPlan
@@ -107,7 +107,7 @@ def check_plan(path: str | Path, model: Any, example_inputs: Sequence[Any], *, m
         return result
     result.problems += [f"invalid: {v}" for v in plan_violations(plan, gm)]
     problem = partition_problem(gm, hardware=hw, microbatches=plan.microbatches, precision=plan.precision)
-    sp, bad = rescore(plan, gm, problem)
+    sp, bad = rescore(plan, gm)
     result.problems += bad
     if sp is None:
         return result

@@ -254,7 +254,6 @@ def _cmd_check(args: argparse.Namespace) -> int:
         microbatches = Plan.load(args.plan).microbatches
     except PlanFileError:
         microbatches = 1  # check_plan reports the file
-    args.model_device = args.model_device
     ms = _load_for(args, microbatches)
     res = check_plan(args.plan, ms.model, ms.example_inputs, max_regression=args.max_regression,
                      time_limit_s=args.time_limit)
@@ -290,11 +289,12 @@ def _cmd_show(args: argparse.Namespace) -> int:
         graph = None
         if args.graph_model:
             from rpcompile.tracing import trace
+            from rpcompile.verify import fingerprint
 
             args.model, args.batch_size, args.seq_len, args.model_device = args.graph_model, None, None, None
             ms = _load_for(args, plan.microbatches)
             graph = trace(ms.model, ms.example_inputs)
-            plan.check_model(_fingerprint(graph), source=args.plan)
+            plan.check_model(fingerprint(graph), source=args.plan)
         try:
             write_graph(args.graph, plan, graph, depth=args.depth)
         except ValueError as e:
@@ -303,12 +303,6 @@ def _cmd_show(args: argparse.Namespace) -> int:
             raise RPCompileError(str(e)) from None
         print(f"graph written to {args.graph}")
     return 0
-
-
-def _fingerprint(gm):
-    from rpcompile.verify import fingerprint
-
-    return fingerprint(gm)
 
 
 def _strategy_json(result, plan) -> dict:

@@ -32,8 +32,6 @@ __all__ = [
 
 STRATEGIES = ("ilp", "dp", "roundpipe", "uniform")
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-DEFAULT_STAGE_OVERHEAD_S = 30e-6
-"""The GPU presets' :attr:`DeviceSpec.stage_overhead_s` (the ``cpu`` preset's is larger)."""
 
 
 def split_microbatches(values: Sequence[Any], microbatches: int) -> list[tuple[Any, ...]]:

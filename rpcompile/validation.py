@@ -71,6 +71,7 @@ def compile_for_validation(model: torch.nn.Module, example_inputs: Sequence[Any]
 def validate(pipe: Any, *inputs: Any, target: Any = None, iterations: int = 5, warmup: int = 2) -> Validation:
     """Run ``iterations`` training iterations of ``pipe`` (after ``warmup``; gradients are zeroed after each)
     and compare the executor's timeline with the simulator (see the module docstring)."""
+    from rpcompile.runtime.schedule import parse_action
     from rpcompile.runtime.simulator import SimStage, simulate
 
     def step() -> list:
@@ -86,7 +87,7 @@ def validate(pipe: Any, *inputs: Any, target: Any = None, iterations: int = 5, w
     durations: dict[str, list[float]] = {}
     for tl in runs:
         for e in tl:
-            if e.action[len(str(e.action).split("F")[0]):].startswith("F"):
+            if parse_action(e.action).kind == "F":
                 durations.setdefault(e.stage, []).append(e.end - e.start)
     plan = pipe.plan
     predicted = [s.compute_s if s.compute_s > 0 else s.time_s for s in plan.stages]

@@ -98,6 +98,7 @@ class Executor:
         self.params, self.buffers, self.dtype = params, buffers, dtype
         self.grad_lock = threading.Lock()
         self.timeline: list[TimelineEvent] = []
+        self._slot_cache: dict[int, list[tuple[dict, str, str, bool]] | None] = {}
 
     # ------------------------------------------------------------------------------------------ the loop
     def run(self, schedule: list[list[Action]], store: ValueStore, *, iteration: int,
@@ -238,8 +239,7 @@ class Executor:
         The copies are put straight into the module's parameter and buffer slots for the call and the originals
         put back after it — what ``torch.func.functional_call`` does, without its generic attribute walk, which
         cost ~0.2 ms per call (a quarter of a CPU stage's hand-off)."""
-        import os
-        slots = None if os.environ.get('RPC_OLD') else self._slots(prog)
+        slots = self._slots(prog)
         if slots is None:  # an attribute outside _parameters/_buffers: the generic path
             tensors = {attr: state.params[name] for attr, name in prog.params.items()}
             for attr, name in prog.buffers.items():
@@ -262,7 +262,7 @@ class Executor:
 
     def _slots(self, prog: StageProgram) -> list[tuple[dict, str, str, bool]] | None:
         """``(module._parameters or ._buffers, key, canonical name, is_param)`` per attribute of the stage, cached."""
-        cache = self.__dict__.setdefault("_slot_cache", {})
+        cache = self._slot_cache
         if prog.index not in cache:
             slots: list[tuple[dict, str, str, bool]] | None = []
             for attrs, is_param in ((prog.params, True), (prog.buffers, False)):

@@ -17,6 +17,7 @@ Every scenario runs on :func:`~rpcompile.runtime.simulator.simulate`, so all com
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -115,18 +116,12 @@ def from_segment_plan(problem: Any, plan: Any, *, name: str, tokens_per_iteratio
             working_bytes=max(0.0, c.working_bytes - up - c.prefetch_bytes),
         ))
     if handoff_s is not None:  # the profile's hand-off replaces the byte model entirely
-        stages = [_replace(s, upload_bytes=0.0, download_bytes=0.0, prefetch_bytes=0.0, offload_bytes=0.0,
+        stages = [dataclasses.replace(s, upload_bytes=0.0, download_bytes=0.0, prefetch_bytes=0.0, offload_bytes=0.0,
                            weight_bytes=0.0, grad_bytes=0.0) for s in stages]
     lists = round_robin([s.kind for s in stages], problem.device_count, m)
     return Scenario(name, lists, stages, link_bytes_per_s=link if handoff_s is None else math.inf,
                     host_bytes_per_s=host_bytes_per_s, memory_limit_bytes=problem.memory_bytes,
                     tokens_per_iteration=tokens_per_iteration)
-
-
-def _replace(s: SimStage, **kw: Any) -> SimStage:
-    import dataclasses
-
-    return dataclasses.replace(s, **kw)
 
 
 # ---------------------------------------------------------------------------------------------- static

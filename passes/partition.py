@@ -40,6 +40,7 @@ from .bounds import saving_bounds
 from .baselines import dp, infeasible_result, make_result, roundpipe, uniform
 from .greedy import greedy_plan, masks_for
 from .ilp import solve_budget
+from .lagrange import StageCountBound
 from .polish import polish
 from .problem import (PartitionProblem, PartitionResult, SegmentPlan, equal_time_factors, iteration_time,
                       stage_costs, validate_segment_plan)
@@ -55,6 +56,10 @@ GREEDY_BUDGETS = 12
 MIN_SOLVE_DET = 0.3
 #: Candidate plans the exact-time local search that finishes every ILP solve may score (:mod:`.polish`).
 POLISH_EVALUATIONS = 3000
+#: Lagrangian evaluations (:mod:`.lagrange`, ~1–5 ms each) granted per second of ``time_limit_s``.
+LAGRANGE_EVALUATIONS_PER_S = 100
+#: Subgradient steps per stage-count proof, and bisection steps per budget.
+LAGRANGE_ITERATIONS, LAGRANGE_BISECTIONS = 30, 6
 
 
 class _Pool:
@@ -169,6 +174,7 @@ def ilp(pb: PartitionProblem, *, time_limit_s: float = 10.0, seed: int = 0) -> P
     if isinstance(prep, PartitionResult):
         return prep
     tables, pool, seeds, lb, b_relaxed, greedy_tried = prep
+    lagrange = _lagrange_phase(pb, tables, pool, lb, int(time_limit_s * LAGRANGE_EVALUATIONS_PER_S))
     det_left, tried, log = time_limit_s * DET_TIME_PER_S, set(), []
     while det_left >= MIN_SOLVE_DET and time.perf_counter() - started < time_limit_s:
         s = _next_budget(pool, lb, tried)
@@ -185,7 +191,60 @@ def ilp(pb: PartitionProblem, *, time_limit_s: float = 10.0, seed: int = 0) -> P
         pool.add(res.plan)
         lb[: s + 1] = np.maximum(lb[: s + 1], res.bound_s)  # plans with <= s stages are at least this slow
         log.append((s, res.status, round(res.det_time, 3), res.variables))
-    return _finish(pb, pool, lb, started, seeds, log, greedy_tried)
+    return _finish(pb, pool, lb, started, seeds, log, greedy_tried, lagrange=lagrange)
+
+
+def _lagrange_phase(pb: PartitionProblem, tables: RangeTables, pool: _Pool, lb: np.ndarray,
+                    evaluations: int) -> dict[str, int]:
+    """Stage-count proofs and repaired plans (:mod:`.lagrange`) for the most promising budgets; raises ``lb``
+    in place and adds plans to the pool. Bounded by a count of Lagrangian evaluations (deterministic).
+
+    Per budget ``S``: try to prove that no plan with at most ``S`` stages beats the incumbent (one proof closes
+    the budget); otherwise bisect between ``LB(S)`` and that time. A proof at ``T`` raises every budget below
+    the stage count it shows; every unproven ``T`` offers the relaxation's saved flags to
+    :meth:`.lagrange.StageCountBound.plan_for`, which turns them into real plans."""
+    left, lam, proven, budgets = evaluations, None, 0, 0
+    if not pb.allow_save or evaluations <= 0:
+        return dict(lagrange_evaluations=0, lagrange_budgets=0, lagrange_proofs=0)
+
+    def attempt(T: float, stages: int) -> bool:
+        nonlocal left, lam, proven
+        relax = StageCountBound(pb, tables, T)
+        count, new_lam, seen = relax.maximise(stages - 1 + 1e-9, min(LAGRANGE_ITERATIONS, left), lam)
+        left -= max(relax.evaluations, 1)
+        if np.isfinite(count):
+            lam = new_lam
+        # plans this fast need at least ceil(count) + 1 stages (none exists when count is infinite)
+        covered = min(len(lb), int(np.ceil(count - 1e-9)) + 1) if np.isfinite(count) else len(lb)
+        lb[1:covered] = np.maximum(lb[1:covered], T)
+        if count > stages - 1 + 1e-9:
+            proven += 1
+            return True
+        for flags in seen:
+            pool.add(relax.plan_for(flags))
+        return False
+
+    tried: set[int] = set()
+    while left > 0:
+        s = _next_budget(pool, lb, tried)
+        if s is None:
+            break
+        tried.add(s)
+        budgets += 1
+        hi = min(pool.incumbent() / pool.c[s], pool.hint(s)[0]) * (1 - 1e-9)
+        if attempt(hi, s):
+            continue
+        lo = float(lb[s])
+        for _ in range(LAGRANGE_BISECTIONS):
+            hi = min(hi, pool.incumbent() / pool.c[s])
+            if left <= 0 or hi <= lo:
+                break
+            mid = 0.5 * (lo + hi)
+            if attempt(mid, s):
+                lo = mid
+            else:
+                hi = mid
+    return dict(lagrange_evaluations=evaluations - left, lagrange_budgets=budgets, lagrange_proofs=proven)
 
 
 def _open_budgets(pool: _Pool, lb: np.ndarray, tried: set[int]) -> int:
@@ -195,7 +254,7 @@ def _open_budgets(pool: _Pool, lb: np.ndarray, tried: set[int]) -> int:
 
 
 def _finish(pb: PartitionProblem, pool: _Pool, lb: np.ndarray, started: float, seeds: dict[str, float],
-            log: list, greedy_tried: int) -> PartitionResult:
+            log: list, greedy_tried: int, lagrange: dict[str, int] | None = None) -> PartitionResult:
     best = min(pool.plans, key=lambda p: (iteration_time(pb, p), p.stage_count))
     best = polish(pb, best, max_evaluations=POLISH_EVALUATIONS)
     inc = pool.incumbent()
@@ -205,7 +264,7 @@ def _finish(pb: PartitionProblem, pool: _Pool, lb: np.ndarray, started: float, s
     gaps = dict(gap=ratio(inc), objective_gap=ratio(iteration_time(pb, best)))
     return make_result("ilp", pb, best, started, bound_s=bound, **gaps,
                        status="OPTIMAL" if proven else "FEASIBLE", model_best_s=inc, seeds=seeds,
-                       candidates_tried=len(log), budgets=log, greedy_budgets=greedy_tried)
+                       candidates_tried=len(log), budgets=log, greedy_budgets=greedy_tried, **(lagrange or {}))
 
 
 STRATEGIES: dict[str, Callable[..., PartitionResult]] = {

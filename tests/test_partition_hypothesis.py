@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from rpcompile.passes.balance import exact_balance, relaxed_backward_time, relaxed_balance
 from rpcompile.passes.bounds import saving_bounds
 from rpcompile.passes.ilp import solve_budget
+from rpcompile.passes.lagrange import StageCountBound
 from rpcompile.passes.partition import solve
 from rpcompile.passes.problem import (PartitionProblem, SegmentPlan, SharedParam, equal_time_factors,
                                       min_feasible_memory, stage_costs, validate_segment_plan)
@@ -209,6 +210,37 @@ def _check_ilp_brute(pb: PartitionProblem) -> None:
 @given(chains(max_n=4, allow_save=True))
 def test_ilp_equals_brute_force_with_saving(pb):
     _check_ilp_brute(pb)
+
+
+def _check_lagrangian_brute(pb: PartitionProblem, lams: list[np.ndarray]) -> None:
+    """For every plan that fits, with ``T`` its slowest stage: ``L(λ)`` at ``T`` never exceeds its non-fused stage
+    count for any ``λ``, nor does the ascent's best; the plans repaired from any flags meet ``T``."""
+    t = RangeTables.build(pb)
+    fewest: dict[float, int] = {}
+    for plan in _all_plans(pb, saves=True):
+        if not validate_segment_plan(pb, plan):
+            T = max(c.time_s for c in stage_costs(pb, plan))
+            fewest[T] = min(fewest.get(T, 10**9), plan.stage_count - 1)
+    for T, count in fewest.items():
+        relax = StageCountBound(pb, t, T)
+        for lam in lams:
+            assert relax.value(lam)[0] <= count, (T, lam)
+        best, _, seen = relax.maximise(count + 0.5, iterations=15)
+        assert best <= count
+        for flags in seen + lams:
+            for plan in (relax.plan_for(flags > 0), relax.plan_within(flags > 0)):
+                if plan is not None:
+                    assert not validate_segment_plan(pb, plan, memory=False)
+                    assert max(c.time_s for c in stage_costs(pb, plan)) <= T * (1 + 1e-9)
+
+
+@FEW
+@given(chains(max_n=5, allow_save=True), st.data())
+def test_lagrangian_stage_counts_are_lower_bounds(pb, data):
+    values = st.floats(-2.0, 2.0, allow_nan=False)
+    lams = [np.zeros(pb.n)] + [np.asarray(data.draw(st.lists(values, min_size=pb.n, max_size=pb.n)))
+                               for _ in range(2)]
+    _check_lagrangian_brute(pb, lams)
 
 
 def _check_min_memory_brute(pb: PartitionProblem) -> None:

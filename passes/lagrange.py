@@ -1,0 +1,271 @@
+"""Lagrangian lower bounds on the stage count a slowest-stage time ``T`` needs, saving allowed.
+
+The ILP's LP relaxation (and the aggregates of :mod:`.bounds`) treat stages as a fluid: they can say "51 stages of
+0.167 s hold all the work" when whole segments cannot be packed that way. This module keeps the packing integral.
+For a fixed ``T`` the least number of stages is a shortest path over cut positions on each side, except that the
+saved flag ``s_i`` of a segment is shared by the forward stage that ships its activations to host and the backward
+stage that fetches them instead of recomputing. Give each side its own copy (``sF``, ``sB``) and price the
+disagreement with a multiplier ``λ_i`` per segment (Lagrangian relaxation of ``sF = sB``):
+
+    L(λ) = min_a [ F_a(λ) + B_a(λ) ],   F_a(λ) = min over forward stagings of [0, a) of Σ_stages (1 + Σ λ_i sF_i)
+                                         B_a(λ) = min over backward stagings of [0, a) of Σ_stages (1 − Σ λ_i sB_i)
+
+where every stage must meet ``T`` on compute, upload, download and memory with its own saved subset (the inner
+minimum is exact by enumerating subsets of short ranges; long ranges, rarely feasible, drop their saving
+constraints, which only lowers ``L``). Every ``L(λ)`` is a lower bound on the non-fused stage count of any plan
+whose slowest stage is at most ``T``; a subgradient ascent on ``λ`` raises it. Since the least stage count can only
+fall as ``T`` grows, ``L(λ) > S − 1`` at ``T`` proves that no plan with at most ``S`` stages is that fast.
+
+The memory prefetch term ``P`` (the plan's largest stage weight) is relaxed to ``max(own weight, heaviest
+segment)``. Plain numpy; ~1 ms per ``L(λ)`` at ``n = 130``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from .problem import PartitionProblem, SegmentPlan
+from .tables import INF, RangeTables
+
+__all__ = ["StageCountBound", "stage_count_bound", "MAX_ENUMERATED"]
+
+#: Longest range whose saved subsets are enumerated exactly (2^k subsets).
+MAX_ENUMERATED = 11
+_TOL = 1e-9
+#: Distinct saved-flag vectors kept from the ascent for repair into plans.
+_KEEP = 8
+
+
+@dataclass
+class _Side:
+    """One side's ranges at a fixed ``T``: per length ``k``, the feasible subsets of every start."""
+
+    starts: list[np.ndarray]
+    """``starts[k]``: starts ``p`` of enumerated ranges ``[p, p+k)`` that can meet ``T`` with some subset."""
+    feasible: list[np.ndarray]
+    """``feasible[k]``: ``(len(starts[k]), 2^k)`` mask of subsets meeting ``T`` and memory."""
+    long_ok: np.ndarray
+    """``(n+1, n+1)``: longer ranges that can meet ``T`` (their saving is left unconstrained)."""
+
+
+def _subsets(k: int) -> np.ndarray:
+    return ((np.arange(2 ** k)[:, None] >> np.arange(k)[None, :]) & 1).astype(np.float64)
+
+
+def _windows(x: np.ndarray, k: int, starts: np.ndarray) -> np.ndarray:
+    return sliding_window_view(x, k)[starts]
+
+
+class StageCountBound:
+    """Lower bounds on ``f + b`` (non-fused stages) for plans whose every stage takes at most ``T``."""
+
+    def __init__(self, pb: PartitionProblem, t: RangeTables, T: float) -> None:
+        self.pb, self.t, self.T = pb, t, T
+        n, link, m, mem = pb.n, pb.link_bytes_per_s, pb.microbatches, pb.memory_bytes
+        tp = T - pb.stage_overhead_s
+        self.n, self.ok = n, tp >= 0
+        if not self.ok:
+            return
+        slack = 1 + _TOL
+        budget = tp * link * slack  # bytes one link moves within T
+        self.act = np.asarray(pb.act_bytes, dtype=np.float64)
+        self.rec = np.asarray(pb.rec_s, dtype=np.float64)
+        w, inb, outb = t.weight.astype(np.float64), t.in_bytes.astype(np.float64), t.out_bytes.astype(np.float64)
+        p_min = max(float(t.min_weight()), 0.0)
+        prefetch = np.maximum(w, p_min)
+        valid = t.valid.copy()
+        valid[:, n] = False  # the last segment always belongs to the fused stage
+        grad_in = np.where(np.arange(n + 1) > 0, inb, 0.0)
+        # forward stage: compute and upload fixed; download = boundary + saved; memory adds 2 × saved
+        self.f_link = np.broadcast_to(budget - outb[None, :], (n + 1, n + 1))
+        self.f_mem = mem * slack - t.fwd_need - prefetch
+        self.f_fixed = valid & (t.fwd_time - pb.stage_overhead_s <= tp * slack) & (self.f_mem >= 0)
+        # backward stage: download fixed; upload = inputs + weights + saved; compute = full − saved recompute
+        self.b_link = budget - (inb[:, None] + outb[None, :] + w / m)
+        self.b_mem = mem * slack - t.bwd_need - prefetch
+        cum_br = np.concatenate([[0.0], np.cumsum(np.asarray(pb.bwd_s) + self.rec)])
+        self.cover = (cum_br[None, :] - cum_br[:, None]) - tp * slack  # recompute that saving must remove
+        rec_sum = _range_sums(self.rec)
+        b_down = grad_in[:, None] + t.grad / m
+        self.b_fixed = valid & (b_down <= budget) & (self.b_link >= 0) & (self.b_mem >= 0) & (rec_sum >= self.cover)
+        self.fused = (t.fused_time <= T * slack) & (t.fused_need + np.maximum(t.fused_weight, p_min) <= mem * slack)
+        self.fwd = self._side(self.f_fixed, self.f_link, self.f_mem, 2 * self.act, None)
+        self.bwd = self._side(self.b_fixed, self.b_link, self.b_mem, self.act, self.cover)
+
+    def _side(self, fixed, link_cap, mem_cap, mem_w, cover) -> _Side:
+        n = self.n
+        lengths = np.arange(n + 1)[None, :] - np.arange(n + 1)[:, None]
+        starts, feasible = [np.zeros(0, dtype=np.int64)], [np.zeros((0, 1), dtype=bool)]
+        for k in range(1, MAX_ENUMERATED + 1):
+            p = np.arange(max(n - k, 0))
+            p = p[fixed[p, p + k]] if p.size else p
+            if p.size == 0:
+                starts.append(p)
+                feasible.append(np.zeros((0, 2 ** k), dtype=bool))
+                continue
+            sub = _subsets(k)
+            ok = (_windows(self.act, k, p) @ sub.T <= link_cap[p, p + k][:, None])
+            ok &= (_windows(mem_w, k, p) @ sub.T <= mem_cap[p, p + k][:, None])
+            if cover is not None:
+                ok &= (_windows(self.rec, k, p) @ sub.T >= cover[p, p + k][:, None])
+            keep = ok.any(axis=1)
+            starts.append(p[keep])
+            feasible.append(ok[keep])
+        return _Side(starts=starts, feasible=feasible, long_ok=fixed & (lengths > MAX_ENUMERATED))
+
+    def _costs(self, side: _Side, price: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``cost[p, q] = 1 + min Σ price_i s_i`` over the range's feasible subsets, and a minimising ``s`` per
+        range as a bit mask (long ranges: the negative prices)."""
+        n = self.n
+        cost = np.full((n + 1, n + 1), INF)
+        mask = np.zeros((n + 1, n + 1), dtype=np.int64)
+        for k in range(1, len(side.starts)):
+            p = side.starts[k]
+            if p.size == 0:
+                continue
+            val = np.where(side.feasible[k], _windows(price, k, p) @ _subsets(k).T, INF)
+            best = np.argmin(val, axis=1)
+            cost[p, p + k] = 1.0 + val[np.arange(p.size), best]
+            mask[p, p + k] = best
+        if side.long_ok.any():
+            cost = np.where(side.long_ok, 1.0 + _range_sums(np.minimum(price, 0.0)), cost)
+            mask = np.where(side.long_ok, -1, mask)
+        return cost, mask
+
+    def _saved(self, mask: np.ndarray, pred: np.ndarray, a: int, price: np.ndarray) -> np.ndarray:
+        s = np.zeros(self.n)
+        for p, q in _ranges(pred, a):
+            bits = int(mask[p, q])
+            s[p:q] = price[p:q] < 0 if bits < 0 else (bits >> np.arange(q - p)) & 1
+        return s
+
+    def value(self, lam: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
+        """``L(λ)`` and the saved flags each side chose at a minimiser (``sF − sB`` is a subgradient)."""
+        zero = np.zeros(self.n)
+        if not self.ok:
+            return INF, zero, zero
+        cf, mf = self._costs(self.fwd, lam)
+        cb, mb = self._costs(self.bwd, -lam)
+        df, pf = _paths(cf)
+        db, pb_ = _paths(cb)
+        total = np.where(self.fused, df + db, INF)
+        a = int(np.argmin(total))
+        if not np.isfinite(total[a]):
+            return INF, zero, zero
+        self.last = (a, _ranges(pf, a), _ranges(pb_, a))
+        return float(total[a]), self._saved(mf, pf, a, lam), self._saved(mb, pb_, a, -lam)
+
+    def maximise(self, target: float, iterations: int = 60,
+                 lam: np.ndarray | None = None) -> tuple[float, np.ndarray, list[np.ndarray]]:
+        """Subgradient ascent (Polyak steps towards ``target``); stops once ``L > target``. Returns the best
+        ``L``, its ``λ`` (a warm start for a nearby ``T``) and the saved flags met along the way (for
+        :meth:`plan_for`)."""
+        lam = np.zeros(self.n) if lam is None else lam.copy()
+        best, best_lam, theta, stale, seen = -INF, lam.copy(), 1.0, 0, []
+        self.evaluations = 0
+        for _ in range(iterations):
+            self.evaluations += 1
+            val, s_f, s_b = self.value(lam)
+            if not np.isfinite(val):
+                return val, lam, []
+            for flags in (s_f, s_b):
+                if not any(np.array_equal(flags, x) for x in seen):
+                    seen = (seen + [flags])[-_KEEP:]
+            if val > best + 1e-12:
+                best, best_lam, stale = val, lam.copy(), 0
+            else:
+                stale += 1
+                if stale >= 4:
+                    theta, stale = theta / 2, 0
+            g = s_f - s_b
+            norm = float(g @ g)
+            if best > target or norm == 0:
+                break  # proven, or the relaxed optimum agrees on every flag (L is a real staging's count)
+            lam = lam + theta * (target + 1.0 - val) / norm * g
+        return best, best_lam, seen
+
+    def plan_within(self, allowed: np.ndarray) -> SegmentPlan | None:
+        """Backward stages first, each saving the lightest subset of ``allowed`` that lets it meet ``T``; then
+        :meth:`plan_for` those flags. With ``allowed`` a forward side's choice, its forward stages stay
+        feasible (saving less only frees their links), so this repairs a relaxed optimum into a plan."""
+        if not self.ok:
+            return None
+        n = self.n
+        cost = np.where(self.bwd.long_ok & (_range_sums(self.rec * allowed) >= self.cover), 1.0, INF)
+        pick = np.zeros((n + 1, n + 1), dtype=np.int64)
+        for k in range(1, len(self.bwd.starts)):
+            p = self.bwd.starts[k]
+            if p.size == 0:
+                continue
+            sub = _subsets(k)
+            inside = (sub @ (1 - _windows(allowed, k, p)).T).T == 0  # subset lies within allowed
+            ok = self.bwd.feasible[k] & inside
+            weight = np.where(ok, (_windows(self.act, k, p) @ sub.T), INF)
+            best = np.argmin(weight, axis=1)
+            good = np.isfinite(weight[np.arange(p.size), best])
+            cost[p[good], p[good] + k] = 1.0
+            pick[p[good], p[good] + k] = best[good]
+        dist, pred = _paths(cost)
+        a_ok = self.fused & np.isfinite(dist)
+        if not a_ok.any():
+            return None
+        saved = np.zeros(n)
+        a = int(np.flatnonzero(a_ok)[np.argmin(dist[a_ok])])
+        for p, q in _ranges(pred, a):
+            saved[p:q] = allowed[p:q] if q - p > MAX_ENUMERATED else (int(pick[p, q]) >> np.arange(q - p)) & 1
+        return self.plan_for(saved)
+
+    def plan_for(self, saved: np.ndarray) -> SegmentPlan | None:
+        """The plan with fewest stages meeting ``T`` once the saved flags are fixed (``P`` still relaxed, so the
+        caller validates memory), or None."""
+        if not self.ok:
+            return None
+        act, rec = _range_sums(self.act * saved), _range_sums(self.rec * saved)
+        f_ok = self.f_fixed & (act <= self.f_link) & (2 * act <= self.f_mem)
+        b_ok = self.b_fixed & (act <= self.b_link) & (act <= self.b_mem) & (rec >= self.cover)
+        df, pf = _paths(np.where(f_ok, 1.0, INF))
+        db, pb_ = _paths(np.where(b_ok, 1.0, INF))
+        total = np.where(self.fused, df + db, INF)
+        a = int(np.argmin(total))
+        if not np.isfinite(total[a]):
+            return None
+        flags = tuple(bool(x) for x in saved[:a]) + (False,) * (self.n - a)
+        return SegmentPlan(forward=tuple(sorted(_ranges(pf, a))), fused=(a, self.n),
+                           backward=tuple(sorted(_ranges(pb_, a), reverse=True)), saved=flags)
+
+
+def _range_sums(x: np.ndarray) -> np.ndarray:
+    cum = np.concatenate([[0.0], np.cumsum(x)])
+    return cum[None, :] - cum[:, None]
+
+
+def _paths(cost: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Fewest-cost path from position 0 to every position (``cost[p, q]`` for the range ``[p, q)``)."""
+    n1 = cost.shape[0]
+    dist = np.full(n1, INF)
+    pred = np.full(n1, -1)
+    dist[0] = 0.0
+    for q in range(1, n1):
+        cand = dist[:q] + cost[:q, q]
+        k = int(np.argmin(cand))
+        dist[q], pred[q] = cand[k], k
+    return dist, pred
+
+
+def _ranges(pred: np.ndarray, a: int) -> list[tuple[int, int]]:
+    out, q = [], a
+    while q > 0:
+        p = int(pred[q])
+        out.append((p, q))
+        q = p
+    return out
+
+
+def stage_count_bound(pb: PartitionProblem, t: RangeTables, T: float, *, target: float = INF,
+                      iterations: int = 60) -> float:
+    """A lower bound on the non-fused stage count of any plan whose slowest stage is at most ``T``."""
+    return StageCountBound(pb, t, T).maximise(target, iterations)[0]
+

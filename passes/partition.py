@@ -18,7 +18,10 @@ the best one returned, so the ``objective`` never exceeds ``stats["model_best_s"
 2. *bounds*: ``LB(S)`` per stage count from the balance DP with a relaxed backward cost
    (:func:`.balance.relaxed_backward_time`) and the link/compute aggregates of :mod:`.bounds`;
 3. *greedy*: save-aware heuristic plans (:mod:`.greedy`) for the ``GREEDY_BUDGETS`` most promising budgets;
-4. *CP-SAT*: budgets in increasing order of ``c(S)·LB(S)``, each with ``T <= incumbent / c(S)``, the best known
+4. *Lagrangian*: per promising budget, a stage-count proof that it cannot beat the incumbent, else a bisection
+   that raises ``LB(S)`` as far as such proofs go (:mod:`.lagrange`: the aggregates above pack stages like a
+   fluid, this keeps whole segments); every unproven time is repaired into real plans for the pool;
+5. *CP-SAT*: budgets in increasing order of ``c(S)·LB(S)``, each with ``T <= incumbent / c(S)``, the best known
    plan as hint, and a share of the deterministic time ``time_limit_s · DET_TIME_PER_S``; a solve raises
    ``LB`` for every smaller budget. It stops when no budget's bound can beat the incumbent (``status``
    ``OPTIMAL``) or the time is spent (``FEASIBLE``).
@@ -56,10 +59,14 @@ GREEDY_BUDGETS = 12
 MIN_SOLVE_DET = 0.3
 #: Candidate plans the exact-time local search that finishes every ILP solve may score (:mod:`.polish`).
 POLISH_EVALUATIONS = 3000
+#: Plans the local search starts from: the fastest gets ``POLISH_EVALUATIONS``, the others a share of it.
+POLISH_STARTS = 3
 #: Lagrangian evaluations (:mod:`.lagrange`, ~1–5 ms each) granted per second of ``time_limit_s``.
 LAGRANGE_EVALUATIONS_PER_S = 100
 #: Subgradient steps per stage-count proof, and bisection steps per budget.
 LAGRANGE_ITERATIONS, LAGRANGE_BISECTIONS = 30, 6
+#: Share of ``time_limit_s`` after which no new CP-SAT solve starts (the rest is for the final local search).
+WALL_SHARE = 0.75
 
 
 class _Pool:
@@ -174,9 +181,12 @@ def ilp(pb: PartitionProblem, *, time_limit_s: float = 10.0, seed: int = 0) -> P
     if isinstance(prep, PartitionResult):
         return prep
     tables, pool, seeds, lb, b_relaxed, greedy_tried = prep
-    lagrange = _lagrange_phase(pb, tables, pool, lb, int(time_limit_s * LAGRANGE_EVALUATIONS_PER_S))
+    # the wall clock only guards overruns (a loaded machine); the counts below are what normally stops each phase
+    deadline = started + WALL_SHARE * time_limit_s
+    lagrange = _lagrange_phase(pb, tables, pool, lb, int(time_limit_s * LAGRANGE_EVALUATIONS_PER_S),
+                               deadline=started + 0.5 * time_limit_s)
     det_left, tried, log = time_limit_s * DET_TIME_PER_S, set(), []
-    while det_left >= MIN_SOLVE_DET and time.perf_counter() - started < time_limit_s:
+    while det_left >= MIN_SOLVE_DET and time.perf_counter() < deadline:
         s = _next_budget(pool, lb, tried)
         if s is None:
             break
@@ -186,7 +196,7 @@ def ilp(pb: PartitionProblem, *, time_limit_s: float = 10.0, seed: int = 0) -> P
         share = det_left / min(_open_budgets(pool, lb, tried) + 1, 3)
         res = solve_budget(pb, tables, b_relaxed, s, ub=ub, lb=float(lb[s]),
                            hint=hint if hint_t <= ub else None, det_time=max(share, MIN_SOLVE_DET),
-                           wall_time=max(0.85 * (time_limit_s - (time.perf_counter() - started)), 0.2), seed=seed)
+                           wall_time=max(deadline - time.perf_counter(), 0.2), seed=seed)
         det_left -= res.det_time
         pool.add(res.plan)
         lb[: s + 1] = np.maximum(lb[: s + 1], res.bound_s)  # plans with <= s stages are at least this slow
@@ -195,7 +205,7 @@ def ilp(pb: PartitionProblem, *, time_limit_s: float = 10.0, seed: int = 0) -> P
 
 
 def _lagrange_phase(pb: PartitionProblem, tables: RangeTables, pool: _Pool, lb: np.ndarray,
-                    evaluations: int) -> dict[str, int]:
+                    evaluations: int, *, deadline: float = float("inf")) -> dict[str, int]:
     """Stage-count proofs and repaired plans (:mod:`.lagrange`) for the most promising budgets; raises ``lb``
     in place and adds plans to the pool. Bounded by a count of Lagrangian evaluations (deterministic).
 
@@ -225,7 +235,7 @@ def _lagrange_phase(pb: PartitionProblem, tables: RangeTables, pool: _Pool, lb: 
         return False
 
     tried: set[int] = set()
-    while left > 0:
+    while left > 0 and time.perf_counter() < deadline:
         s = _next_budget(pool, lb, tried)
         if s is None:
             break
@@ -255,8 +265,11 @@ def _open_budgets(pool: _Pool, lb: np.ndarray, tried: set[int]) -> int:
 
 def _finish(pb: PartitionProblem, pool: _Pool, lb: np.ndarray, started: float, seeds: dict[str, float],
             log: list, greedy_tried: int, lagrange: dict[str, int] | None = None) -> PartitionResult:
-    best = min(pool.plans, key=lambda p: (iteration_time(pb, p), p.stage_count))
-    best = polish(pb, best, max_evaluations=POLISH_EVALUATIONS)
+    # the local search from the fastest few plans (by exact time): neighbours of the runners-up are often faster
+    ranked = sorted(pool.plans, key=lambda p: (iteration_time(pb, p), p.stage_count))[:POLISH_STARTS]
+    shares = [POLISH_EVALUATIONS] + [POLISH_EVALUATIONS // POLISH_STARTS] * (len(ranked) - 1)
+    polished = [polish(pb, p, max_evaluations=k) for p, k in zip(ranked, shares)]
+    best = min(polished, key=lambda p: (iteration_time(pb, p), p.stage_count))
     inc = pool.incumbent()
     bound = min(inc, float(np.min(bound_values(pool.c, lb))))
     proven = bound >= inc * (1 - 1e-9)

@@ -48,7 +48,10 @@ class _Side:
     feasible: list[np.ndarray]
     """``feasible[k]``: ``(len(starts[k]), 2^k)`` mask of subsets meeting ``T`` and memory."""
     long_ok: np.ndarray
-    """``(n+1, n+1)``: longer ranges that can meet ``T`` (their saving is left unconstrained)."""
+    """``(n+1, n+1)``: longer ranges that can meet ``T``; their inner minimum is the fractional knapsack over
+    the saved bytes their link and memory allow (the covering of recompute dropped): a lower bound."""
+    long_ranges: tuple[np.ndarray, np.ndarray, np.ndarray]
+    """``(p, q, cap)`` of those ranges, ``cap`` in activation bytes."""
 
 
 def _subsets(k: int) -> np.ndarray:
@@ -92,11 +95,12 @@ class StageCountBound:
         b_down = grad_in[:, None] + t.grad / m
         self.b_fixed = valid & (b_down <= budget) & (self.b_link >= 0) & (self.b_mem >= 0) & (rec_sum >= self.cover)
         self.fused = (t.fused_time <= T * slack) & (t.fused_need + np.maximum(t.fused_weight, p_min) <= mem * slack)
-        self.fwd = self._side(self.f_fixed, self.f_link, self.f_mem, 2 * self.act, None)
-        self.bwd = self._side(self.b_fixed, self.b_link, self.b_mem, self.act, self.cover)
+        self.fwd = self._side(self.f_fixed, self.f_link, self.f_mem, 2.0, None)
+        self.bwd = self._side(self.b_fixed, self.b_link, self.b_mem, 1.0, self.cover)
 
-    def _side(self, fixed, link_cap, mem_cap, mem_w, cover) -> _Side:
+    def _side(self, fixed, link_cap, mem_cap, mem_factor, cover) -> _Side:
         n = self.n
+        mem_w = mem_factor * self.act
         lengths = np.arange(n + 1)[None, :] - np.arange(n + 1)[:, None]
         starts, feasible = [np.zeros(0, dtype=np.int64)], [np.zeros((0, 1), dtype=bool)]
         for k in range(1, MAX_ENUMERATED + 1):
@@ -114,7 +118,10 @@ class StageCountBound:
             keep = ok.any(axis=1)
             starts.append(p[keep])
             feasible.append(ok[keep])
-        return _Side(starts=starts, feasible=feasible, long_ok=fixed & (lengths > MAX_ENUMERATED))
+        long_ok = fixed & (lengths > MAX_ENUMERATED)
+        lp, lq = np.nonzero(long_ok)
+        cap = np.minimum(link_cap[lp, lq], mem_cap[lp, lq] / mem_factor)
+        return _Side(starts=starts, feasible=feasible, long_ok=long_ok, long_ranges=(lp, lq, cap))
 
     def _costs(self, side: _Side, price: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``cost[p, q] = 1 + min Σ price_i s_i`` over the range's feasible subsets, and a minimising ``s`` per
@@ -130,16 +137,22 @@ class StageCountBound:
             best = np.argmin(val, axis=1)
             cost[p, p + k] = 1.0 + val[np.arange(p.size), best]
             mask[p, p + k] = best
-        if side.long_ok.any():
-            cost = np.where(side.long_ok, 1.0 + _range_sums(np.minimum(price, 0.0)), cost)
-            mask = np.where(side.long_ok, -1, mask)
+        lp, lq, cap = side.long_ranges
+        if lp.size:
+            cost[lp, lq] = 1.0 + _fractional(price, self.act, lp, lq, cap)[0]
+            mask[lp, lq] = -1
         return cost, mask
 
-    def _saved(self, mask: np.ndarray, pred: np.ndarray, a: int, price: np.ndarray) -> np.ndarray:
+    def _saved(self, side: _Side, mask: np.ndarray, pred: np.ndarray, a: int, price: np.ndarray) -> np.ndarray:
         s = np.zeros(self.n)
         for p, q in _ranges(pred, a):
             bits = int(mask[p, q])
-            s[p:q] = price[p:q] < 0 if bits < 0 else (bits >> np.arange(q - p)) & 1
+            if bits >= 0:
+                s[p:q] = (bits >> np.arange(q - p)) & 1
+                continue
+            lp, lq, cap = side.long_ranges
+            j = int(np.flatnonzero((lp == p) & (lq == q))[0])
+            s[p:q] = _fractional(price, self.act, lp[j:j + 1], lq[j:j + 1], cap[j:j + 1])[1][0, : q - p]
         return s
 
     def value(self, lam: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
@@ -156,7 +169,9 @@ class StageCountBound:
         if not np.isfinite(total[a]):
             return INF, zero, zero
         self.last = (a, _ranges(pf, a), _ranges(pb_, a))
-        return float(total[a]), self._saved(mf, pf, a, lam), self._saved(mb, pb_, a, -lam)
+        rounding = 1e-9 * (self.n + float(np.abs(lam).sum()))  # the prices cancel in exact arithmetic only
+        return (float(total[a]) - rounding, self._saved(self.fwd, mf, pf, a, lam),
+                self._saved(self.bwd, mb, pb_, a, -lam))
 
     def maximise(self, target: float, iterations: int = 60,
                  lam: np.ndarray | None = None) -> tuple[float, np.ndarray, list[np.ndarray]]:
@@ -235,6 +250,29 @@ class StageCountBound:
         flags = tuple(bool(x) for x in saved[:a]) + (False,) * (self.n - a)
         return SegmentPlan(forward=tuple(sorted(_ranges(pf, a))), fused=(a, self.n),
                            backward=tuple(sorted(_ranges(pb_, a), reverse=True)), saved=flags)
+
+
+def _fractional(price: np.ndarray, weight: np.ndarray, p: np.ndarray, q: np.ndarray,
+                cap: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``min Σ price_i s_i`` over ``0 <= s <= 1`` on each range ``[p, q)`` with ``Σ weight_i s_i <= cap``
+    (Dantzig's greedy, all ranges at once), and the minimisers padded to the longest range."""
+    width = int((q - p).max())
+    idx = p[:, None] + np.arange(width)[None, :]
+    inside = idx < q[:, None]
+    idx = np.minimum(idx, len(price) - 1)
+    gain = np.where(inside, np.maximum(-price[idx], 0.0), 0.0)
+    w = np.where(inside, weight[idx], 0.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(gain > 0, np.where(w > 0, gain / w, INF), -INF)
+    order = np.argsort(-ratio, axis=1, kind="stable")
+    g, ws = np.take_along_axis(gain, order, 1), np.take_along_axis(w, order, 1)
+    before = np.cumsum(ws, axis=1) - ws  # weight taken ahead of each item
+    room = np.maximum(cap[:, None] - before, 0.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        frac = np.where(g > 0, np.where(ws > 0, np.minimum(room / ws, 1.0), 1.0), 0.0)
+    s = np.zeros_like(frac)
+    np.put_along_axis(s, order, frac, 1)
+    return -(frac * g).sum(axis=1), s
 
 
 def _range_sums(x: np.ndarray) -> np.ndarray:

@@ -60,13 +60,13 @@ MIN_SOLVE_DET = 0.3
 #: Candidate plans the exact-time local search that finishes every ILP solve may score (:mod:`.polish`).
 POLISH_EVALUATIONS = 3000
 #: Plans the local search starts from: the fastest gets ``POLISH_EVALUATIONS``, the others a share of it.
-POLISH_STARTS = 3
+POLISH_STARTS = 5
 #: Lagrangian evaluations (:mod:`.lagrange`, ~1–5 ms each) granted per second of ``time_limit_s``.
 LAGRANGE_EVALUATIONS_PER_S = 100
 #: Subgradient steps per stage-count proof, and bisection steps per budget.
 LAGRANGE_ITERATIONS, LAGRANGE_BISECTIONS = 30, 6
 #: Share of ``time_limit_s`` after which no new CP-SAT solve starts (the rest is for the final local search).
-WALL_SHARE = 0.75
+WALL_SHARE = 0.85
 
 
 class _Pool:
@@ -191,9 +191,9 @@ def ilp(pb: PartitionProblem, *, time_limit_s: float = 10.0, seed: int = 0) -> P
         if s is None:
             break
         tried.add(s)
+        share = det_left / min(_open_budgets(pool, lb, tried) + 1, 3)
         hint_t, hint = pool.hint(s)
         ub = min(pool.incumbent() / pool.c[s], hint_t)
-        share = det_left / min(_open_budgets(pool, lb, tried) + 1, 3)
         res = solve_budget(pb, tables, b_relaxed, s, ub=ub, lb=float(lb[s]),
                            hint=hint if hint_t <= ub else None, det_time=max(share, MIN_SOLVE_DET),
                            wall_time=max(deadline - time.perf_counter(), 0.2), seed=seed)
@@ -265,8 +265,13 @@ def _open_budgets(pool: _Pool, lb: np.ndarray, tried: set[int]) -> int:
 
 def _finish(pb: PartitionProblem, pool: _Pool, lb: np.ndarray, started: float, seeds: dict[str, float],
             log: list, greedy_tried: int, lagrange: dict[str, int] | None = None) -> PartitionResult:
-    # the local search from the fastest few plans (by exact time): neighbours of the runners-up are often faster
-    ranked = sorted(pool.plans, key=lambda p: (iteration_time(pb, p), p.stage_count))[:POLISH_STARTS]
+    # the local search starts from the fastest plan (by exact time) of each of the best few stage counts: the
+    # climbs stay near their stage count, and a runner-up's neighbourhood is often the faster one
+    ranked, counts = [], set()
+    for plan in sorted(pool.plans, key=lambda p: (iteration_time(pb, p), p.stage_count)):
+        if plan.stage_count not in counts and len(ranked) < POLISH_STARTS:
+            ranked.append(plan)
+            counts.add(plan.stage_count)
     shares = [POLISH_EVALUATIONS] + [POLISH_EVALUATIONS // POLISH_STARTS] * (len(ranked) - 1)
     polished = [polish(pb, p, max_evaluations=k) for p, k in zip(ranked, shares)]
     best = min(polished, key=lambda p: (iteration_time(pb, p), p.stage_count))

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from rpcompile.passes.balance import exact_balance, relaxed_backward_time, relaxed_balance
 from rpcompile.passes.bounds import saving_bounds
 from rpcompile.passes.ilp import solve_budget
+from rpcompile.passes import lagrange
 from rpcompile.passes.lagrange import StageCountBound
 from rpcompile.passes.partition import solve
 from rpcompile.passes.problem import (PartitionProblem, SegmentPlan, SharedParam, equal_time_factors,
@@ -226,7 +227,7 @@ def _check_lagrangian_brute(pb: PartitionProblem, lams: list[np.ndarray]) -> Non
         for lam in lams:
             assert relax.value(lam)[0] <= count, (T, lam)
         best, _, seen = relax.maximise(count + 0.5, iterations=15)
-        assert best <= count
+        assert best <= count, (best, count)
         for flags in seen + lams:
             for plan in (relax.plan_for(flags > 0), relax.plan_within(flags > 0)):
                 if plan is not None:
@@ -241,6 +242,16 @@ def test_lagrangian_stage_counts_are_lower_bounds(pb, data):
     lams = [np.zeros(pb.n)] + [np.asarray(data.draw(st.lists(values, min_size=pb.n, max_size=pb.n)))
                                for _ in range(2)]
     _check_lagrangian_brute(pb, lams)
+
+
+@FEW
+@given(chains(max_n=5, allow_save=True), st.data())
+def test_lagrangian_long_ranges_are_lower_bounds(pb, data):
+    """The same with every range of 2+ segments "long" (fractional knapsack instead of enumerated subsets)."""
+    values = st.floats(-2.0, 2.0, allow_nan=False)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lagrange, "MAX_ENUMERATED", 1)
+        _check_lagrangian_brute(pb, [np.asarray(data.draw(st.lists(values, min_size=pb.n, max_size=pb.n)))])
 
 
 def _check_min_memory_brute(pb: PartitionProblem) -> None:

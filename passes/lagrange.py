@@ -11,13 +11,17 @@ disagreement with a multiplier ``λ_i`` per segment (Lagrangian relaxation of ``
                                          B_a(λ) = min over backward stagings of [0, a) of Σ_stages (1 − Σ λ_i sB_i)
 
 where every stage must meet ``T`` on compute, upload, download and memory with its own saved subset (the inner
-minimum is exact by enumerating subsets of short ranges; long ranges, rarely feasible, drop their saving
-constraints, which only lowers ``L``). Every ``L(λ)`` is a lower bound on the non-fused stage count of any plan
+minimum is exact by enumerating the subsets of ranges up to ``MAX_ENUMERATED`` segments; longer ranges take the
+fractional knapsack their link and memory allow and drop the recompute they must remove, which only lowers
+``L``). Every ``L(λ)`` is a lower bound on the non-fused stage count of any plan
 whose slowest stage is at most ``T``; a subgradient ascent on ``λ`` raises it. Since the least stage count can only
 fall as ``T`` grows, ``L(λ) > S − 1`` at ``T`` proves that no plan with at most ``S`` stages is that fast.
 
 The memory prefetch term ``P`` (the plan's largest stage weight) is relaxed to ``max(own weight, heaviest
-segment)``. Plain numpy; ~1 ms per ``L(λ)`` at ``n = 130``.
+segment)``. Plain numpy; a few ms per ``L(λ)`` at ``n = 130``.
+
+:meth:`StageCountBound.plan_for` and :meth:`StageCountBound.plan_within` turn the saved flags met along the way
+into real plans (fewest stages meeting ``T`` once the flags are fixed): the search's primal side.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from .problem import PartitionProblem, SegmentPlan
 from .tables import INF, RangeTables
 
-__all__ = ["StageCountBound", "stage_count_bound", "MAX_ENUMERATED"]
+__all__ = ["StageCountBound", "MAX_ENUMERATED"]
 
 #: Longest range whose saved subsets are enumerated exactly (2^k subsets).
 MAX_ENUMERATED = 11
@@ -67,6 +71,7 @@ class StageCountBound:
 
     def __init__(self, pb: PartitionProblem, t: RangeTables, T: float) -> None:
         self.pb, self.t, self.T = pb, t, T
+        self.evaluations = 0  # of L(λ) by the last maximise
         n, link, m, mem = pb.n, pb.link_bytes_per_s, pb.microbatches, pb.memory_bytes
         tp = T - pb.stage_overhead_s
         self.n, self.ok = n, tp >= 0
@@ -168,7 +173,6 @@ class StageCountBound:
         a = int(np.argmin(total))
         if not np.isfinite(total[a]):
             return INF, zero, zero
-        self.last = (a, _ranges(pf, a), _ranges(pb_, a))
         rounding = 1e-9 * (self.n + float(np.abs(lam).sum()))  # the prices cancel in exact arithmetic only
         return (float(total[a]) - rounding, self._saved(self.fwd, mf, pf, a, lam),
                 self._saved(self.bwd, mb, pb_, a, -lam))
@@ -300,10 +304,4 @@ def _ranges(pred: np.ndarray, a: int) -> list[tuple[int, int]]:
         out.append((p, q))
         q = p
     return out
-
-
-def stage_count_bound(pb: PartitionProblem, t: RangeTables, T: float, *, target: float = INF,
-                      iterations: int = 60) -> float:
-    """A lower bound on the non-fused stage count of any plan whose slowest stage is at most ``T``."""
-    return StageCountBound(pb, t, T).maximise(target, iterations)[0]
 

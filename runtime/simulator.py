@@ -201,6 +201,13 @@ class _Task:
     left: float = 0.0
 
 
+def _growth(t: _Task) -> float:
+    """Most a task adds to its device's memory over its life: ``alloc_start`` while it runs, and at its end the
+    outputs it leaves (``alloc_end``) in place of what it frees there (a compute's working set and inputs)."""
+    freed = sum(b for dev, b in t.free_end if dev == t.device)
+    return t.alloc_start + max(0.0, t.alloc_end - freed) if t.lane == "compute" else t.alloc_start
+
+
 def simulate(
     lists: Sequence[Sequence[Action]],
     stages: Sequence[SimStage | float],
@@ -241,7 +248,7 @@ def simulate(
                 t = q[0]
                 if any(p.end < 0 for p in t.after_end) or any(p.start < 0 for p in t.after_start):
                     continue
-                if not force and memory[t.device] + t.alloc_start + (t.alloc_end if t.lane == "compute" else 0) > limit:
+                if not force and memory[t.device] + _growth(t) > limit:
                     if t.lane != "compute":
                         continue  # a copy waits for room (the prefetcher never overfills a device)
                     if any(r.device == t.device and r.lane in _DOWN for r in running.values()):

@@ -143,6 +143,18 @@ def test_a_link_bound_stage_waits_for_its_copies_instead_of_overfilling():
     assert {e.action: e.start for e in held.timeline}["0F1"] == pytest.approx(1.1)
 
 
+def test_a_compute_is_admitted_by_its_peak_not_by_working_set_plus_outputs():
+    """The saved activations a forward microbatch offloads are part of its working set (12 bytes, 10 of them
+    saved): under a 25-byte limit the second microbatch (12) fits beside the first one's 10 bytes still copying
+    out, so it starts at once; counting its outputs on top of its working set (32 bytes) would stall it 1 s."""
+    lists = round_robin(kinds(1, 0), devices=1, microbatches=4)
+    sts = stages([0.1, 0.1], working_bytes=[12, 0], offload_bytes=[10, 0])
+    res = simulate(lists, sts, link_bytes_per_s=10.0, memory_limit_bytes=25)
+    starts = {e.action: e.start for e in res.timeline}
+    assert starts["0F1"] == pytest.approx(0.1) and starts["0F2"] == pytest.approx(1.1)
+    assert res.peak_memory_bytes == (22,) and res.fits
+
+
 @pytest.mark.parametrize("builder,stashes", [("gpipe", 3), ("one_f_one_b", 2)])
 def test_static_schedules_hold_their_in_flight_activations(builder, stashes):
     """GPipe keeps every microbatch's activations until its backward; 1F1B at most N−d on device d."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 from typing import Iterator
 
-from .problem import PartitionProblem, SegmentPlan, _stage, pipeline_time, validate_segment_plan
+from .problem import PartitionProblem, SegmentPlan, _stage, fill_drain_s, pipeline_time, validate_segment_plan
 
 __all__ = ["polish"]
 
@@ -98,7 +98,9 @@ def _climb(pb: PartitionProblem, plan: SegmentPlan, budget: int, macro: bool) ->
 
     def total(fwd: Ranges, bwd: Ranges) -> float:
         times = [t("forward", a, b) for a, b in fwd] + [t("fused", *plan.fused)] + [t("backward", a, b) for a, b in bwd]
-        return pipeline_time(times, pb.device_count, pb.microbatches)
+        first, last = (fwd or [plan.fused])[0], (bwd or [plan.fused])[-1]
+        exposed = fill_drain_s(pb, pb.weight(*first), pb.weight(*last, grads=True))
+        return pipeline_time(times, pb.device_count, pb.microbatches) + exposed
 
     fwd, bwd = list(plan.forward), list(plan.backward)
     best = total(fwd, bwd)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 from typing import Iterator
 
-from .problem import PartitionProblem, SegmentPlan, _stage, fill_drain_s, pipeline_time, validate_segment_plan
+from .problem import PartitionProblem, SegmentPlan, _stage, pipeline_time, validate_segment_plan
 
 __all__ = ["polish"]
 
@@ -98,9 +98,11 @@ def _climb(pb: PartitionProblem, plan: SegmentPlan, budget: int, macro: bool) ->
 
     def total(fwd: Ranges, bwd: Ranges) -> float:
         times = [t("forward", a, b) for a, b in fwd] + [t("fused", *plan.fused)] + [t("backward", a, b) for a, b in bwd]
-        first, last = (fwd or [plan.fused])[0], (bwd or [plan.fused])[-1]
-        exposed = fill_drain_s(pb, pb.weight(*first), pb.weight(*last, grads=True))
-        return pipeline_time(times, pb.device_count, pb.microbatches) + exposed
+        ranges = list(fwd) + [plan.fused] + list(bwd)
+        link = pb.link_bytes_per_s
+        weight_s = [pb.weight(*r) / link for r in ranges]
+        grad_s = [0.0] * len(fwd) + [pb.weight(*r, grads=True) / link for r in ranges[len(fwd):]]  # F: no grads
+        return pipeline_time(times, pb.device_count, pb.microbatches, weight_s=weight_s, grad_s=grad_s)
 
     fwd, bwd = list(plan.forward), list(plan.backward)
     best = total(fwd, bwd)

@@ -10,8 +10,9 @@ Strategies (all ``(problem, *, time_limit_s, seed) -> PartitionResult``, infeasi
 - ``greedy``: the ILP's preparation below without CP-SAT.
 
 **The ILP search.** What is minimised is the bound ``c(S)·T`` of a plan with ``S`` stages whose slowest stage
-takes ``T`` (:mod:`.ilp`); every plan met is finally re-scored by the exact :func:`.problem.iteration_time` and
-the best one returned, so the ``objective`` never exceeds ``stats["model_best_s"]``. In order:
+takes ``T`` (:mod:`.ilp`); every plan met is finally re-scored by the exact :func:`.problem.iteration_time` (the
+recurrence over unequal stages plus the weight and gradient copies compute cannot hide, which ``c(S)·T`` leaves
+out) and the best one returned. In order:
 
 1. *seeds*: ``dp``, ``roundpipe``, ``uniform`` and the no-save optima of the best stage counts form the pool and
    the incumbent — ``ilp`` is never worse than a baseline by construction;
@@ -27,8 +28,8 @@ the best one returned, so the ``objective`` never exceeds ``stats["model_best_s"
    ``OPTIMAL``) or the time is spent (``FEASIBLE``).
 
 ``stats["bound_s"] = min(incumbent, min_S c(S)·LB(S))`` is a proven lower bound on ``c(S)·T`` over all plans;
-``stats["gap"] = model_best_s / bound_s − 1`` (an upper bound on ``objective / bound_s − 1``, also reported as
-``objective_gap``). Same input, same plan: every limit is deterministic (the wall clock only guards overruns).
+``stats["gap"] = model_best_s / bound_s − 1``; ``objective_gap`` is ``objective / bound_s − 1`` (the exact
+time against the same bound: below ``gap`` when stages are unequal, above it when the plan's copies are exposed). Same input, same plan: every limit is deterministic (the wall clock only guards overruns).
 """
 
 from __future__ import annotations

@@ -20,8 +20,7 @@ fall as ``T`` grows, ``L(λ) > S − 1`` at ``T`` proves that no plan with at mo
 The memory prefetch term ``P`` (the plan's largest stage weight) is relaxed to ``max(own weight, heaviest
 segment)``. Plain numpy; a few ms per ``L(λ)`` at ``n = 130``.
 
-:meth:`StageCountBound.plan_for` and :meth:`StageCountBound.plan_within` turn the saved flags met along the way
-into real plans (fewest stages meeting ``T`` once the flags are fixed): the search's primal side.
+:meth:`StageCountBound.plan_for` turns the saved flags met along the way into real plans (fewest stages meeting ``T`` once the flags are fixed): the search's primal side.
 """
 
 from __future__ import annotations
@@ -51,11 +50,10 @@ class _Side:
     """``starts[k]``: starts ``p`` of enumerated ranges ``[p, p+k)`` that can meet ``T`` with some subset."""
     feasible: list[np.ndarray]
     """``feasible[k]``: ``(len(starts[k]), 2^k)`` mask of subsets meeting ``T`` and memory."""
-    long_ok: np.ndarray
-    """``(n+1, n+1)``: longer ranges that can meet ``T``; their inner minimum is the fractional knapsack over
-    the saved bytes their link and memory allow (the covering of recompute dropped): a lower bound."""
     long_ranges: tuple[np.ndarray, np.ndarray, np.ndarray]
-    """``(p, q, cap)`` of those ranges, ``cap`` in activation bytes."""
+    """``(p, q, cap)`` of the longer ranges that can meet ``T``, ``cap`` in activation bytes: their inner minimum
+    is the fractional knapsack over the saved bytes their link and memory allow (the covering of recompute
+    dropped), a lower bound."""
 
 
 def _subsets(k: int) -> np.ndarray:
@@ -70,7 +68,6 @@ class StageCountBound:
     """Lower bounds on ``f + b`` (non-fused stages) for plans whose every stage takes at most ``T``."""
 
     def __init__(self, pb: PartitionProblem, t: RangeTables, T: float) -> None:
-        self.pb, self.t, self.T = pb, t, T
         self.evaluations = 0  # of L(λ) by the last maximise
         n, link, m, mem = pb.n, pb.link_bytes_per_s, pb.microbatches, pb.memory_bytes
         tp = T - pb.stage_overhead_s
@@ -123,10 +120,9 @@ class StageCountBound:
             keep = ok.any(axis=1)
             starts.append(p[keep])
             feasible.append(ok[keep])
-        long_ok = fixed & (lengths > MAX_ENUMERATED)
-        lp, lq = np.nonzero(long_ok)
+        lp, lq = np.nonzero(fixed & (lengths > MAX_ENUMERATED))
         cap = np.minimum(link_cap[lp, lq], mem_cap[lp, lq] / mem_factor)
-        return _Side(starts=starts, feasible=feasible, long_ok=long_ok, long_ranges=(lp, lq, cap))
+        return _Side(starts=starts, feasible=feasible, long_ranges=(lp, lq, cap))
 
     def _costs(self, side: _Side, price: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``cost[p, q] = 1 + min Σ price_i s_i`` over the range's feasible subsets, and a minimising ``s`` per
@@ -205,37 +201,6 @@ class StageCountBound:
                 break  # proven, or the relaxed optimum agrees on every flag (L is a real staging's count)
             lam = lam + theta * (target + 1.0 - val) / norm * g
         return best, best_lam, seen
-
-    def plan_within(self, allowed: np.ndarray) -> SegmentPlan | None:
-        """Backward stages first, each saving the lightest subset of ``allowed`` that lets it meet ``T``; then
-        :meth:`plan_for` those flags. With ``allowed`` a forward side's choice, its forward stages stay
-        feasible (saving less only frees their links), so this repairs a relaxed optimum into a plan."""
-        if not self.ok:
-            return None
-        n = self.n
-        cost = np.where(self.bwd.long_ok & (_range_sums(self.rec * allowed) >= self.cover), 1.0, INF)
-        pick = np.zeros((n + 1, n + 1), dtype=np.int64)
-        for k in range(1, len(self.bwd.starts)):
-            p = self.bwd.starts[k]
-            if p.size == 0:
-                continue
-            sub = _subsets(k)
-            inside = (sub @ (1 - _windows(allowed, k, p)).T).T == 0  # subset lies within allowed
-            ok = self.bwd.feasible[k] & inside
-            weight = np.where(ok, (_windows(self.act, k, p) @ sub.T), INF)
-            best = np.argmin(weight, axis=1)
-            good = np.isfinite(weight[np.arange(p.size), best])
-            cost[p[good], p[good] + k] = 1.0
-            pick[p[good], p[good] + k] = best[good]
-        dist, pred = _paths(cost)
-        a_ok = self.fused & np.isfinite(dist)
-        if not a_ok.any():
-            return None
-        saved = np.zeros(n)
-        a = int(np.flatnonzero(a_ok)[np.argmin(dist[a_ok])])
-        for p, q in _ranges(pred, a):
-            saved[p:q] = allowed[p:q] if q - p > MAX_ENUMERATED else (int(pick[p, q]) >> np.arange(q - p)) & 1
-        return self.plan_for(saved)
 
     def plan_for(self, saved: np.ndarray) -> SegmentPlan | None:
         """The plan with fewest stages meeting ``T`` once the saved flags are fixed (``P`` still relaxed, so the

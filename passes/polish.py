@@ -15,7 +15,8 @@ from __future__ import annotations
 import itertools
 from typing import Iterator
 
-from .problem import PartitionProblem, SegmentPlan, _stage, pipeline_time, validate_segment_plan
+from .problem import (PartitionProblem, SegmentPlan, StageCost, _stage, pipeline_time, transfer_edges,
+                      validate_segment_plan)
 
 __all__ = ["polish"]
 
@@ -88,21 +89,22 @@ def polish(pb: PartitionProblem, plan: SegmentPlan, *, max_evaluations: int = 30
 def _climb(pb: PartitionProblem, plan: SegmentPlan, budget: int, macro: bool) -> tuple[float, SegmentPlan]:
     evaluations = 0
     saved = plan.saved
-    cache: dict[tuple[str, int, int], float] = {}
+    cache: dict[tuple[str, int, int], StageCost] = {}
 
-    def t(kind: str, a: int, b: int) -> float:
+    def stage(kind: str, a: int, b: int) -> StageCost:
         key = (kind, a, b)
         if key not in cache:
-            cache[key] = _stage(pb, kind, a, b, saved, 0).time_s  # type: ignore[arg-type]
+            cache[key] = _stage(pb, kind, a, b, saved, 0)  # type: ignore[arg-type]
         return cache[key]
 
+    def t(kind: str, a: int, b: int) -> float:
+        return stage(kind, a, b).time_s
+
     def total(fwd: Ranges, bwd: Ranges) -> float:
-        times = [t("forward", a, b) for a, b in fwd] + [t("fused", *plan.fused)] + [t("backward", a, b) for a, b in bwd]
-        ranges = list(fwd) + [plan.fused] + list(bwd)
-        link = pb.link_bytes_per_s
-        weight_s = [pb.weight(*r) / link for r in ranges]
-        grad_s = [0.0] * len(fwd) + [pb.weight(*r, grads=True) / link for r in ranges[len(fwd):]]  # F: no grads
-        return pipeline_time(times, pb.device_count, pb.microbatches, weight_s=weight_s, grad_s=grad_s)
+        costs = ([stage("forward", a, b) for a, b in fwd] + [stage("fused", *plan.fused)]
+                 + [stage("backward", a, b) for a, b in bwd])
+        return pipeline_time([c.time_s for c in costs], pb.device_count, pb.microbatches,
+                             **transfer_edges(pb, costs))
 
     fwd, bwd = list(plan.forward), list(plan.backward)
     best = total(fwd, bwd)

@@ -144,6 +144,11 @@ class StageCountBound:
             mask[lp, lq] = -1
         return cost, mask
 
+    def range_costs(self, lam: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Priced range costs ``(forward, backward)`` at ``λ``: ``1 + min Σ ±λ_i s_i`` over each range's feasible
+        saved subsets (``inf`` where none meets ``T``); the shortest paths over them make up ``L(λ)``."""
+        return self._costs(self.fwd, lam)[0], self._costs(self.bwd, -lam)[0]
+
     def _saved(self, side: _Side, mask: np.ndarray, pred: np.ndarray, a: int, price: np.ndarray) -> np.ndarray:
         s = np.zeros(self.n)
         for p, q in _ranges(pred, a):

@@ -19,9 +19,12 @@ out) and the best one returned. In order:
 2. *bounds*: ``LB(S)`` per stage count from the balance DP with a relaxed backward cost
    (:func:`.balance.relaxed_backward_time`) and the link/compute aggregates of :mod:`.bounds`;
 3. *greedy*: save-aware heuristic plans (:mod:`.greedy`) for the ``GREEDY_BUDGETS`` most promising budgets;
-4. *Lagrangian*: per promising budget, a stage-count proof that it cannot beat the incumbent, else a bisection
-   that raises ``LB(S)`` as far as such proofs go (:mod:`.lagrange`: the aggregates above pack stages like a
-   fluid, this keeps whole segments); every unproven time is repaired into real plans for the pool;
+4. *Lagrangian + exact*: per promising budget, a stage-count proof that it cannot beat the incumbent, else a
+   bisection on ``T`` (:mod:`.lagrange`: the aggregates above pack stages like a fluid, this keeps whole
+   segments). Where the relaxation proves nothing, the exact search of :mod:`.exact` (branch and bound over the
+   saved flags, pruned by the same multipliers) finds the fewest stages ``T`` allows, or proves there is no plan
+   within the budget; so within its work limit the bisection converges on the budget's true optimum. Every plan
+   met goes into the pool;
 5. *CP-SAT*: budgets in increasing order of ``c(S)·LB(S)``, each with ``T <= incumbent / c(S)``, the best known
    plan as hint, and a share of the deterministic time ``time_limit_s · DET_TIME_PER_S``; a solve raises
    ``LB`` for every smaller budget. It stops when no budget's bound can beat the incumbent (``status``
@@ -44,6 +47,7 @@ from .bounds import saving_bounds
 from .baselines import dp, infeasible_result, make_result, roundpipe, uniform
 from .greedy import greedy_plan, masks_for
 from .ilp import solve_budget
+from .exact import fewest_stages
 from .lagrange import StageCountBound
 from .polish import polish
 from .problem import (PartitionProblem, PartitionResult, SegmentPlan, equal_time_factors, iteration_time,
@@ -66,6 +70,11 @@ POLISH_STARTS = 5
 LAGRANGE_EVALUATIONS_PER_S = 100
 #: Subgradient steps per stage-count proof, and bisection steps per budget.
 LAGRANGE_ITERATIONS, LAGRANGE_BISECTIONS = 30, 6
+#: Work (dominance comparisons, ~1.5 M/s) the exact fewest-stage search (:mod:`.exact`) may spend per second of
+#: ``time_limit_s``, and per call.
+EXACT_WORK_PER_S, EXACT_WORK_PER_CALL = 200_000, 1_000_000
+#: Share of ``time_limit_s`` after which the Lagrangian phase starts no new budget (a guard; counts stop it).
+LAGRANGE_WALL_SHARE = 0.7
 #: Share of ``time_limit_s`` after which no new CP-SAT solve starts (the rest is for the final local search).
 WALL_SHARE = 0.85
 
@@ -185,7 +194,7 @@ def ilp(pb: PartitionProblem, *, time_limit_s: float = 10.0, seed: int = 0) -> P
     # the wall clock only guards overruns (a loaded machine); the counts below are what normally stops each phase
     deadline = started + WALL_SHARE * time_limit_s
     lagrange = _lagrange_phase(pb, tables, pool, lb, int(time_limit_s * LAGRANGE_EVALUATIONS_PER_S),
-                               deadline=started + 0.5 * time_limit_s)
+                               int(time_limit_s * EXACT_WORK_PER_S), deadline=started + LAGRANGE_WALL_SHARE * time_limit_s)
     det_left, tried, log = time_limit_s * DET_TIME_PER_S, set(), []
     while det_left >= MIN_SOLVE_DET and time.perf_counter() < deadline:
         s = _next_budget(pool, lb, tried)
@@ -206,7 +215,7 @@ def ilp(pb: PartitionProblem, *, time_limit_s: float = 10.0, seed: int = 0) -> P
 
 
 def _lagrange_phase(pb: PartitionProblem, tables: RangeTables, pool: _Pool, lb: np.ndarray,
-                    evaluations: int, *, deadline: float = float("inf")) -> dict[str, int]:
+                    evaluations: int, exact_work: int = 0, *, deadline: float = float("inf")) -> dict[str, int]:
     """Stage-count proofs and repaired plans (:mod:`.lagrange`) for the most promising budgets; raises ``lb``
     in place and adds plans to the pool. Bounded by a count of Lagrangian evaluations (deterministic).
 
@@ -214,12 +223,12 @@ def _lagrange_phase(pb: PartitionProblem, tables: RangeTables, pool: _Pool, lb: 
     the budget); otherwise bisect between ``LB(S)`` and that time. A proof at ``T`` raises every budget below
     the stage count it shows; every unproven ``T`` offers the relaxation's saved flags to
     :meth:`.lagrange.StageCountBound.plan_for`, which turns them into real plans."""
-    left, lam, proven, budgets = evaluations, None, 0, 0
+    left, lam, proven, budgets, work_left = evaluations, None, 0, 0, exact_work
     if not pb.allow_save or evaluations <= 0:
-        return dict(lagrange_evaluations=0, lagrange_budgets=0, lagrange_proofs=0)
+        return dict(lagrange_evaluations=0, lagrange_budgets=0, lagrange_proofs=0, exact_work=0)
 
     def attempt(T: float, stages: int) -> bool:
-        nonlocal left, lam, proven
+        nonlocal left, lam, proven, work_left
         relax = StageCountBound(pb, tables, T)
         count, new_lam, seen = relax.maximise(stages - 1 + 1e-9, min(LAGRANGE_ITERATIONS, left), lam)
         left -= max(relax.evaluations, 1)
@@ -233,6 +242,19 @@ def _lagrange_phase(pb: PartitionProblem, tables: RangeTables, pool: _Pool, lb: 
             return True
         for flags in seen:
             pool.add(relax.plan_for(flags))
+        if work_left <= 0:
+            return False
+        found = fewest_stages(relax, new_lam, stages - 1, min(EXACT_WORK_PER_CALL, work_left), lower=count)
+        work_left -= found.work
+        pool.add(found.plan)
+        if found.status == "limit":
+            return False
+        # the walk completed: no plan this fast has fewer non-fused stages than it found (or than the budget)
+        fewest = found.stages if found.status == "plan" else stages
+        lb[1:fewest + 1] = np.maximum(lb[1:fewest + 1], T)
+        if found.status == "none":
+            proven += 1
+            return True
         return False
 
     tried: set[int] = set()
@@ -254,8 +276,9 @@ def _lagrange_phase(pb: PartitionProblem, tables: RangeTables, pool: _Pool, lb: 
             if attempt(mid, s):
                 lo = mid
             else:
-                hi = mid
-    return dict(lagrange_evaluations=evaluations - left, lagrange_budgets=budgets, lagrange_proofs=proven)
+                hi = min(mid, pool.hint(s)[0])  # the exact search may have met a plan faster than mid
+    return dict(lagrange_evaluations=evaluations - left, lagrange_budgets=budgets, lagrange_proofs=proven,
+                exact_work=exact_work - work_left)
 
 
 def _open_budgets(pool: _Pool, lb: np.ndarray, tried: set[int]) -> int:

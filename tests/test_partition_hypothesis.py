@@ -20,6 +20,7 @@ from rpcompile.passes.balance import exact_balance, relaxed_backward_time, relax
 from rpcompile.passes.bounds import saving_bounds
 from rpcompile.passes.ilp import solve_budget
 from rpcompile.passes import lagrange
+from rpcompile.passes.exact import fewest_stages
 from rpcompile.passes.lagrange import StageCountBound
 from rpcompile.passes.partition import solve
 from rpcompile.passes.problem import (PartitionProblem, SegmentPlan, SharedParam, equal_time_factors,
@@ -318,3 +319,66 @@ def test_without_saving_ilp_reaches_the_dp_optimum_many(pb):
 @given(chains(max_n=10, allow_save=False), st.data())
 def test_cpsat_model_matches_dp_for_a_stage_budget_many(pb, data):
     _check_cpsat_budget_equals_dp(pb, data)
+
+
+def _check_exact_brute(pb: PartitionProblem, budget_slack: int, lam_random: np.ndarray) -> None:
+    """For every slowest-stage time ``T`` some plan meets, and multipliers from the ascent or random ones: the
+    exact search's count equals the fewest non-fused stages of any plan meeting ``T`` when memory cannot bind
+    (never more in general: ``P`` is relaxed), its plan meets ``T`` with that count, and "none" under a budget
+    below the fewest count is right."""
+    t = RangeTables.build(pb)
+    fewest: dict[float, int] = {}
+    roomy = _replace(pb, memory_bytes=10**15)
+    for plan in _all_plans(pb, saves=True):
+        if not validate_segment_plan(roomy, plan):
+            T = max(c.time_s for c in stage_costs(pb, plan))
+            fewest[T] = min(fewest.get(T, 10**9), plan.stage_count - 1)
+    times = sorted(fewest)
+    for T in times:
+        need = min(fewest[x] for x in times if x <= T)  # plans faster than T also meet T
+        relax = StageCountBound(roomy, RangeTables.build(roomy), T)
+        _, lam, _ = relax.maximise(need + 0.5, iterations=5)
+        for prices in (lam, lam_random):
+            found = fewest_stages(relax, prices, need + budget_slack, 10**7)
+            assert found.status == "plan" and found.stages == need, (T, found, need)
+            assert found.plan.stage_count == need + 1
+            assert not validate_segment_plan(roomy, found.plan)
+            assert max(c.time_s for c in stage_costs(pb, found.plan)) <= T * (1 + 1e-9)
+            if need > 0:
+                assert fewest_stages(relax, prices, need - 1, 10**7).status == "none"
+        # with the real memory limit it is a relaxation: never more stages than a plan that fits
+        relax = StageCountBound(pb, t, T)
+        real = min((p.stage_count - 1 for p in _all_plans(pb, saves=True) if not validate_segment_plan(pb, p)
+                    and max(c.time_s for c in stage_costs(pb, p)) <= T * (1 + 1e-9)), default=None)
+        if real is not None:
+            got = fewest_stages(relax, np.zeros(pb.n), real, 10**7)
+            assert got.status == "plan" and got.stages <= real
+
+
+@FEW
+@given(chains(max_n=5, allow_save=True), st.integers(0, 2), st.data())
+def test_exact_search_finds_the_fewest_stages(pb, budget_slack, data):
+    lam = data.draw(st.lists(st.floats(-2.0, 2.0, allow_nan=False), min_size=pb.n, max_size=pb.n))
+    _check_exact_brute(pb, budget_slack, np.asarray(lam))
+
+
+@FEW
+@given(chains(min_n=6, max_n=12, allow_save=True), st.floats(0.7, 1.3), st.data())
+def test_exact_search_count_does_not_depend_on_the_prices(pb, factor, data):
+    """Any ``λ`` gives the same least count (only the pruning changes), and so does deepening from ``L(λ)``;
+    the plan found meets ``T`` with that count."""
+    base = solve(pb, "dp")
+    if not base.feasible:
+        return
+    T = factor * max(c.time_s for c in stage_costs(pb, base.plan))
+    relax = StageCountBound(pb, RangeTables.build(pb), T)
+    budget = 2 * pb.n
+    plain = fewest_stages(relax, np.zeros(pb.n), budget, 10**8)
+    count, lam, _ = relax.maximise(budget, iterations=10)
+    random = np.asarray(data.draw(st.lists(st.floats(-3.0, 3.0, allow_nan=False), min_size=pb.n, max_size=pb.n)))
+    for other in (fewest_stages(relax, lam, budget, 10**8, lower=count), fewest_stages(relax, random, budget, 10**8)):
+        assert (other.status, other.stages) == (plain.status, plain.stages)
+    if plain.plan is not None:
+        assert plain.plan.stage_count == plain.stages + 1
+        assert not validate_segment_plan(pb, plain.plan, memory=False)
+        assert max(c.time_s for c in stage_costs(pb, plain.plan)) <= T * (1 + 1e-9)

@@ -1,0 +1,185 @@
+"""Exact fewest-stage search at a fixed slowest-stage time ``T``: branch and bound over the saved flags.
+
+:class:`.lagrange.StageCountBound` bounds the number of stages a time ``T`` needs by pricing the one thing that
+couples the forward and backward stagings, each segment's saved flag. This module closes the gap from the other
+side: it *finds* a plan with that few stages, or proves there is none.
+
+It walks the chain once, left to right. A state at position ``i`` is the start ``p`` of the open forward stage,
+the start ``q`` of the open backward stage, the number ``c`` of stages already closed and what the flags chosen so
+far put in the open stages — saved bytes on each side (``SF``, ``SB``: link and memory) and recompute the backward
+stage no longer runs (``RS``). At each position either open stage may close (if it meets ``T`` with its flags:
+:class:`.lagrange.StageCountBound`'s per-range capacities and the recompute it must shed), then segment ``i`` is
+saved or not. Two rules keep the walk small, and both are exact:
+
+- *dominance*: among states with the same ``(p, q)``, one with no more stages, bytes and no less shed recompute
+  than another can finish any way the other can;
+- *Lagrangian pruning*: with the multipliers ``λ`` of the relaxation, the stages any completion still needs are at
+  least the priced shortest paths from ``p`` and ``q`` to a common fused start (the open stages' first ranges
+  ending no earlier than ``i``), plus the prices of the flags only one open stage holds. A state whose bound
+  exceeds the budget is dropped. With ``λ`` from the ascent this bound is tight at the root, so the search stays
+  near the relaxation's optimum.
+
+Once a plan within the budget is met the budget tightens to one stage fewer, so a completed walk returns the
+least count. The memory prefetch term
+``P`` is relaxed as in :mod:`.lagrange` (the caller validates the plan); "none" is a proof either way. Its work is
+counted (dominance comparisons), not timed, so the same input gives the same answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from .lagrange import StageCountBound
+from .problem import SegmentPlan
+from .tables import INF
+
+__all__ = ["Search", "fewest_stages"]
+
+_TOL = 1e-9
+
+
+@dataclass(frozen=True)
+class Search:
+    """What :func:`fewest_stages` found: ``"plan"`` (the fewest non-fused stages, ``stages``, meeting ``T``),
+    ``"none"`` (proof that no plan with at most the budget meets ``T``) or ``"limit"`` (work limit reached first;
+    ``plan`` may still hold the best plan met)."""
+
+    status: Literal["plan", "none", "limit"]
+    plan: SegmentPlan | None
+    stages: int | None
+    work: int
+
+
+def _all_pairs(cost: np.ndarray) -> np.ndarray:
+    """``D[p, a]``: cheapest path from position ``p`` to ``a`` over ranges priced ``cost[p, q]``."""
+    n1 = cost.shape[0]
+    d = np.full((n1, n1), INF)
+    d[0, 0] = 0.0
+    for a in range(1, n1):
+        d[:a, a] = np.min(d[:a, :a] + cost[:a, a][None, :], axis=1)
+        d[a, a] = 0.0
+    return d
+
+
+def _open_paths(cost: np.ndarray, dist: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """``G[p, i, k]``: cheapest staging of ``[p, ends[k])`` whose first range starts at ``p`` and ends at or after
+    ``i`` (``G[p, p, k] = dist[p, ends[k]]``: the open stage is still empty)."""
+    e = cost[:, :, None] + dist[None, :, :][:, :, ends]  # e[p, first range end, k]
+    g = np.minimum.accumulate(e[:, ::-1, :], axis=1)[:, ::-1, :]
+    idx = np.arange(cost.shape[0])
+    g[idx, idx, :] = dist[:, ends]
+    return g
+
+
+def fewest_stages(relax: StageCountBound, lam: np.ndarray, budget: int, work_limit: int, *,
+                  lower: float = 0.0) -> Search:
+    """The fewest non-fused stages (at most ``budget``) of any plan whose every stage meets ``relax``'s ``T``
+    (module docstring); ``lam`` are the relaxation's multipliers (any ``λ`` is exact, a good one is fast).
+
+    Iterative deepening from ``lower`` (a known lower bound such as ``L(λ)``): each budget is searched with the
+    tightest pruning it allows, and the first one that holds a plan is the least count."""
+    work = 0
+    if not np.isfinite(lower):  # the relaxation already shows that no plan meets T
+        return Search("none", None, None, 0)
+    for level in range(max(int(np.ceil(lower - 1e-9)), 0), budget + 1):
+        found = _walk(relax, lam, level, work_limit - work)
+        work += found.work
+        if found.status != "none" or work >= work_limit:
+            return Search(found.status, found.plan, found.stages, work)
+    return Search("none", None, None, work)
+
+
+def _walk(relax: StageCountBound, lam: np.ndarray, budget: int, work_limit: int) -> Search:
+    if not relax.ok or budget < 0:
+        return Search("none", None, None, 0)
+    n = relax.n
+    ends = np.flatnonzero(relax.fused)
+    if ends.size == 0:
+        return Search("none", None, None, 0)
+    cf, cb = relax.range_costs(lam)
+    g_f = _open_paths(cf, _all_pairs(cf), ends)
+    g_b = _open_paths(cb, _all_pairs(cb), ends)
+    cap_f = np.minimum(relax.f_link, relax.f_mem / 2.0)
+    cap_b = np.minimum(relax.b_link, relax.b_mem)
+    f_ok, b_ok, cover = relax.f_fixed, relax.b_fixed, relax.cover
+    act, rec = relax.act, relax.rec
+    ends_list = ends.tolist()
+
+    def remaining(p: int, q: int, i: int) -> float:
+        k = int(np.searchsorted(ends, i))
+        return float(np.min(g_f[p, i, k:] + g_b[q, i, k:])) if k < ends.size else INF
+
+    # a point: (closed stages, SF, SB, RS, λ·s over the open forward stage, λ·s over the open backward stage, history)
+    states: dict[tuple[int, int], list[tuple]] = {(0, 0): [(0, 0.0, 0.0, 0.0, 0.0, 0.0, None)]}
+    best: tuple[int, int, tuple | None] | None = None
+    work = 0
+    for i in range(n):
+        closed: dict[tuple[int, int], list[tuple]] = {}
+        for (p, q), points in states.items():
+            for c, sf, sb, rs, lf, lb, hist in points:
+                close_f = p < i and f_ok[p, i] and sf <= cap_f[p, i]
+                close_b = q < i and b_ok[q, i] and sb <= cap_b[q, i] and rs >= cover[q, i] - _TOL
+                closed.setdefault((p, q), []).append((c, sf, sb, rs, lf, lb, hist))
+                if close_f:
+                    closed.setdefault((i, q), []).append((c + 1, 0.0, sb, rs, 0.0, lb, (hist, "F", i)))
+                if close_b:
+                    closed.setdefault((p, i), []).append((c + 1, sf, 0.0, 0.0, lf, 0.0, (hist, "B", i)))
+                if close_f and close_b:
+                    closed.setdefault((i, i), []).append((c + 2, 0.0, 0.0, 0.0, 0.0, 0.0, (hist, "FB", i)))
+        if i in ends_list:
+            for c, *_, hist in closed.get((i, i), ()):
+                if c <= budget and (best is None or c < best[0]):
+                    best = (c, i, hist)
+                    budget = c - 1  # from now on only fewer stages are worth finding
+        if i == n - 1:
+            break
+        states = {}
+        for (p, q), points in closed.items():
+            bound = remaining(p, q, i + 1)
+            grown = []
+            for c, sf, sb, rs, lf, lb, hist in points:
+                # completions need >= c + bound + (λ·s of flags only the backward stage holds − forward only)
+                if c + bound + lb - lf > budget + 1e-6:
+                    continue
+                grown.append((c, sf, sb, rs, lf, lb, (hist, 0, i)))
+                if act[i] > 0 or rec[i] > 0:
+                    grown.append((c, sf + act[i], sb + act[i], rs + rec[i], lf + lam[i], lb + lam[i], (hist, 1, i)))
+            if not grown:
+                continue
+            grown.sort(key=lambda x: (x[0], x[1], x[2], -x[3]))
+            kept: list[tuple] = []
+            for x in grown:
+                work += len(kept) + 1
+                if not any(y[0] <= x[0] and y[1] <= x[1] and y[2] <= x[2] and y[3] >= x[3] for y in kept):
+                    kept.append(x)
+            states[(p, q)] = kept
+        if work > work_limit:
+            return Search("limit", *_plan_of(n, best), work)
+        if not states:
+            break
+    if best is None:
+        return Search("none", None, None, work)
+    return Search("plan", *_plan_of(n, best), work)
+
+
+def _plan_of(n: int, best: tuple | None) -> tuple[SegmentPlan | None, int | None]:
+    if best is None:
+        return None, None
+    count, a, hist = best
+    fwd, bwd, saved = [0, a], [0, a], [False] * n
+    while hist is not None:
+        hist, event, i = hist
+        if event in ("F", "FB"):
+            fwd.append(i)
+        if event in ("B", "FB"):
+            bwd.append(i)
+        if event == 1:
+            saved[i] = True
+    fwd, bwd = sorted(set(fwd)), sorted(set(bwd))
+    plan = SegmentPlan(forward=tuple(zip(fwd, fwd[1:])), fused=(a, n),
+                       backward=tuple(reversed(list(zip(bwd, bwd[1:])))),
+                       saved=tuple(saved[:a]) + (False,) * (n - a))
+    return plan, count

@@ -27,8 +27,8 @@ out) and the best one returned. In order:
    met goes into the pool;
 5. *CP-SAT*: budgets in increasing order of ``c(S)·LB(S)``, each with ``T <= incumbent / c(S)``, the best known
    plan as hint, and a share of the deterministic time ``time_limit_s · DET_TIME_PER_S``; a solve raises
-   ``LB`` for every smaller budget. It stops when no budget's bound can beat the incumbent (``status``
-   ``OPTIMAL``) or the time is spent (``FEASIBLE``).
+   ``LB`` for every smaller budget. It stops when no budget's bound is more than ``CPSAT_GAP`` (0.1%) below
+   the incumbent (``status`` ``OPTIMAL`` when none is below it at all) or the time is spent (``FEASIBLE``).
 
 ``stats["bound_s"] = min(incumbent, min_S c(S)·LB(S))`` is a proven lower bound on ``c(S)·T`` over all plans;
 ``stats["gap"] = model_best_s / bound_s − 1``; ``objective_gap`` is ``objective / bound_s − 1`` (the exact
@@ -73,6 +73,9 @@ LAGRANGE_ITERATIONS, LAGRANGE_BISECTIONS = 30, 6
 #: Work (dominance comparisons, ~1.5 M/s) the exact fewest-stage search (:mod:`.exact`) may spend per second of
 #: ``time_limit_s``, and per call.
 EXACT_WORK_PER_S, EXACT_WORK_PER_CALL = 200_000, 1_000_000
+#: CP-SAT starts no solve once every budget's bound is within this fraction of the incumbent (the stats still
+#: report the proven gap; ``status`` is ``OPTIMAL`` only when it is closed).
+CPSAT_GAP = 1e-3
 #: Share of ``time_limit_s`` after which the Lagrangian phase starts no new budget (a guard; counts stop it).
 LAGRANGE_WALL_SHARE = 0.7
 #: Share of ``time_limit_s`` after which no new CP-SAT solve starts (the rest is for the final local search).
@@ -132,11 +135,12 @@ def _lower_bounds(pb: PartitionProblem, tables: RangeTables, pool: _Pool) -> tup
     return saving_bounds(pb, tables, relaxed, pool.c, inc), b_relaxed
 
 
-def _next_budget(pool: _Pool, lb: np.ndarray, tried: set[int]) -> int | None:
+def _next_budget(pool: _Pool, lb: np.ndarray, tried: set[int], tolerance: float = 1e-9) -> int | None:
+    """The untried budget with the least bound, unless no bound is below ``incumbent · (1 − tolerance)``."""
     values = bound_values(pool.c, lb)
     inc = pool.incumbent()
     for s in np.argsort(values, kind="stable"):
-        if values[s] >= inc * (1 - 1e-9):
+        if values[s] >= inc * (1 - tolerance):
             return None
         if int(s) not in tried:
             return int(s)
@@ -197,7 +201,7 @@ def ilp(pb: PartitionProblem, *, time_limit_s: float = 10.0, seed: int = 0) -> P
                                int(time_limit_s * EXACT_WORK_PER_S), deadline=started + LAGRANGE_WALL_SHARE * time_limit_s)
     det_left, tried, log = time_limit_s * DET_TIME_PER_S, set(), []
     while det_left >= MIN_SOLVE_DET and time.perf_counter() < deadline:
-        s = _next_budget(pool, lb, tried)
+        s = _next_budget(pool, lb, tried, CPSAT_GAP)
         if s is None:
             break
         tried.add(s)

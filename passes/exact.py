@@ -64,14 +64,22 @@ def _all_pairs(cost: np.ndarray) -> np.ndarray:
     return d
 
 
-def _open_paths(cost: np.ndarray, dist: np.ndarray, ends: np.ndarray) -> np.ndarray:
-    """``G[p, i, k]``: cheapest staging of ``[p, ends[k])`` whose first range starts at ``p`` and ends at or after
-    ``i`` (``G[p, p, k] = dist[p, ends[k]]``: the open stage is still empty)."""
-    e = cost[:, :, None] + dist[None, :, :][:, :, ends]  # e[p, first range end, k]
-    g = np.minimum.accumulate(e[:, ::-1, :], axis=1)[:, ::-1, :]
-    idx = np.arange(cost.shape[0])
-    g[idx, idx, :] = dist[:, ends]
-    return g
+class _OpenPaths:
+    """``row(p)[i, k]``: cheapest staging of ``[p, ends[k])`` whose first range starts at ``p`` and ends at or after
+    ``i`` (``row(p)[p, k] = dist[p, ends[k]]``: the open stage is still empty). Rows are built when first asked
+    for: the walk only meets starts near its position, and all of them at once would be ``(n+1)² × |ends|``."""
+
+    def __init__(self, cost: np.ndarray, ends: np.ndarray) -> None:
+        self.cost, self.to_ends = cost, _all_pairs(cost)[:, ends]
+        self.rows: dict[int, np.ndarray] = {}
+
+    def row(self, p: int) -> np.ndarray:
+        if p not in self.rows:
+            via = self.cost[p, :, None] + self.to_ends  # via[e, k]: first range [p, e), then on to ends[k]
+            g = np.minimum.accumulate(via[::-1], axis=0)[::-1]
+            g[p] = self.to_ends[p]
+            self.rows[p] = g
+        return self.rows[p]
 
 
 def fewest_stages(relax: StageCountBound, lam: np.ndarray, budget: int, work_limit: int, *,
@@ -100,8 +108,7 @@ def _walk(relax: StageCountBound, lam: np.ndarray, budget: int, work_limit: int)
     if ends.size == 0:
         return Search("none", None, None, 0)
     cf, cb = relax.range_costs(lam)
-    g_f = _open_paths(cf, _all_pairs(cf), ends)
-    g_b = _open_paths(cb, _all_pairs(cb), ends)
+    g_f, g_b = _OpenPaths(cf, ends), _OpenPaths(cb, ends)
     cap_f = np.minimum(relax.f_link, relax.f_mem / 2.0)
     cap_b = np.minimum(relax.b_link, relax.b_mem)
     f_ok, b_ok, cover = relax.f_fixed, relax.b_fixed, relax.cover
@@ -110,7 +117,7 @@ def _walk(relax: StageCountBound, lam: np.ndarray, budget: int, work_limit: int)
 
     def remaining(p: int, q: int, i: int) -> float:
         k = int(np.searchsorted(ends, i))
-        return float(np.min(g_f[p, i, k:] + g_b[q, i, k:])) if k < ends.size else INF
+        return float(np.min(g_f.row(p)[i, k:] + g_b.row(q)[i, k:])) if k < ends.size else INF
 
     # a point: (closed stages, SF, SB, RS, λ·s over the open forward stage, λ·s over the open backward stage, history)
     states: dict[tuple[int, int], list[tuple]] = {(0, 0): [(0, 0.0, 0.0, 0.0, 0.0, 0.0, None)]}

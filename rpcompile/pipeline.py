@@ -49,13 +49,15 @@ class Pipeline:
     """A compiled model: runs training iterations of a plan on its devices (see module docstring)."""
 
     def __init__(self, model: torch.nn.Module, gm: fx.GraphModule, plan: Plan, devices: Sequence[Any],
-                 loss_fn: Callable[[Any, Any], torch.Tensor] | None, precision: str, scaler: Any = None):
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None, precision: str, scaler: Any = None,
+                 loss_in_graph: bool = False):
         from rpcompile.runtime.executor import Executor
         from rpcompile.runtime.schedule import round_robin
         from rpcompile.runtime.split import split_plan
 
         self.model, self.gm, self.plan, self.devices = model, gm, plan, list(devices)
         self.loss_fn, self.precision, self.scaler = loss_fn, precision, scaler
+        self.loss_in_graph = loss_in_graph  # the graph takes the target and returns the loss (split LM head)
         self.microbatches = plan.microbatches
         self.program = split_plan(plan, gm)
         self.schedule = round_robin([s.kind for s in plan.stages], len(self.devices), self.microbatches)
@@ -87,12 +89,18 @@ class Pipeline:
         """One training iteration's forward and backward over the whole batch; returns the batch-mean loss."""
         from rpcompile.planning import split_microbatches
 
+        if self.loss_in_graph:
+            if not isinstance(target, torch.Tensor):
+                raise RPCompileError("this pipeline computes the loss inside its graph (head_chunks > 1): "
+                                     "pass the batch's target, forward_backward(x, target=y)")
+            from rpcompile.passes.loss_head import TARGET
+            kwargs = {**kwargs, TARGET: target}
         store, sizes = self._store(inputs, kwargs)
         total = sum(sizes)
         targets = split_microbatches((target,), self.microbatches) if isinstance(target, torch.Tensor) else None
 
         def loss_of(output: Any, j: int) -> torch.Tensor:
-            if self.loss_fn is None:
+            if self.loss_fn is None or self.loss_in_graph:
                 loss = output
             else:
                 loss = self.loss_fn(output, targets[j][0] if targets is not None else target)
@@ -136,6 +144,8 @@ def compile(
     example_kwargs: Mapping[str, Any] | None = None,
     scaler: Any = None,
     spec: Any = None,
+    example_target: Any = None,
+    head_chunks: int = 1,
     **plan_options: Any,
 ) -> Pipeline:
     """Trace ``model``, plan it (or load/check ``plan``) and return a :class:`Pipeline` on its devices.
@@ -145,6 +155,11 @@ def compile(
     :class:`~rpcompile.specs.DeviceSpec` or preset name) asks for analytic ones — which also makes the plan
     independent of timing noise. ``plan_options`` go to :func:`rpcompile.planning.plan_graph` (``strategy``,
     ``memory_limit``, ``time_limit_s``, ...).
+
+    ``head_chunks=k`` (with ``example_target``, a target for ``example_inputs``) moves a mean token cross-entropy
+    into the graph and splits it with the LM head into ``k`` sequence chunks (:mod:`rpcompile.passes.loss_head`):
+    the full logits never exist and the head spreads over stages. ``forward_backward`` is unchanged;
+    ``forward(x, target=y)`` then returns the loss.
     """
     from rpcompile.runtime.devices import make_devices
 
@@ -161,12 +176,17 @@ def compile(
         if not isinstance(plan, Plan):
             plan = Plan.load(plan)
         gm = trace(model, example_inputs, example_kwargs=example_kwargs)
+        if head_chunks > 1:
+            from rpcompile.passes.loss_head import attach_loss, chunk_loss_head
+            if loss_fn is None:
+                raise ValueError(f"head_chunks={head_chunks} needs loss_fn=")
+            chunk_loss_head(attach_loss(gm, loss_fn), head_chunks)
         plan.check_model(fingerprint(gm))
         verify_plan(plan, gm)
         if plan.hardware.device_count != len(devs):
             raise RPCompileError(f"the plan is for {plan.hardware.device_count} devices but {len(devs)} were given; "
                                  "re-plan for these devices or pass matching devices=")
-        return Pipeline(model, gm, plan, devs, loss_fn, precision, scaler)
+        return Pipeline(model, gm, plan, devs, loss_fn, precision, scaler, loss_in_graph=head_chunks > 1)
     on_cpu = devs[0].torch_device.type == "cpu"
     memory_limit = plan_options.pop("memory_limit", None)
     if memory_limit is None and not on_cpu:
@@ -177,11 +197,12 @@ def compile(
     try:
         gm, m = prepare(model, example_inputs, gpus=len(devs), spec=spec,
                         device=None if spec is not None else devs[0].torch_device, microbatches=microbatches,
-                        precision=precision, example_kwargs=example_kwargs, progress=False)
+                        precision=precision, example_kwargs=example_kwargs, progress=False, loss_fn=loss_fn,
+                        example_target=example_target, head_chunks=head_chunks)
     finally:
         torch.set_num_threads(threads)
     hardware = make_hardware(len(devs), default_spec(spec, devs[0].torch_device, "cpu"), memory_limit)
     # Saved segments run without recomputation (rpcompile.runtime.saved): the planner may keep activations in host
     # memory wherever that is faster than recomputing them and fits.
     made = plan_graph(gm, hardware=hardware, microbatches=m, precision=precision, **plan_options)
-    return Pipeline(model, gm, made, devs, loss_fn, precision, scaler)
+    return Pipeline(model, gm, made, devs, loss_fn, precision, scaler, loss_in_graph=head_chunks > 1)

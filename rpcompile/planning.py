@@ -244,8 +244,14 @@ def prepare(
     max_segments: int | None = None,
     leaf_modules: Sequence[Any] = (),
     progress: bool | None = None,
+    loss_fn: Any = None,
+    example_target: Any = None,
+    head_chunks: int = 1,
 ) -> tuple[fx.GraphModule, int]:
-    """Trace, cost (on one microbatch) and coarsen; returns the graph and the microbatch count."""
+    """Trace, cost (on one microbatch) and coarsen; returns the graph and the microbatch count.
+
+    With ``loss_fn`` and ``example_target`` the loss is part of the graph (its last input is ``target``) and
+    ``head_chunks`` splits the LM head along the sequence (:mod:`rpcompile.passes.loss_head`)."""
     from rpcompile.passes.coarsen import coarsen_pass
 
     from .profiling import analyze, make_cost_model
@@ -254,12 +260,19 @@ def prepare(
     # pipeline to fill, and splitting the batch would only shrink its kernels.
     m = microbatches or (gpus + 1 if gpus > 1 else 1)
     args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
-    piece = split_microbatches((*args, *kwargs.values()), m)[0]
-    first, example_kwargs = piece[: len(args)], dict(zip(kwargs, piece[len(args):]))
+    with_loss = head_chunks > 1  # the loss joins the graph only to be split with the head
+    if with_loss and (loss_fn is None or example_target is None):
+        raise ValueError(f"head_chunks={head_chunks} splits the LM head together with its loss: pass loss_fn= and "
+                         "example_target= (a target for one batch), or use head_chunks=1")
+    extra = (example_target,) if with_loss else ()
+    piece = split_microbatches((*args, *kwargs.values(), *extra), m)[0]
+    first, example_kwargs = piece[: len(args)], dict(zip(kwargs, piece[len(args):len(args) + len(kwargs)]))
+    loss = (loss_fn, piece[-1]) if with_loss else None
     model_device = next((p.device.type for p in model.parameters()), "cpu")
     dtype = None if precision == "fp32" else {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     cost_model = make_cost_model(spec=spec, device=device, dtype=dtype, model_device=model_device)
-    gm = analyze(model, first, example_kwargs=example_kwargs, cost_model=cost_model, leaf_modules=leaf_modules, progress=progress)
+    gm = analyze(model, first, example_kwargs=example_kwargs, cost_model=cost_model, leaf_modules=leaf_modules,
+                 progress=progress, loss=loss, head_chunks=head_chunks)
     coarsen_pass(gm, max_segments=max_segments)
     return gm, m
 
@@ -280,18 +293,24 @@ def plan(
     max_segments: int | None = None,
     leaf_modules: Sequence[Any] = (),
     progress: bool | None = None,
+    loss_fn: Any = None,
+    example_target: Any = None,
+    head_chunks: int = 1,
 ) -> Plan:
     """Make a round-robin plan for ``model`` on ``gpus`` devices.
 
     Costs are analytic for ``spec`` (a :class:`DeviceSpec` or preset name) or measured on ``device``; with neither,
     measured on the CPU (analytic ``rtx4090`` for a meta-device model). The hardware is ``gpus`` devices of
     ``spec`` (``cpu`` when measuring on the CPU, else ``rtx4090``) with ``memory_limit`` usable bytes each.
+    ``head_chunks > 1`` (with ``loss_fn`` and ``example_target``) plans the LM head and its cross-entropy as that
+    many sequence chunks (:mod:`rpcompile.passes.loss_head`).
     """
     if precision not in PRECISION_BYTES:
         raise ValueError(f"precision must be one of {sorted(PRECISION_BYTES)}, got {precision!r}")
     gm, m = prepare(model, example_inputs, gpus=gpus, spec=spec, device=device, microbatches=microbatches,
                     precision=precision, example_kwargs=example_kwargs, max_segments=max_segments,
-                    leaf_modules=leaf_modules, progress=progress)
+                    leaf_modules=leaf_modules, progress=progress, loss_fn=loss_fn, example_target=example_target,
+                    head_chunks=head_chunks)
     model_device = next((p.device.type for p in model.parameters()), "cpu")
     hardware = make_hardware(gpus, default_spec(spec, device, model_device), memory_limit)
     return plan_graph(gm, hardware=hardware, microbatches=m, strategy=strategy, precision=precision, time_limit_s=time_limit_s)

@@ -55,15 +55,35 @@ def analyze(
     cost_model: Any,
     leaf_modules: Sequence[Any] = (),
     progress: bool | None = None,
+    loss: tuple[Any, Any] | None = None,
+    head_chunks: int = 1,
 ) -> fx.GraphModule:
-    """Trace ``model`` and run the shape and cost passes; returns the annotated GraphModule."""
+    """Trace ``model`` and run the shape and cost passes; returns the annotated GraphModule.
+
+    ``loss=(loss_fn, example_target)`` puts the loss in the graph (:func:`rpcompile.passes.loss_head.attach_loss`:
+    a last input ``target``) and ``head_chunks > 1`` then splits the LM head and its cross-entropy along the
+    sequence (:func:`~rpcompile.passes.loss_head.chunk_loss_head`)."""
     from rpcompile.passes.cost import cost_pass
+    from rpcompile.passes.loss_head import TARGET, attach_loss, chunk_loss_head
     from rpcompile.passes.shape import shape_pass
     from rpcompile.tracing import trace
 
     gm = _timed("trace", lambda: trace(model, example_inputs, example_kwargs=example_kwargs, leaf_modules=leaf_modules))
     if not isinstance(gm, fx.GraphModule):
         raise TypeError(f"trace returned {type(gm).__name__}, expected a GraphModule")
+    if loss is not None:
+        loss_fn, target = loss
+        if head_chunks > 1 and not (isinstance(target, torch.Tensor) and target.dim() >= 2):
+            raise ValueError(f"head_chunks={head_chunks} splits along the sequence: the target must be a "
+                             f"[batch, sequence] tensor, got {getattr(target, 'shape', type(target).__name__)}")
+        attach_loss(gm, loss_fn)
+        split = chunk_loss_head(gm, head_chunks)
+        if head_chunks > 1 and split.chunks == 1:
+            raise ValueError(f"head_chunks={head_chunks}: the LM head cannot be split ({split.reason}); "
+                             "use head_chunks=1")
+        example_kwargs = {**dict(example_kwargs or {}), TARGET: target}
+    elif head_chunks > 1:
+        raise ValueError(f"head_chunks={head_chunks} needs the loss in the graph: pass loss_fn and an example target")
     _timed("shape_pass", lambda: shape_pass(gm, example_inputs, example_kwargs))
     _timed("cost_pass", lambda: cost_pass(gm, example_inputs, example_kwargs, cost_model=cost_model, progress=progress))
     return gm

@@ -1,0 +1,74 @@
+"""The loss in the graph and the LM head split along the sequence (``rpcompile.passes.loss_head``)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import rpcompile
+from rpcompile.models import load_model
+from rpcompile.passes.loss_head import attach_loss, chunk_loss_head
+from rpcompile.tracing import trace
+
+from test_runtime import FINE_CPU, TOL, assert_grads_equal
+
+
+def _ce_count(gm) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is F.cross_entropy)
+
+
+@pytest.mark.parametrize("name", ["llama-demo", "gpt-demo"])
+@pytest.mark.parametrize("chunks", [2, 3, 7])
+def test_split_head_gives_the_eager_loss_and_gradients(name, chunks):
+    spec = load_model(name, batch_size=2)
+    ref = copy.deepcopy(spec.model)
+    (x,), y = spec.example_inputs, spec.example_target.clone()
+    y[0, :5] = -100  # ignored tokens: the mean counts only the others, per chunk as in eager
+    gm = attach_loss(trace(spec.model, (x,)), spec.loss_fn)
+    split = chunk_loss_head(gm, chunks)
+    assert split.chunks == chunks and _ce_count(gm) == chunks
+    loss = gm(x, y)
+    ref_loss = spec.loss_fn(ref(x), y)
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+    loss.backward()
+    ref_loss.backward()
+    assert_grads_equal(spec.model, ref)
+
+
+def test_head_split_refuses_what_it_cannot_split():
+    spec = load_model("llama-demo", batch_size=2)
+    gm = attach_loss(trace(spec.model, spec.example_inputs), lambda out, t: F.mse_loss(out.float(), t))
+    assert chunk_loss_head(gm, 4).reason == "expected one cross_entropy in the graph, found 0"
+    weighted = lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten(), reduction="sum")  # noqa: E731
+    gm = attach_loss(trace(spec.model, spec.example_inputs), weighted)
+    assert chunk_loss_head(gm, 4).reason == "cross_entropy must be a plain mean (no class weights, default reduction)"
+    assert chunk_loss_head(gm, 1).chunks == 1
+
+
+def test_pipeline_with_split_head_matches_eager():
+    spec = load_model("llama-demo", batch_size=6)
+    ref = copy.deepcopy(spec.model)
+    (x,), y = spec.example_inputs, spec.example_target
+    pipe = rpcompile.compile(spec.model, (x,), loss_fn=spec.loss_fn, devices=["cpu", "cpu"], microbatches=3,
+                             spec=FINE_CPU, time_limit_s=2.0, example_target=y, head_chunks=4)
+    assert _ce_count(pipe.gm) == 4
+    loss = pipe.forward_backward(x, target=y)
+    ref_loss = spec.loss_fn(ref(x), y)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+    assert_grads_equal(spec.model, ref)
+    with pytest.raises(rpcompile.RPCompileError, match=r"pass the batch's target, forward_backward\(x, target=y\)"):
+        pipe.forward_backward(x)
+
+
+def test_split_head_needs_a_loss_and_a_sequence_target():
+    spec = load_model("llama-demo", batch_size=2)
+    with pytest.raises(ValueError, match=r"head_chunks=2 splits the LM head together with its loss: pass loss_fn= "
+                                         r"and example_target="):
+        rpcompile.plan(spec.model, spec.example_inputs, gpus=2, spec="cpu", head_chunks=2)
+    with pytest.raises(ValueError, match=r"the target must be a \[batch, sequence\] tensor, got torch.Size\(\[1\]\)"):
+        rpcompile.plan(spec.model, spec.example_inputs, gpus=2, spec="cpu", microbatches=2, head_chunks=2,
+                       loss_fn=spec.loss_fn, example_target=torch.zeros(2, dtype=torch.long))

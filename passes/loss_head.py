@@ -27,10 +27,12 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-__all__ = ["attach_loss", "chunk_loss_head", "HeadSplit", "TARGET"]
+__all__ = ["attach_loss", "chunk_loss_head", "split_head", "HeadSplit", "TARGET", "HEAD_CHUNKS_META"]
 
 #: Name of the placeholder :func:`attach_loss` adds.
 TARGET = "target"
+#: ``gm.meta`` key under which :func:`chunk_loss_head` records its chunk count.
+HEAD_CHUNKS_META = "rpcompile.head_chunks"
 
 _CASTS = {"float", "double", "half", "bfloat16", "to", "type", "contiguous", "long", "int"}
 
@@ -190,4 +192,16 @@ def chunk_loss_head(gm: fx.GraphModule, chunks: int) -> HeadSplit:
             graph.erase_node(node)
     graph.lint()
     gm.recompile()
+    gm.meta[HEAD_CHUNKS_META] = chunks  # plans made from this graph record it, so it can be rebuilt
     return HeadSplit(chunks)
+
+
+def split_head(gm: fx.GraphModule, loss_fn: Callable[[Any, Any], torch.Tensor] | None, chunks: int) -> fx.GraphModule:
+    """:func:`attach_loss` then :func:`chunk_loss_head` with ``chunks`` (> 1), raising when the head cannot be
+    split; the graph a ``head_chunks`` plan was made from, rebuilt from a fresh trace."""
+    if loss_fn is None:
+        raise ValueError(f"head_chunks={chunks} splits the LM head together with its loss: pass loss_fn=")
+    split = chunk_loss_head(attach_loss(gm, loss_fn), chunks)
+    if split.chunks != chunks:
+        raise ValueError(f"head_chunks={chunks}: the LM head cannot be split ({split.reason}); use head_chunks=1")
+    return gm

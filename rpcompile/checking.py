@@ -78,8 +78,10 @@ def rescore(plan: Any, gm: Any) -> tuple[Any, list[str]]:
 
 
 def check_plan(path: str | Path, model: Any, example_inputs: Sequence[Any], *, max_regression: float = 0.02,
-               time_limit_s: float = 10.0, progress: bool | None = False) -> CheckResult:
-    """Check the plan file at ``path`` against ``model`` (see the module docstring)."""
+               time_limit_s: float = 10.0, progress: bool | None = False, loss_fn: Any = None,
+               example_target: Any = None) -> CheckResult:
+    """Check the plan file at ``path`` against ``model`` (see the module docstring). A plan made with a split LM
+    head (``head_chunks > 1``) needs ``loss_fn`` and ``example_target`` to rebuild its graph."""
     from rpcompile.errors import InfeasibleError, PlanFileError
     from rpcompile.passes.problem import iteration_time, stage_costs, validate_segment_plan
     from rpcompile.passes.validate import format_bytes
@@ -100,7 +102,8 @@ def check_plan(path: str | Path, model: Any, example_inputs: Sequence[Any], *, m
     spec = None if measured else hw.spec
     device = "cpu" if measured else None
     gm, m = prepare(model, example_inputs, gpus=hw.device_count, spec=spec, device=device,
-                    microbatches=plan.microbatches, precision=plan.precision, progress=progress)
+                    microbatches=plan.microbatches, precision=plan.precision, progress=progress, loss_fn=loss_fn,
+                    example_target=example_target, head_chunks=plan.head_chunks)
     diffs = plan.model.differences(fingerprint(gm))
     if diffs:
         result.problems.append(f"stale model: the plan was made for a different model ({'; '.join(diffs)}); re-plan")

@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16", help="compute/upload precision (default bf16)")
     p.add_argument("--time-limit", type=float, default=10.0, help="solver time limit in seconds")
     p.add_argument("--max-segments", type=int, default=None, help="coarsening target (default ~2 per layer)")
+    p.add_argument("--head-chunks", type=int, default=1, metavar="K",
+                   help="put the loss in the graph and split the LM head into K sequence chunks (default 1: no split)")
     p.add_argument("-o", "--output", default=None, help="write the plan JSON here")
     p.add_argument("--emit", default=None, metavar="DIR", help="write each stage's generated Python into DIR")
     p.add_argument("--compare", action="store_true", help="(with --json) report every strategy")
@@ -256,7 +258,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         microbatches = 1  # check_plan reports the file
     ms = _load_for(args, microbatches)
     res = check_plan(args.plan, ms.model, ms.example_inputs, max_regression=args.max_regression,
-                     time_limit_s=args.time_limit)
+                     time_limit_s=args.time_limit, loss_fn=ms.loss_fn, example_target=ms.example_target)
     if args.json:
         print(json.dumps(res.to_dict()))
     else:
@@ -329,7 +331,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     ms = _load_for(args, args.microbatches or args.gpus + 1)
     gm, m = prepare(ms.model, ms.example_inputs, gpus=args.gpus, spec=args.spec, device=args.device,
                     microbatches=args.microbatches, precision=args.precision, max_segments=args.max_segments,
-                    progress=False if args.json else None)
+                    progress=False if args.json else None, loss_fn=ms.loss_fn, example_target=ms.example_target,
+                    head_chunks=args.head_chunks)
     model_device = next((p.device.type for p in ms.model.parameters()), "cpu")
     hardware = make_hardware(args.gpus, default_spec(args.spec, args.device, model_device), args.memory_limit)
     rows = compare(gm, hardware=hardware, microbatches=m, precision=args.precision, time_limit_s=args.time_limit)

@@ -176,11 +176,11 @@ def compile(
         if not isinstance(plan, Plan):
             plan = Plan.load(plan)
         gm = trace(model, example_inputs, example_kwargs=example_kwargs)
+        head_chunks = plan.head_chunks  # the plan says which graph it was made from
         if head_chunks > 1:
-            from rpcompile.passes.loss_head import attach_loss, chunk_loss_head
-            if loss_fn is None:
-                raise ValueError(f"head_chunks={head_chunks} needs loss_fn=")
-            chunk_loss_head(attach_loss(gm, loss_fn), head_chunks)
+            from rpcompile.passes.loss_head import split_head
+
+            split_head(gm, loss_fn, head_chunks)
         plan.check_model(fingerprint(gm))
         verify_plan(plan, gm)
         if plan.hardware.device_count != len(devs):

@@ -173,6 +173,9 @@ class Plan:
     precision: str = "fp32"
     tokens_per_microbatch: int = 0
     """Tokens (elements of the first integer input; else samples) in one microbatch, for tokens/s; 0 if unknown."""
+    head_chunks: int = 1
+    """The graph had its loss attached and the LM head split into this many sequence chunks
+    (:mod:`rpcompile.passes.loss_head`); 1: the plain model graph. Written only when > 1."""
     stats: Mapping[str, Any] = field(default_factory=dict)
     """Solver statistics (free-form numbers and strings)."""
     schema_version: int = SCHEMA_VERSION
@@ -214,6 +217,8 @@ class Plan:
         d = dataclasses.asdict(self)
         d["hardware"]["spec"] = self.hardware.spec.to_dict()
         d["stats"] = _jsonable(dict(self.stats))
+        if d["head_chunks"] == 1:
+            del d["head_chunks"]
         d = {"schema_version": d.pop("schema_version"), **d}
         return d
 
@@ -252,6 +257,7 @@ class Plan:
                 cost_model=d.get("cost_model", ""),
                 precision=d.get("precision", "fp32"),
                 tokens_per_microbatch=d.get("tokens_per_microbatch", 0),
+                head_chunks=d.get("head_chunks", 1),
                 stats=d.get("stats", {}),
             )
         except KeyError as e:

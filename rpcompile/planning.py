@@ -8,6 +8,7 @@ single device.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -130,7 +131,7 @@ def to_plan(gm: fx.GraphModule, problem: Any, result: Any, *, hardware: Hardware
     costs = stage_costs(problem, sp)
     saved = [n for s, keep in zip(segs, sp.saved) if keep for n in s.nodes]
     iteration = iteration_time(problem, sp)
-    return plan_from_ranges(
+    made = plan_from_ranges(
         gm,
         forward=[nodes_of(r) for r in sp.forward],
         fused=nodes_of(sp.fused),
@@ -153,6 +154,9 @@ def to_plan(gm: fx.GraphModule, problem: Any, result: Any, *, hardware: Hardware
         stats={k: v for k, v in result.stats.items() if isinstance(v, (int, float, str, bool))}
         | {"solve_time_s": result.solve_time_s, "segments": len(segs)},
     )
+    from rpcompile.passes.loss_head import HEAD_CHUNKS_META
+
+    return dataclasses.replace(made, head_chunks=int(gm.meta.get(HEAD_CHUNKS_META, 1)))
 
 
 def _figures(c: Any, microbatches: int) -> dict:

@@ -64,7 +64,7 @@ def analyze(
     a last input ``target``) and ``head_chunks > 1`` then splits the LM head and its cross-entropy along the
     sequence (:func:`~rpcompile.passes.loss_head.chunk_loss_head`)."""
     from rpcompile.passes.cost import cost_pass
-    from rpcompile.passes.loss_head import TARGET, attach_loss, chunk_loss_head
+    from rpcompile.passes.loss_head import TARGET, split_head
     from rpcompile.passes.shape import shape_pass
     from rpcompile.tracing import trace
 
@@ -76,11 +76,7 @@ def analyze(
         if head_chunks > 1 and not (isinstance(target, torch.Tensor) and target.dim() >= 2):
             raise ValueError(f"head_chunks={head_chunks} splits along the sequence: the target must be a "
                              f"[batch, sequence] tensor, got {getattr(target, 'shape', type(target).__name__)}")
-        attach_loss(gm, loss_fn)
-        split = chunk_loss_head(gm, head_chunks)
-        if head_chunks > 1 and split.chunks == 1:
-            raise ValueError(f"head_chunks={head_chunks}: the LM head cannot be split ({split.reason}); "
-                             "use head_chunks=1")
+        split_head(gm, loss_fn, head_chunks)
         example_kwargs = {**dict(example_kwargs or {}), TARGET: target}
     elif head_chunks > 1:
         raise ValueError(f"head_chunks={head_chunks} needs the loss in the graph: pass loss_fn and an example target")

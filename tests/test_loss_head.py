@@ -72,3 +72,36 @@ def test_split_head_needs_a_loss_and_a_sequence_target():
     with pytest.raises(ValueError, match=r"the target must be a \[batch, sequence\] tensor, got torch.Size\(\[1\]\)"):
         rpcompile.plan(spec.model, spec.example_inputs, gpus=2, spec="cpu", microbatches=2, head_chunks=2,
                        loss_fn=spec.loss_fn, example_target=torch.zeros(2, dtype=torch.long))
+
+
+def test_split_head_plan_file_round_trip_and_reuse(tmp_path):
+    """The plan records head_chunks (only when > 1), and compile(plan=...) rebuilds the same graph from it."""
+    spec = load_model("llama-demo", batch_size=6)
+    (x,), y = spec.example_inputs, spec.example_target
+    pipe = rpcompile.compile(spec.model, (x,), loss_fn=spec.loss_fn, devices=["cpu", "cpu"], microbatches=3,
+                             spec=FINE_CPU, time_limit_s=2.0, example_target=y, head_chunks=3)
+    assert pipe.plan.head_chunks == 3 and pipe.plan.to_dict()["head_chunks"] == 3
+    path = pipe.plan.save(tmp_path / "split.json")
+    plain = rpcompile.plan(spec.model, (x,), gpus=2, spec="cpu", microbatches=3, time_limit_s=1.0)
+    assert plain.head_chunks == 1 and "head_chunks" not in plain.to_dict()
+
+    fresh = load_model("llama-demo", batch_size=6)
+    ref = copy.deepcopy(fresh.model)
+    again = rpcompile.compile(fresh.model, (x,), loss_fn=fresh.loss_fn, devices=["cpu", "cpu"], plan=path)
+    assert again.plan.head_chunks == 3 and _ce_count(again.gm) == 3
+    loss = again.forward_backward(x, target=y)
+    ref_loss = fresh.loss_fn(ref(x), y)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+    assert_grads_equal(fresh.model, ref)
+
+
+def test_cli_plans_and_checks_a_split_head(tmp_path, capsys):
+    from rpcompile.cli import main
+
+    out = tmp_path / "split.json"
+    assert main(["plan", "llama-demo", "--gpus", "2", "--spec", "rtx4090", "--head-chunks", "4", "-o", str(out),
+                 "--json"]) == 0
+    capsys.readouterr()
+    assert rpcompile.Plan.load(out).head_chunks == 4
+    assert main(["check", str(out), "llama-demo"]) == 0

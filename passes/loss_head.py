@@ -46,6 +46,13 @@ class _Loss(torch.nn.Module):
         return self.loss_fn(output, target)
 
 
+class _LossTracer(fx.Tracer):
+    """Traces into torch's loss modules (``nn.CrossEntropyLoss()`` becomes its ``F.cross_entropy`` call)."""
+
+    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+        return not isinstance(m, torch.nn.modules.loss._Loss) and super().is_leaf_module(m, module_qualified_name)
+
+
 def attach_loss(gm: fx.GraphModule, loss_fn: Callable[[Any, Any], torch.Tensor]) -> fx.GraphModule:
     """Append ``loss_fn(output, target)`` to ``gm`` in place (a new last placeholder ``target``); returns ``gm``."""
     graph = gm.graph
@@ -54,7 +61,8 @@ def attach_loss(gm: fx.GraphModule, loss_fn: Callable[[Any, Any], torch.Tensor])
     if any(n.target == TARGET or n.name == TARGET for n in graph.find_nodes(op="placeholder")):
         raise ValueError(f"the model already has an input named {TARGET!r}; rename it to attach the loss")
     try:
-        loss_gm = fx.symbolic_trace(_Loss(loss_fn))
+        root = _Loss(loss_fn)
+        loss_gm = fx.GraphModule(root, _LossTracer().trace(root))
     except Exception as exc:  # noqa: BLE001 - any tracing failure means the same thing here
         raise ValueError(f"loss_fn could not be traced with torch.fx ({type(exc).__name__}: {exc}); pass a loss "
                          "built from torch functions, or keep it outside the graph (no head split)") from exc
@@ -73,10 +81,12 @@ def attach_loss(gm: fx.GraphModule, loss_fn: Callable[[Any, Any], torch.Tensor])
             elif node.op == "output":
                 result = fx.map_arg(node.args[0], lambda n: env[n])
             else:
-                if node.op in ("call_module", "get_attr"):
+                if node.op in ("call_module", "get_attr"):  # e.g. loss_fn = nn.CrossEntropyLoss()
                     name = f"loss_{node.target}".replace(".", "_")
-                    gm.add_submodule(name, loss_gm.get_submodule(node.target)) if node.op == "call_module" \
-                        else setattr(gm, name, getattr(loss_gm, node.target))
+                    if node.op == "call_module":
+                        gm.add_submodule(name, loss_gm.get_submodule(node.target))
+                    else:
+                        setattr(gm, name, getattr(loss_gm, node.target))
                     new = graph.create_node(node.op, name, fx.map_arg(node.args, lambda n: env[n]),
                                             fx.map_arg(node.kwargs, lambda n: env[n]))
                 else:
@@ -150,10 +160,16 @@ def chunk_loss_head(gm: fx.GraphModule, chunks: int) -> HeadSplit:
     tgt, target_steps = _chain(opts["target"], target_side=True)
     if tgt is None:
         return HeadSplit(1, "the cross_entropy target is not a tensor through flatten/view(-1)")
+    reshapes = ("flatten", "view", "reshape")
+    step_name = lambda n: n.target if n.op == "call_method" else n.target.__name__  # noqa: E731
+    if not any(step_name(n) in reshapes for n in logit_steps) or \
+            not any(step_name(n) in reshapes for n in target_steps):
+        return HeadSplit(1, "cross_entropy must see [tokens, vocab] logits and [tokens] targets "
+                            "(flatten(0, 1) / view(-1, V) and flatten() / view(-1))")
     inner = [head] + logit_steps
     if any(len(n.users) != 1 for n in inner):
         return HeadSplit(1, "the logits are used outside the loss, so they must exist whole")
-    x = head.args[0] if head.op == "call_module" else head.args[0]
+    x = head.args[0]  # the hidden states, [batch, sequence, dim]
     ignore = opts.get("ignore_index", -100)
     smoothing = opts.get("label_smoothing", 0.0)
 

@@ -48,6 +48,33 @@ def test_head_split_refuses_what_it_cannot_split():
     assert chunk_loss_head(gm, 1).chunks == 1
 
 
+def test_split_head_with_a_loss_module_and_label_smoothing():
+    """``nn.CrossEntropyLoss`` is traced into its functional call, options kept; unflattened logits are refused."""
+    spec = load_model("llama-demo", batch_size=2)
+    ref = copy.deepcopy(spec.model)
+    (x,), y = spec.example_inputs, spec.example_target
+    ce = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
+
+    class TokenLoss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ce = ce
+
+        def forward(self, logits, target):
+            return self.ce(logits.flatten(0, 1), target.flatten())
+
+    gm = attach_loss(trace(spec.model, (x,)), TokenLoss())
+    assert chunk_loss_head(gm, 3).chunks == 3
+    loss = gm(x, y)
+    ref_loss = ce(ref(x).flatten(0, 1), y.flatten())
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+    loss.backward()
+    ref_loss.backward()
+    assert_grads_equal(spec.model, ref)
+    gm = attach_loss(trace(spec.model, (x,)), ce)  # class dim 1 would be the sequence: not a token loss
+    assert chunk_loss_head(gm, 3).reason.startswith("cross_entropy must see [tokens, vocab] logits")
+
+
 def test_pipeline_with_split_head_matches_eager():
     spec = load_model("llama-demo", batch_size=6)
     ref = copy.deepcopy(spec.model)

@@ -28,6 +28,7 @@ from typing import Sequence
 import torch.fx as fx
 
 from .cost import node_cost
+from .loss_head import CHUNK_META
 from .shape import SHAPE_KEY
 from .util import compute_nodes
 
@@ -119,10 +120,11 @@ def _group_keys(nodes: Sequence[fx.Node]) -> tuple[list[str], list[str]]:
     depths = [i + 1 for p in paths for i, part in enumerate(p.split(".")) if _NUMERIC.match(part)]
     d = min(depths) if depths else 1
     groups, layers = [], []
-    for p in paths:
+    for node, p in zip(nodes, paths):
         parts = p.split(".") if p else []
         layered = len(parts) >= d and _NUMERIC.match(parts[d - 1] if d - 1 < len(parts) else "")
-        groups.append(".".join(parts[: d + 1]) if layered else ".".join(parts[:d]) or "(root)")
+        group = ".".join(parts[: d + 1]) if layered else ".".join(parts[:d]) or "(root)"
+        groups.append(node.meta.get(CHUNK_META, group))  # a split LM head: one group per chunk
         layers.append(".".join(parts[:d]) or "(root)")
     return groups, layers
 
@@ -167,7 +169,8 @@ def coarsen_pass(gm: fx.GraphModule, *, max_segments: int | None = None) -> fx.G
     groups, layer_keys = _group_keys(nodes)
     runs = _runs(groups)
     n_layers = sum(1 for a, _ in _runs(layer_keys) if _NUMERIC.match(layer_keys[a].rsplit(".", 1)[-1]))
-    target = max_segments or default_max_segments(n_layers)
+    chunks = len({n.meta[CHUNK_META] for n in nodes if CHUNK_META in n.meta})  # a split LM head's pieces
+    target = max_segments or default_max_segments(n_layers) + chunks
     time = [node_cost(n).fwd_time_s + node_cost(n).bwd_time_s for n in nodes]
     bounds = _merge(runs, time, live, target)
     layer_index, previous = [], None

@@ -27,12 +27,15 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-__all__ = ["attach_loss", "chunk_loss_head", "split_head", "HeadSplit", "TARGET", "HEAD_CHUNKS_META"]
+__all__ = ["attach_loss", "chunk_loss_head", "split_head", "HeadSplit", "TARGET", "HEAD_CHUNKS_META", "CHUNK_META"]
 
 #: Name of the placeholder :func:`attach_loss` adds.
 TARGET = "target"
 #: ``gm.meta`` key under which :func:`chunk_loss_head` records its chunk count.
 HEAD_CHUNKS_META = "rpcompile.head_chunks"
+#: ``node.meta`` key naming the chunk a node computes (``lm_head.chunk2``): the coarsener groups by it, so the
+#: chunks become segments of their own with readable names.
+CHUNK_META = "rpcompile.head_chunk"
 
 _CASTS = {"float", "double", "half", "bfloat16", "to", "type", "contiguous", "long", "int"}
 
@@ -184,9 +187,13 @@ def chunk_loss_head(gm: fx.GraphModule, chunks: int) -> HeadSplit:
         return cur
 
     before = set(graph.nodes)
+    from rpcompile.tracing import module_path
+
+    label = module_path(head) or "head"
     total = None
     with graph.inserting_before(ce):
         for j in range(chunks):
+            start = set(graph.nodes)
             xj = piece(x, j)
             lj = graph.node_copy(head, lambda n, c=xj: c if n is x else n)
             logits = copy(logit_steps, lj)
@@ -194,6 +201,9 @@ def chunk_loss_head(gm: fx.GraphModule, chunks: int) -> HeadSplit:
             cj = graph.call_function(F.cross_entropy, (logits, tj),
                                      {"ignore_index": ignore, "reduction": "sum", "label_smoothing": smoothing})
             total = cj if total is None else graph.call_function(operator.add, (total, cj))
+            for node in graph.nodes:
+                if node not in start:
+                    node.meta[CHUNK_META] = f"{label}.chunk{j}"
         counted = graph.call_method("sum", (graph.call_method("ne", (tgt, ignore)),))
         loss = graph.call_function(operator.truediv, (total, counted))
     stack = ce.meta.get("nn_module_stack")

@@ -382,3 +382,19 @@ def test_exact_search_count_does_not_depend_on_the_prices(pb, factor, data):
         assert plain.plan.stage_count == plain.stages + 1
         assert not validate_segment_plan(pb, plain.plan, memory=False)
         assert max(c.time_s for c in stage_costs(pb, plain.plan)) <= T * (1 + 1e-9)
+
+
+def test_exact_search_prices_flags_only_one_open_stage_holds():
+    """A chain where the pruning's one-sided price term decides: with its sign flipped the walk drops the only
+    3-stage completions (found by a seeded search over random chains)."""
+    pb = PartitionProblem(
+        names=("s0", "s1", "s2", "s3"), layer=(0, 1, 2, 3), fwd_s=(1.51, 1.149, 0.609, 0.586),
+        bwd_s=(3.02, 2.298, 1.218, 1.758), rec_s=(1.51, 1.149, 0.609, 0.293), act_bytes=(421, 906, 394, 549),
+        peak_bytes=(91, 353, 476, 170), boundary_bytes=(1312, 1601, 2062, 1928), input_bytes=44,
+        param_bytes=(18, 1405, 646, 681), grad_bytes=(245, 1879, 218, 1643), device_count=2, microbatches=3,
+        memory_bytes=10**12, link_bytes_per_s=5000.0)
+    relax = StageCountBound(pb, RangeTables.build(pb), 3.9919707315857282)
+    lam = np.array([1.3695731132748525, -0.24310330169450034, -1.1402372372424057, 0.9601262013669567])
+    plain = fewest_stages(relax, np.zeros(pb.n), 8, 10**7)
+    priced = fewest_stages(relax, lam, 8, 10**7)
+    assert (plain.status, plain.stages) == (priced.status, priced.stages) == ("plan", 3)

@@ -20,9 +20,10 @@ saved or not. Two rules keep the walk small, and both are exact:
   near the relaxation's optimum.
 
 Once a plan within the budget is met the budget tightens to one stage fewer, so a completed walk returns the
-least count. The memory prefetch term
-``P`` is relaxed as in :mod:`.lagrange` (the caller validates the plan); "none" is a proof either way. Its work is
-counted (dominance comparisons), not timed, so the same input gives the same answer.
+least count; :func:`fewest_stages` walks budgets upwards from ``L(λ)`` (iterative deepening), each with the
+tightest pruning it allows. The memory prefetch term ``P`` is relaxed as in :mod:`.lagrange` (the caller
+validates the plan); "none" is a proof either way. Its work is counted (dominance comparisons), not timed, so
+the same input gives the same answer.
 """
 
 from __future__ import annotations

@@ -114,7 +114,7 @@ def _walk(relax: StageCountBound, lam: np.ndarray, budget: int, work_limit: int)
     cap_b = np.minimum(relax.b_link, relax.b_mem)
     f_ok, b_ok, cover = relax.f_fixed, relax.b_fixed, relax.cover
     act, rec = relax.act, relax.rec
-    ends_list = ends.tolist()
+    end_set = set(ends.tolist())
 
     def remaining(p: int, q: int, i: int) -> float:
         k = int(np.searchsorted(ends, i))
@@ -137,7 +137,7 @@ def _walk(relax: StageCountBound, lam: np.ndarray, budget: int, work_limit: int)
                     closed.setdefault((p, i), []).append((c + 1, sf, 0.0, 0.0, lf, 0.0, (hist, "B", i)))
                 if close_f and close_b:
                     closed.setdefault((i, i), []).append((c + 2, 0.0, 0.0, 0.0, 0.0, 0.0, (hist, "FB", i)))
-        if i in ends_list:
+        if i in end_set:
             for c, *_, hist in closed.get((i, i), ()):
                 if c <= budget and (best is None or c < best[0]):
                     best = (c, i, hist)

@@ -116,10 +116,17 @@ def _is_linear(node: fx.Node, gm: fx.GraphModule) -> bool:
     return node.op == "call_function" and node.target in (F.linear, torch._C._nn.linear)
 
 
+_RESHAPES = ("flatten", "view", "reshape")
+
+
+def _step_name(node: fx.Node) -> str:
+    return node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+
+
 def _tokenwise(node: fx.Node, target_side: bool) -> bool:
     """A single-tensor step that maps each token's row on its own (so it commutes with a sequence split)."""
-    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-    if node.op not in ("call_method", "call_function") or name not in _CASTS | {"flatten", "view", "reshape"}:
+    name = _step_name(node)
+    if node.op not in ("call_method", "call_function") or name not in _CASTS | set(_RESHAPES):
         return False
     if name in _CASTS:
         return True
@@ -163,10 +170,8 @@ def chunk_loss_head(gm: fx.GraphModule, chunks: int) -> HeadSplit:
     tgt, target_steps = _chain(opts["target"], target_side=True)
     if tgt is None:
         return HeadSplit(1, "the cross_entropy target is not a tensor through flatten/view(-1)")
-    reshapes = ("flatten", "view", "reshape")
-    step_name = lambda n: n.target if n.op == "call_method" else n.target.__name__  # noqa: E731
-    if not any(step_name(n) in reshapes for n in logit_steps) or \
-            not any(step_name(n) in reshapes for n in target_steps):
+    if not any(_step_name(n) in _RESHAPES for n in logit_steps) or \
+            not any(_step_name(n) in _RESHAPES for n in target_steps):
         return HeadSplit(1, "cross_entropy must see [tokens, vocab] logits and [tokens] targets "
                             "(flatten(0, 1) / view(-1, V) and flatten() / view(-1))")
     inner = [head] + logit_steps

@@ -97,10 +97,12 @@ class Pipeline:
             kwargs = {**kwargs, TARGET: target}
         store, sizes = self._store(inputs, kwargs)
         total = sum(sizes)
-        targets = split_microbatches((target,), self.microbatches) if isinstance(target, torch.Tensor) else None
+        outside = self.loss_fn is not None and not self.loss_in_graph  # the loss runs after the last stage
+        targets = split_microbatches((target,), self.microbatches) \
+            if outside and isinstance(target, torch.Tensor) else None
 
         def loss_of(output: Any, j: int) -> torch.Tensor:
-            if self.loss_fn is None or self.loss_in_graph:
+            if not outside:
                 loss = output
             else:
                 loss = self.loss_fn(output, targets[j][0] if targets is not None else target)

@@ -254,8 +254,8 @@ def prepare(
 ) -> tuple[fx.GraphModule, int]:
     """Trace, cost (on one microbatch) and coarsen; returns the graph and the microbatch count.
 
-    With ``loss_fn`` and ``example_target`` the loss is part of the graph (its last input is ``target``) and
-    ``head_chunks`` splits the LM head along the sequence (:mod:`rpcompile.passes.loss_head`)."""
+    ``head_chunks > 1`` (which needs ``loss_fn`` and ``example_target``) puts the loss in the graph (its last input
+    is ``target``) and splits the LM head along the sequence (:mod:`rpcompile.passes.loss_head`)."""
     from rpcompile.passes.coarsen import coarsen_pass
 
     from .profiling import analyze, make_cost_model
@@ -265,7 +265,7 @@ def prepare(
     m = microbatches or (gpus + 1 if gpus > 1 else 1)
     args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
     with_loss = head_chunks > 1  # the loss joins the graph only to be split with the head
-    if with_loss and (loss_fn is None or example_target is None):
+    if with_loss and (loss_fn is None or example_target is None):  # before the batch split's own errors
         raise ValueError(f"head_chunks={head_chunks} splits the LM head together with its loss: pass loss_fn= and "
                          "example_target= (a target for one batch), or use head_chunks=1")
     extra = (example_target,) if with_loss else ()

@@ -79,7 +79,8 @@ def analyze(
         split_head(gm, loss_fn, head_chunks)
         example_kwargs = {**dict(example_kwargs or {}), TARGET: target}
     elif head_chunks > 1:
-        raise ValueError(f"head_chunks={head_chunks} needs the loss in the graph: pass loss_fn and an example target")
+        raise ValueError(f"head_chunks={head_chunks} splits the LM head together with its loss: pass loss_fn= and "
+                         "example_target= (a target for one batch), or use head_chunks=1")
     _timed("shape_pass", lambda: shape_pass(gm, example_inputs, example_kwargs))
     _timed("cost_pass", lambda: cost_pass(gm, example_inputs, example_kwargs, cost_model=cost_model, progress=progress))
     return gm

@@ -6,8 +6,11 @@ many partitions share that objective while their exact times (:func:`pipeline_ti
 stages fill the pipeline sooner. ``polish`` hill-climbs from the solver's plan with three moves on the forward
 and on the backward cuts — split a stage, merge two neighbours, shift a cut by one segment — and one macro move, re-cutting a whole side into
 ``f−2 … f+3`` time-balanced stages, keeping a move when
-the exact iteration time drops and every stage still fits in memory. The checkpointing choices stay as the
-solver made them. Deterministic: moves are tried in a fixed order and the first improvement is taken.
+the exact iteration time drops and every stage still fits in memory. Once no cut move helps, it flips one
+segment's checkpointing choice (save ↔ recompute): the solvers price saving per stage under the slowest-stage
+bound, so a stage that is not the bottleneck may save activations whose PCIe copies only lengthen the fill or
+the drain, or recompute what saving would hide. Deterministic: moves are tried in a fixed order and the first
+improvement is taken.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Iterator
 from .problem import (PartitionProblem, SegmentPlan, StageCost, _stage, pipeline_time, transfer_edges,
                       validate_segment_plan)
 
-__all__ = ["polish"]
+__all__ = ["flip_saves", "polish"]
 
 Ranges = list[tuple[int, int]]
 
@@ -89,10 +92,10 @@ def polish(pb: PartitionProblem, plan: SegmentPlan, *, max_evaluations: int = 30
 def _climb(pb: PartitionProblem, plan: SegmentPlan, budget: int, macro: bool) -> tuple[float, SegmentPlan]:
     evaluations = 0
     saved = plan.saved
-    cache: dict[tuple[str, int, int], StageCost] = {}
+    cache: dict[tuple, StageCost] = {}
 
     def stage(kind: str, a: int, b: int) -> StageCost:
-        key = (kind, a, b)
+        key = (kind, a, b, saved[a:b])
         if key not in cache:
             cache[key] = _stage(pb, kind, a, b, saved, 0)  # type: ignore[arg-type]
         return cache[key]
@@ -131,4 +134,52 @@ def _climb(pb: PartitionProblem, plan: SegmentPlan, budget: int, macro: bool) ->
                         break
             if improved:
                 break
+        if improved:
+            continue
+        current_saved = saved
+        for i in range(plan.fused[0]):  # no cut move helps: flip one segment's checkpointing choice
+            if evaluations >= budget:
+                break
+            saved = current_saved[:i] + (not current_saved[i],) + current_saved[i + 1:]
+            value = total(fwd, bwd)
+            evaluations += 1
+            if value < best * (1 - 1e-9):
+                trial = SegmentPlan(forward=tuple(fwd), fused=plan.fused, backward=tuple(bwd), saved=saved)
+                if not validate_segment_plan(pb, trial):
+                    best, improved = value, True
+                    break
+            saved = current_saved
     return best, SegmentPlan(forward=tuple(fwd), fused=plan.fused, backward=tuple(bwd), saved=saved)
+
+
+def flip_saves(pb: PartitionProblem, plan: SegmentPlan, *, max_sweeps: int = 3) -> SegmentPlan:
+    """A plan with the same cuts, at least as fast as ``plan`` by exact iteration time: segments before the fused
+    stage are flipped one at a time in index order, a flip kept when the time drops and every stage still fits;
+    sweeps repeat while one gains (at most ``max_sweeps``)."""
+    costs: dict[tuple, StageCost] = {}
+
+    def total(saved: tuple[bool, ...]) -> float:
+        stages = [("forward", a, b) for a, b in plan.forward] + [("fused", *plan.fused)]
+        stages += [("backward", a, b) for a, b in plan.backward]
+        out = []
+        for kind, a, b in stages:
+            key = (kind, a, b, saved[a:b])
+            if key not in costs:
+                costs[key] = _stage(pb, kind, a, b, saved, 0)  # type: ignore[arg-type]
+            out.append(costs[key])
+        return pipeline_time([c.time_s for c in out], pb.device_count, pb.microbatches,
+                             **transfer_edges(pb, out))
+
+    saved, best = plan.saved, total(plan.saved)
+    for _ in range(max_sweeps):
+        gained = False
+        for i in range(plan.fused[0]):
+            trial = saved[:i] + (not saved[i],) + saved[i + 1:]
+            value = total(trial)
+            if value < best * (1 - 1e-9):
+                candidate = SegmentPlan(forward=plan.forward, fused=plan.fused, backward=plan.backward, saved=trial)
+                if not validate_segment_plan(pb, candidate):
+                    saved, best, gained = trial, value, True
+        if not gained:
+            break
+    return SegmentPlan(forward=plan.forward, fused=plan.fused, backward=plan.backward, saved=saved)

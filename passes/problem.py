@@ -27,7 +27,10 @@ hide (:func:`transfer_edges`): a stage starts only once its weights are up — p
 previous stage, so a short stage before a heavy one exposes the rest of the copy, and from the start of the
 iteration for the first stage of each device (the optimizer step between iterations changes the weights) — and
 the iteration ends only once every stage's gradients are down. Without them the model was up to 9% (llama-1.7b)
-and 17% (the MoE, whose ILP plans put short stages before heavy ones) shorter than the simulator.
+and 17% (the MoE, whose ILP plans put short stages before heavy ones) shorter than the simulator. And a
+microbatch reaches the next stage only after its hand-off through host memory — the tensors it waits for go down
+from one device and up to the next (``handoff_bytes``, both links' time): one hand-off per stage lies on the
+fill's and the drain's critical path, so a cut across a wide tensor (inside an MLP) lengthens both.
 """
 
 from __future__ import annotations
@@ -244,6 +247,9 @@ class StageCost:
     """Part of ``download_bytes`` no later stage of this pass waits for (forward stages: saved activations)."""
     overhead_s: float = 0.0
     """The fixed per-microbatch cost in ``time_s`` (``stage_overhead_s``)."""
+    handoff_bytes: int = 0
+    """What a microbatch waits for from the stage before (per microbatch): a forward or fused stage's inputs, a
+    backward stage's output gradients. 0 for the first stage (its inputs are in host memory already)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -284,6 +290,7 @@ def _stage(pb: PartitionProblem, kind: StageKind, a: int, b: int, saved: Sequenc
     act = sum(pb.act_bytes[i] for i in seg)
     saved_act = sum(pb.act_bytes[i] for i in seg if saved[i])
     prefetch = offload = buffers = 0
+    handoff = inb if a > 0 else 0
     if kind == "forward":
         g = 0
         compute = sum(pb.fwd_s[i] for i in seg)
@@ -301,11 +308,12 @@ def _stage(pb: PartitionProblem, kind: StageKind, a: int, b: int, saved: Sequenc
         up, down, prefetch = inb + outb + saved_act + w / m, grad_in + g / m, inb + saved_act
         working = inb + outb + act
         buffers = inb + saved_act  # the next microbatch's input and saved activations, prefetched
+        handoff = outb  # the gradients of its outputs, from the stage above
     time = pb.stage_overhead_s + max(compute, up / link, down / link)
     return StageCost(kind=kind, start=a, stop=b, compute_s=compute, upload_bytes=up, download_bytes=down,
                      time_s=time, memory_bytes=w + g + p + working + buffers, weight_bytes=w, grad_bytes=g,
                      working_bytes=working, prefetch_bytes=prefetch, offload_bytes=offload,
-                     overhead_s=pb.stage_overhead_s)
+                     overhead_s=pb.stage_overhead_s, handoff_bytes=handoff)
 
 
 def stage_costs(problem: PartitionProblem, plan: SegmentPlan) -> tuple[StageCost, ...]:
@@ -316,7 +324,8 @@ def stage_costs(problem: PartitionProblem, plan: SegmentPlan) -> tuple[StageCost
 
 
 def pipeline_time(stage_times: Sequence[float], devices: int, microbatches: int, *,
-                  weight_s: Sequence[float] = (), grad_s: Sequence[float] = ()) -> float:
+                  weight_s: Sequence[float] = (), grad_s: Sequence[float] = (),
+                  handoff_s: Sequence[float] = ()) -> float:
     """Iteration time of the round-robin schedule (DESIGN §3) by the exact event recurrence.
 
     Microbatch ``j`` of stage ``k`` starts at ``max(e(k, j-1), e(k-1, j), e(k-N, m-1))`` (0 for negative
@@ -326,25 +335,37 @@ def pipeline_time(stage_times: Sequence[float], devices: int, microbatches: int,
     Optional transfer edges (default 0): ``weight_s[k]``, the upload time of stage ``k``'s weights, which start
     going up when the device's previous stage ``k−N`` starts (at 0 for the first stage of each device) and must
     be in before ``k`` starts; ``grad_s[k]``, the download time of its gradients after its last microbatch,
-    which the iteration waits for.
+    which the iteration waits for; ``handoff_s[k]``, the latency between stage ``k−1`` finishing a microbatch and
+    stage ``k`` having it (``e(k−1, j)`` becomes ``e(k−1, j) + handoff_s[k]`` above).
     """
-    ends = _stage_ends(stage_times, devices, microbatches, weight_s)
+    ends = _stage_ends(stage_times, devices, microbatches, weight_s, handoff_s)
     return max((e + (grad_s[k] if k < len(grad_s) else 0.0) for k, e in enumerate(ends)), default=0.0)
 
 
-def _stage_ends(stage_times: Sequence[float], devices: int, m: int, weight_s: Sequence[float] = ()) -> list[float]:
-    """``e(k, m-1)`` for every stage ``k``: when each stage finishes its last microbatch."""
-    steps = np.arange(m, dtype=float)
-    prev = np.zeros(m)
+def _stage_ends(stage_times: Sequence[float], devices: int, m: int, weight_s: Sequence[float] = (),
+                handoff_s: Sequence[float] = ()) -> list[float]:
+    """``e(k, m-1)`` for every stage ``k``: when each stage finishes its last microbatch.
+
+    A plain loop over microbatches (the planner's local search calls this thousands of times on short vectors,
+    where it is several times faster than array operations): microbatch ``j`` starts once the stage finished
+    ``j−1`` and stage ``k−1``'s ``j`` has been handed over; the first one also waits for the device (``floor``)."""
+    prev = [0.0] * m
     last: list[float] = []
     began: list[float] = []  # when each stage's first microbatch started
     for k, t in enumerate(stage_times):
         up = weight_s[k] if k < len(weight_s) else 0.0
+        h = handoff_s[k] if 0 < k < len(handoff_s) else 0.0  # the first stage has no one to wait for
         floor = max(last[k - devices], began[k - devices] + up) if k >= devices else up
-        ready = np.maximum(prev, floor)
-        prev = (steps + 1.0) * t + np.maximum.accumulate(ready - steps * t)
-        began.append(float(prev[0]) - t)
-        last.append(float(prev[-1]))
+        start = max(prev[0] + h, floor)
+        began.append(start)
+        end = start + t
+        ends = [end]
+        for p in prev[1:]:
+            ready = p + h
+            end = (ready if ready > end else end) + t
+            ends.append(end)
+        prev = ends
+        last.append(end)
     return last
 
 
@@ -360,9 +381,16 @@ def equal_time_factors(max_stages: int, devices: int, microbatches: int) -> list
 
 def transfer_edges(problem: PartitionProblem, costs: Sequence[StageCost]) -> dict[str, list[float]]:
     """:func:`pipeline_time`'s transfer edges for these stages: each stage's whole weight upload and gradient
-    download, at the link rate."""
+    download, and each microbatch's hand-off (down from the previous device, up to this one), at the link rate."""
     link = problem.link_bytes_per_s
-    return dict(weight_s=[c.weight_bytes / link for c in costs], grad_s=[c.grad_bytes / link for c in costs])
+    handoff = []
+    for k, c in enumerate(costs):
+        one_way = c.handoff_bytes / link
+        # a predecessor slower than its compute is bound by its copies: its time already covers the way down
+        slack = costs[k - 1].time_s - costs[k - 1].compute_s - costs[k - 1].overhead_s if k else 0.0
+        handoff.append(2 * one_way - min(one_way, max(slack, 0.0)))
+    return dict(weight_s=[c.weight_bytes / link for c in costs], grad_s=[c.grad_bytes / link for c in costs],
+                handoff_s=handoff)
 
 
 def _total(problem: PartitionProblem, costs: Sequence[StageCost]) -> float:

@@ -7,12 +7,14 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rpcompile.errors import InfeasibleError
 from rpcompile.passes.partition import STRATEGIES, solve
 from rpcompile.passes.problem import (PartitionProblem, SegmentPlan, SharedParam, bubble_fraction,
                                       equal_time_factor, iteration_time, min_feasible_memory, pipeline_time,
-                                      plan_memory, stage_costs, validate_segment_plan)
+                                      plan_memory, stage_costs, transfer_edges, validate_segment_plan)
 
 from partition_cases import llama_like, tiny_chain
 
@@ -29,6 +31,31 @@ def test_equal_time_iteration_matches_design_formula(devices):
             formula = ((stages - 1) // devices) * m + (stages - 1) % devices + m
             assert pipeline_time([0.25] * stages, devices, m) == pytest.approx(formula * 0.25, rel=1e-12)
             assert equal_time_factor(stages, devices, m) == formula
+
+
+def _reference_iteration(times, devices, m, weight_s, grad_s, handoff_s):
+    """The recurrence as its docstring states it, one event at a time."""
+    end = {}
+    for k, t in enumerate(times):
+        for j in range(m):
+            start = max(end.get((k, j - 1), 0.0), end.get((k - 1, j), -math.inf) + handoff_s[k],
+                        end.get((k - devices, m - 1), 0.0))
+            if j == 0:  # the weights go up from the device's previous stage's start (or from 0)
+                before = end[(k - devices, 0)] - times[k - devices] if k >= devices else 0.0
+                start = max(start, before + weight_s[k])
+            end[(k, j)] = start + t
+    return max(end[(k, m - 1)] + grad_s[k] for k in range(len(times)))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.floats(0.01, 2.0), min_size=1, max_size=20), st.integers(1, 5), st.integers(1, 8),
+       st.data())
+def test_pipeline_time_matches_the_recurrence_event_by_event(times, devices, m, data):
+    edges = st.lists(st.floats(0.0, 1.0), min_size=len(times), max_size=len(times))
+    weight_s, grad_s, handoff_s = data.draw(edges), data.draw(edges), data.draw(edges)
+    expected = _reference_iteration(times, devices, m, weight_s, grad_s, handoff_s)
+    got = pipeline_time(times, devices, m, weight_s=weight_s, grad_s=grad_s, handoff_s=handoff_s)
+    assert got == pytest.approx(expected, rel=1e-12)
 
 
 def test_fewer_microbatches_than_devices_is_a_chain():
@@ -70,12 +97,15 @@ def test_stage_costs_three_stage_example_by_hand():
     assert b1.memory_bytes == 1000 + 1000 + 2000 + 30 + 40 + 100 + 30 + 100
     # the event recurrence by hand: F0 ends 5.4/10.8, FB 15.9/26.4, B1 (device 0 again) 22.7/33.2
     assert pipeline_time([c.time_s for c in (f0, fb, b1)], 2, 2) == pytest.approx(33.2)
+    # the hand-offs: FB waits for F0's 40-byte output (0.4 s down, 0.4 s up; F0 is bound by its copies, so its
+    # time covers the way down: 0.4 s), B1 for FB's 40-byte gradient (likewise 0.4 s)
+    assert [round(h, 9) for h in transfer_edges(pb, (f0, fb, b1))["handoff_s"]] == [0.0, 0.4, 0.4]
     # with the weights' uploads (100 B/s: F0 10 s and FB 20 s from t = 0, B1 10 s from F0's start) and B1's
-    # gradients (10 s) after its last microbatch: F0 runs 10–15.4/20.8, FB 20–30.5/41.0, B1 30.5–37.3/41.0–47.8
-    assert iteration_time(pb, plan) == pytest.approx(47.8 + 10.0)
+    # gradients (10 s) after its last microbatch: F0 runs 10–15.4/20.8, FB 20–30.5/41.0, B1 30.9–37.7/41.4–48.2
+    assert iteration_time(pb, plan) == pytest.approx(48.2 + 10.0)
     assert plan_memory(pb, plan) == 4300
     busy = 2 * (5.4 + 10.5 + 6.8)
-    assert bubble_fraction(pb, plan) == pytest.approx(1 - busy / (2 * 57.8))
+    assert bubble_fraction(pb, plan) == pytest.approx(1 - busy / (2 * 58.2))
 
 
 def test_recompute_instead_of_save():
@@ -242,3 +272,38 @@ def test_cpsat_budget_regression_large_time_scale():
     assert res.status == "OPTIMAL"
     assert max(c.time_s for c in stage_costs(pb, res.plan)) == pytest.approx(3.5, rel=1e-6)
     assert np.isclose(res.bound_s, 3.5, rtol=1e-6)
+
+
+def test_polish_flips_checkpointing_choices_both_ways():
+    from rpcompile.passes.polish import polish
+
+    # recompute everywhere over a fast link: saving costs nothing, so the polished plan saves and is faster
+    pb = tiny_chain(6, devices=2, microbatches=3)
+    plan = SegmentPlan(forward=((0, 3), (3, 5)), fused=(5, 6), backward=((3, 5), (0, 3)), saved=(False,) * 6)
+    better = polish(pb, plan)
+    assert iteration_time(pb, better) < iteration_time(pb, plan) * (1 - 1e-6)
+    assert any(better.saved) and not better.saved[5]  # never inside the fused stage
+    assert validate_segment_plan(pb, better) == []
+    # saving everything over a slow link: every forward stage waits 10 s per saved segment for its copies while
+    # recomputing one takes 1 s, so the polished plan recomputes
+    slow = tiny_chain(6, devices=2, microbatches=3, act_bytes=(10**6,) * 6, link_bytes_per_s=1e5,
+                      memory_bytes=10**9)
+    hoard = SegmentPlan(forward=((0, 3), (3, 5)), fused=(5, 6), backward=((3, 5), (0, 3)),
+                        saved=(True,) * 5 + (False,))
+    thrift = polish(slow, hoard)
+    assert iteration_time(slow, thrift) < iteration_time(slow, hoard) * (1 - 1e-6)
+    assert sum(thrift.saved) < 5
+    assert validate_segment_plan(slow, thrift) == []
+
+
+def test_handoff_lengthens_the_fill_by_the_wide_cut():
+    # two plans of equal stage times; the one whose cut crosses a wide tensor waits longer for each hand-off
+    narrow = tiny_chain(4, devices=2, microbatches=2, boundary_bytes=(4, 4, 4, 4), link_bytes_per_s=100.0)
+    wide = tiny_chain(4, devices=2, microbatches=2, boundary_bytes=(4, 40, 4, 4), link_bytes_per_s=100.0)
+    plan = SegmentPlan(forward=((0, 2), (2, 3)), fused=(3, 4), backward=((2, 3), (0, 2)), saved=(False,) * 4)
+    f1 = stage_costs(wide, plan)[1]
+    assert f1.handoff_bytes == 40 and stage_costs(wide, plan)[0].handoff_bytes == 0
+    # 40 bytes down and up at 100 B/s: 0.8 s instead of 0.08 s before F1's first microbatch
+    assert iteration_time(wide, plan) > iteration_time(narrow, plan)
+    edges = transfer_edges(wide, stage_costs(wide, plan))["handoff_s"]
+    assert edges[1] == pytest.approx(0.8)

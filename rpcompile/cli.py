@@ -47,8 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16", help="compute/upload precision (default bf16)")
     p.add_argument("--time-limit", type=float, default=10.0, help="solver time limit in seconds")
     p.add_argument("--max-segments", type=int, default=None, help="coarsening target (default ~2 per layer)")
-    p.add_argument("--head-chunks", type=int, default=1, metavar="K",
-                   help="put the loss in the graph and split the LM head into K sequence chunks (default 1: no split)")
+    p.add_argument("--head-chunks", type=_head_chunks, default="auto", metavar="K",
+                   help="put the loss in the graph and split the LM head into K sequence chunks; 1: never split; "
+                        "auto (default): plan the whole head and 8 chunks, keep the faster")
     p.add_argument("-o", "--output", default=None, help="write the plan JSON here")
     p.add_argument("--emit", default=None, metavar="DIR", help="write each stage's generated Python into DIR")
     p.add_argument("--compare", action="store_true", help="(with --json) report every strategy")
@@ -71,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16")
     p.add_argument("--schedules", default=None, help="comma list of gpipe,1f1b,interleaved-1f1b,roundpipe,ilp or 'all' (default all)")
     p.add_argument("--chunks", type=int, default=2, help="stages per device for interleaved-1f1b (default 2)")
+    p.add_argument("--head-chunks", type=_head_chunks, default="auto", metavar="K",
+                   help="(ilp, MODEL) split the LM head and its loss into K sequence chunks; 1: never; "
+                        "auto (default): plan both ways, keep the faster")
     p.add_argument("--host-bandwidth", type=_parse_rate, default=None, help="the host memory's total bandwidth, e.g. 100GB/s (default: unlimited)")
     p.add_argument("--layer-profile", default=None, metavar="FILE", help="per-layer times (RoundPipe simulator-input format)")
     p.add_argument("--model", dest="profile_model", default=None, metavar="NAME", help="(with --layer-profile) which model of the file")
@@ -140,6 +144,18 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _head_chunks(text: str) -> "int | str":
+    if text == "auto":
+        return text
+    try:
+        k = int(text)
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or auto, got {text!r}")
+    return k
+
+
 def _parse_bytes(text: str) -> int:
     import re
 
@@ -198,7 +214,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         scenarios = model_scenarios(ms.model, ms.example_inputs, gpus=args.gpus, spec=args.spec, device=args.device,
                                     microbatches=m, memory_limit=args.memory_limit, precision=args.precision,
                                     schedules=schedules, chunks=args.chunks, host_bytes_per_s=host,
-                                    time_limit_s=args.time_limit, progress=False if args.json else None)
+                                    time_limit_s=args.time_limit, progress=False if args.json else None,
+                                    loss_fn=ms.loss_fn, example_target=ms.example_target, head_chunks=args.head_chunks)
     results = run_all(scenarios)
     if args.timeline:
         _write_timelines(args.timeline, results, title)
@@ -325,22 +342,27 @@ def _strategy_json(result, plan) -> dict:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from rpcompile.planning import compare, default_spec, make_hardware, prepare
+    from rpcompile.planning import (_infeasible, compare, default_spec, fastest, head_chunk_candidates, make_hardware,
+                                    partition_problem, prepare)
     from rpcompile.report import compare_table, plan_table, print_table
 
     ms = _load_for(args, args.microbatches or args.gpus + 1)
-    gm, m = prepare(ms.model, ms.example_inputs, gpus=args.gpus, spec=args.spec, device=args.device,
-                    microbatches=args.microbatches, precision=args.precision, max_segments=args.max_segments,
-                    progress=False if args.json else None, loss_fn=ms.loss_fn, example_target=ms.example_target,
-                    head_chunks=args.head_chunks)
     model_device = next((p.device.type for p in ms.model.parameters()), "cpu")
     hardware = make_hardware(args.gpus, default_spec(args.spec, args.device, model_device), args.memory_limit)
-    rows = compare(gm, hardware=hardware, microbatches=m, precision=args.precision, time_limit_s=args.time_limit)
-    result, chosen = rows[args.strategy]
-    if chosen is None:
-        from rpcompile.planning import _infeasible, partition_problem
 
-        raise _infeasible(partition_problem(gm, hardware=hardware, microbatches=m, precision=args.precision), hardware)
+    def attempt(k: int):
+        gm, m = prepare(ms.model, ms.example_inputs, gpus=args.gpus, spec=args.spec, device=args.device,
+                        microbatches=args.microbatches, precision=args.precision, max_segments=args.max_segments,
+                        progress=False if args.json else None, loss_fn=ms.loss_fn, example_target=ms.example_target,
+                        head_chunks=k)
+        rows = compare(gm, hardware=hardware, microbatches=m, precision=args.precision, time_limit_s=args.time_limit)
+        if rows[args.strategy][1] is None:
+            raise _infeasible(partition_problem(gm, hardware=hardware, microbatches=m, precision=args.precision),
+                              hardware)
+        chosen = rows[args.strategy][1]
+        return chosen.predicted.iteration_time_s, (chosen, gm, m, rows)
+
+    chosen, gm, m, rows = fastest(head_chunk_candidates(args.head_chunks, ms.loss_fn, ms.example_target), attempt)
     if args.output:
         chosen.save(args.output)
     if args.emit:
@@ -352,7 +374,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         out = {"strategies": {k: _strategy_json(r, p) for k, r_p in rows.items() for r, p in [r_p]}} if args.compare else chosen.to_dict()
         print(json.dumps(out))
         return 0
-    print_table(plan_table(chosen, title=f"{args.model}: {args.strategy} plan, {len(chosen.stages)} stages on {args.gpus} × {hardware.spec.name}, {m} microbatches"))
+    head = f", LM head in {chosen.head_chunks} chunks" if chosen.head_chunks > 1 else ""
+    print_table(plan_table(chosen, title=f"{args.model}: {args.strategy} plan, {len(chosen.stages)} stages on {args.gpus} × {hardware.spec.name}, {m} microbatches{head}"))
     print_table(compare_table(rows, reference=args.strategy))
     if args.output:
         print(f"plan written to {args.output}")

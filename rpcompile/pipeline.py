@@ -147,7 +147,7 @@ def compile(
     scaler: Any = None,
     spec: Any = None,
     example_target: Any = None,
-    head_chunks: int = 1,
+    head_chunks: "int | str" = "auto",
     **plan_options: Any,
 ) -> Pipeline:
     """Trace ``model``, plan it (or load/check ``plan``) and return a :class:`Pipeline` on its devices.
@@ -161,11 +161,12 @@ def compile(
     ``head_chunks=k`` (with ``example_target``, a target for ``example_inputs``) moves a mean token cross-entropy
     into the graph and splits it with the LM head into ``k`` sequence chunks (:mod:`rpcompile.passes.loss_head`):
     the full logits never exist and the head spreads over stages. ``forward_backward`` is unchanged;
-    ``forward(x, target=y)`` then returns the loss.
+    ``forward(x, target=y)`` then returns the loss. The default ``"auto"`` plans the whole head and — given
+    ``example_target`` and a head that can be split — 8 chunks as well, and keeps the faster plan.
     """
     from rpcompile.runtime.devices import make_devices
 
-    from .planning import default_spec, make_hardware, plan_graph, prepare
+    from .planning import default_spec, fastest, head_chunk_candidates, make_hardware, plan_graph, prepare
     from .tracing import trace
     from .verify import fingerprint, verify_plan
 
@@ -193,18 +194,23 @@ def compile(
     memory_limit = plan_options.pop("memory_limit", None)
     if memory_limit is None and not on_cpu:
         memory_limit = int(torch.cuda.get_device_properties(devs[0].torch_device).total_memory * 0.9)
-    threads = torch.get_num_threads()
-    if on_cpu and len(devs) > 1:  # measure with the intra-op threads each logical device will have
-        torch.set_num_threads(max(1, threads // len(devs)))
-    try:
-        gm, m = prepare(model, example_inputs, gpus=len(devs), spec=spec,
-                        device=None if spec is not None else devs[0].torch_device, microbatches=microbatches,
-                        precision=precision, example_kwargs=example_kwargs, progress=False, loss_fn=loss_fn,
-                        example_target=example_target, head_chunks=head_chunks)
-    finally:
-        torch.set_num_threads(threads)
     hardware = make_hardware(len(devs), default_spec(spec, devs[0].torch_device, "cpu"), memory_limit)
-    # Saved segments run without recomputation (rpcompile.runtime.saved): the planner may keep activations in host
-    # memory wherever that is faster than recomputing them and fits.
-    made = plan_graph(gm, hardware=hardware, microbatches=m, precision=precision, **plan_options)
-    return Pipeline(model, gm, made, devs, loss_fn, precision, scaler, loss_in_graph=head_chunks > 1)
+
+    def attempt(k: int) -> tuple[float, Any]:
+        threads = torch.get_num_threads()
+        if on_cpu and len(devs) > 1:  # measure with the intra-op threads each logical device will have
+            torch.set_num_threads(max(1, threads // len(devs)))
+        try:
+            gm, m = prepare(model, example_inputs, gpus=len(devs), spec=spec,
+                            device=None if spec is not None else devs[0].torch_device, microbatches=microbatches,
+                            precision=precision, example_kwargs=example_kwargs, progress=False, loss_fn=loss_fn,
+                            example_target=example_target, head_chunks=k)
+        finally:
+            torch.set_num_threads(threads)
+        # Saved segments run without recomputation (rpcompile.runtime.saved): the planner may keep activations in
+        # host memory wherever that is faster than recomputing them and fits.
+        made = plan_graph(gm, hardware=hardware, microbatches=m, precision=precision, **plan_options)
+        return made.predicted.iteration_time_s, (made, gm)
+
+    made, gm = fastest(head_chunk_candidates(head_chunks, loss_fn, example_target), attempt)
+    return Pipeline(model, gm, made, devs, loss_fn, precision, scaler, loss_in_graph=made.head_chunks > 1)

@@ -29,10 +29,48 @@ __all__ = [
     "default_spec",
     "STRATEGIES",
     "PRECISION_BYTES",
+    "AUTO_HEAD_CHUNKS",
+    "head_chunk_candidates",
+    "fastest",
 ]
 
 STRATEGIES = ("ilp", "dp", "roundpipe", "uniform")
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+#: Sequence chunks ``head_chunks="auto"`` tries for the LM head (besides not splitting it): on the benchmark
+#: models, 8 chunks beat 4 and 16 (benchmarks/RESULTS.md, schedules).
+AUTO_HEAD_CHUNKS = 8
+
+
+def head_chunk_candidates(head_chunks: "int | str", loss_fn: Any, example_target: Any) -> tuple[int, ...]:
+    """The LM-head splits to plan for ``head_chunks``: an int is itself; ``"auto"`` is the whole head and
+    :data:`AUTO_HEAD_CHUNKS` sequence chunks when a loss and a ``[batch, sequence]`` target are given (the split
+    needs both), else the whole head only."""
+    if head_chunks == "auto":
+        seq = example_target.shape[1] if isinstance(example_target, torch.Tensor) and example_target.dim() >= 2 else 1
+        return (1, min(AUTO_HEAD_CHUNKS, seq)) if loss_fn is not None and seq > 1 else (1,)
+    if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1:
+        raise ValueError(f"head_chunks must be a positive integer or 'auto', got {head_chunks!r}")
+    return (head_chunks,)
+
+
+def fastest(candidates: Sequence[int], attempt: Any) -> Any:
+    """Run ``attempt(k)`` for every candidate head split and return the payload of the fastest: ``attempt``
+    returns ``(predicted iteration seconds, payload)`` (the first wins a tie). A split the graph refuses
+    (``ValueError``) or that has no feasible plan is skipped while another candidate remains."""
+    best, errors = None, []
+    for k in candidates:
+        try:
+            made = attempt(k)
+        except (ValueError, InfeasibleError) as exc:
+            if len(candidates) == 1:
+                raise
+            errors.append(exc)
+            continue
+        if best is None or made[0] < best[0]:
+            best = made
+    if best is None:
+        raise errors[0]
+    return best[1]
 
 
 def split_microbatches(values: Sequence[Any], microbatches: int) -> list[tuple[Any, ...]]:
@@ -299,7 +337,7 @@ def plan(
     progress: bool | None = None,
     loss_fn: Any = None,
     example_target: Any = None,
-    head_chunks: int = 1,
+    head_chunks: "int | str" = "auto",
 ) -> Plan:
     """Make a round-robin plan for ``model`` on ``gpus`` devices.
 
@@ -307,14 +345,22 @@ def plan(
     measured on the CPU (analytic ``rtx4090`` for a meta-device model). The hardware is ``gpus`` devices of
     ``spec`` (``cpu`` when measuring on the CPU, else ``rtx4090``) with ``memory_limit`` usable bytes each.
     ``head_chunks > 1`` (with ``loss_fn`` and ``example_target``) plans the LM head and its cross-entropy as that
-    many sequence chunks (:mod:`rpcompile.passes.loss_head`).
+    many sequence chunks (:mod:`rpcompile.passes.loss_head`); ``"auto"`` (the default) plans the whole head and,
+    when a loss and a target are given and the head can be split, :data:`AUTO_HEAD_CHUNKS` chunks too, and keeps
+    the faster plan (so planning takes up to twice ``time_limit_s``).
     """
     if precision not in PRECISION_BYTES:
         raise ValueError(f"precision must be one of {sorted(PRECISION_BYTES)}, got {precision!r}")
-    gm, m = prepare(model, example_inputs, gpus=gpus, spec=spec, device=device, microbatches=microbatches,
-                    precision=precision, example_kwargs=example_kwargs, max_segments=max_segments,
-                    leaf_modules=leaf_modules, progress=progress, loss_fn=loss_fn, example_target=example_target,
-                    head_chunks=head_chunks)
     model_device = next((p.device.type for p in model.parameters()), "cpu")
     hardware = make_hardware(gpus, default_spec(spec, device, model_device), memory_limit)
-    return plan_graph(gm, hardware=hardware, microbatches=m, strategy=strategy, precision=precision, time_limit_s=time_limit_s)
+
+    def attempt(k: int) -> tuple[float, Plan]:
+        gm, m = prepare(model, example_inputs, gpus=gpus, spec=spec, device=device, microbatches=microbatches,
+                        precision=precision, example_kwargs=example_kwargs, max_segments=max_segments,
+                        leaf_modules=leaf_modules, progress=progress, loss_fn=loss_fn, example_target=example_target,
+                        head_chunks=k)
+        made = plan_graph(gm, hardware=hardware, microbatches=m, strategy=strategy, precision=precision,
+                          time_limit_s=time_limit_s)
+        return made.predicted.iteration_time_s, made
+
+    return fastest(head_chunk_candidates(head_chunks, loss_fn, example_target), attempt)

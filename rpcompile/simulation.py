@@ -29,12 +29,16 @@ def parse_schedules(text: str) -> list[str]:
 def model_scenarios(model: Any, example_inputs: Sequence[Any], *, gpus: int, spec: Any = None, device: Any = None,
                     microbatches: int | None = None, memory_limit: int | None = None, precision: str = "bf16",
                     schedules: Sequence[str] = SCHEDULES, chunks: int = 2, host_bytes_per_s: float = math.inf,
-                    time_limit_s: float = 10.0, progress: Any = None) -> dict[str, Scenario]:
-    """Trace and cost ``model`` once, then build every requested schedule on that one problem."""
+                    time_limit_s: float = 10.0, progress: Any = None, loss_fn: Any = None,
+                    example_target: Any = None, head_chunks: "int | str" = "auto") -> dict[str, Scenario]:
+    """Trace and cost ``model`` once, then build every requested schedule on that one problem. ``ilp`` may plan
+    a graph with the LM head split as well (``head_chunks``, see :func:`rpcompile.planning.plan`) and keeps the
+    faster plan; its notes say which (``head_chunks``)."""
+    from rpcompile.errors import InfeasibleError
     from rpcompile.lowering import _tokens
     from rpcompile.passes.partition import solve
 
-    from .planning import default_spec, make_hardware, partition_problem, prepare
+    from .planning import default_spec, fastest, head_chunk_candidates, make_hardware, partition_problem, prepare
 
     gm, m = prepare(model, example_inputs, gpus=gpus, spec=spec, device=device, microbatches=microbatches,
                     precision=precision, progress=progress)
@@ -47,12 +51,27 @@ def model_scenarios(model: Any, example_inputs: Sequence[Any], *, gpus: int, spe
     if static:
         out.update(static_scenarios(pb, chunks=chunks, precision=precision, tokens_per_iteration=tokens,
                                     host_bytes_per_s=host_bytes_per_s, schedules=static))
-    for name in (s for s in schedules if s in ("roundpipe", "ilp")):
-        res = solve(pb, name, time_limit_s=time_limit_s)
+    def attempt(name: str, k: int) -> tuple[float, tuple]:
+        problem = pb
+        if k > 1:
+            split, _ = prepare(model, example_inputs, gpus=gpus, spec=spec, device=device, microbatches=microbatches,
+                               precision=precision, progress=progress, loss_fn=loss_fn, example_target=example_target,
+                               head_chunks=k)
+            problem = partition_problem(split, hardware=hardware, microbatches=m, precision=precision)
+        res = solve(problem, name, time_limit_s=time_limit_s)
         if not res.feasible:
+            raise InfeasibleError(f"{name}: no feasible plan")
+        return res.objective, (problem, res, k)
+
+    for name in (s for s in schedules if s in ("roundpipe", "ilp")):
+        ks = head_chunk_candidates(head_chunks, loss_fn, example_target) if name == "ilp" else (1,)
+        try:
+            problem, res, k = fastest(ks, lambda k, _name=name: attempt(_name, k))
+        except InfeasibleError:
             continue
-        sc = from_segment_plan(pb, res.plan, name=name, tokens_per_iteration=tokens, host_bytes_per_s=host_bytes_per_s)
-        sc.notes.update(stages=res.plan.stage_count, solve_time_s=res.solve_time_s)
+        sc = from_segment_plan(problem, res.plan, name=name, tokens_per_iteration=tokens,
+                               host_bytes_per_s=host_bytes_per_s)
+        sc.notes.update(stages=res.plan.stage_count, solve_time_s=res.solve_time_s, head_chunks=k)
         out[name] = sc
     return {name: out[name] for name in schedules if name in out}
 

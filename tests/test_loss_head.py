@@ -132,3 +132,81 @@ def test_cli_plans_and_checks_a_split_head(tmp_path, capsys):
     capsys.readouterr()
     assert rpcompile.Plan.load(out).head_chunks == 4
     assert main(["check", str(out), "llama-demo"]) == 0
+
+
+def test_auto_head_chunk_candidates():
+    from rpcompile.planning import AUTO_HEAD_CHUNKS, head_chunk_candidates
+
+    target = torch.zeros(2, 64, dtype=torch.long)
+    assert head_chunk_candidates("auto", F.cross_entropy, target) == (1, AUTO_HEAD_CHUNKS)
+    assert head_chunk_candidates("auto", F.cross_entropy, target[:, :3]) == (1, 3)  # no more chunks than tokens
+    assert head_chunk_candidates("auto", None, target) == (1,)  # no loss: nothing to split with the head
+    assert head_chunk_candidates("auto", F.cross_entropy, torch.zeros(2, dtype=torch.long)) == (1,)  # no sequence
+    assert head_chunk_candidates(4, None, None) == (4,)
+    for bad in (0, -1, True, "eight", 2.0):
+        with pytest.raises(ValueError, match=r"head_chunks must be a positive integer or 'auto', got "):
+            head_chunk_candidates(bad, None, None)
+
+
+def test_fastest_keeps_the_shortest_prediction_and_skips_refusals():
+    from rpcompile.errors import InfeasibleError
+    from rpcompile.planning import fastest
+
+    times = {1: 3.0, 4: 2.0, 8: 2.0}
+    assert fastest((1, 4, 8), lambda k: (times[k], k)) == 4  # the first of equals wins
+    assert fastest((1, 8), lambda k: (times[k], k)) == 8
+
+    def refuse(k):
+        if k > 1:
+            raise ValueError("head_chunks=8: the LM head cannot be split (no Linear)")
+        return times[k], k
+
+    assert fastest((1, 8), refuse) == 1
+    with pytest.raises(ValueError, match="cannot be split"):
+        fastest((8,), refuse)  # asked for explicitly: the refusal is the answer
+
+    def infeasible(k):
+        raise InfeasibleError(f"no plan with {k}")
+
+    with pytest.raises(InfeasibleError, match="no plan with 1"):  # every candidate failed: the first error
+        fastest((1, 8), infeasible)
+
+
+def test_auto_plans_both_heads_and_keeps_the_faster():
+    spec = load_model("llama-demo", batch_size=6)
+    (x,), y = spec.example_inputs, spec.example_target
+    kw = dict(gpus=2, spec="rtx4090", microbatches=3, time_limit_s=1.0, loss_fn=spec.loss_fn, example_target=y)
+    whole = rpcompile.plan(spec.model, (x,), head_chunks=1, **kw)
+    split = rpcompile.plan(spec.model, (x,), head_chunks=8, **kw)
+    auto = rpcompile.plan(spec.model, (x,), **kw)  # head_chunks="auto" is the default
+    assert (whole.head_chunks, split.head_chunks) == (1, 8)
+    faster = min((whole, split), key=lambda p: p.predicted.iteration_time_s)
+    assert auto.head_chunks == faster.head_chunks
+    assert auto.predicted.iteration_time_s == pytest.approx(faster.predicted.iteration_time_s)
+    # without a target there is nothing to split the head with: the whole head, no error
+    assert rpcompile.plan(spec.model, (x,), gpus=2, spec="rtx4090", microbatches=3, time_limit_s=1.0).head_chunks == 1
+
+
+def test_auto_compile_of_a_model_whose_head_cannot_split_trains_as_eager():
+    """Logits not flattened to tokens cannot be split: auto falls back to the whole head, the loss stays outside."""
+    spec = load_model("llama-demo", batch_size=6)
+    ref = copy.deepcopy(spec.model)
+    (x,), y = spec.example_inputs, spec.example_target
+    classes_first = lambda out, t: F.cross_entropy(out.transpose(1, 2), t)  # noqa: E731
+    pipe = rpcompile.compile(spec.model, (x,), loss_fn=classes_first, devices=["cpu", "cpu"], microbatches=3,
+                             spec=FINE_CPU, time_limit_s=1.0, example_target=y)
+    assert pipe.plan.head_chunks == 1 and _ce_count(pipe.gm) == 0
+    loss = pipe.forward_backward(x, target=y)
+    ref_loss = classes_first(ref(x), y)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+    assert_grads_equal(spec.model, ref)
+
+
+def test_cli_head_chunks_flag(capsys):
+    from rpcompile.cli import main
+
+    for bad in ("0", "x"):
+        with pytest.raises(SystemExit):
+            main(["plan", "llama-demo", "--gpus", "2", "--head-chunks", bad])
+        assert f"argument --head-chunks: expected a positive integer or auto, got '{bad}'" in capsys.readouterr().err

@@ -335,7 +335,9 @@ def _check_exact_brute(pb: PartitionProblem, budget_slack: int, lam_random: np.n
             fewest[T] = min(fewest.get(T, 10**9), plan.stage_count - 1)
     times = sorted(fewest)
     for T in times:
-        need = min(fewest[x] for x in times if x <= T)  # plans faster than T also meet T
+        # plans faster than T also meet T, and so do those within the search's rounding tolerance (two sums of
+        # the same times in another order differ in the last bit)
+        need = min(fewest[x] for x in times if x <= T * (1 + 1e-9))
         relax = StageCountBound(roomy, RangeTables.build(roomy), T)
         _, lam, _ = relax.maximise(need + 0.5, iterations=5)
         for prices in (lam, lam_random):

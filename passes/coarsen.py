@@ -8,11 +8,13 @@ Terms
   ship all of them (activations through host memory, gradients back).
 - **Group**: a maximal run of consecutive nodes from the same source module at one level below the model's first
   module list (``layers.3.attn``, ``layers.3.mlp``, ``embed``…); for a model without a module list, the top-level
-  children.
+  children. With ``segments_per_layer > 2`` one level deeper (``layers.3.mlp.gate_proj``…), so a block can be
+  cut, and its activations saved, in smaller pieces.
 - **Segment**: a run of groups. Coarsening starts from groups and repeatedly merges the cheapest segment
   (forward + backward time) into the neighbour across the *more expensive* cut, so cheap norms and residual adds
   join the half-block whose boundary is narrower, until at most ``max_segments`` remain: attention and MLP halves
-  of a transformer block by default (torchgpipe's block partition works on the same idea of fixed candidate cuts).
+  of a transformer block by default (torchgpipe's block partition works on the same idea of fixed candidate cuts);
+  ``segments_per_layer`` asks for more (finer saves, a larger problem for the solver).
 - **Layer**: a run of segments from the same top-level unit (``layers.3``); baselines cut only between layers.
 
 Outputs: ``node.meta["rpcompile.segment"]`` (segment index) and ``gm.meta["rpcompile.segments"]``: a tuple of
@@ -112,8 +114,8 @@ def live_bytes(gm: fx.GraphModule) -> tuple[int, list[int]]:
     return inputs, live
 
 
-def _group_keys(nodes: Sequence[fx.Node]) -> tuple[list[str], list[str]]:
-    """(group key, layer key) per node."""
+def _group_keys(nodes: Sequence[fx.Node], deeper: int = 1) -> tuple[list[str], list[str]]:
+    """(group key, layer key) per node; a group is the module path ``deeper`` levels below the layer."""
     from rpcompile.tracing import module_path
 
     paths = [module_path(n) for n in nodes]
@@ -123,7 +125,7 @@ def _group_keys(nodes: Sequence[fx.Node]) -> tuple[list[str], list[str]]:
     for node, p in zip(nodes, paths):
         parts = p.split(".") if p else []
         layered = len(parts) >= d and _NUMERIC.match(parts[d - 1] if d - 1 < len(parts) else "")
-        group = ".".join(parts[: d + 1]) if layered else ".".join(parts[:d]) or "(root)"
+        group = ".".join(parts[: d + deeper]) if layered else ".".join(parts[:d]) or "(root)"
         groups.append(node.meta.get(CHUNK_META, group))  # a split LM head: one group per chunk
         layers.append(".".join(parts[:d]) or "(root)")
     return groups, layers
@@ -155,22 +157,25 @@ def _merge(bounds: list[tuple[int, int]], time: list[float], cut_cost: list[int]
     return segs
 
 
-def default_max_segments(n_layers: int) -> int:
-    """About two segments per layer (attention and MLP halves) plus a few for embeddings and head."""
-    return min(256, max(16, 2 * n_layers + 6))
+def default_max_segments(n_layers: int, per_layer: int = 2) -> int:
+    """About ``per_layer`` segments per layer (by default two: attention and MLP halves) plus a few for
+    embeddings and head."""
+    return min(128 * per_layer, max(16, per_layer * n_layers + 6))
 
 
-def coarsen_pass(gm: fx.GraphModule, *, max_segments: int | None = None) -> fx.GraphModule:
+def coarsen_pass(gm: fx.GraphModule, *, max_segments: int | None = None, segments_per_layer: int = 2) -> fx.GraphModule:
     """Group the compute nodes of a costed graph into segments (see module docstring)."""
+    if isinstance(segments_per_layer, bool) or not isinstance(segments_per_layer, int) or segments_per_layer < 1:
+        raise ValueError(f"segments_per_layer must be a positive integer, got {segments_per_layer!r}")
     nodes = compute_nodes(gm)
     if not nodes:
         raise ValueError("coarsen_pass: the graph has no compute nodes")
     inputs, live = live_bytes(gm)
-    groups, layer_keys = _group_keys(nodes)
+    groups, layer_keys = _group_keys(nodes, deeper=2 if segments_per_layer > 2 else 1)
     runs = _runs(groups)
     n_layers = sum(1 for a, _ in _runs(layer_keys) if _NUMERIC.match(layer_keys[a].rsplit(".", 1)[-1]))
     chunks = len({n.meta[CHUNK_META] for n in nodes if CHUNK_META in n.meta})  # a split LM head's pieces
-    target = max_segments or default_max_segments(n_layers) + chunks
+    target = max_segments or default_max_segments(n_layers, segments_per_layer) + chunks
     time = [node_cost(n).fwd_time_s + node_cost(n).bwd_time_s for n in nodes]
     bounds = _merge(runs, time, live, target)
     layer_index, previous = [], None

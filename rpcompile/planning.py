@@ -289,6 +289,7 @@ def prepare(
     loss_fn: Any = None,
     example_target: Any = None,
     head_chunks: int = 1,
+    segments_per_layer: int = 2,
 ) -> tuple[fx.GraphModule, int]:
     """Trace, cost (on one microbatch) and coarsen; returns the graph and the microbatch count.
 
@@ -315,7 +316,7 @@ def prepare(
     cost_model = make_cost_model(spec=spec, device=device, dtype=dtype, model_device=model_device)
     gm = analyze(model, first, example_kwargs=example_kwargs, cost_model=cost_model, leaf_modules=leaf_modules,
                  progress=progress, loss=loss, head_chunks=head_chunks)
-    coarsen_pass(gm, max_segments=max_segments)
+    coarsen_pass(gm, max_segments=max_segments, segments_per_layer=segments_per_layer)
     return gm, m
 
 
@@ -338,6 +339,7 @@ def plan(
     loss_fn: Any = None,
     example_target: Any = None,
     head_chunks: "int | str" = "auto",
+    segments_per_layer: int = 2,
 ) -> Plan:
     """Make a round-robin plan for ``model`` on ``gpus`` devices.
 
@@ -347,7 +349,9 @@ def plan(
     ``head_chunks > 1`` (with ``loss_fn`` and ``example_target``) plans the LM head and its cross-entropy as that
     many sequence chunks (:mod:`rpcompile.passes.loss_head`); ``"auto"`` (the default) plans the whole head and,
     when a loss and a target are given and the head can be split, :data:`AUTO_HEAD_CHUNKS` chunks too, and keeps
-    the faster plan (so planning takes up to twice ``time_limit_s``).
+    the faster plan (so planning takes up to twice ``time_limit_s``). ``segments_per_layer`` (default 2: attention
+    and MLP halves) above 2 lets the planner cut and save inside those halves: plans up to ~6% faster on the
+    benchmark models, at two to three times the solve time (which may then overrun ``time_limit_s``).
     """
     if precision not in PRECISION_BYTES:
         raise ValueError(f"precision must be one of {sorted(PRECISION_BYTES)}, got {precision!r}")
@@ -358,7 +362,7 @@ def plan(
         gm, m = prepare(model, example_inputs, gpus=gpus, spec=spec, device=device, microbatches=microbatches,
                         precision=precision, example_kwargs=example_kwargs, max_segments=max_segments,
                         leaf_modules=leaf_modules, progress=progress, loss_fn=loss_fn, example_target=example_target,
-                        head_chunks=k)
+                        head_chunks=k, segments_per_layer=segments_per_layer)
         made = plan_graph(gm, hardware=hardware, microbatches=m, strategy=strategy, precision=precision,
                           time_limit_s=time_limit_s)
         return made.predicted.iteration_time_s, made

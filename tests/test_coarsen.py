@@ -78,3 +78,35 @@ def test_tied_embedding_is_read_by_first_and_last_segment():
 def test_max_segments_is_respected(llama32):
     gm = coarsen_pass(llama32, max_segments=10)
     assert len(segments_of(gm)) == 10
+
+
+def test_finer_segments_split_inside_the_halves(llama32):
+    nodes = compute_nodes(llama32)
+    fine = segments_of(coarsen_pass(llama32, segments_per_layer=4))
+    assert 4 * 32 <= len(fine) <= 4 * 32 + 10
+    assert any(s.name.count(".") == 3 for s in fine)  # layers.i.attn.q_proj and the like: one level deeper
+    # still a partition of the same nodes in order, costs conserved
+    assert fine[0].start == 0 and fine[-1].stop == len(nodes) and all(a.stop == b.start for a, b in zip(fine, fine[1:]))
+    assert sum(s.fwd_s for s in fine) == pytest.approx(sum(node_cost(n).fwd_time_s for n in nodes))
+    assert sum(s.act_bytes for s in fine) == sum(node_cost(n).act_bytes for n in nodes)
+    # every default cut is still a cut: the finer segmentation refines the halves
+    coarse = segments_of(coarsen_pass(llama32))
+    assert {s.stop for s in coarse} <= {s.stop for s in fine}
+    with pytest.raises(ValueError, match=r"segments_per_layer must be a positive integer, got 0"):
+        coarsen_pass(llama32, segments_per_layer=0)
+
+
+def test_cli_segments_per_layer(capsys):
+    import json
+
+    from rpcompile.cli import main
+
+    counts = []
+    for k in ("2", "4"):
+        assert main(["plan", "llama-demo", "--gpus", "2", "--spec", "rtx4090", "--head-chunks", "1",
+                     "--segments-per-layer", k, "--time-limit", "2", "--json"]) == 0
+        counts.append(json.loads(capsys.readouterr().out)["stats"]["segments"])
+    assert counts[1] > counts[0]
+    with pytest.raises(SystemExit):
+        main(["plan", "llama-demo", "--gpus", "2", "--segments-per-layer", "0"])
+    assert "argument --segments-per-layer: expected a positive integer, got '0'" in capsys.readouterr().err

@@ -233,7 +233,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     if args.timeline:
         _write_timelines(args.timeline, results, title)
     if args.json:
-        out = {name: r.summary() | {"stages": scenarios[name].stage_count} for name, r in results.items()}
+        out = {name: r.summary() | {"stages": scenarios[name].stage_count}
+               | {k: v for k, v in scenarios[name].notes.items() if k == "head_chunks"} for name, r in results.items()}
         print(json.dumps({"schedules": out}, allow_nan=False))
         return 0
     from rpcompile.report import devices_table, print_table, simulate_table

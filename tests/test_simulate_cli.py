@@ -74,6 +74,10 @@ def test_a_model_runs_every_requested_schedule(capsys, tmp_path):
     for r in res.values():
         assert FIELDS <= set(r) and len(r["peak_memory_bytes"]) == 2 and r["tokens_per_s"] > 0
     assert res["interleaved-1f1b"]["stages"] == 4 and res["1f1b"]["stages"] == 2
+    assert res["ilp"]["head_chunks"] in (1, 8)  # auto: the whole LM head or 8 chunks, whichever plans faster
+    code, out, _ = run(capsys, "simulate", "llama-demo", "--gpus", "2", "--spec", "rtx4090", "--schedules", "ilp",
+                       "--head-chunks", "4", "--json")
+    assert code == 0 and json.loads(out)["schedules"]["ilp"]["head_chunks"] == 4
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t-1f1b.svg", "t-ilp.svg", "t-interleaved-1f1b.svg"]
 
 

@@ -109,7 +109,8 @@ def compare_table(rows: dict, *, reference: str = "ilp") -> Table:
 def simulate_table(results: dict, scenarios: dict, *, title: str = "") -> Table:
     """One row per simulated schedule: time, bubble, throughput, memory, and whether it fits."""
     t = Table(title=title)
-    for col in ("schedule", "stages", "iteration", "bubble", "tokens/s", "peak memory", "fits", "vs ilp"):
+    for col in ("schedule", "stages", "iteration", "bubble", "fill / drain / waits", "tokens/s", "peak memory",
+                "fits", "vs ilp"):
         t.add_column(col, justify="left" if col == "schedule" else "right")
     ref = results.get("ilp")
     for name, r in results.items():
@@ -118,7 +119,9 @@ def simulate_table(results: dict, scenarios: dict, *, title: str = "") -> Table:
         ratio = f"{r.iteration_time_s / ref.iteration_time_s:.2f}×" if ref and ref.iteration_time_s else ""
         sc = scenarios.get(name)
         memory = max(r.peak_memory_bytes, default=0)
+        idle = r.idle_fractions
         t.add_row(name, str(sc.stage_count if sc else len(r.stage_names)), fmt_time(r.iteration_time_s), f"{r.bubble_fraction:.1%}",
+                  " / ".join(f"{idle[k]:.1%}" for k in ("fill", "drain", "waits")),
                   fmt_count(r.tokens_per_s) if r.tokens_per_iteration else "—",
                   fmt_bytes(memory) if memory else "—", fits, ratio)
     return t
@@ -127,10 +130,12 @@ def simulate_table(results: dict, scenarios: dict, *, title: str = "") -> Table:
 def devices_table(result, *, title: str = "") -> Table:
     """Per device of one simulated schedule: compute utilisation, bytes through its links, peak memory."""
     t = Table(title=title)
-    for col in ("device", "busy", "utilisation", "uploaded", "downloaded", "peak memory"):
+    for col in ("device", "busy", "utilisation", "fill", "drain", "waits", "uploaded", "downloaded", "peak memory"):
         t.add_column(col, justify="right")
+    idle = result.idle_s()
     for d, (busy, util) in enumerate(zip(result.busy_s, result.utilisation)):
         peak = result.peak_memory_bytes[d] if d < len(result.peak_memory_bytes) else 0
         moved = [fmt_bytes(int(x[d])) if d < len(x) else "—" for x in (result.uploaded_bytes, result.downloaded_bytes)]
-        t.add_row(str(d), fmt_time(busy), f"{util:.1%}", *moved, fmt_bytes(peak) if peak else "—")
+        t.add_row(str(d), fmt_time(busy), f"{util:.1%}", *(fmt_time(idle[d][k]) for k in ("fill", "drain", "waits")),
+                  *moved, fmt_bytes(peak) if peak else "—")
     return t

@@ -163,11 +163,38 @@ class SimResult:
                 sums.setdefault(e.stage, []).append(e.end - e.start)
         return {k: sum(v) / len(v) for k, v in sorted(sums.items())}
 
+    def idle_s(self) -> tuple[dict[str, float], ...]:
+        """Per device, where its compute queue sat idle: ``fill`` before its first compute, ``drain`` after its
+        last, ``waits`` between them (inputs not yet handed over, copies still draining, memory). The three add up
+        to ``iteration − busy``."""
+        first: dict[int, float] = {}
+        last: dict[int, float] = {}
+        for e in self.timeline:
+            if e.lane == "compute":
+                first[e.device] = min(first.get(e.device, _INF), e.start)
+                last[e.device] = max(last.get(e.device, 0.0), e.end)
+        out = []
+        for d, busy in enumerate(self.busy_s):
+            if d not in first:
+                out.append(dict(fill=self.iteration_time_s, drain=0.0, waits=0.0))
+                continue
+            fill, drain = first[d], max(self.iteration_time_s - last[d], 0.0)
+            out.append(dict(fill=fill, drain=drain, waits=max(self.iteration_time_s - busy - fill - drain, 0.0)))
+        return tuple(out)
+
+    @property
+    def idle_fractions(self) -> dict[str, float]:
+        """``bubble_fraction`` split into fill, drain and waits (each over devices × iteration)."""
+        total = len(self.busy_s) * self.iteration_time_s
+        idle = self.idle_s()
+        return {k: (sum(i[k] for i in idle) / total if total > 0 else 0.0) for k in ("fill", "drain", "waits")}
+
     def summary(self) -> dict:
         """The JSON-able figures (``rpcompile simulate --json``)."""
         return {
             "iteration_time_s": self.iteration_time_s,
             "bubble_fraction": self.bubble_fraction,
+            "idle_fractions": self.idle_fractions,
             "tokens_per_s": self.tokens_per_s if self.tokens_per_iteration else None,
             "peak_memory_bytes": list(self.peak_memory_bytes),
             "utilisation": list(self.utilisation),

@@ -224,3 +224,25 @@ def test_per_device_traffic_adds_up():
     res = simulate(lists, sts, link_bytes_per_s=100.0)
     assert res.uploaded_bytes == (3 + 4 + 2 * 5,) and res.downloaded_bytes == (1 + 2 + 2 * 7,)
     assert res.host_traffic_bytes == sum(res.uploaded_bytes) + sum(res.downloaded_bytes)
+
+
+def test_idle_time_splits_into_fill_drain_and_waits():
+    # 16 equal stages on 8 devices, 16 microbatches: device d starts d·T late and finishes (7 − d)·T early, and
+    # nothing waits in between (DESIGN.md §3's fill/drain bubble, 7 of 39 T)
+    t = 0.01
+    res = simulate(round_robin(kinds(8, 7), 8, 16), [t] * 16)
+    for d, idle in enumerate(res.idle_s()):
+        assert idle["fill"] == pytest.approx(d * t) and idle["drain"] == pytest.approx((7 - d) * t)
+        assert idle["waits"] == pytest.approx(0.0, abs=1e-12)
+    # a slow stage in the middle makes the ones after it wait for inputs
+    rng = random.Random(1)
+    for _ in range(20):
+        devices, m = rng.randint(1, 4), rng.randint(1, 6)
+        f, b = rng.randint(0, 4), rng.randint(0, 4)
+        times = [rng.uniform(0.001, 0.01) for _ in range(f + b + 1)]
+        res = simulate(round_robin(kinds(f, b), devices, m), times)
+        parts = res.idle_fractions
+        assert sum(parts.values()) == pytest.approx(res.bubble_fraction, abs=1e-12)
+        assert res.summary()["idle_fractions"] == parts
+    res = simulate(round_robin(kinds(1, 1), 3, 4), [0.001, 0.01, 0.001])
+    assert res.idle_s()[2]["waits"] > 0.02  # the last stage waits for the slow fused stage every microbatch

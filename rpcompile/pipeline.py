@@ -86,7 +86,9 @@ class Pipeline:
         return store, sizes
 
     def forward_backward(self, *inputs: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
-        """One training iteration's forward and backward over the whole batch; returns the batch-mean loss."""
+        """One training iteration's forward and backward over the whole batch; returns the batch's loss: the mean
+        over the batch (microbatch losses weighted by their sizes), or their sum for a loss module with
+        ``reduction="sum"``."""
         from rpcompile.planning import split_microbatches
 
         if self.loss_in_graph:
@@ -100,13 +102,19 @@ class Pipeline:
         outside = self.loss_fn is not None and not self.loss_in_graph  # the loss runs after the last stage
         targets = split_microbatches((target,), self.microbatches) \
             if outside and isinstance(target, torch.Tensor) else None
+        # a mean over the batch is the size-weighted mean of the microbatches' means; a sum is their sum
+        summed = outside and getattr(self.loss_fn, "reduction", "mean") == "sum"
 
         def loss_of(output: Any, j: int) -> torch.Tensor:
             if not outside:
                 loss = output
             else:
                 loss = self.loss_fn(output, targets[j][0] if targets is not None else target)
-            return loss * (sizes[j] / total)
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+                raise RPCompileError(f"loss_fn returned {shape}, not a scalar: reduce it over the batch (reduction="
+                                     "'mean' or 'sum')")
+            return loss if summed else loss * (sizes[j] / total)
 
         scale = 1.0
         if self.scaler is not None and self.scaler.is_enabled():

@@ -354,3 +354,39 @@ def test_saved_segments_batchnorm_and_dropout(parity):
     assert_matches_seeded_reference(spec, ref, x, y, m, loss)
     assert int(spec.model.blocks[0].bn.num_batches_tracked) == m
     _assert_saved_not_recomputed(pipe)
+
+
+def test_a_summed_loss_sums_the_microbatches_and_a_loss_per_sample_is_refused():
+    import torch.nn.functional as F
+
+    from rpcompile.models import load_model
+
+    class TokenCE(torch.nn.Module):
+        """A token cross-entropy with torch's ``reduction`` convention."""
+
+        def __init__(self, reduction):
+            super().__init__()
+            self.reduction = reduction
+
+        def forward(self, out, t):
+            return F.cross_entropy(out.flatten(0, 1), t.flatten(), reduction=self.reduction)
+
+    spec = load_model("llama-demo", batch_size=6)
+    ref = copy.deepcopy(spec.model)
+    (x,), y = spec.example_inputs, spec.example_target
+    summed = TokenCE("sum")
+    pipe = rpcompile.compile(spec.model, (x,), loss_fn=summed, devices=["cpu", "cpu"], microbatches=3,
+                             spec=FINE_CPU, time_limit_s=1.0)
+    loss = pipe.forward_backward(x, target=y)
+    ref_loss = summed(ref(x), y)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-4)
+    assert_grads_equal(spec.model, ref)
+    per_token = rpcompile.compile(spec.model, (x,), loss_fn=TokenCE("none"), devices=["cpu", "cpu"], microbatches=3,
+                                  spec=FINE_CPU, time_limit_s=1.0)
+    from rpcompile.runtime.executor import PipelineError
+
+    with pytest.raises(PipelineError, match=r"stage FB \(\w+\) failed on device \d \(cpu\): RPCompileError: loss_fn "
+                                            r"returned \(\d+,\), not a scalar: reduce it over the batch "
+                                            r"\(reduction='mean' or 'sum'\)"):
+        per_token.forward_backward(x, target=y)

@@ -26,13 +26,18 @@ def test_equal_stages_match_the_closed_form(stages, devices, m):
     assert res.bubble_fraction == pytest.approx(1 - stages * m * t / (devices * expected))
 
 
-def test_random_stage_times_match_the_timing_model():
-    rng = random.Random(0)
-    for _ in range(50):
+def random_pipelines(seed: int, count: int):
+    """``count`` random round-robin pipelines: (devices, microbatches, stage times, simulated result)."""
+    rng = random.Random(seed)
+    for _ in range(count):
         devices, m = rng.randint(1, 4), rng.randint(1, 6)
         f, b = rng.randint(0, 4), rng.randint(0, 4)
         times = [rng.uniform(0.001, 0.01) for _ in range(f + b + 1)]
-        res = simulate(round_robin(kinds(f, b), devices, m), times)
+        yield devices, m, times, simulate(round_robin(kinds(f, b), devices, m), times)
+
+
+def test_random_stage_times_match_the_timing_model():
+    for devices, m, times, res in random_pipelines(0, 50):
         assert res.iteration_time_s == pytest.approx(pipeline_time(times, devices, m))
 
 
@@ -234,15 +239,10 @@ def test_idle_time_splits_into_fill_drain_and_waits():
     for d, idle in enumerate(res.idle_s()):
         assert idle["fill"] == pytest.approx(d * t) and idle["drain"] == pytest.approx((7 - d) * t)
         assert idle["waits"] == pytest.approx(0.0, abs=1e-12)
-    # a slow stage in the middle makes the ones after it wait for inputs
-    rng = random.Random(1)
-    for _ in range(20):
-        devices, m = rng.randint(1, 4), rng.randint(1, 6)
-        f, b = rng.randint(0, 4), rng.randint(0, 4)
-        times = [rng.uniform(0.001, 0.01) for _ in range(f + b + 1)]
-        res = simulate(round_robin(kinds(f, b), devices, m), times)
+    for *_, res in random_pipelines(1, 20):  # the three parts are the whole bubble
         parts = res.idle_fractions
         assert sum(parts.values()) == pytest.approx(res.bubble_fraction, abs=1e-12)
         assert res.summary()["idle_fractions"] == parts
+    # a slow stage in the middle makes the one after it wait for inputs every microbatch
     res = simulate(round_robin(kinds(1, 1), 3, 4), [0.001, 0.01, 0.001])
-    assert res.idle_s()[2]["waits"] > 0.02  # the last stage waits for the slow fused stage every microbatch
+    assert res.idle_s()[2]["waits"] > 0.02

@@ -158,8 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpus", default=",".join(map(str, GPUS)), help="comma-separated device counts")
     ap.add_argument("--time-limit", type=float, default=10.0, help="ILP time limit per problem (s)")
     ap.add_argument("--quick", action="store_true", help="llama-1.7b on 4 GPUs only")
-    ap.add_argument("--out", type=Path, default=RESULTS, help="JSON results file")
+    ap.add_argument("--out", type=Path, default=None,
+                    help=f"JSON results file (default {RESULTS.name}; --quick: {RESULTS.stem}-quick.json)")
     args = ap.parse_args(argv)
+    # a smoke run never overwrites the full run's figures
+    args.out = args.out or (RESULTS.with_name(f"{RESULTS.stem}-quick.json") if args.quick else RESULTS)
     models = ["llama-1.7b"] if args.quick else args.models.split(",")
     gpus = [4] if args.quick else [int(g) for g in args.gpus.split(",")]
     started = time.perf_counter()

@@ -109,6 +109,8 @@ def main() -> None:
     ap.add_argument("--gpus", default=",".join(map(str, GPUS)))
     ap.add_argument("--time-limit", type=float, default=10.0)
     ap.add_argument("--quick", action="store_true", help="llama-1.7b on 4 GPUs and the paper's inputs only")
+    ap.add_argument("--out", type=Path, default=None,
+                    help=f"JSON results file (default {RESULTS.name}; --quick: {RESULTS.stem}-quick.json)")
     args = ap.parse_args()
     models = ["llama-1.7b"] if args.quick else args.models.split(",")
     gpu_counts = [4] if args.quick else [int(g) for g in args.gpus.split(",")]
@@ -160,9 +162,10 @@ def main() -> None:
     out["targets"] = [{"target": t, "pass": ok} for t, ok in checks]
     for t, ok in checks:
         console.print(f"{'PASS' if ok else 'FAIL'}  {t}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(out, indent=1) + "\n")
-    console.print(f"written to {RESULTS}")
+    path = args.out or (RESULTS.with_name(f"{RESULTS.stem}-quick.json") if args.quick else RESULTS)
+    path.parent.mkdir(parents=True, exist_ok=True)  # a smoke run never overwrites the full run's figures
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    console.print(f"written to {path}")
 
 
 if __name__ == "__main__":

@@ -335,8 +335,8 @@ def pipeline_time(stage_times: Sequence[float], devices: int, microbatches: int,
     Optional transfer edges (default 0): ``weight_s[k]``, the upload time of stage ``k``'s weights, which start
     going up when the device's previous stage ``k−N`` starts (at 0 for the first stage of each device) and must
     be in before ``k`` starts; ``grad_s[k]``, the download time of its gradients after its last microbatch,
-    which the iteration waits for; ``handoff_s[k]``, the latency between stage ``k−1`` finishing a microbatch and
-    stage ``k`` having it (``e(k−1, j)`` becomes ``e(k−1, j) + handoff_s[k]`` above).
+    which the iteration waits for; ``handoff_s[k]`` (``k ≥ 1``), the latency between stage ``k−1`` finishing a
+    microbatch and stage ``k`` having it (``e(k−1, j)`` becomes ``e(k−1, j) + handoff_s[k]`` above).
     """
     ends = _stage_ends(stage_times, devices, microbatches, weight_s, handoff_s)
     return max((e + (grad_s[k] if k < len(grad_s) else 0.0) for k, e in enumerate(ends)), default=0.0)

@@ -223,12 +223,15 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         args.model = args.target
         ms = _load_for(args, m)
         title = f"{args.target} on {args.gpus} × {args.spec or args.device or 'default spec'}, {m} microbatches"
-        scenarios = model_scenarios(ms.model, ms.example_inputs, gpus=args.gpus, spec=args.spec, device=args.device,
-                                    microbatches=m, memory_limit=args.memory_limit, precision=args.precision,
-                                    schedules=schedules, chunks=args.chunks, host_bytes_per_s=host,
-                                    time_limit_s=args.time_limit, progress=False if args.json else None,
-                                    loss_fn=ms.loss_fn, example_target=ms.example_target, head_chunks=args.head_chunks,
-                                    segments_per_layer=args.segments_per_layer)
+        try:
+            scenarios = model_scenarios(ms.model, ms.example_inputs, gpus=args.gpus, spec=args.spec, device=args.device,
+                                        microbatches=m, memory_limit=args.memory_limit, precision=args.precision,
+                                        schedules=schedules, chunks=args.chunks, host_bytes_per_s=host,
+                                        time_limit_s=args.time_limit, progress=False if args.json else None,
+                                        loss_fn=ms.loss_fn, example_target=ms.example_target,
+                                        head_chunks=args.head_chunks, segments_per_layer=args.segments_per_layer)
+        except ValueError as e:
+            raise RPCompileError(str(e)) from None
     results = run_all(scenarios)
     if args.timeline:
         _write_timelines(args.timeline, results, title)
@@ -356,6 +359,7 @@ def _strategy_json(result, plan) -> dict:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    from rpcompile.errors import RPCompileError
     from rpcompile.planning import (_infeasible, compare, default_spec, fastest, head_chunk_candidates, make_hardware,
                                     partition_problem, prepare)
     from rpcompile.report import compare_table, plan_table, print_table
@@ -376,7 +380,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         chosen = rows[args.strategy][1]
         return chosen.predicted.iteration_time_s, (chosen, gm, m, rows)
 
-    chosen, gm, m, rows = fastest(head_chunk_candidates(args.head_chunks, ms.loss_fn, ms.example_target), attempt)
+    try:
+        chosen, gm, m, rows = fastest(head_chunk_candidates(args.head_chunks, ms.loss_fn, ms.example_target), attempt)
+    except ValueError as e:  # e.g. a head that cannot be split as asked: one line, not a traceback
+        raise RPCompileError(str(e)) from None
     if args.output:
         chosen.save(args.output)
     if args.emit:

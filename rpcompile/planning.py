@@ -56,13 +56,14 @@ def head_chunk_candidates(head_chunks: "int | str", loss_fn: Any, example_target
 def fastest(candidates: Sequence[int], attempt: Any) -> Any:
     """Run ``attempt(k)`` for every candidate head split and return the payload of the fastest: ``attempt``
     returns ``(predicted iteration seconds, payload)`` (the first wins a tie). A split the graph refuses
-    (``ValueError``) or that has no feasible plan is skipped while another candidate remains."""
+    (``ValueError`` for ``k > 1``) or that has no feasible plan (the whole head may not fit where its chunks do)
+    is skipped while another candidate remains."""
     best, errors = None, []
     for k in candidates:
         try:
             made = attempt(k)
         except (ValueError, InfeasibleError) as exc:
-            if len(candidates) == 1:
+            if len(candidates) == 1 or (k == 1 and not isinstance(exc, InfeasibleError)):
                 raise
             errors.append(exc)
             continue

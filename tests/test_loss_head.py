@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -171,6 +172,15 @@ def test_fastest_keeps_the_shortest_prediction_and_skips_refusals():
     with pytest.raises(InfeasibleError, match="no plan with 1"):  # every candidate failed: the first error
         fastest((1, 8), infeasible)
 
+    def whole_head_broken(k):
+        if k == 1:
+            raise ValueError("precision must be one of ...")
+        return times[k], k
+
+    with pytest.raises(ValueError, match="precision"):  # only a split may be refused; the whole head's error stands
+        fastest((1, 8), whole_head_broken)
+    assert fastest((1, 8), lambda k: (times[k], k) if k > 1 else infeasible(k)) == 8  # only the chunks fit
+
 
 def test_auto_plans_both_heads_and_keeps_the_faster():
     spec = load_model("llama-demo", batch_size=6)
@@ -210,3 +220,8 @@ def test_cli_head_chunks_flag(capsys):
         with pytest.raises(SystemExit):
             main(["plan", "llama-demo", "--gpus", "2", "--head-chunks", bad])
         assert f"argument --head-chunks: expected a positive integer or auto, got '{bad}'" in capsys.readouterr().err
+    # a split the model cannot take is one line, not a traceback
+    for command in ("plan", "simulate"):
+        assert main([command, "cnn-demo", "--gpus", "2", "--spec", "rtx4090", "--head-chunks", "4"]) == 2
+        assert re.match(r"rpcompile: error: head_chunks=4 splits along the sequence: the target must be a "
+                        r"\[batch, sequence\] tensor, got torch.Size\(\[\d\]\)$", capsys.readouterr().err)

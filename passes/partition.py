@@ -49,7 +49,7 @@ from .greedy import greedy_plan, masks_for
 from .ilp import solve_budget
 from .exact import fewest_stages
 from .lagrange import StageCountBound
-from .polish import polish
+from .polish import flip_saves, polish
 from .problem import (PartitionProblem, PartitionResult, SegmentPlan, equal_time_factors, iteration_time,
                       stage_costs, validate_segment_plan)
 from .tables import RangeTables, min_memory
@@ -303,6 +303,9 @@ def _finish(pb: PartitionProblem, pool: _Pool, lb: np.ndarray, started: float, s
     shares = [POLISH_EVALUATIONS] + [POLISH_EVALUATIONS // POLISH_STARTS] * (len(ranked) - 1)
     polished = [polish(pb, p, max_evaluations=k) for p, k in zip(ranked, shares)]
     best = min(polished, key=lambda p: (iteration_time(pb, p), p.stage_count))
+    flipped = flip_saves(pb, best)  # the winner's checkpointing choices on its settled cuts, then its cuts again
+    if flipped != best:
+        best = polish(pb, flipped, max_evaluations=POLISH_EVALUATIONS // POLISH_STARTS)
     inc = pool.incumbent()
     bound = min(inc, float(np.min(bound_values(pool.c, lb))))
     proven = bound >= inc * (1 - 1e-9)

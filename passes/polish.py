@@ -6,8 +6,8 @@ many partitions share that objective while their exact times (:func:`pipeline_ti
 stages fill the pipeline sooner. ``polish`` hill-climbs from the solver's plan with three moves on the forward
 and on the backward cuts — split a stage, merge two neighbours, shift a cut by one segment — and one macro move, re-cutting a whole side into
 ``f−2 … f+3`` time-balanced stages, keeping a move when
-the exact iteration time drops and every stage still fits in memory. Once no cut move helps, it sweeps the
-segments, flipping one at a time between saved and recomputed: the solvers price saving per stage under the slowest-stage
+the exact iteration time drops and every stage still fits in memory. Once no cut move helps, it flips one
+segment's checkpointing choice (save ↔ recompute): the solvers price saving per stage under the slowest-stage
 bound, so a stage that is not the bottleneck may save activations whose PCIe copies only lengthen the fill or
 the drain, or recompute what saving would hide. Deterministic: moves are tried in a fixed order and the first
 improvement is taken.
@@ -21,7 +21,7 @@ from typing import Iterator
 from .problem import (PartitionProblem, SegmentPlan, StageCost, _stage, pipeline_time, transfer_edges,
                       validate_segment_plan)
 
-__all__ = ["polish"]
+__all__ = ["flip_saves", "polish"]
 
 Ranges = list[tuple[int, int]]
 
@@ -151,3 +151,35 @@ def _climb(pb: PartitionProblem, plan: SegmentPlan, budget: int, macro: bool) ->
             saved = current_saved
     return best, SegmentPlan(forward=tuple(fwd), fused=plan.fused, backward=tuple(bwd), saved=saved)
 
+
+def flip_saves(pb: PartitionProblem, plan: SegmentPlan, *, max_sweeps: int = 3) -> SegmentPlan:
+    """A plan with the same cuts, at least as fast as ``plan`` by exact iteration time: segments before the fused
+    stage are flipped one at a time in index order, a flip kept when the time drops and every stage still fits;
+    sweeps repeat while one gains (at most ``max_sweeps``)."""
+    costs: dict[tuple, StageCost] = {}
+
+    def total(saved: tuple[bool, ...]) -> float:
+        stages = [("forward", a, b) for a, b in plan.forward] + [("fused", *plan.fused)]
+        stages += [("backward", a, b) for a, b in plan.backward]
+        out = []
+        for kind, a, b in stages:
+            key = (kind, a, b, saved[a:b])
+            if key not in costs:
+                costs[key] = _stage(pb, kind, a, b, saved, 0)  # type: ignore[arg-type]
+            out.append(costs[key])
+        return pipeline_time([c.time_s for c in out], pb.device_count, pb.microbatches,
+                             **transfer_edges(pb, out))
+
+    saved, best = plan.saved, total(plan.saved)
+    for _ in range(max_sweeps):
+        gained = False
+        for i in range(plan.fused[0]):
+            trial = saved[:i] + (not saved[i],) + saved[i + 1:]
+            value = total(trial)
+            if value < best * (1 - 1e-9):
+                candidate = SegmentPlan(forward=plan.forward, fused=plan.fused, backward=plan.backward, saved=trial)
+                if not validate_segment_plan(pb, candidate):
+                    saved, best, gained = trial, value, True
+        if not gained:
+            break
+    return SegmentPlan(forward=plan.forward, fused=plan.fused, backward=plan.backward, saved=saved)

@@ -11,6 +11,10 @@ segment's checkpointing choice (save ↔ recompute): the solvers price saving pe
 bound, so a stage that is not the bottleneck may save activations whose PCIe copies only lengthen the fill or
 the drain, or recompute what saving would hide. Deterministic: moves are tried in a fixed order and the first
 improvement is taken.
+
+The climbs usually spend their evaluation budget on cut moves before they settle, so the solver ends with
+``flip_saves`` on the winner: sweeps of flips only, on its fixed cuts, each one cheap (two stages change). On the
+partition benchmark, dropping that pass left llama-1.7b/8 4.9% and llama-32b/8 0.1% slower.
 """
 
 from __future__ import annotations

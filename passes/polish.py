@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 from typing import Iterator
 
-from .problem import (PartitionProblem, SegmentPlan, StageCost, _stage, pipeline_time, transfer_edges,
+from .problem import (PartitionProblem, SegmentPlan, StageCost, _lazy_offload, _stage, pipeline_time, transfer_edges,
                       validate_segment_plan)
 
 __all__ = ["flip_saves", "polish"]
@@ -110,8 +110,7 @@ def _climb(pb: PartitionProblem, plan: SegmentPlan, budget: int, macro: bool) ->
     def total(fwd: Ranges, bwd: Ranges) -> float:
         costs = ([stage("forward", a, b) for a, b in fwd] + [stage("fused", *plan.fused)]
                  + [stage("backward", a, b) for a, b in bwd])
-        return pipeline_time([c.time_s for c in costs], pb.device_count, pb.microbatches,
-                             **transfer_edges(pb, costs))
+        return _time(pb, costs)
 
     fwd, bwd = list(plan.forward), list(plan.backward)
     best = total(fwd, bwd)
@@ -171,8 +170,7 @@ def flip_saves(pb: PartitionProblem, plan: SegmentPlan, *, max_sweeps: int = 3) 
             if key not in costs:
                 costs[key] = _stage(pb, kind, a, b, saved, 0)  # type: ignore[arg-type]
             out.append(costs[key])
-        return pipeline_time([c.time_s for c in out], pb.device_count, pb.microbatches,
-                             **transfer_edges(pb, out))
+        return _time(pb, out)
 
     saved, best = plan.saved, total(plan.saved)
     for _ in range(max_sweeps):
@@ -187,3 +185,9 @@ def flip_saves(pb: PartitionProblem, plan: SegmentPlan, *, max_sweeps: int = 3) 
         if not gained:
             break
     return SegmentPlan(forward=plan.forward, fused=plan.fused, backward=plan.backward, saved=saved)
+
+
+def _time(pb: PartitionProblem, costs: list[StageCost]) -> float:
+    """Exact iteration time of stages costed on their own (:func:`~.problem.iteration_time` without objects)."""
+    times = _lazy_offload(pb, costs)[0]
+    return pipeline_time(times, pb.device_count, pb.microbatches, **transfer_edges(pb, costs, times))

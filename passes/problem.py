@@ -13,7 +13,11 @@ Terms (DESIGN.md §3; RoundPipe, Luo et al., arXiv 2604.27085):
 - Stage ``k`` of ``[F0.., FB, B1..]`` runs on device ``k mod N`` for every microbatch in turn.
 
 **Stage time** (per microbatch) is ``stage_overhead_s + max(compute, upload/link, download/link)``: copies run on
-their own streams and the host link is full duplex, so a stage is as slow as its slowest resource.
+their own streams and the host link is full duplex, so a stage is as slow as its slowest resource. That is the
+solvers' per-stage model; the exact model (:func:`stage_costs`, :func:`iteration_time`) refines it for the
+runtime's **lazy offload** (:func:`offload_backlog`): a forward stage's saved activations, which nobody in the
+forward pass waits for, go down while the device runs its later stages, within the memory its stages leave free,
+so a forward stage waits only for the copies of its outputs.
 **Stage memory** is ``W + G + P + working`` with ``W``/``G`` the stage's weight/gradient bytes (a shared parameter
 counts once per stage using it), ``P`` the largest ``W`` of any stage in the plan (the next stage's weights are
 prefetched during this one; conservative), ``working`` one microbatch's live tensors (for a forward stage also
@@ -35,6 +39,7 @@ fill's and the drain's critical path, so a cut across a wide tensor (inside an M
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence
@@ -51,6 +56,7 @@ __all__ = [
     "stage_costs",
     "pipeline_time",
     "transfer_edges",
+    "offload_backlog",
     "equal_time_factor",
     "equal_time_factors",
     "iteration_time",
@@ -250,6 +256,12 @@ class StageCost:
     handoff_bytes: int = 0
     """What a microbatch waits for from the stage before (per microbatch): a forward or fused stage's inputs, a
     backward stage's output gradients. 0 for the first stage (its inputs are in host memory already)."""
+    buffer_bytes: int = 0
+    """The ``buffers`` term of ``memory_bytes`` (double buffering beside the working set)."""
+    backlog_bytes: int = 0
+    """Most saved activations of this device's forward stages still waiting to go down while the stage runs (lazy
+    offload, :func:`offload_backlog`). Not in ``memory_bytes``: the backlog only fills what the device's stages
+    leave free, so ``memory_bytes + backlog_bytes`` stays within the limit too."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -309,18 +321,73 @@ def _stage(pb: PartitionProblem, kind: StageKind, a: int, b: int, saved: Sequenc
         working = inb + outb + act
         buffers = inb + saved_act  # the next microbatch's input and saved activations, prefetched
         handoff = outb  # the gradients of its outputs, from the stage above
-    time = pb.stage_overhead_s + max(compute, up / link, down / link)
+    time = pb.stage_overhead_s + max(compute, up / link, down / link)  # eager copies; see offload_backlog
     return StageCost(kind=kind, start=a, stop=b, compute_s=compute, upload_bytes=up, download_bytes=down,
                      time_s=time, memory_bytes=w + g + p + working + buffers, weight_bytes=w, grad_bytes=g,
                      working_bytes=working, prefetch_bytes=prefetch, offload_bytes=offload,
-                     overhead_s=pb.stage_overhead_s, handoff_bytes=handoff)
+                     overhead_s=pb.stage_overhead_s, handoff_bytes=handoff, buffer_bytes=buffers)
 
 
-def stage_costs(problem: PartitionProblem, plan: SegmentPlan) -> tuple[StageCost, ...]:
-    """Cost of every stage of a structurally valid plan, in execution order."""
+def stage_costs(problem: PartitionProblem, plan: SegmentPlan, *, lazy_offload: bool = True) -> tuple[StageCost, ...]:
+    """Cost of every stage of a structurally valid plan, in execution order. ``lazy_offload=False``: each stage
+    on its own, its saved activations copied out while it runs (the solvers' per-stage model, which
+    :func:`offload_backlog` refines)."""
     stages = plan_stages(plan)
     prefetch = max(problem.weight(a, b) for _, a, b in stages)
-    return tuple(_stage(problem, kind, a, b, plan.saved, prefetch) for kind, a, b in stages)
+    costs = tuple(_stage(problem, kind, a, b, plan.saved, prefetch) for kind, a, b in stages)
+    return offload_backlog(problem, costs) if lazy_offload else costs
+
+
+def offload_backlog(problem: PartitionProblem, costs: Sequence[StageCost]) -> tuple[StageCost, ...]:
+    """The stages as they run when saved activations go down lazily (the runtime's and the simulator's policy).
+
+    Nobody in the forward pass waits for a forward stage's saved activations, so the stage need not wait for
+    them either: what its link cannot move while it computes stays on the device and goes down later, when the
+    device runs stages that download little (backward stages download only gradients). Each device is walked
+    through its stages in order with that backlog ``B`` (bytes): a forward stage's time counts only the copies
+    others wait for, and a stage of per-microbatch time ``t`` moves
+    ``m·((t − overhead)·link − d)`` bytes of it, ``d`` being what it downloads itself and others wait for (a
+    forward stage's outputs; a backward stage's input gradients and its weight gradients), and a forward stage
+    adds its ``m·saved``. The backlog may use only the memory every stage of the device leaves free
+    (``limit − max_k memory_k``), so no stage's own memory is given up for it; a forward stage whose saves do
+    not fit that room takes as long as its link needs to keep the backlog there — at most what it took with
+    eager copies, unless it also drains an earlier stage's backlog. ``backlog_bytes`` is the most a stage holds
+    (beside its ``memory_bytes``; the runtime bounds the backlog the same way, :mod:`rpcompile.runtime.offload`).
+    Stage weights prefetched during a stage (``P``) are the plan's largest. The walk assumes the backlog has gone
+    down before a backward stage prefetches it (the simulator checks it)."""
+    out = list(costs)
+    for k, (time, held) in enumerate(zip(*_lazy_offload(problem, costs))):
+        c = costs[k]
+        if time != c.time_s or held or c.backlog_bytes:
+            out[k] = dataclasses.replace(c, time_s=time, backlog_bytes=int(math.ceil(held)))
+    return tuple(out)
+
+
+def _lazy_offload(problem: PartitionProblem, costs: Sequence[StageCost]):
+    """:func:`offload_backlog`'s walk as plain numbers: per stage its time and the backlog it holds at most (the
+    local search calls this thousands of times: no objects)."""
+    n_dev, m, link = problem.device_count, problem.microbatches, problem.link_bytes_per_s
+    times = [c.time_s for c in costs]
+    if not any(c.offload_bytes for c in costs):
+        return times, [0.0] * len(costs)
+    prefetch = max(c.weight_bytes for c in costs)
+    base = [c.weight_bytes + c.grad_bytes + prefetch + c.working_bytes + c.buffer_bytes for c in costs]
+    held_at = [0.0] * len(costs)
+    for d in range(n_dev):
+        mine = range(d, len(costs), n_dev)
+        room = max(0, problem.memory_bytes - max((base[k] for k in mine), default=0))
+        backlog = 0.0
+        for k in mine:
+            c = costs[k]
+            own = c.download_bytes - c.offload_bytes  # what the stage waits for itself, per microbatch
+            start = backlog
+            if c.offload_bytes:
+                need = start + m * c.offload_bytes - room  # bytes the stage must move to keep the backlog in room
+                times[k] = c.overhead_s + max(c.compute_s, c.upload_bytes / link, (max(need / m, 0.0) + own) / link)
+            moved = m * max(0.0, (times[k] - c.overhead_s) * link - own)
+            backlog = max(0.0, start + m * c.offload_bytes - moved)
+            held_at[k] = max(start, backlog)
+    return times, held_at
 
 
 def pipeline_time(stage_times: Sequence[float], devices: int, microbatches: int, *,
@@ -379,15 +446,18 @@ def equal_time_factors(max_stages: int, devices: int, microbatches: int) -> list
     return [0] + [round(e) for e in _stage_ends([1.0] * max_stages, devices, microbatches)]
 
 
-def transfer_edges(problem: PartitionProblem, costs: Sequence[StageCost]) -> dict[str, list[float]]:
+def transfer_edges(problem: PartitionProblem, costs: Sequence[StageCost],
+                   times: Sequence[float] | None = None) -> dict[str, list[float]]:
     """:func:`pipeline_time`'s transfer edges for these stages: each stage's whole weight upload and gradient
-    download, and each microbatch's hand-off (down from the previous device, up to this one), at the link rate."""
+    download, and each microbatch's hand-off (down from the previous device, up to this one), at the link rate.
+    ``times``: the stages' times when they differ from ``time_s``."""
     link = problem.link_bytes_per_s
     handoff = []
     for k, c in enumerate(costs):
         one_way = c.handoff_bytes / link
         # a predecessor slower than its compute is bound by its copies: its time already covers the way down
-        slack = costs[k - 1].time_s - costs[k - 1].compute_s - costs[k - 1].overhead_s if k else 0.0
+        prev = costs[k - 1]
+        slack = (prev.time_s if times is None else times[k - 1]) - prev.compute_s - prev.overhead_s if k else 0.0
         handoff.append(2 * one_way - min(one_way, max(slack, 0.0)))
     return dict(weight_s=[c.weight_bytes / link for c in costs], grad_s=[c.grad_bytes / link for c in costs],
                 handoff_s=handoff)

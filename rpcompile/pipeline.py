@@ -45,6 +45,13 @@ __all__ = ["compile", "Pipeline"]
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def offload_budget(plan: Plan, device: int, devices: int) -> int:
+    """Saved activations that may wait on ``device`` to go down: the memory its stages leave free (the lazy
+    offload policy of :func:`rpcompile.passes.problem.offload_backlog`)."""
+    mine = [s.memory_bytes for k, s in enumerate(plan.stages) if k % devices == device]
+    return max(0, plan.hardware.memory_bytes - max(mine, default=0))
+
+
 class Pipeline:
     """A compiled model: runs training iterations of a plan on its devices (see module docstring)."""
 
@@ -65,6 +72,9 @@ class Pipeline:
         buffers = {n: b for n, b in gm.named_buffers()}
         self.executor = Executor(self.program, self.devices, params, buffers, dtype=_DTYPES[precision])
         self.iteration = 0
+        for d, device in enumerate(self.devices):  # GPUs send saved activations down behind the compute
+            if device.torch_device.type == "cuda" and device.offloader is None:
+                device.enable_offload(offload_budget(plan, d, len(self.devices)))
 
     @property
     def timeline(self) -> list:

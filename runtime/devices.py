@@ -8,14 +8,19 @@ the runtime defines its own (DESIGN.md §7). A :class:`Device` moves tensors to 
   device gets its own worker thread in the executor, which is how CI tests the multi-device logic.
 - :class:`CudaDevice`: one GPU. Uploads go through a dedicated copy stream from pinned host memory and the compute
   stream waits on an event; downloads land in pinned host buffers.
+
+Either may send saved activations down lazily (:meth:`Device.enable_offload`, :mod:`.offload`); the pipeline
+turns it on for CUDA devices, with the memory the plan's stages leave free on each as the budget.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch
+
+from .offload import Offloader
 
 __all__ = ["Device", "CpuDevice", "CudaDevice", "make_devices"]
 
@@ -44,6 +49,33 @@ class Device:
         """Context in which this device's computation runs."""
         return contextlib.nullcontext()
 
+    offloader: "Offloader | None" = None
+
+    def enable_offload(self, budget_bytes: float,
+                       copy: Callable[[Sequence[torch.Tensor], Any], Sequence[torch.Tensor]] | None = None) -> None:
+        """Send saved activations down lazily (:mod:`.offload`), at most ``budget_bytes`` of them waiting on the
+        device. ``copy`` replaces the device's own copy to host (tests slow it down)."""
+        if self.offloader is not None:
+            self.offloader.close()
+        self.offloader = Offloader(copy or self._copy_out, budget_bytes=budget_bytes,
+                                   name=f"rpcompile-offload{self.index}")
+
+    def offload(self, value: Any, *, priority: Any) -> Any:
+        """A forward stage's saved activations (:class:`~.saved.HostSaved`) to host memory: now, or through the
+        offloader (a :class:`~.offload.Landing` the backward stage waits on)."""
+        if self.offloader is None:
+            return value.map(self.download)
+        return self.offloader.submit(value.tensors, priority=priority, ready=self._computed(),
+                                     wrap=lambda hosts, key=value.key: type(value)(key, hosts))
+
+    def _computed(self) -> Any:
+        """A marker the offloader's copy waits for: the tensors are computed (CUDA: an event on the compute
+        stream)."""
+        return None
+
+    def _copy_out(self, tensors: Sequence[torch.Tensor], ready: Any) -> list[torch.Tensor]:
+        return [self.download(t) for t in tensors]
+
     def synchronize(self) -> None:
         """Wait for queued work on this device."""
 
@@ -59,6 +91,7 @@ class CudaDevice(Device):
         super().__init__(torch_device, index)
         self.copy_stream = torch.cuda.Stream(torch_device)
         self.compute_stream = torch.cuda.Stream(torch_device)
+        self._offload_stream: torch.cuda.Stream | None = None
 
     def upload(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         with torch.cuda.stream(self.copy_stream):
@@ -78,6 +111,28 @@ class CudaDevice(Device):
 
     def compute(self) -> Any:
         return torch.cuda.stream(self.compute_stream)
+
+    def _computed(self) -> Any:
+        ev = torch.cuda.Event()
+        ev.record(self.compute_stream)
+        return ev
+
+    def _copy_out(self, tensors: Sequence[torch.Tensor], ready: Any) -> list[torch.Tensor]:
+        """On the offloader's thread: its own stream waits for the compute, copies into pinned host buffers and
+        synchronises (the device tensors are released only after that)."""
+        if self._offload_stream is None:
+            self._offload_stream = torch.cuda.Stream(self.torch_device)
+        stream = self._offload_stream
+        with torch.cuda.device(self.torch_device), torch.cuda.stream(stream):
+            if ready is not None:
+                stream.wait_event(ready)
+            hosts = []
+            for t in tensors:
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                host.copy_(t, non_blocking=True)
+                hosts.append(host)
+        stream.synchronize()
+        return hosts
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.torch_device)

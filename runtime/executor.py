@@ -28,6 +28,7 @@ import torch
 
 from . import rng, saved
 from .devices import Device
+from .offload import Landing
 from .schedule import Action
 from .split import Program, StageProgram
 
@@ -224,6 +225,8 @@ class Executor:
         out = []
         for name in prog.inputs:
             v = self.store.get(name, mb)
+            if isinstance(v, Landing):  # saved activations still going down from the device that saved them
+                v = v.wait()
             if isinstance(v, torch.Tensor):
                 v = device.upload(v, self.dtype)
                 if leaves and v.is_floating_point() and name in self.program.needs_grad:
@@ -286,7 +289,10 @@ class Executor:
             with torch.no_grad():
                 outs = self._call(prog, state, self._inputs(device, prog, mb, leaves=False), copy_buffers=False)
             for name, v in zip(prog.outputs, outs):
-                self.store.put(name, mb, _to_host(device, v))
+                if isinstance(v, saved.HostSaved):  # behind the compute, latest stage first (runtime/offload.py)
+                    self.store.put(name, mb, device.offload(v, priority=(-prog.index, mb)))
+                else:
+                    self.store.put(name, mb, _to_host(device, v))
             return
         inputs = self._inputs(device, prog, mb, leaves=True)
         with torch.enable_grad():

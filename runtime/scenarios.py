@@ -80,13 +80,16 @@ def from_plan(plan: Any, *, host_bytes_per_s: float = math.inf) -> Scenario:
     has none: its stages run for their predicted ``time_s`` and transfers are not simulated."""
     hw, m = plan.hardware, plan.microbatches
     stages = []
+    savers = {node: k for k, s in enumerate(plan.stages) if s.kind == "forward" and s.offload_bytes
+              for node in s.saved}
     for s in plan.stages:
         detailed = s.compute_s > 0 or s.weight_bytes > 0
+        saved_by = tuple(sorted({savers[x] for x in s.saved if x in savers})) if s.kind == "backward" else ()
         stages.append(SimStage(
             name=s.name, kind=s.kind, compute_s=s.compute_s if detailed else s.time_s,
             weight_bytes=s.weight_bytes, grad_bytes=s.grad_bytes, upload_bytes=s.upload_bytes,
             prefetch_bytes=s.prefetch_bytes, download_bytes=s.download_bytes, offload_bytes=s.offload_bytes,
-            working_bytes=max(0, s.working_bytes - s.upload_bytes - s.prefetch_bytes),
+            working_bytes=max(0, s.working_bytes - s.upload_bytes - s.prefetch_bytes), saved_by=saved_by,
         ))
     lists = round_robin([s.kind for s in plan.stages], hw.device_count, m)
     return Scenario(plan.strategy, lists, stages, link_bytes_per_s=hw.link_bytes_per_s,
@@ -103,7 +106,10 @@ def from_segment_plan(problem: Any, plan: Any, *, name: str, tokens_per_iteratio
 
     m, link = problem.microbatches, problem.link_bytes_per_s
     stages = []
+    savers = {i: f for f, (a, b) in enumerate(plan.forward) for i in range(a, b) if plan.saved[i]}
     for k, c in enumerate(stage_costs(problem, plan)):
+        saved_by = tuple(sorted({savers[i] for i in range(c.start, c.stop) if i in savers})) \
+            if c.kind == "backward" else ()
         up = max(0.0, c.upload_bytes - c.weight_bytes / m - c.prefetch_bytes)
         name_k = "FB" if c.kind == "fused" else f"{c.kind[0].upper()}{k if c.kind == 'forward' else k - len(plan.forward)}"
         stages.append(SimStage(
@@ -111,13 +117,13 @@ def from_segment_plan(problem: Any, plan: Any, *, name: str, tokens_per_iteratio
             weight_bytes=c.weight_bytes, grad_bytes=c.grad_bytes,
             upload_bytes=up, prefetch_bytes=c.prefetch_bytes,
             download_bytes=max(0.0, c.download_bytes - c.grad_bytes / m - c.offload_bytes),
-            offload_bytes=c.offload_bytes,
+            offload_bytes=c.offload_bytes, saved_by=saved_by,
             upload_s=handoff_s if handoff_s is not None and k > 0 else None,
             working_bytes=max(0.0, c.working_bytes - up - c.prefetch_bytes),
         ))
     if handoff_s is not None:  # the profile's hand-off replaces the byte model entirely
         stages = [dataclasses.replace(s, upload_bytes=0.0, download_bytes=0.0, prefetch_bytes=0.0, offload_bytes=0.0,
-                           weight_bytes=0.0, grad_bytes=0.0) for s in stages]
+                           weight_bytes=0.0, grad_bytes=0.0, saved_by=()) for s in stages]
     lists = round_robin([s.kind for s in stages], problem.device_count, m)
     return Scenario(name, lists, stages, link_bytes_per_s=link if handoff_s is None else math.inf,
                     host_bytes_per_s=host_bytes_per_s, memory_limit_bytes=problem.memory_bytes,

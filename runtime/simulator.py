@@ -17,9 +17,17 @@ What an action list turns into (``kW``/``kFj``/``kG``, see :mod:`.schedule`):
   began its previous compute action, a double buffer — then computes once the compute queue is free and k's
   weights are in and the outputs of its compute action two before have drained (double buffering); then
   sends ``download_bytes`` down (the next position waits for them) and, on their own
-  queue, ``offload_bytes`` (saved activations, which only the backward pass reads; that they land before the
-  backward stage prefetches them is assumed, not simulated).
+  queue, ``offload_bytes`` (saved activations, which only the backward pass reads).
 - ``kG`` sends the gradients down after k's last microbatch.
+
+**Saved activations go down lazily.** Nobody in the forward pass waits for them, so their copies do not hold the
+compute back (the output double buffer counts only the copies a later position waits for); they yield the
+download link to those copies (strict priority: they get what the hand-offs and gradients leave), and among
+themselves the ones needed first go first — the latest position's, since the backward pass runs the chain in
+reverse — microbatches in order. What has not gone down yet stays in device memory, so the memory limit is what
+bounds the backlog: a compute that would overfill its device waits for the copies out of it. A backward position
+prefetches saved activations only once the forward positions that saved them (``saved_by``) have them in host
+memory for that microbatch.
 
 Work is admitted only while it fits: with ``memory_limit_bytes`` a copy that would overfill its device waits
 until compute frees memory (a prefetcher that respects the allocator), and a compute action that would overfill
@@ -54,6 +62,8 @@ _INF = math.inf
 #: up device memory (inputs are double-buffered the same way, see ``kFj`` below).
 OUTPUT_BUFFERS = 2
 _DOWN = ("a_down", "s_down", "g_down")
+#: Lanes that take what bandwidth the others leave on their link (saved-activation offload, see above).
+_LAZY = ("s_down",)
 # lane -> (physical link, what it carries, display lane)
 _LANES = {
     "compute": (None, "compute", "compute"),
@@ -96,6 +106,9 @@ class SimStage:
     """Kept after each microbatch until the backward position that releases it ends that microbatch."""
     releases: int = -1
     """Chain position whose stash this position's microbatches free (static backward halves)."""
+    saved_by: tuple[int, ...] = ()
+    """Chain positions whose ``offload_bytes`` this position's ``prefetch_bytes`` read: microbatch j's prefetch
+    starts only once their offload of j has landed in host memory."""
     kind: str = "forward"
     """``forward``, ``fused`` or ``backward`` (colours and labels only)."""
 
@@ -272,15 +285,19 @@ def simulate(
             for key, q in queues.items():
                 if key in running or not q:
                     continue
-                t = q[0]
-                if any(p.end < 0 for p in t.after_end) or any(p.start < 0 for p in t.after_start):
+                lazy = key[1] in _LAZY
+                t = _next(q, lazy)
+                if t is None:
                     continue
+                if lazy and any(r.device == t.device and r.lane in _DOWN and r.lane not in _LAZY
+                                for r in running.values()):
+                    continue  # the link is busy with copies others wait for
                 if not force and memory[t.device] + _growth(t) > limit:
                     if t.lane != "compute":
                         continue  # a copy waits for room (the prefetcher never overfills a device)
                     if any(r.device == t.device and r.lane in _DOWN for r in running.values()):
                         continue  # compute waits while copies out of this device free memory
-                q.popleft()
+                q.remove(t) if t is not q[0] else q.popleft()
                 t.start, t.left = now, t.work
                 memory[t.device] += t.alloc_start
                 peak[t.device] = max(peak[t.device], memory[t.device])
@@ -335,6 +352,22 @@ def simulate(
     )
 
 
+def _ready(t: _Task) -> bool:
+    return all(p.end >= 0 for p in t.after_end) and all(p.start >= 0 for p in t.after_start)
+
+
+def _next(q: deque, lazy: bool) -> "_Task | None":
+    """The task a lane starts next, if its dependencies are met: the head of the queue, or on a lazy lane the
+    ready copy needed first (the latest chain position's, earliest microbatch first)."""
+    if not lazy:
+        return q[0] if _ready(q[0]) else None
+    best = None
+    for t in q:
+        if _ready(t) and (best is None or (-t.stage, t.microbatch) < (-best.stage, best.microbatch)):
+            best = t
+    return best
+
+
 def _build(lists: Sequence[Sequence[Action]], sts: Sequence[SimStage], link: float):
     """Tasks in device-list order, the queue of every (device, lane), and the compute task of every (stage, mb)."""
     free = math.isinf(link)
@@ -342,6 +375,7 @@ def _build(lists: Sequence[Sequence[Action]], sts: Sequence[SimStage], link: flo
     lanes: dict[tuple[int, str], list[_Task]] = {}
     compute: dict[tuple[int, int], _Task] = {}
     out_copy: dict[tuple[int, int], _Task] = {}
+    offload: dict[tuple[int, int], _Task] = {}
     weights: dict[int, _Task] = {}
     first_compute: dict[int, _Task] = {}
     last_compute: dict[int, _Task] = {}
@@ -385,6 +419,7 @@ def _build(lists: Sequence[Sequence[Action]], sts: Sequence[SimStage], link: flo
                     c.free_end.append((d, s.prefetch_bytes))
                     if prev_compute is not None:
                         pre.after_start.append(prev_compute)
+                    pre.after_end.extend(("offload", k, a.microbatch) for k in s.saved_by)  # type: ignore[misc]
                     c.after_end.append(pre)
                 if s.upload_bytes or s.upload_s:
                     cin = add(copy(f"{a}<", d, "a_up", a.stage, a.microbatch, s.upload_bytes, s.upload_s))
@@ -420,7 +455,7 @@ def _build(lists: Sequence[Sequence[Action]], sts: Sequence[SimStage], link: flo
                     off.after_end.append(c)
                     c.alloc_end += s.offload_bytes
                     off.free_end.append((d, s.offload_bytes))
-                    drains[-1].append(off)
+                    offload[(a.stage, a.microbatch)] = off  # lazy: not a buffer the compute waits for
                 prev_compute = c
             else:  # G
                 g = add(copy(f"{a}", d, "g_down", a.stage, -1, s.grad_bytes))
@@ -438,7 +473,7 @@ def _build(lists: Sequence[Sequence[Action]], sts: Sequence[SimStage], link: flo
             c.free_end.append((producer.device, nbytes))
     # the producer dependency may name a position that a later device list defines: resolve lazily
     for t in tasks:
-        t.after_end = [p if isinstance(p, _Task) else _resolve(p, compute, out_copy) for p in t.after_end]
+        t.after_end = [p if isinstance(p, _Task) else _resolve(p, compute, out_copy, offload) for p in t.after_end]
     return tasks, lanes, compute
 
 
@@ -447,8 +482,13 @@ def _depend_on_producer(t: _Task, a: Action, compute: dict, out_copy: dict) -> N
         t.after_end.append(("producer", a.stage - 1, a.microbatch))  # type: ignore[arg-type]
 
 
-def _resolve(ref, compute: dict, out_copy: dict) -> _Task:
-    _, k, j = ref
+def _resolve(ref, compute: dict, out_copy: dict, offload: dict) -> _Task:
+    what, k, j = ref
+    if what == "offload":
+        if (k, j) not in offload:
+            raise ValueError(f"position {k} saves no activations for microbatch {j}, but a backward position "
+                             "prefetches from it (saved_by)")
+        return offload[(k, j)]
     if (k, j) in out_copy:
         return out_copy[(k, j)]
     if (k, j) not in compute:
@@ -460,15 +500,22 @@ def _rates(running, link: float, host: float) -> dict[int, float]:
     """Max-min fair rates: compute and fixed-time copies progress at 1 s/s; byte copies share their device link
     (one per direction) and the host's memory bandwidth (progressive filling)."""
     rates: dict[int, float] = {}
-    flows = []
+    flows: list[_Task] = []
     for t in running:
         if t.on_link:
             flows.append(t)
         else:
             rates[id(t)] = 1.0
-    if not flows:
-        return rates
     cap: dict[object, float] = {"host": host}
+    for lazy in (False, True):  # strict priority: lazy copies share what the others leave
+        _fill([t for t in flows if (t.lane in _LAZY) == lazy], cap, link, rates)
+    return rates
+
+
+def _fill(flows: list, cap: dict, link: float, rates: dict) -> None:
+    """Progressive filling of ``flows`` into the capacities left in ``cap`` (updated in place)."""
+    if not flows:
+        return
     members: dict[object, list] = {"host": list(flows)}
     for t in flows:
         key = (t.device, _LANES[t.lane][0])
@@ -489,6 +536,5 @@ def _rates(running, link: float, host: float) -> dict[int, float]:
                 unfrozen.discard(id(t))
                 for key, ts in members.items():
                     if key != best and t in ts:
-                        cap[key] -= share
+                        cap[key] = max(0.0, cap[key] - share)
         cap[best] = 0.0
-    return rates

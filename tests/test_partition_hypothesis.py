@@ -109,7 +109,7 @@ def _brute(pb: PartitionProblem, saves: bool) -> tuple[float, dict[int, float]]:
     for plan in _all_plans(pb, saves):
         if validate_segment_plan(pb, plan):
             continue
-        t = max(x.time_s for x in stage_costs(pb, plan))
+        t = max(x.time_s for x in stage_costs(pb, plan, lazy_offload=False))
         s = plan.stage_count
         per_s[s] = min(per_s.get(s, float("inf")), t)
         best = min(best, c[s] * t)
@@ -128,10 +128,12 @@ def _check_ilp_beats_baselines(pb: PartitionProblem) -> None:
             assert res.objective <= other.objective * (1 + REL), (name, res.objective, other.objective)
     st_ = res.stats
     assert st_["bound_s"] <= st_["model_best_s"] * (1 + REL)
-    # c(S)·T never undercuts the recurrence of the plan it scores (without the transfer edges, which c(S)·T does
-    # not model; the exact objective adds them)
-    times = [c.time_s for c in stage_costs(pb, res.plan)]
+    # c(S)·T never undercuts the recurrence of the plan it scores in its own per-stage model (without the
+    # transfer edges, which c(S)·T does not model), and the exact objective (lazy offload, transfer edges) never
+    # undercuts the recurrence of its own stage times
+    times = [c.time_s for c in stage_costs(pb, res.plan, lazy_offload=False)]
     assert pipeline_time(times, pb.device_count, pb.microbatches) <= st_["model_objective_s"] * (1 + REL)
+    times = [c.time_s for c in stage_costs(pb, res.plan)]
     assert res.objective >= pipeline_time(times, pb.device_count, pb.microbatches) * (1 - REL)
 
 
@@ -225,7 +227,7 @@ def _check_lagrangian_brute(pb: PartitionProblem, lams: list[np.ndarray]) -> Non
     fewest: dict[float, int] = {}
     for plan in _all_plans(pb, saves=True):
         if not validate_segment_plan(pb, plan):
-            T = max(c.time_s for c in stage_costs(pb, plan))
+            T = max(c.time_s for c in stage_costs(pb, plan, lazy_offload=False))
             fewest[T] = min(fewest.get(T, 10**9), plan.stage_count - 1)
     for T, count in fewest.items():
         relax = StageCountBound(pb, t, T)
@@ -237,7 +239,7 @@ def _check_lagrangian_brute(pb: PartitionProblem, lams: list[np.ndarray]) -> Non
             plan = relax.plan_for(flags > 0)
             if plan is not None:
                 assert not validate_segment_plan(pb, plan, memory=False)
-                assert max(c.time_s for c in stage_costs(pb, plan)) <= T * (1 + 1e-9)
+                assert max(c.time_s for c in stage_costs(pb, plan, lazy_offload=False)) <= T * (1 + 1e-9)
 
 
 @FEW
@@ -261,7 +263,7 @@ def test_lagrangian_long_ranges_are_lower_bounds(pb, data):
 
 def _check_min_memory_brute(pb: PartitionProblem) -> None:
     need, seg = min_feasible_memory(pb)
-    fits = [max(c.memory_bytes for c in stage_costs(pb, p)) for p in _all_plans(pb, saves=False)]
+    fits = [max(c.memory_bytes for c in stage_costs(pb, p, lazy_offload=False)) for p in _all_plans(pb, saves=False)]
     assert need == min(fits) and 0 <= seg < pb.n
 
 
@@ -277,7 +279,7 @@ def test_range_tables_agree_with_stage_costs(pb, data):
     t = RangeTables.build(pb)
     plans = list(itertools.islice(_all_plans(pb, saves=False), 0, 200))
     plan = data.draw(st.sampled_from(plans))
-    costs = stage_costs(pb, plan)
+    costs = stage_costs(pb, plan, lazy_offload=False)
     p = max(c.weight_bytes for c in costs)
     for c in costs:
         if c.kind == "forward":
@@ -331,7 +333,7 @@ def _check_exact_brute(pb: PartitionProblem, budget_slack: int, lam_random: np.n
     roomy = _replace(pb, memory_bytes=10**15)
     for plan in _all_plans(pb, saves=True):
         if not validate_segment_plan(roomy, plan):
-            T = max(c.time_s for c in stage_costs(pb, plan))
+            T = max(c.time_s for c in stage_costs(pb, plan, lazy_offload=False))
             fewest[T] = min(fewest.get(T, 10**9), plan.stage_count - 1)
     times = sorted(fewest)
     for T in times:
@@ -345,13 +347,13 @@ def _check_exact_brute(pb: PartitionProblem, budget_slack: int, lam_random: np.n
             assert found.status == "plan" and found.stages == need, (T, found, need)
             assert found.plan.stage_count == need + 1
             assert not validate_segment_plan(roomy, found.plan)
-            assert max(c.time_s for c in stage_costs(pb, found.plan)) <= T * (1 + 1e-9)
+            assert max(c.time_s for c in stage_costs(pb, found.plan, lazy_offload=False)) <= T * (1 + 1e-9)
             if need > 0:
                 assert fewest_stages(relax, prices, need - 1, 10**7).status == "none"
         # with the real memory limit it is a relaxation: never more stages than a plan that fits
         relax = StageCountBound(pb, t, T)
         real = min((p.stage_count - 1 for p in _all_plans(pb, saves=True) if not validate_segment_plan(pb, p)
-                    and max(c.time_s for c in stage_costs(pb, p)) <= T * (1 + 1e-9)), default=None)
+                    and max(c.time_s for c in stage_costs(pb, p, lazy_offload=False)) <= T * (1 + 1e-9)), default=None)
         if real is not None:
             got = fewest_stages(relax, np.zeros(pb.n), real, 10**7)
             assert got.status == "plan" and got.stages <= real

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 
@@ -133,19 +134,56 @@ def test_memory_accounting_follows_prefetch_and_gradients():
     assert over.peak_memory_bytes == (115,) and not over.fits
 
 
-def test_a_link_bound_stage_waits_for_its_copies_instead_of_overfilling():
+def test_saved_activations_go_down_lazily_within_the_memory_limit():
     """Each microbatch leaves 10 bytes of saved activations to copy out at 10 B/s (1 s) while compute takes
-    0.1 s: double buffering holds two outputs; with room for one, compute waits for the copy before it."""
+    0.1 s. Nobody in the forward pass waits for them: without a limit the stage computes back to back and the
+    copies trail behind (all four held at once); with room for one, each compute waits for the copy before it."""
     lists = round_robin(kinds(1, 0), devices=1, microbatches=4)
     sts = stages([0.1, 0.1], offload_bytes=[10, 0])
     piled = simulate(lists, sts, link_bytes_per_s=10.0)
     held = simulate(lists, sts, link_bytes_per_s=10.0, memory_limit_bytes=10)
-    assert piled.peak_memory_bytes == (20,)  # the third microbatch waits until the first output has drained
-    assert piled.iteration_time_s == pytest.approx(4.4)  # the copies end at 4.1; stage 1's 2nd mb waits for the 4th
-    assert {e.action: e.start for e in piled.timeline}["0F2"] == pytest.approx(1.1)
+    starts = {e.action: e.start for e in piled.timeline}
+    assert [starts[f"0F{j}"] for j in range(4)] == pytest.approx([0.0, 0.1, 0.2, 0.3])
+    assert starts["1F0"] == pytest.approx(0.4)  # the fused stage does not wait for them either
+    assert piled.peak_memory_bytes == (40,) and piled.iteration_time_s == pytest.approx(4.1)
     assert held.peak_memory_bytes == (10,) and held.fits
-    assert held.iteration_time_s == pytest.approx(4.7)  # every compute waits for the copy before it
-    assert {e.action: e.start for e in held.timeline}["0F1"] == pytest.approx(1.1)
+    starts = {e.action: e.start for e in held.timeline}
+    assert [starts[f"0F{j}"] for j in range(4)] == pytest.approx([0.0, 1.1, 2.2, 3.3])
+    assert held.iteration_time_s == pytest.approx(4.4)
+
+
+def test_saved_activations_yield_the_link_to_hand_offs():
+    """F0 hands 10 bytes to FB on the other device and offloads 10 saved bytes, one 10 B/s link: the hand-off
+    goes first at the full rate (FB starts at 1.1 s, not 2.1 s as with a fair share), the saves after it."""
+    lists = round_robin(kinds(1, 0), devices=2, microbatches=1)
+    res = simulate(lists, stages([0.1, 0.1], download_bytes=[10, 0], offload_bytes=[10, 0]), link_bytes_per_s=10.0)
+    ev = {e.action: (e.start, e.end) for e in res.timeline}
+    assert ev["0F0>"] == pytest.approx((0.1, 1.1)) and ev["1F0"][0] == pytest.approx(1.1)
+    assert ev["0F0>>"] == pytest.approx((1.1, 2.1))
+
+
+def test_the_saves_needed_first_go_down_first():
+    """Two forward stages on one device each save 10 bytes per microbatch (1 s at 10 B/s): the backward pass
+    runs the chain in reverse, so once the first copy is done the later stage's saves go first, in microbatch
+    order, and the earlier stage's last."""
+    lists = round_robin(kinds(2, 0), devices=1, microbatches=2)
+    res = simulate(lists, stages([0.1, 0.1, 0.1], offload_bytes=[10, 10, 0]), link_bytes_per_s=10.0)
+    order = [e.action for e in sorted(res.timeline, key=lambda e: e.start) if e.action.endswith(">>")]
+    assert order == ["0F0>>", "1F0>>", "1F1>>", "0F1>>"]
+
+
+def test_a_backward_prefetch_waits_for_the_saves_it_reads():
+    """B1 reads what F0 saved (``saved_by``): its prefetch starts when F0's 1-second offload has landed (1.1 s)
+    and takes 1 s, so B1 computes at 2.1 s; without the dependency it would have prefetched from t = 0."""
+    lists = round_robin(kinds(1, 1), devices=2, microbatches=1)
+    sts = stages([0.1, 0.1, 0.1], offload_bytes=[10, 0, 0], prefetch_bytes=[0, 0, 10])
+    linked = [*sts[:2], dataclasses.replace(sts[2], saved_by=(0,))]
+    assert {e.action: e.start for e in simulate(lists, sts, link_bytes_per_s=10.0).timeline}["2F0"] == \
+        pytest.approx(1.0)
+    ev = {e.action: (e.start, e.end) for e in simulate(lists, linked, link_bytes_per_s=10.0).timeline}
+    assert ev["2F0<<"] == pytest.approx((1.1, 2.1)) and ev["2F0"][0] == pytest.approx(2.1)
+    with pytest.raises(ValueError, match="position 1 saves no activations for microbatch 0"):
+        simulate(lists, [*sts[:2], dataclasses.replace(sts[2], saved_by=(1,))], link_bytes_per_s=10.0)
 
 
 def test_a_compute_is_admitted_by_its_peak_not_by_working_set_plus_outputs():

@@ -1,0 +1,134 @@
+"""Lazy offload: a forward stage's saved activations go down to host memory behind the compute, not in its way.
+
+Nobody in the forward pass waits for saved activations — only a backward stage, much later — so a forward stage
+hands them to its device's :class:`Offloader` and goes on with the next microbatch. The offloader copies them
+out on its own thread, one submission at a time, **the ones needed first first**: the backward pass runs the
+chain in reverse, so the latest stage's saves, then microbatches in order (the priority the executor gives).
+What has not gone down yet stays in device memory, so the backlog is bounded: a submission that would take it
+past ``budget_bytes`` waits until enough has gone down (the planner gives the memory the device's stages leave
+free, :func:`rpcompile.passes.problem.offload_backlog`, which models the same policy; so does the simulator).
+
+A :class:`Landing` stands for the host copy until it exists; the backward stage's worker calls ``wait()``
+before it uploads the tensors. A copy that fails makes every later ``wait()`` and ``submit()`` raise instead
+of hanging the pipeline.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+from typing import Any, Callable, Sequence
+
+import torch
+
+__all__ = ["Landing", "Offloader"]
+
+
+class Landing:
+    """The host copy of one submission, once it has landed."""
+
+    def __init__(self, value: Any = None, *, landed: bool = False):
+        self._value, self._error = value, None
+        self._event = threading.Event()
+        if landed:
+            self._event.set()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """The host value (blocks until it has gone down; re-raises the copy's error)."""
+        if not self._event.wait(timeout):
+            raise TimeoutError("saved activations did not reach host memory in time")
+        if self._error is not None:
+            raise RuntimeError(f"offloading saved activations failed: {self._error}") from self._error
+        return self._value
+
+    @property
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def _finish(self, value: Any = None, error: BaseException | None = None) -> None:
+        self._value, self._error = value, error
+        self._event.set()
+
+
+class Offloader:
+    """One device's saved-activation copies, on a thread of their own (see the module docstring).
+
+    ``copy(tensors, ready)`` runs on the offloader's thread and returns host copies of ``tensors``; ``ready`` is
+    what the submitter passed (a CUDA event recorded after the tensors were computed, which the copy stream waits
+    for). ``wrap(host_tensors)`` builds the value a :class:`Landing` resolves to."""
+
+    def __init__(self, copy: Callable[[Sequence[torch.Tensor], Any], Sequence[torch.Tensor]], *,
+                 budget_bytes: float, name: str = "offload"):
+        if budget_bytes < 0:
+            raise ValueError(f"budget_bytes={budget_bytes} must be >= 0")
+        self.copy, self.budget_bytes = copy, float(budget_bytes)
+        self.pending_bytes = 0.0
+        self.peak_pending_bytes = 0.0
+        self._heap: list[tuple[Any, int, Any]] = []
+        self._seq = itertools.count()
+        self._cv = threading.Condition()
+        self._error: BaseException | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, tensors: Sequence[torch.Tensor], *, priority: Any, ready: Any = None,
+               wrap: Callable[[tuple[torch.Tensor, ...]], Any] = tuple) -> Landing:
+        """Queue ``tensors`` to go down (smaller ``priority`` first). Blocks while the backlog, with them, would
+        exceed the budget and something is still going down (one submission larger than the budget still goes)."""
+        nbytes = float(sum(t.numel() * t.element_size() for t in tensors))
+        landing = Landing()
+        with self._cv:
+            while (self.pending_bytes and self.pending_bytes + nbytes > self.budget_bytes
+                   and self._error is None and not self._closed):
+                self._cv.wait()
+            self._raise()
+            self.pending_bytes += nbytes
+            self.peak_pending_bytes = max(self.peak_pending_bytes, self.pending_bytes)
+            heapq.heappush(self._heap, (priority, next(self._seq), (tuple(tensors), ready, wrap, landing, nbytes)))
+            self._cv.notify_all()
+        return landing
+
+    def drain(self) -> None:
+        """Wait until everything submitted has gone down (end of an iteration)."""
+        with self._cv:
+            while (self._heap or self.pending_bytes) and self._error is None:
+                self._cv.wait()
+            self._raise()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"offloading saved activations failed: {self._error}") from self._error
+        if self._closed:
+            raise RuntimeError("the offloader is closed")
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._heap and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                _, _, (tensors, ready, wrap, landing, nbytes) = heapq.heappop(self._heap)
+            try:
+                value = wrap(tuple(self.copy(tensors, ready)))
+            except BaseException as e:  # noqa: BLE001 - handed to every waiter
+                with self._cv:
+                    self._error = e
+                    failed = [item[2][3] for item in self._heap] + [landing]
+                    self._heap.clear()
+                    self._cv.notify_all()
+                for lnd in failed:
+                    lnd._finish(error=e)
+                return
+            del tensors  # the device memory may be reused once the copy is done
+            landing._finish(value)
+            with self._cv:
+                self.pending_bytes -= nbytes
+                self._cv.notify_all()

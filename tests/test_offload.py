@@ -1,0 +1,99 @@
+"""Lazy offload in the runtime: saved activations go down behind the compute, needed-first, within a budget."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from rpcompile.runtime.offload import Offloader
+
+
+def _gated_copy(log: list, gate: threading.Event):
+    def copy(tensors, ready):
+        gate.wait(10)
+        log.append(int(tensors[0][0]))
+        return [t.clone() for t in tensors]
+    return copy
+
+
+def test_the_saves_needed_first_go_down_first():
+    """While the first copy is held, three more are queued: the latest stage's (priority −2) go first, its
+    microbatches in order, then the earlier stage's."""
+    log, gate = [], threading.Event()
+    off = Offloader(_gated_copy(log, gate), budget_bytes=10**6)
+    first = off.submit([torch.tensor([0.0])], priority=(-1, 0))
+    time.sleep(0.05)  # the offloader holds the first one in its copy
+    landings = [off.submit([torch.tensor([float(v)])], priority=p)
+                for v, p in ((1, (-1, 1)), (2, (-2, 0)), (3, (-2, 1)))]
+    gate.set()
+    assert [int(x.wait(10)[0][0]) for x in (first, *landings)] == [0, 1, 2, 3]
+    assert log == [0, 2, 3, 1]
+    off.drain()
+    assert off.pending_bytes == 0
+    off.close()
+
+
+def test_the_backlog_stays_within_its_budget():
+    """Budget 100 bytes, 64 bytes per submission: the second waits until the first has gone down."""
+    log, gate = [], threading.Event()
+    off = Offloader(_gated_copy(log, gate), budget_bytes=100)
+    off.submit([torch.zeros(16)], priority=0)
+    returned = threading.Event()
+    threading.Thread(target=lambda: (off.submit([torch.ones(16)], priority=1), returned.set()), daemon=True).start()
+    assert not returned.wait(0.2)  # blocked: 128 bytes would exceed the budget
+    gate.set()
+    assert returned.wait(10)
+    off.drain()
+    assert off.peak_pending_bytes == 64 and log == [0, 1]
+    off.close()
+
+
+def test_a_failed_copy_is_an_error_for_every_waiter_not_a_hang():
+    def broken(tensors, ready):
+        raise OSError("pinned memory exhausted")
+
+    off = Offloader(broken, budget_bytes=10**6)
+    landing = off.submit([torch.zeros(4)], priority=0)
+    with pytest.raises(RuntimeError, match="offloading saved activations failed: pinned memory exhausted"):
+        landing.wait(10)
+    with pytest.raises(RuntimeError, match="offloading saved activations failed: pinned memory exhausted"):
+        off.submit([torch.zeros(4)], priority=0)
+    with pytest.raises(ValueError, match="budget_bytes=-1 must be >= 0"):
+        Offloader(broken, budget_bytes=-1)
+
+
+def test_a_pipeline_with_lazy_offload_matches_eager():
+    """Logical CPU devices whose saved activations go down through slow offloaders (2 ms per copy, a budget of
+    one copy): the backward stages wait for their saves, and loss and every gradient still equal eager's."""
+    from test_runtime import TOL, _saving_pipeline, assert_grads_equal, eager_step
+
+    spec, ref, pipe, x, y = _saving_pipeline("llama-demo", 1)
+
+    def slow(tensors, ready):
+        time.sleep(0.002)
+        return [t.clone() for t in tensors]
+
+    for device in pipe.devices:
+        device.enable_offload(budget_bytes=1, copy=slow)
+    loss = pipe.forward_backward(x, target=y)
+    ref_loss = eager_step(ref, spec.loss_fn, x, y, pipe.microbatches)
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+    assert_grads_equal(spec.model, ref)
+    assert all(d.offloader.pending_bytes == 0 and d.offloader.peak_pending_bytes > 0 for d in pipe.devices
+               if any(s.kind == "forward" and s.saved for k, s in enumerate(pipe.plan.stages)
+                      if k % len(pipe.devices) == d.index))
+
+
+def test_the_pipeline_budget_is_what_the_stages_leave_free():
+    from test_runtime import _saving_pipeline
+
+    from rpcompile.pipeline import offload_budget
+
+    _, _, pipe, _, _ = _saving_pipeline("llama-demo", 1)
+    plan, n = pipe.plan, len(pipe.devices)
+    for d in range(n):
+        mine = [s.memory_bytes for k, s in enumerate(plan.stages) if k % n == d]
+        assert offload_budget(plan, d, n) == plan.hardware.memory_bytes - max(mine)

@@ -110,7 +110,7 @@ def _climb(pb: PartitionProblem, plan: SegmentPlan, budget: int, macro: bool) ->
     def total(fwd: Ranges, bwd: Ranges) -> float:
         costs = ([stage("forward", a, b) for a, b in fwd] + [stage("fused", *plan.fused)]
                  + [stage("backward", a, b) for a, b in bwd])
-        return _time(pb, costs)
+        return _time(pb, costs, saved)
 
     fwd, bwd = list(plan.forward), list(plan.backward)
     best = total(fwd, bwd)
@@ -170,7 +170,7 @@ def flip_saves(pb: PartitionProblem, plan: SegmentPlan, *, max_sweeps: int = 3) 
             if key not in costs:
                 costs[key] = _stage(pb, kind, a, b, saved, 0)  # type: ignore[arg-type]
             out.append(costs[key])
-        return _time(pb, out)
+        return _time(pb, out, saved)
 
     saved, best = plan.saved, total(plan.saved)
     for _ in range(max_sweeps):
@@ -187,7 +187,7 @@ def flip_saves(pb: PartitionProblem, plan: SegmentPlan, *, max_sweeps: int = 3) 
     return SegmentPlan(forward=plan.forward, fused=plan.fused, backward=plan.backward, saved=saved)
 
 
-def _time(pb: PartitionProblem, costs: list[StageCost]) -> float:
+def _time(pb: PartitionProblem, costs: list[StageCost], saved: tuple[bool, ...]) -> float:
     """Exact iteration time of stages costed on their own (:func:`~.problem.iteration_time` without objects)."""
     times = _lazy_offload(pb, costs)[0]
-    return pipeline_time(times, pb.device_count, pb.microbatches, **transfer_edges(pb, costs, times))
+    return pipeline_time(times, pb.device_count, pb.microbatches, **transfer_edges(pb, costs, times, saved))

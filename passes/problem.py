@@ -392,7 +392,8 @@ def _lazy_offload(problem: PartitionProblem, costs: Sequence[StageCost]):
 
 def pipeline_time(stage_times: Sequence[float], devices: int, microbatches: int, *,
                   weight_s: Sequence[float] = (), grad_s: Sequence[float] = (),
-                  handoff_s: Sequence[float] = ()) -> float:
+                  handoff_s: Sequence[float] = (), out_s: Sequence[float] = (), save_s: Sequence[float] = (),
+                  reads: Sequence[Sequence[int]] = (), prefetch_s: Sequence[float] = ()) -> float:
     """Iteration time of the round-robin schedule (DESIGN §3) by the exact event recurrence.
 
     Microbatch ``j`` of stage ``k`` starts at ``max(e(k, j-1), e(k-1, j), e(k-N, m-1))`` (0 for negative
@@ -404,33 +405,56 @@ def pipeline_time(stage_times: Sequence[float], devices: int, microbatches: int,
     be in before ``k`` starts; ``grad_s[k]``, the download time of its gradients after its last microbatch,
     which the iteration waits for; ``handoff_s[k]`` (``k ≥ 1``), the latency between stage ``k−1`` finishing a
     microbatch and stage ``k`` having it (``e(k−1, j)`` becomes ``e(k−1, j) + handoff_s[k]`` above).
+
+    Saved activations going down lazily (:func:`offload_backlog`): a stage with ``save_s[f] > 0`` sends its
+    outputs down (``out_s[f]`` per microbatch) and then its saves (``save_s[f]``), one microbatch after the other
+    on its link, so microbatch ``j``'s saves land at ``l(f, j) = max(l(f, j−1), e(f, j) + out_s[f]) + save_s[f]``
+    (the latest stage's saves go first, so older backlog does not delay them); a stage that ``reads`` them
+    starts ``j`` no earlier than ``l(f, j) + prefetch_s[k]`` (it uploads them before it computes).
     """
-    ends = _stage_ends(stage_times, devices, microbatches, weight_s, handoff_s)
+    ends = _stage_ends(stage_times, devices, microbatches, weight_s, handoff_s, out_s, save_s, reads, prefetch_s)
     return max((e + (grad_s[k] if k < len(grad_s) else 0.0) for k, e in enumerate(ends)), default=0.0)
 
 
 def _stage_ends(stage_times: Sequence[float], devices: int, m: int, weight_s: Sequence[float] = (),
-                handoff_s: Sequence[float] = ()) -> list[float]:
+                handoff_s: Sequence[float] = (), out_s: Sequence[float] = (), save_s: Sequence[float] = (),
+                reads: Sequence[Sequence[int]] = (), prefetch_s: Sequence[float] = ()) -> list[float]:
     """``e(k, m-1)`` for every stage ``k``: when each stage finishes its last microbatch.
 
     A plain loop over microbatches (the planner's local search calls this thousands of times on short vectors,
     where it is several times faster than array operations): microbatch ``j`` starts once the stage finished
-    ``j−1`` and stage ``k−1``'s ``j`` has been handed over; the first one also waits for the device (``floor``)."""
+    ``j−1`` and stage ``k−1``'s ``j`` has been handed over (and the saves it reads have landed); the first one also
+    waits for the device (``floor``)."""
     prev = [0.0] * m
     last: list[float] = []
     began: list[float] = []  # when each stage's first microbatch started
+    landed: dict[int, list[float]] = {}  # stage -> when each microbatch's saves are in host memory
     for k, t in enumerate(stage_times):
         up = weight_s[k] if k < len(weight_s) else 0.0
         h = handoff_s[k] if 0 < k < len(handoff_s) else 0.0  # the first stage has no one to wait for
         floor = max(last[k - devices], began[k - devices] + up) if k >= devices else up
-        start = max(prev[0] + h, floor)
+        ready = [p + h for p in prev] if h else prev
+        if k < len(reads) and reads[k]:
+            pre = prefetch_s[k] if k < len(prefetch_s) else 0.0
+            for f in reads[k]:
+                if f not in landed:  # nothing of its went down (its saves are 0 bytes)
+                    continue
+                gate = [x + pre for x in landed[f]]
+                ready = [r if r > g else g for r, g in zip(ready, gate)]
+        start = max(ready[0], floor)
         began.append(start)
         end = start + t
         ends = [end]
-        for p in prev[1:]:
-            ready = p + h
-            end = (ready if ready > end else end) + t
+        for r in ready[1:]:
+            end = (r if r > end else end) + t
             ends.append(end)
+        if k < len(save_s) and save_s[k] > 0:
+            out, save, land, lands = (out_s[k] if k < len(out_s) else 0.0), save_s[k], 0.0, []
+            for e in ends:
+                e += out
+                land = (land if land > e else e) + save
+                lands.append(land)
+            landed[k] = lands
         prev = ends
         last.append(end)
     return last
@@ -446,10 +470,11 @@ def equal_time_factors(max_stages: int, devices: int, microbatches: int) -> list
     return [0] + [round(e) for e in _stage_ends([1.0] * max_stages, devices, microbatches)]
 
 
-def transfer_edges(problem: PartitionProblem, costs: Sequence[StageCost],
-                   times: Sequence[float] | None = None) -> dict[str, list[float]]:
+def transfer_edges(problem: PartitionProblem, costs: Sequence[StageCost], times: Sequence[float] | None = None,
+                   saved: Sequence[bool] | None = None) -> dict[str, list]:
     """:func:`pipeline_time`'s transfer edges for these stages: each stage's whole weight upload and gradient
-    download, and each microbatch's hand-off (down from the previous device, up to this one), at the link rate.
+    download, and each microbatch's hand-off (down from the previous device, up to this one), at the link rate;
+    with the plan's ``saved`` flags also when saved activations land in host memory and who waits for them.
     ``times``: the stages' times when they differ from ``time_s``."""
     link = problem.link_bytes_per_s
     handoff = []
@@ -459,18 +484,31 @@ def transfer_edges(problem: PartitionProblem, costs: Sequence[StageCost],
         prev = costs[k - 1]
         slack = (prev.time_s if times is None else times[k - 1]) - prev.compute_s - prev.overhead_s if k else 0.0
         handoff.append(2 * one_way - min(one_way, max(slack, 0.0)))
-    return dict(weight_s=[c.weight_bytes / link for c in costs], grad_s=[c.grad_bytes / link for c in costs],
-                handoff_s=handoff)
+    edges: dict[str, list] = dict(weight_s=[c.weight_bytes / link for c in costs],
+                                  grad_s=[c.grad_bytes / link for c in costs], handoff_s=handoff)
+    if saved is not None and any(c.offload_bytes for c in costs):
+        edges.update(out_s=[(c.download_bytes - c.offload_bytes) / link for c in costs],
+                     save_s=[c.offload_bytes / link for c in costs], reads=save_reads(costs, saved),
+                     prefetch_s=[c.prefetch_bytes / link for c in costs])
+    return edges
 
 
-def _total(problem: PartitionProblem, costs: Sequence[StageCost]) -> float:
+def save_reads(costs: Sequence[StageCost], saved: Sequence[bool]) -> list[tuple[int, ...]]:
+    """Per stage, the forward stages whose saved activations it reads (backward stages; ``()`` for the others)."""
+    saver = {i: f for f, c in enumerate(costs) if c.kind == "forward" for i in range(c.start, c.stop) if saved[i]}
+    return [tuple(sorted({saver[i] for i in range(c.start, c.stop) if i in saver})) if c.kind == "backward" else ()
+            for c in costs]
+
+
+def _total(problem: PartitionProblem, costs: Sequence[StageCost], saved: Sequence[bool]) -> float:
     times = [c.time_s for c in costs]
-    return pipeline_time(times, problem.device_count, problem.microbatches, **transfer_edges(problem, costs))
+    return pipeline_time(times, problem.device_count, problem.microbatches,
+                         **transfer_edges(problem, costs, saved=saved))
 
 
 def iteration_time(problem: PartitionProblem, plan: SegmentPlan) -> float:
     """Predicted time of one training iteration (s): the pipeline plus its exposed fill and drain transfers."""
-    return _total(problem, stage_costs(problem, plan))
+    return _total(problem, stage_costs(problem, plan), plan.saved)
 
 
 def plan_memory(problem: PartitionProblem, plan: SegmentPlan) -> int:
@@ -481,7 +519,7 @@ def plan_memory(problem: PartitionProblem, plan: SegmentPlan) -> int:
 def bubble_fraction(problem: PartitionProblem, plan: SegmentPlan) -> float:
     """Idle device time over ``N × iteration``: ``1 − m·Σ t_k / (N · iteration)``."""
     costs = stage_costs(problem, plan)
-    total = _total(problem, costs)
+    total = _total(problem, costs, plan.saved)
     busy = problem.microbatches * sum(c.time_s for c in costs)
     return 1.0 - busy / (problem.device_count * total) if total > 0 else 0.0
 

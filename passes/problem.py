@@ -353,8 +353,9 @@ def offload_backlog(problem: PartitionProblem, costs: Sequence[StageCost]) -> tu
     not fit that room takes as long as its link needs to keep the backlog there — at most what it took with
     eager copies, unless it also drains an earlier stage's backlog. ``backlog_bytes`` is the most a stage holds
     (beside its ``memory_bytes``; the runtime bounds the backlog the same way, :mod:`rpcompile.runtime.offload`).
-    Stage weights prefetched during a stage (``P``) are the plan's largest. The walk assumes the backlog has gone
-    down before a backward stage prefetches it (the simulator checks it)."""
+    Stage weights prefetched during a stage (``P``) are the plan's largest. When each microbatch's saves land in
+    host memory, and the backward stages that wait for them, are :func:`pipeline_time`'s landing edges
+    (:func:`transfer_edges` given the plan's ``saved`` flags)."""
     out = list(costs)
     for k, (time, held) in enumerate(zip(*_lazy_offload(problem, costs))):
         c = costs[k]
@@ -437,7 +438,7 @@ def _stage_ends(stage_times: Sequence[float], devices: int, m: int, weight_s: Se
         if k < len(reads) and reads[k]:
             pre = prefetch_s[k] if k < len(prefetch_s) else 0.0
             for f in reads[k]:
-                if f not in landed:  # nothing of its went down (its saves are 0 bytes)
+                if f not in landed:  # it saved 0 bytes: nothing to wait for
                     continue
                 gate = [x + pre for x in landed[f]]
                 ready = [r if r > g else g for r, g in zip(ready, gate)]

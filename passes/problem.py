@@ -496,9 +496,18 @@ def transfer_edges(problem: PartitionProblem, costs: Sequence[StageCost], times:
 
 def save_reads(costs: Sequence[StageCost], saved: Sequence[bool]) -> list[tuple[int, ...]]:
     """Per stage, the forward stages whose saved activations it reads (backward stages; ``()`` for the others)."""
-    saver = {i: f for f, c in enumerate(costs) if c.kind == "forward" for i in range(c.start, c.stop) if saved[i]}
-    return [tuple(sorted({saver[i] for i in range(c.start, c.stop) if i in saver})) if c.kind == "backward" else ()
-            for c in costs]
+    count = [0]  # saved segments before each index
+    for flag in saved:
+        count.append(count[-1] + flag)
+    savers = [(f, c.start, c.stop) for f, c in enumerate(costs) if c.kind == "forward" and c.offload_bytes]
+    out: list[tuple[int, ...]] = []
+    for c in costs:
+        if c.kind != "backward":
+            out.append(())
+            continue
+        out.append(tuple(f for f, a, b in savers
+                         if a < c.stop and c.start < b and count[min(b, c.stop)] > count[max(a, c.start)]))
+    return out
 
 
 def _total(problem: PartitionProblem, costs: Sequence[StageCost], saved: Sequence[bool]) -> float:

@@ -72,6 +72,75 @@ def test_pipeline_time_matches_the_recurrence_event_by_event(times, devices, m, 
     assert got == pytest.approx(expected, rel=1e-12)
 
 
+def test_fewer_microbatches_than_devices_is_a_chain():
+    # m < N: no stage ever waits for its device, so the last microbatch leaves after (S - 1 + m) stage times
+    assert pipeline_time([1.0] * 5, 8, 2) == pytest.approx(6.0)
+
+
+def _three_stage_problem(**kw) -> PartitionProblem:
+    fields = dict(
+        names=("a", "b"), layer=(0, 1), fwd_s=(1.0, 2.0), bwd_s=(3.0, 4.0), rec_s=(0.5, 0.7), act_bytes=(100, 200),
+        peak_bytes=(10, 20), boundary_bytes=(40, 50), input_bytes=30, param_bytes=(1000, 2000),
+        grad_bytes=(1000, 0), device_count=2, memory_bytes=10**6, link_bytes_per_s=100.0, microbatches=2,
+        stage_overhead_s=0.1,
+    )
+    fields.update(kw)
+    return PartitionProblem(**fields)
+
+
+def test_stage_costs_three_stage_example_by_hand():
+    pb = _three_stage_problem()
+    plan = _plan([(0, 1)], (1, 2), [(0, 1)], (True, False))
+    f0, fb, b1 = stage_costs(pb, plan)
+    # F0 [0,1): up = input 30 + W/m 1000/2; down = boundary 40 + saved act 100; P = max W = 2000 (the fused stage)
+    assert (f0.kind, f0.start, f0.stop) == ("forward", 0, 1)
+    assert (f0.compute_s, f0.upload_bytes, f0.download_bytes) == (1.0, 530.0, 140.0)
+    assert f0.time_s == pytest.approx(0.1 + 5.3)
+    # working: input 30 + boundary 40 + peak 10 + the 100 saved bytes it holds until they are copied out, and the
+    # previous microbatch's 100 still going down (double buffering)
+    assert (f0.weight_bytes, f0.grad_bytes, f0.memory_bytes) == (1000, 0, 1000 + 2000 + 30 + 40 + 10 + 100 + 100)
+    assert f0.working_bytes == 30 + 40 + 10 + 100
+    # FB [1,2): compute fwd+bwd; up = boundary 40 + 2000/2; down = grad of boundary 40 + G/m 0
+    assert (fb.kind, fb.compute_s, fb.upload_bytes, fb.download_bytes) == ("fused", 6.0, 1040.0, 40.0)
+    assert fb.time_s == pytest.approx(0.1 + 10.4)
+    assert fb.memory_bytes == 2000 + 0 + 2000 + 40 + 50 + 200
+    # B1 [0,1): saved -> no recompute; up = input 30 + grad 40 + saved 100 + W/m 500; down = G/m (a == 0)
+    assert (b1.kind, b1.compute_s, b1.upload_bytes, b1.download_bytes) == ("backward", 3.0, 670.0, 500.0)
+    assert b1.time_s == pytest.approx(0.1 + 6.7)
+    # + the next microbatch's input 30 and saved 100, prefetched
+    assert b1.memory_bytes == 1000 + 1000 + 2000 + 30 + 40 + 100 + 30 + 100
+    # the event recurrence by hand: F0 ends 5.4/10.8, FB 15.9/26.4, B1 (device 0 again) 22.7/33.2
+    assert pipeline_time([c.time_s for c in (f0, fb, b1)], 2, 2) == pytest.approx(33.2)
+    # the hand-offs: FB waits for F0's 40-byte output (0.4 s down, 0.4 s up; F0 is bound by its copies, so its
+    # time covers the way down: 0.4 s), B1 for FB's 40-byte gradient (likewise 0.4 s)
+    assert [round(h, 9) for h in transfer_edges(pb, (f0, fb, b1))["handoff_s"]] == [0.0, 0.4, 0.4]
+    # with the weights' uploads (100 B/s: F0 10 s and FB 20 s from t = 0, B1 10 s from F0's start) and B1's
+    # gradients (10 s) after its last microbatch: F0 runs 10–15.4/20.8, FB 20–30.5/41.0, B1 30.9–37.7/41.4–48.2
+    assert iteration_time(pb, plan) == pytest.approx(48.2 + 10.0)
+    assert plan_memory(pb, plan) == 4300
+    busy = 2 * (5.4 + 10.5 + 6.8)
+    assert bubble_fraction(pb, plan) == pytest.approx(1 - busy / (2 * 58.2))
+
+
+def test_recompute_instead_of_save():
+    pb = _three_stage_problem()
+    plan = _plan([(0, 1)], (1, 2), [(0, 1)], (False, False))
+    f0, _, b1 = stage_costs(pb, plan)
+    assert f0.download_bytes == 40.0 and b1.compute_s == 3.5 and b1.upload_bytes == 570.0
+
+
+def test_tied_parameter_counts_once_per_stage_that_uses_it():
+    emb = SharedParam(name="embed.weight", bytes=500, grad_bytes=500, segments=(0, 3))
+    pb = tiny_chain(4, shared=(emb,))
+    whole = _plan([(0, 3)], (3, 4), [(0, 3)], (False,) * 4)
+    split = _plan([(0, 1), (1, 3)], (3, 4), [(1, 3), (0, 1)], (False,) * 4)
+    one = _plan([], (0, 4), [], (False,) * 4)
+    assert [c.weight_bytes for c in stage_costs(pb, whole)] == [300 + 500, 100 + 500, 300 + 500]
+    assert [c.weight_bytes for c in stage_costs(pb, split)] == [600, 200, 600, 200, 600]
+    assert [c.grad_bytes for c in stage_costs(pb, split)] == [0, 0, 600, 200, 600]
+    assert stage_costs(pb, one)[0].weight_bytes == 400 + 500  # first and last segment together: once
+
+
 # --- plan rules -------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("plan, fragment", [

@@ -118,3 +118,23 @@ def test_host_bandwidth_cap_slows_a_streaming_plan(capsys):
     assert exc.value.code == 2
     assert capsys.readouterr().err.strip().endswith(
         "error: argument --host-bandwidth: not a bandwidth: 'fast' (examples: 100GB/s, 50GiB/s)")
+
+
+def test_a_plans_backward_stages_wait_for_the_saves_they_read():
+    """``from_plan`` links each backward stage to the forward stages that saved what it uploads (by node name),
+    and the simulated prefetch of every microbatch starts only after those saves have landed."""
+    plan = Plan.load(GOLDEN)
+    sc = from_plan(plan)
+    linked = 0
+    for st, ps in zip(sc.stages, plan.stages):
+        if ps.kind == "backward" and ps.saved:
+            assert st.saved_by and set(ps.saved) <= set().union(*(plan.stages[f].saved for f in st.saved_by))
+            linked += 1
+        else:
+            assert st.saved_by == ()
+    assert linked >= 1
+    events = {e.action: e for e in sc.run().timeline}
+    for k, st in enumerate(sc.stages):
+        for f in st.saved_by:
+            for j in range(plan.microbatches):
+                assert events[f"{k}F{j}<<"].start >= events[f"{f}F{j}>>"].end - 1e-12

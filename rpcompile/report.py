@@ -128,14 +128,17 @@ def simulate_table(results: dict, scenarios: dict, *, title: str = "") -> Table:
 
 
 def devices_table(result, *, title: str = "") -> Table:
-    """Per device of one simulated schedule: compute utilisation, bytes through its links, peak memory."""
+    """Per device of one simulated schedule: compute utilisation, bytes through its links, the most saved
+    activations waiting to go down (lazy offload), peak memory."""
     t = Table(title=title)
-    for col in ("device", "busy", "utilisation", "fill", "drain", "waits", "uploaded", "downloaded", "peak memory"):
+    for col in ("device", "busy", "utilisation", "fill", "drain", "waits", "uploaded", "downloaded",
+                "offload backlog", "peak memory"):
         t.add_column(col, justify="right")
     idle = result.idle_s()
     for d, (busy, util) in enumerate(zip(result.busy_s, result.utilisation)):
         peak = result.peak_memory_bytes[d] if d < len(result.peak_memory_bytes) else 0
         moved = [fmt_bytes(int(x[d])) if d < len(x) else "—" for x in (result.uploaded_bytes, result.downloaded_bytes)]
+        backlog = result.offload_backlog_bytes[d] if d < len(result.offload_backlog_bytes) else 0
         t.add_row(str(d), fmt_time(busy), f"{util:.1%}", *(fmt_time(idle[d][k]) for k in ("fill", "drain", "waits")),
-                  *moved, fmt_bytes(peak) if peak else "—")
+                  *moved, fmt_bytes(backlog) if backlog else "—", fmt_bytes(peak) if peak else "—")
     return t

@@ -148,6 +148,9 @@ class SimResult:
     tokens_per_iteration: int = 0
     stage_names: tuple[str, ...] = ()
     memory_limit_bytes: int | None = None
+    offload_backlog_bytes: tuple[int, ...] = ()
+    """Per device: the most saved activations computed but not yet down in host memory at once (lazy offload;
+    part of ``peak_memory_bytes``)."""
 
     @property
     def bubble_fraction(self) -> float:
@@ -214,6 +217,7 @@ class SimResult:
             "host_traffic_bytes": self.host_traffic_bytes,
             "uploaded_bytes": list(self.uploaded_bytes),
             "downloaded_bytes": list(self.downloaded_bytes),
+            "offload_backlog_bytes": list(self.offload_backlog_bytes),
             "fits": self.fits,
         }
 
@@ -338,6 +342,16 @@ def simulate(
         SimEvent(t.label, t.device, _LANES[t.lane][2], _LANES[t.lane][1], t.stage, t.microbatch, t.start, t.end)
         for t in tasks
     )
+    changes: list[tuple[float, int, int, float]] = []  # (time, order, device, bytes): landings before new saves
+    for t in tasks:
+        if t.lane == "s_down":
+            changes.append((t.end, 0, t.device, -sts[t.stage].offload_bytes))
+        elif t.lane == "compute" and sts[t.stage].offload_bytes:
+            changes.append((t.end, 1, t.device, sts[t.stage].offload_bytes))
+    backlog, most = [0.0] * devices, [0.0] * devices
+    for _, _, d, b in sorted(changes):
+        backlog[d] += b
+        most[d] = max(most[d], backlog[d])
     return SimResult(
         timeline=events,
         iteration_time_s=max((t.end for t in tasks), default=0.0),
@@ -349,6 +363,7 @@ def simulate(
         tokens_per_iteration=tokens_per_iteration,
         stage_names=tuple(s.name for s in sts),
         memory_limit_bytes=memory_limit_bytes,
+        offload_backlog_bytes=tuple(int(round(b)) for b in most),
     )
 
 

@@ -146,7 +146,9 @@ def test_saved_activations_go_down_lazily_within_the_memory_limit():
     assert [starts[f"0F{j}"] for j in range(4)] == pytest.approx([0.0, 0.1, 0.2, 0.3])
     assert starts["1F0"] == pytest.approx(0.4)  # the fused stage does not wait for them either
     assert piled.peak_memory_bytes == (40,) and piled.iteration_time_s == pytest.approx(4.1)
-    assert held.peak_memory_bytes == (10,) and held.fits
+    assert piled.offload_backlog_bytes == (40,) and piled.summary()["offload_backlog_bytes"] == [40]
+    assert held.peak_memory_bytes == (10,) and held.fits and held.offload_backlog_bytes == (10,)
+    assert simulate(lists, sts).offload_backlog_bytes == (0,)  # free links: nothing waits to go down
     starts = {e.action: e.start for e in held.timeline}
     assert [starts[f"0F{j}"] for j in range(4)] == pytest.approx([0.0, 1.1, 2.2, 3.3])
     assert held.iteration_time_s == pytest.approx(4.4)

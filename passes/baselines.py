@@ -38,8 +38,9 @@ def layer_ranges(pb: PartitionProblem) -> list[tuple[int, int]]:
 
 def model_objective(pb: PartitionProblem, plan: SegmentPlan) -> float:
     """``c(S)·max_k t_k``: the bound the balance solvers minimise (never below the plan's stage recurrence,
-    :func:`.problem.pipeline_time`; :func:`.problem.iteration_time` adds the exposed weight and gradient copies)."""
-    costs = stage_costs(pb, plan)
+    :func:`.problem.pipeline_time`; :func:`.problem.iteration_time` adds the exposed weight and gradient copies),
+    in the solvers' per-stage model (saves copied out while their forward stage runs)."""
+    costs = stage_costs(pb, plan, lazy_offload=False)
     c = equal_time_factors(len(costs), pb.device_count, pb.microbatches)[len(costs)]
     return c * max(s.time_s for s in costs)
 

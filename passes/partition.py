@@ -95,7 +95,7 @@ class _Pool:
         """Keep ``plan`` if it is new and valid (heuristic plans may break the memory limit)."""
         if plan is None or plan in self.plans or validate_segment_plan(self.pb, plan):
             return
-        t = max(c.time_s for c in stage_costs(self.pb, plan))
+        t = max(c.time_s for c in stage_costs(self.pb, plan, lazy_offload=False))  # the solvers' c(S)·T model
         self.plans[plan] = t
         s = plan.stage_count
         if t < self.best_t[s]:

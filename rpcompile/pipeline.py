@@ -72,9 +72,10 @@ class Pipeline:
         buffers = {n: b for n, b in gm.named_buffers()}
         self.executor = Executor(self.program, self.devices, params, buffers, dtype=_DTYPES[precision])
         self.iteration = 0
-        for d, device in enumerate(self.devices):  # GPUs send saved activations down behind the compute
+        for d, device in enumerate(self.devices):  # GPUs send hand-offs and saved activations down behind the compute
             if device.torch_device.type == "cuda" and device.offloader is None:
                 device.enable_offload(offload_budget(plan, d, len(self.devices)))
+                device.enable_async_handoff()
 
     @property
     def timeline(self) -> list:

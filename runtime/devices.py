@@ -9,8 +9,10 @@ the runtime defines its own (DESIGN.md §7). A :class:`Device` moves tensors to 
 - :class:`CudaDevice`: one GPU. Uploads go through a dedicated copy stream from pinned host memory and the compute
   stream waits on an event; downloads land in pinned host buffers.
 
-Either may send saved activations down lazily (:meth:`Device.enable_offload`, :mod:`.offload`); the pipeline
-turns it on for CUDA devices, with the memory the plan's stages leave free on each as the budget.
+Either may send saved activations down lazily (:meth:`Device.enable_offload`) and hand-offs asynchronously
+(:meth:`Device.enable_async_handoff`), each on an offloader thread of its own (:mod:`.offload`); the pipeline
+turns both on for CUDA devices, with the memory the plan's stages leave free on each as the backlog's budget.
+Without them (logical CPU devices, where moving is free) :meth:`Device.download` copies synchronously.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class Device:
         return contextlib.nullcontext()
 
     offloader: "Offloader | None" = None
+    handoffs: "Offloader | None" = None
 
     def enable_offload(self, budget_bytes: float,
                        copy: Callable[[Sequence[torch.Tensor], Any], Sequence[torch.Tensor]] | None = None) -> None:
@@ -59,6 +62,23 @@ class Device:
             self.offloader.close()
         self.offloader = Offloader(copy or self._copy_out, budget_bytes=budget_bytes,
                                    name=f"rpcompile-offload{self.index}")
+
+    def enable_async_handoff(self, max_pending: int = 2,
+                             copy: Callable[[Sequence[torch.Tensor], Any], Sequence[torch.Tensor]] | None = None) -> None:
+        """Send hand-offs (outputs, input gradients) down on their own thread, first in first out, at most
+        ``max_pending`` of them in flight (:mod:`.offload`); the next stage waits on their landing."""
+        if self.handoffs is not None:
+            self.handoffs.close()
+        self.handoffs = Offloader(copy or self._copy_out, max_pending=max_pending,
+                                  name=f"rpcompile-handoff{self.index}", what="a hand-off")
+        self._handoff_seq = 0
+
+    def handoff(self, t: torch.Tensor) -> Any:
+        """A tensor the next stage waits for, to host memory: now, or as a :class:`~.offload.Landing`."""
+        if self.handoffs is None:
+            return self.download(t)
+        self._handoff_seq += 1  # one worker thread per device submits, so the order is the submission order
+        return self.handoffs.submit([t], priority=self._handoff_seq, ready=self._computed(), wrap=lambda h: h[0])
 
     def offload(self, value: Any, *, priority: Any) -> Any:
         """A forward stage's saved activations (:class:`~.saved.HostSaved`) to host memory: now, or through the

@@ -56,7 +56,7 @@ class ValueStore:
 
     def __init__(self) -> None:
         self.values: dict[tuple[str, int], Any] = {}
-        self.grads: dict[tuple[str, int], torch.Tensor] = {}
+        self.grads: dict[tuple[str, int], list[Any]] = {}
         self.lock = threading.Lock()
 
     def put(self, name: str, mb: int, value: Any) -> None:
@@ -65,13 +65,20 @@ class ValueStore:
     def get(self, name: str, mb: int) -> Any:
         return self.values[(name, mb)]
 
-    def add_grad(self, name: str, mb: int, grad: torch.Tensor) -> None:
+    def add_grad(self, name: str, mb: int, grad: Any) -> None:
+        """Add a gradient contribution (a tensor, or a :class:`~.offload.Landing` of one still going down)."""
         with self.lock:
-            old = self.grads.get((name, mb))
-            self.grads[(name, mb)] = grad if old is None else old + grad
+            self.grads.setdefault((name, mb), []).append(grad)
 
     def grad(self, name: str, mb: int) -> torch.Tensor | None:
-        return self.grads.get((name, mb))
+        """The sum of the contributions, in the order they were added (waits for those still going down)."""
+        with self.lock:
+            parts = list(self.grads.get((name, mb), ()))
+        total = None
+        for g in parts:
+            g = g.wait() if isinstance(g, Landing) else g
+            total = g if total is None else total + g
+        return total
 
 
 @dataclass
@@ -291,6 +298,8 @@ class Executor:
             for name, v in zip(prog.outputs, outs):
                 if isinstance(v, saved.HostSaved):  # behind the compute, latest stage first (runtime/offload.py)
                     self.store.put(name, mb, device.offload(v, priority=(-prog.index, mb)))
+                elif isinstance(v, torch.Tensor):
+                    self.store.put(name, mb, device.handoff(v))
                 else:
                     self.store.put(name, mb, _to_host(device, v))
             return
@@ -307,7 +316,7 @@ class Executor:
             torch.autograd.backward(roots, grads)
         for name, v in zip(prog.inputs, inputs):
             if isinstance(v, torch.Tensor) and v.requires_grad and v.grad is not None:
-                self.store.add_grad(name, mb, device.download(v.grad))
+                self.store.add_grad(name, mb, device.handoff(v.grad))
 
     def _output_grads(self, device: Device, prog: StageProgram, outs: Any, mb: int) -> tuple[list, list]:
         roots, grads = [], []

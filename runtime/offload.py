@@ -9,7 +9,12 @@ past ``budget_bytes`` waits until enough has gone down (the planner gives the me
 free, :func:`rpcompile.passes.problem.offload_backlog`, which models the same policy; so does the simulator).
 
 A :class:`Landing` stands for the host copy until it exists; the backward stage's worker calls ``wait()``
-before it uploads the tensors. A copy that fails makes every later ``wait()`` and ``submit()`` raise instead
+before it uploads the tensors.
+
+The same machinery sends a GPU's **hand-offs** down (a stage's outputs, a backward stage's input gradients) on a
+second offloader, first in first out, at most two microbatches' worth pending (double buffering, as the
+simulator's ``OUTPUT_BUFFERS``): the worker queues the next microbatch's kernels while the copy runs, and the
+next stage's worker waits on the landing instead of the producing worker waiting on the copy. A copy that fails makes every later ``wait()`` and ``submit()`` raise instead
 of hanging the pipeline.
 """
 
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import threading
 from typing import Any, Callable, Sequence
 
@@ -28,8 +34,8 @@ __all__ = ["Landing", "Offloader"]
 class Landing:
     """The host copy of one submission, once it has landed."""
 
-    def __init__(self, value: Any = None, *, landed: bool = False):
-        self._value, self._error = value, None
+    def __init__(self, value: Any = None, *, landed: bool = False, what: str = "saved activations"):
+        self._value, self._error, self._what = value, None, what
         self._event = threading.Event()
         if landed:
             self._event.set()
@@ -37,9 +43,9 @@ class Landing:
     def wait(self, timeout: float | None = None) -> Any:
         """The host value (blocks until it has gone down; re-raises the copy's error)."""
         if not self._event.wait(timeout):
-            raise TimeoutError("saved activations did not reach host memory in time")
+            raise TimeoutError(f"{self._what} did not reach host memory in time")
         if self._error is not None:
-            raise RuntimeError(f"offloading saved activations failed: {self._error}") from self._error
+            raise RuntimeError(f"copying {self._what} to host memory failed: {self._error}") from self._error
         return self._value
 
     @property
@@ -59,11 +65,15 @@ class Offloader:
     for). ``wrap(host_tensors)`` builds the value a :class:`Landing` resolves to."""
 
     def __init__(self, copy: Callable[[Sequence[torch.Tensor], Any], Sequence[torch.Tensor]], *,
-                 budget_bytes: float, name: str = "offload"):
+                 budget_bytes: float = math.inf, max_pending: int | None = None, name: str = "offload",
+                 what: str = "saved activations"):
         if budget_bytes < 0:
             raise ValueError(f"budget_bytes={budget_bytes} must be >= 0")
-        self.copy, self.budget_bytes = copy, float(budget_bytes)
+        if max_pending is not None and max_pending < 1:
+            raise ValueError(f"max_pending={max_pending} must be >= 1")
+        self.copy, self.budget_bytes, self.max_pending, self.what = copy, float(budget_bytes), max_pending, what
         self.pending_bytes = 0.0
+        self.pending = 0
         self.peak_pending_bytes = 0.0
         self._heap: list[tuple[Any, int, Any]] = []
         self._seq = itertools.count()
@@ -76,14 +86,17 @@ class Offloader:
     def submit(self, tensors: Sequence[torch.Tensor], *, priority: Any, ready: Any = None,
                wrap: Callable[[tuple[torch.Tensor, ...]], Any] = tuple) -> Landing:
         """Queue ``tensors`` to go down (smaller ``priority`` first). Blocks while the backlog, with them, would
-        exceed the budget and something is still going down (one submission larger than the budget still goes)."""
+        exceed the budget (bytes, or ``max_pending`` submissions) and something is still going down (one
+        submission larger than the budget still goes)."""
         nbytes = float(sum(t.numel() * t.element_size() for t in tensors))
-        landing = Landing()
+        landing = Landing(what=self.what)
         with self._cv:
-            while (self.pending_bytes and self.pending_bytes + nbytes > self.budget_bytes
+            while (self.pending and (self.pending_bytes + nbytes > self.budget_bytes
+                                     or (self.max_pending is not None and self.pending >= self.max_pending))
                    and self._error is None and not self._closed):
                 self._cv.wait()
             self._raise()
+            self.pending += 1
             self.pending_bytes += nbytes
             self.peak_pending_bytes = max(self.peak_pending_bytes, self.pending_bytes)
             heapq.heappush(self._heap, (priority, next(self._seq), (tuple(tensors), ready, wrap, landing, nbytes)))
@@ -93,7 +106,7 @@ class Offloader:
     def drain(self) -> None:
         """Wait until everything submitted has gone down (end of an iteration)."""
         with self._cv:
-            while (self._heap or self.pending_bytes) and self._error is None:
+            while (self._heap or self.pending) and self._error is None:
                 self._cv.wait()
             self._raise()
 
@@ -104,7 +117,7 @@ class Offloader:
 
     def _raise(self) -> None:
         if self._error is not None:
-            raise RuntimeError(f"offloading saved activations failed: {self._error}") from self._error
+            raise RuntimeError(f"copying {self.what} to host memory failed: {self._error}") from self._error
         if self._closed:
             raise RuntimeError("the offloader is closed")
 
@@ -130,5 +143,6 @@ class Offloader:
             del tensors  # the device memory may be reused once the copy is done
             landing._finish(value)
             with self._cv:
+                self.pending -= 1
                 self.pending_bytes -= nbytes
                 self._cv.notify_all()

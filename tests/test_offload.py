@@ -51,18 +51,37 @@ def test_the_backlog_stays_within_its_budget():
     off.close()
 
 
+def test_hand_offs_are_double_buffered():
+    """``max_pending=2``: two hand-offs may be in flight, the third waits until the first has landed."""
+    log, gate = [], threading.Event()
+    off = Offloader(_gated_copy(log, gate), max_pending=2, what="a hand-off")
+    off.submit([torch.zeros(1)], priority=1)
+    off.submit([torch.ones(1)], priority=2)
+    returned = threading.Event()
+    threading.Thread(target=lambda: (off.submit([torch.full((1,), 2.0)], priority=3), returned.set()),
+                     daemon=True).start()
+    assert not returned.wait(0.2)
+    gate.set()
+    assert returned.wait(10)
+    off.drain()
+    assert log == [0, 1, 2] and off.pending == 0
+    off.close()
+
+
 def test_a_failed_copy_is_an_error_for_every_waiter_not_a_hang():
     def broken(tensors, ready):
         raise OSError("pinned memory exhausted")
 
     off = Offloader(broken, budget_bytes=10**6)
     landing = off.submit([torch.zeros(4)], priority=0)
-    with pytest.raises(RuntimeError, match="offloading saved activations failed: pinned memory exhausted"):
+    with pytest.raises(RuntimeError, match="copying saved activations to host memory failed: pinned memory exhausted"):
         landing.wait(10)
-    with pytest.raises(RuntimeError, match="offloading saved activations failed: pinned memory exhausted"):
+    with pytest.raises(RuntimeError, match="copying saved activations to host memory failed: pinned memory exhausted"):
         off.submit([torch.zeros(4)], priority=0)
     with pytest.raises(ValueError, match="budget_bytes=-1 must be >= 0"):
         Offloader(broken, budget_bytes=-1)
+    with pytest.raises(ValueError, match="max_pending=0 must be >= 1"):
+        Offloader(broken, max_pending=0)
 
 
 def test_a_pipeline_with_lazy_offload_matches_eager():
@@ -85,6 +104,43 @@ def test_a_pipeline_with_lazy_offload_matches_eager():
     assert all(d.offloader.pending_bytes == 0 and d.offloader.peak_pending_bytes > 0 for d in pipe.devices
                if any(s.kind == "forward" and s.saved for k, s in enumerate(pipe.plan.stages)
                       if k % len(pipe.devices) == d.index))
+
+
+def test_a_pipeline_with_asynchronous_hand_offs_matches_eager():
+    """Hand-offs (outputs, input gradients) and saved activations both go down through slow offloaders, at most
+    two hand-offs in flight per device: the next stage waits on their landing, the gradients of a value used by
+    several stages are summed in the order they were added, and loss and gradients equal eager's."""
+    from test_runtime import TOL, _saving_pipeline, assert_grads_equal, eager_step
+
+    spec, ref, pipe, x, y = _saving_pipeline("llama-demo", 0)
+
+    def slow(tensors, ready):
+        time.sleep(0.001)
+        return [t.clone() for t in tensors]
+
+    for device in pipe.devices:
+        device.enable_offload(budget_bytes=10**9, copy=slow)
+        device.enable_async_handoff(max_pending=2, copy=slow)
+    loss = pipe.forward_backward(x, target=y)
+    ref_loss = eager_step(ref, spec.loss_fn, x, y, pipe.microbatches)
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+    assert_grads_equal(spec.model, ref)
+    assert all(d.handoffs.pending == 0 and d.handoffs.peak_pending_bytes > 0 for d in pipe.devices)
+
+
+def test_a_failed_hand_off_fails_the_step_with_the_reason():
+    from test_runtime import _saving_pipeline
+
+    from rpcompile.runtime.executor import PipelineError
+
+    spec, _, pipe, x, y = _saving_pipeline("llama-demo", 0)
+
+    def broken(tensors, ready):
+        raise OSError("PCIe link down")
+
+    pipe.devices[0].enable_async_handoff(copy=broken)
+    with pytest.raises(PipelineError, match="copying a hand-off to host memory failed: PCIe link down"):
+        pipe.forward_backward(x, target=y)
 
 
 def test_the_pipeline_budget_is_what_the_stages_leave_free():

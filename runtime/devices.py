@@ -18,6 +18,7 @@ Without them (logical CPU devices, where moving is free) :meth:`Device.download`
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Callable, Sequence
 
 import torch
@@ -111,7 +112,7 @@ class CudaDevice(Device):
         super().__init__(torch_device, index)
         self.copy_stream = torch.cuda.Stream(torch_device)
         self.compute_stream = torch.cuda.Stream(torch_device)
-        self._offload_stream: torch.cuda.Stream | None = None
+        self._copy_streams = threading.local()  # one D2H stream per offloader thread (saves, hand-offs)
 
     def upload(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         with torch.cuda.stream(self.copy_stream):
@@ -138,11 +139,11 @@ class CudaDevice(Device):
         return ev
 
     def _copy_out(self, tensors: Sequence[torch.Tensor], ready: Any) -> list[torch.Tensor]:
-        """On the offloader's thread: its own stream waits for the compute, copies into pinned host buffers and
-        synchronises (the device tensors are released only after that)."""
-        if self._offload_stream is None:
-            self._offload_stream = torch.cuda.Stream(self.torch_device)
-        stream = self._offload_stream
+        """On an offloader's thread: that thread's own stream (hand-offs never queue behind saves) waits for the
+        compute, copies into pinned host buffers and synchronises (the device tensors are released only after)."""
+        stream = getattr(self._copy_streams, "stream", None)
+        if stream is None:
+            stream = self._copy_streams.stream = torch.cuda.Stream(self.torch_device)
         with torch.cuda.device(self.torch_device), torch.cuda.stream(stream):
             if ready is not None:
                 stream.wait_event(ready)

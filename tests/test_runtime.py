@@ -289,9 +289,10 @@ def test_fp16_loss_scaling_skips_overflowing_steps():
 
 
 # ---------------------------------------------------------------------------------------------- saved segments
-def _saving_pipeline(name, parity, k=2, m=3):
+def _saving_pipeline(name, parity, k=2, m=3, devices=None):
     """A hand-made plan over ``name``: two forward stages, two backward stages cut elsewhere, and every other
-    segment (outside the fused stage) saved, so each backward stage mixes saved and recomputed segments."""
+    segment (outside the fused stage) saved, so each backward stage mixes saved and recomputed segments. On
+    ``devices`` (default ``["cpu"] * k``)."""
     from rpcompile.lowering import plan_from_ranges
     from rpcompile.passes.coarsen import coarsen_pass, segments_of
     from rpcompile.passes.util import compute_nodes
@@ -314,7 +315,7 @@ def _saving_pipeline(name, parity, k=2, m=3):
                             microbatches=m, saved=saved)
     assert plan.saved
     rpcompile.verify_plan(plan, gm)
-    pipe = Pipeline(spec.model, gm, plan, make_devices(["cpu"] * k, None), spec.loss_fn, "fp32")
+    pipe = Pipeline(spec.model, gm, plan, make_devices(devices or ["cpu"] * k, None), spec.loss_fn, "fp32")
     return spec, ref, pipe, x, spec.example_target
 
 

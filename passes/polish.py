@@ -22,8 +22,7 @@ from __future__ import annotations
 import itertools
 from typing import Iterator
 
-from .problem import (PartitionProblem, SegmentPlan, StageCost, _lazy_offload, _stage, pipeline_time, transfer_edges,
-                      validate_segment_plan)
+from .problem import PartitionProblem, SegmentPlan, StageCost, _stage, _total, validate_segment_plan
 
 __all__ = ["flip_saves", "polish"]
 
@@ -110,7 +109,7 @@ def _climb(pb: PartitionProblem, plan: SegmentPlan, budget: int, macro: bool) ->
     def total(fwd: Ranges, bwd: Ranges) -> float:
         costs = ([stage("forward", a, b) for a, b in fwd] + [stage("fused", *plan.fused)]
                  + [stage("backward", a, b) for a, b in bwd])
-        return _time(pb, costs, saved)
+        return _total(pb, costs, saved)
 
     fwd, bwd = list(plan.forward), list(plan.backward)
     best = total(fwd, bwd)
@@ -170,7 +169,7 @@ def flip_saves(pb: PartitionProblem, plan: SegmentPlan, *, max_sweeps: int = 3) 
             if key not in costs:
                 costs[key] = _stage(pb, kind, a, b, saved, 0)  # type: ignore[arg-type]
             out.append(costs[key])
-        return _time(pb, out, saved)
+        return _total(pb, out, saved)
 
     saved, best = plan.saved, total(plan.saved)
     for _ in range(max_sweeps):
@@ -186,8 +185,3 @@ def flip_saves(pb: PartitionProblem, plan: SegmentPlan, *, max_sweeps: int = 3) 
             break
     return SegmentPlan(forward=plan.forward, fused=plan.fused, backward=plan.backward, saved=saved)
 
-
-def _time(pb: PartitionProblem, costs: list[StageCost], saved: tuple[bool, ...]) -> float:
-    """Exact iteration time of stages costed on their own (:func:`~.problem.iteration_time` without objects)."""
-    times = _lazy_offload(pb, costs)[0]
-    return pipeline_time(times, pb.device_count, pb.microbatches, **transfer_edges(pb, costs, times, saved))

@@ -511,14 +511,16 @@ def save_reads(costs: Sequence[StageCost], saved: Sequence[bool]) -> list[tuple[
 
 
 def _total(problem: PartitionProblem, costs: Sequence[StageCost], saved: Sequence[bool]) -> float:
-    times = [c.time_s for c in costs]
+    """Exact iteration time of the stages (costed on their own, or already through :func:`offload_backlog`: the
+    walk gives the same times either way) with their transfer edges; the local search calls it on cached stages."""
+    times = _lazy_offload(problem, costs)[0]
     return pipeline_time(times, problem.device_count, problem.microbatches,
-                         **transfer_edges(problem, costs, saved=saved))
+                         **transfer_edges(problem, costs, times, saved))
 
 
 def iteration_time(problem: PartitionProblem, plan: SegmentPlan) -> float:
     """Predicted time of one training iteration (s): the pipeline plus its exposed fill and drain transfers."""
-    return _total(problem, stage_costs(problem, plan), plan.saved)
+    return _total(problem, stage_costs(problem, plan, lazy_offload=False), plan.saved)
 
 
 def plan_memory(problem: PartitionProblem, plan: SegmentPlan) -> int:

@@ -14,8 +14,9 @@ before it uploads the tensors.
 The same machinery sends a GPU's **hand-offs** down (a stage's outputs, a backward stage's input gradients) on a
 second offloader, first in first out, at most two microbatches' worth pending (double buffering, as the
 simulator's ``OUTPUT_BUFFERS``): the worker queues the next microbatch's kernels while the copy runs, and the
-next stage's worker waits on the landing instead of the producing worker waiting on the copy. A copy that fails makes every later ``wait()`` and ``submit()`` raise instead
-of hanging the pipeline.
+next stage's worker waits on the landing instead of the producing worker waiting on the copy.
+
+A copy that fails makes every later ``wait()`` and ``submit()`` raise instead of hanging the pipeline.
 """
 
 from __future__ import annotations
@@ -34,11 +35,9 @@ __all__ = ["Landing", "Offloader"]
 class Landing:
     """The host copy of one submission, once it has landed."""
 
-    def __init__(self, value: Any = None, *, landed: bool = False, what: str = "saved activations"):
-        self._value, self._error, self._what = value, None, what
+    def __init__(self, *, what: str = "saved activations"):
+        self._value, self._error, self._what = None, None, what
         self._event = threading.Event()
-        if landed:
-            self._event.set()
 
     def wait(self, timeout: float | None = None) -> Any:
         """The host value (blocks until it has gone down; re-raises the copy's error)."""
@@ -47,10 +46,6 @@ class Landing:
         if self._error is not None:
             raise RuntimeError(f"copying {self._what} to host memory failed: {self._error}") from self._error
         return self._value
-
-    @property
-    def done(self) -> bool:
-        return self._event.is_set()
 
     def _finish(self, value: Any = None, error: BaseException | None = None) -> None:
         self._value, self._error = value, error

@@ -102,14 +102,12 @@ def from_segment_plan(problem: Any, plan: Any, *, name: str, tokens_per_iteratio
     """The round-robin schedule of a partitioner's :class:`SegmentPlan` (stage figures from ``stage_costs``).
     ``handoff_s``: a fixed activation hand-off time per microbatch into every stage but the first, instead of
     the byte model (published profiles give it that way)."""
-    from rpcompile.passes.problem import stage_costs
+    from rpcompile.passes.problem import save_reads, stage_costs
 
     m, link = problem.microbatches, problem.link_bytes_per_s
     stages = []
-    savers = {i: f for f, (a, b) in enumerate(plan.forward) for i in range(a, b) if plan.saved[i]}
-    for k, c in enumerate(stage_costs(problem, plan)):
-        saved_by = tuple(sorted({savers[i] for i in range(c.start, c.stop) if i in savers})) \
-            if c.kind == "backward" else ()
+    costs = stage_costs(problem, plan)
+    for k, (c, saved_by) in enumerate(zip(costs, save_reads(costs, plan.saved))):
         up = max(0.0, c.upload_bytes - c.weight_bytes / m - c.prefetch_bytes)
         name_k = "FB" if c.kind == "fused" else f"{c.kind[0].upper()}{k if c.kind == 'forward' else k - len(plan.forward)}"
         stages.append(SimStage(

@@ -301,7 +301,7 @@ def simulate(
                         continue  # a copy waits for room (the prefetcher never overfills a device)
                     if any(r.device == t.device and r.lane in _DOWN for r in running.values()):
                         continue  # compute waits while copies out of this device free memory
-                q.remove(t) if t is not q[0] else q.popleft()
+                q.remove(t)  # the head, except on a lazy lane (tasks compare by identity)
                 t.start, t.left = now, t.work
                 memory[t.device] += t.alloc_start
                 peak[t.device] = max(peak[t.device], memory[t.device])

@@ -389,3 +389,19 @@ def test_lazy_offload_model_agrees_with_the_simulator(act, tolerance):
     assert sim.iteration_time_s < pipeline_time([c.time_s for c in eager], 2, 4, **transfer_edges(pb, eager))
     blind = pipeline_time([c.time_s for c in costs], 2, 4, **transfer_edges(pb, costs))  # no landing edges
     assert (model - blind) / model == pytest.approx(0.051 if act == 30 else 0.0, abs=0.01)
+
+
+def test_a_forward_stage_whose_saves_are_empty_is_nobody_s_dependency():
+    """F0 saves a segment of 0 bytes (nothing goes down): the backward stage that reads it waits for nothing, in
+    the timing model and in the simulator (which once refused the plan: "position 0 saves no activations")."""
+    from rpcompile.passes.problem import save_reads
+    from rpcompile.runtime.scenarios import from_segment_plan
+
+    pb = tiny_chain(4, devices=2, microbatches=2, act_bytes=(0, 10, 10, 10), link_bytes_per_s=100.0)
+    plan = SegmentPlan(forward=((0, 1), (1, 3)), fused=(3, 4), backward=((1, 3), (0, 1)),
+                       saved=(True, True, False, False))
+    costs = stage_costs(pb, plan)
+    assert costs[0].offload_bytes == 0 and costs[1].offload_bytes == 10
+    assert save_reads(costs, plan.saved) == [(), (), (), (1,), ()]
+    sim = from_segment_plan(pb, plan, name="ilp").run()
+    assert sim.iteration_time_s == pytest.approx(iteration_time(pb, plan), rel=0.05)

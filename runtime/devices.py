@@ -7,7 +7,9 @@ the runtime defines its own (DESIGN.md §7). A :class:`Device` moves tensors to 
 - :class:`CpuDevice`: a logical device on the CPU. Moving is free (tensors stay where they are); each logical
   device gets its own worker thread in the executor, which is how CI tests the multi-device logic.
 - :class:`CudaDevice`: one GPU. Uploads go through a dedicated copy stream from pinned host memory and the compute
-  stream waits on an event; downloads land in pinned host buffers.
+  stream waits on an event; downloads wait for the compute stream and land in pinned host buffers. A stage's
+  weights go up on a third stream, from the executor's prefetch thread, behind the activation uploads
+  (:meth:`CudaDevice.upload_weights`).
 
 Either may send saved activations down lazily (:meth:`Device.enable_offload`) and hand-offs asynchronously
 (:meth:`Device.enable_async_handoff`), each on an offloader thread of its own (:mod:`.offload`); the pipeline
@@ -25,7 +27,11 @@ import torch
 
 from .offload import Offloader
 
-__all__ = ["Device", "CpuDevice", "CudaDevice", "make_devices"]
+__all__ = ["Device", "CpuDevice", "CudaDevice", "make_devices", "WEIGHT_CHUNK_BYTES"]
+
+#: A weight upload yields to activation uploads between pieces of this size (16 MiB: 0.7 ms on PCIe 4.0 x16), so
+#: the copies a microbatch waits for queue behind at most one piece (:meth:`CudaDevice.upload_weights`).
+WEIGHT_CHUNK_BYTES = 16 << 20
 
 
 class Device:
@@ -47,6 +53,16 @@ class Device:
     def download(self, t: torch.Tensor) -> torch.Tensor:
         """Device tensor -> host tensor."""
         return t
+
+    def upload_weights(self, tensors: Sequence[torch.Tensor],
+                       dtype: torch.dtype | None = None) -> tuple[list[torch.Tensor], Any]:
+        """A stage's weights and buffers to the device (floating ones cast to ``dtype``); returns the copies and a
+        marker to pass to :meth:`wait_weights` before computing with them. The executor calls this from the
+        device's prefetch thread while the device runs its previous stage."""
+        return [self.upload(t, dtype) for t in tensors], None
+
+    def wait_weights(self, ready: Any) -> None:
+        """Make this device's later compute wait for the weights :meth:`upload_weights` returned."""
 
     def compute(self) -> Any:
         """Context in which this device's computation runs."""
@@ -111,6 +127,7 @@ class CudaDevice(Device):
     def __init__(self, torch_device: torch.device, index: int):
         super().__init__(torch_device, index)
         self.copy_stream = torch.cuda.Stream(torch_device)
+        self.weight_stream = torch.cuda.Stream(torch_device)
         self.compute_stream = torch.cuda.Stream(torch_device)
         self._copy_streams = threading.local()  # one D2H stream per offloader thread (saves, hand-offs)
 
@@ -125,10 +142,45 @@ class CudaDevice(Device):
         return out
 
     def download(self, t: torch.Tensor) -> torch.Tensor:
+        # PyTorch's streams do not synchronise with the default stream: a tensor the compute stream produced (a
+        # gradient after the last microbatch) must be waited for before another stream copies it
+        stream = torch.cuda.current_stream(self.torch_device)
+        stream.wait_stream(self.compute_stream)
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         host.copy_(t, non_blocking=True)
-        torch.cuda.current_stream(self.torch_device).synchronize()
+        stream.synchronize()
         return host
+
+    def upload_weights(self, tensors: Sequence[torch.Tensor],
+                       dtype: torch.dtype | None = None) -> tuple[list[torch.Tensor], Any]:
+        """On the prefetch thread: each tensor is cast to the compute precision on the host, into pinned memory
+        (so what crosses the link is what the planner counted: 16-bit weights, not the fp32 masters), then copied
+        on the weight stream in pieces of :data:`WEIGHT_CHUNK_BYTES`, one piece in flight, each issued once the
+        activation uploads already queued on the copy stream are done. The activations a microbatch waits for
+        thus wait for at most one piece — the priority the simulator gives weight uploads (they take what the
+        link has left)."""
+        outs = []
+        with torch.cuda.device(self.torch_device), torch.cuda.stream(self.weight_stream):
+            for t in tensors:
+                cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
+                host = torch.empty(t.shape, dtype=cast, pin_memory=True)
+                host.copy_(t)
+                out = torch.empty(t.shape, dtype=cast, device=self.torch_device)
+                src, dst = host.view(-1), out.view(-1)
+                step = max(1, WEIGHT_CHUNK_BYTES // host.element_size())
+                for i in range(0, src.numel(), step):
+                    self.copy_stream.synchronize()  # activation uploads first
+                    dst[i:i + step].copy_(src[i:i + step], non_blocking=True)
+                    self.weight_stream.synchronize()
+                out.record_stream(self.compute_stream)  # the allocator must not reuse it while compute reads it
+                outs.append(out)
+            ready = torch.cuda.Event()
+            ready.record(self.weight_stream)
+        return outs, ready
+
+    def wait_weights(self, ready: Any) -> None:
+        if ready is not None:
+            self.compute_stream.wait_event(ready)
 
     def compute(self) -> Any:
         return torch.cuda.stream(self.compute_stream)

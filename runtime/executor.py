@@ -5,6 +5,13 @@ fp32 masters on the CPU, cast to the compute precision), ``kFj`` runs stage k on
 finished microbatch j, ``kG`` adds the stage's gradients into the masters' ``.grad``. Values between stages live in
 host memory (:class:`ValueStore`), keyed by (value name, microbatch).
 
+**Weight prefetch.** A device's weights for its next stage go up while it runs the current one: when the worker
+starts a stage's first microbatch it hands the next ``W`` of its list to the device's prefetch thread, and that
+``W`` only collects the result (the simulator's rule: a ``W`` may start once the device started the stage before
+it; at most two stages' weights are resident, the planner's ``P`` term). A forward stage's weights are dropped
+after its last microbatch, a fused or backward stage's after its gradients went home. On a GPU the copies run on
+a stream of their own, behind the activation uploads (:meth:`~.devices.Device.upload_weights`).
+
 Stage semantics (DESIGN.md §3):
 - forward stages run without autograd and hand on the values later stages need;
 - the fused stage runs forward, loss and backward in one go;
@@ -21,6 +28,7 @@ from __future__ import annotations
 import threading
 import time
 import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -88,6 +96,10 @@ class _StageState:
     params: dict[str, torch.Tensor] = field(default_factory=dict)
     """canonical name -> device tensor (a leaf with requires_grad for trainable params of grad stages)."""
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    ready: Any = None
+    """What the device's compute waits for before it uses them (:meth:`~.devices.Device.wait_weights`)."""
+    uploaded: tuple[float, float] = (0.0, 0.0)
+    """When the upload started and ended (seconds since the call started; the timeline's ``W`` event)."""
 
 
 class Executor:
@@ -107,6 +119,9 @@ class Executor:
         self.grad_lock = threading.Lock()
         self.timeline: list[TimelineEvent] = []
         self._slot_cache: dict[int, list[tuple[dict, str, str, bool]] | None] = {}
+        # one thread per device uploads its next stage's weights (in list order, so never more than one ahead)
+        self._prefetchers = [ThreadPoolExecutor(1, thread_name_prefix=f"rpcompile-prefetch{d}")
+                             for d in range(len(self.devices))]
 
     # ------------------------------------------------------------------------------------------ the loop
     def run(self, schedule: list[list[Action]], store: ValueStore, *, iteration: int,
@@ -142,12 +157,14 @@ class Executor:
     def _worker(self, d: int, actions: list[Action]) -> None:
         device = self.devices[d]
         states: dict[int, _StageState] = {}
+        prefetched: dict[int, Future] = {}
+        ahead = _next_weights(actions)
         try:
             with torch.device(device.torch_device) if device.torch_device.type == "cuda" else _nullcontext():
                 for act in actions:
                     if self.failed:
                         return
-                    self._dispatch(device, act, states)
+                    self._dispatch(device, act, states, prefetched, ahead)
         except BaseException as e:  # noqa: BLE001 - reported to the caller, other workers stop
             stage = self.program.stages[act.stage]
             err = PipelineError(f"stage {stage.name} ({act}) failed on device {d} ({device.torch_device}): "
@@ -160,12 +177,13 @@ class Executor:
 
     def run_forward(self, store: ValueStore, *, iteration: int) -> Any:
         """Evaluation: forward and fused stages in order, one batch, no autograd; returns the model output."""
-        self.store, self.iteration = store, iteration
+        self.store, self.iteration, self.t0 = store, iteration, time.perf_counter()
         for prog in self.program.stages:
             if prog.kind == "backward":
                 continue
             device = self.devices[prog.index % len(self.devices)]
             state = self._upload(device, prog)
+            device.wait_weights(state.ready)
             rng.context.iteration, rng.context.microbatch, rng.context.device = iteration, 0, device.torch_device
             saved.context.save = False  # evaluation keeps nothing for a backward pass
             with device.compute():
@@ -176,20 +194,32 @@ class Executor:
                 store.put(name, 0, _to_host(device, v))
         raise RuntimeError("plan has no fused stage")
 
-    def _dispatch(self, device: Device, act: Action, states: dict[int, _StageState]) -> None:
+    def _dispatch(self, device: Device, act: Action, states: dict[int, _StageState],
+                  prefetched: dict[int, Future], ahead: dict[int, int]) -> None:
         prog = self.program.stages[act.stage]
         if act.kind == "F" and act.stage > 0:
             self.done[(act.stage - 1, act.microbatch)].wait()
             if self.failed:
                 return
         start = time.perf_counter() - self.t0
+        if act.kind == "F" and act.microbatch == 0 and act.stage in ahead:  # the stage starts: prefetch the next
+            nxt = self.program.stages[ahead[act.stage]]
+            prefetched[nxt.index] = self._prefetchers[device.index].submit(self._upload, device, nxt)
         if act.kind == "W":
-            states[act.stage] = self._upload(device, prog)
-        elif act.kind == "F":
+            ahead = prefetched.pop(act.stage, None)
+            state = states[act.stage] = ahead.result() if ahead is not None else self._upload(device, prog)
+            device.wait_weights(state.ready)
+            start, end = state.uploaded  # the upload's own span, on whichever thread ran it
+            self.timeline.append(TimelineEvent(str(act), prog.name, act.microbatch, device.index, start, end))
+            return
+        if act.kind == "F":
+            last = act.microbatch == self.microbatches - 1
             with device.compute():
                 self._compute(device, prog, states[act.stage], act.microbatch)
-                if prog.kind != "backward" and act.microbatch == self.microbatches - 1:
+                if prog.kind != "backward" and last:
                     self._writeback_buffers(device, prog, states[act.stage])
+            if prog.kind == "forward" and last:
+                del states[act.stage]  # no gradients to wait for: the device's copy of the weights can go
             self.done[(act.stage, act.microbatch)].set()
         else:
             self._download_grads(device, prog, states.pop(act.stage))
@@ -198,16 +228,21 @@ class Executor:
 
     # ------------------------------------------------------------------------------------------ weights
     def _upload(self, device: Device, prog: StageProgram) -> _StageState:
+        """The device's copies of a stage's parameters and buffers (like ``model.to(dtype)``: floating buffers
+        too), on the worker or on the device's prefetch thread."""
         grads = prog.kind != "forward"
-        state = _StageState()
-        for name in dict.fromkeys(prog.params.values()):
+        params = list(dict.fromkeys(prog.params.values()))
+        buffers = list(dict.fromkeys(prog.buffers.values()))
+        start = time.perf_counter() - self.t0
+        copies, ready = device.upload_weights([self.params[n].detach() for n in params]
+                                              + [self.buffers[n] for n in buffers], self.dtype)
+        state = _StageState(ready=ready, uploaded=(start, time.perf_counter() - self.t0))
+        for name, t in zip(params, copies):
             master = self.params[name]
-            t = device.upload(master.detach(), self.dtype)
             if t is master or t.data_ptr() == master.data_ptr():
                 t = t.detach()  # a new leaf sharing the master's storage: its own .grad
             state.params[name] = t.requires_grad_(grads and master.requires_grad)
-        for name in dict.fromkeys(prog.buffers.values()):  # like model.to(dtype): floating buffers too
-            state.buffers[name] = device.upload(self.buffers[name], self.dtype)
+        state.buffers = dict(zip(buffers, copies[len(params):]))
         return state
 
     def _writeback_buffers(self, device: Device, prog: StageProgram, state: _StageState) -> None:
@@ -326,6 +361,19 @@ class Executor:
                 roots.append(v)
                 grads.append(device.upload(g, v.dtype))
         return roots, grads
+
+
+def _next_weights(actions: Sequence[Action]) -> dict[int, int]:
+    """Per stage of a device's list, the stage whose weights go up once its first microbatch starts: the next
+    ``W`` in the list (none for the last stage)."""
+    out: dict[int, int] = {}
+    current = None
+    for a in actions:
+        if a.kind == "W" and current is not None:
+            out[current] = a.stage
+        elif a.kind == "F":
+            current = a.stage
+    return out
 
 
 def _to_host(device: Device, v: Any) -> Any:

@@ -8,8 +8,10 @@ Terms
   graphs. ``fw(*params, *buffers, *inputs) -> (*outputs, *updated_buffers, *saved)`` and
   ``bw(*saved, *tangents) -> one gradient per fw input`` (None where there is none). Buffers are cloned inside the
   traced function, so BatchNorm's running-statistics update is an output, not an input mutation.
-- **Passthrough**: a saved tensor that is just a fw input (a parameter, a segment input) or a segment output. It is
-  not shipped: the backward stage has the parameters on its device and receives inputs and outputs anyway.
+- **Passthrough**: a saved tensor that is just a fw input (a parameter, a segment input) or a segment output, or a
+  view of a fw input (a linear layer's transposed weight). It is not shipped: the backward stage has the
+  parameters on its device and receives inputs and outputs anyway, and replays the view ops on its own copy (on a
+  GPU a shipped weight view would cross the link twice per microbatch, and the planner counts activations only).
 - **Host saved**: the remaining saved tensors; the forward stage sends them to host memory as one
   :class:`HostSaved` value per (segment, microbatch), tagged with the capture they belong to.
 
@@ -120,8 +122,10 @@ class SegmentAOT:
     n_outputs: int
     """Tensor outputs of the segment (the fw graph then returns the updated buffers, then the saved tensors)."""
     n_buffers: int
-    saved: tuple[tuple[str, int], ...]
-    """Per saved slot of bw: ("input", i) fw input i, ("output", i) tensor output i, ("host", j) host tensor j."""
+    saved: tuple[tuple[str, Any], ...]
+    """Per saved slot of bw: ("input", i) fw input i, ("output", i) tensor output i, ("host", j) host tensor j,
+    ("view", (kind, i, ops)) the view ops ``ops`` (``(op, args, kwargs)`` in order) applied to the slot (kind, i)
+    of one of the first three kinds."""
     host: tuple[int, ...]
     """fw output positions of the host-saved tensors."""
     tangents: tuple[int, ...]
@@ -141,7 +145,7 @@ class SegmentAOT:
         if self.bw is None:
             return [None] * len(inputs)
         pool = {"input": inputs, "output": outputs, "host": host}
-        args = [pool[kind][i] for kind, i in self.saved]
+        args = [pool[kind][i] if kind != "view" else _replay(pool[i[0]][i[1]], i[2]) for kind, i in self.saved]
         args += [grads[i] for i in self.tangents]
         metas = [p.meta.get("val") for p in self.bw.graph.find_nodes(op="placeholder")]
         res = self.bw(*[_like(a, m) if isinstance(a, torch.Tensor) else a for a, m in zip(args, metas)])
@@ -181,21 +185,71 @@ def capture_segment(fn: Callable[..., tuple], examples: Sequence[torch.Tensor], 
         raise _Aliased(f"fw graph returns {graphs['num_fwd_outputs']} outputs for {n_fwd}")
     outs = list(next(iter(fw.graph.find_nodes(op="output"))).args[0])
     places = {p: i for i, p in enumerate(fw.graph.find_nodes(op="placeholder"))}
-    saved, host = [], []
-    for pos, node in enumerate(outs[n_fwd:], n_fwd):
+    saved, host, shipped = [], [], {}  # shipped: node -> index among the host tensors
+
+    def slot(node: fx.Node) -> tuple[str, int]:
         if node in places:
-            saved.append(("input", places[node]))
-        elif node in outs[:n_outputs]:
-            saved.append(("output", outs.index(node)))
+            return ("input", places[node])
+        if node in outs[:n_outputs]:
+            return ("output", outs.index(node))
+        if node not in shipped:
+            if node not in outs:  # a view's base the fw graph does not return yet
+                outs.append(node)
+            shipped[node] = len(host)
+            host.append(outs.index(node))
+        return ("host", shipped[node])
+
+    for node in outs[n_fwd:]:
+        root, ops = _view_root(node)
+        # views of an input replay on the backward stage's own copy; views covering a whole tensor share its copy
+        if ops and (root in places or _numel(root) == _numel(node)):
+            saved.append(("view", (*slot(root), ops)))
         else:
-            saved.append(("host", len(host)))
-            host.append(pos)
+            saved.append(slot(node))
+    fw_out = next(iter(fw.graph.find_nodes(op="output")))
+    if len(outs) != len(fw_out.args[0]):
+        fw_out.args = (tuple(outs),)
+        fw.recompile()
     tangents = tuple(i for i, r in enumerate(res) if r.requires_grad)
     if bw is not None:
         n_bw = len(bw.graph.find_nodes(op="placeholder"))
         if n_bw != len(saved) + len(tangents):  # an output aliases another one: AOT folds their tangents
             raise _Aliased(f"unexpected bw graph: {n_bw} inputs for {len(saved)} saved and {len(tangents)} tangents")
     return SegmentAOT(fw, bw, n_outputs, n_buffers, tuple(saved), tuple(host), tangents, constants)
+
+
+#: View ops the backward stage may replay on its own copy of a fw input (``_unsafe_view`` is a view in all but name).
+_VIEW_OPS = {torch.ops.aten._unsafe_view.default}
+
+
+def _view_root(node: fx.Node) -> tuple[fx.Node, tuple]:
+    """``(root, ops)``: ``node`` is ``root`` through the chain of view ops ``ops`` (constant arguments only; empty
+    when ``node`` is no such view)."""
+    chain = []
+    while node.op == "call_function" and (getattr(node.target, "is_view", False) or node.target in _VIEW_OPS):
+        first, rest = (node.args[0], node.args[1:]) if node.args else (None, ())
+        if not isinstance(first, fx.Node) or _has_node((rest, node.kwargs)):
+            break
+        chain.append((node.target, tuple(rest), dict(node.kwargs)))
+        node = first
+    return node, tuple(reversed(chain))
+
+
+def _numel(node: fx.Node) -> int | None:
+    val = node.meta.get("val")
+    return val.numel() if isinstance(val, torch.Tensor) else None
+
+
+def _has_node(args: Any) -> bool:
+    found = []
+    fx.node.map_arg(args, lambda n: found.append(n))
+    return bool(found)
+
+
+def _replay(t: torch.Tensor, ops: Sequence[tuple]) -> torch.Tensor:
+    for op, args, kwargs in ops:
+        t = op(t, *args, **kwargs)
+    return t
 
 
 class _Aliased(Exception):

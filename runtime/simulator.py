@@ -11,7 +11,9 @@ host allows, not eight times a single link.
 What an action list turns into (``kW``/``kFj``/``kG``, see :mod:`.schedule`):
 
 - ``kW`` uploads stage k's weights. It may start once the device has *started* the stage before k in its list
-  (the weight prefetch: at most the running stage and the next one are resident).
+  (the weight prefetch: at most the running stage and the next one are resident), and it takes only what
+  bandwidth the activation copies leave on the upload link (the executor copies weights in small pieces behind
+  them, so a microbatch's inputs never queue behind a whole stage's weights).
 - ``kFj`` first brings microbatch j's inputs in — ``prefetch_bytes`` (in host memory already) and
   ``upload_bytes`` (once chain position k−1's output for j reached host memory); both may start once the device
   began its previous compute action, a double buffer — then computes once the compute queue is free and k's
@@ -62,8 +64,11 @@ _INF = math.inf
 #: up device memory (inputs are double-buffered the same way, see ``kFj`` below).
 OUTPUT_BUFFERS = 2
 _DOWN = ("a_down", "s_down", "g_down")
-#: Lanes that take what bandwidth the others leave on their link (saved-activation offload, see above).
+#: Lanes whose queue starts the copy needed first, not the oldest (saved-activation offload, see above).
 _LAZY = ("s_down",)
+#: Lanes that take what bandwidth the others leave on their link: saved activations going down, and weights going
+#: up (the executor's prefetch thread copies them in pieces behind the activation uploads, runtime/devices.py).
+_BACKGROUND = ("s_down", "w_up")
 # lane -> (physical link, what it carries, display lane)
 _LANES = {
     "compute": (None, "compute", "compute"),
@@ -522,8 +527,8 @@ def _rates(running, link: float, host: float) -> dict[int, float]:
         else:
             rates[id(t)] = 1.0
     cap: dict[object, float] = {"host": host}
-    for lazy in (False, True):  # strict priority: lazy copies share what the others leave
-        _fill([t for t in flows if (t.lane in _LAZY) == lazy], cap, link, rates)
+    for background in (False, True):  # strict priority: background copies share what the others leave
+        _fill([t for t in flows if (t.lane in _BACKGROUND) == background], cap, link, rates)
     return rates
 
 

@@ -1,4 +1,5 @@
-"""Lazy offload in the runtime: saved activations go down behind the compute, needed-first, within a budget."""
+"""Transfers behind the compute in the runtime: saved activations go down lazily (needed-first, within a budget),
+hand-offs asynchronously, and the next stage's weights go up while the current stage runs."""
 
 from __future__ import annotations
 
@@ -160,3 +161,71 @@ def test_the_pipeline_budget_is_what_the_stages_leave_free():
     assert offload_budget(plan, 0, 1) == 600  # one device runs all five
     big = dataclasses.replace(plan, stages=(dataclasses.replace(plan.stages[0], memory_bytes=1200), *plan.stages[1:]))
     assert offload_budget(big, 0, 2) == 0
+
+
+def _slow_weights(device, seconds: float, alive: list):
+    """Wrap a device's weight upload: it takes ``seconds`` and records how many earlier uploads of the device are
+    still alive (weak references) when a new one starts."""
+    import weakref
+
+    upload = device.upload_weights
+    held: list = []
+
+    def slow(tensors, dtype=None):
+        alive.append(sum(1 for refs in held if any(r() is not None for r in refs)))
+        time.sleep(seconds)
+        copies, ready = upload(tensors, dtype)
+        copies = [t.clone() for t in copies]  # device copies of their own, as on a GPU (a CPU one shares the master)
+        held.append([weakref.ref(t) for t in copies])
+        return copies, ready
+
+    device.upload_weights = slow
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_the_next_stage_s_weights_go_up_while_the_current_stage_runs(k):
+    """Weight uploads of 30 ms on one and two logical CPU devices: each device's next stage's weights go up on its
+    prefetch thread during the stage before (the W event overlaps that stage's compute), at most one earlier
+    stage's weights are still on the device when the next ones go up (a forward stage's are dropped after its
+    last microbatch), and loss and every gradient still equal eager's."""
+    from test_runtime import TOL, _saving_pipeline, assert_grads_equal, eager_step
+
+    spec, ref, pipe, x, y = _saving_pipeline("llama-demo", 0, k=k)  # F0 F1 FB B1 B2: one device runs F0, F1 and FB
+    alive: list[int] = []
+    for device in pipe.devices:
+        _slow_weights(device, 0.03, alive)
+    loss = pipe.forward_backward(x, target=y)
+    ref_loss = eager_step(ref, spec.loss_fn, x, y, pipe.microbatches)
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+    assert_grads_equal(spec.model, ref)
+    assert max(alive) <= 1, alive
+    events = {e.action: e for e in pipe.timeline}
+    overlapped = 0
+    for acts in pipe.schedule:
+        stages = [a.stage for a in acts if a.kind == "W"]
+        for prev, nxt in zip(stages, stages[1:]):
+            w, last = events[f"{nxt}W"], events[f"{prev}F{pipe.microbatches - 1}"]
+            assert w.start >= events[f"{prev}F0"].start and w.end <= events[f"{nxt}F0"].start
+            overlapped += w.start < last.end  # went up while the stage before still computed
+    assert overlapped >= 1
+
+
+def test_a_failed_weight_upload_fails_the_step_with_the_stage():
+    from test_runtime import _saving_pipeline
+
+    from rpcompile.runtime.executor import PipelineError
+
+    spec, _, pipe, x, y = _saving_pipeline("llama-demo", 0)
+    calls = []
+
+    def broken(tensors, dtype=None):
+        calls.append(1)
+        if len(calls) > 1:  # the device's first stage uploads on the worker; the next one is prefetched
+            raise OSError("out of pinned memory")
+        return [t for t in tensors], None
+
+    pipe.devices[0].upload_weights = broken
+    second = [a for a in pipe.schedule[0] if a.kind == "W"][1]
+    with pytest.raises(PipelineError, match=rf"stage {pipe.plan.stages[second.stage].name} \({second}\) failed on "
+                                            r"device 0 \(cpu\): OSError: out of pinned memory"):
+        pipe.forward_backward(x, target=y)

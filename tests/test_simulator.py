@@ -105,18 +105,27 @@ def test_host_bandwidth_cap_is_shared_by_every_link():
     assert capped.host_traffic_bytes == 20.0
 
 
-def test_copies_on_one_link_share_it_fairly():
-    """Once stage 0 starts (0.5 s), stage 1's weights (10 B) prefetch while stage 0's second input (5 B) uploads:
-    5 B/s each on the 10 B/s link until the input lands at 1.5 s; then the weights have the whole link for their
-    last 5 B and land at 2.0 s."""
+def test_weight_uploads_yield_the_link_to_activations():
+    """Once stage 0 starts (0.5 s), stage 1's weights (10 B) may prefetch, but stage 0's second input (5 B) is
+    uploading: it keeps the whole 10 B/s link and lands at 1.0 s; the weights go up after it and land at 2.0 s."""
     lists = round_robin(kinds(0, 1), devices=1, microbatches=2)
     sts = stages([1.0, 1.0], weight_bytes=[0, 10], upload_bytes=[5, 0])
     res = simulate(lists, sts, link_bytes_per_s=10.0)
     by_action = {e.action: (e.start, e.end) for e in res.timeline}
     assert by_action["0F0<"] == pytest.approx((0.0, 0.5))
     assert by_action["0F0"] == pytest.approx((0.5, 1.5))
-    assert by_action["0F1<"] == pytest.approx((0.5, 1.5))
+    assert by_action["0F1<"] == pytest.approx((0.5, 1.0))
     assert by_action["1W"] == pytest.approx((0.5, 2.0))
+
+
+def test_activation_copies_on_one_link_share_it_fairly():
+    """A microbatch's input (5 B, after its producer) and its saved activations (5 B, already in host memory)
+    go up together on a 10 B/s link: 5 B/s each, both land at 1.0 s."""
+    lists = round_robin(kinds(0, 0), devices=1, microbatches=1)
+    res = simulate(lists, stages([1.0], upload_bytes=[5], prefetch_bytes=[5]), link_bytes_per_s=10.0)
+    by_action = {e.action: (e.start, e.end) for e in res.timeline}
+    assert by_action["0F0<"] == pytest.approx((0.0, 1.0)) and by_action["0F0<<"] == pytest.approx((0.0, 1.0))
+    assert by_action["0F0"] == pytest.approx((1.0, 2.0))
 
 
 def test_memory_accounting_follows_prefetch_and_gradients():

@@ -28,7 +28,10 @@ out) and the best one returned. In order:
 5. *CP-SAT*: budgets in increasing order of ``c(S)·LB(S)``, each with ``T <= incumbent / c(S)``, the best known
    plan as hint, and a share of the deterministic time ``time_limit_s · DET_TIME_PER_S``; a solve raises
    ``LB`` for every smaller budget. It stops when no budget's bound is more than ``CPSAT_GAP`` (0.1%) below
-   the incumbent (``status`` ``OPTIMAL`` when none is below it at all) or the time is spent (``FEASIBLE``).
+   the incumbent (``status`` ``OPTIMAL`` when none is below it at all) or the time is spent (``FEASIBLE``);
+6. *local search* on the exact time (:mod:`.polish`): climbs from the best plans of the best few stage counts,
+   the winner's save/recompute flips, then a climb from the winner re-cut into stages that grow from both ends
+   of the pipeline (``taper``), the faster of the two kept.
 
 ``stats["bound_s"] = min(incumbent, min_S c(S)·LB(S))`` is a proven lower bound on ``c(S)·T`` over all plans;
 ``stats["gap"] = model_best_s / bound_s − 1``; ``objective_gap`` is ``objective / bound_s − 1`` (the exact
@@ -49,7 +52,7 @@ from .greedy import greedy_plan, masks_for
 from .ilp import solve_budget
 from .exact import fewest_stages
 from .lagrange import StageCountBound
-from .polish import flip_saves, polish
+from .polish import flip_saves, polish, taper
 from .problem import (PartitionProblem, PartitionResult, SegmentPlan, equal_time_factors, iteration_time,
                       stage_costs, validate_segment_plan)
 from .tables import RangeTables, min_memory
@@ -306,6 +309,10 @@ def _finish(pb: PartitionProblem, pool: _Pool, lb: np.ndarray, started: float, s
     flipped = flip_saves(pb, best)  # the winner's checkpointing choices on its settled cuts, then its cuts again
     if flipped != best:
         best = polish(pb, flipped, max_evaluations=POLISH_EVALUATIONS // POLISH_STARTS)
+    tapered = taper(pb, best)  # a jump out of the climbs' optimum: stages that grow from both ends, climbed again
+    if tapered != best:
+        tapered = flip_saves(pb, polish(pb, tapered, max_evaluations=POLISH_EVALUATIONS))
+        best = min((best, tapered), key=lambda p: (iteration_time(pb, p), p.stage_count))
     inc = pool.incumbent()
     bound = min(inc, float(np.min(bound_values(pool.c, lb))))
     proven = bound >= inc * (1 - 1e-9)

@@ -15,6 +15,13 @@ improvement is taken.
 The climbs usually spend their evaluation budget on cut moves before they settle, so the solver ends with
 ``flip_saves`` on the winner: sweeps of flips only, on its fixed cuts, each one cheap (two stages change). On the
 partition benchmark, dropping that pass left llama-1.7b/8 4.9% and llama-32b/8 0.1% slower.
+
+``taper`` is a jump out of the climbs' local optimum that no sequence of one-segment moves makes: it re-cuts a
+side so that its stages grow from the pipeline's end inwards. The fill waits for the first stages' first
+microbatch and the drain for the last stages' last one, so short stages there shorten both; but a short stage
+after a longer one only waits for it (it runs at its predecessor's pace), so the stages must *grow* from each end
+— geometrically, ``T·min(1, r·g^i)`` for the ``i``-th stage from the end, ``T`` the side's slowest stage. The
+solver tapers its winner, climbs again from there and keeps the faster plan (the MoE on 8 GPUs: 3.1% faster).
 """
 
 from __future__ import annotations
@@ -24,7 +31,11 @@ from typing import Iterator
 
 from .problem import PartitionProblem, SegmentPlan, StageCost, _stage, _total, validate_segment_plan
 
-__all__ = ["flip_saves", "polish"]
+__all__ = ["flip_saves", "polish", "taper"]
+
+#: ``taper``'s profiles: the first stage's share ``r`` of the side's slowest stage, and the growth ``g`` per stage.
+TAPER_RATIOS = (0.15, 0.25, 0.35, 0.5, 0.7)
+TAPER_GROWTH = (1.1, 1.2, 1.35, 1.6, 2.0)
 
 Ranges = list[tuple[int, int]]
 
@@ -185,3 +196,47 @@ def flip_saves(pb: PartitionProblem, plan: SegmentPlan, *, max_sweeps: int = 3) 
             break
     return SegmentPlan(forward=plan.forward, fused=plan.fused, backward=plan.backward, saved=saved)
 
+
+
+def taper(pb: PartitionProblem, plan: SegmentPlan) -> SegmentPlan:
+    """``plan`` with its forward side, then its backward side, re-cut to the tapered profile (module docstring)
+    that gives the shortest exact iteration time, if one beats the plan's own cuts and fits; the same saved
+    flags. Forward stages grow from segment 0 (the first stages of the iteration), backward stages too (its
+    last)."""
+    saved, top = plan.saved, plan.fused[0]
+    cache: dict[tuple, StageCost] = {}
+
+    def stage(kind: str, a: int, b: int) -> StageCost:
+        if (kind, a, b) not in cache:
+            cache[(kind, a, b)] = _stage(pb, kind, a, b, saved, 0)  # type: ignore[arg-type]
+        return cache[(kind, a, b)]
+
+    def total(fwd: Ranges, bwd: Ranges) -> float:
+        costs = [stage("forward", a, b) for a, b in fwd] + [stage("fused", *plan.fused)]
+        return _total(pb, costs + [stage("backward", a, b) for a, b in bwd], saved)
+
+    def pack(kind: str, limit: float, r: float, g: float) -> Ranges:
+        out, a = [], 0
+        while a < top:
+            cap, b = limit * min(1.0, r * g ** len(out)), a + 1
+            while b < top and stage(kind, a, b + 1).time_s <= cap * (1 + 1e-9):
+                b += 1
+            out.append((a, b))
+            a = b
+        return out
+
+    fwd, bwd = list(plan.forward), list(plan.backward)
+    best = total(fwd, bwd)
+    for side, current in (("forward", fwd), ("backward", bwd)):
+        if not current:
+            continue
+        limit = max(stage(side, a, b).time_s for a, b in current)
+        for r, g in itertools.product(TAPER_RATIOS, TAPER_GROWTH):
+            cut = pack(side, limit, r, g)
+            f2, b2 = (cut, bwd) if side == "forward" else (fwd, cut[::-1])
+            value = total(f2, b2)
+            if value < best * (1 - 1e-9):
+                trial = SegmentPlan(forward=tuple(f2), fused=plan.fused, backward=tuple(b2), saved=saved)
+                if not validate_segment_plan(pb, trial):
+                    fwd, bwd, best = f2, b2, value
+    return SegmentPlan(forward=tuple(fwd), fused=plan.fused, backward=tuple(bwd), saved=saved)

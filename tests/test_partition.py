@@ -310,6 +310,26 @@ def test_polish_flips_checkpointing_choices_both_ways():
     assert validate_segment_plan(slow, thrift) == []
 
 
+def test_taper_grows_the_stages_from_both_ends():
+    """24 equal segments on 4 devices, 8 microbatches; forward stages of 4 segments (4 s) and backward stages of 2
+    (6 s with recompute). Re-cut so that stages grow from the pipeline's ends — forward 1, 1, 2, 4, … s and the
+    last seven backward stages one segment (3 s) each — the fill and the drain shorten: 220 s → 204 s, with the
+    same saved flags and every stage valid."""
+    from rpcompile.passes.polish import taper
+
+    pb = tiny_chain(24, devices=4, microbatches=8)
+    plan = SegmentPlan(forward=((0, 4), (4, 8), (8, 12), (12, 16), (16, 20), (20, 23)), fused=(23, 24),
+                       backward=((22, 23),) + tuple((a, a + 2) for a in range(20, -1, -2)), saved=(False,) * 24)
+    assert iteration_time(pb, plan) == pytest.approx(220.0)
+    tapered = taper(pb, plan)
+    assert iteration_time(pb, tapered) == pytest.approx(204.0)
+    assert tapered.forward[:4] == ((0, 1), (1, 2), (2, 4), (4, 8)) and tapered.saved == plan.saved
+    assert tapered.backward[-7:] == tuple((a, a + 1) for a in range(6, -1, -1))
+    times = [c.time_s for c in stage_costs(pb, tapered)]
+    assert times[:4] == pytest.approx([1.0, 1.0, 2.0, 4.0]) and times[-8:] == pytest.approx([6.0] + [3.0] * 7)
+    assert validate_segment_plan(pb, tapered) == []
+
+
 def test_handoff_lengthens_the_fill_by_the_wide_cut():
     # two plans of equal stage times; the one whose cut crosses a wide tensor waits longer for each hand-off
     narrow = tiny_chain(4, devices=2, microbatches=2, boundary_bytes=(4, 4, 4, 4), link_bytes_per_s=100.0)

@@ -5,8 +5,11 @@ sequence per microbatch, m = 2N): LLaMA-shaped 1.7B / 8B / 32B and a Qwen3-30B-A
 Each (model, N) is traced and costed once; every schedule is built on that one ``PartitionProblem`` and run by
 the simulator (:mod:`rpcompile.runtime.simulator`), which also accounts memory per device: the static schedules
 keep weights, gradients, Adam state and in-flight activations resident and usually do not fit a 24 GB card —
-the table says so rather than hiding them. ``ilp-recompute`` is the ILP with every activation recomputed (no
-host-memory saving), to separate partitioning from the save/recompute choice. ``ilp-whole-head`` is the ILP on
+the table says so rather than hiding them. The baselines keep the token embedding on the devices, as their
+systems do; rpcompile's columns run it on the host (its default, :mod:`rpcompile.passes.host`), and
+``ilp-device-embedding`` is the ``ilp`` column's plan made with the table on the devices, to show what that buys.
+``ilp-recompute`` is the ILP with every activation recomputed (no host-memory saving), to separate partitioning
+from the save/recompute choice. ``ilp-whole-head`` is the ILP on
 the model as traced, ``ilp-split-head`` on the same model traced with its loss and the LM head split into
 ``HEAD_CHUNKS`` sequence chunks (:mod:`rpcompile.passes.loss_head`), and ``ilp`` is what rpcompile plans by
 default (``head_chunks="auto"``): of those two, the plan whose *predicted* iteration is shorter.
@@ -62,17 +65,25 @@ def model_rows(model: str, gpus: int, time_limit: float) -> tuple[dict[str, dict
     m = 2 * gpus
     ms = load_model(model, batch_size=m, seq_len=SEQ_LEN)
     t0 = time.perf_counter()
-    gm, m = prepare(ms.model, ms.example_inputs, gpus=gpus, spec=SPEC, microbatches=m, precision=PRECISION, progress=False)
-    pb = partition_problem(gm, hardware=make_hardware(gpus, SPEC), microbatches=m, precision=PRECISION)
+    hw = make_hardware(gpus, SPEC)
+
+    def problem(host_embedding: bool, head_chunks: int = 1) -> tuple[Any, Any]:
+        extra = dict(loss_fn=ms.loss_fn, example_target=ms.example_target) if head_chunks > 1 else {}
+        gm, _ = prepare(ms.model, ms.example_inputs, gpus=gpus, spec=SPEC, microbatches=m, precision=PRECISION,
+                        progress=False, head_chunks=head_chunks, host_embedding=host_embedding, **extra)
+        return gm, partition_problem(gm, hardware=hw, microbatches=m, precision=PRECISION)
+
+    gm, base = problem(False)  # the baselines' graph: the embedding on the devices
+    _, pb = problem(True)
+    _, pb2 = problem(True, HEAD_CHUNKS)
+    _, device2 = problem(False, HEAD_CHUNKS)
     prep = time.perf_counter() - t0
     tokens = _tokens(gm) * m
-    scenarios = static_scenarios(pb, chunks=2, precision=PRECISION, tokens_per_iteration=tokens)
-    gm2, _ = prepare(ms.model, ms.example_inputs, gpus=gpus, spec=SPEC, microbatches=m, precision=PRECISION,
-                     progress=False, loss_fn=ms.loss_fn, example_target=ms.example_target, head_chunks=HEAD_CHUNKS)
-    pb2 = partition_problem(gm2, hardware=make_hardware(gpus, SPEC), microbatches=m, precision=PRECISION)
+    scenarios = static_scenarios(base, chunks=2, precision=PRECISION, tokens_per_iteration=tokens)
     predicted = {}
-    for name, problem in (("roundpipe", pb), ("ilp-whole-head", pb),
-                          ("ilp-recompute", dataclasses.replace(pb, allow_save=False)), ("ilp-split-head", pb2)):
+    for name, problem in (("roundpipe", base), ("ilp-whole-head", pb),
+                          ("ilp-recompute", dataclasses.replace(pb, allow_save=False)), ("ilp-split-head", pb2),
+                          ("ilp-device-embedding-whole", base), ("ilp-device-embedding-split", device2)):
         res = solve(problem, "roundpipe" if name == "roundpipe" else "ilp", time_limit_s=time_limit)
         if res.feasible:
             scenarios[name] = from_segment_plan(problem, res.plan, name=name, tokens_per_iteration=tokens)
@@ -83,7 +94,12 @@ def model_rows(model: str, gpus: int, time_limit: float) -> tuple[dict[str, dict
         choice = min(heads, key=lambda n: predicted[n])
         scenarios["ilp"] = scenarios[choice]
         scenarios["ilp"].notes["head_chunks"] = HEAD_CHUNKS if choice == "ilp-split-head" else 1
-    ilps = ("ilp", "ilp-recompute", "ilp-whole-head", "ilp-split-head")
+        twin = "ilp-device-embedding-" + ("split" if choice == "ilp-split-head" else "whole")
+        if twin in scenarios:  # the same choice of head with the table on the devices
+            scenarios["ilp-device-embedding"] = scenarios[twin]
+    for twin in ("ilp-device-embedding-whole", "ilp-device-embedding-split"):
+        scenarios.pop(twin, None)
+    ilps = ("ilp", "ilp-device-embedding", "ilp-recompute", "ilp-whole-head", "ilp-split-head")
     scenarios = {n: sc for n, sc in scenarios.items() if n not in ilps} | {n: scenarios[n] for n in ilps if n in scenarios}
     rows, runs = {}, {}
     for name, sc in scenarios.items():

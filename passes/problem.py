@@ -133,6 +133,9 @@ class PartitionProblem:
     """Bytes live across the cut after the segment (one microbatch); its gradient has the same size."""
     input_bytes: int
     """Bytes of the model inputs (the cut before segment 0)."""
+    input_grad_bytes: int = 0
+    """Bytes of their gradient, which the stage running segment 0's backward sends down (rows the host looked
+    up in a trainable embedding, :mod:`.host`; token ids have none)."""
     param_bytes: tuple[int, ...]
     """Bytes of parameters owned by the segment alone, in upload precision."""
     grad_bytes: tuple[int, ...]
@@ -166,6 +169,7 @@ class PartitionProblem:
         for key in ("act_bytes", "peak_bytes", "boundary_bytes", "param_bytes", "grad_bytes"):
             set_(key, _ints(key, getattr(self, key), n))
         set_("input_bytes", _ints("input_bytes", (self.input_bytes,))[0])
+        set_("input_grad_bytes", _ints("input_grad_bytes", (self.input_grad_bytes,))[0])
         set_("shared", tuple(self.shared))
         for p in self.shared:
             if not isinstance(p, SharedParam) or p.segments[-1] >= n:
@@ -298,7 +302,7 @@ def _stage(pb: PartitionProblem, kind: StageKind, a: int, b: int, saved: Sequenc
     m, link, seg = pb.microbatches, pb.link_bytes_per_s, range(a, b)
     w, g = pb.weight(a, b), pb.weight(a, b, grads=True)
     inb, outb = pb.in_bytes(a), pb.boundary_bytes[b - 1]
-    grad_in = inb if a > 0 else 0
+    grad_in = inb if a > 0 else pb.input_grad_bytes
     act = sum(pb.act_bytes[i] for i in seg)
     saved_act = sum(pb.act_bytes[i] for i in seg if saved[i])
     prefetch = offload = buffers = 0

@@ -43,7 +43,8 @@ def flat_inputs(gm: fx.GraphModule, args: Sequence[Any], kwargs: Mapping[str, An
     """The values of ``gm``'s placeholders, in order, for a call ``gm(*args, **kwargs)``.
 
     Graphs from torch.export take pytree-flattened inputs; graphs from symbolic_trace take one value per
-    placeholder (positional first, then keyword by placeholder name, then defaults).
+    placeholder (positional first, then keyword by placeholder name, then defaults). Placeholders whose value
+    the host computes (:mod:`.host`) are not inputs and have no value here.
     """
     kwargs = dict(kwargs or {})
     info = getattr(gm.graph._codegen, "pytree_info", None)
@@ -56,7 +57,10 @@ def flat_inputs(gm: fx.GraphModule, args: Sequence[Any], kwargs: Mapping[str, An
         return pytree.tree_leaves((tuple(args), kwargs))
     values: list[Any] = []
     it = iter(args)
+    computed = {h.value for h in gm.meta.get("rpcompile.host", ())}
     for node in gm.graph.find_nodes(op="placeholder"):
+        if node.name in computed:
+            continue
         try:
             values.append(next(it))
         except StopIteration:

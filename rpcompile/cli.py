@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-chunks", type=_head_chunks, default="auto", metavar="K",
                    help="put the loss in the graph and split the LM head into K sequence chunks; 1: never split; "
                         "auto (default): plan the whole head and 8 chunks, keep the faster")
+    p.add_argument("--no-host-embedding", dest="host_embedding", action="store_false",
+                   help="keep token embeddings on the devices (default: the host looks up the rows of tables larger "
+                        "than what an iteration reads)")
     p.add_argument("-o", "--output", default=None, help="write the plan JSON here")
     p.add_argument("--emit", default=None, metavar="DIR", help="write each stage's generated Python into DIR")
     p.add_argument("--compare", action="store_true", help="(with --json) report every strategy")
@@ -80,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-chunks", type=_head_chunks, default="auto", metavar="K",
                    help="(ilp, MODEL) split the LM head and its loss into K sequence chunks; 1: never; "
                         "auto (default): plan both ways, keep the faster")
+    p.add_argument("--no-host-embedding", dest="host_embedding", action="store_false",
+                   help="(ilp, MODEL) keep token embeddings on the devices (the baselines always do)")
     p.add_argument("--host-bandwidth", type=_parse_rate, default=None, help="the host memory's total bandwidth, e.g. 100GB/s (default: unlimited)")
     p.add_argument("--layer-profile", default=None, metavar="FILE", help="per-layer times (RoundPipe simulator-input format)")
     p.add_argument("--model", dest="profile_model", default=None, metavar="NAME", help="(with --layer-profile) which model of the file")
@@ -229,7 +234,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
                                         schedules=schedules, chunks=args.chunks, host_bytes_per_s=host,
                                         time_limit_s=args.time_limit, progress=False if args.json else None,
                                         loss_fn=ms.loss_fn, example_target=ms.example_target,
-                                        head_chunks=args.head_chunks, segments_per_layer=args.segments_per_layer)
+                                        head_chunks=args.head_chunks, segments_per_layer=args.segments_per_layer,
+                                        host_embedding=args.host_embedding)
         except ValueError as e:
             raise RPCompileError(str(e)) from None
     results = run_all(scenarios)
@@ -372,7 +378,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         gm, m = prepare(ms.model, ms.example_inputs, gpus=args.gpus, spec=args.spec, device=args.device,
                         microbatches=args.microbatches, precision=args.precision, max_segments=args.max_segments,
                         progress=False if args.json else None, loss_fn=ms.loss_fn, example_target=ms.example_target,
-                        head_chunks=k, segments_per_layer=args.segments_per_layer)
+                        head_chunks=k, segments_per_layer=args.segments_per_layer, host_embedding=args.host_embedding)
         rows = compare(gm, hardware=hardware, microbatches=m, precision=args.precision, time_limit_s=args.time_limit)
         if rows[args.strategy][1] is None:
             raise _infeasible(partition_problem(gm, hardware=hardware, microbatches=m, precision=args.precision),

@@ -13,7 +13,8 @@ Terms:
   more than :data:`MAX_BOXES` boxes.
 - a box's *forward stages* are the forward or fused stages that run its nodes, its *backward stages* the backward
   or fused stages that run their backward (usually one each: ``F3 | B11``; ``FB`` when the fused stage does
-  both); it is *saved* when a forward stage saves one of its nodes' activations to host memory.
+  both); it is *saved* when a forward stage saves one of its nodes' activations to host memory. An embedding the
+  host looks up (``Plan.host``) is a box of its own, first, labelled ``host``.
 
 Node → module mapping. With the traced graph (``graph``: a ``torch.fx.GraphModule`` or ``Graph``, e.g. from
 :func:`rpcompile.trace` or :func:`rpcompile.planning.prepare`) every compute node is placed by its
@@ -53,6 +54,8 @@ GRAPH_SUFFIXES = (".svg", ".dot")
 FANOUT = 4
 """SVG: a box with more non-adjacent successors than this gets a "→ N uses" tag instead of N curves."""
 ROOT = "(root)"
+HOST = "host"
+"""The pseudo-stage of the embedding lookups the host runs (``Plan.host``; drawn in the no-stage grey)."""
 _NUMERIC = re.compile(r"^\d+$")
 
 
@@ -73,9 +76,10 @@ class ModuleBox:
 
     @property
     def stage_label(self) -> str:
-        """``F3 | B11``, ``FB`` for a box the fused stage runs alone, ``F2+F3 | B5`` when a cut splits it."""
-        if self.forward == ("FB",) and self.backward == ("FB",):
-            return "FB"
+        """``F3 | B11``, ``FB`` for a box the fused stage runs alone, ``host`` for an embedding the host looks up,
+        ``F2+F3 | B5`` when a cut splits it."""
+        if self.forward == self.backward and self.forward in (("FB",), (HOST,)):
+            return self.forward[0]
         return f"{'+'.join(self.forward) or '—'} | {'+'.join(self.backward) or '—'}"
 
 
@@ -140,8 +144,8 @@ def _graph_nodes(graph: Any) -> list[Any]:
 
 
 def _stage_maps(plan: Plan) -> tuple[dict[str, str], dict[str, str], set[str]]:
-    fwd: dict[str, str] = {}
-    bwd: dict[str, str] = {}
+    fwd: dict[str, str] = dict.fromkeys(plan.host, HOST)
+    bwd: dict[str, str] = dict.fromkeys(plan.host, HOST)
     for s in plan.stages:
         for n in s.nodes:
             if s.kind != "backward":
@@ -159,7 +163,7 @@ def _ordered(names: Iterable[str], plan: Plan) -> tuple[str, ...]:
 def _rollup_graph(plan: Plan, graph: Any, depth: int | None) -> Rollup:
     from .tracing import module_path
 
-    nodes = _graph_nodes(graph)
+    nodes = [n for n in _graph_nodes(graph) if n.name not in plan.host]  # drawn first, as in a plan alone
     paths = [module_path(n) for n in nodes]
     depth = depth or _auto_depth(paths)
     boxes_of = _fold([_key(p, depth) for p in paths])
@@ -169,11 +173,11 @@ def _rollup_graph(plan: Plan, graph: Any, depth: int | None) -> Rollup:
         members.setdefault(b, []).append(n.name)
     index = {b: i for i, b in enumerate(members)}
     box_of_node = {n: b for n, b in zip(nodes, boxes_of)}
-    edges: dict[tuple[int, int], None] = {}
+    edges_between: dict[tuple[int, int], None] = {}
     for n in nodes:
         for a in n.all_input_nodes:
             if a in box_of_node and box_of_node[a] != box_of_node[n]:
-                edges[(index[box_of_node[a]], index[box_of_node[n]])] = None
+                edges_between[(index[box_of_node[a]], index[box_of_node[n]])] = None
     boxes = tuple(
         ModuleBox(
             name=b or ROOT,
@@ -184,7 +188,17 @@ def _rollup_graph(plan: Plan, graph: Any, depth: int | None) -> Rollup:
         )
         for b, ns in members.items()
     )
-    return Rollup(boxes, tuple(edges), depth, True)
+    host = _host_boxes(plan, True)
+    edges = {(0, len(host)): None} if host and boxes else {}
+    edges.update({(a + len(host), b + len(host)): None for a, b in edges_between})
+    return Rollup(host + boxes, tuple(edges), depth, True)
+
+
+def _host_boxes(plan: Plan, from_graph: bool, saved: int | None = 0) -> tuple[ModuleBox, ...]:
+    """One box per embedding lookup the host runs (nothing of it is saved; ``saved=None`` where the view cannot
+    say), named after its node: a plan does not record its module."""
+    return tuple(ModuleBox(name=n, nodes=(n,) if from_graph else (), forward=(HOST,), backward=(HOST,), saved=saved)
+                 for n in plan.host)
 
 
 def _rollup_plan(plan: Plan, depth: int | None) -> Rollup:
@@ -206,7 +220,8 @@ def _rollup_plan(plan: Plan, depth: int | None) -> Rollup:
             members.setdefault(box, ([], []))[side].append(stage)
             saved[box] = saved.get(box, 0) + (side == 0 and (stage, m) in saved_of)
     fused = plan.fused_stage
-    boxes = tuple(
+    host = _host_boxes(plan, False, 0 if known else None)
+    boxes = host + tuple(
         ModuleBox(
             name=b or ROOT,
             nodes=(),

@@ -167,6 +167,7 @@ def compile(
     spec: Any = None,
     example_target: Any = None,
     head_chunks: "int | str" = "auto",
+    host_embedding: "bool | Sequence[str]" = True,
     **plan_options: Any,
 ) -> Pipeline:
     """Trace ``model``, plan it (or load/check ``plan``) and return a :class:`Pipeline` on its devices.
@@ -182,6 +183,10 @@ def compile(
     the full logits never exist and the head spreads over stages. ``forward_backward`` is unchanged;
     ``forward(x, target=y)`` then returns the loss. The default ``"auto"`` plans the whole head and — given
     ``example_target`` and a head that can be split — 8 chunks as well, and keeps the faster plan.
+    ``host_embedding`` (default on) runs token embeddings whose tables are larger than what an iteration looks
+    up on the host, next to their fp32 masters (:mod:`rpcompile.passes.host`): the first stage receives the
+    looked-up rows instead of uploading the table, and the rows' gradients go into the table's ``.grad``;
+    ``False`` keeps every table on the devices, and node names move exactly those lookups.
     """
     from rpcompile.runtime.devices import make_devices
 
@@ -203,6 +208,10 @@ def compile(
             from rpcompile.passes.loss_head import split_head
 
             split_head(gm, loss_fn, head_chunks)
+        if plan.host:
+            from rpcompile.passes.host import host_embedding_pass
+
+            host_embedding_pass(gm, names=plan.host)
         plan.check_model(fingerprint(gm))
         verify_plan(plan, gm)
         if plan.hardware.device_count != len(devs):
@@ -223,7 +232,7 @@ def compile(
             gm, m = prepare(model, example_inputs, gpus=len(devs), spec=spec,
                             device=None if spec is not None else devs[0].torch_device, microbatches=microbatches,
                             precision=precision, example_kwargs=example_kwargs, progress=False, loss_fn=loss_fn,
-                            example_target=example_target, head_chunks=k)
+                            example_target=example_target, head_chunks=k, host_embedding=host_embedding)
         finally:
             torch.set_num_threads(threads)
         # Saved segments run without recomputation (rpcompile.runtime.saved): the planner may keep activations in

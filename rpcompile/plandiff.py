@@ -5,7 +5,7 @@ changed, in this order —
 
 - **model**: different fingerprints mean the plans are for different models (said first, in capitals);
 - **header**: hardware (device count, spec, memory, host link), microbatches, strategy, precision, cost model,
-  tokens per microbatch;
+  tokens per microbatch, the embedding lookups the host runs;
 - **stage counts**: forward stages ``F0..`` and backward stages ``B1..`` (the fused stage ``FB`` is always one);
 - **placement, per module**, forward and backward separately: which stages hold each module. The forward
   placement looks at the forward stages and ``FB``, the backward placement at ``FB`` and the backward stages; a
@@ -223,6 +223,7 @@ def _header(a: Plan, b: Plan) -> tuple[Change, ...]:
         ("strategy", a.strategy, b.strategy),
         ("precision", a.precision, b.precision),
         ("cost model", a.cost_model or "(unknown)", b.cost_model or "(unknown)"),
+        ("on the host", ", ".join(a.host) or "(nothing)", ", ".join(b.host) or "(nothing)"),
     )
 
 

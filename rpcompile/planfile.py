@@ -176,12 +176,16 @@ class Plan:
     head_chunks: int = 1
     """The graph had its loss attached and the LM head split into this many sequence chunks
     (:mod:`rpcompile.passes.loss_head`); 1: the plain model graph. Written only when > 1."""
+    host: tuple[str, ...] = ()
+    """Embedding lookups the host runs (their node names; :mod:`rpcompile.passes.host`): the stages read their
+    rows. Written only when not empty."""
     stats: Mapping[str, Any] = field(default_factory=dict)
     """Solver statistics (free-form numbers and strings)."""
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", tuple(self.stages))
+        object.__setattr__(self, "host", tuple(self.host))
         if self.microbatches < 1:
             raise ValueError(f"Plan: microbatches must be >= 1, got {self.microbatches}")
 
@@ -219,6 +223,8 @@ class Plan:
         d["stats"] = _jsonable(dict(self.stats))
         if d["head_chunks"] == 1:
             del d["head_chunks"]
+        if not d["host"]:
+            del d["host"]
         d = {"schema_version": d.pop("schema_version"), **d}
         return d
 
@@ -258,6 +264,7 @@ class Plan:
                 precision=d.get("precision", "fp32"),
                 tokens_per_microbatch=d.get("tokens_per_microbatch", 0),
                 head_chunks=d.get("head_chunks", 1),
+                host=tuple(d.get("host", ())),
                 stats=d.get("stats", {}),
             )
         except KeyError as e:

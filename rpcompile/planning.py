@@ -142,6 +142,7 @@ def partition_problem(
         peak_bytes=tuple(s.peak_bytes for s in segs),
         boundary_bytes=tuple(s.boundary_bytes for s in segs),
         input_bytes=int(gm.meta.get("rpcompile.input_bytes", 0)),
+        input_grad_bytes=_host_grad_bytes(gm),
         param_bytes=tuple(own_bytes),
         grad_bytes=tuple(own_grads),
         shared=tuple(shared),
@@ -152,6 +153,17 @@ def partition_problem(
         stage_overhead_s=hardware.spec.stage_overhead_s if stage_overhead_s is None else stage_overhead_s,
         allow_save=allow_save,
     )
+
+
+def _host_grad_bytes(gm: fx.GraphModule) -> int:
+    """Bytes of the gradients of the rows the host looks up in trainable tables (per microbatch)."""
+    from rpcompile.passes.host import host_of
+    from rpcompile.passes.shape import SHAPE_KEY
+
+    params = dict(gm.named_parameters())
+    values = {h.value for h in host_of(gm) if params[h.weight].requires_grad}
+    return sum(n.meta[SHAPE_KEY].nbytes for n in gm.graph.find_nodes(op="placeholder")
+               if n.name in values and SHAPE_KEY in n.meta)
 
 
 def to_plan(gm: fx.GraphModule, problem: Any, result: Any, *, hardware: Hardware, precision: str) -> Plan:
@@ -193,9 +205,11 @@ def to_plan(gm: fx.GraphModule, problem: Any, result: Any, *, hardware: Hardware
         stats={k: v for k, v in result.stats.items() if isinstance(v, (int, float, str, bool))}
         | {"solve_time_s": result.solve_time_s, "segments": len(segs)},
     )
+    from rpcompile.passes.host import host_of
     from rpcompile.passes.loss_head import HEAD_CHUNKS_META
 
-    return dataclasses.replace(made, head_chunks=int(gm.meta.get(HEAD_CHUNKS_META, 1)))
+    return dataclasses.replace(made, head_chunks=int(gm.meta.get(HEAD_CHUNKS_META, 1)),
+                               host=tuple(h.node for h in host_of(gm)))
 
 
 def _figures(c: Any, microbatches: int) -> dict:
@@ -291,12 +305,17 @@ def prepare(
     example_target: Any = None,
     head_chunks: int = 1,
     segments_per_layer: int = 2,
+    host_embedding: "bool | Sequence[str]" = True,
 ) -> tuple[fx.GraphModule, int]:
-    """Trace, cost (on one microbatch) and coarsen; returns the graph and the microbatch count.
+    """Trace, cost (on one microbatch), move token embeddings to the host and coarsen; returns the graph and the
+    microbatch count.
 
     ``head_chunks > 1`` (which needs ``loss_fn`` and ``example_target``) puts the loss in the graph (its last input
-    is ``target``) and splits the LM head along the sequence (:mod:`rpcompile.passes.loss_head`)."""
+    is ``target``) and splits the LM head along the sequence (:mod:`rpcompile.passes.loss_head`).
+    ``host_embedding``: ``True`` moves the token embeddings whose tables are larger than what an iteration
+    looks up to the host (:mod:`rpcompile.passes.host`), ``False`` none, node names exactly those (a plan's)."""
     from rpcompile.passes.coarsen import coarsen_pass
+    from rpcompile.passes.host import host_embedding_pass
 
     from .profiling import analyze, make_cost_model
 
@@ -317,6 +336,8 @@ def prepare(
     cost_model = make_cost_model(spec=spec, device=device, dtype=dtype, model_device=model_device)
     gm = analyze(model, first, example_kwargs=example_kwargs, cost_model=cost_model, leaf_modules=leaf_modules,
                  progress=progress, loss=loss, head_chunks=head_chunks)
+    if host_embedding:
+        host_embedding_pass(gm, microbatches=m, names=None if host_embedding is True else tuple(host_embedding))
     coarsen_pass(gm, max_segments=max_segments, segments_per_layer=segments_per_layer)
     return gm, m
 
@@ -341,6 +362,7 @@ def plan(
     example_target: Any = None,
     head_chunks: "int | str" = "auto",
     segments_per_layer: int = 2,
+    host_embedding: "bool | Sequence[str]" = True,
 ) -> Plan:
     """Make a round-robin plan for ``model`` on ``gpus`` devices.
 
@@ -353,6 +375,8 @@ def plan(
     the faster plan (so planning takes up to twice ``time_limit_s``). ``segments_per_layer`` (default 2: attention
     and MLP halves) above 2 lets the planner cut and save inside those halves: plans up to ~6% faster on the
     benchmark models, at two to three times the solve time (which may then overrun ``time_limit_s``).
+    ``host_embedding`` (default on) lets the host run token embeddings whose tables are larger than what an
+    iteration looks up (:mod:`rpcompile.passes.host`); ``False`` none, node names exactly those lookups.
     """
     if precision not in PRECISION_BYTES:
         raise ValueError(f"precision must be one of {sorted(PRECISION_BYTES)}, got {precision!r}")
@@ -363,7 +387,7 @@ def plan(
         gm, m = prepare(model, example_inputs, gpus=gpus, spec=spec, device=device, microbatches=microbatches,
                         precision=precision, example_kwargs=example_kwargs, max_segments=max_segments,
                         leaf_modules=leaf_modules, progress=progress, loss_fn=loss_fn, example_target=example_target,
-                        head_chunks=k, segments_per_layer=segments_per_layer)
+                        head_chunks=k, segments_per_layer=segments_per_layer, host_embedding=host_embedding)
         made = plan_graph(gm, hardware=hardware, microbatches=m, strategy=strategy, precision=precision,
                           time_limit_s=time_limit_s)
         return made.predicted.iteration_time_s, made

@@ -83,7 +83,8 @@ def plan_table(plan, *, title: str = "") -> Table:
     table.caption = (f"iteration {fmt_time(p.iteration_time_s)}, bubble {p.bubble_fraction:.1%}, peak memory "
                      f"{fmt_bytes(p.peak_memory_bytes)} of {fmt_bytes(plan.hardware.memory_bytes)}"
                      + (f"; solver: proven bound {fmt_time(p.bound_s)} on stages × slowest stage, gap "
-                        f"{float(plan.stats.get('gap', 0.0)):.1%}" if p.bound_s else ""))
+                        f"{float(plan.stats.get('gap', 0.0)):.1%}" if p.bound_s else "")
+                     + (f"; on the host: {', '.join(plan.host)} (embedding lookups)" if plan.host else ""))
     return table
 
 

@@ -31,10 +31,12 @@ def model_scenarios(model: Any, example_inputs: Sequence[Any], *, gpus: int, spe
                     schedules: Sequence[str] = SCHEDULES, chunks: int = 2, host_bytes_per_s: float = math.inf,
                     time_limit_s: float = 10.0, progress: Any = None, loss_fn: Any = None,
                     example_target: Any = None, head_chunks: "int | str" = "auto",
-                    segments_per_layer: int = 2) -> dict[str, Scenario]:
+                    segments_per_layer: int = 2, host_embedding: bool = True) -> dict[str, Scenario]:
     """Trace and cost ``model`` once, then build every requested schedule on that one problem. ``ilp`` may plan
     a graph with the LM head split as well (``head_chunks``, see :func:`rpcompile.planning.plan`) and keeps the
-    faster plan; its notes say which (``head_chunks``)."""
+    faster plan; its notes say which (``head_chunks``). Only ``ilp`` runs token embeddings on the host
+    (``host_embedding``, :mod:`rpcompile.passes.host`): the baselines keep them on the devices, as their
+    systems do."""
     from rpcompile.errors import InfeasibleError
     from rpcompile.lowering import _tokens
     from rpcompile.passes.partition import solve
@@ -42,7 +44,7 @@ def model_scenarios(model: Any, example_inputs: Sequence[Any], *, gpus: int, spe
     from .planning import default_spec, fastest, head_chunk_candidates, make_hardware, partition_problem, prepare
 
     gm, m = prepare(model, example_inputs, gpus=gpus, spec=spec, device=device, microbatches=microbatches,
-                    precision=precision, progress=progress, segments_per_layer=segments_per_layer)
+                    precision=precision, progress=progress, segments_per_layer=segments_per_layer, host_embedding=False)
     model_device = next((p.device.type for p in model.parameters()), "cpu")
     hardware = make_hardware(gpus, default_spec(spec, device, model_device), memory_limit)
     pb = partition_problem(gm, hardware=hardware, microbatches=m, precision=precision)
@@ -54,11 +56,12 @@ def model_scenarios(model: Any, example_inputs: Sequence[Any], *, gpus: int, spe
                                     host_bytes_per_s=host_bytes_per_s, schedules=static))
     def attempt(name: str, k: int) -> tuple[float, tuple]:
         problem = pb
-        if k > 1:
-            split, _ = prepare(model, example_inputs, gpus=gpus, spec=spec, device=device, microbatches=microbatches,
-                               precision=precision, progress=progress, loss_fn=loss_fn, example_target=example_target,
-                               head_chunks=k, segments_per_layer=segments_per_layer)
-            problem = partition_problem(split, hardware=hardware, microbatches=m, precision=precision)
+        if k > 1 or (name == "ilp" and host_embedding):
+            own, _ = prepare(model, example_inputs, gpus=gpus, spec=spec, device=device, microbatches=microbatches,
+                             precision=precision, progress=progress, loss_fn=loss_fn, example_target=example_target,
+                             head_chunks=k, segments_per_layer=segments_per_layer,
+                             host_embedding=host_embedding and name == "ilp")
+            problem = partition_problem(own, hardware=hardware, microbatches=m, precision=precision)
         res = solve(problem, name, time_limit_s=time_limit_s)
         if not res.feasible:
             raise InfeasibleError(f"{name}: no feasible plan")

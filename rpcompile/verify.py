@@ -62,8 +62,13 @@ def fingerprint(gm: fx.GraphModule) -> Fingerprint:
 
 def plan_violations(plan: Plan, gm: fx.GraphModule) -> list[str]:
     """Every rule of :func:`verify_plan` that ``plan`` breaks on ``gm``, one message each."""
+    from rpcompile.passes.host import as_planned
     from rpcompile.passes.util import compute_nodes, node_params
 
+    try:  # a plain traced model: check the graph the plan ran, with its embedding lookups on the host
+        gm = as_planned(gm, plan.host)
+    except ValueError as e:
+        return [f"rule 10: {e}"]
     order = {n.name: i for i, n in enumerate(compute_nodes(gm))}
     by_name = {n.name: n for n in gm.graph.nodes}
     out: list[str] = []
@@ -94,7 +99,9 @@ def verify_plan(plan: Plan, gm: fx.GraphModule) -> None:
        tied embedding, is listed by each of them);
     8. saved nodes: a backward stage saves only its own nodes, every node a backward stage saves is saved by the
        forward stage that runs it, and the fused stage saves nothing;
-    9. every stage's predicted memory fits the hardware's usable memory.
+    9. every stage's predicted memory fits the hardware's usable memory;
+    10. the nodes ``plan.host`` names are embedding lookups of model inputs that the host can run (a plainly
+        traced model is checked with them moved there, as the plan runs it: :func:`rpcompile.passes.host.as_planned`).
     """
     violations = plan_violations(plan, gm)
     if violations:
@@ -208,3 +215,4 @@ def _check_memory(plan: Plan) -> list[str]:
 def _few(names: list[str], k: int = 5) -> str:
     head = ", ".join(names[:k])
     return head + (f", … (+{len(names) - k} more)" if len(names) > k else "")
+

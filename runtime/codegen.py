@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Sequence
 
+from rpcompile.passes.host import HostEmbedding
 from rpcompile.planfile import Plan
 
 from .split import Program, StageProgram
@@ -18,10 +20,14 @@ _KIND_TEXT = {
 }
 
 
-def stage_source(prog: StageProgram, plan: Plan) -> str:
-    """The generated Python of one stage, headed by a comment block (stage, kind, device, nodes, modules)."""
+def stage_source(prog: StageProgram, plan: Plan, host: Sequence[HostEmbedding] = ()) -> str:
+    """The generated Python of one stage, headed by a comment block (stage, kind, device, nodes, modules; inputs
+    the host looks up, :mod:`rpcompile.passes.host`)."""
     s = prog.stage
     n = plan.hardware.device_count
+    looked_up = [f"# {h.value}: rows the host looks up, embedding({h.index}, {h.weight}"
+                 + (f", padding_idx={h.padding_idx})" if h.padding_idx is not None else ")")
+                 for h in host if h.value in prog.inputs]
     header = [
         f"# rpcompile stage {s.name} ({s.kind}), position {prog.index} of {len(plan.stages)}, "
         f"device {prog.index % n} of {n} (round-robin)",
@@ -29,6 +35,7 @@ def stage_source(prog: StageProgram, plan: Plan) -> str:
         f"# nodes: {s.nodes[0]} .. {s.nodes[-1]} ({len(s.nodes)} nodes)",
         "# source modules: " + ", ".join(s.modules[:12]) + (f", … (+{len(s.modules) - 12})" if len(s.modules) > 12 else ""),
         f"# inputs: {', '.join(prog.inputs) or '-'}",
+        *looked_up,
         f"# outputs: {', '.join(prog.outputs) or '(the model output)'}",
         f"# parameters ({len(set(prog.params.values()))}): " + ", ".join(list(dict.fromkeys(prog.params.values()))[:8])
         + (" …" if len(set(prog.params.values())) > 8 else ""),
@@ -46,6 +53,6 @@ def write_stages(program: Program, plan: Plan, directory: str | os.PathLike) -> 
     paths = []
     for prog in program.stages:
         path = out / f"stage_{prog.index:02d}_{prog.name}.py"
-        path.write_text(stage_source(prog, plan))
+        path.write_text(stage_source(prog, plan, program.host))
         paths.append(path)
     return paths

@@ -12,6 +12,11 @@ it; at most two stages' weights are resident, the planner's ``P`` term). A forwa
 after its last microbatch, a fused or backward stage's after its gradients went home. On a GPU the copies run on
 a stream of their own, behind the activation uploads (:meth:`~.devices.Device.upload_weights`).
 
+**Host embeddings** (:mod:`rpcompile.passes.host`): a host thread looks up every microbatch's rows in the fp32
+master table, in order, cast to the compute precision; the stages that read them wait for them like for any
+value still on its way. Once every fused or backward stage that reads a microbatch's rows has finished it, the
+same thread adds the rows' gradients (summed over those stages, as for any value) into the table's ``.grad``.
+
 Stage semantics (DESIGN.md §3):
 - forward stages run without autograd and hand on the values later stages need;
 - the fused stage runs forward, loss and backward in one go;
@@ -142,12 +147,20 @@ class Executor:
         cpu_workers = sum(1 for d in self.devices if d.torch_device.type == "cpu")
         if cpu_workers > 1:  # logical CPU devices share the cores: more intra-op threads than cores thrash
             torch.set_num_threads(max(1, threads // cpu_workers))
+        rows = {(h.value, j): Future() for h in self.program.host for j in range(self.microbatches)}
+        for (name, j), future in rows.items():  # in the store before any stage may look for them
+            store.put(name, j, future)
+        host = threading.Thread(target=self._host, args=(store, rows), name="rpcompile-host", daemon=True)
         try:
+            if self.program.host:
+                host.start()
             for w in workers:
                 w.start()
             self._worker(0, schedule[0])
             for w in workers:
                 w.join()
+            if self.program.host:
+                host.join()
         finally:
             torch.set_num_threads(threads)
         if self.failed:
@@ -175,9 +188,49 @@ class Executor:
             for ev in self.done.values():
                 ev.set()
 
+    def _host(self, store: ValueStore, pending: dict[tuple[str, int], Future]) -> None:
+        """The host thread of an iteration (module docstring): every microbatch's lookups, then their gradients."""
+        m, host = self.microbatches, self.program.host
+        try:
+            for j in range(m):
+                for h in host:
+                    with torch.no_grad():
+                        rows = h.forward(store.get(h.index, j), self.params[h.weight].detach())
+                    pending[(h.value, j)].set_result(rows.to(self.dtype) if self.dtype is not None else rows)
+            readers = {h.value: [p.index for p in self.program.stages if p.kind != "forward" and h.value in p.inputs]
+                       for h in host}
+            trainable = [h for h in host if self.params[h.weight].requires_grad and readers[h.value]]
+            for j in range(m):
+                for h in trainable:
+                    for k in readers[h.value]:
+                        self.done[(k, j)].wait()
+                    if self.failed:
+                        return
+                    grad = store.grad(h.value, j)
+                    if grad is None:
+                        continue
+                    master = self.params[h.weight]
+                    with self.grad_lock:
+                        if master.grad is None:
+                            master.grad = torch.zeros_like(master)
+                        h.accumulate(master.grad, store.get(h.index, j), grad)
+        except BaseException as e:  # noqa: BLE001 - reported to the caller; the stages waiting for rows stop
+            err = PipelineError(f"the host's embedding lookup failed: {type(e).__name__}: {e}")
+            err.__cause__ = e
+            self.failed.append(err)
+            for f in pending.values():
+                if not f.done():
+                    f.set_exception(err)
+            for ev in self.done.values():
+                ev.set()
+
     def run_forward(self, store: ValueStore, *, iteration: int) -> Any:
         """Evaluation: forward and fused stages in order, one batch, no autograd; returns the model output."""
         self.store, self.iteration, self.t0 = store, iteration, time.perf_counter()
+        for h in self.program.host:
+            with torch.no_grad():
+                rows = h.forward(store.get(h.index, 0), self.params[h.weight].detach())
+            store.put(h.value, 0, rows.to(self.dtype) if self.dtype is not None else rows)
         for prog in self.program.stages:
             if prog.kind == "backward":
                 continue
@@ -269,6 +322,8 @@ class Executor:
             v = self.store.get(name, mb)
             if isinstance(v, Landing):  # saved activations still going down from the device that saved them
                 v = v.wait()
+            elif isinstance(v, Future):  # rows the host is still looking up
+                v = v.result()
             if isinstance(v, torch.Tensor):
                 v = device.upload(v, self.dtype)
                 if leaves and v.is_floating_point() and name in self.program.needs_grad:

@@ -25,6 +25,7 @@ from typing import Any, Sequence
 
 import torch.fx as fx
 
+from rpcompile.passes.host import HostEmbedding, host_of
 from rpcompile.passes.util import canonical_names, compute_nodes, node_params
 from rpcompile.planfile import Plan, Stage
 
@@ -77,6 +78,9 @@ class Program:
     """Values that depend on a trainable parameter (their gradient is propagated between stages)."""
     saved: tuple[SavedSegment, ...] = ()
     """Segments run without recomputation: fw graph in the forward stage, bw graph in the backward stage."""
+    host: tuple[HostEmbedding, ...] = ()
+    """Embedding lookups the host runs before the first stage (:mod:`rpcompile.passes.host`); their values are
+    inputs of the stages that read them, and their gradients come back like any stage input's."""
 
     @property
     def fused(self) -> StageProgram:
@@ -84,7 +88,8 @@ class Program:
 
 
 def _needs_grad(gm: fx.GraphModule) -> set[str]:
-    out: set[str] = set()
+    params = dict(gm.named_parameters())
+    out = {h.value for h in host_of(gm) if params[h.weight].requires_grad}  # a lookup of a trainable table
     for n in gm.graph.nodes:
         if n.op == "get_attr":
             continue
@@ -225,6 +230,8 @@ def split_plan(plan: Plan, gm: fx.GraphModule) -> Program:
         buffers = {n: names.get(id(b), n) for n, b in sub.named_buffers(remove_duplicate=False)}
         programs.append(StageProgram(stage, k, sub, tuple(inputs), tuple(outputs), params, buffers,
                                      gm.graph._codegen if fused else None))
-    placeholders = tuple(n.name for n in gm.graph.find_nodes(op="placeholder"))
-    return Program(programs, placeholders, frozenset(needs_grad), tuple(segments))
+    host = host_of(gm)
+    computed = {h.value for h in host}
+    placeholders = tuple(n.name for n in gm.graph.find_nodes(op="placeholder") if n.name not in computed)
+    return Program(programs, placeholders, frozenset(needs_grad), tuple(segments), host)
 

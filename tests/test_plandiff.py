@@ -28,9 +28,10 @@ MIB = 2**20
 # ---- fixtures ------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def graph():
-    """llama-demo costed for 3 devices (4 microbatches) on the analytic cpu spec, and its segments by name."""
+    """llama-demo costed for 3 devices (4 microbatches) on the analytic cpu spec, and its segments by name (the
+    embedding on the devices, so that every module is in some stage)."""
     ms = load_model("llama-demo", seed=0)
-    gm, m = prepare(ms.model, ms.example_inputs, gpus=3, spec="cpu")
+    gm, m = prepare(ms.model, ms.example_inputs, gpus=3, spec="cpu", host_embedding=False)
     return gm, m, {s.name: s for s in segments_of(gm)}
 
 
@@ -277,6 +278,8 @@ def test_header_changes():
     ]
     c = dataclasses.replace(a, hardware=dataclasses.replace(a.hardware, spec=get_spec("rtx4090")))
     assert diff_plans(a, c).lines() == ["a → b", "device spec cpu → rtx4090"]
+    hosted = dataclasses.replace(a, host=("embed",))
+    assert diff_plans(a, hosted).lines() == ["a → b", "on the host (nothing) → embed"]
 
 
 def test_nodes_moved_within_split_modules():

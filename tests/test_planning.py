@@ -236,8 +236,9 @@ def test_no_saving_means_full_recompute(llama_graph):
 
 # ---- tied parameters ----------------------------------------------------------------------------------------------
 def test_tied_embedding_is_listed_by_every_stage_reading_it():
+    """The table on the devices (with it on the host only the head's stage reads it: tests/test_host.py)."""
     ms = load_model("gpt-demo", seed=0)
-    p = plan(ms.model, ms.example_inputs, gpus=2, spec=SPEC, time_limit_s=TIME_LIMIT)
+    p = plan(ms.model, ms.example_inputs, gpus=2, spec=SPEC, time_limit_s=TIME_LIMIT, host_embedding=False)
     gm = retrace(ms, p.microbatches)
     verify_plan(p, gm)
     by_name = {n.name: n for n in compute_nodes(gm)}
@@ -247,7 +248,8 @@ def test_tied_embedding_is_listed_by_every_stage_reading_it():
     # the embedding (first forward stage, last backward stage) and the tied LM head (fused stage)
     assert {"F0", "FB", p.backward_stages[-1].name} <= set(listing)
     assert "lm_head.weight" not in dict(gm.named_parameters())  # one parameter, not two copies
-    problem = partition_problem(gm_costed := prepare(ms.model, ms.example_inputs, gpus=2, spec=SPEC)[0],
+    problem = partition_problem(gm_costed := prepare(ms.model, ms.example_inputs, gpus=2, spec=SPEC,
+                                                     host_embedding=False)[0],
                                 hardware=p.hardware, microbatches=p.microbatches)
     shared = {sp.name: sp.segments for sp in problem.shared}
     assert set(shared) == {"wte.weight"}

@@ -113,6 +113,17 @@ def test_rule9_memory(plan, gm):
     assert "rule 9: stage B1 needs 3.00 GiB but the device has 0.93 GiB usable" in violations(big, gm)
 
 
+def test_rule10_host_lookups(plan, gm):
+    """A plain traced model is checked as the plan ran it, with its ``host`` lookups moved to the host."""
+    stray = dataclasses.replace(plan, host=("embed",))  # while F0 and B2 still run it
+    found = violations(stray, gm)
+    assert found[0].startswith("rule 1: fingerprint mismatch: graph differs")
+    assert "rule 3: stage F0 names node 'embed', which is not a compute node of the graph" in found
+    assert violations(dataclasses.replace(plan, host=("l1",)), gm) == [
+        "rule 10: node 'l1' is not an embedding lookup of a model input that the host can run (a plan made for "
+        "another graph?); re-plan for this model"]
+
+
 def test_all_violations_in_one_error(plan, gm):
     bad = with_stage(with_stage(plan, "B1", memory_bytes=3 * 2**30), "F0", nodes=("embed", "l1", "ghost"))
     with pytest.raises(PlanVerificationError, match=r"plan is invalid \(2 problem\(s\)\):\n  - rule 3: .*\n  - rule 9: ") as info:

@@ -150,17 +150,14 @@ class Executor:
         rows = {(h.value, j): Future() for h in self.program.host for j in range(self.microbatches)}
         for (name, j), future in rows.items():  # in the store before any stage may look for them
             store.put(name, j, future)
-        host = threading.Thread(target=self._host, args=(store, rows), name="rpcompile-host", daemon=True)
+        host = [threading.Thread(target=self._host, args=(store, rows), name="rpcompile-host", daemon=True)] \
+            if self.program.host else []
         try:
-            if self.program.host:
-                host.start()
-            for w in workers:
+            for w in host + workers:
                 w.start()
             self._worker(0, schedule[0])
-            for w in workers:
+            for w in workers + host:
                 w.join()
-            if self.program.host:
-                host.join()
         finally:
             torch.set_num_threads(threads)
         if self.failed:
@@ -259,8 +256,8 @@ class Executor:
             nxt = self.program.stages[ahead[act.stage]]
             prefetched[nxt.index] = self._prefetchers[device.index].submit(self._upload, device, nxt)
         if act.kind == "W":
-            ahead = prefetched.pop(act.stage, None)
-            state = states[act.stage] = ahead.result() if ahead is not None else self._upload(device, prog)
+            future = prefetched.pop(act.stage, None)
+            state = states[act.stage] = future.result() if future is not None else self._upload(device, prog)
             device.wait_weights(state.ready)
             start, end = state.uploaded  # the upload's own span, on whichever thread ran it
             self.timeline.append(TimelineEvent(str(act), prog.name, act.microbatch, device.index, start, end))

@@ -46,6 +46,23 @@ def test_the_pass_turns_the_lookup_into_a_computed_input():
         host_embedding_pass(trace(spec.model, (x,)), names=["norm"])
 
 
+def test_a_traced_model_is_checked_as_the_plan_ran_it():
+    """``as_planned``: a plain traced graph gets the plan's lookups moved on a copy that shares the parameters;
+    a graph that already moved others is refused."""
+    from rpcompile.passes.host import as_planned
+
+    spec = load_model("llama-demo", batch_size=2)
+    x, = spec.example_inputs
+    gm = trace(spec.model, (x,))
+    moved = as_planned(gm, ["embed"])
+    assert moved is not gm and [h.node for h in host_of(moved)] == ["embed"] and host_of(gm) == ()
+    assert moved.embed.weight is gm.embed.weight and as_planned(moved, ["embed"]) is moved
+    assert as_planned(gm, []) is gm
+    with pytest.raises(ValueError, match=r"the graph runs \['embed'\] on the host, the plan \[\]; re-plan for this "
+                                         r"graph"):
+        as_planned(moved, [])
+
+
 @pytest.mark.parametrize("microbatches,moved", [(1, True), (3, False)])
 def test_by_default_a_table_moves_when_it_has_more_rows_than_an_iteration_looks_up(microbatches, moved):
     """llama-demo: 256 rows; a microbatch of 4 sequences of 32 tokens looks up 128 rows: one microbatch gathers

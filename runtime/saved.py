@@ -202,7 +202,7 @@ def capture_segment(fn: Callable[..., tuple], examples: Sequence[torch.Tensor], 
     for node in outs[n_fwd:]:
         root, ops = _view_root(node)
         # views of an input replay on the backward stage's own copy; views covering a whole tensor share its copy
-        if ops and (root in places or _numel(root) == _numel(node)):
+        if ops and (root in places or (_numel(root) is not None and _numel(root) == _numel(node))):
             saved.append(("view", (*slot(root), ops)))
         else:
             saved.append(slot(node))
@@ -220,13 +220,16 @@ def capture_segment(fn: Callable[..., tuple], examples: Sequence[torch.Tensor], 
 
 #: View ops the backward stage may replay on its own copy of a fw input (``_unsafe_view`` is a view in all but name).
 _VIEW_OPS = {torch.ops.aten._unsafe_view.default}
+#: Views that read their base's strides literally: a copy laid out differently would give other values.
+_NOT_REPLAYED = {torch.ops.aten.as_strided.default}
 
 
 def _view_root(node: fx.Node) -> tuple[fx.Node, tuple]:
     """``(root, ops)``: ``node`` is ``root`` through the chain of view ops ``ops`` (constant arguments only; empty
     when ``node`` is no such view)."""
     chain = []
-    while node.op == "call_function" and (getattr(node.target, "is_view", False) or node.target in _VIEW_OPS):
+    while (node.op == "call_function" and node.target not in _NOT_REPLAYED
+           and (getattr(node.target, "is_view", False) or node.target in _VIEW_OPS)):
         first, rest = (node.args[0], node.args[1:]) if node.args else (None, ())
         if not isinstance(first, fx.Node) or _has_node((rest, node.kwargs)):
             break

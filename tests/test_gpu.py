@@ -1,5 +1,6 @@
-"""On a GPU (skipped without CUDA): the runtime's CUDA path — uploads on a copy stream, saved activations and
-hand-offs going down on offloader threads with their own streams — gives eager's loss and gradients.
+"""On a GPU (skipped without CUDA): the runtime's CUDA path — uploads on a copy stream, weights prefetched on a
+stream of their own, saved activations and hand-offs going down on offloader threads with their own streams,
+embeddings looked up on the host — gives eager's loss and gradients.
 
 Run on a GPU machine with ``pytest -m gpu tests/test_gpu.py``; two logical devices on one GPU exercise the
 same hand-offs through host memory as two GPUs do."""
@@ -41,7 +42,10 @@ def test_saved_segments_with_lazy_offload_match_eager_on_cuda(parity):
         assert (d.offloader.peak_pending_bytes > 0) == (d.index in saving)
 
 
-def test_compiled_decoder_trains_like_eager_on_cuda():
+@pytest.mark.parametrize("host", [["embed"], False])
+def test_compiled_decoder_trains_like_eager_on_cuda(host):
+    """Two AdamW steps on a compiled decoder — weights prefetched in pieces on their own stream, the embedding
+    looked up on the host or on the GPU — end at eager's weights."""
     import copy
 
     import rpcompile
@@ -51,7 +55,8 @@ def test_compiled_decoder_trains_like_eager_on_cuda():
     ref = copy.deepcopy(spec.model)
     (x,), y = spec.example_inputs, spec.example_target
     pipe = rpcompile.compile(spec.model, (x,), loss_fn=spec.loss_fn, devices=_devices(2), microbatches=3,
-                             spec="rtx4090", time_limit_s=2.0)
+                             spec="rtx4090", time_limit_s=2.0, host_embedding=host)
+    assert list(pipe.plan.host) == (host or [])
     opt = torch.optim.AdamW(spec.model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     from test_runtime import eager_step

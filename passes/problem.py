@@ -28,7 +28,8 @@ gradients, so their ``G`` is 0 (the only place this model departs from a literal
 **Iteration time** is the exact event recurrence of :func:`pipeline_time` — with equal stage times it reduces to
 DESIGN §3's ``(⌊(S−1)/N⌋·m + (S−1) mod N + m)·T`` for ``m ≥ N`` — with the transfers that compute may not
 hide (:func:`transfer_edges`): a stage starts only once its weights are up — prefetched while the device runs its
-previous stage, so a short stage before a heavy one exposes the rest of the copy, and from the start of the
+previous stage, with what bandwidth that stage's activation copies leave, so a short or upload-bound stage before
+a heavy one exposes the rest of the copy, and from the start of the
 iteration for the first stage of each device (the optimizer step between iterations changes the weights) — and
 the iteration ends only once every stage's gradients are down. Without them the model was up to 9% (llama-1.7b)
 and 17% (the MoE, whose ILP plans put short stages before heavy ones) shorter than the simulator. And a
@@ -477,25 +478,43 @@ def equal_time_factors(max_stages: int, devices: int, microbatches: int) -> list
 
 def transfer_edges(problem: PartitionProblem, costs: Sequence[StageCost], times: Sequence[float] | None = None,
                    saved: Sequence[bool] | None = None) -> dict[str, list]:
-    """:func:`pipeline_time`'s transfer edges for these stages: each stage's whole weight upload and gradient
-    download, and each microbatch's hand-off (down from the previous device, up to this one), at the link rate;
-    with the plan's ``saved`` flags also when saved activations land in host memory and who waits for them.
-    ``times``: the stages' times when they differ from ``time_s``."""
+    """:func:`pipeline_time`'s transfer edges for these stages: each stage's whole weight upload
+    (:func:`_weight_time`) and gradient download, and each microbatch's hand-off (down from the previous device,
+    up to this one), at the link rate; with the plan's ``saved`` flags also when saved activations land in host
+    memory and who waits for them. ``times``: the stages' times when they differ from ``time_s``."""
     link = problem.link_bytes_per_s
+    times = [c.time_s for c in costs] if times is None else times
     handoff = []
     for k, c in enumerate(costs):
         one_way = c.handoff_bytes / link
         # a predecessor slower than its compute is bound by its copies: its time already covers the way down
         prev = costs[k - 1]
-        slack = (prev.time_s if times is None else times[k - 1]) - prev.compute_s - prev.overhead_s if k else 0.0
+        slack = times[k - 1] - prev.compute_s - prev.overhead_s if k else 0.0
         handoff.append(2 * one_way - min(one_way, max(slack, 0.0)))
-    edges: dict[str, list] = dict(weight_s=[c.weight_bytes / link for c in costs],
-                                  grad_s=[c.grad_bytes / link for c in costs], handoff_s=handoff)
+    weight_s = [_weight_time(problem, costs, times, k) for k in range(len(costs))]
+    edges: dict[str, list] = dict(weight_s=weight_s, grad_s=[c.grad_bytes / link for c in costs],
+                                  handoff_s=handoff)
     if saved is not None and any(c.offload_bytes for c in costs):
         edges.update(out_s=[(c.download_bytes - c.offload_bytes) / link for c in costs],
                      save_s=[c.offload_bytes / link for c in costs], reads=save_reads(costs, saved),
                      prefetch_s=[c.prefetch_bytes / link for c in costs])
     return edges
+
+
+def _weight_time(problem: PartitionProblem, costs: Sequence[StageCost], times: Sequence[float], k: int) -> float:
+    """How long stage ``k``'s weights take to go up, from the start of the device's previous stage ``k − N`` (from
+    the start of the iteration, at the link rate, for a device's first stage). They go up behind that stage's
+    activation copies (the runtime's priority, :meth:`rpcompile.runtime.devices.Device.upload_weights`): at the
+    rate those leave free, ``link − a/t`` for a stage uploading ``a`` activation bytes per microbatch of time ``t``,
+    for its ``m·t``, then at the full rate. A stage bound by its uploads leaves nothing: its successor on the
+    device waits for its whole weight upload after it."""
+    link, m, w = problem.link_bytes_per_s, problem.microbatches, costs[k].weight_bytes
+    if k < problem.device_count or w == 0:
+        return w / link
+    prev, t = costs[k - problem.device_count], times[k - problem.device_count]
+    busy = max(0.0, prev.upload_bytes - prev.weight_bytes / m) / max(t - prev.overhead_s, 1e-12)
+    free, span = max(0.0, link - busy), m * t
+    return w / free if free * span >= w else span + (w - free * span) / link
 
 
 def save_reads(costs: Sequence[StageCost], saved: Sequence[bool]) -> list[tuple[int, ...]]:

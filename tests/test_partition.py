@@ -330,6 +330,19 @@ def test_taper_grows_the_stages_from_both_ends():
     assert validate_segment_plan(pb, tapered) == []
 
 
+def test_weights_go_up_with_what_the_stage_before_leaves_of_the_link():
+    """One device, m = 2, a 10 B/s link; stages F0 (400 B of weights), FB (100 B), B1 (400 B). F0's weights go up
+    from the start at the full rate: 40 s. FB's go up behind F0's activation copies (4 B per 20.4 s microbatch):
+    100 B at 9.80 B/s, 10.2 s. B1's behind FB's, which upload 40 B per 9 s microbatch: 5.56 B/s for FB's 18 s
+    (100 B), then the other 300 B at the full rate: 48 s, where a full link would have taken 40 s."""
+    pb = tiny_chain(2, devices=1, microbatches=2, link_bytes_per_s=10.0, boundary_bytes=(40, 0),
+                    param_bytes=(400, 100), grad_bytes=(400, 100))
+    plan = SegmentPlan(forward=((0, 1),), fused=(1, 2), backward=((0, 1),), saved=(False, False))
+    costs = stage_costs(pb, plan, lazy_offload=False)
+    assert [c.time_s for c in costs] == pytest.approx([20.4, 9.0, 24.4])
+    assert transfer_edges(pb, costs)["weight_s"] == pytest.approx([40.0, 10.2, 48.0])
+
+
 def test_handoff_lengthens_the_fill_by_the_wide_cut():
     # two plans of equal stage times; the one whose cut crosses a wide tensor waits longer for each hand-off
     narrow = tiny_chain(4, devices=2, microbatches=2, boundary_bytes=(4, 4, 4, 4), link_bytes_per_s=100.0)

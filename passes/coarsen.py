@@ -5,7 +5,8 @@ Terms
 - **Position**: the index of a compute node in topological order. A **cut after position i** separates nodes
   ``≤ i`` from nodes ``> i``; any position can be a cut. Its **cost** is the bytes of every tensor *live across
   it* — produced at or before ``i`` (or a model input) and used after it — because a stage boundary there must
-  ship all of them (activations through host memory, gradients back).
+  ship all of them (activations through host memory, gradients back); floating tensors count in the precision
+  the model runs in (``gm.meta["rpcompile.dtype"]``, the cost model's: an fp32 model planned for bf16 ships bf16).
 - **Group**: a maximal run of consecutive nodes from the same source module at one level below the model's first
   module list (``layers.3.attn``, ``layers.3.mlp``, ``embed``…); for a model without a module list, the top-level
   children. With ``segments_per_layer > 2`` one level deeper (``layers.3.mlp.gate_proj``…), so a block can be
@@ -27,11 +28,12 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
+import torch
 import torch.fx as fx
 
-from .cost import node_cost
+from .cost import DTYPE_KEY, node_cost
 from .loss_head import CHUNK_META
-from .shape import SHAPE_KEY
+from .shape import SHAPE_KEY, scaled_nbytes
 from .util import compute_nodes
 
 __all__ = ["SEGMENT_KEY", "SEGMENTS_KEY", "Segment", "coarsen_pass", "live_bytes", "segments_of"]
@@ -63,12 +65,13 @@ class Segment:
     params: tuple[str, ...]
 
 
-def _nbytes(node: fx.Node) -> int:
-    """Bytes a node's value occupies that no earlier node already holds (model inputs count in full)."""
+def _nbytes(node: fx.Node, dtype: torch.dtype | None) -> int:
+    """Bytes a node's value occupies that no earlier node already holds (model inputs count in full), with its
+    floating tensors in the precision the model runs in."""
     info = node.meta.get(SHAPE_KEY)
     if info is None:
         return 0
-    return sum(t.nbytes for t in info.tensors) if node.op == "placeholder" else info.nbytes
+    return scaled_nbytes(info, dtype, aliases=node.op == "placeholder")
 
 
 def _is_alias(node: fx.Node) -> bool:
@@ -95,8 +98,9 @@ def live_bytes(gm: fx.GraphModule) -> tuple[int, list[int]]:
                 last_use[inp] = max(last_use.get(inp, -1), last)
     diff = [0] * (n + 1)
     inputs = 0
+    dtype = gm.meta.get(DTYPE_KEY)
     for node, last in last_use.items():
-        size = _nbytes(node)
+        size = _nbytes(node, dtype)
         start = pos.get(node, -1)
         if size == 0 or last <= start:
             continue

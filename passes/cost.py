@@ -33,7 +33,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
 from .meta import MetaSafeMode
-from .shape import SHAPE_KEY, describe, storage_key
+from .shape import SHAPE_KEY, describe, scaled_nbytes, storage_key
 from .util import flat_inputs, is_compute, node_params, tensor_leaves
 
 __all__ = [
@@ -46,9 +46,13 @@ __all__ = [
     "MeasuredCostModel",
     "cost_pass",
     "node_cost",
+    "DTYPE_KEY",
 ]
 
 COST_KEY = "rpcompile.cost"
+DTYPE_KEY = "rpcompile.dtype"
+"""``gm.meta`` key: the dtype floating activations will have when the model runs (the cost model's; ``None``: as
+traced). Byte counts made from the traced shapes (the coarsener's live bytes) are scaled to it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -313,15 +317,7 @@ def _env_lookup(args: tuple, kwargs: dict, node: fx.Node, arg_node: fx.Node) -> 
 
 def _scaled_nbytes(info: Any, dtype: torch.dtype | None) -> int:
     """New bytes of a node's output if its floating tensors were ``dtype``."""
-    if dtype is None:
-        return info.nbytes
-    size = torch.empty((), dtype=dtype).element_size()
-    total = 0
-    for t in info.tensors:
-        if not t.is_alias:
-            floating = getattr(torch, t.dtype).is_floating_point
-            total += t.nbytes // torch.empty((), dtype=getattr(torch, t.dtype)).element_size() * size if floating else t.nbytes
-    return total
+    return scaled_nbytes(info, dtype)
 
 
 def _autograd_profile(
@@ -464,6 +460,7 @@ def cost_pass(
             fields["act_bytes"] += fields["output_bytes"]
         n.meta[COST_KEY] = NodeCost(**fields)
     gm.meta["rpcompile.cost_model"] = cost_model.name
+    gm.meta[DTYPE_KEY] = getattr(cost_model, "dtype", None)  # the precision activations will have
     return gm
 
 

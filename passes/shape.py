@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from .util import flat_inputs, tensor_leaves
 
-__all__ = ["SHAPE_KEY", "TensorInfo", "ShapeInfo", "shape_pass", "describe", "storage_key"]
+__all__ = ["SHAPE_KEY", "TensorInfo", "ShapeInfo", "shape_pass", "describe", "storage_key", "scaled_nbytes"]
 
 SHAPE_KEY = "rpcompile.shape"
 
@@ -44,6 +44,21 @@ class ShapeInfo:
     def nbytes(self) -> int:
         """New bytes this node allocates (aliases excluded)."""
         return sum(t.nbytes for t in self.tensors if not t.is_alias)
+
+
+def scaled_nbytes(info: ShapeInfo, dtype: torch.dtype | None, *, aliases: bool = False) -> int:
+    """Bytes of ``info``'s tensors with the floating ones in ``dtype`` (``None``: as traced) — what they take when
+    the model runs in that precision (an fp32 model planned for bf16). Aliases count only with ``aliases=True``
+    (a model input's value, which no node of the graph allocates)."""
+    size = torch.empty((), dtype=dtype).element_size() if dtype is not None else 0
+    total = 0
+    for t in info.tensors:
+        if t.is_alias and not aliases:
+            continue
+        traced = getattr(torch, t.dtype)
+        floating = dtype is not None and traced.is_floating_point
+        total += t.nbytes // torch.empty((), dtype=traced).element_size() * size if floating else t.nbytes
+    return total
 
 
 def storage_key(t: torch.Tensor) -> int:

@@ -101,15 +101,17 @@ def check_plan(path: str | Path, model: Any, example_inputs: Sequence[Any], *, m
     measured = plan.cost_model.startswith("measured")
     spec = None if measured else hw.spec
     device = "cpu" if measured else None
+    def graph(host: Any) -> tuple[Any, int]:
+        return prepare(model, example_inputs, gpus=hw.device_count, spec=spec, device=device,
+                       microbatches=plan.microbatches, precision=plan.precision, progress=progress, loss_fn=loss_fn,
+                       example_target=example_target, head_chunks=plan.head_chunks, host_embedding=host)
+
     try:
-        gm, m = prepare(model, example_inputs, gpus=hw.device_count, spec=spec, device=device,
-                        microbatches=plan.microbatches, precision=plan.precision, progress=progress, loss_fn=loss_fn,
-                        example_target=example_target, head_chunks=plan.head_chunks, host_embedding=plan.host or False)
-    except ValueError as e:  # the plan's host lookups are not in this graph
+        gm, m = graph(plan.host or False)
+    except ValueError:  # the lookups the plan runs on the host are not in this model: the fingerprint says so
         if not plan.host:
             raise
-        result.problems.append(f"stale model: {e}")
-        return result
+        gm, m = graph(False)
     diffs = plan.model.differences(fingerprint(gm))
     if diffs:
         result.problems.append(f"stale model: the plan was made for a different model ({'; '.join(diffs)}); re-plan")

@@ -331,12 +331,11 @@ def _cmd_show(args: argparse.Namespace) -> int:
         graph = None
         if args.graph_model:
             from rpcompile.tracing import trace
-            from rpcompile.verify import fingerprint
+            from rpcompile.verify import planned_graph
 
             args.model, args.batch_size, args.seq_len, args.model_device = args.graph_model, None, None, None
             ms = _load_for(args, plan.microbatches)
-            graph = trace(ms.model, ms.example_inputs)
-            plan.check_model(fingerprint(graph), source=args.plan)
+            graph = planned_graph(plan, trace(ms.model, ms.example_inputs), source=args.plan)
         try:
             write_graph(args.graph, plan, graph, depth=args.depth)
         except ValueError as e:

@@ -192,7 +192,7 @@ def compile(
 
     from .planning import default_spec, fastest, head_chunk_candidates, make_hardware, plan_graph, prepare
     from .tracing import trace
-    from .verify import fingerprint, verify_plan
+    from .verify import planned_graph, verify_plan
 
     if precision not in _DTYPES:
         raise ValueError(f"precision must be one of {sorted(_DTYPES)}, got {precision!r}")
@@ -208,11 +208,7 @@ def compile(
             from rpcompile.passes.loss_head import split_head
 
             split_head(gm, loss_fn, head_chunks)
-        if plan.host:
-            from rpcompile.passes.host import host_embedding_pass
-
-            host_embedding_pass(gm, names=plan.host)
-        plan.check_model(fingerprint(gm))
+        gm = planned_graph(plan, gm)  # with its embedding lookups on the host, as the plan runs it
         verify_plan(plan, gm)
         if plan.hardware.device_count != len(devs):
             raise RPCompileError(f"the plan is for {plan.hardware.device_count} devices but {len(devs)} were given; "

@@ -157,13 +157,14 @@ def partition_problem(
 
 def _host_grad_bytes(gm: fx.GraphModule) -> int:
     """Bytes of the gradients of the rows the host looks up in trainable tables (per microbatch)."""
+    from rpcompile.passes.cost import DTYPE_KEY
     from rpcompile.passes.host import host_of
-    from rpcompile.passes.shape import SHAPE_KEY
+    from rpcompile.passes.shape import SHAPE_KEY, scaled_nbytes
 
     params = dict(gm.named_parameters())
     values = {h.value for h in host_of(gm) if params[h.weight].requires_grad}
-    return sum(n.meta[SHAPE_KEY].nbytes for n in gm.graph.find_nodes(op="placeholder")
-               if n.name in values and SHAPE_KEY in n.meta)
+    return sum(scaled_nbytes(n.meta[SHAPE_KEY], gm.meta.get(DTYPE_KEY), aliases=True)
+               for n in gm.graph.find_nodes(op="placeholder") if n.name in values and SHAPE_KEY in n.meta)
 
 
 def to_plan(gm: fx.GraphModule, problem: Any, result: Any, *, hardware: Hardware, precision: str) -> Plan:

@@ -9,10 +9,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .errors import PlanVerificationError
+from .errors import PlanMismatchError, PlanVerificationError
 from .planfile import Fingerprint, Plan
 
-__all__ = ["fingerprint", "verify_plan", "plan_violations"]
+__all__ = ["fingerprint", "verify_plan", "plan_violations", "planned_graph"]
 
 
 def _target_name(node: fx.Node) -> str:
@@ -58,6 +58,20 @@ def fingerprint(gm: fx.GraphModule) -> Fingerprint:
         num_params=len(params),
         param_elements=sum(t.numel() for _, t in params),
     )
+
+
+def planned_graph(plan: Plan, gm: fx.GraphModule, *, source: str = "plan") -> fx.GraphModule:
+    """``gm``, a traced model, as ``plan`` runs it — with the embedding lookups ``plan.host`` names moved to the
+    host (:func:`rpcompile.passes.host.as_planned`) — once the plan's fingerprint says it was made for it; else
+    :class:`PlanMismatchError`."""
+    from rpcompile.passes.host import as_planned
+
+    try:
+        gm = as_planned(gm, plan.host)
+    except ValueError as e:
+        raise PlanMismatchError(f"{source} was made for a different model: {e}") from None
+    plan.check_model(fingerprint(gm), source=source)
+    return gm
 
 
 def plan_violations(plan: Plan, gm: fx.GraphModule) -> list[str]:

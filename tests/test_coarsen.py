@@ -37,6 +37,28 @@ def test_live_bytes_by_hand():
     assert live == [64, 128, 128, 128, 64, 4]
 
 
+def test_live_bytes_count_in_the_precision_the_model_runs_in():
+    """The same fp32 graph planned for bf16 (``gm.meta["rpcompile.dtype"]``, set by the cost pass): every
+    floating tensor live across a cut takes half the bytes; an integer input keeps its size."""
+    from rpcompile.passes.cost import DTYPE_KEY
+    from rpcompile.passes.shape import shape_pass
+
+    class Lookup(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 4)
+
+        def forward(self, ids, x):
+            return (self.emb(ids) * x * 2).sum()
+
+    gm = fx.symbolic_trace(Lookup())
+    shape_pass(gm, (torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 4, 4)))
+    fp32 = live_bytes(gm)
+    gm.meta[DTYPE_KEY] = torch.bfloat16
+    assert fp32 == (64 + 128, [128 + 128, 128, 128, 4])  # int64 ids and fp32 x; emb; emb·x; ·2; the sum
+    assert live_bytes(gm) == (64 + 64, [64 + 64, 64, 64, 2])
+
+
 @pytest.fixture(scope="module")
 def llama32():
     ms = load_model("llama-32x64")

@@ -157,6 +157,10 @@ def test_host_rows_after_optimizer_steps_and_a_saved_plan(tmp_path):
     assert '"host": [\n  "embed"\n ]' in path.read_text()
     again = rpcompile.compile(spec.model, (x,), loss_fn=spec.loss_fn, devices=["cpu"] * 2, plan=path)
     assert again.plan == pipe.plan and again.program.host == pipe.program.host
+    other = load_model("gpt-demo", batch_size=6)
+    with pytest.raises(rpcompile.PlanMismatchError, match=r"plan was made for a different model: node 'embed' is "
+                                                          r"not an embedding lookup"):
+        rpcompile.compile(other.model, other.example_inputs, loss_fn=other.loss_fn, devices=["cpu"] * 2, plan=path)
     torch.testing.assert_close(again.forward_backward(x, target=y), pipe.forward_backward(x, target=y), **TOL)
 
 

@@ -145,6 +145,8 @@ class NodeCall:
         leaves: list[torch.Tensor] = []
 
         def move(t: Any) -> Any:
+            if isinstance(t, torch.device):  # a device the trace baked in (torch.export): the one measured on
+                return device
             if not isinstance(t, torch.Tensor):
                 return t
             if id(t) in memo:

@@ -111,16 +111,21 @@ class Pipeline:
         store, sizes = self._store(inputs, kwargs)
         total = sum(sizes)
         outside = self.loss_fn is not None and not self.loss_in_graph  # the loss runs after the last stage
-        targets = split_microbatches((target,), self.microbatches) \
-            if outside and isinstance(target, torch.Tensor) else None
+        # each microbatch's target goes to the device of the stage that computes its loss (the executor uploads it)
+        if not outside:
+            targets = None
+        elif isinstance(target, torch.Tensor):
+            targets = [piece[0] for piece in split_microbatches((target,), self.microbatches)]
+        else:
+            targets = [target] * self.microbatches
         # a mean over the batch is the size-weighted mean of the microbatches' means; a sum is their sum
         summed = outside and getattr(self.loss_fn, "reduction", "mean") == "sum"
 
-        def loss_of(output: Any, j: int) -> torch.Tensor:
+        def loss_of(output: Any, target_j: Any, j: int) -> torch.Tensor:
             if not outside:
                 loss = output
             else:
-                loss = self.loss_fn(output, targets[j][0] if targets is not None else target)
+                loss = self.loss_fn(output, target_j)
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
                 raise RPCompileError(f"loss_fn returned {shape}, not a scalar: reduce it over the batch (reduction="
@@ -130,7 +135,8 @@ class Pipeline:
         scale = 1.0
         if self.scaler is not None and self.scaler.is_enabled():
             scale = float(self.scaler.scale(torch.ones(())))  # also starts the scaler's bookkeeping
-        losses = self.executor.run(self.schedule, store, iteration=self.iteration, loss_fn=loss_of, grad_scale=scale)
+        losses = self.executor.run(self.schedule, store, iteration=self.iteration, loss_fn=loss_of, targets=targets,
+                                   grad_scale=scale)
         self.iteration += 1
         return torch.stack(losses).sum()
 

@@ -27,11 +27,18 @@ import torch
 
 from .offload import Offloader
 
-__all__ = ["Device", "CpuDevice", "CudaDevice", "make_devices", "WEIGHT_CHUNK_BYTES"]
+__all__ = ["Device", "CpuDevice", "CudaDevice", "make_devices", "host_buffer", "WEIGHT_CHUNK_BYTES"]
 
 #: A weight upload yields to activation uploads between pieces of this size (16 MiB: 0.7 ms on PCIe 4.0 x16), so
 #: the copies a microbatch waits for queue behind at most one piece (:meth:`CudaDevice.upload_weights`).
 WEIGHT_CHUNK_BYTES = 16 << 20
+
+
+def host_buffer(like: torch.Tensor, *, dtype: torch.dtype | None = None, pin: bool = False) -> torch.Tensor:
+    """An empty host tensor for a copy of ``like``: on the CPU whatever the ambient default device is (the worker
+    runs under ``torch.device(gpu)``), pinned if asked, with ``like``'s strides when they are dense (a hand-off keeps
+    the layout the producing kernel chose, so the consumer's graph sees what the producer's saw)."""
+    return torch.empty_like(like, dtype=dtype, device="cpu", pin_memory=pin)  # preserve_format: dense strides kept
 
 
 class Device:
@@ -146,7 +153,7 @@ class CudaDevice(Device):
         # gradient after the last microbatch) must be waited for before another stream copies it
         stream = torch.cuda.current_stream(self.torch_device)
         stream.wait_stream(self.compute_stream)
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host = host_buffer(t, pin=True)
         host.copy_(t, non_blocking=True)
         stream.synchronize()
         return host
@@ -163,7 +170,7 @@ class CudaDevice(Device):
         with torch.cuda.device(self.torch_device), torch.cuda.stream(self.weight_stream):
             for t in tensors:
                 cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
-                host = torch.empty(t.shape, dtype=cast, pin_memory=True)
+                host = torch.empty(t.shape, dtype=cast, device="cpu", pin_memory=True)  # contiguous: copied flat
                 host.copy_(t)
                 out = torch.empty(t.shape, dtype=cast, device=self.torch_device)
                 src, dst = host.view(-1), out.view(-1)
@@ -201,7 +208,7 @@ class CudaDevice(Device):
                 stream.wait_event(ready)
             hosts = []
             for t in tensors:
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                host = host_buffer(t, pin=True)
                 host.copy_(t, non_blocking=True)
                 hosts.append(host)
         stream.synchronize()
@@ -211,8 +218,9 @@ class CudaDevice(Device):
         torch.cuda.synchronize(self.torch_device)
 
 
-def make_devices(devices: "list[str | torch.device] | None", gpus: int | None) -> list[Device]:
-    """Devices from an explicit list (``["cpu", "cpu"]``, ``["cuda:0", "cuda:1"]``) or ``gpus=k``."""
+def make_devices(devices: "list[str | torch.device | Device] | None", gpus: int | None) -> list[Device]:
+    """Devices from an explicit list (``["cpu", "cpu"]``, ``["cuda:0", "cuda:1"]``, or :class:`Device` objects of
+    your own, e.g. a test device) or ``gpus=k``."""
     if devices is None:
         if gpus is None:
             raise ValueError("give devices=[...] or gpus=k")
@@ -226,6 +234,10 @@ def make_devices(devices: "list[str | torch.device] | None", gpus: int | None) -
         raise ValueError("need at least one device")
     out: list[Device] = []
     for i, d in enumerate(devices):
+        if isinstance(d, Device):
+            d.index = i
+            out.append(d)
+            continue
         dev = torch.device(d)
         out.append(CudaDevice(dev, i) if dev.type == "cuda" else CpuDevice(dev, i))
     return out

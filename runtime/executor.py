@@ -30,6 +30,7 @@ Buffers (BatchNorm statistics) are updated by the real forward only: recomputati
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import traceback
@@ -38,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
+from torch.utils import _pytree as pytree
 
 from . import rng, saved
 from .devices import Device
@@ -130,9 +132,14 @@ class Executor:
 
     # ------------------------------------------------------------------------------------------ the loop
     def run(self, schedule: list[list[Action]], store: ValueStore, *, iteration: int,
-            loss_fn: Callable[[Any, int], torch.Tensor] | None, grad_scale: float = 1.0) -> list[torch.Tensor]:
-        """Run every device's action list; return the fused stage's per-microbatch losses."""
+            loss_fn: Callable[[Any, Any, int], torch.Tensor] | None, targets: Sequence[Any] | None = None,
+            grad_scale: float = 1.0) -> list[torch.Tensor]:
+        """Run every device's action list; return the fused stage's per-microbatch losses (on the host).
+
+        The fused stage calls ``loss_fn(output, target, j)`` for microbatch j with ``targets[j]`` uploaded to its
+        device (every tensor in it, dtypes kept; None without ``targets``)."""
         self.store, self.iteration, self.loss_fn, self.grad_scale = store, iteration, loss_fn, grad_scale
+        self.targets = targets
         self.losses: dict[int, torch.Tensor] = {}
         self.microbatches = 1 + max(a.microbatch for acts in schedule for a in acts)
         self.done = {(a.stage, a.microbatch): threading.Event() for acts in schedule for a in acts if a.kind == "F"}
@@ -170,7 +177,7 @@ class Executor:
         prefetched: dict[int, Future] = {}
         ahead = _next_weights(actions)
         try:
-            with torch.device(device.torch_device) if device.torch_device.type == "cuda" else _nullcontext():
+            with _ambient(device):
                 for act in actions:
                     if self.failed:
                         return
@@ -236,10 +243,10 @@ class Executor:
             device.wait_weights(state.ready)
             rng.context.iteration, rng.context.microbatch, rng.context.device = iteration, 0, device.torch_device
             saved.context.save = False  # evaluation keeps nothing for a backward pass
-            with device.compute():
+            with _ambient(device), device.compute():
                 outs = self._call(prog, state, self._inputs(device, prog, 0, leaves=False), copy_buffers=False)
-            if prog.kind == "fused":
-                return prog.model_output(outs)
+            if prog.kind == "fused":  # the output on the host, like the model's on the CPU
+                return prog.model_output(pytree.tree_map(lambda v: _to_host(device, v), outs))
             for name, v in zip(prog.outputs, outs):
                 store.put(name, 0, _to_host(device, v))
         raise RuntimeError("plan has no fused stage")
@@ -394,8 +401,9 @@ class Executor:
         with torch.enable_grad():
             raw = self._call(prog, state, inputs, copy_buffers=prog.kind == "backward")
         if prog.kind == "fused":
-            loss = self.loss_fn(prog.model_output(raw), mb)  # type: ignore[misc]
-            self.losses[mb] = loss.detach().float().cpu()
+            target = _upload_tree(device, self.targets[mb]) if self.targets is not None else None
+            loss = self.loss_fn(prog.model_output(raw), target, mb)  # type: ignore[misc]
+            self.losses[mb] = device.download(loss.detach().float())
             roots, grads = [loss * self.grad_scale], [None]
         else:
             roots, grads = self._output_grads(device, prog, raw, mb)
@@ -436,9 +444,13 @@ def _to_host(device: Device, v: Any) -> Any:
     return v
 
 
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
+def _ambient(device: Device) -> Any:
+    """The stage's device as the default device while it runs: fx-traced factory calls without ``device=`` and the
+    portable graphs' ``default_device()`` nodes (:mod:`rpcompile.passes.portable`) allocate there. The CPU is the
+    default already (and a device context costs a Python call per torch call)."""
+    return torch.device(device.torch_device) if device.torch_device.type != "cpu" else contextlib.nullcontext()
 
-    def __exit__(self, *exc: Any) -> None:
-        return None
+
+def _upload_tree(device: Device, value: Any) -> Any:
+    """Every tensor in ``value`` (a target: a tensor, a tuple, a dict) to ``device``, dtypes kept."""
+    return pytree.tree_map(lambda v: device.upload(v) if isinstance(v, torch.Tensor) else v, value)

@@ -33,6 +33,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from rpcompile.passes.portable import RESHAPE, portable_pass
+
 from . import rng
 
 __all__ = ["HostSaved", "SegmentAOT", "SavedSegment", "capture_segment", "dropout_to_noise", "context"]
@@ -109,6 +111,11 @@ def _like(t: torch.Tensor, meta: Any) -> torch.Tensor:
     """``t`` with the dtype and strides the graph was traced with (host round trips make tensors contiguous)."""
     if meta is None or (t.dtype == meta.dtype and t.stride() == meta.stride()):
         return t
+    broadcast = [d for d, (n, s) in enumerate(zip(meta.shape, meta.stride())) if s == 0 and n > 1]
+    if broadcast:  # an expanded tensor (a mask): one copy of its values, expanded again as the graph had it
+        for d in broadcast:
+            t = t.narrow(d, 0, 1)
+        return t.to(meta.dtype).expand(meta.shape)
     out = torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype, device=t.device)
     return out.copy_(t)
 
@@ -215,6 +222,10 @@ def capture_segment(fn: Callable[..., tuple], examples: Sequence[torch.Tensor], 
         n_bw = len(bw.graph.find_nodes(op="placeholder"))
         if n_bw != len(saved) + len(tangents):  # an output aliases another one: AOT folds their tangents
             raise _Aliased(f"unexpected bw graph: {n_bw} inputs for {len(saved)} saved and {len(tangents)} tangents")
+        # a fake kernel's strides are a guess: a real GPU kernel may lay its output out otherwise. Captured on the
+        # device they run on, the graphs keep its device constants (the bw graph runs on autograd's device thread).
+        portable_pass(bw, devices=False)
+    portable_pass(fw, devices=False)
     return SegmentAOT(fw, bw, n_outputs, n_buffers, tuple(saved), tuple(host), tangents, constants)
 
 
@@ -250,8 +261,10 @@ def _has_node(args: Any) -> bool:
 
 
 def _replay(t: torch.Tensor, ops: Sequence[tuple]) -> torch.Tensor:
+    """The view ops on the backward stage's copy of their base, whose strides may differ from the capture's:
+    shape views run as reshapes (:mod:`rpcompile.passes.portable`)."""
     for op, args, kwargs in ops:
-        t = op(t, *args, **kwargs)
+        t = (RESHAPE if op in _VIEW_OPS or op is torch.ops.aten.view.default else op)(t, *args, **kwargs)
     return t
 
 

@@ -26,6 +26,7 @@ from typing import Any, Sequence
 import torch.fx as fx
 
 from rpcompile.passes.host import HostEmbedding, host_of
+from rpcompile.passes.portable import portable_pass
 from rpcompile.passes.util import canonical_names, compute_nodes, node_params
 from rpcompile.planfile import Plan, Stage
 
@@ -182,6 +183,7 @@ def _saved_segments(plan: Plan, gm: fx.GraphModule, needs_grad: set[str], consum
         mine = set(nodes)
         exports = {n for n in nodes if consumers.get(n, set()) - mine}
         sub, inputs, outputs = _stage_graph(gm, nodes, exports, False)
+        portable_pass(sub)
         if not dropout_to_noise(sub):
             continue
         params: dict[str, list[str]] = {}
@@ -225,6 +227,7 @@ def split_plan(plan: Plan, gm: fx.GraphModule) -> Program:
         for seg in set(saved.values()):  # a forward stage ships a saved segment's outputs and saved tensors
             exports |= {*seg.outputs, seg.host_name} if stage.kind == "forward" else set()
         sub, inputs, outputs = _stage_graph(gm, stage.nodes, exports, fused, saved, stage.kind == "backward")
+        portable_pass(sub)  # any device, any strides: the graph was traced on the CPU or the meta device
         seed_random_nodes(sub)
         params = {n: names.get(id(p), n) for n, p in sub.named_parameters(remove_duplicate=False)}
         buffers = {n: names.get(id(b), n) for n, b in sub.named_buffers(remove_duplicate=False)}

@@ -1,0 +1,330 @@
+"""rpcompile on a GPU, side by side with eager PyTorch on the same GPU, in one process.
+
+Sections (each a table; all rows also in the JSON):
+
+- **link** — host link bandwidth: pinned and pageable memory, host-to-device, device-to-host, and both at once.
+- **resident** — a model that fits the GPU (default: the Qwen3-1.7B shape, 4 × 1024 tokens), one forward+backward
+  per step: eager with the whole model on the GPU (fp32 weights + bf16 autocast; the same with per-layer
+  activation checkpointing; bf16 weights with per-layer checkpointing) against rpcompile (``precision="bf16"``,
+  weights in CPU memory) on one device and on two logical devices sharing the GPU.
+- **capped** — beyond memory: the GPU capped at ``--cap-gib`` (20 GiB: the usable memory of an RTX 4090) with
+  ``torch.cuda.set_per_process_memory_fraction``; rpcompile trains the Llama-3-8B shape, 8 sequences of 2048 tokens
+  in 8 microbatches (eager cannot hold it).
+
+Per row: tokens/s, step time (median of ``--steps`` after a warm-up step), peak GPU memory, compile time, and for
+rpcompile rows the plan's predicted iteration next to the measured one (predicted/measured). Only GPU rows are
+measurements of the product; ``--smoke`` runs the same code on the CPU with a tiny model (CI checks the script; its
+times mean nothing).
+
+    python benchmarks/gpu.py                       # on a GPU machine: every section
+    python benchmarks/gpu.py --sections resident --model llama-1.7b --batch 16 --seq 2048
+    python benchmarks/gpu.py --profile traces/     # + a torch profiler trace of one step of each rpcompile row
+    python benchmarks/gpu.py --smoke               # the CPU check
+
+Writes ``benchmarks/results/gpu.json`` (``--out``) and prints the rows as a Markdown table for RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import datetime
+import gc
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from rich.console import Console
+from rich.table import Table
+from torch.utils.checkpoint import checkpoint
+
+import rpcompile
+from rpcompile.models import load_model
+
+GiB = 1 << 30
+SECTIONS = ("link", "resident", "capped")
+
+
+# --------------------------------------------------------------------------------------------- timing helpers
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _peak_reset(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak(device: str) -> float | None:
+    return torch.cuda.max_memory_allocated() / GiB if device.startswith("cuda") else None
+
+
+def _timed(step: Callable[[], Any], steps: int, device: str) -> float:
+    """Median wall time of ``step`` over ``steps`` runs after one warm-up run."""
+    step()
+    _sync(device)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+# --------------------------------------------------------------------------------------------- link
+def link_rows(size_mib: int = 256, repeats: int = 5) -> list[dict]:
+    """Host link bandwidth (GB/s) per direction and memory kind, and both directions at once."""
+    n = size_mib << 20
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dev2 = torch.empty(n, dtype=torch.uint8, device="cuda")
+    rows = []
+    for kind in ("pinned", "pageable"):
+        host = torch.empty(n, dtype=torch.uint8, device="cpu", pin_memory=kind == "pinned")
+        host2 = torch.empty(n, dtype=torch.uint8, device="cpu", pin_memory=kind == "pinned")
+        up, down = torch.cuda.Stream(), torch.cuda.Stream()
+
+        def h2d() -> None:
+            with torch.cuda.stream(up):
+                dev.copy_(host, non_blocking=True)
+            up.synchronize()
+
+        def d2h() -> None:
+            with torch.cuda.stream(down):
+                host.copy_(dev, non_blocking=True)
+            down.synchronize()
+
+        def both() -> None:
+            with torch.cuda.stream(up):
+                dev2.copy_(host2, non_blocking=True)
+            with torch.cuda.stream(down):
+                host.copy_(dev, non_blocking=True)
+            up.synchronize(), down.synchronize()
+
+        for name, fn, moved in (("host→device", h2d, n), ("device→host", d2h, n), ("both at once", both, 2 * n)):
+            t = _timed(fn, repeats, "cuda")
+            rows.append({"section": "link", "memory": kind, "direction": name, "bytes": moved,
+                         "seconds": t, "GB_per_s": moved / t / 1e9})
+    return rows
+
+
+# --------------------------------------------------------------------------------------------- models
+class _Checkpointed(nn.Module):
+    """One layer recomputed in backward (torch.utils.checkpoint, non-reentrant): per-layer checkpointing."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, *args: Any) -> Any:
+        return checkpoint(self.layer, *args, use_reentrant=False)
+
+
+def _eager_variant(model: nn.Module, device: str, weights: torch.dtype, checkpointed: bool) -> nn.Module:
+    m = copy.deepcopy(model).to(device=device, dtype=weights)
+    if checkpointed:
+        for i, layer in enumerate(m.layers):
+            m.layers[i] = _Checkpointed(layer)
+    return m
+
+
+def eager_row(spec: Any, device: str, label: str, weights: torch.dtype, checkpointed: bool, steps: int) -> dict:
+    (x,), y = spec.example_inputs, spec.example_target
+    _peak_reset(device)
+    t0 = time.perf_counter()
+    model = _eager_variant(spec.model, device, weights, checkpointed)
+    setup = time.perf_counter() - t0
+    xd, yd = x.to(device), y.to(device)
+    autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16) if weights == torch.float32 \
+        else contextlib.nullcontext()
+
+    def step() -> None:
+        with autocast:
+            loss = spec.loss_fn(model(xd), yd)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    try:
+        t = _timed(step, steps, device)
+        row = {"step_s": t, "peak_gib": _peak(device), "error": None}
+    except torch.OutOfMemoryError as e:
+        row = {"step_s": None, "peak_gib": _peak(device), "error": f"out of memory: {str(e).splitlines()[0]}"}
+    del model
+    gc.collect()
+    return {"section": "resident", "system": "eager", "variant": label, "setup_s": setup, **row}
+
+
+def rpcompile_row(spec: Any, devices: list[str], label: str, steps: int, *, section: str, microbatches: int | None,
+                  memory_limit: int | None, cost_spec: str | None, profile: Path | None) -> dict:
+    (x,), y = spec.example_inputs, spec.example_target
+    device = devices[0]
+    _peak_reset(device)
+    t0 = time.perf_counter()
+    pipe = rpcompile.compile(spec.model, (x,), loss_fn=spec.loss_fn, devices=devices, precision="bf16",
+                             microbatches=microbatches, memory_limit=memory_limit, spec=cost_spec,
+                             example_target=y)
+    compile_s = time.perf_counter() - t0
+
+    def step() -> None:
+        pipe.forward_backward(x, target=y)
+        spec.model.zero_grad(set_to_none=True)
+
+    row: dict[str, Any] = {"section": section, "system": "rpcompile", "variant": label, "setup_s": compile_s,
+                           "stages": len(pipe.plan.stages), "microbatches": pipe.microbatches,
+                           "head_chunks": pipe.plan.head_chunks,
+                           "predicted_s": pipe.plan.predicted.iteration_time_s}
+    try:
+        row.update(step_s=_timed(step, steps, device), peak_gib=_peak(device), error=None)
+    except Exception as e:  # noqa: BLE001 - reported in the table: a failing row must not hide the others
+        row.update(step_s=None, peak_gib=_peak(device), error=f"{type(e).__name__}: {str(e).splitlines()[0]}")
+    if profile is not None and row["error"] is None:
+        profile.mkdir(parents=True, exist_ok=True)
+        with torch.profiler.profile(record_shapes=False) as prof:
+            step()
+            _sync(device)
+        path = profile / f"{section}-{label.replace(' ', '_')}.json"
+        prof.export_chrome_trace(str(path))
+        row["profile"] = str(path)
+    if row["step_s"]:
+        row["predicted_over_measured"] = row["predicted_s"] / row["step_s"]
+    del pipe
+    gc.collect()
+    return row
+
+
+def _tokens(rows: list[dict], spec: Any) -> None:
+    tokens = spec.example_inputs[0].numel()
+    for r in rows:
+        r["tokens"] = tokens
+        r["tokens_per_s"] = tokens / r["step_s"] if r.get("step_s") else None
+
+
+def resident_rows(args: argparse.Namespace, device: str) -> list[dict]:
+    spec = load_model(args.model, device="cpu", batch_size=args.batch, seq_len=args.seq)
+    rows = []
+    for label, weights, ckpt in (("fp32 weights + bf16 autocast", torch.float32, False),
+                                 ("fp32 weights + bf16 autocast, per-layer checkpointing", torch.float32, True),
+                                 ("bf16 weights, per-layer checkpointing", torch.bfloat16, True)):
+        rows.append(eager_row(spec, device, label, weights, ckpt, args.steps))
+    options = dict(section="resident", microbatches=None, memory_limit=None, cost_spec=args.spec, profile=args.profile)
+    rows.append(rpcompile_row(spec, [device], "bf16, 1 device", args.steps, **options))
+    rows.append(rpcompile_row(spec, [device, device], "bf16, 2 logical devices on one GPU", args.steps, **options))
+    _tokens(rows, spec)
+    base = next((r["step_s"] for r in rows if r["variant"].startswith("fp32 weights + bf16 autocast, per")), None)
+    for r in rows:
+        r["model"] = args.model
+        r["vs_eager_checkpointed"] = base / r["step_s"] if base and r.get("step_s") else None
+    return rows
+
+
+def capped_rows(args: argparse.Namespace, device: str) -> list[dict]:
+    total = torch.cuda.get_device_properties(0).total_memory
+    cap = int(args.cap_gib * GiB)
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
+    try:
+        spec = load_model(args.capped_model, device="cpu", batch_size=args.capped_batch, seq_len=args.capped_seq)
+        row = rpcompile_row(spec, [device], f"bf16, 1 device, capped at {args.cap_gib:g} GiB", args.steps,
+                            section="capped", microbatches=args.capped_batch, memory_limit=int(cap * 0.9),
+                            cost_spec=args.spec, profile=args.profile)
+        row["model"] = args.capped_model
+        _tokens([row], spec)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    return [row]
+
+
+# --------------------------------------------------------------------------------------------- output
+def _fmt(v: Any, unit: str = "") -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return f"{v:,.3f}{unit}" if v < 100 else f"{v:,.0f}{unit}"
+    return f"{v}{unit}"
+
+
+_COLUMNS = (("model", "model", ""), ("system", "system", ""), ("variant", "variant", ""),
+            ("tokens/s", "tokens_per_s", ""), ("step", "step_s", " s"), ("vs eager ckpt", "vs_eager_checkpointed", "×"),
+            ("predicted", "predicted_s", " s"), ("pred/meas", "predicted_over_measured", "×"),
+            ("peak GPU", "peak_gib", " GiB"), ("compile/setup", "setup_s", " s"), ("error", "error", ""))
+
+
+def print_tables(rows: list[dict], header: dict) -> str:
+    console = Console(width=200)
+    link = [r for r in rows if r["section"] == "link"]
+    if link:
+        t = Table(title=f"host link ({header['device']})")
+        for c in ("memory", "direction", "GB/s"):
+            t.add_column(c)
+        for r in link:
+            t.add_row(r["memory"], r["direction"], f"{r['GB_per_s']:.1f}")
+        console.print(t)
+    runs = [r for r in rows if r["section"] != "link"]
+    t = Table(title=f"training step (forward+backward) on {header['device']}, {header['date']}")
+    for name, _, _ in _COLUMNS:
+        t.add_column(name)
+    md = ["| " + " | ".join(n for n, _, _ in _COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
+    for r in runs:
+        cells = [_fmt(r.get(key), unit) for _, key, unit in _COLUMNS]
+        t.add_row(*cells)
+        md.append("| " + " | ".join(cells) + " |")
+    console.print(t)
+    markdown = "\n".join(md)
+    print(markdown)
+    return markdown
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    ap.add_argument("--model", default="llama-1.7b")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--capped-model", default="llama-8b")
+    ap.add_argument("--capped-batch", type=int, default=8)
+    ap.add_argument("--capped-seq", type=int, default=2048)
+    ap.add_argument("--cap-gib", type=float, default=20.0)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--spec", default=None, help="plan from analytic costs of this GPU spec (default: measured here)")
+    ap.add_argument("--profile", type=Path, default=None, help="write a torch profiler trace per rpcompile row here")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny model: checks the script, times mean nothing")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "gpu.json")
+    args = ap.parse_args(argv)
+    sections = [s for s in args.sections.split(",") if s]
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        ap.error(f"unknown section(s) {unknown}; choose from {', '.join(SECTIONS)}")
+    if args.smoke:
+        device, sections = "cpu", ["resident"]
+        args.model, args.batch, args.seq, args.steps = "llama-demo", 4, 32, 1
+        args.spec = args.spec or "cpu"
+    elif not torch.cuda.is_available():
+        ap.error("no CUDA device: this benchmark measures a GPU (use --smoke to check the script on the CPU)")
+    else:
+        device = "cuda:0"
+    header = {"device": torch.cuda.get_device_name(0) if device != "cpu" else "cpu (smoke: not a measurement)",
+              "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+              "rpcompile": rpcompile.__version__ if hasattr(rpcompile, "__version__") else None,
+              "costs": f"analytic {args.spec}" if args.spec else "measured on the device", "args": {
+                  k: str(v) for k, v in vars(args).items()}}
+    rows: list[dict] = []
+    if "link" in sections:
+        rows += link_rows()
+    if "resident" in sections:
+        rows += resident_rows(args, device)
+    if "capped" in sections:
+        rows += capped_rows(args, device)
+    markdown = print_tables(rows, header)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({**header, "rows": rows, "markdown": markdown}, indent=1, default=str))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

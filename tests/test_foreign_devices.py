@@ -1,0 +1,151 @@
+"""The runtime on devices that are not the CPU, tested without a GPU (tests/_devices.py).
+
+The CUDA path first met a GPU after every CPU test passed, and failed four ways. Each test here stands for one of
+them and fails on the runtime of that time (main f5190f2):
+
+1. ``Only dense CPU tensors can be pinned``: host buffers allocated inside the worker's ``torch.device(cuda)``
+   context landed on the GPU — here the worker's default device is ``meta``, and the source is checked for
+   factory calls without ``device=``;
+2. ``Expected all tensors to be on the same device ... target is on cpu``: the loss got the CPU target;
+3. ``view size is not compatible with input tensor's size and stride``: GPU kernels and hand-offs lay tensors out
+   otherwise than the CPU did at trace time — here every copy is column-major;
+4. ``Tensor device mismatch! Expected: cpu, Got: cuda:0``: export baked the trace device into the graph.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import rpcompile
+from rpcompile.models import load_model
+from rpcompile.pipeline import Pipeline
+from rpcompile.runtime.devices import host_buffer
+
+from _devices import MetaDevice, StridedDevice
+from test_runtime import FINE_CPU, TOL, _saving_pipeline, assert_grads_equal, eager_step
+
+RUNTIME = Path(rpcompile.__file__).resolve().parent / "runtime"
+_FACTORIES = {"empty", "empty_strided", "zeros", "ones", "full", "arange", "rand", "randn", "randint", "tensor",
+              "eye", "linspace"}
+
+
+def test_every_runtime_allocation_names_its_device():
+    """Failure 1: ``torch.empty(..., pin_memory=True)`` without ``device=`` inside the worker's
+    ``torch.device(cuda)`` context asked for a pinned buffer on the GPU."""
+    offenders = []
+    for path in sorted(RUNTIME.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _FACTORIES
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch"
+                    and not any(k.arg == "device" for k in node.keywords)):
+                offenders.append(f"{path.name}:{node.lineno} torch.{node.func.attr}")
+    assert not offenders, f"allocations that follow the ambient default device: {offenders}"
+
+
+def test_host_buffers_stay_on_the_host_under_a_foreign_default_device():
+    like = torch.randn(3, 4).t()
+    with torch.device("meta"):
+        buf = host_buffer(like)
+    assert buf.device.type == "cpu" and buf.stride() == like.stride()  # a hand-off keeps the producer's layout
+
+
+def _meta_pipeline(name="llama-demo", *, parity=None, host=True):
+    spec = load_model(name, batch_size=6)
+    x, y = spec.example_inputs[0], spec.example_target
+    if parity is not None:
+        return _saving_pipeline(name, parity, devices=[MetaDevice(), MetaDevice()])
+    pipe = rpcompile.compile(spec.model, (x,), loss_fn=spec.loss_fn, devices=["cpu", "cpu"], microbatches=3,
+                             spec=FINE_CPU, time_limit_s=2.0, host_embedding=host)
+    devices = [MetaDevice(0), MetaDevice(1)]
+    for d in devices:  # the GPU's asynchronous copies, on their offloader threads
+        d.enable_offload(1 << 30)
+        d.enable_async_handoff()
+    return spec, None, Pipeline(spec.model, pipe.gm, pipe.plan, devices, spec.loss_fn, "bf16"), x, y
+
+
+@pytest.mark.parametrize("case", ["plain", "host-embedding", "saved-segments"])
+def test_a_pipeline_runs_where_the_default_device_is_not_the_cpu(case):
+    """Failures 1, 2 and 4 at run time: the worker runs under ``torch.device("meta")``; anything allocated
+    without a device, a target left on the host or a device constant in a graph mixes CPU and meta tensors and
+    fails. Every trainable parameter still gets a gradient (zeros: meta has no values)."""
+    spec, _, pipe, x, y = _meta_pipeline(host=case == "host-embedding", parity=0 if case == "saved-segments" else None)
+    if case == "saved-segments":
+        assert pipe.plan.saved
+    loss = pipe.forward_backward(x, target=y)
+    assert loss.device.type == "cpu" and loss.shape == ()
+    missing = [n for n, p in spec.model.named_parameters() if p.requires_grad and p.grad is None]
+    assert not missing
+    out = pipe.forward(x)
+    assert out.device.type == "cpu" and out.shape == (*x.shape, spec.model.lm_head.out_features)
+
+
+@pytest.mark.hf
+def test_an_exported_hf_decoder_runs_where_the_default_device_is_not_the_cpu():
+    """Failure 4 at run time: HF's ``create_causal_mask`` under export leaves CPU device constants and
+    assertions in the stage graphs."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(cfg)
+    ids, y = torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8))
+
+    def loss_fn(out, target):
+        return F.cross_entropy(out.logits.flatten(0, 1).float(), target.flatten())
+
+    kwargs = {"input_ids": ids, "use_cache": False}
+    pipe = rpcompile.compile(model, (), example_kwargs=kwargs, loss_fn=loss_fn, spec=FINE_CPU,
+                             devices=[MetaDevice(0), MetaDevice(1)], microbatches=2, time_limit_s=2.0,
+                             memory_limit=1 << 30)
+    loss = pipe.forward_backward(input_ids=ids, use_cache=False, target=y)
+    assert loss.device.type == "cpu"
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("parity", [None, 0, 1], ids=["recompute", "saved-even", "saved-odd"])
+def test_a_pipeline_whose_copies_change_the_layout_matches_eager(parity):
+    """Failure 3: every upload and hand-off comes back column-major; stage graphs (and the saved segments' fw
+    and bw graphs) must still compute eager's loss and gradients."""
+    if parity is None:
+        spec = load_model("llama-demo", batch_size=6)
+        ref = copy.deepcopy(spec.model)
+        x, y = spec.example_inputs[0], spec.example_target
+        pipe = rpcompile.compile(spec.model, (x,), loss_fn=spec.loss_fn, devices=[StridedDevice(), StridedDevice()],
+                                 microbatches=3, spec=FINE_CPU, time_limit_s=2.0, head_chunks=4, example_target=y)
+        assert pipe.plan.head_chunks == 4
+    else:
+        spec, ref, pipe, x, y = _saving_pipeline("llama-demo", parity,
+                                                 devices=[StridedDevice(), StridedDevice()])
+    loss = pipe.forward_backward(x, target=y)
+    torch.testing.assert_close(loss, eager_step(ref, spec.loss_fn, x, y, pipe.microbatches), **TOL)
+    assert_grads_equal(spec.model, ref)
+
+
+@pytest.mark.hf
+def test_an_exported_bert_whose_copies_change_the_layout_matches_eager():
+    """Failure 3 on an exported encoder (a BERT model failed in its backward stages on the GPU)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=64, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0)
+    model = transformers.BertForMaskedLM(cfg)
+    ref = copy.deepcopy(model)
+    ids, y = torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8))
+
+    def loss_fn(out, target):
+        return F.cross_entropy(out.logits.flatten(0, 1), target.flatten())
+
+    pipe = rpcompile.compile(model, (ids,), loss_fn=loss_fn, spec=FINE_CPU, devices=[StridedDevice(), StridedDevice()],
+                             microbatches=2, time_limit_s=2.0)
+    loss = pipe.forward_backward(ids, target=y)
+    ref_loss = loss_fn(ref(ids), y)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+    assert_grads_equal(model, ref)

@@ -1,0 +1,30 @@
+"""benchmarks/gpu.py --smoke: the GPU benchmark's code path on the CPU (a tiny model; its times mean nothing)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import gpu  # noqa: E402  (benchmarks/ is scripts, not a package)
+
+
+def test_the_smoke_run_writes_every_row(tmp_path, capsys):
+    out = tmp_path / "gpu.json"
+    gpu.main(["--smoke", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["device"].startswith("cpu (smoke")
+    rows = result["rows"]
+    assert [(r["system"], r["variant"]) for r in rows] == [
+        ("eager", "fp32 weights + bf16 autocast"),
+        ("eager", "fp32 weights + bf16 autocast, per-layer checkpointing"),
+        ("eager", "bf16 weights, per-layer checkpointing"),
+        ("rpcompile", "bf16, 1 device"),
+        ("rpcompile", "bf16, 2 logical devices on one GPU"),
+    ]
+    assert all(r["error"] is None and r["step_s"] > 0 and r["tokens_per_s"] > 0 for r in rows)
+    for r in rows[3:]:
+        assert r["predicted_s"] > 0 and r["predicted_over_measured"] == r["predicted_s"] / r["step_s"]
+    assert result["markdown"].count("\n") == len(rows) + 1
+    assert "| llama-demo | rpcompile | bf16, 1 device |" in capsys.readouterr().out

@@ -11,7 +11,10 @@ STAMP := $(VENV)/.rpcompile-installed
 TORCH_CPU ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-slow setup clean
+# transformers versions the HF tests also run against (pyproject allows >=4.50): each installs into .tf/VERSION
+TRANSFORMERS_VERSIONS ?= 4.50.3 4.57.6 5.17.0
+
+.PHONY: demo test test-slow test-compat setup clean
 
 demo: $(STAMP)
 	$(VENV)/bin/rpcompile demo
@@ -22,6 +25,13 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
+test-compat: $(STAMP)
+	for v in $(TRANSFORMERS_VERSIONS); do \
+	  test -d .tf/$$v || $(PY) -m pip install -q --target .tf/$$v "transformers==$$v" || exit 1; \
+	  echo "HF tests with transformers $$v"; \
+	  PYTHONPATH=.tf/$$v RPCOMPILE_GPU_TESTS_ON_CPU=1 $(PY) -m pytest -q -m hf -p no:cacheprovider || exit 1; \
+	done
+
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -31,4 +41,4 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) .tf build *.egg-info .pytest_cache .hypothesis

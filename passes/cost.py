@@ -33,6 +33,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
 from .meta import MetaSafeMode
+from .portable import device_of, running_on
 from .shape import SHAPE_KEY, describe, scaled_nbytes, storage_key
 from .util import flat_inputs, is_compute, node_params, tensor_leaves
 
@@ -279,10 +280,13 @@ class MeasuredCostModel(CostModel):
 
     def estimate(self, call: NodeCall) -> OpEstimate:
         m = call.materialize(self.device, dtype=self.dtype)
-        with torch.no_grad():
-            fwd = self._time(m.run)
-        _, backward = m.forward_backward()
-        bwd = self._time(backward) if backward is not None else 0.0
+        # the device as the default device, as the executor runs a stage: a portable submodule (an outlined vmap
+        # region, rpcompile.passes.portable) allocates there
+        with running_on(self.device):
+            with torch.no_grad():
+                fwd = self._time(m.run)
+            _, backward = m.forward_backward()
+            bwd = self._time(backward) if backward is not None else 0.0
         _sync(self.device)
         return OpEstimate(fwd, bwd)
 
@@ -340,9 +344,12 @@ def _autograd_profile(
         out, backward = m.forward_backward()
     bwd_flops = 0
     if backward is not None:
-        with FlopCounterMode(display=False) as bwd_counter, MetaSafeMode(), GpuKernels():
-            backward()
-        bwd_flops = bwd_counter.get_total_flops()
+        try:
+            with FlopCounterMode(display=False) as bwd_counter, MetaSafeMode(), GpuKernels():
+                backward()
+            bwd_flops = bwd_counter.get_total_flops()
+        except Exception:  # noqa: BLE001 - a backward that reads values (a custom op's .tolist()) cannot run on meta
+            bwd_flops = 2 * fwd_counter.get_total_flops()  # a matmul's backward: two matmuls of its size
     param_keys = {storage_key(m.memo[id(t)]) for t in {**call.params, **call.buffers}.values() if id(t) in m.memo}
     input_keys: dict[int, fx.Node] = {}
     for orig_id, copy in m.memo.items():
@@ -444,7 +451,7 @@ def cost_pass(
     try:
         with torch.random.fork_rng(devices=[]), bar:
             cost_model.prepare(gm, flat)
-            with torch.no_grad():
+            with torch.no_grad(), running_on(device_of(gm, flat)):
                 interp.run(*flat, enable_io_processing=False)
             calibration = getattr(cost_model, "calibration", None)
             totals = calibration(gm, flat) if calibration is not None else None

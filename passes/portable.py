@@ -21,13 +21,15 @@ semantics and it is kept. Views that reinterpret a dtype (``view(torch.float32)`
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-__all__ = ["portable_pass", "default_device", "RESHAPE", "is_portable"]
+__all__ = ["portable_pass", "portable_bodies", "default_device", "running_on", "device_of", "RESHAPE", "is_portable",
+           "written_values"]
 
 _ASSERTS = {torch.ops.aten._assert_tensor_metadata.default}
 _VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
@@ -47,6 +49,31 @@ def default_device() -> torch.device:
     return torch.get_default_device()
 
 
+def running_on(device: torch.device | str | None) -> Any:
+    """Context that makes ``device`` the default device, as the executor does around a stage (nothing for the
+    CPU, already the default): portable graphs and bodies of higher-order ops allocate there."""
+    device = torch.device(device) if device is not None else None
+    return torch.device(device) if device is not None and device.type != "cpu" else contextlib.nullcontext()
+
+
+def device_of(gm: fx.GraphModule, values: Any = ()) -> torch.device | None:
+    """The device a graph runs on: that of its first tensor input, else of its first parameter or buffer."""
+    for v in [*values, *gm.parameters(), *gm.buffers()]:
+        if isinstance(v, torch.Tensor):
+            return v.device
+    return None
+
+
+def portable_bodies(gm: fx.GraphModule) -> fx.GraphModule:
+    """Make the bodies of ``gm``'s higher-order ops portable (``wrap_with_set_grad_enabled``'s ``submod_3``,
+    outlined vmap regions): they run whole, so their device constants follow the default device from the trace
+    on — through shape and cost analysis (:func:`running_on`) as through the stages."""
+    for _, sub in gm.named_children():
+        if isinstance(sub, fx.GraphModule) and not is_portable(sub):
+            portable_pass(sub)
+    return gm
+
+
 def is_portable(gm: fx.GraphModule) -> bool:
     """True once :func:`portable_pass` has rewritten ``gm``."""
     return bool(gm.meta.get(_PORTABLE_KEY))
@@ -58,6 +85,9 @@ def portable_pass(gm: fx.GraphModule, *, devices: bool = True) -> fx.GraphModule
     ``devices=False`` keeps device constants: for graphs captured on the device they run on (the saved segments'
     AOT graphs), whose backward runs on autograd's own thread for that device, where the worker's default
     device is not set."""
+    for name, sub in gm.named_children():  # bodies of higher-order ops (wrap_with_set_grad_enabled, cond, ...)
+        if isinstance(sub, fx.GraphModule) and not is_portable(sub):
+            portable_pass(sub, devices=devices)
     graph = gm.graph
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target in _ASSERTS:
@@ -78,6 +108,12 @@ def portable_pass(gm: fx.GraphModule, *, devices: bool = True) -> fx.GraphModule
     gm.recompile()
     gm.meta[_PORTABLE_KEY] = True
     return gm
+
+
+def written_values(gm: fx.GraphModule) -> set[str]:
+    """Names of the nodes whose values something in ``gm`` writes into in place (directly or through a view)."""
+    written = _written_alias_groups(gm)
+    return {n.name for n in gm.graph.nodes if _group(written, n) in written["groups"]}
 
 
 def _has_device(node: fx.Node) -> bool:

@@ -16,6 +16,7 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.fx as fx
 
+from .portable import device_of, running_on
 from .util import flat_inputs, tensor_leaves
 
 __all__ = ["SHAPE_KEY", "TensorInfo", "ShapeInfo", "shape_pass", "describe", "storage_key", "scaled_nbytes"]
@@ -99,8 +100,9 @@ def shape_pass(
     """
     saved = {name: b.detach().clone() for name, b in gm.named_buffers() if b.device.type != "meta"}
     try:
-        with torch.no_grad():
-            _ShapeInterpreter(gm).run(*flat_inputs(gm, example_inputs, example_kwargs), enable_io_processing=False)
+        flat = flat_inputs(gm, example_inputs, example_kwargs)
+        with torch.no_grad(), running_on(device_of(gm, flat)):
+            _ShapeInterpreter(gm).run(*flat, enable_io_processing=False)
     finally:
         with torch.no_grad():
             for name, b in gm.named_buffers():

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import operator
 import os
 import re
 import sys
@@ -32,6 +33,7 @@ import torch
 from torch import Tensor, fx, nn
 
 from rpcompile.errors import TraceError
+from rpcompile.passes.portable import portable_bodies
 
 __all__ = ["trace", "module_path", "TRACE_META_KEY"]
 
@@ -194,7 +196,86 @@ def _trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     gm = fx.GraphModule(holder, graph, type(model).__name__)
     gm.meta.update(unlifted.meta)
     gm.meta[TRACE_META_KEY] = "export"
+    _outline_vmap(gm)
+    portable_bodies(gm)  # bodies of higher-order ops run whole: their device constants follow the stage's device
     return gm
+
+
+_VMAP_IN = torch._functorch.predispatch._vmap_increment_nesting
+_VMAP_OUT = torch._functorch.predispatch._vmap_decrement_nesting
+
+
+def _outline_vmap(gm: fx.GraphModule) -> None:
+    """Move each ``torch.vmap`` region of an exported graph into one ``call_module`` node (``vmap_region_k``).
+
+    Export records a vmap as its steps (``_vmap_increment_nesting``, ``_add_batch_dim``, ...,
+    ``_remove_batch_dim``, ``_vmap_decrement_nesting``); the nodes between only make sense run in order, whole —
+    per-node shape and cost analysis and a stage cut inside the region fail (``Cannot access storage of
+    BatchedTensorImpl``). HF transformers 4.5x builds its attention masks this way (``create_causal_mask``).
+    """
+    nodes = list(gm.graph.nodes)
+    k = i = 0
+    while i < len(nodes):
+        if not (nodes[i].op == "call_function" and nodes[i].target is _VMAP_IN):
+            i += 1
+            continue
+        depth, j = 0, i
+        for j in range(i, len(nodes)):
+            depth += (nodes[j].target is _VMAP_IN) - (nodes[j].target is _VMAP_OUT)
+            if depth == 0:
+                break
+        call = _outline(gm, nodes[i:j + 1], f"vmap_region_{k}")
+        k += 1
+        nodes = list(gm.graph.nodes)
+        i = nodes.index(call) + 1
+    if k:
+        gm.recompile()
+
+
+class _VmapRegion(fx.GraphModule):
+    """A vmap region run whole; an error inside it leaves no vmap level behind (the levels are global state: a
+    leaked one turns every later tensor op into a batched one)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        level = torch._C._functorch.maybe_current_level()
+        try:
+            return super().__call__(*args, **kwargs)
+        except BaseException:
+            while torch._C._functorch.maybe_current_level() not in (level, None):
+                torch._C._functorch._vmap_decrement_nesting()
+            raise
+
+
+def _outline(gm: fx.GraphModule, region: list[fx.Node], name: str) -> fx.Node:
+    """Replace the contiguous ``region`` of ``gm``'s graph by a call of a submodule running it; return the call."""
+    inside = set(region)
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    inputs: list[fx.Node] = []
+
+    def arg(a: fx.Node) -> fx.Node:
+        if a not in env:
+            env[a] = g.get_attr(a.target) if a.op == "get_attr" else g.placeholder(a.name)
+            if a.op != "get_attr":
+                inputs.append(a)
+        return env[a]
+
+    for n in region:
+        env[n] = g.node_copy(n, arg)
+    outs = [n for n in region if any(u not in inside for u in n.users)]
+    single = len(outs) == 1  # one tensor out (a mask), not a tuple: a tuple crossing a cut hides its tensors
+    g.output(env[outs[0]] if single else tuple(env[o] for o in outs))
+    gm.add_submodule(name, _VmapRegion(gm, g, "VmapRegion"))
+    with gm.graph.inserting_before(region[0]):
+        call = gm.graph.call_module(name, tuple(inputs))
+        call.meta["nn_module_stack"] = dict(region[0].meta.get("nn_module_stack") or {})
+        for idx, o in enumerate(outs):
+            get = call if single else gm.graph.call_function(operator.getitem, (call, idx))
+            get.meta["nn_module_stack"] = call.meta["nn_module_stack"]
+            o.replace_all_uses_with(get, delete_user_cb=lambda user: user not in inside)
+    for n in reversed(region):
+        gm.graph.erase_node(n)
+    return call
 
 
 def _rebind_attributes(model: nn.Module, unlifted: nn.Module, graph: fx.Graph) -> nn.Module:

@@ -23,10 +23,11 @@ import operator
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import torch
 import torch.fx as fx
 
 from rpcompile.passes.host import HostEmbedding, host_of
-from rpcompile.passes.portable import portable_pass
+from rpcompile.passes.portable import portable_pass, written_values
 from rpcompile.passes.util import canonical_names, compute_nodes, node_params
 from rpcompile.planfile import Plan, Stage
 
@@ -156,6 +157,8 @@ def _stage_graph(gm: fx.GraphModule, names: Sequence[str], exports: set[str], fu
     else:
         outputs = [name for name, _ in produced if name in exports]
         g.output(tuple(node for name, node in produced if name in exports))
+    for p in g.find_nodes(op="placeholder"):  # an argument is named by its target: a placeholder made after a node
+        p.target = p.name                     # took its name ("getitem") would be shadowed by that node's variable
     sub = fx.GraphModule(gm, g, class_name="Stage")
     # Own module objects per stage (sharing the tensors): functional_call swaps attributes on the module it is
     # given, and stages on different devices run concurrently.
@@ -170,6 +173,7 @@ def _saved_segments(plan: Plan, gm: fx.GraphModule, needs_grad: set[str], consum
     from rpcompile.passes.coarsen import SEGMENT_KEY
 
     saved = {n for s in plan.forward_stages for n in s.saved} & {n for s in plan.backward_stages for n in s.saved}
+    written = written_values(gm)
     groups: dict[Any, list[str]] = {}
     for n in compute_nodes(gm):
         groups.setdefault(n.meta.get(SEGMENT_KEY), []).append(n.name)
@@ -184,7 +188,7 @@ def _saved_segments(plan: Plan, gm: fx.GraphModule, needs_grad: set[str], consum
         exports = {n for n in nodes if consumers.get(n, set()) - mine}
         sub, inputs, outputs = _stage_graph(gm, nodes, exports, False)
         portable_pass(sub)
-        if not dropout_to_noise(sub):
+        if not _capturable(sub, nodes, written) or not dropout_to_noise(sub):
             continue
         params: dict[str, list[str]] = {}
         for attr, p in sub.named_parameters(remove_duplicate=False):
@@ -196,6 +200,40 @@ def _saved_segments(plan: Plan, gm: fx.GraphModule, needs_grad: set[str], consum
         seg.nodes = tuple(nodes)
         out.append(seg)
     return out
+
+
+#: Op namespaces whose ops all have the fake (shape-only) forward and backward that capturing a saved segment needs.
+_CAPTURABLE_NAMESPACES = {"aten", "prims", "rpcompile"}
+
+
+#: Higher-order ops that AOTAutograd traces through (the bodies of ``torch.no_grad`` and ``torch.autocast`` blocks).
+_CAPTURABLE_HOPS = {"wrap_with_set_grad_enabled", "wrap_with_autocast"}
+
+
+def _capturable(sub: fx.GraphModule, nodes: Sequence[str], written: set[str]) -> bool:
+    """Whether AOTAutograd can capture the segment with fake tensors and its saves stay valid. Not so, and the
+    segment is recomputed, when it holds
+    - a custom op (HF transformers 5.17's ``transformers::grouped_mm_fallback`` for MoE experts reads its offsets
+      with ``.tolist()`` in backward) or a read of a tensor's value (``.item()``): no fake path;
+    - a vmap region or a higher-order op other than a grad-mode or autocast block (transformers 4.5x builds its
+      attention masks with vmap and ``flat_apply``, whose constants are real tensors);
+    - a value that something writes into in place (``embeddings += position_embeddings`` in transformers 4.x's
+      BERT): AOTAutograd returns the mutation as an extra output, and an output written after the forward would
+      change what the backward reads."""
+    if written.intersection(nodes):
+        return False
+    for n in sub.graph.nodes:
+        if n.op == "call_module" and isinstance(sub.get_submodule(str(n.target)), fx.GraphModule):
+            return False
+        if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator):
+            if n.target.name() not in _CAPTURABLE_HOPS:
+                return False
+        elif n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+            if n.target.namespace not in _CAPTURABLE_NAMESPACES or n.target is torch.ops.aten._local_scalar_dense.default:
+                return False
+        elif n.op == "call_method" and n.target in ("item", "tolist"):
+            return False
+    return True
 
 
 def _exports(gm: fx.GraphModule, stage: Stage, stages: Sequence[Stage], consumers: dict[str, set[str]]) -> set[str]:

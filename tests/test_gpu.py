@@ -153,6 +153,10 @@ def test_mixed_precision_matches_low_precision_eager_on_cuda(precision, dtype):
 
 def _hf(kind: str):
     transformers = pytest.importorskip("transformers")
+    if kind in ("qwen3-moe", "mixtral") and int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("transformers 4.x MoE blocks loop over the experts hit in Python: not exportable")
+    if kind.startswith("qwen3") and not hasattr(transformers, "Qwen3Config"):
+        pytest.skip(f"transformers {transformers.__version__} has no Qwen3")
     torch.manual_seed(0)
     small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2)

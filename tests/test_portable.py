@@ -108,3 +108,23 @@ def test_device_constants_follow_the_default_device():
     with torch.device("meta"):
         assert gm(4).device.type == "meta"
     assert "default_device()" in gm.code
+
+
+def test_a_model_with_a_vmap_mask_trains_like_eager_on_two_devices():
+    """transformers 4.5x builds its attention masks with vmap: the outlined region runs in one stage, and a
+    segment holding it is recomputed rather than captured (tests/test_tracing.py has the outlining itself)."""
+    import rpcompile
+    from test_runtime import FINE_CPU, TOL, assert_grads_equal
+    from test_tracing import _VmapMask
+
+    torch.manual_seed(0)
+    model = _VmapMask()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(6, 5, 8), torch.randn(6, 5, 8)
+    pipe = rpcompile.compile(model, (x,), loss_fn=nn.functional.mse_loss, devices=["cpu", "cpu"], microbatches=3,
+                             spec=FINE_CPU, time_limit_s=2.0)
+    loss = pipe.forward_backward(x, target=y)
+    ref_loss = nn.functional.mse_loss(ref(x), y)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+    assert_grads_equal(model, ref)

@@ -99,14 +99,11 @@ def test_measured_model_validates_arguments():
 @pytest.mark.hf
 @pytest.mark.parametrize("precision", [None, torch.bfloat16])
 def test_huggingface_llama_is_costed_on_meta_and_measured(precision):
-    transformers = pytest.importorskip("transformers")
+    from _hf import hf_model
     from rpcompile.passes.analytic import AnalyticCostModel
     from rpcompile.tracing import trace
 
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
+    model = hf_model("llama", vocab=128).eval()
     kwargs = {"input_ids": torch.randint(0, 128, (2, 16)), "use_cache": False}
     gm = trace(model, (), example_kwargs=kwargs)
     # HF code moves tensors with .to(device) and export adds dtype asserts: the meta runs must cope with both

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import rpcompile
 from rpcompile.models import load_model
@@ -28,6 +27,7 @@ from rpcompile.pipeline import Pipeline
 from rpcompile.runtime.devices import host_buffer
 
 from _devices import MetaDevice, StridedDevice
+from _hf import VOCAB, hf_model, token_loss
 from test_runtime import FINE_CPU, TOL, _saving_pipeline, assert_grads_equal, eager_step
 
 RUNTIME = Path(rpcompile.__file__).resolve().parent / "runtime"
@@ -89,18 +89,10 @@ def test_a_pipeline_runs_where_the_default_device_is_not_the_cpu(case):
 def test_an_exported_hf_decoder_runs_where_the_default_device_is_not_the_cpu():
     """Failure 4 at run time: HF's ``create_causal_mask`` under export leaves CPU device constants and
     assertions in the stage graphs."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2)
-    model = transformers.LlamaForCausalLM(cfg)
-    ids, y = torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8))
-
-    def loss_fn(out, target):
-        return F.cross_entropy(out.logits.flatten(0, 1).float(), target.flatten())
-
+    model = hf_model("llama")
+    ids, y = torch.randint(0, VOCAB, (4, 8)), torch.randint(0, VOCAB, (4, 8))
     kwargs = {"input_ids": ids, "use_cache": False}
-    pipe = rpcompile.compile(model, (), example_kwargs=kwargs, loss_fn=loss_fn, spec=FINE_CPU,
+    pipe = rpcompile.compile(model, (), example_kwargs=kwargs, loss_fn=token_loss, spec=FINE_CPU,
                              devices=[MetaDevice(0), MetaDevice(1)], microbatches=2, time_limit_s=2.0,
                              memory_limit=1 << 30)
     loss = pipe.forward_backward(input_ids=ids, use_cache=False, target=y)
@@ -127,25 +119,21 @@ def test_a_pipeline_whose_copies_change_the_layout_matches_eager(parity):
     assert_grads_equal(spec.model, ref)
 
 
-@pytest.mark.hf
-def test_an_exported_bert_whose_copies_change_the_layout_matches_eager():
-    """Failure 3 on an exported encoder (a BERT model failed in its backward stages on the GPU)."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                  intermediate_size=64, max_position_embeddings=16, hidden_dropout_prob=0.0,
-                                  attention_probs_dropout_prob=0.0)
-    model = transformers.BertForMaskedLM(cfg)
+def check_bert(devices, spec):
+    """An exported BERT (masked LM) on ``devices``: loss and every gradient equal eager's."""
+    model = hf_model("bert")
     ref = copy.deepcopy(model)
-    ids, y = torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8))
-
-    def loss_fn(out, target):
-        return F.cross_entropy(out.logits.flatten(0, 1), target.flatten())
-
-    pipe = rpcompile.compile(model, (ids,), loss_fn=loss_fn, spec=FINE_CPU, devices=[StridedDevice(), StridedDevice()],
-                             microbatches=2, time_limit_s=2.0)
+    ids, y = torch.randint(0, VOCAB, (4, 8)), torch.randint(0, VOCAB, (4, 8))
+    pipe = rpcompile.compile(model, (ids,), loss_fn=token_loss, spec=spec, devices=devices, microbatches=2,
+                             time_limit_s=2.0)
     loss = pipe.forward_backward(ids, target=y)
-    ref_loss = loss_fn(ref(ids), y)
+    ref_loss = token_loss(ref(ids), y)
     ref_loss.backward()
     torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
     assert_grads_equal(model, ref)
+
+
+@pytest.mark.hf
+def test_an_exported_bert_whose_copies_change_the_layout_matches_eager():
+    """Failure 3 on an exported encoder (a BERT model failed in its backward stages on the GPU)."""
+    check_bert([StridedDevice(), StridedDevice()], FINE_CPU)

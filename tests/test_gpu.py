@@ -17,12 +17,13 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import rpcompile
 from rpcompile.models import load_model
 
-from test_runtime import FINE_CPU, _normwise, _saving_pipeline, eager_step
+from _hf import VOCAB, hf_model, token_loss
+from test_foreign_devices import check_bert
+from test_runtime import FINE_CPU, _normwise, _saving_pipeline, assert_grads_equal, eager_step
 
 ON_CPU = os.environ.get("RPCOMPILE_GPU_TESTS_ON_CPU") == "1"
 pytestmark = [pytest.mark.gpu,
@@ -38,14 +39,8 @@ def _devices(k: int) -> list[str]:
     return [f"cuda:{i % torch.cuda.device_count()}" for i in range(k)]
 
 
-def _assert_grads(model, ref, tol=GPU_TOL, what=""):
-    ref_params = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        r = ref_params[name]
-        if r.grad is None:
-            assert p.grad is None, f"{what}{name}: got a gradient, eager has none"
-            continue
-        torch.testing.assert_close(p.grad, r.grad, **tol, msg=lambda m, n=name: f"{what}gradient of {n}: {m}")
+def _assert_grads(model, ref, what=""):
+    assert_grads_equal(model, ref, tol=GPU_TOL, what=what)
 
 
 @pytest.mark.parametrize("parity", [0, 1])
@@ -151,38 +146,15 @@ def test_mixed_precision_matches_low_precision_eager_on_cuda(precision, dtype):
         assert any(not torch.equal(p, before[n]) for n, p in spec.model.named_parameters())
 
 
-def _hf(kind: str):
-    transformers = pytest.importorskip("transformers")
-    if kind in ("qwen3-moe", "mixtral") and int(transformers.__version__.split(".")[0]) < 5:
-        pytest.skip("transformers 4.x MoE blocks loop over the experts hit in Python: not exportable")
-    if kind.startswith("qwen3") and not hasattr(transformers, "Qwen3Config"):
-        pytest.skip(f"transformers {transformers.__version__} has no Qwen3")
-    torch.manual_seed(0)
-    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2)
-    if kind == "llama":
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**small))
-    if kind == "qwen3":
-        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=16, **small))
-    if kind == "qwen3-moe":
-        return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
-            head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, **small))
-    return transformers.MixtralForCausalLM(transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2,
-                                                                      **small))
-
-
 @pytest.mark.hf
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3-moe", "mixtral"])
 def test_hf_decoders_with_measured_costs_match_eager_on_cuda(kind):
     """Exported on the CPU, costed on the GPU (measured), run on the GPU: every HF decoder failed on an H100 at
     export's ``_assert_tensor_metadata(device=cpu)`` while its costs were measured."""
-    model = _hf(kind)
+    model = hf_model(kind)
     ref = copy.deepcopy(model)
-    ids, y = torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8))
-
-    def loss_fn(out, target):
-        return F.cross_entropy(out.logits.flatten(0, 1).float(), target.flatten())
-
+    ids, y = torch.randint(0, VOCAB, (4, 8)), torch.randint(0, VOCAB, (4, 8))
+    loss_fn = token_loss
     pipe = rpcompile.compile(model, (), example_kwargs={"input_ids": ids, "use_cache": False}, loss_fn=loss_fn,
                              devices=_devices(2), microbatches=2, time_limit_s=2.0,
                              spec=FINE_CPU if ON_CPU else None)  # None: costs measured on the GPU
@@ -196,22 +168,4 @@ def test_hf_decoders_with_measured_costs_match_eager_on_cuda(kind):
 @pytest.mark.hf
 def test_an_exported_bert_matches_eager_on_cuda():
     """A BERT model failed in its backward stages on an H100 (``view size is not compatible``)."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                  intermediate_size=64, max_position_embeddings=16, hidden_dropout_prob=0.0,
-                                  attention_probs_dropout_prob=0.0)
-    model = transformers.BertForMaskedLM(cfg)
-    ref = copy.deepcopy(model)
-    ids, y = torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8))
-
-    def loss_fn(out, target):
-        return F.cross_entropy(out.logits.flatten(0, 1), target.flatten())
-
-    pipe = rpcompile.compile(model, (ids,), loss_fn=loss_fn, devices=_devices(2), microbatches=2, time_limit_s=2.0,
-                             spec=FINE_CPU if ON_CPU else None)
-    loss = pipe.forward_backward(ids, target=y)
-    ref_loss = loss_fn(ref(ids), y)
-    ref_loss.backward()
-    torch.testing.assert_close(loss, ref_loss.detach(), **GPU_TOL)
-    _assert_grads(model, ref)
+    check_bert(_devices(2), spec=FINE_CPU if ON_CPU else None)

@@ -17,16 +17,12 @@ from rpcompile.passes.portable import RESHAPE, default_device, portable_pass
 from rpcompile.tracing import trace
 
 from _devices import scrambled
+from _hf import hf_model
 
 
 def _hf_llama():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    kwargs = {"input_ids": torch.randint(0, 128, (2, 16)), "use_cache": False}
-    return model, kwargs
+    model = hf_model("llama", vocab=128).eval()
+    return model, {"input_ids": torch.randint(0, 128, (2, 16)), "use_cache": False}
 
 
 @pytest.mark.hf

@@ -22,18 +22,19 @@ FINE_CPU = dataclasses.replace(get_spec("cpu"), name="cpu-fine-stages", stage_ov
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
-def assert_grads_equal(model, ref, scale: float = 1.0):
+def assert_grads_equal(model, ref, scale: float = 1.0, *, tol: dict | None = None, what: str = ""):
     """Every parameter's gradient equals eager's. ``scale``: how much larger than a mean loss's the gradients are
-    (a summed loss): float32 summation order then shifts them by as much more in absolute terms."""
-    tol = dict(rtol=TOL["rtol"], atol=TOL["atol"] * scale)
+    (a summed loss): float32 summation order then shifts them by as much more in absolute terms. ``tol``: other
+    tolerances (a GPU's kernels); ``what`` prefixes the message."""
+    tol = tol or dict(rtol=TOL["rtol"], atol=TOL["atol"] * scale)
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         r = ref_params[name]
         if r.grad is None:
-            assert p.grad is None, f"{name}: got a gradient, eager has none"
+            assert p.grad is None, f"{what}{name}: got a gradient, eager has none"
             continue
-        assert p.grad is not None, f"{name}: no gradient, eager has one"
-        torch.testing.assert_close(p.grad, r.grad, **tol, msg=lambda m: f"gradient of {name} differs: {m}")
+        assert p.grad is not None, f"{what}{name}: no gradient, eager has one"
+        torch.testing.assert_close(p.grad, r.grad, **tol, msg=lambda m: f"{what}gradient of {name} differs: {m}")
 
 
 def assert_matches_seeded_reference(spec, ref, x, y, m, loss):

@@ -10,8 +10,9 @@ Contracts
 ---------
 - **Loss.** ``loss_fn(output, target)`` returns the *mean* loss of the microbatch it is given. The batch is split
   along dim 0 into ``microbatches`` pieces (``torch.tensor_split``); microbatch j's loss is weighted by its share of
-  the batch, so ``forward_backward`` returns — and differentiates — the batch mean, exactly what eager
-  ``loss_fn(model(x), y).backward()`` computes for mean-reduced losses. With ``loss_fn=None`` the model's output
+  what the batch's mean averages over — real tokens of an integer target (entries that are not -100: padding),
+  rows otherwise (``loss_weight=``) — so ``forward_backward`` returns — and differentiates — the batch mean,
+  exactly what eager ``loss_fn(model(x), y).backward()`` computes for mean-reduced losses, padded batches included. With ``loss_fn=None`` the model's output
   must be the (mean) loss itself.
 - **Gradients** accumulate into the original parameters' ``.grad`` (fp32, CPU) across calls, as eager PyTorch does;
   frozen parameters (``requires_grad=False``) get none and are never sent back. A parameter used by several stages
@@ -30,6 +31,7 @@ Contracts
 
 from __future__ import annotations
 
+import inspect
 import os
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -45,6 +47,93 @@ __all__ = ["compile", "Pipeline"]
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+#: The target value a mean loss leaves out (``ignore_index`` of torch's and HF's cross-entropy): padding.
+IGNORE_INDEX = -100
+
+
+def shifted_tokens(target: torch.Tensor) -> int:
+    """``loss_weight=`` for a causal LM loss that shifts inside (HF's): the labels it averages over are
+    ``target[:, 1:]`` that are not :data:`IGNORE_INDEX`."""
+    return int((target[:, 1:] != IGNORE_INDEX).sum())
+
+
+def loss_weights(targets: Sequence[Any], rows: Sequence[int], weight: "str | Callable[[Any], float]" = "auto",
+                 ) -> list[float]:
+    """What each microbatch's mean loss averages over, so that their weighted sum is the whole batch's mean.
+
+    ``"auto"``: an integer target (token ids, class labels) counts its entries that are not
+    :data:`IGNORE_INDEX` — padded batches are weighted by real tokens, as eager ``cross_entropy(...,
+    ignore_index=-100)`` on the whole batch averages (the gradient-accumulation normalisation HF's Trainer fixed
+    with ``num_items_in_batch``); any other target weighs by rows (dim 0). ``"rows"``: always rows. A callable
+    (e.g. :func:`shifted_tokens`) counts the items of one microbatch's target."""
+    out = []
+    for t, n in zip(targets, rows):
+        if callable(weight):
+            out.append(float(weight(t)))
+        elif weight == "auto" and isinstance(t, torch.Tensor) and not t.is_floating_point() \
+                and not t.is_complex() and t.dtype != torch.bool:
+            out.append(float((t != IGNORE_INDEX).sum()))
+        else:
+            out.append(float(n))
+    return out
+
+
+def _is_sequence(v: Any) -> bool:
+    return isinstance(v, torch.Tensor) and v.dim() >= 2 and not v.is_floating_point()
+
+
+def _checked_weight(loss_weight: Any) -> Any:
+    if not callable(loss_weight) and loss_weight not in ("auto", "rows"):
+        raise RPCompileError(f"loss_weight={loss_weight!r}; use 'auto', 'rows' or a function of a microbatch's "
+                             "target returning how many items its mean loss averages over")
+    return loss_weight
+
+
+class InputSignature:
+    """The inputs a pipeline was compiled for: how many positional, which keywords, and the non-tensor keywords
+    the trace specialised (``use_cache=False``). :meth:`bind` checks a call against it before anything runs."""
+
+    def __init__(self, model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]):
+        self.n_args = len(args)
+        self.names = list(kwargs)
+        self.constants = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+        # the longest sequence planned for: dim 1 of the integer inputs (token ids, masks) of the example
+        self.max_seq = max((v.shape[1] for v in [*args, *kwargs.values()] if _is_sequence(v)), default=None)
+        try:
+            self.params = list(inspect.signature(model.forward).parameters)
+        except (TypeError, ValueError):
+            self.params = []
+
+    def bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``(args, kwargs)`` in the compiled form: keywords naming a positional parameter move into place and
+        specialised constants are filled in; anything else is refused with one line."""
+        args, kwargs = list(args), dict(kwargs)
+        for i, name in enumerate(self.params[len(args):self.n_args], start=len(args)):
+            if name in kwargs:
+                args.append(kwargs.pop(name))
+        if len(args) != self.n_args:
+            raise RPCompileError(f"the pipeline was compiled for {self.n_args} positional input(s), got {len(args)}; "
+                                 "pass the inputs as in compile(model, example_inputs, ...)")
+        unknown = [k for k in kwargs if k not in self.names]
+        if unknown:
+            raise RPCompileError(f"keyword input(s) {unknown} were not in the compile example (keywords: "
+                                 f"{self.names or 'none'}); compile with them in example_kwargs= so the graph reads them")
+        for k, v in self.constants.items():
+            if k in kwargs and kwargs[k] != v:
+                raise RPCompileError(f"{k}={kwargs[k]!r} but the pipeline was compiled with {k}={v!r} (traced as a "
+                                     f"constant); compile again with {k}={kwargs[k]!r} in example_kwargs=")
+        missing = [k for k in self.names if k not in kwargs and k not in self.constants]
+        if missing:
+            raise RPCompileError(f"missing keyword input(s) {missing}: the pipeline was compiled with them; pass "
+                                 f"them as in the compile example")
+        longest = max((v.shape[1] for v in [*args, *kwargs.values()] if _is_sequence(v)), default=None)
+        if self.max_seq is not None and longest is not None and longest > self.max_seq:
+            raise RPCompileError(f"sequence length {longest} is longer than the {self.max_seq} this pipeline was "
+                                 f"planned for (its memory plan holds for sequences up to {self.max_seq}); compile "
+                                 f"again with an example of length {longest} (rpcompile plan ... --seq-len {longest})")
+        return tuple(args), {k: kwargs.get(k, self.constants.get(k)) for k in self.names}
+
+
 def offload_budget(plan: Plan, device: int, devices: int) -> int:
     """Saved activations that may wait on ``device`` to go down: the memory its stages leave free (the lazy
     offload policy of :func:`rpcompile.passes.problem.offload_backlog`)."""
@@ -57,7 +146,8 @@ class Pipeline:
 
     def __init__(self, model: torch.nn.Module, gm: fx.GraphModule, plan: Plan, devices: Sequence[Any],
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None, precision: str, scaler: Any = None,
-                 loss_in_graph: bool = False):
+                 loss_in_graph: bool = False, signature: InputSignature | None = None,
+                 loss_weight: "str | Callable[[Any], float]" = "auto"):
         from rpcompile.runtime.executor import Executor
         from rpcompile.runtime.schedule import round_robin
         from rpcompile.runtime.split import split_plan
@@ -65,9 +155,12 @@ class Pipeline:
         self.model, self.gm, self.plan, self.devices = model, gm, plan, list(devices)
         self.loss_fn, self.precision, self.scaler = loss_fn, precision, scaler
         self.loss_in_graph = loss_in_graph  # the graph takes the target and returns the loss (split LM head)
+        self.signature = signature
+        self.loss_weight = _checked_weight(loss_weight)
         self.microbatches = plan.microbatches
         self.program = split_plan(plan, gm)
         self.schedule = round_robin([s.kind for s in plan.stages], len(self.devices), self.microbatches)
+        self._schedules = {self.microbatches: self.schedule}
         params = {n: p for n, p in gm.named_parameters()}
         buffers = {n: b for n, b in gm.named_buffers()}
         self.executor = Executor(self.program, self.devices, params, buffers, dtype=_DTYPES[precision])
@@ -82,13 +175,21 @@ class Pipeline:
         """What the last call ran where and when (:class:`rpcompile.runtime.executor.TimelineEvent`)."""
         return self.executor.timeline
 
-    def _store(self, inputs: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[Any, list[int]]:
+    def _schedule(self, m: int) -> list:
+        """The round-robin schedule for ``m`` microbatches (the plan's, or fewer for a batch with fewer rows)."""
+        from rpcompile.runtime.schedule import round_robin
+
+        if m not in self._schedules:
+            self._schedules[m] = round_robin([s.kind for s in self.plan.stages], len(self.devices), m)
+        return self._schedules[m]
+
+    def _store(self, inputs: Sequence[Any], kwargs: Mapping[str, Any], m: int) -> tuple[Any, list[int]]:
         from rpcompile.passes.util import flat_inputs
         from rpcompile.planning import split_microbatches
         from rpcompile.runtime.executor import ValueStore
 
         flat = flat_inputs(self.gm, inputs, kwargs)
-        pieces = split_microbatches(flat, self.microbatches)
+        pieces = split_microbatches(flat, m)
         store = ValueStore()
         for j, piece in enumerate(pieces):
             for name, value in zip(self.program.placeholders, piece):
@@ -102,24 +203,31 @@ class Pipeline:
         ``reduction="sum"``."""
         from rpcompile.planning import split_microbatches
 
+        if target is None and "labels" in kwargs and self.loss_fn is not None and \
+                (self.signature is None or "labels" not in self.signature.names):
+            target = kwargs.pop("labels")  # an HF batch dict: its labels are the loss's target
+        if self.signature is not None:
+            inputs, kwargs = self.signature.bind(inputs, kwargs)
         if self.loss_in_graph:
             if not isinstance(target, torch.Tensor):
                 raise RPCompileError("this pipeline computes the loss inside its graph (head_chunks > 1): "
                                      "pass the batch's target, forward_backward(x, target=y)")
             from rpcompile.passes.loss_head import TARGET
             kwargs = {**kwargs, TARGET: target}
-        store, sizes = self._store(inputs, kwargs)
-        total = sum(sizes)
+        # a batch with fewer rows than microbatches runs as that many microbatches of one row
+        rows = next((v.shape[0] for v in [*inputs, *kwargs.values()] if isinstance(v, torch.Tensor) and v.dim() > 0),
+                    self.microbatches)
+        m = max(1, min(self.microbatches, rows))
+        store, sizes = self._store(inputs, kwargs, m)
         outside = self.loss_fn is not None and not self.loss_in_graph  # the loss runs after the last stage
+        pieces = [p[0] for p in split_microbatches((target,), m)] if isinstance(target, torch.Tensor) else [target] * m
         # each microbatch's target goes to the device of the stage that computes its loss (the executor uploads it)
-        if not outside:
-            targets = None
-        elif isinstance(target, torch.Tensor):
-            targets = [piece[0] for piece in split_microbatches((target,), self.microbatches)]
-        else:
-            targets = [target] * self.microbatches
-        # a mean over the batch is the size-weighted mean of the microbatches' means; a sum is their sum
+        targets = pieces if outside else None
+        # a mean over the batch is the weighted mean of the microbatches' means (weights: what each mean averages
+        # over, loss_weights); a sum is their sum
         summed = outside and getattr(self.loss_fn, "reduction", "mean") == "sum"
+        weights = loss_weights(pieces, sizes, self.loss_weight) if self.loss_fn is not None else [float(n) for n in sizes]
+        total = sum(weights)
 
         def loss_of(output: Any, target_j: Any, j: int) -> torch.Tensor:
             if not outside:
@@ -130,12 +238,16 @@ class Pipeline:
                 shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
                 raise RPCompileError(f"loss_fn returned {shape}, not a scalar: reduce it over the batch (reduction="
                                      "'mean' or 'sum')")
-            return loss if summed else loss * (sizes[j] / total)
+            if summed:
+                return loss
+            if weights[j] == 0:  # nothing to average (all padding): the mean is nan, its gradient zero
+                return loss.nan_to_num() * 0.0
+            return loss * (weights[j] / total)
 
         scale = 1.0
         if self.scaler is not None and self.scaler.is_enabled():
             scale = float(self.scaler.scale(torch.ones(())))  # also starts the scaler's bookkeeping
-        losses = self.executor.run(self.schedule, store, iteration=self.iteration, loss_fn=loss_of, targets=targets,
+        losses = self.executor.run(self._schedule(m), store, iteration=self.iteration, loss_fn=loss_of, targets=targets,
                                    grad_scale=scale)
         self.iteration += 1
         return torch.stack(losses).sum()
@@ -174,6 +286,7 @@ def compile(
     example_target: Any = None,
     head_chunks: "int | str" = "auto",
     host_embedding: "bool | Sequence[str]" = True,
+    loss_weight: "str | Callable[[Any], float]" = "auto",
     **plan_options: Any,
 ) -> Pipeline:
     """Trace ``model``, plan it (or load/check ``plan``) and return a :class:`Pipeline` on its devices.
@@ -193,18 +306,29 @@ def compile(
     up on the host, next to their fp32 masters (:mod:`rpcompile.passes.host`): the first stage receives the
     looked-up rows instead of uploading the table, and the rows' gradients go into the table's ``.grad``;
     ``False`` keeps every table on the devices, and node names move exactly those lookups.
+
+    ``loss_weight`` says what each microbatch's mean loss averages over (:func:`loss_weights`): by default real
+    tokens for an integer target (entries that are not -100, so padded batches give eager's whole-batch loss and
+    gradients), rows otherwise; :func:`shifted_tokens` for a loss that shifts the labels itself (HF causal LMs).
+    Inputs are bound to the compile example's signature (:class:`InputSignature`); an HF model is traced with
+    ``use_cache=False`` unless ``example_kwargs`` says otherwise, and ``forward_backward(**batch)`` takes an HF
+    batch dict, its ``labels`` as the target.
     """
     from rpcompile.runtime.devices import make_devices
 
     from .planning import default_spec, fastest, head_chunk_candidates, make_hardware, plan_graph, prepare
-    from .tracing import trace
+    from .tracing import trace, training_inputs
     from .verify import planned_graph, verify_plan
 
     if precision not in _DTYPES:
         raise ValueError(f"precision must be one of {sorted(_DTYPES)}, got {precision!r}")
+    _checked_weight(loss_weight)  # before any planning
     if devices is None and gpus is None:
         devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())] or ["cpu"]
     devs = make_devices(list(devices) if devices is not None else None, gpus)
+    args, kwargs = training_inputs(model, example_inputs, example_kwargs)
+    example_inputs, example_kwargs = args, kwargs
+    signature = InputSignature(model, args, kwargs)
     if plan is not None:
         if not isinstance(plan, Plan):
             plan = Plan.load(plan)
@@ -219,7 +343,8 @@ def compile(
         if plan.hardware.device_count != len(devs):
             raise RPCompileError(f"the plan is for {plan.hardware.device_count} devices but {len(devs)} were given; "
                                  "re-plan for these devices or pass matching devices=")
-        return Pipeline(model, gm, plan, devs, loss_fn, precision, scaler, loss_in_graph=head_chunks > 1)
+        return Pipeline(model, gm, plan, devs, loss_fn, precision, scaler, loss_in_graph=head_chunks > 1,
+                        signature=signature, loss_weight=loss_weight)
     on_cpu = devs[0].torch_device.type == "cpu"
     memory_limit = plan_options.pop("memory_limit", None)
     if memory_limit is None and not on_cpu:
@@ -243,4 +368,5 @@ def compile(
         return made.predicted.iteration_time_s, (made, gm)
 
     made, gm = fastest(head_chunk_candidates(head_chunks, loss_fn, example_target), attempt)
-    return Pipeline(model, gm, made, devs, loss_fn, precision, scaler, loss_in_graph=made.head_chunks > 1)
+    return Pipeline(model, gm, made, devs, loss_fn, precision, scaler, loss_in_graph=made.head_chunks > 1,
+                    signature=signature, loss_weight=loss_weight)

@@ -18,7 +18,9 @@ Terms:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
+import logging
 import operator
 import os
 import re
@@ -31,11 +33,14 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor, fx, nn
+from torch.export import Dim
 
 from rpcompile.errors import TraceError
 from rpcompile.passes.portable import portable_bodies
 
-__all__ = ["trace", "module_path", "TRACE_META_KEY"]
+__all__ = ["trace", "training_inputs", "module_path", "TRACE_META_KEY"]
+
+log = logging.getLogger("rpcompile")
 
 TRACE_META_KEY = "rpcompile.trace"
 """``gm.meta`` key holding ``"fx"`` or ``"export"``."""
@@ -65,7 +70,7 @@ def trace(
     """
     if method not in ("auto", "fx", "export"):
         raise ValueError(f"method={method!r}; use 'auto', 'fx' or 'export'")
-    args, kwargs = _split_inputs(example_inputs, example_kwargs)
+    args, kwargs = training_inputs(model, example_inputs, example_kwargs)
     leaves = _check_leaves(model, tuple(leaf_modules))
     tracker = _ModuleTracker(model)
     failures: dict[str, _Failure | str] = {}
@@ -87,6 +92,30 @@ def trace(
     error = TraceError(_message(model, failures))
     error.failures = failures  # type: ignore[attr-defined]
     raise error
+
+
+def training_inputs(
+    model: nn.Module, example_inputs: tuple[Any, ...] | Mapping[str, Any] = (),
+    example_kwargs: Mapping[str, Any] | None = None,
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``(args, kwargs)`` of the call to trace. A HuggingFace model whose config caches keys and values
+    (``use_cache``) is traced with ``use_cache=False`` unless the call says otherwise — what HF's Trainer does for
+    training, without touching the model's config (a cache is an output export cannot take, and training never
+    reads it); logged once per trace."""
+    args, kwargs = _split_inputs(example_inputs, example_kwargs)
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", None) is not None and "use_cache" not in kwargs and _accepts(model, "use_cache"):
+        kwargs["use_cache"] = False
+        log.info("%s: tracing with use_cache=False (no KV cache in training; the model's config is unchanged)",
+                 type(model).__name__)
+    return args, kwargs
+
+
+def _accepts(model: nn.Module, name: str) -> bool:
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def module_path(node: fx.Node) -> str:
@@ -187,7 +216,8 @@ def _trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     # On failure torch.export prints the partial graph to stderr (pages); keep it only when export succeeds.
     captured = io.StringIO()
     with contextlib.redirect_stderr(captured):
-        ep = torch.export.export(model, args, kwargs, strict=False)
+        ep = torch.export.export(model, args, kwargs, strict=False,
+                                 dynamic_shapes=_dynamic_shapes(model, args, kwargs))
     sys.stderr.write(captured.getvalue())
     # check_guards=False: no `_guards_fn` call_module node; its pre-hook is dropped with the module below.
     unlifted = ep.module(check_guards=False)
@@ -203,6 +233,28 @@ def _trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
 
 _VMAP_IN = torch._functorch.predispatch._vmap_increment_nesting
 _VMAP_OUT = torch._functorch.predispatch._vmap_decrement_nesting
+
+
+def _dynamic_shapes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """Symbolic batch and sequence sizes for export: dim 0 of every tensor input, and dim 1 of integer ones (token
+    ids, masks). ``Dim.AUTO`` lets export keep a size static where the model needs it (or where the example's
+    size is 1), so one graph serves every batch and sequence length the model allows, with no re-trace."""
+    try:
+        names = list(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return None
+    if len(args) > len(names) or any(n.startswith("*") for n in names[:len(args)]):
+        return None
+
+    def dims(v: Any) -> Any:
+        if not isinstance(v, Tensor) or v.dim() == 0:
+            return None
+        seq = v.dim() >= 2 and not v.is_floating_point()
+        return {0: Dim.AUTO, **({1: Dim.AUTO} if seq else {})}
+
+    spec = {names[i]: dims(a) for i, a in enumerate(args)}
+    spec.update({k: dims(v) for k, v in kwargs.items()})
+    return spec
 
 
 def _outline_vmap(gm: fx.GraphModule) -> None:

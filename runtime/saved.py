@@ -17,6 +17,9 @@ Terms
 
 Graphs are captured lazily, on the device and in the compute precision, once per input signature (shapes,
 strides, dtypes, devices, non-tensor values): make_fx specialises shapes, and microbatches can differ in size by one.
+A capture costs tens of forward passes, so only the first signatures are captured at sight; a later new one (a
+padded batch of another length) is recomputed by the backward stage until it comes again
+(:meth:`SavedSegment._worth_capturing`).
 Dropout inside a saved segment is rewritten to ``x * seeded_noise(x)`` where the noise op is opaque to tracing and
 draws the mask with :func:`rpcompile.runtime.rng.seeded_call` (same seed as the recompute path: bit-identical on
 CPU); the mask is then simply a saved tensor. Segments with other random ops are not saveable (recomputed instead).
@@ -38,6 +41,9 @@ from rpcompile.passes.portable import RESHAPE, portable_pass
 from . import rng
 
 __all__ = ["HostSaved", "SegmentAOT", "SavedSegment", "capture_segment", "dropout_to_noise", "context"]
+
+#: Captures kept per segment; further new shapes are recomputed.
+MAX_CAPTURES = 16
 
 context = threading.local()
 """Per worker thread: ``save`` (bool) — a training forward stage keeps activations; otherwise segments run plainly."""
@@ -309,7 +315,10 @@ class SavedSegment:
         self.nodes: tuple[str, ...] = ()
         """Names of the segment's nodes in the traced graph."""
         self.captures: dict[Any, SegmentAOT] = {}
-        self.calls = {"forward": 0, "backward": 0}
+        self.seen: dict[Any, int] = {}
+        """Signature -> the iteration it was first seen in."""
+        self.first_iteration: int | None = None
+        self.calls = {"forward": 0, "backward": 0, "recomputed": 0}
 
     def __repr__(self) -> str:  # shows up in generated stage code
         return f"SavedSegment({self.name!r})"
@@ -371,7 +380,11 @@ class SavedSegment:
             return (*outs, None)
         self.calls["forward"] += 1
         key = self._key(flat)
-        aot = self.captures.get(key) or self._capture(key, flat)
+        aot = self.captures.get(key)
+        if aot is None and not self._worth_capturing(key):
+            outs, _ = self._run(flat, False)  # the real forward (buffers update); the backward stage recomputes it
+            return (*outs, HostSaved(None, ()))
+        aot = aot or self._capture(key, flat)
         tensors = [flat[i] for i in aot.inputs]
         with torch.no_grad():
             outs, new_bufs, host = aot.forward(tensors)
@@ -382,12 +395,27 @@ class SavedSegment:
         full = [next(it) if c is None else c for c in aot.constants]
         return (*full, HostSaved(key, host))
 
+    def _worth_capturing(self, key: Any) -> bool:
+        """Capture a signature (shapes, strides, dtypes) at once during the first iteration that runs the segment
+        (its microbatches, even and uneven), later on its second sighting, at most :data:`MAX_CAPTURES`: a capture
+        costs tens of forward passes, so a shape seen once (a last short batch, a rare length) is recomputed."""
+        iteration = getattr(rng.context, "iteration", 0)
+        again = self.seen.setdefault(key, iteration) != iteration  # seen in an earlier iteration
+        if self.first_iteration is None:
+            self.first_iteration = iteration
+        return len(self.captures) < MAX_CAPTURES and (iteration == self.first_iteration or again)
+
     def backward_call(self, host: HostSaved, *flat: Any) -> tuple:
         """Backward stage: the segment's outputs (``flat`` ends with them, as the forward stage shipped them) as an
-        autograd node whose backward runs the bw graph on ``host``."""
+        autograd node whose backward runs the bw graph on ``host``; recomputed in the stage's own autograd graph
+        when the forward did not capture this shape (``host.key`` None)."""
         self.calls["backward"] += 1
         n = len(self.params) + len(self.buffers) + len(self.inputs)
         fw_in, shipped = flat[:n], flat[n:]
+        if host.key is None:
+            self.calls["recomputed"] += 1
+            outs, _ = self._run(fw_in, True)  # buffers on copies: the forward stage updated them already
+            return tuple(outs)
         aot = self.captures[host.key]
         ins = [fw_in[i] for i in aot.inputs]
         touts = [o.detach() for o, c in zip(shipped, aot.constants) if c is None]

@@ -1,0 +1,166 @@
+"""Batches as users have them: HF models as they come, HF batch dicts, padding weighted by tokens, inputs bound
+to the compiled signature with one-line refusals."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import rpcompile
+from rpcompile.pipeline import IGNORE_INDEX, loss_weights, shifted_tokens
+
+from _hf import VOCAB, hf_model, token_loss
+from test_runtime import FINE_CPU, TOL, assert_grads_equal
+
+pytestmark = pytest.mark.hf
+
+
+def _padded(batch=6, seq=32, seed=0):
+    """Right-padded token ids, their attention mask and labels (-100 on padding), rows of random lengths."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(seq // 4, seq + 1, (batch,), generator=g)
+    lengths[0] = seq
+    ids = torch.randint(1, VOCAB, (batch, seq), generator=g)
+    mask = (torch.arange(seq)[None, :] < lengths[:, None]).long()
+    ids = ids * mask
+    labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
+    return ids, mask, labels
+
+
+def _causal_loss(out, labels):
+    """HF's causal LM loss: predict token t+1 from position t, padding ignored, mean over the real tokens."""
+    return F.cross_entropy(out.logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+
+
+def test_an_hf_model_compiles_as_the_readme_says():
+    """The README's snippet on an HF model, with no extra arguments: the KV cache is off for the trace (the model's
+    config is not touched) and forward_backward takes the ids as compiled."""
+    model = hf_model("llama")
+    ref = copy.deepcopy(model)
+    ids, y = torch.randint(0, VOCAB, (6, 8)), torch.randint(0, VOCAB, (6, 8))
+    pipe = rpcompile.compile(model, (ids,), loss_fn=token_loss, devices=["cpu", "cpu"], spec=FINE_CPU,
+                             time_limit_s=2.0)
+    assert model.config.use_cache is True
+    loss = pipe.forward_backward(ids, target=y)
+    ref_loss = token_loss(ref(ids), y)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+    assert_grads_equal(model, ref)
+
+
+def test_a_padded_hf_batch_dict_gives_eager_s_whole_batch_loss_and_gradients():
+    """Right-padded rows of different lengths with an attention mask; the loss is the mean over real tokens of the
+    whole batch — not the mean of the microbatches' means (HF Trainer's ``num_items_in_batch`` fix)."""
+    model = hf_model("llama")
+    ref = copy.deepcopy(model)
+    ids, mask, labels = _padded()
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    pipe = rpcompile.compile(model, (), example_kwargs={"input_ids": ids, "attention_mask": mask},
+                             loss_fn=_causal_loss, loss_weight=shifted_tokens, devices=["cpu", "cpu"],
+                             microbatches=3, spec=FINE_CPU, time_limit_s=2.0)
+    loss = pipe.forward_backward(**batch)
+    ref_loss = _causal_loss(ref(input_ids=ids, attention_mask=mask), labels)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+    assert_grads_equal(model, ref)
+    rows = [float(n) for n in (2, 2, 2)]
+    assert loss_weights(list(labels.tensor_split(3)), rows, shifted_tokens) != rows  # the rows differ in length
+
+
+def test_padding_is_weighted_by_tokens_by_default():
+    """An integer target with -100 on padding: each microbatch's mean counts its real tokens (the default)."""
+    model = hf_model("llama")
+    ref = copy.deepcopy(model)
+    ids, mask, labels = _padded(seed=1)
+    pipe = rpcompile.compile(model, (), example_kwargs={"input_ids": ids, "attention_mask": mask},
+                             loss_fn=token_loss, devices=["cpu", "cpu"], microbatches=3, spec=FINE_CPU,
+                             time_limit_s=2.0)
+    loss = pipe.forward_backward(input_ids=ids, attention_mask=mask, target=labels)
+    ref_loss = token_loss(ref(input_ids=ids, attention_mask=mask), labels)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+    assert_grads_equal(model, ref)
+
+
+def test_inputs_that_do_not_match_the_compiled_signature_are_refused_in_one_line():
+    model = hf_model("llama")
+    ids, mask, _ = _padded(batch=4, seq=8)
+    plain = rpcompile.compile(model, (ids,), loss_fn=token_loss, devices=["cpu"], spec=FINE_CPU, time_limit_s=2.0)
+    with pytest.raises(rpcompile.RPCompileError, match=r"^keyword input\(s\) \['attention_mask'\] were not in the "
+                                                        r"compile example .*compile with them in example_kwargs="):
+        plain.forward_backward(ids, attention_mask=mask, target=ids)  # silently unmasked before
+    with pytest.raises(rpcompile.RPCompileError, match=r"^use_cache=True but the pipeline was compiled with "
+                                                        r"use_cache=False"):
+        plain.forward_backward(ids, use_cache=True, target=ids)
+    masked = rpcompile.compile(model, (), example_kwargs={"input_ids": ids, "attention_mask": mask},
+                               loss_fn=token_loss, devices=["cpu"], spec=FINE_CPU, time_limit_s=2.0)
+    with pytest.raises(rpcompile.RPCompileError, match=r"^missing keyword input\(s\) \['attention_mask'\]"):
+        masked.forward_backward(input_ids=ids, target=ids)  # KeyError ('attention_mask', 0) inside a stage before
+    with pytest.raises(rpcompile.RPCompileError, match=r"^the pipeline was compiled for 0 positional input\(s\), got 2"):
+        masked.forward_backward(ids, mask, target=ids)
+    with pytest.raises(rpcompile.RPCompileError, match=r"^loss_weight='tokens'; use 'auto', 'rows' or a function"):
+        rpcompile.compile(model, (ids,), loss_fn=token_loss, devices=["cpu"], spec=FINE_CPU, time_limit_s=2.0,
+                          loss_weight="tokens")
+
+
+def _loop(pipe, model, ref, batches, loss_fn, make_kwargs):
+    for step, (ids, mask, labels) in enumerate(batches):
+        for p in (*model.parameters(), *ref.parameters()):
+            p.grad = None
+        loss = pipe.forward_backward(**make_kwargs(ids, mask), target=labels)
+        ref_loss = loss_fn(ref(**make_kwargs(ids, mask)), labels)
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss.detach(), **TOL,
+                                   msg=lambda m: f"step {step} (batch {tuple(ids.shape)}): loss: {m}")
+        assert_grads_equal(model, ref, what=f"step {step} (batch {tuple(ids.shape)}): ")
+
+
+def _random_batches(n, max_batch, max_seq, seed):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        b = int(torch.randint(1, max_batch + 1, (), generator=g))
+        s = int(torch.randint(2, max_seq + 1, (), generator=g))
+        out.append(_padded(b, s, seed=seed * 100 + i))
+    return out
+
+
+def test_one_hf_pipeline_trains_every_batch_size_and_length_like_eager():
+    """Twelve padded batches of random size (1 to 8 rows: fewer rows than microbatches too, and uneven splits) and
+    length (up to the compiled 16), each step's loss and every gradient equal to eager on the whole batch — one
+    compiled graph with symbolic batch and sequence sizes, no re-planning; a longer sequence is refused."""
+    model = hf_model("llama")
+    ref = copy.deepcopy(model)
+    ids, mask, _ = _padded(batch=6, seq=16)
+    pipe = rpcompile.compile(model, (), example_kwargs={"input_ids": ids, "attention_mask": mask},
+                             loss_fn=token_loss, devices=["cpu", "cpu"], microbatches=3, spec=FINE_CPU,
+                             time_limit_s=2.0)
+    plan = pipe.plan
+    _loop(pipe, model, ref, _random_batches(12, 8, 16, seed=3), token_loss,
+          lambda i, m: {"input_ids": i, "attention_mask": m})
+    assert pipe.plan is plan
+    long_ids, long_mask, long_labels = _padded(batch=2, seq=17)
+    with pytest.raises(rpcompile.RPCompileError, match=r"^sequence length 17 is longer than the 16 this pipeline "
+                                                        r"was planned for .*compile again with an example of length 17"):
+        pipe.forward_backward(input_ids=long_ids, attention_mask=long_mask, target=long_labels)
+
+
+@pytest.mark.parametrize("name", ["llama-demo", pytest.param("gpt-demo", marks=pytest.mark.slow)])
+def test_the_built_in_decoders_train_every_batch_size_and_length_like_eager(name):
+    from rpcompile.models import load_model
+
+    spec = load_model(name, batch_size=6, seq_len=16)
+    ref = copy.deepcopy(spec.model)
+    (x,) = spec.example_inputs
+    pipe = rpcompile.compile(spec.model, (x,), loss_fn=token_loss_plain, devices=["cpu", "cpu"], microbatches=3,
+                             spec=FINE_CPU, time_limit_s=2.0)
+    batches = [(i % 256, None, labels) for i, _, labels in _random_batches(12, 8, 16, seed=4)]
+    _loop(pipe, spec.model, ref, batches, token_loss_plain, lambda i, m: {"input_ids": i})
+
+
+def token_loss_plain(logits, target):
+    """Mean token cross-entropy of plain logits, padding (-100) ignored."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())

@@ -108,7 +108,7 @@ class InputSignature:
         """``(args, kwargs)`` in the compiled form: keywords naming a positional parameter move into place and
         specialised constants are filled in; anything else is refused with one line."""
         args, kwargs = list(args), dict(kwargs)
-        for i, name in enumerate(self.params[len(args):self.n_args], start=len(args)):
+        for name in self.params[len(args):self.n_args]:
             if name in kwargs:
                 args.append(kwargs.pop(name))
         if len(args) != self.n_args:

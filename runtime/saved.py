@@ -36,8 +36,6 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from rpcompile.passes.portable import RESHAPE, portable_pass
-
 from . import rng
 
 __all__ = ["HostSaved", "SegmentAOT", "SavedSegment", "capture_segment", "dropout_to_noise", "context"]
@@ -228,10 +226,6 @@ def capture_segment(fn: Callable[..., tuple], examples: Sequence[torch.Tensor], 
         n_bw = len(bw.graph.find_nodes(op="placeholder"))
         if n_bw != len(saved) + len(tangents):  # an output aliases another one: AOT folds their tangents
             raise _Aliased(f"unexpected bw graph: {n_bw} inputs for {len(saved)} saved and {len(tangents)} tangents")
-        # a fake kernel's strides are a guess: a real GPU kernel may lay its output out otherwise. Captured on the
-        # device they run on, the graphs keep its device constants (the bw graph runs on autograd's device thread).
-        portable_pass(bw, devices=False)
-    portable_pass(fw, devices=False)
     return SegmentAOT(fw, bw, n_outputs, n_buffers, tuple(saved), tuple(host), tangents, constants)
 
 
@@ -268,9 +262,11 @@ def _has_node(args: Any) -> bool:
 
 def _replay(t: torch.Tensor, ops: Sequence[tuple]) -> torch.Tensor:
     """The view ops on the backward stage's copy of their base, whose strides may differ from the capture's:
-    shape views run as reshapes (:mod:`rpcompile.passes.portable`)."""
+    shape views run as reshapes (as :mod:`rpcompile.passes.portable` rewrites the graphs)."""
     for op, args, kwargs in ops:
-        t = (RESHAPE if op in _VIEW_OPS or op is torch.ops.aten.view.default else op)(t, *args, **kwargs)
+        if op in _VIEW_OPS or op is torch.ops.aten.view.default:
+            op = torch.ops.aten.reshape.default
+        t = op(t, *args, **kwargs)
     return t
 
 
@@ -304,8 +300,12 @@ class SavedSegment:
     (:meth:`backward_call`), which call it from their graphs with parameters and buffers as ``get_attr`` values."""
 
     def __init__(self, name: str, gm: fx.GraphModule, params: Sequence[Sequence[str]], buffers: Sequence[str],
-                 inputs: Sequence[str], outputs: Sequence[str], wants_grad: Sequence[bool]):
+                 inputs: Sequence[str], outputs: Sequence[str], wants_grad: Sequence[bool],
+                 rewrite: Callable[[fx.GraphModule], Any] | None = None):
         self.name, self.gm = name, gm
+        self.rewrite = rewrite
+        """Applied to each captured fw and bw graph (the lowering passes the stride-tolerant rewrite: a fake
+        kernel's strides are a guess, and a real GPU kernel may lay its output out otherwise)."""
         self.params = [tuple(p) for p in params]
         """Attribute paths inside ``gm`` per unique parameter (tied weights: several paths)."""
         self.buffers, self.inputs, self.outputs = list(buffers), list(inputs), list(outputs)
@@ -369,6 +369,10 @@ class SavedSegment:
                     aot = capture_segment(make(True), examples, n_out, len(self.buffers), constants)
                 except _Aliased as e:
                     raise RuntimeError(f"cannot capture saved segment {self.name}: {e}") from None
+        if self.rewrite is not None:
+            for graph in (aot.fw, aot.bw):
+                if graph is not None:
+                    self.rewrite(graph)
         aot.inputs = tuple(where)
         self.captures[key] = aot
         return aot

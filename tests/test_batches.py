@@ -15,9 +15,6 @@ from rpcompile.pipeline import IGNORE_INDEX, loss_weights, shifted_tokens
 from _hf import VOCAB, hf_model, token_loss
 from test_runtime import FINE_CPU, TOL, assert_grads_equal
 
-pytestmark = pytest.mark.hf
-
-
 def _padded(batch=6, seq=32, seed=0):
     """Right-padded token ids, their attention mask and labels (-100 on padding), rows of random lengths."""
     g = torch.Generator().manual_seed(seed)
@@ -35,6 +32,7 @@ def _causal_loss(out, labels):
     return F.cross_entropy(out.logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
 
 
+@pytest.mark.hf
 def test_an_hf_model_compiles_as_the_readme_says():
     """The README's snippet on an HF model, with no extra arguments: the KV cache is off for the trace (the model's
     config is not touched) and forward_backward takes the ids as compiled."""
@@ -51,6 +49,7 @@ def test_an_hf_model_compiles_as_the_readme_says():
     assert_grads_equal(model, ref)
 
 
+@pytest.mark.hf
 def test_a_padded_hf_batch_dict_gives_eager_s_whole_batch_loss_and_gradients():
     """Right-padded rows of different lengths with an attention mask; the loss is the mean over real tokens of the
     whole batch — not the mean of the microbatches' means (HF Trainer's ``num_items_in_batch`` fix)."""
@@ -70,6 +69,7 @@ def test_a_padded_hf_batch_dict_gives_eager_s_whole_batch_loss_and_gradients():
     assert loss_weights(list(labels.tensor_split(3)), rows, shifted_tokens) != rows  # the rows differ in length
 
 
+@pytest.mark.hf
 def test_padding_is_weighted_by_tokens_by_default():
     """An integer target with -100 on padding: each microbatch's mean counts its real tokens (the default)."""
     model = hf_model("llama")
@@ -85,6 +85,7 @@ def test_padding_is_weighted_by_tokens_by_default():
     assert_grads_equal(model, ref)
 
 
+@pytest.mark.hf
 def test_inputs_that_do_not_match_the_compiled_signature_are_refused_in_one_line():
     model = hf_model("llama")
     ids, mask, _ = _padded(batch=4, seq=8)
@@ -128,6 +129,7 @@ def _random_batches(n, max_batch, max_seq, seed):
     return out
 
 
+@pytest.mark.hf
 def test_one_hf_pipeline_trains_every_batch_size_and_length_like_eager():
     """Twelve padded batches of random size (1 to 8 rows: fewer rows than microbatches too, and uneven splits) and
     length (up to the compiled 16), each step's loss and every gradient equal to eager on the whole batch — one

@@ -12,8 +12,8 @@ Contracts
   along dim 0 into ``microbatches`` pieces (``torch.tensor_split``); microbatch j's loss is weighted by its share of
   what the batch's mean averages over — real tokens of an integer target (entries that are not -100: padding),
   rows otherwise (``loss_weight=``) — so ``forward_backward`` returns — and differentiates — the batch mean,
-  exactly what eager ``loss_fn(model(x), y).backward()`` computes for mean-reduced losses, padded batches included. With ``loss_fn=None`` the model's output
-  must be the (mean) loss itself.
+  exactly what eager ``loss_fn(model(x), y).backward()`` computes for mean-reduced losses, padded batches
+  included. With ``loss_fn=None`` the model's output must be the (mean) loss itself.
 - **Gradients** accumulate into the original parameters' ``.grad`` (fp32, CPU) across calls, as eager PyTorch does;
   frozen parameters (``requires_grad=False``) get none and are never sent back. A parameter used by several stages
   (tied embeddings) receives the sum.

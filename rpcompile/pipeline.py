@@ -13,7 +13,8 @@ Contracts
   what the batch's mean averages over — real tokens of an integer target (entries that are not -100: padding),
   rows otherwise (``loss_weight=``) — so ``forward_backward`` returns — and differentiates — the batch mean,
   exactly what eager ``loss_fn(model(x), y).backward()`` computes for mean-reduced losses, padded batches
-  included. With ``loss_fn=None`` the model's output must be the (mean) loss itself.
+  included. With ``loss_fn=None`` the model computes its own (mean) loss — its output, or the output's ``loss``
+  (HF models given ``labels=``), each microbatch weighted by its labels (shifted ones for a causal LM).
 - **Gradients** accumulate into the original parameters' ``.grad`` (fp32, CPU) across calls, as eager PyTorch does;
   frozen parameters (``requires_grad=False``) get none and are never sent back. A parameter used by several stages
   (tied embeddings) receives the sum.
@@ -76,6 +77,25 @@ def loss_weights(targets: Sequence[Any], rows: Sequence[int], weight: "str | Cal
         else:
             out.append(float(n))
     return out
+
+
+def own_loss(output: Any) -> torch.Tensor:
+    """The loss a model computes itself (``loss_fn=None``): its output when that is a tensor, else the output's
+    ``loss`` (an HF ``ModelOutput`` or a dict) or its first element (a tuple)."""
+    if isinstance(output, Mapping):
+        if "loss" not in output or output["loss"] is None:
+            raise RPCompileError(f"loss_fn=None but the model's output ({type(output).__name__}) has no loss: pass "
+                                 "the batch's labels= (the model computes its loss from them) or give loss_fn=")
+        return output["loss"]
+    if isinstance(output, (tuple, list)) and output:
+        return output[0]
+    return output
+
+
+def _shifts_labels(model: torch.nn.Module) -> bool:
+    """Whether the model's own loss predicts token t+1 from position t (HF causal LMs: ``loss_type`` or the class
+    naming convention HF's loss registry keys on), so it averages over ``labels[:, 1:]``."""
+    return getattr(model, "loss_type", None) == "ForCausalLM" or type(model).__name__.endswith("ForCausalLM")
 
 
 def _is_sequence(v: Any) -> bool:
@@ -157,6 +177,8 @@ class Pipeline:
         self.loss_in_graph = loss_in_graph  # the graph takes the target and returns the loss (split LM head)
         self.signature = signature
         self.loss_weight = _checked_weight(loss_weight)
+        if loss_fn is None and loss_weight == "auto" and _shifts_labels(model):
+            self.loss_weight = shifted_tokens  # the model's own causal LM loss averages over labels[:, 1:]
         self.microbatches = plan.microbatches
         self.program = split_plan(plan, gm)
         self.schedule = round_robin([s.kind for s in plan.stages], len(self.devices), self.microbatches)
@@ -224,19 +246,28 @@ class Pipeline:
         # each microbatch's target goes to the device of the stage that computes its loss (the executor uploads it)
         targets = pieces if outside else None
         # a mean over the batch is the weighted mean of the microbatches' means (weights: what each mean averages
-        # over, loss_weights); a sum is their sum
+        # over, loss_weights; the model's own loss averages over its labels); a sum is their sum
         summed = outside and getattr(self.loss_fn, "reduction", "mean") == "sum"
-        weights = loss_weights(pieces, sizes, self.loss_weight) if self.loss_fn is not None else [float(n) for n in sizes]
+        labels = kwargs.get("labels") if self.loss_fn is None else None
+        if isinstance(labels, torch.Tensor):
+            weights = loss_weights([p[0] for p in split_microbatches((labels,), m)], sizes, self.loss_weight)
+        elif self.loss_fn is not None:
+            weights = loss_weights(pieces, sizes, self.loss_weight)
+        else:
+            weights = [float(n) for n in sizes]
         total = sum(weights)
 
         def loss_of(output: Any, target_j: Any, j: int) -> torch.Tensor:
-            if not outside:
+            if self.loss_in_graph:
                 loss = output
+            elif not outside:
+                loss = own_loss(output)
             else:
                 loss = self.loss_fn(output, target_j)
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-                raise RPCompileError(f"loss_fn returned {shape}, not a scalar: reduce it over the batch (reduction="
+                what = "loss_fn returned" if outside else "the model's loss (loss_fn=None) is"
+                raise RPCompileError(f"{what} {shape}, not a scalar: reduce it over the batch (reduction="
                                      "'mean' or 'sum')")
             if summed:
                 return loss
@@ -329,6 +360,9 @@ def compile(
     args, kwargs = training_inputs(model, example_inputs, example_kwargs)
     example_inputs, example_kwargs = args, kwargs
     signature = InputSignature(model, args, kwargs)
+    if loss_fn is None and "labels" in signature.params and "labels" not in kwargs:
+        raise RPCompileError("loss_fn=None uses the model's own loss, which it computes from labels: compile with "
+                             "them in the example (example_kwargs={'input_ids': ids, 'labels': labels}) or give loss_fn=")
     if plan is not None:
         if not isinstance(plan, Plan):
             plan = Plan.load(plan)

@@ -70,6 +70,37 @@ def test_a_padded_hf_batch_dict_gives_eager_s_whole_batch_loss_and_gradients():
 
 
 @pytest.mark.hf
+def test_loss_fn_none_uses_the_model_s_own_loss_weighted_by_its_shifted_labels():
+    """``loss_fn=None`` with labels in the batch: the HF model's own causal LM loss, each microbatch weighted by
+    the labels it averages over (``labels[:, 1:]`` not -100), so loss and gradients equal eager on the whole batch,
+    batch after batch of different sizes and lengths."""
+    model = hf_model("llama")
+    ref = copy.deepcopy(model)
+    ids, mask, labels = _padded(seed=2)
+    pipe = rpcompile.compile(model, (), example_kwargs={"input_ids": ids, "attention_mask": mask, "labels": labels},
+                             loss_fn=None, devices=["cpu", "cpu"], microbatches=3, spec=FINE_CPU, time_limit_s=2.0)
+    assert pipe.loss_weight is shifted_tokens
+    for step, (ids, mask, labels) in enumerate([(ids, mask, labels), _padded(5, 20, seed=3), _padded(2, 32, seed=4)]):
+        for p in (*model.parameters(), *ref.parameters()):
+            p.grad = None
+        batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        loss = pipe.forward_backward(**batch)
+        ref_loss = ref(**batch).loss
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss.detach(), **TOL, msg=lambda m: f"step {step}: loss: {m}")
+        assert_grads_equal(model, ref, what=f"step {step}: ")
+
+
+@pytest.mark.hf
+def test_loss_fn_none_without_labels_is_refused_at_compile_in_one_line():
+    model = hf_model("llama")
+    ids = torch.randint(0, VOCAB, (4, 8))
+    with pytest.raises(rpcompile.RPCompileError, match=r"^loss_fn=None uses the model's own loss, which it computes "
+                                                        r"from labels: compile with them in the example \(example_kwargs="):
+        rpcompile.compile(model, (ids,), loss_fn=None, devices=["cpu"], spec=FINE_CPU, time_limit_s=2.0)
+
+
+@pytest.mark.hf
 def test_padding_is_weighted_by_tokens_by_default():
     """An integer target with -100 on padding: each microbatch's mean counts its real tokens (the default)."""
     model = hf_model("llama")

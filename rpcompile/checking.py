@@ -20,6 +20,7 @@ Problems (each a line starting with its kind):
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -47,6 +48,10 @@ class CheckResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {"plan": self.path, "ok": self.ok, "problems": list(self.problems), **self.figures}
+
+
+def _quiet(text: str) -> Any:
+    return nullcontext()
 
 
 def rescore(plan: Any, gm: Any) -> tuple[Any, list[str]]:
@@ -79,9 +84,10 @@ def rescore(plan: Any, gm: Any) -> tuple[Any, list[str]]:
 
 def check_plan(path: str | Path, model: Any, example_inputs: Sequence[Any], *, max_regression: float = 0.02,
                time_limit_s: float = 10.0, progress: bool | None = False, loss_fn: Any = None,
-               example_target: Any = None) -> CheckResult:
+               example_target: Any = None, status: Any = None) -> CheckResult:
     """Check the plan file at ``path`` against ``model`` (see the module docstring). A plan made with a split LM
-    head (``head_chunks > 1``) needs ``loss_fn`` and ``example_target`` to rebuild its graph."""
+    head (``head_chunks > 1``) needs ``loss_fn`` and ``example_target`` to rebuild its graph. ``progress`` is the
+    profiler's bar; ``status(text)``, a context manager, shows the fresh plan's solve (the CLI's spinner)."""
     from rpcompile.errors import InfeasibleError, PlanFileError
     from rpcompile.passes.problem import iteration_time, stage_costs, validate_segment_plan
     from rpcompile.passes.validate import format_bytes
@@ -133,8 +139,9 @@ def check_plan(path: str | Path, model: Any, example_inputs: Sequence[Any], *, m
             "to refresh it")
     strategy = plan.strategy if plan.strategy in ("ilp", "dp", "roundpipe", "uniform") else "ilp"
     try:
-        fresh = plan_graph(gm, hardware=hw, microbatches=plan.microbatches, strategy=strategy,
-                           precision=plan.precision, time_limit_s=time_limit_s)
+        with (status or _quiet)(f"solving a fresh {strategy} plan (up to {time_limit_s:g} s)"):
+            fresh = plan_graph(gm, hardware=hw, microbatches=plan.microbatches, strategy=strategy,
+                               precision=plan.precision, time_limit_s=time_limit_s)
     except InfeasibleError as e:
         result.problems.append(f"does not fit: {e}")
         return result

@@ -1,7 +1,9 @@
 """The ``rpcompile`` command line: ``profile`` (cost table of a model), ``plan``, ``simulate``, ``demo`` (the main job).
 
-MODEL is a built-in name (``rpcompile profile --list``) or ``path/to/file.py:factory`` where ``factory()``
-returns ``(model, example_inputs)``. Every error rpcompile anticipates prints one line and exits 2.
+MODEL is a built-in name (``rpcompile models``) or ``path/to/file.py:factory`` where ``factory()``
+returns ``(model, example_inputs)``. Every error rpcompile anticipates — a bad argument included — prints one line
+that says what to do and exits 2. Steps that take more than a moment show a progress line on a terminal (never
+under ``--json``, nor when stderr is not a terminal, as in CI).
 """
 
 from __future__ import annotations
@@ -9,26 +11,43 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
-from typing import Sequence
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Any, Iterator, Sequence
 
-__all__ = ["main", "build_parser"]
+from rpcompile import __version__
+
+__all__ = ["main", "build_parser", "DEFAULT_MICROBATCHES"]
+
+DEFAULT_MICROBATCHES = "gpus + 1 (1 on one device), as rpcompile.compile"
+"""What ``--microbatches`` defaults to in ``plan`` and ``simulate`` (DESIGN.md §3: the fewest without a bubble
+between stages); planning.prepare applies it."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``rpcompile plan: error: ...; see rpcompile plan --help`` (exit 2)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="built-in model name or path/to/file.py:factory")
-    p.add_argument("--batch-size", type=int, default=None, help="override the model's example batch size")
-    p.add_argument("--seq-len", type=int, default=None, help="override the example sequence length (decoders)")
+    p.add_argument("--batch-size", type=_positive_int, default=None, help="override the model's example batch size")
+    p.add_argument("--seq-len", type=_positive_int, default=None, help="override the example sequence length (decoders)")
     p.add_argument("--model-device", default=None, help="build the model on this device (default: the model's own)")
     cost = p.add_mutually_exclusive_group()
-    cost.add_argument("--spec", default=None, help="analytic costs for this GPU spec (rtx4090, a100-80g, h100-sxm, h200, cpu, ...)")
+    cost.add_argument("--spec", type=_spec, default=None, help=f"analytic costs for this GPU spec ({_SPEC_NAMES})")
     cost.add_argument("--device", default=None, help="measured costs on this device (cpu, cuda:0, ...)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None, help="cost compute in this precision")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rpcompile", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="rpcompile", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log pass timings")
+    parser.add_argument("--version", action="version", version=f"rpcompile {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("profile", help="cost table of a model, rolled up per module")
@@ -40,12 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="partition a model into round-robin stages and compare with the baselines")
     _add_model_args(p)
-    p.add_argument("--gpus", type=int, required=True, help="number of devices")
-    p.add_argument("--microbatches", type=int, default=None, help="microbatches per iteration (default gpus + 1)")
+    p.add_argument("--gpus", type=_positive_int, required=True, help="number of devices")
+    p.add_argument("--microbatches", type=_positive_int, default=None,
+                   help=f"microbatches per iteration (default {DEFAULT_MICROBATCHES})")
     p.add_argument("--memory-limit", type=_parse_bytes, default=None, help="usable memory per device, e.g. 20GiB (default: the spec's)")
     p.add_argument("--strategy", choices=("ilp", "dp", "roundpipe", "uniform"), default="ilp")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16", help="compute/upload precision (default bf16)")
-    p.add_argument("--time-limit", type=float, default=10.0, help="solver time limit in seconds")
+    p.add_argument("--time-limit", type=_positive_float, default=10.0, help="solver time limit in seconds (default 10)")
     p.add_argument("--max-segments", type=int, default=None, help="coarsening target (default ~2 per layer)")
     p.add_argument("--segments-per-layer", type=_positive_int, default=2, metavar="K",
                    help="segments per transformer block (default 2; 4 lets the planner save parts of a half-block: "
@@ -66,18 +86,19 @@ def build_parser() -> argparse.ArgumentParser:
                        description="rpcompile simulate plan.json | MODEL --gpus N [--schedules all] | "
                                    "--layer-profile FILE --model NAME")
     p.add_argument("target", nargs="?", default=None, help="a plan .json file, or a built-in model / path/to/file.py:factory")
-    p.add_argument("--batch-size", type=int, default=None, help="override the model's example batch size (default: >= microbatches)")
-    p.add_argument("--seq-len", type=int, default=None, help="override the example sequence length (decoders)")
+    p.add_argument("--batch-size", type=_positive_int, default=None, help="override the model's example batch size (default: >= microbatches)")
+    p.add_argument("--seq-len", type=_positive_int, default=None, help="override the example sequence length (decoders)")
     p.add_argument("--model-device", default=None, help=argparse.SUPPRESS)
     cost = p.add_mutually_exclusive_group()
-    cost.add_argument("--spec", default=None, help="analytic costs for this GPU spec (rtx4090, a100-80g, h100-sxm, ...)")
+    cost.add_argument("--spec", type=_spec, default=None, help=f"analytic costs for this GPU spec ({_SPEC_NAMES})")
     cost.add_argument("--device", default=None, help="measured costs on this device (cpu, cuda:0, ...)")
-    p.add_argument("--gpus", type=int, default=None, help="number of devices (MODEL; a layer profile has its own)")
-    p.add_argument("--microbatches", type=int, default=None, help="microbatches per iteration (default 2 × gpus for MODEL)")
+    p.add_argument("--gpus", type=_positive_int, default=None, help="number of devices (MODEL; a layer profile has its own)")
+    p.add_argument("--microbatches", type=_positive_int, default=None,
+                   help=f"microbatches per iteration (MODEL: default {DEFAULT_MICROBATCHES}; a layer profile has its own)")
     p.add_argument("--memory-limit", type=_parse_bytes, default=None, help="usable memory per device (default: the spec's)")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16")
     p.add_argument("--schedules", default=None, help="comma list of gpipe,1f1b,interleaved-1f1b,roundpipe,ilp or 'all' (default all)")
-    p.add_argument("--chunks", type=int, default=2, help="stages per device for interleaved-1f1b (default 2)")
+    p.add_argument("--chunks", type=_positive_int, default=2, help="stages per device for interleaved-1f1b (default 2)")
     p.add_argument("--segments-per-layer", type=_positive_int, default=2, metavar="K",
                    help="(MODEL) segments per transformer block for the planners (default 2)")
     p.add_argument("--head-chunks", type=_head_chunks, default="auto", metavar="K",
@@ -88,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-bandwidth", type=_parse_rate, default=None, help="the host memory's total bandwidth, e.g. 100GB/s (default: unlimited)")
     p.add_argument("--layer-profile", default=None, metavar="FILE", help="per-layer times (RoundPipe simulator-input format)")
     p.add_argument("--model", dest="profile_model", default=None, metavar="NAME", help="(with --layer-profile) which model of the file")
-    p.add_argument("--time-limit", type=float, default=10.0, help="solver time limit in seconds")
+    p.add_argument("--time-limit", type=_positive_float, default=10.0, help="solver time limit in seconds (default 10)")
     p.add_argument("--timeline", default=None, metavar="FILE.svg", help="draw a Gantt chart (FILE-<schedule>.svg when several)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.set_defaults(func=_cmd_simulate)
@@ -96,11 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check", help="exit 1 when a plan file is stale, invalid, does not fit or has regressed (for CI)")
     p.add_argument("plan", help="the plan .json file")
     p.add_argument("model", help="built-in model name or path/to/file.py:factory the plan is for")
-    p.add_argument("--batch-size", type=int, default=None, help="override the model's example batch size (default: >= microbatches)")
-    p.add_argument("--seq-len", type=int, default=None, help="override the example sequence length (decoders)")
+    p.add_argument("--batch-size", type=_positive_int, default=None, help="override the model's example batch size (default: >= microbatches)")
+    p.add_argument("--seq-len", type=_positive_int, default=None, help="override the example sequence length (decoders)")
     p.add_argument("--model-device", default=None, help=argparse.SUPPRESS)
     p.add_argument("--max-regression", type=_parse_percent, default=0.02, help="allowed slowdown against a fresh plan (default 2%%)")
-    p.add_argument("--time-limit", type=float, default=10.0, help="solver time limit for the fresh plan (s)")
+    p.add_argument("--time-limit", type=_positive_float, default=10.0, help="solver time limit for the fresh plan (s)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
     p.set_defaults(func=_cmd_check)
 
@@ -115,14 +136,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--graph", default=None, metavar="FILE.svg", help="write the rolled-up graph (.svg or .dot)")
     p.add_argument("--model", dest="graph_model", default=None, metavar="MODEL",
                    help="(with --graph) trace MODEL for the graph's edges and exact module boxes")
-    p.add_argument("--depth", type=int, default=None, help="(with --graph) module depth of the roll-up")
+    p.add_argument("--depth", type=_positive_int, default=None, help="(with --graph) module depth of the roll-up")
     p.set_defaults(func=_cmd_show)
 
     p = sub.add_parser("demo", help="the main job: compile a built-in model and show what rpcompile does")
     p.add_argument("--model", default="llama-demo", help="built-in model (default llama-demo)")
     p.set_defaults(func=_cmd_demo)
 
-    p = sub.add_parser("models", help="list the built-in models")
+    p = sub.add_parser("models", help="the built-in models: parameters, layers, whether they train here or are meta only")
     p.set_defaults(func=_cmd_models)
     return parser
 
@@ -146,12 +167,79 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
     ms = _load(args)
     prof = profile(ms.model, ms.example_inputs, spec=args.spec, device=args.device, dtype=_dtype(args.dtype),
-                   depth=args.depth, progress=None if not args.json else False)
+                   depth=args.depth, progress=_bars(args))
     if args.json:
         print(json.dumps(prof.to_dict(nodes=args.nodes)))
     else:
         print_table(profile_table(prof, nodes=args.nodes, title=f"{args.model}: cost table ({prof.cost_model}, traced with {prof.trace})"))
     return 0
+
+
+def _spec_names() -> str:
+    from rpcompile.specs import SPECS
+
+    return ", ".join(SPECS)
+
+
+_SPEC_NAMES = _spec_names()
+
+
+def _spec(text: str) -> str:
+    from rpcompile.specs import SPECS
+
+    if text not in SPECS:
+        raise argparse.ArgumentTypeError(f"unknown GPU spec {text!r}; choose one of {_SPEC_NAMES}")
+    return text
+
+
+def _positive_float(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        x = 0.0
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return x
+
+
+@contextmanager
+def _step(args: argparse.Namespace, text: str) -> Iterator[None]:
+    """A spinner and the elapsed time on stderr while a step runs: on a terminal only, never under ``--json``."""
+    if getattr(args, "json", False) or not sys.stderr.isatty():
+        yield
+        return
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TextColumn(text), TimeElapsedColumn(), transient=True,
+                  console=Console(stderr=True)) as bar:
+        bar.add_task(text, total=None)
+        yield
+
+
+def _stepper(args: argparse.Namespace) -> Any:
+    """``_step`` bound to ``args``, for library calls that take a ``status=`` hook."""
+    return lambda text: _step(args, text)
+
+
+def _bars(args: argparse.Namespace) -> bool | None:
+    """The profiler's own progress bar: off under ``--json``, else on a terminal (``None``)."""
+    return False if getattr(args, "json", False) else None
+
+
+def _writable(path: str, flag: str) -> None:
+    """Refuse an output path that cannot be written, before any work (a plan takes minutes to make)."""
+    from rpcompile.errors import RPCompileError
+
+    target = Path(path)
+    parent = target.parent
+    if target.is_dir():
+        raise RPCompileError(f"{flag} {path} is a directory; give a file name such as {target / 'plan.json'}")
+    if not parent.is_dir():
+        raise RPCompileError(f"{flag} {path}: directory {parent} does not exist; create it (mkdir -p {parent}) "
+                             "or write elsewhere")
+    if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise RPCompileError(f"{flag} {path}: not writable here; pick a path you can write")
 
 
 def _positive_int(text: str) -> int:
@@ -194,67 +282,87 @@ def _parse_rate(text: str) -> float:
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     import math
-    from pathlib import Path
 
     from rpcompile.errors import RPCompileError
-    from rpcompile.simulation import model_scenarios, parse_schedules, plan_scenarios, profile_scenarios, run_all
+    from rpcompile.simulation import parse_schedules, run_all
 
     host = args.host_bandwidth or math.inf
+    if args.timeline:
+        _writable(args.timeline, "--timeline")
     try:
         schedules = parse_schedules(args.schedules or "all")
     except ValueError as e:
         raise RPCompileError(str(e)) from None
-    if args.layer_profile:
-        if not args.profile_model:
-            raise RPCompileError("--layer-profile needs --model NAME (which model of the file to simulate)")
-        title = f"{args.profile_model} from {Path(args.layer_profile).name}"
-        try:
-            scenarios = profile_scenarios(args.layer_profile, args.profile_model, schedules=schedules, gpus=args.gpus,
-                                          microbatches=args.microbatches, time_limit_s=args.time_limit)
-        except ValueError as e:
-            raise RPCompileError(f"{args.layer_profile}: {e}") from None
-    elif args.target is None:
-        raise RPCompileError("say what to simulate: a plan .json file, a MODEL with --gpus N, or --layer-profile FILE --model NAME")
-    elif args.target.endswith(".json"):
-        from rpcompile.planfile import Plan
-
-        plan = Plan.load(args.target)
-        title = f"{args.target}: {plan.strategy} plan, {len(plan.stages)} stages on {plan.hardware.device_count} × {plan.hardware.spec.name}"
-        scenarios = plan_scenarios(plan, host_bytes_per_s=host)
-    else:
-        if args.gpus is None:
-            raise RPCompileError(f"simulating model {args.target} needs --gpus N")
-        m = args.microbatches or 2 * args.gpus
-        args.model = args.target
-        ms = _load_for(args, m)
-        title = f"{args.target} on {args.gpus} × {args.spec or args.device or 'default spec'}, {m} microbatches"
-        try:
-            scenarios = model_scenarios(ms.model, ms.example_inputs, gpus=args.gpus, spec=args.spec, device=args.device,
-                                        microbatches=m, memory_limit=args.memory_limit, precision=args.precision,
-                                        schedules=schedules, chunks=args.chunks, host_bytes_per_s=host,
-                                        time_limit_s=args.time_limit, progress=False if args.json else None,
-                                        loss_fn=ms.loss_fn, example_target=ms.example_target,
-                                        head_chunks=args.head_chunks, segments_per_layer=args.segments_per_layer,
-                                        host_embedding=args.host_embedding)
-        except ValueError as e:
-            raise RPCompileError(str(e)) from None
-    results = run_all(scenarios)
+    title, scenarios, left_out, m = _scenarios(args, schedules, host)
+    with _step(args, f"simulating {', '.join(scenarios)}"):
+        results = run_all(scenarios)
     if args.timeline:
         _write_timelines(args.timeline, results, title)
     if args.json:
         out = {name: r.summary() | {"stages": scenarios[name].stage_count}
                | {k: v for k, v in scenarios[name].notes.items() if k == "head_chunks"} for name, r in results.items()}
-        print(json.dumps({"schedules": out}, allow_nan=False))
+        extra = ({"microbatches": m} if m else {}) | ({"skipped": left_out} if left_out else {})
+        print(json.dumps({"schedules": out} | extra, allow_nan=False))
         return 0
     from rpcompile.report import devices_table, print_table, simulate_table
 
     print_table(simulate_table(results, scenarios, title=title))
+    for name, why in left_out.items():
+        print(f"{name}: not simulated: {why}")
     if len(results) == 1:
         (name, only), = results.items()
         print_table(devices_table(only, title=f"{name}: per device"))
     if args.timeline:
         print(f"timeline written to {args.timeline}" if len(results) == 1 else f"timelines written next to {args.timeline}")
     return 0
+
+
+def _scenarios(args: argparse.Namespace, schedules: list[str], host: float) -> tuple[str, dict, dict[str, str], int]:
+    """What ``simulate`` runs: (title, {name: Scenario}, {requested schedule left out: why}, microbatches or 0
+    when the layer profile says)."""
+    from rpcompile.errors import RPCompileError
+    from rpcompile.simulation import model_scenarios, plan_scenarios, profile_scenarios, skipped
+
+    if args.layer_profile:
+        if not args.profile_model:
+            raise RPCompileError("--layer-profile needs --model NAME (which model of the file to simulate)")
+        try:
+            scenarios = profile_scenarios(args.layer_profile, args.profile_model, schedules=schedules, gpus=args.gpus,
+                                          microbatches=args.microbatches, time_limit_s=args.time_limit)
+        except ValueError as e:
+            raise RPCompileError(f"{args.layer_profile}: {e}") from None
+        return f"{args.profile_model} from {Path(args.layer_profile).name}", scenarios, {}, args.microbatches or 0
+    if args.target is None:
+        raise RPCompileError("say what to simulate: a plan .json file, a MODEL with --gpus N, or --layer-profile FILE --model NAME")
+    if args.target.endswith(".json"):
+        from rpcompile.planfile import Plan
+
+        plan = Plan.load(args.target)
+        hw = plan.hardware
+        title = f"{args.target}: {plan.strategy} plan, {len(plan.stages)} stages on {hw.device_count} × {hw.spec.name}"
+        return title, plan_scenarios(plan, host_bytes_per_s=host), {}, plan.microbatches
+    if args.gpus is None:
+        raise RPCompileError(f"simulating model {args.target} needs --gpus N")
+    m = args.microbatches or _default_microbatches(args.gpus)
+    args.model = args.target
+    ms = _load_for(args, m)
+    title = f"{args.target} on {args.gpus} × {args.spec or args.device or 'default spec'}, {m} microbatches"
+    try:
+        scenarios = model_scenarios(ms.model, ms.example_inputs, gpus=args.gpus, spec=args.spec, device=args.device,
+                                    microbatches=m, memory_limit=args.memory_limit, precision=args.precision,
+                                    schedules=schedules, chunks=args.chunks, host_bytes_per_s=host,
+                                    time_limit_s=args.time_limit, progress=_bars(args), status=_stepper(args),
+                                    loss_fn=ms.loss_fn, example_target=ms.example_target,
+                                    head_chunks=args.head_chunks, segments_per_layer=args.segments_per_layer,
+                                    host_embedding=args.host_embedding)
+    except ValueError as e:
+        raise RPCompileError(str(e)) from None
+    return title, scenarios, skipped(schedules, scenarios, gpus=args.gpus, microbatches=m, chunks=args.chunks), m
+
+
+def _default_microbatches(gpus: int) -> int:
+    """:data:`DEFAULT_MICROBATCHES`, the count ``planning.prepare`` picks when none is given."""
+    return gpus + 1 if gpus > 1 else 1
 
 
 def _load_for(args: argparse.Namespace, microbatches: int):
@@ -298,7 +406,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
         microbatches = 1  # check_plan reports the file
     ms = _load_for(args, microbatches)
     res = check_plan(args.plan, ms.model, ms.example_inputs, max_regression=args.max_regression,
-                     time_limit_s=args.time_limit, loss_fn=ms.loss_fn, example_target=ms.example_target)
+                     time_limit_s=args.time_limit, loss_fn=ms.loss_fn, example_target=ms.example_target,
+                     progress=_bars(args), status=_stepper(args))
     if args.json:
         print(json.dumps(res.to_dict()))
     else:
@@ -330,12 +439,12 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
         graph = None
         if args.graph_model:
-            from rpcompile.tracing import trace
-            from rpcompile.verify import planned_graph
+            from rpcompile.verify import graph_as_planned
 
             args.model, args.batch_size, args.seq_len, args.model_device = args.graph_model, None, None, None
             ms = _load_for(args, plan.microbatches)
-            graph = planned_graph(plan, trace(ms.model, ms.example_inputs), source=args.plan)
+            with _step(args, f"tracing {args.graph_model}"):
+                graph = graph_as_planned(plan, ms.model, ms.example_inputs, loss_fn=ms.loss_fn, source=args.plan)
         try:
             write_graph(args.graph, plan, graph, depth=args.depth)
         except ValueError as e:
@@ -354,7 +463,7 @@ def _strategy_json(result, plan) -> dict:
     n_bwd = sum(len(s.nodes) for s in plan.backward_stages)
     return d | {
         "iteration_time_s": p.iteration_time_s,
-        "bound_s": p.bound_s or None,
+        "bound_s": p.bound_s or None,  # on the solver's objective (stages × slowest stage), not the iteration
         "bubble_fraction": p.bubble_fraction,
         "peak_memory_bytes": p.peak_memory_bytes,
         "forward_stages": len(plan.forward_stages),
@@ -369,16 +478,21 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                                     partition_problem, prepare)
     from rpcompile.report import compare_table, plan_table, print_table
 
-    ms = _load_for(args, args.microbatches or args.gpus + 1)
+    if args.output:
+        _writable(args.output, "-o")
+    ms = _load_for(args, args.microbatches or _default_microbatches(args.gpus))
     model_device = next((p.device.type for p in ms.model.parameters()), "cpu")
     hardware = make_hardware(args.gpus, default_spec(args.spec, args.device, model_device), args.memory_limit)
 
     def attempt(k: int):
         gm, m = prepare(ms.model, ms.example_inputs, gpus=args.gpus, spec=args.spec, device=args.device,
                         microbatches=args.microbatches, precision=args.precision, max_segments=args.max_segments,
-                        progress=False if args.json else None, loss_fn=ms.loss_fn, example_target=ms.example_target,
+                        progress=_bars(args), loss_fn=ms.loss_fn, example_target=ms.example_target,
                         head_chunks=k, segments_per_layer=args.segments_per_layer, host_embedding=args.host_embedding)
-        rows = compare(gm, hardware=hardware, microbatches=m, precision=args.precision, time_limit_s=args.time_limit)
+        head = f"LM head in {k} chunks" if k > 1 else "whole LM head"
+        with _step(args, f"solving ({head}): ilp up to {args.time_limit:g} s, then dp, roundpipe, uniform"):
+            rows = compare(gm, hardware=hardware, microbatches=m, precision=args.precision,
+                           time_limit_s=args.time_limit)
         if rows[args.strategy][1] is None:
             raise _infeasible(partition_problem(gm, hardware=hardware, microbatches=m, precision=args.precision),
                               hardware)
@@ -411,10 +525,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
-    from rpcompile.models import list_models
+    from rpcompile.models import model_summaries
 
-    for name in list_models():
-        print(name)
+    from rpcompile.report import models_table, print_table
+
+    print_table(models_table(model_summaries()))
     return 0
 
 
@@ -437,6 +552,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("rpcompile: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `rpcompile ... | head`: the reader left; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -6,20 +6,29 @@ It grows with the compiler. Today:
    per-module table;
 2. partition it for the devices that exist (each GPU, or two logical CPU devices) and compare the ILP plan with the
    baselines under one timing model;
-3. train it for a few steps with ``rpcompile.compile`` on those devices (weights and AdamW state on the CPU),
-   showing the loss fall;
+3. train **that plan** for a few steps with ``rpcompile.compile(..., plan=)`` on those devices (weights and AdamW
+   state on the CPU), showing the loss fall, and set its measured step time beside the plan's prediction — saying
+   plainly what the prediction is (and is not) on this machine;
 4. plan the real LLaMA-8B shape for 8 × RTX 4090 on the meta device — the laptop side of an 8-GPU run — with the
    whole LM head and with the head and its loss split into sequence chunks (what ``head_chunks="auto"`` weighs).
+   Everything there is predicted (analytic costs): nothing runs.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
+from typing import Any
 
 import torch
 from rich.console import Console
 
 __all__ = ["run_demo"]
+
+#: What a prediction is on logical CPU devices, said under the training steps.
+CPU_NOTE = ("On this machine the 'devices' are threads sharing the same CPU cores, so the timing model's "
+            "prediction (made for devices that compute in parallel, with their own links) is not a forecast of "
+            "these steps; it is what the planner optimised. On real GPUs the same model predicts the GPU step.")
 
 
 def _devices() -> tuple[int, str]:
@@ -28,61 +37,102 @@ def _devices() -> tuple[int, str]:
     return 2, "2 logical CPU devices"
 
 
-def run_demo(model_name: str = "llama-demo", *, big_model: str = "llama-8b", big_gpus: int = 8, steps: int = 5) -> int:
-    import rpcompile
+def run_demo(model_name: str = "llama-demo", *, big_model: str = "llama-8b", big_gpus: int = 8, steps: int = 5,
+             console: Console | None = None) -> int:
     from rpcompile.models import load_model
-    from rpcompile.planning import AUTO_HEAD_CHUNKS, compare, make_hardware, plan, prepare
-    from rpcompile.profiling import profile_graph
-    from rpcompile.report import compare_table, fmt_bytes, plan_table, print_table, profile_table
 
-    console = Console(width=max(Console().width, 120))
+    console = console or Console(width=max(Console().width, 120))
     n_dev, where = _devices()
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    ms = load_model(model_name, batch_size=4 * n_dev)
+    plan, m = _plan_here(console, ms, model_name, n_dev, where, device)
+    _train(console, ms, plan, model_name, n_dev, where, device, steps)
+    if big_model:
+        _plan_big(console, big_model, big_gpus)
+    return 0
 
-    console.rule(f"[bold]1. {model_name}: trace and cost on {device}")
-    ms = load_model(model_name)
+
+def _plan_here(console: Console, ms: Any, name: str, n_dev: int, where: str, device: str) -> tuple[Any, int]:
+    """Sections 1 and 2: cost the model on the device at hand, plan it for the devices here; the ILP's plan."""
+    from rpcompile.planning import compare, make_hardware, prepare
+    from rpcompile.profiling import profile_graph
+    from rpcompile.report import compare_table, plan_table, print_table, profile_table
+
+    console.rule(f"[bold]1. {name}: trace and cost on {device}")
     t0 = time.perf_counter()
-    gm, m = prepare(ms.model, ms.example_inputs, gpus=n_dev, device=device)
+    precision = "fp32" if device == "cpu" else "bf16"
+    gm, m = prepare(ms.model, ms.example_inputs, gpus=n_dev, device=device, precision=precision)
     prof = profile_graph(gm)
-    print_table(profile_table(prof, title=f"{model_name}: one microbatch measured on {device} (traced with {prof.trace})"), console)
+    print_table(profile_table(prof, title=f"{name}: one microbatch measured on {device} (traced with {prof.trace})"),
+                console)
     console.print(f"traced, profiled and coarsened {prof.total.nodes} nodes in {time.perf_counter() - t0:.1f} s")
 
-    console.rule(f"[bold]2. {model_name}: round-robin plan for {where}, {m} microbatches")
+    console.rule(f"[bold]2. {name}: round-robin plan for {where}, {m} microbatches")
     hardware = make_hardware(n_dev, "cpu" if device == "cpu" else "rtx4090")
-    rows = compare(gm, hardware=hardware, microbatches=m, time_limit_s=5.0)
-    print_table(plan_table(rows["ilp"][1]), console)
+    with console.status("solving: ilp (up to 5 s), dp, roundpipe, uniform"):
+        rows = compare(gm, hardware=hardware, microbatches=m, precision=precision, time_limit_s=5.0)
+    plan = rows["ilp"][1]
+    print_table(plan_table(plan, title=f"{name}: the ilp plan, {len(plan.stages)} stages on {where}, {m} microbatches "
+                                       "(trained in section 3)"), console)
     print_table(compare_table(rows), console)
+    return plan, m
 
-    console.rule(f"[bold]3. {model_name}: train {steps} steps on {where}")
-    train = load_model(model_name, batch_size=4 * n_dev)
+
+def _train(console: Console, ms: Any, plan: Any, name: str, n_dev: int, where: str, device: str, steps: int) -> None:
+    """Section 3: train the plan of section 2, then its prediction beside the measured steps."""
+    import rpcompile
+    from rpcompile.report import fmt_ms
+
+    console.rule(f"[bold]3. {name}: train the plan above for {steps} steps on {where}")
     devices = [f"cuda:{i}" for i in range(n_dev)] if device != "cpu" else ["cpu"] * n_dev
-    pipe = rpcompile.compile(train.model, train.example_inputs, loss_fn=train.loss_fn, devices=devices,
-                             precision="bf16" if device != "cpu" else "fp32", time_limit_s=5.0)
-    optimizer = torch.optim.AdamW(train.model.parameters(), lr=3e-3)
-    x, = train.example_inputs
+    pipe = rpcompile.compile(ms.model, ms.example_inputs, loss_fn=ms.loss_fn, devices=devices, plan=plan,
+                             precision=plan.precision)
+    optimizer = torch.optim.AdamW(ms.model.parameters(), lr=3e-3)
+    x, = ms.example_inputs
+    took = []
     for step in range(steps):
         t0 = time.perf_counter()
-        loss = pipe.forward_backward(x, target=train.example_target)
+        loss = pipe.forward_backward(x, target=ms.example_target)
         optimizer.step()
         optimizer.zero_grad()
-        console.print(f"step {step}: loss {loss.item():.4f}  ({time.perf_counter() - t0:.2f} s, "
-                      f"{len(pipe.plan.stages)} stages, {pipe.microbatches} microbatches)")
+        took.append(time.perf_counter() - t0)
+        first = " — includes capturing the saved segments' graphs, once" if step == 0 else ""
+        console.print(f"step {step}: loss {loss.item():.4f}  ({fmt_ms(took[-1])}, {len(pipe.plan.stages)} stages, "
+                      f"{pipe.microbatches} microbatches){first}")
+    measured = statistics.median(took[1:] or took)
+    console.print(f"plan's prediction: {fmt_ms(plan.predicted.iteration_time_s)} per step (timing model over costs "
+                  f"measured per node on {device}); measured: {fmt_ms(measured)} per step (median of steps "
+                  f"1–{steps - 1}).")
+    if device == "cpu":
+        console.print(CPU_NOTE)
 
-    console.rule(f"[bold]4. {big_model} on {big_gpus} × rtx4090 (meta device, analytic costs, bf16, seq 4096)")
+
+def _plan_big(console: Console, big_model: str, big_gpus: int) -> None:
+    """Section 4: the real LLaMA-8B shape planned for 8 GPUs on the meta device, whole and split LM head."""
+    from rpcompile.models import load_model
+    from rpcompile.planning import AUTO_HEAD_CHUNKS, compare, make_hardware, plan, prepare
+    from rpcompile.report import compare_table, fmt_bytes, fmt_ms, print_table
+
+    m8 = 2 * big_gpus
+    console.rule(f"[bold]4. {big_model} on {big_gpus} × rtx4090, {m8} microbatches (meta device, analytic costs, "
+                 "bf16, seq 4096): predicted, nothing runs")
     t0 = time.perf_counter()
-    big = load_model(big_model, batch_size=2 * big_gpus)
-    gm8, m8 = prepare(big.model, big.example_inputs, gpus=big_gpus, spec="rtx4090", microbatches=2 * big_gpus,
-                      precision="bf16", progress=False)
-    rows8 = compare(gm8, hardware=make_hardware(big_gpus, "rtx4090"), microbatches=m8, precision="bf16", time_limit_s=10.0)
+    big = load_model(big_model, batch_size=m8)
+    with console.status(f"costing {big_model} and solving (ilp up to 10 s)"):
+        gm8, m8 = prepare(big.model, big.example_inputs, gpus=big_gpus, spec="rtx4090", microbatches=m8,
+                          precision="bf16", progress=False)
+        rows8 = compare(gm8, hardware=make_hardware(big_gpus, "rtx4090"), microbatches=m8, precision="bf16",
+                        time_limit_s=10.0)
     print_table(compare_table(rows8), console)
     whole = rows8["ilp"][1]
-    split = plan(big.model, big.example_inputs, gpus=big_gpus, spec="rtx4090", microbatches=2 * big_gpus,
-                 precision="bf16", time_limit_s=10.0, progress=False, loss_fn=big.loss_fn,
-                 example_target=big.example_target, head_chunks=AUTO_HEAD_CHUNKS)
+    with console.status(f"planning {big_model} with its LM head split into {AUTO_HEAD_CHUNKS} chunks as well"):
+        split = plan(big.model, big.example_inputs, gpus=big_gpus, spec="rtx4090", microbatches=m8,
+                     precision="bf16", time_limit_s=10.0, progress=False, loss_fn=big.loss_fn,
+                     example_target=big.example_target, head_chunks=AUTO_HEAD_CHUNKS)
     if whole is not None:
-        console.print(f"ilp with the LM head and its loss in {split.head_chunks} sequence chunks: "
-                      f"{split.predicted.iteration_time_s:.3f} s per iteration (whole head {whole.predicted.iteration_time_s:.3f} s), "
-                      f"bubble {split.predicted.bubble_fraction:.1%}, peak memory {fmt_bytes(split.predicted.peak_memory_bytes)}; "
-                      f"rpcompile.compile(..., example_target=y) keeps the faster")
+        console.print(f"predicted: ilp with the LM head and its loss in {split.head_chunks} sequence chunks "
+                      f"{fmt_ms(split.predicted.iteration_time_s)} per iteration (whole head "
+                      f"{fmt_ms(whole.predicted.iteration_time_s)}), bubble {split.predicted.bubble_fraction:.1%}, "
+                      f"peak memory {fmt_bytes(split.predicted.peak_memory_bytes)}; "
+                      "rpcompile.compile(..., example_target=y) keeps the faster")
     console.print(f"planned {big_model} without allocating its weights in {time.perf_counter() - t0:.1f} s")
-    return 0

@@ -3,9 +3,11 @@
 :func:`diff_plans` compares two :class:`~rpcompile.planfile.Plan`\\ s and returns a :class:`PlanDiff`: only what
 changed, in this order —
 
-- **model**: different fingerprints mean the plans are for different models (said first, in capitals);
+- **model**: plans for different models (said first, in capitals). "The same model" is
+  :func:`rpcompile.verify.model_differences`: the same parameters, and the same graph unless the plans split
+  the LM head (``head_chunks``) or host embedding lookups differently — which the header then reports;
 - **header**: hardware (device count, spec, memory, host link), microbatches, strategy, precision, cost model,
-  tokens per microbatch, the embedding lookups the host runs;
+  tokens per microbatch, the embedding lookups the host runs, the LM head's chunks;
 - **stage counts**: forward stages ``F0..`` and backward stages ``B1..`` (the fused stage ``FB`` is always one);
 - **placement, per module**, forward and backward separately: which stages hold each module. The forward
   placement looks at the forward stages and ``FB``, the backward placement at ``FB`` and the backward stages; a
@@ -36,6 +38,7 @@ from typing import Any, Iterable, Sequence
 
 from .planfile import Plan, Stage
 from .report import fmt_bytes
+from .verify import model_differences
 
 __all__ = ["diff_plans", "PlanDiff", "Change", "Move", "Nodes", "ActivationChange", "StageChange", "THRESHOLD"]
 
@@ -177,7 +180,8 @@ class PlanDiff:
 def diff_plans(a: Plan, b: Plan, *, a_name: str = "a", b_name: str = "b") -> PlanDiff:
     """Compare plan ``a`` (before) with plan ``b`` (after); ``a_name`` and ``b_name`` (file names, say) head the
     lines."""
-    same_model = a.model == b.model
+    why = model_differences(a, b)
+    same_model = not why
     depth = _list_depth(m for p in (a, b) for s in p.stages for m in s.modules)
     moves: dict[str, tuple[Move, ...]] = {}
     nodes: dict[str, Nodes] = {}
@@ -188,7 +192,7 @@ def diff_plans(a: Plan, b: Plan, *, a_name: str = "a", b_name: str = "b") -> Pla
     return PlanDiff(
         a_name=a_name,
         b_name=b_name,
-        model=() if same_model else tuple(a.model.differences(b.model) or ["fingerprints differ"]),
+        model=tuple(why),
         header=_header(a, b),
         stage_counts=_changes(("forward stages", len(a.forward_stages), len(b.forward_stages)),
                               ("backward stages", len(a.backward_stages), len(b.backward_stages))),
@@ -224,6 +228,7 @@ def _header(a: Plan, b: Plan) -> tuple[Change, ...]:
         ("precision", a.precision, b.precision),
         ("cost model", a.cost_model or "(unknown)", b.cost_model or "(unknown)"),
         ("on the host", ", ".join(a.host) or "(nothing)", ", ".join(b.host) or "(nothing)"),
+        ("LM head chunks", a.head_chunks, b.head_chunks),
     )
 
 

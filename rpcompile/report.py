@@ -1,8 +1,12 @@
-"""Rendering for people: unit formatting and rich tables for the CLI."""
+"""Rendering for people: unit formatting and rich tables for the CLI.
+
+Numbers are written as people write them: parameter counts with k/M/B/T (``8.03B``), and every time in a table
+in one unit — milliseconds (``2,621 ms``, ``38.6 ms``, ``0.978 ms``) — so a column can be read down. Figures from
+the timing model or the simulator are labelled *predicted* / *simulated*; measured ones say so."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 from rich.console import Console
 from rich.table import Table
@@ -11,8 +15,8 @@ from rpcompile.passes.validate import format_bytes as fmt_bytes
 
 from .profiling import CostRow, Profile
 
-__all__ = ["fmt_bytes", "fmt_time", "fmt_count", "profile_table", "plan_table", "compare_table", "stage_range", "print_table",
-           "simulate_table", "devices_table"]
+__all__ = ["fmt_bytes", "fmt_time", "fmt_ms", "fmt_count", "fmt_params", "models_table", "bound_note", "profile_table",
+           "plan_table", "compare_table", "stage_range", "print_table", "simulate_table", "devices_table"]
 
 
 def fmt_time(s: float) -> str:
@@ -21,6 +25,23 @@ def fmt_time(s: float) -> str:
     if s >= 1e-3:
         return f"{s * 1e3:.3f} ms"
     return f"{s * 1e6:.1f} µs"
+
+
+def fmt_ms(s: float) -> str:
+    """Seconds in milliseconds with about three significant digits: ``2,621 ms``, ``38.6 ms``, ``5.76 ms``,
+    ``0.978 ms`` (below a microsecond: ``0 ms``)."""
+    v = s * 1e3
+    digits = 0 if abs(v) >= 100 else 1 if abs(v) >= 10 else 2 if abs(v) >= 1 else 3
+    text = f"{v:,.{digits}f}"
+    return f"{'0' if float(text.replace(',', '')) == 0 else text} ms"
+
+
+def fmt_params(n: float) -> str:
+    """A parameter count as people write it: ``8.03B``, ``46.2k``, ``217.7k``, ``64``."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g}{unit}" if n / scale < 100 else f"{n / scale:.1f}{unit}"
+    return f"{int(n)}"
 
 
 def fmt_count(n: float) -> str:
@@ -32,9 +53,21 @@ def fmt_count(n: float) -> str:
 
 def _row(r: CostRow) -> list[str]:
     return [
-        r.name, fmt_count(r.params), fmt_bytes(r.param_bytes), fmt_count(r.fwd_flops),
-        fmt_time(r.fwd_time_s), fmt_time(r.bwd_time_s), fmt_bytes(r.activation_bytes), str(r.nodes),
+        r.name, fmt_params(r.params), fmt_bytes(r.param_bytes), fmt_count(r.fwd_flops),
+        fmt_ms(r.fwd_time_s), fmt_ms(r.bwd_time_s), fmt_bytes(r.activation_bytes), str(r.nodes),
     ]
+
+
+def models_table(summaries: Sequence[Any]) -> Table:
+    """``rpcompile models``: one row per built-in model (:class:`rpcompile.models.ModelSummary`)."""
+    table = Table(title="built-in models (rpcompile profile|plan|simulate NAME)")
+    for col, justify in (("model", "left"), ("params", "right"), ("layers", "right"), ("runs", "left"),
+                         ("shape", "left")):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for m in summaries:
+        runs = "trains here (cpu)" if m.device != "meta" else "meta only: profile, plan, simulate"
+        table.add_row(m.name, fmt_params(m.params), str(m.layers), runs, m.description.split(": ", 1)[-1])
+    return table
 
 
 def profile_table(prof: Profile, *, nodes: bool = False, title: str = "") -> Table:
@@ -77,39 +110,48 @@ def plan_table(plan, *, title: str = "") -> Table:
             act = f"recomputes {len(s.recomputed)}, uploads {len(s.saved)}" if s.saved else f"recomputes all {len(s.nodes)}"
         else:
             act = "forward+loss+backward, nothing recomputed"
-        table.add_row(s.name, str(plan.device_of(k)), s.kind, stage_range(s), str(len(s.nodes)), fmt_time(s.time_s),
+        table.add_row(s.name, str(plan.device_of(k)), s.kind, stage_range(s), str(len(s.nodes)), fmt_ms(s.time_s),
                       fmt_bytes(s.memory_bytes), act)
     p = plan.predicted
-    table.caption = (f"iteration {fmt_time(p.iteration_time_s)}, bubble {p.bubble_fraction:.1%}, peak memory "
-                     f"{fmt_bytes(p.peak_memory_bytes)} of {fmt_bytes(plan.hardware.memory_bytes)}"
-                     + (f"; solver: proven bound {fmt_time(p.bound_s)} on stages × slowest stage, gap "
-                        f"{float(plan.stats.get('gap', 0.0)):.1%}" if p.bound_s else "")
+    table.caption = (f"predicted ({plan.cost_model or 'timing model'}): iteration {fmt_ms(p.iteration_time_s)}, "
+                     f"bubble {p.bubble_fraction:.1%}, peak memory {fmt_bytes(p.peak_memory_bytes)} of "
+                     f"{fmt_bytes(plan.hardware.memory_bytes)}"
+                     + (f"; {bound_note(plan)}" if p.bound_s else "")
                      + (f"; on the host: {', '.join(plan.host)} (embedding lookups)" if plan.host else ""))
     return table
 
 
+def bound_note(plan: Any) -> str:
+    """The solver's proven bound, said so that nobody reads it as a bound on the iteration time: it bounds the
+    ILP's own objective, stage-count factor × slowest stage (DESIGN.md §3), which the exact iteration time of
+    an unequal plan can beat."""
+    gap = float(plan.stats.get("gap", 0.0))
+    return (f"ILP objective (stage factor × slowest stage) proven ≥ {fmt_ms(plan.predicted.bound_s)}, gap {gap:.1%} "
+            "— a bound on that objective, not on the iteration time")
+
+
 def compare_table(rows: dict, *, reference: str = "ilp") -> Table:
     """Strategies side by side: ``rows`` maps name -> (PartitionResult, Plan | None)."""
-    table = Table(title="strategies under the same timing model")
+    table = Table(title="strategies under the same timing model (predicted)")
     for col in ("strategy", "feasible", "F/B stages", "iteration", f"vs {reference}", "bubble", "recompute", "peak memory", "solve"):
         table.add_column(col, justify="left" if col == "strategy" else "right")
     ref = rows.get(reference, (None, None))[1]
     for name, (result, plan) in rows.items():
         if plan is None:
-            table.add_row(name, "no", "-", "-", "-", "-", "-", "-", fmt_time(result.solve_time_s))
+            table.add_row(name, "no", "-", "-", "-", "-", "-", "-", fmt_ms(result.solve_time_s))
             continue
         p = plan.predicted
         ratio = f"{p.iteration_time_s / ref.predicted.iteration_time_s:.3f}×" if ref else "-"
         n_bwd = sum(len(s.nodes) for s in plan.backward_stages)
         recompute = f"{len(plan.recomputed) / n_bwd:.0%}" if n_bwd else "-"
-        table.add_row(name, "yes", f"{len(plan.forward_stages)}/{len(plan.backward_stages)}", fmt_time(p.iteration_time_s),
-                      ratio, f"{p.bubble_fraction:.1%}", recompute, fmt_bytes(p.peak_memory_bytes), fmt_time(result.solve_time_s))
+        table.add_row(name, "yes", f"{len(plan.forward_stages)}/{len(plan.backward_stages)}", fmt_ms(p.iteration_time_s),
+                      ratio, f"{p.bubble_fraction:.1%}", recompute, fmt_bytes(p.peak_memory_bytes), fmt_ms(result.solve_time_s))
     return table
 
 
 def simulate_table(results: dict, scenarios: dict, *, title: str = "") -> Table:
     """One row per simulated schedule: time, bubble, throughput, memory, and whether it fits."""
-    t = Table(title=title)
+    t = Table(title=title, caption="simulated (the executor's schedules on a clock), not measured")
     for col in ("schedule", "stages", "iteration", "bubble", "fill / drain / waits", "tokens/s", "peak memory",
                 "fits", "vs ilp"):
         t.add_column(col, justify="left" if col == "schedule" else "right")
@@ -121,7 +163,7 @@ def simulate_table(results: dict, scenarios: dict, *, title: str = "") -> Table:
         sc = scenarios.get(name)
         memory = max(r.peak_memory_bytes, default=0)
         idle = r.idle_fractions
-        t.add_row(name, str(sc.stage_count if sc else len(r.stage_names)), fmt_time(r.iteration_time_s), f"{r.bubble_fraction:.1%}",
+        t.add_row(name, str(sc.stage_count if sc else len(r.stage_names)), fmt_ms(r.iteration_time_s), f"{r.bubble_fraction:.1%}",
                   " / ".join(f"{idle[k]:.1%}" for k in ("fill", "drain", "waits")),
                   fmt_count(r.tokens_per_s) if r.tokens_per_iteration else "—",
                   fmt_bytes(memory) if memory else "—", fits, ratio)
@@ -140,6 +182,6 @@ def devices_table(result, *, title: str = "") -> Table:
         peak = result.peak_memory_bytes[d] if d < len(result.peak_memory_bytes) else 0
         moved = [fmt_bytes(int(x[d])) if d < len(x) else "—" for x in (result.uploaded_bytes, result.downloaded_bytes)]
         backlog = result.offload_backlog_bytes[d] if d < len(result.offload_backlog_bytes) else 0
-        t.add_row(str(d), fmt_time(busy), f"{util:.1%}", *(fmt_time(idle[d][k]) for k in ("fill", "drain", "waits")),
+        t.add_row(str(d), fmt_ms(busy), f"{util:.1%}", *(fmt_ms(idle[d][k]) for k in ("fill", "drain", "waits")),
                   *moved, fmt_bytes(backlog) if backlog else "—", fmt_bytes(peak) if peak else "—")
     return t

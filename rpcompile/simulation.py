@@ -8,11 +8,17 @@ devices), ``roundpipe`` (the paper's partitioner on our costs) and ``ilp`` (rpco
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from typing import Any, Sequence
 
 from rpcompile.runtime.scenarios import SCHEDULES, Scenario, from_plan, from_segment_plan, static_scenarios
 
-__all__ = ["SCHEDULES", "parse_schedules", "model_scenarios", "plan_scenarios", "profile_scenarios", "run_all"]
+__all__ = ["SCHEDULES", "parse_schedules", "model_scenarios", "plan_scenarios", "profile_scenarios", "run_all",
+           "skipped"]
+
+
+def _quiet(text: str) -> Any:
+    return nullcontext()
 
 
 def parse_schedules(text: str) -> list[str]:
@@ -31,12 +37,14 @@ def model_scenarios(model: Any, example_inputs: Sequence[Any], *, gpus: int, spe
                     schedules: Sequence[str] = SCHEDULES, chunks: int = 2, host_bytes_per_s: float = math.inf,
                     time_limit_s: float = 10.0, progress: Any = None, loss_fn: Any = None,
                     example_target: Any = None, head_chunks: "int | str" = "auto",
-                    segments_per_layer: int = 2, host_embedding: bool = True) -> dict[str, Scenario]:
+                    segments_per_layer: int = 2, host_embedding: bool = True,
+                    status: Any = None) -> dict[str, Scenario]:
     """Trace and cost ``model`` once, then build every requested schedule on that one problem. ``ilp`` may plan
     a graph with the LM head split as well (``head_chunks``, see :func:`rpcompile.planning.plan`) and keeps the
     faster plan; its notes say which (``head_chunks``). Only ``ilp`` runs token embeddings on the host
     (``host_embedding``, :mod:`rpcompile.passes.host`): the baselines keep them on the devices, as their
-    systems do."""
+    systems do. ``progress`` is the profiler's bar; ``status(text)``, a context manager, shows each solve (the
+    CLI's spinner)."""
     from rpcompile.errors import InfeasibleError
     from rpcompile.lowering import _tokens
     from rpcompile.passes.partition import solve
@@ -62,7 +70,9 @@ def model_scenarios(model: Any, example_inputs: Sequence[Any], *, gpus: int, spe
                              head_chunks=k, segments_per_layer=segments_per_layer,
                              host_embedding=host_embedding and name == "ilp")
             problem = partition_problem(own, hardware=hardware, microbatches=m, precision=precision)
-        res = solve(problem, name, time_limit_s=time_limit_s)
+        with (status or _quiet)(f"solving {name}" + (f", LM head in {k} chunks" if k > 1 else "")
+                                + (f" (up to {time_limit_s:g} s)" if name == "ilp" else "")):
+            res = solve(problem, name, time_limit_s=time_limit_s)
         if not res.feasible:
             raise InfeasibleError(f"{name}: no feasible plan")
         return res.objective, (problem, res, k)
@@ -93,6 +103,24 @@ def profile_scenarios(path: str, model: str, *, schedules: Sequence[str] = SCHED
     entry, n, m = load_layer_profile(path, model)
     return layer_profile_scenarios(entry, devices=gpus or n, microbatches=microbatches or m, schedules=schedules,
                                    time_limit_s=time_limit_s)
+
+
+def skipped(requested: Sequence[str], scenarios: dict[str, Scenario], *, gpus: int, microbatches: int,
+            chunks: int = 2) -> dict[str, str]:
+    """Why each requested schedule that has no scenario was left out, one line each (a schedule is never dropped
+    without a word)."""
+    out = {}
+    for name in (s for s in requested if s not in scenarios):
+        if name == "interleaved-1f1b" and microbatches % gpus:
+            fix = microbatches + gpus - microbatches % gpus
+            out[name] = (f"needs microbatches a multiple of the devices ({microbatches} on {gpus}); "
+                         f"--microbatches {fix}")
+        elif name in ("gpipe", "1f1b", "interleaved-1f1b"):
+            v = chunks if name == "interleaved-1f1b" else 1
+            out[name] = f"the model has fewer layers than its {gpus * v} stages"
+        else:
+            out[name] = "no feasible plan (see rpcompile plan MODEL --strategy for the memory it needs)"
+    return out
 
 
 def run_all(scenarios: dict[str, Scenario]) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -30,6 +31,142 @@ def test_models_lists_builtins(capsys):
     code, out, _ = run(capsys, "models")
     assert code == 0
     assert {"llama-demo", "gpt-demo", "cnn-demo", "llama-8b"} <= set(out.split())
+
+
+def _row(out: str, name: str) -> list[str]:
+    """The cells of the table row that starts with ``name`` (rich draws │ between cells)."""
+    line = next(line for line in out.splitlines() if line.startswith(f"│ {name} "))
+    return [cell.strip() for cell in line.strip("│").split("│")]
+
+
+def test_models_say_size_layers_and_where_they_run(capsys):
+    code, out, _ = run(capsys, "models")
+    assert code == 0
+    header = [cell.strip() for cell in next(line for line in out.splitlines() if "model" in line and "params" in line)
+              .strip("┃").split("┃")]
+    assert header == ["model", "params", "layers", "runs", "shape"]
+    assert _row(out, "llama-8b")[:4] == ["llama-8b", "8.03B", "32", "meta only: profile, plan, simulate"]
+    assert _row(out, "llama-demo")[:4] == ["llama-demo", "217.7k", "4", "trains here (cpu)"]
+    assert _row(out, "qwen3-30b-a3b")[:3] == ["qwen3-30b-a3b", "30.5B", "48"]
+
+
+def test_version(capsys):
+    from rpcompile import __version__
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out == f"rpcompile {__version__}\n"
+
+
+def test_numbers_are_written_as_people_write_them():
+    from rpcompile.report import fmt_ms, fmt_params
+
+    assert [fmt_params(n) for n in (8_030_261_248, 32_762_123_264, 217_664, 1_511_488, 64)] == [
+        "8.03B", "32.8B", "217.7k", "1.51M", "64"]
+    assert [fmt_ms(s) for s in (2.621, 0.0386, 0.00576, 0.000978, 1e-7)] == [
+        "2,621 ms", "38.6 ms", "5.76 ms", "0.978 ms", "0 ms"]
+
+
+SPECS = "rtx4090, rtx3090, a100-80g, h100-sxm, h200, cpu"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["plan", "llama-demo", "--gpus", "2", "--spec", "nosuchgpu"],
+     f"rpcompile plan: error: argument --spec: unknown GPU spec 'nosuchgpu'; choose one of {SPECS}; "
+     "see rpcompile plan --help"),
+    (["profile", "llama-demo", "--spec", "nosuchgpu"],
+     f"rpcompile profile: error: argument --spec: unknown GPU spec 'nosuchgpu'; choose one of {SPECS}; "
+     "see rpcompile profile --help"),
+    (["plan", "llama-demo", "--gpus", "0"],
+     "rpcompile plan: error: argument --gpus: expected a positive integer, got '0'; see rpcompile plan --help"),
+    (["plan", "llama-demo", "--gpus", "-2"],
+     "rpcompile plan: error: argument --gpus: expected a positive integer, got '-2'; see rpcompile plan --help"),
+    (["simulate", "llama-demo", "--gpus", "0"],
+     "rpcompile simulate: error: argument --gpus: expected a positive integer, got '0'; "
+     "see rpcompile simulate --help"),
+    (["plan", "llama-demo"],
+     "rpcompile plan: error: the following arguments are required: --gpus; see rpcompile plan --help"),
+])
+def test_bad_arguments_are_one_line_with_exit_code_2(capsys, argv, message):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert info.value.code == 2 and out == "" and err == message + "\n"
+
+
+def test_a_factory_that_raises_is_one_line(capsys, tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("def factory():\n    raise RuntimeError('no weights here\\nsecond line')\n")
+    code, out, err = run(capsys, "profile", f"{path}:factory")
+    assert code == 2 and out == ""
+    assert err == (f"rpcompile: error: {path}:factory: factory() raised RuntimeError: no weights here; fix {path}, "
+                   "or run it in Python to see the traceback\n")
+
+
+def test_an_unwritable_output_is_refused_before_planning(capsys, monkeypatch, tmp_path):
+    """-o is checked first: a plan of a big model takes minutes, and its file is the point."""
+    import rpcompile.planning
+
+    def no_planning(*args, **kwargs):
+        raise AssertionError("planned before checking -o")
+
+    monkeypatch.setattr(rpcompile.planning, "prepare", no_planning)
+    missing = tmp_path / "missing_dir" / "x.json"
+    code, out, err = run(capsys, "plan", "llama-demo", "--gpus", "2", "--spec", "rtx4090", "-o", str(missing))
+    assert code == 2 and out == ""
+    assert err == (f"rpcompile: error: -o {missing}: directory {missing.parent} does not exist; create it "
+                   f"(mkdir -p {missing.parent}) or write elsewhere\n")
+    code, _, err = run(capsys, "plan", "llama-demo", "--gpus", "2", "-o", str(tmp_path))
+    assert code == 2 and err == (f"rpcompile: error: -o {tmp_path} is a directory; give a file name such as "
+                                 f"{tmp_path / 'plan.json'}\n")
+
+
+def test_errors_through_the_console_script_have_no_traceback(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("def factory():\n    raise RuntimeError('boom')\n")
+    for argv in (["plan", "llama-demo", "--gpus", "-2"], ["profile", f"{path}:factory"]):
+        done = subprocess.run([sys.executable, "-m", "rpcompile", *argv], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and done.stdout == "", done.stderr
+        assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+
+
+def test_plan_and_simulate_default_to_the_same_microbatches(capsys):
+    """One default, stated in both --help texts: gpus + 1, as rpcompile.compile."""
+    for command in ("plan", "simulate"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert "default gpus + 1 (1 on one device), as rpcompile.compile" in " ".join(capsys.readouterr().out.split())
+    code, out, _ = run(capsys, "plan", "llama-demo", "--gpus", "3", "--spec", "rtx4090", "--head-chunks", "1",
+                       "--time-limit", "1", "--json")
+    assert code == 0 and json.loads(out)["microbatches"] == 4
+    code, out, _ = run(capsys, "simulate", "llama-demo", "--gpus", "3", "--spec", "rtx4090", "--schedules", "1f1b",
+                       "--json")
+    assert code == 0 and json.loads(out)["microbatches"] == 4
+
+
+def test_the_bound_is_labelled_as_the_objectives(capsys):
+    """The solver's bound is on c(S)·T, which can exceed the plan's exact iteration time: the caption says so."""
+    code, out, _ = run(capsys, "plan", "llama-demo", "--gpus", "2", "--spec", "rtx4090", "--head-chunks", "1",
+                       "--time-limit", "1")
+    text = " ".join(out.split())
+    assert code == 0 and "proven bound" not in text
+    assert re.search(r"ILP objective \(stage factor × slowest stage\) proven ≥ [\d,.]+ ms, gap [\d.]+% — a bound on "
+                     r"that objective, not on the iteration time", text), text
+    assert re.search(r"predicted \(analytic\S*\): iteration [\d,.]+ ms", text), text
+
+
+def test_progress_shows_on_a_terminal_only(capsys, monkeypatch):
+    import argparse
+
+    from rpcompile.cli import _step
+
+    with _step(argparse.Namespace(json=False), "solving"):
+        pass
+    assert capsys.readouterr().err == ""  # not a terminal (pytest captures stderr; CI pipes it)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    with _step(argparse.Namespace(json=True), "solving"):
+        pass
+    assert capsys.readouterr().err == ""  # --json: quiet even on a terminal
 
 
 def test_profile_json_schema(capsys):
@@ -102,3 +239,22 @@ def test_a_small_example_batch_grows_to_one_sample_per_microbatch(capsys):
     code, out, _ = run(capsys, "plan", "llama-demo", "--gpus", "4", "--spec", "rtx4090", "--json")
     plan = json.loads(out)
     assert code == 0 and plan["microbatches"] == 5 and plan["tokens_per_microbatch"] == 32
+
+
+def test_the_demo_trains_the_plan_it_prints():
+    """make demo: section 3 trains the very plan section 2 printed, and sets the prediction beside the measured
+    step time, saying what the prediction is on this machine."""
+    import io
+
+    from rich.console import Console
+
+    from rpcompile.demo import CPU_NOTE, run_demo
+
+    buf = io.StringIO()
+    assert run_demo("llama-demo", big_model="", steps=2, console=Console(file=buf, width=200)) == 0
+    out = buf.getvalue()
+    shown = int(re.search(r"llama-demo: the ilp plan, (\d+) stages on 2 logical CPU devices, (\d+) microbatches", out).group(1))
+    steps = re.findall(r"^step \d: loss [\d.]+  \([\d,.]+ ms, (\d+) stages, 3 microbatches\)", out, re.MULTILINE)
+    assert steps == [str(shown)] * 2
+    assert re.search(r"plan's prediction: [\d,.]+ ms per step .*; measured: [\d,.]+ ms per step", out)
+    assert " ".join(CPU_NOTE.split()) in " ".join(out.split())

@@ -116,6 +116,49 @@ def test_show_prints_the_stage_table_and_draws_the_graph(plans, tmp_path, capsys
         f"rpcompile: error: cannot write a plan graph to '{tmp_path / 'g.png'}': the file name must end in .svg or .dot")
 
 
+@pytest.fixture(scope="module")
+def planned_apart(tmp_path_factory):
+    """llama-demo planned three ways: as is, with its LM head in 4 chunks, with its embedding on the devices."""
+    d = tmp_path_factory.mktemp("apart")
+    paths = {name: d / f"{name}.json" for name in ("plain", "split", "device")}
+    base = ["plan", "llama-demo", "--gpus", "2", "--spec", "rtx4090", "--time-limit", "1", "--json"]
+    assert main([*base, "--head-chunks", "1", "-o", str(paths["plain"])]) == 0
+    assert main([*base, "--head-chunks", "4", "-o", str(paths["split"])]) == 0
+    assert main([*base, "--head-chunks", "1", "--no-host-embedding", "-o", str(paths["device"])]) == 0
+    return paths
+
+
+def test_show_check_and_diff_agree_on_a_split_head(planned_apart, tmp_path, capsys):
+    """The plan of a split LM head is for the model it was planned from: show draws it, check passes it."""
+    split = str(planned_apart["split"])
+    capsys.readouterr()
+    assert main(["show", split, "--graph", str(tmp_path / "g.svg"), "--model", "llama-demo"]) == 0
+    assert f"graph written to {tmp_path / 'g.svg'}" in capsys.readouterr().out
+    assert main(["check", split, "llama-demo", "--time-limit", "1"]) == 0, capsys.readouterr().out
+    assert main(["diff", str(planned_apart["plain"]), split]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert "LM head chunks 1 → 4" in out and not any("DIFFERENT MODELS" in line for line in out)
+
+
+def test_diff_calls_host_and_device_embeddings_the_same_model(planned_apart, capsys):
+    assert main(["diff", str(planned_apart["plain"]), str(planned_apart["device"])]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert "on the host embed → (nothing)" in out and not any("DIFFERENT MODELS" in line for line in out)
+
+
+def test_diff_still_tells_different_models_apart(capsys):
+    assert main(["diff", str(GOLDEN / "llama-demo.json"), str(GOLDEN / "gpt-demo.json")]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == "DIFFERENT MODELS: the plans are for different models; only module placement is compared"
+
+
+def test_show_refuses_another_model_in_one_line(planned_apart, tmp_path, capsys):
+    code = main(["show", str(planned_apart["split"]), "--graph", str(tmp_path / "g.svg"), "--model", "gpt-demo"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith(f"rpcompile: error: {planned_apart['split']} was made for a different model")
+
+
 @pytest.mark.parametrize("name", sorted(p.stem for p in GOLDEN.glob("*.json")))
 def test_golden_plans_are_current(name, capsys):
     """CI's guard: a change to the cost model or the partitioner that makes a checked-in plan stale or worse

@@ -67,7 +67,7 @@ def test_a_version_1_plan_simulates_its_stage_times(tmp_path):
 def test_a_model_runs_every_requested_schedule(capsys, tmp_path):
     svg = tmp_path / "t.svg"
     code, out, _ = run(capsys, "simulate", "llama-demo", "--gpus", "2", "--spec", "rtx4090", "--schedules",
-                       "1f1b,interleaved-1f1b,ilp", "--json", "--timeline", str(svg))
+                       "1f1b,interleaved-1f1b,ilp", "--microbatches", "4", "--json", "--timeline", str(svg))
     assert code == 0
     res = json.loads(out)["schedules"]
     assert list(res) == ["1f1b", "interleaved-1f1b", "ilp"]
@@ -106,6 +106,29 @@ def test_bad_input_is_one_line(capsys, argv, message):
     assert code == 2 and out == "" and err == f"rpcompile: error: {message}\n"
 
 
+def test_a_schedule_left_out_is_said_with_the_fix(capsys):
+    """The default microbatches (gpus + 1) are no multiple of the devices, which interleaved 1F1B needs: the
+    schedule is not dropped without a word."""
+    code, out, _ = run(capsys, "simulate", "llama-demo", "--gpus", "2", "--spec", "rtx4090", "--schedules",
+                       "1f1b,interleaved-1f1b", "--json")
+    res = json.loads(out)
+    assert code == 0 and list(res["schedules"]) == ["1f1b"] and res["microbatches"] == 3
+    assert res["skipped"] == {"interleaved-1f1b": "needs microbatches a multiple of the devices (3 on 2); "
+                                                  "--microbatches 4"}
+    code, out, _ = run(capsys, "simulate", "llama-demo", "--gpus", "2", "--spec", "rtx4090", "--schedules",
+                       "1f1b,interleaved-1f1b")
+    assert code == 0 and ("interleaved-1f1b: not simulated: needs microbatches a multiple of the devices (3 on 2); "
+                          "--microbatches 4") in out.splitlines()
+    assert "simulated (the executor's schedules on a clock), not measured" in out
+
+
+def test_a_timeline_into_a_missing_directory_is_refused_first(capsys, tmp_path):
+    missing = tmp_path / "no" / "t.svg"
+    code, out, err = run(capsys, "simulate", str(GOLDEN), "--timeline", str(missing))
+    assert code == 2 and out == "" and err == (f"rpcompile: error: --timeline {missing}: directory {missing.parent} "
+                                               f"does not exist; create it (mkdir -p {missing.parent}) or write elsewhere\n")
+
+
 def test_host_bandwidth_cap_slows_a_streaming_plan(capsys):
     times = []
     for extra in ([], ["--host-bandwidth", "2MB/s"]):
@@ -113,11 +136,11 @@ def test_host_bandwidth_cap_slows_a_streaming_plan(capsys):
         assert code == 0
         times.append(json.loads(out)["schedules"]["ilp"]["iteration_time_s"])
     assert times[1] > times[0]
-    with pytest.raises(SystemExit) as exc:  # argparse's own usage error
+    with pytest.raises(SystemExit) as exc:  # argparse's own usage error, in one line
         main(["simulate", str(GOLDEN), "--host-bandwidth", "fast"])
     assert exc.value.code == 2
-    assert capsys.readouterr().err.strip().endswith(
-        "error: argument --host-bandwidth: not a bandwidth: 'fast' (examples: 100GB/s, 50GiB/s)")
+    assert capsys.readouterr().err == ("rpcompile simulate: error: argument --host-bandwidth: not a bandwidth: 'fast' "
+                                       "(examples: 100GB/s, 50GiB/s); see rpcompile simulate --help\n")
 
 
 def test_a_plans_backward_stages_wait_for_the_saves_they_read():

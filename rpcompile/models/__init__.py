@@ -9,7 +9,8 @@ from rpcompile.models.cnn import CNNConfig, ConvNet
 from rpcompile.models.gpt import GPT, GPTConfig
 from rpcompile.models.llama import Llama, LlamaConfig
 from rpcompile.models.moe import MoE, MoEConfig
-from rpcompile.models.registry import ModelSpec, classification_loss, list_models, lm_loss, load_model
+from rpcompile.models.registry import (ModelSpec, ModelSummary, classification_loss, list_models, lm_loss, load_model,
+                                       model_summaries)
 
 __all__ = [
     "CNNConfig",
@@ -21,8 +22,10 @@ __all__ = [
     "MoE",
     "MoEConfig",
     "ModelSpec",
+    "ModelSummary",
     "classification_loss",
     "list_models",
     "lm_loss",
     "load_model",
+    "model_summaries",
 ]

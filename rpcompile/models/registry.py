@@ -30,7 +30,8 @@ from rpcompile.models.gpt import GPT, GPTConfig
 from rpcompile.models.llama import Llama, LlamaConfig
 from rpcompile.models.moe import MoE, MoEConfig
 
-__all__ = ["ModelSpec", "LossFn", "load_model", "list_models", "lm_loss", "classification_loss"]
+__all__ = ["ModelSpec", "ModelSummary", "LossFn", "load_model", "list_models", "model_summaries", "lm_loss",
+           "classification_loss"]
 
 LossFn = Callable[[Any, Any], Tensor]
 """``loss_fn(output, target) -> scalar tensor``."""
@@ -151,6 +152,34 @@ def list_models() -> list[str]:
     return sorted(_PRESETS)
 
 
+@dataclass(frozen=True)
+class ModelSummary:
+    """What ``rpcompile models`` says about a built-in model."""
+
+    name: str
+    params: int
+    """Parameter count (tied weights once)."""
+    layers: int
+    """Transformer blocks, or conv blocks of an image model."""
+    device: str
+    """Where it is built by default: ``cpu`` (it trains here) or ``meta`` (shapes only: profile, plan, simulate)."""
+    description: str
+
+
+def model_summaries() -> list[ModelSummary]:
+    """Every built-in model, sorted by name, counted on the ``meta`` device (nothing is allocated)."""
+    out = []
+    for name in list_models():
+        p = _PRESETS[name]
+        with torch.device("meta"):
+            model = p.build(max(p.seq_len, 1))
+        cfg = model.config
+        layers = getattr(cfg, "n_layers", None) or len(getattr(cfg, "channels", ()))
+        params = sum(t.numel() for t in model.parameters())
+        out.append(ModelSummary(name, params, layers, p.device, p.description))
+    return out
+
+
 def load_model(
     spec: str,
     *,
@@ -214,7 +243,13 @@ def _load_file(spec: str) -> ModelSpec:
     factory = getattr(_import_file(path), factory_name, None)
     if not callable(factory):
         raise ModelSpecError(f"{path} has no callable {factory_name!r}; define def {factory_name}(): ... there")
-    return _as_spec(factory(), spec)
+    try:
+        made = factory()
+    except Exception as e:  # the user's code: one line naming it, not a traceback
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ModelSpecError(f"{spec}: {factory_name}() raised {type(e).__name__}{': ' + first if first else ''}; "
+                             f"fix {path}, or run it in Python to see the traceback") from e
+    return _as_spec(made, spec)
 
 
 def _import_file(path: Path) -> Any:

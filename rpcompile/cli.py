@@ -37,10 +37,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="built-in model name or path/to/file.py:factory")
     p.add_argument("--batch-size", type=_positive_int, default=None, help="override the model's example batch size")
     p.add_argument("--seq-len", type=_positive_int, default=None, help="override the example sequence length (decoders)")
-    p.add_argument("--model-device", default=None, help="build the model on this device (default: the model's own)")
+    p.add_argument("--model-device", type=_device, default=None, help="build the model on this device (default: the model's own)")
     cost = p.add_mutually_exclusive_group()
     cost.add_argument("--spec", type=_spec, default=None, help=f"analytic costs for this GPU spec ({_SPEC_NAMES})")
-    cost.add_argument("--device", default=None, help="measured costs on this device (cpu, cuda:0, ...)")
+    cost.add_argument("--device", type=_device, default=None, help="measured costs on this device (cpu, cuda:0, ...)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None, help="cost compute in this precision")
 
 
@@ -88,10 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("target", nargs="?", default=None, help="a plan .json file, or a built-in model / path/to/file.py:factory")
     p.add_argument("--batch-size", type=_positive_int, default=None, help="override the model's example batch size (default: >= microbatches)")
     p.add_argument("--seq-len", type=_positive_int, default=None, help="override the example sequence length (decoders)")
-    p.add_argument("--model-device", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--model-device", type=_device, default=None, help=argparse.SUPPRESS)
     cost = p.add_mutually_exclusive_group()
     cost.add_argument("--spec", type=_spec, default=None, help=f"analytic costs for this GPU spec ({_SPEC_NAMES})")
-    cost.add_argument("--device", default=None, help="measured costs on this device (cpu, cuda:0, ...)")
+    cost.add_argument("--device", type=_device, default=None, help="measured costs on this device (cpu, cuda:0, ...)")
     p.add_argument("--gpus", type=_positive_int, default=None, help="number of devices (MODEL; a layer profile has its own)")
     p.add_argument("--microbatches", type=_positive_int, default=None,
                    help=f"microbatches per iteration (MODEL: default {DEFAULT_MICROBATCHES}; a layer profile has its own)")
@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="built-in model name or path/to/file.py:factory the plan is for")
     p.add_argument("--batch-size", type=_positive_int, default=None, help="override the model's example batch size (default: >= microbatches)")
     p.add_argument("--seq-len", type=_positive_int, default=None, help="override the example sequence length (decoders)")
-    p.add_argument("--model-device", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--model-device", type=_device, default=None, help=argparse.SUPPRESS)
     p.add_argument("--max-regression", type=_parse_percent, default=0.02, help="allowed slowdown against a fresh plan (default 2%%)")
     p.add_argument("--time-limit", type=_positive_float, default=10.0, help="solver time limit for the fresh plan (s)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
@@ -192,6 +192,23 @@ def _spec(text: str) -> str:
     return text
 
 
+def _device(text: str) -> str:
+    """A device this machine has: ``cpu``, ``meta``, ``cuda:K`` with K < the CUDA devices here."""
+    import torch
+
+    try:
+        dev = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"not a device: {text!r} (examples: cpu, cuda:0, meta)") from None
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(
+            f"{text}: this machine has {torch.cuda.device_count()} CUDA device(s); for a GPU you do not have, use "
+            "--spec NAME (analytic costs) instead")
+    if dev.type not in ("cpu", "cuda", "meta"):
+        raise argparse.ArgumentTypeError(f"{text}: rpcompile runs on cpu, cuda:K or meta")
+    return text
+
+
 def _positive_float(text: str) -> float:
     try:
         x = float(text)
@@ -239,6 +256,18 @@ def _writable(path: str, flag: str) -> None:
         raise RPCompileError(f"{flag} {path}: directory {parent} does not exist; create it (mkdir -p {parent}) "
                              "or write elsewhere")
     if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise RPCompileError(f"{flag} {path}: not writable here; pick a path you can write")
+
+
+def _directory(path: str, flag: str) -> None:
+    """Make the output directory ``path`` now, before any work, or refuse it in one line."""
+    from rpcompile.errors import RPCompileError
+
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RPCompileError(f"{flag} {path}: cannot create the directory ({e.strerror}); pick a path you can write") from None
+    if not os.access(path, os.W_OK):
         raise RPCompileError(f"{flag} {path}: not writable here; pick a path you can write")
 
 
@@ -480,6 +509,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     if args.output:
         _writable(args.output, "-o")
+    if args.emit:
+        _directory(args.emit, "--emit")
     ms = _load_for(args, args.microbatches or _default_microbatches(args.gpus))
     model_device = next((p.device.type for p in ms.model.parameters()), "cpu")
     hardware = make_hardware(args.gpus, default_spec(args.spec, args.device, model_device), args.memory_limit)
@@ -490,7 +521,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                         progress=_bars(args), loss_fn=ms.loss_fn, example_target=ms.example_target,
                         head_chunks=k, segments_per_layer=args.segments_per_layer, host_embedding=args.host_embedding)
         head = f"LM head in {k} chunks" if k > 1 else "whole LM head"
-        with _step(args, f"solving ({head}): ilp up to {args.time_limit:g} s, then dp, roundpipe, uniform"):
+        with _step(args, f"solving ({head}): ilp ≤ {args.time_limit:g} s, dp, roundpipe, uniform"):
             rows = compare(gm, hardware=hardware, microbatches=m, precision=args.precision,
                            time_limit_s=args.time_limit)
         if rows[args.strategy][1] is None:
@@ -529,7 +560,9 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
     from rpcompile.report import models_table, print_table
 
-    print_table(models_table(model_summaries()))
+    with _step(args, "counting parameters on the meta device"):
+        rows = model_summaries()
+    print_table(models_table(rows))
     return 0
 
 
@@ -555,6 +588,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `rpcompile ... | head`: the reader left; say nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except Exception as e:  # not anticipated: still one line, the traceback behind -v
+        if args.verbose:
+            raise
+        text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        print(f"rpcompile: error: {type(e).__name__}{': ' + text if text else ''} (unexpected: rerun with -v for the "
+              "traceback, and please report it)", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -113,7 +113,8 @@ def plan_table(plan, *, title: str = "") -> Table:
         table.add_row(s.name, str(plan.device_of(k)), s.kind, stage_range(s), str(len(s.nodes)), fmt_ms(s.time_s),
                       fmt_bytes(s.memory_bytes), act)
     p = plan.predicted
-    table.caption = (f"predicted ({plan.cost_model or 'timing model'}): iteration {fmt_ms(p.iteration_time_s)}, "
+    source = f" from {plan.cost_model} costs" if plan.cost_model else ""
+    table.caption = (f"predicted{source}: iteration {fmt_ms(p.iteration_time_s)}, "
                      f"bubble {p.bubble_fraction:.1%}, peak memory {fmt_bytes(p.peak_memory_bytes)} of "
                      f"{fmt_bytes(plan.hardware.memory_bytes)}"
                      + (f"; {bound_note(plan)}" if p.bound_s else "")

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from rpcompile.cli import main
 
@@ -121,6 +122,38 @@ def test_an_unwritable_output_is_refused_before_planning(capsys, monkeypatch, tm
                                  f"{tmp_path / 'plan.json'}\n")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_gpu_this_machine_lacks_is_one_line(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["plan", "llama-demo", "--gpus", "2", "--device", "cuda:0"])
+    assert info.value.code == 2 and capsys.readouterr().err == (
+        "rpcompile plan: error: argument --device: cuda:0: this machine has 0 CUDA device(s); for a GPU you do not "
+        "have, use --spec NAME (analytic costs) instead; see rpcompile plan --help\n")
+
+
+def test_an_emit_directory_that_cannot_be_made_is_refused_first(capsys, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    code, out, err = run(capsys, "plan", "llama-demo", "--gpus", "2", "--emit", str(blocker / "stages"))
+    assert code == 2 and out == ""
+    assert err == (f"rpcompile: error: --emit {blocker / 'stages'}: cannot create the directory (Not a directory); "
+                   "pick a path you can write\n")
+
+
+def test_an_unexpected_error_is_one_line_and_verbose_shows_it(capsys, monkeypatch):
+    import rpcompile.models
+
+    def broken(*args, **kwargs):
+        raise KeyError("wte")
+
+    monkeypatch.setattr(rpcompile.models, "load_model", broken)
+    code, out, err = run(capsys, "profile", "llama-demo")
+    assert code == 2 and out == "" and err == (
+        "rpcompile: error: KeyError: 'wte' (unexpected: rerun with -v for the traceback, and please report it)\n")
+    with pytest.raises(KeyError):
+        main(["-v", "profile", "llama-demo"])
+
+
 def test_errors_through_the_console_script_have_no_traceback(tmp_path):
     path = tmp_path / "m.py"
     path.write_text("def factory():\n    raise RuntimeError('boom')\n")
@@ -152,7 +185,7 @@ def test_the_bound_is_labelled_as_the_objectives(capsys):
     assert code == 0 and "proven bound" not in text
     assert re.search(r"ILP objective \(stage factor × slowest stage\) proven ≥ [\d,.]+ ms, gap [\d.]+% — a bound on "
                      r"that objective, not on the iteration time", text), text
-    assert re.search(r"predicted \(analytic\S*\): iteration [\d,.]+ ms", text), text
+    assert re.search(r"predicted from analytic\S* costs: iteration [\d,.]+ ms", text), text
 
 
 def test_progress_shows_on_a_terminal_only(capsys, monkeypatch):

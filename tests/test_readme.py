@@ -158,9 +158,16 @@ def test_the_readme_has_its_commands():
     assert len(python_blocks()) >= 3
     assert shrink("rpcompile plan llama-8b --gpus 8 --spec rtx4090 -o plan.json") == (
         "rpcompile plan llama-demo --gpus 2 --spec rtx4090 -o plan.json --time-limit 1")
-    assert adapt('pipe = rpcompile.compile(model, (x,), loss_fn=f, gpus=8)   # or devices=["cpu"]') == (
-        'pipe = rpcompile.compile(model, (x,), loss_fn=f, devices=["cpu", "cpu"])   # or devices=["cpu"]'
-        if not torch.cuda.is_available() else 'pipe = rpcompile.compile(model, (x,), loss_fn=f, gpus=8)   # or devices=["cpu"]')
+    line = 'pipe = rpcompile.compile(model, (x,), loss_fn=f, gpus=8)   # or devices=["cpu"]'
+    here = line.replace("gpus=8", 'devices=["cpu", "cpu"]') if not torch.cuda.is_available() else line
+    assert adapt(line) == here and adapt('plan(model, (x,), gpus=8, spec="h200")') == 'plan(model, (x,), gpus=8, spec="h200")'
+
+
+def test_a_broken_command_would_fail(workdir, capsys):
+    """What the block tests rely on: a flag the CLI lost, or a file a line needs, gives a failing exit code."""
+    assert _run_here("rpcompile plan llama-demo --gpus 2 --no-such-flag", capsys)[0] == 2
+    assert _run_here("rpcompile show missing.json", capsys)[0] == 2
+    assert _run_here("ls no-such-file", capsys)[0] != 0
 
 
 @pytest.mark.parametrize("start,lines", shell_blocks(), ids=[f"line{s}" for s, _ in shell_blocks()])
@@ -172,7 +179,8 @@ def test_shell_block_runs(start, lines, workdir, capsys):
             assert argv[-1] in targets, f"README.md:{start}: `{line}`: the Makefile has no target {argv[-1]}"
             continue
         code, err = _run_here(shrink(line), capsys)
-        assert code in _allowed(line) and "Traceback" not in err, f"README.md:{start}: `{shrink(line)}` exited {code}: {err}"
+        assert code in _allowed(line) and "Traceback" not in err, (
+            f"README.md:{start}: `{shrink(line)}` exited {code}: {err}")
 
 
 @pytest.fixture

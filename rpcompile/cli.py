@@ -163,7 +163,7 @@ def _load(args: argparse.Namespace):
 
 def _cmd_profile(args: argparse.Namespace) -> int:
     from rpcompile.profiling import profile
-    from rpcompile.report import print_table, profile_table
+    from rpcompile.report import cost_label, print_table, profile_table
 
     ms = _load(args)
     prof = profile(ms.model, ms.example_inputs, spec=args.spec, device=args.device, dtype=_dtype(args.dtype),
@@ -171,7 +171,8 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(prof.to_dict(nodes=args.nodes)))
     else:
-        print_table(profile_table(prof, nodes=args.nodes, title=f"{args.model}: cost table ({prof.cost_model}, traced with {prof.trace})"))
+        source = cost_label(prof.cost_model)
+        print_table(profile_table(prof, nodes=args.nodes, title=f"{args.model}: cost table ({source}, traced with {prof.trace})"))
     return 0
 
 
@@ -340,7 +341,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         print(f"{name}: not simulated: {why}")
     if len(results) == 1:
         (name, only), = results.items()
-        print_table(devices_table(only, title=f"{name}: per device"))
+        print_table(devices_table(only, title=f"{name}: per device (simulated)"))
     if args.timeline:
         print(f"timeline written to {args.timeline}" if len(results) == 1 else f"timelines written next to {args.timeline}")
     return 0

@@ -15,7 +15,7 @@ from rpcompile.passes.validate import format_bytes as fmt_bytes
 
 from .profiling import CostRow, Profile
 
-__all__ = ["fmt_bytes", "fmt_time", "fmt_ms", "fmt_count", "fmt_params", "models_table", "bound_note", "profile_table",
+__all__ = ["fmt_bytes", "fmt_time", "fmt_ms", "fmt_count", "fmt_params", "models_table", "bound_note", "cost_label", "profile_table",
            "plan_table", "compare_table", "stage_range", "print_table", "simulate_table", "devices_table"]
 
 
@@ -56,6 +56,14 @@ def _row(r: CostRow) -> list[str]:
         r.name, fmt_params(r.params), fmt_bytes(r.param_bytes), fmt_count(r.fwd_flops),
         fmt_ms(r.fwd_time_s), fmt_ms(r.bwd_time_s), fmt_bytes(r.activation_bytes), str(r.nodes),
     ]
+
+
+def cost_label(cost_model: str) -> str:
+    """Where a cost table's times come from, said plainly: ``analytic:rtx4090`` is a prediction for that GPU,
+    ``measured`` was timed on this machine."""
+    if cost_model.startswith("analytic:"):
+        return f"predicted: analytic costs for {cost_model.split(':', 1)[1]}"
+    return "measured on this machine" if cost_model.startswith("measured") else cost_model
 
 
 def models_table(summaries: Sequence[Any]) -> Table:

@@ -235,6 +235,7 @@ def test_profile_llama8b_analytic_on_meta(capsys):
 def test_profile_table_mentions_modules(capsys):
     code, out, _ = run(capsys, "profile", "gpt-demo", "--spec", "rtx4090")
     assert code == 0
+    assert out.splitlines()[0].strip() == "gpt-demo: cost table (predicted: analytic costs for rtx4090, traced with fx)"
     rows = [line.split("│")[1].strip() for line in out.splitlines() if line.startswith("│")]
     assert rows == ["(root)", "wte", "wpe", "drop", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "ln_f", "lm_head", "total"]
 

@@ -26,9 +26,10 @@ from rich.console import Console
 __all__ = ["run_demo"]
 
 #: What a prediction is on logical CPU devices, said under the training steps.
-CPU_NOTE = ("On this machine the 'devices' are threads sharing the same CPU cores, so the timing model's "
-            "prediction (made for devices that compute in parallel, with their own links) is not a forecast of "
-            "these steps; it is what the planner optimised. On real GPUs the same model predicts the GPU step.")
+CPU_NOTE = ("On this machine the prediction is not a forecast of these steps: the timing model is for devices that "
+            "compute in parallel, each with its own link, while these two 'devices' are threads sharing the same CPU "
+            "cores and handing tensors over in Python, and node costs measured on a busy CPU are noisy. The "
+            "prediction is what the planner optimised; the loss falling is what this section shows.")
 
 
 def _devices() -> tuple[int, str]:
@@ -100,9 +101,10 @@ def _train(console: Console, ms: Any, plan: Any, name: str, n_dev: int, where: s
         console.print(f"step {step}: loss {loss.item():.4f}  ({fmt_ms(took[-1])}, {len(pipe.plan.stages)} stages, "
                       f"{pipe.microbatches} microbatches){first}")
     measured = statistics.median(took[1:] or took)
-    console.print(f"plan's prediction: {fmt_ms(plan.predicted.iteration_time_s)} per step (timing model over costs "
-                  f"measured per node on {device}); measured: {fmt_ms(measured)} per step (median of steps "
-                  f"1–{steps - 1}).")
+    predicted = plan.predicted.iteration_time_s
+    console.print(f"plan's prediction: {fmt_ms(predicted)} per step (timing model over costs measured per node on "
+                  f"{device}); measured: {fmt_ms(measured)} per step (median of steps 1–{steps - 1}), "
+                  f"{measured / predicted:.2g}× the prediction.")
     if device == "cpu":
         console.print(CPU_NOTE)
 

@@ -304,3 +304,21 @@ def test_alike_stages_share_a_row():
         "  B1–B2: time 1.000 ms → 2.000 ms (+100.0%)",
         "  B4: time 1.000 ms → 3.000 ms (+200.0%)",
     ]
+
+
+# ---- the same model ------------------------------------------------------------------------------------------
+def test_the_same_model_is_the_parameters_and_the_graph_as_planned(graph):
+    """verify.model_differences, which diff shares with show and check: plans whose graphs differ only where they
+    split the LM head or run lookups on the host are for the same model; other parameters are another model."""
+    from rpcompile.verify import model_differences
+
+    a = manual(graph, "layers.2.attn", [], [1e-3] * 5, [MIB] * 5)
+    other_graph = dataclasses.replace(a.model, graph_digest="0" * 64)
+    split = dataclasses.replace(a, model=other_graph, head_chunks=4)
+    hosted = dataclasses.replace(a, model=other_graph, host=("embed",))
+    assert model_differences(a, a) == [] and model_differences(a, split) == [] and model_differences(a, hosted) == []
+    assert diff_plans(a, split).model == () and any(c.what == "LM head chunks" for c in diff_plans(a, split).header)
+    n = a.model.num_nodes
+    assert model_differences(a, dataclasses.replace(a, model=other_graph)) == [f"graph differs ({n} vs {n} nodes)"]
+    other_params = dataclasses.replace(split.model, params_digest="1" * 64)
+    assert model_differences(a, dataclasses.replace(split, model=other_params))[-1].startswith("parameters differ")

@@ -110,7 +110,7 @@ class Device:
         if self.offloader is None:
             return value.map(self.download)
         return self.offloader.submit(value.tensors, priority=priority, ready=self._computed(),
-                                     wrap=lambda hosts, key=value.key: type(value)(key, hosts))
+                                     wrap=lambda hosts: value._replace(tensors=tuple(hosts)))
 
     def _computed(self) -> Any:
         """A marker the offloader's copy waits for: the tensors are computed (CUDA: an event on the compute

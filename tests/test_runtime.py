@@ -381,21 +381,34 @@ def test_saved_segments_match_eager():
     torch.testing.assert_close(pipe.forward(x), ref(x), **TOL)  # evaluation runs saved segments plainly
 
 
-def test_a_new_shape_is_recomputed_once_then_captured():
-    """A capture costs tens of forward passes: a shape seen for the first time after the planned ones runs its
-    saved segments as recomputed ones; seen again, it is captured. Both ways equal eager."""
+def test_one_symbolic_capture_runs_every_new_shape_and_a_rejected_one_is_captured_on_its_second_sighting():
+    """Saved segments are captured with symbolic batch and sequence sizes: a later batch of another size and
+    length runs the same capture (no capture, nothing recomputed). A shape its guards reject (a one-row
+    microbatch: sizes 1 are specialised) is recomputed the first time and captured when it comes again. Every
+    way equals eager."""
     spec, ref, pipe, x, y = _saving_pipeline("llama-demo", 1)
     pipe.forward_backward(x, target=y)
-    seg = pipe.program.saved[0]
-    captured = len(seg.captures)
-    x2, y2 = x[:7, :20], y[:7, :20]  # 7 rows in 3 microbatches: 3, 2, 2 -- two signatures
-    for again in (False, True):
+    segs = pipe.program.saved
+    captured = {s.name: s.n_captures for s in segs}
+    assert all(s.symbolic for s in segs), [s.name for s in segs if not s.symbolic]
+
+    def step(xb, yb, m, what):
         for p in (*spec.model.parameters(), *ref.parameters()):
             p.grad = None
-        loss = pipe.forward_backward(x2, target=y2)
-        torch.testing.assert_close(loss, eager_step(ref, spec.loss_fn, x2, y2, 3), **TOL)
-        assert_grads_equal(spec.model, ref, what=f"seen before: {again}: ")
-        assert (len(seg.captures) > captured) == again and seg.calls["recomputed"] == 3
+        before = {s.name: s.calls["recomputed"] for s in segs}
+        loss = pipe.forward_backward(xb, target=yb)
+        torch.testing.assert_close(loss, eager_step(ref, spec.loss_fn, xb, yb, m), **TOL)
+        assert_grads_equal(spec.model, ref, what=f"{what}: ")
+        return {s.name: s.calls["recomputed"] - before[s.name] for s in segs}
+
+    for b, t in ((7, 20), (6, 9), (10, 32)):  # 7 rows in 3 microbatches: 3, 2, 2
+        recomputed = step(x[:b, :t], y[:b, :t], 3, f"{b}x{t}")
+        assert set(recomputed.values()) == {0} and {s.name: s.n_captures for s in segs} == captured, (b, t)
+    assert step(x[:1, :12], y[:1, :12], 1, "1x12 first") == {s.name: 1 for s in segs}
+    assert step(x[:1, :12], y[:1, :12], 1, "1x12 again") == {s.name: 0 for s in segs}
+    assert {s.name: s.n_captures for s in segs} == {k: v + 1 for k, v in captured.items()}
+    assert step(x[:2, :7], y[:2, :7], 2, "2x7: rows of one") == {s.name: 0 for s in segs}  # the one-row capture
+    assert {s.name: s.n_captures for s in segs} == {k: v + 1 for k, v in captured.items()}
 
 
 @pytest.mark.parametrize("parity", [0, 1])

@@ -18,12 +18,16 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from rpcompile import __version__
+from rpcompile.specs import SPECS
 
 __all__ = ["main", "build_parser", "DEFAULT_MICROBATCHES"]
 
 DEFAULT_MICROBATCHES = "gpus + 1 (1 on one device), as rpcompile.compile"
 """What ``--microbatches`` defaults to in ``plan`` and ``simulate`` (DESIGN.md §3: the fewest without a bubble
 between stages); planning.prepare applies it."""
+
+
+_SPEC_NAMES = ", ".join(SPECS)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -176,18 +180,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def _spec_names() -> str:
-    from rpcompile.specs import SPECS
-
-    return ", ".join(SPECS)
-
-
-_SPEC_NAMES = _spec_names()
-
-
 def _spec(text: str) -> str:
-    from rpcompile.specs import SPECS
-
     if text not in SPECS:
         raise argparse.ArgumentTypeError(f"unknown GPU spec {text!r}; choose one of {_SPEC_NAMES}")
     return text

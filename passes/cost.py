@@ -136,7 +136,10 @@ class NodeCall:
 
     @property
     def inplace(self) -> bool:
-        return _is_inplace(self.node)
+        """Whether the node writes its first argument (each autograd run then works on a copy of it): an in-place
+        op, ``inplace=True``, or a module built with it (those :func:`~.util.functional_inplace_pass` left)."""
+        return _is_inplace(self.node) or getattr(self.fn, "inplace", None) is True or \
+            self.kwargs.get("inplace") is True
 
     def materialize(self, device: torch.device | str, *, dtype: torch.dtype | None = None) -> Materialized:
         """Copy the inputs to ``device`` (``meta``: shapes only), optionally casting floating tensors to

@@ -118,7 +118,9 @@ class InputSignature:
         self.names = list(kwargs)
         self.constants = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
         # the longest sequence planned for: dim 1 of the integer inputs (token ids, masks) of the example
-        self.max_seq = max((v.shape[1] for v in [*args, *kwargs.values()] if _is_sequence(v)), default=None)
+        from rpcompile.passes.util import tensor_leaves  # inside batch dicts and tuples too
+
+        self.max_seq = max((v.shape[1] for v in tensor_leaves((args, kwargs)) if _is_sequence(v)), default=None)
         try:
             self.params = list(inspect.signature(model.forward).parameters)
         except (TypeError, ValueError):
@@ -146,7 +148,9 @@ class InputSignature:
         if missing:
             raise RPCompileError(f"missing keyword input(s) {missing}: the pipeline was compiled with them; pass "
                                  f"them as in the compile example")
-        longest = max((v.shape[1] for v in [*args, *kwargs.values()] if _is_sequence(v)), default=None)
+        from rpcompile.passes.util import tensor_leaves
+
+        longest = max((v.shape[1] for v in tensor_leaves((args, kwargs)) if _is_sequence(v)), default=None)
         if self.max_seq is not None and longest is not None and longest > self.max_seq:
             raise RPCompileError(f"sequence length {longest} is longer than the {self.max_seq} this pipeline was "
                                  f"planned for (its memory plan holds for sequences up to {self.max_seq}); compile "

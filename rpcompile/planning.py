@@ -13,6 +13,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 import torch.fx as fx
+from torch.utils import _pytree as pytree
 
 from .errors import BatchSplitError, InfeasibleError
 from .planfile import Hardware, Plan, Prediction
@@ -75,7 +76,9 @@ def fastest(candidates: Sequence[int], attempt: Any) -> Any:
 
 
 def split_microbatches(values: Sequence[Any], microbatches: int) -> list[tuple[Any, ...]]:
-    """Split every tensor in ``values`` along dim 0 into ``microbatches`` pieces (other values are repeated)."""
+    """Split every tensor in ``values`` — also inside tuples, lists and dicts (a batch dict) — along dim 0 into
+    ``microbatches`` pieces of the same structure (other values are repeated)."""
+    values, spec = pytree.tree_flatten(list(values))
     sizes = {v.shape[0] for v in values if isinstance(v, torch.Tensor) and v.dim() > 0}
     if len(sizes) > 1:
         raise BatchSplitError(f"inputs disagree on the batch size (dim 0): {sorted(sizes)}; pass tensors with one "
@@ -90,7 +93,7 @@ def split_microbatches(values: Sequence[Any], microbatches: int) -> list[tuple[A
         torch.tensor_split(v, microbatches, dim=0) if isinstance(v, torch.Tensor) and v.dim() > 0 else [v] * microbatches
         for v in values
     ]
-    return [tuple(p[j] for p in pieces) for j in range(microbatches)]
+    return [tuple(pytree.tree_unflatten([p[j] for p in pieces], spec)) for j in range(microbatches)]
 
 
 def make_hardware(gpus: int, spec: "str | DeviceSpec", memory_limit: int | None = None) -> Hardware:

@@ -12,7 +12,10 @@ Terms:
   FQNs; a tied weight appears once, under the name ``model.named_parameters()`` gives it.
 - *module path*: the FQN of the innermost module that owns a node (:func:`module_path`); ``""`` is the root.
 
-``gm.meta["rpcompile.trace"]`` records the path taken: ``"fx"`` or ``"export"``.
+``gm.meta["rpcompile.trace"]`` records the path taken: ``"fx"`` or ``"export"``. Both paths make in-place
+computations on the graph's own values out of place (:func:`~rpcompile.passes.util.functional_inplace_pass`:
+``nn.ReLU(inplace=True)``, ``out += identity``); fx refuses forwards that switch the grad mode (a statistic updated
+under ``torch.no_grad()``), which it cannot record, and export takes them.
 """
 
 from __future__ import annotations
@@ -34,9 +37,11 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, fx, nn
 from torch.export import Dim
+from torch.utils import _pytree as pytree
 
 from rpcompile.errors import TraceError
 from rpcompile.passes.portable import portable_bodies
+from rpcompile.passes.util import functional_inplace_pass
 
 __all__ = ["trace", "training_inputs", "module_path", "TRACE_META_KEY"]
 
@@ -77,7 +82,7 @@ def trace(
     if method != "export":
         try:
             with tracker:
-                return _trace_fx(model, kwargs, leaves)
+                return _trace_fx(model, args, kwargs, leaves)
         except _SkipFx as skip:
             failures["fx"] = str(skip)
         except Exception as e:  # noqa: BLE001 - any failure sends us down the export path
@@ -183,18 +188,37 @@ class _Tracer(fx.Tracer):
             or super().is_leaf_module(m, module_qualified_name)
         )
 
+    def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
+        self.grad_mode, self.grad_switched = torch.is_grad_enabled(), False
+        return super().trace(root, concrete_args)
 
-def _trace_fx(model: nn.Module, kwargs: dict[str, Any], leaves: tuple[LeafSpec, ...]) -> fx.GraphModule:
+    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
+        # fx records ops, not grad modes: a node made inside `with torch.no_grad():` (a running statistic updated
+        # in forward) would be differentiated at run time
+        self.grad_switched |= torch.is_grad_enabled() != self.grad_mode
+        return super().create_node(*args, **kwargs)
+
+
+def _trace_fx(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: tuple[LeafSpec, ...],
+              ) -> fx.GraphModule:
     constants = [k for k, v in kwargs.items() if not isinstance(v, Tensor)]
     if constants:
         # fx would bake them in with an assert and rename the placeholder; export specialises them cleanly.
         raise _SkipFx(f"skipped: non-tensor keyword argument(s) {constants} (torch.export specialises those)")
+    if any(not isinstance(v, Tensor) and pytree.tree_leaves(v) != [v] for v in args):
+        # fx takes a batch dict or a pair of tensors as one value, which the runtime can neither split into
+        # microbatches nor move to a device; export flattens inputs into one placeholder per tensor.
+        raise _SkipFx("skipped: an input is a container of tensors (a batch dict, a tuple): torch.export flattens "
+                      "those")
     tracer = _Tracer(leaves)
     graph = tracer.trace(model)
+    if tracer.grad_switched:
+        raise _SkipFx("skipped: forward switches the grad mode (torch.no_grad) around some ops, which torch.fx "
+                      "cannot record (torch.export does)")
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     _stringify_module_stacks(gm.graph)
     gm.meta[TRACE_META_KEY] = "fx"
-    return gm
+    return functional_inplace_pass(gm)
 
 
 def _stringify_module_stacks(graph: fx.Graph) -> None:
@@ -227,6 +251,7 @@ def _trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     gm.meta.update(unlifted.meta)
     gm.meta[TRACE_META_KEY] = "export"
     _outline_vmap(gm)
+    functional_inplace_pass(gm)
     portable_bodies(gm)  # bodies of higher-order ops run whole: their device constants follow the stage's device
     return gm
 
@@ -252,8 +277,8 @@ def _dynamic_shapes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
         seq = v.dim() >= 2 and not v.is_floating_point()
         return {0: Dim.AUTO, **({1: Dim.AUTO} if seq else {})}
 
-    spec = {names[i]: dims(a) for i, a in enumerate(args)}
-    spec.update({k: dims(v) for k, v in kwargs.items()})
+    spec = {names[i]: pytree.tree_map(dims, a) for i, a in enumerate(args)}  # inside a batch dict too
+    spec.update({k: pytree.tree_map(dims, v) for k, v in kwargs.items()})
     return spec
 
 

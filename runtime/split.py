@@ -29,7 +29,7 @@ import torch.fx as fx
 
 from rpcompile.passes.host import HostEmbedding, host_of
 from rpcompile.passes.portable import portable_pass, written_values
-from rpcompile.passes.util import canonical_names, compute_nodes, node_params
+from rpcompile.passes.util import canonical_names, compute_nodes, node_params, written_nodes
 from rpcompile.planfile import Plan, Stage
 
 from .rng import seed_random_nodes
@@ -170,11 +170,12 @@ def _stage_graph(gm: fx.GraphModule, names: Sequence[str], exports: set[str], fu
 def _saved_segments(plan: Plan, gm: fx.GraphModule, needs_grad: set[str], consumers: dict[str, set[str]],
                     names: dict[int, str]) -> list[SavedSegment]:
     """One :class:`SavedSegment` per whole segment saved by a forward stage and not recomputed by a backward stage.
-    Segments that cannot be saved (other random ops than dropout, or cut by a stage boundary) are recomputed."""
+    Segments that cannot be saved (other random ops than dropout, cut by a stage boundary, or handing on a tuple of
+    tensors) are recomputed."""
     from rpcompile.passes.coarsen import SEGMENT_KEY
 
     saved = {n for s in plan.forward_stages for n in s.saved} & {n for s in plan.backward_stages for n in s.saved}
-    written = written_values(gm)
+    written = written_values(gm) | written_nodes(gm)
     groups: dict[Any, list[str]] = {}
     for n in compute_nodes(gm):
         groups.setdefault(n.meta.get(SEGMENT_KEY), []).append(n.name)
@@ -189,7 +190,9 @@ def _saved_segments(plan: Plan, gm: fx.GraphModule, needs_grad: set[str], consum
         exports = {n for n in nodes if consumers.get(n, set()) - mine}
         sub, inputs, outputs = _stage_graph(gm, nodes, exports, False)
         portable_pass(sub)
-        if not _capturable(sub, nodes, written) or not dropout_to_noise(sub):
+        if not _capturable(sub, nodes, written) or _containers(gm, [*inputs, *outputs]):
+            continue
+        if not dropout_to_noise(sub):
             continue
         params: dict[str, list[str]] = {}
         for attr, p in sub.named_parameters(remove_duplicate=False):
@@ -238,6 +241,19 @@ def _capturable(sub: fx.GraphModule, nodes: Sequence[str], written: set[str]) ->
         elif n.op == "call_method" and n.target in ("item", "tolist"):
             return False
     return True
+
+
+def _containers(gm: fx.GraphModule, names: Sequence[str]) -> bool:
+    """Whether one of the values ``names`` may be a tuple, list or dict of tensors (read through an integer or
+    string ``getitem``: ``nn.MultiheadAttention``'s ``(output, weights)``). A capture takes tensors only, so such a
+    segment input or output would be captured as a constant: the segment is recomputed instead."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    for name in names:
+        node = by_name.get(name)
+        for user in node.users if node is not None else ():
+            if user.op == "call_function" and user.target is operator.getitem and isinstance(user.args[1], (int, str)):
+                return True
+    return False
 
 
 def _exports(gm: fx.GraphModule, stage: Stage, stages: Sequence[Stage], consumers: dict[str, set[str]]) -> set[str]:

@@ -27,6 +27,7 @@ The Python blocks run unmodified on a tiny LLaMA, except where they name hardwar
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import shlex
@@ -37,7 +38,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rpcompile.cli import main
+from rpcompile.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -168,6 +169,36 @@ def test_a_broken_command_would_fail(workdir, capsys):
     assert _run_here("rpcompile plan llama-demo --gpus 2 --no-such-flag", capsys)[0] == 2
     assert _run_here("rpcompile show missing.json", capsys)[0] == 2
     assert _run_here("ls no-such-file", capsys)[0] != 0
+
+
+#: Inline flags of the README that belong to other tools.
+NOT_OURS = {"--system-site-packages"}
+#: Placeholders of the README's inline commands and what the parser gets for them.
+PLACEHOLDERS = {"MODEL": "llama-demo", "NAME": "llama-demo", "N": "2", "[--head-chunks K|auto]": "--head-chunks auto"}
+
+
+def _subparsers() -> dict[str, argparse.ArgumentParser]:
+    action = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def test_inline_commands_and_flags_exist(capsys):
+    """The README's inline `rpcompile ...` spans parse (placeholders filled in), and every `--flag` it names is
+    a flag of some rpcompile command: a renamed or removed flag fails here too."""
+    text = README.read_text()
+    subs = _subparsers()
+    for span in re.findall(r"`(rpcompile [^`]*)`", text):
+        span = span.replace("[--head-chunks K|auto]", PLACEHOLDERS["[--head-chunks K|auto]"])
+        argv = [PLACEHOLDERS.get(w, w) for w in shlex.split(span)[1:]]
+        if len(argv) == 1 and argv[0] in subs:
+            continue  # the command named alone
+        try:
+            build_parser().parse_args(argv)
+        except SystemExit as e:
+            assert e.code == 0, f"README.md: `{span}`: {capsys.readouterr().err}"
+    flags = {o for p in [build_parser(), *subs.values()] for a in p._actions for o in a.option_strings}
+    named = {m.split()[0] for m in re.findall(r"`(--[a-z][a-z-]*[^`]*)`", text)} - NOT_OURS
+    assert named and named <= flags, sorted(named - flags)
 
 
 @pytest.mark.parametrize("start,lines", shell_blocks(), ids=[f"line{s}" for s, _ in shell_blocks()])

@@ -205,7 +205,7 @@ def _trace_fx(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], l
     if constants:
         # fx would bake them in with an assert and rename the placeholder; export specialises them cleanly.
         raise _SkipFx(f"skipped: non-tensor keyword argument(s) {constants} (torch.export specialises those)")
-    if any(not isinstance(v, Tensor) and pytree.tree_leaves(v) != [v] for v in args):
+    if any(not isinstance(v, Tensor) and any(isinstance(t, Tensor) for t in pytree.tree_leaves(v)) for v in args):
         # fx takes a batch dict or a pair of tensors as one value, which the runtime can neither split into
         # microbatches nor move to a device; export flattens inputs into one placeholder per tensor.
         raise _SkipFx("skipped: an input is a container of tensors (a batch dict, a tuple): torch.export flattens "

@@ -496,38 +496,17 @@ def _strategy_json(result, plan) -> dict:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from rpcompile.errors import RPCompileError
-    from rpcompile.planning import (_infeasible, compare, default_spec, fastest, head_chunk_candidates, make_hardware,
-                                    partition_problem, prepare)
+    from rpcompile.planning import default_spec, make_hardware
     from rpcompile.report import compare_table, plan_table, print_table
 
-    if args.output:
+    if args.output:  # before the minutes of planning, not after
         _writable(args.output, "-o")
     if args.emit:
         _directory(args.emit, "--emit")
     ms = _load_for(args, args.microbatches or _default_microbatches(args.gpus))
     model_device = next((p.device.type for p in ms.model.parameters()), "cpu")
     hardware = make_hardware(args.gpus, default_spec(args.spec, args.device, model_device), args.memory_limit)
-
-    def attempt(k: int):
-        gm, m = prepare(ms.model, ms.example_inputs, gpus=args.gpus, spec=args.spec, device=args.device,
-                        microbatches=args.microbatches, precision=args.precision, max_segments=args.max_segments,
-                        progress=_bars(args), loss_fn=ms.loss_fn, example_target=ms.example_target,
-                        head_chunks=k, segments_per_layer=args.segments_per_layer, host_embedding=args.host_embedding)
-        head = f"LM head in {k} chunks" if k > 1 else "whole LM head"
-        with _step(args, f"solving ({head}): ilp ≤ {args.time_limit:g} s, dp, roundpipe, uniform"):
-            rows = compare(gm, hardware=hardware, microbatches=m, precision=args.precision,
-                           time_limit_s=args.time_limit)
-        if rows[args.strategy][1] is None:
-            raise _infeasible(partition_problem(gm, hardware=hardware, microbatches=m, precision=args.precision),
-                              hardware)
-        chosen = rows[args.strategy][1]
-        return chosen.predicted.iteration_time_s, (chosen, gm, m, rows)
-
-    try:
-        chosen, gm, m, rows = fastest(head_chunk_candidates(args.head_chunks, ms.loss_fn, ms.example_target), attempt)
-    except ValueError as e:  # e.g. a head that cannot be split as asked: one line, not a traceback
-        raise RPCompileError(str(e)) from None
+    chosen, gm, m, rows = _plan_fastest(args, ms, hardware)
     if args.output:
         chosen.save(args.output)
     if args.emit:
@@ -547,6 +526,33 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.emit:
         print(f"stage code written to {args.emit}/")
     return 0
+
+
+def _plan_fastest(args: argparse.Namespace, ms: Any, hardware: Any) -> tuple[Any, Any, int, dict]:
+    """Every strategy on each LM-head split ``--head-chunks`` asks for; the split whose ``--strategy`` plan is
+    fastest: (that plan, its graph, microbatches, {strategy: (result, plan)})."""
+    from rpcompile.errors import RPCompileError
+    from rpcompile.planning import _infeasible, compare, fastest, head_chunk_candidates, partition_problem, prepare
+
+    def attempt(k: int) -> tuple[float, tuple]:
+        gm, m = prepare(ms.model, ms.example_inputs, gpus=args.gpus, spec=args.spec, device=args.device,
+                        microbatches=args.microbatches, precision=args.precision, max_segments=args.max_segments,
+                        progress=_bars(args), loss_fn=ms.loss_fn, example_target=ms.example_target,
+                        head_chunks=k, segments_per_layer=args.segments_per_layer, host_embedding=args.host_embedding)
+        head = f"LM head in {k} chunks" if k > 1 else "whole LM head"
+        with _step(args, f"solving ({head}): ilp ≤ {args.time_limit:g} s, dp, roundpipe, uniform"):
+            rows = compare(gm, hardware=hardware, microbatches=m, precision=args.precision,
+                           time_limit_s=args.time_limit)
+        chosen = rows[args.strategy][1]
+        if chosen is None:
+            raise _infeasible(partition_problem(gm, hardware=hardware, microbatches=m, precision=args.precision),
+                              hardware)
+        return chosen.predicted.iteration_time_s, (chosen, gm, m, rows)
+
+    try:
+        return fastest(head_chunk_candidates(args.head_chunks, ms.loss_fn, ms.example_target), attempt)
+    except ValueError as e:  # e.g. a head that cannot be split as asked: one line, not a traceback
+        raise RPCompileError(str(e)) from None
 
 
 def _cmd_models(args: argparse.Namespace) -> int:

@@ -1,10 +1,11 @@
 """What a new batch shape costs: the first training step at a (batch, sequence) shape the pipeline has not seen,
-the second (when saved segments capture it) and the steady step, on logical CPU devices.
+the second, and the steady step, on logical CPU devices.
 
 One compiled pipeline serves every batch size and every sequence length up to the planned one (symbolic sizes
-through torch.export and fx; nothing is re-traced or re-planned). What a new shape does cost: the saved segments
-capture their forward/backward graphs once per input signature (AOTAutograd specialises shapes), and the
-schedule for a batch with fewer rows than microbatches is built once. This measures that, per model.
+through torch.export and fx; nothing is re-traced or re-planned). Saved segments are captured with symbolic sizes
+(rpcompile/runtime/symbolic.py): one capture runs every shape its guards allow; a class they reject (one-row
+microbatches) is recomputed at its first sighting and captured at its second. The "captures" column counts the
+saved segments' captures after the shape's steps (all segments together).
 
     python benchmarks/shapes.py [--steps 3]
 
@@ -67,7 +68,8 @@ def rows(steps: int) -> list[dict]:
             out.append({"model": name, "shape": list(shape), "first_step_s": times[0], "second_step_s": times[1],
                         "steady_step_s": steady, "first_over_steady": times[0] / steady,
                         "second_over_steady": times[1] / steady, "compile_s": compile_s,
-                        "saved_segments": len(pipe.program.saved)})
+                        "saved_segments": len(pipe.program.saved),
+                        "captures": sum(seg.n_captures for seg in pipe.program.saved)})
     return out
 
 
@@ -77,12 +79,13 @@ def main() -> None:
     args = ap.parse_args()
     result = rows(args.steps)
     table = Table(title="first step at a new shape vs a steady step (2 logical CPU devices, 3 microbatches)")
-    for col in ("model", "batch × seq", "1st step", "2nd step", "steady", "1st/steady", "2nd/steady", "compile"):
+    for col in ("model", "batch × seq", "1st step", "2nd step", "steady", "1st/steady", "2nd/steady", "captures", "compile"):
         table.add_column(col)
     for r in result:
         table.add_row(r["model"], "×".join(map(str, r["shape"])), f"{r['first_step_s'] * 1e3:.0f} ms",
                       f"{r['second_step_s'] * 1e3:.0f} ms", f"{r['steady_step_s'] * 1e3:.0f} ms",
-                      f"{r['first_over_steady']:.2f}×", f"{r['second_over_steady']:.2f}×", f"{r['compile_s']:.1f} s")
+                      f"{r['first_over_steady']:.2f}×", f"{r['second_over_steady']:.2f}×", f"{r['captures']}/{r['saved_segments']}",
+                      f"{r['compile_s']:.1f} s")
     Console(width=160).print(table)
     path = Path(__file__).parent / "results" / "shapes.json"
     path.write_text(json.dumps({"torch": torch.__version__, "device": "cpu", "rows": result}, indent=1))

@@ -15,8 +15,9 @@ How the shell lines run:
   ``slow`` test runs every line through bash and the installed ``rpcompile`` script, exactly as written.
 - Fast mode rewrites the slow commands mechanically (:func:`shrink`): a published-shape model (``llama-8b``,
   ``llama-1.7b``, ``llama-32b``, ``qwen3-30b-a3b``) becomes ``llama-demo``, ``--gpus 8`` becomes ``--gpus 2``,
-  ``--microbatches 16`` becomes ``--microbatches 4``, and ``plan``, ``simulate`` and ``check`` get
-  ``--time-limit 1`` unless they name a limit.
+  ``--microbatches 16`` becomes ``--microbatches 4``, ``plan``, ``simulate`` and ``check`` get
+  ``--time-limit 1`` unless they name a limit, and a ``plan`` that would measure its costs on this CPU gets
+  ``--spec cpu`` (analytic: measuring takes seconds, and the cuts it gives vary with the machine's load).
 - A line passes when it exits 0 (``rpcompile diff``: 0 or 1, as documented) and prints no traceback.
 
 The Python blocks run unmodified on a tiny LLaMA, except where they name hardware this machine lacks
@@ -83,10 +84,9 @@ def commands(body: str, lang: str) -> list[str]:
 
 
 def _strip_comment(line: str) -> str:
-    lex = shlex.shlex(line, posix=True)
-    lex.whitespace_split, lex.commenters = True, "#"
-    words = list(lex)
-    return " ".join(shlex.quote(w) for w in words)
+    """The command before its ``# comment`` (a ``#`` that starts the line or follows whitespace, as bash reads
+    it); the command itself is kept as written, pipes and quotes included."""
+    return re.split(r"(?:^|\s)#", line, maxsplit=1)[0]
 
 
 def shell_blocks() -> list[tuple[int, list[str]]]:
@@ -109,6 +109,8 @@ def shrink(line: str) -> str:
             argv[argv.index(flag) + 1] = small
     if len(argv) > 1 and argv[1] in ("plan", "simulate", "check") and "--time-limit" not in argv:
         argv += ["--time-limit", "1"]
+    if argv[1:2] == ["plan"] and "--spec" not in argv and "--device" not in argv:
+        argv += ["--spec", "cpu"]
     return shlex.join(argv)
 
 
@@ -159,6 +161,9 @@ def test_the_readme_has_its_commands():
     assert len(python_blocks()) >= 3
     assert shrink("rpcompile plan llama-8b --gpus 8 --spec rtx4090 -o plan.json") == (
         "rpcompile plan llama-demo --gpus 2 --spec rtx4090 -o plan.json --time-limit 1")
+    assert shrink("rpcompile plan llama-demo --gpus 2 --emit stages/") == (
+        "rpcompile plan llama-demo --gpus 2 --emit stages/ --time-limit 1 --spec cpu")
+    assert shrink("rpcompile profile llama-demo") == "rpcompile profile llama-demo"
     line = 'pipe = rpcompile.compile(model, (x,), loss_fn=f, gpus=8)   # or devices=["cpu"]'
     here = line.replace("gpus=8", 'devices=["cpu", "cpu"]') if not torch.cuda.is_available() else line
     assert adapt(line) == here and adapt('plan(model, (x,), gpus=8, spec="h200")') == 'plan(model, (x,), gpus=8, spec="h200")'

@@ -24,8 +24,10 @@ Stage semantics (DESIGN.md §3):
   the gradients later stages left for their outputs, and leave gradients for their own inputs. Saved segments
   (:mod:`.saved`) are not recomputed: the forward stage runs their fw graph and ships their saved tensors
   (:class:`~.saved.HostSaved`); in the backward stage they are one autograd node that runs their bw graph.
-Buffers (BatchNorm statistics) are updated by the real forward only: recomputation runs on copies. Randomness
-(dropout) is replayed per node (:mod:`.rng`), so recomputation draws the forward's masks.
+Buffers (BatchNorm statistics) are updated by the real forward only: recomputation runs on copies — of the values
+the forward stage found for that microbatch, where it changed them (a running mean the forward also reads
+recomputes as that microbatch saw it). Randomness (dropout) is replayed per node (:mod:`.rng`), so recomputation
+draws the forward's masks.
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ from .schedule import Action
 from .split import Program, StageProgram
 
 __all__ = ["ValueStore", "Executor", "TimelineEvent", "PipelineError"]
+
+#: Store key of a buffer's value before a forward stage changed it (per microbatch; the backward stage recomputes
+#: from it).
+_BEFORE = "{}::before"
 
 
 class PipelineError(RuntimeError):
@@ -126,6 +132,7 @@ class Executor:
         self.grad_lock = threading.Lock()
         self.timeline: list[TimelineEvent] = []
         self._slot_cache: dict[int, list[tuple[dict, str, str, bool]] | None] = {}
+        self._changed_buffers: dict[int, set[str]] = {}  # per forward stage: the buffers its forward changes
         # one thread per device uploads its next stage's weights (in list order, so never more than one ahead)
         self._prefetchers = [ThreadPoolExecutor(1, thread_name_prefix=f"rpcompile-prefetch{d}")
                              for d in range(len(self.devices))]
@@ -337,8 +344,10 @@ class Executor:
             out.append(v)
         return out
 
-    def _call(self, prog: StageProgram, state: _StageState, inputs: list[Any], *, copy_buffers: bool) -> Any:
-        """Run the stage's module with this device's copies of its parameters and buffers.
+    def _call(self, prog: StageProgram, state: _StageState, inputs: list[Any], *, copy_buffers: bool,
+              before: dict[str, torch.Tensor] | None = None) -> Any:
+        """Run the stage's module with this device's copies of its parameters and buffers (``copy_buffers``: on
+        copies, those in ``before`` instead of the device's: :meth:`_buffers_before`).
 
         The copies are put straight into the module's parameter and buffer slots for the call and the originals
         put back after it — what ``torch.func.functional_call`` does, without its generic attribute walk, which
@@ -347,7 +356,7 @@ class Executor:
         if slots is None:  # an attribute outside _parameters/_buffers: the generic path
             tensors = {attr: state.params[name] for attr, name in prog.params.items()}
             for attr, name in prog.buffers.items():
-                b = state.buffers[name]
+                b = (before or {}).get(name, state.buffers[name])
                 tensors[attr] = b.clone() if copy_buffers else b
             return torch.func.functional_call(prog.gm, tensors, tuple(inputs), strict=False, tie_weights=False)
         originals = []
@@ -357,12 +366,38 @@ class Executor:
                 if is_param:
                     table[key] = state.params[name]
                 else:
-                    b = state.buffers[name]
+                    b = (before or {}).get(name, state.buffers[name]) if copy_buffers else state.buffers[name]
                     table[key] = b.clone() if copy_buffers else b
             return prog.gm(*inputs)
         finally:
             for table, key, value in reversed(originals):
                 table[key] = value
+
+    def _buffer_copies(self, prog: StageProgram, state: _StageState) -> dict[str, tuple[int, torch.Tensor]]:
+        """Before a forward stage runs a microbatch: ``(version, copy)`` of each buffer it changes (all of them the
+        first time, until it is known which)."""
+        changed = self._changed_buffers.get(prog.index, state.buffers.keys())
+        return {n: (state.buffers[n]._version, state.buffers[n].clone()) for n in changed}
+
+    def _keep_buffers_before(self, device: Device, prog: StageProgram, state: _StageState,
+                             kept: dict[str, tuple[int, torch.Tensor]], mb: int) -> None:
+        """After a forward stage ran microbatch ``mb``: the buffers it changed (a running statistic) go to host
+        memory as they were before, for the backward stage that recomputes the microbatch (:meth:`_buffers_before`)."""
+        changed = {n for n, (version, old) in kept.items()
+                   if state.buffers[n]._version != version or not torch.equal(state.buffers[n], old)}
+        self._changed_buffers.setdefault(prog.index, changed)
+        for n in changed:
+            self.store.put(_BEFORE.format(n), mb, device.handoff(kept[n][1]))
+
+    def _buffers_before(self, device: Device, prog: StageProgram, mb: int) -> dict[str, torch.Tensor]:
+        """A backward stage's buffers as the forward pass found them for microbatch ``mb`` (those it changed): its
+        recomputation reads the statistic that microbatch's forward read, not the latest one."""
+        out = {}
+        for name in dict.fromkeys(prog.buffers.values()):
+            v = self.store.values.get((_BEFORE.format(name), mb))
+            if v is not None:
+                out[name] = device.upload(v.wait() if isinstance(v, Landing) else v)
+        return out
 
     def _slots(self, prog: StageProgram) -> list[tuple[dict, str, str, bool]] | None:
         """``(module._parameters or ._buffers, key, canonical name, is_param)`` per attribute of the stage, cached."""
@@ -388,7 +423,9 @@ class Executor:
         if prog.kind == "forward":
             saved.context.save = True  # saved segments keep their activations for the backward stage
             with torch.no_grad():
+                kept = self._buffer_copies(prog, state)
                 outs = self._call(prog, state, self._inputs(device, prog, mb, leaves=False), copy_buffers=False)
+                self._keep_buffers_before(device, prog, state, kept, mb)
             for name, v in zip(prog.outputs, outs):
                 if isinstance(v, saved.HostSaved):  # behind the compute, latest stage first (runtime/offload.py)
                     self.store.put(name, mb, device.offload(v, priority=(-prog.index, mb)))
@@ -398,8 +435,10 @@ class Executor:
                     self.store.put(name, mb, _to_host(device, v))
             return
         inputs = self._inputs(device, prog, mb, leaves=True)
+        recompute = prog.kind == "backward"
+        before = self._buffers_before(device, prog, mb) if recompute else None
         with torch.enable_grad():
-            raw = self._call(prog, state, inputs, copy_buffers=prog.kind == "backward")
+            raw = self._call(prog, state, inputs, copy_buffers=recompute, before=before)
         if prog.kind == "fused":
             target = _upload_tree(device, self.targets[mb]) if self.targets is not None else None
             loss = self.loss_fn(prog.model_output(raw), target, mb)  # type: ignore[misc]

@@ -57,6 +57,9 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as info:
         main(["--version"])
     assert info.value.code == 0 and capsys.readouterr().out == f"rpcompile {__version__}\n"
+    import importlib.metadata
+
+    assert __version__ == importlib.metadata.version("rpcompile")  # the installed package says the same
 
 
 def test_numbers_are_written_as_people_write_them():

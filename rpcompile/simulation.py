@@ -119,7 +119,8 @@ def skipped(requested: Sequence[str], scenarios: dict[str, Scenario], *, gpus: i
             v = chunks if name == "interleaved-1f1b" else 1
             out[name] = f"the model has fewer layers than its {gpus * v} stages"
         else:
-            out[name] = "no feasible plan (see rpcompile plan MODEL --strategy for the memory it needs)"
+            out[name] = ("no plan fits the memory per device; raise --memory-limit, use more --microbatches or a "
+                         "lower --precision (rpcompile plan MODEL --strategy NAME names the memory it needs)")
     return out
 
 

@@ -120,6 +120,11 @@ def test_a_schedule_left_out_is_said_with_the_fix(capsys):
     assert code == 0 and ("interleaved-1f1b: not simulated: needs microbatches a multiple of the devices (3 on 2); "
                           "--microbatches 4") in out.splitlines()
     assert "simulated (the executor's schedules on a clock), not measured" in out
+    code, out, _ = run(capsys, "simulate", "llama-demo", "--gpus", "2", "--spec", "rtx4090", "--memory-limit", "300KiB",
+                       "--schedules", "1f1b,ilp", "--time-limit", "1", "--json")
+    assert code == 0 and json.loads(out)["skipped"] == {"ilp": (
+        "no plan fits the memory per device; raise --memory-limit, use more --microbatches or a lower --precision "
+        "(rpcompile plan MODEL --strategy NAME names the memory it needs)")}
 
 
 def test_a_timeline_into_a_missing_directory_is_refused_first(capsys, tmp_path):

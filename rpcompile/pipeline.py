@@ -41,6 +41,7 @@ import torch
 import torch.fx as fx
 
 from .errors import RPCompileError
+from rpcompile.passes.util import tensor_leaves
 from .planfile import Plan
 
 __all__ = ["compile", "Pipeline"]
@@ -118,8 +119,6 @@ class InputSignature:
         self.names = list(kwargs)
         self.constants = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
         # the longest sequence planned for: dim 1 of the integer inputs (token ids, masks) of the example
-        from rpcompile.passes.util import tensor_leaves  # inside batch dicts and tuples too
-
         self.max_seq = max((v.shape[1] for v in tensor_leaves((args, kwargs)) if _is_sequence(v)), default=None)
         try:
             self.params = list(inspect.signature(model.forward).parameters)
@@ -148,8 +147,6 @@ class InputSignature:
         if missing:
             raise RPCompileError(f"missing keyword input(s) {missing}: the pipeline was compiled with them; pass "
                                  f"them as in the compile example")
-        from rpcompile.passes.util import tensor_leaves
-
         longest = max((v.shape[1] for v in tensor_leaves((args, kwargs)) if _is_sequence(v)), default=None)
         if self.max_seq is not None and longest is not None and longest > self.max_seq:
             raise RPCompileError(f"sequence length {longest} is longer than the {self.max_seq} this pipeline was "
@@ -241,8 +238,7 @@ class Pipeline:
             from rpcompile.passes.loss_head import TARGET
             kwargs = {**kwargs, TARGET: target}
         # a batch with fewer rows than microbatches runs as that many microbatches of one row
-        rows = next((v.shape[0] for v in [*inputs, *kwargs.values()] if isinstance(v, torch.Tensor) and v.dim() > 0),
-                    self.microbatches)
+        rows = next((v.shape[0] for v in tensor_leaves((inputs, kwargs)) if v.dim() > 0), self.microbatches)
         m = max(1, min(self.microbatches, rows))
         store, sizes = self._store(inputs, kwargs, m)
         outside = self.loss_fn is not None and not self.loss_in_graph  # the loss runs after the last stage

@@ -339,9 +339,10 @@ def test_a_tuple_handed_between_saved_segments_is_recomputed_like_eager():
 @pytest.mark.parametrize("data,make", [(_batch_dict, DictModel), (_pair, PairModel)], ids=["dict", "pair"])
 def test_a_batch_dict_or_a_pair_of_tensors_trains_like_eager(data, make):
     """``forward(self, batch: dict)`` and ``forward(self, pair)``, called as the model is: the tensors inside are
-    split into microbatches (they were taken for one constant value: "a batch of 1 cannot be split")."""
+    split into microbatches (they were taken for one constant value: "a batch of 1 cannot be split"), a batch
+    with fewer rows than microbatches too."""
     model = make()
-    pipe = _trains_like_eager(model, data, whole_batch=True)
+    pipe = _trains_like_eager(model, data, sizes=(6, 4, 2), whole_batch=True)
     assert _has_backward_stage(pipe)
     inputs, _ = data(5, 7)
     torch.testing.assert_close(pipe.forward(*inputs), model(*inputs), **TOL)

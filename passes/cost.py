@@ -137,7 +137,7 @@ class NodeCall:
     @property
     def inplace(self) -> bool:
         """Whether the node writes its first argument (each autograd run then works on a copy of it): an in-place
-        op, ``inplace=True``, or a module built with it (those :func:`~.util.functional_inplace_pass` left)."""
+        op, ``inplace=True``, or a module built with it (those :func:`~.inplace.functional_inplace_pass` left)."""
         return _is_inplace(self.node) or getattr(self.fn, "inplace", None) is True or \
             self.kwargs.get("inplace") is True
 

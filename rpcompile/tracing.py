@@ -13,7 +13,7 @@ Terms:
 - *module path*: the FQN of the innermost module that owns a node (:func:`module_path`); ``""`` is the root.
 
 ``gm.meta["rpcompile.trace"]`` records the path taken: ``"fx"`` or ``"export"``. Both paths make in-place
-computations on the graph's own values out of place (:func:`~rpcompile.passes.util.functional_inplace_pass`:
+computations on the graph's own values out of place (:func:`~rpcompile.passes.inplace.functional_inplace_pass`:
 ``nn.ReLU(inplace=True)``, ``out += identity``); fx refuses forwards that switch the grad mode (a statistic updated
 under ``torch.no_grad()``), which it cannot record, and export takes them.
 """
@@ -41,7 +41,7 @@ from torch.utils import _pytree as pytree
 
 from rpcompile.errors import TraceError
 from rpcompile.passes.portable import portable_bodies
-from rpcompile.passes.util import functional_inplace_pass
+from rpcompile.passes.inplace import functional_inplace_pass
 
 __all__ = ["trace", "training_inputs", "module_path", "TRACE_META_KEY"]
 

@@ -29,7 +29,8 @@ import torch.fx as fx
 
 from rpcompile.passes.host import HostEmbedding, host_of
 from rpcompile.passes.portable import portable_pass, written_values
-from rpcompile.passes.util import canonical_names, compute_nodes, node_params, written_nodes
+from rpcompile.passes.inplace import written_nodes
+from rpcompile.passes.util import canonical_names, compute_nodes, node_params
 from rpcompile.planfile import Plan, Stage
 
 from .rng import seed_random_nodes

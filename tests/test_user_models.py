@@ -261,7 +261,7 @@ def test_in_place_activations_train_like_eager(make):
 def test_an_in_place_activation_on_a_view_stays_in_place_and_is_costed():
     """An in-place op the graph cannot make out of place (it writes through an ``nn.Identity`` into its input)
     keeps its semantics; profiling runs it on a copy of its leaf input."""
-    from rpcompile.passes.util import writes_first_arg
+    from rpcompile.passes.inplace import writes_first_arg
     from rpcompile.tracing import trace
 
     class Through(nn.Module):

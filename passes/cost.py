@@ -29,6 +29,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -422,11 +424,10 @@ class _CostInterpreter(fx.Interpreter):
 
 
 def _progress(total: int, label: str, enabled: bool):  # pragma: no cover - terminal UI
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
+    """A transient progress bar on stderr (stdout stays the command's output: tables, JSON)."""
     bar = Progress(
         TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        transient=True, disable=not enabled, console=None,
+        transient=True, disable=not enabled, console=Console(stderr=True),
     )
     return bar, bar.add_task(label, total=total)
 

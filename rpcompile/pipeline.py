@@ -348,8 +348,8 @@ def compile(
     from rpcompile.runtime.devices import make_devices
 
     from .planning import default_spec, fastest, head_chunk_candidates, make_hardware, plan_graph, prepare
-    from .tracing import trace, training_inputs
-    from .verify import planned_graph, verify_plan
+    from .tracing import training_inputs
+    from .verify import graph_as_planned, verify_plan
 
     if precision not in _DTYPES:
         raise ValueError(f"precision must be one of {sorted(_DTYPES)}, got {precision!r}")
@@ -366,13 +366,9 @@ def compile(
     if plan is not None:
         if not isinstance(plan, Plan):
             plan = Plan.load(plan)
-        gm = trace(model, example_inputs, example_kwargs=example_kwargs)
-        head_chunks = plan.head_chunks  # the plan says which graph it was made from
-        if head_chunks > 1:
-            from rpcompile.passes.loss_head import split_head
-
-            split_head(gm, loss_fn, head_chunks)
-        gm = planned_graph(plan, gm)  # with its embedding lookups on the host, as the plan runs it
+        # the graph the plan was made from: its LM head split, its embedding lookups on the host
+        gm = graph_as_planned(plan, model, example_inputs, loss_fn=loss_fn, example_kwargs=example_kwargs)
+        head_chunks = plan.head_chunks
         verify_plan(plan, gm)
         if plan.hardware.device_count != len(devs):
             raise RPCompileError(f"the plan is for {plan.hardware.device_count} devices but {len(devs)} were given; "

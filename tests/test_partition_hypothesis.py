@@ -331,10 +331,13 @@ def _check_exact_brute(pb: PartitionProblem, budget_slack: int, lam_random: np.n
     t = RangeTables.build(pb)
     fewest: dict[float, int] = {}
     roomy = _replace(pb, memory_bytes=10**15)
+    fitting: list[tuple[float, int]] = []  # (slowest stage, stages - 1) of the plans that fit the real memory
     for plan in _all_plans(pb, saves=True):
         if not validate_segment_plan(roomy, plan):
             T = max(c.time_s for c in stage_costs(pb, plan, lazy_offload=False))
             fewest[T] = min(fewest.get(T, 10**9), plan.stage_count - 1)
+            if not validate_segment_plan(pb, plan):
+                fitting.append((T, plan.stage_count - 1))
     times = sorted(fewest)
     for T in times:
         # plans faster than T also meet T, and so do those within the search's rounding tolerance (two sums of
@@ -352,8 +355,7 @@ def _check_exact_brute(pb: PartitionProblem, budget_slack: int, lam_random: np.n
                 assert fewest_stages(relax, prices, need - 1, 10**7).status == "none"
         # with the real memory limit it is a relaxation: never more stages than a plan that fits
         relax = StageCountBound(pb, t, T)
-        real = min((p.stage_count - 1 for p in _all_plans(pb, saves=True) if not validate_segment_plan(pb, p)
-                    and max(c.time_s for c in stage_costs(pb, p, lazy_offload=False)) <= T * (1 + 1e-9)), default=None)
+        real = min((k for slowest, k in fitting if slowest <= T * (1 + 1e-9)), default=None)
         if real is not None:
             got = fewest_stages(relax, np.zeros(pb.n), real, 10**7)
             assert got.status == "plan" and got.stages <= real

@@ -45,7 +45,7 @@ from rpcompile.models import load_model
 from rpcompile.passes.partition import solve
 from rpcompile.planning import make_hardware, partition_problem, prepare
 from rpcompile.report import fmt_bytes, fmt_time
-from rpcompile.runtime.scenarios import (SCHEDULES, from_segment_plan, layer_profile_scenarios, load_layer_profile,
+from rpcompile.scenarios import (SCHEDULES, from_segment_plan, layer_profile_scenarios, load_layer_profile,
                                          static_scenarios)
 
 SPEC, PRECISION, SEQ_LEN = "rtx4090", "bf16", 4096

@@ -402,7 +402,7 @@ def _load_for(args: argparse.Namespace, microbatches: int):
 def _write_timelines(path: str, results: dict, title: str) -> None:
     from pathlib import Path
 
-    from rpcompile.runtime.gantt import write_timeline_svg
+    from rpcompile.gantt import write_timeline_svg
 
     target = Path(path)
     for name, r in results.items():

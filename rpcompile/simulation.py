@@ -11,7 +11,7 @@ import math
 from contextlib import nullcontext
 from typing import Any, Sequence
 
-from rpcompile.runtime.scenarios import SCHEDULES, Scenario, from_plan, from_segment_plan, static_scenarios
+from rpcompile.scenarios import SCHEDULES, Scenario, from_plan, from_segment_plan, static_scenarios
 
 __all__ = ["SCHEDULES", "parse_schedules", "model_scenarios", "plan_scenarios", "profile_scenarios", "run_all",
            "skipped"]
@@ -98,7 +98,7 @@ def plan_scenarios(plan: Any, *, host_bytes_per_s: float = math.inf) -> dict[str
 def profile_scenarios(path: str, model: str, *, schedules: Sequence[str] = SCHEDULES, gpus: int | None = None,
                       microbatches: int | None = None, time_limit_s: float = 10.0) -> dict[str, Scenario]:
     """Every schedule on a RoundPipe-style layer profile (the file's partitions, plus ``ilp``)."""
-    from rpcompile.runtime.scenarios import layer_profile_scenarios, load_layer_profile
+    from rpcompile.scenarios import layer_profile_scenarios, load_layer_profile
 
     entry, n, m = load_layer_profile(path, model)
     return layer_profile_scenarios(entry, devices=gpus or n, microbatches=microbatches or m, schedules=schedules,

@@ -42,7 +42,7 @@ schedules keep weights, gradients and optimizer state on the device) and ``stash
 microbatch until the backward position named by ``releases`` ends it (activations kept for the backward pass).
 
 With transfers free this is exactly the timing model's recurrence
-(:func:`rpcompile.passes.problem.pipeline_time`, DESIGN.md §3); :mod:`.scenarios` builds the action lists and
+(:func:`rpcompile.passes.problem.pipeline_time`, DESIGN.md §3); :mod:`rpcompile.scenarios` builds the action lists and
 stages for a plan, for the classic static schedules (GPipe, 1F1B, interleaved 1F1B) and for published layer
 profiles.
 """

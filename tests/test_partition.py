@@ -407,7 +407,7 @@ def test_lazy_offload_model_agrees_with_the_simulator(act, tolerance):
     """Link-bound forward stages (each saves 1.5 or 3 s of copies per 1 s of compute) on 2 devices: the model's
     iteration time is the simulator's within 2–3%, and both beat the eager copies. At 3 s of copies per second
     the backward stages wait for saves still going down; without that edge the model would be 7% short."""
-    from rpcompile.runtime.scenarios import from_segment_plan
+    from rpcompile.scenarios import from_segment_plan
 
     pb = tiny_chain(6, devices=2, microbatches=4, act_bytes=(act,) * 6, boundary_bytes=(1,) * 6,
                     link_bytes_per_s=10.0, param_bytes=(0,) * 6, grad_bytes=(0,) * 6, memory_bytes=10**5)
@@ -428,7 +428,7 @@ def test_a_forward_stage_whose_saves_are_empty_is_nobody_s_dependency():
     """F0 saves a segment of 0 bytes (nothing goes down): the backward stage that reads it waits for nothing, in
     the timing model and in the simulator (which once refused the plan: "position 0 saves no activations")."""
     from rpcompile.passes.problem import save_reads
-    from rpcompile.runtime.scenarios import from_segment_plan
+    from rpcompile.scenarios import from_segment_plan
 
     pb = tiny_chain(4, devices=2, microbatches=2, act_bytes=(0, 10, 10, 10), link_bytes_per_s=100.0)
     plan = SegmentPlan(forward=((0, 1), (1, 3)), fused=(3, 4), backward=((1, 3), (0, 1)),

@@ -13,7 +13,7 @@ import pytest
 from rpcompile.cli import main
 from rpcompile.passes.problem import pipeline_time
 from rpcompile.planfile import Plan
-from rpcompile.runtime.scenarios import SCHEDULES, from_plan
+from rpcompile.scenarios import SCHEDULES, from_plan
 
 GOLDEN = Path(__file__).parent / "golden" / "llama-demo.json"
 PROFILE = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "roundpipe-simulator-inputs.json"

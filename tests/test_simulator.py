@@ -249,7 +249,7 @@ PROFILE = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "roundpi
 
 @pytest.fixture(scope="module")
 def paper_results():
-    from rpcompile.runtime.scenarios import layer_profile_scenarios, load_layer_profile
+    from rpcompile.scenarios import layer_profile_scenarios, load_layer_profile
 
     out = {}
     for model in ("qwen3-1.7b", "llama3-8b", "gpt-oss-20b", "qwen3-32b", "qwen3-235b-a22b"):

@@ -14,7 +14,7 @@ from rpcompile.lowering import plan_from_ranges
 from rpcompile.models import load_model
 from rpcompile.passes.util import compute_nodes
 from rpcompile.planning import make_hardware
-from rpcompile.runtime.gantt import timeline_svg, write_timeline_svg
+from rpcompile.gantt import timeline_svg, write_timeline_svg
 from rpcompile.runtime.simulator import SimEvent
 
 

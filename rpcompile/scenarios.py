@@ -24,8 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from .schedule import Action, gpipe, interleaved_one_f_one_b, one_f_one_b, round_robin
-from .simulator import SimResult, SimStage, simulate
+from rpcompile.errors import RPCompileError
+from rpcompile.passes.baselines import layer_ranges
+from rpcompile.passes.partition import solve
+from rpcompile.passes.problem import PartitionProblem, save_reads, stage_costs
+from rpcompile.runtime.schedule import Action, gpipe, interleaved_one_f_one_b, one_f_one_b, round_robin
+from rpcompile.runtime.simulator import SimResult, SimStage, simulate
 
 __all__ = [
     "Scenario",
@@ -102,8 +106,6 @@ def from_segment_plan(problem: Any, plan: Any, *, name: str, tokens_per_iteratio
     """The round-robin schedule of a partitioner's :class:`SegmentPlan` (stage figures from ``stage_costs``).
     ``handoff_s``: a fixed activation hand-off time per microbatch into every stage but the first, instead of
     the byte model (published profiles give it that way)."""
-    from rpcompile.passes.problem import save_reads, stage_costs
-
     m, link = problem.microbatches, problem.link_bytes_per_s
     stages = []
     costs = stage_costs(problem, plan)
@@ -159,8 +161,6 @@ def static_scenarios(problem: Any, *, chunks: int = 2, precision: str = "bf16", 
                      ) -> dict[str, Scenario]:
     """GPipe, 1F1B and interleaved 1F1B (``chunks`` stages per device) on ``problem``'s segments, partitioned at
     layer boundaries to balance forward + backward time."""
-    from rpcompile.passes.baselines import layer_ranges
-
     n_dev, m = problem.device_count, problem.microbatches
     layers = layer_ranges(problem)
     layer_cost = [sum(problem.fwd_s[i] + problem.bwd_s[i] for i in range(a, b)) for a, b in layers]
@@ -217,8 +217,6 @@ def _static_stages(pb: Any, ranges: list[tuple[int, int]], n_dev: int, opt: floa
 def load_layer_profile(path: str | Path, model: str) -> tuple[dict[str, Any], int, int]:
     """``(entry, gpus, microbatches)`` for ``model`` from a RoundPipe-style simulator input file (milliseconds).
     Raises ValueError naming the models the file has, or the field that is missing."""
-    from rpcompile.errors import RPCompileError
-
     try:
         data = json.loads(Path(path).read_text())
     except OSError as e:
@@ -289,8 +287,6 @@ def layer_profile_scenarios(entry: Mapping[str, Any], *, devices: int, microbatc
             out[name] = Scenario(name, round_robin(kinds, devices, microbatches), stages,
                                  notes={"partition": parts["roundpipe"]})
         elif name in ("ilp", "dp"):
-            from rpcompile.passes.partition import solve
-
             pb = layer_profile_problem(entry, devices=devices, microbatches=microbatches)
             res = solve(pb, name, time_limit_s=time_limit_s)
             sc = from_segment_plan(pb, res.require_plan(), name=name, handoff_s=comm if devices > 1 else None)
@@ -302,8 +298,6 @@ def layer_profile_scenarios(entry: Mapping[str, Any], *, devices: int, microbatc
 def layer_profile_problem(entry: Mapping[str, Any], *, devices: int, microbatches: int) -> Any:
     """The profile as a :class:`PartitionProblem`: one segment per layer plus the LM head, no bytes, no memory
     limit, and full recompute (``allow_save=False``), so partitions compete on the paper's own terms."""
-    from rpcompile.passes.problem import PartitionProblem
-
     ms, L = 1e-3, int(entry["num_layers"])
     f, b = entry["fwd_ms_per_layer"] * ms, entry["bwd_ms_per_layer"] * ms
     zeros = (0,) * (L + 1)

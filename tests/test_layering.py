@@ -1,0 +1,116 @@
+"""Imports point one way down the layers (issue 18): Face → Passes → Core, and the Runtime imports only Core.
+
+- **Core**: the plan schema, device specs, errors (``rpcompile/planfile.py``, ``specs.py``, ``errors.py``): data.
+- **Runtime** (``runtime/``): runs plans; imports Core and torch, never the passes or the face.
+- **Passes** (``passes/``): model → plan → stage code; import Core (and each other), never the face.
+- **Face**: everything else in ``rpcompile/`` (compile, Pipeline, CLI, views, scenario drivers, demo): anything.
+
+Every import counts, top-level and inside functions. :data:`KNOWN` lists the arrows against the layers that main
+still has, each to be removed by issue 18: a new one fails here with its file and line, and a known one that is
+gone must leave the list, so the list only shrinks.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CORE = {"rpcompile.errors", "rpcompile.planfile", "rpcompile.specs"}
+ALLOWED = {"core": {"core"}, "runtime": {"runtime", "core"}, "passes": {"passes", "core"},
+           "face": {"face", "passes", "runtime", "core"}}
+
+#: (importing file, imported module) arrows against the layers that main has today.
+KNOWN = {
+    ("passes/coarsen.py", "rpcompile.tracing"),
+    ("passes/loss_head.py", "rpcompile.tracing"),
+    ("runtime/codegen.py", "rpcompile.passes.host"),
+    ("runtime/split.py", "rpcompile.passes.coarsen"),
+    ("runtime/split.py", "rpcompile.passes.host"),
+    ("runtime/split.py", "rpcompile.passes.inplace"),
+    ("runtime/split.py", "rpcompile.passes.portable"),
+    ("runtime/split.py", "rpcompile.passes.util"),
+}
+
+
+def module_name(path: Path) -> str:
+    """``passes/cost.py`` → ``rpcompile.passes.cost`` (the installed names)."""
+    parts = list(path.with_suffix("").parts)
+    if parts[0] in ("passes", "runtime"):
+        parts.insert(0, "rpcompile")
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def layer(module: str) -> str:
+    if module in CORE:
+        return "core"
+    for name in ("runtime", "passes"):
+        if module == f"rpcompile.{name}" or module.startswith(f"rpcompile.{name}."):
+            return name
+    return "face"
+
+
+def imports(source: str, module: str, is_package: bool) -> list[tuple[int, str]]:
+    """``(line, module)`` of every rpcompile import in ``source`` (relative ones resolved)."""
+    package = module if is_package else module.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            base = package
+            for _ in range(node.level - 1):
+                base = base.rpartition(".")[0]
+            target = (f"{base}.{node.module}" if node.module else base) if node.level else (node.module or "")
+            names = [target] if node.module or not node.level else [f"{base}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        out += [(node.lineno, n) for n in names if n == "rpcompile" or n.startswith("rpcompile.")]
+    return out
+
+
+def violations(files: dict[str, str]) -> list[tuple[str, int, str]]:
+    """``(file, line, imported module)`` of each import against the layers in ``files`` (path → source)."""
+    out = []
+    for rel, source in files.items():
+        path = Path(rel)
+        mod = module_name(path)
+        for line, target in imports(source, mod, path.name == "__init__.py"):
+            if layer(target) not in ALLOWED[layer(mod)]:
+                out.append((rel, line, target))
+    return out
+
+
+def _sources() -> dict[str, str]:
+    return {str(p.relative_to(ROOT)): p.read_text() for folder in ("rpcompile", "passes", "runtime")
+            for p in sorted((ROOT / folder).rglob("*.py"))}
+
+
+def test_no_new_import_against_the_layers_and_the_known_ones_shrink():
+    found = violations(_sources())
+    new = [f"{f}:{line} imports {m} ({layer(module_name(Path(f)))} → {layer(m)})" for f, line, m in found
+           if (f, m) not in KNOWN]
+    assert not new, "imports against the layers (tests/test_layering.py docstring):\n" + "\n".join(new)
+    gone = KNOWN - {(f, m) for f, _, m in found}
+    assert not gone, f"remove from KNOWN, they are fixed: {sorted(gone)}"
+
+
+@pytest.mark.parametrize("rel,source,bad", [
+    ("runtime/executor.py", "def f():\n    from rpcompile.planning import prepare\n", "rpcompile.planning"),
+    ("runtime/devices.py", "from ..passes import cost\n", "rpcompile.passes"),
+    ("passes/ilp.py", "import rpcompile.pipeline\n", "rpcompile.pipeline"),
+    ("rpcompile/planfile.py", "from .runtime.executor import Executor\n", "rpcompile.runtime.executor"),
+])
+def test_an_arrow_against_the_layers_is_caught_with_its_file_and_line(rel, source, bad):
+    assert violations({rel: source}) == [(rel, source.count("\n", 0, source.index("import")) + 1, bad)]
+
+
+def test_arrows_down_the_layers_pass():
+    ok = {"rpcompile/cli.py": "from rpcompile.runtime.executor import Executor\nfrom .passes import cost\n",
+          "runtime/saved.py": "from rpcompile.errors import RPCompileError\nfrom .symbolic import Guards\n",
+          "passes/ilp.py": "from rpcompile.planfile import Plan\nfrom .problem import PartitionProblem\n"}
+    assert violations(ok) == []

@@ -34,7 +34,7 @@ import torch.fx as fx
 from .cost import DTYPE_KEY, node_cost
 from .loss_head import CHUNK_META
 from .shape import SHAPE_KEY, scaled_nbytes
-from .util import compute_nodes
+from .util import compute_nodes, module_path
 
 __all__ = ["SEGMENT_KEY", "SEGMENTS_KEY", "Segment", "coarsen_pass", "live_bytes", "segments_of"]
 
@@ -120,8 +120,6 @@ def live_bytes(gm: fx.GraphModule) -> tuple[int, list[int]]:
 
 def _group_keys(nodes: Sequence[fx.Node], deeper: int = 1) -> tuple[list[str], list[str]]:
     """(group key, layer key) per node; a group is the module path ``deeper`` levels below the layer."""
-    from rpcompile.tracing import module_path
-
     paths = [module_path(n) for n in nodes]
     depths = [i + 1 for p in paths for i, part in enumerate(p.split(".")) if _NUMERIC.match(part)]
     d = min(depths) if depths else 1

@@ -27,6 +27,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from .util import module_path
+
 __all__ = ["attach_loss", "chunk_loss_head", "split_head", "HeadSplit", "TARGET", "HEAD_CHUNKS_META", "CHUNK_META"]
 
 #: Name of the placeholder :func:`attach_loss` adds.
@@ -192,8 +194,6 @@ def chunk_loss_head(gm: fx.GraphModule, chunks: int) -> HeadSplit:
         return cur
 
     before = set(graph.nodes)
-    from rpcompile.tracing import module_path
-
     label = module_path(head) or "head"
     total = None
     with graph.inserting_before(ce):

@@ -8,6 +8,7 @@ named by their fully-qualified names in the original model.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
@@ -23,6 +24,7 @@ __all__ = [
     "node_buffers",
     "tensor_leaves",
     "canonical_names",
+    "module_path",
 ]
 
 COMPUTE_OPS = ("call_function", "call_method", "call_module")
@@ -118,3 +120,28 @@ def node_buffers(gm: fx.GraphModule, node: fx.Node) -> dict[str, torch.Tensor]:
 def tensor_leaves(value: Any) -> list[torch.Tensor]:
     """Every tensor inside a (possibly nested) value."""
     return [v for v in pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
+
+
+def module_path(node: fx.Node) -> str:
+    """FQN of the innermost module owning ``node`` (``""`` for the root), for fx and exported graphs alike.
+
+    ``call_module`` nodes: their target. ``get_attr`` nodes: the module holding the attribute. Other nodes: the last
+    entry of ``meta["nn_module_stack"]`` (recorded by both paths), normalised to plain FQN form.
+    """
+    if node.op == "call_module":
+        return str(node.target)
+    if node.op == "get_attr":
+        return str(node.target).rpartition(".")[0]
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path, _ = list(stack.values())[-1]
+    return _normalise_path(str(path))
+
+
+def _normalise_path(path: str) -> str:
+    """``L['self'].model.layers[3]._modules['attn']`` (dynamo style) or ``model.layers.3.attn`` -> the latter."""
+    path = re.sub(r"^L\['self'\]", "", path)
+    path = re.sub(r"\._modules\['([^']*)'\]", r".\1", path)
+    path = re.sub(r"\[(\d+)\]|\['([^']*)'\]", lambda m: "." + (m.group(1) or m.group(2)), path)
+    return path.split("@")[0].strip(".")

@@ -161,7 +161,7 @@ def _ordered(names: Iterable[str], plan: Plan) -> tuple[str, ...]:
 
 
 def _rollup_graph(plan: Plan, graph: Any, depth: int | None) -> Rollup:
-    from .tracing import module_path
+    from rpcompile.passes.util import module_path
 
     nodes = [n for n in _graph_nodes(graph) if n.name not in plan.host]  # drawn first, as in a plan alone
     paths = [module_path(n) for n in nodes]

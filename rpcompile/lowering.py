@@ -19,7 +19,7 @@ __all__ = ["plan_from_ranges"]
 
 
 def _modules(nodes: Sequence[fx.Node]) -> tuple[str, ...]:
-    from .tracing import module_path
+    from rpcompile.passes.util import module_path
 
     out: list[str] = []
     for n in nodes:

@@ -144,7 +144,7 @@ def profile_graph(gm: fx.GraphModule, *, depth: int | None = None) -> Profile:
     """Roll the ``rpcompile.cost`` annotations of ``gm`` up by module."""
     from rpcompile.passes.cost import node_cost
     from rpcompile.passes.util import compute_nodes
-    from rpcompile.tracing import module_path
+    from rpcompile.passes.util import module_path
 
     nodes = compute_nodes(gm)
     paths = {n: module_path(n) for n in nodes}

@@ -10,7 +10,8 @@ Terms:
 - *FQN*: a fully-qualified attribute name such as ``layers.3.attn.q_proj.weight``. Both paths return a graph module
   whose parameters and buffers are the model's own tensor objects (shared storage, no copies) under their original
   FQNs; a tied weight appears once, under the name ``model.named_parameters()`` gives it.
-- *module path*: the FQN of the innermost module that owns a node (:func:`module_path`); ``""`` is the root.
+- *module path*: the FQN of the innermost module that owns a node (:func:`rpcompile.passes.util.module_path`);
+  ``""`` is the root.
 
 ``gm.meta["rpcompile.trace"]`` records the path taken: ``"fx"`` or ``"export"``. Both paths make in-place
 computations on the graph's own values out of place (:func:`~rpcompile.passes.inplace.functional_inplace_pass`:
@@ -26,7 +27,6 @@ import io
 import logging
 import operator
 import os
-import re
 import sys
 import sysconfig
 import traceback
@@ -43,7 +43,7 @@ from rpcompile.errors import TraceError
 from rpcompile.passes.portable import portable_bodies
 from rpcompile.passes.inplace import functional_inplace_pass
 
-__all__ = ["trace", "training_inputs", "module_path", "TRACE_META_KEY"]
+__all__ = ["trace", "training_inputs", "TRACE_META_KEY"]
 
 log = logging.getLogger("rpcompile")
 
@@ -121,23 +121,6 @@ def _accepts(model: nn.Module, name: str) -> bool:
         return name in inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return False
-
-
-def module_path(node: fx.Node) -> str:
-    """FQN of the innermost module owning ``node`` (``""`` for the root), for fx and exported graphs alike.
-
-    ``call_module`` nodes: their target. ``get_attr`` nodes: the module holding the attribute. Other nodes: the last
-    entry of ``meta["nn_module_stack"]`` (recorded by both paths), normalised to plain FQN form.
-    """
-    if node.op == "call_module":
-        return str(node.target)
-    if node.op == "get_attr":
-        return str(node.target).rpartition(".")[0]
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return ""
-    path, _ = list(stack.values())[-1]
-    return _normalise_path(str(path))
 
 
 # --- inputs and leaves -------------------------------------------------------------------------------------------
@@ -558,11 +541,3 @@ def _advice(*failures: _Failure | str) -> str:
         f"try: {leaf}; replace data-dependent Python control flow with torch.where or torch.cond; "
         "avoid .item(), .tolist() and Python loops over data-dependent sizes (e.g. len(torch.nonzero(x)))"
     )
-
-
-def _normalise_path(path: str) -> str:
-    """``L['self'].model.layers[3]._modules['attn']`` (dynamo style) or ``model.layers.3.attn`` -> the latter."""
-    path = re.sub(r"^L\['self'\]", "", path)
-    path = re.sub(r"\._modules\['([^']*)'\]", r".\1", path)
-    path = re.sub(r"\[(\d+)\]|\['([^']*)'\]", lambda m: "." + (m.group(1) or m.group(2)), path)
-    return path.split("@")[0].strip(".")

@@ -24,8 +24,6 @@ ALLOWED = {"core": {"core"}, "runtime": {"runtime", "core"}, "passes": {"passes"
 
 #: (importing file, imported module) arrows against the layers that main has today.
 KNOWN = {
-    ("passes/coarsen.py", "rpcompile.tracing"),
-    ("passes/loss_head.py", "rpcompile.tracing"),
     ("runtime/codegen.py", "rpcompile.passes.host"),
     ("runtime/split.py", "rpcompile.passes.coarsen"),
     ("runtime/split.py", "rpcompile.passes.host"),

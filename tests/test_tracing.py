@@ -13,7 +13,8 @@ from torch import fx, nn
 from rpcompile.errors import TraceError
 from rpcompile.models import load_model
 from rpcompile.models.llama import Attention
-from rpcompile.tracing import TRACE_META_KEY, module_path, trace
+from rpcompile.passes.util import module_path
+from rpcompile.tracing import TRACE_META_KEY, trace
 
 
 def assert_same_state(gm: fx.GraphModule, model: nn.Module) -> None:

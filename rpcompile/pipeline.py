@@ -40,9 +40,20 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.fx as fx
 
+from rpcompile.passes.loss_head import TARGET
+from rpcompile.passes.util import flat_inputs, tensor_leaves
+from rpcompile.runtime.codegen import write_stages
+from rpcompile.runtime.devices import make_devices
+from rpcompile.runtime.executor import Executor, ValueStore
+from rpcompile.runtime.schedule import round_robin
+from rpcompile.runtime.split import split_plan
+
 from .errors import RPCompileError
-from rpcompile.passes.util import tensor_leaves
 from .planfile import Plan
+from .planning import (default_spec, fastest, head_chunk_candidates, make_hardware, plan_graph, prepare,
+                       split_microbatches)
+from .tracing import training_inputs
+from .verify import graph_as_planned, verify_plan
 
 __all__ = ["compile", "Pipeline"]
 
@@ -169,10 +180,6 @@ class Pipeline:
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None, precision: str, scaler: Any = None,
                  loss_in_graph: bool = False, signature: InputSignature | None = None,
                  loss_weight: "str | Callable[[Any], float]" = "auto"):
-        from rpcompile.runtime.executor import Executor
-        from rpcompile.runtime.schedule import round_robin
-        from rpcompile.runtime.split import split_plan
-
         self.model, self.gm, self.plan, self.devices = model, gm, plan, list(devices)
         self.loss_fn, self.precision, self.scaler = loss_fn, precision, scaler
         self.loss_in_graph = loss_in_graph  # the graph takes the target and returns the loss (split LM head)
@@ -200,17 +207,11 @@ class Pipeline:
 
     def _schedule(self, m: int) -> list:
         """The round-robin schedule for ``m`` microbatches (the plan's, or fewer for a batch with fewer rows)."""
-        from rpcompile.runtime.schedule import round_robin
-
         if m not in self._schedules:
             self._schedules[m] = round_robin([s.kind for s in self.plan.stages], len(self.devices), m)
         return self._schedules[m]
 
     def _store(self, inputs: Sequence[Any], kwargs: Mapping[str, Any], m: int) -> tuple[Any, list[int]]:
-        from rpcompile.passes.util import flat_inputs
-        from rpcompile.planning import split_microbatches
-        from rpcompile.runtime.executor import ValueStore
-
         flat = flat_inputs(self.gm, inputs, kwargs)
         pieces = split_microbatches(flat, m)
         store = ValueStore()
@@ -224,8 +225,6 @@ class Pipeline:
         """One training iteration's forward and backward over the whole batch; returns the batch's loss: the mean
         over the batch (microbatch losses weighted by their sizes), or their sum for a loss module with
         ``reduction="sum"``."""
-        from rpcompile.planning import split_microbatches
-
         if target is None and "labels" in kwargs and self.loss_fn is not None and \
                 (self.signature is None or "labels" not in self.signature.names):
             target = kwargs.pop("labels")  # an HF batch dict: its labels are the loss's target
@@ -235,7 +234,6 @@ class Pipeline:
             if not isinstance(target, torch.Tensor):
                 raise RPCompileError("this pipeline computes the loss inside its graph (head_chunks > 1): "
                                      "pass the batch's target, forward_backward(x, target=y)")
-            from rpcompile.passes.loss_head import TARGET
             kwargs = {**kwargs, TARGET: target}
         # a batch with fewer rows than microbatches runs as that many microbatches of one row
         rows = next((v.shape[0] for v in tensor_leaves((inputs, kwargs)) if v.dim() > 0), self.microbatches)
@@ -286,9 +284,6 @@ class Pipeline:
     @torch.no_grad()
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Evaluation: the model's output for the whole batch, stage by stage on the plan's devices."""
-        from rpcompile.passes.util import flat_inputs
-        from rpcompile.runtime.executor import ValueStore
-
         store = ValueStore()
         for name, value in zip(self.program.placeholders, flat_inputs(self.gm, inputs, kwargs)):
             store.put(name, 0, value)
@@ -296,8 +291,6 @@ class Pipeline:
 
     def codegen(self, directory: str | os.PathLike) -> list[Path]:
         """Write each stage's generated Python into ``directory``; returns the files."""
-        from rpcompile.runtime.codegen import write_stages
-
         return write_stages(self.program, self.plan, directory)
 
 
@@ -345,12 +338,6 @@ def compile(
     ``use_cache=False`` unless ``example_kwargs`` says otherwise, and ``forward_backward(**batch)`` takes an HF
     batch dict, its ``labels`` as the target.
     """
-    from rpcompile.runtime.devices import make_devices
-
-    from .planning import default_spec, fastest, head_chunk_candidates, make_hardware, plan_graph, prepare
-    from .tracing import training_inputs
-    from .verify import graph_as_planned, verify_plan
-
     if precision not in _DTYPES:
         raise ValueError(f"precision must be one of {sorted(_DTYPES)}, got {precision!r}")
     _checked_weight(loss_weight)  # before any planning

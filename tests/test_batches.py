@@ -13,7 +13,7 @@ import rpcompile
 from rpcompile.pipeline import IGNORE_INDEX, loss_weights, shifted_tokens
 
 from _hf import VOCAB, hf_model, token_loss
-from test_runtime import FINE_CPU, TOL, assert_grads_equal
+from test_runtime import FINE_CPU, TOL, assert_grads_equal, assert_step_matches_eager
 
 def _padded(batch=6, seq=32, seed=0):
     """Right-padded token ids, their attention mask and labels (-100 on padding), rows of random lengths."""
@@ -42,11 +42,7 @@ def test_an_hf_model_compiles_as_the_readme_says():
     pipe = rpcompile.compile(model, (ids,), loss_fn=token_loss, devices=["cpu", "cpu"], spec=FINE_CPU,
                              time_limit_s=2.0)
     assert model.config.use_cache is True
-    loss = pipe.forward_backward(ids, target=y)
-    ref_loss = token_loss(ref(ids), y)
-    ref_loss.backward()
-    torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
-    assert_grads_equal(model, ref)
+    assert_step_matches_eager(pipe, model, ref, token_loss, ids, target=y)
 
 
 @pytest.mark.hf
@@ -109,11 +105,7 @@ def test_padding_is_weighted_by_tokens_by_default():
     pipe = rpcompile.compile(model, (), example_kwargs={"input_ids": ids, "attention_mask": mask},
                              loss_fn=token_loss, devices=["cpu", "cpu"], microbatches=3, spec=FINE_CPU,
                              time_limit_s=2.0)
-    loss = pipe.forward_backward(input_ids=ids, attention_mask=mask, target=labels)
-    ref_loss = token_loss(ref(input_ids=ids, attention_mask=mask), labels)
-    ref_loss.backward()
-    torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
-    assert_grads_equal(model, ref)
+    assert_step_matches_eager(pipe, model, ref, token_loss, input_ids=ids, attention_mask=mask, target=labels)
 
 
 @pytest.mark.hf
@@ -142,12 +134,8 @@ def _loop(pipe, model, ref, batches, loss_fn, make_kwargs):
     for step, (ids, mask, labels) in enumerate(batches):
         for p in (*model.parameters(), *ref.parameters()):
             p.grad = None
-        loss = pipe.forward_backward(**make_kwargs(ids, mask), target=labels)
-        ref_loss = loss_fn(ref(**make_kwargs(ids, mask)), labels)
-        ref_loss.backward()
-        torch.testing.assert_close(loss, ref_loss.detach(), **TOL,
-                                   msg=lambda m: f"step {step} (batch {tuple(ids.shape)}): loss: {m}")
-        assert_grads_equal(model, ref, what=f"step {step} (batch {tuple(ids.shape)}): ")
+        assert_step_matches_eager(pipe, model, ref, loss_fn, **make_kwargs(ids, mask), target=labels,
+                                  what=f"step {step} (batch {tuple(ids.shape)}): ")
 
 
 def _random_batches(n, max_batch, max_seq, seed):

@@ -28,7 +28,7 @@ from rpcompile.runtime.devices import host_buffer
 
 from _devices import MetaDevice, StridedDevice
 from _hf import VOCAB, hf_model, token_loss
-from test_runtime import FINE_CPU, TOL, _saving_pipeline, assert_grads_equal, eager_step
+from test_runtime import FINE_CPU, TOL, _saving_pipeline, assert_grads_equal, assert_step_matches_eager, eager_step
 
 RUNTIME = Path(rpcompile.__file__).resolve().parent / "runtime"
 _FACTORIES = {"empty", "empty_strided", "zeros", "ones", "full", "arange", "rand", "randn", "randint", "tensor",
@@ -126,11 +126,7 @@ def check_bert(devices, spec):
     ids, y = torch.randint(0, VOCAB, (4, 8)), torch.randint(0, VOCAB, (4, 8))
     pipe = rpcompile.compile(model, (ids,), loss_fn=token_loss, spec=spec, devices=devices, microbatches=2,
                              time_limit_s=2.0)
-    loss = pipe.forward_backward(ids, target=y)
-    ref_loss = token_loss(ref(ids), y)
-    ref_loss.backward()
-    torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
-    assert_grads_equal(model, ref)
+    assert_step_matches_eager(pipe, model, ref, token_loss, ids, target=y)
 
 
 @pytest.mark.hf

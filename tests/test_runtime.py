@@ -37,6 +37,16 @@ def assert_grads_equal(model, ref, scale: float = 1.0, *, tol: dict | None = Non
         torch.testing.assert_close(p.grad, r.grad, **tol, msg=lambda m: f"{what}gradient of {name} differs: {m}")
 
 
+def assert_step_matches_eager(pipe, model, ref, loss_fn, *args, target, what: str = "", **kwargs):
+    """One ``forward_backward`` of ``pipe`` on ``(args, kwargs)`` and ``target``: its loss and every gradient equal
+    eager's ``loss_fn(ref(*args, **kwargs), target)`` on the whole batch."""
+    loss = pipe.forward_backward(*args, target=target, **kwargs)
+    ref_loss = loss_fn(ref(*args, **kwargs), target)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), **TOL, msg=lambda m: f"{what}loss: {m}")
+    assert_grads_equal(model, ref, what=what)
+
+
 def assert_matches_seeded_reference(spec, ref, x, y, m, loss):
     """Reference for models with BatchNorm and dropout: the same graph, with the same per-node seeds, run eagerly
     on one device over the same microbatches (gradient accumulation, no recompute); loss, gradients and buffers

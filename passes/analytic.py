@@ -55,7 +55,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from rpcompile.specs import DeviceSpec, get_spec
+from rpcompile.core.specs import DeviceSpec, get_spec
 
 from .cost import CostModel, NodeCall, OpEstimate
 from .meta import compute_dtype as _compute_dtype
@@ -141,7 +141,7 @@ _EXTRA_FLOP_FORMULAS = {
 
 
 def op_class(op: torch._ops.OpOverload | torch._ops.OpOverloadPacket) -> str | None:
-    """The op class of an aten op (one of :data:`rpcompile.specs.OP_CLASSES`), or None for a free op.
+    """The op class of an aten op (one of :data:`rpcompile.core.specs.OP_CLASSES`), or None for a free op.
 
     Order: the explicit tables above, then views and metadata ops (free), then torch's own op tags
     (``pointwise`` → elementwise, ``reduction`` → reduction); anything else is ``memory``.
@@ -392,7 +392,7 @@ def _signature(call: NodeCall) -> tuple:
 
 # ---------------------------------------------------------------------------------------------- the model
 class AnalyticCostModel(CostModel):
-    """Roofline cost model for the GPU described by ``spec`` (a :class:`~rpcompile.specs.DeviceSpec` or a
+    """Roofline cost model for the GPU described by ``spec`` (a :class:`~rpcompile.core.specs.DeviceSpec` or a
     preset name such as ``"rtx4090"``); see the module docstring for the method.
 
     ``dtype`` casts floating inputs before analysis, e.g. ``torch.bfloat16`` to plan a mixed-precision run

@@ -10,7 +10,7 @@ Terms
   as ``nn.Linear``) and torch.export graphs (aten ops) alike.
 - **CostModel**: turns a NodeCall into an :class:`OpEstimate` (times, optionally FLOPs). Two live here and in
   :mod:`rpcompile.passes.analytic`: :class:`MeasuredCostModel` times nodes on the device at hand;
-  ``AnalyticCostModel`` predicts them from FLOPs and bytes for a named :class:`~rpcompile.specs.DeviceSpec`.
+  ``AnalyticCostModel`` predicts them from FLOPs and bytes for a named :class:`~rpcompile.core.specs.DeviceSpec`.
 
 The driver runs the graph once on the model's own device (``meta`` for shape-only models) to get every node's
 inputs. Independently of the cost model it runs each node once more on ``meta`` with autograd on, to count

@@ -282,10 +282,10 @@ class PartitionResult:
     stats: dict[str, Any] = field(default_factory=dict)
 
     def require_plan(self) -> SegmentPlan:
-        """The plan, or :class:`rpcompile.errors.InfeasibleError` with the solver's reason when there is none."""
+        """The plan, or :class:`rpcompile.core.errors.InfeasibleError` with the solver's reason when there is none."""
         if self.feasible and self.plan is not None:
             return self.plan
-        from rpcompile.errors import InfeasibleError  # local: keeps the solver free of the package's imports
+        from rpcompile.core.errors import InfeasibleError  # local: keeps the solver free of the package's imports
 
         reason = self.stats.get("reason") or "; ".join(self.stats.get("violations", ())) or "no plan"
         raise InfeasibleError(f"{self.strategy}: {reason}")

@@ -88,11 +88,11 @@ def check_plan(path: str | Path, model: Any, example_inputs: Sequence[Any], *, m
     """Check the plan file at ``path`` against ``model`` (see the module docstring). A plan made with a split LM
     head (``head_chunks > 1``) needs ``loss_fn`` and ``example_target`` to rebuild its graph. ``progress`` is the
     profiler's bar; ``status(text)``, a context manager, shows the fresh plan's solve (the CLI's spinner)."""
-    from rpcompile.errors import InfeasibleError, PlanFileError
+    from rpcompile.core.errors import InfeasibleError, PlanFileError
     from rpcompile.passes.problem import iteration_time, stage_costs, validate_segment_plan
     from rpcompile.passes.validate import format_bytes
 
-    from .planfile import Plan
+    from .core.plan import Plan
     from .planning import partition_problem, plan_graph, prepare
     from .verify import fingerprint, plan_violations
 

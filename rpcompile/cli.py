@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from rpcompile import __version__
-from rpcompile.specs import SPECS
+from rpcompile.core.specs import SPECS
 
 __all__ = ["main", "build_parser", "DEFAULT_MICROBATCHES"]
 
@@ -240,7 +240,7 @@ def _bars(args: argparse.Namespace) -> bool | None:
 
 def _writable(path: str, flag: str) -> None:
     """Refuse an output path that cannot be written, before any work (a plan takes minutes to make)."""
-    from rpcompile.errors import RPCompileError
+    from rpcompile.core.errors import RPCompileError
 
     target = Path(path)
     parent = target.parent
@@ -255,7 +255,7 @@ def _writable(path: str, flag: str) -> None:
 
 def _directory(path: str, flag: str) -> None:
     """Make the output directory ``path`` now, before any work, or refuse it in one line."""
-    from rpcompile.errors import RPCompileError
+    from rpcompile.core.errors import RPCompileError
 
     try:
         Path(path).mkdir(parents=True, exist_ok=True)
@@ -306,7 +306,7 @@ def _parse_rate(text: str) -> float:
 def _cmd_simulate(args: argparse.Namespace) -> int:
     import math
 
-    from rpcompile.errors import RPCompileError
+    from rpcompile.core.errors import RPCompileError
     from rpcompile.simulation import parse_schedules, run_all
 
     host = args.host_bandwidth or math.inf
@@ -343,7 +343,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 def _scenarios(args: argparse.Namespace, schedules: list[str], host: float) -> tuple[str, dict, dict[str, str], int]:
     """What ``simulate`` runs: (title, {name: Scenario}, {requested schedule left out: why}, microbatches or 0
     when the layer profile says)."""
-    from rpcompile.errors import RPCompileError
+    from rpcompile.core.errors import RPCompileError
     from rpcompile.simulation import model_scenarios, plan_scenarios, profile_scenarios, skipped
 
     if args.layer_profile:
@@ -358,7 +358,7 @@ def _scenarios(args: argparse.Namespace, schedules: list[str], host: float) -> t
     if args.target is None:
         raise RPCompileError("say what to simulate: a plan .json file, a MODEL with --gpus N, or --layer-profile FILE --model NAME")
     if args.target.endswith(".json"):
-        from rpcompile.planfile import Plan
+        from rpcompile.core.plan import Plan
 
         plan = Plan.load(args.target)
         hw = plan.hardware
@@ -420,8 +420,8 @@ def _parse_percent(text: str) -> float:
 
 def _cmd_check(args: argparse.Namespace) -> int:
     from rpcompile.checking import check_plan
-    from rpcompile.errors import PlanFileError
-    from rpcompile.planfile import Plan
+    from rpcompile.core.errors import PlanFileError
+    from rpcompile.core.plan import Plan
 
     try:
         microbatches = Plan.load(args.plan).microbatches
@@ -441,7 +441,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
-    from rpcompile.planfile import Plan
+    from rpcompile.core.plan import Plan
     from rpcompile.plandiff import diff_plans
 
     d = diff_plans(Plan.load(args.a), Plan.load(args.b), a_name=args.a, b_name=args.b)
@@ -450,7 +450,7 @@ def _cmd_diff(args: argparse.Namespace) -> int:
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    from rpcompile.planfile import Plan
+    from rpcompile.core.plan import Plan
     from rpcompile.report import plan_table, print_table
 
     plan = Plan.load(args.plan)
@@ -471,7 +471,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
         try:
             write_graph(args.graph, plan, graph, depth=args.depth)
         except ValueError as e:
-            from rpcompile.errors import RPCompileError
+            from rpcompile.core.errors import RPCompileError
 
             raise RPCompileError(str(e)) from None
         print(f"graph written to {args.graph}")
@@ -531,7 +531,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _plan_fastest(args: argparse.Namespace, ms: Any, hardware: Any) -> tuple[Any, Any, int, dict]:
     """Every strategy on each LM-head split ``--head-chunks`` asks for; the split whose ``--strategy`` plan is
     fastest: (that plan, its graph, microbatches, {strategy: (result, plan)})."""
-    from rpcompile.errors import RPCompileError
+    from rpcompile.core.errors import RPCompileError
     from rpcompile.planning import _infeasible, compare, fastest, head_chunk_candidates, partition_problem, prepare
 
     def attempt(k: int) -> tuple[float, tuple]:
@@ -573,7 +573,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from rpcompile.errors import RPCompileError
+    from rpcompile.core.errors import RPCompileError
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")

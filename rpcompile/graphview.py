@@ -19,7 +19,7 @@ Terms:
 Node → module mapping. With the traced graph (``graph``: a ``torch.fx.GraphModule`` or ``Graph``, e.g. from
 :func:`rpcompile.trace` or :func:`rpcompile.planning.prepare`) every compute node is placed by its
 ``nn_module_stack`` meta, edges between boxes are the graph's data edges, and saved activations are placed on
-the boxes exactly. A :class:`~rpcompile.planfile.Plan` alone stores node *names* and, per stage, the module paths
+the boxes exactly. A :class:`~rpcompile.core.plan.Plan` alone stores node *names* and, per stage, the module paths
 its nodes come from (``Stage.modules``, written by :mod:`rpcompile.lowering`) but not which node belongs to which
 module — so without a graph the boxes come from ``Stage.modules`` (forward stages in order, then the backward
 stages from the last), they are chained in that order, and saved modules come from ``Stage.saved_modules``
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from .planfile import Plan
+from .core.plan import Plan
 from .svg import document, esc, line, num, path, rect, stage_color, text, text_width, title
 
 __all__ = ["MAX_BOXES", "ROWS_PER_COLUMN", "ModuleBox", "Rollup", "rollup", "graph_dot", "graph_svg", "write_graph"]

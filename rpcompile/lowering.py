@@ -1,4 +1,4 @@
-"""Lowering node ranges into a :class:`~rpcompile.planfile.Plan`.
+"""Lowering node ranges into a :class:`~rpcompile.core.plan.Plan`.
 
 Strategies decide *where* to cut (in segments or node indices); this module turns those cuts into a plan of
 names: each stage's compute nodes, the parameters they read, the source modules they come from, and the saved
@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch.fx as fx
 
-from .planfile import Hardware, Plan, Prediction, Stage
+from .core.plan import Hardware, Plan, Prediction, Stage
 from .verify import fingerprint
 
 __all__ = ["plan_from_ranges"]

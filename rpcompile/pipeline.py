@@ -45,11 +45,11 @@ from rpcompile.passes.util import flat_inputs, tensor_leaves
 from rpcompile.runtime.codegen import write_stages
 from rpcompile.runtime.devices import make_devices
 from rpcompile.runtime.executor import Executor, ValueStore
-from rpcompile.runtime.schedule import round_robin
+from rpcompile.core.schedule import round_robin
 from rpcompile.runtime.split import split_plan
 
-from .errors import RPCompileError
-from .planfile import Plan
+from .core.errors import RPCompileError
+from .core.plan import Plan
 from .planning import (default_spec, fastest, head_chunk_candidates, make_hardware, plan_graph, prepare,
                        split_microbatches)
 from .tracing import training_inputs
@@ -317,7 +317,7 @@ def compile(
 
     ``devices=["cpu"] * k`` runs k logical devices on the CPU; ``gpus=k`` uses ``cuda:0..k-1``; with neither, every
     visible GPU, or one logical CPU device. Costs are measured on the first device unless ``spec`` (a
-    :class:`~rpcompile.specs.DeviceSpec` or preset name) asks for analytic ones — which also makes the plan
+    :class:`~rpcompile.core.specs.DeviceSpec` or preset name) asks for analytic ones — which also makes the plan
     independent of timing noise. ``plan_options`` go to :func:`rpcompile.planning.plan_graph` (``strategy``,
     ``memory_limit``, ``time_limit_s``, ...).
 

@@ -1,6 +1,6 @@
 """What changed between two plans (``rpcompile diff a.json b.json``), as plain data and as lines for people.
 
-:func:`diff_plans` compares two :class:`~rpcompile.planfile.Plan`\\ s and returns a :class:`PlanDiff`: only what
+:func:`diff_plans` compares two :class:`~rpcompile.core.plan.Plan`\\ s and returns a :class:`PlanDiff`: only what
 changed, in this order —
 
 - **model**: plans for different models (said first, in capitals). "The same model" is
@@ -36,7 +36,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Sequence
 
-from .planfile import Plan, Stage
+from .core.plan import Plan, Stage
 from .report import fmt_bytes
 from .verify import model_differences
 

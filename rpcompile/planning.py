@@ -15,9 +15,9 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from .errors import BatchSplitError, InfeasibleError
-from .planfile import Hardware, Plan, Prediction
-from .specs import DeviceSpec, get_spec
+from .core.errors import BatchSplitError, InfeasibleError
+from .core.plan import Hardware, Plan, Prediction
+from .core.specs import DeviceSpec, get_spec
 
 __all__ = [
     "plan",

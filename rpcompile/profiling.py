@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.fx as fx
 
-from .specs import DeviceSpec
+from .core.specs import DeviceSpec
 
 __all__ = ["analyze", "profile", "profile_graph", "make_cost_model", "Profile", "CostRow", "rollup_name"]
 

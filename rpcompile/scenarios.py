@@ -1,6 +1,6 @@
 """What to simulate: action lists and per-position costs for every schedule, from one cost model.
 
-- :func:`from_plan` — a saved :class:`~rpcompile.planfile.Plan` on its own hardware (round-robin);
+- :func:`from_plan` — a saved :class:`~rpcompile.core.plan.Plan` on its own hardware (round-robin);
 - :func:`from_segment_plan` — a partitioner result (``ilp``, ``roundpipe``, …) on a :class:`PartitionProblem`;
 - :func:`static_scenarios` — the classic static-binding pipelines on the same problem: GPipe and 1F1B with one
   stage per device, interleaved 1F1B with ``chunks`` stages per device. They keep weights, gradients, optimizer
@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from rpcompile.errors import RPCompileError
+from rpcompile.core.errors import RPCompileError
 from rpcompile.passes.baselines import layer_ranges
 from rpcompile.passes.partition import solve
 from rpcompile.passes.problem import PartitionProblem, save_reads, stage_costs
-from rpcompile.runtime.schedule import Action, gpipe, interleaved_one_f_one_b, one_f_one_b, round_robin
+from rpcompile.core.schedule import Action, gpipe, interleaved_one_f_one_b, one_f_one_b, round_robin
 from rpcompile.runtime.simulator import SimResult, SimStage, simulate
 
 __all__ = [

@@ -45,7 +45,7 @@ def model_scenarios(model: Any, example_inputs: Sequence[Any], *, gpus: int, spe
     (``host_embedding``, :mod:`rpcompile.passes.host`): the baselines keep them on the devices, as their
     systems do. ``progress`` is the profiler's bar; ``status(text)``, a context manager, shows each solve (the
     CLI's spinner)."""
-    from rpcompile.errors import InfeasibleError
+    from rpcompile.core.errors import InfeasibleError
     from rpcompile.lowering import _tokens
     from rpcompile.passes.partition import solve
 

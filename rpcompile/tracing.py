@@ -39,7 +39,7 @@ from torch import Tensor, fx, nn
 from torch.export import Dim
 from torch.utils import _pytree as pytree
 
-from rpcompile.errors import TraceError
+from rpcompile.core.errors import TraceError
 from rpcompile.passes.portable import portable_bodies
 from rpcompile.passes.inplace import functional_inplace_pass
 

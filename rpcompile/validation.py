@@ -71,7 +71,7 @@ def compile_for_validation(model: torch.nn.Module, example_inputs: Sequence[Any]
 def validate(pipe: Any, *inputs: Any, target: Any = None, iterations: int = 5, warmup: int = 2) -> Validation:
     """Run ``iterations`` training iterations of ``pipe`` (after ``warmup``; gradients are zeroed after each)
     and compare the executor's timeline with the simulator (see the module docstring)."""
-    from rpcompile.runtime.schedule import parse_action
+    from rpcompile.core.schedule import parse_action
     from rpcompile.runtime.simulator import SimStage, simulate
 
     def step() -> list:

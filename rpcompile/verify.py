@@ -1,4 +1,4 @@
-"""Checking a :class:`~rpcompile.planfile.Plan` against the traced graph it was made for.
+"""Checking a :class:`~rpcompile.core.plan.Plan` against the traced graph it was made for.
 
 *The same model.* A plan's fingerprint is that of the graph it was planned from: the model traced, its LM head
 and loss split into ``plan.head_chunks`` sequence chunks when the plan did so, and the embedding lookups
@@ -18,8 +18,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .errors import PlanMismatchError, PlanVerificationError
-from .planfile import Fingerprint, Plan
+from .core.errors import PlanMismatchError, PlanVerificationError
+from .core.plan import Fingerprint, Plan
 
 __all__ = ["fingerprint", "verify_plan", "plan_violations", "planned_graph", "graph_as_planned", "model_differences"]
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Sequence
 
 from rpcompile.passes.host import HostEmbedding
-from rpcompile.planfile import Plan
+from rpcompile.core.plan import Plan
 
 from .split import Program, StageProgram
 

@@ -46,7 +46,7 @@ from torch.utils import _pytree as pytree
 from . import rng, saved
 from .devices import Device
 from .offload import Landing
-from .schedule import Action
+from rpcompile.core.schedule import Action
 from .split import Program, StageProgram
 
 __all__ = ["ValueStore", "Executor", "TimelineEvent", "PipelineError"]

@@ -54,7 +54,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from .schedule import Action
+from rpcompile.core.schedule import Action
 
 __all__ = ["SimStage", "SimEvent", "SimResult", "simulate"]
 

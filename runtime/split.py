@@ -1,4 +1,4 @@
-"""Splitting a traced graph into stage programs, following a :class:`~rpcompile.planfile.Plan`.
+"""Splitting a traced graph into stage programs, following a :class:`~rpcompile.core.plan.Plan`.
 
 Terms
 -----
@@ -31,7 +31,7 @@ from rpcompile.passes.host import HostEmbedding, host_of
 from rpcompile.passes.portable import portable_pass, written_values
 from rpcompile.passes.inplace import written_nodes
 from rpcompile.passes.util import canonical_names, compute_nodes, node_params
-from rpcompile.planfile import Plan, Stage
+from rpcompile.core.plan import Plan, Stage
 
 from .rng import seed_random_nodes
 from .saved import SavedSegment, dropout_to_noise

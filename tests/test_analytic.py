@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from rpcompile.passes.analytic import OP_FLOPS_PER_ELEMENT, AnalyticCostModel, OpRecord, op_class
 from rpcompile.passes.cost import COST_KEY, NodeCall, NodeCost, cost_pass
-from rpcompile.specs import get_spec
+from rpcompile.core.specs import get_spec
 
 aten = torch.ops.aten
 SPEC = get_spec("rtx4090")

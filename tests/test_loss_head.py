@@ -150,7 +150,7 @@ def test_auto_head_chunk_candidates():
 
 
 def test_fastest_keeps_the_shortest_prediction_and_skips_refusals():
-    from rpcompile.errors import InfeasibleError
+    from rpcompile.core.errors import InfeasibleError
     from rpcompile.planning import fastest
 
     times = {1: 3.0, 4: 2.0, 8: 2.0}

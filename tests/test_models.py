@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rpcompile.errors import ModelSpecError
+from rpcompile.core.errors import ModelSpecError
 from rpcompile.models import GPT, GPTConfig, Llama, LlamaConfig, ModelSpec, list_models, load_model
 from rpcompile.models.llama import Attention
 

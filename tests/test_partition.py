@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rpcompile.errors import InfeasibleError
+from rpcompile.core.errors import InfeasibleError
 from rpcompile.passes.partition import STRATEGIES, solve
 from rpcompile.passes.problem import (PartitionProblem, SegmentPlan, SharedParam, bubble_fraction,
                                       equal_time_factor, iteration_time, min_feasible_memory, pipeline_time,

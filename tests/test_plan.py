@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from _toy import TiedToy, toy_graph
-from rpcompile.errors import PlanFileError, PlanMismatchError
+from rpcompile.core.errors import PlanFileError, PlanMismatchError
 from rpcompile.lowering import plan_from_ranges
-from rpcompile.planfile import SCHEMA_VERSION, Hardware, Plan, Prediction
-from rpcompile.specs import get_spec
+from rpcompile.core.plan import SCHEMA_VERSION, Hardware, Plan, Prediction
+from rpcompile.core.specs import get_spec
 from rpcompile.verify import fingerprint
 
 

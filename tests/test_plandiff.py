@@ -18,9 +18,9 @@ from rpcompile.lowering import plan_from_ranges
 from rpcompile.models import load_model
 from rpcompile.passes.coarsen import segments_of
 from rpcompile.plandiff import diff_plans
-from rpcompile.planfile import Fingerprint, Hardware, Plan, Prediction, Stage
+from rpcompile.core.plan import Fingerprint, Hardware, Plan, Prediction, Stage
 from rpcompile.planning import make_hardware, plan_graph, prepare
-from rpcompile.specs import get_spec
+from rpcompile.core.specs import get_spec
 
 MIB = 2**20
 

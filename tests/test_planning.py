@@ -12,20 +12,20 @@ import re
 
 import pytest
 
-from rpcompile.errors import BatchSplitError
+from rpcompile.core.errors import BatchSplitError
 import torch
 
 import rpcompile
 from rpcompile.cli import main
-from rpcompile.errors import InfeasibleError
+from rpcompile.core.errors import InfeasibleError
 from rpcompile.models import load_model
 from rpcompile.passes.coarsen import segments_of
 from rpcompile.passes.problem import SegmentPlan, iteration_time, min_feasible_memory, stage_costs
 from rpcompile.passes.util import compute_nodes, node_params
-from rpcompile.planfile import Plan
+from rpcompile.core.plan import Plan
 from rpcompile.planning import (STRATEGIES, compare, make_hardware, partition_problem, plan, plan_graph, prepare,
                                 split_microbatches)
-from rpcompile.specs import get_spec
+from rpcompile.core.specs import get_spec
 from rpcompile.verify import plan_violations, verify_plan
 
 SPEC = "rtx4090"

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 import rpcompile
 from rpcompile.models import load_model
 from rpcompile.planning import split_microbatches
-from rpcompile.runtime.schedule import Action, format_schedule, parse_action, round_robin
-from rpcompile.specs import get_spec
+from rpcompile.core.schedule import Action, format_schedule, parse_action, round_robin
+from rpcompile.core.specs import get_spec
 
 # The cpu preset's per-stage overhead (0.4 ms, the executor's real hand-off cost) makes the planner keep tiny
 # demo models in very few stages; these tests want many stages of every kind, so they plan with a GPU-like 30 µs.

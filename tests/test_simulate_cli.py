@@ -12,7 +12,7 @@ import pytest
 
 from rpcompile.cli import main
 from rpcompile.passes.problem import pipeline_time
-from rpcompile.planfile import Plan
+from rpcompile.core.plan import Plan
 from rpcompile.scenarios import SCHEDULES, from_plan
 
 GOLDEN = Path(__file__).parent / "golden" / "llama-demo.json"

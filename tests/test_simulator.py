@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rpcompile.passes.problem import pipeline_time
-from rpcompile.runtime.schedule import parse_action, round_robin
+from rpcompile.core.schedule import parse_action, round_robin
 from rpcompile.runtime.simulator import SimStage, simulate
 
 
@@ -72,7 +72,7 @@ def test_timeline_lanes_and_gradient_download():
 @pytest.mark.parametrize("builder", ["gpipe", "one_f_one_b"])
 def test_static_schedules_have_the_classic_bubble(devices, m, builder):
     """One stage per device, forward t and backward 2t: both take (m + N − 1)·3t, bubble (N−1)/(m+N−1)."""
-    from rpcompile.runtime import schedule
+    from rpcompile.core import schedule
 
     lists = getattr(schedule, builder)(devices, m)
     t = 0.01
@@ -83,7 +83,7 @@ def test_static_schedules_have_the_classic_bubble(devices, m, builder):
 
 
 def test_one_f_one_b_order_is_literal():
-    from rpcompile.runtime.schedule import format_schedule, one_f_one_b
+    from rpcompile.core.schedule import format_schedule, one_f_one_b
 
     # chain positions for N=2: F_0=0, F_1=1, B_1=2, B_0=3
     assert format_schedule(one_f_one_b(2, 3)) == (
@@ -212,7 +212,7 @@ def test_a_compute_is_admitted_by_its_peak_not_by_working_set_plus_outputs():
 @pytest.mark.parametrize("builder,stashes", [("gpipe", 3), ("one_f_one_b", 2)])
 def test_static_schedules_hold_their_in_flight_activations(builder, stashes):
     """GPipe keeps every microbatch's activations until its backward; 1F1B at most N−d on device d."""
-    from rpcompile.runtime import schedule
+    from rpcompile.core import schedule
 
     n, m = 2, 3
     sts = [SimStage(name=f"F{d}", compute_s=1.0, resident_bytes=1000, stash_bytes=10) for d in range(n)]
@@ -222,7 +222,7 @@ def test_static_schedules_hold_their_in_flight_activations(builder, stashes):
 
 
 def test_interleaved_order_is_literal_and_its_bubble_shrinks_with_chunks():
-    from rpcompile.runtime.schedule import format_schedule, interleaved_one_f_one_b
+    from rpcompile.core.schedule import format_schedule, interleaved_one_f_one_b
 
     assert format_schedule(interleaved_one_f_one_b(2, 4, 2)) == (
         "dev0: 0F0 0F1 2F0 2F1 0F2 5F0 0F3 5F1 2F2 7F0 2F3 7F1 5F2 5F3 7F2 7F3\n"

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import fx, nn
 
-from rpcompile.errors import TraceError
+from rpcompile.core.errors import TraceError
 from rpcompile.models import load_model
 from rpcompile.models.llama import Attention
 from rpcompile.passes.util import module_path

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from _toy import TiedToy, toy_graph
-from rpcompile.errors import PlanVerificationError
-from rpcompile.planfile import Plan
+from rpcompile.core.errors import PlanVerificationError
+from rpcompile.core.plan import Plan
 from rpcompile.verify import plan_violations, verify_plan
 from test_plan import make_plan
 

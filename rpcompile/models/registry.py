@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rpcompile.errors import ModelSpecError
+from rpcompile.core.errors import ModelSpecError
 from rpcompile.models.cnn import CNNConfig, ConvNet
 from rpcompile.models.gpt import GPT, GPTConfig
 from rpcompile.models.llama import Llama, LlamaConfig

@@ -5,7 +5,7 @@ into a repository, diffed and verified in CI. It holds
 
 - the **model fingerprint** (graph structure, parameter names/shapes/dtypes) so a plan is never run on a model
   it was not made for;
-- the **hardware** (device count and :class:`~rpcompile.specs.DeviceSpec`, usable memory per device);
+- the **hardware** (device count and :class:`~rpcompile.core.specs.DeviceSpec`, usable memory per device);
 - the **stages** in execution order ``[F0, …, F(f-1), FB, B1, …, B(b-1)]`` (DESIGN.md §3): forward stages
   (ascending node ranges, run without autograd), one fused stage (the last nodes: forward, loss and backward in
   one go) and backward stages (descending ranges, recomputing what was not saved). Each stage lists its compute

@@ -15,6 +15,9 @@ __all__ = [
     "InfeasibleError",
     "ModelSpecError",
     "BatchSplitError",
+    "ConfigError",
+    "ProblemError",
+    "SimulationError",
 ]
 
 
@@ -60,3 +63,16 @@ class PlanVerificationError(PlanError):
 
 class InfeasibleError(RPCompileError):
     """No partition fits the memory budget."""
+
+
+class ConfigError(RPCompileError, ValueError):
+    """An argument names something unknown or is out of range (a schedule name, a repeat count)."""
+
+
+class ProblemError(RPCompileError, ValueError):
+    """A partition problem's numbers are malformed: lengths that disagree, negative bytes or times."""
+
+
+class SimulationError(RPCompileError, ValueError):
+    """The simulator cannot play these action lists on these stages (a deadlock, a missing stage, no bandwidth),
+    or a layer profile's partitions do not fit its model."""

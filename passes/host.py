@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+
+from rpcompile.core.program import HostEmbedding
 
 from .shape import SHAPE_KEY
 from .util import node_params
@@ -38,33 +39,6 @@ from .util import node_params
 __all__ = ["HOST_KEY", "HostEmbedding", "host_embedding_pass", "host_candidates", "host_of", "as_planned"]
 
 HOST_KEY = "rpcompile.host"
-
-
-@dataclass(frozen=True)
-class HostEmbedding:
-    """One embedding lookup the host runs: ``value = embedding(index, weight, padding_idx)``."""
-
-    node: str
-    """The graph node it replaced (what a plan file records)."""
-    value: str
-    """The placeholder the device stages read its result from."""
-    index: str
-    """The model input holding the indices."""
-    weight: str
-    """The table's parameter name (canonical: a tied table is one parameter)."""
-    padding_idx: int | None = None
-    """Rows at this index get no gradient (``nn.Embedding(padding_idx=...)``)."""
-
-    def forward(self, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.embedding(index, weight, self.padding_idx)
-
-    def accumulate(self, grad_weight: torch.Tensor, index: torch.Tensor, grad: torch.Tensor) -> None:
-        """Add the gradient of the looked-up rows into ``grad_weight`` (the table's ``.grad``), in place."""
-        idx, rows = index.reshape(-1), grad.reshape(-1, grad_weight.shape[-1]).to(grad_weight.dtype)
-        if self.padding_idx is not None:
-            keep = idx != self.padding_idx
-            idx, rows = idx[keep], rows[keep]
-        grad_weight.index_add_(0, idx, rows)
 
 
 def _lookup(gm: fx.GraphModule, node: fx.Node) -> tuple[fx.Node, torch.nn.Parameter, str, int | None] | None:

@@ -42,18 +42,19 @@ import torch.fx as fx
 
 from rpcompile.passes.loss_head import TARGET
 from rpcompile.passes.util import flat_inputs, tensor_leaves
-from rpcompile.runtime.codegen import write_stages
+from rpcompile.passes.codegen import write_stages
 from rpcompile.runtime.devices import make_devices
 from rpcompile.runtime.executor import Executor, ValueStore
 from rpcompile.core.schedule import round_robin
-from rpcompile.runtime.split import split_plan
+from rpcompile.passes.split import split_plan
 
 from .core.errors import RPCompileError
 from .core.plan import Plan
 from .planning import (default_spec, fastest, head_chunk_candidates, make_hardware, plan_graph, prepare,
                        split_microbatches)
 from .tracing import training_inputs
-from .verify import graph_as_planned, verify_plan
+from .model_match import graph_as_planned
+from .invariants import verify_plan
 
 __all__ = ["compile", "Pipeline"]
 
@@ -168,7 +169,7 @@ class InputSignature:
 
 def offload_budget(plan: Plan, device: int, devices: int) -> int:
     """Saved activations that may wait on ``device`` to go down: the memory its stages leave free (the lazy
-    offload policy of :func:`rpcompile.passes.problem.offload_backlog`)."""
+    offload policy of :func:`rpcompile.passes.timing.offload_backlog`)."""
     mine = [s.memory_bytes for k, s in enumerate(plan.stages) if k % devices == device]
     return max(0, plan.hardware.memory_bytes - max(mine, default=0))
 

@@ -43,11 +43,13 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
+from rpcompile.core.program import Program, StageProgram
+from rpcompile.core.schedule import Action
+
 from . import rng, saved
+from .bind import bind
 from .devices import Device
 from .offload import Landing
-from rpcompile.core.schedule import Action
-from .split import Program, StageProgram
 
 __all__ = ["ValueStore", "Executor", "TimelineEvent", "PipelineError"]
 
@@ -127,7 +129,7 @@ class Executor:
         *,
         dtype: torch.dtype | None = None,
     ):
-        self.program, self.devices = program, list(devices)
+        self.program, self.devices = bind(program), list(devices)
         self.params, self.buffers, self.dtype = params, buffers, dtype
         self.grad_lock = threading.Lock()
         self.timeline: list[TimelineEvent] = []

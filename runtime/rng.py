@@ -1,8 +1,9 @@
 """Replayable randomness: dropout masks that match between a forward pass and its recomputation.
 
 Forward and backward stages cut the graph differently, so randomness cannot be keyed by stage. Instead every
-random node of a stage graph (dropout and friends) is rewritten by :func:`seed_random_nodes` to run under a
-generator seeded from (iteration, node name, microbatch) — the executor sets those in :data:`context` before it
+random node of a stage graph (dropout and friends, :mod:`rpcompile.core.randomness`) is rewritten by
+:func:`seed_random_nodes` when the runtime binds a program (:mod:`.bind`) to run under a generator seeded from
+(iteration, node name, microbatch) — the executor sets those in :data:`context` before it
 runs a stage. A node therefore draws the same mask whenever and wherever it runs, on any number of devices.
 Logical CPU devices share one generator, so seeding takes a process-wide lock there.
 """
@@ -15,35 +16,15 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
-import torch.nn as nn
 
-__all__ = ["context", "seed_random_nodes", "seeded_call", "RANDOM_MODULES", "RANDOM_FUNCTIONS"]
+from rpcompile.core.randomness import is_random
 
-RANDOM_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
-_RANDOM_NAMES = {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",
-                 "native_dropout", "bernoulli", "bernoulli_", "rand", "rand_like", "randn", "randn_like",
-                 "randint", "randint_like", "randperm", "multinomial", "normal", "uniform_", "normal_", "rrelu"}
-RANDOM_FUNCTIONS = frozenset(_RANDOM_NAMES)
+__all__ = ["context", "seed_random_nodes", "seeded_call"]
 
 context = threading.local()
 """Per worker thread: ``iteration``, ``microbatch`` and ``device`` (a torch.device) of the stage running now."""
 
 _CPU_LOCK = threading.Lock()
-
-
-def _target_name(node: fx.Node) -> str:
-    t = node.target
-    if isinstance(t, str):
-        return t
-    return getattr(getattr(t, "_overloadpacket", t), "__name__", "").split(".")[-1]
-
-
-def _is_random(gm: fx.GraphModule, node: fx.Node) -> bool:
-    if node.op == "call_module":
-        return isinstance(gm.get_submodule(node.target), RANDOM_MODULES)
-    if node.op in ("call_function", "call_method"):
-        return _target_name(node) in RANDOM_FUNCTIONS
-    return False
 
 
 def seeded_call(key: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -79,7 +60,7 @@ def seed_random_nodes(gm: fx.GraphModule) -> int:
     """Rewrite every random node of ``gm`` into ``seeded_call(node_name, original, ...)``; returns the count."""
     count = 0
     for node in list(gm.graph.nodes):
-        if not _is_random(gm, node):
+        if not is_random(gm, node):
             continue
         with gm.graph.inserting_before(node):
             if node.op == "call_module":

@@ -37,7 +37,9 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.fx as fx
-import torch.nn as nn
+
+from rpcompile.core.program import SegmentSpec
+from rpcompile.core.randomness import random_kind
 
 from . import rng
 from .symbolic import Guards, bind_sizes, concrete, concrete_layout, concrete_value, fake_inputs
@@ -53,8 +55,6 @@ context = threading.local()
 _CAPTURE_LOCK = threading.Lock()  # AOT tracing is not meant to run concurrently
 _NOISE: dict[str, tuple[str, Callable[..., Any], tuple, dict]] = {}
 _TOKENS = itertools.count()
-_DROPOUT_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
-_DROPOUT_NAMES = {"dropout", "dropout1d", "dropout2d", "dropout3d", "feature_dropout"}
 
 
 @torch.library.custom_op("rpcompile::seeded_noise", mutates_args=())
@@ -69,23 +69,11 @@ def _(like: torch.Tensor, token: str) -> torch.Tensor:
     return torch.empty_like(like)
 
 
-def _random_kind(gm: fx.GraphModule, node: fx.Node) -> str | None:
-    """'dropout' for a multiplicative dropout with constant options, 'other' for other random nodes, else None."""
-    if not rng._is_random(gm, node):
-        return None
-    if node.op == "call_module":
-        ok = isinstance(gm.get_submodule(node.target), _DROPOUT_MODULES) and len(node.args) == 1 and not node.kwargs
-    else:
-        ok = node.op == "call_function" and rng._target_name(node) in _DROPOUT_NAMES and bool(node.args)
-    consts = [*node.args[1:], *node.kwargs.values()]
-    return "dropout" if ok and not any(isinstance(a, fx.Node) for a in consts) else "other"
-
-
 def dropout_to_noise(gm: fx.GraphModule) -> bool:
     """Rewrite every dropout node of ``gm`` into ``x * seeded_noise(x.detach())``; False if another random node
     remains (such a segment cannot be saved)."""
     for node in list(gm.graph.nodes):
-        kind = _random_kind(gm, node)
+        kind = random_kind(gm, node)
         if kind == "other":
             return False
         if kind is None:
@@ -389,25 +377,17 @@ def _constant(v: Any) -> tuple:
         return ("const", repr(v))
 
 
-class SavedSegment:
-    """One saved segment of a plan, shared by its forward stage (:meth:`forward_call`) and its backward stage
-    (:meth:`backward_call`), which call it from their graphs with parameters and buffers as ``get_attr`` values."""
+class SavedSegment(SegmentSpec):
+    """One saved segment of a plan (its :class:`~rpcompile.core.program.SegmentSpec` and what it has captured),
+    shared by its forward stage (:meth:`forward_call`) and its backward stage (:meth:`backward_call`), which call
+    it from their graphs with parameters and buffers as ``get_attr`` values."""
 
-    def __init__(self, name: str, gm: fx.GraphModule, params: Sequence[Sequence[str]], buffers: Sequence[str],
-                 inputs: Sequence[str], outputs: Sequence[str], wants_grad: Sequence[bool],
-                 rewrite: Callable[[fx.GraphModule], Any] | None = None):
-        self.name, self.gm = name, gm
-        self.rewrite = rewrite
-        """Applied to each captured fw and bw graph (the lowering passes the stride-tolerant rewrite: a fake
-        kernel's strides are a guess, and a real GPU kernel may lay its output out otherwise)."""
-        self.params = [tuple(p) for p in params]
-        """Attribute paths inside ``gm`` per unique parameter (tied weights: several paths)."""
-        self.buffers, self.inputs, self.outputs = list(buffers), list(inputs), list(outputs)
-        self.wants_grad = list(wants_grad)
-        """Per fw argument (params, buffers, inputs): whether its gradient is wanted (if a float tensor)."""
-        self.host_name = f"{name}::saved"
-        self.nodes: tuple[str, ...] = ()
-        """Names of the segment's nodes in the traced graph."""
+    def __init__(self, spec: SegmentSpec):
+        super().__init__(spec.name, spec.gm, [tuple(p) for p in spec.params], list(spec.buffers), list(spec.inputs),
+                         list(spec.outputs), list(spec.wants_grad), tuple(spec.nodes), spec.rewrite)
+        if not dropout_to_noise(self.gm):
+            raise RuntimeError(f"saved segment {self.name} has a random op other than dropout (a bug: the split pass "
+                               "saves only segments whose random ops are dropouts)")
         self.captures: dict[Any, SegmentAOT] = {}
         """Signature -> the capture that runs it (a symbolic capture appears under every signature it ran)."""
         self.symbolic: dict[Any, list[SegmentAOT]] = {}

@@ -6,10 +6,8 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-from rpcompile.passes.host import HostEmbedding
 from rpcompile.core.plan import Plan
-
-from .split import Program, StageProgram
+from rpcompile.core.program import HostEmbedding, Program, StageProgram
 
 __all__ = ["stage_source", "write_stages"]
 

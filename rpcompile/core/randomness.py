@@ -1,0 +1,49 @@
+"""Which graph nodes draw random numbers: what the split pass must know to decide whether a segment can be
+saved, and what the runtime seeds so a node draws the same mask wherever it runs (:mod:`rpcompile.runtime.rng`)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch.fx as fx
+import torch.nn as nn
+
+__all__ = ["RANDOM_MODULES", "RANDOM_FUNCTIONS", "DROPOUT_MODULES", "DROPOUT_FUNCTIONS", "target_name", "is_random",
+           "random_kind"]
+
+RANDOM_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+RANDOM_FUNCTIONS = frozenset({
+    "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout", "native_dropout",
+    "bernoulli", "bernoulli_", "rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm",
+    "multinomial", "normal", "uniform_", "normal_", "rrelu"})
+#: Multiplicative dropouts: a saved segment keeps their mask as a saved tensor (``x * noise``).
+DROPOUT_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
+DROPOUT_FUNCTIONS = frozenset({"dropout", "dropout1d", "dropout2d", "dropout3d", "feature_dropout"})
+
+
+def target_name(node: fx.Node) -> str:
+    """A node's op name without namespace or overload (``aten.dropout.default`` → ``dropout``)."""
+    t = node.target
+    if isinstance(t, str):
+        return t
+    return getattr(getattr(t, "_overloadpacket", t), "__name__", "").split(".")[-1]
+
+
+def is_random(gm: fx.GraphModule, node: fx.Node) -> bool:
+    if node.op == "call_module":
+        return isinstance(gm.get_submodule(str(node.target)), RANDOM_MODULES)
+    if node.op in ("call_function", "call_method"):
+        return target_name(node) in RANDOM_FUNCTIONS
+    return False
+
+
+def random_kind(gm: fx.GraphModule, node: fx.Node) -> Literal["dropout", "other"] | None:
+    """'dropout' for a multiplicative dropout with constant options, 'other' for other random nodes, else None."""
+    if not is_random(gm, node):
+        return None
+    if node.op == "call_module":
+        ok = isinstance(gm.get_submodule(str(node.target)), DROPOUT_MODULES) and len(node.args) == 1 and not node.kwargs
+    else:
+        ok = node.op == "call_function" and target_name(node) in DROPOUT_FUNCTIONS and bool(node.args)
+    consts = [*node.args[1:], *node.kwargs.values()]
+    return "dropout" if ok and not any(isinstance(a, fx.Node) for a in consts) else "other"

@@ -6,14 +6,15 @@ the timing model or the simulator are labelled *predicted* / *simulated*; measur
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from rich.console import Console
 from rich.table import Table
 
-from rpcompile.passes.validate import format_bytes as fmt_bytes
+from rpcompile.passes.segment_rules import format_bytes as fmt_bytes
 
-from .profiling import CostRow, Profile
+if TYPE_CHECKING:  # annotations only: importing rpcompile.profiling imports torch (3.3 s), which a plan table never needs
+    from .profiling import CostRow, Profile
 
 __all__ = ["fmt_bytes", "fmt_time", "fmt_ms", "fmt_count", "fmt_params", "models_table", "bound_note", "cost_label", "profile_table",
            "plan_table", "compare_table", "stage_range", "print_table", "simulate_table", "devices_table"]

@@ -144,12 +144,12 @@ def test_an_emit_directory_that_cannot_be_made_is_refused_first(capsys, tmp_path
 
 
 def test_an_unexpected_error_is_one_line_and_verbose_shows_it(capsys, monkeypatch):
-    import rpcompile.models
+    import rpcompile.cli.loading
 
     def broken(*args, **kwargs):
         raise KeyError("wte")
 
-    monkeypatch.setattr(rpcompile.models, "load_model", broken)
+    monkeypatch.setattr(rpcompile.cli.loading, "load_model", broken)
     code, out, err = run(capsys, "profile", "llama-demo")
     assert code == 2 and out == "" and err == (
         "rpcompile: error: KeyError: 'wte' (unexpected: rerun with -v for the traceback, and please report it)\n")
@@ -194,7 +194,7 @@ def test_the_bound_is_labelled_as_the_objectives(capsys):
 def test_progress_shows_on_a_terminal_only(capsys, monkeypatch):
     import argparse
 
-    from rpcompile.cli import _step
+    from rpcompile.cli.common import step as _step
 
     with _step(argparse.Namespace(json=False), "solving"):
         pass

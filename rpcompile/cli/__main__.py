@@ -1,0 +1,7 @@
+"""``python -m rpcompile.cli``: the same as the ``rpcompile`` console script."""
+
+import sys
+
+from rpcompile.cli import main
+
+sys.exit(main())

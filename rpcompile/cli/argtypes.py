@@ -1,0 +1,93 @@
+"""Argument types of the command line: each parses one option's text or raises ``ArgumentTypeError`` with a
+one-line message and examples (argparse prints it as ``rpcompile plan: error: ...; see rpcompile plan --help``)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from rpcompile.core.specs import SPECS
+
+__all__ = ["SPEC_NAMES", "spec", "device", "positive_int", "positive_float", "head_chunks", "parse_bytes",
+           "parse_rate", "parse_percent"]
+
+SPEC_NAMES = ", ".join(SPECS)
+
+_BYTE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def spec(text: str) -> str:
+    if text not in SPECS:
+        raise argparse.ArgumentTypeError(f"unknown GPU spec {text!r}; choose one of {SPEC_NAMES}")
+    return text
+
+
+def device(text: str) -> str:
+    """A device this machine has: ``cpu``, ``meta``, ``cuda:K`` with K < the CUDA devices here."""
+    # Lazy: importing torch takes 3.3 s on the 2-core reference machine and `rpcompile --help` 0.26 s; only a
+    # --device or --model-device option needs it here (and the command it belongs to imports torch anyway).
+    import torch
+
+    try:
+        dev = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"not a device: {text!r} (examples: cpu, cuda:0, meta)") from None
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(
+            f"{text}: this machine has {torch.cuda.device_count()} CUDA device(s); for a GPU you do not have, use "
+            "--spec NAME (analytic costs) instead")
+    if dev.type not in ("cpu", "cuda", "meta"):
+        raise argparse.ArgumentTypeError(f"{text}: rpcompile runs on cpu, cuda:K or meta")
+    return text
+
+
+def positive_int(text: str) -> int:
+    try:
+        k = int(text)
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return k
+
+
+def positive_float(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        x = 0.0
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return x
+
+
+def head_chunks(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or auto, got {text!r}") from None
+
+
+def parse_bytes(text: str) -> int:
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]i?B|B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 20GiB, 24GB, 1073741824)")
+    return int(float(m.group(1)) * _BYTE_UNITS[(m.group(2) or "B").upper()])
+
+
+def parse_rate(text: str) -> float:
+    base = text.strip().removesuffix("/s").removesuffix("ps")
+    try:
+        return float(parse_bytes(base))
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"not a bandwidth: {text!r} (examples: 100GB/s, 50GiB/s)") from None
+
+
+def parse_percent(text: str) -> float:
+    try:
+        return float(text.strip().removesuffix("%")) / 100 if text.strip().endswith("%") else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a percentage: {text!r} (examples: 2%, 0.02)") from None

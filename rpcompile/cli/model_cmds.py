@@ -1,0 +1,39 @@
+"""``rpcompile profile``, ``models`` and ``demo``: the commands that look at models rather than plans."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from rpcompile.demo import run_demo
+from rpcompile.models import model_summaries
+from rpcompile.profiling import profile as profile_model
+from rpcompile.report import cost_label, models_table, print_table, profile_table
+
+from .common import bars, step
+from .loading import dtype, load
+
+__all__ = ["profile", "models", "demo"]
+
+
+def profile(args: argparse.Namespace) -> int:
+    ms = load(args)
+    prof = profile_model(ms.model, ms.example_inputs, spec=args.spec, device=args.device, dtype=dtype(args.dtype),
+                         depth=args.depth, progress=bars(args))
+    if args.json:
+        print(json.dumps(prof.to_dict(nodes=args.nodes)))
+    else:
+        source = cost_label(prof.cost_model)
+        print_table(profile_table(prof, nodes=args.nodes, title=f"{args.model}: cost table ({source}, traced with {prof.trace})"))
+    return 0
+
+
+def models(args: argparse.Namespace) -> int:
+    with step(args, "counting parameters on the meta device"):
+        rows = model_summaries()
+    print_table(models_table(rows))
+    return 0
+
+
+def demo(args: argparse.Namespace) -> int:
+    return run_demo(args.model)

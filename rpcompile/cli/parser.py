@@ -1,0 +1,153 @@
+"""The ``rpcompile`` argument parser: every command and option, with one-line errors."""
+
+from __future__ import annotations
+
+import argparse
+
+from rpcompile import __version__
+
+from .argtypes import (SPEC_NAMES, device, head_chunks, parse_bytes, parse_percent, parse_rate, positive_float,
+                       positive_int, spec)
+
+__all__ = ["build_parser", "DEFAULT_MICROBATCHES"]
+
+DEFAULT_MICROBATCHES = "gpus + 1 (1 on one device), as rpcompile.compile"
+"""What ``--microbatches`` defaults to in ``plan`` and ``simulate`` (DESIGN.md §3: the fewest without a bubble
+between stages); planning.prepare applies it."""
+
+_DESCRIPTION = "The rpcompile command line: profile (cost table of a model), plan, simulate, demo (the main job)."
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``rpcompile plan: error: ...; see rpcompile plan --help`` (exit 2)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]  # argparse declares NoReturn; exit() never returns
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="rpcompile", description=_DESCRIPTION)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log pass timings")
+    parser.add_argument("--version", action="version", version=f"rpcompile {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_profile(sub)
+    _add_plan(sub)
+    _add_simulate(sub)
+    _add_check(sub)
+    _add_diff(sub)
+    _add_show(sub)
+    sub.add_parser("demo", help="the main job: compile a built-in model and show what rpcompile does").add_argument(
+        "--model", default="llama-demo", help="built-in model (default llama-demo)")
+    sub.add_parser("models", help="the built-in models: parameters, layers, whether they train here or are meta only")
+    return parser
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="built-in model name or path/to/file.py:factory")
+    p.add_argument("--batch-size", type=positive_int, default=None, help="override the model's example batch size")
+    p.add_argument("--seq-len", type=positive_int, default=None, help="override the example sequence length (decoders)")
+    p.add_argument("--model-device", type=device, default=None, help="build the model on this device (default: the model's own)")
+    _add_cost_source(p)
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None, help="cost compute in this precision")
+
+
+def _add_cost_source(p: argparse.ArgumentParser) -> None:
+    cost = p.add_mutually_exclusive_group()
+    cost.add_argument("--spec", type=spec, default=None, help=f"analytic costs for this GPU spec ({SPEC_NAMES})")
+    cost.add_argument("--device", type=device, default=None, help="measured costs on this device (cpu, cuda:0, ...)")
+
+
+def _add_batch_override(p: argparse.ArgumentParser) -> None:
+    """The batch and sequence overrides of a command whose batch defaults to at least the plan's microbatches."""
+    p.add_argument("--batch-size", type=positive_int, default=None, help="override the model's example batch size (default: >= microbatches)")
+    p.add_argument("--seq-len", type=positive_int, default=None, help="override the example sequence length (decoders)")
+    p.add_argument("--model-device", type=device, default=None, help=argparse.SUPPRESS)
+
+
+def _add_profile(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("profile", help="cost table of a model, rolled up per module")
+    _add_model_args(p)
+    p.add_argument("--nodes", action="store_true", help="one row per graph node instead of per module")
+    p.add_argument("--depth", type=int, default=None, help="module depth of the roll-up (default: keep layer indices)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="partition a model into round-robin stages and compare with the baselines")
+    _add_model_args(p)
+    p.add_argument("--gpus", type=positive_int, required=True, help="number of devices")
+    p.add_argument("--microbatches", type=positive_int, default=None,
+                   help=f"microbatches per iteration (default {DEFAULT_MICROBATCHES})")
+    p.add_argument("--memory-limit", type=parse_bytes, default=None, help="usable memory per device, e.g. 20GiB (default: the spec's)")
+    p.add_argument("--strategy", choices=("ilp", "dp", "roundpipe", "uniform"), default="ilp")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16", help="compute/upload precision (default bf16)")
+    p.add_argument("--time-limit", type=positive_float, default=10.0, help="solver time limit in seconds (default 10)")
+    p.add_argument("--max-segments", type=int, default=None, help="coarsening target (default ~2 per layer)")
+    p.add_argument("--segments-per-layer", type=positive_int, default=2, metavar="K",
+                   help="segments per transformer block (default 2; 4 lets the planner save parts of a half-block: "
+                        "faster plans, 2-3x the solve time)")
+    p.add_argument("--head-chunks", type=head_chunks, default="auto", metavar="K",
+                   help="put the loss in the graph and split the LM head into K sequence chunks; 1: never split; "
+                        "auto (default): plan the whole head and 8 chunks, keep the faster")
+    p.add_argument("--no-host-embedding", dest="host_embedding", action="store_false",
+                   help="keep token embeddings on the devices (default: the host looks up the rows of tables larger "
+                        "than what an iteration reads)")
+    p.add_argument("-o", "--output", default=None, help="write the plan JSON here")
+    p.add_argument("--emit", default=None, metavar="DIR", help="write each stage's generated Python into DIR")
+    p.add_argument("--compare", action="store_true", help="(with --json) report every strategy")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+def _add_simulate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("simulate", help="simulate schedules on one clock: a plan file, a model, or a layer profile",
+                       description="rpcompile simulate plan.json | MODEL --gpus N [--schedules all] | "
+                                   "--layer-profile FILE --model NAME")
+    p.add_argument("target", nargs="?", default=None, help="a plan .json file, or a built-in model / path/to/file.py:factory")
+    _add_batch_override(p)
+    _add_cost_source(p)
+    p.add_argument("--gpus", type=positive_int, default=None, help="number of devices (MODEL; a layer profile has its own)")
+    p.add_argument("--microbatches", type=positive_int, default=None,
+                   help=f"microbatches per iteration (MODEL: default {DEFAULT_MICROBATCHES}; a layer profile has its own)")
+    p.add_argument("--memory-limit", type=parse_bytes, default=None, help="usable memory per device (default: the spec's)")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16")
+    p.add_argument("--schedules", default=None, help="comma list of gpipe,1f1b,interleaved-1f1b,roundpipe,ilp or 'all' (default all)")
+    p.add_argument("--chunks", type=positive_int, default=2, help="stages per device for interleaved-1f1b (default 2)")
+    p.add_argument("--segments-per-layer", type=positive_int, default=2, metavar="K",
+                   help="(MODEL) segments per transformer block for the planners (default 2)")
+    p.add_argument("--head-chunks", type=head_chunks, default="auto", metavar="K",
+                   help="(ilp, MODEL) split the LM head and its loss into K sequence chunks; 1: never; "
+                        "auto (default): plan both ways, keep the faster")
+    p.add_argument("--no-host-embedding", dest="host_embedding", action="store_false",
+                   help="(ilp, MODEL) keep token embeddings on the devices (the baselines always do)")
+    p.add_argument("--host-bandwidth", type=parse_rate, default=None, help="the host memory's total bandwidth, e.g. 100GB/s (default: unlimited)")
+    p.add_argument("--layer-profile", default=None, metavar="FILE", help="per-layer times (RoundPipe simulator-input format)")
+    p.add_argument("--model", dest="profile_model", default=None, metavar="NAME", help="(with --layer-profile) which model of the file")
+    p.add_argument("--time-limit", type=positive_float, default=10.0, help="solver time limit in seconds (default 10)")
+    p.add_argument("--timeline", default=None, metavar="FILE.svg", help="draw a Gantt chart (FILE-<schedule>.svg when several)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+def _add_check(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("check", help="exit 1 when a plan file is stale, invalid, does not fit or has regressed (for CI)")
+    p.add_argument("plan", help="the plan .json file")
+    p.add_argument("model", help="built-in model name or path/to/file.py:factory the plan is for")
+    _add_batch_override(p)
+    p.add_argument("--max-regression", type=parse_percent, default=0.02, help="allowed slowdown against a fresh plan (default 2%%)")
+    p.add_argument("--time-limit", type=positive_float, default=10.0, help="solver time limit for the fresh plan (s)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
+
+
+def _add_diff(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("diff", help="what changed between two plan files (exit 1 when they differ)")
+    p.add_argument("a", help="the old plan .json")
+    p.add_argument("b", help="the new plan .json")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
+
+
+def _add_show(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("show", help="a plan file's stage table; --graph draws the model rolled up by module")
+    p.add_argument("plan", help="the plan .json file")
+    p.add_argument("--graph", default=None, metavar="FILE.svg", help="write the rolled-up graph (.svg or .dot)")
+    p.add_argument("--model", dest="graph_model", default=None, metavar="MODEL",
+                   help="(with --graph) trace MODEL for the graph's edges and exact module boxes")
+    p.add_argument("--depth", type=positive_int, default=None, help="(with --graph) module depth of the roll-up")

@@ -1,0 +1,90 @@
+"""``rpcompile plan``: partition a model with every strategy, keep the one asked for, write it and its stage code."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from rpcompile.core.errors import RPCompileError
+from rpcompile.core.plan import Hardware, Plan
+from rpcompile.models import ModelSpec
+from rpcompile.passes.codegen import write_stages
+from rpcompile.passes.split import split_plan
+from rpcompile.planning import (_infeasible, compare, default_spec, fastest, head_chunk_candidates, make_hardware,
+                                partition_problem, prepare)
+from rpcompile.report import compare_table, plan_table, print_table
+
+from .common import bars, default_microbatches, directory, step, writable
+from .loading import load_for
+
+__all__ = ["plan"]
+
+
+def plan(args: argparse.Namespace) -> int:
+    if args.output:  # before the minutes of planning, not after
+        writable(args.output, "-o")
+    if args.emit:
+        directory(args.emit, "--emit")
+    ms = load_for(args, args.microbatches or default_microbatches(args.gpus))
+    model_device = next((p.device.type for p in ms.model.parameters()), "cpu")
+    hardware = make_hardware(args.gpus, default_spec(args.spec, args.device, model_device), args.memory_limit)
+    chosen, gm, m, rows = _plan_fastest(args, ms, hardware)
+    if args.output:
+        chosen.save(args.output)
+    if args.emit:
+        write_stages(split_plan(chosen, gm), chosen, args.emit)
+    if args.json:
+        out = {"strategies": {k: _strategy_json(r, p) for k, (r, p) in rows.items()}} if args.compare else chosen.to_dict()
+        print(json.dumps(out))
+        return 0
+    head = f", LM head in {chosen.head_chunks} chunks" if chosen.head_chunks > 1 else ""
+    print_table(plan_table(chosen, title=f"{args.model}: {args.strategy} plan, {len(chosen.stages)} stages on {args.gpus} × {hardware.spec.name}, {m} microbatches{head}"))
+    print_table(compare_table(rows, reference=args.strategy))
+    if args.output:
+        print(f"plan written to {args.output}")
+    if args.emit:
+        print(f"stage code written to {args.emit}/")
+    return 0
+
+
+def _plan_fastest(args: argparse.Namespace, ms: ModelSpec, hardware: Hardware) -> tuple[Plan, Any, int, dict]:
+    """Every strategy on each LM-head split ``--head-chunks`` asks for; the split whose ``--strategy`` plan is
+    fastest: (that plan, its graph, microbatches, {strategy: (result, plan)})."""
+
+    def attempt(k: int) -> tuple[float, tuple]:
+        gm, m = prepare(ms.model, ms.example_inputs, gpus=args.gpus, spec=args.spec, device=args.device,
+                        microbatches=args.microbatches, precision=args.precision, max_segments=args.max_segments,
+                        progress=bars(args), loss_fn=ms.loss_fn, example_target=ms.example_target,
+                        head_chunks=k, segments_per_layer=args.segments_per_layer, host_embedding=args.host_embedding)
+        head = f"LM head in {k} chunks" if k > 1 else "whole LM head"
+        with step(args, f"solving ({head}): ilp ≤ {args.time_limit:g} s, dp, roundpipe, uniform"):
+            rows = compare(gm, hardware=hardware, microbatches=m, precision=args.precision,
+                           time_limit_s=args.time_limit)
+        chosen = rows[args.strategy][1]
+        if chosen is None:
+            raise _infeasible(partition_problem(gm, hardware=hardware, microbatches=m, precision=args.precision),
+                              hardware)
+        return chosen.predicted.iteration_time_s, (chosen, gm, m, rows)
+
+    try:
+        return fastest(head_chunk_candidates(args.head_chunks, ms.loss_fn, ms.example_target), attempt)
+    except ValueError as e:  # e.g. a head that cannot be split as asked: one line, not a traceback
+        raise RPCompileError(str(e)) from None
+
+
+def _strategy_json(result: Any, plan: Plan | None) -> dict:
+    d = {"feasible": bool(result.feasible), "solve_time_s": result.solve_time_s}
+    if plan is None:
+        return d | {"iteration_time_s": None, "bound_s": None}
+    p = plan.predicted
+    n_bwd = sum(len(s.nodes) for s in plan.backward_stages)
+    return d | {
+        "iteration_time_s": p.iteration_time_s,
+        "bound_s": p.bound_s or None,  # on the solver's objective (stages × slowest stage), not the iteration
+        "bubble_fraction": p.bubble_fraction,
+        "peak_memory_bytes": p.peak_memory_bytes,
+        "forward_stages": len(plan.forward_stages),
+        "backward_stages": len(plan.backward_stages),
+        "recompute_fraction": len(plan.recomputed) / n_bwd if n_bwd else 0.0,
+    }

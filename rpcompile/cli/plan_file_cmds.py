@@ -1,0 +1,63 @@
+"""``rpcompile check``, ``diff`` and ``show``: the commands that read plan files."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from rpcompile.core.errors import PlanFileError, RPCompileError
+from rpcompile.core.plan import Plan
+from rpcompile.graphview import write_graph
+from rpcompile.model_match import graph_as_planned
+from rpcompile.plandiff import diff_plans
+from rpcompile.report import plan_table, print_table
+from rpcompile.staleness import check_plan
+
+from .common import bars, step, stepper
+from .loading import load_for
+
+__all__ = ["check", "diff", "show"]
+
+
+def check(args: argparse.Namespace) -> int:
+    try:
+        microbatches = Plan.load(args.plan).microbatches
+    except PlanFileError:
+        microbatches = 1  # check_plan reports the file
+    ms = load_for(args, microbatches)
+    res = check_plan(args.plan, ms.model, ms.example_inputs, max_regression=args.max_regression,
+                     time_limit_s=args.time_limit, loss_fn=ms.loss_fn, example_target=ms.example_target,
+                     progress=bars(args), status=stepper(args))
+    if args.json:
+        print(json.dumps(res.to_dict()))
+    else:
+        for line in res.problems:
+            print(f"{args.plan}: {line}")
+        print(res.summary())
+    return 0 if res.ok else 1
+
+
+def diff(args: argparse.Namespace) -> int:
+    d = diff_plans(Plan.load(args.a), Plan.load(args.b), a_name=args.a, b_name=args.b)
+    print(json.dumps(d.to_dict()) if args.json else "\n".join(d.lines()))
+    return 1 if d.changed else 0
+
+
+def show(args: argparse.Namespace) -> int:
+    plan = Plan.load(args.plan)
+    hw = plan.hardware
+    print_table(plan_table(plan, title=f"{args.plan}: {plan.strategy} plan, {len(plan.stages)} stages on "
+                                       f"{hw.device_count} × {hw.spec.name}, {plan.microbatches} microbatches"))
+    if args.graph:
+        graph = None
+        if args.graph_model:
+            args.model, args.batch_size, args.seq_len, args.model_device = args.graph_model, None, None, None
+            ms = load_for(args, plan.microbatches)
+            with step(args, f"tracing {args.graph_model}"):
+                graph = graph_as_planned(plan, ms.model, ms.example_inputs, loss_fn=ms.loss_fn, source=args.plan)
+        try:
+            write_graph(args.graph, plan, graph, depth=args.depth)
+        except ValueError as e:
+            raise RPCompileError(str(e)) from None
+        print(f"graph written to {args.graph}")
+    return 0

@@ -1,0 +1,105 @@
+"""``rpcompile simulate``: schedules on one clock, from a plan file, a model or a RoundPipe layer profile."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from rpcompile.core.errors import RPCompileError
+from rpcompile.core.plan import Plan
+from rpcompile.gantt import write_timeline_svg
+from rpcompile.report import devices_table, print_table, simulate_table
+from rpcompile.simulation import (model_scenarios, parse_schedules, plan_scenarios, profile_scenarios, run_all,
+                                  skipped)
+
+from .common import bars, default_microbatches, step, stepper, writable
+
+__all__ = ["simulate"]
+
+
+def simulate(args: argparse.Namespace) -> int:
+    host = args.host_bandwidth or math.inf
+    if args.timeline:
+        writable(args.timeline, "--timeline")
+    try:
+        schedules = parse_schedules(args.schedules or "all")
+    except ValueError as e:
+        raise RPCompileError(str(e)) from None
+    title, scenarios, left_out, m = _scenarios(args, schedules, host)
+    with step(args, f"simulating {', '.join(scenarios)}"):
+        results = run_all(scenarios)
+    if args.timeline:
+        _write_timelines(args.timeline, results, title)
+    if args.json:
+        out = {name: r.summary() | {"stages": scenarios[name].stage_count}
+               | {k: v for k, v in scenarios[name].notes.items() if k == "head_chunks"} for name, r in results.items()}
+        extra = ({"microbatches": m} if m else {}) | ({"skipped": left_out} if left_out else {})
+        print(json.dumps({"schedules": out} | extra, allow_nan=False))
+        return 0
+    print_table(simulate_table(results, scenarios, title=title))
+    for name, why in left_out.items():
+        print(f"{name}: not simulated: {why}")
+    if len(results) == 1:
+        (name, only), = results.items()
+        print_table(devices_table(only, title=f"{name}: per device (simulated)"))
+    if args.timeline:
+        print(f"timeline written to {args.timeline}" if len(results) == 1 else f"timelines written next to {args.timeline}")
+    return 0
+
+
+def _scenarios(args: argparse.Namespace, schedules: list[str], host: float) -> tuple[str, dict, dict[str, str], int]:
+    """What ``simulate`` runs: (title, {name: Scenario}, {requested schedule left out: why}, microbatches or 0
+    when the layer profile says)."""
+    if args.layer_profile:
+        if not args.profile_model:
+            raise RPCompileError("--layer-profile needs --model NAME (which model of the file to simulate)")
+        try:
+            scenarios = profile_scenarios(args.layer_profile, args.profile_model, schedules=schedules, gpus=args.gpus,
+                                          microbatches=args.microbatches, time_limit_s=args.time_limit)
+        except ValueError as e:
+            raise RPCompileError(f"{args.layer_profile}: {e}") from None
+        return f"{args.profile_model} from {Path(args.layer_profile).name}", scenarios, {}, args.microbatches or 0
+    if args.target is None:
+        raise RPCompileError("say what to simulate: a plan .json file, a MODEL with --gpus N, or --layer-profile FILE --model NAME")
+    if args.target.endswith(".json"):
+        plan = Plan.load(args.target)
+        hw = plan.hardware
+        title = f"{args.target}: {plan.strategy} plan, {len(plan.stages)} stages on {hw.device_count} × {hw.spec.name}"
+        return title, plan_scenarios(plan, host_bytes_per_s=host), {}, plan.microbatches
+    if args.gpus is None:
+        raise RPCompileError(f"simulating model {args.target} needs --gpus N")
+    return _model_scenarios(args, schedules, host)
+
+
+def _model_scenarios(args: argparse.Namespace, schedules: list[str], host: float) -> tuple[str, dict, dict[str, str], int]:
+    """The MODEL form of :func:`_scenarios`: trace, cost and plan the model for each schedule."""
+    # Lazy: building a model imports torch, 3.3 s on the 2-core reference machine, while `rpcompile simulate
+    # plan.json --json` and `--layer-profile` take 1.1 s in all (OR-Tools included) and never need it.
+    from .loading import load_for
+
+    m = args.microbatches or default_microbatches(args.gpus)
+    args.model = args.target
+    ms = load_for(args, m)
+    title = f"{args.target} on {args.gpus} × {args.spec or args.device or 'default spec'}, {m} microbatches"
+    try:
+        scenarios = model_scenarios(ms.model, ms.example_inputs, gpus=args.gpus, spec=args.spec, device=args.device,
+                                    microbatches=m, memory_limit=args.memory_limit, precision=args.precision,
+                                    schedules=schedules, chunks=args.chunks, host_bytes_per_s=host,
+                                    time_limit_s=args.time_limit, progress=bars(args), status=stepper(args),
+                                    loss_fn=ms.loss_fn, example_target=ms.example_target,
+                                    head_chunks=args.head_chunks, segments_per_layer=args.segments_per_layer,
+                                    host_embedding=args.host_embedding)
+    except ValueError as e:
+        raise RPCompileError(str(e)) from None
+    return title, scenarios, skipped(schedules, scenarios, gpus=args.gpus, microbatches=m, chunks=args.chunks), m
+
+
+def _write_timelines(path: str, results: dict[str, Any], title: str) -> None:
+    target = Path(path)
+    for name, r in results.items():
+        out = target if len(results) == 1 else target.with_name(f"{target.stem}-{name}{target.suffix or '.svg'}")
+        write_timeline_svg(out, r.timeline, devices=len(r.busy_s), stage_names=list(r.stage_names),
+                           title=f"{title} — {name}: {r.iteration_time_s * 1e3:.1f} ms, bubble {r.bubble_fraction:.1%}")

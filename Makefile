@@ -3,6 +3,7 @@
 #   make test   - the test suite
 # Both create .venv (with --system-site-packages, so a torch you already have — e.g. a CUDA build — is kept)
 # and install the CPU build of torch into it only when no torch is importable.
+# make typecheck runs mypy on the package (CI runs it after make test).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -16,7 +17,7 @@ PYTEST_WORKERS ?= 2
 # transformers versions the HF tests also run against (pyproject allows >=4.50): each installs into .tf/VERSION
 TRANSFORMERS_VERSIONS ?= 4.50.3 4.57.6 5.17.0
 
-.PHONY: demo test test-slow test-compat setup clean
+.PHONY: demo test test-slow test-compat typecheck setup clean
 
 demo: $(STAMP)
 	$(VENV)/bin/rpcompile demo
@@ -26,6 +27,10 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+
+# mypy with pyproject's [tool.mypy], through .ci/typecheck.py so passes/ and runtime/ get their installed names
+typecheck: $(STAMP)
+	$(PY) .ci/typecheck.py
 
 test-compat: $(STAMP)
 	for v in $(TRANSFORMERS_VERSIONS); do \
@@ -43,4 +48,4 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 clean:
-	rm -rf $(VENV) .tf build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) .tf build *.egg-info .pytest_cache .hypothesis .mypy_cache

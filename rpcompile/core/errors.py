@@ -18,6 +18,7 @@ __all__ = [
     "ConfigError",
     "ProblemError",
     "SimulationError",
+    "LossHeadError",
 ]
 
 
@@ -76,3 +77,8 @@ class ProblemError(RPCompileError, ValueError):
 class SimulationError(RPCompileError, ValueError):
     """The simulator cannot play these action lists on these stages (a deadlock, a missing stage, no bandwidth),
     or a layer profile's partitions do not fit its model."""
+
+
+class LossHeadError(RPCompileError, ValueError):
+    """The loss cannot be attached to the traced graph, or the LM head cannot be split into sequence chunks as
+    asked (``head_chunks``). A ``ValueError`` too: ``planning.fastest`` drops a head split the graph refuses."""

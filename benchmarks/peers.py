@@ -36,9 +36,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
+from rich.console import Console
+from rich.table import Table
 from torch import Tensor, nn
 
+import rpcompile
 from rpcompile.models.llama import Llama, LlamaConfig
 from rpcompile.models.registry import lm_loss
 
@@ -152,7 +157,7 @@ def _pipelining_worker(rank: int, setup: Setup, port: int, workdir: str) -> None
 
 
 def _pipelining_rank(rank: int, setup: Setup, port: int, workdir: str) -> None:
-    import torch.distributed as dist
+    # here, not at the top: importable only where torch was built with distributed (run_pipelining checks first)
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     torch.set_num_threads(1)  # 2 ranks share the 2 cores (see the module docstring)
@@ -216,9 +221,6 @@ def _pipelining_rank(rank: int, setup: Setup, port: int, workdir: str) -> None:
 def run_pipelining(setup: Setup, model: Llama, x: Tensor, y: Tensor) -> dict[str, dict[str, Any]]:
     """Run every schedule in ``setup.schedules`` on 2 gloo processes; per schedule: ``loss``, ``grads`` (by the full
     model's parameter names, both ranks merged) and step ``times`` (seconds)."""
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-
     if not dist.is_available() or not dist.is_gloo_available():
         raise RuntimeError("torch.distributed with the gloo backend is not available in this torch build")
     with tempfile.TemporaryDirectory(prefix="rpcompile-peers-") as workdir:
@@ -277,8 +279,6 @@ def _median_ms(times: list[float]) -> float:
 def compare(setup: Setup) -> dict[str, Any]:
     """Train one step every way from the same weights and batch; time ``setup.steps`` more. Returns the report:
     ``rows`` (one per system and schedule) and ``eager`` (its loss and the largest gradient magnitude)."""
-    import rpcompile
-
     model, x, y = build(setup)
     init = copy.deepcopy(model.state_dict())
 
@@ -355,9 +355,6 @@ def machine() -> dict[str, Any]:
 
 
 def main() -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, help="timed steps per system (default 20; --quick: 2)")
     ap.add_argument("--microbatches", type=int, help="microbatches for every pipeline (default 4; --quick: 2)")

@@ -28,6 +28,11 @@ from rich.table import Table
 import rpcompile
 from rpcompile.models import load_model
 
+try:  # optional: the Hugging Face row runs only where transformers is installed
+    import transformers
+except ImportError:
+    transformers = None
+
 SHAPES = ((6, 32), (5, 24), (3, 17), (8, 32), (2, 9))
 
 
@@ -38,9 +43,7 @@ def _lm_loss(out, target):
 
 def _models():
     yield "llama-demo (fx)", load_model("llama-demo", batch_size=6, seq_len=32).model, 256
-    try:
-        import transformers
-    except ImportError:
+    if transformers is None:
         return
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=4,

@@ -1,7 +1,7 @@
 """The reference strategies the ILP is measured against (and seeded with): ``uniform``, ``roundpipe``, ``dp``.
 
 All take ``(problem, *, time_limit_s, seed)`` and return a :class:`.problem.PartitionResult` scored by the shared
-timing model (:func:`.problem.iteration_time`), whatever model the strategy used to choose its cuts:
+timing model (:func:`.timing.iteration_time`), whatever model the strategy used to choose its cuts:
 
 - ``uniform``: the classic static pipeline — ``N`` groups of (nearly) equal layer counts, forward stages on the
   first ``N−1``, the last group fused, backward stages mirroring the forward ranges; full recompute.
@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 
 from .balance import bound_values, exact_balance
-from .problem import (PartitionProblem, PartitionResult, SegmentPlan, equal_time_factors, iteration_time,
-                      stage_costs, validate_segment_plan)
+from .problem import PartitionProblem, PartitionResult, SegmentPlan
+from .segment_rules import format_bytes, validate_segment_plan
 from .tables import RangeTables, min_memory
-from .validate import format_bytes
+from .timing import equal_time_factors, iteration_time, stage_costs
 
 __all__ = ["uniform", "roundpipe", "dp", "layer_ranges", "make_result", "infeasible_result", "model_objective"]
 
@@ -38,7 +38,7 @@ def layer_ranges(pb: PartitionProblem) -> list[tuple[int, int]]:
 
 def model_objective(pb: PartitionProblem, plan: SegmentPlan) -> float:
     """``c(S)·max_k t_k``: the bound the balance solvers minimise (never below the plan's stage recurrence,
-    :func:`.problem.pipeline_time`; :func:`.problem.iteration_time` adds the exposed weight and gradient copies),
+    :func:`.timing.pipeline_time`; :func:`.timing.iteration_time` adds the exposed weight and gradient copies),
     in the solvers' per-stage model (saves copied out while their forward stage runs)."""
     costs = stage_costs(pb, plan, lazy_offload=False)
     c = equal_time_factors(len(costs), pb.device_count, pb.microbatches)[len(costs)]

@@ -25,7 +25,7 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, cast
 
 import torch
 import torch.fx as fx
@@ -34,10 +34,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
+from rpcompile.core.batch import flat_inputs, tensor_leaves
+from rpcompile.core.errors import ConfigError
+
+from .kernels import GpuKernels
 from .meta import MetaSafeMode
 from .portable import device_of, running_on
 from .shape import SHAPE_KEY, describe, scaled_nbytes, storage_key
-from .util import flat_inputs, is_compute, node_params, tensor_leaves
+from .util import is_compute, node_params
 
 __all__ = [
     "COST_KEY",
@@ -177,8 +181,8 @@ class NodeCall:
 
         def run() -> Any:
             a = (args[0].clone(), *args[1:]) if clone_first and torch.is_grad_enabled() else args
-            if state:
-                return torch.func.functional_call(fn, state, a, kwargs, strict=False)
+            if state:  # only a module call has parameters or buffers: fn is the module
+                return torch.func.functional_call(cast(torch.nn.Module, fn), state, a, kwargs, strict=False)
             return fn(*a, **kwargs)
 
         return Materialized(run, leaves, memo)
@@ -218,7 +222,7 @@ class MeasuredCostModel(CostModel):
         self, device: torch.device | str = "cpu", *, warmup: int = 1, repeats: int = 5, dtype: torch.dtype | None = None
     ):
         if repeats < 1 or warmup < 0:
-            raise ValueError(f"MeasuredCostModel: need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
+            raise ConfigError(f"MeasuredCostModel: need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
         self.device = torch.device(device)
         self.warmup, self.repeats, self.dtype = warmup, repeats, dtype
 
@@ -303,12 +307,15 @@ def _call_for(gm: fx.GraphModule, node: fx.Node, args: tuple, kwargs: dict, need
     for arg_node in node.all_input_nodes:
         if needs_grad.get(arg_node, False):
             trainable.update(id(t) for t in tensor_leaves(_env_lookup(args, kwargs, node, arg_node)))
-    if node.op == "call_module":
-        mod = gm.get_submodule(node.target)
+    target = node.target
+    if node.op in ("call_module", "call_method"):  # fx names modules and methods by string
+        assert isinstance(target, str), node.format_node()
+        if node.op == "call_method":
+            return NodeCall(node, _method(target), args, kwargs, {}, {}, trainable)
+        mod = gm.get_submodule(target)
         return NodeCall(node, mod, args, kwargs, dict(mod.named_parameters()), dict(mod.named_buffers()), trainable)
-    if node.op == "call_method":
-        return NodeCall(node, _method(node.target), args, kwargs, {}, {}, trainable)
-    return NodeCall(node, node.target, args, kwargs, {}, {}, trainable)
+    assert callable(target), node.format_node()  # call_function
+    return NodeCall(node, target, args, kwargs, {}, {}, trainable)
 
 
 def _method(name: str) -> Callable[..., Any]:
@@ -342,8 +349,7 @@ def _autograd_profile(
         saved_keys.append(t)
         return t
 
-    from .analytic import GpuKernels  # attention as a GPU (or the CPU) runs it: flash, not meta's math path
-
+    # attention as a GPU (or the CPU) runs it: flash, not meta's math path
     with FlopCounterMode(display=False) as fwd_counter, MetaSafeMode(), GpuKernels(), \
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out, backward = m.forward_backward()
@@ -382,6 +388,7 @@ def _autograd_profile(
 class _CostInterpreter(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule, cost_model: CostModel, on_node: Callable[[], None]):
         super().__init__(gm)
+        self.gm = gm  # ``self.module`` as fx types it (an nn.Module)
         self.cost_model, self.on_node = cost_model, on_node
         self.dtype: torch.dtype | None = getattr(cost_model, "dtype", None)
         self.needs_grad: dict[fx.Node, bool] = {}
@@ -398,8 +405,8 @@ class _CostInterpreter(fx.Interpreter):
         return result
 
     def _cost(self, n: fx.Node, args: tuple, kwargs: dict, result: Any) -> None:
-        call = _call_for(self.module, n, args, kwargs, self.needs_grad)
-        params = node_params(self.module, n)
+        call = _call_for(self.gm, n, args, kwargs, self.needs_grad)
+        params = node_params(self.gm, n)
         self.needs_grad[n] = bool(call.trainable) and any(t.is_floating_point() for t in tensor_leaves(result))
         producers = {id(t): a for a in n.all_input_nodes if a in self.env for t in tensor_leaves(self.env[a])}
         fwd_flops, bwd_flops, saved_inputs, own = _autograd_profile(call, producers, self.dtype)

@@ -82,7 +82,7 @@ def _saves(pb: PartitionProblem, forward: list[tuple[int, int]], limit: float) -
 
 
 def _backward_times(pb: PartitionProblem, t: RangeTables, saved: tuple[bool, ...]) -> np.ndarray:
-    """Backward range times with the given saves (same formula as :func:`.problem.stage_costs`)."""
+    """Backward range times with the given saves (same formula as :func:`.timing.stage_costs`)."""
     link, m = pb.link_bytes_per_s, pb.microbatches
     s = np.asarray(saved, dtype=float)
     pre = lambda v: np.concatenate([[0.0], np.cumsum(v)])  # noqa: E731

@@ -1,7 +1,7 @@
 """Joint partition and checkpointing as a CP-SAT model (OR-Tools), one model per stage budget.
 
 **What is optimised.** A plan with ``S`` stages whose slowest stage takes ``T`` finishes an iteration within
-``c(S)·T`` (:func:`.problem.equal_time_factors`; DESIGN §3: about ``(⌈S/N⌉·m + N − 1)·T``), so finer stages
+``c(S)·T`` (:func:`.timing.equal_time_factors`; DESIGN §3: about ``(⌈S/N⌉·m + N − 1)·T``), so finer stages
 shrink the fill/drain bubble while per-stage transfers and overheads push back. For a *stage budget* ``S`` the model
 minimises ``T`` over plans with at most ``S`` stages; :func:`ilp` walks budgets in order of their lower bound
 ``c(S)·LB(S)`` and stops when none can beat the incumbent. Enumerating budgets keeps every model linear (the
@@ -30,7 +30,7 @@ upper bound and fit memory):
 
 Time constants are scaled to integers (``TIME_UNITS`` per upper bound) with lower-bound-safe rounding (constants
 down, subtracted terms up), so the proven bound is valid in seconds; plans are re-scored with the exact float model
-(:mod:`.partition` keeps every plan met and returns the best by :func:`.problem.iteration_time`, which can be well
+(:mod:`.partition` keeps every plan met and returns the best by :func:`.timing.iteration_time`, which can be well
 below ``c(S)·T`` when stages are unequal, e.g. around a slow LM-head stage). Search is deterministic: one worker
 (on 2 cores it found better plans per second than two interleaved workers), a fixed seed and a
 ``max_deterministic_time`` budget; ``workers > 1`` switches to CP-SAT's deterministic ``interleave_search``.

@@ -10,7 +10,7 @@ Strategies (all ``(problem, *, time_limit_s, seed) -> PartitionResult``, infeasi
 - ``greedy``: the ILP's preparation below without CP-SAT.
 
 **The ILP search.** What is minimised is the bound ``c(S)·T`` of a plan with ``S`` stages whose slowest stage
-takes ``T`` (:mod:`.ilp`); every plan met is finally re-scored by the exact :func:`.problem.iteration_time` (the
+takes ``T`` (:mod:`.ilp`); every plan met is finally re-scored by the exact :func:`.timing.iteration_time` (the
 recurrence over unequal stages plus the weight and gradient copies compute cannot hide, which ``c(S)·T`` leaves
 out) and the best one returned. In order:
 
@@ -53,9 +53,10 @@ from .ilp import solve_budget
 from .exact import fewest_stages
 from .lagrange import StageCountBound
 from .polish import flip_saves, polish, taper
-from .problem import (PartitionProblem, PartitionResult, SegmentPlan, equal_time_factors, iteration_time,
-                      stage_costs, validate_segment_plan)
+from .problem import PartitionProblem, PartitionResult, SegmentPlan
+from .segment_rules import validate_segment_plan
 from .tables import RangeTables, min_memory
+from .timing import equal_time_factors, iteration_time, stage_costs
 
 __all__ = ["solve", "ilp", "dp", "roundpipe", "uniform", "greedy", "STRATEGIES", "DET_TIME_PER_S"]
 

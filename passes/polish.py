@@ -30,7 +30,11 @@ from __future__ import annotations
 import itertools
 from typing import Iterator, Sequence
 
-from .problem import PartitionProblem, SegmentPlan, StageCost, _stage, _total, validate_segment_plan
+from rpcompile.core.stages import StageCost
+
+from .problem import PartitionProblem, SegmentPlan
+from .segment_rules import validate_segment_plan
+from .timing import _stage, _total
 
 __all__ = ["flip_saves", "polish", "taper"]
 

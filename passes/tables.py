@@ -1,10 +1,10 @@
-"""Every contiguous stage range priced at once: the vectorised form of :func:`.problem.stage_costs`.
+"""Every contiguous stage range priced at once: the vectorised form of :func:`.timing.stage_costs`.
 
 ``RangeTables.build(problem)`` returns ``(n+1) × (n+1)`` arrays indexed ``[a, b]`` for the half-open range
 ``[a, b)`` (``a < b``; ``inf`` elsewhere) and length ``n+1`` arrays indexed by the fused stage's start. Times are
 stage times with *nothing saved* (full recompute); ``need`` is a stage's memory without the prefetch term ``P``.
 The solvers (:mod:`.balance`, :mod:`.ilp`) read these instead of re-deriving the cost model, and a hypothesis test
-checks them against :func:`.problem.stage_costs`.
+checks them against :func:`.timing.stage_costs`.
 
 :func:`min_memory` finds the least device memory any plan needs. Stage memory is ``need + P`` with ``P`` the
 largest stage weight of the plan, so for each cap ``P`` on stage weights it runs a min-max path search over the
@@ -15,14 +15,12 @@ beat the incumbent (usually after one).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from .problem import PartitionProblem
+from .problem import PartitionProblem
 
-__all__ = ["RangeTables", "min_memory", "minmax_path", "best_need"]
+__all__ = ["RangeTables", "min_memory", "min_feasible_memory", "minmax_path", "best_need"]
 
 INF = float("inf")
 
@@ -102,7 +100,10 @@ class RangeTables:
         fused_time = ovh + np.maximum(fb[:, n], np.maximum(up_f[:, n], down_b[:, n]) / link)
         f_need = w + inb[:, None] + outb[None, :] + _running_max(pb.peak_bytes)
         b_need = w + g + 2 * inb[:, None] + outb[None, :] + act  # + the next microbatch's input, prefetched
-        mask = lambda x, fill: np.where(valid, x, fill)  # noqa: E731
+
+        def mask(x: np.ndarray, fill: float) -> np.ndarray:
+            return np.where(valid, x, fill)
+
         big = np.iinfo(np.int64).max // 4
         return RangeTables(
             n=n, weight=mask(w, big), grad=mask(g, big), in_bytes=inb, out_bytes=outb, valid=valid,
@@ -157,3 +158,12 @@ def min_memory(t: RangeTables) -> tuple[int, int]:
             break
         best = min(best, cap + best_need(t, float(cap)))
     return int(best), t.heaviest_segment()
+
+
+def min_feasible_memory(problem: PartitionProblem) -> tuple[int, int]:
+    """The smallest ``memory_bytes`` for which some plan fits, and the segment that sets it.
+
+    Usually the plan of single-segment stages; computed exactly over all plans by :func:`min_memory`. The segment
+    returned is the most demanding single segment of the binding stage (name it in "does not fit" messages).
+    """
+    return min_memory(RangeTables.build(problem))

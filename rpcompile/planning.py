@@ -173,7 +173,7 @@ def _host_grad_bytes(gm: fx.GraphModule) -> int:
 def to_plan(gm: fx.GraphModule, problem: Any, result: Any, *, hardware: Hardware, precision: str) -> Plan:
     """Map a solver's SegmentPlan back to node names."""
     from rpcompile.passes.coarsen import segments_of
-    from rpcompile.passes.problem import bubble_fraction, iteration_time, stage_costs
+    from rpcompile.passes.timing import bubble_fraction, iteration_time, stage_costs
 
     from .lowering import plan_from_ranges
 
@@ -242,8 +242,8 @@ def default_spec(spec: "str | DeviceSpec | None", device: "str | torch.device | 
 
 
 def _infeasible(problem: Any, hardware: Hardware) -> InfeasibleError:
-    from rpcompile.passes.problem import min_feasible_memory
-    from rpcompile.passes.validate import format_bytes
+    from rpcompile.passes.segment_rules import format_bytes
+    from rpcompile.passes.tables import min_feasible_memory
 
     need, seg = min_feasible_memory(problem)
     return InfeasibleError(

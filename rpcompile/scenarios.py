@@ -12,7 +12,8 @@
   ``ilp`` (rpcompile's partitioner on the same layer costs, layer granularity, no memory limit, full recompute
   like the paper's round-robin).
 
-Every scenario runs on :func:`~rpcompile.runtime.simulator.simulate`, so all comparisons share one clock.
+Every scenario runs on :func:`~rpcompile.runtime.simulator.simulate`, so all comparisons share one clock, and
+describes its chain positions with the timing model's own :class:`~rpcompile.core.stages.StageCost`.
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from rpcompile.core.errors import RPCompileError
+from rpcompile.core.errors import RPCompileError, SimulationError
+from rpcompile.core.schedule import Action, gpipe, interleaved_one_f_one_b, one_f_one_b, round_robin
+from rpcompile.core.stages import StageCost, StageKind
 from rpcompile.passes.baselines import layer_ranges
 from rpcompile.passes.partition import solve
-from rpcompile.passes.problem import PartitionProblem, save_reads, stage_costs
-from rpcompile.core.schedule import Action, gpipe, interleaved_one_f_one_b, one_f_one_b, round_robin
-from rpcompile.runtime.simulator import SimResult, SimStage, simulate
+from rpcompile.passes.problem import PartitionProblem
+from rpcompile.passes.timing import save_reads, stage_costs
+from rpcompile.runtime.simulator import SimResult, simulate
 
 __all__ = [
     "Scenario",
@@ -57,7 +60,7 @@ class Scenario:
 
     name: str
     lists: list[list[Action]]
-    stages: list[SimStage]
+    stages: list[StageCost]
     link_bytes_per_s: float = math.inf
     host_bytes_per_s: float = math.inf
     memory_limit_bytes: int | None = None
@@ -89,11 +92,11 @@ def from_plan(plan: Any, *, host_bytes_per_s: float = math.inf) -> Scenario:
     for s in plan.stages:
         detailed = s.compute_s > 0 or s.weight_bytes > 0
         saved_by = tuple(sorted({savers[x] for x in s.saved if x in savers})) if s.kind == "backward" else ()
-        stages.append(SimStage(
+        stages.append(StageCost(  # the plan's compute_s includes the per-stage overhead
             name=s.name, kind=s.kind, compute_s=s.compute_s if detailed else s.time_s,
-            weight_bytes=s.weight_bytes, grad_bytes=s.grad_bytes, upload_bytes=s.upload_bytes,
-            prefetch_bytes=s.prefetch_bytes, download_bytes=s.download_bytes, offload_bytes=s.offload_bytes,
-            working_bytes=max(0, s.working_bytes - s.upload_bytes - s.prefetch_bytes), saved_by=saved_by,
+            weight_bytes=s.weight_bytes, grad_bytes=s.grad_bytes, input_bytes=s.upload_bytes,
+            prefetch_bytes=s.prefetch_bytes, output_bytes=s.download_bytes, offload_bytes=s.offload_bytes,
+            working_bytes=s.working_bytes, saved_by=saved_by, microbatches=m,
         ))
     lists = round_robin([s.kind for s in plan.stages], hw.device_count, m)
     return Scenario(plan.strategy, lists, stages, link_bytes_per_s=hw.link_bytes_per_s,
@@ -107,23 +110,15 @@ def from_segment_plan(problem: Any, plan: Any, *, name: str, tokens_per_iteratio
     ``handoff_s``: a fixed activation hand-off time per microbatch into every stage but the first, instead of
     the byte model (published profiles give it that way)."""
     m, link = problem.microbatches, problem.link_bytes_per_s
-    stages = []
     costs = stage_costs(problem, plan)
-    for k, (c, saved_by) in enumerate(zip(costs, save_reads(costs, plan.saved))):
-        up = max(0.0, c.upload_bytes - c.weight_bytes / m - c.prefetch_bytes)
-        name_k = "FB" if c.kind == "fused" else f"{c.kind[0].upper()}{k if c.kind == 'forward' else k - len(plan.forward)}"
-        stages.append(SimStage(
-            name=name_k, kind=c.kind, compute_s=c.compute_s + c.overhead_s,
-            weight_bytes=c.weight_bytes, grad_bytes=c.grad_bytes,
-            upload_bytes=up, prefetch_bytes=c.prefetch_bytes,
-            download_bytes=max(0.0, c.download_bytes - c.grad_bytes / m - c.offload_bytes),
-            offload_bytes=c.offload_bytes, saved_by=saved_by,
-            upload_s=handoff_s if handoff_s is not None and k > 0 else None,
-            working_bytes=max(0.0, c.working_bytes - up - c.prefetch_bytes),
-        ))
+    f = len(plan.forward)
+    names = [f"F{k}" for k in range(f)] + ["FB"] + [f"B{k}" for k in range(1, len(costs) - f)]
+    stages = [dataclasses.replace(c, name=n, saved_by=saved_by)
+              for c, n, saved_by in zip(costs, names, save_reads(costs, plan.saved))]
     if handoff_s is not None:  # the profile's hand-off replaces the byte model entirely
-        stages = [dataclasses.replace(s, upload_bytes=0.0, download_bytes=0.0, prefetch_bytes=0.0, offload_bytes=0.0,
-                           weight_bytes=0.0, grad_bytes=0.0, saved_by=()) for s in stages]
+        stages = [dataclasses.replace(s, input_bytes=0, output_bytes=0, prefetch_bytes=0, offload_bytes=0,
+                                      weight_bytes=0, grad_bytes=0, saved_by=(), working_bytes=s.device_working_bytes,
+                                      upload_s=handoff_s if k > 0 else None) for k, s in enumerate(stages)]
     lists = round_robin([s.kind for s in stages], problem.device_count, m)
     return Scenario(name, lists, stages, link_bytes_per_s=link if handoff_s is None else math.inf,
                     host_bytes_per_s=host_bytes_per_s, memory_limit_bytes=problem.memory_bytes,
@@ -189,7 +184,7 @@ def static_scenarios(problem: Any, *, chunks: int = 2, precision: str = "bf16", 
     return out
 
 
-def _static_stages(pb: Any, ranges: list[tuple[int, int]], n_dev: int, opt: float) -> list[SimStage]:
+def _static_stages(pb: Any, ranges: list[tuple[int, int]], n_dev: int, opt: float) -> list[StageCost]:
     """Chain positions ``F_0..F_{V-1}, B_{V-1}..B_0`` of a static pipeline over segment ``ranges``."""
     V = len(ranges)
     fwd, bwd = [], []
@@ -199,16 +194,16 @@ def _static_stages(pb: Any, ranges: list[tuple[int, int]], n_dev: int, opt: floa
         inb, outb = pb.in_bytes(a), pb.boundary_bytes[b - 1]
         cross_in = s > 0 and (s - 1) % n_dev != s % n_dev  # the previous virtual stage lives elsewhere
         cross_out = s < V - 1 and (s + 1) % n_dev != s % n_dev
-        fwd.append(SimStage(
-            name=f"F{s}", kind="forward", compute_s=sum(pb.fwd_s[i] for i in seg) + pb.stage_overhead_s,
-            upload_bytes=inb if cross_in else 0, download_bytes=outb if cross_out else 0,
-            working_bytes=outb + max(pb.peak_bytes[i] for i in seg) + (0 if cross_in else inb),
+        fwd.append(StageCost(  # its input is a buffer of its own only when it comes from another device
+            name=f"F{s}", kind="forward", compute_s=sum(pb.fwd_s[i] for i in seg), overhead_s=pb.stage_overhead_s,
+            input_bytes=inb if cross_in else 0, output_bytes=outb if cross_out else 0,
+            working_bytes=inb + outb + max(pb.peak_bytes[i] for i in seg),
             resident_bytes=w + g + opt * w, stash_bytes=sum(pb.act_bytes[i] for i in seg),
         ))
-        bwd.append(SimStage(
-            name=f"B{s}", kind="backward", compute_s=sum(pb.bwd_s[i] for i in seg) + pb.stage_overhead_s,
-            upload_bytes=outb if cross_out else 0, download_bytes=inb if cross_in else 0,
-            working_bytes=inb + (0 if cross_out else outb), releases=s,
+        bwd.append(StageCost(
+            name=f"B{s}", kind="backward", compute_s=sum(pb.bwd_s[i] for i in seg), overhead_s=pb.stage_overhead_s,
+            input_bytes=outb if cross_out else 0, output_bytes=inb if cross_in else 0,
+            working_bytes=inb + outb, releases=s,
         ))
     return fwd + bwd[::-1]
 
@@ -216,7 +211,7 @@ def _static_stages(pb: Any, ranges: list[tuple[int, int]], n_dev: int, opt: floa
 # ---------------------------------------------------------------------------------------------- layer profiles
 def load_layer_profile(path: str | Path, model: str) -> tuple[dict[str, Any], int, int]:
     """``(entry, gpus, microbatches)`` for ``model`` from a RoundPipe-style simulator input file (milliseconds).
-    Raises ValueError naming the models the file has, or the field that is missing."""
+    Raises :class:`RPCompileError` naming the models the file has, or the field that is missing."""
     try:
         data = json.loads(Path(path).read_text())
     except OSError as e:
@@ -254,18 +249,18 @@ def layer_profile_scenarios(entry: Mapping[str, Any], *, devices: int, microbatc
                 continue
             counts = _counts(parts[name])
             if sum(counts) != L:
-                raise ValueError(f"{name} partition {parts[name]!r} covers {sum(counts)} layers, not {L}")
+                raise SimulationError(f"{name} partition {parts[name]!r} covers {sum(counts)} layers, not {L}")
             V = len(counts)
             if V % devices:
-                raise ValueError(f"{name} partition has {V} stages, not a multiple of {devices} devices")
+                raise SimulationError(f"{name} partition has {V} stages, not a multiple of {devices} devices")
             stages = []
             for s, c in enumerate(counts):  # forward positions; the last virtual stage holds the LM head
                 head = s == V - 1
-                stages.append(SimStage(name=f"F{s}", compute_s=c * f + (hf if head else 0.0),
+                stages.append(StageCost(name=f"F{s}", compute_s=c * f + (hf if head else 0.0),
                                        upload_s=comm if s > 0 and devices > 1 else None))
             for s in reversed(range(V)):
                 head = s == V - 1
-                stages.append(SimStage(name=f"B{s}", kind="backward", compute_s=counts[s] * b + (hb if head else 0.0),
+                stages.append(StageCost(name=f"B{s}", kind="backward", compute_s=counts[s] * b + (hb if head else 0.0),
                                        upload_s=comm if s < V - 1 and devices > 1 else None, releases=s))
             if name == "gpipe":
                 lists = gpipe(devices, microbatches)
@@ -279,10 +274,12 @@ def layer_profile_scenarios(entry: Mapping[str, Any], *, devices: int, microbatc
             fwd_counts, bwd_counts = _counts(fwd_text), _counts(bwd_text)
             top = L - sum(fwd_counts)  # layers the fused stage owns beside the head
             if bwd_counts[0] != top or sum(bwd_counts[1:]) != sum(fwd_counts):
-                raise ValueError(f"roundpipe partition {parts['roundpipe']!r} does not cover {L} layers")
+                raise SimulationError(f"roundpipe partition {parts['roundpipe']!r} does not cover {L} layers")
             comp = [c * f for c in fwd_counts] + [top * (f + b) + hf + hb] + [c * (f + b) for c in bwd_counts[1:]]
-            kinds = ["forward"] * len(fwd_counts) + ["fused"] + ["backward"] * (len(bwd_counts) - 1)
-            stages = [SimStage(name=str(k), kind=kd, compute_s=t, upload_s=comm if k > 0 and devices > 1 else None)
+            forward: StageKind = "forward"
+            backward: StageKind = "backward"
+            kinds = [forward] * len(fwd_counts) + ["fused"] + [backward] * (len(bwd_counts) - 1)
+            stages = [StageCost(name=str(k), kind=kd, compute_s=t, upload_s=comm if k > 0 and devices > 1 else None)
                       for k, (kd, t) in enumerate(zip(kinds, comp))]
             out[name] = Scenario(name, round_robin(kinds, devices, microbatches), stages,
                                  notes={"partition": parts["roundpipe"]})

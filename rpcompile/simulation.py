@@ -7,11 +7,18 @@ devices), ``roundpipe`` (the paper's partitioner on our costs) and ``ilp`` (rpco
 
 from __future__ import annotations
 
+import functools
 import math
 from contextlib import nullcontext
 from typing import Any, Sequence
 
-from rpcompile.scenarios import SCHEDULES, Scenario, from_plan, from_segment_plan, static_scenarios
+from rpcompile.core.errors import ConfigError, InfeasibleError
+from rpcompile.passes.lower import _tokens
+from rpcompile.passes.partition import solve
+from rpcompile.scenarios import (SCHEDULES, Scenario, from_plan, from_segment_plan, layer_profile_scenarios,
+                                 load_layer_profile, static_scenarios)
+
+from .planning import default_spec, fastest, head_chunk_candidates, make_hardware, partition_problem, prepare
 
 __all__ = ["SCHEDULES", "parse_schedules", "model_scenarios", "plan_scenarios", "profile_scenarios", "run_all",
            "skipped"]
@@ -22,13 +29,13 @@ def _quiet(text: str) -> Any:
 
 
 def parse_schedules(text: str) -> list[str]:
-    """``all`` or a comma list of schedule names; unknown names raise ValueError listing the known ones."""
+    """``all`` or a comma list of schedule names; unknown names raise :class:`ConfigError` listing the known ones."""
     if text.strip() == "all":
         return list(SCHEDULES)
     names = [s.strip() for s in text.split(",") if s.strip()]
     bad = [s for s in names if s not in SCHEDULES]
     if bad or not names:
-        raise ValueError(f"unknown schedule {', '.join(bad) or repr(text)}; choose from {', '.join(SCHEDULES)} or all")
+        raise ConfigError(f"unknown schedule {', '.join(bad) or repr(text)}; choose from {', '.join(SCHEDULES)} or all")
     return names
 
 
@@ -45,12 +52,6 @@ def model_scenarios(model: Any, example_inputs: Sequence[Any], *, gpus: int, spe
     (``host_embedding``, :mod:`rpcompile.passes.host`): the baselines keep them on the devices, as their
     systems do. ``progress`` is the profiler's bar; ``status(text)``, a context manager, shows each solve (the
     CLI's spinner)."""
-    from rpcompile.core.errors import InfeasibleError
-    from rpcompile.lowering import _tokens
-    from rpcompile.passes.partition import solve
-
-    from .planning import default_spec, fastest, head_chunk_candidates, make_hardware, partition_problem, prepare
-
     gm, m = prepare(model, example_inputs, gpus=gpus, spec=spec, device=device, microbatches=microbatches,
                     precision=precision, progress=progress, segments_per_layer=segments_per_layer, host_embedding=False)
     model_device = next((p.device.type for p in model.parameters()), "cpu")
@@ -80,7 +81,7 @@ def model_scenarios(model: Any, example_inputs: Sequence[Any], *, gpus: int, spe
     for name in (s for s in schedules if s in ("roundpipe", "ilp")):
         ks = head_chunk_candidates(head_chunks, loss_fn, example_target) if name == "ilp" else (1,)
         try:
-            problem, res, k = fastest(ks, lambda k, _name=name: attempt(_name, k))
+            problem, res, k = fastest(ks, functools.partial(attempt, name))
         except InfeasibleError:
             continue
         sc = from_segment_plan(problem, res.plan, name=name, tokens_per_iteration=tokens,
@@ -98,8 +99,6 @@ def plan_scenarios(plan: Any, *, host_bytes_per_s: float = math.inf) -> dict[str
 def profile_scenarios(path: str, model: str, *, schedules: Sequence[str] = SCHEDULES, gpus: int | None = None,
                       microbatches: int | None = None, time_limit_s: float = 10.0) -> dict[str, Scenario]:
     """Every schedule on a RoundPipe-style layer profile (the file's partitions, plus ``ilp``)."""
-    from rpcompile.scenarios import layer_profile_scenarios, load_layer_profile
-
     entry, n, m = load_layer_profile(path, model)
     return layer_profile_scenarios(entry, devices=gpus or n, microbatches=microbatches or m, schedules=schedules,
                                    time_limit_s=time_limit_s)

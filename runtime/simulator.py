@@ -15,10 +15,10 @@ What an action list turns into (``kW``/``kFj``/``kG``, see :mod:`.schedule`):
   bandwidth the activation copies leave on the upload link (the executor copies weights in small pieces behind
   them, so a microbatch's inputs never queue behind a whole stage's weights).
 - ``kFj`` first brings microbatch j's inputs in — ``prefetch_bytes`` (in host memory already) and
-  ``upload_bytes`` (once chain position k−1's output for j reached host memory); both may start once the device
-  began its previous compute action, a double buffer — then computes once the compute queue is free and k's
-  weights are in and the outputs of its compute action two before have drained (double buffering); then
-  sends ``download_bytes`` down (the next position waits for them) and, on their own
+  ``input_bytes`` (once chain position k−1's output for j reached host memory); both may start once the device
+  began its previous compute action, a double buffer — then computes (``compute_s + overhead_s``) once the
+  compute queue is free and k's weights are in and the outputs of its compute action two before have drained
+  (double buffering); then sends ``output_bytes`` down (the next position waits for them) and, on their own
   queue, ``offload_bytes`` (saved activations, which only the backward pass reads).
 - ``kG`` sends the gradients down after k's last microbatch.
 
@@ -41,10 +41,10 @@ activations and output buffers around each microbatch; ``resident_bytes`` for th
 schedules keep weights, gradients and optimizer state on the device) and ``stash_bytes`` from a forward
 microbatch until the backward position named by ``releases`` ends it (activations kept for the backward pass).
 
-With transfers free this is exactly the timing model's recurrence
-(:func:`rpcompile.passes.problem.pipeline_time`, DESIGN.md §3); :mod:`rpcompile.scenarios` builds the action lists and
-stages for a plan, for the classic static schedules (GPipe, 1F1B, interleaved 1F1B) and for published layer
-profiles.
+Each chain position is a :class:`~rpcompile.core.stages.StageCost`, the type the timing model prices. With
+transfers free this is exactly the timing model's recurrence (:func:`rpcompile.passes.timing.pipeline_time`,
+DESIGN.md §3); :mod:`rpcompile.scenarios` builds the action lists and stages for a plan, for the classic static
+schedules (GPipe, 1F1B, interleaved 1F1B) and for published layer profiles.
 """
 
 from __future__ import annotations
@@ -54,9 +54,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from rpcompile.core.errors import SimulationError
 from rpcompile.core.schedule import Action
+from rpcompile.core.stages import StageCost
 
-__all__ = ["SimStage", "SimEvent", "SimResult", "simulate"]
+__all__ = ["SimEvent", "SimResult", "simulate"]
 
 _INF = math.inf
 #: Output buffers per device: a compute action waits until the outputs of the one ``OUTPUT_BUFFERS`` before it
@@ -79,43 +81,6 @@ _LANES = {
     "s_down": ("down", "activations", "download"),
     "g_down": ("down", "gradients", "download"),
 }
-
-
-@dataclass(frozen=True, kw_only=True)
-class SimStage:
-    """One chain position (a stage of the round-robin schedule, or a forward/backward half of a static stage)."""
-
-    name: str
-    compute_s: float
-    """Compute per microbatch (s)."""
-    weight_bytes: float = 0.0
-    """Uploaded by the ``W`` action."""
-    grad_bytes: float = 0.0
-    """Downloaded by the ``G`` action; held on the device from the first microbatch until then."""
-    upload_bytes: float = 0.0
-    """Per microbatch, host → device before computing, once the previous position's output is in host memory."""
-    prefetch_bytes: float = 0.0
-    """Per microbatch, host → device before computing, already in host memory (saved activations)."""
-    download_bytes: float = 0.0
-    """Per microbatch, device → host after computing; the next position waits for it."""
-    offload_bytes: float = 0.0
-    """Per microbatch, device → host after computing; nobody in this pass waits for it (saved activations)."""
-    upload_s: float | None = None
-    """A fixed per-microbatch hand-off time instead of ``upload_bytes`` over the link (published profiles)."""
-    working_bytes: float = 0.0
-    """Device memory one microbatch's live tensors take while it computes, beyond its input buffers
-    (``upload_bytes`` + ``prefetch_bytes``, held from their copy until the compute ends)."""
-    resident_bytes: float = 0.0
-    """Device memory held for the whole iteration (static schedules: weights, gradients, optimizer state)."""
-    stash_bytes: float = 0.0
-    """Kept after each microbatch until the backward position that releases it ends that microbatch."""
-    releases: int = -1
-    """Chain position whose stash this position's microbatches free (static backward halves)."""
-    saved_by: tuple[int, ...] = ()
-    """Chain positions whose ``offload_bytes`` this position's ``prefetch_bytes`` read: microbatch j's prefetch
-    starts only once their offload of j has landed in host memory."""
-    kind: str = "forward"
-    """``forward``, ``fused`` or ``backward`` (colours and labels only)."""
 
 
 @dataclass(frozen=True)
@@ -227,6 +192,10 @@ class SimResult:
         }
 
 
+_Ref = tuple[str, int, int]
+"""``(what, position, microbatch)``: ``producer`` (the output a microbatch waits for) or ``offload`` (saves)."""
+
+
 @dataclass(eq=False)
 class _Task:
     label: str
@@ -239,6 +208,8 @@ class _Task:
     on_link: bool
     after_end: list["_Task"] = field(default_factory=list)
     after_start: list["_Task"] = field(default_factory=list)
+    refs: list[_Ref] = field(default_factory=list)
+    """Tasks it also waits for, by name, that a later device list may define; resolved into ``after_end``."""
     alloc_start: float = 0.0
     """Bytes allocated on the device when the task starts."""
     alloc_end: float = 0.0
@@ -259,7 +230,7 @@ def _growth(t: _Task) -> float:
 
 def simulate(
     lists: Sequence[Sequence[Action]],
-    stages: Sequence[SimStage | float],
+    stages: Sequence[StageCost | float],
     *,
     link_bytes_per_s: float = _INF,
     host_bytes_per_s: float = _INF,
@@ -269,12 +240,12 @@ def simulate(
 ) -> SimResult:
     """Run the per-device action lists with a clock.
 
-    ``stages[k]`` describes chain position k (a bare number is a :class:`SimStage` with only ``compute_s``).
+    ``stages[k]`` describes chain position k (a bare number is a :class:`StageCost` with only ``compute_s``).
     Bandwidths are bytes/s; infinite bandwidth makes byte transfers free. ``copies_wait_for_memory=False``
     admits copies regardless of ``memory_limit_bytes`` (static schedules, which do not stream and are only
     checked against the limit).
     """
-    sts = [s if isinstance(s, SimStage) else SimStage(name=str(k), compute_s=float(s)) for k, s in enumerate(stages)]
+    sts = [s if isinstance(s, StageCost) else StageCost(name=str(k), compute_s=float(s)) for k, s in enumerate(stages)]
     tasks, lanes, compute_of = _build(lists, sts, link_bytes_per_s)
     devices = len(lists)
     memory = [0.0] * devices
@@ -319,11 +290,11 @@ def simulate(
             start_ready(force=True)  # only work waiting for room is left: let it overfill (the peak shows it)
         if not running:
             waiting = [q[0].label for q in queues.values() if q][:4]
-            raise ValueError(f"the action lists deadlock at t={now:.6g}s: {', '.join(waiting)} wait for work that never runs")
+            raise SimulationError(f"the action lists deadlock at t={now:.6g}s: {', '.join(waiting)} wait for work that never runs")
         rates = _rates(running.values(), link_bytes_per_s, host_bytes_per_s)
         dt = min((t.left / rates[id(t)] if rates[id(t)] > 0 else _INF) for t in running.values())
         if dt == _INF:
-            raise ValueError("a transfer has no bandwidth (link_bytes_per_s and host_bytes_per_s must be > 0)")
+            raise SimulationError("a transfer has no bandwidth (link_bytes_per_s and host_bytes_per_s must be > 0)")
         now += dt
         for key, t in list(running.items()):
             r = rates[id(t)]
@@ -341,8 +312,9 @@ def simulate(
         busy[t.device] += t.end - t.start
     moved = {"up": [0.0] * devices, "down": [0.0] * devices}
     for t in tasks:
-        if t.on_link:
-            moved[_LANES[t.lane][0]][t.device] += t.work
+        link_name = _LANES[t.lane][0]
+        if t.on_link and link_name is not None:  # every copy on a link has one
+            moved[link_name][t.device] += t.work
     events = tuple(
         SimEvent(t.label, t.device, _LANES[t.lane][2], _LANES[t.lane][1], t.stage, t.microbatch, t.start, t.end)
         for t in tasks
@@ -388,7 +360,7 @@ def _next(q: deque, lazy: bool) -> "_Task | None":
     return best
 
 
-def _build(lists: Sequence[Sequence[Action]], sts: Sequence[SimStage], link: float):
+def _build(lists: Sequence[Sequence[Action]], sts: Sequence[StageCost], link: float):
     """Tasks in device-list order, the queue of every (device, lane), and the compute task of every (stage, mb)."""
     free = math.isinf(link)
     tasks: list[_Task] = []
@@ -417,7 +389,7 @@ def _build(lists: Sequence[Sequence[Action]], sts: Sequence[SimStage], link: flo
         current_stage = None  # the stage of the latest compute action in this list
         for a in acts:
             if a.stage >= len(sts):
-                raise ValueError(f"action {a} names stage {a.stage} but only {len(sts)} stages were given")
+                raise SimulationError(f"action {a} names stage {a.stage} but only {len(sts)} stages were given")
             s = sts[a.stage]
             if a.kind == "W":
                 t = add(copy(f"{a}", d, "w_up", a.stage, -1, s.weight_bytes))
@@ -427,24 +399,25 @@ def _build(lists: Sequence[Sequence[Action]], sts: Sequence[SimStage], link: flo
                 weights[a.stage] = t
             elif a.kind == "F":
                 current_stage = a.stage
-                c = _Task(str(a), d, "compute", a.stage, a.microbatch, s.compute_s, on_link=False)
-                c.alloc_start = s.working_bytes
+                c = _Task(str(a), d, "compute", a.stage, a.microbatch, s.compute_s + s.overhead_s, on_link=False)
+                working = s.device_working_bytes  # the input buffers are the copies' own
+                c.alloc_start = working
                 if len(drains) >= OUTPUT_BUFFERS:  # double-buffered outputs: wait until the oldest has drained
                     c.after_end.extend(drains[-OUTPUT_BUFFERS])
                 drains.append([])
-                c.free_end.append((d, s.working_bytes))
+                c.free_end.append((d, working))
                 if s.prefetch_bytes:
                     pre = add(copy(f"{a}<<", d, "s_up", a.stage, a.microbatch, s.prefetch_bytes))
                     pre.alloc_start = s.prefetch_bytes
                     c.free_end.append((d, s.prefetch_bytes))
                     if prev_compute is not None:
                         pre.after_start.append(prev_compute)
-                    pre.after_end.extend(("offload", k, a.microbatch) for k in s.saved_by)  # type: ignore[misc]
+                    pre.refs.extend(("offload", k, a.microbatch) for k in s.saved_by)
                     c.after_end.append(pre)
-                if s.upload_bytes or s.upload_s:
-                    cin = add(copy(f"{a}<", d, "a_up", a.stage, a.microbatch, s.upload_bytes, s.upload_s))
-                    cin.alloc_start = s.upload_bytes
-                    c.free_end.append((d, s.upload_bytes))
+                if s.input_bytes or s.upload_s:
+                    cin = add(copy(f"{a}<", d, "a_up", a.stage, a.microbatch, s.input_bytes, s.upload_s))
+                    cin.alloc_start = s.input_bytes
+                    c.free_end.append((d, s.input_bytes))
                     if prev_compute is not None:
                         cin.after_start.append(prev_compute)
                     c.after_end.append(cin)
@@ -463,11 +436,11 @@ def _build(lists: Sequence[Sequence[Action]], sts: Sequence[SimStage], link: flo
                     c.alloc_end += s.stash_bytes
                 if s.releases >= 0:
                     stash_release.append((c, d, s.releases, sts[s.releases].stash_bytes))
-                if s.download_bytes:
-                    out = add(copy(f"{a}>", d, "a_down", a.stage, a.microbatch, s.download_bytes))
+                if s.output_bytes:
+                    out = add(copy(f"{a}>", d, "a_down", a.stage, a.microbatch, s.output_bytes))
                     out.after_end.append(c)
-                    c.alloc_end += s.download_bytes
-                    out.free_end.append((d, s.download_bytes))
+                    c.alloc_end += s.output_bytes
+                    out.free_end.append((d, s.output_bytes))
                     out_copy[(a.stage, a.microbatch)] = out
                     drains[-1].append(out)
                 if s.offload_bytes:
@@ -480,7 +453,7 @@ def _build(lists: Sequence[Sequence[Action]], sts: Sequence[SimStage], link: flo
             else:  # G
                 g = add(copy(f"{a}", d, "g_down", a.stage, -1, s.grad_bytes))
                 if a.stage not in last_compute:
-                    raise ValueError(f"action {a} on device {d} comes before any microbatch of stage {a.stage}")
+                    raise SimulationError(f"action {a} on device {d} comes before any microbatch of stage {a.stage}")
                 g.after_end.append(last_compute[a.stage])
                 g.free_end.append((d, s.grad_bytes))
     # weights leave when the stage's last microbatch ends (gradients stay until their copy)
@@ -493,26 +466,26 @@ def _build(lists: Sequence[Sequence[Action]], sts: Sequence[SimStage], link: flo
             c.free_end.append((producer.device, nbytes))
     # the producer dependency may name a position that a later device list defines: resolve lazily
     for t in tasks:
-        t.after_end = [p if isinstance(p, _Task) else _resolve(p, compute, out_copy, offload) for p in t.after_end]
+        t.after_end.extend(_resolve(r, compute, out_copy, offload) for r in t.refs)
     return tasks, lanes, compute
 
 
 def _depend_on_producer(t: _Task, a: Action, compute: dict, out_copy: dict) -> None:
     if a.stage > 0:
-        t.after_end.append(("producer", a.stage - 1, a.microbatch))  # type: ignore[arg-type]
+        t.refs.append(("producer", a.stage - 1, a.microbatch))
 
 
-def _resolve(ref, compute: dict, out_copy: dict, offload: dict) -> _Task:
+def _resolve(ref: _Ref, compute: dict, out_copy: dict, offload: dict) -> _Task:
     what, k, j = ref
     if what == "offload":
         if (k, j) not in offload:
-            raise ValueError(f"position {k} saves no activations for microbatch {j}, but a backward position "
-                             "prefetches from it (saved_by)")
+            raise SimulationError(f"position {k} saves no activations for microbatch {j}, but a backward position "
+                                  f"prefetches from it; drop {k} from its saved_by")
         return offload[(k, j)]
     if (k, j) in out_copy:
         return out_copy[(k, j)]
     if (k, j) not in compute:
-        raise ValueError(f"the action lists deadlock: {k + 1}F{j} waits for {k}F{j}, which no device runs")
+        raise SimulationError(f"the action lists deadlock: {k + 1}F{j} waits for {k}F{j}, which no device runs")
     return compute[(k, j)]
 
 
@@ -538,12 +511,13 @@ def _fill(flows: list, cap: dict, link: float, rates: dict) -> None:
         return
     members: dict[object, list] = {"host": list(flows)}
     for t in flows:
-        key = (t.device, _LANES[t.lane][0])
-        cap.setdefault(key, link)
-        members.setdefault(key, []).append(t)
+        lane_key = (t.device, _LANES[t.lane][0])
+        cap.setdefault(lane_key, link)
+        members.setdefault(lane_key, []).append(t)
     unfrozen = set(id(t) for t in flows)
     while unfrozen:
-        best, share = None, _INF
+        best: object = None
+        share = _INF
         for key, ts in members.items():
             n = sum(1 for t in ts if id(t) in unfrozen)
             if n and cap[key] / n < share:

@@ -10,11 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rpcompile.core.errors import InfeasibleError
+from rpcompile.core.errors import ConfigError, InfeasibleError
 from rpcompile.passes.partition import STRATEGIES, solve
-from rpcompile.passes.problem import (PartitionProblem, SegmentPlan, SharedParam, bubble_fraction,
-                                      equal_time_factor, iteration_time, min_feasible_memory, pipeline_time,
-                                      plan_memory, stage_costs, transfer_edges, validate_segment_plan)
+from rpcompile.passes.problem import PartitionProblem, SegmentPlan, SharedParam
+from rpcompile.passes.segment_rules import validate_segment_plan
+from rpcompile.passes.tables import min_feasible_memory
+from rpcompile.passes.timing import (bubble_fraction, equal_time_factor, iteration_time, offload_backlog,
+                                     pipeline_time, plan_memory, save_reads, stage_costs, transfer_edges)
 
 from partition_cases import llama_like, tiny_chain
 
@@ -213,7 +215,7 @@ def test_require_plan_raises_infeasible_error_with_the_reason():
 
 
 def test_unknown_strategy():
-    with pytest.raises(ValueError, match="unknown partition strategy 'magic'"):
+    with pytest.raises(ConfigError, match="unknown partition strategy 'magic'"):
         solve(tiny_chain(3), "magic")
 
 
@@ -364,8 +366,6 @@ def _offload_problem(memory_bytes: int) -> PartitionProblem:
 
 
 def test_saved_activations_go_down_lazily_in_the_timing_model():
-    from rpcompile.passes.problem import offload_backlog
-
     plan = _plan([(0, 1)], (1, 2), [(0, 1)], (True, False))
     roomy = _offload_problem(10**6)
     eager = stage_costs(roomy, plan, lazy_offload=False)
@@ -427,7 +427,6 @@ def test_lazy_offload_model_agrees_with_the_simulator(act, tolerance):
 def test_a_forward_stage_whose_saves_are_empty_is_nobody_s_dependency():
     """F0 saves a segment of 0 bytes (nothing goes down): the backward stage that reads it waits for nothing, in
     the timing model and in the simulator (which once refused the plan: "position 0 saves no activations")."""
-    from rpcompile.passes.problem import save_reads
     from rpcompile.scenarios import from_segment_plan
 
     pb = tiny_chain(4, devices=2, microbatches=2, act_bytes=(0, 10, 10, 10), link_bytes_per_s=100.0)

@@ -23,9 +23,10 @@ from rpcompile.passes import lagrange
 from rpcompile.passes.exact import fewest_stages
 from rpcompile.passes.lagrange import StageCountBound
 from rpcompile.passes.partition import solve
-from rpcompile.passes.problem import (PartitionProblem, SegmentPlan, SharedParam, equal_time_factors,
-                                      min_feasible_memory, pipeline_time, stage_costs, validate_segment_plan)
-from rpcompile.passes.tables import RangeTables
+from rpcompile.passes.problem import PartitionProblem, SegmentPlan, SharedParam
+from rpcompile.passes.segment_rules import validate_segment_plan
+from rpcompile.passes.tables import RangeTables, min_feasible_memory
+from rpcompile.passes.timing import equal_time_factors, pipeline_time, stage_costs
 
 settings.register_profile("partition", max_examples=15, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])

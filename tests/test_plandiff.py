@@ -308,9 +308,9 @@ def test_alike_stages_share_a_row():
 
 # ---- the same model ------------------------------------------------------------------------------------------
 def test_the_same_model_is_the_parameters_and_the_graph_as_planned(graph):
-    """verify.model_differences, which diff shares with show and check: plans whose graphs differ only where they
+    """model_match.model_differences, which diff shares with show and check: plans whose graphs differ only where they
     split the LM head or run lookups on the host are for the same model; other parameters are another model."""
-    from rpcompile.verify import model_differences
+    from rpcompile.model_match import model_differences
 
     a = manual(graph, "layers.2.attn", [], [1e-3] * 5, [MIB] * 5)
     other_graph = dataclasses.replace(a.model, graph_digest="0" * 64)

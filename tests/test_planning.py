@@ -20,13 +20,15 @@ from rpcompile.cli import main
 from rpcompile.core.errors import InfeasibleError
 from rpcompile.models import load_model
 from rpcompile.passes.coarsen import segments_of
-from rpcompile.passes.problem import SegmentPlan, iteration_time, min_feasible_memory, stage_costs
+from rpcompile.passes.problem import SegmentPlan
+from rpcompile.passes.tables import min_feasible_memory
+from rpcompile.passes.timing import iteration_time, stage_costs
 from rpcompile.passes.util import compute_nodes, node_params
 from rpcompile.core.plan import Plan
 from rpcompile.planning import (STRATEGIES, compare, make_hardware, partition_problem, plan, plan_graph, prepare,
                                 split_microbatches)
 from rpcompile.core.specs import get_spec
-from rpcompile.verify import plan_violations, verify_plan
+from rpcompile.invariants import plan_violations, verify_plan
 
 SPEC = "rtx4090"
 TIME_LIMIT = 2.0

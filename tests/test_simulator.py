@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from rpcompile.passes.problem import pipeline_time
+from rpcompile.passes.timing import pipeline_time
 from rpcompile.core.schedule import parse_action, round_robin
-from rpcompile.runtime.simulator import SimStage, simulate
+from rpcompile.core.stages import StageCost
+from rpcompile.runtime.simulator import simulate
 
 
 def kinds(f: int, b: int) -> list[str]:
@@ -43,8 +44,8 @@ def test_random_stage_times_match_the_timing_model():
 
 
 def stages(times, **per_stage):
-    """SimStages with ``compute_s`` from ``times`` and any other field given as a list."""
-    return [SimStage(name=str(k), compute_s=t, **{f: v[k] for f, v in per_stage.items()}) for k, t in enumerate(times)]
+    """StageCosts with ``compute_s`` from ``times`` and any other field given as a list."""
+    return [StageCost(name=str(k), compute_s=t, **{f: v[k] for f, v in per_stage.items()}) for k, t in enumerate(times)]
 
 
 def test_prefetched_weights_hide_behind_the_previous_stage():
@@ -109,7 +110,7 @@ def test_weight_uploads_yield_the_link_to_activations():
     """Once stage 0 starts (0.5 s), stage 1's weights (10 B) may prefetch, but stage 0's second input (5 B) is
     uploading: it keeps the whole 10 B/s link and lands at 1.0 s; the weights go up after it and land at 2.0 s."""
     lists = round_robin(kinds(0, 1), devices=1, microbatches=2)
-    sts = stages([1.0, 1.0], weight_bytes=[0, 10], upload_bytes=[5, 0])
+    sts = stages([1.0, 1.0], weight_bytes=[0, 10], input_bytes=[5, 0])
     res = simulate(lists, sts, link_bytes_per_s=10.0)
     by_action = {e.action: (e.start, e.end) for e in res.timeline}
     assert by_action["0F0<"] == pytest.approx((0.0, 0.5))
@@ -122,7 +123,7 @@ def test_activation_copies_on_one_link_share_it_fairly():
     """A microbatch's input (5 B, after its producer) and its saved activations (5 B, already in host memory)
     go up together on a 10 B/s link: 5 B/s each, both land at 1.0 s."""
     lists = round_robin(kinds(0, 0), devices=1, microbatches=1)
-    res = simulate(lists, stages([1.0], upload_bytes=[5], prefetch_bytes=[5]), link_bytes_per_s=10.0)
+    res = simulate(lists, stages([1.0], input_bytes=[5], prefetch_bytes=[5]), link_bytes_per_s=10.0)
     by_action = {e.action: (e.start, e.end) for e in res.timeline}
     assert by_action["0F0<"] == pytest.approx((0.0, 1.0)) and by_action["0F0<<"] == pytest.approx((0.0, 1.0))
     assert by_action["0F0"] == pytest.approx((1.0, 2.0))
@@ -167,7 +168,7 @@ def test_saved_activations_yield_the_link_to_hand_offs():
     """F0 hands 10 bytes to FB on the other device and offloads 10 saved bytes, one 10 B/s link: the hand-off
     goes first at the full rate (FB starts at 1.1 s, not 2.1 s as with a fair share), the saves after it."""
     lists = round_robin(kinds(1, 0), devices=2, microbatches=1)
-    res = simulate(lists, stages([0.1, 0.1], download_bytes=[10, 0], offload_bytes=[10, 0]), link_bytes_per_s=10.0)
+    res = simulate(lists, stages([0.1, 0.1], output_bytes=[10, 0], offload_bytes=[10, 0]), link_bytes_per_s=10.0)
     ev = {e.action: (e.start, e.end) for e in res.timeline}
     assert ev["0F0>"] == pytest.approx((0.1, 1.1)) and ev["1F0"][0] == pytest.approx(1.1)
     assert ev["0F0>>"] == pytest.approx((1.1, 2.1))
@@ -215,8 +216,8 @@ def test_static_schedules_hold_their_in_flight_activations(builder, stashes):
     from rpcompile.core import schedule
 
     n, m = 2, 3
-    sts = [SimStage(name=f"F{d}", compute_s=1.0, resident_bytes=1000, stash_bytes=10) for d in range(n)]
-    sts += [SimStage(name=f"B{d}", compute_s=2.0, releases=d) for d in reversed(range(n))]
+    sts = [StageCost(name=f"F{d}", compute_s=1.0, resident_bytes=1000, stash_bytes=10) for d in range(n)]
+    sts += [StageCost(name=f"B{d}", compute_s=2.0, releases=d) for d in reversed(range(n))]
     res = simulate(getattr(schedule, builder)(n, m), sts)
     assert res.peak_memory_bytes[0] == 1000 + stashes * 10
 
@@ -274,7 +275,7 @@ def test_ilp_beats_the_papers_partition_on_its_own_costs(paper_results):
 
 def test_per_device_traffic_adds_up():
     lists = round_robin(kinds(0, 1), devices=1, microbatches=2)
-    sts = stages([1.0, 1.0], weight_bytes=[3, 4], grad_bytes=[1, 2], upload_bytes=[5, 0], download_bytes=[0, 7])
+    sts = stages([1.0, 1.0], weight_bytes=[3, 4], grad_bytes=[1, 2], input_bytes=[5, 0], output_bytes=[0, 7])
     res = simulate(lists, sts, link_bytes_per_s=100.0)
     assert res.uploaded_bytes == (3 + 4 + 2 * 5,) and res.downloaded_bytes == (1 + 2 + 2 * 7,)
     assert res.host_traffic_bytes == sum(res.uploaded_bytes) + sum(res.downloaded_bytes)

@@ -1,17 +1,20 @@
-"""The rules of a :class:`~.problem.SegmentPlan`, checked all at once (see :func:`.problem.validate_segment_plan`).
+"""The rules a :class:`~.problem.SegmentPlan` obeys on its :class:`~.problem.PartitionProblem`, checked all at once
+(:func:`validate_segment_plan`): its stages cover the chain as the schedule needs, its saves are allowed, and
+every stage fits the device by the timing model's memory (:func:`.timing.stage_costs`).
 
 Messages name the rule, the values found, the place (segment names) and a remedy.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
-if TYPE_CHECKING:
-    from .problem import PartitionProblem, SegmentPlan, StageCost
+from rpcompile.core.stages import StageCost
 
-__all__ = ["structural_violations", "memory_violations", "format_bytes"]
+from .problem import PartitionProblem, SegmentPlan
+from .timing import stage_costs
 
+__all__ = ["validate_segment_plan", "structural_violations", "memory_violations", "format_bytes"]
 
 
 def format_bytes(n: float) -> str:
@@ -77,7 +80,7 @@ def _saved_violations(pb: PartitionProblem, plan: SegmentPlan) -> list[str]:
 
 
 def structural_violations(pb: PartitionProblem, plan: SegmentPlan) -> list[str]:
-    """Rules 1-4 of :func:`.problem.validate_segment_plan`."""
+    """Rules 1-4 of :func:`validate_segment_plan`."""
     out = _fused_violations(pb, plan)
     if not out:
         out += _chain_violations(pb, plan, "forward") + _chain_violations(pb, plan, "backward")
@@ -94,3 +97,18 @@ def memory_violations(pb: PartitionProblem, plan: SegmentPlan, costs: Sequence[S
                        f"device has {format_bytes(pb.memory_bytes)}; split the stage or lower the micro-batch size "
                        f"(segment: {_where(pb, worst)})")
     return out
+
+
+def validate_segment_plan(problem: PartitionProblem, plan: SegmentPlan, *, memory: bool = True) -> list[str]:
+    """Every rule ``plan`` breaks, one message each (empty when valid). Rules:
+
+    1. ``fused = (a, n)`` with ``0 <= a < n``.
+    2. ``forward`` ranges are non-empty, ascending and contiguous, from 0 to ``a``.
+    3. ``backward`` ranges are non-empty, descending and contiguous, from ``a`` down to 0.
+    4. ``saved`` has one flag per segment, all False in the fused range (and everywhere when saving is off).
+    5. (``memory=True``) every stage fits ``memory_bytes``.
+    """
+    problems = structural_violations(problem, plan)
+    if memory and not problems:
+        problems = memory_violations(problem, plan, stage_costs(problem, plan))
+    return problems

@@ -1,4 +1,4 @@
-"""``rpcompile check``: is a checked-in plan still right for its model?
+"""``rpcompile check``: is a checked-in plan stale, no longer right for its model?
 
 A plan goes stale when the model changes (its fingerprint no longer matches), when rpcompile's cost model or
 partitioner change (its predictions are out of date, its stages no longer fit, or a fresh plan would be
@@ -24,6 +24,18 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
+
+from rpcompile.passes.coarsen import segments_of
+from rpcompile.passes.problem import SegmentPlan
+from rpcompile.passes.segment_rules import format_bytes, validate_segment_plan
+from rpcompile.passes.timing import iteration_time, stage_costs
+from rpcompile.passes.util import compute_nodes
+
+from .core.errors import InfeasibleError, PlanFileError
+from .core.plan import Plan
+from rpcompile.passes.fingerprint import fingerprint
+from .invariants import plan_violations
+from .planning import partition_problem, plan_graph, prepare
 
 __all__ = ["CheckResult", "check_plan", "rescore"]
 
@@ -57,10 +69,6 @@ def _quiet(text: str) -> Any:
 def rescore(plan: Any, gm: Any) -> tuple[Any, list[str]]:
     """The plan as a :class:`SegmentPlan` over today's segments of ``gm``, or ``None`` and the
     stage boundaries that are no longer cut points."""
-    from rpcompile.passes.coarsen import segments_of
-    from rpcompile.passes.problem import SegmentPlan
-    from rpcompile.passes.util import compute_nodes
-
     order = {n.name: i for i, n in enumerate(compute_nodes(gm))}
     segs = segments_of(gm)
     seg_at = {s.start: s.index for s in segs} | {segs[-1].stop: len(segs)}
@@ -77,8 +85,8 @@ def rescore(plan: Any, gm: Any) -> tuple[Any, list[str]]:
     saved_nodes = set(plan.saved)
     saved = tuple(bool(s.nodes) and all(n in saved_nodes for n in s.nodes) for s in segs)
     fused = next((a, b) for k, a, b in ranges if k == "fused")
-    return SegmentPlan(forward=[(a, b) for k, a, b in ranges if k == "forward"], fused=fused,
-                       backward=[(a, b) for k, a, b in ranges if k == "backward"],
+    return SegmentPlan(forward=tuple((a, b) for k, a, b in ranges if k == "forward"), fused=fused,
+                       backward=tuple((a, b) for k, a, b in ranges if k == "backward"),
                        saved=tuple(x and i < fused[0] for i, x in enumerate(saved))), []
 
 
@@ -88,14 +96,6 @@ def check_plan(path: str | Path, model: Any, example_inputs: Sequence[Any], *, m
     """Check the plan file at ``path`` against ``model`` (see the module docstring). A plan made with a split LM
     head (``head_chunks > 1``) needs ``loss_fn`` and ``example_target`` to rebuild its graph. ``progress`` is the
     profiler's bar; ``status(text)``, a context manager, shows the fresh plan's solve (the CLI's spinner)."""
-    from rpcompile.core.errors import InfeasibleError, PlanFileError
-    from rpcompile.passes.problem import iteration_time, stage_costs, validate_segment_plan
-    from rpcompile.passes.validate import format_bytes
-
-    from .core.plan import Plan
-    from .planning import partition_problem, plan_graph, prepare
-    from .verify import fingerprint, plan_violations
-
     result = CheckResult(str(path))
     try:
         plan = Plan.load(path)

@@ -1,127 +1,30 @@
-"""Checking a :class:`~rpcompile.core.plan.Plan` against the traced graph it was made for.
+"""The rules every :class:`~rpcompile.core.plan.Plan` obeys on the traced graph it was made for (:func:`verify_plan`).
 
-*The same model.* A plan's fingerprint is that of the graph it was planned from: the model traced, its LM head
-and loss split into ``plan.head_chunks`` sequence chunks when the plan did so, and the embedding lookups
-``plan.host`` names moved to the host. ``compile(plan=)``, ``rpcompile check`` and ``rpcompile show --model``
-rebuild that graph from the model (:func:`graph_as_planned`, or ``planning.prepare`` with the plan's settings)
-and compare fingerprints; ``rpcompile diff``, which has two plans and no model, calls them the same model when
-their parameters match and their graphs match or differ only where the plans split the head or run lookups on
-the host differently (:func:`model_differences`).
+:func:`plan_violations` lists every rule a plan breaks, one message each; :func:`verify_plan` raises one
+:class:`~rpcompile.core.errors.PlanVerificationError` listing them all. Rule 1 is the model's fingerprint
+(:mod:`rpcompile.model_match`); the others are the plan's own invariants: stage kinds and names, every compute
+node covered once per pass, contiguous stages, parameters, saved activations, memory and host lookups.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections import Counter
 from typing import Any
 
-import torch
 import torch.fx as fx
 
-from .core.errors import PlanMismatchError, PlanVerificationError
-from .core.plan import Fingerprint, Plan
+from rpcompile.passes.host import as_planned
+from rpcompile.passes.util import compute_nodes, node_params
 
-__all__ = ["fingerprint", "verify_plan", "plan_violations", "planned_graph", "graph_as_planned", "model_differences"]
+from .core.errors import PlanVerificationError
+from .core.plan import Plan
+from rpcompile.passes.fingerprint import fingerprint
 
-
-def _target_name(node: fx.Node) -> str:
-    if isinstance(node.target, str):
-        return node.target
-    try:
-        return fx.node._get_qualified_name(node.target)
-    except Exception:  # exotic callables: fall back to their repr without addresses
-        return getattr(node.target, "__qualname__", type(node.target).__name__)
-
-
-def _arg_repr(arg: Any) -> str:
-    if isinstance(arg, fx.Node):
-        return f"%{arg.name}"
-    if isinstance(arg, (tuple, list)):
-        return "(" + ",".join(_arg_repr(a) for a in arg) + ")"
-    if isinstance(arg, dict):
-        return "{" + ",".join(f"{k}:{_arg_repr(v)}" for k, v in arg.items()) + "}"
-    if isinstance(arg, (torch.dtype, torch.device, torch.memory_format, torch.layout)):
-        return str(arg)
-    if isinstance(arg, (int, float, bool, str, type(None), slice)):
-        return repr(arg)
-    return type(arg).__name__
-
-
-def fingerprint(gm: fx.GraphModule) -> Fingerprint:
-    """The :class:`Fingerprint` of a traced model: graph structure plus parameter names, shapes and dtypes."""
-    g = hashlib.sha256()
-    count = 0
-    for node in gm.graph.nodes:
-        if node.op == "call_module" and node.target == "_guards_fn":
-            continue
-        g.update(f"{node.op}|{node.name}|{_target_name(node)}|{_arg_repr(node.args)}|{_arg_repr(node.kwargs)}\n".encode())
-        count += 1
-    p = hashlib.sha256()
-    params = sorted(gm.named_parameters(remove_duplicate=True))
-    for name, t in params:
-        p.update(f"{name}|{tuple(t.shape)}|{t.dtype}|{t.requires_grad}\n".encode())
-    return Fingerprint(
-        graph_digest=g.hexdigest(),
-        params_digest=p.hexdigest(),
-        num_nodes=count,
-        num_params=len(params),
-        param_elements=sum(t.numel() for _, t in params),
-    )
-
-
-def planned_graph(plan: Plan, gm: fx.GraphModule, *, source: str = "plan") -> fx.GraphModule:
-    """``gm``, a traced model, as ``plan`` runs it — with the embedding lookups ``plan.host`` names moved to the
-    host (:func:`rpcompile.passes.host.as_planned`) — once the plan's fingerprint says it was made for it; else
-    :class:`PlanMismatchError`."""
-    from rpcompile.passes.host import as_planned
-
-    try:
-        gm = as_planned(gm, plan.host)
-    except ValueError as e:
-        raise PlanMismatchError(f"{source} was made for a different model: {e}") from None
-    plan.check_model(fingerprint(gm), source=source)
-    return gm
-
-
-def graph_as_planned(plan: Plan, model: torch.nn.Module, example_inputs: Any, *, loss_fn: Any = None,
-                     example_kwargs: Any = None, source: str = "plan") -> fx.GraphModule:
-    """``model`` traced into the graph ``plan`` was planned from (the module docstring: its LM head split as the
-    plan's ``head_chunks``, its ``host`` lookups on the host), once the fingerprints agree; else
-    :class:`PlanMismatchError` saying what differs."""
-    from rpcompile.passes.loss_head import split_head
-    from rpcompile.tracing import trace
-
-    gm = trace(model, tuple(example_inputs), example_kwargs=example_kwargs)
-    if plan.head_chunks > 1:
-        if loss_fn is None:
-            raise PlanMismatchError(f"{source} splits the LM head and its loss into {plan.head_chunks} chunks: give "
-                                    "the model's loss_fn to rebuild that graph (a model file's factory returns "
-                                    "(model, inputs, loss_fn, target))")
-        try:
-            split_head(gm, loss_fn, plan.head_chunks)
-        except ValueError as e:
-            raise PlanMismatchError(f"{source} was made for a different model: its LM head cannot be split as the "
-                                    f"plan's ({e})") from None
-    return planned_graph(plan, gm, source=source)
-
-
-def model_differences(a: Plan, b: Plan) -> list[str]:
-    """Why plans ``a`` and ``b`` are not for the same model (the module docstring); empty when they are. Graphs
-    that differ only where the plans split the LM head or host lookups differently are the same model."""
-    if a.model == b.model:
-        return []
-    params = a.model.params_digest == b.model.params_digest
-    planned_apart = a.head_chunks != b.head_chunks or tuple(a.host) != tuple(b.host)
-    if params and planned_apart:
-        return []
-    return a.model.differences(b.model) or ["fingerprints differ"]
+__all__ = ["verify_plan", "plan_violations"]
 
 
 def plan_violations(plan: Plan, gm: fx.GraphModule) -> list[str]:
     """Every rule of :func:`verify_plan` that ``plan`` breaks on ``gm``, one message each."""
-    from rpcompile.passes.host import as_planned
-    from rpcompile.passes.util import compute_nodes, node_params
-
     try:  # a plain traced model: check the graph the plan ran, with its embedding lookups on the host
         gm = as_planned(gm, plan.host)
     except ValueError as e:

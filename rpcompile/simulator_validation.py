@@ -1,5 +1,5 @@
-"""The simulator against reality: run a compiled pipeline, record what its executor did, and compare it with
-the simulator fed by the plan's own (measured) costs.
+"""Validating the simulator against the executor: run a compiled pipeline, record what its executor did, and
+compare it with the simulator fed by the plan's own (measured) costs.
 
 Per stage, the measured figure is the median duration of its microbatch actions in the executor's timeline
 (dependency waits excluded: an action's clock starts once its inputs are ready) and the predicted figure is the
@@ -19,6 +19,13 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
+
+from rpcompile.core.errors import RPCompileError
+from rpcompile.core.schedule import parse_action
+from rpcompile.core.stages import StageCost
+from rpcompile.runtime.simulator import simulate
+
+from .pipeline import compile as compile_pipeline
 
 __all__ = ["StageComparison", "Validation", "compile_for_validation", "validate"]
 
@@ -61,19 +68,14 @@ def compile_for_validation(model: torch.nn.Module, example_inputs: Sequence[Any]
                            **kwargs: Any) -> Any:
     """``rpcompile.compile`` with measured costs (no ``spec``): on ``k`` logical CPU devices it already measures
     at the ``threads // k`` intra-op threads each device will run with."""
-    import rpcompile
-
     if "spec" in kwargs:
-        raise ValueError("validation compares measured costs with the executor: do not pass spec=")
-    return rpcompile.compile(model, example_inputs, devices=list(devices), **kwargs)
+        raise RPCompileError("simulator validation compares measured costs with the executor: leave out spec=")
+    return compile_pipeline(model, example_inputs, devices=list(devices), **kwargs)
 
 
 def validate(pipe: Any, *inputs: Any, target: Any = None, iterations: int = 5, warmup: int = 2) -> Validation:
     """Run ``iterations`` training iterations of ``pipe`` (after ``warmup``; gradients are zeroed after each)
     and compare the executor's timeline with the simulator (see the module docstring)."""
-    from rpcompile.core.schedule import parse_action
-    from rpcompile.runtime.simulator import SimStage, simulate
-
     def step() -> list:
         pipe.forward_backward(*inputs, target=target)
         for p in pipe.model.parameters():
@@ -95,6 +97,6 @@ def validate(pipe: Any, *inputs: Any, target: Any = None, iterations: int = 5, w
                    for s, t in zip(plan.stages, predicted))
     cpu = all(getattr(d, "torch_device", torch.device("cpu")).type == "cpu" for d in pipe.devices)
     link = math.inf if cpu else plan.hardware.link_bytes_per_s
-    sim_stages = [SimStage(name=s.name, kind=s.kind, compute_s=t) for s, t in zip(plan.stages, predicted)]
+    sim_stages = [StageCost(name=s.name, kind=s.kind, compute_s=t) for s, t in zip(plan.stages, predicted)]
     sim = simulate(pipe.schedule, sim_stages, link_bytes_per_s=link)
     return Validation(stages, sim.iteration_time_s, statistics.median(span(tl) for tl in runs))

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from rpcompile.passes.cost import COST_KEY, MeasuredCostModel, NodeCost, cost_pass, node_cost
+from _hf import hf_model
+from rpcompile.passes.analytic import AnalyticCostModel
+from rpcompile.passes.cost import COST_KEY, MeasuredCostModel, NodeCost, _calibrate, cost_pass, node_cost
+from rpcompile.passes.trace import trace
 
 
 class Net(nn.Module):
@@ -99,10 +104,6 @@ def test_measured_model_validates_arguments():
 @pytest.mark.hf
 @pytest.mark.parametrize("precision", [None, torch.bfloat16])
 def test_huggingface_llama_is_costed_on_meta_and_measured(precision):
-    from _hf import hf_model
-    from rpcompile.passes.analytic import AnalyticCostModel
-    from rpcompile.tracing import trace
-
     model = hf_model("llama", vocab=128).eval()
     kwargs = {"input_ids": torch.randint(0, 128, (2, 16)), "use_cache": False}
     gm = trace(model, (), example_kwargs=kwargs)
@@ -118,10 +119,6 @@ def test_huggingface_llama_is_costed_on_meta_and_measured(precision):
 
 
 def test_calibration_scales_node_times_to_the_whole_graph_and_warns_when_they_disagree():
-    import torch.fx as fx
-
-    from rpcompile.passes.cost import _calibrate
-
     gm = fx.GraphModule(torch.nn.Module(), fx.Graph())
     partial = {"a": {"fwd_time_s": 1.0, "bwd_time_s": 2.0}, "b": {"fwd_time_s": 1.0, "bwd_time_s": 2.0}}
     _calibrate(gm, partial, forward_s=3.0, step_s=3.0 + 6.0)  # forward ×1.5, backward ×1.5
@@ -131,8 +128,6 @@ def test_calibration_scales_node_times_to_the_whole_graph_and_warns_when_they_di
     with pytest.warns(RuntimeWarning, match=r"measured node times do not add up to a whole-graph step \(forward ×0\.03"):
         _calibrate(gm, busy, forward_s=0.03, step_s=0.06)
     tiny = {"a": {"fwd_time_s": 1e-3, "bwd_time_s": 1e-3}}
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a microsecond graph's mismatch is timer overhead: no warning
         _calibrate(gm, tiny, forward_s=3e-5, step_s=6e-5)

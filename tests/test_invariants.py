@@ -11,6 +11,7 @@ from _toy import TiedToy, toy_graph
 from rpcompile.core.errors import PlanVerificationError
 from rpcompile.core.plan import Plan
 from rpcompile.invariants import plan_violations, verify_plan
+from rpcompile.passes.lower import plan_from_ranges
 from test_plan import make_plan
 
 
@@ -80,8 +81,6 @@ def test_rule6_contiguity_and_order(plan, gm):
 
 
 def test_rule6_fused_must_be_tail(gm):
-    from rpcompile.passes.lower import plan_from_ranges
-
     plan = make_plan(gm)
     odd = plan_from_ranges(gm, forward=[(2, 6)], fused=(0, 2), backward=[(2, 6)], hardware=plan.hardware, microbatches=2)
     assert "rule 6: the fused stage does not hold the last nodes of the graph" in violations(odd, gm)

@@ -6,17 +6,22 @@ import math
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rpcompile.core.errors import ConfigError, InfeasibleError
+from rpcompile.passes.balance import exact_balance
+from rpcompile.passes.ilp import solve_budget
 from rpcompile.passes.partition import STRATEGIES, solve
+from rpcompile.passes.polish import polish, taper
 from rpcompile.passes.problem import PartitionProblem, SegmentPlan, SharedParam
 from rpcompile.passes.segment_rules import validate_segment_plan
-from rpcompile.passes.tables import min_feasible_memory
+from rpcompile.passes.tables import RangeTables, min_feasible_memory
 from rpcompile.passes.timing import (bubble_fraction, equal_time_factor, iteration_time, offload_backlog,
                                      pipeline_time, plan_memory, save_reads, stage_costs, transfer_edges)
+from rpcompile.scenarios import from_segment_plan
 
 from partition_cases import llama_like, tiny_chain
 
@@ -270,12 +275,6 @@ def test_solver_modules_do_not_import_torch():
 
 def test_cpsat_budget_regression_large_time_scale():
     """At 1e9 time units per bound CP-SAT 9.15 proved a wrong optimum (4.0) on this chain; the DP's 3.5 is right."""
-    import numpy as np
-
-    from rpcompile.passes.balance import exact_balance
-    from rpcompile.passes.ilp import solve_budget
-    from rpcompile.passes.tables import RangeTables
-
     pb = tiny_chain(9, layer=(0,) * 9, fwd_s=(1.0, 1.0, 1.0, 1.0, 0.5, 2.0, 1.0, 1.0, 1.0),
                     bwd_s=(1.0, 1.0, 1.0, 1.0, 0.5, 2.0, 1.0, 1.0, 1.0),
                     rec_s=(0.5, 0.5, 0.5, 0.5, 0.25, 1.0, 0.5, 0.5, 0.5), act_bytes=(0,) * 9, peak_bytes=(0,) * 9,
@@ -291,8 +290,6 @@ def test_cpsat_budget_regression_large_time_scale():
 
 
 def test_polish_flips_checkpointing_choices_both_ways():
-    from rpcompile.passes.polish import polish
-
     # recompute everywhere over a fast link: saving costs nothing, so the polished plan saves and is faster
     pb = tiny_chain(6, devices=2, microbatches=3)
     plan = SegmentPlan(forward=((0, 3), (3, 5)), fused=(5, 6), backward=((3, 5), (0, 3)), saved=(False,) * 6)
@@ -317,8 +314,6 @@ def test_taper_grows_the_stages_from_both_ends():
     (6 s with recompute). Re-cut so that stages grow from the pipeline's ends — forward 1, 1, 2, 4, … s and the
     last seven backward stages one segment (3 s) each — the fill and the drain shorten: 220 s → 204 s, with the
     same saved flags and every stage valid."""
-    from rpcompile.passes.polish import taper
-
     pb = tiny_chain(24, devices=4, microbatches=8)
     plan = SegmentPlan(forward=((0, 4), (4, 8), (8, 12), (12, 16), (16, 20), (20, 23)), fused=(23, 24),
                        backward=((22, 23),) + tuple((a, a + 2) for a in range(20, -1, -2)), saved=(False,) * 24)
@@ -407,8 +402,6 @@ def test_lazy_offload_model_agrees_with_the_simulator(act, tolerance):
     """Link-bound forward stages (each saves 1.5 or 3 s of copies per 1 s of compute) on 2 devices: the model's
     iteration time is the simulator's within 2–3%, and both beat the eager copies. At 3 s of copies per second
     the backward stages wait for saves still going down; without that edge the model would be 7% short."""
-    from rpcompile.scenarios import from_segment_plan
-
     pb = tiny_chain(6, devices=2, microbatches=4, act_bytes=(act,) * 6, boundary_bytes=(1,) * 6,
                     link_bytes_per_s=10.0, param_bytes=(0,) * 6, grad_bytes=(0,) * 6, memory_bytes=10**5)
     plan = SegmentPlan(forward=((0, 1), (1, 2), (2, 3), (3, 4), (4, 5)), fused=(5, 6),
@@ -427,8 +420,6 @@ def test_lazy_offload_model_agrees_with_the_simulator(act, tolerance):
 def test_a_forward_stage_whose_saves_are_empty_is_nobody_s_dependency():
     """F0 saves a segment of 0 bytes (nothing goes down): the backward stage that reads it waits for nothing, in
     the timing model and in the simulator (which once refused the plan: "position 0 saves no activations")."""
-    from rpcompile.scenarios import from_segment_plan
-
     pb = tiny_chain(4, devices=2, microbatches=2, act_bytes=(0, 10, 10, 10), link_bytes_per_s=100.0)
     plan = SegmentPlan(forward=((0, 1), (1, 3)), fused=(3, 4), backward=((1, 3), (0, 1)),
                        saved=(True, True, False, False))

@@ -8,10 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from rpcompile.passes.timing import pipeline_time
-from rpcompile.core.schedule import parse_action, round_robin
+from rpcompile.core import schedule
+from rpcompile.core.schedule import (format_schedule, interleaved_one_f_one_b, one_f_one_b, parse_action,
+                                     round_robin)
 from rpcompile.core.stages import StageCost
+from rpcompile.passes.timing import pipeline_time
 from rpcompile.runtime.simulator import simulate
+from rpcompile.scenarios import layer_profile_scenarios, load_layer_profile
 
 
 def kinds(f: int, b: int) -> list[str]:
@@ -73,8 +76,6 @@ def test_timeline_lanes_and_gradient_download():
 @pytest.mark.parametrize("builder", ["gpipe", "one_f_one_b"])
 def test_static_schedules_have_the_classic_bubble(devices, m, builder):
     """One stage per device, forward t and backward 2t: both take (m + N − 1)·3t, bubble (N−1)/(m+N−1)."""
-    from rpcompile.core import schedule
-
     lists = getattr(schedule, builder)(devices, m)
     t = 0.01
     times = [t] * devices + [2 * t] * devices  # chain positions: F_0..F_{N-1}, then B_{N-1}..B_0
@@ -84,8 +85,6 @@ def test_static_schedules_have_the_classic_bubble(devices, m, builder):
 
 
 def test_one_f_one_b_order_is_literal():
-    from rpcompile.core.schedule import format_schedule, one_f_one_b
-
     # chain positions for N=2: F_0=0, F_1=1, B_1=2, B_0=3
     assert format_schedule(one_f_one_b(2, 3)) == (
         "dev0: 0F0 0F1 3F0 0F2 3F1 3F2\n"
@@ -213,8 +212,6 @@ def test_a_compute_is_admitted_by_its_peak_not_by_working_set_plus_outputs():
 @pytest.mark.parametrize("builder,stashes", [("gpipe", 3), ("one_f_one_b", 2)])
 def test_static_schedules_hold_their_in_flight_activations(builder, stashes):
     """GPipe keeps every microbatch's activations until its backward; 1F1B at most N−d on device d."""
-    from rpcompile.core import schedule
-
     n, m = 2, 3
     sts = [StageCost(name=f"F{d}", compute_s=1.0, resident_bytes=1000, stash_bytes=10) for d in range(n)]
     sts += [StageCost(name=f"B{d}", compute_s=2.0, releases=d) for d in reversed(range(n))]
@@ -223,8 +220,6 @@ def test_static_schedules_hold_their_in_flight_activations(builder, stashes):
 
 
 def test_interleaved_order_is_literal_and_its_bubble_shrinks_with_chunks():
-    from rpcompile.core.schedule import format_schedule, interleaved_one_f_one_b
-
     assert format_schedule(interleaved_one_f_one_b(2, 4, 2)) == (
         "dev0: 0F0 0F1 2F0 2F1 0F2 5F0 0F3 5F1 2F2 7F0 2F3 7F1 5F2 5F3 7F2 7F3\n"
         "dev1: 1F0 1F1 3F0 4F0 3F1 4F1 1F2 6F0 1F3 6F1 3F2 4F2 3F3 4F3 6F2 6F3"
@@ -250,8 +245,6 @@ PROFILE = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "roundpi
 
 @pytest.fixture(scope="module")
 def paper_results():
-    from rpcompile.scenarios import layer_profile_scenarios, load_layer_profile
-
     out = {}
     for model in ("qwen3-1.7b", "llama3-8b", "gpt-oss-20b", "qwen3-32b", "qwen3-235b-a22b"):
         entry, n, m = load_layer_profile(PROFILE, model)

@@ -41,7 +41,8 @@ activations and output buffers around each microbatch; ``resident_bytes`` for th
 schedules keep weights, gradients and optimizer state on the device) and ``stash_bytes`` from a forward
 microbatch until the backward position named by ``releases`` ends it (activations kept for the backward pass).
 
-Each chain position is a :class:`~rpcompile.core.stages.StageCost`, the type the timing model prices. With
+Each chain position is a :class:`~rpcompile.core.stages.StageCost`, the type the timing model prices; the run
+returns a :class:`~.sim_result.SimResult` (the timeline and its figures). With
 transfers free this is exactly the timing model's recurrence (:func:`rpcompile.passes.timing.pipeline_time`,
 DESIGN.md §3); :mod:`rpcompile.scenarios` builds the action lists and stages for a plan, for the classic static
 schedules (GPipe, 1F1B, interleaved 1F1B) and for published layer profiles.
@@ -57,6 +58,8 @@ from typing import Sequence
 from rpcompile.core.errors import SimulationError
 from rpcompile.core.schedule import Action
 from rpcompile.core.stages import StageCost
+
+from .sim_result import SimEvent, SimResult
 
 __all__ = ["SimEvent", "SimResult", "simulate"]
 
@@ -81,115 +84,6 @@ _LANES = {
     "s_down": ("down", "activations", "download"),
     "g_down": ("down", "gradients", "download"),
 }
-
-
-@dataclass(frozen=True)
-class SimEvent:
-    """One simulated piece of work: an action's compute, or one of its copies."""
-
-    action: str
-    """``3F1``, ``3W``, ``3G``; copies of a microbatch's activations are ``3F1<`` (in), ``3F1<<`` (saved, in),
-    ``3F1>`` (out) and ``3F1>>`` (saved, out)."""
-    device: int
-    lane: str
-    """Display lane: ``compute``, ``upload`` or ``download``."""
-    kind: str
-    """``compute``, ``weights``, ``activations`` or ``gradients``."""
-    stage: int
-    microbatch: int
-    start: float
-    end: float
-
-
-@dataclass(frozen=True)
-class SimResult:
-    timeline: tuple[SimEvent, ...]
-    iteration_time_s: float
-    busy_s: tuple[float, ...]
-    """Compute time per device."""
-    peak_memory_bytes: tuple[int, ...] = ()
-    """Peak device memory per device."""
-    host_traffic_bytes: float = 0.0
-    """Bytes that crossed host memory in the iteration (both directions)."""
-    uploaded_bytes: tuple[float, ...] = ()
-    """Per device: bytes copied host → device."""
-    downloaded_bytes: tuple[float, ...] = ()
-    """Per device: bytes copied device → host."""
-    tokens_per_iteration: int = 0
-    stage_names: tuple[str, ...] = ()
-    memory_limit_bytes: int | None = None
-    offload_backlog_bytes: tuple[int, ...] = ()
-    """Per device: the most saved activations computed but not yet down in host memory at once (lazy offload;
-    part of ``peak_memory_bytes``)."""
-
-    @property
-    def bubble_fraction(self) -> float:
-        """Idle compute time over total compute capacity (devices × iteration)."""
-        total = len(self.busy_s) * self.iteration_time_s
-        return 1.0 - sum(self.busy_s) / total if total > 0 else 0.0
-
-    @property
-    def utilisation(self) -> tuple[float, ...]:
-        return tuple(b / self.iteration_time_s if self.iteration_time_s else 0.0 for b in self.busy_s)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens_per_iteration / self.iteration_time_s if self.iteration_time_s > 0 else 0.0
-
-    @property
-    def fits(self) -> bool:
-        """Every device's peak memory within the limit (True when no limit was given)."""
-        return self.memory_limit_bytes is None or max(self.peak_memory_bytes, default=0) <= self.memory_limit_bytes
-
-    def stage_times(self) -> dict[int, float]:
-        """Per stage: mean compute time per microbatch as simulated."""
-        sums: dict[int, list[float]] = {}
-        for e in self.timeline:
-            if e.lane == "compute":
-                sums.setdefault(e.stage, []).append(e.end - e.start)
-        return {k: sum(v) / len(v) for k, v in sorted(sums.items())}
-
-    def idle_s(self) -> tuple[dict[str, float], ...]:
-        """Per device, where its compute queue sat idle: ``fill`` before its first compute, ``drain`` after its
-        last, ``waits`` between them (inputs not yet handed over, copies still draining, memory). The three add up
-        to ``iteration − busy``."""
-        first: dict[int, float] = {}
-        last: dict[int, float] = {}
-        for e in self.timeline:
-            if e.lane == "compute":
-                first[e.device] = min(first.get(e.device, _INF), e.start)
-                last[e.device] = max(last.get(e.device, 0.0), e.end)
-        out = []
-        for d, busy in enumerate(self.busy_s):
-            if d not in first:
-                out.append(dict(fill=self.iteration_time_s, drain=0.0, waits=0.0))
-                continue
-            fill, drain = first[d], max(self.iteration_time_s - last[d], 0.0)
-            out.append(dict(fill=fill, drain=drain, waits=max(self.iteration_time_s - busy - fill - drain, 0.0)))
-        return tuple(out)
-
-    @property
-    def idle_fractions(self) -> dict[str, float]:
-        """``bubble_fraction`` split into fill, drain and waits (each over devices × iteration)."""
-        total = len(self.busy_s) * self.iteration_time_s
-        idle = self.idle_s()
-        return {k: (sum(i[k] for i in idle) / total if total > 0 else 0.0) for k in ("fill", "drain", "waits")}
-
-    def summary(self) -> dict:
-        """The JSON-able figures (``rpcompile simulate --json``)."""
-        return {
-            "iteration_time_s": self.iteration_time_s,
-            "bubble_fraction": self.bubble_fraction,
-            "idle_fractions": self.idle_fractions,
-            "tokens_per_s": self.tokens_per_s if self.tokens_per_iteration else None,
-            "peak_memory_bytes": list(self.peak_memory_bytes),
-            "utilisation": list(self.utilisation),
-            "host_traffic_bytes": self.host_traffic_bytes,
-            "uploaded_bytes": list(self.uploaded_bytes),
-            "downloaded_bytes": list(self.downloaded_bytes),
-            "offload_backlog_bytes": list(self.offload_backlog_bytes),
-            "fits": self.fits,
-        }
 
 
 _Ref = tuple[str, int, int]

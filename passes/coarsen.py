@@ -31,6 +31,7 @@ from typing import Sequence
 import torch
 import torch.fx as fx
 
+from ..core.errors import ConfigError
 from .cost import DTYPE_KEY, node_cost
 from .loss_head import CHUNK_META
 from .shape import SHAPE_KEY, scaled_nbytes
@@ -168,10 +169,12 @@ def default_max_segments(n_layers: int, per_layer: int = 2) -> int:
 def coarsen_pass(gm: fx.GraphModule, *, max_segments: int | None = None, segments_per_layer: int = 2) -> fx.GraphModule:
     """Group the compute nodes of a costed graph into segments (see module docstring)."""
     if isinstance(segments_per_layer, bool) or not isinstance(segments_per_layer, int) or segments_per_layer < 1:
-        raise ValueError(f"segments_per_layer must be a positive integer, got {segments_per_layer!r}")
+        raise ConfigError(f"segments_per_layer must be a positive integer, got {segments_per_layer!r}; use 2 (the default) "
+                          "or 4")
     nodes = compute_nodes(gm)
     if not nodes:
-        raise ValueError("coarsen_pass: the graph has no compute nodes")
+        raise ConfigError("coarsen_pass: the graph has no compute nodes, so there is nothing to partition; give a model "
+                          "whose forward computes something")
     inputs, live = live_bytes(gm)
     groups, layer_keys = _group_keys(nodes, deeper=2 if segments_per_layer > 2 else 1)
     runs = _runs(groups)
@@ -180,7 +183,8 @@ def coarsen_pass(gm: fx.GraphModule, *, max_segments: int | None = None, segment
     target = max_segments or default_max_segments(n_layers, segments_per_layer) + chunks
     time = [node_cost(n).fwd_time_s + node_cost(n).bwd_time_s for n in nodes]
     bounds = _merge(runs, time, live, target)
-    layer_index, previous = [], None
+    layer_index: list[int] = []
+    previous: str | None = None
     for a, _ in bounds:
         layer_index.append(len(layer_index) and layer_index[-1] + (layer_keys[a] != previous))
         previous = layer_keys[a]

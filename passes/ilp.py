@@ -97,11 +97,9 @@ def _candidate_ranges(pb: PartitionProblem, t: RangeTables, b_relaxed: np.ndarra
     tol = ub * 1e-12
     fits_f = t.fwd_need + t.weight <= pb.memory_bytes
     fits_b = t.bwd_need + t.weight <= pb.memory_bytes
-    fwd = np.argwhere((t.fwd_time <= ub + tol) & fits_f)
-    bwd = np.argwhere((b_relaxed <= ub + tol) & fits_b)
     n = pb.n
-    fwd = [(int(a), int(b)) for a, b in fwd if b < n]
-    bwd = [(int(a), int(b)) for a, b in bwd if b < n]
+    fwd = [(int(a), int(b)) for a, b in np.argwhere((t.fwd_time <= ub + tol) & fits_f) if b < n]
+    bwd = [(int(a), int(b)) for a, b in np.argwhere((b_relaxed <= ub + tol) & fits_b) if b < n]
     fused = [a for a in range(n) if t.fused_time[a] <= ub + tol
              and t.fused_need[a] + t.fused_weight[a] <= pb.memory_bytes]
     return fwd, bwd, fused
@@ -113,31 +111,31 @@ def _add_variables(pb: PartitionProblem, ranges: tuple[list, list, list], ub: fl
     fwd, bwd, fused = ranges
     ovh = pb.stage_overhead_s
     t_range = (max(0, _floor(lb - ovh, unit)), max(0, _ceil(ub - ovh, unit)))
-    T = cp.NewIntVar(*t_range, "T")
-    xf = {r: cp.NewBoolVar(f"xf_{r[0]}_{r[1]}") for r in fwd}
-    xb = {r: cp.NewBoolVar(f"xb_{r[0]}_{r[1]}") for r in bwd}
-    z = {a: cp.NewBoolVar(f"z_{a}") for a in fused}
+    T = cp.new_int_var(*t_range, "T")
+    xf = {r: cp.new_bool_var(f"xf_{r[0]}_{r[1]}") for r in fwd}
+    xb = {r: cp.new_bool_var(f"xb_{r[0]}_{r[1]}") for r in bwd}
+    z = {a: cp.new_bool_var(f"z_{a}") for a in fused}
     last = max(fused, default=0)
-    s = {i: cp.NewBoolVar(f"s_{i}") for i in range(last)} if pb.allow_save else {}
+    s = {i: cp.new_bool_var(f"s_{i}") for i in range(last)} if pb.allow_save else {}
     return _Model(cp=cp, T=T, xf=xf, xb=xb, z=z, s=s, unit=unit, t_range=t_range)
 
 
 def _add_flow_constraints(pb: PartitionProblem, md: _Model) -> None:
     """Forward ranges: a path 0 → fused start; backward ranges: the same positions, walked down."""
     for x in (md.xf, md.xb):
-        out_of = {p: [] for p in range(pb.n + 1)}
-        into = {p: [] for p in range(pb.n + 1)}
+        out_of: dict[int, list[cp_model.IntVar]] = {p: [] for p in range(pb.n + 1)}
+        into: dict[int, list[cp_model.IntVar]] = {p: [] for p in range(pb.n + 1)}
         for (a, b), v in x.items():
             out_of[a].append(v)
             into[b].append(v)
-        md.cp.Add(sum(out_of[0]) + md.z.get(0, 0) == 1)
+        md.cp.add(sum(out_of[0]) + md.z.get(0, 0) == 1)
         for p in range(1, pb.n):
-            md.cp.Add(sum(into[p]) == sum(out_of[p]) + md.z.get(p, 0))
-    md.cp.AddExactlyOne(md.z.values())
+            md.cp.add(sum(into[p]) == sum(out_of[p]) + md.z.get(p, 0))
+    md.cp.add_exactly_one(md.z.values())
 
 
 def _add_budget_constraint(md: _Model, stages: int) -> None:
-    md.cp.Add(sum(md.xf.values()) + sum(md.xb.values()) + 1 <= stages)
+    md.cp.add(sum(md.xf.values()) + sum(md.xb.values()) + 1 <= stages)
 
 
 def _covered(md: _Model, i: int) -> list:
@@ -147,7 +145,7 @@ def _covered(md: _Model, i: int) -> list:
 
 def _add_saved_constraints(md: _Model) -> None:
     for i, v in md.s.items():
-        md.cp.Add(v + sum(_covered(md, i)) <= 1)
+        md.cp.add(v + sum(_covered(md, i)) <= 1)
 
 
 def _add_time_constraints(pb: PartitionProblem, t: RangeTables, md: _Model) -> None:
@@ -158,26 +156,26 @@ def _add_time_constraints(pb: PartitionProblem, t: RangeTables, md: _Model) -> N
     grad_in = lambda a: t.in_bytes[a] if a > 0 else 0  # noqa: E731
     for (a, b), x in md.xf.items():
         fixed = max(sum(pb.fwd_s[a:b]), (t.in_bytes[a] + t.weight[a, b] / m) / link)
-        md.cp.Add(md.T >= _floor(fixed, u) * x)
+        md.cp.add(md.T >= _floor(fixed, u) * x)
         saves = [(act_lo[i], md.s[i]) for i in range(a, b) if i in md.s]
         down = _floor(t.out_bytes[b] / link, u)
         if saves:
-            md.cp.Add(sum(c * v for c, v in saves) + down <= md.T).OnlyEnforceIf(x)
+            md.cp.add(sum(c * v for c, v in saves) + down <= md.T).only_enforce_if(x)
         else:
-            md.cp.Add(md.T >= down * x)
+            md.cp.add(md.T >= down * x)
     for (a, b), x in md.xb.items():
         down = (grad_in(a) + t.grad[a, b] / m) / link
         up = (t.in_bytes[a] + t.out_bytes[b] + t.weight[a, b] / m) / link
         full = sum(pb.bwd_s[a:b]) + sum(pb.rec_s[a:b])
-        md.cp.Add(md.T >= _floor(down, u) * x)
+        md.cp.add(md.T >= _floor(down, u) * x)
         idx = [i for i in range(a, b) if i in md.s]
         if idx:
-            md.cp.Add(_floor(full, u) - sum(rec_hi[i] * md.s[i] for i in idx) <= md.T).OnlyEnforceIf(x)
-            md.cp.Add(_floor(up, u) + sum(act_lo[i] * md.s[i] for i in idx) <= md.T).OnlyEnforceIf(x)
+            md.cp.add(_floor(full, u) - sum(rec_hi[i] * md.s[i] for i in idx) <= md.T).only_enforce_if(x)
+            md.cp.add(_floor(up, u) + sum(act_lo[i] * md.s[i] for i in idx) <= md.T).only_enforce_if(x)
         else:
-            md.cp.Add(md.T >= _floor(max(full, up), u) * x)
+            md.cp.add(md.T >= _floor(max(full, up), u) * x)
     for a, x in md.z.items():
-        md.cp.Add(md.T >= _floor(t.fused_time[a] - ovh, u) * x)
+        md.cp.add(md.T >= _floor(t.fused_time[a] - ovh, u) * x)
 
 
 def _add_memory_constraints(pb: PartitionProblem, t: RangeTables, md: _Model) -> None:
@@ -194,19 +192,19 @@ def _add_memory_constraints(pb: PartitionProblem, t: RangeTables, md: _Model) ->
     worst = lambda need, sv: need + sum(b for b, _ in sv) + p_max  # noqa: E731
     if all(worst(need, sv) <= pb.memory_bytes for _, need, _, sv in items):
         return
-    P = md.cp.NewIntVar(p_min, max(p_min, p_max), "P")
+    P = md.cp.new_int_var(p_min, max(p_min, p_max), "P")
     for w, need, v, sv in items:
         if w > p_min:
-            md.cp.Add(P >= int(w) * v)
+            md.cp.add(P >= int(w) * v)
         if worst(need, sv) <= pb.memory_bytes:
             continue
         if sv:
-            md.cp.Add(P + int(need) + sum(int(b) * s for b, s in sv) <= pb.memory_bytes).OnlyEnforceIf(v)
+            md.cp.add(P + int(need) + sum(int(b) * s for b, s in sv) <= pb.memory_bytes).only_enforce_if(v)
         else:
-            md.cp.Add(P + int(need) * v <= pb.memory_bytes)
+            md.cp.add(P + int(need) * v <= pb.memory_bytes)
 
 
-def _mccormick_upper(md: _Model, count: cp_model.LinearExpr, lo_n: int, hi_n: int) -> list:
+def _mccormick_upper(md: _Model, count: cp_model.LinearExprT, lo_n: int, hi_n: int) -> list:
     """Two linear over-estimators of ``count·T`` (McCormick; exact at the bounds of either factor)."""
     t_lo, t_hi = md.t_range
     return [count * t_hi + lo_n * md.T - lo_n * t_hi, hi_n * md.T + count * t_lo - hi_n * t_lo]
@@ -233,19 +231,19 @@ def _add_aggregate_cuts(pb: PartitionProblem, t: RangeTables, md: _Model, stages
     for count, lhs_all in ((n_f, (fwd_work, f_link)), (n_b, (bwd_work, b_up))):
         for over in _mccormick_upper(md, count, 0, hi):
             for lhs in lhs_all:
-                md.cp.Add(lhs <= over)
+                md.cp.add(lhs <= over)
 
 
 def _hint(md: _Model, plan: SegmentPlan) -> None:
     used_f, used_b = set(plan.forward), set(plan.backward)
     for r, v in md.xf.items():
-        md.cp.AddHint(v, r in used_f)
+        md.cp.add_hint(v, r in used_f)
     for r, v in md.xb.items():
-        md.cp.AddHint(v, r in used_b)
+        md.cp.add_hint(v, r in used_b)
     for a, v in md.z.items():
-        md.cp.AddHint(v, a == plan.fused[0])
+        md.cp.add_hint(v, a == plan.fused[0])
     for i, v in md.s.items():
-        md.cp.AddHint(v, plan.saved[i])
+        md.cp.add_hint(v, plan.saved[i])
 
 
 def _hint_fits(md: _Model, plan: SegmentPlan) -> bool:
@@ -254,10 +252,10 @@ def _hint_fits(md: _Model, plan: SegmentPlan) -> bool:
 
 
 def _decode(pb: PartitionProblem, md: _Model, solver: cp_model.CpSolver) -> SegmentPlan:
-    fwd = sorted(r for r, v in md.xf.items() if solver.Value(v))
-    bwd = sorted((r for r, v in md.xb.items() if solver.Value(v)), reverse=True)
-    a = next(a for a, v in md.z.items() if solver.Value(v))
-    saved = tuple(bool(solver.Value(md.s[i])) if i in md.s else False for i in range(pb.n))
+    fwd = sorted(r for r, v in md.xf.items() if solver.value(v))
+    bwd = sorted((r for r, v in md.xb.items() if solver.value(v)), reverse=True)
+    a = next(a for a, v in md.z.items() if solver.value(v))
+    saved = tuple(bool(solver.value(md.s[i])) if i in md.s else False for i in range(pb.n))
     return SegmentPlan(forward=tuple(fwd), fused=(a, pb.n), backward=tuple(bwd), saved=saved)
 
 
@@ -280,7 +278,7 @@ def solve_budget(pb: PartitionProblem, t: RangeTables, b_relaxed: np.ndarray, st
     _add_time_constraints(pb, t, md)
     _add_memory_constraints(pb, t, md)
     _add_aggregate_cuts(pb, t, md, stages)
-    md.cp.Minimize(md.T)
+    md.cp.minimize(md.T)
     if hint is not None and _hint_fits(md, hint):
         _hint(md, hint)
     solver = cp_model.CpSolver()
@@ -289,13 +287,13 @@ def solve_budget(pb: PartitionProblem, t: RangeTables, b_relaxed: np.ndarray, st
     prm.interleave_search = workers > 1  # deterministic whatever the thread timing
     prm.interleave_batch_size = 2 * workers  # small batches keep max_deterministic_time honest
     prm.max_deterministic_time, prm.max_time_in_seconds = det_time, wall_time
-    status = solver.Solve(md.cp)
-    name = solver.StatusName(status)
+    status = solver.solve(md.cp)
+    name = solver.status_name(status)
     nvars = len(md.xf) + len(md.xb) + len(md.z) + len(md.s)
-    dt = solver.ResponseProto().deterministic_time
+    dt = solver.response_proto.deterministic_time
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         plan = _decode(pb, md, solver)
-        bound = pb.stage_overhead_s + max(solver.BestObjectiveBound() - 1, 0) * unit
+        bound = pb.stage_overhead_s + max(solver.best_objective_bound - 1, 0) * unit
         return BudgetResult(stages=stages, status=name, plan=plan, bound_s=max(bound, lb), det_time=dt,
                             variables=nvars)
     if status == cp_model.INFEASIBLE:

@@ -184,7 +184,8 @@ class StageCountBound:
         ``L``, its ``λ`` (a warm start for a nearby ``T``) and the saved flags met along the way (for
         :meth:`plan_for`)."""
         lam = np.zeros(self.n) if lam is None else lam.copy()
-        best, best_lam, theta, stale, seen = -INF, lam.copy(), 1.0, 0, []
+        best, best_lam, theta, stale = -INF, lam.copy(), 1.0, 0
+        seen: list[np.ndarray] = []
         self.evaluations = 0
         for _ in range(iterations):
             self.evaluations += 1

@@ -27,6 +27,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from ..core.errors import LossHeadError
 from .util import module_path
 
 __all__ = ["attach_loss", "chunk_loss_head", "split_head", "HeadSplit", "TARGET", "HEAD_CHUNKS_META", "CHUNK_META"]
@@ -62,19 +63,21 @@ def attach_loss(gm: fx.GraphModule, loss_fn: Callable[[Any, Any], torch.Tensor])
     """Append ``loss_fn(output, target)`` to ``gm`` in place (a new last placeholder ``target``); returns ``gm``."""
     graph = gm.graph
     if getattr(graph._codegen, "pytree_info", None) is not None:
-        raise ValueError("the loss can only be attached to a symbolically traced graph, not a torch.export one")
+        raise LossHeadError("the loss can only be attached to a symbolically traced graph, not a torch.export one; "
+                            "keep the loss outside the graph (head_chunks=1)")
     if any(n.target == TARGET or n.name == TARGET for n in graph.find_nodes(op="placeholder")):
-        raise ValueError(f"the model already has an input named {TARGET!r}; rename it to attach the loss")
+        raise LossHeadError(f"the model already has an input named {TARGET!r}; rename it to attach the loss")
     try:
         root = _Loss(loss_fn)
         loss_gm = fx.GraphModule(root, _LossTracer().trace(root))
     except Exception as exc:  # noqa: BLE001 - any tracing failure means the same thing here
-        raise ValueError(f"loss_fn could not be traced with torch.fx ({type(exc).__name__}: {exc}); pass a loss "
+        raise LossHeadError(f"loss_fn could not be traced with torch.fx ({type(exc).__name__}: {exc}); pass a loss "
                          "built from torch functions, or keep it outside the graph (no head split)") from exc
     out = graph.output_node()
     (value,) = out.args
     if not isinstance(value, fx.Node):
-        raise ValueError("the model's output is not a single tensor; the loss can only follow a tensor output")
+        raise LossHeadError("the model's output is not a single tensor, and the loss can only follow a tensor output; "
+                            "keep the loss outside the graph (head_chunks=1)")
     with graph.inserting_after(list(graph.find_nodes(op="placeholder"))[-1]):
         target = graph.placeholder(TARGET)
     env: dict[fx.Node, Any] = {}
@@ -114,7 +117,7 @@ class HeadSplit:
 
 def _is_linear(node: fx.Node, gm: fx.GraphModule) -> bool:
     if node.op == "call_module":
-        return isinstance(gm.get_submodule(node.target), torch.nn.Linear)
+        return isinstance(node.target, str) and isinstance(gm.get_submodule(node.target), torch.nn.Linear)
     return node.op == "call_function" and node.target in (F.linear, torch._C._nn.linear)
 
 
@@ -122,7 +125,7 @@ _RESHAPES = ("flatten", "view", "reshape")
 
 
 def _step_name(node: fx.Node) -> str:
-    return node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", "")
 
 
 def _tokenwise(node: fx.Node, target_side: bool) -> bool:
@@ -138,7 +141,7 @@ def _tokenwise(node: fx.Node, target_side: bool) -> bool:
     shape = list(node.args[1:])
     if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
         shape = list(shape[0])
-    return shape == [-1] if target_side else (len(shape) == 2 and shape[0] == -1)
+    return shape == [-1] if target_side else (len(shape) == 2 and shape[:1] == [-1])  # lists: no Tensor.__eq__
 
 
 def _chain(end: Any, target_side: bool) -> tuple[fx.Node | None, list[fx.Node]]:
@@ -149,6 +152,11 @@ def _chain(end: Any, target_side: bool) -> tuple[fx.Node | None, list[fx.Node]]:
         steps.append(node)
         node = node.args[0]
     return (node if isinstance(node, fx.Node) else None), steps[::-1]
+
+
+def _replacing(old: Any, new: fx.Node) -> Callable[[fx.Node], fx.Node]:
+    """A ``node_copy`` argument map: ``old`` becomes ``new``, every other node stays."""
+    return lambda n: new if n is old else n
 
 
 def chunk_loss_head(gm: fx.GraphModule, chunks: int) -> HeadSplit:
@@ -180,6 +188,8 @@ def chunk_loss_head(gm: fx.GraphModule, chunks: int) -> HeadSplit:
     if any(len(n.users) != 1 for n in inner):
         return HeadSplit(1, "the logits are used outside the loss, so they must exist whole")
     x = head.args[0]  # the hidden states, [batch, sequence, dim]
+    if not isinstance(x, fx.Node):
+        return HeadSplit(1, "the LM head's input is not a value of the graph")
     ignore = opts.get("ignore_index", -100)
     smoothing = opts.get("label_smoothing", 0.0)
 
@@ -190,7 +200,7 @@ def chunk_loss_head(gm: fx.GraphModule, chunks: int) -> HeadSplit:
     def copy(steps: list[fx.Node], start: fx.Node) -> fx.Node:
         cur = start
         for step in steps:
-            cur = graph.node_copy(step, lambda n, s=step, c=cur: c if n is s.args[0] else n)
+            cur = graph.node_copy(step, _replacing(step.args[0], cur))
         return cur
 
     before = set(graph.nodes)
@@ -200,7 +210,7 @@ def chunk_loss_head(gm: fx.GraphModule, chunks: int) -> HeadSplit:
         for j in range(chunks):
             start = set(graph.nodes)
             xj = piece(x, j)
-            lj = graph.node_copy(head, lambda n, c=xj: c if n is x else n)
+            lj = graph.node_copy(head, _replacing(x, xj))
             logits = copy(logit_steps, lj)
             tj = copy(target_steps, piece(tgt, j))
             cj = graph.call_function(F.cross_entropy, (logits, tj),
@@ -231,8 +241,8 @@ def split_head(gm: fx.GraphModule, loss_fn: Callable[[Any, Any], torch.Tensor] |
     """:func:`attach_loss` then :func:`chunk_loss_head` with ``chunks`` (> 1), raising when the head cannot be
     split; the graph a ``head_chunks`` plan was made from, rebuilt from a fresh trace."""
     if loss_fn is None:
-        raise ValueError(f"head_chunks={chunks} splits the LM head together with its loss: pass loss_fn=")
+        raise LossHeadError(f"head_chunks={chunks} splits the LM head together with its loss: pass loss_fn=")
     split = chunk_loss_head(attach_loss(gm, loss_fn), chunks)
     if split.chunks != chunks:
-        raise ValueError(f"head_chunks={chunks}: the LM head cannot be split ({split.reason}); use head_chunks=1")
+        raise LossHeadError(f"head_chunks={chunks}: the LM head cannot be split ({split.reason}); use head_chunks=1")
     return gm

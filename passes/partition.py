@@ -45,6 +45,7 @@ from typing import Callable
 
 import numpy as np
 
+from ..core.errors import ConfigError
 from .balance import balance_table, bound_values, exact_balance, relaxed_backward_time, relaxed_balance
 from .bounds import saving_bounds
 from .baselines import dp, infeasible_result, make_result, roundpipe, uniform
@@ -90,7 +91,8 @@ class _Pool:
     """Every plan met so far, with its slowest stage, indexed by stage count."""
 
     def __init__(self, pb: PartitionProblem, size: int) -> None:
-        self.pb, self.plans = pb, {}  # plans: SegmentPlan -> slowest stage (s)
+        self.pb = pb
+        self.plans: dict[SegmentPlan, float] = {}  # plan -> its slowest stage (s)
         self.best_t = np.full(size, np.inf)
         self.best_plan: dict[int, SegmentPlan] = {}
         self.c = np.asarray(equal_time_factors(size - 1, pb.device_count, pb.microbatches), dtype=float)
@@ -203,7 +205,9 @@ def ilp(pb: PartitionProblem, *, time_limit_s: float = 10.0, seed: int = 0) -> P
     deadline = started + WALL_SHARE * time_limit_s
     lagrange = _lagrange_phase(pb, tables, pool, lb, int(time_limit_s * LAGRANGE_EVALUATIONS_PER_S),
                                int(time_limit_s * EXACT_WORK_PER_S), deadline=started + LAGRANGE_WALL_SHARE * time_limit_s)
-    det_left, tried, log = time_limit_s * DET_TIME_PER_S, set(), []
+    det_left = time_limit_s * DET_TIME_PER_S
+    tried: set[int] = set()
+    log: list[tuple[int, str, float, int]] = []
     while det_left >= MIN_SOLVE_DET and time.perf_counter() < deadline:
         s = _next_budget(pool, lb, tried, CPSAT_GAP)
         if s is None:
@@ -258,7 +262,7 @@ def _lagrange_phase(pb: PartitionProblem, tables: RangeTables, pool: _Pool, lb: 
         if found.status == "limit":
             return False
         # the walk completed: no plan this fast has fewer non-fused stages than it found (or than the budget)
-        fewest = found.stages if found.status == "plan" else stages
+        fewest = found.stages if found.status == "plan" and found.stages is not None else stages
         lb[1:fewest + 1] = np.maximum(lb[1:fewest + 1], T)
         if found.status == "none":
             proven += 1
@@ -299,7 +303,8 @@ def _finish(pb: PartitionProblem, pool: _Pool, lb: np.ndarray, started: float, s
             log: list, greedy_tried: int, lagrange: dict[str, int] | None = None) -> PartitionResult:
     # the local search starts from the fastest plan (by exact time) of each of the best few stage counts: the
     # climbs stay near their stage count, and a runner-up's neighbourhood is often the faster one
-    ranked, counts = [], set()
+    ranked: list[SegmentPlan] = []
+    counts: set[int] = set()
     for plan in sorted(pool.plans, key=lambda p: (iteration_time(pb, p), p.stage_count)):
         if plan.stage_count not in counts and len(ranked) < POLISH_STARTS:
             ranked.append(plan)
@@ -333,6 +338,6 @@ def solve(problem: PartitionProblem, strategy: str = "ilp", *, time_limit_s: flo
           seed: int = 0) -> PartitionResult:
     """Partition ``problem`` with the named strategy (``ilp``, ``dp``, ``roundpipe`` or ``uniform``)."""
     if strategy not in STRATEGIES:
-        raise ValueError(f"unknown partition strategy {strategy!r}; choose one of {sorted(STRATEGIES)}")
+        raise ConfigError(f"unknown partition strategy {strategy!r}; choose one of {sorted(STRATEGIES)}")
     return STRATEGIES[strategy](problem, time_limit_s=time_limit_s, seed=seed)
 

@@ -50,7 +50,8 @@ class _Costs:
     share most of their stages."""
 
     def __init__(self, pb: PartitionProblem) -> None:
-        self.pb, self.cache = pb, {}
+        self.pb = pb
+        self.cache: dict[tuple[str, int, int, tuple[bool, ...]], StageCost] = {}
 
     def stage(self, kind: str, a: int, b: int, saved: tuple[bool, ...]) -> StageCost:
         key = (kind, a, b, saved[a:b])
@@ -221,7 +222,8 @@ def taper(pb: PartitionProblem, plan: SegmentPlan) -> SegmentPlan:
         return costs.total(fwd, plan.fused, bwd, saved)
 
     def pack(kind: str, limit: float, r: float, g: float) -> Ranges:
-        out, a = [], 0
+        out: Ranges = []
+        a = 0
         while a < top:
             cap, b = limit * min(1.0, r * g ** len(out)), a + 1
             while b < top and stage(kind, a, b + 1).time_s <= cap * (1 + 1e-9):

@@ -20,10 +20,17 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any
-
 import torch
 from rich.console import Console
+
+from rpcompile import pipeline
+from rpcompile.core.errors import InfeasibleError
+from rpcompile.core.plan import Plan
+from rpcompile.models import ModelSpec, load_model
+from rpcompile.planning import AUTO_HEAD_CHUNKS, compare, make_hardware, prepare
+from rpcompile.planning import plan as plan_model
+from rpcompile.profiling import profile_graph
+from rpcompile.report import compare_table, fmt_bytes, fmt_ms, plan_table, print_table, profile_table
 
 __all__ = ["run_demo"]
 
@@ -42,8 +49,6 @@ def _devices() -> tuple[int, str]:
 
 def run_demo(model_name: str = "llama-demo", *, big_model: str = "llama-8b", big_gpus: int = 8, steps: int = 5,
              console: Console | None = None) -> int:
-    from rpcompile.models import load_model
-
     console = console or Console(width=max(Console().width, 120))
     n_dev, where = _devices()
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
@@ -55,12 +60,8 @@ def run_demo(model_name: str = "llama-demo", *, big_model: str = "llama-8b", big
     return 0
 
 
-def _plan_here(console: Console, ms: Any, name: str, n_dev: int, where: str, device: str) -> tuple[Any, int]:
+def _plan_here(console: Console, ms: ModelSpec, name: str, n_dev: int, where: str, device: str) -> tuple[Plan, int]:
     """Sections 1 and 2: cost the model on the device at hand, plan it for the devices here; the ILP's plan."""
-    from rpcompile.planning import compare, make_hardware, prepare
-    from rpcompile.profiling import profile_graph
-    from rpcompile.report import compare_table, plan_table, print_table, profile_table
-
     on_cpu = device == "cpu"
     costs = "predicted from the cpu spec's analytic costs" if on_cpu else f"measured on {device}"
     console.rule(f"[bold]1. {name}: trace and cost ({costs})")
@@ -76,26 +77,26 @@ def _plan_here(console: Console, ms: Any, name: str, n_dev: int, where: str, dev
     hardware = make_hardware(n_dev, "cpu" if device == "cpu" else "rtx4090")
     with console.status("solving: ilp (up to 5 s), dp, roundpipe, uniform"):
         rows = compare(gm, hardware=hardware, microbatches=m, precision=precision, time_limit_s=5.0)
-    plan = rows["ilp"][1]
-    print_table(plan_table(plan, title=f"{name}: the ilp plan, {len(plan.stages)} stages on {where}, {m} microbatches "
+    chosen = rows["ilp"][1]
+    if chosen is None:
+        raise InfeasibleError(f"{name}: the ilp found no plan for {where} in 5 s; run rpcompile plan {name} --gpus {n_dev} "
+                              "for the details")
+    print_table(plan_table(chosen, title=f"{name}: the ilp plan, {len(chosen.stages)} stages on {where}, {m} microbatches "
                                        "(trained in section 3)"), console)
     print_table(compare_table(rows), console)
-    return plan, m
+    return chosen, m
 
 
-def _train(console: Console, ms: Any, plan: Any, name: str, n_dev: int, where: str, device: str, steps: int) -> None:
+def _train(console: Console, ms: ModelSpec, plan: Plan, name: str, n_dev: int, where: str, device: str, steps: int) -> None:
     """Section 3: train the plan of section 2, then its prediction beside the measured pipeline steps (the
     prediction is for ``forward_backward``; the optimizer runs on the CPU afterwards, timed apart)."""
-    import rpcompile
-    from rpcompile.report import fmt_ms
-
     console.rule(f"[bold]3. {name}: train the plan above for {steps} steps on {where}")
     devices = [f"cuda:{i}" for i in range(n_dev)] if device != "cpu" else ["cpu"] * n_dev
-    pipe = rpcompile.compile(ms.model, ms.example_inputs, loss_fn=ms.loss_fn, devices=devices, plan=plan,
+    pipe = pipeline.compile(ms.model, ms.example_inputs, loss_fn=ms.loss_fn, devices=devices, plan=plan,
                              precision=plan.precision)
     optimizer = torch.optim.AdamW(ms.model.parameters(), lr=3e-3, fused=True)  # the README's advice
     x, = ms.example_inputs
-    took = []
+    took: list[float] = []
     for step in range(steps):
         t0 = time.perf_counter()
         loss = pipe.forward_backward(x, target=ms.example_target)
@@ -110,9 +111,7 @@ def _train(console: Console, ms: Any, plan: Any, name: str, n_dev: int, where: s
     _compare(console, plan, statistics.median(took[1:] or took), device, steps)
 
 
-def _compare(console: Console, plan: Any, measured: float, device: str, steps: int) -> None:
-    from rpcompile.report import fmt_ms
-
+def _compare(console: Console, plan: Plan, measured: float, device: str, steps: int) -> None:
     predicted = plan.predicted.iteration_time_s
     costs = "the cpu spec's analytic costs" if device == "cpu" else f"costs measured per node on {device}"
     console.print(f"plan's prediction: {fmt_ms(predicted)} per pipeline step (timing model over {costs}); "
@@ -124,10 +123,6 @@ def _compare(console: Console, plan: Any, measured: float, device: str, steps: i
 
 def _plan_big(console: Console, big_model: str, big_gpus: int) -> None:
     """Section 4: the real LLaMA-8B shape planned for 8 GPUs on the meta device, whole and split LM head."""
-    from rpcompile.models import load_model
-    from rpcompile.planning import AUTO_HEAD_CHUNKS, compare, make_hardware, plan, prepare
-    from rpcompile.report import compare_table, fmt_bytes, fmt_ms, print_table
-
     m8 = 2 * big_gpus
     console.rule(f"[bold]4. {big_model} on {big_gpus} × rtx4090, {m8} microbatches (meta device, analytic costs, "
                  "bf16, seq 4096): predicted, nothing runs")
@@ -141,7 +136,7 @@ def _plan_big(console: Console, big_model: str, big_gpus: int) -> None:
     print_table(compare_table(rows8), console)
     whole = rows8["ilp"][1]
     with console.status(f"planning {big_model} with its LM head split into {AUTO_HEAD_CHUNKS} chunks as well"):
-        split = plan(big.model, big.example_inputs, gpus=big_gpus, spec="rtx4090", microbatches=m8,
+        split = plan_model(big.model, big.example_inputs, gpus=big_gpus, spec="rtx4090", microbatches=m8,
                      precision="bf16", time_limit_s=10.0, progress=False, loss_fn=big.loss_fn,
                      example_target=big.example_target, head_chunks=AUTO_HEAD_CHUNKS)
     if whole is not None:

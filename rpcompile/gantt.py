@@ -28,6 +28,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from rpcompile.core.errors import ConfigError
 from rpcompile.runtime.simulator import SimEvent
 from rpcompile.svg import TRANSFER_COLORS, document, esc, line, num, rect, stage_color, text, text_width
 
@@ -81,7 +82,7 @@ def _as_bar(e: Any) -> SimEvent:
         kind = {"W": "weights", "F": "compute", "G": "gradients"}[m.group(2)] if m else "compute"
     lane = str(getattr(e, "lane", "compute"))
     if lane not in LANES:
-        raise ValueError(f"timeline event {action or e!r}: lane must be one of {', '.join(LANES)}, got {lane!r}")
+        raise ConfigError(f"timeline event {action or e!r}: lane must be one of {', '.join(LANES)}, got {lane!r}")
     return SimEvent(action, int(e.device), lane, str(kind), int(stage), int(mb), float(e.start), float(e.end))
 
 
@@ -138,14 +139,15 @@ def _stage_class(name: str) -> str:
 
 def _busy(bars: Iterable[SimEvent]) -> float:
     """Length of the union of the bars' intervals."""
-    total, cur_a, cur_b = 0.0, None, None
+    total = 0.0
+    cur: tuple[float, float] | None = None  # the interval being merged
     for b in sorted(bars, key=lambda b: b.start):
-        if cur_b is None or b.start > cur_b:
-            total += (cur_b - cur_a) if cur_b is not None else 0.0
-            cur_a, cur_b = b.start, b.end
+        if cur is None or b.start > cur[1]:
+            total += (cur[1] - cur[0]) if cur is not None else 0.0
+            cur = (b.start, b.end)
         else:
-            cur_b = max(cur_b, b.end)
-    return total + ((cur_b - cur_a) if cur_b is not None else 0.0)
+            cur = (cur[0], max(cur[1], b.end))
+    return total + ((cur[1] - cur[0]) if cur is not None else 0.0)
 
 
 class _Chart:
@@ -263,15 +265,16 @@ def timeline_svg(events: Iterable[Any], *, devices: int, title: str = "",
     """SVG text of a Gantt chart of ``events`` on ``devices`` devices (see the module docstring).
 
     ``stage_names[k]`` names stage ``k`` (``F0``, ``FB``, ``B3``…; from ``plan.stages``); without them stages are
-    shown as ``S<k>``. Raises ``ValueError`` for an event on a device outside ``0..devices-1`` or on an unknown
-    lane."""
+    shown as ``S<k>``. Raises :class:`~rpcompile.core.errors.ConfigError` for an event on a device outside
+    ``0..devices-1`` or on an unknown lane."""
     if devices < 1:
-        raise ValueError(f"timeline_svg: devices must be >= 1, got {devices}")
+        raise ConfigError(f"timeline_svg: devices must be >= 1, got {devices}")
     bars = [_as_bar(e) for e in events]
     per_device: list[list[SimEvent]] = [[] for _ in range(devices)]
     for b in bars:
         if not 0 <= b.device < devices:
-            raise ValueError(f"timeline event {b.action or b} runs on device {b.device}, but devices={devices}")
+            raise ConfigError(f"timeline event {b.action or b} runs on device {b.device}, but devices={devices}; "
+                              "pass the device count the events were simulated on")
         per_device[b.device].append(b)
     chart = _Chart(bars)
     iteration = max((b.end for b in bars), default=0.0) - chart.t0

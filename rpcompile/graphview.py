@@ -2,7 +2,7 @@
 
 Terms:
 - *box*: one rolled-up module (``embed``, ``layers.7.attn``, ``layers.7.mlp``, ``lm_head``): every compute node
-  whose module path (:func:`rpcompile.tracing.module_path`) starts with the box's name, cut to ``depth``
+  whose module path (:func:`rpcompile.passes.util.module_path`) starts with the box's name, cut to ``depth``
   components as ``rpcompile profile`` does (:func:`rpcompile.profiling.rollup_name`).
 - *folding*: nodes owned by a module that also has boxes below it — a block's residual adds (``layers.7``), the
   root's own glue (``(root)``) — join the box just before them when that box lies inside their module (the
@@ -20,7 +20,7 @@ Node → module mapping. With the traced graph (``graph``: a ``torch.fx.GraphMod
 :func:`rpcompile.trace` or :func:`rpcompile.planning.prepare`) every compute node is placed by its
 ``nn_module_stack`` meta, edges between boxes are the graph's data edges, and saved activations are placed on
 the boxes exactly. A :class:`~rpcompile.core.plan.Plan` alone stores node *names* and, per stage, the module paths
-its nodes come from (``Stage.modules``, written by :mod:`rpcompile.lowering`) but not which node belongs to which
+its nodes come from (``Stage.modules``, written by :mod:`rpcompile.passes.lower`) but not which node belongs to which
 module — so without a graph the boxes come from ``Stage.modules`` (forward stages in order, then the backward
 stages from the last), they are chained in that order, and saved modules come from ``Stage.saved_modules``
 (plans older than that field leave the saved marker out: each stage's saved
@@ -41,7 +41,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from .core.errors import ConfigError
 from .core.plan import Plan
+from .passes.util import is_compute, module_path
 from .svg import document, esc, line, num, path, rect, stage_color, text, text_width, title
 
 __all__ = ["MAX_BOXES", "ROWS_PER_COLUMN", "ModuleBox", "Rollup", "rollup", "graph_dot", "graph_svg", "write_graph"]
@@ -137,8 +139,6 @@ def _auto_depth(paths: Sequence[str]) -> int:
 
 
 def _graph_nodes(graph: Any) -> list[Any]:
-    from rpcompile.passes.util import is_compute
-
     g = getattr(graph, "graph", graph)  # GraphModule or Graph
     return [n for n in g.nodes if is_compute(n)]
 
@@ -161,8 +161,6 @@ def _ordered(names: Iterable[str], plan: Plan) -> tuple[str, ...]:
 
 
 def _rollup_graph(plan: Plan, graph: Any, depth: int | None) -> Rollup:
-    from rpcompile.passes.util import module_path
-
     nodes = [n for n in _graph_nodes(graph) if n.name not in plan.host]  # drawn first, as in a plan alone
     paths = [module_path(n) for n in nodes]
     depth = depth or _auto_depth(paths)
@@ -239,7 +237,7 @@ def rollup(plan: Plan, graph: Any = None, *, depth: int | None = None) -> Rollup
     """The boxes of ``plan`` rolled up to ``depth`` module-path components (automatic when ``None``), from the
     traced ``graph`` when given, else from the plan's stage modules (see the module docstring)."""
     if depth is not None and depth < 1:
-        raise ValueError(f"depth must be >= 1, got {depth}")
+        raise ConfigError(f"depth must be >= 1, got {depth}; or leave it out for an automatic depth")
     return _rollup_graph(plan, graph, depth) if graph is not None else _rollup_plan(plan, depth)
 
 
@@ -304,10 +302,10 @@ def graph_dot(plan: Plan, graph: Any = None, *, depth: int | None = None) -> str
             out.append(f"{pad}{_q(b.name)} [{attrs}];")
         if stage:
             out.append("  }")
-    for a, b in r.edges:
-        skip = b != a + 1
+    for src, dst in r.edges:
+        skip = dst != src + 1
         style = ' [color="#99999980", constraint=false]' if skip else ""
-        out.append(f"  {_q(r.boxes[a].name)} -> {_q(r.boxes[b].name)}{style};")
+        out.append(f"  {_q(r.boxes[src].name)} -> {_q(r.boxes[dst].name)}{style};")
     out.append("}")
     return "\n".join(out) + "\n"
 
@@ -473,11 +471,11 @@ def graph_svg(plan: Plan, graph: Any = None, *, depth: int | None = None) -> str
 
 def write_graph(path: str | Path, plan: Plan, graph: Any = None, **kw: Any) -> Path:
     """Write the plan graph to ``path``: SVG for ``.svg``, Graphviz DOT for ``.dot`` (keywords as
-    :func:`graph_svg`); any other suffix raises ``ValueError``."""
+    :func:`graph_svg`); any other suffix raises :class:`~rpcompile.core.errors.ConfigError`."""
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix not in GRAPH_SUFFIXES:
-        raise ValueError(f"cannot write a plan graph to {str(path)!r}: the file name must end in .svg or .dot")
+        raise ConfigError(f"cannot write a plan graph to {str(path)!r}: the file name must end in .svg or .dot")
     body = graph_svg(plan, graph, **kw) if suffix == ".svg" else graph_dot(plan, graph, **kw)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(body, encoding="utf-8")

@@ -212,7 +212,7 @@ def _changes(*items: tuple[str, Any, Any]) -> tuple[Change, ...]:
 
 def _header(a: Plan, b: Plan) -> tuple[Change, ...]:
     ha, hb = a.hardware, b.hardware
-    spec = [("device spec", ha.spec.name, hb.spec.name)]
+    spec: list[tuple[str, Any, Any]] = [("device spec", ha.spec.name, hb.spec.name)]
     if ha.spec.name == hb.spec.name and ha.spec != hb.spec:  # same name, edited figures: name the fields
         da, db = ha.spec.to_dict(), hb.spec.to_dict()
         fields = [k for k in da if da[k] != db.get(k)]
@@ -392,7 +392,7 @@ def _moved_nodes(a: Plan, b: Plan, kind: str, order: dict[str, int]) -> Nodes:
 
 def _treatment(plan: Plan) -> dict[str, str]:
     """Node → how its backward runs: ``fused``, ``saved`` or ``recomputed``."""
-    out = {}
+    out: dict[str, str] = {}
     for s in _stages_of(plan, "backward"):
         saved = set(s.saved)
         out.update((n, "fused" if s.kind == "fused" else "saved" if n in saved else "recomputed") for n in s.nodes)

@@ -109,12 +109,12 @@ def test_a_factory_that_raises_is_one_line(capsys, tmp_path):
 
 def test_an_unwritable_output_is_refused_before_planning(capsys, monkeypatch, tmp_path):
     """-o is checked first: a plan of a big model takes minutes, and its file is the point."""
-    import rpcompile.planning
+    import rpcompile.cli.plan_cmd
 
     def no_planning(*args, **kwargs):
         raise AssertionError("planned before checking -o")
 
-    monkeypatch.setattr(rpcompile.planning, "prepare", no_planning)
+    monkeypatch.setattr(rpcompile.cli.plan_cmd, "prepare", no_planning)
     missing = tmp_path / "missing_dir" / "x.json"
     code, out, err = run(capsys, "plan", "llama-demo", "--gpus", "2", "--spec", "rtx4090", "-o", str(missing))
     assert code == 2 and out == ""

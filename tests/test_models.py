@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rpcompile.core.errors import ModelSpecError
+from rpcompile.core.errors import ConfigError, ModelSpecError
 from rpcompile.models import GPT, GPTConfig, Llama, LlamaConfig, ModelSpec, list_models, load_model
 from rpcompile.models.llama import Attention
 
@@ -98,7 +98,7 @@ def test_llama_attention_is_causal() -> None:
      lambda: GPTConfig(dim=66, n_heads=4)],
 )
 def test_bad_configs_raise(config) -> None:
-    with pytest.raises(ValueError, match="must be a multiple"):
+    with pytest.raises(ConfigError, match="must be a multiple"):
         config()
 
 

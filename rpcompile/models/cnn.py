@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from rpcompile.core.errors import ConfigError
+
 __all__ = ["CNNConfig", "ConvNet", "ConvBlock"]
 
 
@@ -38,11 +40,10 @@ class CNNConfig:
 
     def __post_init__(self) -> None:
         if not self.channels:
-            raise ValueError("channels must name at least one conv block")
+            raise ConfigError("channels must name at least one conv block, e.g. channels=(32, 64)")
         if self.pool and self.image_size % 2 ** len(self.channels):
-            raise ValueError(
-                f"image_size={self.image_size} must be divisible by 2**{len(self.channels)} when pooling"
-            )
+            raise ConfigError(f"image_size={self.image_size} must be divisible by 2**{len(self.channels)} when pooling; "
+                              "change image_size or the number of blocks, or set pool=False")
 
     @property
     def feature_size(self) -> int:

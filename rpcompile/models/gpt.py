@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rpcompile.core.errors import ConfigError
+
 __all__ = ["GPTConfig", "GPT", "GPTBlock", "GPTAttention", "GPTMLP"]
 
 
@@ -41,9 +43,9 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
-            raise ValueError(f"dim={self.dim} must be a multiple of n_heads={self.n_heads}")
+            raise ConfigError(f"dim={self.dim} must be a multiple of n_heads={self.n_heads}; change dim or n_heads")
         if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
+            raise ConfigError(f"dropout={self.dropout} must be in [0, 1)")
 
 
 class GPTAttention(nn.Module):

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rpcompile.core.errors import ConfigError
+
 __all__ = ["LlamaConfig", "Llama", "Block", "Attention", "MLP", "rope_tables"]
 
 
@@ -56,11 +58,11 @@ class LlamaConfig:
 
     def __post_init__(self) -> None:
         if self.n_heads % self.kv_heads:
-            raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.kv_heads}")
+            raise ConfigError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.kv_heads}; change either")
         if self.head_dim is None and self.dim % self.n_heads:
-            raise ValueError(f"dim={self.dim} must be a multiple of n_heads={self.n_heads} (or set head_dim)")
+            raise ConfigError(f"dim={self.dim} must be a multiple of n_heads={self.n_heads} (or set head_dim)")
         if self.hd % 2:
-            raise ValueError(f"head_dim={self.hd} must be even for RoPE")
+            raise ConfigError(f"head_dim={self.hd} must be even for RoPE; use an even head_dim")
 
     @property
     def kv_heads(self) -> int:
@@ -158,6 +160,10 @@ class Block(nn.Module):
 
 class Llama(nn.Module):
     """Decoder-only language model: ``input_ids [B, T]`` (int64) -> ``logits [B, T, vocab_size]``."""
+
+    # the rotary tables, [max_seq_len, head_dim] buffers (not in the state dict), declared for the type checker
+    rope_cos: Tensor
+    rope_sin: Tensor
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()

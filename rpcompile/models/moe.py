@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rpcompile.core.errors import ConfigError
 from rpcompile.models.llama import Llama, LlamaConfig
 
 __all__ = ["MoEConfig", "MoE", "SparseMoE", "Experts"]
@@ -49,7 +50,7 @@ class MoEConfig(LlamaConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if not 1 <= self.experts_per_token <= self.num_experts:
-            raise ValueError(f"experts_per_token={self.experts_per_token} must be in 1..num_experts={self.num_experts}")
+            raise ConfigError(f"experts_per_token={self.experts_per_token} must be in 1..num_experts={self.num_experts}")
 
 
 class Experts(nn.Module):

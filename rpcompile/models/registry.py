@@ -219,10 +219,12 @@ def _load_preset(name: str, device: str | torch.device | None, batch: int | None
     # randint on meta would also import sympy, ~0.8 s).
     cpu = torch.device("cpu")
     if p.kind == "lm":
+        assert isinstance(model, (Llama, GPT)), f"{name}: an lm preset builds a Llama, MoE or GPT"
         vocab = model.config.vocab_size
         inputs: tuple[Any, ...] = (torch.randint(0, vocab, (batch, seq), device=cpu).to(dev),)
         target, loss_fn = torch.randint(0, vocab, (batch, seq), device=cpu).to(dev), lm_loss
     else:
+        assert isinstance(model, ConvNet), f"{name}: an image preset builds a ConvNet"
         cfg = model.config
         inputs = (torch.randn(batch, cfg.in_channels, cfg.image_size, cfg.image_size, device=cpu).to(dev),)
         target, loss_fn = torch.randint(0, cfg.num_classes, (batch,), device=cpu).to(dev), classification_loss
@@ -274,7 +276,8 @@ def _as_spec(result: Any, where: str) -> ModelSpec:
     if isinstance(result, tuple) and 2 <= len(result) <= 4 and isinstance(result[0], nn.Module):
         model, inputs, *rest = result
         inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-        return ModelSpec(model, inputs, *rest, description=where)
+        loss_fn, target = (*rest, None, None)[:2]
+        return ModelSpec(model, inputs, loss_fn, target, description=where)
     raise ModelSpecError(
         f"{where} returned {type(result).__name__}; expected a ModelSpec, (model, example_inputs), "
         "(model, example_inputs, loss_fn) or (model, example_inputs, loss_fn, example_target)"

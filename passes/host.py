@@ -12,7 +12,7 @@ that runs the backward of its users sends their gradient down like any stage's i
 The pass rewrites the graph: each moved embedding node becomes a placeholder (the value the device stages read;
 fx names it after the node) and ``gm.meta[HOST_KEY]`` records a :class:`HostEmbedding` per moved node, which is
 all the runtime needs (:mod:`rpcompile.runtime.executor`). A placeholder's value is computed, never passed in:
-:func:`~rpcompile.passes.util.flat_inputs` skips it.
+:func:`~rpcompile.core.batch.flat_inputs` skips it.
 
 By default an embedding moves when that moves fewer bytes: when its table has more rows than an iteration
 gathers (``vocab > microbatches × indices per microbatch``) — the link then carries less, the host does less
@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from rpcompile.core.errors import ConfigError
 from rpcompile.core.program import HostEmbedding
 
 from .shape import SHAPE_KEY
@@ -108,7 +109,7 @@ def host_embedding_pass(gm: fx.GraphModule, *, microbatches: int = 1,
         for name in names:
             node = by_name.get(name)
             if node is None or _lookup(gm, node) is None:
-                raise ValueError(f"node {name!r} is not an embedding lookup of a model input that the host can run "
+                raise ConfigError(f"node {name!r} is not an embedding lookup of a model input that the host can run "
                                  "(a plan made for another graph?); re-plan for this model")
             chosen.append(node)
     graph = gm.graph
@@ -139,7 +140,7 @@ def as_planned(gm: fx.GraphModule, names: Sequence[str]) -> fx.GraphModule:
     if tuple(h.node for h in host_of(gm)) == tuple(names) or (not names and HOST_KEY not in gm.meta):
         return gm
     if host_of(gm):
-        raise ValueError(f"the graph runs {[h.node for h in host_of(gm)]} on the host, the plan {list(names)}; "
+        raise ConfigError(f"the graph runs {[h.node for h in host_of(gm)]} on the host, the plan {list(names)}; "
                          "re-plan for this graph")
     out = fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
     out.meta = dict(gm.meta)

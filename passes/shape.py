@@ -16,8 +16,9 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.fx as fx
 
+from rpcompile.core.batch import flat_inputs, tensor_leaves
+
 from .portable import device_of, running_on
-from .util import flat_inputs, tensor_leaves
 
 __all__ = ["SHAPE_KEY", "TensorInfo", "ShapeInfo", "shape_pass", "describe", "storage_key", "scaled_nbytes"]
 
@@ -83,6 +84,7 @@ class _ShapeInterpreter(fx.Interpreter):
         result = super().run_node(n)
         inputs = list(args) + list(kwargs.values())
         if n.op == "call_module":
+            assert isinstance(n.target, str), n.format_node()  # a call_module's target is the module's path
             mod = self.fetch_attr(n.target)
             inputs += list(mod.parameters()) + list(mod.buffers())
         n.meta[SHAPE_KEY] = describe(result, inputs) if n.op not in ("get_attr", "placeholder") else describe(result, [result])

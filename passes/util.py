@@ -9,20 +9,17 @@ named by their fully-qualified names in the original model.
 from __future__ import annotations
 
 import re
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator
 
 import torch
 import torch.fx as fx
-from torch.utils import _pytree as pytree
 
 __all__ = [
     "COMPUTE_OPS",
     "is_compute",
     "compute_nodes",
-    "flat_inputs",
     "node_params",
     "node_buffers",
-    "tensor_leaves",
     "canonical_names",
     "module_path",
 ]
@@ -39,42 +36,6 @@ def is_compute(node: fx.Node) -> bool:
 def compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     """Compute nodes in topological (graph) order."""
     return [n for n in gm.graph.nodes if is_compute(n)]
-
-
-def flat_inputs(gm: fx.GraphModule, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> list[Any]:
-    """The values of ``gm``'s placeholders, in order, for a call ``gm(*args, **kwargs)``.
-
-    Graphs from torch.export take pytree-flattened inputs; graphs from symbolic_trace take one value per
-    placeholder (positional first, then keyword by placeholder name, then defaults). Placeholders whose value
-    the host computes (:mod:`.host`) are not inputs and have no value here.
-    """
-    kwargs = dict(kwargs or {})
-    info = getattr(gm.graph._codegen, "pytree_info", None)
-    if info is not None and info.in_spec is not None:
-        spec = info.in_spec
-        children = spec.children()
-        if len(children) == 2 and children[1].context is not None:
-            order = list(children[1].context)
-            kwargs = {k: kwargs[k] for k in order if k in kwargs}
-        return pytree.tree_leaves((tuple(args), kwargs))
-    values: list[Any] = []
-    it = iter(args)
-    computed = {h.value for h in gm.meta.get("rpcompile.host", ())}
-    for node in gm.graph.find_nodes(op="placeholder"):
-        if node.name in computed:
-            continue
-        try:
-            values.append(next(it))
-        except StopIteration:
-            if node.name in kwargs:
-                values.append(kwargs[node.name])
-            elif node.target.lstrip("*") in kwargs:
-                values.append(kwargs[node.target.lstrip("*")])
-            elif node.args:
-                values.append(node.args[0])
-            else:
-                raise TypeError(f"missing input for placeholder {node.name!r}") from None
-    return values
 
 
 def canonical_names(gm: fx.GraphModule) -> dict[int, str]:
@@ -115,11 +76,6 @@ def node_params(gm: fx.GraphModule, node: fx.Node) -> dict[str, torch.nn.Paramet
 def node_buffers(gm: fx.GraphModule, node: fx.Node) -> dict[str, torch.Tensor]:
     """Buffers (and tensor constants) ``node`` reads, by qualified name."""
     return dict(_attr_values(gm, node, "buffer"))
-
-
-def tensor_leaves(value: Any) -> list[torch.Tensor]:
-    """Every tensor inside a (possibly nested) value."""
-    return [v for v in pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
 
 
 def module_path(node: fx.Node) -> str:

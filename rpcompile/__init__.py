@@ -15,8 +15,8 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "trace": "rpcompile.tracing",
-    "module_path": "rpcompile.tracing",
+    "trace": "rpcompile.passes.trace",
+    "module_path": "rpcompile.passes.util",
     "Plan": "rpcompile.core.plan",
     "Stage": "rpcompile.core.plan",
     "Hardware": "rpcompile.core.plan",

@@ -40,19 +40,18 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.fx as fx
 
-from rpcompile.passes.loss_head import TARGET
-from rpcompile.passes.util import flat_inputs, tensor_leaves
 from rpcompile.passes.codegen import write_stages
+from rpcompile.passes.loss_head import TARGET
+from rpcompile.passes.split import split_plan
 from rpcompile.runtime.devices import make_devices
 from rpcompile.runtime.executor import Executor, ValueStore
-from rpcompile.core.schedule import round_robin
-from rpcompile.passes.split import split_plan
 
-from .core.errors import RPCompileError
+from .core.batch import flat_inputs, split_microbatches, tensor_leaves
+from .core.errors import ConfigError, RPCompileError
 from .core.plan import Plan
-from .planning import (default_spec, fastest, head_chunk_candidates, make_hardware, plan_graph, prepare,
-                       split_microbatches)
-from .tracing import training_inputs
+from .core.schedule import round_robin
+from .planning import compile_plan
+from rpcompile.passes.trace import training_inputs
 from .model_match import graph_as_planned
 from .invariants import verify_plan
 
@@ -319,8 +318,8 @@ def compile(
     ``devices=["cpu"] * k`` runs k logical devices on the CPU; ``gpus=k`` uses ``cuda:0..k-1``; with neither, every
     visible GPU, or one logical CPU device. Costs are measured on the first device unless ``spec`` (a
     :class:`~rpcompile.core.specs.DeviceSpec` or preset name) asks for analytic ones — which also makes the plan
-    independent of timing noise. ``plan_options`` go to :func:`rpcompile.planning.plan_graph` (``strategy``,
-    ``memory_limit``, ``time_limit_s``, ...).
+    independent of timing noise. ``plan_options`` go to :func:`rpcompile.planning.compile_plan` (``strategy``,
+    ``memory_limit``, ``time_limit_s``, ...): ``compile`` is that plan plus a :class:`Pipeline` that runs it.
 
     ``head_chunks=k`` (with ``example_target``, a target for ``example_inputs``) moves a mean token cross-entropy
     into the graph and splits it with the LM head into ``k`` sequence chunks (:mod:`rpcompile.passes.loss_head`):
@@ -340,7 +339,7 @@ def compile(
     batch dict, its ``labels`` as the target.
     """
     if precision not in _DTYPES:
-        raise ValueError(f"precision must be one of {sorted(_DTYPES)}, got {precision!r}")
+        raise ConfigError(f"precision must be one of {sorted(_DTYPES)}, got {precision!r}")
     _checked_weight(loss_weight)  # before any planning
     if devices is None and gpus is None:
         devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())] or ["cpu"]
@@ -367,24 +366,13 @@ def compile(
     memory_limit = plan_options.pop("memory_limit", None)
     if memory_limit is None and not on_cpu:
         memory_limit = int(torch.cuda.get_device_properties(devs[0].torch_device).total_memory * 0.9)
-    hardware = make_hardware(len(devs), default_spec(spec, devs[0].torch_device, "cpu"), memory_limit)
-
-    def attempt(k: int) -> tuple[float, Any]:
-        threads = torch.get_num_threads()
-        if on_cpu and len(devs) > 1:  # measure with the intra-op threads each logical device will have
-            torch.set_num_threads(max(1, threads // len(devs)))
-        try:
-            gm, m = prepare(model, example_inputs, gpus=len(devs), spec=spec,
-                            device=None if spec is not None else devs[0].torch_device, microbatches=microbatches,
-                            precision=precision, example_kwargs=example_kwargs, progress=False, loss_fn=loss_fn,
-                            example_target=example_target, head_chunks=k, host_embedding=host_embedding)
-        finally:
-            torch.set_num_threads(threads)
-        # Saved segments run without recomputation (rpcompile.runtime.saved): the planner may keep activations in
-        # host memory wherever that is faster than recomputing them and fits.
-        made = plan_graph(gm, hardware=hardware, microbatches=m, precision=precision, **plan_options)
-        return made.predicted.iteration_time_s, (made, gm)
-
-    made, gm = fastest(head_chunk_candidates(head_chunks, loss_fn, example_target), attempt)
-    return Pipeline(model, gm, made, devs, loss_fn, precision, scaler, loss_in_graph=made.head_chunks > 1,
-                    signature=signature, loss_weight=loss_weight)
+    # costs measured with the intra-op threads each logical CPU device will have
+    threads = max(1, torch.get_num_threads() // len(devs)) if on_cpu and len(devs) > 1 else None
+    made = compile_plan(model, example_inputs, gpus=len(devs), spec=spec,
+                        device=None if spec is not None else devs[0].torch_device, memory_limit=memory_limit,
+                        microbatches=microbatches, precision=precision, example_kwargs=example_kwargs,
+                        progress=False, loss_fn=loss_fn, example_target=example_target, head_chunks=head_chunks,
+                        host_embedding=host_embedding, threads=threads, **plan_options)
+    assert made.plan is not None
+    return Pipeline(model, made.graph, made.plan, devs, loss_fn, precision, scaler,
+                    loss_in_graph=made.plan.head_chunks > 1, signature=signature, loss_weight=loss_weight)

@@ -1,4 +1,14 @@
-"""Planning: costed graph → segments → :class:`~rpcompile.passes.problem.PartitionProblem` → solver → Plan.
+"""The pass driver: model → plan, the compile pipeline listed once, in order (:data:`PASSES`).
+
+Every pass is a function of one shape, ``pass(c: Compilation) -> None``: it reads what earlier passes left in the
+:class:`Compilation` and adds its own result; :func:`run` runs a list of them and logs each one's time (logger
+``rpcompile``, level INFO; also kept in ``Compilation.times``).
+
+    trace → loss_head → shape → cost → host → coarsen → problem → partition → lower
+
+``rpcompile.profile`` runs the front (:data:`FRONT`, to ``cost``), ``prepare`` runs to ``coarsen``, ``plan`` runs
+them all, for each LM-head split ``head_chunks`` asks for, and keeps the fastest plan; ``rpcompile.compile`` is
+:func:`compile_plan` (the plan and the graph it was made from) plus a :class:`~rpcompile.pipeline.Pipeline`.
 
 Microbatches: ``example_inputs`` is one full batch; it is split along dim 0 into ``microbatches`` pieces
 (``torch.tensor_split``: sizes differ by at most one) and the graph is costed on the first (largest) piece, so every
@@ -8,24 +18,48 @@ single device.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Mapping, Sequence
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
-from torch.utils import _pytree as pytree
 
-from .core.errors import BatchSplitError, InfeasibleError
-from .core.plan import Hardware, Plan, Prediction
+from rpcompile.passes.analytic import AnalyticCostModel
+from rpcompile.passes.coarsen import coarsen_pass
+from rpcompile.passes.cost import cost_pass
+from rpcompile.passes.measured import MeasuredCostModel
+from rpcompile.passes.formulate import PRECISION_BYTES, partition_problem
+from rpcompile.passes.host import host_embedding_pass
+from rpcompile.passes.loss_head import TARGET, split_head
+from rpcompile.passes.lower import to_plan
+from rpcompile.passes.partition import solve
+from rpcompile.passes.problem import PartitionProblem
+from rpcompile.passes.segment_rules import format_bytes
+from rpcompile.passes.shape import shape_pass
+from rpcompile.passes.tables import min_feasible_memory
+from rpcompile.passes.trace import trace
+
+from .core.batch import split_microbatches
+from .core.errors import ConfigError, InfeasibleError, RPCompileError
+from .core.plan import Hardware, Plan
 from .core.specs import DeviceSpec, get_spec
 
 __all__ = [
+    "Compilation",
+    "PASSES",
+    "FRONT",
+    "run",
+    "start",
+    "analyze",
+    "prepare",
     "plan",
+    "compile_plan",
     "plan_graph",
-    "compare",
     "partition_problem",
-    "to_plan",
-    "split_microbatches",
+    "compare",
+    "make_cost_model",
     "make_hardware",
     "default_spec",
     "STRATEGIES",
@@ -35,11 +69,195 @@ __all__ = [
     "fastest",
 ]
 
+log = logging.getLogger("rpcompile")
+
 STRATEGIES = ("ilp", "dp", "roundpipe", "uniform")
-PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 #: Sequence chunks ``head_chunks="auto"`` tries for the LM head (besides not splitting it): on the benchmark
 #: models, 8 chunks beat 4 and 16 (benchmarks/RESULTS.md, schedules).
 AUTO_HEAD_CHUNKS = 8
+
+
+@dataclass
+class Compilation:
+    """One run of the pass pipeline: its inputs (the example microbatch and the options) and each pass's result."""
+
+    model: torch.nn.Module | None
+    args: tuple[Any, ...]
+    """The example's positional inputs, one microbatch of them."""
+    kwargs: dict[str, Any]
+    cost_model: Any
+    microbatches: int
+    hardware: Hardware | None = None
+    precision: str = "fp32"
+    head_chunks: int = 1
+    loss: tuple[Any, Any] | None = None
+    """``(loss_fn, target of one microbatch)`` when the loss joins the graph (``head_chunks > 1``)."""
+    leaf_modules: Sequence[Any] = ()
+    progress: bool | None = None
+    threads: int | None = None
+    """Intra-op threads while measuring costs (a logical CPU device's share of the cores); None: as they are."""
+    host_embedding: "bool | Sequence[str]" = True
+    max_segments: int | None = None
+    segments_per_layer: int = 2
+    strategy: str = "ilp"
+    time_limit_s: float = 10.0
+    allow_save: bool = True
+
+    gm: fx.GraphModule | None = None
+    """trace: the graph; later passes annotate and rewrite it."""
+    problem: PartitionProblem | None = None
+    """problem: the partition problem (plain numbers)."""
+    result: Any = None
+    """partition: the solver's result."""
+    plan: Plan | None = None
+    """lower: the plan of names."""
+    times: dict[str, float] = field(default_factory=dict)
+    """Seconds each pass took."""
+
+    @property
+    def graph(self) -> fx.GraphModule:
+        if self.gm is None:
+            raise RuntimeError("no graph yet: run the trace pass first")
+        return self.gm
+
+
+# ------------------------------------------------------------------------------------------------- the passes
+def _trace(c: Compilation) -> None:
+    if c.model is None:
+        raise RuntimeError("the trace pass needs a model")
+    gm = trace(c.model, c.args, example_kwargs=c.kwargs, leaf_modules=c.leaf_modules)
+    if not isinstance(gm, fx.GraphModule):
+        raise TypeError(f"trace returned {type(gm).__name__}, expected a GraphModule")
+    c.gm = gm
+
+
+def _loss_head(c: Compilation) -> None:
+    """``loss`` given: the loss joins the graph (a last input ``target``) and ``head_chunks > 1`` splits the LM head
+    and its cross-entropy along the sequence (:mod:`rpcompile.passes.loss_head`)."""
+    if c.loss is None:
+        if c.head_chunks > 1:
+            raise ConfigError(f"head_chunks={c.head_chunks} splits the LM head together with its loss: pass "
+                              "loss_fn= and example_target= (a target for one batch), or use head_chunks=1")
+        return
+    loss_fn, target = c.loss
+    if c.head_chunks > 1 and not (isinstance(target, torch.Tensor) and target.dim() >= 2):
+        raise ConfigError(f"head_chunks={c.head_chunks} splits along the sequence: the target must be a "
+                          f"[batch, sequence] tensor, got {getattr(target, 'shape', type(target).__name__)}")
+    split_head(c.graph, loss_fn, c.head_chunks)
+    c.kwargs = {**c.kwargs, TARGET: target}
+
+
+def _shape(c: Compilation) -> None:
+    shape_pass(c.graph, c.args, c.kwargs)
+
+
+def _cost(c: Compilation) -> None:
+    threads = torch.get_num_threads()
+    if c.threads is not None:
+        torch.set_num_threads(c.threads)
+    try:
+        cost_pass(c.graph, c.args, c.kwargs, cost_model=c.cost_model, progress=c.progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _host(c: Compilation) -> None:
+    """Token embeddings whose tables are larger than an iteration's lookups run on the host
+    (:mod:`rpcompile.passes.host`); ``host_embedding`` False: none; node names: exactly those."""
+    if c.host_embedding:
+        names = None if c.host_embedding is True else tuple(c.host_embedding)
+        host_embedding_pass(c.graph, microbatches=c.microbatches, names=names)
+
+
+def _coarsen(c: Compilation) -> None:
+    coarsen_pass(c.graph, max_segments=c.max_segments, segments_per_layer=c.segments_per_layer)
+
+
+def _problem(c: Compilation) -> None:
+    if c.hardware is None:
+        raise RuntimeError("the problem pass needs the hardware: give Compilation.hardware")
+    c.problem = partition_problem(c.graph, hardware=c.hardware, microbatches=c.microbatches,
+                                  precision=c.precision, allow_save=c.allow_save)
+
+
+def _partition(c: Compilation) -> None:
+    """Solve with ``strategy``; :class:`InfeasibleError` (naming the least memory that fits) if nothing fits."""
+    if c.strategy not in STRATEGIES:
+        raise ConfigError(f"unknown strategy {c.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    assert c.problem is not None and c.hardware is not None
+    c.result = solve(c.problem, c.strategy, time_limit_s=c.time_limit_s)
+    if not c.result.feasible:
+        raise _infeasible(c.problem, c.hardware)
+
+
+def _lower(c: Compilation) -> None:
+    assert c.hardware is not None
+    c.plan = to_plan(c.graph, c.problem, c.result, hardware=c.hardware, precision=c.precision)
+
+
+Pass = Callable[[Compilation], None]
+
+#: The compile pipeline, in order: (name, pass).
+PASSES: tuple[tuple[str, Pass], ...] = (
+    ("trace", _trace),
+    ("loss_head", _loss_head),
+    ("shape", _shape),
+    ("cost", _cost),
+    ("host", _host),
+    ("coarsen", _coarsen),
+    ("problem", _problem),
+    ("partition", _partition),
+    ("lower", _lower),
+)
+#: The front: a costed graph (what ``rpcompile profile`` reports).
+FRONT = PASSES[:4]
+#: To a coarsened graph (what the solvers' problem is made from).
+PREPARE = PASSES[:6]
+#: From a coarsened graph to a plan.
+BACK = PASSES[6:]
+
+
+def run(c: Compilation, passes: Sequence[tuple[str, Pass]] = PASSES) -> Compilation:
+    """Run ``passes`` on ``c`` in order, logging each one's time; returns ``c``."""
+    for name, fn in passes:
+        t0 = time.perf_counter()
+        fn(c)
+        c.times[name] = time.perf_counter() - t0
+        log.info("%s: %.2f s", name, c.times[name])
+    return c
+
+
+# ------------------------------------------------------------------------------------------------- options
+def make_cost_model(*, spec: "str | DeviceSpec | None" = None, device: "str | torch.device | None" = None,
+                    dtype: torch.dtype | None = None, model_device: str = "cpu") -> Any:
+    """Pick a cost model: analytic for ``spec``, measured on ``device``; by default analytic ``rtx4090`` for a
+    model on the meta device (it cannot run) and measured on the CPU otherwise."""
+    if spec is not None and device is not None:
+        raise ConfigError("give either spec= (analytic costs) or device= (measured costs), not both")
+    if spec is None and device is None and model_device == "meta":
+        spec = "rtx4090"
+    if spec is not None:
+        return AnalyticCostModel(spec, dtype=dtype)
+    return MeasuredCostModel(device or "cpu", dtype=dtype)
+
+
+def make_hardware(gpus: int, spec: "str | DeviceSpec", memory_limit: int | None = None) -> Hardware:
+    spec = get_spec(spec)
+    if gpus < 1:
+        raise ConfigError(f"gpus must be >= 1, got {gpus}")
+    memory = int(memory_limit) if memory_limit is not None else spec.usable_memory_bytes
+    return Hardware(device_count=gpus, spec=spec, memory_bytes=memory, link_bytes_per_s=spec.host_link_bandwidth)
+
+
+def default_spec(spec: "str | DeviceSpec | None", device: "str | torch.device | None",
+                 model_device: str) -> "str | DeviceSpec":
+    """The hardware a plan is for: ``spec`` when given; the CPU when costs are measured there; else an RTX 4090
+    (also for meta-device models, which can only be costed analytically)."""
+    if spec is not None:
+        return spec
+    if model_device != "meta" and (device is None or torch.device(device).type == "cpu"):
+        return "cpu"
+    return "rtx4090"
 
 
 def head_chunk_candidates(head_chunks: "int | str", loss_fn: Any, example_target: Any) -> tuple[int, ...]:
@@ -50,20 +268,21 @@ def head_chunk_candidates(head_chunks: "int | str", loss_fn: Any, example_target
         seq = example_target.shape[1] if isinstance(example_target, torch.Tensor) and example_target.dim() >= 2 else 1
         return (1, min(AUTO_HEAD_CHUNKS, seq)) if loss_fn is not None and seq > 1 else (1,)
     if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1:
-        raise ValueError(f"head_chunks must be a positive integer or 'auto', got {head_chunks!r}")
+        raise ConfigError(f"head_chunks must be a positive integer or 'auto', got {head_chunks!r}")
     return (head_chunks,)
 
 
-def fastest(candidates: Sequence[int], attempt: Any) -> Any:
+def fastest(candidates: Sequence[int], attempt: Callable[[int], tuple[float, Any]]) -> Any:
     """Run ``attempt(k)`` for every candidate head split and return the payload of the fastest: ``attempt``
     returns ``(predicted iteration seconds, payload)`` (the first wins a tie). A split the graph refuses
-    (``ValueError`` for ``k > 1``) or that has no feasible plan (the whole head may not fit where its chunks do)
+    (an error for ``k > 1``) or that has no feasible plan (the whole head may not fit where its chunks do)
     is skipped while another candidate remains."""
-    best, errors = None, []
+    best: tuple[float, Any] | None = None
+    errors: list[Exception] = []
     for k in candidates:
         try:
             made = attempt(k)
-        except (ValueError, InfeasibleError) as exc:
+        except (ValueError, RPCompileError) as exc:
             if len(candidates) == 1 or (k == 1 and not isinstance(exc, InfeasibleError)):
                 raise
             errors.append(exc)
@@ -75,176 +294,7 @@ def fastest(candidates: Sequence[int], attempt: Any) -> Any:
     return best[1]
 
 
-def split_microbatches(values: Sequence[Any], microbatches: int) -> list[tuple[Any, ...]]:
-    """Split every tensor in ``values`` — also inside tuples, lists and dicts (a batch dict) — along dim 0 into
-    ``microbatches`` pieces of the same structure (other values are repeated)."""
-    values, spec = pytree.tree_flatten(list(values))
-    sizes = {v.shape[0] for v in values if isinstance(v, torch.Tensor) and v.dim() > 0}
-    if len(sizes) > 1:
-        raise BatchSplitError(f"inputs disagree on the batch size (dim 0): {sorted(sizes)}; pass tensors with one "
-                              "batch dimension, or constants as non-tensor arguments")
-    batch = sizes.pop() if sizes else 1
-    if microbatches < 1 or batch < microbatches:
-        raise BatchSplitError(
-            f"a batch of {batch} cannot be split into {microbatches} microbatches; "
-            f"use microbatches between 1 and {batch} (--microbatches) or a larger batch (--batch-size)"
-        )
-    pieces = [
-        torch.tensor_split(v, microbatches, dim=0) if isinstance(v, torch.Tensor) and v.dim() > 0 else [v] * microbatches
-        for v in values
-    ]
-    return [tuple(pytree.tree_unflatten([p[j] for p in pieces], spec)) for j in range(microbatches)]
-
-
-def make_hardware(gpus: int, spec: "str | DeviceSpec", memory_limit: int | None = None) -> Hardware:
-    spec = get_spec(spec)
-    if gpus < 1:
-        raise ValueError(f"gpus must be >= 1, got {gpus}")
-    memory = int(memory_limit) if memory_limit is not None else spec.usable_memory_bytes
-    return Hardware(device_count=gpus, spec=spec, memory_bytes=memory, link_bytes_per_s=spec.host_link_bandwidth)
-
-
-def partition_problem(
-    gm: fx.GraphModule,
-    *,
-    hardware: Hardware,
-    microbatches: int,
-    precision: str = "fp32",
-    stage_overhead_s: float | None = None,
-    allow_save: bool = True,
-):
-    """Lower a coarsened graph to plain numbers. Parameters read by several segments (tied embeddings) become
-    :class:`SharedParam`s: every stage that uses one receives it, and its gradient is summed over them."""
-    from rpcompile.passes.coarsen import segments_of
-    from rpcompile.passes.problem import PartitionProblem, SharedParam
-
-    segs = segments_of(gm)
-    elt = PRECISION_BYTES[precision]
-    params = dict(gm.named_parameters())
-    users: dict[str, list[int]] = {}
-    for s in segs:
-        for p in s.params:
-            users.setdefault(p, []).append(s.index)
-    own_bytes, own_grads = [0] * len(segs), [0] * len(segs)
-    shared = []
-    for name, segments in users.items():
-        p = params[name]
-        size, grad = p.numel() * elt, p.numel() * elt if p.requires_grad else 0
-        if len(segments) == 1:
-            own_bytes[segments[0]] += size
-            own_grads[segments[0]] += grad
-        else:
-            shared.append(SharedParam(name=name, bytes=size, grad_bytes=grad, segments=tuple(segments)))
-    return PartitionProblem(
-        names=tuple(s.name for s in segs),
-        layer=tuple(s.layer for s in segs),
-        fwd_s=tuple(s.fwd_s for s in segs),
-        bwd_s=tuple(s.bwd_s for s in segs),
-        rec_s=tuple(s.fwd_s for s in segs),
-        act_bytes=tuple(s.act_bytes for s in segs),
-        peak_bytes=tuple(s.peak_bytes for s in segs),
-        boundary_bytes=tuple(s.boundary_bytes for s in segs),
-        input_bytes=int(gm.meta.get("rpcompile.input_bytes", 0)),
-        input_grad_bytes=_host_grad_bytes(gm),
-        param_bytes=tuple(own_bytes),
-        grad_bytes=tuple(own_grads),
-        shared=tuple(shared),
-        device_count=hardware.device_count,
-        memory_bytes=hardware.memory_bytes,
-        link_bytes_per_s=hardware.link_bytes_per_s,
-        microbatches=microbatches,
-        stage_overhead_s=hardware.spec.stage_overhead_s if stage_overhead_s is None else stage_overhead_s,
-        allow_save=allow_save,
-    )
-
-
-def _host_grad_bytes(gm: fx.GraphModule) -> int:
-    """Bytes of the gradients of the rows the host looks up in trainable tables (per microbatch)."""
-    from rpcompile.passes.cost import DTYPE_KEY
-    from rpcompile.passes.host import host_of
-    from rpcompile.passes.shape import SHAPE_KEY, scaled_nbytes
-
-    params = dict(gm.named_parameters())
-    values = {h.value for h in host_of(gm) if params[h.weight].requires_grad}
-    return sum(scaled_nbytes(n.meta[SHAPE_KEY], gm.meta.get(DTYPE_KEY), aliases=True)
-               for n in gm.graph.find_nodes(op="placeholder") if n.name in values and SHAPE_KEY in n.meta)
-
-
-def to_plan(gm: fx.GraphModule, problem: Any, result: Any, *, hardware: Hardware, precision: str) -> Plan:
-    """Map a solver's SegmentPlan back to node names."""
-    from rpcompile.passes.coarsen import segments_of
-    from rpcompile.passes.timing import bubble_fraction, iteration_time, stage_costs
-
-    from .lowering import plan_from_ranges
-
-    segs = segments_of(gm)
-    sp = result.plan
-
-    def nodes_of(r: tuple[int, int]) -> tuple[int, int]:
-        return segs[r[0]].start, segs[r[1] - 1].stop
-
-    costs = stage_costs(problem, sp)
-    saved = [n for s, keep in zip(segs, sp.saved) if keep for n in s.nodes]
-    iteration = iteration_time(problem, sp)
-    made = plan_from_ranges(
-        gm,
-        forward=[nodes_of(r) for r in sp.forward],
-        fused=nodes_of(sp.fused),
-        backward=[nodes_of(r) for r in sp.backward],
-        hardware=hardware,
-        microbatches=problem.microbatches,
-        saved=saved,
-        stage_times=[c.time_s for c in costs],
-        stage_memory=[c.memory_bytes for c in costs],
-        stage_figures=[_figures(c, problem.microbatches) for c in costs],
-        predicted=Prediction(
-            iteration_time_s=iteration,
-            bubble_fraction=bubble_fraction(problem, sp),
-            peak_memory_bytes=max(c.memory_bytes for c in costs),
-            bound_s=float(result.stats.get("bound_s", 0.0) or 0.0),
-        ),
-        strategy=result.strategy,
-        cost_model=str(gm.meta.get("rpcompile.cost_model", "")),
-        precision=precision,
-        stats={k: v for k, v in result.stats.items() if isinstance(v, (int, float, str, bool))}
-        | {"solve_time_s": result.solve_time_s, "segments": len(segs)},
-    )
-    from rpcompile.passes.host import host_of
-    from rpcompile.passes.loss_head import HEAD_CHUNKS_META
-
-    return dataclasses.replace(made, head_chunks=int(gm.meta.get(HEAD_CHUNKS_META, 1)),
-                               host=tuple(h.node for h in host_of(gm)))
-
-
-def _figures(c: Any, microbatches: int) -> dict:
-    """A StageCost's figures as Stage fields (the cost keeps weights amortised per microbatch; the plan's
-    ``compute_s`` includes the fixed per-stage overhead)."""
-    return {
-        "compute_s": c.compute_s + c.overhead_s,
-        "weight_bytes": c.weight_bytes,
-        "grad_bytes": c.grad_bytes,
-        "upload_bytes": round(c.upload_bytes - c.weight_bytes / microbatches - c.prefetch_bytes),
-        "prefetch_bytes": c.prefetch_bytes,
-        "download_bytes": round(c.download_bytes - c.grad_bytes / microbatches - c.offload_bytes),
-        "offload_bytes": c.offload_bytes,
-        "working_bytes": c.working_bytes,
-    }
-
-
-def default_spec(spec: "str | DeviceSpec | None", device: "str | torch.device | None", model_device: str) -> "str | DeviceSpec":
-    """The hardware a plan is for: ``spec`` when given; the CPU when costs are measured there; else an RTX 4090
-    (also for meta-device models, which can only be costed analytically)."""
-    if spec is not None:
-        return spec
-    if model_device != "meta" and (device is None or torch.device(device).type == "cpu"):
-        return "cpu"
-    return "rtx4090"
-
-
-def _infeasible(problem: Any, hardware: Hardware) -> InfeasibleError:
-    from rpcompile.passes.segment_rules import format_bytes
-    from rpcompile.passes.tables import min_feasible_memory
-
+def _infeasible(problem: PartitionProblem, hardware: Hardware) -> InfeasibleError:
     need, seg = min_feasible_memory(problem)
     return InfeasibleError(
         f"no plan fits {format_bytes(hardware.memory_bytes)} per device: segment {seg} ({problem.names[seg]}) needs "
@@ -252,6 +302,82 @@ def _infeasible(problem: Any, hardware: Hardware) -> InfeasibleError:
         f"activations); allow at least {need} bytes per device (memory_limit= / --memory-limit), use more "
         "microbatches (smaller ones) or a lower precision"
     )
+
+
+def _model_device(model: torch.nn.Module) -> str:
+    return next((p.device.type for p in model.parameters()), "cpu")
+
+
+# ------------------------------------------------------------------------------------------------- drivers
+def start(
+    model: torch.nn.Module,
+    example_inputs: Sequence[Any],
+    *,
+    gpus: int,
+    spec: "str | DeviceSpec | None" = None,
+    device: "str | torch.device | None" = None,
+    microbatches: int | None = None,
+    precision: str = "fp32",
+    example_kwargs: Mapping[str, Any] | None = None,
+    loss_fn: Any = None,
+    example_target: Any = None,
+    head_chunks: int = 1,
+    **options: Any,
+) -> Compilation:
+    """A :class:`Compilation` for one microbatch of the example batch, before any pass. ``options``: the other
+    :class:`Compilation` fields (``hardware``, ``leaf_modules``, ``progress``, ``threads``, ``host_embedding``,
+    ``max_segments``, ``segments_per_layer``, ``strategy``, ``time_limit_s``, ``allow_save``)."""
+    # DESIGN.md §3: N + 1 is the fewest microbatches without a bubble between stages; one device has no
+    # pipeline to fill, and splitting the batch would only shrink its kernels.
+    m = microbatches or (gpus + 1 if gpus > 1 else 1)
+    args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
+    with_loss = head_chunks > 1  # the loss joins the graph only to be split with the head
+    if with_loss and (loss_fn is None or example_target is None):  # before the batch split's own errors
+        raise ConfigError(f"head_chunks={head_chunks} splits the LM head together with its loss: pass loss_fn= and "
+                          "example_target= (a target for one batch), or use head_chunks=1")
+    extra = (example_target,) if with_loss else ()
+    piece = split_microbatches((*args, *kwargs.values(), *extra), m)[0]
+    dtype = None if precision == "fp32" else {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    return Compilation(
+        model=model, args=tuple(piece[: len(args)]), kwargs=dict(zip(kwargs, piece[len(args):len(args) + len(kwargs)])),
+        cost_model=make_cost_model(spec=spec, device=device, dtype=dtype, model_device=_model_device(model)),
+        microbatches=m, precision=precision, head_chunks=head_chunks,
+        loss=(loss_fn, piece[-1]) if with_loss else None, **options)
+
+
+def analyze(model: torch.nn.Module, example_inputs: Sequence[Any] = (), *, cost_model: Any,
+            example_kwargs: Mapping[str, Any] | None = None, leaf_modules: Sequence[Any] = (),
+            progress: bool | None = None) -> fx.GraphModule:
+    """Trace ``model`` (exactly these inputs, not split) and cost it: the :data:`FRONT` passes."""
+    c = Compilation(model, tuple(example_inputs), dict(example_kwargs or {}), cost_model, microbatches=1,
+                    leaf_modules=leaf_modules, progress=progress)
+    return run(c, FRONT).graph
+
+
+def prepare(
+    model: torch.nn.Module,
+    example_inputs: Sequence[Any],
+    *,
+    gpus: int,
+    max_segments: int | None = None,
+    leaf_modules: Sequence[Any] = (),
+    progress: bool | None = None,
+    segments_per_layer: int = 2,
+    host_embedding: "bool | Sequence[str]" = True,
+    **options: Any,
+) -> tuple[fx.GraphModule, int]:
+    """Trace, cost (on one microbatch), move token embeddings to the host and coarsen; returns the graph and the
+    microbatch count. ``options`` as :func:`start`'s (``spec``, ``device``, ``microbatches``, ``precision``,
+    ``example_kwargs``, ``loss_fn``, ``example_target``, ``head_chunks``).
+
+    ``head_chunks > 1`` (which needs ``loss_fn`` and ``example_target``) puts the loss in the graph (its last input
+    is ``target``) and splits the LM head along the sequence (:mod:`rpcompile.passes.loss_head`).
+    ``host_embedding``: ``True`` moves the token embeddings whose tables are larger than what an iteration
+    looks up to the host (:mod:`rpcompile.passes.host`), ``False`` none, node names exactly those (a plan's)."""
+    c = start(model, example_inputs, gpus=gpus, max_segments=max_segments, leaf_modules=leaf_modules,
+              progress=progress, segments_per_layer=segments_per_layer, host_embedding=host_embedding, **options)
+    run(c, PREPARE)
+    return c.graph, c.microbatches
 
 
 def plan_graph(
@@ -264,86 +390,58 @@ def plan_graph(
     time_limit_s: float = 10.0,
     allow_save: bool = True,
 ) -> Plan:
-    """Partition a costed, coarsened graph with one strategy; raise :class:`InfeasibleError` if nothing fits.
-    ``allow_save=False`` makes every backward stage recompute (no activations kept in host memory)."""
-    from rpcompile.passes.partition import solve
-
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
-    problem = partition_problem(gm, hardware=hardware, microbatches=microbatches, precision=precision,
-                                allow_save=allow_save)
-    result = solve(problem, strategy, time_limit_s=time_limit_s)
-    if not result.feasible:
-        raise _infeasible(problem, hardware)
-    return to_plan(gm, problem, result, hardware=hardware, precision=precision)
+    """Partition a costed, coarsened graph with one strategy (the :data:`BACK` passes); raise
+    :class:`InfeasibleError` if nothing fits. ``allow_save=False`` makes every backward stage recompute (no
+    activations kept in host memory)."""
+    if strategy not in STRATEGIES:  # before the problem is made
+        raise ConfigError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    c = Compilation(None, (), {}, None, microbatches, hardware=hardware, precision=precision,
+                    strategy=strategy, time_limit_s=time_limit_s, allow_save=allow_save, gm=gm)
+    plan = run(c, BACK).plan
+    assert plan is not None
+    return plan
 
 
 def compare(
     gm: fx.GraphModule, *, hardware: Hardware, microbatches: int, precision: str = "fp32", time_limit_s: float = 10.0
 ) -> dict[str, tuple[Any, Plan | None]]:
     """Every strategy on the same problem: name -> (PartitionResult, Plan or None when infeasible)."""
-    from rpcompile.passes.partition import solve
-
     problem = partition_problem(gm, hardware=hardware, microbatches=microbatches, precision=precision)
     out = {}
     for name in STRATEGIES:
         result = solve(problem, name, time_limit_s=time_limit_s)
-        out[name] = (result, to_plan(gm, problem, result, hardware=hardware, precision=precision) if result.feasible else None)
+        made = to_plan(gm, problem, result, hardware=hardware, precision=precision) if result.feasible else None
+        out[name] = (result, made)
     return out
 
 
-def prepare(
+def compile_plan(
     model: torch.nn.Module,
     example_inputs: Sequence[Any],
     *,
     gpus: int,
     spec: "str | DeviceSpec | None" = None,
     device: "str | torch.device | None" = None,
-    microbatches: int | None = None,
+    memory_limit: int | None = None,
     precision: str = "fp32",
-    example_kwargs: Mapping[str, Any] | None = None,
-    max_segments: int | None = None,
-    leaf_modules: Sequence[Any] = (),
-    progress: bool | None = None,
     loss_fn: Any = None,
     example_target: Any = None,
-    head_chunks: int = 1,
-    segments_per_layer: int = 2,
-    host_embedding: "bool | Sequence[str]" = True,
-) -> tuple[fx.GraphModule, int]:
-    """Trace, cost (on one microbatch), move token embeddings to the host and coarsen; returns the graph and the
-    microbatch count.
+    head_chunks: "int | str" = "auto",
+    **options: Any,
+) -> Compilation:
+    """Every pass, once per LM-head split of :func:`head_chunk_candidates`; the :class:`Compilation` with the
+    fastest plan (its ``plan`` and the graph ``gm`` it was made from). ``options``: :func:`start`'s."""
+    if precision not in PRECISION_BYTES:
+        raise ConfigError(f"precision must be one of {sorted(PRECISION_BYTES)}, got {precision!r}")
+    hardware = make_hardware(gpus, default_spec(spec, device, _model_device(model)), memory_limit)
 
-    ``head_chunks > 1`` (which needs ``loss_fn`` and ``example_target``) puts the loss in the graph (its last input
-    is ``target``) and splits the LM head along the sequence (:mod:`rpcompile.passes.loss_head`).
-    ``host_embedding``: ``True`` moves the token embeddings whose tables are larger than what an iteration
-    looks up to the host (:mod:`rpcompile.passes.host`), ``False`` none, node names exactly those (a plan's)."""
-    from rpcompile.passes.coarsen import coarsen_pass
-    from rpcompile.passes.host import host_embedding_pass
+    def attempt(k: int) -> tuple[float, Compilation]:
+        c = run(start(model, example_inputs, gpus=gpus, spec=spec, device=device, precision=precision,
+                      loss_fn=loss_fn, example_target=example_target, head_chunks=k, hardware=hardware, **options))
+        assert c.plan is not None
+        return c.plan.predicted.iteration_time_s, c
 
-    from .profiling import analyze, make_cost_model
-
-    # DESIGN.md §3: N + 1 is the fewest microbatches without a bubble between stages; one device has no
-    # pipeline to fill, and splitting the batch would only shrink its kernels.
-    m = microbatches or (gpus + 1 if gpus > 1 else 1)
-    args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
-    with_loss = head_chunks > 1  # the loss joins the graph only to be split with the head
-    if with_loss and (loss_fn is None or example_target is None):  # before the batch split's own errors
-        raise ValueError(f"head_chunks={head_chunks} splits the LM head together with its loss: pass loss_fn= and "
-                         "example_target= (a target for one batch), or use head_chunks=1")
-    extra = (example_target,) if with_loss else ()
-    piece = split_microbatches((*args, *kwargs.values(), *extra), m)[0]
-    first, example_kwargs = piece[: len(args)], dict(zip(kwargs, piece[len(args):len(args) + len(kwargs)]))
-    loss = (loss_fn, piece[-1]) if with_loss else None
-    model_device = next((p.device.type for p in model.parameters()), "cpu")
-    dtype = None if precision == "fp32" else {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    cost_model = make_cost_model(spec=spec, device=device, dtype=dtype, model_device=model_device)
-    gm = analyze(model, first, example_kwargs=example_kwargs, cost_model=cost_model, leaf_modules=leaf_modules,
-                 progress=progress, loss=loss, head_chunks=head_chunks)
-    if host_embedding:
-        host_embedding_pass(gm, microbatches=m, names=None if host_embedding is True else tuple(host_embedding))
-    coarsen_pass(gm, max_segments=max_segments, segments_per_layer=segments_per_layer)
-    return gm, m
+    return fastest(head_chunk_candidates(head_chunks, loss_fn, example_target), attempt)
 
 
 def plan(
@@ -382,18 +480,10 @@ def plan(
     ``host_embedding`` (default on) lets the host run token embeddings whose tables are larger than what an
     iteration looks up (:mod:`rpcompile.passes.host`); ``False`` none, node names exactly those lookups.
     """
-    if precision not in PRECISION_BYTES:
-        raise ValueError(f"precision must be one of {sorted(PRECISION_BYTES)}, got {precision!r}")
-    model_device = next((p.device.type for p in model.parameters()), "cpu")
-    hardware = make_hardware(gpus, default_spec(spec, device, model_device), memory_limit)
-
-    def attempt(k: int) -> tuple[float, Plan]:
-        gm, m = prepare(model, example_inputs, gpus=gpus, spec=spec, device=device, microbatches=microbatches,
-                        precision=precision, example_kwargs=example_kwargs, max_segments=max_segments,
+    made = compile_plan(model, example_inputs, gpus=gpus, spec=spec, device=device, microbatches=microbatches,
+                        memory_limit=memory_limit, strategy=strategy, precision=precision,
+                        example_kwargs=example_kwargs, time_limit_s=time_limit_s, max_segments=max_segments,
                         leaf_modules=leaf_modules, progress=progress, loss_fn=loss_fn, example_target=example_target,
-                        head_chunks=k, segments_per_layer=segments_per_layer, host_embedding=host_embedding)
-        made = plan_graph(gm, hardware=hardware, microbatches=m, strategy=strategy, precision=precision,
-                          time_limit_s=time_limit_s)
-        return made.predicted.iteration_time_s, made
-
-    return fastest(head_chunk_candidates(head_chunks, loss_fn, example_target), attempt)
+                        head_chunks=head_chunks, segments_per_layer=segments_per_layer, host_embedding=host_embedding)
+    assert made.plan is not None
+    return made.plan

@@ -1,89 +1,24 @@
-"""The front half of the compiler and its report: trace → shape_pass → cost_pass → a per-module cost table.
-
-:func:`analyze` is the small pass driver (each pass logged with its time); :func:`profile` wraps it and rolls
-node costs up by source module (``layers.3``, ``lm_head``, …) into a :class:`Profile` — the table behind
+"""The cost report: the front of the pass pipeline (trace → shape → cost, :func:`rpcompile.planning.analyze`)
+rolled up by source module (``layers.3``, ``lm_head``, …) into a :class:`Profile` — the table behind
 ``rpcompile profile`` and its ``--json`` form.
 """
 
 from __future__ import annotations
 
-import logging
 import re
-import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.fx as fx
 
+from rpcompile.passes.cost import node_cost
+from rpcompile.passes.util import compute_nodes, module_path
+
 from .core.specs import DeviceSpec
+from .planning import analyze, make_cost_model
 
-__all__ = ["analyze", "profile", "profile_graph", "make_cost_model", "Profile", "CostRow", "rollup_name"]
-
-log = logging.getLogger("rpcompile")
-
-
-def make_cost_model(*, spec: "str | DeviceSpec | None" = None, device: "str | torch.device | None" = None,
-                    dtype: torch.dtype | None = None, model_device: str = "cpu"):
-    """Pick a cost model: analytic for ``spec``, measured on ``device``; by default analytic ``rtx4090`` for a
-    model on the meta device (it cannot run) and measured on the CPU otherwise."""
-    from rpcompile.passes.cost import MeasuredCostModel
-
-    if spec is not None and device is not None:
-        raise ValueError("give either spec= (analytic costs) or device= (measured costs), not both")
-    if spec is None and device is None and model_device == "meta":
-        spec = "rtx4090"
-    if spec is not None:
-        from rpcompile.passes.analytic import AnalyticCostModel
-
-        return AnalyticCostModel(spec, dtype=dtype)
-    return MeasuredCostModel(device or "cpu", dtype=dtype)
-
-
-def _timed(name: str, fn: Callable[[], Any]) -> Any:
-    t0 = time.perf_counter()
-    out = fn()
-    log.info("%s: %.2f s", name, time.perf_counter() - t0)
-    return out
-
-
-def analyze(
-    model: torch.nn.Module,
-    example_inputs: Sequence[Any] = (),
-    *,
-    example_kwargs: Mapping[str, Any] | None = None,
-    cost_model: Any,
-    leaf_modules: Sequence[Any] = (),
-    progress: bool | None = None,
-    loss: tuple[Any, Any] | None = None,
-    head_chunks: int = 1,
-) -> fx.GraphModule:
-    """Trace ``model`` and run the shape and cost passes; returns the annotated GraphModule.
-
-    ``loss=(loss_fn, example_target)`` puts the loss in the graph (:func:`rpcompile.passes.loss_head.attach_loss`:
-    a last input ``target``) and ``head_chunks > 1`` then splits the LM head and its cross-entropy along the
-    sequence (:func:`~rpcompile.passes.loss_head.chunk_loss_head`)."""
-    from rpcompile.passes.cost import cost_pass
-    from rpcompile.passes.loss_head import TARGET, split_head
-    from rpcompile.passes.shape import shape_pass
-    from rpcompile.tracing import trace
-
-    gm = _timed("trace", lambda: trace(model, example_inputs, example_kwargs=example_kwargs, leaf_modules=leaf_modules))
-    if not isinstance(gm, fx.GraphModule):
-        raise TypeError(f"trace returned {type(gm).__name__}, expected a GraphModule")
-    if loss is not None:
-        loss_fn, target = loss
-        if head_chunks > 1 and not (isinstance(target, torch.Tensor) and target.dim() >= 2):
-            raise ValueError(f"head_chunks={head_chunks} splits along the sequence: the target must be a "
-                             f"[batch, sequence] tensor, got {getattr(target, 'shape', type(target).__name__)}")
-        split_head(gm, loss_fn, head_chunks)
-        example_kwargs = {**dict(example_kwargs or {}), TARGET: target}
-    elif head_chunks > 1:
-        raise ValueError(f"head_chunks={head_chunks} splits the LM head together with its loss: pass loss_fn= and "
-                         "example_target= (a target for one batch), or use head_chunks=1")
-    _timed("shape_pass", lambda: shape_pass(gm, example_inputs, example_kwargs))
-    _timed("cost_pass", lambda: cost_pass(gm, example_inputs, example_kwargs, cost_model=cost_model, progress=progress))
-    return gm
+__all__ = ["profile", "profile_graph", "Profile", "CostRow", "rollup_name"]
 
 
 @dataclass(frozen=True)
@@ -142,10 +77,6 @@ def _auto_depth(paths: Sequence[str]) -> int:
 
 def profile_graph(gm: fx.GraphModule, *, depth: int | None = None) -> Profile:
     """Roll the ``rpcompile.cost`` annotations of ``gm`` up by module."""
-    from rpcompile.passes.cost import node_cost
-    from rpcompile.passes.util import compute_nodes
-    from rpcompile.passes.util import module_path
-
     nodes = compute_nodes(gm)
     paths = {n: module_path(n) for n in nodes}
     depth = depth or _auto_depth(list(paths.values()))

@@ -25,6 +25,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from rpcompile.core.errors import ConfigError
+
 from .offload import Offloader
 
 __all__ = ["Device", "CpuDevice", "CudaDevice", "make_devices", "host_buffer", "WEIGHT_CHUNK_BYTES"]
@@ -105,7 +107,7 @@ class Device:
         return self.handoffs.submit([t], priority=self._handoff_seq, ready=self._computed(), wrap=lambda h: h[0])
 
     def offload(self, value: Any, *, priority: Any) -> Any:
-        """A forward stage's saved activations (:class:`~.saved.HostSaved`) to host memory: now, or through the
+        """A forward stage's saved activations (:class:`~.capture.HostSaved`) to host memory: now, or through the
         offloader (a :class:`~.offload.Landing` the backward stage waits on)."""
         if self.offloader is None:
             return value.map(self.download)
@@ -223,15 +225,15 @@ def make_devices(devices: "list[str | torch.device | Device] | None", gpus: int 
     your own, e.g. a test device) or ``gpus=k``."""
     if devices is None:
         if gpus is None:
-            raise ValueError("give devices=[...] or gpus=k")
+            raise ConfigError("give devices=[...] or gpus=k")
         if gpus > torch.cuda.device_count():
-            raise ValueError(
+            raise ConfigError(
                 f"gpus={gpus} but {torch.cuda.device_count()} CUDA device(s) are visible; "
                 "use devices=['cpu'] * k for logical CPU devices"
             )
         devices = [f"cuda:{i}" for i in range(gpus)]
     if not devices:
-        raise ValueError("need at least one device")
+        raise ConfigError("need at least one device")
     out: list[Device] = []
     for i, d in enumerate(devices):
         if isinstance(d, Device):

@@ -23,7 +23,7 @@ Stage semantics (DESIGN.md §3):
 - backward stages recompute their forward from the saved boundary values with autograd on, then run backward with
   the gradients later stages left for their outputs, and leave gradients for their own inputs. Saved segments
   (:mod:`.saved`) are not recomputed: the forward stage runs their fw graph and ships their saved tensors
-  (:class:`~.saved.HostSaved`); in the backward stage they are one autograd node that runs their bw graph.
+  (:class:`~.capture.HostSaved`); in the backward stage they are one autograd node that runs their bw graph.
 Buffers (BatchNorm statistics) are updated by the real forward only: recomputation runs on copies — of the values
 the forward stage found for that microbatch, where it changed them (a running mean the forward also reads
 recomputes as that microbatch saw it). Randomness (dropout) is replayed per node (:mod:`.rng`), so recomputation
@@ -48,6 +48,7 @@ from rpcompile.core.schedule import Action
 
 from . import rng, saved
 from .bind import bind
+from .capture import HostSaved
 from .devices import Device
 from .offload import Landing
 
@@ -341,7 +342,7 @@ class Executor:
                 v = device.upload(v, self.dtype)
                 if leaves and v.is_floating_point() and name in self.program.needs_grad:
                     v = v.detach().requires_grad_(True)
-            elif isinstance(v, saved.HostSaved):  # saved activations keep their dtype (the compute precision)
+            elif isinstance(v, HostSaved):  # saved activations keep their dtype (the compute precision)
                 v = v.map(device.upload)
             out.append(v)
         return out
@@ -429,7 +430,7 @@ class Executor:
                 outs = self._call(prog, state, self._inputs(device, prog, mb, leaves=False), copy_buffers=False)
                 self._keep_buffers_before(device, prog, state, kept, mb)
             for name, v in zip(prog.outputs, outs):
-                if isinstance(v, saved.HostSaved):  # behind the compute, latest stage first (runtime/offload.py)
+                if isinstance(v, HostSaved):  # behind the compute, latest stage first (runtime/offload.py)
                     self.store.put(name, mb, device.offload(v, priority=(-prog.index, mb)))
                 elif isinstance(v, torch.Tensor):
                     self.store.put(name, mb, device.handoff(v))
@@ -480,7 +481,7 @@ def _next_weights(actions: Sequence[Action]) -> dict[int, int]:
 def _to_host(device: Device, v: Any) -> Any:
     if isinstance(v, torch.Tensor):
         return device.download(v)
-    if isinstance(v, saved.HostSaved):
+    if isinstance(v, HostSaved):
         return v.map(device.download)
     return v
 

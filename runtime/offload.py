@@ -29,6 +29,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from rpcompile.core.errors import ConfigError
+
 __all__ = ["Landing", "Offloader"]
 
 
@@ -63,9 +65,9 @@ class Offloader:
                  budget_bytes: float = math.inf, max_pending: int | None = None, name: str = "offload",
                  what: str = "saved activations"):
         if budget_bytes < 0:
-            raise ValueError(f"budget_bytes={budget_bytes} must be >= 0")
+            raise ConfigError(f"budget_bytes={budget_bytes} must be >= 0")
         if max_pending is not None and max_pending < 1:
-            raise ValueError(f"max_pending={max_pending} must be >= 1")
+            raise ConfigError(f"max_pending={max_pending} must be >= 1")
         self.copy, self.budget_bytes, self.max_pending, self.what = copy, float(budget_bytes), max_pending, what
         self.pending_bytes = 0.0
         self.pending = 0

@@ -10,6 +10,7 @@ Logical CPU devices share one generator, so seeding takes a process-wide lock th
 
 from __future__ import annotations
 
+import itertools
 import threading
 import zlib
 from typing import Any, Callable
@@ -17,14 +18,17 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from rpcompile.core.randomness import is_random
+from rpcompile.core.randomness import is_random, random_kind
 
-__all__ = ["context", "seed_random_nodes", "seeded_call"]
+__all__ = ["context", "seed_random_nodes", "seeded_call", "seeded_noise", "dropout_to_noise"]
 
 context = threading.local()
 """Per worker thread: ``iteration``, ``microbatch`` and ``device`` (a torch.device) of the stage running now."""
 
 _CPU_LOCK = threading.Lock()
+_NOISE: dict[str, tuple[str, Callable[..., Any], tuple, dict]] = {}
+"""Token of a dropout made noise (:func:`dropout_to_noise`) -> (node name, op, its other args, kwargs)."""
+_TOKENS = itertools.count()
 
 
 def seeded_call(key: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -78,3 +82,38 @@ def seed_random_nodes(gm: fx.GraphModule) -> int:
     if count:
         gm.recompile()
     return count
+
+
+@torch.library.custom_op("rpcompile::seeded_noise", mutates_args=())
+def seeded_noise(like: torch.Tensor, token: str) -> torch.Tensor:
+    """Dropout's multiplicative noise for ``like`` (mask / (1 - p)), seeded like the node it replaces."""
+    name, fn, args, kwargs = _NOISE[token]
+    return seeded_call(name, fn, torch.ones_like(like), *args, **kwargs).clone()
+
+
+@seeded_noise.register_fake
+def _(like: torch.Tensor, token: str) -> torch.Tensor:
+    return torch.empty_like(like)
+
+
+def dropout_to_noise(gm: fx.GraphModule) -> bool:
+    """Rewrite every dropout node of ``gm`` into ``x * seeded_noise(x.detach())``; False if another random node
+    remains (such a segment cannot be saved)."""
+    for node in list(gm.graph.nodes):
+        kind = random_kind(gm, node)
+        if kind == "other":
+            return False
+        if kind is None:
+            continue
+        fn = gm.get_submodule(node.target) if node.op == "call_module" else node.target
+        token = f"{next(_TOKENS)}/{node.name}"
+        _NOISE[token] = (node.name, fn, tuple(node.args[1:]), dict(node.kwargs))
+        x = node.args[0]
+        with gm.graph.inserting_before(node):
+            noise = gm.graph.call_function(torch.ops.rpcompile.seeded_noise.default,
+                                           (gm.graph.call_method("detach", (x,)), token))
+            new = gm.graph.call_function(torch.mul, (x, noise))
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+    gm.recompile()
+    return True

@@ -7,11 +7,12 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from rpcompile.core.errors import ConfigError
 from rpcompile.models import load_model
 from rpcompile.passes.coarsen import SEGMENT_KEY, coarsen_pass, live_bytes, segments_of
 from rpcompile.passes.cost import node_cost
 from rpcompile.passes.util import compute_nodes
-from rpcompile.profiling import analyze, make_cost_model
+from rpcompile.planning import analyze, make_cost_model
 
 
 class Skip(nn.Module):
@@ -114,7 +115,7 @@ def test_finer_segments_split_inside_the_halves(llama32):
     # every default cut is still a cut: the finer segmentation refines the halves
     coarse = segments_of(coarsen_pass(llama32))
     assert {s.stop for s in coarse} <= {s.stop for s in fine}
-    with pytest.raises(ValueError, match=r"segments_per_layer must be a positive integer, got 0"):
+    with pytest.raises(ConfigError, match=r"segments_per_layer must be a positive integer, got 0"):
         coarsen_pass(llama32, segments_per_layer=0)
 
 

@@ -12,8 +12,8 @@ import torch.nn as nn
 import rpcompile
 from rpcompile.models import load_model
 from rpcompile.passes.host import HOST_KEY, HostEmbedding, host_candidates, host_embedding_pass, host_of
-from rpcompile.passes.util import flat_inputs
-from rpcompile.tracing import trace
+from rpcompile.core.batch import flat_inputs
+from rpcompile.passes.trace import trace
 
 from test_runtime import FINE_CPU, TOL, assert_grads_equal
 

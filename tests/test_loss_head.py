@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 
 import rpcompile
+from rpcompile.core.errors import LossHeadError
 from rpcompile.models import load_model
-from rpcompile.passes.loss_head import attach_loss, chunk_loss_head
-from rpcompile.tracing import trace
+from rpcompile.passes.loss_head import attach_loss, chunk_loss_head, split_head
+from rpcompile.passes.trace import trace
 
 from test_runtime import FINE_CPU, TOL, assert_grads_equal
 
@@ -47,6 +48,15 @@ def test_head_split_refuses_what_it_cannot_split():
     gm = attach_loss(trace(spec.model, spec.example_inputs), weighted)
     assert chunk_loss_head(gm, 4).reason == "cross_entropy must be a plain mean (no class weights, default reduction)"
     assert _ce_count(gm) == 1  # refused: the graph is left as it was
+    # asked for explicitly, a split that cannot happen is a domain error (and a ValueError, for planning.fastest)
+    with pytest.raises(LossHeadError, match=r"^head_chunks=4: the LM head cannot be split \(cross_entropy must be a "
+                                            r"plain mean .*\); use head_chunks=1$"):
+        split_head(trace(spec.model, spec.example_inputs), weighted, 4)
+    with pytest.raises(LossHeadError, match=r"^head_chunks=2 splits the LM head together with its loss: pass loss_fn=$"):
+        split_head(trace(spec.model, spec.example_inputs), None, 2)
+    gm = attach_loss(trace(spec.model, spec.example_inputs), spec.loss_fn)
+    with pytest.raises(LossHeadError, match=r"^the model already has an input named 'target'; rename it"):
+        attach_loss(gm, spec.loss_fn)
 
 
 def test_split_head_with_a_loss_module_and_label_smoothing():

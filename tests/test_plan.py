@@ -10,7 +10,7 @@ import torch
 
 from _toy import TiedToy, toy_graph
 from rpcompile.core.errors import PlanFileError, PlanMismatchError
-from rpcompile.lowering import plan_from_ranges
+from rpcompile.passes.lower import plan_from_ranges
 from rpcompile.core.plan import SCHEMA_VERSION, Hardware, Plan, Prediction
 from rpcompile.core.specs import get_spec
 from rpcompile.passes.fingerprint import fingerprint

@@ -25,8 +25,8 @@ from rpcompile.passes.tables import min_feasible_memory
 from rpcompile.passes.timing import iteration_time, stage_costs
 from rpcompile.passes.util import compute_nodes, node_params
 from rpcompile.core.plan import Plan
-from rpcompile.planning import (STRATEGIES, compare, make_hardware, partition_problem, plan, plan_graph, prepare,
-                                split_microbatches)
+from rpcompile.core.batch import split_microbatches
+from rpcompile.planning import STRATEGIES, compare, make_hardware, partition_problem, plan, plan_graph, prepare
 from rpcompile.core.specs import get_spec
 from rpcompile.invariants import plan_violations, verify_plan
 

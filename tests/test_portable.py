@@ -12,9 +12,10 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from rpcompile.passes.cost import MeasuredCostModel, cost_pass, node_cost
+from rpcompile.passes.cost import cost_pass, node_cost
+from rpcompile.passes.measured import MeasuredCostModel
 from rpcompile.passes.portable import RESHAPE, default_device, portable_pass
-from rpcompile.tracing import trace
+from rpcompile.passes.trace import trace
 
 from _devices import scrambled
 from _hf import hf_model

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import rpcompile
 from rpcompile.models import load_model
-from rpcompile.planning import split_microbatches
+from rpcompile.core.batch import split_microbatches
 from rpcompile.core.schedule import Action, format_schedule, parse_action, round_robin
 from rpcompile.core.specs import get_spec
 
@@ -52,7 +52,7 @@ def assert_matches_seeded_reference(spec, ref, x, y, m, loss):
     on one device over the same microbatches (gradient accumulation, no recompute); loss, gradients and buffers
     must match."""
     from rpcompile.runtime import rng
-    from rpcompile.tracing import trace
+    from rpcompile.passes.trace import trace
 
     ref_gm = trace(ref, (x,))
     assert rng.seed_random_nodes(ref_gm) >= 1
@@ -319,7 +319,7 @@ def _saving_pipeline(name, parity, k=2, m=3, devices=None):
     """A hand-made plan over ``name``: two forward stages, two backward stages cut elsewhere, and every other
     segment (outside the fused stage) saved, so each backward stage mixes saved and recomputed segments. On
     ``devices`` (default ``["cpu"] * k``)."""
-    from rpcompile.lowering import plan_from_ranges
+    from rpcompile.passes.lower import plan_from_ranges
     from rpcompile.passes.coarsen import coarsen_pass, segments_of
     from rpcompile.passes.util import compute_nodes
     from rpcompile.pipeline import Pipeline

@@ -1,4 +1,4 @@
-"""Tracing (rpcompile/tracing.py): eager equivalence, original parameter names, shared storage, clear failures."""
+"""Tracing (passes/trace.py): eager equivalence, original parameter names, shared storage, clear failures."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from rpcompile.core.errors import TraceError
 from rpcompile.models import load_model
 from rpcompile.models.llama import Attention
 from rpcompile.passes.util import module_path
-from rpcompile.tracing import TRACE_META_KEY, trace
+from rpcompile.passes.trace import TRACE_META_KEY, trace
 
 
 def assert_same_state(gm: fx.GraphModule, model: nn.Module) -> None:
@@ -309,7 +309,8 @@ def test_a_vmap_region_becomes_one_node_that_runs_whole_on_any_device() -> None:
     storage of BatchedTensorImpl``), so the region is outlined, and made portable like every stage."""
     import copy
 
-    from rpcompile.passes.cost import MeasuredCostModel, cost_pass
+    from rpcompile.passes.cost import cost_pass
+    from rpcompile.passes.measured import MeasuredCostModel
     from rpcompile.passes.portable import portable_pass
     from rpcompile.passes.shape import shape_pass
 

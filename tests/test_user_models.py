@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import rpcompile
-from rpcompile.planning import split_microbatches
+from rpcompile.core.batch import split_microbatches
 
 from test_runtime import FINE_CPU, TOL, assert_grads_equal
 
@@ -262,7 +262,7 @@ def test_an_in_place_activation_on_a_view_stays_in_place_and_is_costed():
     """An in-place op the graph cannot make out of place (it writes through an ``nn.Identity`` into its input)
     keeps its semantics; profiling runs it on a copy of its leaf input."""
     from rpcompile.passes.inplace import writes_first_arg
-    from rpcompile.tracing import trace
+    from rpcompile.passes.trace import trace
 
     class Through(nn.Module):
         def __init__(self):
@@ -305,7 +305,7 @@ def test_a_tuple_handed_between_saved_segments_is_recomputed_like_eager():
     """A segment cut between ``nn.MultiheadAttention`` and the ``[0]`` that reads its ``(output, weights)``: a capture
     takes tensors only (the tuple's tensor was a real tensor inside a fake trace), so those segments are recomputed
     and the others saved; loss and gradients equal eager."""
-    from rpcompile.lowering import plan_from_ranges
+    from rpcompile.passes.lower import plan_from_ranges
     from rpcompile.passes.coarsen import SEGMENT_KEY
     from rpcompile.passes.util import compute_nodes
     from rpcompile.pipeline import Pipeline

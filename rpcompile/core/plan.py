@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-from .errors import PlanFileError, PlanMismatchError
+from .errors import ConfigError, PlanFileError, PlanMismatchError
 from .specs import DeviceSpec
 
 __all__ = ["SCHEMA_VERSION", "Fingerprint", "Hardware", "Stage", "Prediction", "Plan", "StageKind"]
@@ -84,9 +84,9 @@ class Hardware:
 
     def __post_init__(self) -> None:
         if self.device_count < 1:
-            raise ValueError(f"Hardware: device_count must be >= 1, got {self.device_count}")
+            raise ConfigError(f"Hardware: device_count must be >= 1, got {self.device_count}")
         if self.memory_bytes <= 0:
-            raise ValueError(f"Hardware: memory_bytes must be > 0, got {self.memory_bytes}")
+            raise ConfigError(f"Hardware: memory_bytes must be > 0, got {self.memory_bytes}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,7 +133,7 @@ class Stage:
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
-            raise ValueError(f"stage {self.name}: kind must be one of {_KINDS}, got {self.kind!r}")
+            raise ConfigError(f"stage {self.name}: kind must be one of {_KINDS}, got {self.kind!r}")
         for name in ("nodes", "params", "saved", "modules", "saved_modules"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
 
@@ -187,7 +187,7 @@ class Plan:
         object.__setattr__(self, "stages", tuple(self.stages))
         object.__setattr__(self, "host", tuple(self.host))
         if self.microbatches < 1:
-            raise ValueError(f"Plan: microbatches must be >= 1, got {self.microbatches}")
+            raise ConfigError(f"Plan: microbatches must be >= 1, got {self.microbatches}")
 
     # ---- views ----------------------------------------------------------------------------------------
     @property

@@ -16,6 +16,8 @@ import re
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
+from .errors import ConfigError
+
 __all__ = ["Action", "ActionKind", "round_robin", "gpipe", "one_f_one_b", "interleaved_one_f_one_b", "format_schedule",
            "parse_action"]
 
@@ -38,14 +40,14 @@ class Action:
 def parse_action(text: str) -> Action:
     m = _ACTION.match(text)
     if not m or (m.group(2) == "F") != bool(m.group(3)):
-        raise ValueError(f"not an action: {text!r} (examples: 3W, 3F0, 3G)")
+        raise ConfigError(f"not an action: {text!r} (examples: 3W, 3F0, 3G)")
     return Action(int(m.group(1)), m.group(2), int(m.group(3)) if m.group(3) else -1)  # type: ignore[arg-type]
 
 
 def round_robin(kinds: Sequence[str], devices: int, microbatches: int, *, offset: int = 0) -> list[list[Action]]:
     """Per-device action lists for stages of the given kinds (``forward``/``fused``/``backward``) in order."""
     if devices < 1 or microbatches < 1:
-        raise ValueError(f"need devices >= 1 and microbatches >= 1, got {devices}, {microbatches}")
+        raise ConfigError(f"need devices >= 1 and microbatches >= 1, got {devices}, {microbatches}")
     lists: list[list[Action]] = [[] for _ in range(devices)]
     for k, kind in enumerate(kinds):
         actions = lists[(k + offset) % devices]
@@ -102,9 +104,9 @@ def interleaved_one_f_one_b(devices: int, microbatches: int, chunks: int) -> lis
     alternates one forward and one backward, then drains. Like Megatron-LM it needs ``microbatches % N == 0``."""
     n, m, v = devices, microbatches, chunks
     if n < 1 or m < 1 or v < 1:
-        raise ValueError(f"need devices, microbatches and chunks >= 1, got {n}, {m}, {v}")
+        raise ConfigError(f"need devices, microbatches and chunks >= 1, got {n}, {m}, {v}")
     if m % n:
-        raise ValueError(f"interleaved 1F1B needs microbatches to be a multiple of devices ({m} is not a multiple "
+        raise ConfigError(f"interleaved 1F1B needs microbatches to be a multiple of devices ({m} is not a multiple "
                          f"of {n}); use {m + n - m % n} microbatches")
     positions, total = n * v, m * v
 

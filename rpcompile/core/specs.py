@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping
 
+from .errors import ConfigError
+
 __all__ = ["DeviceSpec", "OP_CLASSES", "SPECS", "get_spec", "GB", "GiB"]
 
 GB = 10**9
@@ -64,19 +66,19 @@ class DeviceSpec:
     def __post_init__(self) -> None:
         for name in ("tensor_flops", "fp32_flops", "memory_bandwidth", "host_link_bandwidth"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"DeviceSpec {self.name!r}: {name} must be > 0, got {getattr(self, name)}")
+                raise ConfigError(f"DeviceSpec {self.name!r}: {name} must be > 0, got {getattr(self, name)}")
         if self.memory_bytes <= 0:
-            raise ValueError(f"DeviceSpec {self.name!r}: memory_bytes must be > 0, got {self.memory_bytes}")
+            raise ConfigError(f"DeviceSpec {self.name!r}: memory_bytes must be > 0, got {self.memory_bytes}")
         unknown = set(self.efficiency) - set(OP_CLASSES)
         if unknown:
-            raise ValueError(f"DeviceSpec {self.name!r}: unknown op classes {sorted(unknown)}; known: {OP_CLASSES}")
+            raise ConfigError(f"DeviceSpec {self.name!r}: unknown op classes {sorted(unknown)}; known: {OP_CLASSES}")
         bad = {k: v for k, v in self.efficiency.items() if not 0 < v <= 1}
         if bad:
-            raise ValueError(f"DeviceSpec {self.name!r}: efficiency factors must be in (0, 1], got {bad}")
+            raise ConfigError(f"DeviceSpec {self.name!r}: efficiency factors must be in (0, 1], got {bad}")
         if not (0 <= self.stage_overhead_s < 1):
-            raise ValueError(f"DeviceSpec {self.name!r}: stage_overhead_s must be in [0, 1) seconds")
+            raise ConfigError(f"DeviceSpec {self.name!r}: stage_overhead_s must be in [0, 1) seconds")
         if not 0 < self.usable_memory_fraction <= 1:
-            raise ValueError(f"DeviceSpec {self.name!r}: usable_memory_fraction must be in (0, 1]")
+            raise ConfigError(f"DeviceSpec {self.name!r}: usable_memory_fraction must be in (0, 1]")
         # complete the efficiency table so lookups never miss
         object.__setattr__(self, "efficiency", {**_DEFAULT_EFFICIENCY, **self.efficiency})
 
@@ -141,4 +143,4 @@ def get_spec(spec: "str | DeviceSpec") -> DeviceSpec:
     try:
         return SPECS[spec]
     except KeyError:
-        raise ValueError(f"unknown device spec {spec!r}; choose one of: {', '.join(SPECS)}") from None
+        raise ConfigError(f"unknown device spec {spec!r}; choose one of: {', '.join(SPECS)}") from None

@@ -1,26 +1,34 @@
-"""Lowering node ranges into a :class:`~rpcompile.core.plan.Plan`.
+"""The lower pass: a solver's cuts → a :class:`~rpcompile.core.plan.Plan` of names.
 
 Strategies decide *where* to cut (in segments or node indices); this module turns those cuts into a plan of
-names: each stage's compute nodes, the parameters they read, the source modules they come from, and the saved
-set. Ranges are half-open intervals over the graph's compute nodes in topological order.
+names: each stage's compute nodes, the parameters they read, the source modules they come from, the saved set and
+the timing model's figures (:func:`to_plan`). Ranges are half-open intervals over the graph's compute nodes in
+topological order (:func:`plan_from_ranges`, also the way to write a plan by hand).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch.fx as fx
 
-from .core.plan import Hardware, Plan, Prediction, Stage
-from .verify import fingerprint
+from rpcompile.core.errors import ConfigError
+from rpcompile.core.plan import Hardware, Plan, Prediction, Stage
 
-__all__ = ["plan_from_ranges"]
+from .coarsen import segments_of
+from .fingerprint import fingerprint
+from .host import host_of
+from .loss_head import HEAD_CHUNKS_META
+from .shape import SHAPE_KEY
+from .timing import bubble_fraction, iteration_time, stage_costs
+from .util import compute_nodes, module_path, node_params
+
+__all__ = ["plan_from_ranges", "to_plan"]
 
 
 def _modules(nodes: Sequence[fx.Node]) -> tuple[str, ...]:
-    from rpcompile.passes.util import module_path
-
     out: list[str] = []
     for n in nodes:
         path = module_path(n) or "(root)"
@@ -31,8 +39,6 @@ def _modules(nodes: Sequence[fx.Node]) -> tuple[str, ...]:
 
 def _tokens(gm: fx.GraphModule) -> int:
     """Elements of the first integer-typed input (token ids), else the first input's batch size; 0 if unknown."""
-    from rpcompile.passes.shape import SHAPE_KEY
-
     shapes = [t for n in gm.graph.nodes if n.op == "placeholder" and SHAPE_KEY in n.meta for t in n.meta[SHAPE_KEY].tensors]
     for t in shapes:
         if t.dtype.startswith(("int", "uint")):
@@ -62,8 +68,6 @@ def plan_from_ranges(
     node-index ranges of ``gm``'s compute nodes. ``saved`` names nodes whose activations are saved to host;
     ``stage_times``/``stage_memory`` are per stage in execution order, and so are ``stage_figures`` (extra
     :class:`Stage` fields such as ``compute_s`` and ``weight_bytes``)."""
-    from rpcompile.passes.util import compute_nodes, node_params
-
     nodes = compute_nodes(gm)
     saved_set = set(saved)
     specs = [("forward", f"F{i}", r) for i, r in enumerate(forward)] + [("fused", "FB", fused)]
@@ -73,7 +77,7 @@ def plan_from_ranges(
     memory = list(stage_memory) if stage_memory is not None else [0] * n_stages
     figures = list(stage_figures) if stage_figures is not None else [{}] * n_stages
     if len(times) != n_stages or len(memory) != n_stages or len(figures) != n_stages:
-        raise ValueError(f"need {n_stages} stage times, memories and figures, got {len(times)}, {len(memory)}, {len(figures)}")
+        raise ConfigError(f"need {n_stages} stage times, memories and figures, got {len(times)}, {len(memory)}, {len(figures)}")
     stages = []
     for (kind, name, (a, b)), t, mem, fig in zip(specs, times, memory, figures):
         run = nodes[a:b]
@@ -106,3 +110,56 @@ def plan_from_ranges(
         tokens_per_microbatch=_tokens(gm),
         stats=stats or {},
     )
+
+
+def to_plan(gm: fx.GraphModule, problem: Any, result: Any, *, hardware: Hardware, precision: str) -> Plan:
+    """Map a solver's SegmentPlan back to node names."""
+    segs = segments_of(gm)
+    sp = result.plan
+
+    def nodes_of(r: tuple[int, int]) -> tuple[int, int]:
+        return segs[r[0]].start, segs[r[1] - 1].stop
+
+    costs = stage_costs(problem, sp)
+    saved = [n for s, keep in zip(segs, sp.saved) if keep for n in s.nodes]
+    iteration = iteration_time(problem, sp)
+    made = plan_from_ranges(
+        gm,
+        forward=[nodes_of(r) for r in sp.forward],
+        fused=nodes_of(sp.fused),
+        backward=[nodes_of(r) for r in sp.backward],
+        hardware=hardware,
+        microbatches=problem.microbatches,
+        saved=saved,
+        stage_times=[c.time_s for c in costs],
+        stage_memory=[c.memory_bytes for c in costs],
+        stage_figures=[_figures(c, problem.microbatches) for c in costs],
+        predicted=Prediction(
+            iteration_time_s=iteration,
+            bubble_fraction=bubble_fraction(problem, sp),
+            peak_memory_bytes=max(c.memory_bytes for c in costs),
+            bound_s=float(result.stats.get("bound_s", 0.0) or 0.0),
+        ),
+        strategy=result.strategy,
+        cost_model=str(gm.meta.get("rpcompile.cost_model", "")),
+        precision=precision,
+        stats={k: v for k, v in result.stats.items() if isinstance(v, (int, float, str, bool))}
+        | {"solve_time_s": result.solve_time_s, "segments": len(segs)},
+    )
+    return dataclasses.replace(made, head_chunks=int(gm.meta.get(HEAD_CHUNKS_META, 1)),
+                               host=tuple(h.node for h in host_of(gm)))
+
+
+def _figures(c: Any, microbatches: int) -> dict:
+    """A StageCost's figures as Stage fields (the cost keeps weights amortised per microbatch; the plan's
+    ``compute_s`` includes the fixed per-stage overhead)."""
+    return {
+        "compute_s": c.compute_s + c.overhead_s,
+        "weight_bytes": c.weight_bytes,
+        "grad_bytes": c.grad_bytes,
+        "upload_bytes": round(c.upload_bytes - c.weight_bytes / microbatches - c.prefetch_bytes),
+        "prefetch_bytes": c.prefetch_bytes,
+        "download_bytes": round(c.download_bytes - c.grad_bytes / microbatches - c.offload_bytes),
+        "offload_bytes": c.offload_bytes,
+        "working_bytes": c.working_bytes,
+    }

@@ -39,9 +39,10 @@ from torch import Tensor, fx, nn
 from torch.export import Dim
 from torch.utils import _pytree as pytree
 
-from rpcompile.core.errors import TraceError
-from rpcompile.passes.portable import portable_bodies
-from rpcompile.passes.inplace import functional_inplace_pass
+from rpcompile.core.errors import ConfigError, TraceError
+
+from .inplace import functional_inplace_pass
+from .portable import portable_bodies
 
 __all__ = ["trace", "training_inputs", "TRACE_META_KEY"]
 
@@ -74,7 +75,7 @@ def trace(
     ``ModelOutput``): its placeholders and output node are flat and a pytree codegen (un)flattens around them.
     """
     if method not in ("auto", "fx", "export"):
-        raise ValueError(f"method={method!r}; use 'auto', 'fx' or 'export'")
+        raise ConfigError(f"method={method!r}; use 'auto', 'fx' or 'export'")
     args, kwargs = training_inputs(model, example_inputs, example_kwargs)
     leaves = _check_leaves(model, tuple(leaf_modules))
     tracker = _ModuleTracker(model)

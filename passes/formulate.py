@@ -1,0 +1,77 @@
+"""The problem pass: a costed, coarsened graph → a :class:`~rpcompile.passes.problem.PartitionProblem` of plain
+numbers (per segment: times, activation and weight bytes; the hardware; the microbatch count) for the solvers."""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from rpcompile.core.plan import Hardware
+
+from .coarsen import segments_of
+from .cost import DTYPE_KEY
+from .host import host_of
+from .problem import PartitionProblem, SharedParam
+from .shape import SHAPE_KEY, scaled_nbytes
+
+__all__ = ["partition_problem", "PRECISION_BYTES"]
+
+PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def partition_problem(
+    gm: fx.GraphModule,
+    *,
+    hardware: Hardware,
+    microbatches: int,
+    precision: str = "fp32",
+    stage_overhead_s: float | None = None,
+    allow_save: bool = True,
+) -> PartitionProblem:
+    """Lower a coarsened graph to plain numbers. Parameters read by several segments (tied embeddings) become
+    :class:`SharedParam`s: every stage that uses one receives it, and its gradient is summed over them."""
+    segs = segments_of(gm)
+    elt = PRECISION_BYTES[precision]
+    params = dict(gm.named_parameters())
+    users: dict[str, list[int]] = {}
+    for s in segs:
+        for p in s.params:
+            users.setdefault(p, []).append(s.index)
+    own_bytes, own_grads = [0] * len(segs), [0] * len(segs)
+    shared = []
+    for name, segments in users.items():
+        p = params[name]
+        size, grad = p.numel() * elt, p.numel() * elt if p.requires_grad else 0
+        if len(segments) == 1:
+            own_bytes[segments[0]] += size
+            own_grads[segments[0]] += grad
+        else:
+            shared.append(SharedParam(name=name, bytes=size, grad_bytes=grad, segments=tuple(segments)))
+    return PartitionProblem(
+        names=tuple(s.name for s in segs),
+        layer=tuple(s.layer for s in segs),
+        fwd_s=tuple(s.fwd_s for s in segs),
+        bwd_s=tuple(s.bwd_s for s in segs),
+        rec_s=tuple(s.fwd_s for s in segs),
+        act_bytes=tuple(s.act_bytes for s in segs),
+        peak_bytes=tuple(s.peak_bytes for s in segs),
+        boundary_bytes=tuple(s.boundary_bytes for s in segs),
+        input_bytes=int(gm.meta.get("rpcompile.input_bytes", 0)),
+        input_grad_bytes=_host_grad_bytes(gm),
+        param_bytes=tuple(own_bytes),
+        grad_bytes=tuple(own_grads),
+        shared=tuple(shared),
+        device_count=hardware.device_count,
+        memory_bytes=hardware.memory_bytes,
+        link_bytes_per_s=hardware.link_bytes_per_s,
+        microbatches=microbatches,
+        stage_overhead_s=hardware.spec.stage_overhead_s if stage_overhead_s is None else stage_overhead_s,
+        allow_save=allow_save,
+    )
+
+
+def _host_grad_bytes(gm: fx.GraphModule) -> int:
+    """Bytes of the gradients of the rows the host looks up in trainable tables (per microbatch)."""
+    params = dict(gm.named_parameters())
+    values = {h.value for h in host_of(gm) if params[h.weight].requires_grad}
+    return sum(scaled_nbytes(n.meta[SHAPE_KEY], gm.meta.get(DTYPE_KEY), aliases=True)
+               for n in gm.graph.find_nodes(op="placeholder") if n.name in values and SHAPE_KEY in n.meta)

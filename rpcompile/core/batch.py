@@ -1,0 +1,76 @@
+"""A batch as the pipeline sees it: a call's inputs flattened into a graph's placeholders, and split into
+microbatches along dim 0. The passes use it on the example batch, the training loop on every batch."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from .errors import BatchSplitError
+
+__all__ = ["flat_inputs", "split_microbatches", "tensor_leaves"]
+
+
+def flat_inputs(gm: fx.GraphModule, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> list[Any]:
+    """The values of ``gm``'s placeholders, in order, for a call ``gm(*args, **kwargs)``.
+
+    Graphs from torch.export take pytree-flattened inputs; graphs from symbolic_trace take one value per
+    placeholder (positional first, then keyword by placeholder name, then defaults). Placeholders whose value
+    the host computes (:mod:`rpcompile.passes.host`) are not inputs and have no value here.
+    """
+    kwargs = dict(kwargs or {})
+    info = getattr(gm.graph._codegen, "pytree_info", None)
+    if info is not None and info.in_spec is not None:
+        spec = info.in_spec
+        children = spec.children()
+        if len(children) == 2 and children[1].context is not None:
+            order = list(children[1].context)
+            kwargs = {k: kwargs[k] for k in order if k in kwargs}
+        return pytree.tree_leaves((tuple(args), kwargs))
+    values: list[Any] = []
+    it = iter(args)
+    computed = {h.value for h in gm.meta.get("rpcompile.host", ())}  # passes/host.py's HOST_KEY
+    for node in gm.graph.find_nodes(op="placeholder"):
+        if node.name in computed:
+            continue
+        try:
+            values.append(next(it))
+        except StopIteration:
+            if node.name in kwargs:
+                values.append(kwargs[node.name])
+            elif node.target.lstrip("*") in kwargs:
+                values.append(kwargs[node.target.lstrip("*")])
+            elif node.args:
+                values.append(node.args[0])
+            else:
+                raise TypeError(f"missing input for placeholder {node.name!r}") from None
+    return values
+
+
+def split_microbatches(values: Sequence[Any], microbatches: int) -> list[tuple[Any, ...]]:
+    """Split every tensor in ``values`` — also inside tuples, lists and dicts (a batch dict) — along dim 0 into
+    ``microbatches`` pieces of the same structure (other values are repeated)."""
+    values, spec = pytree.tree_flatten(list(values))
+    sizes = {v.shape[0] for v in values if isinstance(v, torch.Tensor) and v.dim() > 0}
+    if len(sizes) > 1:
+        raise BatchSplitError(f"inputs disagree on the batch size (dim 0): {sorted(sizes)}; pass tensors with one "
+                              "batch dimension, or constants as non-tensor arguments")
+    batch = sizes.pop() if sizes else 1
+    if microbatches < 1 or batch < microbatches:
+        raise BatchSplitError(
+            f"a batch of {batch} cannot be split into {microbatches} microbatches; "
+            f"use microbatches between 1 and {batch} (--microbatches) or a larger batch (--batch-size)"
+        )
+    pieces = [
+        torch.tensor_split(v, microbatches, dim=0) if isinstance(v, torch.Tensor) and v.dim() > 0 else [v] * microbatches
+        for v in values
+    ]
+    return [tuple(pytree.tree_unflatten([p[j] for p in pieces], spec)) for j in range(microbatches)]
+
+
+def tensor_leaves(value: Any) -> list[torch.Tensor]:
+    """Every tensor inside a (possibly nested) value."""
+    return [v for v in pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]

@@ -4,7 +4,7 @@ Each analysis pass writes one namespaced ``node.meta`` key:
 
 - :func:`~rpcompile.passes.shape.shape_pass` → ``"rpcompile.shape"`` (dtype, shape, bytes of each output);
 - :func:`~rpcompile.passes.cost.cost_pass` → ``"rpcompile.cost"`` (time, bytes, FLOPs per node), with a
-  :class:`~rpcompile.passes.cost.MeasuredCostModel` or an :class:`~rpcompile.passes.analytic.AnalyticCostModel`.
+  :class:`~rpcompile.passes.measured.MeasuredCostModel` or an :class:`~rpcompile.passes.analytic.AnalyticCostModel`.
 
 Imports are lazy so that the torch-free solver modules can be imported without torch.
 """
@@ -21,7 +21,7 @@ _EXPORTS = {
     "COST_KEY": "cost",
     "NodeCost": "cost",
     "CostModel": "cost",
-    "MeasuredCostModel": "cost",
+    "MeasuredCostModel": "measured",
     "AnalyticCostModel": "analytic",
 }
 

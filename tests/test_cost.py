@@ -11,7 +11,8 @@ import torch.nn as nn
 
 from _hf import hf_model
 from rpcompile.passes.analytic import AnalyticCostModel
-from rpcompile.passes.cost import COST_KEY, MeasuredCostModel, NodeCost, _calibrate, cost_pass, node_cost
+from rpcompile.passes.cost import COST_KEY, NodeCost, _calibrate, cost_pass, node_cost
+from rpcompile.passes.measured import MeasuredCostModel
 from rpcompile.passes.trace import trace
 
 

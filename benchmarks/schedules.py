@@ -40,7 +40,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from rpcompile.lowering import _tokens
+from rpcompile.passes.lower import _tokens
 from rpcompile.models import load_model
 from rpcompile.passes.partition import solve
 from rpcompile.planning import make_hardware, partition_problem, prepare

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import torch
 
-from rpcompile.core.errors import RPCompileError
+from rpcompile.core.errors import ConfigError
 from rpcompile.core.schedule import parse_action
 from rpcompile.core.stages import StageCost
 from rpcompile.runtime.simulator import simulate
@@ -69,7 +69,7 @@ def compile_for_validation(model: torch.nn.Module, example_inputs: Sequence[Any]
     """``rpcompile.compile`` with measured costs (no ``spec``): on ``k`` logical CPU devices it already measures
     at the ``threads // k`` intra-op threads each device will run with."""
     if "spec" in kwargs:
-        raise RPCompileError("simulator validation compares measured costs with the executor: leave out spec=")
+        raise ConfigError("simulator validation compares measured costs with the executor: leave out spec=")
     return compile_pipeline(model, example_inputs, devices=list(devices), **kwargs)
 
 

@@ -29,7 +29,8 @@ class StageCost:
     """One stage: what it computes, moves and holds (see the module docstring)."""
 
     name: str = ""
-    """``F0``, ``FB``, ``B1``…; labels only."""
+    """``F0``, ``FB``, ``B1``…; labels only (the timing model prices stages by segment range and leaves it empty;
+    :func:`rpcompile.scenarios.from_segment_plan` names them)."""
     kind: StageKind = "forward"
     """``forward``, ``fused`` or ``backward``."""
     compute_s: float

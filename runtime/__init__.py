@@ -1,8 +1,12 @@
-"""The runtime runs plans: the round-robin executor (``executor``), devices and their transfers (``devices``,
-``offload``), saved segments (``saved``, ``symbolic``), seeded randomness (``rng``), schedules as action lists
-(``schedule``) and the simulator that walks them with a clock (``simulator``). It never plans: the drivers that
-plan and then simulate live in :mod:`rpcompile.scenarios`, timeline pictures in :mod:`rpcompile.gantt`.
-(``split`` and ``codegen`` lower a plan into stage graphs and still sit here: issue 18 moves them to the passes.)
+"""The runtime runs plans; it never plans, and imports only :mod:`rpcompile.core` and torch.
+
+It binds a lowered plan (:mod:`.bind`: saved segments, seeded random ops), runs it with the round-robin executor
+(:mod:`.executor`) on devices and their transfers (:mod:`.devices`, :mod:`.offload`), keeps saved segments'
+activations instead of recomputing them (:mod:`.saved`, :mod:`.capture`, :mod:`.symbolic`), replays randomness
+(:mod:`.rng`), and simulates the same action lists with a clock (:mod:`.simulator`, :mod:`.sim_result`). The
+schedules themselves are Core data (:mod:`rpcompile.core.schedule`); plans and stage programs come from the passes;
+the drivers that plan and then simulate live in :mod:`rpcompile.scenarios`, timeline pictures in
+:mod:`rpcompile.gantt`.
 """
 
 __all__: list[str] = []

@@ -13,6 +13,7 @@ gone must leave the list, so the list only shrinks.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -103,3 +104,27 @@ def test_arrows_down_the_layers_pass():
           "runtime/saved.py": "from rpcompile.core.errors import RPCompileError\nfrom .symbolic import Guards\n",
           "passes/ilp.py": "from rpcompile.core.plan import Plan\nfrom .problem import PartitionProblem\n"}
     assert violations(ok) == []
+
+
+def _architecture_files(readme: str) -> set[str]:
+    """Files the README's architecture table names: a row's first path gives the folder of the bare names after it."""
+    section = readme.split("## Architecture", 1)[1].split("\n## ", 1)[0]
+    named = set()
+    for row in (line for line in section.splitlines() if line.startswith("| ")):
+        folder = ""
+        for token in re.findall(r"`([^`]+)`", row):
+            if "/" in token and (token.endswith(".py") or token.endswith("/")):
+                folder = token.rpartition("/")[0] + "/"
+                named.add(token) if token.endswith(".py") else None
+            elif token.endswith(".py") and folder:
+                named.add(folder + token)
+    return named
+
+
+def test_the_readme_architecture_names_every_module_file_for_file():
+    named = _architecture_files((ROOT / "README.md").read_text())
+    # a package's __init__ that only describes or re-exports needs no row; one that defines functions does
+    modules = {rel for rel, source in _sources().items() if not rel.endswith("__init__.py")
+               or any(isinstance(n, ast.FunctionDef) for n in ast.parse(source).body)}
+    assert not modules - named, f"modules the README's architecture table does not name: {sorted(modules - named)}"
+    assert not named - modules, f"the README's architecture table names files that do not exist: {sorted(named - modules)}"

@@ -36,8 +36,9 @@ COMMANDS = {
 def _command(name: str) -> Callable[..., int]:
     """The function that runs command ``name``, its module imported now.
 
-    Lazy on purpose: the command modules import torch (3.3 s on the 2-core reference machine) and OR-Tools
-    (0.8 s), while ``rpcompile --help`` takes 0.26 s and ``--version`` 0.10 s; a typo'd option fails as fast.
+    Lazy on purpose: every command module imports torch, 2.6–3.3 s on the 2-core reference machine (a command's
+    start-up is about 4 s with OR-Tools and the passes), while ``rpcompile --help`` takes 0.15–0.2 s and
+    ``--version`` 0.1 s (measured wall times, ``/usr/bin/time``); a mistyped option fails as fast.
     """
     module, _, function = COMMANDS[name].partition(":")
     return cast("Callable[..., int]", getattr(importlib.import_module(f"{__name__}.{module}"), function))

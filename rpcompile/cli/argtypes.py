@@ -25,8 +25,8 @@ def spec(text: str) -> str:
 
 def device(text: str) -> str:
     """A device this machine has: ``cpu``, ``meta``, ``cuda:K`` with K < the CUDA devices here."""
-    # Lazy: importing torch takes 3.3 s on the 2-core reference machine and `rpcompile --help` 0.26 s; only a
-    # --device or --model-device option needs it here (and the command it belongs to imports torch anyway).
+    # Lazy: importing torch takes 2.6-3.3 s on the 2-core reference machine and `rpcompile --help` 0.15-0.2 s
+    # (this module is imported to build the parser); only a --device or --model-device value needs torch here.
     import torch
 
     try:

@@ -16,6 +16,7 @@ from rpcompile.simulation import (model_scenarios, parse_schedules, plan_scenari
                                   skipped)
 
 from .common import bars, default_microbatches, step, stepper, writable
+from .loading import load_for
 
 __all__ = ["simulate"]
 
@@ -73,10 +74,6 @@ def _scenarios(args: argparse.Namespace, schedules: list[str], host: float) -> t
 
 def _model_scenarios(args: argparse.Namespace, schedules: list[str], host: float) -> tuple[str, dict, dict[str, str], int]:
     """The MODEL form of :func:`_scenarios`: trace, cost and plan the model for each schedule."""
-    # Lazy: building a model imports torch, 3.3 s on the 2-core reference machine, while `rpcompile simulate
-    # plan.json --json` and `--layer-profile` take 1.1 s in all (OR-Tools included) and never need it.
-    from .loading import load_for
-
     m = args.microbatches or default_microbatches(args.gpus)
     args.model = args.target
     ms = load_for(args, m)

@@ -6,13 +6,15 @@
 - **Face**: everything else in ``rpcompile/`` (compile, Pipeline, CLI, views, scenario drivers, demo): anything.
 
 Every import counts, top-level and inside functions. :data:`KNOWN` lists the arrows against the layers that main
-still has, each to be removed by issue 18: a new one fails here with its file and line, and a known one that is
-gone must leave the list, so the list only shrinks.
+still has (none since issue 18): a new one fails here with its file and line, and a known one that is gone must
+leave the list, so the list only shrinks. No module imports itself through others (no file-level import loop), and
+the README's architecture table names every module, file for file.
 """
 
 from __future__ import annotations
 
 import ast
+import graphlib
 import re
 from pathlib import Path
 
@@ -128,3 +130,31 @@ def test_the_readme_architecture_names_every_module_file_for_file():
                or any(isinstance(n, ast.FunctionDef) for n in ast.parse(source).body)}
     assert not modules - named, f"modules the README's architecture table does not name: {sorted(modules - named)}"
     assert not named - modules, f"the README's architecture table names files that do not exist: {sorted(named - modules)}"
+
+
+def import_cycle(files: dict[str, str]) -> list[str]:
+    """One cycle of module imports among ``files`` (path → source), or [] if there is none."""
+    modules = {module_name(Path(rel)) for rel in files}
+    graph: dict[str, set[str]] = {}
+    for rel, source in files.items():
+        mod = module_name(Path(rel))
+        graph[mod] = set()
+        for _, target in imports(source, mod, rel.endswith("__init__.py")):
+            while target and target not in modules:  # ``from pkg.mod import name`` → pkg.mod
+                target = target.rpartition(".")[0]
+            if target and target != mod:
+                graph[mod].add(target)
+    try:
+        tuple(graphlib.TopologicalSorter(graph).static_order())
+    except graphlib.CycleError as e:
+        return list(e.args[1])
+    return []
+
+
+def test_no_module_imports_itself_through_others():
+    assert import_cycle(_sources()) == []
+
+
+def test_an_import_cycle_is_found():
+    files = {"passes/cost.py": "from .analytic import A\n", "passes/analytic.py": "from .cost import CostModel\n"}
+    assert sorted(set(import_cycle(files))) == ["rpcompile.passes.analytic", "rpcompile.passes.cost"]

@@ -14,7 +14,7 @@ import re
 import pytest
 
 from _toy import toy_graph
-from rpcompile.lowering import plan_from_ranges
+from rpcompile.passes.lower import plan_from_ranges
 from rpcompile.models import load_model
 from rpcompile.passes.coarsen import segments_of
 from rpcompile.plandiff import diff_plans

@@ -9,8 +9,9 @@ import xml.etree.ElementTree as ET
 import pytest
 
 import rpcompile
+from rpcompile.core.errors import ConfigError
 from rpcompile.graphview import graph_dot, graph_svg, rollup, write_graph
-from rpcompile.lowering import plan_from_ranges
+from rpcompile.passes.lower import plan_from_ranges
 from rpcompile.models import load_model
 from rpcompile.passes.util import compute_nodes
 from rpcompile.planning import make_hardware
@@ -97,7 +98,7 @@ def test_timeline_reads_stage_and_kind_from_the_action_text():
     tips = [r.find(SVG + "title").text for r in titled_rects(parse(svg))]
     assert sorted(t.split(":")[0] for t in tips) == ["F1 (stage 1) 1F2", "weights of F1 (stage 1) 1W"]
     assert any(t.startswith("F1 (stage 1) 1F2: microbatch 2, 1–2 ms") for t in tips)
-    with pytest.raises(ValueError, match="runs on device 3, but devices=2"):
+    with pytest.raises(ConfigError, match="runs on device 3, but devices=2"):
         timeline_svg([TimelineBar(3, "compute", "compute", 0, 0, 0.0, 1.0, "0F0")], devices=2)
 
 
@@ -187,7 +188,7 @@ def test_graph_dot_and_write_graph(demo, tmp_path):
     assert len(re.findall(r'^\s*"[^"]+" \[label=', dot, flags=re.M)) == n_boxes
     assert write_graph(tmp_path / "g.dot", plan, gm).read_text() == dot
     assert parse(write_graph(tmp_path / "g.svg", plan).read_text()) is not None  # no graph: plan order
-    with pytest.raises(ValueError, match=re.escape(
+    with pytest.raises(ConfigError, match=re.escape(
             f"cannot write a plan graph to {str(tmp_path / 'g.png')!r}: the file name must end in .svg or .dot")):
         write_graph(tmp_path / "g.png", plan, gm)
 

@@ -315,7 +315,7 @@ def _outline(gm: fx.GraphModule, region: list[fx.Node], name: str) -> fx.Node:
 
     def arg(a: fx.Node) -> fx.Node:
         if a not in env:
-            env[a] = g.get_attr(a.target) if a.op == "get_attr" else g.placeholder(a.name)
+            env[a] = g.get_attr(str(a.target)) if a.op == "get_attr" else g.placeholder(a.name)
             if a.op != "get_attr":
                 inputs.append(a)
         return env[a]
@@ -346,7 +346,7 @@ def _rebind_attributes(model: nn.Module, unlifted: nn.Module, graph: fx.Graph) -
     name comes from object identity, then from the target name.
     """
     canonical = _canonical_names(model)
-    by_name = dict(model.named_parameters(remove_duplicate=False))
+    by_name: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     by_name.update(model.named_buffers(remove_duplicate=False))
     first: dict[str, fx.Node] = {}
     holder = nn.Module()

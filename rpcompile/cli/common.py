@@ -12,7 +12,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from rpcompile.core.errors import RPCompileError
+from rpcompile.core.errors import ConfigError
 
 __all__ = ["step", "stepper", "bars", "writable", "directory", "default_microbatches"]
 
@@ -44,12 +44,12 @@ def writable(path: str, flag: str) -> None:
     target = Path(path)
     parent = target.parent
     if target.is_dir():
-        raise RPCompileError(f"{flag} {path} is a directory; give a file name such as {target / 'plan.json'}")
+        raise ConfigError(f"{flag} {path} is a directory; give a file name such as {target / 'plan.json'}")
     if not parent.is_dir():
-        raise RPCompileError(f"{flag} {path}: directory {parent} does not exist; create it (mkdir -p {parent}) "
+        raise ConfigError(f"{flag} {path}: directory {parent} does not exist; create it (mkdir -p {parent}) "
                              "or write elsewhere")
     if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
-        raise RPCompileError(f"{flag} {path}: not writable here; pick a path you can write")
+        raise ConfigError(f"{flag} {path}: not writable here; pick a path you can write")
 
 
 def directory(path: str, flag: str) -> None:
@@ -57,9 +57,9 @@ def directory(path: str, flag: str) -> None:
     try:
         Path(path).mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise RPCompileError(f"{flag} {path}: cannot create the directory ({e.strerror}); pick a path you can write") from None
+        raise ConfigError(f"{flag} {path}: cannot create the directory ({e.strerror}); pick a path you can write") from None
     if not os.access(path, os.W_OK):
-        raise RPCompileError(f"{flag} {path}: not writable here; pick a path you can write")
+        raise ConfigError(f"{flag} {path}: not writable here; pick a path you can write")
 
 
 def default_microbatches(gpus: int) -> int:

@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from rpcompile.core.errors import RPCompileError
+from rpcompile.core.errors import ConfigError, RPCompileError
 from rpcompile.core.plan import Plan
 from rpcompile.gantt import write_timeline_svg
 from rpcompile.report import devices_table, print_table, simulate_table
@@ -53,7 +53,7 @@ def _scenarios(args: argparse.Namespace, schedules: list[str], host: float) -> t
     when the layer profile says)."""
     if args.layer_profile:
         if not args.profile_model:
-            raise RPCompileError("--layer-profile needs --model NAME (which model of the file to simulate)")
+            raise ConfigError("--layer-profile needs --model NAME (which model of the file to simulate)")
         try:
             scenarios = profile_scenarios(args.layer_profile, args.profile_model, schedules=schedules, gpus=args.gpus,
                                           microbatches=args.microbatches, time_limit_s=args.time_limit)
@@ -61,14 +61,14 @@ def _scenarios(args: argparse.Namespace, schedules: list[str], host: float) -> t
             raise RPCompileError(f"{args.layer_profile}: {e}") from None
         return f"{args.profile_model} from {Path(args.layer_profile).name}", scenarios, {}, args.microbatches or 0
     if args.target is None:
-        raise RPCompileError("say what to simulate: a plan .json file, a MODEL with --gpus N, or --layer-profile FILE --model NAME")
+        raise ConfigError("say what to simulate: a plan .json file, a MODEL with --gpus N, or --layer-profile FILE --model NAME")
     if args.target.endswith(".json"):
         plan = Plan.load(args.target)
         hw = plan.hardware
         title = f"{args.target}: {plan.strategy} plan, {len(plan.stages)} stages on {hw.device_count} × {hw.spec.name}"
         return title, plan_scenarios(plan, host_bytes_per_s=host), {}, plan.microbatches
     if args.gpus is None:
-        raise RPCompileError(f"simulating model {args.target} needs --gpus N")
+        raise ConfigError(f"simulating model {args.target} needs --gpus N")
     return _model_scenarios(args, schedules, host)
 
 
@@ -86,7 +86,7 @@ def _model_scenarios(args: argparse.Namespace, schedules: list[str], host: float
                                     loss_fn=ms.loss_fn, example_target=ms.example_target,
                                     head_chunks=args.head_chunks, segments_per_layer=args.segments_per_layer,
                                     host_embedding=args.host_embedding)
-    except ValueError as e:
+    except ValueError as e:  # e.g. more stages than layers (scenarios.py still raises it bare): one line
         raise RPCompileError(str(e)) from None
     return title, scenarios, skipped(schedules, scenarios, gpus=args.gpus, microbatches=m, chunks=args.chunks), m
 

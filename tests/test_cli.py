@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
+import importlib.metadata
+import io
 import json
 import re
 import subprocess
@@ -9,8 +12,15 @@ import sys
 
 import pytest
 import torch
+from rich.console import Console
 
+import rpcompile.cli.loading
+import rpcompile.cli.plan_cmd
+from rpcompile import __version__
 from rpcompile.cli import main
+from rpcompile.cli.common import step
+from rpcompile.demo import CPU_NOTE, run_demo
+from rpcompile.report import fmt_ms, fmt_params
 
 PROFILE_FIELDS = {"params", "param_bytes", "fwd_flops", "fwd_time_s", "bwd_time_s", "activation_bytes"}
 
@@ -52,19 +62,13 @@ def test_models_say_size_layers_and_where_they_run(capsys):
 
 
 def test_version(capsys):
-    from rpcompile import __version__
-
     with pytest.raises(SystemExit) as info:
         main(["--version"])
     assert info.value.code == 0 and capsys.readouterr().out == f"rpcompile {__version__}\n"
-    import importlib.metadata
-
     assert __version__ == importlib.metadata.version("rpcompile")  # the installed package says the same
 
 
 def test_numbers_are_written_as_people_write_them():
-    from rpcompile.report import fmt_ms, fmt_params
-
     assert [fmt_params(n) for n in (8_030_261_248, 32_762_123_264, 217_664, 1_511_488, 64)] == [
         "8.03B", "32.8B", "217.7k", "1.51M", "64"]
     assert [fmt_ms(s) for s in (2.621, 0.0386, 0.00576, 0.000978, 1e-7)] == [
@@ -109,8 +113,6 @@ def test_a_factory_that_raises_is_one_line(capsys, tmp_path):
 
 def test_an_unwritable_output_is_refused_before_planning(capsys, monkeypatch, tmp_path):
     """-o is checked first: a plan of a big model takes minutes, and its file is the point."""
-    import rpcompile.cli.plan_cmd
-
     def no_planning(*args, **kwargs):
         raise AssertionError("planned before checking -o")
 
@@ -144,8 +146,6 @@ def test_an_emit_directory_that_cannot_be_made_is_refused_first(capsys, tmp_path
 
 
 def test_an_unexpected_error_is_one_line_and_verbose_shows_it(capsys, monkeypatch):
-    import rpcompile.cli.loading
-
     def broken(*args, **kwargs):
         raise KeyError("wte")
 
@@ -192,15 +192,11 @@ def test_the_bound_is_labelled_as_the_objectives(capsys):
 
 
 def test_progress_shows_on_a_terminal_only(capsys, monkeypatch):
-    import argparse
-
-    from rpcompile.cli.common import step as _step
-
-    with _step(argparse.Namespace(json=False), "solving"):
+    with step(argparse.Namespace(json=False), "solving"):
         pass
     assert capsys.readouterr().err == ""  # not a terminal (pytest captures stderr; CI pipes it)
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
-    with _step(argparse.Namespace(json=True), "solving"):
+    with step(argparse.Namespace(json=True), "solving"):
         pass
     assert capsys.readouterr().err == ""  # --json: quiet even on a terminal
 
@@ -282,12 +278,6 @@ def test_a_small_example_batch_grows_to_one_sample_per_microbatch(capsys):
 def test_the_demo_trains_the_plan_it_prints():
     """make demo: section 3 trains the very plan section 2 printed, and sets the prediction beside the measured
     step time, saying what the prediction is on this machine."""
-    import io
-
-    from rich.console import Console
-
-    from rpcompile.demo import CPU_NOTE, run_demo
-
     buf = io.StringIO()
     assert run_demo("llama-demo", big_model="", steps=2, console=Console(file=buf, width=200)) == 0
     out = buf.getvalue()

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from rpcompile.cli import main
 from rpcompile.core.errors import ConfigError
 from rpcompile.models import load_model
 from rpcompile.passes.coarsen import SEGMENT_KEY, coarsen_pass, live_bytes, segments_of
-from rpcompile.passes.cost import node_cost
+from rpcompile.passes.cost import DTYPE_KEY, node_cost
+from rpcompile.passes.shape import shape_pass
 from rpcompile.passes.util import compute_nodes
 from rpcompile.planning import analyze, make_cost_model
 
@@ -27,8 +31,6 @@ class Skip(nn.Module):
 
 
 def test_live_bytes_by_hand():
-    from rpcompile.passes.shape import shape_pass
-
     gm = fx.symbolic_trace(Skip())
     shape_pass(gm, (torch.ones(4, 4),))
     assert [n.name for n in compute_nodes(gm)] == ["mul", "add", "view", "view_1", "mul_1", "sum_1"]
@@ -41,9 +43,6 @@ def test_live_bytes_by_hand():
 def test_live_bytes_count_in_the_precision_the_model_runs_in():
     """The same fp32 graph planned for bf16 (``gm.meta["rpcompile.dtype"]``, set by the cost pass): every
     floating tensor live across a cut takes half the bytes; an integer input keeps its size."""
-    from rpcompile.passes.cost import DTYPE_KEY
-    from rpcompile.passes.shape import shape_pass
-
     class Lookup(nn.Module):
         def __init__(self):
             super().__init__()
@@ -120,10 +119,6 @@ def test_finer_segments_split_inside_the_halves(llama32):
 
 
 def test_cli_segments_per_layer(capsys):
-    import json
-
-    from rpcompile.cli import main
-
     counts = []
     for k in ("2", "4"):
         assert main(["plan", "llama-demo", "--gpus", "2", "--spec", "rtx4090", "--head-chunks", "1",

@@ -10,10 +10,12 @@ import torch
 import torch.nn.functional as F
 
 import rpcompile
-from rpcompile.core.errors import LossHeadError
+from rpcompile.cli import main
+from rpcompile.core.errors import InfeasibleError, LossHeadError
 from rpcompile.models import load_model
 from rpcompile.passes.loss_head import attach_loss, chunk_loss_head, split_head
 from rpcompile.passes.trace import trace
+from rpcompile.planning import AUTO_HEAD_CHUNKS, fastest, head_chunk_candidates
 
 from test_runtime import FINE_CPU, TOL, assert_grads_equal
 
@@ -135,8 +137,6 @@ def test_split_head_plan_file_round_trip_and_reuse(tmp_path):
 
 
 def test_cli_plans_and_checks_a_split_head(tmp_path, capsys):
-    from rpcompile.cli import main
-
     out = tmp_path / "split.json"
     assert main(["plan", "llama-demo", "--gpus", "2", "--spec", "rtx4090", "--head-chunks", "4", "-o", str(out),
                  "--json"]) == 0
@@ -146,8 +146,6 @@ def test_cli_plans_and_checks_a_split_head(tmp_path, capsys):
 
 
 def test_auto_head_chunk_candidates():
-    from rpcompile.planning import AUTO_HEAD_CHUNKS, head_chunk_candidates
-
     target = torch.zeros(2, 64, dtype=torch.long)
     assert head_chunk_candidates("auto", F.cross_entropy, target) == (1, AUTO_HEAD_CHUNKS)
     assert head_chunk_candidates("auto", F.cross_entropy, target[:, :3]) == (1, 3)  # no more chunks than tokens
@@ -160,9 +158,6 @@ def test_auto_head_chunk_candidates():
 
 
 def test_fastest_keeps_the_shortest_prediction_and_skips_refusals():
-    from rpcompile.core.errors import InfeasibleError
-    from rpcompile.planning import fastest
-
     times = {1: 3.0, 4: 2.0, 8: 2.0}
     assert fastest((1, 4, 8), lambda k: (times[k], k)) == 4  # the first of equals wins
     assert fastest((1, 8), lambda k: (times[k], k)) == 8
@@ -224,8 +219,6 @@ def test_auto_compile_of_a_model_whose_head_cannot_split_trains_as_eager():
 
 
 def test_cli_head_chunks_flag(capsys):
-    from rpcompile.cli import main
-
     for bad in ("0", "x"):
         with pytest.raises(SystemExit):
             main(["plan", "llama-demo", "--gpus", "2", "--head-chunks", bad])

@@ -15,6 +15,7 @@ import pytest
 
 from _toy import toy_graph
 from rpcompile.passes.lower import plan_from_ranges
+from rpcompile.model_match import model_differences
 from rpcompile.models import load_model
 from rpcompile.passes.coarsen import segments_of
 from rpcompile.plandiff import diff_plans
@@ -310,8 +311,6 @@ def test_alike_stages_share_a_row():
 def test_the_same_model_is_the_parameters_and_the_graph_as_planned(graph):
     """model_match.model_differences, which diff shares with show and check: plans whose graphs differ only where they
     split the LM head or run lookups on the host are for the same model; other parameters are another model."""
-    from rpcompile.model_match import model_differences
-
     a = manual(graph, "layers.2.attn", [], [1e-3] * 5, [MIB] * 5)
     other_graph = dataclasses.replace(a.model, graph_digest="0" * 64)
     split = dataclasses.replace(a, model=other_graph, head_chunks=4)

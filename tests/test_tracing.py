@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import Counter
 from operator import attrgetter
@@ -13,6 +14,10 @@ from torch import fx, nn
 from rpcompile.core.errors import TraceError
 from rpcompile.models import load_model
 from rpcompile.models.llama import Attention
+from rpcompile.passes.cost import cost_pass
+from rpcompile.passes.measured import MeasuredCostModel
+from rpcompile.passes.portable import portable_pass
+from rpcompile.passes.shape import shape_pass
 from rpcompile.passes.util import module_path
 from rpcompile.passes.trace import TRACE_META_KEY, trace
 
@@ -307,13 +312,6 @@ class _VmapMask(nn.Module):
 def test_a_vmap_region_becomes_one_node_that_runs_whole_on_any_device() -> None:
     """Export records vmap as its steps; per-node analysis and stage cuts inside them fail (``Cannot access
     storage of BatchedTensorImpl``), so the region is outlined, and made portable like every stage."""
-    import copy
-
-    from rpcompile.passes.cost import cost_pass
-    from rpcompile.passes.measured import MeasuredCostModel
-    from rpcompile.passes.portable import portable_pass
-    from rpcompile.passes.shape import shape_pass
-
     model, x = _VmapMask(), torch.randn(2, 5, 8)
     gm = trace(model, (x,))
     assert gm.meta[TRACE_META_KEY] == "export"

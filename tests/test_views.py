@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 import xml.etree.ElementTree as ET
@@ -201,8 +202,6 @@ def test_without_a_graph_the_plan_alone_gives_the_same_boxes(demo):
     # Stage.saved_modules places saved activations on the same boxes (counts are modules, not nodes)
     assert [bool(b.saved) for b in alone.boxes] == [bool(b.saved) for b in with_graph.boxes]
     # a plan written before saved_modules existed cannot place them: no marker rather than a wrong one
-    import dataclasses
-
     old = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, saved_modules=()) for s in plan.stages))
     assert all(b.saved is None for b in rollup(old).boxes) or not plan.saved
 

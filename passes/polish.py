@@ -30,7 +30,7 @@ from __future__ import annotations
 import itertools
 from typing import Iterator, Sequence
 
-from rpcompile.core.stages import StageCost
+from rpcompile.core.stages import StageCost, StageKind
 
 from .problem import PartitionProblem, SegmentPlan
 from .segment_rules import validate_segment_plan
@@ -53,10 +53,10 @@ class _Costs:
         self.pb = pb
         self.cache: dict[tuple[str, int, int, tuple[bool, ...]], StageCost] = {}
 
-    def stage(self, kind: str, a: int, b: int, saved: tuple[bool, ...]) -> StageCost:
+    def stage(self, kind: StageKind, a: int, b: int, saved: tuple[bool, ...]) -> StageCost:
         key = (kind, a, b, saved[a:b])
         if key not in self.cache:
-            self.cache[key] = _stage(self.pb, kind, a, b, saved, 0)  # type: ignore[arg-type]
+            self.cache[key] = _stage(self.pb, kind, a, b, saved, 0)
         return self.cache[key]
 
     def total(self, fwd: Sequence[tuple[int, int]], fused: tuple[int, int], bwd: Sequence[tuple[int, int]],
@@ -134,7 +134,7 @@ def _climb(pb: PartitionProblem, plan: SegmentPlan, budget: int, macro: bool) ->
     saved = plan.saved
     costs = _Costs(pb)
 
-    def t(kind: str, a: int, b: int) -> float:
+    def t(kind: StageKind, a: int, b: int) -> float:
         return costs.stage(kind, a, b, saved).time_s
 
     def total(fwd: Ranges, bwd: Ranges) -> float:
@@ -215,13 +215,13 @@ def taper(pb: PartitionProblem, plan: SegmentPlan) -> SegmentPlan:
     saved, top = plan.saved, plan.fused[0]
     costs = _Costs(pb)
 
-    def stage(kind: str, a: int, b: int) -> StageCost:
+    def stage(kind: StageKind, a: int, b: int) -> StageCost:
         return costs.stage(kind, a, b, saved)
 
     def total(fwd: Ranges, bwd: Ranges) -> float:
         return costs.total(fwd, plan.fused, bwd, saved)
 
-    def pack(kind: str, limit: float, r: float, g: float) -> Ranges:
+    def pack(kind: StageKind, limit: float, r: float, g: float) -> Ranges:
         out: Ranges = []
         a = 0
         while a < top:
@@ -234,7 +234,8 @@ def taper(pb: PartitionProblem, plan: SegmentPlan) -> SegmentPlan:
 
     fwd, bwd = list(plan.forward), list(plan.backward)
     best = total(fwd, bwd)
-    for side, current in (("forward", fwd), ("backward", bwd)):
+    sides: tuple[tuple[StageKind, Ranges], ...] = (("forward", fwd), ("backward", bwd))
+    for side, current in sides:
         if not current:
             continue
         limit = max(stage(side, a, b).time_s for a, b in current)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Sequence
 
-from rich.console import Console
+from rich.console import Console, JustifyMethod
 from rich.table import Table
 
 from rpcompile.passes.segment_rules import format_bytes as fmt_bytes
@@ -67,12 +67,16 @@ def cost_label(cost_model: str) -> str:
     return "measured on this machine" if cost_model.startswith("measured") else cost_model
 
 
+def _add_columns(table: Table, columns: Sequence[tuple[str, JustifyMethod]]) -> None:
+    for name, justify in columns:
+        table.add_column(name, justify=justify)
+
+
 def models_table(summaries: Sequence[Any]) -> Table:
     """``rpcompile models``: one row per built-in model (:class:`rpcompile.models.ModelSummary`)."""
     table = Table(title="built-in models (rpcompile profile|plan|simulate NAME)")
-    for col, justify in (("model", "left"), ("params", "right"), ("layers", "right"), ("runs", "left"),
-                         ("shape", "left")):
-        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    _add_columns(table, (("model", "left"), ("params", "right"), ("layers", "right"), ("runs", "left"),
+                         ("shape", "left")))
     for m in summaries:
         runs = "trains here (cpu)" if m.device != "meta" else "meta only: profile, plan, simulate"
         table.add_row(m.name, fmt_params(m.params), str(m.layers), runs, m.description.split(": ", 1)[-1])
@@ -82,10 +86,9 @@ def models_table(summaries: Sequence[Any]) -> Table:
 def profile_table(prof: Profile, *, nodes: bool = False, title: str = "") -> Table:
     """The cost table: one row per module (or per node), then the total."""
     table = Table(title=title or f"cost table ({prof.cost_model}, traced with {prof.trace})", show_footer=False)
-    for col, justify in (("module" if not nodes else "node", "left"), ("params", "right"), ("param bytes", "right"),
+    _add_columns(table, (("module" if not nodes else "node", "left"), ("params", "right"), ("param bytes", "right"),
                          ("fwd FLOPs", "right"), ("fwd time", "right"), ("bwd time", "right"),
-                         ("activations", "right"), ("nodes", "right")):
-        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+                         ("activations", "right"), ("nodes", "right")))
     rows: Sequence[CostRow] = prof.nodes if nodes else prof.modules
     for r in rows:
         table.add_row(*_row(r))
@@ -109,9 +112,8 @@ def stage_range(stage) -> str:
 def plan_table(plan, *, title: str = "") -> Table:
     """One row per stage in execution order: device, kind, range, time, memory, saved/recomputed."""
     table = Table(title=title or f"plan: {plan.strategy}, {len(plan.stages)} stages on {plan.hardware.device_count} × {plan.hardware.spec.name}, {plan.microbatches} microbatches")
-    for col, justify in (("stage", "left"), ("dev", "right"), ("kind", "left"), ("modules", "left"), ("nodes", "right"),
-                         ("time/mb", "right"), ("memory", "right"), ("activations", "left")):
-        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    _add_columns(table, (("stage", "left"), ("dev", "right"), ("kind", "left"), ("modules", "left"), ("nodes", "right"),
+                         ("time/mb", "right"), ("memory", "right"), ("activations", "left")))
     for k, s in enumerate(plan.stages):
         if s.kind == "forward":
             act = f"saves {len(s.saved)} node(s)" if s.saved else "stage input only"

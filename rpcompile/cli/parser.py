@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import NoReturn
 
 from rpcompile import __version__
 
@@ -21,7 +22,7 @@ _DESCRIPTION = "The rpcompile command line: profile (cost table of a model), pla
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors: ``rpcompile plan: error: ...; see rpcompile plan --help`` (exit 2)."""
 
-    def error(self, message: str) -> None:  # type: ignore[override]  # argparse declares NoReturn; exit() never returns
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
 
 

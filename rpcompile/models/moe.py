@@ -93,7 +93,8 @@ class MoE(Llama):
     :class:`Llama` whose feed-forwards are :class:`SparseMoE`."""
 
     def make_mlp(self, cfg: LlamaConfig) -> nn.Module:
-        return SparseMoE(cfg)  # type: ignore[arg-type]  # an MoEConfig
+        assert isinstance(cfg, MoEConfig), f"an MoE is built from an MoEConfig, got {type(cfg).__name__}"
+        return SparseMoE(cfg)
 
     def reset_parameters(self) -> None:
         """Every Linear, expert weight and the embedding ~ N(0, 0.02); norms start at one."""

@@ -34,8 +34,8 @@ def partition_problem(
     params = dict(gm.named_parameters())
     users: dict[str, list[int]] = {}
     for s in segs:
-        for p in s.params:
-            users.setdefault(p, []).append(s.index)
+        for pname in s.params:
+            users.setdefault(pname, []).append(s.index)
     own_bytes, own_grads = [0] * len(segs), [0] * len(segs)
     shared = []
     for name, segments in users.items():

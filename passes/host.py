@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
@@ -45,7 +45,12 @@ HOST_KEY = "rpcompile.host"
 def _lookup(gm: fx.GraphModule, node: fx.Node) -> tuple[fx.Node, torch.nn.Parameter, str, int | None] | None:
     """``(index node, table, table name, padding_idx)`` when ``node`` is a plain embedding lookup, else None."""
     args, kwargs = list(node.args), dict(node.kwargs)
+    index: fx.node.Argument
+    weight: fx.node.Argument
+    padding: Any  # the lookup's padding_idx: an int or None (a graph node is refused below)
+    names: tuple[str, ...]
     if node.op == "call_module":
+        assert isinstance(node.target, str)  # a call_module node's target is the submodule's qualified name
         mod = gm.get_submodule(node.target)
         if type(mod) is not torch.nn.Embedding or len(args) != 1 or kwargs:
             return None

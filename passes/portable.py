@@ -168,7 +168,7 @@ def _writes(gm: fx.GraphModule, node: fx.Node) -> bool:
 def _written_alias_groups(gm: fx.GraphModule) -> dict[str, Any]:
     """Union-find of nodes joined by aliasing ops; ``groups`` holds the roots of groups something writes into."""
     parent: dict[fx.Node, fx.Node] = {}
-    state = {"parent": parent, "groups": set()}
+    state: dict[str, Any] = {"parent": parent, "groups": set()}
     for node in gm.graph.nodes:
         if _aliases_input(gm, node) and node.args and isinstance(node.args[0], fx.Node):
             a, b = _group(state, node), _group(state, node.args[0])

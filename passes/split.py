@@ -70,6 +70,7 @@ def _stage_graph(gm: fx.GraphModule, names: Sequence[str], exports: set[str], fu
     def value(a: fx.Node) -> fx.Node:
         if a not in env:
             if a.op == "get_attr":
+                assert isinstance(a.target, str)  # a get_attr node's target is the attribute's qualified name
                 env[a] = g.get_attr(a.target)
             else:
                 env[a] = g.placeholder(a.name)

@@ -9,7 +9,7 @@ named by their fully-qualified names in the original model.
 from __future__ import annotations
 
 import re
-from typing import Any, Iterator
+from typing import Any, Iterator, cast
 
 import torch
 import torch.fx as fx
@@ -51,11 +51,13 @@ def canonical_names(gm: fx.GraphModule) -> dict[int, str]:
 def _attr_values(gm: fx.GraphModule, node: fx.Node, kind: str) -> Iterator[tuple[str, torch.Tensor]]:
     names = canonical_names(gm)
     if node.op == "call_module" and node.target not in _IGNORED_MODULES:
+        assert isinstance(node.target, str)  # a call_module node's target is the submodule's qualified name
         mod = gm.get_submodule(node.target)
         items = mod.named_parameters(prefix=node.target) if kind == "param" else mod.named_buffers(prefix=node.target)
         yield from ((names.get(id(t), name), t) for name, t in items)
     for arg in node.all_input_nodes:
         if arg.op == "get_attr":
+            assert isinstance(arg.target, str)  # a get_attr node's target is the attribute's qualified name
             value = _fetch(gm, arg.target)
             if isinstance(value, torch.nn.Parameter) == (kind == "param") and isinstance(value, torch.Tensor):
                 yield names.get(id(value), arg.target), value
@@ -70,7 +72,8 @@ def _fetch(gm: fx.GraphModule, target: str) -> Any:
 
 def node_params(gm: fx.GraphModule, node: fx.Node) -> dict[str, torch.nn.Parameter]:
     """Parameters ``node`` reads, by fully-qualified name."""
-    return dict(_attr_values(gm, node, "param"))
+    # kind "param" yields named_parameters() and get_attr values that are Parameters only
+    return cast("dict[str, torch.nn.Parameter]", dict(_attr_values(gm, node, "param")))
 
 
 def node_buffers(gm: fx.GraphModule, node: fx.Node) -> dict[str, torch.Tensor]:

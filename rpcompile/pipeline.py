@@ -261,6 +261,7 @@ class Pipeline:
             elif not outside:
                 loss = own_loss(output)
             else:
+                assert self.loss_fn is not None  # outside: there is a loss_fn
                 loss = self.loss_fn(output, target_j)
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__

@@ -82,7 +82,8 @@ def profile_graph(gm: fx.GraphModule, *, depth: int | None = None) -> Profile:
     depth = depth or _auto_depth(list(paths.values()))
     params = dict(gm.named_parameters())
     seen: set[str] = set()
-    node_rows, groups = [], {}
+    node_rows: list[tuple[str, CostRow]] = []
+    groups: dict[str, list[CostRow]] = {}
     for n in nodes:
         c = node_cost(n)
         new = [p for p in c.params if p not in seen]

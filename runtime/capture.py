@@ -97,7 +97,7 @@ class SegmentAOT:
         return [next(it) if c is None else c for c in constants], list(res[n:n + self.n_buffers]), host
 
     def backward(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], host: HostSaved,
-                 grads: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+                 grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
         if self.bw is None:
             return [None] * len(inputs)
         # every symbol of a symbolic capture is a size of an activation input: the inputs bind them all
@@ -145,7 +145,10 @@ def capture_segment(fn: Callable[..., tuple], examples: Sequence[torch.Tensor], 
         raise Aliased("no bw graph for outputs that need a gradient")
     outs = list(next(iter(fw.graph.find_nodes(op="output"))).args[0])
     places = {p: i for i, p in enumerate(fw.graph.find_nodes(op="placeholder"))}
-    saved, host, shipped, sizes = [], [], {}, []  # shipped: node -> index among the host tensors
+    saved: list[tuple[str, Any]] = []
+    host: list[int] = []
+    shipped: dict[fx.Node, int] = {}  # node -> index among the host tensors
+    sizes: list[int] = []
 
     def slot(node: fx.Node) -> tuple[str, int]:
         if node in places:
@@ -272,7 +275,7 @@ class SegmentFunction(torch.autograd.Function):
     """Backward stage: a saved segment's outputs as an autograd node whose backward is the bw graph."""
 
     @staticmethod
-    def forward(ctx: Any, aot: SegmentAOT, host: tuple, n_in: int, *values: Any) -> Any:  # type: ignore[override]
+    def forward(ctx: Any, aot: SegmentAOT, host: tuple, n_in: int, *values: Any) -> Any:
         """``values``: the fw graph's inputs (tensors, and the sizes of a symbolic capture), then the outputs."""
         ctx.aot, ctx.host, ctx.n_in = aot, host, n_in
         outs = tuple(t.detach() for t in values[n_in:])
@@ -281,12 +284,12 @@ class SegmentFunction(torch.autograd.Function):
         return outs
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         saved = ctx.saved_tensors
         ins = [ctx.sizes.get(k, t) for k, t in enumerate(saved[:ctx.n_in])]
         outs = saved[ctx.n_in:]
         aot: SegmentAOT = ctx.aot
-        grads = list(grads) + [None] * aot.n_buffers  # buffers carry no gradient
-        grads = [g if g is not None else torch.zeros_like(o) for g, o in zip(grads, outs)] + grads[len(outs):]
-        g_in = [None if k in ctx.sizes else g for k, g in enumerate(aot.backward(ins, outs, ctx.host, grads))]
+        padded: list[torch.Tensor | None] = list(grads) + [None] * aot.n_buffers  # buffers carry no gradient
+        full = [g if g is not None else torch.zeros_like(o) for g, o in zip(padded, outs)] + padded[len(outs):]
+        g_in = [None if k in ctx.sizes else g for k, g in enumerate(aot.backward(ins, outs, ctx.host, full))]
         return (None, None, None, *g_in, *[None] * len(outs))

@@ -164,7 +164,8 @@ class Executor:
         cpu_workers = sum(1 for d in self.devices if d.torch_device.type == "cpu")
         if cpu_workers > 1:  # logical CPU devices share the cores: more intra-op threads than cores thrash
             torch.set_num_threads(max(1, threads // cpu_workers))
-        rows = {(h.value, j): Future() for h in self.program.host for j in range(self.microbatches)}
+        rows: dict[tuple[str, int], Future[torch.Tensor]] = {
+            (h.value, j): Future() for h in self.program.host for j in range(self.microbatches)}
         for (name, j), future in rows.items():  # in the store before any stage may look for them
             store.put(name, j, future)
         host = [threading.Thread(target=self._host, args=(store, rows), name="rpcompile-host", daemon=True)] \
@@ -415,6 +416,7 @@ class Executor:
                     if key not in table:
                         slots = None
                         break
+                    assert slots is not None  # set to None only just before the break above
                     slots.append((table, key, name, is_param))
                 if slots is None:
                     break

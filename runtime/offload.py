@@ -38,7 +38,9 @@ class Landing:
     """The host copy of one submission, once it has landed."""
 
     def __init__(self, *, what: str = "saved activations"):
-        self._value, self._error, self._what = None, None, what
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._what = what
         self._event = threading.Event()
 
     def wait(self, timeout: float | None = None) -> Any:

@@ -14,7 +14,7 @@ the symbols of one capture take in one call (read off its tensors' sizes and the
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import sympy
 import torch
@@ -42,7 +42,7 @@ def fake_inputs(examples: Sequence[Any], dynamic: Sequence[bool]) -> tuple[FakeT
             fakes.append(shape_env.create_symintnode(symbol, hint=t, source=source))
             continue
         kind = DimDynamic.DYNAMIC if dyn else DimDynamic.STATIC
-        context = StatelessSymbolicContext(dynamic_sizes=[kind] * t.dim())
+        context: StatelessSymbolicContext[..., Any] = StatelessSymbolicContext(dynamic_sizes=[kind] * t.dim())
         fake = mode.from_tensor(t, source=source, symbolic_context=context)
         fakes.append(fake.requires_grad_(t.requires_grad) if t.is_floating_point() else fake)
     return mode, fakes
@@ -77,6 +77,7 @@ def bind_sizes(metas: Sequence[Any], values: Sequence[Any]) -> dict[sympy.Symbol
     call's tensor (or int) has in its place."""
     out: dict[sympy.Symbol, int] = {}
     for meta, value in zip(metas, values):
+        pairs: Iterable[tuple[Any, int]]
         if isinstance(meta, torch.Tensor) and isinstance(value, torch.Tensor):
             pairs = zip(meta.shape, value.shape)
         elif isinstance(meta, torch.SymInt) and isinstance(value, int):

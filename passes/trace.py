@@ -29,7 +29,7 @@ import io
 import logging
 import operator
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -56,7 +56,7 @@ LeafSpec = type[nn.Module] | str
 
 def trace(
     model: nn.Module,
-    example_inputs: tuple[Any, ...] | Mapping[str, Any] = (),
+    example_inputs: Sequence[Any] | Mapping[str, Any] = (),
     *,
     example_kwargs: Mapping[str, Any] | None = None,
     leaf_modules: Iterable[LeafSpec] = (),
@@ -100,7 +100,7 @@ def trace(
 
 
 def training_inputs(
-    model: nn.Module, example_inputs: tuple[Any, ...] | Mapping[str, Any] = (),
+    model: nn.Module, example_inputs: Sequence[Any] | Mapping[str, Any] = (),
     example_kwargs: Mapping[str, Any] | None = None,
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``(args, kwargs)`` of the call to trace. A HuggingFace model whose config caches keys and values
@@ -127,7 +127,7 @@ def _accepts(model: nn.Module, name: str) -> bool:
 
 
 def _split_inputs(
-    example_inputs: tuple[Any, ...] | Mapping[str, Any], example_kwargs: Mapping[str, Any] | None
+    example_inputs: Sequence[Any] | Mapping[str, Any], example_kwargs: Mapping[str, Any] | None
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     kwargs = dict(example_kwargs or {})
     if isinstance(example_inputs, Mapping):

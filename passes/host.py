@@ -119,7 +119,9 @@ def host_embedding_pass(gm: fx.GraphModule, *, microbatches: int = 1,
             chosen.append(node)
     graph = gm.graph
     for node in chosen:
-        index, _, weight, padding = _lookup(gm, node)  # type: ignore[misc]
+        found = _lookup(gm, node)
+        assert found is not None  # every chosen node is a lookup (checked above)
+        index, _, weight, padding = found
         last = list(graph.find_nodes(op="placeholder"))[-1]
         with graph.inserting_after(last):
             value = graph.placeholder(node.name)

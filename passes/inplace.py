@@ -95,7 +95,9 @@ def make_functional(gm: fx.GraphModule, node: fx.Node) -> None:
         functional.inplace = False
         setattr(parent, name, functional)
         return
-    op, target, args, kwargs = _functional_form(gm, node)  # type: ignore[misc]
+    form = _functional_form(gm, node)
+    assert form is not None  # make_functional is called on nodes that write their first argument (they have one)
+    op, target, args, kwargs = form
     node.target, node.args, node.kwargs = target, tuple(args), kwargs
 
 

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import torch.fx as fx
 
 from rpcompile.core.errors import ConfigError
-from rpcompile.core.plan import Hardware, Plan, Prediction, Stage
+from rpcompile.core.plan import Hardware, Plan, Prediction, Stage, StageKind
 
 from .coarsen import segments_of
 from .fingerprint import fingerprint
@@ -70,7 +70,8 @@ def plan_from_ranges(
     :class:`Stage` fields such as ``compute_s`` and ``weight_bytes``)."""
     nodes = compute_nodes(gm)
     saved_set = set(saved)
-    specs = [("forward", f"F{i}", r) for i, r in enumerate(forward)] + [("fused", "FB", fused)]
+    specs: list[tuple[StageKind, str, tuple[int, int]]] = [("forward", f"F{i}", r) for i, r in enumerate(forward)]
+    specs += [("fused", "FB", fused)]
     specs += [("backward", f"B{i + 1}", r) for i, r in enumerate(backward)]
     n_stages = len(specs)
     times = list(stage_times) if stage_times is not None else [0.0] * n_stages
@@ -87,7 +88,7 @@ def plan_from_ranges(
         stages.append(
             Stage(
                 name=name,
-                kind=kind,  # type: ignore[arg-type]
+                kind=kind,
                 nodes=tuple(n.name for n in run),
                 params=tuple(params),
                 saved=tuple(n.name for n in run if n.name in saved_set) if kind != "fused" else (),

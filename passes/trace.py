@@ -95,7 +95,7 @@ def trace(
             failures["export"] = tracker.failure(e)
     # Raised outside the except blocks: no pages of chained traceback; the originals stay on `.failures`.
     error = TraceError(failure_message(model, failures))
-    error.failures = failures  # type: ignore[attr-defined]  # the originals ride on the error; TraceError declares no field for them
+    error.failures = failures  # the originals ride on the error
     raise error
 
 

@@ -62,6 +62,9 @@ _BEFORE = "{}::before"
 class PipelineError(RuntimeError):
     """A stage failed on a worker; carries the stage, microbatch and device."""
 
+    details: str = ""
+    """The worker's traceback (the message is one line)."""
+
 
 @dataclass(frozen=True)
 class TimelineEvent:
@@ -198,7 +201,7 @@ class Executor:
             err = PipelineError(f"stage {stage.name} ({act}) failed on device {d} ({device.torch_device}): "
                                 f"{type(e).__name__}: {e}")
             err.__cause__ = e
-            err.details = traceback.format_exc()  # type: ignore[attr-defined]
+            err.details = traceback.format_exc()
             self.failed.append(err)
             for ev in self.done.values():
                 ev.set()
@@ -446,7 +449,8 @@ class Executor:
             raw = self._call(prog, state, inputs, copy_buffers=recompute, before=before)
         if prog.kind == "fused":
             target = _upload_tree(device, self.targets[mb]) if self.targets is not None else None
-            loss = self.loss_fn(prog.model_output(raw), target, mb)  # type: ignore[misc]
+            assert self.loss_fn is not None  # run() is given one whenever the plan has a fused stage
+            loss = self.loss_fn(prog.model_output(raw), target, mb)
             self.losses[mb] = device.download(loss.detach().float())
             roots, grads = [loss * self.grad_scale], [None]
         else:

@@ -14,7 +14,7 @@ the symbols of one capture take in one call (read off its tensors' sizes and the
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence, cast
 
 import sympy
 import torch
@@ -105,7 +105,7 @@ def concrete_layout(meta: torch.Tensor, bindings: Mapping[sympy.Symbol, int]) ->
     stride = [concrete_value(s, bindings) for s in meta.stride()]
     if None in shape or None in stride:
         return None
-    return shape, stride  # type: ignore[return-value]
+    return cast(list[int], shape), cast(list[int], stride)  # no None left (checked above)
 
 
 def concrete(value: Any, bindings: Mapping[sympy.Symbol, int]) -> Any:

@@ -29,6 +29,9 @@ class RPCompileError(Exception):
 class TraceError(RPCompileError):
     """Neither torch.fx symbolic tracing nor torch.export could capture the model."""
 
+    failures: dict = {}
+    """Tracing path (``fx``, ``export``) -> where and why it failed (the original exceptions ride along)."""
+
 
 class ModelSpecError(RPCompileError):
     """A MODEL argument (built-in name or ``file.py:factory``) could not be resolved."""

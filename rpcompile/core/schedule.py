@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Literal, Sequence, cast
 
 from .errors import ConfigError
 
@@ -41,7 +41,8 @@ def parse_action(text: str) -> Action:
     m = _ACTION.match(text)
     if not m or (m.group(2) == "F") != bool(m.group(3)):
         raise ConfigError(f"not an action: {text!r} (examples: 3W, 3F0, 3G)")
-    return Action(int(m.group(1)), m.group(2), int(m.group(3)) if m.group(3) else -1)  # type: ignore[arg-type]
+    kind = cast(ActionKind, m.group(2))  # the pattern admits W, F and G only
+    return Action(int(m.group(1)), kind, int(m.group(3)) if m.group(3) else -1)
 
 
 def round_robin(kinds: Sequence[str], devices: int, microbatches: int, *, offset: int = 0) -> list[list[Action]]:

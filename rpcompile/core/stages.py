@@ -17,11 +17,10 @@ per iteration and gradients down once; the timing model amortises them over the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+
+from .plan import StageKind
 
 __all__ = ["StageKind", "StageCost"]
-
-StageKind = Literal["forward", "fused", "backward"]
 
 
 @dataclass(frozen=True, kw_only=True)

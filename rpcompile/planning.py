@@ -67,6 +67,7 @@ __all__ = [
     "AUTO_HEAD_CHUNKS",
     "head_chunk_candidates",
     "fastest",
+    "infeasible_error",
 ]
 
 log = logging.getLogger("rpcompile")
@@ -187,7 +188,7 @@ def _partition(c: Compilation) -> None:
     assert c.problem is not None and c.hardware is not None
     c.result = solve(c.problem, c.strategy, time_limit_s=c.time_limit_s)
     if not c.result.feasible:
-        raise _infeasible(c.problem, c.hardware)
+        raise infeasible_error(c.problem, c.hardware)
 
 
 def _lower(c: Compilation) -> None:
@@ -294,7 +295,8 @@ def fastest(candidates: Sequence[int], attempt: Callable[[int], tuple[float, Any
     return best[1]
 
 
-def _infeasible(problem: PartitionProblem, hardware: Hardware) -> InfeasibleError:
+def infeasible_error(problem: PartitionProblem, hardware: Hardware) -> InfeasibleError:
+    """The one-line refusal when nothing fits: the least memory per device that would, and what to change."""
     need, seg = min_feasible_memory(problem)
     return InfeasibleError(
         f"no plan fits {format_bytes(hardware.memory_bytes)} per device: segment {seg} ({problem.names[seg]}) needs "

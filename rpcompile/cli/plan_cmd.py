@@ -11,8 +11,8 @@ from rpcompile.core.plan import Hardware, Plan
 from rpcompile.models import ModelSpec
 from rpcompile.passes.codegen import write_stages
 from rpcompile.passes.split import split_plan
-from rpcompile.planning import (_infeasible, compare, default_spec, fastest, head_chunk_candidates, make_hardware,
-                                partition_problem, prepare)
+from rpcompile.planning import (compare, default_spec, fastest, head_chunk_candidates, infeasible_error,
+                                make_hardware, partition_problem, prepare)
 from rpcompile.report import compare_table, plan_table, print_table
 
 from .common import bars, default_microbatches, directory, step, writable
@@ -63,7 +63,7 @@ def _plan_fastest(args: argparse.Namespace, ms: ModelSpec, hardware: Hardware) -
                            time_limit_s=args.time_limit)
         chosen = rows[args.strategy][1]
         if chosen is None:
-            raise _infeasible(partition_problem(gm, hardware=hardware, microbatches=m, precision=args.precision),
+            raise infeasible_error(partition_problem(gm, hardware=hardware, microbatches=m, precision=args.precision),
                               hardware)
         return chosen.predicted.iteration_time_s, (chosen, gm, m, rows)
 

@@ -8,7 +8,8 @@ Every pass is a function of one shape, ``pass(c: Compilation) -> None``: it read
 
 ``rpcompile.profile`` runs the front (:data:`FRONT`, to ``cost``), ``prepare`` runs to ``coarsen``, ``plan`` runs
 them all, for each LM-head split ``head_chunks`` asks for, and keeps the fastest plan; ``rpcompile.compile`` is
-:func:`compile_plan` (the plan and the graph it was made from) plus a :class:`~rpcompile.pipeline.Pipeline`.
+:func:`compile_plan` (the plan and the graph it was made from) plus a :class:`~rpcompile.pipeline.Pipeline`. The
+options they share (hardware, cost model, head splits, which plan wins) are :mod:`rpcompile.plan_options`.
 
 Microbatches: ``example_inputs`` is one full batch; it is split along dim 0 into ``microbatches`` pieces
 (``torch.tensor_split``: sizes differ by at most one) and the graph is costed on the first (largest) piece, so every
@@ -36,15 +37,15 @@ from rpcompile.passes.loss_head import TARGET, split_head
 from rpcompile.passes.lower import to_plan
 from rpcompile.passes.partition import solve
 from rpcompile.passes.problem import PartitionProblem
-from rpcompile.passes.segment_rules import format_bytes
 from rpcompile.passes.shape import shape_pass
-from rpcompile.passes.tables import min_feasible_memory
 from rpcompile.passes.trace import trace
 
 from .core.batch import split_microbatches
-from .core.errors import ConfigError, InfeasibleError, RPCompileError
+from .core.errors import ConfigError
 from .core.plan import Hardware, Plan
-from .core.specs import DeviceSpec, get_spec
+from .core.specs import DeviceSpec
+from .plan_options import (AUTO_HEAD_CHUNKS, STRATEGIES, default_spec, fastest, head_chunk_candidates,
+                           infeasible_error, make_cost_model, make_hardware, model_device)
 
 __all__ = [
     "Compilation",
@@ -72,10 +73,6 @@ __all__ = [
 
 log = logging.getLogger("rpcompile")
 
-STRATEGIES = ("ilp", "dp", "roundpipe", "uniform")
-#: Sequence chunks ``head_chunks="auto"`` tries for the LM head (besides not splitting it): on the benchmark
-#: models, 8 chunks beat 4 and 16 (benchmarks/RESULTS.md, schedules).
-AUTO_HEAD_CHUNKS = 8
 
 
 @dataclass
@@ -228,88 +225,6 @@ def run(c: Compilation, passes: Sequence[tuple[str, Pass]] = PASSES) -> Compilat
     return c
 
 
-# ------------------------------------------------------------------------------------------------- options
-def make_cost_model(*, spec: "str | DeviceSpec | None" = None, device: "str | torch.device | None" = None,
-                    dtype: torch.dtype | None = None, model_device: str = "cpu") -> Any:
-    """Pick a cost model: analytic for ``spec``, measured on ``device``; by default analytic ``rtx4090`` for a
-    model on the meta device (it cannot run) and measured on the CPU otherwise."""
-    if spec is not None and device is not None:
-        raise ConfigError("give either spec= (analytic costs) or device= (measured costs), not both")
-    if spec is None and device is None and model_device == "meta":
-        spec = "rtx4090"
-    if spec is not None:
-        return AnalyticCostModel(spec, dtype=dtype)
-    return MeasuredCostModel(device or "cpu", dtype=dtype)
-
-
-def make_hardware(gpus: int, spec: "str | DeviceSpec", memory_limit: int | None = None) -> Hardware:
-    spec = get_spec(spec)
-    if gpus < 1:
-        raise ConfigError(f"gpus must be >= 1, got {gpus}")
-    memory = int(memory_limit) if memory_limit is not None else spec.usable_memory_bytes
-    return Hardware(device_count=gpus, spec=spec, memory_bytes=memory, link_bytes_per_s=spec.host_link_bandwidth)
-
-
-def default_spec(spec: "str | DeviceSpec | None", device: "str | torch.device | None",
-                 model_device: str) -> "str | DeviceSpec":
-    """The hardware a plan is for: ``spec`` when given; the CPU when costs are measured there; else an RTX 4090
-    (also for meta-device models, which can only be costed analytically)."""
-    if spec is not None:
-        return spec
-    if model_device != "meta" and (device is None or torch.device(device).type == "cpu"):
-        return "cpu"
-    return "rtx4090"
-
-
-def head_chunk_candidates(head_chunks: "int | str", loss_fn: Any, example_target: Any) -> tuple[int, ...]:
-    """The LM-head splits to plan for ``head_chunks``: an int is itself; ``"auto"`` is the whole head and
-    :data:`AUTO_HEAD_CHUNKS` sequence chunks when a loss and a ``[batch, sequence]`` target are given (the split
-    needs both), else the whole head only."""
-    if head_chunks == "auto":
-        seq = example_target.shape[1] if isinstance(example_target, torch.Tensor) and example_target.dim() >= 2 else 1
-        return (1, min(AUTO_HEAD_CHUNKS, seq)) if loss_fn is not None and seq > 1 else (1,)
-    if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1:
-        raise ConfigError(f"head_chunks must be a positive integer or 'auto', got {head_chunks!r}")
-    return (head_chunks,)
-
-
-def fastest(candidates: Sequence[int], attempt: Callable[[int], tuple[float, Any]]) -> Any:
-    """Run ``attempt(k)`` for every candidate head split and return the payload of the fastest: ``attempt``
-    returns ``(predicted iteration seconds, payload)`` (the first wins a tie). A split the graph refuses
-    (an error for ``k > 1``) or that has no feasible plan (the whole head may not fit where its chunks do)
-    is skipped while another candidate remains."""
-    best: tuple[float, Any] | None = None
-    errors: list[Exception] = []
-    for k in candidates:
-        try:
-            made = attempt(k)
-        except (ValueError, RPCompileError) as exc:
-            if len(candidates) == 1 or (k == 1 and not isinstance(exc, InfeasibleError)):
-                raise
-            errors.append(exc)
-            continue
-        if best is None or made[0] < best[0]:
-            best = made
-    if best is None:
-        raise errors[0]
-    return best[1]
-
-
-def infeasible_error(problem: PartitionProblem, hardware: Hardware) -> InfeasibleError:
-    """The one-line refusal when nothing fits: the least memory per device that would, and what to change."""
-    need, seg = min_feasible_memory(problem)
-    return InfeasibleError(
-        f"no plan fits {format_bytes(hardware.memory_bytes)} per device: segment {seg} ({problem.names[seg]}) needs "
-        f"at least {format_bytes(need)} (its weights, the prefetched next stage, gradients and one microbatch's "
-        f"activations); allow at least {need} bytes per device (memory_limit= / --memory-limit), use more "
-        "microbatches (smaller ones) or a lower precision"
-    )
-
-
-def _model_device(model: torch.nn.Module) -> str:
-    return next((p.device.type for p in model.parameters()), "cpu")
-
-
 # ------------------------------------------------------------------------------------------------- drivers
 def start(
     model: torch.nn.Module,
@@ -342,7 +257,7 @@ def start(
     dtype = None if precision == "fp32" else {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     return Compilation(
         model=model, args=tuple(piece[: len(args)]), kwargs=dict(zip(kwargs, piece[len(args):len(args) + len(kwargs)])),
-        cost_model=make_cost_model(spec=spec, device=device, dtype=dtype, model_device=_model_device(model)),
+        cost_model=make_cost_model(spec=spec, device=device, dtype=dtype, model_device=model_device(model)),
         microbatches=m, precision=precision, head_chunks=head_chunks,
         loss=(loss_fn, piece[-1]) if with_loss else None, **options)
 
@@ -435,7 +350,7 @@ def compile_plan(
     fastest plan (its ``plan`` and the graph ``gm`` it was made from). ``options``: :func:`start`'s."""
     if precision not in PRECISION_BYTES:
         raise ConfigError(f"precision must be one of {sorted(PRECISION_BYTES)}, got {precision!r}")
-    hardware = make_hardware(gpus, default_spec(spec, device, _model_device(model)), memory_limit)
+    hardware = make_hardware(gpus, default_spec(spec, device, model_device(model)), memory_limit)
 
     def attempt(k: int) -> tuple[float, Compilation]:
         c = run(start(model, example_inputs, gpus=gpus, spec=spec, device=device, precision=precision,

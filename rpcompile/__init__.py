@@ -24,7 +24,7 @@ _EXPORTS = {
     "Prediction": "rpcompile.core.plan",
     "SCHEMA_VERSION": "rpcompile.core.plan",
     "verify_plan": "rpcompile.invariants",
-    "fingerprint": "rpcompile.model_match",
+    "fingerprint": "rpcompile.passes.fingerprint",
     "DeviceSpec": "rpcompile.core.specs",
     "SPECS": "rpcompile.core.specs",
     "get_spec": "rpcompile.core.specs",
@@ -42,6 +42,9 @@ _EXPORTS = {
     "PlanMismatchError": "rpcompile.core.errors",
     "PlanVerificationError": "rpcompile.core.errors",
     "InfeasibleError": "rpcompile.core.errors",
+    "ConfigError": "rpcompile.core.errors",
+    "BatchSplitError": "rpcompile.core.errors",
+    "LossHeadError": "rpcompile.core.errors",
 }
 
 __all__ = ["__version__", *_EXPORTS]

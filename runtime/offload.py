@@ -6,7 +6,7 @@ out on its own thread, one submission at a time, **the ones needed first first**
 chain in reverse, so the latest stage's saves, then microbatches in order (the priority the executor gives).
 What has not gone down yet stays in device memory, so the backlog is bounded: a submission that would take it
 past ``budget_bytes`` waits until enough has gone down (the planner gives the memory the device's stages leave
-free, :func:`rpcompile.passes.problem.offload_backlog`, which models the same policy; so does the simulator).
+free, :func:`rpcompile.passes.timing.offload_backlog`, which models the same policy; so does the simulator).
 
 A :class:`Landing` stands for the host copy until it exists; the backward stage's worker calls ``wait()``
 before it uploads the tensors.

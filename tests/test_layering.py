@@ -102,7 +102,7 @@ def test_an_arrow_against_the_layers_is_caught_with_its_file_and_line(rel, sourc
 
 
 def test_arrows_down_the_layers_pass():
-    ok = {"rpcompile/cli.py": "from rpcompile.runtime.executor import Executor\nfrom .passes import cost\n",
+    ok = {"rpcompile/pipeline.py": "from rpcompile.runtime.executor import Executor\nfrom .passes import cost\n",
           "runtime/saved.py": "from rpcompile.core.errors import RPCompileError\nfrom .symbolic import Guards\n",
           "passes/ilp.py": "from rpcompile.core.plan import Plan\nfrom .problem import PartitionProblem\n"}
     assert violations(ok) == []

@@ -3,7 +3,7 @@
 A :class:`DeviceSpec` is what the analytic cost model and the partitioner need to know about one accelerator:
 peak arithmetic rates, memory bandwidth, memory size and the host link. Figures are public datasheet numbers
 (dense, no sparsity; DESIGN.md §5). Achieved rates are lower than peak, so every op class carries an efficiency
-factor; measured profiles (:class:`rpcompile.passes.cost.MeasuredCostModel`) always beat analytic ones.
+factor; measured profiles (:class:`rpcompile.passes.measured.MeasuredCostModel`) always beat analytic ones.
 """
 
 from __future__ import annotations

@@ -104,4 +104,5 @@ def infeasible_error(problem: PartitionProblem, hardware: Hardware) -> Infeasibl
 
 
 def model_device(model: torch.nn.Module) -> str:
+    """The device type of the model's parameters (``meta`` for a model built without weights); ``cpu`` if none."""
     return next((p.device.type for p in model.parameters()), "cpu")

@@ -16,6 +16,7 @@ from rpcompile.passes.cost import node_cost
 from rpcompile.passes.util import compute_nodes, module_path
 
 from .core.specs import DeviceSpec
+from .plan_options import model_device
 from .planning import analyze, make_cost_model
 
 __all__ = ["profile", "profile_graph", "Profile", "CostRow", "rollup_name"]
@@ -137,8 +138,7 @@ def profile(
     progress: bool | None = None,
 ) -> Profile:
     """Trace and cost ``model``; analytic on ``spec`` or measured on ``device`` (see :func:`make_cost_model`)."""
-    model_device = next((p.device.type for p in model.parameters()), "cpu")
-    cost_model = make_cost_model(spec=spec, device=device, dtype=dtype, model_device=model_device)
+    cost_model = make_cost_model(spec=spec, device=device, dtype=dtype, model_device=model_device(model))
     gm = analyze(model, example_inputs, example_kwargs=example_kwargs, cost_model=cost_model,
                  leaf_modules=leaf_modules, progress=progress)
     return profile_graph(gm, depth=depth)

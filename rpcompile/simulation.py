@@ -18,6 +18,7 @@ from rpcompile.passes.partition import solve
 from rpcompile.scenarios import (SCHEDULES, Scenario, from_plan, from_segment_plan, layer_profile_scenarios,
                                  load_layer_profile, static_scenarios)
 
+from .plan_options import model_device
 from .planning import default_spec, fastest, head_chunk_candidates, make_hardware, partition_problem, prepare
 
 __all__ = ["SCHEDULES", "parse_schedules", "model_scenarios", "plan_scenarios", "profile_scenarios", "run_all",
@@ -54,8 +55,7 @@ def model_scenarios(model: Any, example_inputs: Sequence[Any], *, gpus: int, spe
     CLI's spinner)."""
     gm, m = prepare(model, example_inputs, gpus=gpus, spec=spec, device=device, microbatches=microbatches,
                     precision=precision, progress=progress, segments_per_layer=segments_per_layer, host_embedding=False)
-    model_device = next((p.device.type for p in model.parameters()), "cpu")
-    hardware = make_hardware(gpus, default_spec(spec, device, model_device), memory_limit)
+    hardware = make_hardware(gpus, default_spec(spec, device, model_device(model)), memory_limit)
     pb = partition_problem(gm, hardware=hardware, microbatches=m, precision=precision)
     tokens = _tokens(gm) * m
     out: dict[str, Scenario] = {}

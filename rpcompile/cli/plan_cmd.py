@@ -11,6 +11,7 @@ from rpcompile.core.plan import Hardware, Plan
 from rpcompile.models import ModelSpec
 from rpcompile.passes.codegen import write_stages
 from rpcompile.passes.split import split_plan
+from rpcompile.plan_options import model_device
 from rpcompile.planning import (compare, default_spec, fastest, head_chunk_candidates, infeasible_error,
                                 make_hardware, partition_problem, prepare)
 from rpcompile.report import compare_table, plan_table, print_table
@@ -27,8 +28,7 @@ def plan(args: argparse.Namespace) -> int:
     if args.emit:
         directory(args.emit, "--emit")
     ms = load_for(args, args.microbatches or default_microbatches(args.gpus))
-    model_device = next((p.device.type for p in ms.model.parameters()), "cpu")
-    hardware = make_hardware(args.gpus, default_spec(args.spec, args.device, model_device), args.memory_limit)
+    hardware = make_hardware(args.gpus, default_spec(args.spec, args.device, model_device(ms.model)), args.memory_limit)
     chosen, gm, m, rows = _plan_fastest(args, ms, hardware)
     if args.output:
         chosen.save(args.output)

@@ -1,0 +1,183 @@
+// One-pass AdamW for fp32 CPU master weights that also writes each parameter's compute-precision mirror.
+//
+// rpcompile keeps fp32 masters (and the Adam moments) in host memory and uploads a bf16/fp16 copy of every
+// trainable parameter to the GPUs. torch's fused AdamW followed by `copy.copy_(param)` reads the fresh fp32
+// parameter a second time; here the loop that updates p, m and v also stores the cast of the new p, so the
+// master weights stream through memory once per step.
+//
+// Per element (the same expression and order as torch.optim.AdamW's single-tensor and fused CPU paths; the host
+// computes the per-tensor scalars in double and rounds them to float once, as torch does):
+//   g  = maximize ? -grad : grad
+//   p  = p * decay                                  decay = float(1 - lr * weight_decay)
+//   m  = lerp(m, g, w1)                             w1 = float(1 - beta1), torch's two-sided lerp formula
+//   v  = v * beta2 + (1 - beta2) * g * g
+//   vm = max(vm, v)                                 amsgrad only; the denominator then uses vm
+//   p  = p + neg_step_size * m / (sqrt(v) / bc2_sqrt + eps)
+//   mirror = cast(p)                                c10::BFloat16 / c10::Half: round to nearest even, as torch
+// Built by rpcompile/runtime/optim.py with torch.utils.cpp_extension.load (-O3, OpenMP for at::parallel_for).
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+namespace {
+
+// Elements per work item: 64 KiB of each fp32 stream, small enough to balance threads over a few large tensors.
+constexpr int64_t kChunk = 16384;
+
+enum class MirrorKind { kNone, kBFloat16, kHalf, kFloat, kDouble };
+
+struct Coeffs {
+  float sign;           // -1 with maximize
+  float decay;          // 1 - lr * weight_decay
+  float w1;             // 1 - beta1, the lerp weight
+  float one_minus_w1;   // 1 - w1 in float, as torch's lerp takes it
+  bool w1_small;        // |w1| < 0.5: which side torch's lerp starts from
+  float beta2;
+  float one_minus_beta2;
+  float eps;
+  float neg_step_size;  // -lr / (1 - beta1^step)
+  float bc2_sqrt;       // sqrt(1 - beta2^step)
+};
+
+struct Work {
+  float* p;
+  const float* g;
+  float* m;
+  float* v;
+  float* vmax;
+  void* mirror;
+  MirrorKind kind;
+  Coeffs c;
+};
+
+template <typename Mirror, bool kAmsgrad>
+void update(const Work& w, int64_t begin, int64_t end) {
+  float* __restrict__ p = w.p;
+  const float* __restrict__ g = w.g;
+  float* __restrict__ m = w.m;
+  float* __restrict__ v = w.v;
+  float* __restrict__ vmax = w.vmax;
+  Mirror* __restrict__ out = static_cast<Mirror*>(w.mirror);
+  const Coeffs c = w.c;
+  for (int64_t i = begin; i < end; ++i) {
+    const float grad = c.sign * g[i];
+    const float param = p[i] * c.decay;
+    const float mi = m[i];
+    const float diff = grad - mi;
+    const float m_new = c.w1_small ? mi + c.w1 * diff : grad - diff * c.one_minus_w1;
+    const float v_new = v[i] * c.beta2 + c.one_minus_beta2 * grad * grad;
+    float second = v_new;
+    if constexpr (kAmsgrad) {
+      second = std::max(vmax[i], v_new);
+      vmax[i] = second;
+    }
+    const float denom = std::sqrt(second) / c.bc2_sqrt + c.eps;
+    const float p_new = param + c.neg_step_size * m_new / denom;
+    m[i] = m_new;
+    v[i] = v_new;
+    p[i] = p_new;
+    if constexpr (!std::is_same_v<Mirror, void>) {
+      out[i] = static_cast<Mirror>(p_new);
+    }
+  }
+}
+
+template <bool kAmsgrad>
+void dispatch(const Work& w, int64_t begin, int64_t end) {
+  switch (w.kind) {
+    case MirrorKind::kNone: update<void, kAmsgrad>(w, begin, end); break;
+    case MirrorKind::kBFloat16: update<c10::BFloat16, kAmsgrad>(w, begin, end); break;
+    case MirrorKind::kHalf: update<c10::Half, kAmsgrad>(w, begin, end); break;
+    case MirrorKind::kFloat: update<float, kAmsgrad>(w, begin, end); break;
+    case MirrorKind::kDouble: update<double, kAmsgrad>(w, begin, end); break;
+  }
+}
+
+MirrorKind mirror_kind(const std::optional<at::Tensor>& mirror, const at::Tensor& param) {
+  if (!mirror.has_value()) return MirrorKind::kNone;
+  const at::Tensor& t = *mirror;
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.numel() == param.numel(),
+              "adamw mirror: a contiguous CPU tensor with the parameter's numel is required");
+  switch (t.scalar_type()) {
+    case at::kBFloat16: return MirrorKind::kBFloat16;
+    case at::kHalf: return MirrorKind::kHalf;
+    case at::kFloat: return MirrorKind::kFloat;
+    case at::kDouble: return MirrorKind::kDouble;
+    default: TORCH_CHECK(false, "adamw mirror: dtype ", t.scalar_type(), " is not a floating dtype");
+  }
+  return MirrorKind::kNone;
+}
+
+float* fp32(const at::Tensor& t, const at::Tensor& param, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
+                  t.numel() == param.numel(),
+              "adamw: ", what, " must be a contiguous CPU float32 tensor shaped like its parameter");
+  return t.data_ptr<float>();
+}
+
+// Steps every tensor of one parameter group. neg_step_sizes and bc2_sqrts are per tensor (steps may differ).
+void adamw_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+                const std::vector<at::Tensor>& max_exp_avg_sqs, const std::vector<std::optional<at::Tensor>>& mirrors,
+                const std::vector<double>& neg_step_sizes, const std::vector<double>& bc2_sqrts, double lr,
+                double beta1, double beta2, double weight_decay, double eps, bool amsgrad, bool maximize) {
+  const size_t n = params.size();
+  TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && mirrors.size() == n &&
+                  neg_step_sizes.size() == n && bc2_sqrts.size() == n && (!amsgrad || max_exp_avg_sqs.size() == n),
+              "adamw: the tensor lists differ in length");
+  const float w1 = static_cast<float>(1.0 - beta1);
+  std::vector<Work> work;
+  work.reserve(n);
+  std::vector<std::pair<int64_t, int64_t>> chunks;  // (work index, first element)
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = params[i];
+    Work w{};
+    w.p = fp32(p, p, "a parameter");
+    w.g = fp32(grads[i], p, "a gradient");
+    w.m = fp32(exp_avgs[i], p, "exp_avg");
+    w.v = fp32(exp_avg_sqs[i], p, "exp_avg_sq");
+    w.vmax = amsgrad ? fp32(max_exp_avg_sqs[i], p, "max_exp_avg_sq") : nullptr;
+    w.kind = mirror_kind(mirrors[i], p);
+    w.mirror = w.kind == MirrorKind::kNone ? nullptr : mirrors[i]->data_ptr();
+    w.c.sign = maximize ? -1.0f : 1.0f;
+    w.c.decay = static_cast<float>(1.0 - lr * weight_decay);
+    w.c.w1 = w1;
+    w.c.one_minus_w1 = 1.0f - w1;
+    w.c.w1_small = std::abs(w1) < 0.5f;
+    w.c.beta2 = static_cast<float>(beta2);
+    w.c.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+    w.c.eps = static_cast<float>(eps);
+    w.c.neg_step_size = static_cast<float>(neg_step_sizes[i]);
+    w.c.bc2_sqrt = static_cast<float>(bc2_sqrts[i]);
+    for (int64_t start = 0; start < p.numel(); start += kChunk) chunks.emplace_back(static_cast<int64_t>(i), start);
+    work.push_back(w);
+  }
+  at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t first, int64_t last) {
+    for (int64_t k = first; k < last; ++k) {
+      const Work& w = work[chunks[k].first];
+      const int64_t begin = chunks[k].second;
+      const int64_t end = std::min(begin + kChunk, params[chunks[k].first].numel());
+      if (amsgrad) {
+        dispatch<true>(w, begin, end);
+      } else {
+        dispatch<false>(w, begin, end);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "rpcompile's one-pass CPU AdamW (fp32 masters, moments and the compute-precision mirror together)";
+  m.def("adamw_step", &adamw_step, "AdamW step over one parameter group, writing each mirror in the same loop");
+}

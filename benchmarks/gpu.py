@@ -9,7 +9,10 @@ Sections (each a table; all rows also in the JSON):
   weights in CPU memory) on one device and on two logical devices sharing the GPU.
 - **capped** — beyond memory: the GPU capped at ``--cap-gib`` (20 GiB: the usable memory of an RTX 4090) with
   ``torch.cuda.set_per_process_memory_fraction``; rpcompile trains the Llama-3-8B shape, 8 sequences of 2048 tokens
-  in 8 microbatches (eager cannot hold it).
+  in 8 microbatches (eager cannot hold it). With ``--peer roundpipe`` the real RoundPipe (PyPI ``roundpipe``
+  0.1.1) then trains an HF ``LlamaForCausalLM`` of the same shape with the same weights, the same tokens and
+  microbatches under the same cap, in the same process (``roundpipe_peer.py``); both rows get ``vs_peer``, their
+  tokens/s over RoundPipe's.
 
 Per row: tokens/s, step time (median of ``--steps`` after a warm-up step), peak GPU memory, compile time, and for
 rpcompile rows the plan's predicted iteration next to the measured one (predicted/measured). Only GPU rows are
@@ -20,6 +23,7 @@ times mean nothing).
     python benchmarks/gpu.py --sections resident --model llama-1.7b --batch 16 --seq 2048
     python benchmarks/gpu.py --profile traces/     # + a torch profiler trace of one step of each rpcompile row
     python benchmarks/gpu.py --smoke               # the CPU check
+    python benchmarks/gpu.py --sections capped --peer roundpipe   # rpcompile and RoundPipe side by side
 
 Writes ``benchmarks/results/gpu.json`` (``--out``) and prints the rows as a Markdown table for RESULTS.md.
 """
@@ -33,6 +37,7 @@ import datetime
 import gc
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -44,6 +49,7 @@ from rich.table import Table
 from torch.utils.checkpoint import checkpoint
 
 import rpcompile
+import roundpipe_peer  # benchmarks/: RoundPipe itself is imported only when --peer roundpipe asks for it
 from rpcompile.models import load_model
 
 GiB = 1 << 30
@@ -172,8 +178,10 @@ def rpcompile_row(spec: Any, devices: list[str], label: str, steps: int, *, sect
                              example_target=y)
     compile_s = time.perf_counter() - t0
 
+    losses: list[float] = []
+
     def step() -> None:
-        pipe.forward_backward(x, target=y)
+        losses[:] = [float(pipe.forward_backward(x, target=y))]
         spec.model.zero_grad(set_to_none=True)
 
     row: dict[str, Any] = {"section": section, "system": "rpcompile", "variant": label, "setup_s": compile_s,
@@ -194,6 +202,7 @@ def rpcompile_row(spec: Any, devices: list[str], label: str, steps: int, *, sect
         row["profile"] = str(path)
     if row["step_s"]:
         row["predicted_over_measured"] = row["predicted_s"] / row["step_s"]
+    row["loss"] = losses[0] if losses else None
     del pipe
     gc.collect()
     return row
@@ -224,7 +233,10 @@ def resident_rows(args: argparse.Namespace, device: str) -> list[dict]:
     return rows
 
 
-def capped_rows(args: argparse.Namespace, device: str) -> list[dict]:
+def capped_rows(args: argparse.Namespace, device: str,
+                save: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    """rpcompile under the cap; with ``--peer roundpipe`` RoundPipe next, on the same spec (tokens, weights).
+    ``save(rows)`` is called with the rows so far before the peer runs (a hung peer ends the process)."""
     total = torch.cuda.get_device_properties(0).total_memory
     cap = int(args.cap_gib * GiB)
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
@@ -233,11 +245,29 @@ def capped_rows(args: argparse.Namespace, device: str) -> list[dict]:
         row = rpcompile_row(spec, [device], f"bf16, 1 device, capped at {args.cap_gib:g} GiB", args.steps,
                             section="capped", microbatches=args.capped_batch, memory_limit=int(cap * 0.9),
                             cost_spec=args.spec, profile=args.profile)
-        row["model"] = args.capped_model
-        _tokens([row], spec)
+        rows = [row]
+        if args.peer == "roundpipe":
+            spec.model.zero_grad(set_to_none=True)
+            if save is not None:
+                save([{**row, "model": args.capped_model}])
+            rows.append(roundpipe_peer.roundpipe_row(
+                spec, device=device, microbatches=args.capped_batch, cap_gib=args.cap_gib, steps=args.steps,
+                label=f"HF Llama, bf16, 1 device, capped at {args.cap_gib:g} GiB", timeout_s=args.peer_timeout))
+        for r in rows:
+            r["model"] = args.capped_model
+        _tokens(rows, spec)
+        _versus_peer(rows)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
-    return [row]
+    return rows
+
+
+def _versus_peer(rows: list[dict]) -> None:
+    """``vs_peer``: each row's tokens/s over the peer's (RoundPipe's) in the same section."""
+    peer = next((r for r in rows if r["system"] in roundpipe_peer.PEERS), None)
+    base = peer and peer.get("tokens_per_s")
+    for r in rows:
+        r["vs_peer"] = r["tokens_per_s"] / base if base and r.get("tokens_per_s") else None
 
 
 # --------------------------------------------------------------------------------------------- output
@@ -253,6 +283,7 @@ _COLUMNS = (("model", "model", ""), ("system", "system", ""), ("variant", "varia
             ("tokens/s", "tokens_per_s", ""), ("step", "step_s", " s"), ("vs eager ckpt", "vs_eager_checkpointed", "×"),
             ("predicted", "predicted_s", " s"), ("pred/meas", "predicted_over_measured", "×"),
             ("peak GPU", "peak_gib", " GiB"), ("compile/setup", "setup_s", " s"), ("error", "error", ""))
+_PEER_COLUMN = ("vs RoundPipe", "vs_peer", "×")
 
 
 def print_tables(rows: list[dict], header: dict) -> str:
@@ -266,12 +297,13 @@ def print_tables(rows: list[dict], header: dict) -> str:
             t.add_row(r["memory"], r["direction"], f"{r['GB_per_s']:.1f}")
         console.print(t)
     runs = [r for r in rows if r["section"] != "link"]
+    columns = _COLUMNS[:-1] + (_PEER_COLUMN,) + _COLUMNS[-1:] if any("vs_peer" in r for r in runs) else _COLUMNS
     t = Table(title=f"training step (forward+backward) on {header['device']}, {header['date']}")
-    for name, _, _ in _COLUMNS:
+    for name, _, _ in columns:
         t.add_column(name)
-    md = ["| " + " | ".join(n for n, _, _ in _COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
+    md = ["| " + " | ".join(n for n, _, _ in columns) + " |", "|" + "---|" * len(columns)]
     for r in runs:
-        cells = [_fmt(r.get(key), unit) for _, key, unit in _COLUMNS]
+        cells = [_fmt(r.get(key), unit) for _, key, unit in columns]
         t.add_row(*cells)
         md.append("| " + " | ".join(cells) + " |")
     console.print(t)
@@ -294,12 +326,27 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--spec", default=None, help="plan from analytic costs of this GPU spec (default: measured here)")
     ap.add_argument("--profile", type=Path, default=None, help="write a torch profiler trace per rpcompile row here")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model: checks the script, times mean nothing")
+    ap.add_argument("--peer", choices=roundpipe_peer.PEERS, default=None,
+                    help="also run this peer in the capped section, side by side (roundpipe: PyPI roundpipe 0.1.1 "
+                         "on an HF Llama of the same shape and weights; needs CUDA; adds the capped section)")
+    ap.add_argument("--peer-timeout", type=float, default=900.0,
+                    help="seconds before a peer run that never returns ends the process (default 900)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "gpu.json")
     args = ap.parse_args(argv)
     sections = [s for s in args.sections.split(",") if s]
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown:
         ap.error(f"unknown section(s) {unknown}; choose from {', '.join(SECTIONS)}")
+    if args.peer:  # before any model is built: one line and a non-zero exit when the peer cannot run here
+        try:
+            if args.smoke:
+                raise roundpipe_peer.PeerUnavailable(f"--peer {args.peer} needs a CUDA GPU; --smoke runs on the CPU")
+            roundpipe_peer.check_roundpipe()  # imported for real only when it runs, after rpcompile's rows
+        except roundpipe_peer.PeerUnavailable as e:
+            print(e, file=sys.stderr)
+            raise SystemExit(2) from None
+        if "capped" not in sections:
+            sections.append("capped")
     if args.smoke:
         device, sections = "cpu", ["resident"]
         args.model, args.batch, args.seq, args.steps = "llama-demo", 4, 32, 1
@@ -314,15 +361,19 @@ def main(argv: list[str] | None = None) -> None:
               "costs": f"analytic {args.spec}" if args.spec else "measured on the device", "args": {
                   k: str(v) for k, v in vars(args).items()}}
     rows: list[dict] = []
+
+    def save(more: list[dict], markdown: str | None = None) -> None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({**header, "rows": rows + more, "markdown": markdown}, indent=1, default=str))
+
     if "link" in sections:
         rows += link_rows()
     if "resident" in sections:
         rows += resident_rows(args, device)
     if "capped" in sections:
-        rows += capped_rows(args, device)
+        rows += capped_rows(args, device, save)
     markdown = print_tables(rows, header)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({**header, "rows": rows, "markdown": markdown}, indent=1, default=str))
+    save([], markdown)
     print(f"wrote {args.out}")
 
 

@@ -1,0 +1,253 @@
+"""The real RoundPipe (PyPI ``roundpipe`` 0.1.1) as a peer of rpcompile on the same GPU (``gpu.py --peer roundpipe``).
+
+RoundPipe pipelines an ``nn.Sequential``; for HuggingFace ``LlamaForCausalLM`` it ships a preset
+(``roundpipe.models.llama``) that splits the model into prefix (embedding, mask, RoPE), one stage per decoder
+layer, and postfix (norm, LM head, loss). So the peer runs on :func:`hf_twin`: an HF Llama of the very shape of
+rpcompile's model with the very same weights (in bf16), fed the same tokens, split into the same microbatches,
+under the same GPU memory cap, in the same process.
+
+What is timed, for both systems: one forward + backward over the batch until every gradient is in host memory.
+No optimizer step for either (rpcompile leaves it to any ``torch.optim`` optimizer; RoundPipe's runs on its own
+thread and, in its default async mode, overlaps the next iteration). RoundPipe plans its stages with its own
+planner (``ModelExecutePlan.auto``) under 0.6 × the cap, the fraction its default takes of a GPU's memory.
+
+Two things make RoundPipe 0.1.1 run under transformers 5:
+- its Llama preset calls ``create_causal_mask(input_embeds=...)``; transformers 5 names the argument
+  ``inputs_embeds`` (and later releases ``past_key_values`` ``cache`` and drop ``cache_position``):
+  :func:`causal_mask_shim` renames what the installed function names differently and drops what it no longer takes;
+- its optimizers compile C++ with ninja on first use: not needed here (no optimizer step), so not imported.
+
+``roundpipe`` is imported only by :func:`load_roundpipe`, i.e. only when ``--peer roundpipe`` is given: it needs
+CUDA at import time (it enumerates the GPUs and reads their free memory) and the packages ``beartype`` and
+``py-cpuinfo``. On the GPU machine (no network) put their wheels in ``.whl/`` beside roundpipe's.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import importlib
+import importlib.util
+import inspect
+import os
+import re
+import shutil
+import statistics
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+PEERS = ("roundpipe",)
+GiB = 1 << 30
+
+#: argument names RoundPipe 0.1.1 passes to ``create_causal_mask`` -> the names later transformers use
+_MASK_RENAMES = {"input_embeds": "inputs_embeds", "past_key_values": "cache"}
+
+
+class PeerUnavailable(RuntimeError):
+    """The peer cannot run here (no CUDA, or the package or one of its dependencies is missing)."""
+
+
+def causal_mask_shim(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (transformers' ``create_causal_mask``) accepting RoundPipe 0.1.1's argument names: each keyword in
+    ``_MASK_RENAMES`` that ``fn`` does not take but whose new name it does is renamed, and keywords ``fn`` does
+    not take at all are dropped (unless it takes ``**kwargs``). A function that already takes the old names is
+    returned unchanged."""
+    params = inspect.signature(fn).parameters
+    if "input_embeds" in params:  # a transformers that still speaks RoundPipe's names
+        return fn
+    open_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+    @functools.wraps(fn)
+    def create_causal_mask(*args: Any, **kwargs: Any) -> Any:
+        for old, new in _MASK_RENAMES.items():
+            if old in kwargs and old not in params and new in params and new not in kwargs:
+                kwargs[new] = kwargs.pop(old)
+        if not open_kwargs:
+            kwargs = {k: v for k, v in kwargs.items() if k in params}
+        return fn(*args, **kwargs)
+
+    create_causal_mask.__rpcompile_shim__ = True  # type: ignore[attr-defined]
+    return create_causal_mask
+
+
+def install_mask_shim(module: Any) -> bool:
+    """Wrap ``module.create_causal_mask`` (a RoundPipe preset module) in :func:`causal_mask_shim`, once. Returns
+    whether the module's function is now a shim."""
+    fn = getattr(module, "create_causal_mask", None)
+    if fn is None:
+        return False
+    if not getattr(fn, "__rpcompile_shim__", False):
+        shimmed = causal_mask_shim(fn)
+        if shimmed is fn:
+            return False
+        module.create_causal_mask = shimmed
+    return True
+
+
+# --------------------------------------------------------------------------------------------- the HF twin
+_NAMES = [  # rpcompile's Llama parameter names -> HF LlamaForCausalLM's
+    (r"^embed\.weight$", "model.embed_tokens.weight"),
+    (r"^layers\.(\d+)\.attn_norm\.weight$", r"model.layers.\1.input_layernorm.weight"),
+    (r"^layers\.(\d+)\.attn\.(q|k|v|o)_proj\.weight$", r"model.layers.\1.self_attn.\2_proj.weight"),
+    (r"^layers\.(\d+)\.attn\.(q|k)_norm\.weight$", r"model.layers.\1.self_attn.\2_norm.weight"),
+    (r"^layers\.(\d+)\.mlp_norm\.weight$", r"model.layers.\1.post_attention_layernorm.weight"),
+    (r"^layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight$", r"model.layers.\1.mlp.\2_proj.weight"),
+    (r"^norm\.weight$", "model.norm.weight"),
+    (r"^lm_head\.weight$", "lm_head.weight"),
+]
+
+
+def hf_name(name: str) -> str:
+    """The HF name of one of rpcompile's Llama parameters (``ValueError`` for one it has no counterpart for)."""
+    for pattern, repl in _NAMES:
+        if re.match(pattern, name):
+            return re.sub(pattern, repl, name)
+    raise ValueError(f"no HF Llama counterpart for parameter {name!r}")
+
+
+def hf_twin(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """An HF ``LlamaForCausalLM`` of ``model``'s shape (an :class:`rpcompile.models.Llama` without q/k norms, i.e.
+    not the Qwen3 shapes) holding a copy of its weights in ``dtype``, on the CPU, built without HF's own init."""
+    import transformers  # here, not at the top: only --peer needs transformers
+
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(cfg, "n_layers") or getattr(cfg, "qk_norm", False):
+        raise PeerUnavailable("--peer roundpipe runs on Llama-shaped models (rpcompile's llama presets without "
+                              "q/k norms, e.g. llama-8b); this model has no HF Llama twin")
+    config = transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads,
+        head_dim=cfg.hd, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps,
+        max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=cfg.tie_embeddings, attention_bias=False,
+        mlp_bias=False, use_cache=False)
+    config._attn_implementation = "sdpa"  # what rpcompile's Llama runs (F.scaled_dot_product_attention)
+    with torch.device("meta"):
+        hf = transformers.LlamaForCausalLM(config)
+    hf = hf.to(dtype=dtype).to_empty(device="cpu")
+    state = {hf_name(k): v.detach().to(dtype) for k, v in model.state_dict().items()}
+    if cfg.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (cfg.tie_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"HF twin does not match: missing {missing}, unexpected {unexpected}")
+    if cfg.tie_embeddings:
+        hf.tie_weights()
+    # the rotary tables are buffers that to_empty left uninitialised: build them afresh (fp32, on the CPU)
+    hf.model.rotary_emb = type(hf.model.rotary_emb)(config=hf.config)
+    hf.eval()  # no dropout in either model; eval only silences HF's training-mode warnings
+    return hf
+
+
+# --------------------------------------------------------------------------------------------- the peer
+#: what ``import roundpipe`` needs beside torch (PyPI names in brackets where they differ from the module's)
+_NEEDS = {"roundpipe": "roundpipe==0.1.1", "beartype": "beartype", "cpuinfo": "py-cpuinfo", "tqdm": "tqdm",
+          "transformers": "transformers"}
+
+
+def check_roundpipe() -> None:
+    """Raise :class:`PeerUnavailable` (one line) unless CUDA is there and RoundPipe and what it imports are
+    installed. Imports nothing: importing roundpipe starts its threads and reads the GPUs."""
+    if not torch.cuda.is_available():
+        raise PeerUnavailable("--peer roundpipe needs a CUDA GPU (RoundPipe runs on CUDA only); none is available")
+    missing = [pkg for mod, pkg in _NEEDS.items() if importlib.util.find_spec(mod) is None]
+    if missing:
+        raise PeerUnavailable(f"--peer roundpipe: not installed: {', '.join(missing)} (pip install them, or "
+                              "their wheels from .whl/: see benchmarks/README.md)")
+
+
+def load_roundpipe() -> Any:
+    """Import ``roundpipe`` (needs CUDA) with the causal-mask shim on its Llama preset. Raises
+    :class:`PeerUnavailable` with one line saying what is missing."""
+    check_roundpipe()
+    if "RPP_DISABLE_TORCH_COMPILE" not in os.environ and shutil.which("cc") is None and shutil.which("gcc") is None:
+        os.environ["RPP_DISABLE_TORCH_COMPILE"] = "1"  # its loss is torch.compile'd, and inductor needs a C compiler
+    try:
+        roundpipe = importlib.import_module("roundpipe")
+        llama = importlib.import_module("roundpipe.models.llama")
+    except ImportError as e:
+        raise PeerUnavailable(f"--peer roundpipe: cannot import roundpipe ({e}); install roundpipe==0.1.1 with "
+                              "beartype and py-cpuinfo (pip install roundpipe==0.1.1, or their wheels from .whl/)")
+    install_mask_shim(llama)
+    return roundpipe
+
+
+class _Watchdog:
+    """Ends the process if a RoundPipe step never returns: RoundPipe's device threads exit on an error (CUDA out of
+    memory included) and leave the main thread waiting forever."""
+
+    def __init__(self, seconds: float, what: str):
+        self.timer = threading.Timer(seconds, self._fire, args=(seconds, what))
+        self.timer.daemon = True
+
+    def _fire(self, seconds: float, what: str) -> None:
+        print(f"roundpipe peer: {what} did not finish in {seconds:.0f} s (a RoundPipe worker thread probably died; "
+              "its traceback is above); the rows before it are already written", file=sys.stderr, flush=True)
+        os._exit(3)
+
+    def __enter__(self) -> "_Watchdog":
+        self.timer.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.timer.cancel()
+
+
+def roundpipe_row(spec: Any, *, device: str, microbatches: int, cap_gib: float, steps: int, label: str,
+                  timeout_s: float = 900.0) -> dict[str, Any]:
+    """One row: RoundPipe on the HF twin of ``spec.model``, ``spec``'s tokens and targets, ``microbatches``
+    microbatches, its planner limited to 0.6 × ``cap_gib`` (the caller caps the GPU itself). Median of ``steps``
+    timed steps after two warm-ups (its planner re-plans from the times it measured)."""
+    roundpipe = load_roundpipe()
+    from roundpipe.scheduler import ModelExecutePlan  # roundpipe is importable: load_roundpipe checked
+
+    (x,), y = spec.example_inputs, spec.example_target
+    t0 = time.perf_counter()
+    hf = hf_twin(spec.model)
+    rp = roundpipe.wrap_model_to_roundpipe(
+        hf, use_sequential_preset=True, optim_dtype=torch.float32, name="peer",
+        model_run_config=roundpipe.RoundPipeRunConfig(num_microbatch=microbatches))
+    setup = time.perf_counter() - t0
+    inputs = {"input_ids": x, "labels": y, "shift_labels": y, "return_logits": False}  # y is already shifted
+    stages: dict[str, int] = {}
+
+    def step() -> float:
+        rp.model_timer.update_times()
+        plan = ModelExecutePlan.auto("fused", rp, model_memory_limit=cap_gib * 0.6)
+        stages.update(forward=len(plan.fwd_plan), backward=len(plan.bwd_plan))
+        t = time.perf_counter()
+        loss = rp.forward_backward(input_kwargs=inputs, loss_fn=lambda out, _: out.loss / microbatches,
+                                   run_config=roundpipe.RoundPipeRunConfig(execute_plan=plan))
+        for attrs in rp.layer_attrs:  # every gradient is on the host
+            attrs.grad_download_started.wait()
+            attrs.grad_downloaded.synchronize()
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t
+        rp.synchronize()  # gradients into .grad, so the next step starts from none (untimed)
+        hf.zero_grad(set_to_none=True)
+        row["loss"] = float(loss)
+        return elapsed
+
+    row: dict[str, Any] = {"section": "capped", "system": "roundpipe", "variant": label, "setup_s": setup,
+                           "microbatches": microbatches, "roundpipe": getattr(roundpipe, "__version__", None),
+                           "torch_compile": os.environ.get("RPP_DISABLE_TORCH_COMPILE", "0") != "1"}
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        with _Watchdog(timeout_s, "a RoundPipe step"):
+            step(), step()
+            times = [step() for _ in range(steps)]
+        row.update(step_s=statistics.median(times), peak_gib=torch.cuda.max_memory_allocated() / GiB, error=None,
+                   stages=stages["forward"] + stages["backward"], plan=dict(stages))
+    except Exception as e:  # noqa: BLE001 - reported in the table: the rpcompile rows stand without it
+        row.update(step_s=None, peak_gib=torch.cuda.max_memory_allocated() / GiB,
+                   error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    del rp, hf
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row

@@ -57,7 +57,7 @@ BACKEND_ENV = "RPCOMPILE_ADAMW_BACKEND"
 
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "adamw.cpp"
 _EXTENSION_NAME = "rpcompile_adamw"
-_CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno"]  # no -ffast-math: the update must round as torch's does
+_CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]  # each operation rounds, as torch's CPU ops
 
 #: The process's one attempt at the extension: ``module`` once built, ``failure`` (one line) once it failed.
 _BUILD: dict[str, Any] = {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from rpcompile.core.plan import Hardware
+from rpcompile.core.stages import host_load
 
 from .coarsen import segments_of
 from .cost import DTYPE_KEY
@@ -26,9 +27,12 @@ def partition_problem(
     precision: str = "fp32",
     stage_overhead_s: float | None = None,
     allow_save: bool = True,
+    overlap_step: bool = False,
 ) -> PartitionProblem:
     """Lower a coarsened graph to plain numbers. Parameters read by several segments (tied embeddings) become
-    :class:`SharedParam`s: every stage that uses one receives it, and its gradient is summed over them."""
+    :class:`SharedParam`s: every stage that uses one receives it, and its gradient is summed over them. The host's
+    work (:func:`~rpcompile.core.stages.host_load`) is priced for every trainable parameter on ``hardware.host``;
+    ``overlap_step``: the optimizer step runs beside the next iteration."""
     segs = segments_of(gm)
     elt = PRECISION_BYTES[precision]
     params = dict(gm.named_parameters())
@@ -66,6 +70,8 @@ def partition_problem(
         microbatches=microbatches,
         stage_overhead_s=hardware.spec.stage_overhead_s if stage_overhead_s is None else stage_overhead_s,
         allow_save=allow_save,
+        host=host_load(hardware.host, trainable_params=sum(p.numel() for p in params.values() if p.requires_grad),
+                       precision=precision, overlap_step=overlap_step),
     )
 
 

@@ -22,7 +22,7 @@ from .fingerprint import fingerprint
 from .host import host_of
 from .loss_head import HEAD_CHUNKS_META
 from .shape import SHAPE_KEY
-from .timing import bubble_fraction, iteration_time, stage_costs
+from .timing import bubble_fraction, host_times, iteration_time, stage_costs
 from .util import compute_nodes, module_path, node_params
 
 __all__ = ["plan_from_ranges", "to_plan"]
@@ -140,6 +140,8 @@ def to_plan(gm: fx.GraphModule, problem: Any, result: Any, *, hardware: Hardware
             bubble_fraction=bubble_fraction(problem, sp),
             peak_memory_bytes=max(c.memory_bytes for c in costs),
             bound_s=float(result.stats.get("bound_s", 0.0) or 0.0),
+            overlap_step=problem.host.overlap_step,
+            **host_times(problem, sp),
         ),
         strategy=result.strategy,
         cost_model=str(gm.meta.get("rpcompile.cost_model", "")),

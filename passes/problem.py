@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from rpcompile.core.errors import InfeasibleError, ProblemError
-from rpcompile.core.stages import StageKind
+from rpcompile.core.stages import HostLoad, StageKind
 
 __all__ = ["SharedParam", "PartitionProblem", "SegmentPlan", "PartitionResult", "plan_stages"]
 
@@ -116,6 +116,10 @@ class PartitionProblem:
     """Fixed cost per stage and microbatch (launch, synchronisation)."""
     allow_save: bool = True
     """When False every segment is recomputed (``saved`` all False): the pure balance problem."""
+    host: HostLoad = HostLoad()
+    """The host's work: gradient accumulation after each grad stage (in the iteration recurrence, not in a
+    stage's per-microbatch price) and the optimizer step and copy refresh between iterations (a constant the
+    solvers need not see). The default: none."""
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -143,6 +147,8 @@ class PartitionProblem:
                 f"memory_bytes={self.memory_bytes} must be >= 0 and link_bytes_per_s={self.link_bytes_per_s} "
                 "a finite positive rate"
             )
+        if not isinstance(self.host, HostLoad):
+            raise ProblemError(f"host must be a HostLoad, got {type(self.host).__name__}")
         if not (math.isfinite(self.stage_overhead_s) and self.stage_overhead_s >= 0):
             raise ProblemError(f"stage_overhead_s={self.stage_overhead_s} must be a finite time >= 0")
 

@@ -28,6 +28,15 @@ microbatch reaches the next stage only after its hand-off through host memory �
 from one device and up to the next (``handoff_bytes``, both links' time): one hand-off per stage lies on the
 fill's and the drain's critical path, so a cut across a wide tensor (inside an MLP) lengthens both.
 
+**Host work** (:class:`~rpcompile.core.stages.HostLoad`, the problem's ``host``). After a grad stage's gradients
+are down, one host thread adds them into the fp32 masters' ``.grad`` (``accumulate_s``, :func:`pipeline_time`): the
+accumulations queue on that thread in the order the gradients land and run beside the later stages, so they show
+only when the thread falls behind — the iteration ends when the last one is done. That is a term of the iteration
+recurrence, not of a stage's per-microbatch price (the solvers' :mod:`.tables`): the host thread is one resource
+that every device's stages share, and it never slows a device. Between iterations the host steps the optimizer and
+refreshes the compute-precision copies, a constant per iteration (``HostLoad.step_s``) that the solvers need not
+see: :func:`iteration_time` adds it (synchronous) or takes ``max(pipeline, step)`` (``overlap_step``).
+
 Each stage is a :class:`~rpcompile.core.stages.StageCost`, the type the simulator plays too.
 """
 
@@ -52,6 +61,8 @@ __all__ = [
     "iteration_time",
     "plan_memory",
     "bubble_fraction",
+    "host_times",
+    "host_lane_end",
 ]
 
 
@@ -156,7 +167,8 @@ def _lazy_offload(problem: PartitionProblem, costs: Sequence[StageCost]) -> tupl
 def pipeline_time(stage_times: Sequence[float], devices: int, microbatches: int, *,
                   weight_s: Sequence[float] = (), grad_s: Sequence[float] = (),
                   handoff_s: Sequence[float] = (), out_s: Sequence[float] = (), save_s: Sequence[float] = (),
-                  reads: Sequence[Sequence[int]] = (), prefetch_s: Sequence[float] = ()) -> float:
+                  reads: Sequence[Sequence[int]] = (), prefetch_s: Sequence[float] = (),
+                  accumulate_s: Sequence[float] = ()) -> float:
     """Iteration time of the round-robin schedule (DESIGN §3) by the exact event recurrence.
 
     Microbatch ``j`` of stage ``k`` starts at ``max(e(k, j-1), e(k-1, j), e(k-N, m-1))`` (0 for negative
@@ -174,9 +186,23 @@ def pipeline_time(stage_times: Sequence[float], devices: int, microbatches: int,
     on its link, so microbatch ``j``'s saves land at ``l(f, j) = max(l(f, j−1), e(f, j) + out_s[f]) + save_s[f]``
     (the latest stage's saves go first, so older backlog does not delay them); a stage that ``reads`` them
     starts ``j`` no earlier than ``l(f, j) + prefetch_s[k]`` (it uploads them before it computes).
+
+    Host accumulation: ``accumulate_s[k]``, the host thread's time to add stage ``k``'s gradients into ``.grad``
+    once they have landed (``e(k, m−1) + grad_s[k]``); one thread takes them in the order they land, and the
+    iteration waits for the last.
     """
     ends = _stage_ends(stage_times, devices, microbatches, weight_s, handoff_s, out_s, save_s, reads, prefetch_s)
-    return max((e + (grad_s[k] if k < len(grad_s) else 0.0) for k, e in enumerate(ends)), default=0.0)
+    landed = [e + (grad_s[k] if k < len(grad_s) else 0.0) for k, e in enumerate(ends)]
+    return max(max(landed, default=0.0), host_lane_end(landed, accumulate_s))
+
+
+def host_lane_end(landed: Sequence[float], accumulate_s: Sequence[float]) -> float:
+    """When one host thread finishes ``accumulate_s[k]`` of work that may start at ``landed[k]``, taken in the
+    order it lands (0 when there is none)."""
+    end = 0.0
+    for at, work in sorted((landed[k], w) for k, w in enumerate(accumulate_s) if w > 0 and k < len(landed)):
+        end = max(end, at) + work
+    return end
 
 
 def _stage_ends(stage_times: Sequence[float], devices: int, m: int, weight_s: Sequence[float] = (),
@@ -294,13 +320,25 @@ def _total(problem: PartitionProblem, costs: Sequence[StageCost], saved: Sequenc
     """Exact iteration time of the stages (costed on their own, or already through :func:`offload_backlog`: the
     walk gives the same times either way) with their transfer edges; the local search calls it on cached stages."""
     times = _lazy_offload(problem, costs)[0]
+    acc = [problem.host.accumulate_s(c.grad_bytes) for c in costs] if math.isfinite(problem.host.accumulate_bytes_per_s) else []
     return pipeline_time(times, problem.device_count, problem.microbatches,
-                         **transfer_edges(problem, costs, times, saved))
+                         **transfer_edges(problem, costs, times, saved), accumulate_s=acc)
 
 
 def iteration_time(problem: PartitionProblem, plan: SegmentPlan) -> float:
-    """Predicted time of one training iteration (s): the pipeline plus its exposed fill and drain transfers."""
-    return _total(problem, stage_costs(problem, plan, lazy_offload=False), plan.saved)
+    """Predicted time of one training iteration (s): the pipeline plus its exposed fill and drain transfers and
+    the host accumulation it could not hide, then the optimizer step and copy refresh (added, or overlapped:
+    ``HostLoad.iteration_s``)."""
+    return problem.host.iteration_s(_total(problem, stage_costs(problem, plan, lazy_offload=False), plan.saved))
+
+
+def host_times(problem: PartitionProblem, plan: SegmentPlan) -> dict[str, float]:
+    """The host's part of the prediction: ``pipeline_s`` (the iteration before the step), ``accumulate_s`` (the
+    host thread's accumulation over the iteration, mostly hidden), ``optimizer_s`` and ``refresh_s``."""
+    costs = stage_costs(problem, plan, lazy_offload=False)
+    h = problem.host
+    return dict(pipeline_s=_total(problem, costs, plan.saved), optimizer_s=h.optimizer_s, refresh_s=h.refresh_s,
+                accumulate_s=sum(h.accumulate_s(c.grad_bytes) for c in costs))
 
 
 def plan_memory(problem: PartitionProblem, plan: SegmentPlan) -> int:

@@ -15,7 +15,7 @@ from rpcompile.passes.tables import min_feasible_memory
 
 from .core.errors import ConfigError, InfeasibleError, RPCompileError
 from .core.plan import Hardware
-from .core.specs import DeviceSpec, get_spec
+from .core.specs import DeviceSpec, HostSpec, assumed_host, get_spec
 
 __all__ = ["STRATEGIES", "AUTO_HEAD_CHUNKS", "make_cost_model", "make_hardware", "default_spec",
            "head_chunk_candidates", "fastest", "infeasible_error", "model_device"]
@@ -39,12 +39,17 @@ def make_cost_model(*, spec: "str | DeviceSpec | None" = None, device: "str | to
     return MeasuredCostModel(device or "cpu", dtype=dtype)
 
 
-def make_hardware(gpus: int, spec: "str | DeviceSpec", memory_limit: int | None = None) -> Hardware:
+def make_hardware(gpus: int, spec: "str | DeviceSpec", memory_limit: int | None = None, *,
+                  host: HostSpec | None = None) -> Hardware:
+    """``gpus`` devices of ``spec`` with ``memory_limit`` usable bytes each (default: the spec's usable memory),
+    in ``host`` (default: the host :func:`~rpcompile.core.specs.assumed_host` assumes for the spec; measure one
+    with :func:`rpcompile.probe.probe_host`)."""
     spec = get_spec(spec)
     if gpus < 1:
         raise ConfigError(f"gpus must be >= 1, got {gpus}")
     memory = int(memory_limit) if memory_limit is not None else spec.usable_memory_bytes
-    return Hardware(device_count=gpus, spec=spec, memory_bytes=memory, link_bytes_per_s=spec.host_link_bandwidth)
+    return Hardware(device_count=gpus, spec=spec, memory_bytes=memory, link_bytes_per_s=spec.host_link_bandwidth,
+                    host=host if host is not None else assumed_host(spec))
 
 
 def default_spec(spec: "str | DeviceSpec | None", device: "str | torch.device | None",

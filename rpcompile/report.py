@@ -16,7 +16,7 @@ from rpcompile.passes.segment_rules import format_bytes as fmt_bytes
 if TYPE_CHECKING:  # annotations only: importing rpcompile.profiling imports torch (3.3 s), which a plan table never needs
     from .profiling import CostRow, Profile
 
-__all__ = ["fmt_bytes", "fmt_time", "fmt_ms", "fmt_count", "fmt_params", "models_table", "bound_note", "cost_label", "profile_table",
+__all__ = ["fmt_bytes", "fmt_time", "fmt_ms", "fmt_count", "fmt_params", "models_table", "bound_note", "host_note", "host_line", "cost_label", "profile_table",
            "plan_table", "compare_table", "stage_range", "print_table", "simulate_table", "devices_table"]
 
 
@@ -128,9 +128,31 @@ def plan_table(plan, *, title: str = "") -> Table:
     table.caption = (f"predicted{source}: iteration {fmt_ms(p.iteration_time_s)}, "
                      f"bubble {p.bubble_fraction:.1%}, peak memory {fmt_bytes(p.peak_memory_bytes)} of "
                      f"{fmt_bytes(plan.hardware.memory_bytes)}"
+                     + (f"; {host_note(plan)}" if plan.hardware.host is not None else "")
                      + (f"; {bound_note(plan)}" if p.bound_s else "")
                      + (f"; on the host: {', '.join(plan.host)} (embedding lookups)" if plan.host else ""))
     return table
+
+
+def host_note(plan: Any) -> str:
+    """The host's part of a plan's predicted iteration: the pipeline, then the optimizer step and copy refresh
+    (added, or overlapped), and the gradient accumulation the host thread ran beside the pipeline."""
+    p, host = plan.predicted, plan.hardware.host
+    how = "measured" if host.source == "probe" else "assumed"
+    return (f"host ({how}): optimizer step {fmt_ms(p.optimizer_s)} + copy refresh {fmt_ms(p.refresh_s)} "
+            f"{'beside' if p.overlap_step else 'after'} the {fmt_ms(p.pipeline_s)} pipeline "
+            f"({'overlap=True: the longer of the two' if p.overlap_step else 'synchronous: added'}), gradient "
+            f"accumulation {fmt_ms(p.accumulate_s)} on the host thread beside the stages")
+
+
+def host_line(name: str, result: Any) -> str:
+    """One simulated schedule's host work, or "" when it has none."""
+    if not result.step_s and not result.accumulate_s:
+        return ""
+    joined = "overlapped with the pipeline" if result.overlap_step else "after the pipeline"
+    return (f"{name}: host (simulated, the step as the plan predicts it): pipeline {fmt_ms(result.pipeline_s)}, "
+            f"gradient accumulation {fmt_ms(result.accumulate_s)} on the host thread beside it, optimizer step and "
+            f"copy refresh {fmt_ms(result.step_s)} {joined}")
 
 
 def bound_note(plan: Any) -> str:

@@ -27,7 +27,7 @@ from typing import Any, Mapping, Sequence
 
 from rpcompile.core.errors import RPCompileError, SimulationError
 from rpcompile.core.schedule import Action, gpipe, interleaved_one_f_one_b, one_f_one_b, round_robin
-from rpcompile.core.stages import StageCost, StageKind
+from rpcompile.core.stages import HostLoad, StageCost, StageKind, host_load
 from rpcompile.passes.baselines import layer_ranges
 from rpcompile.passes.partition import solve
 from rpcompile.passes.problem import PartitionProblem
@@ -67,6 +67,8 @@ class Scenario:
     tokens_per_iteration: int = 0
     copies_wait_for_memory: bool = True
     notes: dict[str, Any] = field(default_factory=dict)
+    host: HostLoad = HostLoad()
+    """The host's own work (gradient accumulation, optimizer step); none by default."""
 
     @property
     def stage_count(self) -> int:
@@ -78,7 +80,7 @@ class Scenario:
         return simulate(self.lists, self.stages, link_bytes_per_s=self.link_bytes_per_s,
                         host_bytes_per_s=self.host_bytes_per_s, memory_limit_bytes=self.memory_limit_bytes,
                         copies_wait_for_memory=self.copies_wait_for_memory,
-                        tokens_per_iteration=self.tokens_per_iteration)
+                        tokens_per_iteration=self.tokens_per_iteration, host=self.host)
 
 
 # ---------------------------------------------------------------------------------------------- round-robin
@@ -99,9 +101,12 @@ def from_plan(plan: Any, *, host_bytes_per_s: float = math.inf) -> Scenario:
             working_bytes=s.working_bytes, saved_by=saved_by, microbatches=m,
         ))
     lists = round_robin([s.kind for s in plan.stages], hw.device_count, m)
+    p = plan.predicted  # the host's rates from the plan's host, its step as the plan predicted it
+    host = dataclasses.replace(host_load(hw.host, trainable_params=0, precision=plan.precision),
+                               optimizer_s=p.optimizer_s, refresh_s=p.refresh_s, overlap_step=p.overlap_step)
     return Scenario(plan.strategy, lists, stages, link_bytes_per_s=hw.link_bytes_per_s,
                     host_bytes_per_s=host_bytes_per_s, memory_limit_bytes=hw.memory_bytes,
-                    tokens_per_iteration=plan.tokens_per_microbatch * m)
+                    tokens_per_iteration=plan.tokens_per_microbatch * m, host=host)
 
 
 def from_segment_plan(problem: Any, plan: Any, *, name: str, tokens_per_iteration: int = 0,
@@ -122,7 +127,7 @@ def from_segment_plan(problem: Any, plan: Any, *, name: str, tokens_per_iteratio
     lists = round_robin([s.kind for s in stages], problem.device_count, m)
     return Scenario(name, lists, stages, link_bytes_per_s=link if handoff_s is None else math.inf,
                     host_bytes_per_s=host_bytes_per_s, memory_limit_bytes=problem.memory_bytes,
-                    tokens_per_iteration=tokens_per_iteration)
+                    tokens_per_iteration=tokens_per_iteration, host=problem.host if handoff_s is None else HostLoad())
 
 
 # ---------------------------------------------------------------------------------------------- static

@@ -23,9 +23,10 @@ class SimEvent:
     ``3F1>`` (out) and ``3F1>>`` (saved, out)."""
     device: int
     lane: str
-    """Display lane: ``compute``, ``upload`` or ``download``."""
+    """Display lane: ``compute``, ``upload`` or ``download`` (``host`` for the host's work, which
+    :attr:`SimResult.host_timeline` holds apart)."""
     kind: str
-    """``compute``, ``weights``, ``activations`` or ``gradients``."""
+    """``compute``, ``weights``, ``activations`` or ``gradients`` (host: ``accumulate``, ``optimizer``)."""
     stage: int
     microbatch: int
     start: float
@@ -52,6 +53,20 @@ class SimResult:
     offload_backlog_bytes: tuple[int, ...] = ()
     """Per device: the most saved activations computed but not yet down in host memory at once (lazy offload;
     part of ``peak_memory_bytes``)."""
+    pipeline_s: float = -1.0
+    """The iteration before the optimizer step: the devices, their copies and the host's gradient accumulation
+    (-1: not given, the same as ``iteration_time_s``)."""
+    step_s: float = 0.0
+    """The host's optimizer step and copy refresh (added to ``pipeline_s``, or overlapped with it)."""
+    overlap_step: bool = False
+    host_timeline: tuple[SimEvent, ...] = ()
+    """The host's work: ``kA`` (stage k's gradients added into ``.grad``) and ``step`` (``device`` is only the
+    device whose gradients it is; 0 for the step)."""
+
+    @property
+    def accumulate_s(self) -> float:
+        """Time the host thread spent adding gradients into ``.grad`` (beside the pipeline)."""
+        return sum(e.end - e.start for e in self.host_timeline if e.kind == "accumulate")
 
     @property
     def bubble_fraction(self) -> float:
@@ -120,4 +135,8 @@ class SimResult:
             "downloaded_bytes": list(self.downloaded_bytes),
             "offload_backlog_bytes": list(self.offload_backlog_bytes),
             "fits": self.fits,
+            "pipeline_s": self.pipeline_s if self.pipeline_s >= 0 else self.iteration_time_s,
+            "host_step_s": self.step_s,
+            "host_accumulate_s": self.accumulate_s,
+            "overlap_step": self.overlap_step,
         }

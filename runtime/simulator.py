@@ -41,6 +41,14 @@ activations and output buffers around each microbatch; ``resident_bytes`` for th
 schedules keep weights, gradients and optimizer state on the device) and ``stash_bytes`` from a forward
 microbatch until the backward position named by ``releases`` ends it (activations kept for the backward pass).
 
+**The host's own work** (``host``, a :class:`~rpcompile.core.stages.HostLoad`): after each ``kG`` a ``kA`` on the
+host's one accumulation lane adds the gradients into the fp32 ``.grad`` — taken in the order the gradients land,
+at the host thread's rate, and moving ``accumulate_traffic`` host-memory bytes per gradient byte through the
+host's memory bandwidth, which it shares with the links' copies (so when that bandwidth is tight it slows them).
+The optimizer step and the copy refresh (``step_s``) follow the iteration (synchronous: they add to it) or run
+from its start beside it (``overlap_step``: the iteration takes the longer of the two). Host work is reported in
+``SimResult.host_timeline``, apart from the devices' lanes.
+
 Each chain position is a :class:`~rpcompile.core.stages.StageCost`, the type the timing model prices; the run
 returns a :class:`~.sim_result.SimResult` (the timeline and its figures). With
 transfers free this is exactly the timing model's recurrence (:func:`rpcompile.passes.timing.pipeline_time`,
@@ -57,7 +65,7 @@ from typing import Sequence
 
 from rpcompile.core.errors import SimulationError
 from rpcompile.core.schedule import Action
-from rpcompile.core.stages import StageCost
+from rpcompile.core.stages import HostLoad, StageCost
 
 from .sim_result import SimEvent, SimResult
 
@@ -83,7 +91,10 @@ _LANES = {
     "a_down": ("down", "activations", "download"),
     "s_down": ("down", "activations", "download"),
     "g_down": ("down", "gradients", "download"),
+    "acc": ("cpu", "accumulate", "host"),
 }
+#: Lanes of the host, one for all devices (their queue key has device -1).
+_HOST = ("acc",)
 
 
 _Ref = tuple[str, int, int]
@@ -131,16 +142,19 @@ def simulate(
     memory_limit_bytes: int | None = None,
     copies_wait_for_memory: bool = True,
     tokens_per_iteration: int = 0,
+    host: HostLoad | None = None,
 ) -> SimResult:
     """Run the per-device action lists with a clock.
 
     ``stages[k]`` describes chain position k (a bare number is a :class:`StageCost` with only ``compute_s``).
     Bandwidths are bytes/s; infinite bandwidth makes byte transfers free. ``copies_wait_for_memory=False``
     admits copies regardless of ``memory_limit_bytes`` (static schedules, which do not stream and are only
-    checked against the limit).
+    checked against the limit). ``host``: the host's own work (see the module docstring); none by default.
     """
     sts = [s if isinstance(s, StageCost) else StageCost(name=str(k), compute_s=float(s)) for k, s in enumerate(stages)]
+    host = host or HostLoad()
     tasks, lanes, compute_of = _build(lists, sts, link_bytes_per_s)
+    _add_accumulation(tasks, lanes, sts, host)
     devices = len(lists)
     memory = [0.0] * devices
     peak = [0.0] * devices
@@ -185,7 +199,8 @@ def simulate(
         if not running:
             waiting = [q[0].label for q in queues.values() if q][:4]
             raise SimulationError(f"the action lists deadlock at t={now:.6g}s: {', '.join(waiting)} wait for work that never runs")
-        rates = _rates(running.values(), link_bytes_per_s, host_bytes_per_s)
+        rates = _rates(running.values(), link_bytes_per_s, host_bytes_per_s,
+                       host.accumulate_bytes_per_s * host.accumulate_traffic)
         dt = min((t.left / rates[id(t)] if rates[id(t)] > 0 else _INF) for t in running.values())
         if dt == _INF:
             raise SimulationError("a transfer has no bandwidth (link_bytes_per_s and host_bytes_per_s must be > 0)")
@@ -207,12 +222,18 @@ def simulate(
     moved = {"up": [0.0] * devices, "down": [0.0] * devices}
     for t in tasks:
         link_name = _LANES[t.lane][0]
-        if t.on_link and link_name is not None:  # every copy on a link has one
+        if t.on_link and link_name in moved:  # every copy on a link has one
             moved[link_name][t.device] += t.work
     events = tuple(
         SimEvent(t.label, t.device, _LANES[t.lane][2], _LANES[t.lane][1], t.stage, t.microbatch, t.start, t.end)
-        for t in tasks
+        for t in tasks if t.lane not in _HOST
     )
+    pipeline = max((t.end for t in tasks), default=0.0)
+    host_events = tuple(
+        SimEvent(t.label, t.device, "host", "accumulate", t.stage, -1, t.start, t.end) for t in tasks if t.lane in _HOST)
+    if host.step_s > 0:  # a fixed time on the host's own thread: it meets nothing else, so it is placed afterwards
+        begin = 0.0 if host.overlap_step else pipeline
+        host_events += (SimEvent("step", 0, "host", "optimizer", -1, -1, begin, begin + host.step_s),)
     changes: list[tuple[float, int, int, float]] = []  # (time, order, device, bytes): landings before new saves
     for t in tasks:
         if t.lane == "s_down":
@@ -225,7 +246,7 @@ def simulate(
         most[d] = max(most[d], backlog[d])
     return SimResult(
         timeline=events,
-        iteration_time_s=max((t.end for t in tasks), default=0.0),
+        iteration_time_s=host.iteration_s(pipeline),
         busy_s=tuple(busy),
         peak_memory_bytes=tuple(int(round(p)) for p in peak),
         host_traffic_bytes=sum(moved["up"]) + sum(moved["down"]),
@@ -235,6 +256,10 @@ def simulate(
         stage_names=tuple(s.name for s in sts),
         memory_limit_bytes=memory_limit_bytes,
         offload_backlog_bytes=tuple(int(round(b)) for b in most),
+        pipeline_s=pipeline,
+        step_s=host.step_s,
+        overlap_step=host.overlap_step,
+        host_timeline=host_events,
     )
 
 
@@ -244,7 +269,11 @@ def _ready(t: _Task) -> bool:
 
 def _next(q: deque, lazy: bool) -> "_Task | None":
     """The task a lane starts next, if its dependencies are met: the head of the queue, or on a lazy lane the
-    ready copy needed first (the latest chain position's, earliest microbatch first)."""
+    ready copy needed first (the latest chain position's, earliest microbatch first); on the host's lane the
+    work that landed first."""
+    if q[0].lane in _HOST:
+        ready = [t for t in q if _ready(t)]
+        return min(ready, key=lambda t: max(p.end for p in t.after_end)) if ready else None
     if not lazy:
         return q[0] if _ready(q[0]) else None
     best = None
@@ -364,6 +393,19 @@ def _build(lists: Sequence[Sequence[Action]], sts: Sequence[StageCost], link: fl
     return tasks, lanes, compute
 
 
+def _add_accumulation(tasks: list[_Task], lanes: dict, sts: Sequence[StageCost], host: HostLoad) -> None:
+    """A ``kA`` on the host's lane after every ``kG``: the host thread adds the stage's gradients into ``.grad``
+    (work: the host-memory bytes it moves)."""
+    if math.isinf(host.accumulate_bytes_per_s):
+        return
+    for g in [t for t in tasks if t.lane == "g_down" and sts[t.stage].grad_bytes]:
+        acc = _Task(f"{g.stage}A", g.device, "acc", g.stage, -1, sts[g.stage].grad_bytes * host.accumulate_traffic,
+                    on_link=True)
+        acc.after_end.append(g)
+        tasks.append(acc)
+        lanes.setdefault((-1, "acc"), []).append(acc)
+
+
 def _depend_on_producer(t: _Task, a: Action, compute: dict, out_copy: dict) -> None:
     if a.stage > 0:
         t.refs.append(("producer", a.stage - 1, a.microbatch))
@@ -383,9 +425,10 @@ def _resolve(ref: _Ref, compute: dict, out_copy: dict, offload: dict) -> _Task:
     return compute[(k, j)]
 
 
-def _rates(running, link: float, host: float) -> dict[int, float]:
+def _rates(running, link: float, host: float, cpu: float = _INF) -> dict[int, float]:
     """Max-min fair rates: compute and fixed-time copies progress at 1 s/s; byte copies share their device link
-    (one per direction) and the host's memory bandwidth (progressive filling)."""
+    (one per direction) and the host's memory bandwidth (progressive filling); the host thread's accumulation
+    shares that bandwidth too, at most ``cpu`` bytes/s."""
     rates: dict[int, float] = {}
     flows: list[_Task] = []
     for t in running:
@@ -393,7 +436,7 @@ def _rates(running, link: float, host: float) -> dict[int, float]:
             flows.append(t)
         else:
             rates[id(t)] = 1.0
-    cap: dict[object, float] = {"host": host}
+    cap: dict[object, float] = {"host": host, "cpu": cpu}
     for background in (False, True):  # strict priority: background copies share what the others leave
         _fill([t for t in flows if (t.lane in _BACKGROUND) == background], cap, link, rates)
     return rates
@@ -405,7 +448,7 @@ def _fill(flows: list, cap: dict, link: float, rates: dict) -> None:
         return
     members: dict[object, list] = {"host": list(flows)}
     for t in flows:
-        lane_key = (t.device, _LANES[t.lane][0])
+        lane_key: object = "cpu" if t.lane in _HOST else (t.device, _LANES[t.lane][0])
         cap.setdefault(lane_key, link)
         members.setdefault(lane_key, []).append(t)
     unfrozen = set(id(t) for t in flows)

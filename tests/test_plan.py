@@ -64,7 +64,7 @@ def test_save_is_atomic_and_leaves_no_tmp(tmp_path):
         ('{"schema_version": 1, "stages": [', r"p\.json is corrupt: invalid JSON at line 1 column \d+ \(.*\); re-plan to regenerate it"),
         ("[1, 2]", r"p\.json is not an rpcompile plan: expected a JSON object, found list"),
         ('{"hello": 1}', r"p\.json is not an rpcompile plan: no integer 'schema_version'"),
-        ('{"schema_version": 99}', r"p\.json has schema_version 99 but this rpcompile reads up to 2; upgrade rpcompile"),
+        ('{"schema_version": 99}', r"p\.json has schema_version 99 but this rpcompile reads up to 3; upgrade rpcompile"),
         ('{"schema_version": 1}', r"p\.json is corrupt: missing field 'model'; re-plan to regenerate it"),
     ],
 )

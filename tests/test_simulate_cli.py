@@ -13,6 +13,7 @@ import pytest
 from rpcompile.cli import main
 from rpcompile.passes.timing import pipeline_time
 from rpcompile.core.plan import Plan
+from rpcompile.core.stages import HostLoad
 from rpcompile.scenarios import SCHEDULES, from_plan
 
 GOLDEN = Path(__file__).parent / "golden" / "llama-demo.json"
@@ -38,11 +39,14 @@ def test_a_plan_file_simulates_on_its_own_hardware(capsys, tmp_path):
     assert r["fits"] and max(r["peak_memory_bytes"]) <= plan.hardware.memory_bytes
     tokens = plan.tokens_per_microbatch * plan.microbatches
     assert r["tokens_per_s"] == pytest.approx(tokens / r["iteration_time_s"])
-    # transfers only add time to the plan's compute
-    free = dataclasses.replace(from_plan(plan), link_bytes_per_s=math.inf).run()
+    # transfers and host work only add time to the plan's compute
+    free = dataclasses.replace(from_plan(plan), link_bytes_per_s=math.inf, host=HostLoad()).run()
     assert free.iteration_time_s == pytest.approx(pipeline_time([s.compute_s for s in plan.stages],
                                                                 plan.hardware.device_count, plan.microbatches))
-    assert r["iteration_time_s"] >= free.iteration_time_s
+    assert r["pipeline_s"] >= free.iteration_time_s
+    # the host's optimizer step and copy refresh follow the pipeline, as the plan predicts them
+    assert plan.predicted.host_s > 0 and r["host_step_s"] == pytest.approx(plan.predicted.host_s)
+    assert r["iteration_time_s"] == pytest.approx(r["pipeline_s"] + plan.predicted.host_s)
     root = ET.parse(svg).getroot()
     assert root.tag.endswith("svg")
 
@@ -51,6 +55,9 @@ def test_a_version_1_plan_simulates_its_stage_times(tmp_path):
     data = json.loads(GOLDEN.read_text())
     data["schema_version"] = 1
     data.pop("tokens_per_microbatch")
+    data["hardware"].pop("host")  # schema 3's host and the prediction's host part
+    for key in ("pipeline_s", "optimizer_s", "refresh_s", "accumulate_s", "overlap_step"):
+        data["predicted"].pop(key)
     for s in data["stages"]:
         for key in ("compute_s", "weight_bytes", "grad_bytes", "upload_bytes", "prefetch_bytes", "download_bytes",
                     "offload_bytes", "working_bytes", "saved_modules"):

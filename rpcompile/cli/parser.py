@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_check(sub)
     _add_diff(sub)
     _add_show(sub)
+    _add_probe(sub)
     sub.add_parser("demo", help="the main job: compile a built-in model and show what rpcompile does").add_argument(
         "--model", default="llama-demo", help="built-in model (default llama-demo)")
     sub.add_parser("models", help="the built-in models: parameters, layers, whether they train here or are meta only")
@@ -93,10 +94,19 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-host-embedding", dest="host_embedding", action="store_false",
                    help="keep token embeddings on the devices (default: the host looks up the rows of tables larger "
                         "than what an iteration reads)")
+    p.add_argument("--host", default="assumed", metavar="HOST",
+                   help="the host the optimizer step and gradient accumulation run on: assumed (default: the spec's "
+                        "assumed host), probe (measure this one now, ~0.5 s) or a JSON file from rpcompile probe -o")
     p.add_argument("-o", "--output", default=None, help="write the plan JSON here")
     p.add_argument("--emit", default=None, metavar="DIR", help="write each stage's generated Python into DIR")
     p.add_argument("--compare", action="store_true", help="(with --json) report every strategy")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+def _add_probe(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("probe", help="measure this host: memory bandwidth, casts, gradient adds, AdamW, host-device copies")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("-o", "--output", default=None, help="write the host JSON here (for rpcompile plan --host FILE)")
 
 
 def _add_simulate(sub: argparse._SubParsersAction) -> None:

@@ -11,7 +11,9 @@ from rpcompile.core.plan import Hardware, Plan
 from rpcompile.models import ModelSpec
 from rpcompile.passes.codegen import write_stages
 from rpcompile.passes.split import split_plan
+from rpcompile.core.specs import HostSpec
 from rpcompile.plan_options import model_device
+from rpcompile.probe import load_host, probe_host
 from rpcompile.planning import (compare, default_spec, fastest, head_chunk_candidates, infeasible_error,
                                 make_hardware, partition_problem, prepare)
 from rpcompile.report import compare_table, plan_table, print_table
@@ -28,7 +30,8 @@ def plan(args: argparse.Namespace) -> int:
     if args.emit:
         directory(args.emit, "--emit")
     ms = load_for(args, args.microbatches or default_microbatches(args.gpus))
-    hardware = make_hardware(args.gpus, default_spec(args.spec, args.device, model_device(ms.model)), args.memory_limit)
+    hardware = make_hardware(args.gpus, default_spec(args.spec, args.device, model_device(ms.model)), args.memory_limit,
+                             host=_host(args))
     chosen, gm, m, rows = _plan_fastest(args, ms, hardware)
     if args.output:
         chosen.save(args.output)
@@ -46,6 +49,16 @@ def plan(args: argparse.Namespace) -> int:
     if args.emit:
         print(f"stage code written to {args.emit}/")
     return 0
+
+
+def _host(args: argparse.Namespace) -> HostSpec | None:
+    """``--host``: ``assumed`` (None: the spec's), ``probe`` (this host, now) or a file from ``rpcompile probe``."""
+    if args.host == "assumed":
+        return None
+    if args.host == "probe":
+        with step(args, "probing the host"):
+            return probe_host()
+    return load_host(args.host)
 
 
 def _plan_fastest(args: argparse.Namespace, ms: ModelSpec, hardware: Hardware) -> tuple[Plan, Any, int, dict]:

@@ -11,7 +11,7 @@ from typing import Any
 from rpcompile.core.errors import ConfigError, RPCompileError
 from rpcompile.core.plan import Plan
 from rpcompile.gantt import write_timeline_svg
-from rpcompile.report import devices_table, print_table, simulate_table
+from rpcompile.report import devices_table, host_line, print_table, simulate_table
 from rpcompile.simulation import (model_scenarios, parse_schedules, plan_scenarios, profile_scenarios, run_all,
                                   skipped)
 
@@ -38,6 +38,9 @@ def simulate(args: argparse.Namespace) -> int:
         print(json.dumps({"schedules": out} | extra, allow_nan=False))
         return 0
     print_table(simulate_table(results, scenarios, title=title))
+    for name, r in results.items():
+        if host_line(name, r):
+            print(host_line(name, r))
     for name, why in left_out.items():
         print(f"{name}: not simulated: {why}")
     if len(results) == 1:

@@ -5,13 +5,15 @@ into a repository, diffed and verified in CI. It holds
 
 - the **model fingerprint** (graph structure, parameter names/shapes/dtypes) so a plan is never run on a model
   it was not made for;
-- the **hardware** (device count and :class:`~rpcompile.core.specs.DeviceSpec`, usable memory per device);
+- the **hardware** (device count and :class:`~rpcompile.core.specs.DeviceSpec`, usable memory per device, and
+  the :class:`~rpcompile.core.specs.HostSpec` the optimizer step and gradient accumulation run on);
 - the **stages** in execution order ``[F0, …, F(f-1), FB, B1, …, B(b-1)]`` (DESIGN.md §3): forward stages
   (ascending node ranges, run without autograd), one fused stage (the last nodes: forward, loss and backward in
   one go) and backward stages (descending ranges, recomputing what was not saved). Each stage lists its compute
   nodes in topological order, the parameters it reads, and which nodes' activations are *saved* (to host memory
   in the forward pass, so the backward pass need not recompute them);
-- the **prediction**: per-stage time and memory and the iteration time of the round-robin schedule.
+- the **prediction**: per-stage time and memory and the iteration time of the round-robin schedule, its host
+  part (optimizer step, copy refresh) reported separately.
 
 The JSON carries ``schema_version``; a newer file than this rpcompile understands is refused with a clear error,
 as is a corrupt file. Never pickle a plan.
@@ -29,13 +31,15 @@ from pathlib import Path
 from typing import Any, Literal, Mapping
 
 from .errors import ConfigError, PlanFileError, PlanMismatchError
-from .specs import DeviceSpec
+from .specs import DeviceSpec, HostSpec
 
 __all__ = ["SCHEMA_VERSION", "Fingerprint", "Hardware", "Stage", "Prediction", "Plan", "StageKind"]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """2 added the per-stage transfer figures (``compute_s``, ``weight_bytes``, …) and ``tokens_per_microbatch``;
-version-1 files still load (those figures read as 0 and the simulator falls back to stage times)."""
+version-1 files still load (those figures read as 0 and the simulator falls back to stage times). 3 added the
+host (``hardware.host``) and the prediction's host part (``pipeline_s``, ``optimizer_s``, ``refresh_s``,
+``accumulate_s``, ``overlap_step``); version-2 files still load without them (no host work is modelled)."""
 StageKind = Literal["forward", "fused", "backward"]
 _KINDS = ("forward", "fused", "backward")
 
@@ -81,6 +85,9 @@ class Hardware:
     """Usable memory per device that the plan was checked against."""
     link_bytes_per_s: float
     """Host link bandwidth per device and direction assumed by the plan."""
+    host: HostSpec | None = None
+    """The host's rates (optimizer step, casts, gradient accumulation); ``None`` in plans older than schema 3,
+    whose predictions leave host work out. Written only when present."""
 
     def __post_init__(self) -> None:
         if self.device_count < 1:
@@ -157,6 +164,24 @@ class Prediction:
     """ILP strategies: a proven lower bound on the solver's objective, ``c(S)·T`` (stage-count factor times the
     slowest stage, DESIGN.md §3), which bounds the iteration time of equal stages; the exact iteration time of an
     unequal plan can be lower. 0 when unknown."""
+    pipeline_s: float = 0.0
+    """The devices' part of ``iteration_time_s``: the pipeline with its transfers and the gradient accumulation
+    the host could not hide behind it; 0 when unknown (plans older than schema 3)."""
+    optimizer_s: float = 0.0
+    """The host's optimizer step, once per iteration (torch AdamW on the fp32 masters)."""
+    refresh_s: float = 0.0
+    """The refresh of the pinned compute-precision copies after the step (0 under rpcompile's fused AdamW)."""
+    accumulate_s: float = 0.0
+    """The host's gradient accumulation over the iteration (fp32 ``.grad`` += each grad stage's gradients), run
+    beside the later stages; only what it could not hide is in ``pipeline_s``."""
+    overlap_step: bool = False
+    """``iteration_time_s`` is ``max(pipeline, step)`` (``pipe.step(optimizer, overlap=True)``, one step stale)
+    rather than ``pipeline + step`` (synchronous, the default)."""
+
+    @property
+    def host_s(self) -> float:
+        """The host's work between iterations: optimizer step plus copy refresh."""
+        return self.optimizer_s + self.refresh_s
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -220,6 +245,8 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["hardware"]["spec"] = self.hardware.spec.to_dict()
+        if self.hardware.host is None:
+            del d["hardware"]["host"]
         d["stats"] = _jsonable(dict(self.stats))
         if d["head_chunks"] == 1:
             del d["head_chunks"]
@@ -255,7 +282,7 @@ class Plan:
             return cls(
                 schema_version=version,
                 model=Fingerprint(**d["model"]),
-                hardware=Hardware(**{**d["hardware"], "spec": DeviceSpec.from_dict(d["hardware"]["spec"])}),
+                hardware=_hardware(d["hardware"]),
                 microbatches=d["microbatches"],
                 stages=tuple(Stage(**s) for s in d["stages"]),
                 predicted=Prediction(**d["predicted"]),
@@ -297,6 +324,12 @@ class Plan:
                 f"{source} was made for a different model ({'; '.join(diffs)}); "
                 "re-plan for this model (rpcompile plan MODEL ...) or load the model the plan was made for"
             )
+
+
+def _hardware(d: Mapping[str, Any]) -> Hardware:
+    host = d.get("host")
+    return Hardware(**{**d, "spec": DeviceSpec.from_dict(d["spec"]),
+                       "host": HostSpec.from_dict(host) if host is not None else None})
 
 
 def _jsonable(value: Any) -> Any:

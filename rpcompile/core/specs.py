@@ -9,13 +9,14 @@ factor; measured profiles (:class:`rpcompile.passes.measured.MeasuredCostModel`)
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping
 
 from .errors import ConfigError
 
-__all__ = ["DeviceSpec", "OP_CLASSES", "SPECS", "get_spec", "GB", "GiB"]
+__all__ = ["DeviceSpec", "HostSpec", "OP_CLASSES", "SPECS", "get_spec", "assumed_host", "GB", "GiB"]
 
 GB = 10**9
 GiB = 2**30
@@ -97,6 +98,88 @@ class DeviceSpec:
     @classmethod
     def from_dict(cls, d: Mapping) -> "DeviceSpec":
         return cls(**dict(d))
+
+
+_RATES = ("memory_bandwidth", "cast_params_per_s", "accumulate_params_per_s", "optimizer_params_per_s")
+_LINKS = ("pinned_h2d", "pinned_d2h", "pageable_h2d", "pageable_d2h")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostSpec:
+    """The host beside the devices: what its CPU does per iteration (DESIGN.md §3) and how fast.
+
+    The runtime keeps the fp32 masters and the optimizer on the host. Per iteration the host runs the
+    **optimizer step** (``optimizer_params_per_s``), refreshes the pinned **compute-precision copies** the devices
+    upload (a cast per trainable parameter, ``cast_params_per_s``) and **adds each grad stage's gradients** into
+    the masters' fp32 ``.grad`` (``accumulate_params_per_s``). Figures come from :func:`rpcompile.probe.probe_host`
+    (``source="probe"``) or are :func:`assumed_host` (``source="assumed"``; ``note`` says from what)."""
+
+    memory_bandwidth: float
+    """Host memory traffic of a large copy (bytes read + written per second)."""
+    cast_params_per_s: float
+    """fp32 → bf16 casts into another buffer (parameters per second; 4 B read + 2 B written each)."""
+    accumulate_params_per_s: float
+    """bf16 gradients added into fp32 ``.grad`` (parameters per second; 2 + 4 B read, 4 B written each)."""
+    optimizer_params_per_s: float
+    """torch's AdamW step on fp32 parameters (parameters per second)."""
+    pinned_h2d: float = 0.0
+    """Host → device copies from pinned memory (bytes/s; 0: not measured, no accelerator)."""
+    pinned_d2h: float = 0.0
+    pageable_h2d: float = 0.0
+    """Host → device copies from pageable memory (bytes/s; 0: not measured)."""
+    pageable_d2h: float = 0.0
+    threads: int = 0
+    """CPU threads torch used for the figures (0: unknown)."""
+    source: str = "assumed"
+    """``probe`` (measured on this host) or ``assumed`` (a preset's figures)."""
+    note: str = ""
+    """Where the figures come from (the probed machine, or what an assumption is scaled from)."""
+
+    def __post_init__(self) -> None:
+        for name in _RATES:
+            v = getattr(self, name)
+            if not (v > 0 and math.isfinite(v)):
+                raise ConfigError(f"HostSpec: {name} must be a finite rate > 0, got {v}")
+        for name in _LINKS:
+            v = getattr(self, name)
+            if not (v >= 0 and math.isfinite(v)):
+                raise ConfigError(f"HostSpec: {name} must be a finite rate >= 0 (0: not measured), got {v}")
+        if self.source not in ("probe", "assumed"):
+            raise ConfigError(f"HostSpec: source must be 'probe' or 'assumed', got {self.source!r}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "HostSpec":
+        return cls(**dict(d))
+
+
+def assumed_host(spec: "str | DeviceSpec") -> HostSpec:
+    """The host a preset's devices are assumed to sit in (``source="assumed"``; ``rpcompile probe`` measures one).
+
+    GPU presets: the 16 cores of the H100 machine the runtime was measured on (shared/gpu/README.md): torch's
+    fused CPU AdamW took 0.41 s for 1.72e9 fp32 parameters (4.2e9 params/s). AdamW reads and writes ~28 B per
+    parameter, so that step moved ~117 GB/s: memory traffic is taken as 100 GB/s and a cast (6 B a parameter) as
+    100/6 G params/s. The add-into (bf16 into fp32 ``.grad``) is a fifth of the cast: torch's mixed-dtype
+    ``add_`` ran 5× slower than the cast on the 2-core machine that ``cpu`` describes. The links: the preset's
+    host link pinned, a third of it pageable (54 vs 18 GB/s measured there). The ``cpu`` preset: that 2-core
+    machine as ``rpcompile probe`` measured it (9 GB/s, casts 1.2 G/s, add-into 0.25 G/s, AdamW 0.27 G params/s;
+    shared with other jobs, so rounded)."""
+    spec = get_spec(spec)
+    if spec.name == "cpu":
+        traffic, cast, add, adam, threads = 9e9, 1.2e9, 0.25e9, 0.27e9, 2
+        note = "assumed for cpu: the 2-core CI machine as rpcompile probe measured it"
+    else:
+        traffic, threads = 100e9, 16
+        cast = traffic / 6
+        add, adam = cast / 5, 4.2e9
+        note = (f"assumed for {spec.name}: the 16-core H100 machine's AdamW (0.41 s for 1.72e9 params), "
+                "100 GB/s memory traffic, add-into a fifth of the cast")
+    link = spec.host_link_bandwidth
+    return HostSpec(memory_bandwidth=traffic, cast_params_per_s=cast, accumulate_params_per_s=add,
+                    optimizer_params_per_s=adam, pinned_h2d=link, pinned_d2h=link, pageable_h2d=link / 3,
+                    pageable_d2h=link / 3, threads=threads, source="assumed", note=note)
 
 
 def _gpu(name: str, tflops: float, fp32_tflops: float, gbps: float, mem_gb: float, link_gbps: float) -> DeviceSpec:

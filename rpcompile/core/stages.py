@@ -12,15 +12,79 @@ the previous stage's hand-off), ``prefetch_bytes`` (already in host memory), ``o
 stage waits for) and ``offload_bytes`` (saved activations nobody in this pass waits for). Weights go up once
 per iteration and gradients down once; the timing model amortises them over the ``microbatches``
 (:attr:`StageCost.upload_bytes`, :attr:`StageCost.download_bytes`).
+
+Beside the stages the host works too (:class:`HostLoad`): one host thread adds each grad stage's gradients into
+the fp32 masters' ``.grad`` once they are down (beside the later stages), and between iterations the optimizer
+steps and the compute-precision copies are refreshed.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from .errors import ConfigError
 from .plan import StageKind
+from .specs import HostSpec
 
-__all__ = ["StageKind", "StageCost"]
+__all__ = ["StageKind", "StageCost", "HostLoad", "host_load"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostLoad:
+    """The host's own work in an iteration, as the timing model prices it and the simulator plays it. The default
+    is no host work at all (plans older than schema 3, published profiles)."""
+
+    accumulate_bytes_per_s: float = math.inf
+    """Gradient bytes (as downloaded, compute precision) the host thread adds into fp32 ``.grad`` per second; one
+    thread, so grad stages' accumulations queue behind each other. ``inf``: free."""
+    accumulate_traffic: float = 5.0
+    """Host memory bytes moved per gradient byte accumulated (bf16: 2 B read, 4 B read and 4 B written per
+    element); the simulator charges them to the host's memory bandwidth, which the links share."""
+    optimizer_s: float = 0.0
+    """The optimizer step on the fp32 masters, once per iteration (s)."""
+    refresh_s: float = 0.0
+    """The compute-precision copies refreshed after the step, once per iteration (s)."""
+    overlap_step: bool = False
+    """The step runs beside the next iteration (one step stale): an iteration takes ``max(pipeline, step)``
+    instead of ``pipeline + step``."""
+
+    def __post_init__(self) -> None:
+        if not self.accumulate_bytes_per_s > 0 or not self.accumulate_traffic > 0:
+            raise ConfigError(f"HostLoad: accumulate_bytes_per_s and accumulate_traffic must be > 0, got "
+                             f"{self.accumulate_bytes_per_s} and {self.accumulate_traffic}")
+        if not (self.optimizer_s >= 0 and self.refresh_s >= 0 and math.isfinite(self.optimizer_s + self.refresh_s)):
+            raise ConfigError(f"HostLoad: optimizer_s and refresh_s must be finite times >= 0, got "
+                             f"{self.optimizer_s} and {self.refresh_s}")
+
+    @property
+    def step_s(self) -> float:
+        """The host's work between iterations: optimizer step plus copy refresh."""
+        return self.optimizer_s + self.refresh_s
+
+    def accumulate_s(self, grad_bytes: float) -> float:
+        """How long the host thread takes to add ``grad_bytes`` of gradients into ``.grad`` (s)."""
+        return grad_bytes / self.accumulate_bytes_per_s if grad_bytes else 0.0
+
+    def iteration_s(self, pipeline_s: float) -> float:
+        """An iteration with the step: ``pipeline + step``, or ``max(pipeline, step)`` when it overlaps."""
+        return max(pipeline_s, self.step_s) if self.overlap_step else pipeline_s + self.step_s
+
+
+def host_load(host: HostSpec | None, *, trainable_params: int, precision: str,
+              overlap_step: bool = False) -> HostLoad:
+    """What ``host`` spends on ``trainable_params`` fp32 masters per iteration (none when ``host`` is unknown).
+
+    The step is torch's AdamW (``optimizer_params_per_s``); the refresh casts every trainable master into its
+    pinned compute-precision copy (``cast_params_per_s``; fp32 plans copy 4 B read + 4 B written at the memory
+    bandwidth). Gradients arrive in compute precision and are added into fp32 ``.grad``."""
+    if host is None:
+        return HostLoad(overlap_step=overlap_step)
+    elt = 4 if precision == "fp32" else 2
+    n = max(0, int(trainable_params))
+    refresh = n * 8 / host.memory_bandwidth if elt == 4 else n / host.cast_params_per_s
+    return HostLoad(accumulate_bytes_per_s=host.accumulate_params_per_s * elt, accumulate_traffic=(2 * 4 + elt) / elt,
+                    optimizer_s=n / host.optimizer_params_per_s, refresh_s=refresh, overlap_step=overlap_step)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -126,20 +126,22 @@ def hf_twin(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
         max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=cfg.tie_embeddings, attention_bias=False,
         mlp_bias=False, use_cache=False)
     config._attn_implementation = "sdpa"  # what rpcompile's Llama runs (F.scaled_dot_product_attention)
-    with torch.device("meta"):
+    with torch.device("meta"):  # no storage and no init: the weights come from `model`
         hf = transformers.LlamaForCausalLM(config)
-    hf = hf.to(dtype=dtype).to_empty(device="cpu")
-    state = {hf_name(k): v.detach().to(dtype) for k, v in model.state_dict().items()}
+    state = {hf_name(k): v.detach().to(dtype=dtype, copy=True) for k, v in model.state_dict().items()}
     if cfg.tie_embeddings:
         state.pop("lm_head.weight", None)
-    missing, unexpected = hf.load_state_dict(state, strict=False)
+    missing, unexpected = hf.load_state_dict(state, strict=False, assign=True)  # the copies become the weights
     missing = [k for k in missing if not (cfg.tie_embeddings and k == "lm_head.weight")]
     if missing or unexpected:
         raise ValueError(f"HF twin does not match: missing {missing}, unexpected {unexpected}")
     if cfg.tie_embeddings:
         hf.tie_weights()
-    # the rotary tables are buffers that to_empty left uninitialised: build them afresh (fp32, on the CPU)
+    # the rotary tables are buffers, still on the meta device: build them afresh (fp32, on the CPU)
     hf.model.rotary_emb = type(hf.model.rotary_emb)(config=hf.config)
+    left = [n for n, t in [*hf.named_parameters(), *hf.named_buffers()] if t.is_meta]
+    if left:
+        raise ValueError(f"HF twin left without values: {left}")
     hf.eval()  # no dropout in either model; eval only silences HF's training-mode warnings
     return hf
 

@@ -140,3 +140,21 @@ def test_rows_are_set_against_the_peer():
     header = {"device": "cpu", "date": "today"}
     md = gpu.print_tables([{"section": "capped", "model": "m", **r} for r in rows], header)
     assert "vs RoundPipe" in md.splitlines()[0] and "| 1.500× |" in md
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_roundpipe_trains_the_twin_on_the_gpu():
+    """On a GPU with roundpipe installed: one real RoundPipe row on the tiny model (its loss is the model's)."""
+    try:
+        roundpipe_peer.check_roundpipe()
+    except roundpipe_peer.PeerUnavailable as e:
+        pytest.skip(str(e))
+    spec = load_model("llama-demo")
+    (x,), y = spec.example_inputs, spec.example_target
+    with torch.no_grad():
+        loss = spec.loss_fn(spec.model(x), y).item()
+    row = roundpipe_peer.roundpipe_row(spec, device="cuda:0", microbatches=2, cap_gib=8.0, steps=1, label="tiny",
+                                       timeout_s=300)
+    assert row["error"] is None and row["step_s"] > 0 and row["stages"] >= 2, row
+    assert row["loss"] == pytest.approx(loss, rel=0.05)  # bf16 weights against fp32

@@ -176,20 +176,32 @@ def test_mirror_unregister_replace_and_params_without_grad(backend):
     assert torch.equal(second, stale) and not torch.equal(second, ours[0].detach().half())
 
 
-def test_rounding_ties_go_to_even_like_torch(backend):
-    """Values halfway between two bf16/fp16 neighbours after the step: the mirror rounds them as torch's cast."""
+def _ties(dtype: torch.dtype) -> torch.Tensor:
+    """fp32 values exactly halfway between two neighbours of ``dtype`` (and, for fp16, subnormals and overflow)."""
     torch.manual_seed(4)
-    p = torch.nn.Parameter((torch.randint(-2**15, 2**15, (4096,)) * 2.0**-7 + 2.0**-15).float())
-    p.grad = torch.zeros(4096)  # zero gradient, no decay: the step leaves p as it is, a tie for bf16
+    if dtype == torch.bfloat16:  # the low 16 bits of the fp32 pattern are exactly half a bf16 ulp
+        ties = ((torch.randint(0x0080, 0x7F00, (4096,), dtype=torch.int32) * 2**16) | 0x8000).view(torch.float32)
+        return torch.cat([ties, -ties])
+    normal = torch.randint(0x0400, 0x7BFF, (4096,), dtype=torch.int16).view(torch.float16).float()
+    half_ulp = (normal.view(torch.int32) | 0x1000).view(torch.float32)  # fp16 keeps 10 of fp32's 23 fraction bits
+    odd = torch.arange(1, 512, 2, dtype=torch.float32) * 2.0**-25  # ties between fp16 subnormals
+    return torch.cat([half_ulp, -half_ulp, odd, -odd, torch.tensor([65519.0, 65520.0, 1e6, -65520.0])])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_rounding_ties_go_to_even_like_torch(backend, dtype):
+    """Values halfway between two neighbours of the mirror's dtype: the mirror rounds them as torch's cast does."""
+    p = torch.nn.Parameter(_ties(dtype))
+    p.grad = torch.zeros_like(p)  # zero gradient, no decay: the step leaves every tie as it is
     opt = AdamW([p], lr=1e-3, weight_decay=0.0)
-    copies = [torch.empty(4096, dtype=torch.bfloat16), torch.empty(4096, dtype=torch.float16)]
-    opt.mirror(p, copies[0])
+    copy = torch.empty(p.shape, dtype=dtype)
+    opt.mirror(p, copy)
+    copy.zero_()
+    before = p.detach().clone()
     opt.step()
-    assert torch.equal(copies[0], p.detach().bfloat16())
-    opt.mirror(p, copies[1])
-    p.grad = torch.randn(4096)
-    opt.step()
-    assert torch.equal(copies[1], p.detach().half())
+    assert torch.equal(p.detach(), before)
+    assert torch.equal(copy, before.to(dtype))
+    assert (copy.float() != before).all()  # every value was a tie, none representable
 
 
 @pytest.mark.parametrize("kw,message", [

@@ -12,7 +12,7 @@ from _toy import TiedToy, toy_graph
 from rpcompile.core.errors import PlanFileError, PlanMismatchError
 from rpcompile.passes.lower import plan_from_ranges
 from rpcompile.core.plan import SCHEMA_VERSION, Hardware, Plan, Prediction
-from rpcompile.core.specs import get_spec
+from rpcompile.core.specs import assumed_host, get_spec
 from rpcompile.passes.fingerprint import fingerprint
 
 
@@ -114,3 +114,30 @@ def test_plan_is_frozen():
     plan = make_plan(gm)
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.microbatches = 4  # type: ignore[misc]
+
+
+def test_a_version_2_plan_loads_without_a_host(tmp_path):
+    """Schema 3 added ``hardware.host`` and the prediction's host part; a version-2 file has neither and loads
+    with no host work modelled."""
+    gm, _ = toy_graph()
+    data = make_plan(gm).to_dict()
+    assert "host" not in data["hardware"]  # a plan without a host writes none
+    data["schema_version"] = 2
+    for key in ("pipeline_s", "optimizer_s", "refresh_s", "accumulate_s", "overlap_step"):
+        del data["predicted"][key]
+    path = tmp_path / "v2.json"
+    path.write_text(json.dumps(data))
+    plan = Plan.load(path)
+    assert plan.schema_version == 2 and plan.hardware.host is None
+    assert plan.predicted.host_s == 0.0 and plan.predicted.iteration_time_s == 0.5
+
+
+def test_a_plan_with_a_host_round_trips(tmp_path):
+    gm, _ = toy_graph()
+    plan = make_plan(gm)
+    hw = dataclasses.replace(plan.hardware, host=assumed_host("rtx4090"))
+    pred = dataclasses.replace(plan.predicted, pipeline_s=0.4, optimizer_s=0.08, refresh_s=0.02, accumulate_s=0.1)
+    plan = dataclasses.replace(plan, hardware=hw, predicted=pred)
+    loaded = Plan.load(plan.save(tmp_path / "p.json"))
+    assert loaded.hardware == hw and loaded.predicted == pred and loaded.predicted.host_s == pytest.approx(0.1)
+    assert loaded.schema_version == SCHEMA_VERSION == 3

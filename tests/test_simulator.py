@@ -11,7 +11,7 @@ import pytest
 from rpcompile.core import schedule
 from rpcompile.core.schedule import (format_schedule, interleaved_one_f_one_b, one_f_one_b, parse_action,
                                      round_robin)
-from rpcompile.core.stages import StageCost
+from rpcompile.core.stages import HostLoad, StageCost
 from rpcompile.passes.timing import pipeline_time
 from rpcompile.runtime.simulator import simulate
 from rpcompile.scenarios import layer_profile_scenarios, load_layer_profile
@@ -289,3 +289,50 @@ def test_idle_time_splits_into_fill_drain_and_waits():
     # a slow stage in the middle makes the one after it wait for inputs every microbatch
     res = simulate(round_robin(kinds(1, 1), 3, 4), [0.001, 0.01, 0.001])
     assert res.idle_s()[2]["waits"] > 0.02
+
+
+# ---- the host's own work (HostLoad) -------------------------------------------------------------------------
+def _host_case():
+    """Device 0 runs stage 0 (1 s, 1000 B of gradients) then stage 2 (1000 B of input from stage 1); device 1
+    runs stage 1 (1 s). Stage 0's gradients are down at 2 s, and the host thread then adds them in (5000 B of
+    host-memory traffic) while stage 2's input comes up, both through the host's memory bandwidth."""
+    lists = round_robin(["fused", "backward", "backward"], devices=2, microbatches=1)
+    sts = stages([1.0, 1.0, 1.0], grad_bytes=[1000, 0, 0], input_bytes=[0, 0, 1000])
+    return lists, sts
+
+
+def _start(res, action):
+    return next(e.start for e in res.timeline if e.action == action)
+
+
+def test_the_host_lane_delays_a_stage_when_host_bandwidth_is_tiny():
+    lists, sts = _host_case()
+    fast_host = HostLoad(accumulate_bytes_per_s=1e12)  # the thread itself is never the limit here
+    alone = simulate(lists, sts, link_bytes_per_s=1e12, host_bytes_per_s=1000.0)
+    shared = simulate(lists, sts, link_bytes_per_s=1e12, host_bytes_per_s=1000.0, host=fast_host)
+    # without accumulation stage 2's 1000 B input takes 1 s (2 → 3); beside it the accumulation takes half the
+    # host's 1000 B/s, so the input needs 2 s and stage 2 starts at 4 s
+    assert _start(alone, "2F0") == pytest.approx(3.0)
+    assert _start(shared, "2F0") == pytest.approx(4.0)
+    acc = [e for e in shared.host_timeline if e.kind == "accumulate"]
+    assert [(e.action, e.start) for e in acc] == [("0A", pytest.approx(2.0))]
+    assert shared.accumulate_s == pytest.approx(acc[0].end - acc[0].start)
+    assert shared.iteration_time_s == pytest.approx(acc[0].end)  # the iteration waits for the last add
+    # with ample host bandwidth the host lane delays nothing
+    roomy = simulate(lists, sts, link_bytes_per_s=1e12, host_bytes_per_s=1e12, host=fast_host)
+    assert _start(roomy, "2F0") == pytest.approx(2.0, abs=1e-6)
+    assert all(e.lane != "host" for e in shared.timeline)  # the devices' lanes stay the devices'
+
+
+def test_the_optimizer_step_adds_or_overlaps():
+    lists, sts = _host_case()
+    pipeline = simulate(lists, sts).iteration_time_s
+    sync = simulate(lists, sts, host=HostLoad(optimizer_s=2.0, refresh_s=0.5))
+    assert sync.iteration_time_s == pytest.approx(pipeline + 2.5) and sync.pipeline_s == pytest.approx(pipeline)
+    step = next(e for e in sync.host_timeline if e.kind == "optimizer")
+    assert (step.start, step.end) == (pytest.approx(pipeline), pytest.approx(pipeline + 2.5))
+    overlap = simulate(lists, sts, host=HostLoad(optimizer_s=2.0, refresh_s=0.5, overlap_step=True))
+    assert overlap.iteration_time_s == pytest.approx(max(pipeline, 2.5))
+    short = simulate(lists, sts, host=HostLoad(optimizer_s=0.1, overlap_step=True))
+    assert short.iteration_time_s == pytest.approx(pipeline)
+    assert sync.summary()["host_step_s"] == pytest.approx(2.5) and not sync.summary()["overlap_step"]

@@ -6,17 +6,20 @@ simulator, which plays the very same :class:`~rpcompile.core.stages.StageCost` l
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rpcompile.core.stages import StageCost
+from rpcompile.core.specs import HostSpec
+from rpcompile.core.stages import HostLoad, StageCost, host_load
 from rpcompile.passes.problem import PartitionProblem, SegmentPlan, SharedParam
 from rpcompile.passes.segment_rules import validate_segment_plan
-from rpcompile.passes.timing import (bubble_fraction, equal_time_factor, iteration_time, offload_backlog,
-                                     pipeline_time, plan_memory, save_reads, stage_costs, transfer_edges)
+from rpcompile.passes.timing import (bubble_fraction, equal_time_factor, host_lane_end, host_times, iteration_time,
+                                     offload_backlog, pipeline_time, plan_memory, save_reads, stage_costs,
+                                     transfer_edges)
 from rpcompile.scenarios import from_segment_plan
 
 from partition_cases import tiny_chain
@@ -265,3 +268,50 @@ def test_a_forward_stage_whose_saves_are_empty_is_nobody_s_dependency():
     assert save_reads(costs, plan.saved) == [(), (), (), (1,), ()]
     sim = from_segment_plan(pb, plan, name="ilp").run()
     assert sim.iteration_time_s == pytest.approx(iteration_time(pb, plan), rel=0.05)
+
+
+# ---- host work (HostLoad): accumulation on one host thread, the optimizer step and copy refresh -------------
+def test_host_accumulation_queues_on_one_thread_in_landing_order():
+    """Two stages on one device, 1 s each: gradients land at 1 s and 2 s. The host thread adds the first in 3 s
+    (1 → 4) and the second after it (4 → 4.5): the iteration ends at 4.5, not 2."""
+    assert pipeline_time([1.0, 1.0], 1, 1) == 2.0
+    assert pipeline_time([1.0, 1.0], 1, 1, accumulate_s=[3.0, 0.5]) == pytest.approx(4.5)
+    assert pipeline_time([1.0, 1.0], 1, 1, accumulate_s=[0.5, 0.5]) == pytest.approx(2.5)  # only the last shows
+    assert host_lane_end([2.0, 1.0], [1.0, 1.0]) == pytest.approx(3.0)  # the one landing first goes first
+
+
+def test_the_step_adds_exactly_the_modelled_optimizer_and_refresh_time():
+    """3e8 trainable bf16 parameters on a host stepping 1e9 params/s and casting 2e9 params/s: the optimizer
+    takes 0.3 s and the refresh 0.15 s, so the prediction grows by exactly 0.45 s (accumulation free here)."""
+    pb = tiny_chain(6, devices=2)
+    plan = _plan([(0, 2), (2, 4)], (4, 6), [(2, 4), (0, 2)], [False] * 6)
+    host = HostSpec(memory_bandwidth=1e10, cast_params_per_s=2e9, accumulate_params_per_s=1e9,
+                    optimizer_params_per_s=1e9)
+    load = dataclasses.replace(host_load(host, trainable_params=300_000_000, precision="bf16"),
+                               accumulate_bytes_per_s=math.inf)
+    assert (load.optimizer_s, load.refresh_s) == (pytest.approx(0.3), pytest.approx(0.15))
+    pipeline = iteration_time(pb, plan)
+    with_host = dataclasses.replace(pb, host=load)
+    assert iteration_time(with_host, plan) == pytest.approx(pipeline + 0.45, rel=1e-12)
+    assert host_times(with_host, plan)["pipeline_s"] == pytest.approx(pipeline)
+    # overlapped (pipe.step(optimizer, overlap=True)): the longer of the two, not the sum
+    overlap = dataclasses.replace(with_host, host=dataclasses.replace(load, overlap_step=True))
+    assert iteration_time(overlap, plan) == pytest.approx(max(pipeline, 0.45))
+    long_step = dataclasses.replace(load, optimizer_s=pipeline * 3, overlap_step=True)
+    assert iteration_time(dataclasses.replace(pb, host=long_step), plan) == pytest.approx(pipeline * 3 + 0.15)
+
+
+def test_slow_host_accumulation_shows_only_past_what_the_later_stages_hide():
+    """Gradients of 100 B per segment at 100 B/s: 1 s of host work per segment. The accumulations of the fused
+    stage and the first backward stage hide behind later stages; the last stage's cannot, and a host slow
+    enough to fall behind adds what it could not hide."""
+    pb = tiny_chain(6, devices=2)
+    plan = _plan([(0, 2), (2, 4)], (4, 6), [(2, 4), (0, 2)], [False] * 6)
+    base = iteration_time(pb, plan)
+    acc = dataclasses.replace(pb, host=HostLoad(accumulate_bytes_per_s=100.0))
+    costs = stage_costs(pb, plan)
+    last = costs[-1].grad_bytes / 100.0  # what the last stage's gradients cost the host after they land
+    assert iteration_time(acc, plan) >= base + last - 1e-9
+    slow = dataclasses.replace(pb, host=HostLoad(accumulate_bytes_per_s=1.0))
+    total = sum(c.grad_bytes for c in costs) / 1.0
+    assert iteration_time(slow, plan) >= total  # the host thread is now the bottleneck

@@ -1,0 +1,68 @@
+"""The host probe (:mod:`rpcompile.probe`), the host on a plan's hardware, and ``rpcompile probe``."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from _toy import toy_graph
+from rpcompile.cli import main
+from rpcompile.core.errors import ConfigError
+from rpcompile.core.plan import Plan
+from rpcompile.core.specs import HostSpec, assumed_host
+from rpcompile.probe import host_table, load_host, probe_host
+from test_plan import make_plan
+
+RATES = ("memory_bandwidth", "cast_params_per_s", "accumulate_params_per_s", "optimizer_params_per_s")
+
+
+@pytest.fixture(scope="module")
+def probed() -> HostSpec:
+    return probe_host(elements=2**20, adam_params=2**18, repeats=1, cuda=False)
+
+
+def test_the_probe_measures_positive_rates(probed):
+    assert all(getattr(probed, r) > 0 for r in RATES)
+    assert probed.source == "probe" and probed.threads >= 1 and "probed on" in probed.note
+    assert probed.pinned_h2d == probed.pageable_h2d == 0.0  # no CUDA asked for
+
+
+def test_a_probed_host_round_trips_through_the_plan_json(probed, tmp_path):
+    gm, _ = toy_graph()
+    plan = make_plan(gm)
+    plan = dataclasses.replace(plan, hardware=dataclasses.replace(plan.hardware, host=probed))
+    loaded = Plan.load(plan.save(tmp_path / "plan.json"))
+    assert loaded.hardware.host == probed and loaded.hardware == plan.hardware
+    assert json.loads((tmp_path / "plan.json").read_text())["hardware"]["host"]["source"] == "probe"
+
+
+def test_assumed_hosts_say_so():
+    for name in ("rtx4090", "h100-sxm", "cpu"):
+        host = assumed_host(name)
+        assert host.source == "assumed" and name in host.note
+        assert all(getattr(host, r) > 0 for r in RATES)
+    h100 = assumed_host("h100-sxm")
+    assert 1.72e9 / h100.optimizer_params_per_s == pytest.approx(0.41, rel=0.01)  # the H100 machine's AdamW
+    with pytest.raises(ConfigError, match="cast_params_per_s must be a finite rate > 0"):
+        dataclasses.replace(h100, cast_params_per_s=0.0)
+    with pytest.raises(ConfigError, match="source must be"):
+        dataclasses.replace(h100, source="guess")
+
+
+def test_the_host_table_labels_its_source(probed):
+    assert host_table(probed).title == "host (measured)"
+    assert host_table(assumed_host("rtx4090")).title == "host (assumed)"
+
+
+def test_the_probe_command_prints_json_and_writes_a_host_file(tmp_path, capsys):
+    out = tmp_path / "host.json"
+    assert main(["probe", "--json", "-o", str(out)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert all(printed[r] > 0 for r in RATES) and printed["source"] == "probe"
+    assert load_host(out).source == "probe"
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1]")
+    with pytest.raises(ConfigError, match="not a host made by"):
+        load_host(bad)

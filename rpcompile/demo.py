@@ -112,7 +112,7 @@ def _train(console: Console, ms: ModelSpec, plan: Plan, name: str, n_dev: int, w
 
 
 def _compare(console: Console, plan: Plan, measured: float, device: str, steps: int) -> None:
-    predicted = plan.predicted.iteration_time_s
+    predicted = plan.predicted.pipeline_s or plan.predicted.iteration_time_s  # the timed step has no optimizer
     costs = "the cpu spec's analytic costs" if device == "cpu" else f"costs measured per node on {device}"
     console.print(f"plan's prediction: {fmt_ms(predicted)} per pipeline step (timing model over {costs}); "
                   f"measured: {fmt_ms(measured)} (median of steps 1–{steps - 1}), {measured / predicted:.2g}× the "

@@ -36,8 +36,9 @@ __all__ = ["probe_host", "host_table", "load_host"]
 
 #: Elements of the probe's buffers: 8 M (32 MiB in fp32), past the last-level caches.
 COPY_ELEMENTS = 8 * 2**20
-#: Parameters of the AdamW probe (a few M: the step's rate is flat beyond the caches).
-ADAM_PARAMS = 2 * 2**20
+#: Parameters of the AdamW probe: 4 M (64 MiB of parameters, gradients and moments, past the caches; torch's fused
+#: AdamW ran at about the rate of a 50 M-parameter step here, benchmarks/results/optimizer.json).
+ADAM_PARAMS = 4 * 2**20
 
 
 def _best(fn: Callable[[], object], repeats: int, *, sync: Callable[[], object] = lambda: None) -> float:

@@ -1,10 +1,12 @@
 """The cost report: the front of the pass pipeline (trace → shape → cost, :func:`rpcompile.planning.analyze`)
 rolled up by source module (``layers.3``, ``lm_head``, …) into a :class:`Profile` — the table behind
-``rpcompile profile`` and its ``--json`` form.
+``rpcompile profile`` and its ``--json`` form — and, with ``probe_host=True``, the host the optimizer step and the
+gradient accumulation will run on (:func:`rpcompile.probe.probe_host`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Sequence
@@ -15,9 +17,10 @@ import torch.fx as fx
 from rpcompile.passes.cost import node_cost
 from rpcompile.passes.util import compute_nodes, module_path
 
-from .core.specs import DeviceSpec
+from .core.specs import DeviceSpec, HostSpec
 from .plan_options import model_device
 from .planning import analyze, make_cost_model
+from .probe import probe_host as measure_host
 
 __all__ = ["profile", "profile_graph", "Profile", "CostRow", "rollup_name"]
 
@@ -48,6 +51,8 @@ class Profile:
     nodes: tuple[CostRow, ...]
     cost_model: str
     trace: str
+    host: HostSpec | None = None
+    """The host, when profiling probed it (``probe_host=True``)."""
 
     def to_dict(self, *, nodes: bool = False) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -58,6 +63,8 @@ class Profile:
         }
         if nodes:
             d["nodes"] = [r.to_dict() for r in self.nodes]
+        if self.host is not None:
+            d["host"] = self.host.to_dict()
         return d
 
 
@@ -136,9 +143,12 @@ def profile(
     depth: int | None = None,
     leaf_modules: Sequence[Any] = (),
     progress: bool | None = None,
+    probe_host: bool = False,
 ) -> Profile:
-    """Trace and cost ``model``; analytic on ``spec`` or measured on ``device`` (see :func:`make_cost_model`)."""
+    """Trace and cost ``model``; analytic on ``spec`` or measured on ``device`` (see :func:`make_cost_model`).
+    ``probe_host``: also measure this host (about a second; :func:`rpcompile.probe.probe_host`)."""
     cost_model = make_cost_model(spec=spec, device=device, dtype=dtype, model_device=model_device(model))
     gm = analyze(model, example_inputs, example_kwargs=example_kwargs, cost_model=cost_model,
                  leaf_modules=leaf_modules, progress=progress)
-    return profile_graph(gm, depth=depth)
+    prof = profile_graph(gm, depth=depth)
+    return dataclasses.replace(prof, host=measure_host()) if probe_host else prof

@@ -140,6 +140,7 @@ def host_note(plan: Any) -> str:
     p, host = plan.predicted, plan.hardware.host
     how = "measured" if host.source == "probe" else "assumed"
     return (f"host ({how}): optimizer step {fmt_ms(p.optimizer_s)} + copy refresh {fmt_ms(p.refresh_s)} "
+            "(none under rpcompile's AdamW) "
             f"{'beside' if p.overlap_step else 'after'} the {fmt_ms(p.pipeline_s)} pipeline "
             f"({'overlap=True: the longer of the two' if p.overlap_step else 'synchronous: added'}), gradient "
             f"accumulation {fmt_ms(p.accumulate_s)} on the host thread beside the stages")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
@@ -12,7 +13,9 @@ from rpcompile.cli import main
 from rpcompile.core.errors import ConfigError
 from rpcompile.core.plan import Plan
 from rpcompile.core.specs import HostSpec, assumed_host
+from rpcompile.models import load_model
 from rpcompile.probe import host_table, load_host, probe_host
+from rpcompile.profiling import profile
 from test_plan import make_plan
 
 RATES = ("memory_bandwidth", "cast_params_per_s", "accumulate_params_per_s", "optimizer_params_per_s")
@@ -66,3 +69,35 @@ def test_the_probe_command_prints_json_and_writes_a_host_file(tmp_path, capsys):
     bad.write_text("[1]")
     with pytest.raises(ConfigError, match="not a host made by"):
         load_host(bad)
+
+
+def test_a_plan_stores_the_host_it_was_given_and_prices_its_step(probed, tmp_path, capsys):
+    """``plan --host FILE``: the plan's hardware carries that host, and its prediction prices the step with it:
+    AdamW over every trainable parameter at the host's rate, then the bf16 copies refreshed at its cast rate."""
+    host_file = tmp_path / "host.json"
+    host_file.write_text(json.dumps({"host": probed.to_dict()}))
+    assert main(["plan", "llama-demo", "--gpus", "2", "--spec", "rtx4090", "--host", str(host_file),
+                 "--head-chunks", "1", "--time-limit", "2", "--json"]) == 0
+    plan = Plan.from_dict(json.loads(capsys.readouterr().out))
+    assert plan.hardware.host == probed
+    n = plan.model.param_elements  # every parameter of llama-demo trains
+    p = plan.predicted
+    assert p.optimizer_s == pytest.approx(n / probed.optimizer_params_per_s)
+    assert p.refresh_s == pytest.approx(n / probed.cast_params_per_s)
+    assert p.iteration_time_s == pytest.approx(p.pipeline_s + p.optimizer_s + p.refresh_s)
+
+
+def test_profiling_can_probe_the_host():
+    ms = load_model("llama-demo")
+    prof = profile(ms.model, ms.example_inputs, spec="rtx4090", probe_host=True, progress=False)
+    assert prof.host is not None and prof.host.source == "probe" and prof.to_dict()["host"]["source"] == "probe"
+
+
+def test_show_and_simulate_print_the_host_part_as_a_prediction(capsys):
+    golden = str(Path(__file__).parent / "golden" / "llama-demo.json")
+    assert main(["show", golden]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # the caption wraps
+    assert "predicted from" in out and "host (assumed): optimizer step" in out and "synchronous: added" in out
+    assert main(["simulate", golden]) == 0
+    out = capsys.readouterr().out
+    assert "host (simulated, the step as the plan predicts it)" in out and "after the pipeline" in out

@@ -7,6 +7,7 @@ import json
 
 from rpcompile.demo import run_demo
 from rpcompile.models import model_summaries
+from rpcompile.probe import host_table
 from rpcompile.profiling import profile as profile_model
 from rpcompile.report import cost_label, models_table, print_table, profile_table
 
@@ -19,12 +20,14 @@ __all__ = ["profile", "models", "demo"]
 def profile(args: argparse.Namespace) -> int:
     ms = load(args)
     prof = profile_model(ms.model, ms.example_inputs, spec=args.spec, device=args.device, dtype=dtype(args.dtype),
-                         depth=args.depth, progress=bars(args))
+                         depth=args.depth, progress=bars(args), probe_host=args.probe_host)
     if args.json:
         print(json.dumps(prof.to_dict(nodes=args.nodes)))
     else:
         source = cost_label(prof.cost_model)
         print_table(profile_table(prof, nodes=args.nodes, title=f"{args.model}: cost table ({source}, traced with {prof.trace})"))
+        if prof.host is not None:
+            print_table(host_table(prof.host, title="host, measured by rpcompile probe"))
     return 0
 
 

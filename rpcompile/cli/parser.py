@@ -71,6 +71,8 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     _add_model_args(p)
     p.add_argument("--nodes", action="store_true", help="one row per graph node instead of per module")
     p.add_argument("--depth", type=int, default=None, help="module depth of the roll-up (default: keep layer indices)")
+    p.add_argument("--probe-host", action="store_true",
+                   help="also measure this host (AdamW, casts, gradient adds, copies; as rpcompile probe)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 

@@ -164,11 +164,12 @@ def assumed_host(spec: "str | DeviceSpec") -> HostSpec:
     100/6 G params/s. The add-into (bf16 into fp32 ``.grad``) is a fifth of the cast: torch's mixed-dtype
     ``add_`` ran 5× slower than the cast on the 2-core machine that ``cpu`` describes. The links: the preset's
     host link pinned, a third of it pageable (54 vs 18 GB/s measured there). The ``cpu`` preset: that 2-core
-    machine as ``rpcompile probe`` measured it (9 GB/s, casts 1.2 G/s, add-into 0.25 G/s, AdamW 0.27 G params/s;
-    shared with other jobs, so rounded)."""
+    machine, shared with other jobs, as ``rpcompile probe`` measured it (memory 4–9 GB/s, casts 0.5–4 G/s, add-into
+    0.13–0.25 G params/s; taken as 8 GB/s, 1 and 0.2 G/s) and torch's fused AdamW there on 50 M parameters, 0.12 G
+    params/s (benchmarks/results/optimizer.json)."""
     spec = get_spec(spec)
     if spec.name == "cpu":
-        traffic, cast, add, adam, threads = 9e9, 1.2e9, 0.25e9, 0.27e9, 2
+        traffic, cast, add, adam, threads = 8e9, 1e9, 0.2e9, 0.12e9, 2
         note = "assumed for cpu: the 2-core CI machine as rpcompile probe measured it"
     else:
         traffic, threads = 100e9, 16

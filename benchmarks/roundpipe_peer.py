@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import gc
 import importlib
+import importlib.metadata
 import importlib.util
 import inspect
 import os
@@ -204,23 +205,30 @@ def roundpipe_row(spec: Any, *, device: str, microbatches: int, cap_gib: float, 
                   timeout_s: float = 900.0) -> dict[str, Any]:
     """One row: RoundPipe on the HF twin of ``spec.model``, ``spec``'s tokens and targets, ``microbatches``
     microbatches, its planner limited to 0.6 × ``cap_gib`` (the caller caps the GPU itself). Median of ``steps``
-    timed steps after two warm-ups (its planner re-plans from the times it measured)."""
-    roundpipe = load_roundpipe()
-    from roundpipe.scheduler import ModelExecutePlan  # roundpipe is importable: load_roundpipe checked
-
+    timed steps after two warm-ups (its planner re-plans from the times it measured). RoundPipe runs on every
+    visible CUDA device (``device`` only labels the row): give the process one GPU. A failure (RoundPipe missing
+    or failing to import included) is the row's ``error``, not an exception."""
+    row: dict[str, Any] = {"section": "capped", "system": "roundpipe", "variant": label, "device": device,
+                           "gpus": torch.cuda.device_count(), "microbatches": microbatches, "step_s": None}
+    try:
+        roundpipe = load_roundpipe()
+        row.update(roundpipe=importlib.metadata.version("roundpipe"),
+                   torch_compile=os.environ.get("RPP_DISABLE_TORCH_COMPILE", "0") != "1")
+        t0 = time.perf_counter()
+        hf = hf_twin(spec.model)
+        rp = roundpipe.wrap_model_to_roundpipe(
+            hf, use_sequential_preset=True, optim_dtype=torch.float32, name="peer",
+            model_run_config=roundpipe.RoundPipeRunConfig(num_microbatch=microbatches))
+        row["setup_s"] = time.perf_counter() - t0
+    except Exception as e:  # noqa: BLE001 - reported in the table: the rpcompile rows stand without it
+        return row | {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
     (x,), y = spec.example_inputs, spec.example_target
-    t0 = time.perf_counter()
-    hf = hf_twin(spec.model)
-    rp = roundpipe.wrap_model_to_roundpipe(
-        hf, use_sequential_preset=True, optim_dtype=torch.float32, name="peer",
-        model_run_config=roundpipe.RoundPipeRunConfig(num_microbatch=microbatches))
-    setup = time.perf_counter() - t0
     inputs = {"input_ids": x, "labels": y, "shift_labels": y, "return_logits": False}  # y is already shifted
     stages: dict[str, int] = {}
 
     def step() -> float:
         rp.model_timer.update_times()
-        plan = ModelExecutePlan.auto("fused", rp, model_memory_limit=cap_gib * 0.6)
+        plan = roundpipe.ModelExecutePlan.auto("fused", rp, model_memory_limit=cap_gib * 0.6)
         stages.update(forward=len(plan.fwd_plan), backward=len(plan.bwd_plan))
         t = time.perf_counter()
         loss = rp.forward_backward(input_kwargs=inputs, loss_fn=lambda out, _: out.loss / microbatches,
@@ -235,9 +243,6 @@ def roundpipe_row(spec: Any, *, device: str, microbatches: int, cap_gib: float, 
         row["loss"] = float(loss)
         return elapsed
 
-    row: dict[str, Any] = {"section": "capped", "system": "roundpipe", "variant": label, "setup_s": setup,
-                           "microbatches": microbatches, "roundpipe": getattr(roundpipe, "__version__", None),
-                           "torch_compile": os.environ.get("RPP_DISABLE_TORCH_COMPILE", "0") != "1"}
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     try:

@@ -53,6 +53,17 @@ def test_a_missing_package_is_named(monkeypatch):
         roundpipe_peer.check_roundpipe()
 
 
+def test_a_peer_that_cannot_start_is_an_error_row_not_a_crash(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    real = roundpipe_peer.importlib.util.find_spec
+    monkeypatch.setattr(roundpipe_peer.importlib.util, "find_spec",
+                        lambda name: None if name == "roundpipe" else real(name))
+    row = roundpipe_peer.roundpipe_row(load_model("llama-demo"), device="cuda:0", microbatches=2, cap_gib=8.0,
+                                       steps=1, label="tiny")
+    assert row["system"] == "roundpipe" and row["step_s"] is None
+    assert row["error"].startswith("PeerUnavailable: --peer roundpipe: not installed: roundpipe==0.1.1")
+
+
 def test_the_shim_maps_roundpipes_names_onto_transformers_5():
     shim = roundpipe_peer.causal_mask_shim(_fake_mask)
     emb, pos = torch.zeros(1, 3, 4), torch.arange(3)[None]

@@ -5,7 +5,7 @@ AdamW followed by a separate ``copy_`` cast (the baseline, two passes over memor
 :class:`rpcompile.runtime.optim.AdamW` with a bf16 mirror on each backend (the C++ one pass; torch's fused kernel
 plus ``copy_``). Prints a table (median and best time per step, parameters/s, ratios of the medians to the default and to fused +
 ``copy_``) and writes benchmarks/results/optimizer.json.
-    python benchmarks/optimizer.py [--params 50e6] [--tensors 64] [--repeats 5]
+    python benchmarks/optimizer.py [--params 50e6] [--tensors 64] [--repeats 5] [--threads N]
 """
 
 from __future__ import annotations
@@ -103,7 +103,10 @@ def main() -> None:
     ap.add_argument("--params", type=float, default=50e6)
     ap.add_argument("--tensors", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=0, help="intra-op threads (default: torch's)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rows = bench(int(args.params), args.tensors, args.repeats)
     table = Table(title=f"AdamW step on the CPU, {int(args.params):,} fp32 parameters in {args.tensors} tensors, "
                         f"{torch.get_num_threads()} threads")

@@ -176,6 +176,26 @@ def test_mirror_unregister_replace_and_params_without_grad(backend):
     assert torch.equal(second, stale) and not torch.equal(second, ours[0].detach().half())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_a_mirror_may_be_a_view_at_any_offset_into_a_larger_buffer(backend, dtype):
+    """The pipeline may slice every mirror out of one pinned buffer: offsets that are not 16-byte aligned."""
+    ours, theirs = _pair([(1000,), (3, 333), (40_000,)], seed=6)
+    opt, ref = AdamW(ours, lr=1e-2), torch.optim.AdamW(theirs, lr=1e-2)
+    buffer = torch.full((sum(p.numel() for p in ours) + 3,), 7.0, dtype=dtype)
+    offset, mirrors = 1, []
+    for p in ours:
+        mirrors.append(buffer[offset:offset + p.numel()].view(p.shape))
+        opt.mirror(p, mirrors[-1])
+        offset += p.numel() + (1 if len(mirrors) == 1 else 0)
+    for _ in range(3):
+        _grads(ours, theirs)
+        opt.step()
+        ref.step()
+        _assert_same(opt, ref, ours, theirs)
+        _assert_mirrors(ours, mirrors)
+    assert buffer[0] == 7.0 and buffer[1001] == 7.0 and buffer[-1] == 7.0  # nothing written outside the views
+
+
 def _ties(dtype: torch.dtype) -> torch.Tensor:
     """fp32 values exactly halfway between two neighbours of ``dtype`` (and, for fp16, subnormals and overflow)."""
     torch.manual_seed(4)

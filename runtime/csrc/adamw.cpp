@@ -65,10 +65,10 @@ struct Work {
   Coeffs c;
 };
 
-// Elements per block when the mirror is fp16: c10::Half's conversion branches, which keeps the compiler from
-// vectorising a loop that contains it, so an fp16 mirror is written per block from the just-stored (L1-resident)
-// parameters: still one pass over memory.
-constexpr int64_t kHalfBlock = 256;
+// Elements per block when the mirror is written after the block's update (fp16 everywhere: c10::Half's conversion
+// branches, which keeps the compiler from vectorising a loop that contains it; bf16 and fp16 in the AVX2 build):
+// the block's parameters are cast from L1 right after they are stored, so memory is still streamed once.
+constexpr int64_t kBlock = 256;
 
 // The loop, inlined into one plain and (on x86) one AVX2 entry point below. Every operation rounds on its own
 // (no FMA contraction: -ffp-contract=off), so both entry points give the same bits on every machine.
@@ -108,21 +108,22 @@ inline void half_block(const float* p, c10::Half* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<c10::Half>(p[i]);
 }
 
-// update_body for an fp16 mirror: the update vectorised per block, then the block's cast (`to_half`).
-template <bool kAmsgrad, void (*to_half)(const float*, c10::Half*, int64_t)>
-__attribute__((always_inline)) inline void update_half_body(const Work& w, int64_t begin, int64_t end) {
-  c10::Half* out = static_cast<c10::Half*>(w.mirror);
-  for (int64_t b = begin; b < end; b += kHalfBlock) {
-    const int64_t e = std::min(b + kHalfBlock, end);
+// update_body with the mirror written per block: the update vectorised over the block, then the block's cast
+// (`cast`) from the parameters just stored, still in L1.
+template <bool kAmsgrad, typename Mirror, void (*cast)(const float*, Mirror*, int64_t)>
+__attribute__((always_inline)) inline void update_blocked(const Work& w, int64_t begin, int64_t end) {
+  Mirror* out = static_cast<Mirror*>(w.mirror);
+  for (int64_t b = begin; b < end; b += kBlock) {
+    const int64_t e = std::min(b + kBlock, end);
     update_body<void, kAmsgrad>(w, b, e);
-    to_half(w.p + b, out + b, e - b);
+    cast(w.p + b, out + b, e - b);
   }
 }
 
 template <typename Mirror, bool kAmsgrad>
 void update(const Work& w, int64_t begin, int64_t end) {
   if constexpr (std::is_same_v<Mirror, c10::Half>) {
-    update_half_body<kAmsgrad, half_block>(w, begin, end);
+    update_blocked<kAmsgrad, c10::Half, half_block>(w, begin, end);
   } else {
     update_body<Mirror, kAmsgrad>(w, begin, end);
   }
@@ -130,21 +131,47 @@ void update(const Work& w, int64_t begin, int64_t end) {
 
 #if defined(__x86_64__) && defined(__GNUC__)
 // The same loop compiled for AVX2 (8 floats a vector instead of SSE2's 4): the divisions and the square root
-// make the step compute-bound at 4 lanes on a machine with a fast memory system. fp16 mirrors use F16C's
-// conversion, which rounds to nearest even as c10::Half does (and as torch's own vectorised cast does).
-__attribute__((target("avx2,f16c"))) void half_block_f16c(const float* p, c10::Half* out, int64_t n) {
+// make the step compute-bound at 4 lanes on a machine with a fast memory system. The mirror is written per L1
+// block with non-temporal stores: nothing on the CPU reads it before the next step (the GPUs upload it), so the
+// stores skip the read-for-ownership of every mirror line and leave the caches to p, m and v.
+//
+// bf16: c10::BFloat16's rounding, eight lanes at a time: NaN -> 0x7FC0, else (u + 0x7FFF + ((u >> 16) & 1)) >> 16.
+__attribute__((target("avx2"))) inline __m128i bf16x8(__m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));  // all lanes < 2^16
+}
+
+// fp16: F16C's conversion rounds to nearest even, as c10::Half does (and torch's own vectorised cast).
+__attribute__((target("avx2,f16c"))) inline __m128i halfx8(__m256 x) {
+  return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+// p[0, n) cast into out[0, n): plain stores up to a 16-byte boundary of out (a mirror may be a view into a larger
+// buffer), then eight lanes a non-temporal store, then the tail.
+template <typename Mirror>
+__attribute__((target("avx2,f16c"))) void mirror_block_avx2(const float* p, Mirror* out, int64_t n) {
   int64_t i = 0;
+  for (; i < n && (reinterpret_cast<uintptr_t>(out + i) & 15) != 0; ++i) out[i] = static_cast<Mirror>(p[i]);
   for (; i + 8 <= n; i += 8) {
-    const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(p + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), h);
+    const __m256 x = _mm256_loadu_ps(p + i);
+    if constexpr (std::is_same_v<Mirror, c10::Half>) {
+      _mm_stream_si128(reinterpret_cast<__m128i*>(out + i), halfx8(x));
+    } else {
+      _mm_stream_si128(reinterpret_cast<__m128i*>(out + i), bf16x8(x));
+    }
   }
-  half_block(p + i, out + i, n - i);
+  for (; i < n; ++i) out[i] = static_cast<Mirror>(p[i]);
 }
 
 template <typename Mirror, bool kAmsgrad>
 __attribute__((target("avx2,f16c"))) void update_avx2(const Work& w, int64_t begin, int64_t end) {
-  if constexpr (std::is_same_v<Mirror, c10::Half>) {
-    update_half_body<kAmsgrad, half_block_f16c>(w, begin, end);
+  if constexpr (std::is_same_v<Mirror, c10::Half> || std::is_same_v<Mirror, c10::BFloat16>) {
+    update_blocked<kAmsgrad, Mirror, mirror_block_avx2<Mirror>>(w, begin, end);
+    _mm_sfence();  // the non-temporal stores are visible before the step returns
   } else {
     update_body<Mirror, kAmsgrad>(w, begin, end);
   }

@@ -176,6 +176,22 @@ def test_mirror_unregister_replace_and_params_without_grad(backend):
     assert torch.equal(second, stale) and not torch.equal(second, ours[0].detach().half())
 
 
+def test_a_grad_scaler_steps_it_as_it_steps_torchs(backend):
+    """fp16 training: ``scaler.step(opt)`` unscales the gradients, skips a step on inf, then calls ``opt.step()``."""
+    ours, theirs = _pair([(50,)], seed=7)
+    opt, ref = AdamW(ours, lr=1e-2), torch.optim.AdamW(theirs, lr=1e-2)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10) for _ in range(2)]
+    for i in range(4):
+        x = torch.randn(50) if i != 2 else torch.full((50,), float("inf"))  # step 2 overflows: skipped by both
+        for params, o, scaler in ((ours, opt, scalers[0]), (theirs, ref, scalers[1])):
+            o.zero_grad()
+            scaler.scale((params[0] * x).sum() ** 2).backward()
+            scaler.step(o)
+            scaler.update()
+        _assert_same(opt, ref, ours, theirs)
+    assert float(opt.state[ours[0]]["step"]) == 3.0 and scalers[0].get_scale() == scalers[1].get_scale()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_a_mirror_may_be_a_view_at_any_offset_into_a_larger_buffer(backend, dtype):
     """The pipeline may slice every mirror out of one pinned buffer: offsets that are not 16-byte aligned."""

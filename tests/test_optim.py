@@ -35,8 +35,10 @@ def _cpp_cached() -> bool:
     accelerator = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
         cpp_extension.get_default_build_root(), f"py{sys.version_info.major}{sys.version_info.minor}_{accelerator}")
-    built = Path(root) / optim._EXTENSION_NAME / f"{optim._EXTENSION_NAME}.so"
-    return built.is_file() and built.stat().st_mtime >= SOURCE.stat().st_mtime
+    folder = Path(root) / optim._EXTENSION_NAME
+    built, ninja = folder / f"{optim._EXTENSION_NAME}.so", folder / "build.ninja"
+    return (built.is_file() and built.stat().st_mtime >= SOURCE.stat().st_mtime and ninja.is_file()
+            and all(f" {flag}" in ninja.read_text() for flag in optim._CFLAGS))  # built with today's flags
 
 
 @pytest.fixture(params=["torch", "cpp"])

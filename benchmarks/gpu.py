@@ -15,7 +15,12 @@ Sections (each a table; all rows also in the JSON):
   tokens/s over RoundPipe's.
 
 Per row: tokens/s, step time (median of ``--steps`` after a warm-up step), peak GPU memory, compile time, and for
-rpcompile rows the plan's predicted iteration next to the measured one (predicted/measured). Only GPU rows are
+rpcompile rows the plan's predicted iteration next to the measured one (predicted/measured). The rpcompile rows of
+one device (resident and capped) are followed by the same pipeline with the optimizer inside the loop
+(``--optimizer``: rpcompile's AdamW by default): ``pipe.step(opt)`` synchronous, then ``overlap=True`` (the step
+beside the next iteration, one step stale) — each predicted as the plan prices it (pipeline + host step, or the
+longer of the two). A model whose masters, gradients, Adam moments and copies would not fit the host's memory gets
+the reason in its row instead. Only GPU rows are
 measurements of the product; ``--smoke`` runs the same code on the CPU with a tiny model (CI checks the script; its
 times mean nothing).
 
@@ -36,6 +41,7 @@ import copy
 import datetime
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -49,7 +55,8 @@ from rich.table import Table
 from torch.utils.checkpoint import checkpoint
 
 import rpcompile
-import roundpipe_peer  # benchmarks/: RoundPipe itself is imported only when --peer roundpipe asks for it
+import roundpipe_peer
+from rpcompile.runtime.optim import AdamW as MirroringAdamW  # benchmarks/: RoundPipe itself is imported only when --peer roundpipe asks for it
 from rpcompile.models import load_model
 
 GiB = 1 << 30
@@ -167,8 +174,63 @@ def eager_row(spec: Any, device: str, label: str, weights: torch.dtype, checkpoi
     return {"section": "resident", "system": "eager", "variant": label, "setup_s": setup, **row}
 
 
+#: Host bytes per parameter an optimizer row needs: fp32 master, gradient and two Adam moments, the bf16 copy (and
+#: its second buffer while the step overlaps), with 10% to spare.
+_HOST_BYTES_PER_PARAM = (4 + 4 + 8 + 2 + 2) * 1.1
+
+OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "rpcompile": lambda ps: MirroringAdamW(ps, lr=1e-5),
+    "torch": lambda ps: torch.optim.AdamW(ps, lr=1e-5, fused=True),
+}
+
+
+def _host_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def optimizer_rows(pipe: Any, spec: Any, base: dict, steps: int, device: str, optimizer: str) -> list[dict]:
+    """``base``'s pipeline with ``optimizer`` stepping inside the loop: synchronous, then overlapped."""
+    (x,), y = spec.example_inputs, spec.example_target
+    params = sum(p.numel() for p in spec.model.parameters() if p.requires_grad)
+    need, have = params * _HOST_BYTES_PER_PARAM, _host_memory()
+    pred = pipe.plan.predicted
+    rows = []
+    opt = None
+    for overlap in (False, True):
+        label = f"{base['variant']}, {optimizer} AdamW step {'overlapped (one step stale)' if overlap else 'synchronous'}"
+        row = {**base, "variant": label, "profile": None, "loss": None,
+               "predicted_s": max(pred.pipeline_s, pred.host_s) if overlap else pred.pipeline_s + pred.host_s}
+        if need > have:
+            row.update(step_s=None, error=f"host memory: needs {need / GiB:.0f} GiB for masters, gradients, Adam "
+                                          f"state and copies; the machine has {have / GiB:.0f} GiB")
+            rows.append(row)
+            continue
+        if opt is None:
+            opt = OPTIMIZERS[optimizer](spec.model.parameters())
+
+        def step(overlap: bool = overlap) -> None:
+            pipe.forward_backward(x, target=y)
+            pipe.step(opt, overlap=overlap)
+
+        try:
+            row.update(step_s=_timed(step, steps, device), peak_gib=_peak(device), error=None)
+            pipe.synchronize()
+            row["backend"] = getattr(opt, "backend", "torch")
+        except Exception as e:  # noqa: BLE001 - reported in the table
+            row.update(step_s=None, error=f"{type(e).__name__}: {str(e).splitlines()[0]}")
+        if row["step_s"]:
+            row["predicted_over_measured"] = row["predicted_s"] / row["step_s"]
+        rows.append(row)
+    del opt
+    spec.model.zero_grad(set_to_none=True)
+    gc.collect()
+    return rows
+
+
 def rpcompile_row(spec: Any, devices: list[str], label: str, steps: int, *, section: str, microbatches: int | None,
-                  memory_limit: int | None, cost_spec: str | None, profile: Path | None) -> dict:
+                  memory_limit: int | None, cost_spec: str | None, profile: Path | None,
+                  optimizer: str | None = None) -> list[dict]:
+    """rpcompile's row (forward+backward per step), then — given ``optimizer`` — :func:`optimizer_rows`."""
     (x,), y = spec.example_inputs, spec.example_target
     device = devices[0]
     _peak_reset(device)
@@ -187,7 +249,8 @@ def rpcompile_row(spec: Any, devices: list[str], label: str, steps: int, *, sect
     row: dict[str, Any] = {"section": section, "system": "rpcompile", "variant": label, "setup_s": compile_s,
                            "stages": len(pipe.plan.stages), "microbatches": pipe.microbatches,
                            "head_chunks": pipe.plan.head_chunks,
-                           "predicted_s": pipe.plan.predicted.iteration_time_s}
+                           # the pipeline's part of the prediction: these steps run no optimizer
+                           "predicted_s": pipe.plan.predicted.pipeline_s or pipe.plan.predicted.iteration_time_s}
     try:
         row.update(step_s=_timed(step, steps, device), peak_gib=_peak(device), error=None)
     except Exception as e:  # noqa: BLE001 - reported in the table: a failing row must not hide the others
@@ -203,9 +266,12 @@ def rpcompile_row(spec: Any, devices: list[str], label: str, steps: int, *, sect
     if row["step_s"]:
         row["predicted_over_measured"] = row["predicted_s"] / row["step_s"]
     row["loss"] = losses[0] if losses else None
+    rows = [row]
+    if optimizer is not None and row["error"] is None:
+        rows += optimizer_rows(pipe, spec, row, steps, device, optimizer)
     del pipe
     gc.collect()
-    return row
+    return rows
 
 
 def _tokens(rows: list[dict], spec: Any) -> None:
@@ -223,8 +289,8 @@ def resident_rows(args: argparse.Namespace, device: str) -> list[dict]:
                                  ("bf16 weights, per-layer checkpointing", torch.bfloat16, True)):
         rows.append(eager_row(spec, device, label, weights, ckpt, args.steps))
     options = dict(section="resident", microbatches=None, memory_limit=None, cost_spec=args.spec, profile=args.profile)
-    rows.append(rpcompile_row(spec, [device], "bf16, 1 device", args.steps, **options))
-    rows.append(rpcompile_row(spec, [device, device], "bf16, 2 logical devices on one GPU", args.steps, **options))
+    rows += rpcompile_row(spec, [device], "bf16, 1 device", args.steps, optimizer=args.optimizer, **options)
+    rows += rpcompile_row(spec, [device, device], "bf16, 2 logical devices on one GPU", args.steps, **options)
     _tokens(rows, spec)
     base = next((r["step_s"] for r in rows if r["variant"].startswith("fp32 weights + bf16 autocast, per")), None)
     for r in rows:
@@ -242,14 +308,13 @@ def capped_rows(args: argparse.Namespace, device: str,
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
     try:
         spec = load_model(args.capped_model, device="cpu", batch_size=args.capped_batch, seq_len=args.capped_seq)
-        row = rpcompile_row(spec, [device], f"bf16, 1 device, capped at {args.cap_gib:g} GiB", args.steps,
-                            section="capped", microbatches=args.capped_batch, memory_limit=int(cap * 0.9),
-                            cost_spec=args.spec, profile=args.profile)
-        rows = [row]
+        rows = rpcompile_row(spec, [device], f"bf16, 1 device, capped at {args.cap_gib:g} GiB", args.steps,
+                             section="capped", microbatches=args.capped_batch, memory_limit=int(cap * 0.9),
+                             cost_spec=args.spec, profile=args.profile, optimizer=args.optimizer)
         if args.peer == "roundpipe":
             spec.model.zero_grad(set_to_none=True)
             if save is not None:
-                save([{**row, "model": args.capped_model}])
+                save([{**r, "model": args.capped_model} for r in rows])
             rows.append(roundpipe_peer.roundpipe_row(
                 spec, device=device, microbatches=args.capped_batch, cap_gib=args.cap_gib, steps=args.steps,
                 label=f"HF Llama, bf16, 1 device, capped at {args.cap_gib:g} GiB", timeout_s=args.peer_timeout))
@@ -331,8 +396,11 @@ def main(argv: list[str] | None = None) -> None:
                          "on an HF Llama of the same shape and weights; needs CUDA; adds the capped section)")
     ap.add_argument("--peer-timeout", type=float, default=900.0,
                     help="seconds before a peer run that never returns ends the process (default 900)")
+    ap.add_argument("--optimizer", choices=[*OPTIMIZERS, "none"], default="rpcompile",
+                    help="AdamW for the rows with the optimizer step inside the loop (none: no such rows)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "gpu.json")
     args = ap.parse_args(argv)
+    args.optimizer = None if args.optimizer == "none" else args.optimizer
     sections = [s for s in args.sections.split(",") if s]
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown:

@@ -18,9 +18,16 @@ Contracts
 - **Gradients** accumulate into the original parameters' ``.grad`` (fp32, CPU) across calls, as eager PyTorch does;
   frozen parameters (``requires_grad=False``) get none and are never sent back. A parameter used by several stages
   (tied embeddings) receives the sum.
-- **Weights.** The fp32 masters stay in the model on the CPU; each stage uploads a copy in the compute precision.
-  The copy is made from the master at every upload, so any ``torch.optim`` optimizer that updates the masters in
-  place is picked up by the next call — nothing to refresh by hand.
+- **Weights.** The fp32 masters stay in the model on the CPU; the devices upload copies in the compute precision
+  (pinned for GPUs), made once per optimizer step (:mod:`rpcompile.runtime.weights`): any ``torch.optim``
+  optimizer's ``step()`` marks its parameters' copies stale (a global step hook), as does an in-place change of a
+  master seen by its version counter (``load_state_dict``, ``with torch.no_grad(): p.add_(...)``). Edits through
+  ``p.data`` are invisible: call :meth:`Pipeline.refresh_weights` after them. Frozen parameters are kept only in
+  the compute precision (their ``.data`` becomes the copy) unless ``frozen_masters=True``.
+- **Optimizer step.** ``optimizer.step(); optimizer.zero_grad()`` as in eager PyTorch, or
+  :meth:`Pipeline.step` — which with ``overlap=True`` runs the step beside the next ``forward_backward``: that
+  iteration then computes with the weights from before the step (one step stale, as RoundPipe's
+  ``is_async=True``), see :meth:`Pipeline.step`.
 - **Buffers** (BatchNorm statistics) are updated once per microbatch by the real forward pass, never by
   recomputation: the pipeline equals eager training with gradient accumulation over the same microbatches.
 - **Randomness** (dropout) is seeded per (iteration, node, microbatch): recomputation replays the forward's masks
@@ -34,6 +41,7 @@ from __future__ import annotations
 
 import inspect
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -48,6 +56,7 @@ from rpcompile.runtime.executor import Executor, ValueStore
 
 from .core.batch import flat_inputs, split_microbatches, tensor_leaves
 from .core.errors import ConfigError, RPCompileError
+from rpcompile.runtime.executor import PipelineError
 from .core.plan import Plan
 from .core.schedule import round_robin
 from .planning import compile_plan
@@ -179,7 +188,7 @@ class Pipeline:
     def __init__(self, model: torch.nn.Module, gm: fx.GraphModule, plan: Plan, devices: Sequence[Any],
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None, precision: str, scaler: Any = None,
                  loss_in_graph: bool = False, signature: InputSignature | None = None,
-                 loss_weight: "str | Callable[[Any], float]" = "auto"):
+                 loss_weight: "str | Callable[[Any], float]" = "auto", frozen_masters: bool = False):
         self.model, self.gm, self.plan, self.devices = model, gm, plan, list(devices)
         self.loss_fn, self.precision, self.scaler = loss_fn, precision, scaler
         self.loss_in_graph = loss_in_graph  # the graph takes the target and returns the loss (split LM head)
@@ -193,12 +202,85 @@ class Pipeline:
         self._schedules = {self.microbatches: self.schedule}
         params = {n: p for n, p in gm.named_parameters()}
         buffers = {n: b for n, b in gm.named_buffers()}
-        self.executor = Executor(self.program, self.devices, params, buffers, dtype=_DTYPES[precision])
+        self.executor = Executor(self.program, self.devices, params, buffers, dtype=_DTYPES[precision],
+                                 frozen_masters=frozen_masters)
         self.iteration = 0
+        self._stepper = ThreadPoolExecutor(1, thread_name_prefix="rpcompile-step")
+        self._step: Future[None] | None = None
+        """The overlapped optimizer step in flight (:meth:`step`)."""
+        self._overlap_optimizer: Any = None
+        """The optimizer of the last overlapped step, until :meth:`synchronize`."""
         for d, device in enumerate(self.devices):  # GPUs send hand-offs and saved activations down behind the compute
             if device.torch_device.type == "cuda" and device.offloader is None:
                 device.enable_offload(offload_budget(plan, d, len(self.devices)))
                 device.enable_async_handoff()
+
+    @property
+    def host_traffic(self) -> dict[str, int]:
+        """Bytes the host has read and written in parameter-sized work since the pipeline was made, by kind:
+        weight copies, upload casts, gradients (:class:`rpcompile.runtime.weights.HostTraffic`; DMA not counted)."""
+        return dict(self.executor.traffic.bytes)
+
+    def refresh_weights(self) -> None:
+        """Remake the devices' copies of every weight from the masters — needed only after edits through
+        ``p.data``, which no version counter sees (module docstring)."""
+        self.synchronize()
+        self.executor.weights.refresh()
+
+    def step(self, optimizer: torch.optim.Optimizer, *, overlap: bool = False) -> None:
+        """``optimizer.step()`` then ``optimizer.zero_grad()`` — with ``overlap=True`` on a thread of its own,
+        beside the next :meth:`forward_backward`, which returns as soon as it is done.
+
+        **What overlap computes.** The iteration that runs beside step t reads the weights from *before* step t
+        (the device copies are double-buffered: the step writes the other buffer), so its gradients are one step
+        stale: with w₀ the initial weights, w_{t+1} = step(w_t, ∇L_t(w_{t-1})), w_{-1} = w₀ — RoundPipe's
+        ``is_async=True``. Loss curves differ slightly from synchronous training; with ``overlap=False`` the
+        result equals ``optimizer.step(); optimizer.zero_grad()`` bitwise. Between an overlapped step and the next
+        iteration's end the masters are being written: read them (save a checkpoint, evaluate on the masters)
+        after :meth:`synchronize`. A ``GradScaler`` is refused with overlap (its scale would change mid-iteration).
+        """
+        self._finish_step()
+        if not overlap:
+            self.synchronize()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return
+        if self.scaler is not None and self.scaler.is_enabled():
+            raise ConfigError("step(optimizer, overlap=True) does not take a GradScaler (its scale would change "
+                              "while the next iteration runs): use precision='bf16', or overlap=False")
+        weights = self.executor.weights
+        weights.begin_overlap(optimizer)
+        self.executor.grads.hold(True)  # the next iteration's gradients wait beside .grad, which the step reads
+        self._overlap_optimizer = optimizer
+
+        def run() -> None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            weights.write_back(optimizer)
+
+        self._step = self._stepper.submit(run)
+
+    def synchronize(self) -> None:
+        """Wait for an overlapped optimizer step (:meth:`step`) and go back to synchronous steps: afterwards the
+        masters, ``.grad`` and the device copies all agree."""
+        self._finish_step()
+        if self._overlap_optimizer is not None:
+            self.executor.grads.install()
+            self.executor.grads.hold(False)
+            self.executor.weights.end_overlap(self._overlap_optimizer)
+            self._overlap_optimizer = None
+
+    def _finish_step(self) -> None:
+        """Wait for the overlapped step in flight, if any; its weights become the ones the devices upload."""
+        if self._step is None:
+            return
+        future, self._step = self._step, None
+        try:
+            future.result()
+        except Exception as e:
+            raise PipelineError(f"the overlapped optimizer step failed: {type(e).__name__}: {e}") from e
+        finally:
+            self.executor.weights.swap()
 
     @property
     def timeline(self) -> list:
@@ -280,6 +362,9 @@ class Pipeline:
         losses = self.executor.run(self._schedule(m), store, iteration=self.iteration, loss_fn=loss_of, targets=targets,
                                    grad_scale=scale)
         self.iteration += 1
+        if self._overlap_optimizer is not None:  # the step beside this iteration is done: its gradients to .grad
+            self._finish_step()
+            self.executor.grads.install()
         return torch.stack(losses).sum()
 
     @torch.no_grad()
@@ -312,6 +397,7 @@ def compile(
     head_chunks: "int | str" = "auto",
     host_embedding: "bool | Sequence[str]" = True,
     loss_weight: "str | Callable[[Any], float]" = "auto",
+    frozen_masters: bool = False,
     **plan_options: Any,
 ) -> Pipeline:
     """Trace ``model``, plan it (or load/check ``plan``) and return a :class:`Pipeline` on its devices.
@@ -338,6 +424,10 @@ def compile(
     Inputs are bound to the compile example's signature (:class:`InputSignature`); an HF model is traced with
     ``use_cache=False`` unless ``example_kwargs`` says otherwise, and ``forward_backward(**batch)`` takes an HF
     batch dict, its ``labels`` as the target.
+
+    Frozen parameters (``requires_grad=False``) are then kept only in the compute precision — their ``.data``
+    becomes the pipeline's (pinned) copy, so a bf16 LoRA base costs 2 bytes a parameter of host memory —
+    unless ``frozen_masters=True`` keeps their fp32 masters too.
     """
     if precision not in _DTYPES:
         raise ConfigError(f"precision must be one of {sorted(_DTYPES)}, got {precision!r}")
@@ -362,7 +452,7 @@ def compile(
             raise RPCompileError(f"the plan is for {plan.hardware.device_count} devices but {len(devs)} were given; "
                                  "re-plan for these devices or pass matching devices=")
         return Pipeline(model, gm, plan, devs, loss_fn, precision, scaler, loss_in_graph=head_chunks > 1,
-                        signature=signature, loss_weight=loss_weight)
+                        signature=signature, loss_weight=loss_weight, frozen_masters=frozen_masters)
     on_cpu = devs[0].torch_device.type == "cpu"
     memory_limit = plan_options.pop("memory_limit", None)
     if memory_limit is None and not on_cpu:
@@ -376,4 +466,5 @@ def compile(
                         host_embedding=host_embedding, threads=threads, **plan_options)
     assert made.plan is not None
     return Pipeline(model, made.graph, made.plan, devs, loss_fn, precision, scaler,
-                    loss_in_graph=made.plan.head_chunks > 1, signature=signature, loss_weight=loss_weight)
+                    loss_in_graph=made.plan.head_chunks > 1, signature=signature, loss_weight=loss_weight,
+                    frozen_masters=frozen_masters)

@@ -28,6 +28,7 @@ import torch
 from rpcompile.core.errors import ConfigError
 
 from .offload import Offloader
+from .weights import HostTraffic, nbytes
 
 __all__ = ["Device", "CpuDevice", "CudaDevice", "make_devices", "host_buffer", "WEIGHT_CHUNK_BYTES"]
 
@@ -65,10 +66,25 @@ class Device:
 
     def upload_weights(self, tensors: Sequence[torch.Tensor],
                        dtype: torch.dtype | None = None) -> tuple[list[torch.Tensor], Any]:
-        """A stage's weights and buffers to the device (floating ones cast to ``dtype``); returns the copies and a
-        marker to pass to :meth:`wait_weights` before computing with them. The executor calls this from the
-        device's prefetch thread while the device runs its previous stage."""
-        return [self.upload(t, dtype) for t in tensors], None
+        """A stage's weights and buffers to the device (floating ones cast to ``dtype``: the weights come in it
+        already, :mod:`.weights`); returns the copies and a marker to pass to :meth:`wait_weights` before
+        computing with them. The executor calls this from the device's prefetch thread while the device runs its
+        previous stage. Host work (a cast) is counted in :attr:`traffic`."""
+        outs = []
+        for t in tensors:
+            out = self.upload(t, dtype)
+            if self.traffic is not None and out is not t and out.device.type == "cpu":
+                self.traffic.add("upload casts", nbytes(t) + nbytes(out))
+            outs.append(out)
+        return outs, None
+
+    def download_all(self, tensors: Sequence[torch.Tensor]) -> Any:
+        """Tensors to host memory (a stage's gradients): a list, or — behind the compute, when hand-offs are
+        asynchronous — a :class:`~.offload.Landing` of one."""
+        if self.handoffs is None:
+            return [self.download(t) for t in tensors]
+        self._handoff_seq += 1
+        return self.handoffs.submit(list(tensors), priority=self._handoff_seq, ready=self._computed(), wrap=list)
 
     def wait_weights(self, ready: Any) -> None:
         """Make this device's later compute wait for the weights :meth:`upload_weights` returned."""
@@ -79,6 +95,8 @@ class Device:
 
     offloader: "Offloader | None" = None
     handoffs: "Offloader | None" = None
+    traffic: "HostTraffic | None" = None
+    """Where the host's casts at upload are counted (the executor's)."""
 
     def enable_offload(self, budget_bytes: float,
                        copy: Callable[[Sequence[torch.Tensor], Any], Sequence[torch.Tensor]] | None = None) -> None:
@@ -162,18 +180,23 @@ class CudaDevice(Device):
 
     def upload_weights(self, tensors: Sequence[torch.Tensor],
                        dtype: torch.dtype | None = None) -> tuple[list[torch.Tensor], Any]:
-        """On the prefetch thread: each tensor is cast to the compute precision on the host, into pinned memory
-        (so what crosses the link is what the planner counted: 16-bit weights, not the fp32 masters), then copied
-        on the weight stream in pieces of :data:`WEIGHT_CHUNK_BYTES`, one piece in flight, each issued once the
-        activation uploads already queued on the copy stream are done. The activations a microbatch waits for
-        thus wait for at most one piece — the priority the simulator gives weight uploads (they take what the
-        link has left)."""
+        """On the prefetch thread: each tensor is copied on the weight stream in pieces of
+        :data:`WEIGHT_CHUNK_BYTES`, one piece in flight, each issued once the activation uploads already queued
+        on the copy stream are done. The activations a microbatch waits for thus wait for at most one piece —
+        the priority the simulator gives weight uploads (they take what the link has left). Weights come as
+        pinned copies in the compute precision (:mod:`.weights`) and go up by DMA straight from them; anything
+        else (buffers) is first cast into pinned memory on the host (counted in :attr:`traffic`), so what crosses the
+        link is what the planner counted."""
         outs = []
         with torch.cuda.device(self.torch_device), torch.cuda.stream(self.weight_stream):
             for t in tensors:
                 cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
-                host = torch.empty(t.shape, dtype=cast, device="cpu", pin_memory=True)  # contiguous: copied flat
-                host.copy_(t)
+                host = t
+                if not (t.dtype == cast and t.is_contiguous() and t.is_pinned()):
+                    host = torch.empty(t.shape, dtype=cast, device="cpu", pin_memory=True)  # contiguous: flat
+                    host.copy_(t)
+                    if self.traffic is not None:
+                        self.traffic.add("upload casts", nbytes(t) + nbytes(host))
                 out = torch.empty(t.shape, dtype=cast, device=self.torch_device)
                 src, dst = host.view(-1), out.view(-1)
                 step = max(1, WEIGHT_CHUNK_BYTES // host.element_size())

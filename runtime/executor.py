@@ -1,8 +1,9 @@
 """The round-robin executor: a small interpreter of per-device action lists (:mod:`.schedule`).
 
 One worker thread per device runs its list in order. ``kW`` makes the device's copy of stage k's weights (from the
-fp32 masters on the CPU, cast to the compute precision), ``kFj`` runs stage k on microbatch j once stage k−1 has
-finished microbatch j, ``kG`` adds the stage's gradients into the masters' ``.grad``. Values between stages live in
+host copies in the compute precision, :mod:`.weights`), ``kFj`` runs stage k on microbatch j once stage k−1 has
+finished microbatch j, ``kG`` sends the stage's gradients home, where the gradient sink's thread adds them into
+the masters' ``.grad`` while the device goes on. Values between stages live in
 host memory (:class:`ValueStore`), keyed by (value name, microbatch).
 
 **Weight prefetch.** A device's weights for its next stage go up while it runs the current one: when the worker
@@ -51,6 +52,7 @@ from .bind import bind
 from .capture import HostSaved
 from .devices import Device
 from .offload import Landing
+from .weights import GradSink, HostTraffic, WeightStore
 
 __all__ = ["ValueStore", "Executor", "TimelineEvent", "PipelineError"]
 
@@ -132,10 +134,19 @@ class Executor:
         buffers: dict[str, torch.Tensor],
         *,
         dtype: torch.dtype | None = None,
+        frozen_masters: bool = False,
     ):
         self.program, self.devices = bind(program), list(devices)
         self.params, self.buffers, self.dtype = params, buffers, dtype
-        self.grad_lock = threading.Lock()
+        self.traffic = HostTraffic()
+        """Host bytes in parameter-sized work since the last :meth:`HostTraffic.reset` (:mod:`.weights`)."""
+        uploaded = [n for prog in self.program.stages for n in prog.params.values()]
+        self.weights = WeightStore(params, dtype, pin=any(d.torch_device.type == "cuda" for d in self.devices),
+                                   uploaded=uploaded, host_only=[h.weight for h in self.program.host],
+                                   frozen_masters=frozen_masters, traffic=self.traffic)
+        self.grads = GradSink(params, self.traffic)
+        for d in self.devices:
+            d.traffic = self.traffic
         self.timeline: list[TimelineEvent] = []
         self._slot_cache: dict[int, list[tuple[dict, str, str, bool]] | None] = {}
         self._changed_buffers: dict[int, set[str]] = {}  # per forward stage: the buffers its forward changes
@@ -179,8 +190,12 @@ class Executor:
             self._worker(0, schedule[0])
             for w in workers + host:
                 w.join()
+            self.grads.drain()  # every stage's gradients added
         finally:
             torch.set_num_threads(threads)
+            if self.failed:
+                with contextlib.suppress(BaseException):
+                    self.grads.drain()  # stop the sink's thread; the stage's failure is what the caller sees
         if self.failed:
             raise self.failed[0]
         return [self.losses[j] for j in sorted(self.losses)]
@@ -213,7 +228,7 @@ class Executor:
             for j in range(m):
                 for h in host:
                     with torch.no_grad():
-                        rows = h.forward(store.get(h.index, j), self.params[h.weight].detach())
+                        rows = h.forward(store.get(h.index, j), self.weights.host_table(h.weight))
                     pending[(h.value, j)].set_result(rows.to(self.dtype) if self.dtype is not None else rows)
             readers = {h.value: [p.index for p in self.program.stages if p.kind != "forward" and h.value in p.inputs]
                        for h in host}
@@ -227,11 +242,7 @@ class Executor:
                     grad = store.grad(h.value, j)
                     if grad is None:
                         continue
-                    master = self.params[h.weight]
-                    with self.grad_lock:
-                        if master.grad is None:
-                            master.grad = torch.zeros_like(master)
-                        h.accumulate(master.grad, store.get(h.index, j), grad)
+                    self.grads.accumulate(h.weight, h.accumulate, store.get(h.index, j), grad)
         except BaseException as e:  # noqa: BLE001 - reported to the caller; the stages waiting for rows stop
             err = PipelineError(f"the host's embedding lookup failed: {type(e).__name__}: {e}")
             err.__cause__ = e
@@ -247,7 +258,7 @@ class Executor:
         self.store, self.iteration, self.t0 = store, iteration, time.perf_counter()
         for h in self.program.host:
             with torch.no_grad():
-                rows = h.forward(store.get(h.index, 0), self.params[h.weight].detach())
+                rows = h.forward(store.get(h.index, 0), self.weights.host_table(h.weight))
             store.put(h.value, 0, rows.to(self.dtype) if self.dtype is not None else rows)
         for prog in self.program.stages:
             if prog.kind == "backward":
@@ -305,14 +316,13 @@ class Executor:
         params = list(dict.fromkeys(prog.params.values()))
         buffers = list(dict.fromkeys(prog.buffers.values()))
         start = time.perf_counter() - self.t0
-        copies, ready = device.upload_weights([self.params[n].detach() for n in params]
+        copies, ready = device.upload_weights([self.weights.source(n) for n in params]
                                               + [self.buffers[n] for n in buffers], self.dtype)
         state = _StageState(ready=ready, uploaded=(start, time.perf_counter() - self.t0))
         for name, t in zip(params, copies):
-            master = self.params[name]
-            if t is master or t.data_ptr() == master.data_ptr():
-                t = t.detach()  # a new leaf sharing the master's storage: its own .grad
-            state.params[name] = t.requires_grad_(grads and master.requires_grad)
+            # a new leaf (on logical CPU devices sharing the host copy's storage, which other stages read at the
+            # same time): its own .grad
+            state.params[name] = t.detach().requires_grad_(grads and self.params[name].requires_grad)
         state.buffers = dict(zip(buffers, copies[len(params):]))
         return state
 
@@ -325,13 +335,15 @@ class Executor:
                     master.copy_(device.download(t))
 
     def _download_grads(self, device: Device, prog: StageProgram, state: _StageState) -> None:
+        """The stage's gradients (still multiplied by grad_scale: GradScaler unscales) on their way home, in the
+        compute precision; the sink adds them into the masters' ``.grad`` on its own thread."""
+        names, grads = [], []
         for name, t in state.params.items():
-            if t.grad is None:
-                continue
-            g = device.download(t.grad).to(torch.float32)  # still multiplied by grad_scale: GradScaler unscales
-            master = self.params[name]
-            with self.grad_lock:
-                master.grad = g.clone() if master.grad is None else master.grad + g
+            if t.grad is not None:
+                names.append(name)
+                grads.append(t.grad)
+        if names:
+            self.grads.submit(names, device.download_all(grads))
 
     # ------------------------------------------------------------------------------------------ compute
     def _inputs(self, device: Device, prog: StageProgram, mb: int, *, leaves: bool) -> list[Any]:

@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import gpu  # noqa: E402  (benchmarks/ is scripts, not a package)
 
@@ -21,10 +23,16 @@ def test_the_smoke_run_writes_every_row(tmp_path, capsys):
         ("eager", "fp32 weights + bf16 autocast, per-layer checkpointing"),
         ("eager", "bf16 weights, per-layer checkpointing"),
         ("rpcompile", "bf16, 1 device"),
+        ("rpcompile", "bf16, 1 device, rpcompile AdamW step synchronous"),
+        ("rpcompile", "bf16, 1 device, rpcompile AdamW step overlapped (one step stale)"),
         ("rpcompile", "bf16, 2 logical devices on one GPU"),
     ]
     assert all(r["error"] is None and r["step_s"] > 0 and r["tokens_per_s"] > 0 for r in rows)
     for r in rows[3:]:
         assert r["predicted_s"] > 0 and r["predicted_over_measured"] == r["predicted_s"] / r["step_s"]
+    plain, synchronous, overlapped = rows[3:6]
+    host = synchronous["predicted_s"] - plain["predicted_s"]
+    assert host > 0, "the synchronous step's prediction adds the host's optimizer step and copy refresh"
+    assert overlapped["predicted_s"] == pytest.approx(max(plain["predicted_s"], host))
     assert result["markdown"].count("\n") == len(rows) + 1
     assert "| llama-demo | rpcompile | bf16, 1 device |" in capsys.readouterr().out

@@ -1,0 +1,375 @@
+"""Host memory for what crosses the link every iteration: the weight copies the devices upload from, and the
+gradients they send home.
+
+**Upload copies** (:class:`WeightStore`). A device never uploads the fp32 master itself when it computes in
+another precision or is a GPU: it uploads a copy in the compute precision — pinned when any device is a GPU, so
+the upload is one DMA straight from it — made once per optimizer step, not at every upload (a cast of every
+weight at every upload was 2.5 s of host time per iteration on the H100 machine, with the GPU idle 88% of it).
+When the copy is refreshed:
+
+- after any ``torch.optim`` optimizer's ``step()`` over one of its parameters (a global step post-hook, so a plain
+  ``optimizer.step()`` loop needs nothing more): the copy is marked stale and refreshed by the next upload that
+  needs it — on the device's prefetch thread, beside the previous stage's compute;
+- an optimizer that writes the copies itself in its own pass (:class:`rpcompile.runtime.optim.AdamW`: it has
+  ``mirror(param, copy)``) is handed them after its first step, and from then on nothing is recast;
+- a master changed in place outside an optimizer (``load_state_dict``, ``with torch.no_grad(): p.mul_(2)``) is
+  seen by its version counter, a master replaced (``p.data = t``) by its storage; edits through ``p.data`` are
+  invisible to both — call :meth:`WeightStore.refresh` (``pipe.refresh_weights()``) after them.
+
+Where a copy would equal the master (fp32 on logical CPU devices) the master itself is uploaded: no copy.
+**Frozen** parameters (``requires_grad=False``, LoRA's base) are kept only in the compute precision: their
+``.data`` becomes the copy, so they are stored once (2 bytes a parameter in bf16), unless ``frozen_masters=True``.
+
+**Overlap** (:meth:`WeightStore.begin_overlap`, used by ``pipe.step(optimizer, overlap=True)``): the optimizer step
+runs on a thread beside the next iteration, which therefore reads the weights from before that step (one step
+stale). Every trainable copy is then double-buffered — the iteration reads the front buffer while the step writes
+the back one — and :meth:`WeightStore.swap` makes the back the front once the step is done.
+
+**Gradients** (:class:`GradSink`): a stage's gradients are added into ``.grad`` in place (in its dtype, the
+compute-precision gradient converted on the fly: one pass, no intermediate copy) by the sink's own thread, so the
+device's worker goes on with its next stage; :meth:`GradSink.drain` waits for them at the end of the iteration.
+With overlap they go into the sink's own buffers instead (the optimizer is still reading ``.grad``) and
+:meth:`GradSink.install` moves them over once the step is done.
+
+**Host traffic** (:class:`HostTraffic`): every byte the host's threads read or write in parameter-sized work —
+casts, staging copies, gradient accumulation, zero-filled gradients — counted where it happens (not DMA: the
+copy engines move pinned memory without the CPU). Deterministic, so the CPU measures it for the GPU.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+__all__ = ["HostTraffic", "WeightStore", "GradSink", "nbytes", "ADD_PIECE"]
+
+#: Elements per piece when a gradient in the compute precision is added into an fp32 ``.grad`` (4 MiB of fp32:
+#: cache-sized, and few enough pieces that the Python loop costs ~1% of the memory traffic).
+ADD_PIECE = 1 << 20
+
+
+@dataclass
+class HostTraffic:
+    """Bytes the host read and wrote in parameter-sized work, by kind (see module docstring)."""
+
+    bytes: dict[str, int] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, kind: str, nbytes: int) -> None:
+        with self.lock:
+            self.bytes[kind] = self.bytes.get(kind, 0) + int(nbytes)
+
+    def total(self) -> int:
+        return sum(self.bytes.values())
+
+    def reset(self) -> None:
+        with self.lock:
+            self.bytes = {}
+
+
+def nbytes(t: torch.Tensor) -> int:
+    """A tensor's size in bytes."""
+    return t.numel() * t.element_size()
+
+
+@dataclass
+class _Entry:
+    """One parameter's upload copy (``front``; ``back`` while overlapping) and what it was made from."""
+
+    master: torch.nn.Parameter
+    front: torch.Tensor | None = None
+    """The copy the devices upload from; None: the master itself."""
+    back: torch.Tensor | None = None
+    written: bool = False
+    """``back`` holds the stepped master (an overlapped step wrote it): :meth:`WeightStore.swap` takes it."""
+    made_from: tuple[int, int] = (-1, -1)
+    """``(master._version, master.data_ptr())`` when ``front`` was made; anything else means stale."""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class WeightStore:
+    """The tensors devices upload parameters from (module docstring).
+
+    ``uploaded``: names of the parameters stages upload; ``host_only``: parameters read on the host only (token
+    embedding tables, :mod:`rpcompile.passes.host`), which need a copy only while overlapping."""
+
+    def __init__(self, params: dict[str, torch.nn.Parameter], dtype: torch.dtype | None, *, pin: bool,
+                 uploaded: Iterable[str], host_only: Iterable[str] = (), frozen_masters: bool = False,
+                 traffic: HostTraffic | None = None):
+        self.dtype, self.pin = dtype, pin
+        self.traffic = traffic if traffic is not None else HostTraffic()
+        self.entries = {n: _Entry(params[n]) for n in dict.fromkeys([*uploaded, *host_only])}
+        self.host_only = set(host_only) - set(uploaded)
+        self.overlapping = False
+        self._mirrored: "weakref.WeakKeyDictionary[Any, set[int]]" = weakref.WeakKeyDictionary()
+        by_id: dict[int, list[str]] = {}
+        for name, e in self.entries.items():
+            by_id.setdefault(id(e.master), []).append(name)
+        self._by_param = by_id
+        for name, e in self.entries.items():
+            if name in self.host_only or not self._needs_copy(e.master):
+                continue
+            e.front = self._empty_like(e.master)
+            self._make(e, e.front)
+            if not e.master.requires_grad and not frozen_masters and e.master.is_floating_point():
+                e.master.data = e.front  # frozen: stored once, in the compute precision
+                e.front = None
+        store = weakref.ref(self)
+        handle = register_optimizer_step_post_hook(lambda opt, args, kwargs: _after_step(store, opt))
+        weakref.finalize(self, handle.remove)
+
+    # ------------------------------------------------------------------------------------------ reading
+    def source(self, name: str) -> torch.Tensor:
+        """What a device uploads for parameter ``name``: the current copy (refreshed first if stale), or the
+        master (detached) where no copy is kept."""
+        e = self.entries[name]
+        if e.front is None:
+            return e.master.detach()
+        if not self.overlapping and e.made_from != _stamp(e.master):
+            with e.lock:  # two devices may upload the same parameter at once (a stage's forward and backward)
+                if e.made_from != _stamp(e.master):
+                    self._make(e, e.front)
+        return e.front
+
+    def host_table(self, name: str) -> torch.Tensor:
+        """A token-embedding table as the host looks rows up in it: the master, or its front copy (in the
+        master's precision) while overlapping — the master is being stepped."""
+        return self.source(name)
+
+    def refresh(self) -> None:
+        """Remake every copy from its master now (after edits through ``p.data``, which nothing can see)."""
+        for e in self.entries.values():
+            if e.front is not None:
+                with e.lock:
+                    self._make(e, e.front)
+
+    # ------------------------------------------------------------------------------------------ overlap
+    def begin_overlap(self, optimizer: Any) -> None:
+        """Before an overlapped step of ``optimizer``: every trainable parameter has a front copy equal to its
+        master and a back buffer the step will write (by the optimizer's ``mirror`` when it has one)."""
+        for name, e in self.entries.items():
+            if not e.master.requires_grad:
+                continue
+            if e.front is None:
+                e.front = self._empty_like(e.master, keep=name in self.host_only)
+                self._make(e, e.front)
+            elif e.made_from != _stamp(e.master):
+                self._make(e, e.front)
+            if e.back is None:
+                e.back = torch.empty(e.front.shape, dtype=e.front.dtype, pin_memory=self.pin)
+            e.written = False
+        self.overlapping = True
+        if hasattr(optimizer, "mirror"):
+            mirrored = self._mirrored.setdefault(optimizer, set())
+            for p in _params_of(optimizer):
+                for name in self._by_param.get(id(p), ())[:1]:
+                    e = self.entries[name]
+                    if e.back is not None:
+                        optimizer.mirror(p, e.back)
+                        mirrored.add(id(p))
+
+    def write_back(self, optimizer: Any) -> None:
+        """After an overlapped step (on its thread): the back buffers of ``optimizer``'s parameters made from
+        the stepped masters, unless the optimizer wrote them itself."""
+        mirrored = self._mirrored.get(optimizer, set())
+        done: set[int] = set()
+        for p in _params_of(optimizer):
+            for name in self._by_param.get(id(p), ()):
+                e = self.entries[name]
+                if e.back is None or id(e.back) in done:
+                    continue
+                done.add(id(e.back))
+                if id(p) not in mirrored:
+                    self._make(e, e.back, stamp=False)
+                e.written = True
+
+    def swap(self) -> None:
+        """The step is done: its results (the back buffers) become what the devices upload."""
+        for e in self.entries.values():
+            if e.back is not None and e.written:
+                e.front, e.back, e.written = e.back, e.front, False
+                e.made_from = _stamp(e.master)
+
+    def end_overlap(self, optimizer: Any = None) -> None:
+        """Back to synchronous steps: the back buffers go; an optimizer's mirrors point at the front copies."""
+        self.overlapping = False
+        for e in self.entries.values():
+            e.back = None
+        if optimizer is not None and hasattr(optimizer, "mirror"):
+            self._mirrored.pop(optimizer, None)  # its mirrors point at the back buffers just dropped
+            self._mirror_front(optimizer)
+
+    # ------------------------------------------------------------------------------------------ after a step
+    def stepped(self, optimizer: Any) -> None:
+        """``optimizer`` has stepped (the global post-hook): copies of its parameters are stale, except those it
+        wrote itself (its mirrors); one that can mirror gets the copies now, for its next step."""
+        if self.overlapping:
+            return  # the overlapped step writes the back buffers itself (write_back)
+        mirrored = self._mirrored.get(optimizer, set())
+        for p in _params_of(optimizer):
+            for name in self._by_param.get(id(p), ()):
+                e = self.entries[name]
+                if e.front is None:
+                    continue
+                if id(p) in mirrored and e.made_from[1] == p.data_ptr():
+                    e.made_from = _stamp(p)  # the optimizer wrote the copy in the pass that updated p
+                else:
+                    e.made_from = (-1, -1)  # remade by the next upload that needs it
+        if hasattr(optimizer, "mirror"):
+            self._mirror_front(optimizer)
+
+    def _mirror_front(self, optimizer: Any) -> None:
+        mirrored = self._mirrored.setdefault(optimizer, set())
+        for p in _params_of(optimizer):
+            names = self._by_param.get(id(p), ())
+            if names and self.entries[names[0]].front is not None and id(p) not in mirrored:
+                optimizer.mirror(p, self.entries[names[0]].front)
+                mirrored.add(id(p))
+
+    # ------------------------------------------------------------------------------------------ helpers
+    def _needs_copy(self, master: torch.Tensor) -> bool:
+        if not master.is_floating_point():
+            return self.pin
+        return self.pin or (self.dtype is not None and master.dtype != self.dtype)
+
+    def _empty_like(self, master: torch.Tensor, *, keep: bool = False) -> torch.Tensor:
+        """An empty copy of ``master`` in the compute precision (``keep``: in its own), pinned for GPUs."""
+        cast = self.dtype is not None and master.is_floating_point() and not keep
+        dtype = self.dtype if cast else master.dtype
+        return torch.empty(master.shape, dtype=dtype, device="cpu", pin_memory=self.pin)
+
+    def _make(self, e: _Entry, into: torch.Tensor, *, stamp: bool = True) -> None:
+        with torch.no_grad():
+            into.copy_(e.master)
+        self.traffic.add("weight copies", nbytes(e.master) + nbytes(into))
+        if stamp:
+            e.made_from = _stamp(e.master)
+
+
+def _stamp(t: torch.Tensor) -> tuple[int, int]:
+    return t._version, t.data_ptr()
+
+
+def _params_of(optimizer: Any) -> list[torch.Tensor]:
+    return [p for group in getattr(optimizer, "param_groups", ()) for p in group["params"]]
+
+
+def _after_step(store: "weakref.ref[WeightStore]", optimizer: Any) -> None:
+    s = store()
+    if s is not None:
+        s.stepped(optimizer)
+
+
+class GradSink:
+    """Adds stage gradients into the parameters' ``.grad`` (or, while overlapping, into its own buffers) on a
+    thread of its own, started by the first submission of an iteration and stopped by :meth:`drain` (module
+    docstring)."""
+
+    def __init__(self, params: dict[str, torch.nn.Parameter], traffic: HostTraffic | None = None):
+        self.params = params
+        self.traffic = traffic if traffic is not None else HostTraffic()
+        self.private: dict[str, torch.Tensor] | None = None
+        self._locks = {n: threading.Lock() for n in params}
+        self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._scratch: torch.Tensor | None = None  # the sink thread's (:meth:`_add`)
+
+    def hold(self, on: bool) -> None:
+        """Gradients into the sink's own buffers (``on``: an overlapped step is reading ``.grad``) or into
+        ``.grad``."""
+        self.private = {} if on else None
+
+    def submit(self, names: list[str], grads: Any) -> None:
+        """Add ``grads`` (tensors, or something whose ``wait()`` gives them: copies still landing) into the
+        gradients of the parameters ``names``, on the sink's thread."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="rpcompile-grads", daemon=True)
+            self._thread.start()
+        self._queue.put((names, grads))
+
+    def accumulate(self, name: str, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn(grad, *args)`` on parameter ``name``'s gradient buffer (zeros if it has none yet), now, under
+        that parameter's lock (the host's embedding gradients: an ``index_add_``)."""
+        with self._locks[name]:
+            fn(self._target(name, None), *args)
+
+    def drain(self) -> None:
+        """Wait until everything submitted has been added and stop the thread; re-raise the first failure."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def install(self) -> None:
+        """Move the held gradients into ``.grad`` (added to any already there); keep holding."""
+        held = self.private or {}
+        if self.private is not None:
+            self.private = {}
+        for name, g in held.items():
+            p = self.params[name]
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.add_(g)
+                self.traffic.add("gradients", 3 * nbytes(g))
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            names, grads = item
+            if self._error is not None:
+                continue  # drain what is queued; the first failure is what the caller sees
+            try:
+                for name, g in zip(names, grads.wait() if hasattr(grads, "wait") else grads, strict=True):
+                    with self._locks[name]:
+                        self._target(name, g)
+            except BaseException as e:  # noqa: BLE001 - re-raised by drain() on the caller's thread
+                self._error = e
+
+    def _target(self, name: str, g: torch.Tensor | None) -> torch.Tensor:
+        """The gradient buffer of ``name`` with ``g`` added in place (``g`` None: made if missing, zero-filled);
+        a gradient in the compute precision is converted as it is added."""
+        p = self.params[name]
+        current = self.private.get(name) if self.private is not None else p.grad
+        if current is None:
+            if g is None:
+                current = torch.zeros_like(p)
+                self.traffic.add("gradients", nbytes(current))
+            else:
+                current = torch.empty_like(p)
+                current.copy_(g)
+                self.traffic.add("gradients", nbytes(g) + nbytes(current))
+            if self.private is not None:
+                self.private[name] = current
+            else:
+                p.grad = current
+        elif g is not None:
+            self._add(current, g)
+            self.traffic.add("gradients", nbytes(g) + 2 * nbytes(current))
+        return current
+
+    def _add(self, into: torch.Tensor, g: torch.Tensor) -> None:
+        """``into += g``. A gradient in another precision goes through a small scratch buffer, a piece at a time:
+        torch's in-place add with type promotion runs an unvectorised loop (~6x slower than a cast then a same-type
+        add here); the piece stays in cache, so memory sees what a fused add would."""
+        if g.dtype == into.dtype or not into.is_contiguous() or not g.is_contiguous():
+            into.add_(g)
+            return
+        flat, src = into.view(-1), g.reshape(-1)
+        n = flat.numel()
+        if self._scratch is None or self._scratch.dtype != into.dtype or self._scratch.numel() < min(n, ADD_PIECE):
+            self._scratch = torch.empty(min(n, ADD_PIECE), dtype=into.dtype)
+        scratch = self._scratch
+        for i in range(0, n, ADD_PIECE):
+            piece = scratch[:min(ADD_PIECE, n - i)]
+            piece.copy_(src[i:i + piece.numel()])
+            flat[i:i + piece.numel()].add_(piece)

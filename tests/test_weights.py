@@ -1,0 +1,230 @@
+"""Host copies of the weights and the gradient sink (runtime/weights.py): copies made once per optimizer step give
+what casting at every upload gave, bit for bit; the host's bytes per parameter are what the counting rules say;
+frozen weights are stored once; an overlapped optimizer step is exactly one step stale."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import rpcompile
+from rpcompile.core.specs import get_spec
+from rpcompile.runtime.executor import PipelineError
+from rpcompile.runtime.optim import AdamW as FusedAdamW
+
+FINE = dataclasses.replace(get_spec("cpu"), name="cpu-fine-stages", stage_overhead_s=30e-6)
+
+
+class Tied(nn.Module):
+    """Embedding → three blocks → output projection tied to the embedding (two grad stages read one weight)."""
+
+    def __init__(self, vocab: int = 32, dim: int = 16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(nn.Linear(dim, dim) for _ in range(3))
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for b in self.blocks:
+            h = h + torch.tanh(b(h))
+        return F.linear(self.norm(h), self.embed.weight)
+
+
+def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+
+def batch(seed: int, rows: int = 4, seq: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 32, (rows, seq), generator=g), torch.randint(0, 32, (rows, seq), generator=g)
+
+
+def pair(precision: str = "bf16", frozen: str | None = None, **options):
+    """Two identical models and their pipelines on one plan (two logical CPU devices)."""
+    torch.manual_seed(0)
+    a = Tied()
+    if frozen:
+        a.get_submodule(frozen).requires_grad_(False)
+    b = copy.deepcopy(a)
+    x, y = batch(0)
+    pa = rpcompile.compile(a, (x,), loss_fn=loss_fn, devices=["cpu", "cpu"], precision=precision, spec=FINE,
+                           microbatches=2, host_embedding=False, time_limit_s=5.0, **options)
+    pb = rpcompile.compile(b, (x,), loss_fn=loss_fn, devices=["cpu", "cpu"], precision=precision, plan=pa.plan,
+                           host_embedding=False, **options)
+    return a, pa, b, pb
+
+
+def assert_same_weights(a: nn.Module, b: nn.Module) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), f"{name} differs by {(p.float() - q.float()).abs().max():.3g}"
+
+
+@pytest.mark.parametrize("kind", ["fused", "foreach", "for-loop"])
+def test_copies_made_once_per_step_train_as_casting_at_every_upload(kind):
+    """Every torch AdamW implementation (the fused one does not even bump version counters) has its steps seen:
+    three steps equal a pipeline that remakes every copy before each iteration, bit for bit."""
+    a, pa, b, pb = pair()
+    flags = {"fused": dict(fused=True), "foreach": dict(foreach=True), "for-loop": dict(foreach=False)}[kind]
+    oa = torch.optim.AdamW(a.parameters(), lr=1e-2, **flags)
+    ob = torch.optim.AdamW(b.parameters(), lr=1e-2, **flags)
+    for step in range(3):
+        x, y = batch(step)
+        pb.refresh_weights()  # what every upload did before: cast from the master
+        assert torch.equal(pa.forward_backward(x, target=y), pb.forward_backward(x, target=y))
+        oa.step(), ob.step(), oa.zero_grad(), ob.zero_grad()
+    assert_same_weights(a, b)
+    copies = pa.executor.weights
+    for name, p in a.named_parameters():
+        assert copies.source(name).dtype == torch.bfloat16
+        assert torch.equal(copies.source(name), p.detach().to(torch.bfloat16)), name
+
+
+def test_host_bytes_per_parameter_follow_the_counting_rules():
+    """bf16 on logical CPU devices: per iteration the host makes each trainable copy once (read 4 + write 2 bytes
+    per parameter) and adds each grad stage's bf16 gradient into .grad (read 2 + write 4 bytes the first time,
+    read 2 + read/write 8 after); no weight is cast at upload."""
+    a, pa, _, _ = pair()
+    opt = torch.optim.AdamW(a.parameters(), fused=True)
+    x, y = batch(1)
+    pa.forward_backward(x, target=y), opt.step(), opt.zero_grad()
+    before = pa.host_traffic
+    pa.forward_backward(x, target=y), opt.step(), opt.zero_grad()
+    after = pa.host_traffic
+    params = dict(a.named_parameters())
+    grad_stages: dict[str, int] = {}
+    for prog in pa.program.stages:
+        if prog.kind != "forward":
+            for name in set(prog.params.values()):
+                grad_stages[name] = grad_stages.get(name, 0) + 1
+    uploaded = {n for prog in pa.program.stages for n in prog.params.values()}
+    assert uploaded == set(params)
+    assert after["weight copies"] - before["weight copies"] == sum(6 * params[n].numel() for n in uploaded)
+    assert after["gradients"] - before["gradients"] == sum((6 + 10 * (k - 1)) * params[n].numel()
+                                                           for n, k in grad_stages.items())
+    assert "upload casts" not in after
+    assert max(grad_stages.values()) == 2, "the tied weight is read by two grad stages"
+
+
+def test_frozen_weights_are_stored_once_in_the_compute_precision():
+    torch.manual_seed(0)
+    a, pa, b, pb = pair(frozen="blocks.1")
+    frozen = dict(a.named_parameters())["blocks.1.weight"]
+    assert frozen.dtype == torch.bfloat16 and not frozen.requires_grad
+    assert dict(a.named_parameters())["blocks.0.weight"].dtype == torch.float32
+    torch.manual_seed(0)
+    c = Tied()
+    c.blocks[1].requires_grad_(False)
+    x, y = batch(0)
+    pc = rpcompile.compile(c, (x,), loss_fn=loss_fn, devices=["cpu", "cpu"], precision="bf16", plan=pa.plan,
+                           host_embedding=False, frozen_masters=True)
+    assert c.blocks[1].weight.dtype == torch.float32
+    assert torch.equal(pa.forward_backward(x, target=y), pc.forward_backward(x, target=y))
+    for (name, p), q in zip(a.named_parameters(), c.parameters()):
+        assert (p.grad is None) == (not q.requires_grad), name
+        if p.grad is not None:
+            assert torch.equal(p.grad, q.grad), name
+
+
+def test_changes_outside_an_optimizer():
+    """A master changed in place is seen by its version counter (load_state_dict, no_grad in-place ops); an
+    edit through .data is not, until refresh_weights()."""
+    a, pa, b, pb = pair()
+    x, y = batch(2)
+    pa.forward_backward(x, target=y)
+    state = {k: v * 1.5 for k, v in a.state_dict().items()}
+    a.load_state_dict(state), b.load_state_dict(state)
+    pb.refresh_weights()
+    assert torch.equal(pa.forward_backward(x, target=y), pb.forward_backward(x, target=y))
+    with torch.no_grad():
+        a.blocks[0].weight.mul_(0.5), b.blocks[0].weight.mul_(0.5)
+    pb.refresh_weights()
+    assert torch.equal(pa.forward_backward(x, target=y), pb.forward_backward(x, target=y))
+    a.blocks[2].weight.data.mul_(2.0), b.blocks[2].weight.data.mul_(2.0)
+    pb.refresh_weights()
+    stale = pa.forward_backward(x, target=y)
+    assert not torch.equal(stale, pb.forward_backward(x, target=y)), "a .data edit is invisible (documented)"
+    pa.refresh_weights()
+    assert torch.equal(pa.forward_backward(x, target=y), pb.forward_backward(x, target=y))
+
+
+def test_step_without_overlap_is_the_plain_loop():
+    a, pa, b, pb = pair()
+    oa, ob = torch.optim.AdamW(a.parameters(), lr=1e-2), torch.optim.AdamW(b.parameters(), lr=1e-2)
+    for step in range(3):
+        x, y = batch(step)
+        pa.forward_backward(x, target=y), pb.forward_backward(x, target=y)
+        pa.step(oa)
+        ob.step(), ob.zero_grad()
+    assert_same_weights(a, b)
+    assert all(p.grad is None for p in a.parameters())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_overlapped_step_is_exactly_one_step_stale(precision):
+    """pipe.step(opt, overlap=True) equals synchronous training on delayed gradients — iteration t's gradients
+    taken at the weights from before step t-1, w_{t+1} = step(w_t, ∇L_t(w_{t-1})) — bit for bit: the staleness is
+    all that differs."""
+    a, pa, b, pb = pair(precision)
+    oa, ob = torch.optim.AdamW(a.parameters(), lr=1e-2), torch.optim.AdamW(b.parameters(), lr=1e-2)
+    previous = {k: v.clone() for k, v in b.state_dict().items()}
+    for step in range(4):
+        x, y = batch(step)
+        loss_a = pa.forward_backward(x, target=y)
+        pa.step(oa, overlap=True)
+        current = {k: v.clone() for k, v in b.state_dict().items()}
+        b.load_state_dict(previous)  # the reference takes its gradients at the previous weights
+        loss_b = pb.forward_backward(x, target=y)
+        b.load_state_dict(current)
+        ob.step(), ob.zero_grad()
+        previous = current
+        assert torch.equal(loss_a, loss_b), f"step {step}"
+    pa.synchronize()
+    assert_same_weights(a, b)
+    x, y = batch(9)  # back to synchronous: the copies are the latest weights
+    assert torch.equal(pa.forward_backward(x, target=y), pb.forward_backward(x, target=y))
+
+
+def test_overlap_with_the_mirroring_adamw_writes_no_copies_itself():
+    """rpcompile's AdamW writes the copies in its own pass: after its first step the pipeline makes none, and
+    training matches torch's fused AdamW (which the pipeline's copies follow)."""
+    a, pa, b, pb = pair()
+    oa = FusedAdamW(a.parameters(), lr=1e-2)
+    ob = torch.optim.AdamW(b.parameters(), lr=1e-2, fused=True)
+    for step in range(3):
+        x, y = batch(step)
+        la, lb = pa.forward_backward(x, target=y), pb.forward_backward(x, target=y)
+        torch.testing.assert_close(la, lb, rtol=2e-2, atol=2e-2)
+        if step == 1:  # the copies of step 0's weights were made by this iteration's uploads; none after
+            made = pa.host_traffic["weight copies"]
+        pa.step(oa, overlap=step == 2)
+        ob.step(), ob.zero_grad()
+    pa.synchronize()
+    assert pa.host_traffic["weight copies"] == made, "the optimizer's mirrors make every copy after its first step"
+    for name, p in a.named_parameters():
+        assert torch.equal(pa.executor.weights.source(name), p.detach().to(torch.bfloat16)), name
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
+def test_overlap_errors():
+    a, pa, _, _ = pair()
+    x, y = batch(0)
+    scaled = rpcompile.compile(copy.deepcopy(a), (x,), loss_fn=loss_fn, devices=["cpu", "cpu"], precision="fp16",
+                               plan=pa.plan, host_embedding=False, scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(rpcompile.ConfigError, match=r"^step\(optimizer, overlap=True\) does not take a GradScaler"):
+        scaled.step(torch.optim.SGD(scaled.model.parameters(), lr=0.1), overlap=True)
+
+    class Broken(torch.optim.SGD):
+        def step(self, closure=None):
+            raise RuntimeError("disk full")
+
+    pa.forward_backward(x, target=y)
+    pa.step(Broken(a.parameters(), lr=0.1), overlap=True)
+    with pytest.raises(PipelineError, match=r"^the overlapped optimizer step failed: RuntimeError: disk full$"):
+        pa.forward_backward(x, target=y)

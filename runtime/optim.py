@@ -28,9 +28,14 @@ the scalars computed in double per tensor and rounded to fp32 once (as torch's f
     p = p + (-lr / (1 - beta1**step)) * m / (sqrt(v) / sqrt(1 - beta2**step) + eps)
     mirror = p.to(mirror.dtype)                     # round to nearest even (c10::BFloat16 / c10::Half), as torch
 
-with ``step`` the parameter's own count after the increment. torch's vectorised kernels fuse some of these
-multiply-adds (FMA on AVX2), the C++ loop here rounds each operation, so the two differ by a few fp32 ulps per step;
-the torch backend is torch's own fused kernel. The mirror equals ``param.to(dtype)`` bit for bit on both backends.
+with ``step`` the parameter's own count after the increment. The scalars (``1 - lr * weight_decay``, the step size
+``-lr / (1 - beta1**step)``, ``sqrt(1 - beta2**step)``, ``1 - beta1``, ``1 - beta2``) are Python/C++ doubles rounded
+to fp32 once, as in both of torch's CPU paths; the square root of the bias correction is ``math.sqrt`` as in torch's
+fused kernel (its for-loop takes ``** 0.5``). The differences: torch's vectorised kernels fuse some multiply-adds
+(FMA on AVX2, in lerp and addcmul), while the C++ loop rounds every operation (``-ffp-contract=off``, so its SSE2 and
+AVX2 builds agree bit for bit), so the two differ by a few fp32 ulps per step; the torch backend is torch's own
+fused kernel. The mirror equals ``param.to(dtype)`` bit for bit on both backends (a NaN stays a NaN, though its bit
+pattern may differ from the one torch's cast writes).
 
 State keys and param-group keys are torch's (``step`` as a float32 tensor, ``exp_avg``, ``exp_avg_sq``,
 ``max_exp_avg_sq``), so ``state_dict`` moves between this class and ``torch.optim.AdamW`` both ways, and lr

@@ -62,7 +62,13 @@ console = Console(width=max(Console().width, 160))
 
 
 def _row(result: Any, scenario: Any) -> dict[str, Any]:
-    return result.summary() | {"stages": scenario.stage_count, "max_peak_memory_bytes": max(result.peak_memory_bytes, default=0)}
+    """A schedule's figures on the devices' clock: its iteration is the pipeline (``pipeline_s``). The static
+    baselines' optimizer runs on their GPUs and is not simulated, round-robin's runs on the host: that step is
+    in ``host_step_s``, beside, and left out of the comparison."""
+    s = result.summary()
+    tokens = s["tokens_per_s"] and s["tokens_per_s"] * s["iteration_time_s"] / s["pipeline_s"]
+    return s | {"iteration_time_s": s["pipeline_s"], "tokens_per_s": tokens, "stages": scenario.stage_count,
+                "max_peak_memory_bytes": max(result.peak_memory_bytes, default=0)}
 
 
 def model_rows(model: str, gpus: int, time_limit: float) -> tuple[dict[str, dict], float]:

@@ -69,14 +69,20 @@ class SimResult:
         return sum(e.end - e.start for e in self.host_timeline if e.kind == "accumulate")
 
     @property
+    def span_s(self) -> float:
+        """The devices' part of the iteration (``pipeline_s``, or the iteration when no host step was given):
+        what the bubble and the utilisation are over — the host's optimizer step is reported apart."""
+        return self.pipeline_s if self.pipeline_s >= 0 else self.iteration_time_s
+
+    @property
     def bubble_fraction(self) -> float:
-        """Idle compute time over total compute capacity (devices × iteration)."""
-        total = len(self.busy_s) * self.iteration_time_s
+        """Idle compute time over total compute capacity (devices × :attr:`span_s`)."""
+        total = len(self.busy_s) * self.span_s
         return 1.0 - sum(self.busy_s) / total if total > 0 else 0.0
 
     @property
     def utilisation(self) -> tuple[float, ...]:
-        return tuple(b / self.iteration_time_s if self.iteration_time_s else 0.0 for b in self.busy_s)
+        return tuple(b / self.span_s if self.span_s else 0.0 for b in self.busy_s)
 
     @property
     def tokens_per_s(self) -> float:
@@ -98,7 +104,7 @@ class SimResult:
     def idle_s(self) -> tuple[dict[str, float], ...]:
         """Per device, where its compute queue sat idle: ``fill`` before its first compute, ``drain`` after its
         last, ``waits`` between them (inputs not yet handed over, copies still draining, memory). The three add up
-        to ``iteration − busy``."""
+        to ``span − busy`` (:attr:`span_s`)."""
         first: dict[int, float] = {}
         last: dict[int, float] = {}
         for e in self.timeline:
@@ -106,18 +112,19 @@ class SimResult:
                 first[e.device] = min(first.get(e.device, _INF), e.start)
                 last[e.device] = max(last.get(e.device, 0.0), e.end)
         out = []
+        span = self.span_s
         for d, busy in enumerate(self.busy_s):
             if d not in first:
-                out.append(dict(fill=self.iteration_time_s, drain=0.0, waits=0.0))
+                out.append(dict(fill=span, drain=0.0, waits=0.0))
                 continue
-            fill, drain = first[d], max(self.iteration_time_s - last[d], 0.0)
-            out.append(dict(fill=fill, drain=drain, waits=max(self.iteration_time_s - busy - fill - drain, 0.0)))
+            fill, drain = first[d], max(span - last[d], 0.0)
+            out.append(dict(fill=fill, drain=drain, waits=max(span - busy - fill - drain, 0.0)))
         return tuple(out)
 
     @property
     def idle_fractions(self) -> dict[str, float]:
-        """``bubble_fraction`` split into fill, drain and waits (each over devices × iteration)."""
-        total = len(self.busy_s) * self.iteration_time_s
+        """``bubble_fraction`` split into fill, drain and waits (each over devices × :attr:`span_s`)."""
+        total = len(self.busy_s) * self.span_s
         idle = self.idle_s()
         return {k: (sum(i[k] for i in idle) / total if total > 0 else 0.0) for k in ("fill", "drain", "waits")}
 

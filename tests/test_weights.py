@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import rpcompile
 from rpcompile.core.specs import get_spec
 from rpcompile.runtime.executor import PipelineError
-from rpcompile.runtime.optim import AdamW as FusedAdamW
+from rpcompile.runtime.optim import BACKEND_ENV, AdamW as FusedAdamW
 
 FINE = dataclasses.replace(get_spec("cpu"), name="cpu-fine-stages", stage_overhead_s=30e-6)
 
@@ -190,9 +190,11 @@ def test_overlapped_step_is_exactly_one_step_stale(precision):
     assert torch.equal(pa.forward_backward(x, target=y), pb.forward_backward(x, target=y))
 
 
-def test_overlap_with_the_mirroring_adamw_writes_no_copies_itself():
+def test_overlap_with_the_mirroring_adamw_writes_no_copies_itself(monkeypatch):
     """rpcompile's AdamW writes the copies in its own pass: after its first step the pipeline makes none, and
-    training matches torch's fused AdamW (which the pipeline's copies follow)."""
+    training matches torch's fused AdamW (which the pipeline's copies follow). Its torch backend: the protocol is
+    the same for both, and building the C++ one takes a minute (tests/test_optim.py covers it)."""
+    monkeypatch.setenv(BACKEND_ENV, "torch")
     a, pa, b, pb = pair()
     oa = FusedAdamW(a.parameters(), lr=1e-2)
     ob = torch.optim.AdamW(b.parameters(), lr=1e-2, fused=True)

@@ -55,8 +55,8 @@ from rich.table import Table
 from torch.utils.checkpoint import checkpoint
 
 import rpcompile
-import roundpipe_peer
-from rpcompile.runtime.optim import AdamW as MirroringAdamW  # benchmarks/: RoundPipe itself is imported only when --peer roundpipe asks for it
+import roundpipe_peer  # benchmarks/: RoundPipe itself is imported only when --peer roundpipe asks for it
+from rpcompile.runtime.optim import AdamW as MirroringAdamW
 from rpcompile.models import load_model
 
 GiB = 1 << 30

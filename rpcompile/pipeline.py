@@ -228,8 +228,9 @@ class Pipeline:
         self.executor.weights.refresh()
 
     def step(self, optimizer: torch.optim.Optimizer, *, overlap: bool = False) -> None:
-        """``optimizer.step()`` then ``optimizer.zero_grad()`` — with ``overlap=True`` on a thread of its own,
-        beside the next :meth:`forward_backward`, which returns as soon as it is done.
+        """``optimizer.step()`` then ``optimizer.zero_grad()`` — through the pipeline's ``GradScaler`` when it has
+        one (``scaler.step(optimizer); scaler.update()``) — or, with ``overlap=True``, on a thread of its own
+        beside the next :meth:`forward_backward`, which returns once both are done.
 
         **What overlap computes.** The iteration that runs beside step t reads the weights from *before* step t
         (the device copies are double-buffered: the step writes the other buffer), so its gradients are one step
@@ -238,11 +239,18 @@ class Pipeline:
         result equals ``optimizer.step(); optimizer.zero_grad()`` bitwise. Between an overlapped step and the next
         iteration's end the masters are being written: read them (save a checkpoint, evaluate on the masters)
         after :meth:`synchronize`. A ``GradScaler`` is refused with overlap (its scale would change mid-iteration).
+        A step that raises surfaces at the end of the next :meth:`forward_backward` as a :class:`PipelineError`;
+        that iteration's gradients are dropped and the pipeline is back to synchronous steps, its copies remade
+        from the masters as the failed step left them.
         """
         self._finish_step()
         if not overlap:
             self.synchronize()
-            optimizer.step()
+            if self.scaler is not None and self.scaler.is_enabled():
+                self.scaler.step(optimizer)  # skipped on inf/nan gradients; the scale adapts
+                self.scaler.update()
+            else:
+                optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             return
         if self.scaler is not None and self.scaler.is_enabled():
@@ -278,9 +286,13 @@ class Pipeline:
         try:
             future.result()
         except Exception as e:
+            # back to synchronous steps: the copies are remade from the masters as the step left them, and the
+            # iteration's gradients (held apart) are dropped — .grad keeps what the failed step was given
+            self.executor.grads.hold(False)
+            self.executor.weights.end_overlap(self._overlap_optimizer, failed=True)
+            self._overlap_optimizer = None
             raise PipelineError(f"the overlapped optimizer step failed: {type(e).__name__}: {e}") from e
-        finally:
-            self.executor.weights.swap()
+        self.executor.weights.swap()
 
     @property
     def timeline(self) -> list:

@@ -196,11 +196,14 @@ class WeightStore:
                 e.front, e.back, e.written = e.back, e.front, False
                 e.made_from = _stamp(e.master)
 
-    def end_overlap(self, optimizer: Any = None) -> None:
-        """Back to synchronous steps: the back buffers go; an optimizer's mirrors point at the front copies."""
+    def end_overlap(self, optimizer: Any = None, *, failed: bool = False) -> None:
+        """Back to synchronous steps: the back buffers go; an optimizer's mirrors point at the front copies.
+        ``failed``: the overlapped step raised — every copy is remade from the masters as they were left."""
         self.overlapping = False
         for e in self.entries.values():
             e.back = None
+            if failed:
+                e.made_from = (-1, -1)
         if optimizer is not None and hasattr(optimizer, "mirror"):
             self._mirrored.pop(optimizer, None)  # its mirrors point at the back buffers just dropped
             self._mirror_front(optimizer)

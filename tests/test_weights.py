@@ -227,6 +227,24 @@ def test_overlap_errors():
             raise RuntimeError("disk full")
 
     pa.forward_backward(x, target=y)
+    grads = {n: p.grad.clone() for n, p in a.named_parameters()}
     pa.step(Broken(a.parameters(), lr=0.1), overlap=True)
     with pytest.raises(PipelineError, match=r"^the overlapped optimizer step failed: RuntimeError: disk full$"):
         pa.forward_backward(x, target=y)
+    for n, p in a.named_parameters():  # .grad holds what the failed step was given; the iteration's were dropped
+        assert torch.equal(p.grad, grads[n]), n
+    for name, p in a.named_parameters():  # synchronous again, copies made from the masters
+        assert torch.equal(pa.executor.weights.source(name), p.detach().to(torch.bfloat16)), name
+
+
+def test_step_goes_through_the_pipelines_grad_scaler():
+    a, pa, b, pb = pair("fp16")
+    pa.scaler, pb.scaler = (torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) for _ in range(2))
+    oa, ob = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    for step in range(2):
+        x, y = batch(step)
+        pa.forward_backward(x, target=y), pb.forward_backward(x, target=y)
+        pa.step(oa)
+        pb.scaler.step(ob), pb.scaler.update(), ob.zero_grad()
+    assert pa.scaler.get_scale() == pb.scaler.get_scale()
+    assert_same_weights(a, b)

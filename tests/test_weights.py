@@ -248,3 +248,34 @@ def test_step_goes_through_the_pipelines_grad_scaler():
         pb.scaler.step(ob), pb.scaler.update(), ob.zero_grad()
     assert pa.scaler.get_scale() == pb.scaler.get_scale()
     assert_same_weights(a, b)
+
+
+def test_devices_are_handed_the_same_compute_precision_buffers_every_iteration():
+    """What a GPU's upload would DMA from: every weight a device is handed is already in bf16 and is the same host
+    buffer at every upload (refreshed in place after a step, never re-made): nothing is cast or allocated on the
+    way to the link."""
+    from rpcompile.runtime.devices import CpuDevice
+
+    seen: list[list[tuple[torch.dtype, int]]] = []
+
+    class Recording(CpuDevice):
+        def upload_weights(self, tensors, dtype=None):
+            seen.append([(t.dtype, t.data_ptr()) for t in tensors])
+            return super().upload_weights(tensors, dtype)
+
+    torch.manual_seed(0)
+    model = Tied()
+    x, y = batch(0)
+    pipe = rpcompile.compile(model, (x,), loss_fn=loss_fn, devices=[Recording(torch.device("cpu"), 0)],
+                             precision="bf16", spec=FINE, microbatches=2, host_embedding=False, time_limit_s=5.0)
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    rounds = []
+    for step in range(3):
+        seen.clear()
+        x, y = batch(step)
+        pipe.forward_backward(x, target=y)
+        pipe.step(opt)
+        rounds.append(sorted(p for upload in seen for p in upload))
+    assert all(dtype == torch.bfloat16 for dtype, _ in rounds[0])
+    assert rounds[0] == rounds[1] == rounds[2]
+    assert pipe.host_traffic.get("upload casts", 0) == 0

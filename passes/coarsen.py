@@ -37,8 +37,10 @@ from .loss_head import CHUNK_META
 from .shape import SHAPE_KEY, scaled_nbytes
 from .util import compute_nodes, module_path
 
-__all__ = ["SEGMENT_KEY", "SEGMENTS_KEY", "Segment", "coarsen_pass", "live_bytes", "segments_of"]
+__all__ = ["COARSEN_META", "SEGMENT_KEY", "SEGMENTS_KEY", "Segment", "coarsen_pass", "live_bytes", "segments_of"]
 
+COARSEN_META = "rpcompile.coarsen"
+"""``gm.meta`` key: the options the graph was coarsened with (``segments_per_layer``, ``max_segments``)."""
 SEGMENT_KEY = "rpcompile.segment"
 SEGMENTS_KEY = "rpcompile.segments"
 _NUMERIC = re.compile(r"^\d+$")
@@ -194,6 +196,7 @@ def coarsen_pass(gm: fx.GraphModule, *, max_segments: int | None = None, segment
             n.meta[SEGMENT_KEY] = seg.index
     gm.meta[SEGMENTS_KEY] = segments
     gm.meta["rpcompile.input_bytes"] = inputs
+    gm.meta[COARSEN_META] = {"segments_per_layer": segments_per_layer, "max_segments": max_segments}
     return gm
 
 

@@ -21,6 +21,7 @@ from .coarsen import segments_of
 from .fingerprint import fingerprint
 from .host import host_of
 from .loss_head import HEAD_CHUNKS_META
+from .plan_inputs import solve_inputs
 from .shape import SHAPE_KEY
 from .timing import bubble_fraction, host_times, iteration_time, stage_costs
 from .util import compute_nodes, module_path, node_params
@@ -150,7 +151,8 @@ def to_plan(gm: fx.GraphModule, problem: Any, result: Any, *, hardware: Hardware
         | {"solve_time_s": result.solve_time_s, "segments": len(segs)},
     )
     return dataclasses.replace(made, head_chunks=int(gm.meta.get(HEAD_CHUNKS_META, 1)),
-                               host=tuple(h.node for h in host_of(gm)))
+                               host=tuple(h.node for h in host_of(gm)),
+                               inputs=solve_inputs(gm, problem, hardware, strategy=result.strategy, precision=precision))
 
 
 def _figures(c: Any, microbatches: int) -> dict:

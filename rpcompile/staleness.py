@@ -16,6 +16,12 @@ Problems (each a line starting with its kind):
 - ``stale prediction`` — (analytic cost models) the predicted iteration time in the file differs from today's
   by more than the margin;
 - ``regressed`` — a fresh plan is more than the margin faster.
+
+A fresh plan is solved only when something the plan was solved from moved (:mod:`rpcompile.passes.plan_inputs`:
+the node costs, the partition problem, the hardware, the planning options or rpcompile's partitioner), when the
+plan records none of it (older plans, hand-made ones), or when asked (``resolve=True``, ``check --resolve``):
+otherwise a fresh solve would find the same plan. The result says which, and why (``figures["resolved"]``,
+``figures["resolve_reason"]``).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from rpcompile.passes.util import compute_nodes
 from .core.errors import InfeasibleError, PlanFileError
 from .core.plan import Plan
 from rpcompile.passes.fingerprint import fingerprint
+from rpcompile.passes.plan_inputs import moved_inputs, solve_inputs
 from .invariants import plan_violations
 from .planning import partition_problem, plan_graph, prepare
 
@@ -54,9 +61,13 @@ class CheckResult:
         f = self.figures
         if not self.ok:
             return f"{self.path}: {len(self.problems)} problem{'s' * (len(self.problems) != 1)}"
+        if not f.get("resolved", True):
+            return (f"{self.path}: OK — {f['stages']} stages on {f['devices']} × {f['spec']}, peak {f['peak']} of "
+                    f"{f['memory']}, predicted {f['iteration_s'] * 1e3:.3f} ms; not re-solved: "
+                    f"{f['resolve_reason']} (--resolve to solve again)")
         return (f"{self.path}: OK — {f['stages']} stages on {f['devices']} × {f['spec']}, peak {f['peak']} of "
                 f"{f['memory']}, predicted {f['iteration_s'] * 1e3:.3f} ms, a fresh plan {f['fresh_iteration_s'] * 1e3:.3f} ms "
-                f"({f['regression']:+.1%})")
+                f"({f['regression']:+.1%}; re-solved: {f['resolve_reason']})")
 
     def to_dict(self) -> dict[str, Any]:
         return {"plan": self.path, "ok": self.ok, "problems": list(self.problems), **self.figures}
@@ -92,10 +103,11 @@ def rescore(plan: Any, gm: Any) -> tuple[Any, list[str]]:
 
 def check_plan(path: str | Path, model: Any, example_inputs: Sequence[Any], *, max_regression: float = 0.02,
                time_limit_s: float = 10.0, progress: bool | None = False, loss_fn: Any = None,
-               example_target: Any = None, status: Any = None) -> CheckResult:
+               example_target: Any = None, status: Any = None, resolve: bool = False) -> CheckResult:
     """Check the plan file at ``path`` against ``model`` (see the module docstring). A plan made with a split LM
     head (``head_chunks > 1``) needs ``loss_fn`` and ``example_target`` to rebuild its graph. ``progress`` is the
-    profiler's bar; ``status(text)``, a context manager, shows the fresh plan's solve (the CLI's spinner)."""
+    profiler's bar; ``status(text)``, a context manager, shows the fresh plan's solve (the CLI's spinner).
+    ``resolve``: solve a fresh plan even when none of the plan's inputs moved."""
     result = CheckResult(str(path))
     try:
         plan = Plan.load(path)
@@ -107,10 +119,15 @@ def check_plan(path: str | Path, model: Any, example_inputs: Sequence[Any], *, m
     measured = plan.cost_model.startswith("measured")
     spec = None if measured else hw.spec
     device = "cpu" if measured else None
+    options = plan.inputs.get("options", {})
+    allow_save = bool(options.get("allow_save", True))
+
     def graph(host: Any) -> tuple[Any, int]:
         return prepare(model, example_inputs, gpus=hw.device_count, spec=spec, device=device,
                        microbatches=plan.microbatches, precision=plan.precision, progress=progress, loss_fn=loss_fn,
-                       example_target=example_target, head_chunks=plan.head_chunks, host_embedding=host)
+                       example_target=example_target, head_chunks=plan.head_chunks, host_embedding=host,
+                       segments_per_layer=int(options.get("segments_per_layer", 2)),
+                       max_segments=options.get("max_segments"))
 
     try:
         gm, m = graph(plan.host or False)
@@ -123,7 +140,8 @@ def check_plan(path: str | Path, model: Any, example_inputs: Sequence[Any], *, m
         result.problems.append(f"stale model: the plan was made for a different model ({'; '.join(diffs)}); re-plan")
         return result
     result.problems += [f"invalid: {v}" for v in plan_violations(plan, gm)]
-    problem = partition_problem(gm, hardware=hw, microbatches=plan.microbatches, precision=plan.precision)
+    problem = partition_problem(gm, hardware=hw, microbatches=plan.microbatches, precision=plan.precision,
+                                allow_save=allow_save)
     sp, bad = rescore(plan, gm)
     result.problems += bad
     if sp is None:
@@ -137,11 +155,22 @@ def check_plan(path: str | Path, model: Any, example_inputs: Sequence[Any], *, m
             f"stale prediction: the plan predicts {plan.predicted.iteration_time_s * 1e3:.3f} ms per iteration but "
             f"today's cost model gives {now * 1e3:.3f} ms ({now / plan.predicted.iteration_time_s - 1:+.1%}); re-plan "
             "to refresh it")
+    peak = max(c.memory_bytes for c in costs)
+    result.figures = {
+        "stages": len(plan.stages), "devices": hw.device_count, "spec": hw.spec.name,
+        "peak": format_bytes(peak), "memory": format_bytes(hw.memory_bytes), "peak_memory_bytes": peak,
+        "iteration_s": now, "fresh_iteration_s": None, "regression": None,
+    }
     strategy = plan.strategy if plan.strategy in ("ilp", "dp", "roundpipe", "uniform") else "ilp"
+    reason = _resolve_reason(plan, solve_inputs(gm, problem, hw, strategy=plan.strategy, precision=plan.precision),
+                             resolve)
+    result.figures |= {"resolved": reason[0], "resolve_reason": reason[1]}
+    if not reason[0]:
+        return result
     try:
-        with (status or _quiet)(f"solving a fresh {strategy} plan (up to {time_limit_s:g} s)"):
+        with (status or _quiet)(f"solving a fresh {strategy} plan (up to {time_limit_s:g} s): {reason[1]}"):
             fresh = plan_graph(gm, hardware=hw, microbatches=plan.microbatches, strategy=strategy,
-                               precision=plan.precision, time_limit_s=time_limit_s)
+                               precision=plan.precision, time_limit_s=time_limit_s, allow_save=allow_save)
     except InfeasibleError as e:
         result.problems.append(f"does not fit: {e}")
         return result
@@ -149,11 +178,20 @@ def check_plan(path: str | Path, model: Any, example_inputs: Sequence[Any], *, m
     if regression > max_regression:
         result.problems.append(
             f"regressed: the plan takes {now * 1e3:.3f} ms per iteration but a fresh {fresh.strategy} plan takes "
-            f"{fresh.predicted.iteration_time_s * 1e3:.3f} ms ({regression:+.1%}, allowed {max_regression:+.1%}); re-plan")
-    peak = max(c.memory_bytes for c in costs)
-    result.figures = {
-        "stages": len(plan.stages), "devices": hw.device_count, "spec": hw.spec.name,
-        "peak": format_bytes(peak), "memory": format_bytes(hw.memory_bytes), "peak_memory_bytes": peak,
-        "iteration_s": now, "fresh_iteration_s": fresh.predicted.iteration_time_s, "regression": regression,
-    }
+            f"{fresh.predicted.iteration_time_s * 1e3:.3f} ms ({regression:+.1%}, allowed {max_regression:+.1%}; "
+            f"re-solved: {reason[1]}); re-plan")
+    result.figures |= {"fresh_iteration_s": fresh.predicted.iteration_time_s, "regression": regression}
     return result
+
+
+def _resolve_reason(plan: Plan, now: dict[str, Any], resolve: bool) -> tuple[bool, str]:
+    """Whether ``check`` solves a fresh plan, and why (or why not)."""
+    if resolve:
+        return True, "asked to (--resolve)"
+    if not plan.inputs:
+        return True, ("the plan does not record what it was solved from (made before rpcompile recorded it, or "
+                      "by hand)")
+    moved = moved_inputs(plan.inputs, now)
+    if moved:
+        return True, "moved since the plan was solved: " + "; ".join(moved)
+    return False, "nothing the plan was solved from moved (costs, problem, hardware, options, solver)"

@@ -49,7 +49,8 @@ def test_check_passes_a_fresh_plan(plans, capsys):
     assert main(["check", str(plans["good"]), "llama-demo"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and re.match(rf"{re.escape(str(plans['good']))}: OK — 5 stages on 2 × rtx4090, peak .* of 20\.12 GiB, "
-                                      r"predicted [\d.]+ ms, a fresh plan [\d.]+ ms \(\+0\.0%\)$", out[0]), out
+                                      r"predicted [\d.]+ ms, a fresh plan [\d.]+ ms \(\+0\.0%; re-solved: the plan does not record .*\)$",
+                                      out[0]), out
 
 
 def test_check_reports_a_stale_model(plans, capsys):
@@ -86,7 +87,8 @@ def test_check_reports_a_regression_beyond_the_margin(plans, capsys):
     assert main(["check", str(plans["regressed"]), "llama-demo"]) == 1
     out = capsys.readouterr().out.splitlines()
     m = re.match(rf"{re.escape(str(plans['regressed']))}: regressed: the plan takes [\d.]+ ms per iteration but a fresh "
-                 r"ilp plan takes [\d.]+ ms \(\+([\d.]+)%, allowed \+2\.0%\); re-plan$", out[0])
+                 r"ilp plan takes [\d.]+ ms \(\+([\d.]+)%, allowed \+2\.0%; re-solved: moved since the plan was solved: "
+                 r"options \(strategy 'roundpipe' → 'ilp'\)\); re-plan$", out[0])
     assert m and float(m.group(1)) > 2.0, out
     # a generous margin lets it pass
     assert main(["check", str(plans["regressed"]), "llama-demo", "--max-regression", "90%"]) == 0

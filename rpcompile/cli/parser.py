@@ -147,6 +147,9 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
     _add_batch_override(p)
     p.add_argument("--max-regression", type=parse_percent, default=0.02, help="allowed slowdown against a fresh plan (default 2%%)")
     p.add_argument("--time-limit", type=positive_float, default=10.0, help="solver time limit for the fresh plan (s)")
+    p.add_argument("--resolve", action="store_true",
+                   help="solve a fresh plan even when nothing the plan was solved from moved (the default re-solves "
+                        "only then)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
 
 

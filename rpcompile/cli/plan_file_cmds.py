@@ -27,7 +27,7 @@ def check(args: argparse.Namespace) -> int:
     ms = load_for(args, microbatches)
     res = check_plan(args.plan, ms.model, ms.example_inputs, max_regression=args.max_regression,
                      time_limit_s=args.time_limit, loss_fn=ms.loss_fn, example_target=ms.example_target,
-                     progress=bars(args), status=stepper(args))
+                     progress=bars(args), status=stepper(args), resolve=args.resolve)
     if args.json:
         print(json.dumps(res.to_dict()))
     else:

@@ -206,6 +206,10 @@ class Plan:
     rows. Written only when not empty."""
     stats: Mapping[str, Any] = field(default_factory=dict)
     """Solver statistics (free-form numbers and strings)."""
+    inputs: Mapping[str, Any] = field(default_factory=dict)
+    """What the plan was solved from (:mod:`rpcompile.passes.plan_inputs`): digests of the node costs, the
+    partition problem, the hardware and the partitioner, and the planning options. ``rpcompile check`` compares
+    them instead of solving again. Empty in plans made before it existed or by hand; written only when not empty."""
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -252,6 +256,10 @@ class Plan:
             del d["head_chunks"]
         if not d["host"]:
             del d["host"]
+        if d["inputs"]:
+            d["inputs"] = _jsonable(dict(self.inputs))
+        else:
+            del d["inputs"]
         d = {"schema_version": d.pop("schema_version"), **d}
         return d
 
@@ -293,6 +301,7 @@ class Plan:
                 head_chunks=d.get("head_chunks", 1),
                 host=tuple(d.get("host", ())),
                 stats=d.get("stats", {}),
+                inputs=dict(d.get("inputs", {})),
             )
         except KeyError as e:
             raise PlanFileError(f"{source} is corrupt: missing field {e.args[0]!r}; re-plan to regenerate it") from None

@@ -1,0 +1,103 @@
+"""What a plan was solved from: the record ``rpcompile check`` compares instead of solving again.
+
+A plan is a function of its inputs — the node costs, the partition problem made from them, the hardware, the
+planning options and the solver itself — so when none of them moved, a fresh solve would find the same plan and
+``check`` need not run one (a solve takes seconds to minutes). :func:`solve_inputs` makes the record
+(``Plan.inputs``), :func:`moved_inputs` names what differs between two records.
+
+The record (plain JSON):
+
+- ``costs``: digest of every compute node's :class:`~.cost.NodeCost` (times, bytes, FLOPs, parameters), in order;
+- ``problem``: digest of the :class:`~.problem.PartitionProblem` (the solvers' whole input, in plain numbers);
+- ``hardware``: digest of the plan's :class:`~rpcompile.core.plan.Hardware` (spec, memory, link, host rates);
+- ``options``: the planning options, readable (``strategy``, ``microbatches``, ``precision``, ``memory_bytes``,
+  ``head_chunks``, ``host`` embeddings, ``segments_per_layer``, ``max_segments``, ``allow_save``);
+- ``solver``: digest of the partitioner's source (a new partitioner may find a faster plan from the same inputs).
+
+Digests are 16 hex digits of sha256 over an exact ``repr`` (floats round-trip), so analytic costs give the same
+digest on every run; measured costs differ from run to run, and their plans are always re-solved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import importlib
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch.fx as fx
+
+from rpcompile.core.plan import Hardware
+
+from .coarsen import COARSEN_META
+from .cost import COST_KEY
+from .host import host_of
+from .loss_head import HEAD_CHUNKS_META
+from .util import compute_nodes
+
+__all__ = ["SOLVER_MODULES", "solve_inputs", "moved_inputs", "hardware_digest", "solver_digest"]
+
+#: The partitioner's modules: their source is part of what a plan was solved from.
+SOLVER_MODULES = ("partition", "ilp", "polish", "greedy", "exact", "lagrange", "balance", "baselines", "bounds",
+                  "tables", "timing", "problem", "formulate", "coarsen", "segment_rules")
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def costs_digest(gm: fx.GraphModule) -> str:
+    return _digest("\n".join(f"{n.name}|{n.meta.get(COST_KEY)!r}" for n in compute_nodes(gm)))
+
+
+def problem_digest(problem: Any) -> str:
+    return _digest(repr(dataclasses.asdict(problem)))
+
+
+def hardware_digest(hardware: Hardware) -> str:
+    d = dataclasses.asdict(hardware)
+    d["spec"] = hardware.spec.to_dict()
+    d["host"] = hardware.host.to_dict() if hardware.host is not None else None
+    return _digest(repr(sorted(d.items())))
+
+
+@functools.lru_cache(maxsize=1)
+def solver_digest() -> str:
+    h = hashlib.sha256()
+    for name in SOLVER_MODULES:
+        mod = importlib.import_module(f"{__package__}.{name}")
+        h.update(name.encode() + b"\0" + Path(str(mod.__file__)).read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def solve_inputs(gm: fx.GraphModule, problem: Any, hardware: Hardware, *, strategy: str,
+                 precision: str) -> dict[str, Any]:
+    """The record of what a plan of ``gm`` was solved from (see the module docstring)."""
+    coarsen = gm.meta.get(COARSEN_META, {})
+    options = {
+        "strategy": strategy, "microbatches": problem.microbatches, "precision": precision,
+        "memory_bytes": hardware.memory_bytes, "head_chunks": int(gm.meta.get(HEAD_CHUNKS_META, 1)),
+        "host": [h.node for h in host_of(gm)], "segments_per_layer": coarsen.get("segments_per_layer", 2),
+        "max_segments": coarsen.get("max_segments"), "allow_save": bool(problem.allow_save),
+    }
+    return {"costs": costs_digest(gm), "problem": problem_digest(problem), "hardware": hardware_digest(hardware),
+            "options": options, "solver": solver_digest()}
+
+
+def moved_inputs(recorded: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    """What differs between the ``recorded`` inputs and those of ``now``, one phrase each (empty: nothing moved)."""
+    out = []
+    old_opts, new_opts = dict(recorded.get("options", {})), dict(now.get("options", {}))
+    changed = [f"{k} {old_opts.get(k)!r} → {new_opts.get(k)!r}" for k in sorted(set(old_opts) | set(new_opts))
+               if old_opts.get(k) != new_opts.get(k)]
+    if changed:
+        out.append(f"options ({', '.join(changed)})")
+    for key, what in (("hardware", "hardware (the plan's spec, memory, link or host rates)"),
+                      ("costs", "costs (the node costs: the model's shapes or the cost model changed)"),
+                      ("problem", "partition problem (the numbers the solver sees)"),
+                      ("solver", "solver (rpcompile's partitioner changed)")):
+        if recorded.get(key) != now.get(key):
+            out.append(what)
+    return out

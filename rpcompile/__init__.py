@@ -33,6 +33,8 @@ _EXPORTS = {
     "profile": "rpcompile.profiling",
     "plan": "rpcompile.planning",
     "compile": "rpcompile.pipeline",
+    "max_sequence_length": "rpcompile.seqlen",
+    "LinkBoundWarning": "rpcompile.envelope",
     "Pipeline": "rpcompile.pipeline",
     "Profile": "rpcompile.profiling",
     "RPCompileError": "rpcompile.core.errors",

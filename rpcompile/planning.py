@@ -44,6 +44,7 @@ from .core.batch import split_microbatches
 from .core.errors import ConfigError
 from .core.plan import Hardware, Plan
 from .core.specs import DeviceSpec
+from .envelope import warn_if_link_bound
 from .plan_options import (AUTO_HEAD_CHUNKS, STRATEGIES, default_spec, fastest, head_chunk_candidates,
                            infeasible_error, make_cost_model, make_hardware, model_device)
 
@@ -358,7 +359,9 @@ def compile_plan(
         assert c.plan is not None
         return c.plan.predicted.iteration_time_s, c
 
-    return fastest(head_chunk_candidates(head_chunks, loss_fn, example_target), attempt)
+    made: Compilation = fastest(head_chunk_candidates(head_chunks, loss_fn, example_target), attempt)
+    warn_if_link_bound(made.plan, (*made.args, *made.kwargs.values()))  # the operating envelope, one line
+    return made
 
 
 def plan(

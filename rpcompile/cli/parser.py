@@ -99,6 +99,11 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="assumed", metavar="HOST",
                    help="the host the optimizer step and gradient accumulation run on: assumed (default: the spec's "
                         "assumed host), probe (measure this one now, ~0.5 s) or a JSON file from rpcompile probe -o")
+    p.add_argument("--max-seq-len", action="store_true",
+                   help="find the longest sequence (one per microbatch) for which a plan fits, by bisection over the "
+                        "analytic cost model (a prediction), and report that plan and what binds")
+    p.add_argument("--granularity", type=positive_int, default=1024, metavar="TOKENS",
+                   help="(with --max-seq-len) bisect to this many tokens (default 1024)")
     p.add_argument("-o", "--output", default=None, help="write the plan JSON here")
     p.add_argument("--emit", default=None, metavar="DIR", help="write each stage's generated Python into DIR")
     p.add_argument("--compare", action="store_true", help="(with --json) report every strategy")

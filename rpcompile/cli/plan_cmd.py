@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from rpcompile.core.errors import RPCompileError
@@ -12,11 +13,13 @@ from rpcompile.models import ModelSpec
 from rpcompile.passes.codegen import write_stages
 from rpcompile.passes.split import split_plan
 from rpcompile.core.specs import HostSpec
+from rpcompile.envelope import link_bound, microbatch_tokens
 from rpcompile.plan_options import model_device
 from rpcompile.probe import load_host, probe_host
 from rpcompile.planning import (compare, default_spec, fastest, head_chunk_candidates, infeasible_error,
                                 make_hardware, partition_problem, prepare)
 from rpcompile.report import compare_table, plan_table, print_table
+from rpcompile.seqlen import max_sequence_length
 
 from .common import bars, default_microbatches, directory, step, writable
 from .loading import load_for
@@ -29,6 +32,8 @@ def plan(args: argparse.Namespace) -> int:
         writable(args.output, "-o")
     if args.emit:
         directory(args.emit, "--emit")
+    if args.max_seq_len:
+        return _max_seq_len(args)
     ms = load_for(args, args.microbatches or default_microbatches(args.gpus))
     hardware = make_hardware(args.gpus, default_spec(args.spec, args.device, model_device(ms.model)), args.memory_limit,
                              host=_host(args))
@@ -37,6 +42,9 @@ def plan(args: argparse.Namespace) -> int:
         chosen.save(args.output)
     if args.emit:
         write_stages(split_plan(chosen, gm), chosen, args.emit)
+    envelope = link_bound(chosen, *microbatch_tokens(ms.example_inputs, m))
+    if envelope is not None:  # the operating envelope: one line, on stderr (stdout may be --json)
+        print(f"rpcompile: warning: {envelope.message()}", file=sys.stderr)
     if args.json:
         out = {"strategies": {k: _strategy_json(r, p) for k, (r, p) in rows.items()}} if args.compare else chosen.to_dict()
         print(json.dumps(out))
@@ -48,6 +56,34 @@ def plan(args: argparse.Namespace) -> int:
         print(f"plan written to {args.output}")
     if args.emit:
         print(f"stage code written to {args.emit}/")
+    return 0
+
+
+def _max_seq_len(args: argparse.Namespace) -> int:
+    """``--max-seq-len``: the longest sequence a plan fits (:func:`rpcompile.seqlen.max_sequence_length`)."""
+    if args.seq_len is not None or args.batch_size is not None:
+        raise RPCompileError("--max-seq-len searches the sequence length with one sequence per microbatch: "
+                             "drop --seq-len and --batch-size")
+    if args.device is not None:
+        raise RPCompileError("--max-seq-len plans with the analytic cost model: give --spec, not --device")
+    with step(args, f"bisecting the sequence length to {args.granularity} tokens"):
+        found = max_sequence_length(args.model, gpus=args.gpus, spec=args.spec, precision=args.precision,
+                                    memory_limit=args.memory_limit, microbatches=args.microbatches,
+                                    granularity=args.granularity, head_chunks=args.head_chunks,
+                                    strategy=args.strategy, time_limit_s=args.time_limit,
+                                    segments_per_layer=args.segments_per_layer, host_embedding=args.host_embedding,
+                                    host=_host(args))
+    if args.output:
+        found.plan.save(args.output)
+    if args.json:
+        print(json.dumps(found.to_dict()))
+        return 0
+    p = found.plan
+    print_table(plan_table(p, title=f"{args.model} at {found.seq_len} tokens: {args.strategy} plan, {len(p.stages)} "
+                                    f"stages on {args.gpus} × {p.hardware.spec.name}, {p.microbatches} microbatches"))
+    print("\n".join(found.lines()))
+    if args.output:
+        print(f"plan written to {args.output}")
     return 0
 
 

@@ -17,11 +17,18 @@ The driver runs the graph once on the model's own device (``meta`` for shape-onl
 inputs. Independently of the cost model it runs each node once more on ``meta`` with autograd on, to count
 FLOPs (``FlopCounterMode``, exact for matmul/conv/attention) and to see which tensors autograd saves
 (``saved_tensors_hooks``): a saved tensor is attributed to the node that produced it, parameters excluded.
+
+Measuring is batched and shared: nodes go to the cost model a block at a time (:meth:`CostModel.estimate_batch`:
+one device synchronisation per batch on CUDA), and a cost model with ``share_repeats`` measures each repeated block
+(:mod:`.repeats`: same module type, parameter shapes and node sequence) once, its repeats taking the
+representative's times. A cost model with ``cache`` keeps its times on disk (:mod:`.profile_cache`) and a warm
+entry skips measuring altogether.
 """
 
 from __future__ import annotations
 
 import abc
+import os
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -30,15 +37,17 @@ from typing import Any, Callable, Mapping, Sequence, cast
 import torch
 import torch.fx as fx
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
 from rpcompile.core.batch import flat_inputs, tensor_leaves
 
+from . import profile_cache
 from .kernels import GpuKernels
 from .meta import MetaSafeMode
 from .portable import device_of, running_on
+from .repeats import block_of, repeat_map
 from .shape import SHAPE_KEY, describe, scaled_nbytes, storage_key
 from .util import is_compute, node_params
 
@@ -191,6 +200,10 @@ class CostModel(abc.ABC):
 
     name: str = "cost-model"
     dtype: torch.dtype | None = None
+    share_repeats: bool = False
+    """Measure each repeated block once (:mod:`.repeats`); its repeats take the representative's times."""
+    cache: bool = False
+    """Keep the times on disk (:mod:`.profile_cache`, keyed with :meth:`identity`); a warm entry skips measuring."""
 
     def prepare(self, gm: fx.GraphModule, flat_args: list[Any]) -> None:
         """Called once before any node is costed (e.g. to warm the device up)."""
@@ -198,6 +211,14 @@ class CostModel(abc.ABC):
     @abc.abstractmethod
     def estimate(self, call: NodeCall) -> OpEstimate:
         """Forward and backward time of one call of ``call.node`` (backward 0 when nothing needs grad)."""
+
+    def estimate_batch(self, calls: Sequence[NodeCall]) -> list[OpEstimate]:
+        """:meth:`estimate` of each call (a measuring model overrides it to synchronise once per batch)."""
+        return [self.estimate(c) for c in calls]
+
+    def identity(self) -> dict[str, Any]:
+        """What the times depend on besides the graph and its inputs (the cache key's part; see :mod:`.profile_cache`)."""
+        return {"cost_model": self.name, "dtype": str(self.dtype)}
 
 
 # --------------------------------------------------------------------------------------------- the driver
@@ -285,8 +306,19 @@ def _autograd_profile(
     return fwd_counter.get_total_flops(), bwd_flops, saved_inputs, own
 
 
+#: Nodes outside repeated blocks go to the cost model in batches of at most this many.
+BATCH_NODES = 64
+
+
+def _grad_pattern(call: NodeCall) -> tuple[bool, ...]:
+    """Which of a call's tensors need a gradient, in argument order (a repeat shares times only when it matches)."""
+    leaves = tensor_leaves([call.args, call.kwargs, list(call.params.values())])
+    return tuple(id(t) in call.trainable for t in leaves)
+
+
 class _CostInterpreter(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule, cost_model: CostModel, on_node: Callable[[], None]):
+    def __init__(self, gm: fx.GraphModule, cost_model: CostModel, on_node: Callable[[], None], *,
+                 share: dict[fx.Node, fx.Node] | None = None, cached: dict[str, tuple[float, float]] | None = None):
         super().__init__(gm)
         self.gm = gm  # ``self.module`` as fx types it (an nn.Module)
         self.cost_model, self.on_node = cost_model, on_node
@@ -294,6 +326,19 @@ class _CostInterpreter(fx.Interpreter):
         self.needs_grad: dict[fx.Node, bool] = {}
         self.kept: set[fx.Node] = set()
         self.partial: dict[fx.Node, dict[str, Any]] = {}
+        self.share = share or {}
+        """node of a repeat → its representative's node (:func:`.repeats.repeat_map`)."""
+        self.cached = cached
+        """node name → (forward s, backward s) from the cache: nothing is measured."""
+        self.patterns: dict[fx.Node, tuple[bool, ...]] = {}
+        self.shared: dict[fx.Node, fx.Node] = {}
+        """Nodes that took their representative's times (filled in by :meth:`finish`)."""
+        self.pending: list[NodeCall] = []
+        self.pending_block: str | None = None
+        self.estimates: dict[fx.Node, OpEstimate] = {}
+        self.measured = 0
+        """Nodes the cost model estimated (the others shared a representative's times or came from the cache)."""
+        self.batches = 0
 
     def run_node(self, n: fx.Node) -> Any:
         args, kwargs = self.fetch_args_kwargs_from_env(n)
@@ -313,28 +358,72 @@ class _CostInterpreter(fx.Interpreter):
         if not self.needs_grad[n]:
             saved_inputs, own, bwd_flops = set(), 0, 0
         self.kept |= saved_inputs
-        est = self.cost_model.estimate(call)
         if n.meta.get(SHAPE_KEY) is None:
             n.meta[SHAPE_KEY] = describe(result, list(args) + list(kwargs.values()) + list(params.values()))
         self.partial[n] = dict(
-            fwd_time_s=est.fwd_time_s,
-            bwd_time_s=est.bwd_time_s if self.needs_grad[n] else 0.0,
+            fwd_time_s=0.0,
+            bwd_time_s=0.0,
             output_bytes=_scaled_nbytes(n.meta[SHAPE_KEY], self.dtype),
             act_bytes=own,
             param_bytes=sum(p.numel() * p.element_size() for p in params.values()),
             grad_bytes=sum(p.numel() * p.element_size() for p in params.values() if p.requires_grad),
-            fwd_flops=est.fwd_flops if est.fwd_flops is not None else fwd_flops,
-            bwd_flops=(est.bwd_flops if est.bwd_flops is not None else bwd_flops) if self.needs_grad[n] else 0,
+            fwd_flops=fwd_flops,
+            bwd_flops=bwd_flops if self.needs_grad[n] else 0,
             params=tuple(params),
         )
+        self._time(n, call)
         self.on_node()
+
+    def _time(self, n: fx.Node, call: NodeCall) -> None:
+        """Times from the cache, from the representative (later, in :meth:`finish`) or measured in a batch."""
+        if self.cached is not None:
+            fwd, bwd = self.cached[n.name]
+            self.partial[n].update(fwd_time_s=fwd, bwd_time_s=bwd if self.needs_grad[n] else 0.0)
+            return
+        self.patterns[n] = pattern = _grad_pattern(call)
+        rep = self.share.get(n)
+        if rep is not None and self.patterns.get(rep) == pattern:
+            self.shared[n] = rep
+            return
+        block = block_of(n)
+        if self.pending and (block != self.pending_block or block is None and len(self.pending) >= BATCH_NODES):
+            self.flush()
+        self.pending.append(call)
+        self.pending_block = block
+
+    def flush(self) -> None:
+        """Measure the pending calls in one batch."""
+        if not self.pending:
+            return
+        calls, self.pending = self.pending, []
+        ests = self.cost_model.estimate_batch(calls)
+        for call, est in zip(calls, ests, strict=True):
+            self.estimates[call.node] = est
+            self._apply(call.node, est)
+        self.measured += len(calls)
+        self.batches += 1
+
+    def _apply(self, n: fx.Node, est: OpEstimate) -> None:
+        f = self.partial[n]
+        f["fwd_time_s"] = est.fwd_time_s
+        f["bwd_time_s"] = est.bwd_time_s if self.needs_grad[n] else 0.0
+        if est.fwd_flops is not None:
+            f["fwd_flops"] = est.fwd_flops
+        if est.bwd_flops is not None and self.needs_grad[n]:
+            f["bwd_flops"] = est.bwd_flops
+
+    def finish(self) -> None:
+        """Measure what is pending and give each repeat its representative's times."""
+        self.flush()
+        for n, rep in self.shared.items():
+            self._apply(n, self.estimates[rep])
 
 
 def _progress(total: int, label: str, enabled: bool):  # pragma: no cover - terminal UI
     """A transient progress bar on stderr (stdout stays the command's output: tables, JSON)."""
     bar = Progress(
-        TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        transient=True, disable=not enabled, console=Console(stderr=True),
+        TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("left"),
+        TimeRemainingColumn(), transient=True, disable=not enabled, console=Console(stderr=True),
     )
     return bar, bar.add_task(label, total=total)
 
@@ -346,26 +435,43 @@ def cost_pass(
     *,
     cost_model: CostModel,
     progress: bool | None = None,
+    share: bool | None = None,
+    cache: bool | None = None,
 ) -> fx.GraphModule:
     """Write a :class:`NodeCost` into ``node.meta["rpcompile.cost"]`` for every compute node of ``gm``.
 
-    ``progress`` shows a progress bar (default: when stderr is a terminal). Buffers mutated by the graph
-    (BatchNorm statistics) are restored afterwards. Also fills ``rpcompile.shape`` where missing.
+    ``progress`` shows a progress bar with an estimate of the time left (default: when stderr is a terminal and
+    not under CI). ``share`` measures each repeated block once (default: the cost model's ``share_repeats``);
+    ``cache`` reads and writes measured times on disk (default: the cost model's ``cache``). Buffers mutated by
+    the graph (BatchNorm statistics) are restored afterwards. Also fills ``rpcompile.shape`` where missing.
+    Counts land in ``gm.meta["rpcompile.profiling"]`` (nodes measured, shared, batches, whether the cache hit).
     """
-    enabled = sys.stderr.isatty() if progress is None else progress
+    enabled = (sys.stderr.isatty() and not os.environ.get("CI")) if progress is None else progress
+    share = getattr(cost_model, "share_repeats", False) if share is None else share
+    cache = getattr(cost_model, "cache", False) if cache is None else cache
     n_compute = sum(1 for n in gm.graph.nodes if is_compute(n))
     saved = {name: b.detach().clone() for name, b in gm.named_buffers() if b.device.type != "meta"}
-    bar, task = _progress(n_compute, f"profiling ({cost_model.name})", enabled)
-    interp = _CostInterpreter(gm, cost_model, lambda: bar.advance(task))
     flat = flat_inputs(gm, example_inputs, example_kwargs)
+    key = profile_cache.profile_key(gm, flat, cost_model.identity()) if cache else None
+    entry = profile_cache.load(key, {n.name for n in gm.graph.nodes if is_compute(n)}) if key is not None else None
+    label = f"profiling ({cost_model.name}{', cached' if entry is not None else ''})"
+    bar, task = _progress(n_compute, label, enabled)
+    interp = _CostInterpreter(gm, cost_model, lambda: bar.advance(task),
+                              share=repeat_map(gm) if share and entry is None else None,
+                              cached=entry.nodes if entry is not None else None)
     grads = {name: p.grad for name, p in gm.named_parameters()}
     try:
         with torch.random.fork_rng(devices=[]), bar:
-            cost_model.prepare(gm, flat)
+            if entry is None:
+                cost_model.prepare(gm, flat)
             with torch.no_grad(), running_on(device_of(gm, flat)):
                 interp.run(*flat, enable_io_processing=False)
+                interp.finish()
             calibration = getattr(cost_model, "calibration", None)
-            totals = calibration(gm, flat) if calibration is not None else None
+            if entry is not None:
+                totals = entry.calibration
+            else:
+                totals = calibration(gm, flat) if calibration is not None else None
     finally:
         with torch.no_grad():
             for name, b in gm.named_buffers():
@@ -373,6 +479,11 @@ def cost_pass(
                     b.copy_(saved[name])
             for name, p in gm.named_parameters():
                 p.grad = grads.get(name)
+    if key is not None and entry is None:
+        raw = {n.name: (f["fwd_time_s"], f["bwd_time_s"]) for n, f in interp.partial.items()}
+        profile_cache.store(key, profile_cache.CacheEntry(raw, totals))
+    gm.meta["rpcompile.profiling"] = {"nodes": n_compute, "measured": interp.measured, "shared": len(interp.shared),
+                                      "batches": interp.batches, "cache_hit": entry is not None}
     if totals is not None:
         _calibrate(gm, interp.partial, *totals)
     for n, fields in interp.partial.items():

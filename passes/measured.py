@@ -4,12 +4,19 @@ Each node runs on its own with concrete inputs (:class:`~.cost.NodeCall`): ``war
 fastest of ``repeats``. Timing nodes one by one misses what a whole step pays (autograd's bookkeeping, cold
 caches), so :meth:`MeasuredCostModel.calibration` also times the whole graph once and :func:`~.cost.cost_pass`
 scales the node times to it.
+
+Nodes arrive in batches (:meth:`MeasuredCostModel.estimate_batch`, a block of the graph at a time): on CUDA every run
+is bracketed by events and the batch ends in one synchronisation, not one per node. ``share_repeats`` (default on)
+measures each repeated block once and ``cache`` (default on) keeps the times on disk
+(:func:`~.cost.cost_pass`, :mod:`.repeats`, :mod:`.profile_cache`).
 """
 
 from __future__ import annotations
 
+import os
+import platform
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -33,19 +40,33 @@ class MeasuredCostModel(CostModel):
     only ever adds time).
 
     On CUDA it uses events around each run; on the CPU ``time.perf_counter``. Inputs are copied to ``device``
-    node by node, so a model larger than the device can still be profiled. ``dtype`` casts floating inputs
-    (e.g. ``torch.bfloat16`` to profile mixed-precision compute).
+    a batch of nodes at a time, so a model larger than the device can still be profiled. ``dtype`` casts floating
+    inputs (e.g. ``torch.bfloat16`` to profile mixed-precision compute). ``share_repeats``: measure each repeated
+    block once; ``cache``: keep the times on disk and reuse them (both on by default).
     """
 
     name = "measured"
 
     def __init__(
-        self, device: torch.device | str = "cpu", *, warmup: int = 1, repeats: int = 5, dtype: torch.dtype | None = None
+        self, device: torch.device | str = "cpu", *, warmup: int = 1, repeats: int = 5, dtype: torch.dtype | None = None,
+        share_repeats: bool = True, cache: bool = True,
     ):
         if repeats < 1 or warmup < 0:
             raise ConfigError(f"MeasuredCostModel: need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
         self.device = torch.device(device)
         self.warmup, self.repeats, self.dtype = warmup, repeats, dtype
+        self.share_repeats, self.cache = share_repeats, cache
+
+    def identity(self) -> dict[str, Any]:
+        """The cache key's device part: the device's name (a CPU: its processor, cores and intra-op threads), the
+        compute dtype, warm-up runs and repeats."""
+        if self.device.type == "cuda":
+            name = torch.cuda.get_device_name(self.device)
+        else:
+            name = f"{self.device.type}:{platform.machine()}:{platform.processor()}:{os.cpu_count()} cores:" \
+                   f"{torch.get_num_threads()} threads"
+        return {"cost_model": self.name, "device": name, "dtype": str(self.dtype), "warmup": self.warmup,
+                "repeats": self.repeats}
 
     def __repr__(self) -> str:
         return f"MeasuredCostModel(device={str(self.device)!r}, repeats={self.repeats})"
@@ -109,13 +130,43 @@ class MeasuredCostModel(CostModel):
             return None
 
     def estimate(self, call: NodeCall) -> OpEstimate:
-        m = call.materialize(self.device, dtype=self.dtype)
+        return self.estimate_batch([call])[0]
+
+    def _samples(self, fn: Callable[[], Any]) -> list[Any]:
+        """``warmup`` untimed runs, then ``repeats`` timed ones: seconds on the CPU, event pairs on CUDA (read
+        after the batch's one synchronisation)."""
+        for _ in range(self.warmup):
+            fn()
+        out: list[Any] = []
+        for _ in range(self.repeats):
+            if self.device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                out.append((start, end))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                out.append(time.perf_counter() - t0)
+        return out
+
+    @staticmethod
+    def _fastest(samples: list[Any]) -> float:
+        """The fastest run (noise only ever adds time), in seconds."""
+        return min(s if isinstance(s, float) else s[0].elapsed_time(s[1]) / 1e3 for s in samples)
+
+    def estimate_batch(self, calls: Sequence[NodeCall]) -> list[OpEstimate]:
+        """Forward and backward times of each call, with one device synchronisation for the whole batch."""
+        ms = [call.materialize(self.device, dtype=self.dtype) for call in calls]
         # the device as the default device, as the executor runs a stage: a portable submodule (an outlined vmap
         # region, rpcompile.passes.portable) allocates there
         with running_on(self.device):
             with torch.no_grad():
-                fwd = self._time(m.run)
-            _, backward = m.forward_backward()
-            bwd = self._time(backward) if backward is not None else 0.0
+                fwd = [self._samples(m.run) for m in ms]
+            bwd = []
+            for m in ms:
+                _, backward = m.forward_backward()
+                bwd.append(self._samples(backward) if backward is not None else None)
         _sync(self.device)
-        return OpEstimate(fwd, bwd)
+        return [OpEstimate(self._fastest(f), self._fastest(b) if b is not None else 0.0) for f, b in zip(fwd, bwd)]

@@ -27,16 +27,17 @@ AUTO_HEAD_CHUNKS = 8
 
 
 def make_cost_model(*, spec: "str | DeviceSpec | None" = None, device: "str | torch.device | None" = None,
-                    dtype: torch.dtype | None = None, model_device: str = "cpu") -> Any:
+                    dtype: torch.dtype | None = None, model_device: str = "cpu", cache: bool = True) -> Any:
     """Pick a cost model: analytic for ``spec``, measured on ``device``; by default analytic ``rtx4090`` for a
-    model on the meta device (it cannot run) and measured on the CPU otherwise."""
+    model on the meta device (it cannot run) and measured on the CPU otherwise. ``cache``: measured times are
+    kept on disk and reused (:mod:`rpcompile.passes.profile_cache`)."""
     if spec is not None and device is not None:
         raise ConfigError("give either spec= (analytic costs) or device= (measured costs), not both")
     if spec is None and device is None and model_device == "meta":
         spec = "rtx4090"
     if spec is not None:
         return AnalyticCostModel(spec, dtype=dtype)
-    return MeasuredCostModel(device or "cpu", dtype=dtype)
+    return MeasuredCostModel(device or "cpu", dtype=dtype, cache=cache)
 
 
 def make_hardware(gpus: int, spec: "str | DeviceSpec", memory_limit: int | None = None, *,

@@ -240,11 +240,13 @@ def start(
     loss_fn: Any = None,
     example_target: Any = None,
     head_chunks: int = 1,
+    cache: bool = True,
     **options: Any,
 ) -> Compilation:
-    """A :class:`Compilation` for one microbatch of the example batch, before any pass. ``options``: the other
-    :class:`Compilation` fields (``hardware``, ``leaf_modules``, ``progress``, ``threads``, ``host_embedding``,
-    ``max_segments``, ``segments_per_layer``, ``strategy``, ``time_limit_s``, ``allow_save``)."""
+    """A :class:`Compilation` for one microbatch of the example batch, before any pass. ``cache=False``: measure
+    costs afresh and keep nothing on disk. ``options``: the other :class:`Compilation` fields (``hardware``,
+    ``leaf_modules``, ``progress``, ``threads``, ``host_embedding``, ``max_segments``, ``segments_per_layer``,
+    ``strategy``, ``time_limit_s``, ``allow_save``)."""
     # DESIGN.md §3: N + 1 is the fewest microbatches without a bubble between stages; one device has no
     # pipeline to fill, and splitting the batch would only shrink its kernels.
     m = microbatches or (gpus + 1 if gpus > 1 else 1)
@@ -258,7 +260,8 @@ def start(
     dtype = None if precision == "fp32" else {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     return Compilation(
         model=model, args=tuple(piece[: len(args)]), kwargs=dict(zip(kwargs, piece[len(args):len(args) + len(kwargs)])),
-        cost_model=make_cost_model(spec=spec, device=device, dtype=dtype, model_device=model_device(model)),
+        cost_model=make_cost_model(spec=spec, device=device, dtype=dtype, model_device=model_device(model),
+                                   cache=cache),
         microbatches=m, precision=precision, head_chunks=head_chunks,
         loss=(loss_fn, piece[-1]) if with_loss else None, **options)
 
@@ -385,6 +388,7 @@ def plan(
     head_chunks: "int | str" = "auto",
     segments_per_layer: int = 2,
     host_embedding: "bool | Sequence[str]" = True,
+    cache: bool = True,
 ) -> Plan:
     """Make a round-robin plan for ``model`` on ``gpus`` devices.
 
@@ -399,11 +403,14 @@ def plan(
     benchmark models, at two to three times the solve time (which may then overrun ``time_limit_s``).
     ``host_embedding`` (default on) lets the host run token embeddings whose tables are larger than what an
     iteration looks up (:mod:`rpcompile.passes.host`); ``False`` none, node names exactly those lookups.
+    ``cache`` (default on) reuses measured costs kept on disk for the same graph, inputs, device and torch
+    (:mod:`rpcompile.passes.profile_cache`); ``False`` measures afresh and keeps nothing.
     """
     made = compile_plan(model, example_inputs, gpus=gpus, spec=spec, device=device, microbatches=microbatches,
                         memory_limit=memory_limit, strategy=strategy, precision=precision,
                         example_kwargs=example_kwargs, time_limit_s=time_limit_s, max_segments=max_segments,
                         leaf_modules=leaf_modules, progress=progress, loss_fn=loss_fn, example_target=example_target,
-                        head_chunks=head_chunks, segments_per_layer=segments_per_layer, host_embedding=host_embedding)
+                        head_chunks=head_chunks, segments_per_layer=segments_per_layer, host_embedding=host_embedding,
+                        cache=cache)
     assert made.plan is not None
     return made.plan

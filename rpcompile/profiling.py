@@ -144,10 +144,13 @@ def profile(
     leaf_modules: Sequence[Any] = (),
     progress: bool | None = None,
     probe_host: bool = False,
+    cache: bool = True,
 ) -> Profile:
     """Trace and cost ``model``; analytic on ``spec`` or measured on ``device`` (see :func:`make_cost_model`).
-    ``probe_host``: also measure this host (about a second; :func:`rpcompile.probe.probe_host`)."""
-    cost_model = make_cost_model(spec=spec, device=device, dtype=dtype, model_device=model_device(model))
+    ``probe_host``: also measure this host (about a second; :func:`rpcompile.probe.probe_host`). ``cache``: reuse
+    measured costs kept on disk (:mod:`rpcompile.passes.profile_cache`); ``False`` measures afresh, keeps nothing."""
+    cost_model = make_cost_model(spec=spec, device=device, dtype=dtype, model_device=model_device(model),
+                                 cache=cache)
     gm = analyze(model, example_inputs, example_kwargs=example_kwargs, cost_model=cost_model,
                  leaf_modules=leaf_modules, progress=progress)
     prof = profile_graph(gm, depth=depth)

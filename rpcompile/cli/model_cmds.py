@@ -20,7 +20,7 @@ __all__ = ["profile", "models", "demo"]
 def profile(args: argparse.Namespace) -> int:
     ms = load(args)
     prof = profile_model(ms.model, ms.example_inputs, spec=args.spec, device=args.device, dtype=dtype(args.dtype),
-                         depth=args.depth, progress=bars(args), probe_host=args.probe_host)
+                         depth=args.depth, progress=bars(args), probe_host=args.probe_host, cache=args.cache)
     if args.json:
         print(json.dumps(prof.to_dict(nodes=args.nodes)))
     else:

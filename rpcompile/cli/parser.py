@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_diff(sub)
     _add_show(sub)
     _add_probe(sub)
+    _add_cache(sub)
     sub.add_parser("demo", help="the main job: compile a built-in model and show what rpcompile does").add_argument(
         "--model", default="llama-demo", help="built-in model (default llama-demo)")
     sub.add_parser("models", help="the built-in models: parameters, layers, whether they train here or are meta only")
@@ -51,6 +52,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-device", type=device, default=None, help="build the model on this device (default: the model's own)")
     _add_cost_source(p)
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None, help="cost compute in this precision")
+    p.add_argument("--no-cache", dest="cache", action="store_false",
+                   help="measure costs afresh and keep nothing (default: reuse measured costs kept in the profile "
+                        "cache, rpcompile cache)")
 
 
 def _add_cost_source(p: argparse.ArgumentParser) -> None:
@@ -114,6 +118,13 @@ def _add_probe(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("probe", help="measure this host: memory bandwidth, casts, gradient adds, AdamW, host-device copies")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("-o", "--output", default=None, help="write the host JSON here (for rpcompile plan --host FILE)")
+
+
+def _add_cache(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("cache", help="the profile cache of measured costs: its entries and size; clear empties it")
+    p.add_argument("action", nargs="?", choices=("show", "clear"), default="show",
+                   help="show (default): directory, entries, size; clear: remove every entry")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
 
 
 def _add_simulate(sub: argparse._SubParsersAction) -> None:

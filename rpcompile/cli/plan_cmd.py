@@ -105,7 +105,8 @@ def _plan_fastest(args: argparse.Namespace, ms: ModelSpec, hardware: Hardware) -
         gm, m = prepare(ms.model, ms.example_inputs, gpus=args.gpus, spec=args.spec, device=args.device,
                         microbatches=args.microbatches, precision=args.precision, max_segments=args.max_segments,
                         progress=bars(args), loss_fn=ms.loss_fn, example_target=ms.example_target,
-                        head_chunks=k, segments_per_layer=args.segments_per_layer, host_embedding=args.host_embedding)
+                        head_chunks=k, segments_per_layer=args.segments_per_layer, host_embedding=args.host_embedding,
+                        cache=args.cache)
         head = f"LM head in {k} chunks" if k > 1 else "whole LM head"
         with step(args, f"solving ({head}): ilp ≤ {args.time_limit:g} s, dp, roundpipe, uniform"):
             rows = compare(gm, hardware=hardware, microbatches=m, precision=args.precision,

@@ -1,0 +1,179 @@
+"""Measured node times on disk, so a re-run of the same model on the same machine skips measuring.
+
+Directory: ``$RPCOMPILE_CACHE``, else ``$XDG_CACHE_HOME/rpcompile``, else ``~/.cache/rpcompile``; one JSON file per
+profile under ``profiles/``, named by a hash of its key. The key is everything the times depend on: the graph's
+fingerprint (:mod:`.fingerprint`: structure, parameter names, shapes and dtypes), the example inputs' shapes and
+dtypes, the cost model's identity (device name, compute dtype, intra-op threads on a CPU, repeats), the torch
+version and :data:`FORMAT_VERSION`. An entry holds each compute node's raw forward and backward time (before
+calibration) and the whole-graph calibration times.
+
+An entry that cannot be read, is not this format, holds another key or other nodes is ignored with one warning line
+(logger ``rpcompile``) and measured afresh (then overwritten). Writes go to a temporary file renamed into place, so
+a reader never sees half an entry; a cache that cannot be written is warned about and otherwise ignored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+
+from .fingerprint import fingerprint
+
+__all__ = ["FORMAT_VERSION", "CacheEntry", "cache_dir", "profile_key", "load", "store", "entries", "clear"]
+
+FORMAT_VERSION = 1
+"""The cost format of an entry; bump it when what a node time means changes (the key then changes too)."""
+
+log = logging.getLogger("rpcompile")
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    nodes: dict[str, tuple[float, float]]
+    """Compute node name → (forward s, backward s), raw (before calibration)."""
+    calibration: tuple[float, float] | None
+    """Whole-graph (forward s, step s), or None when the graph could not run whole."""
+
+
+def cache_dir() -> Path:
+    """The cache directory (not created)."""
+    env = os.environ.get("RPCOMPILE_CACHE")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "rpcompile"
+
+
+def _profiles() -> Path:
+    return cache_dir() / "profiles"
+
+
+def _input_sig(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return [list(value.shape), str(value.dtype), value.device.type]
+    if isinstance(value, (int, float, bool, str, type(None))):
+        return repr(value)
+    if isinstance(value, (tuple, list)):
+        return [_input_sig(v) for v in value]
+    return type(value).__name__
+
+
+def profile_key(gm: fx.GraphModule, flat_inputs: Sequence[Any], identity: dict[str, Any]) -> dict[str, Any]:
+    """The key of ``gm``'s measured times for these inputs on the cost model ``identity`` describes."""
+    fp = fingerprint(gm)
+    return {
+        "format": FORMAT_VERSION,
+        "torch": torch.__version__,
+        "graph": fp.graph_digest,
+        "params": fp.params_digest,
+        "inputs": [_input_sig(v) for v in flat_inputs],
+        **{k: identity[k] for k in sorted(identity)},
+    }
+
+
+def _path(key: dict[str, Any]) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+    return _profiles() / f"{digest}.json"
+
+
+def _ignore(path: Path, why: str) -> None:
+    log.warning("ignoring profile cache entry %s (%s); measuring afresh", path, why)
+
+
+def load(key: dict[str, Any], node_names: set[str]) -> CacheEntry | None:
+    """The entry for ``key`` if one exists and is sound (for exactly ``node_names``); else None (one warning line
+    when an entry exists but is not usable)."""
+    path = _path(key)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        _ignore(path, f"unreadable: {e.strerror}")
+        return None
+    try:
+        data = json.loads(text)
+    except ValueError:
+        _ignore(path, "not JSON: corrupt or truncated")
+        return None
+    try:
+        if not isinstance(data, dict) or data.get("format") != FORMAT_VERSION:
+            _ignore(path, "not this cache format")
+            return None
+        if data.get("key") != json.loads(json.dumps(key)):
+            _ignore(path, "made for another model, device or torch")
+            return None
+        nodes = {str(k): (float(v[0]), float(v[1])) for k, v in data["nodes"].items()}
+        cal = data["calibration"]
+        calibration = None if cal is None else (float(cal[0]), float(cal[1]))
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError):
+        _ignore(path, "wrong schema")
+        return None
+    if set(nodes) != node_names:
+        _ignore(path, "its nodes are not this graph's")
+        return None
+    if not all(t >= 0 for ft in nodes.values() for t in ft):
+        _ignore(path, "negative times")
+        return None
+    return CacheEntry(nodes, calibration)
+
+
+def store(key: dict[str, Any], entry: CacheEntry) -> Path | None:
+    """Write ``entry`` atomically (temporary file, then rename); the path, or None when it could not be written."""
+    path = _path(key)
+    data = {"format": FORMAT_VERSION, "key": key, "created": time.time(),
+            "nodes": {k: list(v) for k, v in entry.nodes.items()},
+            "calibration": None if entry.calibration is None else list(entry.calibration)}
+    tmp: str | None = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+        return path
+    except OSError as e:
+        log.warning("cannot write the profile cache %s (%s); costs were measured but not kept",
+                    path.parent, e.strerror)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        return None
+
+
+def entries() -> list[dict[str, Any]]:
+    """What the cache holds: one dict per file (``path``, ``bytes``, ``created``, ``device``, ``dtype``, ``nodes``;
+    unreadable files with ``device`` "?")."""
+    out = []
+    for p in sorted(_profiles().glob("*.json")) if _profiles().is_dir() else []:
+        row: dict[str, Any] = {"path": str(p), "bytes": p.stat().st_size, "created": None, "device": "?",
+                               "dtype": "?", "nodes": 0}
+        try:
+            data = json.loads(p.read_text())
+            row.update(created=data.get("created"), device=data["key"].get("device", "?"),
+                       dtype=data["key"].get("dtype", "?"), nodes=len(data["nodes"]))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass
+        out.append(row)
+    return out
+
+
+def clear() -> int:
+    """Remove every entry (and leftover temporary files); the number of files removed."""
+    root = _profiles()
+    if not root.is_dir():
+        return 0
+    removed = 0
+    for p in list(root.glob("*.json")) + list(root.glob(".tmp-*")):
+        p.unlink(missing_ok=True)
+        removed += 1
+    return removed

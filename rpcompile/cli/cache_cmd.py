@@ -1,0 +1,35 @@
+"""``rpcompile cache``: the profile cache of measured costs (:mod:`rpcompile.passes.profile_cache`) — its directory,
+entries and size; ``rpcompile cache clear`` empties it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from rpcompile.passes import profile_cache
+from rpcompile.passes.segment_rules import format_bytes
+
+__all__ = ["cache"]
+
+
+def cache(args: argparse.Namespace) -> int:
+    root = profile_cache.cache_dir()
+    if args.action == "clear":
+        removed = profile_cache.clear()
+        if args.json:
+            print(json.dumps({"directory": str(root), "removed": removed}))
+        else:
+            print(f"profile cache {root}: removed {removed} entr{'y' if removed == 1 else 'ies'}")
+        return 0
+    rows = profile_cache.entries()
+    size = sum(r["bytes"] for r in rows)
+    if args.json:
+        print(json.dumps({"directory": str(root), "entries": rows, "bytes": size}))
+        return 0
+    print(f"profile cache {root}: {len(rows)} entr{'y' if len(rows) == 1 else 'ies'}, {format_bytes(size)}")
+    now = time.time()
+    for r in rows:
+        age = f"{(now - r['created']) / 3600:.1f} h ago" if isinstance(r["created"], (int, float)) else "?"
+        print(f"  {r['device']}  {r['dtype']}  {r['nodes']} nodes  {format_bytes(r['bytes'])}  {age}")
+    return 0

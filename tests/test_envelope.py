@@ -3,6 +3,7 @@ microbatch at which it would be compute-bound; a compute-bound plan says nothing
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from types import SimpleNamespace
 from typing import Any, cast
@@ -13,6 +14,7 @@ import torch
 import rpcompile
 from rpcompile.cli import main
 from rpcompile.core.plan import Plan
+from rpcompile.core.specs import get_spec
 from rpcompile.envelope import LinkBoundWarning, link_bound, microbatch_tokens
 from rpcompile.models import load_model
 
@@ -85,3 +87,17 @@ def test_cli_silent_when_compute_bound(capsys, argv):
     code = main(["plan", *argv])
     out, err = capsys.readouterr()
     assert code == 0 and "link-bound" not in err + out
+
+
+def test_compile_warns_once_when_link_bound():
+    # a tiny model on a spec whose host link moves 1 MB/s: every stage waits on its weights
+    slow = dataclasses.replace(get_spec("rtx4090"), name="slow-link", host_link_bandwidth=1e6)
+    ms = load_model("llama-demo")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pipe = rpcompile.compile(ms.model, ms.example_inputs, loss_fn=ms.loss_fn, devices=["cpu", "cpu"], spec=slow,
+                                 time_limit_s=1.0, head_chunks=1)
+    found = [w for w in caught if issubclass(w.category, LinkBoundWarning)]
+    assert len(found) == 1
+    expected = link_bound(pipe.plan, *microbatch_tokens(ms.example_inputs, pipe.plan.microbatches))
+    assert expected is not None and str(found[0].message) == expected.message()

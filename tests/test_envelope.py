@@ -36,7 +36,7 @@ def test_rule_and_exact_message():
     assert found.message() == (
         "link-bound plan: 2 of 3 stages take longer to upload their weights than to compute their 4 microbatches "
         "of 100 tokens (worst F0: 10.00 ms upload vs 4.00 ms compute); it would be compute-bound from about 250 "
-        "tokens per microbatch")
+        "tokens per microbatch (a lower estimate: compute taken as linear in the tokens)")
     # four times the tokens: every stage computes longer than its upload (compute taken as linear in tokens)
     assert link_bound(_plan(("F0", 10_000_000, 4e-3), ("B1", 20_000_000, 8e-3)), 400) is None
 

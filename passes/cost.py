@@ -318,7 +318,7 @@ def _grad_pattern(call: NodeCall) -> tuple[bool, ...]:
 
 class _CostInterpreter(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule, cost_model: CostModel, on_node: Callable[[], None], *,
-                 share: dict[fx.Node, fx.Node] | None = None, cached: dict[str, tuple[float, float]] | None = None):
+                 share: dict[fx.Node, fx.Node] | None = None, cached: dict[str, dict[str, Any]] | None = None):
         super().__init__(gm)
         self.gm = gm  # ``self.module`` as fx types it (an nn.Module)
         self.cost_model, self.on_node = cost_model, on_node
@@ -329,7 +329,7 @@ class _CostInterpreter(fx.Interpreter):
         self.share = share or {}
         """node of a repeat → its representative's node (:func:`.repeats.repeat_map`)."""
         self.cached = cached
-        """node name → (forward s, backward s) from the cache: nothing is measured."""
+        """node name → its cached cost fields: nothing is measured."""
         self.patterns: dict[fx.Node, tuple[bool, ...]] = {}
         self.shared: dict[fx.Node, fx.Node] = {}
         """Nodes that took their representative's times (filled in by :meth:`finish`)."""
@@ -377,7 +377,7 @@ class _CostInterpreter(fx.Interpreter):
     def _time(self, n: fx.Node, call: NodeCall) -> None:
         """Times from the cache, from the representative (later, in :meth:`finish`) or measured in a batch."""
         if self.cached is not None:
-            fwd, bwd = self.cached[n.name]
+            fwd, bwd = self.cached[n.name]["fwd_time_s"], self.cached[n.name]["bwd_time_s"]
             self.partial[n].update(fwd_time_s=fwd, bwd_time_s=bwd if self.needs_grad[n] else 0.0)
             return
         self.patterns[n] = pattern = _grad_pattern(call)
@@ -453,7 +453,15 @@ def cost_pass(
     saved = {name: b.detach().clone() for name, b in gm.named_buffers() if b.device.type != "meta"}
     flat = flat_inputs(gm, example_inputs, example_kwargs)
     key = profile_cache.profile_key(gm, flat, cost_model.identity()) if cache else None
-    entry = profile_cache.load(key, {n.name for n in gm.graph.nodes if is_compute(n)}) if key is not None else None
+    compute = [n for n in gm.graph.nodes if is_compute(n)]
+    entry = profile_cache.load(key, {n.name for n in compute}, set(NodeCost.__dataclass_fields__)) \
+        if key is not None else None
+    if entry is not None and all(n.meta.get(SHAPE_KEY) is not None for n in compute):
+        # warm: every cost comes from the cache, the graph does not run at all
+        partial = {n: dict(entry.nodes[n.name]) for n in compute}
+        gm.meta["rpcompile.profiling"] = {"nodes": n_compute, "measured": 0, "shared": 0, "batches": 0,
+                                          "cache_hit": True}
+        return _write(gm, cost_model, partial, entry.calibration)
     label = f"profiling ({cost_model.name}{', cached' if entry is not None else ''})"
     bar, task = _progress(n_compute, label, enabled)
     interp = _CostInterpreter(gm, cost_model, lambda: bar.advance(task),
@@ -479,16 +487,23 @@ def cost_pass(
                     b.copy_(saved[name])
             for name, p in gm.named_parameters():
                 p.grad = grads.get(name)
-    if key is not None and entry is None:
-        raw = {n.name: (f["fwd_time_s"], f["bwd_time_s"]) for n, f in interp.partial.items()}
-        profile_cache.store(key, profile_cache.CacheEntry(raw, totals))
-    gm.meta["rpcompile.profiling"] = {"nodes": n_compute, "measured": interp.measured, "shared": len(interp.shared),
-                                      "batches": interp.batches, "cache_hit": entry is not None}
-    if totals is not None:
-        _calibrate(gm, interp.partial, *totals)
     for n, fields in interp.partial.items():
         if n in interp.kept:
             fields["act_bytes"] += fields["output_bytes"]
+    if key is not None and entry is None:
+        raw = {n.name: dict(f) for n, f in interp.partial.items()}
+        profile_cache.store(key, profile_cache.CacheEntry(raw, totals))
+    gm.meta["rpcompile.profiling"] = {"nodes": n_compute, "measured": interp.measured, "shared": len(interp.shared),
+                                      "batches": interp.batches, "cache_hit": entry is not None}
+    return _write(gm, cost_model, interp.partial, totals)
+
+
+def _write(gm: fx.GraphModule, cost_model: CostModel, partial: dict[fx.Node, dict[str, Any]],
+           totals: tuple[float, float] | None) -> fx.GraphModule:
+    """Calibrate the times to the whole-graph ``totals`` and write every node's :class:`NodeCost`."""
+    if totals is not None:
+        _calibrate(gm, partial, *totals)
+    for n, fields in partial.items():
         n.meta[COST_KEY] = NodeCost(**fields)
     gm.meta["rpcompile.cost_model"] = cost_model.name
     gm.meta[DTYPE_KEY] = getattr(cost_model, "dtype", None)  # the precision activations will have

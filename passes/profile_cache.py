@@ -4,8 +4,9 @@ Directory: ``$RPCOMPILE_CACHE``, else ``$XDG_CACHE_HOME/rpcompile``, else ``~/.c
 profile under ``profiles/``, named by a hash of its key. The key is everything the times depend on: the graph's
 fingerprint (:mod:`.fingerprint`: structure, parameter names, shapes and dtypes), the example inputs' shapes and
 dtypes, the cost model's identity (device name, compute dtype, intra-op threads on a CPU, repeats), the torch
-version and :data:`FORMAT_VERSION`. An entry holds each compute node's raw forward and backward time (before
-calibration) and the whole-graph calibration times.
+version and :data:`FORMAT_VERSION`. An entry holds each compute node's whole cost (the fields of
+:class:`~.cost.NodeCost`, times raw: before calibration) and the whole-graph calibration times, so a warm entry
+skips the cost pass's graph run too.
 
 An entry that cannot be read, is not this format, holds another key or other nodes is ignored with one warning line
 (logger ``rpcompile``) and measured afresh (then overwritten). Writes go to a temporary file renamed into place, so
@@ -31,7 +32,7 @@ from .fingerprint import fingerprint
 
 __all__ = ["FORMAT_VERSION", "CacheEntry", "cache_dir", "profile_key", "load", "store", "entries", "clear"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 """The cost format of an entry; bump it when what a node time means changes (the key then changes too)."""
 
 log = logging.getLogger("rpcompile")
@@ -39,8 +40,9 @@ log = logging.getLogger("rpcompile")
 
 @dataclass(frozen=True)
 class CacheEntry:
-    nodes: dict[str, tuple[float, float]]
-    """Compute node name → (forward s, backward s), raw (before calibration)."""
+    nodes: dict[str, dict[str, Any]]
+    """Compute node name → its :class:`~.cost.NodeCost` fields (``params`` a tuple), times raw (before
+    calibration)."""
     calibration: tuple[float, float] | None
     """Whole-graph (forward s, step s), or None when the graph could not run whole."""
 
@@ -60,7 +62,7 @@ def _profiles() -> Path:
 
 def _input_sig(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        return [list(value.shape), str(value.dtype), value.device.type]
+        return [list(value.shape), str(value.dtype), value.device.type, value.requires_grad]
     if isinstance(value, (int, float, bool, str, type(None))):
         return repr(value)
     if isinstance(value, (tuple, list)):
@@ -90,9 +92,30 @@ def _ignore(path: Path, why: str) -> None:
     log.warning("ignoring profile cache entry %s (%s); measuring afresh", path, why)
 
 
-def load(key: dict[str, Any], node_names: set[str]) -> CacheEntry | None:
-    """The entry for ``key`` if one exists and is sound (for exactly ``node_names``); else None (one warning line
-    when an entry exists but is not usable)."""
+def _node(value: Any, fields: set[str]) -> dict[str, Any]:
+    """One node's fields, checked (ValueError/TypeError when not as written)."""
+    if not isinstance(value, dict) or set(value) != fields:
+        raise ValueError("fields")
+    out: dict[str, Any] = {}
+    for k, v in value.items():
+        if k == "params":
+            if not isinstance(v, list) or not all(isinstance(p, str) for p in v):
+                raise ValueError("params")
+            out[k] = tuple(v)
+        elif k.endswith("_s"):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+                raise ValueError(k)
+            out[k] = float(v)
+        else:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(k)
+            out[k] = v
+    return out
+
+
+def load(key: dict[str, Any], node_names: set[str], fields: set[str]) -> CacheEntry | None:
+    """The entry for ``key`` if one exists and is sound (exactly ``node_names``, each with exactly ``fields``);
+    else None (one warning line when an entry exists but is not usable)."""
     path = _path(key)
     try:
         text = path.read_text()
@@ -113,7 +136,7 @@ def load(key: dict[str, Any], node_names: set[str]) -> CacheEntry | None:
         if data.get("key") != json.loads(json.dumps(key)):
             _ignore(path, "made for another model, device or torch")
             return None
-        nodes = {str(k): (float(v[0]), float(v[1])) for k, v in data["nodes"].items()}
+        nodes = {str(k): _node(v, fields) for k, v in data["nodes"].items()}
         cal = data["calibration"]
         calibration = None if cal is None else (float(cal[0]), float(cal[1]))
     except (KeyError, TypeError, ValueError, IndexError, AttributeError):
@@ -122,9 +145,6 @@ def load(key: dict[str, Any], node_names: set[str]) -> CacheEntry | None:
     if set(nodes) != node_names:
         _ignore(path, "its nodes are not this graph's")
         return None
-    if not all(t >= 0 for ft in nodes.values() for t in ft):
-        _ignore(path, "negative times")
-        return None
     return CacheEntry(nodes, calibration)
 
 
@@ -132,7 +152,7 @@ def store(key: dict[str, Any], entry: CacheEntry) -> Path | None:
     """Write ``entry`` atomically (temporary file, then rename); the path, or None when it could not be written."""
     path = _path(key)
     data = {"format": FORMAT_VERSION, "key": key, "created": time.time(),
-            "nodes": {k: list(v) for k, v in entry.nodes.items()},
+            "nodes": {k: {**v, "params": list(v["params"])} for k, v in entry.nodes.items()},
             "calibration": None if entry.calibration is None else list(entry.calibration)}
     tmp: str | None = None
     try:

@@ -215,6 +215,7 @@ def test_cold_then_warm_does_not_measure(monkeypatch: pytest.MonkeyPatch) -> Non
     warm = analyze(model, inputs, cost_model=_measured())
     assert warm.meta["rpcompile.profiling"] == {**warm.meta["rpcompile.profiling"], "cache_hit": True, "measured": 0}
     assert _times(warm) == _times(cold)
+    assert [n.meta[COST_KEY] for n in compute_nodes(warm)] == [n.meta[COST_KEY] for n in compute_nodes(cold)]
     assert warm.meta.get("rpcompile.calibration") == cold.meta.get("rpcompile.calibration")
 
 

@@ -53,7 +53,7 @@ from .greedy import greedy_plan, masks_for
 from .ilp import solve_budget
 from .exact import fewest_stages
 from .lagrange import StageCountBound
-from .polish import flip_saves, polish, taper
+from .polish import PlanScorer, flip_saves, polish, taper
 from .problem import PartitionProblem, PartitionResult, SegmentPlan
 from .segment_rules import validate_segment_plan
 from .tables import RangeTables, min_memory
@@ -81,10 +81,16 @@ EXACT_WORK_PER_S, EXACT_WORK_PER_CALL = 200_000, 1_000_000
 #: CP-SAT starts no solve once every budget's bound is within this fraction of the incumbent (the stats still
 #: report the proven gap; ``status`` is ``OPTIMAL`` only when it is closed).
 CPSAT_GAP = 1e-3
-#: Share of ``time_limit_s`` after which the Lagrangian phase starts no new budget (a guard; counts stop it).
+#: Share of ``time_limit_s`` after which the greedy phase tries no new budget (a guard: on an idle machine the
+#: count ``GREEDY_BUDGETS`` stops it first up to ~100 segments; a 128-layer model's twelve greedy plans take longer).
+GREEDY_WALL_SHARE = 0.4
+#: Share of ``time_limit_s`` after which the Lagrangian phase starts no new budget or bisection step (a guard;
+#: counts stop it).
 LAGRANGE_WALL_SHARE = 0.7
 #: Share of ``time_limit_s`` after which no new CP-SAT solve starts (the rest is for the final local search).
 WALL_SHARE = 0.85
+#: Share of ``time_limit_s`` after which the final local search stops where it is (a guard; counts stop it).
+FINISH_WALL_SHARE = 1.0
 
 
 class _Pool:
@@ -153,12 +159,14 @@ def _next_budget(pool: _Pool, lb: np.ndarray, tried: set[int], tolerance: float 
     return None
 
 
-def _greedy_phase(pb: PartitionProblem, tables: RangeTables, pool: _Pool, lb: np.ndarray) -> int:
-    """Heuristic plans for the most promising stage budgets (:mod:`.greedy`); returns how many were tried."""
+def _greedy_phase(pb: PartitionProblem, tables: RangeTables, pool: _Pool, lb: np.ndarray, *,
+                  deadline: float = float("inf")) -> int:
+    """Heuristic plans for the most promising stage budgets (:mod:`.greedy`); returns how many were tried (none
+    starts after ``deadline``)."""
     masks = masks_for(pb, tables)
     fwd = balance_table(masks[0], masks[0], masks[2])
     tried: set[int] = set()
-    while len(tried) < GREEDY_BUDGETS:
+    while len(tried) < GREEDY_BUDGETS and time.perf_counter() < deadline:
         s = _next_budget(pool, lb, tried)
         if s is None:
             break
@@ -170,7 +178,8 @@ def _greedy_phase(pb: PartitionProblem, tables: RangeTables, pool: _Pool, lb: np
     return len(tried)
 
 
-def _prepare(pb: PartitionProblem, strategy: str, started: float) -> PartitionResult | tuple:
+def _prepare(pb: PartitionProblem, strategy: str, started: float, *,
+             greedy_deadline: float = float("inf")) -> PartitionResult | tuple:
     """Tables, the seeded pool, lower bounds and the greedy plans — or an infeasible result."""
     tables = RangeTables.build(pb)
     if min_memory(tables)[0] > pb.memory_bytes:
@@ -178,7 +187,7 @@ def _prepare(pb: PartitionProblem, strategy: str, started: float) -> PartitionRe
     pool = _Pool(pb, 2 * pb.n + 1)
     seeds = _seed(pb, pool, tables)
     lb, b_relaxed = _lower_bounds(pb, tables, pool)
-    greedy_tried = _greedy_phase(pb, tables, pool, lb) if pb.allow_save else 0
+    greedy_tried = _greedy_phase(pb, tables, pool, lb, deadline=greedy_deadline) if pb.allow_save else 0
     return tables, pool, seeds, lb, b_relaxed, greedy_tried
 
 
@@ -195,9 +204,12 @@ def greedy(pb: PartitionProblem, *, time_limit_s: float = 10.0, seed: int = 0) -
 
 
 def ilp(pb: PartitionProblem, *, time_limit_s: float = 10.0, seed: int = 0) -> PartitionResult:
-    """Joint partition + checkpointing by CP-SAT (see the module docstring and :mod:`.ilp`)."""
+    """Joint partition + checkpointing by CP-SAT (see the module docstring and :mod:`.ilp`). Counts bound each
+    phase (the result does not depend on the machine's load); ``time_limit_s`` holds end to end as a guard — the
+    greedy phase, the Lagrangian bisections, CP-SAT and the local search each stop at their share of it — apart
+    from the tables, baselines and bounds every strategy computes first (1–2 s at 128 layers on 2 cores)."""
     started = time.perf_counter()
-    prep = _prepare(pb, "ilp", started)
+    prep = _prepare(pb, "ilp", started, greedy_deadline=started + GREEDY_WALL_SHARE * time_limit_s)
     if isinstance(prep, PartitionResult):
         return prep
     tables, pool, seeds, lb, b_relaxed, greedy_tried = prep
@@ -223,7 +235,8 @@ def ilp(pb: PartitionProblem, *, time_limit_s: float = 10.0, seed: int = 0) -> P
         pool.add(res.plan)
         lb[: s + 1] = np.maximum(lb[: s + 1], res.bound_s)  # plans with <= s stages are at least this slow
         log.append((s, res.status, round(res.det_time, 3), res.variables))
-    return _finish(pb, pool, lb, started, seeds, log, greedy_tried, lagrange=lagrange)
+    return _finish(pb, pool, lb, started, seeds, log, greedy_tried, lagrange=lagrange,
+                   deadline=started + FINISH_WALL_SHARE * time_limit_s)
 
 
 def _lagrange_phase(pb: PartitionProblem, tables: RangeTables, pool: _Pool, lb: np.ndarray,
@@ -282,7 +295,7 @@ def _lagrange_phase(pb: PartitionProblem, tables: RangeTables, pool: _Pool, lb: 
         lo = float(lb[s])
         for _ in range(LAGRANGE_BISECTIONS):
             hi = min(hi, pool.incumbent() / pool.c[s])
-            if left <= 0 or hi <= lo:
+            if left <= 0 or hi <= lo or time.perf_counter() >= deadline:
                 break
             mid = 0.5 * (lo + hi)
             if attempt(mid, s):
@@ -300,7 +313,11 @@ def _open_budgets(pool: _Pool, lb: np.ndarray, tried: set[int]) -> int:
 
 
 def _finish(pb: PartitionProblem, pool: _Pool, lb: np.ndarray, started: float, seeds: dict[str, float],
-            log: list, greedy_tried: int, lagrange: dict[str, int] | None = None) -> PartitionResult:
+            log: list, greedy_tried: int, lagrange: dict[str, int] | None = None,
+            deadline: float = float("inf")) -> PartitionResult:
+    """The local search from the pool's best plans, then the result. ``deadline``: the solve's time limit; each
+    local search stops where it is once past it (it is bounded by counts first: on an idle machine it never
+    binds)."""
     # the local search starts from the fastest plan (by exact time) of each of the best few stage counts: the
     # climbs stay near their stage count, and a runner-up's neighbourhood is often the faster one
     ranked: list[SegmentPlan] = []
@@ -310,14 +327,17 @@ def _finish(pb: PartitionProblem, pool: _Pool, lb: np.ndarray, started: float, s
             ranked.append(plan)
             counts.add(plan.stage_count)
     shares = [POLISH_EVALUATIONS] + [POLISH_EVALUATIONS // POLISH_STARTS] * (len(ranked) - 1)
-    polished = [polish(pb, p, max_evaluations=k) for p, k in zip(ranked, shares)]
+    scorer = PlanScorer(pb)  # the searches meet the same stages and plans: score each once
+    polished = [polish(pb, p, max_evaluations=k, deadline=deadline, scorer=scorer) for p, k in zip(ranked, shares)]
     best = min(polished, key=lambda p: (iteration_time(pb, p), p.stage_count))
-    flipped = flip_saves(pb, best)  # the winner's checkpointing choices on its settled cuts, then its cuts again
+    flipped = flip_saves(pb, best, deadline=deadline, scorer=scorer)  # the winner's checkpointing choices on its settled cuts, then its cuts again
     if flipped != best:
-        best = polish(pb, flipped, max_evaluations=POLISH_EVALUATIONS // POLISH_STARTS)
-    tapered = taper(pb, best)  # a jump out of the climbs' optimum: stages that grow from both ends, climbed again
+        best = polish(pb, flipped, max_evaluations=POLISH_EVALUATIONS // POLISH_STARTS, deadline=deadline,
+                      scorer=scorer)
+    tapered = taper(pb, best, scorer=scorer) if time.perf_counter() <= deadline else best  # a jump out of the climbs' optimum: stages that grow from both ends, climbed again
     if tapered != best:
-        tapered = flip_saves(pb, polish(pb, tapered, max_evaluations=POLISH_EVALUATIONS))
+        tapered = flip_saves(pb, polish(pb, tapered, max_evaluations=POLISH_EVALUATIONS, deadline=deadline,
+                                        scorer=scorer), deadline=deadline, scorer=scorer)
         best = min((best, tapered), key=lambda p: (iteration_time(pb, p), p.stage_count))
     inc = pool.incumbent()
     bound = min(inc, float(np.min(bound_values(pool.c, lb))))

@@ -28,6 +28,7 @@ split: 3.0% faster predicted, 4.1% simulated).
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Iterator, Sequence
 
 from rpcompile.core.stages import StageCost, StageKind
@@ -36,7 +37,7 @@ from .problem import PartitionProblem, SegmentPlan
 from .segment_rules import validate_segment_plan
 from .timing import _stage, _total
 
-__all__ = ["flip_saves", "polish", "taper"]
+__all__ = ["PlanScorer", "flip_saves", "polish", "taper"]
 
 #: ``taper``'s profiles: the first stage's share ``r`` of the side's slowest stage, and the growth ``g`` per stage.
 TAPER_RATIOS = (0.15, 0.25, 0.35, 0.5, 0.7)
@@ -45,13 +46,15 @@ TAPER_GROWTH = (1.1, 1.2, 1.35, 1.6, 2.0)
 Ranges = list[tuple[int, int]]
 
 
-class _Costs:
-    """Stage costs by kind, range and the range's saved flags, cached: a search scores thousands of plans that
-    share most of their stages."""
+class PlanScorer:
+    """Stage costs by kind, range and the range's saved flags, and plans' exact times, cached: a search scores
+    thousands of plans that share most of their stages (and meets some plans again). One scorer may serve every
+    search on the same problem (the solver's local searches share one)."""
 
     def __init__(self, pb: PartitionProblem) -> None:
         self.pb = pb
         self.cache: dict[tuple[str, int, int, tuple[bool, ...]], StageCost] = {}
+        self.totals: dict[tuple, float] = {}
 
     def stage(self, kind: StageKind, a: int, b: int, saved: tuple[bool, ...]) -> StageCost:
         key = (kind, a, b, saved[a:b])
@@ -62,8 +65,14 @@ class _Costs:
     def total(self, fwd: Sequence[tuple[int, int]], fused: tuple[int, int], bwd: Sequence[tuple[int, int]],
               saved: tuple[bool, ...]) -> float:
         """Exact iteration time of the plan these cuts and flags make."""
-        costs = [self.stage("forward", a, b, saved) for a, b in fwd] + [self.stage("fused", *fused, saved)]
-        return _total(self.pb, costs + [self.stage("backward", a, b, saved) for a, b in bwd], saved)
+        key = (tuple(fwd), fused, tuple(bwd), saved)
+        value = self.totals.get(key)
+        if value is None:
+            costs = [self.stage("forward", a, b, saved) for a, b in fwd] + [self.stage("fused", *fused, saved)]
+            value = self.totals[key] = _total(self.pb, costs + [self.stage("backward", a, b, saved) for a, b in bwd],
+                                              saved)
+        return value
+
 
 
 def _neighbours(rngs: Ranges, descending: bool) -> Iterator[Ranges]:
@@ -119,20 +128,24 @@ def _packed(lo: int, hi: int, parts: int, cost, descending: bool) -> Ranges | No
     return best[::-1] if descending and best else best
 
 
-def polish(pb: PartitionProblem, plan: SegmentPlan, *, max_evaluations: int = 3000) -> SegmentPlan:
+def polish(pb: PartitionProblem, plan: SegmentPlan, *, max_evaluations: int = 3000,
+           deadline: float = float("inf"), scorer: PlanScorer | None = None) -> SegmentPlan:
     """A plan at least as fast as ``plan`` by exact iteration time (see the module docstring). First-improvement
     climbs depend on the order of moves, so two climbs run — local moves only, and re-cuts first — and the
     faster result wins. Each climb stops at a local optimum or after ``max_evaluations`` candidate plans (a
     count, not a clock, so the result never depends on the machine's load; a 32-layer model converges in
-    ~1,500, under a second)."""
-    (t1, p1), (t2, p2) = (_climb(pb, plan, max_evaluations, macro) for macro in (False, True))
+    ~1,500, under a second). ``deadline`` (a ``time.perf_counter()`` value) only guards overruns: a climb that
+    passes it stops where it is (the solver's time limit holds on a loaded machine)."""
+    scorer = scorer or PlanScorer(pb)
+    (t1, p1), (t2, p2) = (_climb(pb, plan, max_evaluations, macro, deadline, scorer) for macro in (False, True))
     return p1 if t1 <= t2 else p2
 
 
-def _climb(pb: PartitionProblem, plan: SegmentPlan, budget: int, macro: bool) -> tuple[float, SegmentPlan]:
+def _climb(pb: PartitionProblem, plan: SegmentPlan, budget: int, macro: bool,
+           deadline: float = float("inf"), scorer: PlanScorer | None = None) -> tuple[float, SegmentPlan]:
     evaluations = 0
     saved = plan.saved
-    costs = _Costs(pb)
+    costs = scorer or PlanScorer(pb)
 
     def t(kind: StageKind, a: int, b: int) -> float:
         return costs.stage(kind, a, b, saved).time_s
@@ -144,6 +157,8 @@ def _climb(pb: PartitionProblem, plan: SegmentPlan, budget: int, macro: bool) ->
     best = total(fwd, bwd)
     improved = True
     while improved and evaluations < budget:
+        if time.perf_counter() > deadline:
+            break
         improved = False
         for side in ("forward", "backward"):
             current = fwd if side == "forward" else bwd
@@ -183,17 +198,20 @@ def _climb(pb: PartitionProblem, plan: SegmentPlan, budget: int, macro: bool) ->
     return best, SegmentPlan(forward=tuple(fwd), fused=plan.fused, backward=tuple(bwd), saved=saved)
 
 
-def flip_saves(pb: PartitionProblem, plan: SegmentPlan, *, max_sweeps: int = 3) -> SegmentPlan:
+def flip_saves(pb: PartitionProblem, plan: SegmentPlan, *, max_sweeps: int = 3,
+               deadline: float = float("inf"), scorer: PlanScorer | None = None) -> SegmentPlan:
     """A plan with the same cuts, at least as fast as ``plan`` by exact iteration time: segments before the fused
     stage are flipped one at a time in index order, a flip kept when the time drops and every stage still fits;
-    sweeps repeat while one gains (at most ``max_sweeps``)."""
-    costs = _Costs(pb)
+    sweeps repeat while one gains (at most ``max_sweeps``; none begins after ``deadline``)."""
+    costs = scorer or PlanScorer(pb)
 
     def total(saved: tuple[bool, ...]) -> float:
         return costs.total(plan.forward, plan.fused, plan.backward, saved)
 
     saved, best = plan.saved, total(plan.saved)
     for _ in range(max_sweeps):
+        if time.perf_counter() > deadline:
+            break
         gained = False
         for i in range(plan.fused[0]):
             trial = saved[:i] + (not saved[i],) + saved[i + 1:]
@@ -207,13 +225,13 @@ def flip_saves(pb: PartitionProblem, plan: SegmentPlan, *, max_sweeps: int = 3) 
     return SegmentPlan(forward=plan.forward, fused=plan.fused, backward=plan.backward, saved=saved)
 
 
-def taper(pb: PartitionProblem, plan: SegmentPlan) -> SegmentPlan:
+def taper(pb: PartitionProblem, plan: SegmentPlan, *, scorer: PlanScorer | None = None) -> SegmentPlan:
     """``plan`` with its forward side, then its backward side, re-cut to the tapered profile (module docstring)
     that gives the shortest exact iteration time, if one beats the plan's own cuts and fits; the same saved
     flags. Forward stages grow from segment 0 (the first stages of the iteration), backward stages too (its
     last)."""
     saved, top = plan.saved, plan.fused[0]
-    costs = _Costs(pb)
+    costs = scorer or PlanScorer(pb)
 
     def stage(kind: StageKind, a: int, b: int) -> StageCost:
         return costs.stage(kind, a, b, saved)

@@ -331,6 +331,8 @@ class _CostInterpreter(fx.Interpreter):
         self.cached = cached
         """node name → its cached cost fields: nothing is measured."""
         self.patterns: dict[fx.Node, tuple[bool, ...]] = {}
+        self.profiles: dict[fx.Node, tuple[int, int, set[fx.Node], int]] = {}
+        """Each node's meta profile (:func:`_autograd_profile`), for its repeats to take."""
         self.shared: dict[fx.Node, fx.Node] = {}
         """Nodes that took their representative's times (filled in by :meth:`finish`)."""
         self.pending: list[NodeCall] = []
@@ -353,8 +355,13 @@ class _CostInterpreter(fx.Interpreter):
         call = _call_for(self.gm, n, args, kwargs, self.needs_grad)
         params = node_params(self.gm, n)
         self.needs_grad[n] = bool(call.trainable) and any(t.is_floating_point() for t in tensor_leaves(result))
-        producers = {id(t): a for a in n.all_input_nodes if a in self.env for t in tensor_leaves(self.env[a])}
-        fwd_flops, bwd_flops, saved_inputs, own = _autograd_profile(call, producers, self.dtype)
+        self.patterns[n] = _grad_pattern(call)
+        profile = self._shared_profile(n)
+        if profile is None:
+            producers = {id(t): a for a in n.all_input_nodes if a in self.env for t in tensor_leaves(self.env[a])}
+            profile = _autograd_profile(call, producers, self.dtype)
+        self.profiles[n] = profile
+        fwd_flops, bwd_flops, saved_inputs, own = profile
         if not self.needs_grad[n]:
             saved_inputs, own, bwd_flops = set(), 0, 0
         self.kept |= saved_inputs
@@ -374,15 +381,32 @@ class _CostInterpreter(fx.Interpreter):
         self._time(n, call)
         self.on_node()
 
+    def _rep(self, n: fx.Node) -> fx.Node | None:
+        """The representative whose measurements ``n`` takes: same block position and same gradient pattern."""
+        rep = self.share.get(n)
+        return rep if rep is not None and self.patterns.get(rep) == self.patterns[n] else None
+
+    def _shared_profile(self, n: fx.Node) -> tuple[int, int, set[fx.Node], int] | None:
+        """The representative's meta profile (FLOPs, saved inputs, own saved bytes) carried over to ``n``: a saved
+        input maps to the input at the same position of ``n`` (the block signatures match argument by argument)."""
+        rep = self._rep(n)
+        if rep is None or rep not in self.profiles or len(rep.all_input_nodes) != len(n.all_input_nodes):
+            return None
+        fwd_flops, bwd_flops, saved, own = self.profiles[rep]
+        where = {a: i for i, a in enumerate(rep.all_input_nodes)}
+        if any(s is not rep and s not in where for s in saved):
+            return None
+        mapped = {n if s is rep else n.all_input_nodes[where[s]] for s in saved}
+        return fwd_flops, bwd_flops, {s for s in mapped if s is n or is_compute(s)}, own
+
     def _time(self, n: fx.Node, call: NodeCall) -> None:
         """Times from the cache, from the representative (later, in :meth:`finish`) or measured in a batch."""
         if self.cached is not None:
             fwd, bwd = self.cached[n.name]["fwd_time_s"], self.cached[n.name]["bwd_time_s"]
             self.partial[n].update(fwd_time_s=fwd, bwd_time_s=bwd if self.needs_grad[n] else 0.0)
             return
-        self.patterns[n] = pattern = _grad_pattern(call)
-        rep = self.share.get(n)
-        if rep is not None and self.patterns.get(rep) == pattern:
+        rep = self._rep(n)
+        if rep is not None:
             self.shared[n] = rep
             return
         block = block_of(n)

@@ -143,8 +143,11 @@ def test_shared_path_measures_one_layer_and_gives_its_times_to_the_repeats(name:
     assert 1 / 3 < tot[0] / tot[1] < 3, tot
 
 
-def test_sharing_changes_no_analytic_cost_and_no_plan(monkeypatch: pytest.MonkeyPatch) -> None:
-    ms = load_model("llama-demo")
+@pytest.mark.parametrize("name", ["llama-demo", "gpt-demo"])
+def test_sharing_changes_no_analytic_cost_and_no_plan(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forced on for the analytic model (whose times do not depend on measuring), sharing the repeats' times and
+    meta profiles (FLOPs, saved activations) must leave every NodeCost, the graph and the plan exactly as they were."""
+    ms = load_model(name)
     assert not AnalyticCostModel("rtx4090").share_repeats  # by default analytic costs never share
 
     def made(share: bool) -> tuple[fx.GraphModule, dict]:

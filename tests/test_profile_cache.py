@@ -324,3 +324,14 @@ def test_no_cache_in_the_python_api(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(_cache_files()) == 1
     _no_measuring(monkeypatch)
     rpcompile.profile(model, inputs)  # warm
+
+
+def test_compile_takes_cache_false() -> None:
+    model, inputs = _stack()
+    target = torch.randn(4, 4)
+    rpcompile.compile(model, inputs, loss_fn=nn.functional.mse_loss, devices=["cpu"], cache=False,
+                      example_target=target, head_chunks=1)
+    assert _cache_files() == []
+    rpcompile.compile(model, inputs, loss_fn=nn.functional.mse_loss, devices=["cpu"], example_target=target,
+                      head_chunks=1)
+    assert len(_cache_files()) == 1

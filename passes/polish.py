@@ -168,7 +168,7 @@ def _climb(pb: PartitionProblem, plan: SegmentPlan, budget: int, macro: bool,
             counts = range(max(1, len(current) - 2), len(current) + 4) if macro else range(0)
             rebalanced = (_packed(lo, hi, p, cost, desc) for p in counts)
             for cand in itertools.chain((c for c in rebalanced if c), _neighbours(current, descending=desc)):
-                if evaluations >= budget:
+                if evaluations >= budget or time.perf_counter() > deadline:
                     break
                 f2, b2 = (cand, bwd) if side == "forward" else (fwd, cand)
                 value = total(f2, b2)
@@ -184,7 +184,7 @@ def _climb(pb: PartitionProblem, plan: SegmentPlan, budget: int, macro: bool,
             continue
         current_saved = saved
         for i in range(plan.fused[0]):  # no cut move helps: flip one segment's checkpointing choice
-            if evaluations >= budget:
+            if evaluations >= budget or time.perf_counter() > deadline:
                 break
             saved = current_saved[:i] + (not current_saved[i],) + current_saved[i + 1:]
             value = total(fwd, bwd)
@@ -214,6 +214,8 @@ def flip_saves(pb: PartitionProblem, plan: SegmentPlan, *, max_sweeps: int = 3,
             break
         gained = False
         for i in range(plan.fused[0]):
+            if time.perf_counter() > deadline:
+                break
             trial = saved[:i] + (not saved[i],) + saved[i + 1:]
             value = total(trial)
             if value < best * (1 - 1e-9):

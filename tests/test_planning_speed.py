@@ -53,7 +53,7 @@ def test_the_ilp_time_limit_holds_end_to_end(monkeypatch):
     result = solve(pb, "ilp", time_limit_s=1.0)
     elapsed = time.perf_counter() - t
     assert result.feasible
-    assert elapsed <= 1.0 + fixed + 1.5, (elapsed, fixed)
+    assert elapsed <= 1.0 + 2 * fixed + 5.0, (elapsed, fixed)  # generous: a loaded 2-core machine; it was 61 s
 
 
 def test_the_wall_clock_guards_change_no_plan_when_they_do_not_bind(monkeypatch):

@@ -320,6 +320,11 @@ class AnalyticCostModel(CostModel):
     from an fp32 model. Works on models built on the ``meta`` device.
     """
 
+    share_repeats = True
+    """Repeated blocks (:mod:`.repeats`) take their representative's costs: a roofline of the same shapes is the
+    same number, and the cost pass then runs one block's meta autograd profiles instead of every block's
+    (llama-8b: 6.3–8.6 s → 2.4–3.3 s for trace, shape, cost and coarsen; every node's cost identical)."""
+
     def __init__(self, spec: DeviceSpec | str, *, dtype: torch.dtype | None = None):
         self.spec = get_spec(spec)
         self.dtype = dtype

@@ -315,11 +315,17 @@ def test_identical_layers_are_analysed_once():
     with torch.device("meta"):
         model = nn.Sequential(*[m for _ in range(32) for m in (nn.Linear(64, 64), nn.SiLU())])
     spy = Spy()
+    spy.share_repeats = False  # every node reaches the cost model: its own cache does the sharing
     costs = run(model, meta(8, 64), model=spy)
     assert len(costs) == 64
     # misses: the first Linear (its input needs no gradient), every other Linear, every SiLU
     assert spy.cache_info() == (61, 3, 3)
     assert costs["_0"].bwd_flops < costs["_2"].bwd_flops == costs["_62"].bwd_flops
+    # by default repeated blocks take their representative's costs before the model sees them: the same costs
+    shared = Spy()
+    assert shared.share_repeats
+    assert run(model, meta(8, 64), model=shared) == costs
+    assert shared.cache_info().misses == 3 and shared.cache_info().hits <= 61
 
 
 def test_matmul_flops_agree_with_flop_counter_on_a_model():

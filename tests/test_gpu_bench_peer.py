@@ -102,7 +102,10 @@ def test_the_shim_goes_on_the_preset_module_once():
 @pytest.mark.hf
 def test_the_shim_against_the_installed_create_causal_mask():
     transformers = pytest.importorskip("transformers")
-    from transformers.masking_utils import create_causal_mask
+    # RoundPipe calls transformers' masking_utils, which transformers 4.x before 4.53 does not have
+    create_causal_mask = pytest.importorskip(
+        "transformers.masking_utils", reason=f"transformers {transformers.__version__} has no masking_utils (RoundPipe "
+                                             "needs it)").create_causal_mask
 
     config = transformers.LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
                                       num_attention_heads=2)

@@ -54,6 +54,7 @@ from rpcompile.passes.split import split_plan
 from rpcompile.runtime.devices import make_devices
 from rpcompile.runtime.executor import Executor, ValueStore
 
+from .checkpoint import CheckpointError, check_pipeline_state, pipeline_state
 from .core.batch import flat_inputs, split_microbatches, tensor_leaves
 from .core.errors import ConfigError, RPCompileError
 from rpcompile.runtime.executor import PipelineError
@@ -293,6 +294,53 @@ class Pipeline:
             self._overlap_optimizer = None
             raise PipelineError(f"the overlapped optimizer step failed: {type(e).__name__}: {e}") from e
         self.executor.weights.swap()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The pipeline's own training state — the iteration that seeds dropout, the GradScaler's state, the
+        weights an overlapped step left for the next iteration — which, with the model's and the optimizer's
+        ``state_dict``, continues training bit for bit (:mod:`rpcompile.checkpoint`; ``save_checkpoint`` writes
+        all three). An overlapped step in flight is waited for first; saving does not change what training
+        computes."""
+        stale: dict[str, torch.Tensor] = {}
+        if self._step is not None:  # an overlapped step no iteration has run beside yet
+            if self._step.exception() is not None:
+                self._finish_step()  # raises its PipelineError; back to synchronous steps
+            weights = self.executor.weights
+            stale = {n: weights.source(n).clone() for n, e in weights.entries.items() if e.master.requires_grad}
+        return pipeline_state(self, stale)
+
+    def check_state_dict(self, state: Any, *, exact: bool = True) -> None:
+        """Raise a one-line :class:`~rpcompile.checkpoint.CheckpointError` unless :meth:`load_state_dict` can
+        continue ``state`` here — bit for bit where ``exact``: the same graph fingerprint, microbatches,
+        precision, plan cuts and scaler."""
+        weights = self.executor.weights  # an overlapped step keeps copies of the trainable weights, as uploaded
+        copies = {n: (weights.source(n).dtype, tuple(e.master.shape)) for n, e in weights.entries.items()
+                  if e.master.requires_grad}
+        check_pipeline_state(self, state, copies, exact=exact)
+
+    def load_state_dict(self, state: Mapping[str, Any], *, optimizer: Any = None, exact: bool = True) -> None:
+        """Continue from :meth:`state_dict`, after the model's and the optimizer's ``load_state_dict``. A state
+        saved right after ``step(optimizer, overlap=True)`` needs that ``optimizer``: the next iteration then runs
+        beside the (already done) step with the weights from before it, as it would have. ``exact=False`` loads
+        into a pipeline compiled otherwise (another plan, devices, precision): the iteration and the scaler's
+        state carry over, the next iteration runs on the latest weights, and results differ in the last bits."""
+        self.check_state_dict(state, exact=exact)
+        stale = state["stale_weights"] if exact else {}
+        if stale and optimizer is None:
+            raise CheckpointError("this pipeline state was saved right after step(optimizer, overlap=True): pass "
+                                  "load_state_dict(state, optimizer=optimizer), its state loaded first")
+        self.synchronize()
+        self.iteration = int(state["iteration"])
+        if state["scaler"] is not None and self.scaler is not None and self.scaler.is_enabled():
+            self.scaler.load_state_dict(state["scaler"])
+        if stale:
+            weights = self.executor.weights
+            weights.begin_overlap(optimizer)  # double-buffered copies of the masters, as step(overlap=True) does
+            for name, t in stale.items():
+                weights.source(name).copy_(t)  # the front copies: what the next iteration computes with
+            self.executor.grads.hold(True)
+            self._overlap_optimizer = optimizer
+            self._step = self._stepper.submit(weights.write_back, optimizer)  # the step is done: only its copies
 
     @property
     def timeline(self) -> list:

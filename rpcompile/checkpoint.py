@@ -1,0 +1,351 @@
+"""Exact save and resume: the pipeline's own state, and checkpoint files that a crash cannot tear.
+
+Three ``state_dict``\\ s make a training run: the model's (fp32 masters, buffers such as BatchNorm statistics), the
+optimizer's (moments, step counts, learning rates) and the **pipeline's** (:meth:`Pipeline.state_dict`):
+
+- ``iteration``: the number of ``forward_backward`` calls so far, which seeds every dropout mask (with the node
+  and the microbatch, :mod:`rpcompile.runtime.rng`) — a fresh pipeline starts at 0 and would draw the first
+  iteration's masks again;
+- ``scaler``: the ``GradScaler``'s state (scale, growth tracker) when the pipeline holds one (fp16);
+- ``stale_weights``: after ``pipe.step(optimizer, overlap=True)``, the copies of the weights from *before* that
+  step, which the next iteration computes with (one step stale, :meth:`Pipeline.step`); the step itself is waited
+  for, so the masters in the model's ``state_dict`` are the stepped ones. Saving therefore never changes what
+  training computes, and a resumed run goes on one step stale exactly where the saved one would have;
+- ``model``, ``microbatches``, ``precision``: what the state was computed for — the plan's model fingerprint
+  (:class:`rpcompile.core.plan.Fingerprint`: the traced graph, whose node names key the dropout seeds, and the
+  parameters), the microbatch count and the compute precision. A state is loaded only into a pipeline that agrees
+  on all three (else one line saying what differs); where the cuts or the devices differ it loads, since results
+  do not depend on them (``tests/test_checkpoint.py`` checks a resume on another plan, bit for bit).
+
+Not saved, by design: gradients (checkpoint after the optimizer step), the weight copies and saved-segment
+captures (remade from the masters), the user's own random state and the data loader's position (pass what you
+need in ``extra=``, e.g. an lr scheduler's ``state_dict`` or the number of batches consumed).
+
+**Files.** :func:`save_checkpoint` writes the three states (and ``extra``) to ``<directory>/ckpt-<step>.ckpt``: a
+48-byte header — magic, payload length, sha256 of the payload — then ``torch.save``\\ 's bytes. It writes a
+hidden temporary file in the same directory, flushes and ``fsync``\\ s it, renames it into place (``os.replace``,
+atomic) and ``fsync``\\ s the directory, so a checkpoint name only ever holds a whole file; then it deletes all but
+the newest ``keep`` checkpoints. :func:`load_checkpoint` takes the newest checkpoint whose header, length and
+checksum hold (a file torn by a crash of the disk or the machine, truncated or bit-flipped), moving each bad one
+aside to ``<name>.corrupt`` with a one-line warning, and loads the model, optimizer and pipeline states from it in
+that order. Payloads load with ``torch.load(weights_only=True)``: ``extra`` may hold tensors, numbers, strings and
+lists, tuples and dicts of them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import struct
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+import torch
+
+from .core.errors import RPCompileError
+from .core.plan import Plan
+
+if TYPE_CHECKING:  # pipeline.py imports this module
+    from .pipeline import Pipeline
+
+__all__ = ["STATE_VERSION", "PLAN_FILE", "Checkpoint", "CheckpointError", "CheckpointWarning", "save_checkpoint",
+           "load_checkpoint", "checkpoint_plan", "checkpoints", "verify", "pipeline_state", "check_pipeline_state",
+           "plan_cuts"]
+
+STATE_VERSION = 1
+"""Version of the pipeline state's layout (:func:`pipeline_state`); a newer one is refused."""
+_STATE_FORMAT = "rpcompile.pipeline"
+_FILE_FORMAT = "rpcompile.checkpoint"
+_MAGIC = b"RPCKPT\x00\x01"  # the last byte is the file layout's version
+_HEADER = struct.Struct("<8sQ32s")  # magic, payload length, sha256 of the payload
+PLAN_FILE = "plan.json"
+"""The plan :func:`save_checkpoint` keeps beside the checkpoints (:func:`checkpoint_plan`)."""
+_NAME = re.compile(r"^ckpt-(\d+)\.ckpt$")
+_CHUNK = 1 << 22
+
+
+class CheckpointError(RPCompileError):
+    """No usable checkpoint, or a state that does not fit the pipeline, model or optimizer it is loaded into."""
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was found torn or corrupt and skipped (moved aside); the previous one is used."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """What :func:`load_checkpoint` loaded."""
+
+    path: Path
+    step: int
+    """The step it was saved at (``save_checkpoint(..., step=)``)."""
+    extra: Any = None
+    """The ``extra=`` it was saved with."""
+
+
+# ---------------------------------------------------------------------------------------------- pipeline state
+def plan_cuts(plan: Plan) -> str:
+    """A digest of what in a plan decides the arithmetic: each stage's kind, nodes and saved nodes, the
+    microbatch count, the split head and the host's lookups (not the devices, times or memory)."""
+    cuts = [[s.kind, list(s.nodes), list(s.saved)] for s in plan.stages]
+    text = json.dumps([cuts, plan.microbatches, plan.head_chunks, list(plan.host)])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def pipeline_state(pipe: "Pipeline", stale_weights: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """The pipeline's state (module docstring); ``stale_weights``: the copies the next iteration computes with
+    when an overlapped step is done but no iteration has run beside it yet (else empty)."""
+    scaler = pipe.scaler
+    return {"format": _STATE_FORMAT, "version": STATE_VERSION, "model": pipe.plan.model.digest,
+            "cuts": plan_cuts(pipe.plan), "plan": pipe.plan.to_json(), "microbatches": pipe.microbatches,
+            "precision": pipe.precision, "iteration": pipe.iteration,
+            "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
+            "stale_weights": dict(stale_weights)}
+
+
+def check_pipeline_state(pipe: "Pipeline", state: Any, copies: Mapping[str, tuple[torch.dtype, tuple]], *,
+                         exact: bool = True) -> None:
+    """Raise :class:`CheckpointError` (one line) unless ``state`` is a pipeline state this pipeline can continue
+    — bit for bit where ``exact``; ``copies``: dtype and shape of the copies an overlapped step keeps, by name."""
+    if not isinstance(state, Mapping) or state.get("format") != _STATE_FORMAT:
+        raise CheckpointError("Pipeline.load_state_dict takes what Pipeline.state_dict() returned (a dict with "
+                              f"format={_STATE_FORMAT!r}); got {type(state).__name__}")
+    version = state.get("version")
+    if not isinstance(version, int) or version > STATE_VERSION:
+        raise CheckpointError(f"the pipeline state has version {version!r} but this rpcompile reads up to "
+                              f"{STATE_VERSION}; load it with the rpcompile that saved it or a newer one")
+    if not exact:
+        return
+    again = ("compile with the plan it was saved with (plan=rpcompile.checkpoint_plan(directory) for save_checkpoint's "
+             "directory), or pass exact=False to continue on this pipeline, not bit for bit")
+    if state["model"] != pipe.plan.model.digest:
+        raise CheckpointError(f"the pipeline state is for another graph (fingerprint {state['model']}, this "
+                              f"pipeline's is {pipe.plan.model.digest}: the model, its head_chunks or host "
+                              f"embeddings differ); {again}")
+    saved = (state["microbatches"], state["precision"])
+    if saved != (pipe.microbatches, pipe.precision):
+        raise CheckpointError(f"the pipeline state ran {saved[0]} microbatches in {saved[1]}, this pipeline "
+                              f"runs {pipe.microbatches} in {pipe.precision}; compile with microbatches={saved[0]}, "
+                              f"precision={saved[1]!r}, or pass exact=False")
+    if state["cuts"] != plan_cuts(pipe.plan):
+        raise CheckpointError(f"the pipeline state was computed with a plan cut otherwise (cuts {state['cuts']}, "
+                              f"this pipeline's {plan_cuts(pipe.plan)}), which changes the last bits; {again}")
+    has_scaler = pipe.scaler is not None and pipe.scaler.is_enabled()
+    if (state["scaler"] is not None) != has_scaler:
+        raise CheckpointError(f"the pipeline state {'has' if state['scaler'] else 'has no'} GradScaler state but "
+                              f"this pipeline {'has' if has_scaler else 'has no'} scaler; compile with "
+                              f"scaler={'torch.amp.GradScaler(...)' if state['scaler'] else 'None'}, or pass "
+                              "exact=False")
+    for name, t in state["stale_weights"].items():
+        mine = copies.get(name)
+        if mine != (t.dtype, tuple(t.shape)):
+            got = "none" if mine is None else f"{mine[0]} {mine[1]}"
+            raise CheckpointError(f"the pipeline state's stale copy of {name} is {t.dtype} {tuple(t.shape)}, this "
+                                  f"pipeline keeps {got}; {again}")
+
+
+# ---------------------------------------------------------------------------------------------- files
+class _HashingWriter:
+    """A write-only file object that hashes and counts what goes through it."""
+
+    def __init__(self, f: Any):
+        self.f, self.sha, self.length = f, hashlib.sha256(), 0
+
+    def write(self, data: Any) -> int:
+        self.sha.update(data)
+        self.length += len(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+class _Payload(io.RawIOBase):
+    """The payload of an open checkpoint file (what follows the header), as a file torch.load can seek in."""
+
+    def __init__(self, f: Any):
+        super().__init__()
+        self.f = f
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        return self.f.readinto(buffer)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        if whence == 0:
+            offset += _HEADER.size
+        return self.f.seek(offset, whence) - _HEADER.size
+
+    def tell(self) -> int:
+        return self.f.tell() - _HEADER.size
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make a rename in ``directory`` durable (a no-op where directories cannot be opened, e.g. Windows)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: Path, write: Callable[[Any], Any]) -> None:
+    """``write(f)`` into a temporary file beside ``path``, fsync'd, renamed onto ``path``, the rename fsync'd."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_directory(path.parent)
+
+
+def _write_payload(f: Any, payload: Any) -> None:
+    """The header, then ``payload`` as ``torch.save`` writes it, hashed on the way (module docstring)."""
+    f.write(bytes(_HEADER.size))  # zeros until the payload is complete: a torn file has no magic
+    writer = _HashingWriter(f)
+    torch.save(payload, writer)
+    f.seek(0)
+    f.write(_HEADER.pack(_MAGIC, writer.length, writer.sha.digest()))
+
+
+def verify(f: Any, size: int) -> None:
+    """Check an open checkpoint file of ``size`` bytes — header, length, sha256 of the payload — without
+    unpickling anything; raises :class:`ValueError` naming what is wrong if it is torn or corrupt."""
+    head = f.read(_HEADER.size)
+    if len(head) < _HEADER.size:
+        raise ValueError(f"{len(head)} bytes, shorter than the header")
+    magic, length, digest = _HEADER.unpack(head)
+    if magic != _MAGIC:
+        raise ValueError("no checkpoint header (torn before its header was written, or not a checkpoint)")
+    if size != _HEADER.size + length:
+        raise ValueError(f"{size} bytes where the header says {_HEADER.size + length}")
+    sha = hashlib.sha256()
+    while chunk := f.read(_CHUNK):
+        sha.update(chunk)
+    if sha.digest() != digest:
+        raise ValueError("checksum mismatch")
+
+
+def _read(path: Path) -> dict[str, Any]:
+    """The payload of ``path``, verified first (:func:`verify`)."""
+    with open(path, "rb") as f:
+        verify(f, os.fstat(f.fileno()).st_size)
+        f.seek(_HEADER.size)
+        payload = torch.load(_Payload(f), map_location="cpu", weights_only=True)
+    if not isinstance(payload, dict) or payload.get("format") != _FILE_FORMAT:
+        raise ValueError("not an rpcompile checkpoint payload")
+    return payload
+
+
+def checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every checkpoint file in ``directory``, newest first (none if it does not exist)."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name))]
+    return sorted(found, reverse=True)
+
+
+def save_checkpoint(directory: str | os.PathLike, *, model: torch.nn.Module, optimizer: Any,
+                    pipeline: "Pipeline", step: int | None = None, extra: Any = None, keep: int = 2) -> Path:
+    """Write ``model``'s, ``optimizer``'s and ``pipeline``'s state (and ``extra``) to
+    ``<directory>/ckpt-<step>.ckpt`` atomically, then delete all but the newest ``keep`` checkpoints there; returns
+    the path. ``step`` defaults to ``pipeline.iteration``. Call it after the optimizer step (gradients are not
+    saved); an overlapped step in flight is waited for (module docstring). ``optimizer=None`` saves none."""
+    if keep < 1:
+        raise CheckpointError(f"save_checkpoint: keep={keep}; keep at least the checkpoint just written (keep >= 1)")
+    step = pipeline.iteration if step is None else int(step)
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    newer = [p.name for s, p in checkpoints(root) if s > step]
+    if newer:
+        raise CheckpointError(f"save_checkpoint: {root} already holds {newer[0]}, newer than step {step}: a resume "
+                              "would take that one; remove it or save into another directory")
+    for stale in [*root.glob(".ckpt-*.tmp*"), *root.glob(f".{PLAN_FILE}.tmp*")]:  # left by a process killed
+        stale.unlink(missing_ok=True)                                                 # while it saved
+    pipeline_sd = pipeline.state_dict()  # first: it waits for an overlapped step, so the masters are final
+    payload = {"format": _FILE_FORMAT, "step": step, "pipeline": pipeline_sd, "model": model.state_dict(),
+               "optimizer": None if optimizer is None else optimizer.state_dict(), "extra": extra}
+    plan_file = root / PLAN_FILE  # first, so that every checkpoint's plan is on disk
+    if not plan_file.is_file() or plan_file.read_text() != pipeline_sd["plan"]:
+        _write_durably(plan_file, lambda f: f.write(pipeline_sd["plan"].encode()))
+    path = root / f"ckpt-{step:08d}.ckpt"
+    _write_durably(path, lambda f: _write_payload(f, payload))
+    for _, old in checkpoints(root)[keep:]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def checkpoint_plan(directory: str | os.PathLike) -> Plan | None:
+    """The plan the checkpoints in ``directory`` were saved with (``compile(..., plan=)`` continues them bit for
+    bit), or None if there is none yet — ``compile`` then plans afresh."""
+    path = Path(directory) / PLAN_FILE
+    return Plan.load(path) if path.is_file() else None
+
+
+def _newest_good(root: Path) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint in ``root`` that reads back whole, moving bad ones aside with a warning."""
+    found = checkpoints(root)
+    for step, path in found:
+        try:
+            return path, _read(path)
+        except (OSError, ValueError, RuntimeError, EOFError, struct.error) as e:
+            aside = path.with_name(path.name + ".corrupt")
+            try:
+                path.replace(aside)
+                where = f"moved to {aside.name}"
+            except OSError:
+                where = "left in place"
+            warnings.warn(f"checkpoint {path} is torn or corrupt ({e}); {where}, trying the previous one",
+                          CheckpointWarning, stacklevel=3)
+    if found:
+        raise CheckpointError(f"no good checkpoint in {root}: all {len(found)} are torn or corrupt (moved aside "
+                              "as *.corrupt); start afresh or restore one from a backup")
+    return None
+
+
+def load_checkpoint(directory: str | os.PathLike, *, model: torch.nn.Module, optimizer: Any,
+                    pipeline: "Pipeline", exact: bool = True) -> Checkpoint | None:
+    """Load the newest good checkpoint in ``directory`` into ``model``, ``optimizer`` and ``pipeline`` — made
+    as for the run that saved it: the same model compiled with :func:`checkpoint_plan`'s plan, an optimizer of
+    the same kind over its parameters; returns what was loaded, or None when the directory holds no checkpoint
+    (a fresh start). ``exact=False``: :meth:`Pipeline.load_state_dict`'s."""
+    found = _newest_good(Path(directory))
+    if found is None:
+        return None
+    path, payload = found
+    pipeline.check_state_dict(payload["pipeline"], exact=exact)  # before anything changes
+    try:
+        model.load_state_dict(payload["model"])
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path}: the model's state does not fit this model ({first}); load it into the model "
+                              "it was saved from") from None
+    if optimizer is not None and payload["optimizer"] is not None:
+        try:
+            optimizer.load_state_dict(payload["optimizer"])
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(f"{path}: the optimizer's state does not fit this optimizer ({e}); make it as "
+                                  "for the run that saved it (same parameters, same groups)") from None
+    pipeline.load_state_dict(payload["pipeline"], optimizer=optimizer, exact=exact)
+    return Checkpoint(path=path, step=int(payload["step"]), extra=payload["extra"])

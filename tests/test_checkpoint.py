@@ -1,0 +1,320 @@
+"""Exact save and resume (rpcompile/checkpoint.py, ``Pipeline.state_dict``): a run resumed from a checkpoint —
+in this process or a fresh one after a SIGKILL at a random point, a save included — ends with the weights of an
+uninterrupted run bit for bit (fp32 and bf16, dropout, overlapped steps, fp16 loss scaling); a checkpoint torn or
+corrupted anywhere is detected and the previous one used; a state that cannot continue exactly is refused in one
+line."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import io
+import multiprocessing
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import rpcompile
+from rpcompile.checkpoint import CheckpointWarning, checkpoints, verify
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _resume  # noqa: E402
+from _resume import Net, batch, build, train  # noqa: E402
+
+HELPER = Path(__file__).resolve().parent / "_resume.py"
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def plan():
+    """The plan every run here shares (analytic costs: forward, fused and backward stages on two CPU devices)."""
+    _, pipe, _ = build()
+    assert [s.kind for s in pipe.plan.stages] == ["forward", "fused", "backward"]
+    return pipe.plan
+
+
+def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_bitwise(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), f"{k} differs by {(got[k].float() - want[k].float()).abs().max():.3g}"
+
+
+def uninterrupted(plan, steps: int = STEPS, overlap: bool = False, **options) -> dict[str, torch.Tensor]:
+    model, pipe, opt = build(plan, **options)
+    train(model, pipe, opt, 0, steps, overlap=overlap)
+    return weights(model)
+
+
+def keep_up_to(directory: Path, step: int) -> None:
+    """Delete the checkpoints after ``step``: the directory as a run killed after saving ``step`` left it."""
+    for s, path in checkpoints(directory):
+        if s > step:
+            path.unlink()
+
+
+# ---------------------------------------------------------------------------------------------- same process
+@pytest.mark.parametrize("precision,overlap,scaler", [("fp32", False, False), ("fp32", True, False),
+                                                      ("bf16", True, False), ("fp16", False, True)],
+                         ids=["fp32", "fp32-overlap", "bf16-overlap", "fp16-scaler"])
+def test_resume_into_a_fresh_pipeline_is_exact(plan, tmp_path, precision, overlap, scaler):
+    """Saving every step changes nothing; a new model, optimizer and pipeline loaded from step 3's checkpoint
+    continue to the uninterrupted run's weights bit for bit — with dropout, with an overlapped step in flight at
+    the save (the next iteration is one step stale, as it would have been) and with an fp16 GradScaler."""
+    options = dict(precision=precision, scaler=scaler)
+    want = uninterrupted(plan, overlap=overlap, **options)
+    model, pipe, opt = build(plan, **options)
+    train(model, pipe, opt, 0, STEPS, overlap=overlap, ckpt=tmp_path, keep=STEPS)
+    assert_bitwise(weights(model), want)  # saving did not change training
+    keep_up_to(tmp_path, 3)
+    model, pipe, opt = build(rpcompile.checkpoint_plan(tmp_path), **options)
+    resumed = rpcompile.load_checkpoint(tmp_path, model=model, optimizer=opt, pipeline=pipe)
+    assert resumed is not None and resumed.step == 3 and pipe.iteration == 3
+    if scaler:
+        assert pipe.scaler.get_scale() == 2.0 ** 13  # grown once (growth_interval=2), carried over
+    train(model, pipe, opt, 3, STEPS, overlap=overlap)
+    assert_bitwise(weights(model), want)
+
+
+def test_without_the_pipeline_state_dropout_repeats_its_masks(plan, tmp_path):
+    """What the pipeline state fixes: the model's and the optimizer's state alone resume at iteration 0, whose
+    dropout masks differ — the weights drift (issue 21: 3.9e-2)."""
+    want = uninterrupted(plan)
+    model, pipe, opt = build(plan)
+    train(model, pipe, opt, 0, 3, ckpt=tmp_path)
+    model, pipe, opt = build(plan)
+    rpcompile.load_checkpoint(tmp_path, model=model, optimizer=opt, pipeline=pipe)
+    pipe.iteration = 0
+    train(model, pipe, opt, 3, STEPS)
+    assert not all(torch.equal(a, want[k]) for k, a in weights(model).items())
+
+
+def test_resume_on_other_devices_with_the_same_cuts(plan, tmp_path):
+    """The devices are not part of the arithmetic: the same cuts on three logical devices continue a
+    two-device run bit for bit."""
+    want = uninterrupted(plan)
+    model, pipe, opt = build(plan)
+    train(model, pipe, opt, 0, 3, ckpt=tmp_path)
+    three = dataclasses.replace(plan, hardware=dataclasses.replace(plan.hardware, device_count=3))
+    model, pipe, opt = build(three, devices=["cpu"] * 3)
+    rpcompile.load_checkpoint(tmp_path, model=model, optimizer=opt, pipeline=pipe)
+    train(model, pipe, opt, 3, STEPS)
+    assert_bitwise(weights(model), want)
+
+
+# ---------------------------------------------------------------------------------------------- refusals
+def test_a_state_that_cannot_continue_exactly_is_refused_in_one_line(plan, tmp_path):
+    model, pipe, opt = build(plan)
+    train(model, pipe, opt, 0, 1, ckpt=tmp_path)
+    state = pipe.state_dict()
+    _, bf16, _ = build(plan, precision="bf16")
+    with pytest.raises(rpcompile.CheckpointError, match=r"^the pipeline state ran 2 microbatches in fp32, this "
+                       r"pipeline runs 2 in bf16; compile with microbatches=2, precision='fp32', or pass exact=False$"):
+        bf16.load_state_dict(state)
+    torch.manual_seed(0)
+    from _resume import loss_fn
+    single = rpcompile.compile(Net(), (batch(0)[0],), loss_fn=loss_fn, devices=["cpu"], microbatches=2, spec="cpu",
+                               host_embedding=False, time_limit_s=5.0)
+    assert [s.kind for s in single.plan.stages] == ["fused"]
+    with pytest.raises(rpcompile.CheckpointError, match=r"^the pipeline state was computed with a plan cut otherwise "
+                       r"\(cuts \w+, this pipeline's \w+\), which changes the last bits; compile with the plan it "
+                       r"was saved with \(plan=rpcompile.checkpoint_plan\(directory\)"):
+        single.load_state_dict(state)
+    single.load_state_dict(state, exact=False)  # continues, not bit for bit
+    assert single.iteration == 1
+    other = rpcompile.compile(torch.nn.Sequential(torch.nn.Embedding(32, 8), torch.nn.Linear(8, 32)),
+                              (batch(0)[0],), loss_fn=loss_fn, devices=["cpu"], spec="cpu", time_limit_s=5.0)
+    with pytest.raises(rpcompile.CheckpointError, match=r"^the pipeline state is for another graph \(fingerprint "):
+        other.load_state_dict(state)
+    with pytest.raises(rpcompile.CheckpointError, match=r"^Pipeline.load_state_dict takes what Pipeline.state_dict\(\) "
+                       r"returned .*; got OrderedDict$"):
+        pipe.load_state_dict(model.state_dict())
+    with pytest.raises(rpcompile.CheckpointError, match=r"^the pipeline state has version 99 but this rpcompile "
+                       r"reads up to 1; "):
+        pipe.load_state_dict({**state, "version": 99})
+    _, scaled, _ = build(plan, scaler=True)
+    with pytest.raises(rpcompile.CheckpointError, match=r"^the pipeline state has no GradScaler state but this "
+                       r"pipeline has scaler; "):
+        scaled.load_state_dict(state)
+    # a state saved beside an overlapped step needs its optimizer
+    pipe.forward_backward(*batch(1)[:1], target=batch(1)[1])
+    pipe.step(opt, overlap=True)
+    overlapped = pipe.state_dict()
+    assert overlapped["stale_weights"]
+    with pytest.raises(rpcompile.CheckpointError, match=r"^this pipeline state was saved right after "
+                       r"step\(optimizer, overlap=True\): pass load_state_dict\(state, optimizer=optimizer\)"):
+        build(plan)[1].load_state_dict(overlapped)
+    # a resume that goes backwards would be shadowed by the newer checkpoint
+    with pytest.raises(rpcompile.CheckpointError, match=r"^save_checkpoint: .* already holds ckpt-00000001.ckpt, "
+                       r"newer than step 0: "):
+        rpcompile.save_checkpoint(tmp_path, model=model, optimizer=opt, pipeline=pipe, step=0)
+
+
+def test_model_and_optimizer_that_do_not_fit_are_refused_in_one_line(plan, tmp_path):
+    model, pipe, opt = build(plan)
+    train(model, pipe, opt, 0, 1, ckpt=tmp_path)
+    model, pipe, opt = build(plan)
+    with pytest.raises(rpcompile.CheckpointError, match=r"the optimizer's state does not fit this optimizer \("):
+        rpcompile.load_checkpoint(tmp_path, model=model, pipeline=pipe,
+                                  optimizer=torch.optim.AdamW([{"params": [model.head.weight]},
+                                                               {"params": [model.head.bias]}]))
+
+
+# ---------------------------------------------------------------------------------------------- torn files
+def test_every_truncation_and_bit_flip_is_detected(tmp_path):
+    """A checkpoint cut at every byte, or with one bit flipped at every byte, fails its header, length or
+    checksum check (:func:`rpcompile.checkpoint.verify`) — before torch.load sees it."""
+    model = torch.nn.Linear(2, 2)
+    pipe = rpcompile.compile(model, (torch.randn(2, 2),), loss_fn=torch.nn.MSELoss(), devices=["cpu"], spec="cpu",
+                             time_limit_s=5.0)
+    path = rpcompile.save_checkpoint(tmp_path, model=model, optimizer=None, pipeline=pipe, step=1)
+    good = path.read_bytes()
+    verify(io.BytesIO(good), len(good))
+    for n in range(len(good)):
+        with pytest.raises(ValueError):
+            verify(io.BytesIO(good[:n]), n)
+    for i in range(len(good)):
+        flipped = bytearray(good)
+        flipped[i] ^= 1 << (i % 8)
+        with pytest.raises(ValueError):
+            verify(io.BytesIO(bytes(flipped)), len(good))
+
+
+def test_a_torn_newest_checkpoint_is_skipped_for_the_previous(plan, tmp_path):
+    want = uninterrupted(plan)
+    model, pipe, opt = build(plan)
+    train(model, pipe, opt, 0, 4, ckpt=tmp_path)  # keeps ckpt 3 and 4
+    newest = tmp_path / "ckpt-00000004.ckpt"
+    newest.write_bytes(newest.read_bytes()[:-100])  # torn: the disk lost its tail
+    (tmp_path / ".ckpt-00000005.ckpt.tmp123").write_bytes(b"half a save")  # a save killed midway
+    model, pipe, opt = build(plan)
+    with pytest.warns(CheckpointWarning, match=r"^checkpoint .*ckpt-00000004.ckpt is torn or corrupt \(\d+ bytes "
+                      r"where the header says \d+\); moved to ckpt-00000004.ckpt.corrupt, trying the previous one$"):
+        resumed = rpcompile.load_checkpoint(tmp_path, model=model, optimizer=opt, pipeline=pipe)
+    assert resumed.step == 3 and (tmp_path / "ckpt-00000004.ckpt.corrupt").is_file()
+    train(model, pipe, opt, 3, STEPS, ckpt=tmp_path)
+    assert_bitwise(weights(model), want)
+    assert not list(tmp_path.glob(".ckpt-*")), "the next save removes what a killed save left"
+    assert [s for s, _ in checkpoints(tmp_path)] == [STEPS, STEPS - 1]
+
+
+def test_no_good_checkpoint_is_one_line_and_none_is_a_fresh_start(plan, tmp_path):
+    model, pipe, opt = build(plan)
+    assert rpcompile.load_checkpoint(tmp_path / "absent", model=model, optimizer=opt, pipeline=pipe) is None
+    assert rpcompile.checkpoint_plan(tmp_path / "absent") is None
+    train(model, pipe, opt, 0, 2, ckpt=tmp_path)
+    for _, path in checkpoints(tmp_path):
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointWarning)
+        with pytest.raises(rpcompile.CheckpointError, match=r"^no good checkpoint in .*: all 2 are torn or corrupt "
+                           r"\(moved aside as \*.corrupt\); start afresh or restore one from a backup$"):
+            rpcompile.load_checkpoint(tmp_path, model=model, optimizer=opt, pipeline=pipe)
+
+
+# ---------------------------------------------------------------------------------------------- SIGKILL
+class Run:
+    """``_resume.main`` in a process of its own: ``spawn`` — a new interpreter (``python tests/_resume.py``) —
+    or ``fork`` — forked from multiprocessing's forkserver, which imported torch and rpcompile once and has run
+    nothing (a new interpreter spends ~4 s of CPU importing them: the default suite forks, the slow one spawns).
+    Either way nothing of an earlier run is in its memory; what it prints goes to ``log``."""
+
+    def __init__(self, how: str, args: list[str], slow_save: str = ""):
+        self.log = Path(args[-1])
+        if how == "spawn":
+            env = dict(os.environ, RESUME_SLOW_SAVE=slow_save)
+            self.proc: Any = subprocess.Popen([sys.executable, str(HELPER), *args], env=env,
+                                              stderr=subprocess.PIPE, text=True)
+        else:
+            self.proc = _forkserver().Process(target=_resume.main, args=(args, slow_save))
+            self.proc.start()
+
+    def lines(self) -> list[str]:
+        return self.log.read_text().splitlines() if self.log.exists() else []
+
+    def alive(self) -> bool:
+        return (self.proc.poll() if isinstance(self.proc, subprocess.Popen) else self.proc.exitcode) is None
+
+    def kill_when(self, marker: str, delay: float, timeout: float = 120.0) -> None:
+        """SIGKILL ``delay`` seconds after ``marker`` is printed (at once if the run ended first)."""
+        end = time.monotonic() + timeout
+        while marker not in self.lines() and self.alive() and time.monotonic() < end:
+            time.sleep(0.002)
+        time.sleep(delay)
+        if self.alive():
+            os.kill(self.proc.pid, signal.SIGKILL)
+
+    def wait(self) -> int:
+        if isinstance(self.proc, subprocess.Popen):
+            _, err = self.proc.communicate(timeout=120)
+            assert "Traceback" not in err, err
+            return self.proc.returncode
+        self.proc.join(120)
+        return self.proc.exitcode
+
+
+@functools.cache
+def _forkserver() -> Any:
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "rpcompile.pipeline", "rpcompile.checkpoint", "_resume"])
+    return context
+
+
+def _kill_and_resume(plan_file: Path, want: dict[str, torch.Tensor], root: Path, rep: int, how: str) -> None:
+    """One run of the helper killed at a point drawn from ``rep`` — inside a save (its fsyncs made slow, so the
+    kill tears it), while training, or anywhere (a save of its own slow) — then a fresh process that resumes
+    it, which must end with the uninterrupted run's weights."""
+    rng = random.Random(rep)
+    ckpt, out = root / f"ckpt{rep}", root / f"out{rep}.pt"
+    phase = ("save", "train", "anywhere")[rep % 3]
+    k = rng.randint(1, STEPS - 1)
+    args = [str(ckpt), str(plan_file), str(STEPS), str(out)]
+    killed = Run(how, [*args, str(root / f"killed{rep}.log")], slow_save=f"{k}:1.0")
+    marker, delay = {"save": (f"fsync {k}", rng.uniform(0, 0.3)), "train": (f"saved {k}", rng.uniform(0, 0.05)),
+                     "anywhere": ("resumed 0", rng.uniform(0, 1))}[phase]
+    killed.kill_when(marker, delay)
+    code, lines = killed.wait(), killed.lines()
+    assert code == -signal.SIGKILL or "done" in lines, (code, lines)
+    saved = max((int(x.split()[1]) for x in lines if x.startswith("saved ")), default=0)
+    if phase == "save":  # the kill tore save k: its temporary file written, not renamed into place
+        assert saved == k - 1 and list(ckpt.glob(".*.tmp*")) and not (ckpt / f"ckpt-{k:08d}.ckpt").exists(), lines
+    resumed = Run(how, [*args, str(root / f"resumed{rep}.log")])
+    assert resumed.wait() == 0
+    start = int(resumed.lines()[0].split()[1])
+    assert saved <= start <= saved + 1, (lines, resumed.lines())  # +1: killed between the rename and the print
+    assert_bitwise(torch.load(out, weights_only=True), want)
+
+
+@pytest.fixture(scope="module")
+def killed_setup(plan, tmp_path_factory):
+    root = tmp_path_factory.mktemp("kill")
+    plan_file = plan.save(root / "plan.json")
+    return plan_file, uninterrupted(plan), root
+
+
+@pytest.mark.parametrize("rep", range(3))
+def test_resume_after_sigkill_is_exact(killed_setup, rep):
+    """Killed inside a save (the previous checkpoint is used), while training and at a random time: the fresh
+    process that resumes ends with the uninterrupted run's weights bit for bit (forked processes)."""
+    _kill_and_resume(*killed_setup, rep, "fork")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rep", range(3, 23))
+def test_resume_after_sigkill_is_exact_20_more(killed_setup, rep):
+    """The same, 20 times more, each process a new interpreter (~10 s each)."""
+    _kill_and_resume(*killed_setup, rep, "spawn")

@@ -1,35 +1,41 @@
 """Exact save and resume: the pipeline's own state, and checkpoint files that a crash cannot tear.
 
-Three ``state_dict``\\ s make a training run: the model's (fp32 masters, buffers such as BatchNorm statistics), the
-optimizer's (moments, step counts, learning rates) and the **pipeline's** (:meth:`Pipeline.state_dict`):
+Three ``state_dict``\\ s make a training run: the model's (fp32 masters, buffers such as BatchNorm statistics;
+frozen parameters in the compute precision unless ``frozen_masters=True``), the optimizer's (moments, step
+counts, learning rates) and the **pipeline's** (:meth:`Pipeline.state_dict`):
 
 - ``iteration``: the number of ``forward_backward`` calls so far, which seeds every dropout mask (with the node
   and the microbatch, :mod:`rpcompile.runtime.rng`) — a fresh pipeline starts at 0 and would draw the first
   iteration's masks again;
 - ``scaler``: the ``GradScaler``'s state (scale, growth tracker) when the pipeline holds one (fp16);
 - ``stale_weights``: after ``pipe.step(optimizer, overlap=True)``, the copies of the weights from *before* that
-  step, which the next iteration computes with (one step stale, :meth:`Pipeline.step`); the step itself is waited
-  for, so the masters in the model's ``state_dict`` are the stepped ones. Saving therefore never changes what
-  training computes, and a resumed run goes on one step stale exactly where the saved one would have;
-- ``model``, ``microbatches``, ``precision``: what the state was computed for — the plan's model fingerprint
+  step, which the next iteration computes with (one step stale, :meth:`Pipeline.step`). The step itself is waited
+  for, so the masters in the model's ``state_dict`` are the stepped ones; saving never changes what training
+  computes, and a resumed run goes on one step stale where the saved one would have (the checkpoint then holds a
+  second copy of the trainable weights, in the compute precision);
+- what the state was computed with, checked on load: a version, the plan's model fingerprint
   (:class:`rpcompile.core.plan.Fingerprint`: the traced graph, whose node names key the dropout seeds, and the
-  parameters), the microbatch count and the compute precision. A state is loaded only into a pipeline that agrees
-  on all three (else one line saying what differs); where the cuts or the devices differ it loads, since results
-  do not depend on them (``tests/test_checkpoint.py`` checks a resume on another plan, bit for bit).
+  parameters), the microbatch count, the precision and the plan's cuts (:func:`plan_cuts`: each stage's nodes and
+  saved nodes — a fused stage and a forward/backward pair round differently in the last bit), and the plan
+  itself. The devices are not part of it: the same cuts on other devices continue bit for bit. A state that
+  differs is refused in one line; ``exact=False`` loads it anyway (the iteration and the scaler carry over).
 
 Not saved, by design: gradients (checkpoint after the optimizer step), the weight copies and saved-segment
-captures (remade from the masters), the user's own random state and the data loader's position (pass what you
-need in ``extra=``, e.g. an lr scheduler's ``state_dict`` or the number of batches consumed).
+captures (remade from the masters), the user's random state and the data loader's position (pass what you need
+in ``extra=``, e.g. an lr scheduler's ``state_dict``; the data's order is yours to replay).
 
-**Files.** :func:`save_checkpoint` writes the three states (and ``extra``) to ``<directory>/ckpt-<step>.ckpt``: a
-48-byte header — magic, payload length, sha256 of the payload — then ``torch.save``\\ 's bytes. It writes a
-hidden temporary file in the same directory, flushes and ``fsync``\\ s it, renames it into place (``os.replace``,
-atomic) and ``fsync``\\ s the directory, so a checkpoint name only ever holds a whole file; then it deletes all but
-the newest ``keep`` checkpoints. :func:`load_checkpoint` takes the newest checkpoint whose header, length and
-checksum hold (a file torn by a crash of the disk or the machine, truncated or bit-flipped), moving each bad one
-aside to ``<name>.corrupt`` with a one-line warning, and loads the model, optimizer and pipeline states from it in
-that order. Payloads load with ``torch.load(weights_only=True)``: ``extra`` may hold tensors, numbers, strings and
-lists, tuples and dicts of them.
+**Files.** :func:`save_checkpoint` writes the three states (and ``extra``) to ``<directory>/ckpt-<step>.ckpt``:
+a 48-byte header — magic, payload length, sha256 of the payload — then ``torch.save``\\ 's bytes, streamed (no
+second copy in memory). It writes a hidden temporary file in the same directory, flushes and ``fsync``\\ s it,
+renames it into place (``os.replace``: atomic) and ``fsync``\\ s the directory, so a checkpoint's name only ever
+holds a whole file; then it deletes all but the newest ``keep``. The plan goes beside them once, as ``plan.json``
+(:func:`checkpoint_plan`: compile the resumed run with it, since a fresh plan may cut otherwise). A process killed
+while saving leaves only its temporary file, removed by the next save. :func:`load_checkpoint` takes the newest
+checkpoint whose header, length and checksum hold — one torn by a machine crash, truncated or bit-flipped is moved
+aside to ``<name>.corrupt`` with a one-line warning and the previous one is used — and loads the model, optimizer
+and pipeline states from it, in that order, after checking the pipeline's. Payloads load with
+``torch.load(weights_only=True)``: ``extra`` may hold tensors, numbers, strings and lists, tuples and dicts of
+them (checked when saving).
 """
 
 from __future__ import annotations
@@ -246,15 +252,23 @@ def verify(f: Any, size: int) -> None:
         raise ValueError("checksum mismatch")
 
 
-def _read(path: Path) -> dict[str, Any]:
-    """The payload of ``path``, verified first (:func:`verify`)."""
-    with open(path, "rb") as f:
-        verify(f, os.fstat(f.fileno()).st_size)
-        f.seek(_HEADER.size)
-        payload = torch.load(_Payload(f), map_location="cpu", weights_only=True)
+def _unpickle(path: Path) -> dict[str, Any]:
+    """The payload of ``path`` (verified already) as ``torch.load(weights_only=True)`` reads it."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(_HEADER.size)
+            payload = torch.load(_Payload(f), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - its checksum holds: what it holds cannot be loaded safely
+        raise CheckpointError(f"{path}: its checksum holds but torch.load(weights_only=True) refused it "
+                              f"({_first_line(e)}); load it with the rpcompile that saved it") from None
     if not isinstance(payload, dict) or payload.get("format") != _FILE_FORMAT:
-        raise ValueError("not an rpcompile checkpoint payload")
+        raise CheckpointError(f"{path} holds no rpcompile checkpoint (format {_FILE_FORMAT!r} missing)")
     return payload
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return f"{type(e).__name__}: {' '.join(lines[:2])}"[:240] if lines else type(e).__name__
 
 
 def checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
@@ -283,6 +297,7 @@ def save_checkpoint(directory: str | os.PathLike, *, model: torch.nn.Module, opt
                               "would take that one; remove it or save into another directory")
     for stale in [*root.glob(".ckpt-*.tmp*"), *root.glob(f".{PLAN_FILE}.tmp*")]:  # left by a process killed
         stale.unlink(missing_ok=True)                                                 # while it saved
+    _check_extra(extra)
     pipeline_sd = pipeline.state_dict()  # first: it waits for an overlapped step, so the masters are final
     payload = {"format": _FILE_FORMAT, "step": step, "pipeline": pipeline_sd, "model": model.state_dict(),
                "optimizer": None if optimizer is None else optimizer.state_dict(), "extra": extra}
@@ -296,6 +311,19 @@ def save_checkpoint(directory: str | os.PathLike, *, model: torch.nn.Module, opt
     return path
 
 
+def _check_extra(extra: Any) -> None:
+    """Refuse an ``extra`` that ``torch.load(weights_only=True)`` would not read back (a save that cannot load)."""
+    buffer = io.BytesIO()
+    try:
+        torch.save(extra, buffer)
+        buffer.seek(0)
+        torch.load(buffer, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - whatever torch refuses, the one-line reason
+        raise CheckpointError(f"save_checkpoint: extra= would not load back with torch.load(weights_only=True) "
+                              f"({_first_line(e)}); keep it to tensors, numbers, strings and lists, tuples and "
+                              "dicts of them (e.g. scheduler.state_dict())") from None
+
+
 def checkpoint_plan(directory: str | os.PathLike) -> Plan | None:
     """The plan the checkpoints in ``directory`` were saved with (``compile(..., plan=)`` continues them bit for
     bit), or None if there is none yet — ``compile`` then plans afresh."""
@@ -303,13 +331,15 @@ def checkpoint_plan(directory: str | os.PathLike) -> Plan | None:
     return Plan.load(path) if path.is_file() else None
 
 
-def _newest_good(root: Path) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint in ``root`` that reads back whole, moving bad ones aside with a warning."""
+def _newest_good(root: Path) -> Path | None:
+    """The newest checkpoint in ``root`` that passes :func:`verify`, moving bad ones aside with a warning."""
     found = checkpoints(root)
-    for step, path in found:
+    for _, path in found:
         try:
-            return path, _read(path)
-        except (OSError, ValueError, RuntimeError, EOFError, struct.error) as e:
+            with open(path, "rb") as f:
+                verify(f, os.fstat(f.fileno()).st_size)
+            return path
+        except ValueError as e:
             aside = path.with_name(path.name + ".corrupt")
             try:
                 path.replace(aside)
@@ -318,9 +348,12 @@ def _newest_good(root: Path) -> tuple[Path, dict[str, Any]] | None:
                 where = "left in place"
             warnings.warn(f"checkpoint {path} is torn or corrupt ({e}); {where}, trying the previous one",
                           CheckpointWarning, stacklevel=3)
+        except OSError as e:
+            warnings.warn(f"checkpoint {path} cannot be read ({e}); trying the previous one", CheckpointWarning,
+                          stacklevel=3)
     if found:
-        raise CheckpointError(f"no good checkpoint in {root}: all {len(found)} are torn or corrupt (moved aside "
-                              "as *.corrupt); start afresh or restore one from a backup")
+        raise CheckpointError(f"no good checkpoint in {root}: all {len(found)} are torn, corrupt or unreadable "
+                              "(the corrupt ones moved aside as *.corrupt); start afresh or restore one from a backup")
     return None
 
 
@@ -330,22 +363,22 @@ def load_checkpoint(directory: str | os.PathLike, *, model: torch.nn.Module, opt
     as for the run that saved it: the same model compiled with :func:`checkpoint_plan`'s plan, an optimizer of
     the same kind over its parameters; returns what was loaded, or None when the directory holds no checkpoint
     (a fresh start). ``exact=False``: :meth:`Pipeline.load_state_dict`'s."""
-    found = _newest_good(Path(directory))
-    if found is None:
+    path = _newest_good(Path(directory))
+    if path is None:
         return None
-    path, payload = found
-    pipeline.check_state_dict(payload["pipeline"], exact=exact)  # before anything changes
+    payload = _unpickle(path)
+    pipeline.check_state_dict(payload["pipeline"], optimizer=optimizer, exact=exact)  # before anything changes
+    pipeline.synchronize()  # no overlapped step may be writing the masters while they load
     try:
         model.load_state_dict(payload["model"])
     except RuntimeError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{path}: the model's state does not fit this model ({first}); load it into the model "
-                              "it was saved from") from None
+        raise CheckpointError(f"{path}: the model's state does not fit this model ({_first_line(e)}); load it into "
+                              "the model it was saved from") from None
     if optimizer is not None and payload["optimizer"] is not None:
         try:
             optimizer.load_state_dict(payload["optimizer"])
         except (ValueError, KeyError) as e:
-            raise CheckpointError(f"{path}: the optimizer's state does not fit this optimizer ({e}); make it as "
-                                  "for the run that saved it (same parameters, same groups)") from None
+            raise CheckpointError(f"{path}: the optimizer's state does not fit this optimizer ({_first_line(e)}); "
+                                  "make it as for the run that saved it (same parameters, same groups)") from None
     pipeline.load_state_dict(payload["pipeline"], optimizer=optimizer, exact=exact)
     return Checkpoint(path=path, step=int(payload["step"]), extra=payload["extra"])

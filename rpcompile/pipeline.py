@@ -309,7 +309,7 @@ class Pipeline:
             stale = {n: weights.source(n).clone() for n, e in weights.entries.items() if e.master.requires_grad}
         return pipeline_state(self, stale)
 
-    def check_state_dict(self, state: Any, *, exact: bool = True) -> None:
+    def check_state_dict(self, state: Any, *, optimizer: Any = None, exact: bool = True) -> None:
         """Raise a one-line :class:`~rpcompile.checkpoint.CheckpointError` unless :meth:`load_state_dict` can
         continue ``state`` here — bit for bit where ``exact``: the same graph fingerprint, microbatches,
         precision, plan cuts and scaler."""
@@ -317,6 +317,9 @@ class Pipeline:
         copies = {n: (weights.source(n).dtype, tuple(e.master.shape)) for n, e in weights.entries.items()
                   if e.master.requires_grad}
         check_pipeline_state(self, state, copies, exact=exact)
+        if exact and state["stale_weights"] and optimizer is None:
+            raise CheckpointError("this pipeline state was saved right after step(optimizer, overlap=True): pass "
+                                  "load_state_dict(state, optimizer=optimizer), its state loaded first")
 
     def load_state_dict(self, state: Mapping[str, Any], *, optimizer: Any = None, exact: bool = True) -> None:
         """Continue from :meth:`state_dict`, after the model's and the optimizer's ``load_state_dict``. A state
@@ -324,11 +327,8 @@ class Pipeline:
         beside the (already done) step with the weights from before it, as it would have. ``exact=False`` loads
         into a pipeline compiled otherwise (another plan, devices, precision): the iteration and the scaler's
         state carry over, the next iteration runs on the latest weights, and results differ in the last bits."""
-        self.check_state_dict(state, exact=exact)
+        self.check_state_dict(state, optimizer=optimizer, exact=exact)
         stale = state["stale_weights"] if exact else {}
-        if stale and optimizer is None:
-            raise CheckpointError("this pipeline state was saved right after step(optimizer, overlap=True): pass "
-                                  "load_state_dict(state, optimizer=optimizer), its state loaded first")
         self.synchronize()
         self.iteration = int(state["iteration"])
         if state["scaler"] is not None and self.scaler is not None and self.scaler.is_enabled():

@@ -60,12 +60,14 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, VOCAB, (4, 6), generator=g), torch.randint(0, VOCAB, (4, 6), generator=g)
 
 
-def build(plan: Any = None, *, precision: str = "fp32", scaler: bool = False, **options: Any,
-          ) -> tuple[Net, Any, torch.optim.Optimizer]:
-    """A seeded model, its pipeline on two logical CPU devices (``plan``: a Plan or file; else planned with
-    analytic costs) and an AdamW over it."""
+def build(plan: Any = None, *, precision: str = "fp32", scaler: bool = False, frozen: str | None = None,
+          **options: Any) -> tuple[Net, Any, torch.optim.Optimizer]:
+    """A seeded model (``frozen``: a submodule without gradients), its pipeline on two logical CPU devices
+    (``plan``: a Plan or file; else planned with analytic costs) and an AdamW over it."""
     torch.manual_seed(0)
     model = Net()
+    if frozen:
+        model.get_submodule(frozen).requires_grad_(False)
     x, _ = batch(0)
     kw: dict[str, Any] = {"plan": plan} if plan is not None else {"spec": FINE, "microbatches": 2, "time_limit_s": 5.0}
     options.setdefault("devices", ["cpu", "cpu"])

@@ -66,14 +66,18 @@ def keep_up_to(directory: Path, step: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- same process
-@pytest.mark.parametrize("precision,overlap,scaler", [("fp32", False, False), ("fp32", True, False),
-                                                      ("bf16", True, False), ("fp16", False, True)],
-                         ids=["fp32", "fp32-overlap", "bf16-overlap", "fp16-scaler"])
-def test_resume_into_a_fresh_pipeline_is_exact(plan, tmp_path, precision, overlap, scaler):
+@pytest.mark.parametrize("precision,overlap,scaler,frozen", [
+    ("fp32", False, False, None), ("fp32", True, False, None), ("bf16", True, False, None),
+    ("fp16", False, True, None), ("bf16", False, False, "l1")],
+    ids=["fp32", "fp32-overlap", "bf16-overlap", "fp16-scaler", "bf16-frozen"])
+def test_resume_into_a_fresh_pipeline_is_exact(plan, tmp_path, precision, overlap, scaler, frozen):
     """Saving every step changes nothing; a new model, optimizer and pipeline loaded from step 3's checkpoint
     continue to the uninterrupted run's weights bit for bit — with dropout, with an overlapped step in flight at
-    the save (the next iteration is one step stale, as it would have been) and with an fp16 GradScaler."""
-    options = dict(precision=precision, scaler=scaler)
+    the save (the next iteration is one step stale, as it would have been), with an fp16 GradScaler, and with a
+    frozen layer kept only in bf16 (its ``.data`` is the pipeline's copy)."""
+    options = dict(precision=precision, scaler=scaler, frozen=frozen)
+    if frozen:  # another model fingerprint (requires_grad is part of it): a plan of its own
+        plan = build(**options)[1].plan
     want = uninterrupted(plan, overlap=overlap, **options)
     model, pipe, opt = build(plan, **options)
     train(model, pipe, opt, 0, STEPS, overlap=overlap, ckpt=tmp_path, keep=STEPS)
@@ -84,6 +88,8 @@ def test_resume_into_a_fresh_pipeline_is_exact(plan, tmp_path, precision, overla
     assert resumed is not None and resumed.step == 3 and pipe.iteration == 3
     if scaler:
         assert pipe.scaler.get_scale() == 2.0 ** 13  # grown once (growth_interval=2), carried over
+    if frozen:
+        assert model.l1.weight.dtype == torch.bfloat16
     train(model, pipe, opt, 3, STEPS, overlap=overlap)
     assert_bitwise(weights(model), want)
 
@@ -172,6 +178,22 @@ def test_model_and_optimizer_that_do_not_fit_are_refused_in_one_line(plan, tmp_p
                                                                {"params": [model.head.bias]}]))
 
 
+def test_extra_comes_back_and_one_that_would_not_load_is_refused_when_saving(plan, tmp_path):
+    model, pipe, opt = build(plan)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    train(model, pipe, opt, 0, 1)
+    scheduler.step()
+    rpcompile.save_checkpoint(tmp_path, model=model, optimizer=opt, pipeline=pipe,
+                              extra={"scheduler": scheduler.state_dict(), "batches": 7})
+    model, pipe, opt = build(plan)
+    resumed = rpcompile.load_checkpoint(tmp_path, model=model, optimizer=opt, pipeline=pipe)
+    assert resumed.extra["batches"] == 7 and resumed.step == 1 and opt.param_groups[0]["lr"] == 5e-3
+    with pytest.raises(rpcompile.CheckpointError, match=r"^save_checkpoint: extra= would not load back with "
+                       r"torch.load\(weights_only=True\) \(UnpicklingError: .*\); keep it to tensors, numbers"):
+        rpcompile.save_checkpoint(tmp_path, model=model, optimizer=opt, pipeline=pipe, extra={"data": Net})
+    assert [s for s, _ in checkpoints(tmp_path)] == [1]
+
+
 # ---------------------------------------------------------------------------------------------- torn files
 def test_every_truncation_and_bit_flip_is_detected(tmp_path):
     """A checkpoint cut at every byte, or with one bit flipped at every byte, fails its header, length or
@@ -221,8 +243,9 @@ def test_no_good_checkpoint_is_one_line_and_none_is_a_fresh_start(plan, tmp_path
         path.write_bytes(bytes(data))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CheckpointWarning)
-        with pytest.raises(rpcompile.CheckpointError, match=r"^no good checkpoint in .*: all 2 are torn or corrupt "
-                           r"\(moved aside as \*.corrupt\); start afresh or restore one from a backup$"):
+        with pytest.raises(rpcompile.CheckpointError, match=r"^no good checkpoint in .*: all 2 are torn, corrupt or "
+                           r"unreadable \(the corrupt ones moved aside as \*.corrupt\); start afresh or restore one "
+                           r"from a backup$"):
             rpcompile.load_checkpoint(tmp_path, model=model, optimizer=opt, pipeline=pipe)
 
 

@@ -49,19 +49,17 @@ import struct
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import IO, Any, Callable, Mapping, Protocol, cast
 
 import torch
 
 from .core.errors import RPCompileError
 from .core.plan import Plan
 
-if TYPE_CHECKING:  # pipeline.py imports this module
-    from .pipeline import Pipeline
 
-__all__ = ["STATE_VERSION", "PLAN_FILE", "Checkpoint", "CheckpointError", "CheckpointWarning", "save_checkpoint",
-           "load_checkpoint", "checkpoint_plan", "checkpoints", "verify", "pipeline_state", "check_pipeline_state",
-           "plan_cuts"]
+__all__ = ["STATE_VERSION", "PLAN_FILE", "Resumable", "Checkpoint", "CheckpointError", "CheckpointWarning",
+           "save_checkpoint", "load_checkpoint", "checkpoint_plan", "checkpoints", "verify", "pipeline_state",
+           "check_pipeline_state", "plan_cuts"]
 
 STATE_VERSION = 1
 """Version of the pipeline state's layout (:func:`pipeline_state`); a newer one is refused."""
@@ -81,6 +79,24 @@ class CheckpointError(RPCompileError):
 
 class CheckpointWarning(UserWarning):
     """A checkpoint was found torn or corrupt and skipped (moved aside); the previous one is used."""
+
+
+class Resumable(Protocol):
+    """What checkpoints use of a :class:`rpcompile.pipeline.Pipeline` (which imports this module)."""
+
+    plan: Plan
+    microbatches: int
+    precision: str
+    iteration: int
+    scaler: Any
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def check_state_dict(self, state: Any, *, optimizer: Any = None, exact: bool = True) -> None: ...
+
+    def load_state_dict(self, state: Mapping[str, Any], *, optimizer: Any = None, exact: bool = True) -> None: ...
+
+    def synchronize(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -103,7 +119,7 @@ def plan_cuts(plan: Plan) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def pipeline_state(pipe: "Pipeline", stale_weights: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+def pipeline_state(pipe: Resumable, stale_weights: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     """The pipeline's state (module docstring); ``stale_weights``: the copies the next iteration computes with
     when an overlapped step is done but no iteration has run beside it yet (else empty)."""
     scaler = pipe.scaler
@@ -114,7 +130,7 @@ def pipeline_state(pipe: "Pipeline", stale_weights: Mapping[str, torch.Tensor]) 
             "stale_weights": dict(stale_weights)}
 
 
-def check_pipeline_state(pipe: "Pipeline", state: Any, copies: Mapping[str, tuple[torch.dtype, tuple]], *,
+def check_pipeline_state(pipe: Resumable, state: Any, copies: Mapping[str, tuple[torch.dtype, tuple]], *,
                          exact: bool = True) -> None:
     """Raise :class:`CheckpointError` (one line) unless ``state`` is a pipeline state this pipeline can continue
     — bit for bit where ``exact``; ``copies``: dtype and shape of the copies an overlapped step keeps, by name."""
@@ -229,7 +245,7 @@ def _write_payload(f: Any, payload: Any) -> None:
     """The header, then ``payload`` as ``torch.save`` writes it, hashed on the way (module docstring)."""
     f.write(bytes(_HEADER.size))  # zeros until the payload is complete: a torn file has no magic
     writer = _HashingWriter(f)
-    torch.save(payload, writer)
+    torch.save(payload, cast(IO[bytes], writer))
     f.seek(0)
     f.write(_HEADER.pack(_MAGIC, writer.length, writer.sha.digest()))
 
@@ -257,7 +273,7 @@ def _unpickle(path: Path) -> dict[str, Any]:
     try:
         with open(path, "rb") as f:
             f.seek(_HEADER.size)
-            payload = torch.load(_Payload(f), map_location="cpu", weights_only=True)
+            payload = torch.load(cast(IO[bytes], _Payload(f)), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - its checksum holds: what it holds cannot be loaded safely
         raise CheckpointError(f"{path}: its checksum holds but torch.load(weights_only=True) refused it "
                               f"({_first_line(e)}); load it with the rpcompile that saved it") from None
@@ -281,7 +297,7 @@ def checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
 
 
 def save_checkpoint(directory: str | os.PathLike, *, model: torch.nn.Module, optimizer: Any,
-                    pipeline: "Pipeline", step: int | None = None, extra: Any = None, keep: int = 2) -> Path:
+                    pipeline: Resumable, step: int | None = None, extra: Any = None, keep: int = 2) -> Path:
     """Write ``model``'s, ``optimizer``'s and ``pipeline``'s state (and ``extra``) to
     ``<directory>/ckpt-<step>.ckpt`` atomically, then delete all but the newest ``keep`` checkpoints there; returns
     the path. ``step`` defaults to ``pipeline.iteration``. Call it after the optimizer step (gradients are not
@@ -358,7 +374,7 @@ def _newest_good(root: Path) -> Path | None:
 
 
 def load_checkpoint(directory: str | os.PathLike, *, model: torch.nn.Module, optimizer: Any,
-                    pipeline: "Pipeline", exact: bool = True) -> Checkpoint | None:
+                    pipeline: Resumable, exact: bool = True) -> Checkpoint | None:
     """Load the newest good checkpoint in ``directory`` into ``model``, ``optimizer`` and ``pipeline`` — made
     as for the run that saved it: the same model compiled with :func:`checkpoint_plan`'s plan, an optimizer of
     the same kind over its parameters; returns what was loaded, or None when the directory holds no checkpoint

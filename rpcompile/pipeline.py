@@ -35,6 +35,10 @@ Contracts
 - **fp16** uses loss scaling through ``torch.amp.GradScaler("cpu")`` (pass ``scaler=``): the loss is multiplied by
   the scaler's scale, master gradients arrive scaled, and ``scaler.step(optimizer)`` / ``scaler.update()`` skip the
   step and lower the scale on overflow, raising it after a run of good steps — the standard torch contract.
+- **Checkpoints.** :meth:`Pipeline.state_dict` holds what the pipeline adds to the model's and the optimizer's
+  state — the iteration that seeds dropout, the scaler's state, an overlapped step's stale copies — so a run
+  resumed from all three (:func:`rpcompile.save_checkpoint` / :func:`rpcompile.load_checkpoint`, atomic and
+  checksummed) equals the uninterrupted one bit for bit, given the same plan (:mod:`rpcompile.checkpoint`).
 """
 
 from __future__ import annotations

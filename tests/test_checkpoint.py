@@ -86,6 +86,7 @@ def test_resume_into_a_fresh_pipeline_is_exact(plan, tmp_path, precision, overla
     model, pipe, opt = build(rpcompile.checkpoint_plan(tmp_path), **options)
     resumed = rpcompile.load_checkpoint(tmp_path, model=model, optimizer=opt, pipeline=pipe)
     assert resumed is not None and resumed.step == 3 and pipe.iteration == 3
+    assert bool(pipe.state_dict()["stale_weights"]) == overlap  # the step-3 copies the next iteration reads
     if scaler:
         assert pipe.scaler.get_scale() == 2.0 ** 13  # grown once (growth_interval=2), carried over
     if frozen:
@@ -316,7 +317,7 @@ def _kill_and_resume(plan_file: Path, want: dict[str, torch.Tensor], root: Path,
     if phase == "save":  # the kill tore save k: its temporary file written, not renamed into place
         assert saved == k - 1 and list(ckpt.glob(".*.tmp*")) and not (ckpt / f"ckpt-{k:08d}.ckpt").exists(), lines
     resumed = Run(how, [*args, str(root / f"resumed{rep}.log")])
-    assert resumed.wait() == 0
+    assert resumed.wait() == 0, resumed.lines()
     start = int(resumed.lines()[0].split()[1])
     assert saved <= start <= saved + 1, (lines, resumed.lines())  # +1: killed between the rename and the print
     assert_bitwise(torch.load(out, weights_only=True), want)

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -67,6 +67,7 @@ from .core.schedule import round_robin
 from .planning import compile_plan
 from rpcompile.passes.trace import training_inputs
 from .model_match import graph_as_planned
+from .oom import out_of_memory
 from .invariants import verify_plan
 
 __all__ = ["compile", "Pipeline"]
@@ -423,8 +424,17 @@ class Pipeline:
         scale = 1.0
         if self.scaler is not None and self.scaler.is_enabled():
             scale = float(self.scaler.scale(torch.ones(())))  # also starts the scaler's bookkeeping
-        losses = self.executor.run(self._schedule(m), store, iteration=self.iteration, loss_fn=loss_of, targets=targets,
-                                   grad_scale=scale)
+        try:
+            losses = self.executor.run(self._schedule(m), store, iteration=self.iteration, loss_fn=loss_of,
+                                       targets=targets, grad_scale=scale)
+        except BaseException as e:  # .grad is as before the call; an overlapped step in flight finishes (not taken)
+            if self._step is not None:
+                wait([self._step])
+            oom = out_of_memory(e, self.plan, [str(d.torch_device) for d in self.devices]) \
+                if isinstance(e, PipelineError) else None
+            if oom is not None:
+                raise oom from e.__cause__
+            raise
         self.iteration += 1
         if self._overlap_optimizer is not None:  # the step beside this iteration is done: its gradients to .grad
             self._finish_step()

@@ -29,6 +29,15 @@ Buffers (BatchNorm statistics) are updated by the real forward only: recomputati
 the forward stage found for that microbatch, where it changed them (a running mean the forward also reads
 recomputes as that microbatch saw it). Randomness (dropout) is replayed per node (:mod:`.rng`), so recomputation
 draws the forward's masks.
+
+**Failures.** An exception in any thread of the call (a worker, the host thread, the gradient sink, a copy going
+down) stops the call: the other workers stop before their next action (or wait), in-flight uploads, saves and
+hand-offs land, and the caller gets one :class:`PipelineError` naming the stage, device and microbatch — or, for a
+Ctrl-C (a ``KeyboardInterrupt`` on any of its threads), the ``KeyboardInterrupt`` itself. Gradients are all or
+none: the sink takes back everything the call added (:meth:`~.weights.GradSink.abort`), so every ``.grad`` is
+what it was before the call, and the next call starts clean. What stays alive between calls is idle: the
+devices' prefetch and offload threads (pools that outlive calls) wait for work; the call's own threads (workers,
+host, sink) have ended.
 """
 
 from __future__ import annotations
@@ -37,13 +46,14 @@ import contextlib
 import threading
 import time
 import traceback
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 from torch.utils import _pytree as pytree
 
+from rpcompile.core.errors import RPCompileError
 from rpcompile.core.program import Program, StageProgram
 from rpcompile.core.schedule import Action
 
@@ -61,11 +71,22 @@ __all__ = ["ValueStore", "Executor", "TimelineEvent", "PipelineError"]
 _BEFORE = "{}::before"
 
 
-class PipelineError(RuntimeError):
-    """A stage failed on a worker; carries the stage, microbatch and device."""
+class PipelineError(RPCompileError, RuntimeError):
+    """A stage failed on a worker: one line naming the stage, action, device and microbatch, and the failure; the
+    original exception is the ``__cause__`` (without its frames, which held the stage's tensors)."""
 
     details: str = ""
     """The worker's traceback (the message is one line)."""
+    stage: str | None = None
+    """The stage's name (``F1``, ``FB``, ``B2``); None for the host's lookups or an overlapped optimizer step."""
+    device: int | None = None
+    """The index of the device whose worker failed."""
+    microbatch: int | None = None
+    """The microbatch it was computing; None for a weight upload or a gradient download."""
+
+
+class _Stopped(Exception):
+    """The host thread stopped early: another thread of the call failed first."""
 
 
 @dataclass(frozen=True)
@@ -161,7 +182,9 @@ class Executor:
         """Run every device's action list; return the fused stage's per-microbatch losses (on the host).
 
         The fused stage calls ``loss_fn(output, target, j)`` for microbatch j with ``targets[j]`` uploaded to its
-        device (every tensor in it, dtypes kept; None without ``targets``)."""
+        device (every tensor in it, dtypes kept; None without ``targets``). A failure anywhere stops the call as
+        the module docstring's **Failures** says: :class:`PipelineError` (or the ``KeyboardInterrupt`` itself)
+        once nothing of the call runs any more, every ``.grad`` as it was before the call."""
         self.store, self.iteration, self.loss_fn, self.grad_scale = store, iteration, loss_fn, grad_scale
         self.targets = targets
         self.losses: dict[int, torch.Tensor] = {}
@@ -176,35 +199,76 @@ class Executor:
                    for d, acts in enumerate(schedule) if d > 0]
         threads = torch.get_num_threads()
         cpu_workers = sum(1 for d in self.devices if d.torch_device.type == "cpu")
-        if cpu_workers > 1:  # logical CPU devices share the cores: more intra-op threads than cores thrash
-            torch.set_num_threads(max(1, threads // cpu_workers))
         rows: dict[tuple[str, int], Future[torch.Tensor]] = {
             (h.value, j): Future() for h in self.program.host for j in range(self.microbatches)}
         for (name, j), future in rows.items():  # in the store before any stage may look for them
             store.put(name, j, future)
         host = [threading.Thread(target=self._host, args=(store, rows), name="rpcompile-host", daemon=True)] \
             if self.program.host else []
+        self.grads.begin()
         try:
-            for w in host + workers:
-                w.start()
-            self._worker(0, schedule[0])
-            for w in workers + host:
-                w.join()
-            self.grads.drain()  # every stage's gradients added
-        finally:
+            if cpu_workers > 1:  # logical CPU devices share the cores: more intra-op threads than cores thrash
+                torch.set_num_threads(max(1, threads // cpu_workers))
+            started = []
+            try:
+                for w in host + workers:
+                    w.start()
+                    started.append(w)
+                self._worker(0, schedule[0])
+            except BaseException as e:  # noqa: BLE001 - Ctrl-C on the calling thread between actions
+                self._fail(e)
+            self._join(started)
+            if not self.failed:
+                try:
+                    self.grads.drain()  # every stage's gradients added
+                except BaseException as e:  # noqa: BLE001 - a gradient that failed to land fails the call
+                    self._fail(e)
+        finally:  # a second Ctrl-C while the threads stop leaves at once (_join), without settling
             torch.set_num_threads(threads)
-            if self.failed:
-                with contextlib.suppress(BaseException):
-                    self.grads.drain()  # stop the sink's thread; the stage's failure is what the caller sees
         if self.failed:
-            raise self.failed[0]
+            self._settle()
+            raise _first(self.failed)
+        self.grads.commit()
         return [self.losses[j] for j in sorted(self.losses)]
+
+    def _fail(self, e: BaseException) -> None:
+        """Record a failure; every thread of the call stops at its next action (or wait)."""
+        self.failed.append(e)
+        for ev in self.done.values():
+            ev.set()
+
+    def _join(self, threads: Sequence[threading.Thread]) -> None:
+        """Wait for the call's threads. A Ctrl-C meanwhile stops them (each finishes the action it is in) and is
+        re-raised once they have; a second Ctrl-C while they stop returns at once."""
+        for t in threads:
+            while t.is_alive():
+                try:
+                    t.join()
+                except KeyboardInterrupt as e:
+                    if any(isinstance(f, KeyboardInterrupt) for f in self.failed):
+                        raise
+                    self._fail(e)
+
+    def _settle(self) -> None:
+        """After a failure: nothing of the call left in flight — saves and hand-offs still going down land (and a
+        failed copy's error is cleared for the next call), the devices' queues drain — and every gradient the
+        call added is taken back (:meth:`GradSink.abort`)."""
+        try:
+            for device in self.devices:
+                for offloader in (device.offloader, device.handoffs):
+                    if offloader is not None:
+                        offloader.settle()
+                with contextlib.suppress(Exception):  # a device that failed reports it on its next use
+                    device.synchronize()
+        finally:
+            self.grads.abort()
 
     def _worker(self, d: int, actions: list[Action]) -> None:
         device = self.devices[d]
         states: dict[int, _StageState] = {}
         prefetched: dict[int, Future] = {}
         ahead = _next_weights(actions)
+        act: Action | None = None
         try:
             with _ambient(device):
                 for act in actions:
@@ -212,14 +276,22 @@ class Executor:
                         return
                     self._dispatch(device, act, states, prefetched, ahead)
         except BaseException as e:  # noqa: BLE001 - reported to the caller, other workers stop
-            stage = self.program.stages[act.stage]
-            err = PipelineError(f"stage {stage.name} ({act}) failed on device {d} ({device.torch_device}): "
-                                f"{type(e).__name__}: {e}")
-            err.__cause__ = e
-            err.details = traceback.format_exc()
-            self.failed.append(err)
-            for ev in self.done.values():
-                ev.set()
+            self._fail(e if isinstance(e, KeyboardInterrupt) else self._stage_error(d, act, e))
+        finally:
+            wait(prefetched.values())  # an upload still under way for a stage that will not run: let it finish
+
+    def _stage_error(self, d: int, act: Action | None, e: BaseException) -> PipelineError:
+        """One line naming the stage, action, device and microbatch; the worker's traceback on ``.details``."""
+        device = self.devices[d]
+        stage = self.program.stages[act.stage].name if act is not None else None
+        what = f"stage {stage} ({act})" if act is not None else "a worker"
+        at = f" at microbatch {act.microbatch}" if act is not None and act.kind == "F" else ""
+        err = PipelineError(f"{what} failed on device {d} ({device.torch_device}){at}: {_one_line(e)}")
+        err.stage, err.device = stage, d
+        err.microbatch = act.microbatch if act is not None and act.kind == "F" else None
+        err.details = traceback.format_exc()
+        err.__cause__ = _without_frames(e)  # its frames would keep the stage's activations alive
+        return err
 
     def _host(self, store: ValueStore, pending: dict[tuple[str, int], Future]) -> None:
         """The host thread of an iteration (module docstring): every microbatch's lookups, then their gradients."""
@@ -227,6 +299,8 @@ class Executor:
         try:
             for j in range(m):
                 for h in host:
+                    if self.failed:
+                        raise _Stopped()
                     with torch.no_grad():
                         rows = h.forward(store.get(h.index, j), self.weights.host_table(h.weight))
                     pending[(h.value, j)].set_result(rows.to(self.dtype) if self.dtype is not None else rows)
@@ -244,14 +318,17 @@ class Executor:
                         continue
                     self.grads.accumulate(h.weight, h.accumulate, store.get(h.index, j), grad)
         except BaseException as e:  # noqa: BLE001 - reported to the caller; the stages waiting for rows stop
-            err = PipelineError(f"the host's embedding lookup failed: {type(e).__name__}: {e}")
-            err.__cause__ = e
-            self.failed.append(err)
+            err: BaseException = e
+            if not isinstance(e, (KeyboardInterrupt, _Stopped)):
+                err = PipelineError(f"the host's embedding lookup failed: {_one_line(e)}")
+                err.details = traceback.format_exc()
+                err.__cause__ = _without_frames(e)
+                self._fail(err)
+            elif isinstance(e, KeyboardInterrupt):
+                self._fail(e)
             for f in pending.values():
                 if not f.done():
                     f.set_exception(err)
-            for ev in self.done.values():
-                ev.set()
 
     def run_forward(self, store: ValueStore, *, iteration: int) -> Any:
         """Evaluation: forward and fused stages in order, one batch, no autograd; returns the model output."""
@@ -481,6 +558,29 @@ class Executor:
                 roots.append(v)
                 grads.append(device.upload(g, v.dtype))
         return roots, grads
+
+
+def _first(failed: Sequence[BaseException]) -> BaseException:
+    """What the caller sees: a Ctrl-C itself, else the first failure (later ones are its consequences)."""
+    return next((e for e in failed if isinstance(e, KeyboardInterrupt)), failed[0])
+
+
+def _one_line(e: BaseException) -> str:
+    """``Type: first line of the message`` (torch's messages run to several lines; all of it is on ``.details``)."""
+    text = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _without_frames(e: BaseException) -> BaseException:
+    """``e`` and the exceptions chained to it without their tracebacks: their frames hold the stage's inputs and
+    activations (device memory an out-of-memory retry needs back); the text is on ``.details``."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        cur.__traceback__ = None
+        cur = cur.__cause__ or cur.__context__
+    return e
 
 
 def _next_weights(actions: Sequence[Action]) -> dict[int, int]:

@@ -16,7 +16,9 @@ second offloader, first in first out, at most two microbatches' worth pending (d
 simulator's ``OUTPUT_BUFFERS``): the worker queues the next microbatch's kernels while the copy runs, and the
 next stage's worker waits on the landing instead of the producing worker waiting on the copy.
 
-A copy that fails makes every later ``wait()`` and ``submit()`` raise instead of hanging the pipeline.
+A copy that fails makes every later ``wait()`` and ``submit()`` raise instead of hanging the pipeline, until
+:meth:`Offloader.settle` (the executor's, after a failed call) clears it for the next call; so does a submission
+still queued when the offloader is closed or settled.
 """
 
 from __future__ import annotations
@@ -79,8 +81,13 @@ class Offloader:
         self._cv = threading.Condition()
         self._error: BaseException | None = None
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self.name = name
+        self._thread = self._start()
+
+    def _start(self) -> threading.Thread:
+        thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        thread.start()
+        return thread
 
     def submit(self, tensors: Sequence[torch.Tensor], *, priority: Any, ready: Any = None,
                wrap: Callable[[tuple[torch.Tensor, ...]], Any] = tuple) -> Landing:
@@ -110,9 +117,39 @@ class Offloader:
             self._raise()
 
     def close(self) -> None:
+        """Stop the thread once the copy under way is done; what is still queued fails its waiters."""
         with self._cv:
             self._closed = True
+            dropped = self._drop_queued()
             self._cv.notify_all()
+        for landing in dropped:
+            landing._finish(error=RuntimeError("the offloader was closed"))
+
+    def settle(self) -> None:
+        """After a failed call: drop what is still queued, wait for the copy under way, and clear a copy's error
+        (restarting the thread it ended), so the next call starts with nothing pending."""
+        with self._cv:
+            dropped = self._drop_queued()
+            while self.pending and self._error is None:
+                self._cv.wait()
+            failed, self._error = self._error is not None, None
+            if failed:  # the failed copy's submission was never counted down
+                self.pending, self.pending_bytes = 0, 0.0
+            self._cv.notify_all()
+        for landing in dropped:
+            landing._finish(error=RuntimeError("the call failed before this copy was made"))
+        if failed and not self._closed:
+            self._thread.join()
+            self._thread = self._start()
+
+    def _drop_queued(self) -> list[Landing]:
+        """Under the lock: the queued (not started) submissions, removed and counted down."""
+        dropped = [item[2][3] for item in self._heap]
+        for item in self._heap:
+            self.pending -= 1
+            self.pending_bytes -= item[2][4]
+        self._heap.clear()
+        return dropped
 
     def _raise(self) -> None:
         if self._error is not None:

@@ -28,14 +28,21 @@ backward stage until it comes again (:meth:`SavedSegment._worth_capturing`).
 Dropout inside a saved segment is rewritten to ``x * seeded_noise(x)`` (:func:`.rng.dropout_to_noise`) where the
 noise op is opaque to tracing and draws the mask with :func:`rpcompile.runtime.rng.seeded_call` (same seed as the recompute path: bit-identical on
 CPU); the mask is then simply a saved tensor. Segments with other random ops are not saveable (recomputed instead).
+
+**Leaves** (:func:`opaque_calls`): a segment that calls a leaf function (``torch.fx.wrap``) or a leaf module
+(``leaf_modules=``) is never captured: a capture replays the tensor ops the leaf ran at capture time, not the leaf,
+so a side effect (a counter, a log, a hook) would happen once and never again. Such a segment runs plainly in its
+forward stage and is recomputed by its backward stage, every step, as in a plan that saves nothing.
 """
 
 from __future__ import annotations
 
+import inspect
 import threading
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.fx as fx
 
 from rpcompile.core.program import SegmentSpec
 
@@ -43,7 +50,7 @@ from . import rng
 from .capture import Aliased, HostSaved, SegmentAOT, SegmentFunction, capture_segment
 from .symbolic import Guards, fake_inputs
 
-__all__ = ["SavedSegment", "context"]
+__all__ = ["SavedSegment", "context", "opaque_calls"]
 
 #: Captures kept per segment; further new shapes are recomputed.
 MAX_CAPTURES = 16
@@ -52,6 +59,27 @@ context = threading.local()
 """Per worker thread: ``save`` (bool) — a training forward stage keeps activations; otherwise segments run plainly."""
 
 _CAPTURE_LOCK = threading.Lock()  # AOT tracing is not meant to run concurrently
+
+
+#: Modules whose functions and ``nn.Module`` classes are pure tensor code (no side effect a capture could lose).
+_PURE_MODULES = ("torch", "rpcompile", "operator", "_operator", "math", "builtins")
+
+
+def _pure(owner: str | None) -> bool:
+    return owner is not None and owner.split(".")[0] in _PURE_MODULES
+
+
+def opaque_calls(gm: fx.GraphModule) -> list[str]:
+    """The nodes of ``gm`` that call a leaf: a Python function from outside torch (``torch.fx.wrap``, an fx
+    ``autowrap`` function) or a module whose class is not torch's (``leaf_modules=``). Capturing them would keep
+    only their tensor ops (module docstring)."""
+    out = []
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and inspect.isfunction(n.target) and not _pure(n.target.__module__):
+            out.append(n.name)
+        elif n.op == "call_module" and not _pure(type(gm.get_submodule(str(n.target))).__module__):
+            out.append(n.name)
+    return out
 
 
 def _is_size(v: Any) -> bool:
@@ -87,6 +115,8 @@ class SavedSegment(SegmentSpec):
         """Signature (or class of signatures, :meth:`_worth_capturing`) -> the iteration it was first seen in."""
         self.first_iteration: int | None = None
         self.calls = {"forward": 0, "backward": 0, "recomputed": 0}
+        self.leaves = opaque_calls(self.gm)
+        """Nodes calling a leaf function or module: never captured, recomputed every step (module docstring)."""
 
     def __repr__(self) -> str:  # shows up in generated stage code
         return f"SavedSegment({self.name!r})"
@@ -187,7 +217,7 @@ class SavedSegment(SegmentSpec):
         self.calls["forward"] += 1
         key = self._key(flat)
         aot = self._find(key, flat)
-        if aot is None and not self._worth_capturing(key, flat):
+        if aot is None and (self.leaves or not self._worth_capturing(key, flat)):
             outs, _ = self._run(flat, False)  # the real forward (buffers update); the backward stage recomputes it
             return (*outs, HostSaved(None, ()))
         aot = aot or self._capture(key, flat)

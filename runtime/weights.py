@@ -31,6 +31,15 @@ device's worker goes on with its next stage; :meth:`GradSink.drain` waits for th
 With overlap they go into the sink's own buffers instead (the optimizer is still reading ``.grad``) and
 :meth:`GradSink.install` moves them over once the step is done.
 
+**All or none.** A call's gradients land while it runs, yet a failed call must leave ``.grad`` as it found it. The
+sink keeps an undo record per call (:meth:`GradSink.begin` … :meth:`GradSink.commit` or :meth:`GradSink.abort`),
+written when a parameter's gradient is first touched: a gradient the call creates (``.grad`` was None: the usual
+case after ``zero_grad()``) is undone by setting it back to None, at no cost; a gradient that already held
+something (accumulation across calls) is copied first, on the sink's thread beside the compute (one extra fp32
+copy of those gradients while the call runs, freed at its end), and copied back on failure. Staging every
+gradient apart and adding it at the end instead would cost the same memory and put a pass over all of them on the
+critical path after the last stage.
+
 **Host traffic** (:class:`HostTraffic`): every byte the host's threads read or write in parameter-sized work —
 casts, staging copies, gradient accumulation, zero-filled gradients — counted where it happens (not DMA: the
 copy engines move pinned memory without the CPU). Deterministic, so the CPU measures it for the GPU.
@@ -283,6 +292,9 @@ class GradSink:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._scratch: torch.Tensor | None = None  # the sink thread's (:meth:`_add`)
+        self._undo: dict[str, tuple[torch.Tensor, torch.Tensor] | None] | None = None
+        """Per parameter the call touched: None (it had no gradient) or (its gradient, a copy from before)."""
+        self._dropping = False
 
     def hold(self, on: bool) -> None:
         """Gradients into the sink's own buffers (``on``: an overlapped step is reading ``.grad``) or into
@@ -305,13 +317,42 @@ class GradSink:
 
     def drain(self) -> None:
         """Wait until everything submitted has been added and stop the thread; re-raise the first failure."""
+        self._stop()
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def begin(self) -> None:
+        """A call starts: from here on the sink records how to undo what it adds (module docstring)."""
+        self._undo = {}
+
+    def commit(self) -> None:
+        """The call succeeded (after :meth:`drain`): its gradients stay; the undo record goes."""
+        self._undo = None
+
+    def abort(self) -> None:
+        """The call failed: stop the thread (what is still queued is dropped) and put every gradient back as
+        :meth:`begin` found it — ``.grad`` (or the held buffers, while overlapping) exactly as before the call."""
+        self._dropping = True
+        try:
+            self._stop()
+        finally:
+            self._dropping, self._error = False, None
+            undo, self._undo = self._undo or {}, None
+            for name, before in undo.items():
+                if before is not None:
+                    with torch.no_grad():
+                        before[0].copy_(before[1])
+                elif self.private is not None:
+                    self.private.pop(name, None)
+                else:
+                    self.params[name].grad = None
+
+    def _stop(self) -> None:
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join()
             self._thread = None
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise err
 
     def install(self) -> None:
         """Move the held gradients into ``.grad`` (added to any already there); keep holding."""
@@ -329,7 +370,7 @@ class GradSink:
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
             names, grads = item
-            if self._error is not None:
+            if self._error is not None or self._dropping:
                 continue  # drain what is queued; the first failure is what the caller sees
             try:
                 for name, g in zip(names, grads.wait() if hasattr(grads, "wait") else grads, strict=True):
@@ -343,6 +384,10 @@ class GradSink:
         a gradient in the compute precision is converted as it is added."""
         p = self.params[name]
         current = self.private.get(name) if self.private is not None else p.grad
+        if self._undo is not None and name not in self._undo:  # first touch in this call: how to undo it
+            self._undo[name] = None if current is None else (current, current.clone())
+            if current is not None:
+                self.traffic.add("gradients", 2 * nbytes(current))
         if current is None:
             if g is None:
                 current = torch.zeros_like(p)

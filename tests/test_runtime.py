@@ -464,7 +464,7 @@ def test_a_summed_loss_sums_the_microbatches_and_a_loss_per_sample_is_refused():
                                   spec=FINE_CPU, time_limit_s=1.0)
     from rpcompile.runtime.executor import PipelineError
 
-    with pytest.raises(PipelineError, match=r"stage FB \(\w+\) failed on device \d \(cpu\): RPCompileError: loss_fn "
+    with pytest.raises(PipelineError, match=r"stage FB \(\w+\) failed on device \d \(cpu\) at microbatch 0: RPCompileError: loss_fn "
                                             r"returned \(\d+,\), not a scalar: reduce it over the batch "
                                             r"\(reduction='mean' or 'sum'\)"):
         per_token.forward_backward(x, target=y)

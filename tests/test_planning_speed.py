@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+import pytest
+
+import rpcompile.passes.bounds as bounds
 import rpcompile.passes.partition as partition
+from rpcompile.passes.balance import relaxed_backward_time, relaxed_balance
 from rpcompile.passes.partition import solve
 from rpcompile.passes.polish import PlanScorer, flip_saves, polish, taper
 from rpcompile.passes.problem import SegmentPlan
+from rpcompile.passes.tables import RangeTables
 from rpcompile.passes.timing import iteration_time
 
 from partition_cases import llama_like, tiny_chain
@@ -64,3 +70,35 @@ def test_the_wall_clock_guards_change_no_plan_when_they_do_not_bind(monkeypatch)
     for name in ("GREEDY_WALL_SHARE", "LAGRANGE_WALL_SHARE", "WALL_SHARE", "FINISH_WALL_SHARE"):
         monkeypatch.setattr(partition, name, 1e9)
     assert solve(pb, "ilp", time_limit_s=10.0).plan == guarded.plan
+
+
+def _grid_triples(fwd, bwd, fused, max_stages, ovh, keep):
+    """The whole ``(f, b, a)`` grid at once: what :func:`bounds._triples` computed before it went one forward
+    count at a time (4.5 s and hundreds of MB at 128 layers)."""
+    kf, kb = min(fwd.shape[0], max_stages), min(bwd.shape[0], max_stages)
+    f, b, a = np.meshgrid(np.arange(1, kf), np.arange(1, kb), np.arange(fwd.shape[1]), indexing="ij")
+    lo = np.maximum(np.maximum(fwd[f, a], bwd[b, a]), fused[a]) - ovh
+    s = f + b + 1
+    ok = np.isfinite(lo) & (s <= max_stages) & (lo + ovh < keep[np.minimum(s, len(keep) - 1)])
+    return a[ok], f[ok], b[ok], np.maximum(lo[ok], 0.0)
+
+
+@pytest.mark.parametrize("layers", [4, 24])
+def test_the_sliced_triples_are_the_whole_grid(layers):
+    """``saving_bounds`` enumerates its ``(a, f, b)`` triples one forward count at a time: the same triples, in
+    the same order, with the same bounds as the whole grid, for every stage cap and incumbent."""
+    pb = llama_like(layers)
+    tables = RangeTables.build(pb)
+    pool = partition._Pool(pb, 2 * pb.n + 1)
+    partition._seed(pb, pool, tables)
+    inc = pool.incumbent()
+    relaxed = relaxed_balance(pb, tables, relaxed_backward_time(pb, tables, inc / pool.c[1]))
+    fused = bounds._fused_times(pb, tables)
+    for scale in (0.5, 1.0, 2.0, np.inf):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            keep = np.where(pool.c > 0, scale * inc / pool.c, np.inf)
+        for cap in (1, 3, 7, pb.n, 2 * pb.n):
+            got = bounds._triples(relaxed.fwd_best, relaxed.bwd_best, fused, cap, pb.stage_overhead_s, keep)
+            want = _grid_triples(relaxed.fwd_best, relaxed.bwd_best, fused, cap, pb.stage_overhead_s, keep)
+            assert len(got) == 4 and all(np.array_equal(x, y) and x.dtype == y.dtype for x, y in zip(got, want))
+    assert want[0].size > 0  # the last case enumerates something

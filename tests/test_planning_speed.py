@@ -6,15 +6,17 @@ import time
 
 import numpy as np
 import pytest
+from numpy.lib.stride_tricks import sliding_window_view
 
 import rpcompile.passes.bounds as bounds
+import rpcompile.passes.lagrange as lagrange
 import rpcompile.passes.partition as partition
 from rpcompile.passes.balance import relaxed_backward_time, relaxed_balance
 from rpcompile.passes.partition import solve
 from rpcompile.passes.polish import PlanScorer, flip_saves, polish, taper
 from rpcompile.passes.problem import SegmentPlan
 from rpcompile.passes.tables import RangeTables
-from rpcompile.passes.timing import iteration_time
+from rpcompile.passes.timing import _total, iteration_time
 
 from partition_cases import llama_like, tiny_chain
 
@@ -102,3 +104,34 @@ def test_the_sliced_triples_are_the_whole_grid(layers):
             want = _grid_triples(relaxed.fwd_best, relaxed.bwd_best, fused, cap, pb.stage_overhead_s, keep)
             assert len(got) == 4 and all(np.array_equal(x, y) and x.dtype == y.dtype for x, y in zip(got, want))
     assert want[0].size > 0  # the last case enumerates something
+
+
+def test_subset_sums_are_the_subset_matrix_product():
+    """The Lagrangian's subset sums by doubling give the same numbers, bit for bit, as the 0/1 subset matrix
+    product they replaced (which ran on BLAS's threads)."""
+    rng = np.random.default_rng(0)
+    for trial in range(40):
+        x = rng.standard_normal(int(rng.integers(12, 80))) * 10.0 ** int(rng.integers(-6, 10))
+        x = np.round(np.abs(x)) if trial % 3 == 0 else x  # byte counts, and prices of either sign
+        for k in range(1, lagrange.MAX_ENUMERATED + 1):
+            starts = np.arange(0, len(x) - k + 1, 2)
+            subsets = ((np.arange(2 ** k)[:, None] >> np.arange(k)[None, :]) & 1).astype(np.float64)
+            want = sliding_window_view(x, k)[starts] @ subsets.T
+            assert np.array_equal(lagrange._subset_sums(x, k, starts), want)
+
+
+def test_the_scorer_is_the_timing_model_bit_for_bit():
+    """PlanScorer.total walks only what depends on the plan, from per-stage figures it keeps: the same value as
+    timing._total for every plan a local search meets (saved activations, lazy offload and all)."""
+    pb = llama_like(8)
+    cuts = solve(pb, "dp").plan
+    start = SegmentPlan(forward=cuts.forward, fused=cuts.fused, backward=cuts.backward,
+                        saved=tuple(i < cuts.fused[0] and i % 3 != 2 for i in range(pb.n)))
+    scorer = PlanScorer(pb)
+    polish(pb, start, max_evaluations=300, scorer=scorer)
+    flip_saves(pb, start, scorer=scorer)
+    assert len(scorer.totals) > 100 and sum(any(k[3]) for k in scorer.totals) > 100
+    for (fwd, fused, bwd, saved), value in scorer.totals.items():
+        costs = ([scorer.stage("forward", a, b, saved) for a, b in fwd] + [scorer.stage("fused", *fused, saved)]
+                 + [scorer.stage("backward", a, b, saved) for a, b in bwd])
+        assert value == _total(pb, costs, saved)

@@ -72,12 +72,19 @@ def _packed(lo: int, hi: int, parts: int, cost, descending: bool) -> Ranges | No
     greedy packing); ``cost(a, b)`` is a stage's time. ``None`` when ``parts`` exceeds the segments."""
     if parts < 1 or parts > hi - lo:
         return None
+    memo: dict[tuple[int, int], float] = {}  # the bisection packs the same ranges again and again
+
+    def cost_of(a: int, b: int) -> float:
+        value = memo.get((a, b))
+        if value is None:
+            value = memo[a, b] = cost(a, b)
+        return value
 
     def pack(limit: float) -> Ranges | None:
         out, a = [], lo
         while a < hi:
             b = a + 1
-            while b < hi and cost(a, b + 1) <= limit:
+            while b < hi and cost_of(a, b + 1) <= limit:
                 b += 1
             out.append((a, b))
             a = b
@@ -85,7 +92,7 @@ def _packed(lo: int, hi: int, parts: int, cost, descending: bool) -> Ranges | No
                 return None
         return out
 
-    low, high = max(cost(i, i + 1) for i in range(lo, hi)), cost(lo, hi)
+    low, high = max(cost_of(i, i + 1) for i in range(lo, hi)), cost_of(lo, hi)
     best = pack(high)
     for _ in range(40):
         mid = (low + high) / 2

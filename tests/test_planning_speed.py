@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -135,3 +137,12 @@ def test_the_scorer_is_the_timing_model_bit_for_bit():
         costs = ([scorer.stage("forward", a, b, saved) for a, b in fwd] + [scorer.stage("fused", *fused, saved)]
                  + [scorer.stage("backward", a, b, saved) for a, b in bwd])
         assert value == _total(pb, costs, saved)
+
+
+def test_check_and_plan_do_not_import_ortools_until_a_model_is_built():
+    """OR-Tools (and pandas behind it) is imported by ``solve_budget`` only: ~0.2 s that ``rpcompile check`` and
+    plans whose bounds close the gap first (llama-8b) never pay."""
+    code = ("import sys, rpcompile.cli.plan_cmd, rpcompile.cli.plan_file_cmds, rpcompile.staleness\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('ortools', 'pandas')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

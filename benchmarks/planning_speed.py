@@ -1,7 +1,7 @@
 """Planning speed (issue 20): the CLI's wall and CPU seconds for ``plan llama-8b``, a 128-layer model and
 ``check``, this checkout against a baseline checkout, runs interleaved.
 
-    python benchmarks/planning_speed.py [--baseline DIR] [--repeats 3] [--time-limit 10] [--only plan8b,plan128,check]
+    python benchmarks/planning_speed.py [--baseline DIR] [--repeats 3] [--time-limit 10] [--only plan8b,plan128,check] [--output FILE]
 
 ``--baseline DIR``: a directory whose ``rpcompile`` package (with ``rpcompile/passes`` and ``rpcompile/runtime``
 inside it, as installed) is the one to compare against, put first on ``PYTHONPATH``; make one from a commit with
@@ -81,6 +81,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--time-limit", type=float, default=10.0)
     ap.add_argument("--only", default="plan8b,plan128,check")
+    ap.add_argument("--output", type=Path, default=RESULTS, help=f"where the JSON goes (default {RESULTS})")
     args = ap.parse_args()
     which = args.only.split(",")
     sides = [("after", None)] + ([("before", args.baseline)] if args.baseline else [])
@@ -113,8 +114,8 @@ def main() -> None:
     meta = {"date": dt.date.today().isoformat(), "machine": platform.platform(), "cpus": os.cpu_count(),
             "python": platform.python_version(), "torch": torch.__version__, "time_limit_s": args.time_limit,
             "baseline": args.baseline, "repeats": args.repeats}
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"meta": meta, "runs": rows, "median": summary}, indent=1) + "\n")
+    args.output.parent.mkdir(exist_ok=True)
+    args.output.write_text(json.dumps({"meta": meta, "runs": rows, "median": summary}, indent=1) + "\n")
     for key, value in summary.items():
         print(key, value)
 

@@ -40,12 +40,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-from ortools.sat.python import cp_model
 
 from .problem import PartitionProblem, SegmentPlan
 from .tables import RangeTables
+
+if TYPE_CHECKING:  # imported by solve_budget, the only place that builds a model (see there)
+    from ortools.sat.python import cp_model
 
 __all__ = ["BudgetResult", "solve_budget", "TIME_UNITS"]
 
@@ -106,8 +109,7 @@ def _candidate_ranges(pb: PartitionProblem, t: RangeTables, b_relaxed: np.ndarra
 
 
 def _add_variables(pb: PartitionProblem, ranges: tuple[list, list, list], ub: float, lb: float,
-                   unit: float) -> _Model:
-    cp = cp_model.CpModel()
+                   unit: float, cp: cp_model.CpModel) -> _Model:
     fwd, bwd, fused = ranges
     ovh = pb.stage_overhead_s
     t_range = (max(0, _floor(lb - ovh, unit)), max(0, _ceil(ub - ovh, unit)))
@@ -267,11 +269,16 @@ def solve_budget(pb: PartitionProblem, t: RangeTables, b_relaxed: np.ndarray, st
     ``b_relaxed`` (from :func:`.balance.relaxed_backward_time`) prunes backward ranges that cannot meet ``ub``
     even when saving; ``lb`` is a known lower bound on the answer.
     """
+    # Lazy: OR-Tools (and the pandas it imports) takes ~0.2 s to import on the 2-core reference machine, and many
+    # runs never build a model — `rpcompile check` without a re-solve, and plans whose Lagrangian bounds close the
+    # gap first (llama-8b on 8 GPUs).
+    from ortools.sat.python import cp_model
+
     unit = max(ub, 1e-12) / TIME_UNITS
     ranges = _candidate_ranges(pb, t, b_relaxed, ub)
     if not ranges[2]:
         return BudgetResult(stages=stages, status="INFEASIBLE", plan=None, bound_s=ub, det_time=0.0)
-    md = _add_variables(pb, ranges, ub, lb, unit)
+    md = _add_variables(pb, ranges, ub, lb, unit, cp_model.CpModel())
     _add_flow_constraints(pb, md)
     _add_budget_constraint(md, stages)
     _add_saved_constraints(md)

@@ -48,7 +48,7 @@ import numpy as np
 from ..core.errors import ConfigError
 from .balance import balance_table, bound_values, exact_balance, relaxed_backward_time, relaxed_balance
 from .bounds import saving_bounds
-from .baselines import dp, infeasible_result, make_result, roundpipe, uniform
+from .baselines import dp, dp_of_balance, infeasible_result, make_result, roundpipe, uniform
 from .greedy import greedy_plan, masks_for
 from .ilp import solve_budget
 from .exact import fewest_stages
@@ -126,11 +126,10 @@ class _Pool:
 def _seed(pb: PartitionProblem, pool: _Pool, tables: RangeTables) -> dict[str, float]:
     """Baselines and the no-save DP's plans near the optimum go into the pool."""
     seeds = {}
-    for fn in (dp, roundpipe, uniform):
-        res = fn(pb)
+    bal = exact_balance(pb, tables)  # dp's balance too: solved once
+    for res in (dp_of_balance(pb, bal, time.perf_counter()), roundpipe(pb), uniform(pb)):
         seeds[res.strategy] = res.objective
         pool.add(res.plan if res.feasible else None)
-    bal = exact_balance(pb, tables)
     values = bound_values(pool.c[: len(bal.t_star)], bal.t_star)
     for s in np.argsort(values, kind="stable")[:8]:
         if np.isfinite(values[s]):

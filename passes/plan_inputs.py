@@ -40,7 +40,7 @@ from .util import compute_nodes
 __all__ = ["SOLVER_MODULES", "solve_inputs", "moved_inputs", "hardware_digest", "solver_digest"]
 
 #: The partitioner's modules: their source is part of what a plan was solved from.
-SOLVER_MODULES = ("partition", "ilp", "polish", "greedy", "exact", "lagrange", "balance", "baselines", "bounds",
+SOLVER_MODULES = ("partition", "ilp", "polish", "scorer", "greedy", "exact", "lagrange", "balance", "baselines", "bounds",
                   "tables", "timing", "problem", "formulate", "coarsen", "segment_rules")
 
 

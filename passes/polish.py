@@ -35,7 +35,7 @@ from rpcompile.core.stages import StageCost, StageKind
 
 from .problem import PartitionProblem, SegmentPlan
 from .segment_rules import validate_segment_plan
-from .timing import _stage, _total
+from .scorer import PlanScorer
 
 __all__ = ["PlanScorer", "flip_saves", "polish", "taper"]
 
@@ -44,35 +44,6 @@ TAPER_RATIOS = (0.15, 0.25, 0.35, 0.5, 0.7)
 TAPER_GROWTH = (1.1, 1.2, 1.35, 1.6, 2.0)
 
 Ranges = list[tuple[int, int]]
-
-
-class PlanScorer:
-    """Stage costs by kind, range and the range's saved flags, and plans' exact times, cached: a search scores
-    thousands of plans that share most of their stages (and meets some plans again). One scorer may serve every
-    search on the same problem (the solver's local searches share one)."""
-
-    def __init__(self, pb: PartitionProblem) -> None:
-        self.pb = pb
-        self.cache: dict[tuple[str, int, int, tuple[bool, ...]], StageCost] = {}
-        self.totals: dict[tuple, float] = {}
-
-    def stage(self, kind: StageKind, a: int, b: int, saved: tuple[bool, ...]) -> StageCost:
-        key = (kind, a, b, saved[a:b])
-        if key not in self.cache:
-            self.cache[key] = _stage(self.pb, kind, a, b, saved, 0)
-        return self.cache[key]
-
-    def total(self, fwd: Sequence[tuple[int, int]], fused: tuple[int, int], bwd: Sequence[tuple[int, int]],
-              saved: tuple[bool, ...]) -> float:
-        """Exact iteration time of the plan these cuts and flags make."""
-        key = (tuple(fwd), fused, tuple(bwd), saved)
-        value = self.totals.get(key)
-        if value is None:
-            costs = [self.stage("forward", a, b, saved) for a, b in fwd] + [self.stage("fused", *fused, saved)]
-            value = self.totals[key] = _total(self.pb, costs + [self.stage("backward", a, b, saved) for a, b in bwd],
-                                              saved)
-        return value
-
 
 
 def _neighbours(rngs: Ranges, descending: bool) -> Iterator[Ranges]:
@@ -101,12 +72,19 @@ def _packed(lo: int, hi: int, parts: int, cost, descending: bool) -> Ranges | No
     greedy packing); ``cost(a, b)`` is a stage's time. ``None`` when ``parts`` exceeds the segments."""
     if parts < 1 or parts > hi - lo:
         return None
+    memo: dict[tuple[int, int], float] = {}  # the bisection packs the same ranges again and again
+
+    def cost_of(a: int, b: int) -> float:
+        value = memo.get((a, b))
+        if value is None:
+            value = memo[a, b] = cost(a, b)
+        return value
 
     def pack(limit: float) -> Ranges | None:
         out, a = [], lo
         while a < hi:
             b = a + 1
-            while b < hi and cost(a, b + 1) <= limit:
+            while b < hi and cost_of(a, b + 1) <= limit:
                 b += 1
             out.append((a, b))
             a = b
@@ -114,7 +92,7 @@ def _packed(lo: int, hi: int, parts: int, cost, descending: bool) -> Ranges | No
                 return None
         return out
 
-    low, high = max(cost(i, i + 1) for i in range(lo, hi)), cost(lo, hi)
+    low, high = max(cost_of(i, i + 1) for i in range(lo, hi)), cost_of(lo, hi)
     best = pack(high)
     for _ in range(40):
         mid = (low + high) / 2

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
+import numpy as np
+import pytest
+from numpy.lib.stride_tricks import sliding_window_view
+
+import rpcompile.passes.bounds as bounds
+import rpcompile.passes.lagrange as lagrange
 import rpcompile.passes.partition as partition
+from rpcompile.passes.balance import relaxed_backward_time, relaxed_balance
 from rpcompile.passes.partition import solve
 from rpcompile.passes.polish import PlanScorer, flip_saves, polish, taper
 from rpcompile.passes.problem import SegmentPlan
-from rpcompile.passes.timing import iteration_time
+from rpcompile.passes.tables import RangeTables
+from rpcompile.passes.timing import _total, iteration_time
 
 from partition_cases import llama_like, tiny_chain
 
@@ -64,3 +74,75 @@ def test_the_wall_clock_guards_change_no_plan_when_they_do_not_bind(monkeypatch)
     for name in ("GREEDY_WALL_SHARE", "LAGRANGE_WALL_SHARE", "WALL_SHARE", "FINISH_WALL_SHARE"):
         monkeypatch.setattr(partition, name, 1e9)
     assert solve(pb, "ilp", time_limit_s=10.0).plan == guarded.plan
+
+
+def _grid_triples(fwd, bwd, fused, max_stages, ovh, keep):
+    """The whole ``(f, b, a)`` grid at once: what :func:`bounds._triples` computed before it went one forward
+    count at a time (4.5 s and hundreds of MB at 128 layers)."""
+    kf, kb = min(fwd.shape[0], max_stages), min(bwd.shape[0], max_stages)
+    f, b, a = np.meshgrid(np.arange(1, kf), np.arange(1, kb), np.arange(fwd.shape[1]), indexing="ij")
+    lo = np.maximum(np.maximum(fwd[f, a], bwd[b, a]), fused[a]) - ovh
+    s = f + b + 1
+    ok = np.isfinite(lo) & (s <= max_stages) & (lo + ovh < keep[np.minimum(s, len(keep) - 1)])
+    return a[ok], f[ok], b[ok], np.maximum(lo[ok], 0.0)
+
+
+@pytest.mark.parametrize("layers", [4, 24])
+def test_the_sliced_triples_are_the_whole_grid(layers):
+    """``saving_bounds`` enumerates its ``(a, f, b)`` triples one forward count at a time: the same triples, in
+    the same order, with the same bounds as the whole grid, for every stage cap and incumbent."""
+    pb = llama_like(layers)
+    tables = RangeTables.build(pb)
+    pool = partition._Pool(pb, 2 * pb.n + 1)
+    partition._seed(pb, pool, tables)
+    inc = pool.incumbent()
+    relaxed = relaxed_balance(pb, tables, relaxed_backward_time(pb, tables, inc / pool.c[1]))
+    fused = bounds._fused_times(pb, tables)
+    for scale in (0.5, 1.0, 2.0, np.inf):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            keep = np.where(pool.c > 0, scale * inc / pool.c, np.inf)
+        for cap in (1, 3, 7, pb.n, 2 * pb.n):
+            got = bounds._triples(relaxed.fwd_best, relaxed.bwd_best, fused, cap, pb.stage_overhead_s, keep)
+            want = _grid_triples(relaxed.fwd_best, relaxed.bwd_best, fused, cap, pb.stage_overhead_s, keep)
+            assert len(got) == 4 and all(np.array_equal(x, y) and x.dtype == y.dtype for x, y in zip(got, want))
+    assert want[0].size > 0  # the last case enumerates something
+
+
+def test_subset_sums_are_the_subset_matrix_product():
+    """The Lagrangian's subset sums by doubling give the same numbers, bit for bit, as the 0/1 subset matrix
+    product they replaced (which ran on BLAS's threads)."""
+    rng = np.random.default_rng(0)
+    for trial in range(40):
+        x = rng.standard_normal(int(rng.integers(12, 80))) * 10.0 ** int(rng.integers(-6, 10))
+        x = np.round(np.abs(x)) if trial % 3 == 0 else x  # byte counts, and prices of either sign
+        for k in range(1, lagrange.MAX_ENUMERATED + 1):
+            starts = np.arange(0, len(x) - k + 1, 2)
+            subsets = ((np.arange(2 ** k)[:, None] >> np.arange(k)[None, :]) & 1).astype(np.float64)
+            want = sliding_window_view(x, k)[starts] @ subsets.T
+            assert np.array_equal(lagrange._subset_sums(x, k, starts), want)
+
+
+def test_the_scorer_is_the_timing_model_bit_for_bit():
+    """PlanScorer.total walks only what depends on the plan, from per-stage figures it keeps: the same value as
+    timing._total for every plan a local search meets (saved activations, lazy offload and all)."""
+    pb = llama_like(8)
+    cuts = solve(pb, "dp").plan
+    start = SegmentPlan(forward=cuts.forward, fused=cuts.fused, backward=cuts.backward,
+                        saved=tuple(i < cuts.fused[0] and i % 3 != 2 for i in range(pb.n)))
+    scorer = PlanScorer(pb)
+    polish(pb, start, max_evaluations=300, scorer=scorer)
+    flip_saves(pb, start, scorer=scorer)
+    assert len(scorer.totals) > 100 and sum(any(k[3]) for k in scorer.totals) > 100
+    for (fwd, fused, bwd, saved), value in scorer.totals.items():
+        costs = ([scorer.stage("forward", a, b, saved) for a, b in fwd] + [scorer.stage("fused", *fused, saved)]
+                 + [scorer.stage("backward", a, b, saved) for a, b in bwd])
+        assert value == _total(pb, costs, saved)
+
+
+def test_check_and_plan_do_not_import_ortools_until_a_model_is_built():
+    """OR-Tools (and pandas behind it) is imported by ``solve_budget`` only: ~0.2 s that ``rpcompile check`` and
+    plans whose bounds close the gap first (llama-8b) never pay."""
+    code = ("import sys, rpcompile.cli.plan_cmd, rpcompile.cli.plan_file_cmds, rpcompile.staleness\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('ortools', 'pandas')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

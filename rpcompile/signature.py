@@ -125,9 +125,10 @@ class InputSignature:
             raise InputError(f"keyword input(s) {unknown} were not in the compile example (keywords: "
                              f"{self.names or 'none'}); compile with them in example_kwargs= so the graph reads them")
         for k, v in self.constants.items():
-            if k in kwargs and kwargs[k] != v:
-                raise InputError(f"{k}={kwargs[k]!r} but the pipeline was compiled with {k}={v!r} (traced as a "
-                                 f"constant); compile again with {k}={kwargs[k]!r} in example_kwargs=")
+            if k in kwargs and (isinstance(kwargs[k], torch.Tensor) or kwargs[k] != v):
+                given = _short(kwargs[k])
+                raise InputError(f"{k}={given} but the pipeline was compiled with {k}={_short(v)} (traced as a "
+                                 f"constant); compile again with {k}={given} in example_kwargs=")
         missing = [k for k in self.names if k not in kwargs and k not in self.constants]
         if missing:
             raise InputError(f"missing keyword input(s) {missing}: the pipeline was compiled with them; pass "
@@ -217,6 +218,14 @@ class InputSignature:
         if self.target_follows_seq and seq is not None and target.dim() > 1 and target.shape[1] != seq:
             raise InputError(f"target has sequence length {target.shape[1]} but the inputs have {seq} (dim 1), and "
                              "the compile example's target had one label per token; pass the target of this batch")
+
+
+def _short(v: Any) -> str:
+    """A value for a one-line message: a tensor by its dtype and shape, anything else by a short repr."""
+    if isinstance(v, torch.Tensor):
+        return f"<{_name(v.dtype)} tensor {tuple(v.shape)}>"
+    text = " ".join(repr(v).split())
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -248,7 +248,7 @@ def _c(**kw: Any) -> Callable[[dict[str, Path]], Any]:
 COMPILE_ROWS: list[Row] = [
     ("cuda device without CUDA", _c(devices=["cuda:0"]), ConfigError,
      r"^device 'cuda:0': no CUDA device is visible \(or torch has no CUDA\); use devices=\['cpu'\] \* k"),
-    ("cuda index out of range", _c(devices=["cuda:7"]), ConfigError, r"^device 'cuda:7': "),
+    ("cuda index out of range", _c(devices=["cuda:99"]), ConfigError, r"^device 'cuda:99': (no CUDA|only cuda:0)"),
     ("unknown device string", _c(devices=["tpu"]), ConfigError,
      r"^device 'tpu' is not a device name; use 'cpu' \(a logical CPU device\) or 'cuda:i'$"),
     ("device type not supported", _c(devices=["meta"]), ConfigError,
@@ -384,3 +384,16 @@ def test_a_loss_without_a_target_may_leave_it_out():
     ref = copy.deepcopy(pipe.model)
     loss = pipe.forward_backward(X)
     torch.testing.assert_close(loss, ref(X).pow(2).mean(), **TOL)
+
+
+def test_a_tensor_where_a_constant_was_traced_is_named_in_one_line():
+    """``mask=None`` in the example is traced as a constant: a tensor there would be ignored by the graph."""
+    class Masked(nn.Module):
+        def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+            return x if mask is None else x * mask
+
+    sig = rpcompile.pipeline.InputSignature(Masked(), (X,), {"mask": None})
+    with pytest.raises(InputError, match=r"^mask=<float32 tensor \(6, 8\)> but the pipeline was compiled with "
+                                         r"mask=None \(traced as a constant\); compile again with mask=<float32 "
+                                         r"tensor \(6, 8\)> in example_kwargs=$"):
+        sig.bind((X,), {"mask": torch.ones(6, 8)})

@@ -4,7 +4,7 @@ Hypothesis corrupts a golden plan (tests/golden/cnn-demo.json, the smallest) thr
 truncated file, a JSON value swapped for one of another type — and checks the property: ``Plan.load`` either
 raises :class:`PlanFileError` in one line naming the file, or returns a plan (a flip inside a number or a name can
 leave a well-formed plan that says something else; ``rpcompile check`` judges it against the model), and
-``rpcompile show`` on the file exits 0, or 2 with one ``rpcompile: error:`` line — never the catch-all
+``rpcompile show`` and ``rpcompile simulate`` on the file exit 0, or 2 with one ``rpcompile: error:`` line — never the catch-all
 "unexpected" line. A few dozen examples by default; ``-m slow`` runs many more.
 """
 
@@ -69,13 +69,14 @@ def _assert_one_line(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         Plan.load(path)
     except PlanFileError as e:
         assert "\n" not in str(e) and str(path) in str(e), str(e)
-    code = main(["show", str(path)])
-    err = capsys.readouterr().err
-    assert code in (0, 2), err
-    if code == 2:
-        lines = err.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("rpcompile: error: "), err
-        assert "unexpected" not in err and "Traceback" not in err, err
+    for argv in (["show", str(path)], ["simulate", str(path), "--json"]):
+        code = main(argv)
+        err = capsys.readouterr().err
+        assert code in (0, 2), (argv, err)
+        if code == 2:
+            lines = err.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith("rpcompile: error: "), (argv, err)
+            assert "unexpected" not in err and "Traceback" not in err, (argv, err)
 
 
 @pytest.fixture(scope="module")

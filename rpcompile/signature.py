@@ -190,9 +190,15 @@ class InputSignature:
         if t.dim() and t.shape[0] == 0:
             raise InputError(f"{where} is an empty batch (shape {tuple(t.shape)}); pass at least one row")
 
-    def check_target(self, target: Any, args: Sequence[Any], kwargs: Mapping[str, Any], *, needed: bool) -> None:
-        """Refuse a missing target where the loss needs one, a target that is not a tensor (it would not be split
-        into microbatches), and one whose batch size differs from the inputs'."""
+    def check_target(self, target: Any, args: Sequence[Any], kwargs: Mapping[str, Any], *, needed: bool,
+                     used: bool = True) -> None:
+        """Refuse a missing target where the loss needs one, a target no loss reads (``used=False``: the model
+        computes its own), one that is not a tensor (it would not be split into microbatches), and one whose
+        batch size differs from the inputs'."""
+        if target is not None and not used:
+            raise InputError("target= is given but the pipeline has no loss_fn: with loss_fn=None the model computes "
+                             "its own loss from the labels it was compiled with; pass them as labels=..., or compile "
+                             "with loss_fn=")
         if target is None:
             if needed:
                 raise InputError("target is missing: the loss needs it; pass the batch's target, "

@@ -397,3 +397,18 @@ def test_a_tensor_where_a_constant_was_traced_is_named_in_one_line():
                                          r"mask=None \(traced as a constant\); compile again with mask=<float32 "
                                          r"tensor \(6, 8\)> in example_kwargs=$"):
         sig.bind((X,), {"mask": torch.ones(6, 8)})
+
+
+def test_a_target_no_loss_reads_is_refused_in_one_line():
+    """``loss_fn=None``: the model's own loss; a ``target=`` would be ignored silently."""
+    class OwnLoss(MLP):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x).pow(2).mean()
+
+    pipe = _compile(OwnLoss(), X, loss_fn=None, devices=["cpu"], microbatches=2)
+    with pytest.raises(InputError, match=r"^target= is given but the pipeline has no loss_fn: with loss_fn=None the "
+                                         r"model computes its own loss .*; pass them as labels=\.\.\., or compile "
+                                         r"with loss_fn=$"):
+        pipe.forward_backward(X, target=Y)
+    ref = copy.deepcopy(pipe.model)
+    torch.testing.assert_close(pipe.forward_backward(X), ref(X), **TOL)

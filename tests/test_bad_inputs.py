@@ -16,7 +16,6 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -35,6 +34,7 @@ from test_runtime import FINE_CPU, TOL, assert_grads_equal
 GOLDEN = Path(__file__).parent / "golden"
 X, Y = torch.randn(6, 8), torch.randn(6, 4)
 IDS, LABELS = torch.randint(0, 16, (6, 5)), torch.randint(0, 16, (6, 5))
+LONG = torch.randint(0, 16, (6, 7))
 
 
 class MLP(nn.Module):
@@ -154,7 +154,8 @@ MLP_ROWS: list[Row] = [
     ("target list", lambda p: p.forward_backward(X, target=Y.tolist()), InputError,
      r"^target is a list, not a tensor: it would not be split into microbatches with the inputs; pass a tensor "
      r"\(torch\.as_tensor\(target\)\)$"),
-    ("target numpy", lambda p: p.forward_backward(X, target=Y.numpy()), InputError, r"^target is a ndarray, not a tensor"),
+    ("target numpy", lambda p: p.forward_backward(X, target=Y.numpy()), InputError,
+     r"^target is a ndarray, not a tensor"),
     ("target float64", lambda p: p.forward_backward(X, target=Y.double()), InputError,
      r"^target has dtype float64 but the pipeline was compiled for float32 .*\(target\.float\(\)\)$"),
     ("target trailing dims", lambda p: p.forward_backward(X, target=torch.randn(6, 5)), InputError,
@@ -170,7 +171,7 @@ TOKEN_ROWS: list[Row] = [
      r"^ids has dtype float32 but the pipeline was compiled for int64 .*cast it \(ids\.long\(\)\)$"),
     ("ids with a feature dim", lambda p: p.forward_backward(IDS[..., None], target=LABELS), InputError,
      r"^ids has shape \(6, 5, 1\) but the pipeline was compiled for \(batch, seq≤5\)"),
-    ("sequence too long", lambda p: p.forward_backward(torch.randint(0, 16, (6, 7)), target=torch.randint(0, 16, (6, 7))),
+    ("sequence too long", lambda p: p.forward_backward(torch.randint(0, 16, (6, 7)), target=LONG),
      InputError, r"^sequence length 7 is longer than the 5 this pipeline was planned for .*--seq-len 7\)$"),
     ("target shorter than ids", lambda p: p.forward_backward(IDS, target=LABELS[:, :4]), InputError,
      r"^target has sequence length 4 but the inputs have 5 \(dim 1\)"),
@@ -311,7 +312,8 @@ PLAN_ROWS: list[tuple[str, str]] = [
     ("nodes-string", r"is corrupt: stages\[0\]\.nodes: expected a list, found a string \('embed'\)"),
     ("no-fused", r"is corrupt: stages: kinds must run forward…, one fused, backward… \(found F0:forward, "),
     ("unknown-field", r"is corrupt: plan: unknown field 'colour'"),
-    ("bad-kind", r"is corrupt: stages\[0\]\.kind: expected one of \['forward', 'fused', 'backward'\], found 'sideways'"),
+    ("bad-kind", r"is corrupt: stages\[0\]\.kind: expected one of \['forward', 'fused', 'backward'\], "
+                 r"found 'sideways'"),
     ("zero-devices", r"is corrupt: hardware\.device_count: must be >= 1, found 0"),
     ("missing", r"^cannot read plan file .*: No such file or directory$"),
     ("directory", r"^cannot read plan file .*: Is a directory$"),

@@ -4,9 +4,8 @@ Hypothesis corrupts a golden plan (tests/golden/cnn-demo.json, the smallest) thr
 truncated file, a JSON value swapped for one of another type — and checks the property: ``Plan.load`` either
 raises :class:`PlanFileError` in one line naming the file, or returns a plan (a flip inside a number or a name can
 leave a well-formed plan that says something else; ``rpcompile check`` judges it against the model), and
-``rpcompile show`` and ``rpcompile simulate`` on the file exit 0, or 2 with one ``rpcompile: error:`` line — never the catch-all
-"unexpected" line. A few dozen examples by default; ``-m slow`` runs many more.
-"""
+``rpcompile show`` and ``rpcompile simulate`` on the file exit 0, or 2 with one ``rpcompile: error:`` line — never
+the catch-all "unexpected" line. A few dozen examples by default; ``-m slow`` runs many more."""
 
 from __future__ import annotations
 

@@ -50,6 +50,7 @@ _EXPORTS = {
     "PlanVerificationError": "rpcompile.core.errors",
     "InfeasibleError": "rpcompile.core.errors",
     "ConfigError": "rpcompile.core.errors",
+    "InputError": "rpcompile.core.errors",
     "BatchSplitError": "rpcompile.core.errors",
     "LossHeadError": "rpcompile.core.errors",
 }

@@ -43,7 +43,6 @@ Contracts
 
 from __future__ import annotations
 
-import inspect
 import os
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
@@ -69,6 +68,7 @@ from rpcompile.passes.trace import training_inputs
 from .model_match import graph_as_planned
 from .oom import out_of_memory
 from .invariants import verify_plan
+from .signature import InputSignature, check_compile_arguments, needs_target
 
 __all__ = ["compile", "Pipeline"]
 
@@ -125,60 +125,11 @@ def _shifts_labels(model: torch.nn.Module) -> bool:
     return getattr(model, "loss_type", None) == "ForCausalLM" or type(model).__name__.endswith("ForCausalLM")
 
 
-def _is_sequence(v: Any) -> bool:
-    return isinstance(v, torch.Tensor) and v.dim() >= 2 and not v.is_floating_point()
-
-
 def _checked_weight(loss_weight: Any) -> Any:
     if not callable(loss_weight) and loss_weight not in ("auto", "rows"):
         raise RPCompileError(f"loss_weight={loss_weight!r}; use 'auto', 'rows' or a function of a microbatch's "
                              "target returning how many items its mean loss averages over")
     return loss_weight
-
-
-class InputSignature:
-    """The inputs a pipeline was compiled for: how many positional, which keywords, and the non-tensor keywords
-    the trace specialised (``use_cache=False``). :meth:`bind` checks a call against it before anything runs."""
-
-    def __init__(self, model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]):
-        self.n_args = len(args)
-        self.names = list(kwargs)
-        self.constants = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
-        # the longest sequence planned for: dim 1 of the integer inputs (token ids, masks) of the example
-        self.max_seq = max((v.shape[1] for v in tensor_leaves((args, kwargs)) if _is_sequence(v)), default=None)
-        try:
-            self.params = list(inspect.signature(model.forward).parameters)
-        except (TypeError, ValueError):
-            self.params = []
-
-    def bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """``(args, kwargs)`` in the compiled form: keywords naming a positional parameter move into place and
-        specialised constants are filled in; anything else is refused with one line."""
-        args, kwargs = list(args), dict(kwargs)
-        for name in self.params[len(args):self.n_args]:
-            if name in kwargs:
-                args.append(kwargs.pop(name))
-        if len(args) != self.n_args:
-            raise RPCompileError(f"the pipeline was compiled for {self.n_args} positional input(s), got {len(args)}; "
-                                 "pass the inputs as in compile(model, example_inputs, ...)")
-        unknown = [k for k in kwargs if k not in self.names]
-        if unknown:
-            raise RPCompileError(f"keyword input(s) {unknown} were not in the compile example (keywords: "
-                                 f"{self.names or 'none'}); compile with them in example_kwargs= so the graph reads them")
-        for k, v in self.constants.items():
-            if k in kwargs and kwargs[k] != v:
-                raise RPCompileError(f"{k}={kwargs[k]!r} but the pipeline was compiled with {k}={v!r} (traced as a "
-                                     f"constant); compile again with {k}={kwargs[k]!r} in example_kwargs=")
-        missing = [k for k in self.names if k not in kwargs and k not in self.constants]
-        if missing:
-            raise RPCompileError(f"missing keyword input(s) {missing}: the pipeline was compiled with them; pass "
-                                 f"them as in the compile example")
-        longest = max((v.shape[1] for v in tensor_leaves((args, kwargs)) if _is_sequence(v)), default=None)
-        if self.max_seq is not None and longest is not None and longest > self.max_seq:
-            raise RPCompileError(f"sequence length {longest} is longer than the {self.max_seq} this pipeline was "
-                                 f"planned for (its memory plan holds for sequences up to {self.max_seq}); compile "
-                                 f"again with an example of length {longest} (rpcompile plan ... --seq-len {longest})")
-        return tuple(args), {k: kwargs.get(k, self.constants.get(k)) for k in self.names}
 
 
 def offload_budget(plan: Plan, device: int, devices: int) -> int:
@@ -375,8 +326,10 @@ class Pipeline:
         if target is None and "labels" in kwargs and self.loss_fn is not None and \
                 (self.signature is None or "labels" not in self.signature.names):
             target = kwargs.pop("labels")  # an HF batch dict: its labels are the loss's target
-        if self.signature is not None:
+        if self.signature is not None:  # refuse what the stages were not compiled for, in one line (signature.py)
             inputs, kwargs = self.signature.bind(inputs, kwargs)
+            self.signature.check_target(target, inputs, kwargs, used=self.loss_in_graph or self.loss_fn is not None,
+                                        needed=self.loss_in_graph or needs_target(self.loss_fn))
         if self.loss_in_graph:
             if not isinstance(target, torch.Tensor):
                 raise RPCompileError("this pipeline computes the loss inside its graph (head_chunks > 1): "
@@ -444,6 +397,10 @@ class Pipeline:
     @torch.no_grad()
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Evaluation: the model's output for the whole batch, stage by stage on the plan's devices."""
+        if self.signature is not None:  # the inputs as compiled (signature.py); the in-graph loss's target rides along
+            target = {TARGET: kwargs.pop(TARGET)} if self.loss_in_graph and TARGET in kwargs else {}
+            inputs, kwargs = self.signature.bind(inputs, kwargs)
+            kwargs = {**kwargs, **target}
         store = ValueStore()
         for name, value in zip(self.program.placeholders, flat_inputs(self.gm, inputs, kwargs)):
             store.put(name, 0, value)
@@ -503,6 +460,8 @@ def compile(
     becomes the pipeline's (pinned) copy, so a bf16 LoRA base costs 2 bytes a parameter of host memory —
     unless ``frozen_masters=True`` keeps their fp32 masters too.
     """
+    check_compile_arguments(model, example_inputs, example_kwargs, loss_fn=loss_fn, devices=devices, gpus=gpus,
+                            microbatches=microbatches)
     if precision not in _DTYPES:
         raise ConfigError(f"precision must be one of {sorted(_DTYPES)}, got {precision!r}")
     _checked_weight(loss_weight)  # before any planning
@@ -511,7 +470,8 @@ def compile(
     devs = make_devices(list(devices) if devices is not None else None, gpus)
     args, kwargs = training_inputs(model, example_inputs, example_kwargs)
     example_inputs, example_kwargs = args, kwargs
-    signature = InputSignature(model, args, kwargs)
+    signature = InputSignature(model, args, kwargs, devices=[d.torch_device.type for d in devs],
+                               compute_dtype=_DTYPES[precision], target=example_target)
     if loss_fn is None and "labels" in signature.params and "labels" not in kwargs:
         raise RPCompileError("loss_fn=None uses the model's own loss, which it computes from labels: compile with "
                              "them in the example (example_kwargs={'input_ids': ids, 'labels': labels}) or give loss_fn=")

@@ -249,6 +249,8 @@ def make_devices(devices: "list[str | torch.device | Device] | None", gpus: int 
     if devices is None:
         if gpus is None:
             raise ConfigError("give devices=[...] or gpus=k")
+        if gpus < 1:
+            raise ConfigError(f"gpus={gpus}; give gpus >= 1, or devices=['cpu'] * k for logical CPU devices")
         if gpus > torch.cuda.device_count():
             raise ConfigError(
                 f"gpus={gpus} but {torch.cuda.device_count()} CUDA device(s) are visible; "
@@ -263,6 +265,24 @@ def make_devices(devices: "list[str | torch.device | Device] | None", gpus: int 
             d.index = i
             out.append(d)
             continue
-        dev = torch.device(d)
+        dev = _torch_device(d)
         out.append(CudaDevice(dev, i) if dev.type == "cuda" else CpuDevice(dev, i))
     return out
+
+
+def _torch_device(d: "str | torch.device") -> torch.device:
+    """``d`` as a device rpcompile can run a stage on — ``cpu`` (a logical device) or a visible ``cuda:i`` — or
+    one line saying why not."""
+    try:
+        dev = torch.device(d)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"device {d!r} is not a device name; use 'cpu' (a logical CPU device) or 'cuda:i'") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device {d!r}: rpcompile runs stages on 'cpu' (logical CPU devices) or 'cuda:i', "
+                          f"not {dev.type}")
+    count = torch.cuda.device_count() if dev.type == "cuda" else 0
+    if dev.type == "cuda" and (dev.index or 0) >= count:
+        seen = f"only cuda:0..cuda:{count - 1} are visible" if count else "no CUDA device is visible (or torch " \
+            "has no CUDA)"
+        raise ConfigError(f"device {d!r}: {seen}; use devices=['cpu'] * k for logical CPU devices")
+    return dev

@@ -82,7 +82,7 @@ def test_wrong_field_type_is_reported(tmp_path):
     data["stages"][0]["kind"] = "sideways"
     path = tmp_path / "p.json"
     path.write_text(json.dumps(data))
-    with pytest.raises(PlanFileError, match=r"p\.json is corrupt: stage F0: kind must be one of"):
+    with pytest.raises(PlanFileError, match=r"p\.json is corrupt: stages\[0\]\.kind: expected one of \[.forward., .fused., .backward.\], found .sideways.; re-plan"):
         Plan.load(path)
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from .errors import BatchSplitError
+from .errors import BatchSplitError, InputError
 
 __all__ = ["flat_inputs", "split_microbatches", "tensor_leaves"]
 
@@ -46,7 +46,8 @@ def flat_inputs(gm: fx.GraphModule, args: Sequence[Any], kwargs: Mapping[str, An
             elif node.args:
                 values.append(node.args[0])
             else:
-                raise TypeError(f"missing input for placeholder {node.name!r}") from None
+                raise InputError(f"no value for the graph's input {node.name!r}; pass it as in the compile "
+                                 "example") from None
     return values
 
 

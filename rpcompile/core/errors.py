@@ -16,6 +16,7 @@ __all__ = [
     "ModelSpecError",
     "BatchSplitError",
     "ConfigError",
+    "InputError",
     "ProblemError",
     "SimulationError",
     "LossHeadError",
@@ -71,6 +72,11 @@ class InfeasibleError(RPCompileError):
 
 class ConfigError(RPCompileError, ValueError):
     """An argument names something unknown or is out of range (a schedule name, a repeat count)."""
+
+
+class InputError(RPCompileError, ValueError):
+    """A call's inputs do not match what the pipeline was compiled for (count, keywords, dtype, trailing
+    dimensions, device, batch size, a missing target): refused before any stage runs."""
 
 
 class ProblemError(RPCompileError, ValueError):

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Literal, Mapping
 
 from .errors import ConfigError, PlanFileError, PlanMismatchError
+from .planfile import decode_plan_text, plan_file_problem
 from .specs import DeviceSpec, HostSpec
 
 __all__ = ["SCHEMA_VERSION", "Fingerprint", "Hardware", "Stage", "Prediction", "Plan", "StageKind"]
@@ -286,6 +287,9 @@ class Plan:
                 f"{source} has schema_version {version} but this rpcompile reads up to {SCHEMA_VERSION}; "
                 "upgrade rpcompile (pip install -U rpcompile) or re-plan with this version"
             )
+        problem = plan_file_problem(cls, d)
+        if problem is not None:
+            raise PlanFileError(f"{source} is corrupt: {problem}; re-plan to regenerate it")
         try:
             return cls(
                 schema_version=version,
@@ -306,23 +310,30 @@ class Plan:
         except KeyError as e:
             raise PlanFileError(f"{source} is corrupt: missing field {e.args[0]!r}; re-plan to regenerate it") from None
         except (TypeError, ValueError, AttributeError) as e:
-            raise PlanFileError(f"{source} is corrupt: {e}; re-plan to regenerate it") from None
+            text = " ".join(str(e).split())  # one line whatever the check said
+            raise PlanFileError(f"{source} is corrupt: {text}; re-plan to regenerate it") from None
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Plan":
         """Read a plan file. Raises :class:`PlanFileError` (one line: what is wrong, what to do)."""
         path = Path(path)
         try:
-            text = path.read_text()
+            raw = path.read_bytes()
         except OSError as e:
             raise PlanFileError(f"cannot read plan file {path}: {e.strerror or e}") from None
+        text, problem = decode_plan_text(raw)
+        if text is None:
+            raise PlanFileError(f"{path} is corrupt: {problem}; re-plan to regenerate it")
         try:
-            data = json.loads(text)
+            data = json.loads(text, parse_constant=_no_constant)
         except json.JSONDecodeError as e:
             raise PlanFileError(
                 f"{path} is corrupt: invalid JSON at line {e.lineno} column {e.colno} ({e.msg}); "
                 "re-plan to regenerate it"
             ) from None
+        except (ValueError, RecursionError) as e:  # NaN or Infinity (_no_constant), a number too long, nesting
+            raise PlanFileError(f"{path} is corrupt: {' '.join(str(e).split())[:120]}; re-plan to regenerate it"
+                                ) from None
         return cls.from_dict(data, source=str(path))
 
     def check_model(self, fingerprint: Fingerprint, *, source: str = "plan") -> None:
@@ -333,6 +344,10 @@ class Plan:
                 f"{source} was made for a different model ({'; '.join(diffs)}); "
                 "re-plan for this model (rpcompile plan MODEL ...) or load the model the plan was made for"
             )
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number a plan holds")
 
 
 def _hardware(d: Mapping[str, Any]) -> Hardware:

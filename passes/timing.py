@@ -103,8 +103,11 @@ def _stage(pb: PartitionProblem, kind: StageKind, a: int, b: int, saved: Sequenc
     up = (inputs + prefetch) + w / m  # StageCost.upload_bytes / download_bytes, spelled out (hot path)
     down = (outputs + offload) + g / m
     time = pb.stage_overhead_s + max(compute, up / link, down / link)  # eager copies; see offload_backlog
+    # data parallelism reduces a shared parameter once, with the last grad stage holding it: the lowest range
+    reduced = 0 if kind == "forward" else sum(pb.grad_bytes[a:b]) + sum(
+        s.grad_bytes for s in pb.shared if a <= min(s.segments) < b)
     return StageCost(kind=kind, start=a, stop=b, compute_s=compute, overhead_s=pb.stage_overhead_s,
-                     weight_bytes=w, grad_bytes=g, input_bytes=inputs, prefetch_bytes=prefetch,
+                     weight_bytes=w, grad_bytes=g, reduce_bytes=reduced, input_bytes=inputs, prefetch_bytes=prefetch,
                      output_bytes=outputs, offload_bytes=offload, working_bytes=working, microbatches=m,
                      time_s=time, memory_bytes=w + g + p + working + buffers, buffer_bytes=buffers)
 
@@ -369,7 +372,7 @@ def _total(problem: PartitionProblem, costs: Sequence[StageCost], saved: Sequenc
     acc = [h.accumulate_s(c.grad_bytes) for c in costs] if math.isfinite(h.accumulate_bytes_per_s) else []
     return pipeline_time(times, problem.device_count, problem.microbatches,
                          **transfer_edges(problem, costs, times, saved), accumulate_s=acc,
-                         reduce_s=[h.reduce_s(c.grad_bytes) for c in costs], overlap_reduce=h.overlap_reduce,
+                         reduce_s=[h.reduce_s(c.reduced_bytes) for c in costs], overlap_reduce=h.overlap_reduce,
                          reduce_host_s=h.reduce_s(h.host_grad_bytes))
 
 

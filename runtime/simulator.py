@@ -424,7 +424,7 @@ def _add_reduction(tasks: list[_Task], lanes: dict, sts: Sequence[StageCost], ho
     done.update({t.stage: t for t in tasks if t.lane == "acc"})
     others = list(tasks)
     # each grad stage's gradients, then the tables only the host reads (stage -1: added after every stage)
-    for k, work, after in [(k, host.reduce_s(sts[k].grad_bytes), [done[k]]) for k in sorted(done)] \
+    for k, work, after in [(k, host.reduce_s(sts[k].reduced_bytes), [done[k]]) for k in sorted(done)] \
             + [(-1, host.reduce_s(host.host_grad_bytes), list(done.values()))]:
         if work <= 0:
             continue

@@ -348,3 +348,16 @@ def test_a_plan_for_several_nodes_predicts_the_exposed_reduction():
     after = iteration_time(dataclasses.replace(pb, host=dataclasses.replace(net, overlap_reduce=False)), plan)
     assert after == pytest.approx(2 * base)
     assert base < overlapped < after  # the later stages hide part of it
+
+
+def test_a_shared_parameter_is_reduced_once_with_its_last_grad_stage():
+    """A parameter used by segments 0 and 5 (tied embeddings) is in the fused stage's and the last backward
+    stage's gradients; the runtime reduces it once, when the last of them (the lowest range) has landed."""
+    pb = dataclasses.replace(tiny_chain(6, devices=2),
+                             shared=(SharedParam(name="tied", bytes=100, grad_bytes=100, segments=(0, 5)),))
+    plan = _plan([(0, 2), (2, 4)], (4, 6), [(2, 4), (0, 2)], [False] * 6)
+    costs = stage_costs(pb, plan)
+    grads = [c for c in costs if c.kind != "forward"]
+    assert sum(c.grad_bytes for c in grads) == sum(pb.grad_bytes) + 200  # downloaded by both stages
+    assert sum(c.reduced_bytes for c in grads) == sum(pb.grad_bytes) + 100  # reduced once
+    assert grads[-1].reduced_bytes == sum(pb.grad_bytes[0:2]) + 100 and grads[-1].start == 0

@@ -135,6 +135,10 @@ class StageCost:
     """Weights uploaded once per iteration, before the first microbatch (the schedule's ``W`` action)."""
     grad_bytes: float = 0
     """Gradients downloaded once, after the last microbatch (``G``); held on the device from the first one."""
+    reduce_bytes: float | None = None
+    """Data parallelism: the downloaded gradient bytes whose all-reduce this stage's landing completes — a
+    parameter several grad stages share counts only with the last of them (:attr:`reduced_bytes`); None: all of
+    ``grad_bytes``."""
     input_bytes: float = 0
     """Host → device before computing, once the previous stage's output for the microbatch is in host memory
     (a forward or fused stage's inputs, a backward stage's output gradients)."""
@@ -176,6 +180,11 @@ class StageCost:
     backlog_bytes: int = 0
     """Most saved activations of this device's forward stages still waiting to go down while the stage runs (lazy
     offload). Not in ``memory_bytes``: the backlog only fills what the device's stages leave free."""
+
+    @property
+    def reduced_bytes(self) -> float:
+        """``reduce_bytes``, or ``grad_bytes`` when not given."""
+        return self.grad_bytes if self.reduce_bytes is None else self.reduce_bytes
 
     @property
     def upload_bytes(self) -> float:

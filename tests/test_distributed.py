@@ -154,3 +154,79 @@ def test_three_ranks_on_a_saved_plan_and_a_rank_that_hangs(two, reference):
         assert out[r]["hang"].startswith(f"DistributedError: rank {r}: ")
         assert "another rank stopped or hangs" in out[r]["hang"] and "\n" not in out[r]["hang"]
         assert out[r]["hang_s"] < 30
+
+
+# ---- in this process: the buckets, and the data-parallel path on a one-rank group (no spawn) -------------------
+def _toy_pipeline(**options: Any) -> tuple[Any, Any]:
+    import rpcompile
+    from _toy import TiedToy
+    from _dist_worker import FINE_CPU
+
+    torch.manual_seed(0)
+    model = TiedToy()
+    x = torch.randint(0, 16, (6, 5))
+    pipe = rpcompile.compile(model, (x,), loss_fn=lambda out, y: torch.nn.functional.cross_entropy(
+        out.flatten(0, 1), y.flatten()), spec=FINE_CPU, devices=["cpu", "cpu"], microbatches=3, time_limit_s=2.0,
+        allow_save=False, **options)
+    return pipe, model
+
+
+def test_buckets_leave_frozen_parameters_out_and_hold_a_tied_one_once():
+    from rpcompile.runtime.reduce import buckets
+
+    pipe, model = _toy_pipeline()
+    model.l1.weight.requires_grad_(False)
+    params = dict(pipe.gm.named_parameters())
+    program = pipe.executor.program
+    got = buckets(program, params, bucket_bytes=64)
+    names = [n for b in got for n in b.names]
+    assert sorted(names) == sorted(n for n, p in params.items() if p.requires_grad)  # l1.weight: frozen, left out
+    assert names.count("embed.weight") == 1  # read by the first stage and the tied output projection: one bucket
+    holders = {p.index for p in program.stages if p.kind != "forward" and "embed.weight" in p.params.values()}
+    assert next(b for b in got if "embed.weight" in b.names).waits_for >= holders
+    assert len(holders) >= 1 and len(got) > 1
+
+
+def test_data_parallel_true_needs_a_process_group():
+    import rpcompile
+    from rpcompile.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^data_parallel=True but torch.distributed has no process group: call "
+                                          r"torch.distributed.init_process_group\(...\) first"):
+        rpcompile.compile(torch.nn.Linear(2, 2), (torch.ones(3, 2),), loss_fn=None, data_parallel=True)
+
+
+def test_one_rank_data_parallel_equals_the_plain_pipeline_with_accumulation_and_an_overlapped_step():
+    """The whole data-parallel path (global token count, held gradients, buckets, install) on a one-rank gloo
+    group in this process: what the plain pipeline does, through gradient accumulation and an overlapped optimizer
+    step (whose gradients the reduction must not touch) — up to float order: a call's gradients are summed apart
+    from ``.grad`` and then added."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        runs = []
+        for dp in (False, True):
+            pipe, model = _toy_pipeline(data_parallel=dp)
+            assert (pipe.data_parallel is not None) == dp
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-5)
+            gen = torch.Generator().manual_seed(1)
+            losses, grads = [], []
+            for step in range(3):
+                x, y = torch.randint(0, 16, (6, 5), generator=gen), torch.randint(0, 16, (6, 5), generator=gen)
+                y[:, 3:] = -100  # padding
+                losses.append(pipe.forward_backward(x, target=y))
+                losses.append(pipe.forward_backward(x[:4], target=y[:4]))  # accumulates
+                grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+                pipe.step(opt, overlap=step == 1)
+            pipe.synchronize()
+            runs.append((losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}))
+        (l0, g0, w0), (l1, g1, w1) = runs
+        torch.testing.assert_close(torch.stack(l1), torch.stack(l0), **TOL)
+        for a, b in zip(g0, g1):
+            for n in a:
+                torch.testing.assert_close(b[n], a[n], **TOL, msg=lambda m: f"grad {n}: {m}")
+        for n in w0:
+            torch.testing.assert_close(w1[n], w0[n], **STEP_TOL, msg=lambda m: f"weight {n}: {m}")
+    finally:
+        dist.destroy_process_group()

@@ -16,6 +16,8 @@ process (a *rank*) run the same plan on its own shard of the batch (``data_paral
 - **Gradients** are summed by :class:`rpcompile.runtime.reduce.GradReducer`: buckets launched as soon as the
   backward stages that compute them have landed, overlapping the stages still running; frozen parameters never,
   tied ones once. The optimizer step is the user's, on identical gradients, so the weights stay identical.
+- **Dropout** masks are seeded per (iteration, node, microbatch) as on one machine, salted with the rank
+  (:data:`rpcompile.runtime.rng.stream`), so each shard draws its own; rank 0 draws what one process would.
 - **Failures.** A rank whose iteration raises still takes part in the remaining collectives and reports its
   failure in the last one, so every rank raises one line naming it rather than waiting. A rank that dies or
   hangs is caught by the process group's timeout (``init_process_group(timeout=...)``); the survivors raise
@@ -34,6 +36,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from rpcompile.runtime import rng
 from rpcompile.runtime.reduce import GradReducer
 from rpcompile.runtime.weights import GradSink
 
@@ -129,6 +132,7 @@ class DataParallel:
 
         self.reducer = GradReducer(program, params, self.group, held=held, put=put)
         sink.listener = self.reducer.landed
+        rng.stream = f"rank{self.rank}/" if self.rank else ""  # each shard its own dropout masks (rank 0 as alone)
 
     # ------------------------------------------------------------------------------------------ per call
     def start(self, total: float, error: BaseException | None) -> float:

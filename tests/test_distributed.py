@@ -11,7 +11,7 @@ import multiprocessing
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import pytest
 import torch
@@ -30,8 +30,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(scenario: str, world: int, tmp: Path, timeout_s: float, wall_s: float = 240.0) -> list[dict[str, Any]]:
-    """Run ``scenario`` on ``world`` processes; every rank's record (a rank that wrote none fails the test)."""
+def spawn(scenario: str, world: int, tmp: Path, timeout_s: float, wall_s: float = 240.0,
+          wait: Sequence[int] | None = None) -> list[dict[str, Any]]:
+    """Run ``scenario`` on ``world`` processes; every rank's record (a rank that wrote none fails the test).
+    ``wait``: the ranks to wait for (default all); the others are killed once those are done."""
     ctx = multiprocessing.get_context("spawn")
     port = _free_port()
     procs = [ctx.Process(target=_dist_worker.main, args=(r, world, port, str(tmp), scenario, timeout_s))
@@ -39,8 +41,8 @@ def spawn(scenario: str, world: int, tmp: Path, timeout_s: float, wall_s: float 
     for p in procs:
         p.start()
     deadline = time.monotonic() + wall_s
-    for p in procs:
-        p.join(max(1.0, deadline - time.monotonic()))
+    for r in (range(world) if wait is None else wait):
+        procs[r].join(max(1.0, deadline - time.monotonic()))
     for p in procs:
         if p.is_alive():
             p.kill()
@@ -147,10 +149,10 @@ def test_three_ranks_on_a_saved_plan_and_a_rank_that_hangs(two, reference):
     three = tmp.parent / "three"
     three.mkdir()
     Plan.from_dict(records[0]["plan"]).save(three / "plan.json")
-    out = spawn("three", 3, three, timeout_s=60.0)
+    out = spawn("three", 3, three, timeout_s=60.0, wait=[0, 1])
     for r, rec in enumerate(out):
         assert_trained_like(rec, reference, r)
-    for r in (0, 1):  # rank 2 never finishes its loss: the others give up at the collective's timeout
+    for r in (0, 1):  # rank 2 never finishes its loss: the others give up at the collective's timeout (3 s)
         assert out[r]["hang"].startswith(f"DistributedError: rank {r}: ")
         assert "another rank stopped or hangs" in out[r]["hang"] and "\n" not in out[r]["hang"]
         assert out[r]["hang_s"] < 30
@@ -230,3 +232,16 @@ def test_one_rank_data_parallel_equals_the_plain_pipeline_with_accumulation_and_
             torch.testing.assert_close(w1[n], w0[n], **STEP_TOL, msg=lambda m: f"weight {n}: {m}")
     finally:
         dist.destroy_process_group()
+
+
+def test_each_rank_salts_its_dropout_seeds():
+    from rpcompile.runtime import rng
+
+    draw = lambda: rng.seeded_call("dropout", torch.nn.functional.dropout, torch.ones(64), 0.5)  # noqa: E731
+    try:
+        alone = draw()
+        torch.testing.assert_close(draw(), alone)  # replayable
+        rng.stream = "rank1/"
+        assert not torch.equal(draw(), alone)
+    finally:
+        rng.stream = ""

@@ -71,7 +71,10 @@ def partition_problem(
         stage_overhead_s=hardware.spec.stage_overhead_s if stage_overhead_s is None else stage_overhead_s,
         allow_save=allow_save,
         host=host_load(hardware.host, trainable_params=sum(p.numel() for p in params.values() if p.requires_grad),
-                       precision=precision, overlap_step=overlap_step),
+                       precision=precision, overlap_step=overlap_step, nodes=hardware.nodes,
+                       network_bytes_per_s=hardware.network_bytes_per_s,
+                       host_params=sum(params[h.weight].numel() for h in host_of(gm)
+                                       if h.weight not in users and params[h.weight].requires_grad)),
     )
 
 

@@ -37,6 +37,12 @@ that every device's stages share, and it never slows a device. Between iteration
 refreshes the compute-precision copies, a constant per iteration (``HostLoad.step_s``) that the solvers need not
 see: :func:`iteration_time` adds it (synchronous) or takes ``max(pipeline, step)`` (``overlap_step``).
 
+**Data parallelism** (``HostLoad.nodes > 1``, :mod:`rpcompile.distributed`): once the host has added a grad
+stage's gradients, their fp32 sum is all-reduced across the machines — a ring, ``2(n−1)/n`` of the bytes through
+each machine's network link (``HostLoad.reduce_s``) — one stage after the other in stage order on that one link,
+beside the later stages (``overlap_reduce``, as the runtime's buckets do) or all after the pipeline; the
+iteration waits for the last. The local search sees it, so a plan for several nodes may cut otherwise.
+
 Each stage is a :class:`~rpcompile.core.stages.StageCost`, the type the simulator plays too.
 """
 
@@ -63,6 +69,8 @@ __all__ = [
     "bubble_fraction",
     "host_times",
     "host_lane_end",
+    "lane_ends",
+    "reduce_times",
 ]
 
 
@@ -95,8 +103,11 @@ def _stage(pb: PartitionProblem, kind: StageKind, a: int, b: int, saved: Sequenc
     up = (inputs + prefetch) + w / m  # StageCost.upload_bytes / download_bytes, spelled out (hot path)
     down = (outputs + offload) + g / m
     time = pb.stage_overhead_s + max(compute, up / link, down / link)  # eager copies; see offload_backlog
+    # data parallelism reduces a shared parameter once, with the last grad stage holding it: the lowest range
+    reduced = 0 if kind == "forward" else sum(pb.grad_bytes[a:b]) + sum(
+        s.grad_bytes for s in pb.shared if a <= min(s.segments) < b)
     return StageCost(kind=kind, start=a, stop=b, compute_s=compute, overhead_s=pb.stage_overhead_s,
-                     weight_bytes=w, grad_bytes=g, input_bytes=inputs, prefetch_bytes=prefetch,
+                     weight_bytes=w, grad_bytes=g, reduce_bytes=reduced, input_bytes=inputs, prefetch_bytes=prefetch,
                      output_bytes=outputs, offload_bytes=offload, working_bytes=working, microbatches=m,
                      time_s=time, memory_bytes=w + g + p + working + buffers, buffer_bytes=buffers)
 
@@ -168,7 +179,8 @@ def pipeline_time(stage_times: Sequence[float], devices: int, microbatches: int,
                   weight_s: Sequence[float] = (), grad_s: Sequence[float] = (),
                   handoff_s: Sequence[float] = (), out_s: Sequence[float] = (), save_s: Sequence[float] = (),
                   reads: Sequence[Sequence[int]] = (), prefetch_s: Sequence[float] = (),
-                  accumulate_s: Sequence[float] = ()) -> float:
+                  accumulate_s: Sequence[float] = (), reduce_s: Sequence[float] = (),
+                  overlap_reduce: bool = True, reduce_host_s: float = 0.0) -> float:
     """Iteration time of the round-robin schedule (DESIGN §3) by the exact event recurrence.
 
     Microbatch ``j`` of stage ``k`` starts at ``max(e(k, j-1), e(k-1, j), e(k-N, m-1))`` (0 for negative
@@ -190,10 +202,46 @@ def pipeline_time(stage_times: Sequence[float], devices: int, microbatches: int,
     Host accumulation: ``accumulate_s[k]``, the host thread's time to add stage ``k``'s gradients into ``.grad``
     once they have landed (``e(k, m−1) + grad_s[k]``); one thread takes them in the order they land, and the
     iteration waits for the last.
+
+    Data-parallel reduction: ``reduce_s[k]``, the all-reduce of stage ``k``'s gradients once the host has added
+    them, on one network link in stage order (:func:`reduce_times`), then ``reduce_host_s`` (the tables only the
+    host reads); the iteration waits for the last.
     """
     ends = _stage_ends(stage_times, devices, microbatches, weight_s, handoff_s, out_s, save_s, reads, prefetch_s)
     landed = [e + (grad_s[k] if k < len(grad_s) else 0.0) for k, e in enumerate(ends)]
-    return max(max(landed, default=0.0), host_lane_end(landed, accumulate_s))
+    added = lane_ends(landed, accumulate_s)
+    end = max(max(landed, default=0.0), max(added, default=0.0))
+    if any(reduce_s) or reduce_host_s:
+        work = [reduce_s[k] if k < len(reduce_s) else 0.0 for k in range(len(added))] + [reduce_host_s]
+        ready = added + [max(added, default=0.0)]
+        end = max(end, max(reduce_times(ready, work, after=None if overlap_reduce else end)[1]))
+    return end
+
+
+def lane_ends(landed: Sequence[float], work: Sequence[float]) -> list[float]:
+    """When each stage's ``work`` is done on one host thread that takes it in the order it lands (``landed[k]``
+    for a stage without work)."""
+    out = list(landed)
+    end = 0.0
+    for at, k in sorted((landed[k], k) for k, w in enumerate(work) if w > 0 and k < len(landed)):
+        end = max(end, at) + work[k]
+        out[k] = end
+    return out
+
+
+def reduce_times(ready: Sequence[float], reduce_s: Sequence[float], *, after: float | None = None,
+                 ) -> tuple[list[float], list[float]]:
+    """``(starts, ends)`` of each stage's all-reduce on one network link, in stage order (the runtime launches its
+    buckets in that order on every rank), each once its gradients are added (``ready[k]``) — or all after
+    ``after`` (the reduction not overlapped)."""
+    starts, ends, free = [], [], 0.0
+    for k, r in enumerate(ready):
+        w = reduce_s[k] if k < len(reduce_s) else 0.0
+        begin = max(free, r if after is None else after)
+        starts.append(begin)
+        free = begin + w if w > 0 else free
+        ends.append(begin + w if w > 0 else r)
+    return starts, ends
 
 
 def host_lane_end(landed: Sequence[float], accumulate_s: Sequence[float]) -> float:
@@ -320,9 +368,12 @@ def _total(problem: PartitionProblem, costs: Sequence[StageCost], saved: Sequenc
     """Exact iteration time of the stages (costed on their own, or already through :func:`offload_backlog`: the
     walk gives the same times either way) with their transfer edges; the local search calls it on cached stages."""
     times = _lazy_offload(problem, costs)[0]
-    acc = [problem.host.accumulate_s(c.grad_bytes) for c in costs] if math.isfinite(problem.host.accumulate_bytes_per_s) else []
+    h = problem.host
+    acc = [h.accumulate_s(c.grad_bytes) for c in costs] if math.isfinite(h.accumulate_bytes_per_s) else []
     return pipeline_time(times, problem.device_count, problem.microbatches,
-                         **transfer_edges(problem, costs, times, saved), accumulate_s=acc)
+                         **transfer_edges(problem, costs, times, saved), accumulate_s=acc,
+                         reduce_s=[h.reduce_s(c.reduced_bytes) for c in costs], overlap_reduce=h.overlap_reduce,
+                         reduce_host_s=h.reduce_s(h.host_grad_bytes))
 
 
 def iteration_time(problem: PartitionProblem, plan: SegmentPlan) -> float:

@@ -43,6 +43,7 @@ Contracts
 
 from __future__ import annotations
 
+import functools
 import os
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
@@ -63,6 +64,7 @@ from .core.errors import ConfigError, RPCompileError
 from rpcompile.runtime.executor import PipelineError
 from .core.plan import Plan
 from .core.schedule import round_robin
+from .distributed import DataParallel, DistributedError, data_parallel_group, plan_digest
 from .planning import compile_plan
 from rpcompile.passes.trace import training_inputs
 from .model_match import graph_as_planned
@@ -146,6 +148,9 @@ class Pipeline:
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None, precision: str, scaler: Any = None,
                  loss_in_graph: bool = False, signature: InputSignature | None = None,
                  loss_weight: "str | Callable[[Any], float]" = "auto", frozen_masters: bool = False):
+        self.data_parallel: DataParallel | None = None
+        """Set by :meth:`join`: this pipeline is one rank of data-parallel training (:mod:`rpcompile.distributed`)."""
+        self._dp_phase = "done"  # a data-parallel call: "before" its first collective, "running", "done"
         self.model, self.gm, self.plan, self.devices = model, gm, plan, list(devices)
         self.loss_fn, self.precision, self.scaler = loss_fn, precision, scaler
         self.loss_in_graph = loss_in_graph  # the graph takes the target and returns the loss (split LM head)
@@ -171,6 +176,11 @@ class Pipeline:
             if device.torch_device.type == "cuda" and device.offloader is None:
                 device.enable_offload(offload_budget(plan, d, len(self.devices)))
                 device.enable_async_handoff()
+
+    def join(self, dp: DataParallel) -> None:
+        """Run as one rank of data-parallel training: gradients summed across the ranks (``compile`` does this)."""
+        self.data_parallel = dp
+        dp.attach(self.executor.program, dict(self.gm.named_parameters()), self.executor.grads)
 
     @property
     def host_traffic(self) -> dict[str, int]:
@@ -322,7 +332,56 @@ class Pipeline:
     def forward_backward(self, *inputs: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
         """One training iteration's forward and backward over the whole batch; returns the batch's loss: the mean
         over the batch (microbatch losses weighted by their sizes), or their sum for a loss module with
-        ``reduction="sum"``."""
+        ``reduction="sum"``.
+
+        Data-parallel (:mod:`rpcompile.distributed`): the batch is this rank's shard; the loss returned and the
+        gradients added into ``.grad`` are those of the whole batch, every rank's shard concatenated. A failure on
+        any rank raises on every rank (one line naming it); that call's gradients are dropped."""
+        dp = self.data_parallel
+        if dp is None:
+            return self._forward_backward(inputs, target, kwargs)
+        self._dp_phase = "before"
+        try:
+            return self._forward_backward(inputs, target, kwargs)
+        except DistributedError:
+            self._drop_held()
+            raise
+        except BaseException as e:  # tell the other ranks, in the collective they wait in, then raise it here
+            self._drop_held()
+            if self._dp_phase == "before":
+                dp.start(0.0, e)
+            elif self._dp_phase == "running":
+                dp.finish(0.0, e)
+            raise
+
+    def _drop_held(self) -> None:
+        """A data-parallel call failed: its gradients (held apart from ``.grad``) are dropped."""
+        if self.executor.grads.private is not None:
+            self.executor.grads.hold(self._overlap_optimizer is not None)
+
+    def _global_total(self, total: float) -> float:
+        """What the whole batch's mean averages over: this rank's ``total`` summed over the ranks (data-parallel;
+        the call's gradients are held apart from ``.grad`` until they are reduced)."""
+        if self.data_parallel is None:
+            return total
+        total = self.data_parallel.start(total, None)
+        self._dp_phase = "running"
+        if self.executor.grads.private is None:
+            self.executor.grads.hold(True)
+        return total
+
+    def _reduced(self, loss: torch.Tensor) -> torch.Tensor:
+        """Data-parallel: the gradients summed across the ranks (then into ``.grad``) and the whole batch's loss."""
+        if self.data_parallel is None:
+            return loss
+        total = self.data_parallel.finish(float(loss), None)
+        self._dp_phase = "done"  # the call's collectives are over
+        if self._overlap_optimizer is None:
+            self.executor.grads.install()
+            self.executor.grads.hold(False)
+        return torch.tensor(total, dtype=loss.dtype)
+
+    def _forward_backward(self, inputs: Sequence[Any], target: Any, kwargs: dict[str, Any]) -> torch.Tensor:
         if target is None and "labels" in kwargs and self.loss_fn is not None and \
                 (self.signature is None or "labels" not in self.signature.names):
             target = kwargs.pop("labels")  # an HF batch dict: its labels are the loss's target
@@ -353,7 +412,7 @@ class Pipeline:
             weights = loss_weights(pieces, sizes, self.loss_weight)
         else:
             weights = [float(n) for n in sizes]
-        total = sum(weights)
+        total = self._global_total(sum(weights))
 
         def loss_of(output: Any, target_j: Any, j: int) -> torch.Tensor:
             if self.loss_in_graph:
@@ -389,10 +448,11 @@ class Pipeline:
                 raise oom from e.__cause__
             raise
         self.iteration += 1
+        loss = self._reduced(torch.stack(losses).sum())
         if self._overlap_optimizer is not None:  # the step beside this iteration is done: its gradients to .grad
             self._finish_step()
             self.executor.grads.install()
-        return torch.stack(losses).sum()
+        return loss
 
     @torch.no_grad()
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -429,6 +489,7 @@ def compile(
     host_embedding: "bool | Sequence[str]" = True,
     loss_weight: "str | Callable[[Any], float]" = "auto",
     frozen_masters: bool = False,
+    data_parallel: bool | None = None,
     **plan_options: Any,
 ) -> Pipeline:
     """Trace ``model``, plan it (or load/check ``plan``) and return a :class:`Pipeline` on its devices.
@@ -459,11 +520,24 @@ def compile(
     Frozen parameters (``requires_grad=False``) are then kept only in the compute precision — their ``.data``
     becomes the pipeline's (pinned) copy, so a bf16 LoRA base costs 2 bytes a parameter of host memory —
     unless ``frozen_masters=True`` keeps their fp32 masters too.
+
+    Under ``torch.distributed`` (a default process group of several ranks, e.g. ``torchrun``) every rank runs
+    this plan on its own shard of the batch and gradients are summed across the ranks
+    (:mod:`rpcompile.distributed`): rank 0 plans (unless ``plan`` is given) and every rank checks it runs the
+    same plan. ``data_parallel=False`` keeps this process on its own; ``True`` requires a process group.
     """
     check_compile_arguments(model, example_inputs, example_kwargs, loss_fn=loss_fn, devices=devices, gpus=gpus,
                             microbatches=microbatches)
     if precision not in _DTYPES:
         raise ConfigError(f"precision must be one of {sorted(_DTYPES)}, got {precision!r}")
+    dp = data_parallel_group(data_parallel)
+    if dp is not None:  # one pipeline per rank, on one plan (rank 0's unless given), checked alike everywhere
+        local = functools.partial(
+            compile, model, example_inputs, loss_fn=loss_fn, gpus=gpus, devices=devices, microbatches=microbatches,
+            precision=precision, example_kwargs=example_kwargs, scaler=scaler, spec=spec,
+            example_target=example_target, head_chunks=head_chunks, host_embedding=host_embedding,
+            loss_weight=loss_weight, frozen_masters=frozen_masters, data_parallel=False, **plan_options)
+        return _join(dp, local, plan, precision)
     _checked_weight(loss_weight)  # before any planning
     if devices is None and gpus is None:
         devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())] or ["cpu"]
@@ -502,3 +576,27 @@ def compile(
     return Pipeline(model, made.graph, made.plan, devs, loss_fn, precision, scaler,
                     loss_in_graph=made.plan.head_chunks > 1, signature=signature, loss_weight=loss_weight,
                     frozen_masters=frozen_masters)
+
+
+def _join(dp: DataParallel, local: Callable[..., Pipeline], plan: "Plan | str | os.PathLike | None",
+          precision: str) -> Pipeline:
+    """This rank's pipeline of data-parallel training: rank 0 plans when no ``plan`` is given and sends it to the
+    others; each compiles it locally; all compare what they run (:meth:`DataParallel.agree`) and then join."""
+    pipe: Pipeline | None = None
+    failure: Exception | None = None
+    if plan is None:
+        pipe, plan = dp.shared_plan(local)
+    try:
+        pipe = pipe or local(plan=plan)
+        digest, error = plan_digest(pipe.plan, devices=len(pipe.devices), precision=precision), ""
+    except Exception as e:  # noqa: BLE001 - every rank learns which one failed, then this one raises its own
+        digest, error, failure = None, f"{type(e).__name__}: {e}".splitlines()[0], e
+    try:
+        dp.agree(digest, error)
+    except DistributedError:
+        if failure is not None:
+            raise failure from None
+        raise
+    assert pipe is not None
+    pipe.join(dp)
+    return pipe

@@ -41,16 +41,18 @@ def make_cost_model(*, spec: "str | DeviceSpec | None" = None, device: "str | to
 
 
 def make_hardware(gpus: int, spec: "str | DeviceSpec", memory_limit: int | None = None, *,
-                  host: HostSpec | None = None) -> Hardware:
+                  host: HostSpec | None = None, nodes: int = 1, network_bytes_per_s: float = 0.0) -> Hardware:
     """``gpus`` devices of ``spec`` with ``memory_limit`` usable bytes each (default: the spec's usable memory),
     in ``host`` (default: the host :func:`~rpcompile.core.specs.assumed_host` assumes for the spec; measure one
-    with :func:`rpcompile.probe.probe_host`)."""
+    with :func:`rpcompile.probe.probe_host`); ``nodes`` such machines training data-parallel over a network of
+    ``network_bytes_per_s`` each (:mod:`rpcompile.distributed`)."""
     spec = get_spec(spec)
     if gpus < 1:
         raise ConfigError(f"gpus must be >= 1, got {gpus}")
     memory = int(memory_limit) if memory_limit is not None else spec.usable_memory_bytes
     return Hardware(device_count=gpus, spec=spec, memory_bytes=memory, link_bytes_per_s=spec.host_link_bandwidth,
-                    host=host if host is not None else assumed_host(spec))
+                    host=host if host is not None else assumed_host(spec), nodes=nodes,
+                    network_bytes_per_s=network_bytes_per_s if nodes > 1 else 0.0)
 
 
 def default_spec(spec: "str | DeviceSpec | None", device: "str | torch.device | None",

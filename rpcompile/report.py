@@ -16,7 +16,7 @@ from rpcompile.passes.segment_rules import format_bytes as fmt_bytes
 if TYPE_CHECKING:  # annotations only: importing rpcompile.profiling imports torch (3.3 s), which a plan table never needs
     from .profiling import CostRow, Profile
 
-__all__ = ["fmt_bytes", "fmt_time", "fmt_ms", "fmt_count", "fmt_params", "models_table", "bound_note", "host_note", "host_line", "cost_label", "profile_table",
+__all__ = ["scaling_table", "fmt_bytes", "fmt_time", "fmt_ms", "fmt_count", "fmt_params", "models_table", "bound_note", "host_note", "host_line", "cost_label", "profile_table",
            "plan_table", "compare_table", "stage_range", "print_table", "simulate_table", "devices_table"]
 
 
@@ -220,4 +220,21 @@ def devices_table(result, *, title: str = "") -> Table:
         backlog = result.offload_backlog_bytes[d] if d < len(result.offload_backlog_bytes) else 0
         t.add_row(str(d), fmt_ms(busy), f"{util:.1%}", *(fmt_ms(idle[d][k]) for k in ("fill", "drain", "waits")),
                   *moved, fmt_bytes(backlog) if backlog else "—", fmt_bytes(peak) if peak else "—")
+    return t
+
+
+def scaling_table(rows: Sequence[dict], *, title: str = "") -> Table:
+    """Data-parallel scaling (:func:`rpcompile.simulation.scaling`): one row per machine count, network and
+    whether the gradient all-reduce overlaps the later stages."""
+    t = Table(title=title, caption="simulated: every machine runs the pipeline on its own batch; the all-reduce is "
+                                   "a ring over each machine's network link, not measured")
+    for col in ("nodes", "network", "all-reduce", "iteration", "tokens/s (all nodes)", "efficiency", "reduce",
+                "of it exposed"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(str(r["nodes"]), f"{r['network_bytes_per_s'] * 8 / 1e9:g} Gb/s",
+                  "—" if r["nodes"] == 1 else ("overlapped" if r["overlap"] else "after"),
+                  fmt_ms(r["iteration_time_s"]), fmt_count(r["tokens_per_s"]) if r["tokens_per_s"] else "—",
+                  f"{r['efficiency']:.1%}", fmt_ms(r["reduce_s"]) if r["reduce_s"] else "—",
+                  fmt_ms(r["reduce_exposed_s"]) if r["reduce_s"] else "—")
     return t

@@ -102,7 +102,8 @@ def from_plan(plan: Any, *, host_bytes_per_s: float = math.inf) -> Scenario:
         ))
     lists = round_robin([s.kind for s in plan.stages], hw.device_count, m)
     p = plan.predicted  # the host's rates from the plan's host, its step as the plan predicted it
-    host = dataclasses.replace(host_load(hw.host, trainable_params=0, precision=plan.precision),
+    host = dataclasses.replace(host_load(hw.host, trainable_params=0, precision=plan.precision, nodes=hw.nodes,
+                                         network_bytes_per_s=hw.network_bytes_per_s),
                                optimizer_s=p.optimizer_s, refresh_s=p.refresh_s, overlap_step=p.overlap_step)
     return Scenario(plan.strategy, lists, stages, link_bytes_per_s=hw.link_bytes_per_s,
                     host_bytes_per_s=host_bytes_per_s, memory_limit_bytes=hw.memory_bytes,

@@ -7,6 +7,7 @@ devices), ``roundpipe`` (the paper's partitioner on our costs) and ``ilp`` (rpco
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from contextlib import nullcontext
@@ -22,7 +23,7 @@ from .plan_options import model_device
 from .planning import default_spec, fastest, head_chunk_candidates, make_hardware, partition_problem, prepare
 
 __all__ = ["SCHEDULES", "parse_schedules", "model_scenarios", "plan_scenarios", "profile_scenarios", "run_all",
-           "skipped"]
+           "skipped", "scaling"]
 
 
 def _quiet(text: str) -> Any:
@@ -126,3 +127,21 @@ def skipped(requested: Sequence[str], scenarios: dict[str, Scenario], *, gpus: i
 def run_all(scenarios: dict[str, Scenario]) -> dict[str, Any]:
     """``{name: SimResult}`` in the given order."""
     return {name: sc.run() for name, sc in scenarios.items()}
+
+
+def scaling(scenario: Scenario, nodes: Sequence[int], networks: Sequence[float]) -> list[dict[str, Any]]:
+    """Data-parallel scaling of a round-robin schedule (:mod:`rpcompile.distributed`): the same pipeline on each of
+    ``nodes`` machines over each network (bytes/s), the gradient all-reduce overlapped with the later stages (as
+    the runtime runs it) and not. Per row: iteration time, tokens/s over all machines, efficiency (one machine's
+    iteration over this one's: every machine keeps its own batch), the all-reduce's time and what of it showed."""
+    alone = dataclasses.replace(scenario, host=dataclasses.replace(scenario.host, nodes=1)).run()
+    rows = []
+    for bw in networks:
+        for n in nodes:
+            for overlap in ((True,) if n == 1 else (True, False)):
+                host = dataclasses.replace(scenario.host, nodes=n, network_bytes_per_s=bw, overlap_reduce=overlap)
+                r = alone if n == 1 else dataclasses.replace(scenario, host=host).run()
+                rows.append(dict(nodes=n, network_bytes_per_s=bw, overlap=overlap, iteration_time_s=r.iteration_time_s,
+                                 tokens_per_s=n * r.tokens_per_s, efficiency=alone.iteration_time_s / r.iteration_time_s,
+                                 reduce_s=r.reduce_s, reduce_exposed_s=r.reduce_exposed_s))
+    return rows

@@ -317,6 +317,7 @@ class Executor:
                     if grad is None:
                         continue
                     self.grads.accumulate(h.weight, h.accumulate, store.get(h.index, j), grad)
+            self.grads.notify("host")  # every row's gradient is in (data-parallel reduction)
         except BaseException as e:  # noqa: BLE001 - reported to the caller; the stages waiting for rows stop
             err: BaseException = e
             if not isinstance(e, (KeyboardInterrupt, _Stopped)):
@@ -420,7 +421,9 @@ class Executor:
                 names.append(name)
                 grads.append(t.grad)
         if names:
-            self.grads.submit(names, device.download_all(grads))
+            self.grads.submit(names, device.download_all(grads), tag=prog.index)
+        elif self.grads.listener is not None:  # nothing to add, but the listener counts on every grad stage
+            self.grads.submit([], [], tag=prog.index)
 
     # ------------------------------------------------------------------------------------------ compute
     def _inputs(self, device: Device, prog: StageProgram, mb: int, *, leaves: bool) -> list[Any]:

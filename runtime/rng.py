@@ -20,10 +20,14 @@ import torch.fx as fx
 
 from rpcompile.core.randomness import is_random, random_kind
 
-__all__ = ["context", "seed_random_nodes", "seeded_call", "seeded_noise", "dropout_to_noise"]
+__all__ = ["context", "stream", "seed_random_nodes", "seeded_call", "seeded_noise", "dropout_to_noise"]
 
 context = threading.local()
 """Per worker thread: ``iteration``, ``microbatch`` and ``device`` (a torch.device) of the stage running now."""
+
+stream = ""
+"""A process-wide salt of every seed: data-parallel ranks (:mod:`rpcompile.distributed`) set their own, so each
+rank's batch shard draws its own masks (the same seeds everywhere would give every shard the same dropout)."""
 
 _CPU_LOCK = threading.Lock()
 _NOISE: dict[str, tuple[str, Callable[..., Any], tuple, dict]] = {}
@@ -36,7 +40,7 @@ def seeded_call(key: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> 
     iteration = getattr(context, "iteration", 0)
     mb = getattr(context, "microbatch", 0)
     device = getattr(context, "device", torch.device("cpu"))
-    seed = zlib.crc32(f"{iteration}/{key}/{mb}".encode())
+    seed = zlib.crc32(f"{stream}{iteration}/{key}/{mb}".encode())
     if device.type == "cuda":
         state = torch.cuda.get_rng_state(device)
         torch.cuda.manual_seed(seed)

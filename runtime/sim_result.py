@@ -59,6 +59,9 @@ class SimResult:
     step_s: float = 0.0
     """The host's optimizer step and copy refresh (added to ``pipeline_s``, or overlapped with it)."""
     overlap_step: bool = False
+    reduce_exposed_s: float = 0.0
+    """Data-parallel: how much the all-reduce of the gradients lengthened the iteration (what the later stages did
+    not hide)."""
     host_timeline: tuple[SimEvent, ...] = ()
     """The host's work: ``kA`` (stage k's gradients added into ``.grad``) and ``step`` (``device`` is only the
     device whose gradients it is; 0 for the step)."""
@@ -67,6 +70,11 @@ class SimResult:
     def accumulate_s(self) -> float:
         """Time the host thread spent adding gradients into ``.grad`` (beside the pipeline)."""
         return sum(e.end - e.start for e in self.host_timeline if e.kind == "accumulate")
+
+    @property
+    def reduce_s(self) -> float:
+        """Data-parallel: time the network spent all-reducing gradients (0 on one node)."""
+        return sum(e.end - e.start for e in self.host_timeline if e.kind == "reduce")
 
     @property
     def span_s(self) -> float:
@@ -146,4 +154,4 @@ class SimResult:
             "host_step_s": self.step_s,
             "host_accumulate_s": self.accumulate_s,
             "overlap_step": self.overlap_step,
-        }
+        } | ({"reduce_s": self.reduce_s, "reduce_exposed_s": self.reduce_exposed_s} if self.reduce_s else {})

@@ -46,8 +46,11 @@ host's one accumulation lane adds the gradients into the fp32 ``.grad`` — take
 at the host thread's rate, and moving ``accumulate_traffic`` host-memory bytes per gradient byte through the
 host's memory bandwidth, which it shares with the links' copies (so when that bandwidth is tight it slows them).
 The optimizer step and the copy refresh (``step_s``) follow the iteration (synchronous: they add to it) or run
-from its start beside it (``overlap_step``: the iteration takes the longer of the two). Host work is reported in
-``SimResult.host_timeline``, apart from the devices' lanes.
+from its start beside it (``overlap_step``: the iteration takes the longer of the two). Data-parallel machines
+(``host.nodes > 1``): after each ``kA`` a ``kR`` on the host's network lane all-reduces the stage's gradients
+(``HostLoad.reduce_s``, a ring over the machines' links), strictly in stage order as the runtime launches its
+buckets, beside the later stages — or, with ``overlap_reduce=False``, all after everything else. Host work is
+reported in ``SimResult.host_timeline``, apart from the devices' lanes.
 
 Each chain position is a :class:`~rpcompile.core.stages.StageCost`, the type the timing model prices; the run
 returns a :class:`~.sim_result.SimResult` (the timeline and its figures). With
@@ -92,9 +95,10 @@ _LANES = {
     "s_down": ("down", "activations", "download"),
     "g_down": ("down", "gradients", "download"),
     "acc": ("cpu", "accumulate", "host"),
+    "net": (None, "reduce", "host"),
 }
 #: Lanes of the host, one for all devices (their queue key has device -1).
-_HOST = ("acc",)
+_HOST = ("acc", "net")
 
 
 _Ref = tuple[str, int, int]
@@ -155,6 +159,7 @@ def simulate(
     host = host or HostLoad()
     tasks, lanes, compute_of = _build(lists, sts, link_bytes_per_s)
     _add_accumulation(tasks, lanes, sts, host)
+    _add_reduction(tasks, lanes, sts, host)
     devices = len(lists)
     memory = [0.0] * devices
     peak = [0.0] * devices
@@ -230,7 +235,9 @@ def simulate(
     )
     pipeline = max((t.end for t in tasks), default=0.0)
     host_events = tuple(
-        SimEvent(t.label, t.device, "host", "accumulate", t.stage, -1, t.start, t.end) for t in tasks if t.lane in _HOST)
+        SimEvent(t.label, t.device, "host", _LANES[t.lane][1], t.stage, -1, t.start, t.end) for t in tasks
+        if t.lane in _HOST)
+    rest = max((t.end for t in tasks if t.lane != "net"), default=0.0)
     if host.step_s > 0:  # a fixed time on the host's own thread: it meets nothing else, so it is placed afterwards
         begin = 0.0 if host.overlap_step else pipeline
         host_events += (SimEvent("step", 0, "host", "optimizer", -1, -1, begin, begin + host.step_s),)
@@ -260,6 +267,7 @@ def simulate(
         step_s=host.step_s,
         overlap_step=host.overlap_step,
         host_timeline=host_events,
+        reduce_exposed_s=pipeline - rest,
     )
 
 
@@ -271,7 +279,7 @@ def _next(q: deque, lazy: bool) -> "_Task | None":
     """The task a lane starts next, if its dependencies are met: the head of the queue, or on a lazy lane the
     ready copy needed first (the latest chain position's, earliest microbatch first); on the host's lane the
     work that landed first."""
-    if q[0].lane in _HOST:
+    if q[0].lane == "acc":
         ready = [t for t in q if _ready(t)]
         return min(ready, key=lambda t: max(p.end for p in t.after_end)) if ready else None
     if not lazy:
@@ -404,6 +412,26 @@ def _add_accumulation(tasks: list[_Task], lanes: dict, sts: Sequence[StageCost],
         acc.after_end.append(g)
         tasks.append(acc)
         lanes.setdefault((-1, "acc"), []).append(acc)
+
+
+def _add_reduction(tasks: list[_Task], lanes: dict, sts: Sequence[StageCost], host: HostLoad) -> None:
+    """A ``kR`` on the host's network lane after every grad stage's ``kA`` (its ``kG`` when accumulation is free),
+    in stage order: the all-reduce of its gradients across the data-parallel machines (fixed time); not
+    overlapped, every ``kR`` waits for all other work."""
+    if host.nodes < 2:
+        return
+    done = {t.stage: t for t in tasks if t.lane == "g_down"}
+    done.update({t.stage: t for t in tasks if t.lane == "acc"})
+    others = list(tasks)
+    # each grad stage's gradients, then the tables only the host reads (stage -1: added after every stage)
+    for k, work, after in [(k, host.reduce_s(sts[k].reduced_bytes), [done[k]]) for k in sorted(done)] \
+            + [(-1, host.reduce_s(host.host_grad_bytes), list(done.values()))]:
+        if work <= 0:
+            continue
+        r = _Task(f"{k}R" if k >= 0 else "hostR", done[k].device if k >= 0 else 0, "net", k, -1, work, on_link=False)
+        r.after_end.extend(after if host.overlap_reduce else others)
+        tasks.append(r)
+        lanes.setdefault((-1, "net"), []).append(r)
 
 
 def _depend_on_producer(t: _Task, a: Action, compute: dict, out_copy: dict) -> None:

@@ -295,19 +295,28 @@ class GradSink:
         self._undo: dict[str, tuple[torch.Tensor, torch.Tensor] | None] | None = None
         """Per parameter the call touched: None (it had no gradient) or (its gradient, a copy from before)."""
         self._dropping = False
+        self.listener: Callable[[Any], None] | None = None
+        """Told each submission's ``tag`` once its gradients are all added, on the sink's thread, and each
+        :meth:`notify` (data-parallel reduction, :class:`rpcompile.runtime.reduce.GradReducer`: a stage's
+        gradients are complete). None: nobody listens."""
 
     def hold(self, on: bool) -> None:
         """Gradients into the sink's own buffers (``on``: an overlapped step is reading ``.grad``) or into
         ``.grad``."""
         self.private = {} if on else None
 
-    def submit(self, names: list[str], grads: Any) -> None:
+    def submit(self, names: list[str], grads: Any, *, tag: Any = None) -> None:
         """Add ``grads`` (tensors, or something whose ``wait()`` gives them: copies still landing) into the
-        gradients of the parameters ``names``, on the sink's thread."""
+        gradients of the parameters ``names``, on the sink's thread; then tell the :attr:`listener` ``tag``."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="rpcompile-grads", daemon=True)
             self._thread.start()
-        self._queue.put((names, grads))
+        self._queue.put((names, grads, tag))
+
+    def notify(self, tag: Any) -> None:
+        """Tell the :attr:`listener` ``tag`` now, on the calling thread (gradients added there: the host's)."""
+        if self.listener is not None:
+            self.listener(tag)
 
     def accumulate(self, name: str, fn: Callable[..., None], *args: Any) -> None:
         """Run ``fn(grad, *args)`` on parameter ``name``'s gradient buffer (zeros if it has none yet), now, under
@@ -369,13 +378,15 @@ class GradSink:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            names, grads = item
+            names, grads, tag = item
             if self._error is not None or self._dropping:
                 continue  # drain what is queued; the first failure is what the caller sees
             try:
                 for name, g in zip(names, grads.wait() if hasattr(grads, "wait") else grads, strict=True):
                     with self._locks[name]:
                         self._target(name, g)
+                if tag is not None and self.listener is not None:
+                    self.listener(tag)
             except BaseException as e:  # noqa: BLE001 - re-raised by drain() on the caller's thread
                 self._error = e
 

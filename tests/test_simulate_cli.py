@@ -173,3 +173,42 @@ def test_a_plans_backward_stages_wait_for_the_saves_they_read():
         for f in st.saved_by:
             for j in range(plan.microbatches):
                 assert events[f"{k}F{j}<<"].start >= events[f"{f}F{j}>>"].end - 1e-12
+
+
+# ---- data parallelism: --nodes / --network ---------------------------------------------------------------------
+def test_scaling_report_for_several_nodes(capsys):
+    code, out, _ = run(capsys, "simulate", str(GOLDEN), "--nodes", "1,2,4", "--network", "25Gb/s,100Gb/s", "--json")
+    assert code == 0
+    rows = json.loads(out)["scaling"][Plan.load(GOLDEN).strategy]
+    assert [(r["nodes"], r["overlap"]) for r in rows] == [(1, True), (2, True), (2, False), (4, True), (4, False)] * 2
+    one = rows[0]["iteration_time_s"]
+    for r in rows[1:]:
+        assert 0 < r["efficiency"] <= 1 and r["efficiency"] == pytest.approx(one / r["iteration_time_s"])
+        assert r["tokens_per_s"] == pytest.approx(r["nodes"] * rows[0]["tokens_per_s"] * r["efficiency"])
+        if not r["overlap"]:
+            assert r["reduce_exposed_s"] == pytest.approx(r["reduce_s"])  # all of it after the pipeline
+    slow, fast = rows[1], rows[6]  # 2 nodes, overlapped: 25 vs 100 Gb/s
+    assert fast["reduce_s"] == pytest.approx(slow["reduce_s"] / 4)
+    code, _, err = run(capsys, "simulate", str(GOLDEN), "--nodes", "2")
+    assert code == 2 and "--nodes and --network go together: e.g. --nodes 1,2,4,8 --network 25Gb/s,100Gb/s" in err
+
+
+def test_a_plan_for_several_nodes_keeps_them_and_simulates_their_reduction(capsys, tmp_path):
+    plan = Plan.load(GOLDEN)
+    assert plan.hardware.nodes == 1 and "nodes" not in plan.to_dict()["hardware"]  # old plans: one node
+    multi = dataclasses.replace(plan, hardware=dataclasses.replace(plan.hardware, nodes=4, network_bytes_per_s=1e9))
+    path = multi.save(tmp_path / "p.json")
+    assert Plan.load(path).hardware == multi.hardware
+    code, out, _ = run(capsys, "simulate", str(path), "--json")
+    r = json.loads(out)["schedules"][plan.strategy]
+    assert code == 0 and r["reduce_s"] > 0 and r["reduce_exposed_s"] >= 0
+    with pytest.raises(Exception, match=r"Hardware: nodes must be >= 1 and more than one needs network_bytes_per_s"):
+        dataclasses.replace(plan.hardware, nodes=2)
+
+
+def test_plan_nodes_need_a_network(capsys):
+    code, _, err = run(capsys, "plan", "llama-demo", "--gpus", "2", "--nodes", "2")
+    assert code == 2 and "--nodes 2 needs the network between the machines: add --network 25Gb/s" in err
+    with pytest.raises(SystemExit):
+        main(["plan", "llama-demo", "--gpus", "2", "--nodes", "2", "--network", "fast"])
+    assert "not a network bandwidth: 'fast' (examples: 25Gb/s, 100Gbit/s, 3GB/s)" in capsys.readouterr().err

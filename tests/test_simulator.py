@@ -336,3 +336,34 @@ def test_the_optimizer_step_adds_or_overlaps():
     short = simulate(lists, sts, host=HostLoad(optimizer_s=0.1, overlap_step=True))
     assert short.iteration_time_s == pytest.approx(pipeline)
     assert sync.summary()["host_step_s"] == pytest.approx(2.5) and not sync.summary()["overlap_step"]
+
+
+def test_data_parallel_reductions_follow_the_host_adds_in_stage_order_as_the_timing_model_says():
+    """Three stages on two devices, each with gradients; with free copies the simulator's all-reduces (kR, one
+    network lane, stage order) end where the timing model's do, overlapped or all after the pipeline."""
+    lists = round_robin(["fused", "backward", "backward"], devices=2, microbatches=2)
+    sts = stages([1.0, 0.5, 1.0], grad_bytes=[3e8, 1e8, 2e8])
+    for overlap in (True, False):
+        host = HostLoad(nodes=4, network_bytes_per_s=1e8, reduce_bytes_per_grad_byte=2.0, overlap_reduce=overlap)
+        res = simulate(lists, sts, host=host)
+        want = pipeline_time([1.0, 0.5, 1.0], 2, 2, reduce_s=[host.reduce_s(s.grad_bytes) for s in sts],
+                             overlap_reduce=overlap)
+        assert res.iteration_time_s == pytest.approx(want)
+        reduces = [e for e in res.host_timeline if e.kind == "reduce"]
+        assert [e.action for e in reduces] == ["0R", "1R", "2R"]
+        assert res.reduce_s == pytest.approx(sum(host.reduce_s(s.grad_bytes) for s in sts))
+        plain = simulate(lists, sts).iteration_time_s
+        assert res.reduce_exposed_s == pytest.approx(res.iteration_time_s - plain)
+        assert res.summary()["reduce_exposed_s"] == pytest.approx(res.reduce_exposed_s)
+    assert simulate(lists, sts, host=HostLoad(nodes=1, network_bytes_per_s=1.0)).reduce_s == 0.0
+
+
+def test_tables_only_the_host_reads_are_reduced_last():
+    """A host embedding table's gradient (HostLoad.host_grad_bytes) is all-reduced after every stage's."""
+    lists = round_robin(["fused", "backward"], devices=2, microbatches=2)
+    sts = stages([1.0, 1.0], grad_bytes=[1e8, 1e8])
+    host = HostLoad(nodes=2, network_bytes_per_s=1e8, host_grad_bytes=3e8)
+    res = simulate(lists, sts, host=host)
+    assert [e.action for e in res.host_timeline if e.kind == "reduce"] == ["0R", "1R", "hostR"]
+    want = pipeline_time([1.0, 1.0], 2, 2, reduce_s=[1.0, 1.0], reduce_host_s=3.0)
+    assert res.iteration_time_s == pytest.approx(want)

@@ -315,3 +315,49 @@ def test_slow_host_accumulation_shows_only_past_what_the_later_stages_hide():
     slow = dataclasses.replace(pb, host=HostLoad(accumulate_bytes_per_s=1.0))
     total = sum(c.grad_bytes for c in costs) / 1.0
     assert iteration_time(slow, plan) >= total  # the host thread is now the bottleneck
+
+
+# ---- data parallelism: each grad stage's gradients all-reduced across the machines (HostLoad.nodes) -----------
+def test_a_ring_all_reduce_moves_2_n_minus_1_over_n_of_the_fp32_gradients():
+    load = host_load(None, trainable_params=0, precision="bf16", nodes=4, network_bytes_per_s=1e9)
+    assert load.reduce_bytes_per_grad_byte == 2.0  # bf16 gradients come home, their fp32 sums are reduced
+    assert load.reduce_s(1e9) == pytest.approx(2 * 3 / 4 * 2e9 / 1e9)
+    assert host_load(None, trainable_params=0, precision="bf16").reduce_s(1e9) == 0.0  # one node: nothing
+    assert host_load(None, trainable_params=0, precision="fp32", nodes=2, network_bytes_per_s=1e9).reduce_s(1e9) == \
+        pytest.approx(1.0)
+
+
+def test_the_reduction_of_each_stage_hides_behind_the_later_stages_or_adds():
+    """Three 1 s stages on one device land gradients at 1, 2 and 3 s. Their all-reduces (0.5 s each, in stage
+    order on one link) end at 1.5, 2.5 and 3.5: only the last one's 0.5 s shows. Not overlapped, all 1.5 s do."""
+    assert pipeline_time([1.0] * 3, 1, 1, reduce_s=[0.5] * 3) == pytest.approx(3.5)
+    assert pipeline_time([1.0] * 3, 1, 1, reduce_s=[0.5] * 3, overlap_reduce=False) == pytest.approx(4.5)
+    # a long first reduction holds the link: the third waits for it (1 → 3.5, then 3.5 → 4)
+    assert pipeline_time([1.0] * 3, 1, 1, reduce_s=[2.5, 0.0, 0.5]) == pytest.approx(4.0)
+    # a reduction starts only once the host has added the stage's gradients (accumulation 1 s: 1 → 2 → 2.5)
+    assert pipeline_time([1.0, 1.0], 1, 1, accumulate_s=[1.0, 0.0], reduce_s=[0.5, 0.0]) == pytest.approx(2.5)
+
+
+def test_a_plan_for_several_nodes_predicts_the_exposed_reduction():
+    pb = tiny_chain(6, devices=2)
+    plan = _plan([(0, 2), (2, 4)], (4, 6), [(2, 4), (0, 2)], [False] * 6)
+    base = iteration_time(pb, plan)
+    grads = sum(c.grad_bytes for c in stage_costs(pb, plan))
+    net = dataclasses.replace(pb.host, nodes=2, network_bytes_per_s=grads / base)  # the whole reduction takes `base`
+    overlapped = iteration_time(dataclasses.replace(pb, host=net), plan)
+    after = iteration_time(dataclasses.replace(pb, host=dataclasses.replace(net, overlap_reduce=False)), plan)
+    assert after == pytest.approx(2 * base)
+    assert base < overlapped < after  # the later stages hide part of it
+
+
+def test_a_shared_parameter_is_reduced_once_with_its_last_grad_stage():
+    """A parameter used by segments 0 and 5 (tied embeddings) is in the fused stage's and the last backward
+    stage's gradients; the runtime reduces it once, when the last of them (the lowest range) has landed."""
+    pb = dataclasses.replace(tiny_chain(6, devices=2),
+                             shared=(SharedParam(name="tied", bytes=100, grad_bytes=100, segments=(0, 5)),))
+    plan = _plan([(0, 2), (2, 4)], (4, 6), [(2, 4), (0, 2)], [False] * 6)
+    costs = stage_costs(pb, plan)
+    grads = [c for c in costs if c.kind != "forward"]
+    assert sum(c.grad_bytes for c in grads) == sum(pb.grad_bytes) + 200  # downloaded by both stages
+    assert sum(c.reduced_bytes for c in grads) == sum(pb.grad_bytes) + 100  # reduced once
+    assert grads[-1].reduced_bytes == sum(pb.grad_bytes[0:2]) + 100 and grads[-1].start == 0

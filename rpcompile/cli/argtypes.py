@@ -9,7 +9,7 @@ import re
 from rpcompile.core.specs import SPECS
 
 __all__ = ["SPEC_NAMES", "spec", "device", "positive_int", "positive_float", "head_chunks", "parse_bytes",
-           "parse_rate", "parse_percent"]
+           "parse_rate", "parse_percent", "network_rate", "network_rates", "node_counts"]
 
 SPEC_NAMES = ", ".join(SPECS)
 
@@ -91,3 +91,30 @@ def parse_percent(text: str) -> float:
         return float(text.strip().removesuffix("%")) / 100 if text.strip().endswith("%") else float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a percentage: {text!r} (examples: 2%, 0.02)") from None
+
+
+_NETWORK = re.compile(r"\s*([0-9.]+)\s*([kKMGT]?)(bit|b|B)?(?:/s|ps)?\s*")
+_PREFIX = {"": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+
+def network_rate(text: str) -> float:
+    """A network bandwidth in bytes/s: ``25Gb/s``, ``25Gbit/s`` and ``100Gbps`` are bits (the way links are
+    sold), ``3GB/s`` bytes."""
+    m = _NETWORK.fullmatch(text)
+    if not m or not m.group(3) or not float(m.group(1) or 0) > 0:
+        raise argparse.ArgumentTypeError(f"not a network bandwidth: {text!r} (examples: 25Gb/s, 100Gbit/s, 3GB/s)")
+    value = float(m.group(1)) * _PREFIX[m.group(2)]
+    return value if m.group(3) == "B" else value / 8
+
+
+def network_rates(text: str) -> list[float]:
+    """One or more network bandwidths, comma-separated (``25Gb/s,100Gb/s``)."""
+    return [network_rate(t) for t in text.split(",")]
+
+
+def node_counts(text: str) -> list[int]:
+    """One or more machine counts, comma-separated (``1,2,4,8``)."""
+    try:
+        return [positive_int(t) for t in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected positive node counts, e.g. 4 or 1,2,4,8, got {text!r}") from None

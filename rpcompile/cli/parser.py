@@ -7,7 +7,7 @@ from typing import NoReturn
 
 from rpcompile import __version__
 
-from .argtypes import (SPEC_NAMES, device, head_chunks, parse_bytes, parse_percent, parse_rate, positive_float,
+from .argtypes import (SPEC_NAMES, device, head_chunks, network_rate, network_rates, node_counts, parse_bytes, parse_percent, parse_rate, positive_float,
                        positive_int, spec)
 
 __all__ = ["build_parser", "DEFAULT_MICROBATCHES"]
@@ -103,6 +103,11 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="assumed", metavar="HOST",
                    help="the host the optimizer step and gradient accumulation run on: assumed (default: the spec's "
                         "assumed host), probe (measure this one now, ~0.5 s) or a JSON file from rpcompile probe -o")
+    p.add_argument("--nodes", type=positive_int, default=1, metavar="N",
+                   help="machines training data-parallel (torchrun, one process each); the plan then includes the "
+                        "all-reduce of each stage's gradients over --network (default 1)")
+    p.add_argument("--network", type=network_rate, default=None, metavar="RATE",
+                   help="(with --nodes) each machine's network bandwidth, e.g. 25Gb/s or 3GB/s")
     p.add_argument("--max-seq-len", action="store_true",
                    help="find the longest sequence (one per microbatch) for which a plan fits, by bisection over the "
                         "analytic cost model (a prediction), and report that plan and what binds")
@@ -149,6 +154,11 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-host-embedding", dest="host_embedding", action="store_false",
                    help="(ilp, MODEL) keep token embeddings on the devices (the baselines always do)")
     p.add_argument("--host-bandwidth", type=parse_rate, default=None, help="the host memory's total bandwidth, e.g. 100GB/s (default: unlimited)")
+    p.add_argument("--nodes", type=node_counts, default=None, metavar="N[,N...]",
+                   help="data-parallel machines: a scaling report (iteration, tokens/s, efficiency against one node) "
+                        "for each count, e.g. 1,2,4,8, with the gradient all-reduce overlapped and not")
+    p.add_argument("--network", type=network_rates, default=None, metavar="RATE[,RATE...]",
+                   help="(with --nodes) each machine's network bandwidth, e.g. 25Gb/s or 25Gb/s,100Gb/s")
     p.add_argument("--layer-profile", default=None, metavar="FILE", help="per-layer times (RoundPipe simulator-input format)")
     p.add_argument("--model", dest="profile_model", default=None, metavar="NAME", help="(with --layer-profile) which model of the file")
     p.add_argument("--time-limit", type=positive_float, default=10.0, help="solver time limit in seconds (default 10)")

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from rpcompile.core.errors import RPCompileError
+from rpcompile.core.errors import ConfigError, RPCompileError
 from rpcompile.core.plan import Hardware, Plan
 from rpcompile.models import ModelSpec
 from rpcompile.passes.codegen import write_stages
@@ -35,8 +35,11 @@ def plan(args: argparse.Namespace) -> int:
     if args.max_seq_len:
         return _max_seq_len(args)
     ms = load_for(args, args.microbatches or default_microbatches(args.gpus))
+    if args.nodes > 1 and args.network is None:
+        raise ConfigError(f"--nodes {args.nodes} needs the network between the machines: add --network 25Gb/s (or "
+                          "their bandwidth)")
     hardware = make_hardware(args.gpus, default_spec(args.spec, args.device, model_device(ms.model)), args.memory_limit,
-                             host=_host(args))
+                             host=_host(args), nodes=args.nodes, network_bytes_per_s=args.network or 0.0)
     chosen, gm, m, rows = _plan_fastest(args, ms, hardware)
     if args.output:
         chosen.save(args.output)
@@ -50,6 +53,8 @@ def plan(args: argparse.Namespace) -> int:
         print(json.dumps(out))
         return 0
     head = f", LM head in {chosen.head_chunks} chunks" if chosen.head_chunks > 1 else ""
+    if args.nodes > 1:
+        head += f", × {args.nodes} nodes over {args.network * 8 / 1e9:g} Gb/s (data-parallel)"
     print_table(plan_table(chosen, title=f"{args.model}: {args.strategy} plan, {len(chosen.stages)} stages on {args.gpus} × {hardware.spec.name}, {m} microbatches{head}"))
     print_table(compare_table(rows, reference=args.strategy))
     if args.output:

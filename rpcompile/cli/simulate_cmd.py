@@ -11,9 +11,9 @@ from typing import Any
 from rpcompile.core.errors import ConfigError, RPCompileError
 from rpcompile.core.plan import Plan
 from rpcompile.gantt import write_timeline_svg
-from rpcompile.report import devices_table, host_line, print_table, simulate_table
+from rpcompile.report import devices_table, host_line, print_table, scaling_table, simulate_table
 from rpcompile.simulation import (model_scenarios, parse_schedules, plan_scenarios, profile_scenarios, run_all,
-                                  skipped)
+                                  scaling, skipped)
 
 from .common import bars, default_microbatches, step, stepper, writable
 from .loading import load_for
@@ -26,15 +26,19 @@ def simulate(args: argparse.Namespace) -> int:
     if args.timeline:
         writable(args.timeline, "--timeline")
     schedules = parse_schedules(args.schedules or "all")  # an unknown name: ConfigError, one line
+    if (args.nodes is None) != (args.network is None):
+        raise ConfigError("--nodes and --network go together: e.g. --nodes 1,2,4,8 --network 25Gb/s,100Gb/s")
     title, scenarios, left_out, m = _scenarios(args, schedules, host)
     with step(args, f"simulating {', '.join(scenarios)}"):
         results = run_all(scenarios)
+    scaled = _scaling(args, scenarios)
     if args.timeline:
         _write_timelines(args.timeline, results, title)
     if args.json:
         out = {name: r.summary() | {"stages": scenarios[name].stage_count}
                | {k: v for k, v in scenarios[name].notes.items() if k == "head_chunks"} for name, r in results.items()}
-        extra = ({"microbatches": m} if m else {}) | ({"skipped": left_out} if left_out else {})
+        extra = ({"microbatches": m} if m else {}) | ({"skipped": left_out} if left_out else {}) \
+            | ({"scaling": scaled} if scaled else {})
         print(json.dumps({"schedules": out} | extra, allow_nan=False))
         return 0
     print_table(simulate_table(results, scenarios, title=title))
@@ -46,9 +50,21 @@ def simulate(args: argparse.Namespace) -> int:
     if len(results) == 1:
         (name, only), = results.items()
         print_table(devices_table(only, title=f"{name}: per device (simulated)"))
+    for name, rows in scaled.items():
+        print_table(scaling_table(rows, title=f"{name}: data-parallel scaling (simulated)"))
     if args.timeline:
         print(f"timeline written to {args.timeline}" if len(results) == 1 else f"timelines written next to {args.timeline}")
     return 0
+
+
+def _scaling(args: argparse.Namespace, scenarios: dict) -> dict[str, list[dict]]:
+    """``--nodes``: the scaling report of every round-robin schedule (the static ones keep their gradients on
+    the devices; they are left out)."""
+    if args.nodes is None:
+        return {}
+    with step(args, f"simulating {', '.join(map(str, args.nodes))} nodes"):
+        return {name: scaling(sc, args.nodes, args.network) for name, sc in scenarios.items()
+                if any(a.kind == "G" for acts in sc.lists for a in acts)}
 
 
 def _scenarios(args: argparse.Namespace, schedules: list[str], host: float) -> tuple[str, dict, dict[str, str], int]:

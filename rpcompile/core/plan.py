@@ -36,11 +36,13 @@ from .specs import DeviceSpec, HostSpec
 
 __all__ = ["SCHEMA_VERSION", "Fingerprint", "Hardware", "Stage", "Prediction", "Plan", "StageKind"]
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """2 added the per-stage transfer figures (``compute_s``, ``weight_bytes``, …) and ``tokens_per_microbatch``;
 version-1 files still load (those figures read as 0 and the simulator falls back to stage times). 3 added the
 host (``hardware.host``) and the prediction's host part (``pipeline_s``, ``optimizer_s``, ``refresh_s``,
-``accumulate_s``, ``overlap_step``); version-2 files still load without them (no host work is modelled)."""
+``accumulate_s``, ``overlap_step``); version-2 files still load without them (no host work is modelled). 4 added
+data-parallel machines (``hardware.nodes``, ``hardware.network_bytes_per_s``, written only for more than one
+node); version-3 files are single-node plans."""
 StageKind = Literal["forward", "fused", "backward"]
 _KINDS = ("forward", "fused", "backward")
 
@@ -89,10 +91,19 @@ class Hardware:
     host: HostSpec | None = None
     """The host's rates (optimizer step, casts, gradient accumulation); ``None`` in plans older than schema 3,
     whose predictions leave host work out. Written only when present."""
+    nodes: int = 1
+    """Machines training data-parallel, each with these devices (:mod:`rpcompile.distributed`); the prediction
+    includes the all-reduce of every grad stage's gradients between them. Written only when > 1 (schema 4)."""
+    network_bytes_per_s: float = 0.0
+    """Each machine's network bandwidth per direction (bytes/s) for that all-reduce; 0 on one node."""
 
     def __post_init__(self) -> None:
         if self.device_count < 1:
             raise ConfigError(f"Hardware: device_count must be >= 1, got {self.device_count}")
+        if self.nodes < 1 or (self.nodes > 1 and not self.network_bytes_per_s > 0):
+            raise ConfigError(f"Hardware: nodes must be >= 1 and more than one needs network_bytes_per_s > 0, got "
+                              f"nodes={self.nodes}, network_bytes_per_s={self.network_bytes_per_s}; pass --network "
+                              "25Gb/s with --nodes")
         if self.memory_bytes <= 0:
             raise ConfigError(f"Hardware: memory_bytes must be > 0, got {self.memory_bytes}")
 
@@ -252,6 +263,8 @@ class Plan:
         d["hardware"]["spec"] = self.hardware.spec.to_dict()
         if self.hardware.host is None:
             del d["hardware"]["host"]
+        if self.hardware.nodes == 1:
+            del d["hardware"]["nodes"], d["hardware"]["network_bytes_per_s"]
         d["stats"] = _jsonable(dict(self.stats))
         if d["head_chunks"] == 1:
             del d["head_chunks"]

@@ -20,6 +20,7 @@ steps and the compute-precision copies are refreshed.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -48,6 +49,20 @@ class HostLoad:
     overlap_step: bool = False
     """The step runs beside the next iteration (one step stale): an iteration takes ``max(pipeline, step)``
     instead of ``pipeline + step``."""
+    nodes: int = 1
+    """Data-parallel machines (:mod:`rpcompile.distributed`), each running this pipeline on its own shard; with
+    more than one, each grad stage's gradients are all-reduced over the network once the host has added them."""
+    network_bytes_per_s: float = math.inf
+    """Each machine's network bandwidth per direction (bytes/s) for that all-reduce."""
+    reduce_bytes_per_grad_byte: float = 1.0
+    """Bytes all-reduced per downloaded gradient byte: the reduction runs on the fp32 ``.grad`` (2 for bf16/fp16
+    gradients, 1 for fp32)."""
+    host_grad_bytes: float = 0.0
+    """Gradients of parameters no stage holds (token-embedding tables looked up on the host), in downloaded bytes:
+    all-reduced too, after the last stage's (the host adds their rows' gradients last)."""
+    overlap_reduce: bool = True
+    """Each stage's all-reduce starts as soon as its gradients are added (beside the later stages, as the runtime
+    does); ``False``: all of them after the pipeline (what reducing after ``forward_backward`` would cost)."""
 
     def __post_init__(self) -> None:
         if not self.accumulate_bytes_per_s > 0 or not self.accumulate_traffic > 0:
@@ -56,6 +71,9 @@ class HostLoad:
         if not (self.optimizer_s >= 0 and self.refresh_s >= 0 and math.isfinite(self.optimizer_s + self.refresh_s)):
             raise ConfigError(f"HostLoad: optimizer_s and refresh_s must be finite times >= 0, got "
                              f"{self.optimizer_s} and {self.refresh_s}")
+        if self.nodes < 1 or not self.network_bytes_per_s > 0 or not self.reduce_bytes_per_grad_byte > 0:
+            raise ConfigError(f"HostLoad: nodes must be >= 1 and network_bytes_per_s, reduce_bytes_per_grad_byte > 0, "
+                              f"got {self.nodes}, {self.network_bytes_per_s} and {self.reduce_bytes_per_grad_byte}")
 
     @property
     def step_s(self) -> float:
@@ -66,25 +84,38 @@ class HostLoad:
         """How long the host thread takes to add ``grad_bytes`` of gradients into ``.grad`` (s)."""
         return grad_bytes / self.accumulate_bytes_per_s if grad_bytes else 0.0
 
+    def reduce_s(self, grad_bytes: float) -> float:
+        """One stage's ring all-reduce over the ``nodes``: ``2(n−1)/n`` of its (fp32) gradient bytes through each
+        machine's link (s; 0 on one node)."""
+        if self.nodes < 2 or not grad_bytes:
+            return 0.0
+        return 2 * (self.nodes - 1) / self.nodes * grad_bytes * self.reduce_bytes_per_grad_byte / self.network_bytes_per_s
+
     def iteration_s(self, pipeline_s: float) -> float:
         """An iteration with the step: ``pipeline + step``, or ``max(pipeline, step)`` when it overlaps."""
         return max(pipeline_s, self.step_s) if self.overlap_step else pipeline_s + self.step_s
 
 
 def host_load(host: HostSpec | None, *, trainable_params: int, precision: str,
-              overlap_step: bool = False) -> HostLoad:
+              overlap_step: bool = False, nodes: int = 1, network_bytes_per_s: float = 0.0,
+              host_params: int = 0) -> HostLoad:
     """What ``host`` spends on ``trainable_params`` fp32 masters per iteration (none when ``host`` is unknown).
 
     The step is torch's AdamW (``optimizer_params_per_s``); the refresh casts every trainable master into its
     pinned compute-precision copy (``cast_params_per_s``; fp32 plans copy 4 B read + 4 B written at the memory
-    bandwidth). Gradients arrive in compute precision and are added into fp32 ``.grad``."""
-    if host is None:
-        return HostLoad(overlap_step=overlap_step)
+    bandwidth). Gradients arrive in compute precision and are added into fp32 ``.grad``. ``nodes`` machines
+    (``network_bytes_per_s`` each; 0: unknown, free) all-reduce those fp32 gradients, ``host_params`` of them
+    from tables only the host reads."""
     elt = 4 if precision == "fp32" else 2
+    net = HostLoad(overlap_step=overlap_step, nodes=nodes, network_bytes_per_s=network_bytes_per_s or math.inf,
+                   reduce_bytes_per_grad_byte=4 / elt, host_grad_bytes=host_params * elt)
+    if host is None:
+        return net
     n = max(0, int(trainable_params))
     refresh = n * 8 / host.memory_bandwidth if elt == 4 else n / host.cast_params_per_s
-    return HostLoad(accumulate_bytes_per_s=host.accumulate_params_per_s * elt, accumulate_traffic=(2 * 4 + elt) / elt,
-                    optimizer_s=n / host.optimizer_params_per_s, refresh_s=refresh, overlap_step=overlap_step)
+    return dataclasses.replace(net, accumulate_bytes_per_s=host.accumulate_params_per_s * elt,
+                               accumulate_traffic=(2 * 4 + elt) / elt, optimizer_s=n / host.optimizer_params_per_s,
+                               refresh_s=refresh)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,6 +135,10 @@ class StageCost:
     """Weights uploaded once per iteration, before the first microbatch (the schedule's ``W`` action)."""
     grad_bytes: float = 0
     """Gradients downloaded once, after the last microbatch (``G``); held on the device from the first one."""
+    reduce_bytes: float | None = None
+    """Data parallelism: the downloaded gradient bytes whose all-reduce this stage's landing completes — a
+    parameter several grad stages share counts only with the last of them (:attr:`reduced_bytes`); None: all of
+    ``grad_bytes``."""
     input_bytes: float = 0
     """Host → device before computing, once the previous stage's output for the microbatch is in host memory
     (a forward or fused stage's inputs, a backward stage's output gradients)."""
@@ -145,6 +180,11 @@ class StageCost:
     backlog_bytes: int = 0
     """Most saved activations of this device's forward stages still waiting to go down while the stage runs (lazy
     offload). Not in ``memory_bytes``: the backlog only fills what the device's stages leave free."""
+
+    @property
+    def reduced_bytes(self) -> float:
+        """``reduce_bytes``, or ``grad_bytes`` when not given."""
+        return self.grad_bytes if self.reduce_bytes is None else self.reduce_bytes
 
     @property
     def upload_bytes(self) -> float:

@@ -103,8 +103,8 @@ def _value_problem(hint: Any, v: Any, path: str) -> str | None:
         return None
     if hint is str:
         return None if isinstance(v, str) else f"{path}: expected a string, found {_kind(v)}"
-    if origin is tuple:
-        if not isinstance(v, list):
+    if origin is tuple:  # a JSON list, or the tuple Plan.to_dict itself gives (from_dict(to_dict(p)) round-trips)
+        if not isinstance(v, (list, tuple)):
             return f"{path}: expected a list, found {_kind(v)}"
         item = args[0]
         return next((p for i, x in enumerate(v) if (p := _value_problem(item, x, f"{path}[{i}]")) is not None), None)

@@ -5,6 +5,8 @@ in the compute precision; ``merge_and_unload()`` works afterwards; LoRA dropout 
 from __future__ import annotations
 
 import copy
+import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +15,10 @@ import pytest
 import torch
 
 import rpcompile
+from rpcompile.cli import main
+from rpcompile.core.errors import ConfigError
+from rpcompile.lora import apply_lora, lora_host_memory
+from rpcompile.models import load_model
 
 from _hf import VOCAB, hf_model, token_loss
 from test_batches import _padded
@@ -194,3 +200,52 @@ def test_the_example_script_runs(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"merged model saved to {tmp_path}" in done.stdout, done.stdout
     assert (tmp_path / "config.json").exists()
+
+
+def test_lora_host_memory_counts_the_frozen_base_once_in_the_compute_precision():
+    """2 bytes a frozen parameter in bf16 (4 in fp32); 4 + 4 + 8 + 2 bytes a trainable one (master, gradient, AdamW
+    moments, bf16 upload copy), 16 in fp32 (the master is uploaded)."""
+    model = lora("llama")
+    n_frozen = sum(p.numel() for p in frozen(model).values())
+    n_adapter = sum(p.numel() for p in adapters(model).values())
+    bf16, fp32 = lora_host_memory(model, "bf16"), lora_host_memory(model, "fp32")
+    assert (bf16.frozen_params, bf16.trainable_params) == (n_frozen, n_adapter)
+    assert (bf16.frozen_bytes, bf16.trainable_bytes) == (2 * n_frozen, 18 * n_adapter)
+    assert (fp32.frozen_bytes, fp32.trainable_bytes) == (4 * n_frozen, 16 * n_adapter)
+
+
+def test_apply_lora_adds_peft_adapters_on_the_attention_projections_of_a_meta_model():
+    spec = load_model("moe-demo", device="meta")
+    model = apply_lora(spec.model, rank=4)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert len(trainable) == 2 * 4 * 2  # A and B, q/k/v/o, 2 layers
+    assert all(".attn." in n and ".lora_" in n for n in trainable)
+    assert all(p.device.type == "meta" for p in model.parameters())
+    with pytest.raises(ConfigError, match=r"no nn.Linear named q_proj, k_proj, v_proj, o_proj in ConvNet"):
+        apply_lora(load_model("cnn-demo").model)
+
+
+def test_plan_lora_reports_host_memory_gpu_memory_and_tokens_per_s(capsys):
+    """``rpcompile plan MODEL --lora R``: the plan downloads adapter gradients only (bf16: 2 bytes each) and the
+    JSON and the text report the host memory of :func:`lora_host_memory`."""
+    argv = ["plan", "moe-demo", "--gpus", "2", "--spec", "rtx4090", "--lora", "4", "--time-limit", "1"]
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    expected = lora_host_memory(apply_lora(load_model("moe-demo", device="meta").model, rank=4), "bf16")
+    assert out["lora"] == {"rank": 4, **expected.to_dict()}
+    assert sum(s["grad_bytes"] for s in out["stages"]) == 2 * expected.trainable_params
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "LoRA rank 4 on q_proj, k_proj, v_proj, o_proj: host memory" in text
+    assert re.search(r"GPU memory: largest stage [\d.]+ GiB of 20.12 GiB; iteration [\d.]+ s; [\d,]+ tokens/s", text)
+    assert main(["plan", "moe-demo", "--gpus", "2", "--spec", "rtx4090", "--lora", "--max-seq-len"]) == 2
+    assert "--max-seq-len does not plan LoRA yet" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_plan_qwen3_235b_a22b_lora_on_8_rtx4090(capsys):
+    """The published shape (benchmarks/RESULTS.md, LoRA at scale): plans within the solver's limit and fits."""
+    assert main(["plan", "qwen3-235b-a22b", "--gpus", "8", "--spec", "rtx4090", "--lora", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert 234e9 < out["lora"]["frozen_params"] < 236e9
+    assert out["lora"]["frozen_bytes"] == 2 * out["lora"]["frozen_params"]

@@ -50,7 +50,8 @@ def plan(args: argparse.Namespace) -> int:
     if envelope is not None:  # the operating envelope: one line, on stderr (stdout may be --json)
         print(f"rpcompile: warning: {envelope.message()}", file=sys.stderr)
     if args.json:
-        out = {"strategies": {k: _strategy_json(r, p) for k, (r, p) in rows.items()}} if args.compare else chosen.to_dict()
+        out: dict[str, Any] = ({"strategies": {k: _strategy_json(r, p) for k, (r, p) in rows.items()}}
+                               if args.compare else chosen.to_dict())
         if args.lora:
             out["lora"] = {"rank": args.lora, **lora_host_memory(ms.model, args.precision).to_dict()}
         print(json.dumps(out))

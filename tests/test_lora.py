@@ -249,3 +249,27 @@ def test_plan_qwen3_235b_a22b_lora_on_8_rtx4090(capsys):
     out = json.loads(capsys.readouterr().out)
     assert 234e9 < out["lora"]["frozen_params"] < 236e9
     assert out["lora"]["frozen_bytes"] == 2 * out["lora"]["frozen_params"]
+
+
+def test_a_frozen_host_embedding_table_is_stored_in_bf16_and_gives_the_same_step():
+    """A frozen token-embedding table looked up on the host is kept in bf16 too (its rows were cast to bf16 for the
+    devices anyway): loss and gradients equal those of the same pipeline keeping fp32 masters of the frozen base."""
+    runs = []
+    for frozen_masters in (False, True):
+        spec = load_model("llama-demo", batch_size=6)
+        for name, p in spec.model.named_parameters():
+            p.requires_grad_(not name.startswith(("embed", "layers.0.")))
+        (x,), y = spec.example_inputs, spec.example_target
+        pipe = rpcompile.compile(spec.model, (x,), loss_fn=spec.loss_fn, devices=["cpu", "cpu"], spec=FINE_CPU,
+                                 precision="bf16", time_limit_s=1.0, frozen_masters=frozen_masters,
+                                 allow_save=False)  # recompute only: no captures (seconds each)
+        assert [h.weight for h in pipe.executor.program.host] == ["embed.weight"]  # looked up on the host
+        table = spec.model.embed.weight
+        assert table.dtype == (torch.float32 if frozen_masters else torch.bfloat16)
+        runs.append((pipe.forward_backward(x, target=y), {n: p.grad for n, p in spec.model.named_parameters()}))
+    (loss, grads), (ref_loss, ref_grads) = runs
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+    for name, g in grads.items():
+        assert (g is None) == (ref_grads[name] is None), name
+        if g is not None:
+            torch.testing.assert_close(g, ref_grads[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")

@@ -51,17 +51,18 @@ def dynamic_shapes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
 
 @contextlib.contextmanager
 def explicit_signature(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[None]:
-    """While exporting: if ``model.forward`` takes ``*args`` or ``**kwargs``, give the instance a ``forward`` that
-    calls the class's with an explicit signature naming each input of this call; restored afterwards (an
-    instance's own ``forward``, e.g. one set by accelerate's hooks, included). The parameters stay the model's."""
+    """While exporting: if an input of this call lands in ``*args`` or ``**kwargs`` of ``model.forward``, give the
+    instance a ``forward`` that calls the class's with an explicit signature naming each input of this call;
+    restored afterwards (an instance's own ``forward``, e.g. one set by accelerate's hooks, included). The
+    parameters stay the model's."""
     try:
         signature = inspect.signature(model.forward)
         bound = signature.bind(*args, **kwargs)
     except (TypeError, ValueError):
         yield
         return
-    if not any(p.kind in _VAR for p in signature.parameters.values()):
-        yield
+    if not any(signature.parameters[n].kind in _VAR and v for n, v in bound.arguments.items()):
+        yield  # every input binds to a named parameter: nothing to rename
         return
     original = model.forward
 

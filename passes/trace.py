@@ -34,11 +34,11 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor, fx, nn
-from torch.export import Dim
 from torch.utils import _pytree as pytree
 
 from rpcompile.core.errors import ConfigError, TraceError
 
+from .export_inputs import dynamic_shapes, explicit_signature
 from .inplace import functional_inplace_pass
 from .portable import portable_bodies
 from .trace_failure import Failure, ModuleTracker, failure_message
@@ -117,10 +117,18 @@ def training_inputs(
 
 
 def _accepts(model: nn.Module, name: str) -> bool:
+    """``forward`` takes keyword ``name``: by name, or through ``**kwargs`` that a PEFT wrapper passes on to the
+    model it wraps (``PeftModel.forward(*args, **kwargs)``; ``get_base_model()`` is PEFT's name for that model)."""
     try:
-        return name in inspect.signature(model.forward).parameters
+        params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return False
+    if name in params:
+        return True
+    inner = getattr(model, "get_base_model", None)
+    passes_on = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return passes_on and callable(inner) and isinstance(base := inner(), nn.Module) and base is not model \
+        and _accepts(base, name)
 
 
 # --- inputs and leaves -------------------------------------------------------------------------------------------
@@ -223,8 +231,9 @@ def _trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     # On failure torch.export prints the partial graph to stderr (pages); keep it only when export succeeds.
     captured = io.StringIO()
     with contextlib.redirect_stderr(captured):
-        ep = torch.export.export(model, args, kwargs, strict=False,
-                                 dynamic_shapes=_dynamic_shapes(model, args, kwargs))
+        with explicit_signature(model, args, kwargs):  # a forward(*args, **kwargs): every input named
+            ep = torch.export.export(model, args, kwargs, strict=False,
+                                     dynamic_shapes=dynamic_shapes(model, args, kwargs))
     sys.stderr.write(captured.getvalue())
     # check_guards=False: no `_guards_fn` call_module node; its pre-hook is dropped with the module below.
     unlifted = ep.module(check_guards=False)
@@ -241,28 +250,6 @@ def _trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
 
 _VMAP_IN = torch._functorch.predispatch._vmap_increment_nesting
 _VMAP_OUT = torch._functorch.predispatch._vmap_decrement_nesting
-
-
-def _dynamic_shapes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
-    """Symbolic batch and sequence sizes for export: dim 0 of every tensor input, and dim 1 of integer ones (token
-    ids, masks). ``Dim.AUTO`` lets export keep a size static where the model needs it (or where the example's
-    size is 1), so one graph serves every batch and sequence length the model allows, with no re-trace."""
-    try:
-        names = list(inspect.signature(model.forward).parameters)
-    except (TypeError, ValueError):
-        return None
-    if len(args) > len(names) or any(n.startswith("*") for n in names[:len(args)]):
-        return None
-
-    def dims(v: Any) -> Any:
-        if not isinstance(v, Tensor) or v.dim() == 0:
-            return None
-        seq = v.dim() >= 2 and not v.is_floating_point()
-        return {0: Dim.AUTO, **({1: Dim.AUTO} if seq else {})}
-
-    spec = {names[i]: pytree.tree_map(dims, a) for i, a in enumerate(args)}  # inside a batch dict too
-    spec.update({k: pytree.tree_map(dims, v) for k, v in kwargs.items()})
-    return spec
 
 
 def _outline_vmap(gm: fx.GraphModule) -> None:

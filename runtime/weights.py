@@ -18,7 +18,8 @@ When the copy is refreshed:
 
 Where a copy would equal the master (fp32 on logical CPU devices) the master itself is uploaded: no copy.
 **Frozen** parameters (``requires_grad=False``, LoRA's base) are kept only in the compute precision: their
-``.data`` becomes the copy, so they are stored once (2 bytes a parameter in bf16), unless ``frozen_masters=True``.
+``.data`` becomes the copy, so they are stored once (2 bytes a parameter in bf16), unless ``frozen_masters=True``;
+a frozen token-embedding table looked up on the host is cast likewise (its rows are cast to that precision anyway).
 
 **Overlap** (:meth:`WeightStore.begin_overlap`, used by ``pipe.step(optimizer, overlap=True)``): the optimizer step
 runs on a thread beside the next iteration, which therefore reads the weights from before that step (one step
@@ -122,11 +123,16 @@ class WeightStore:
             by_id.setdefault(id(e.master), []).append(name)
         self._by_param = by_id
         for name, e in self.entries.items():
-            if name in self.host_only or not self._needs_copy(e.master):
+            once = not e.master.requires_grad and not frozen_masters and e.master.is_floating_point()
+            if name in self.host_only:
+                if once and self.dtype is not None and e.master.dtype != self.dtype:
+                    e.master.data = e.master.data.to(self.dtype)  # a frozen host table: its rows are cast anyway
+                continue
+            if not self._needs_copy(e.master):
                 continue
             e.front = self._empty_like(e.master)
             self._make(e, e.front)
-            if not e.master.requires_grad and not frozen_masters and e.master.is_floating_point():
+            if once:
                 e.master.data = e.front  # frozen: stored once, in the compute precision
                 e.front = None
         store = weakref.ref(self)

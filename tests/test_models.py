@@ -17,7 +17,8 @@ from rpcompile.models.llama import Attention
 DEMOS = ["llama-demo", "llama-32x64", "gpt-demo", "cnn-demo"]
 OTHER_DEMOS = ["moe-demo"]  # tested in test_moe.py (sequence length 16)
 # published parameter counts (tied embeddings counted once)
-META_PRESETS = {"llama-1.7b": 1.72e9, "llama-8b": 8.03e9, "llama-32b": 32.76e9, "qwen3-30b-a3b": 30.53e9}
+META_PRESETS = {"llama-1.7b": 1.72e9, "llama-8b": 8.03e9, "llama-32b": 32.76e9, "qwen3-30b-a3b": 30.53e9,
+                "qwen3-235b-a22b": 235.09e9}
 
 
 def _n_params(model: torch.nn.Module) -> int:

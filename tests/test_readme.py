@@ -14,7 +14,7 @@ How the shell lines run:
   function; an interpreter per line would cost most of the time budget), any other line through bash. The
   ``slow`` test runs every line through bash and the installed ``rpcompile`` script, exactly as written.
 - Fast mode rewrites the slow commands mechanically (:func:`shrink`): a published-shape model (``llama-8b``,
-  ``llama-1.7b``, ``llama-32b``, ``qwen3-30b-a3b``) becomes ``llama-demo``, ``--gpus 8`` becomes ``--gpus 2``,
+  ``llama-1.7b``, ``llama-32b``, ``qwen3-30b-a3b``, ``qwen3-235b-a22b``) becomes ``llama-demo``, ``--gpus 8`` becomes ``--gpus 2``,
   ``--microbatches 16`` becomes ``--microbatches 4``, ``plan``, ``simulate`` and ``check`` get
   ``--time-limit 1`` unless they name a limit, and a ``plan`` that would measure its costs on this CPU gets
   ``--spec cpu`` (analytic: measuring takes seconds, and the cuts it gives vary with the machine's load).
@@ -43,7 +43,7 @@ from rpcompile.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-BIG_MODELS = ("llama-8b", "llama-1.7b", "llama-32b", "qwen3-30b-a3b")
+BIG_MODELS = ("llama-8b", "llama-1.7b", "llama-32b", "qwen3-30b-a3b", "qwen3-235b-a22b")
 MODEL_FILE = '''from rpcompile.models import load_model
 
 

@@ -113,6 +113,9 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                         "analytic cost model (a prediction), and report that plan and what binds")
     p.add_argument("--granularity", type=positive_int, default=1024, metavar="TOKENS",
                    help="(with --max-seq-len) bisect to this many tokens (default 1024)")
+    p.add_argument("--lora", type=positive_int, nargs="?", const=16, default=None, metavar="RANK",
+                   help="freeze the base and plan LoRA fine-tuning: PEFT adapters of rank RANK (default 16, alpha "
+                        "2*RANK) on q/k/v/o_proj; also reports the host memory training needs")
     p.add_argument("-o", "--output", default=None, help="write the plan JSON here")
     p.add_argument("--emit", default=None, metavar="DIR", help="write each stage's generated Python into DIR")
     p.add_argument("--compare", action="store_true", help="(with --json) report every strategy")

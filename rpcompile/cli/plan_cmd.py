@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from typing import Any
+
+import torch
 
 from rpcompile.core.errors import ConfigError, RPCompileError
 from rpcompile.core.plan import Hardware, Plan
@@ -14,6 +17,7 @@ from rpcompile.passes.codegen import write_stages
 from rpcompile.passes.split import split_plan
 from rpcompile.core.specs import HostSpec
 from rpcompile.envelope import link_bound, microbatch_tokens
+from rpcompile.lora import LORA_TARGETS, apply_lora, lora_host_memory
 from rpcompile.plan_options import model_device
 from rpcompile.probe import load_host, probe_host
 from rpcompile.planning import (compare, default_spec, fastest, head_chunk_candidates, infeasible_error,
@@ -34,10 +38,10 @@ def plan(args: argparse.Namespace) -> int:
         directory(args.emit, "--emit")
     if args.max_seq_len:
         return _max_seq_len(args)
-    ms = load_for(args, args.microbatches or default_microbatches(args.gpus))
     if args.nodes > 1 and args.network is None:
         raise ConfigError(f"--nodes {args.nodes} needs the network between the machines: add --network 25Gb/s (or "
                           "their bandwidth)")
+    ms = _with_lora(args, load_for(args, args.microbatches or default_microbatches(args.gpus)))
     hardware = make_hardware(args.gpus, default_spec(args.spec, args.device, model_device(ms.model)), args.memory_limit,
                              host=_host(args), nodes=args.nodes, network_bytes_per_s=args.network or 0.0)
     chosen, gm, m, rows = _plan_fastest(args, ms, hardware)
@@ -49,7 +53,10 @@ def plan(args: argparse.Namespace) -> int:
     if envelope is not None:  # the operating envelope: one line, on stderr (stdout may be --json)
         print(f"rpcompile: warning: {envelope.message()}", file=sys.stderr)
     if args.json:
-        out = {"strategies": {k: _strategy_json(r, p) for k, (r, p) in rows.items()}} if args.compare else chosen.to_dict()
+        out: dict[str, Any] = ({"strategies": {k: _strategy_json(r, p) for k, (r, p) in rows.items()}}
+                               if args.compare else chosen.to_dict())
+        if args.lora:
+            out["lora"] = {"rank": args.lora, **lora_host_memory(ms.model, args.precision).to_dict()}
         print(json.dumps(out))
         return 0
     head = f", LM head in {chosen.head_chunks} chunks" if chosen.head_chunks > 1 else ""
@@ -57,6 +64,8 @@ def plan(args: argparse.Namespace) -> int:
         head += f", × {args.nodes} nodes over {args.network * 8 / 1e9:g} Gb/s (data-parallel)"
     print_table(plan_table(chosen, title=f"{args.model}: {args.strategy} plan, {len(chosen.stages)} stages on {args.gpus} × {hardware.spec.name}, {m} microbatches{head}"))
     print_table(compare_table(rows, reference=args.strategy))
+    if args.lora:
+        print("\n".join(_lora_lines(args, ms, chosen)))
     if args.output:
         print(f"plan written to {args.output}")
     if args.emit:
@@ -71,6 +80,8 @@ def _max_seq_len(args: argparse.Namespace) -> int:
                              "drop --seq-len and --batch-size")
     if args.device is not None:
         raise RPCompileError("--max-seq-len plans with the analytic cost model: give --spec, not --device")
+    if args.lora:
+        raise RPCompileError("--max-seq-len does not plan LoRA yet: drop --lora, or plan --lora at a --seq-len")
     with step(args, f"bisecting the sequence length to {args.granularity} tokens"):
         found = max_sequence_length(args.model, gpus=args.gpus, spec=args.spec, precision=args.precision,
                                     memory_limit=args.memory_limit, microbatches=args.microbatches,
@@ -90,6 +101,25 @@ def _max_seq_len(args: argparse.Namespace) -> int:
     if args.output:
         print(f"plan written to {args.output}")
     return 0
+
+
+def _with_lora(args: argparse.Namespace, ms: ModelSpec) -> ModelSpec:
+    """``--lora RANK``: the model with its base frozen and PEFT adapters on the attention projections."""
+    if not args.lora:
+        return ms
+    with step(args, f"adding rank-{args.lora} LoRA adapters"):
+        return replace(ms, model=apply_lora(ms.model, rank=args.lora))
+
+
+def _lora_lines(args: argparse.Namespace, ms: ModelSpec, chosen: Plan) -> list[str]:
+    """What ``--lora`` adds below the tables: host memory, the largest stage, tokens/s (predictions)."""
+    ids = ms.example_inputs[0]
+    tokens = ids.numel() if isinstance(ids, torch.Tensor) else 0
+    p = chosen.predicted
+    rate = f"; {tokens / p.iteration_time_s:,.0f} tokens/s ({tokens:,} tokens an iteration)" if tokens else ""
+    return [f"LoRA rank {args.lora} on {', '.join(LORA_TARGETS)}: {lora_host_memory(ms.model, args.precision).line()}",
+            f"GPU memory: largest stage {max(s.memory_bytes for s in chosen.stages) / 2**30:.2f} GiB of "
+            f"{chosen.hardware.memory_bytes / 2**30:.2f} GiB; iteration {p.iteration_time_s:.2f} s{rate} (predicted)"]
 
 
 def _host(args: argparse.Namespace) -> HostSpec | None:

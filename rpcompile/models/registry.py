@@ -5,7 +5,7 @@ Terms:
   ``factory()`` returns a :class:`ModelSpec`, ``(model, example_inputs)``, ``(model, example_inputs, loss_fn)`` or
   ``(model, example_inputs, loss_fn, example_target)``.
 - *demo* models are tiny and train on a CPU in milliseconds per step; *published shapes* (``llama-1.7b``,
-  ``llama-8b``, ``llama-32b``, ``qwen3-30b-a3b``) are built on the ``meta`` device by default: every tensor has a
+  ``llama-8b``, ``llama-32b``, ``qwen3-30b-a3b``, ``qwen3-235b-a22b``) are built on the ``meta`` device by default: every tensor has a
   shape and a dtype but no storage, which is all that costing and partitioning need.
 - *loss contract*: ``loss_fn(output, target)`` returns a scalar tensor (mean over the batch).
 """
@@ -143,6 +143,13 @@ _PRESETS: dict[str, _Preset] = {
         kind="lm", batch_size=1, seq_len=4096, device="meta",
         description="Qwen3-30B-A3B shape: 48 layers, dim 2048, 32 heads (4 kv), 128 experts (8 active) of width "
                     "768, vocab 151936",
+    ),
+    "qwen3-235b-a22b": _Preset(
+        build=lambda s: _moe(s, **_QWEN3, dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, num_experts=128,
+                             experts_per_token=8, moe_intermediate_size=1536),
+        kind="lm", batch_size=1, seq_len=4096, device="meta",
+        description="Qwen3-235B-A22B shape: 94 layers, dim 4096, 64 heads (4 kv), 128 experts (8 active) of width "
+                    "1536, vocab 151936",
     ),
 }
 

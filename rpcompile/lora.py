@@ -1,0 +1,90 @@
+"""LoRA at planning scale: adapters on a model's attention projections, and the host memory that training needs.
+
+Terms:
+- *LoRA* (Hu et al., 2021): each target ``nn.Linear`` ``W`` gets a rank-``r`` update ``scaling * B @ A``
+  (``A: [r, in]``, ``B: [out, r]``, ``scaling = alpha / r``); only ``A`` and ``B`` train. The adapters are PEFT's
+  (``peft.get_peft_model``), built on whatever device the model lives on — on ``meta`` for published shapes.
+- *host memory* (:func:`lora_host_memory`): what rpcompile keeps in CPU memory to train the adapted model. The
+  frozen base is stored once, in the compute precision (``runtime/weights.py``: 2 bytes a parameter in bf16);
+  each trainable parameter has an fp32 master, an fp32 gradient, AdamW's two fp32 moments and its upload copy
+  in the compute precision (4 + 4 + 8 + 2 = 18 bytes in bf16). Activations saved on the host are the plan's and
+  not counted here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+from rpcompile.core.errors import ConfigError
+from rpcompile.passes.segment_rules import format_bytes
+from rpcompile.report import fmt_params
+
+__all__ = ["LORA_TARGETS", "LORA_RANK", "apply_lora", "HostMemory", "lora_host_memory"]
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+"""The attention projections: module names of rpcompile's and HF's decoders alike."""
+LORA_RANK = 16
+"""The default rank (``alpha = 2 * rank``)."""
+
+_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def apply_lora(model: nn.Module, *, rank: int = LORA_RANK, targets: Sequence[str] = LORA_TARGETS) -> nn.Module:
+    """``model`` with its base frozen and PEFT LoRA adapters of ``rank`` (``alpha = 2 * rank``, no dropout) on
+    every ``nn.Linear`` named by ``targets``. Raises :class:`ConfigError` without ``peft`` or without targets."""
+    try:
+        from peft import LoraConfig, get_peft_model  # optional: only LoRA needs it
+    except ImportError:
+        raise ConfigError("--lora needs PEFT: pip install peft (or rpcompile[test])") from None
+    if rank < 1:
+        raise ConfigError(f"LoRA rank {rank} must be at least 1")
+    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    if not names & set(targets):
+        raise ConfigError(f"no nn.Linear named {', '.join(targets)} in {type(model).__name__} (its linear layers: "
+                          f"{', '.join(sorted(names)) or 'none'}); LoRA targets the attention projections")
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=list(targets))
+    return get_peft_model(model, config)
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """Host memory to train a model whose frozen parameters are stored once (module docstring), in bytes."""
+
+    frozen_params: int
+    trainable_params: int
+    frozen_bytes: int
+    """The frozen base, in the compute precision."""
+    trainable_bytes: int
+    """Masters, gradients and AdamW state in fp32, plus the upload copy in the compute precision."""
+
+    @property
+    def total_bytes(self) -> int:
+        return self.frozen_bytes + self.trainable_bytes
+
+    def line(self) -> str:
+        low = self.frozen_bytes // max(self.frozen_params, 1)
+        each = self.trainable_bytes // max(self.trainable_params, 1)
+        return (f"host memory {format_bytes(self.total_bytes)} (predicted; saved activations not included): frozen "
+                f"base {fmt_params(self.frozen_params)} parameters × {low} B = {format_bytes(self.frozen_bytes)}, "
+                f"adapters {fmt_params(self.trainable_params)} × {each} B (fp32 master, gradient, AdamW moments, "
+                f"upload copy) = {format_bytes(self.trainable_bytes)}")
+
+    def to_dict(self) -> dict[str, int]:
+        return {"frozen_params": self.frozen_params, "trainable_params": self.trainable_params,
+                "frozen_bytes": self.frozen_bytes, "trainable_bytes": self.trainable_bytes,
+                "total_bytes": self.total_bytes}
+
+
+def lora_host_memory(model: nn.Module, precision: str = "bf16") -> HostMemory:
+    """:class:`HostMemory` of ``model`` trained in ``precision`` with AdamW (each parameter counted once)."""
+    if precision not in _BYTES:
+        raise ConfigError(f"precision must be one of {sorted(_BYTES)}, got {precision!r}")
+    low = _BYTES[precision]
+    params = {id(p): p for p in model.parameters()}.values()
+    frozen = sum(p.numel() for p in params if not p.requires_grad and p.is_floating_point())
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    copy = low if low != 4 else 0  # fp32 on the devices: the master itself is uploaded
+    return HostMemory(frozen, trainable, frozen * low, trainable * (4 + 4 + 8 + copy))

@@ -50,6 +50,8 @@ class _Row:
     """``max(0, upload_bytes − weight_bytes / m)``: the activation bytes its weight uploads queue behind."""
     grad_s: float
     acc: float
+    reduce: float
+    """``host.reduce_s(reduced_bytes)``: the data-parallel all-reduce of its gradients (0 on one node)."""
     out_s: float
     save_s: float
     prefetch_s: float
@@ -62,7 +64,7 @@ def _row(pb: PartitionProblem, c: StageCost) -> _Row:
                 weight=c.weight_bytes, base=c.weight_bytes + c.grad_bytes, tail=(c.working_bytes, c.buffer_bytes),
                 up_link=up / link, own=down - c.offload_bytes, one_way=c.handoff_bytes / link,
                 weight_link=c.weight_bytes / link, busy=max(0.0, up - c.weight_bytes / m), grad_s=c.grad_bytes / link,
-                acc=pb.host.accumulate_s(c.grad_bytes), out_s=(down - c.offload_bytes) / link,
+                acc=pb.host.accumulate_s(c.grad_bytes), reduce=pb.host.reduce_s(c.reduced_bytes), out_s=(down - c.offload_bytes) / link,
                 save_s=c.offload_bytes / link, prefetch_s=c.prefetch_bytes / link)
 
 
@@ -138,4 +140,6 @@ class PlanScorer:
             edges.update(out_s=[r.out_s for r in rows], save_s=[r.save_s for r in rows],
                          reads=save_reads([r.cost for r in rows], saved), prefetch_s=[r.prefetch_s for r in rows])
         acc = [r.acc for r in rows] if self._accumulates else []
-        return pipeline_time(times, n_dev, m, **edges, accumulate_s=acc)
+        h = self.pb.host
+        return pipeline_time(times, n_dev, m, **edges, accumulate_s=acc, reduce_s=[r.reduce for r in rows],
+                             overlap_reduce=h.overlap_reduce, reduce_host_s=h.reduce_s(h.host_grad_bytes))

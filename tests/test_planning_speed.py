@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import time
@@ -122,10 +123,14 @@ def test_subset_sums_are_the_subset_matrix_product():
             assert np.array_equal(lagrange._subset_sums(x, k, starts), want)
 
 
-def test_the_scorer_is_the_timing_model_bit_for_bit():
+@pytest.mark.parametrize("nodes", [1, 4])
+def test_the_scorer_is_the_timing_model_bit_for_bit(nodes):
     """PlanScorer.total walks only what depends on the plan, from per-stage figures it keeps: the same value as
-    timing._total for every plan a local search meets (saved activations, lazy offload and all)."""
+    timing._total for every plan a local search meets (saved activations, lazy offload and all; on 4 data-parallel
+    nodes, each grad stage's all-reduce too)."""
     pb = llama_like(8)
+    if nodes > 1:  # a network slow enough that the reduction shows
+        pb = dataclasses.replace(pb, host=dataclasses.replace(pb.host, nodes=nodes, network_bytes_per_s=1e9))
     cuts = solve(pb, "dp").plan
     start = SegmentPlan(forward=cuts.forward, fused=cuts.fused, backward=cuts.backward,
                         saved=tuple(i < cuts.fused[0] and i % 3 != 2 for i in range(pb.n)))

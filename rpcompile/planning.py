@@ -35,6 +35,7 @@ from rpcompile.passes.formulate import PRECISION_BYTES, partition_problem
 from rpcompile.passes.host import host_embedding_pass
 from rpcompile.passes.loss_head import TARGET, split_head
 from rpcompile.passes.lower import to_plan
+from rpcompile.passes.meta import without_dynamo_import
 from rpcompile.passes.partition import solve
 from rpcompile.passes.problem import PartitionProblem
 from rpcompile.passes.shape import shape_pass
@@ -217,12 +218,14 @@ BACK = PASSES[6:]
 
 
 def run(c: Compilation, passes: Sequence[tuple[str, Pass]] = PASSES) -> Compilation:
-    """Run ``passes`` on ``c`` in order, logging each one's time; returns ``c``."""
-    for name, fn in passes:
-        t0 = time.perf_counter()
-        fn(c)
-        c.times[name] = time.perf_counter() - t0
-        log.info("%s: %.2f s", name, c.times[name])
+    """Run ``passes`` on ``c`` in order, logging each one's time; returns ``c``. Meta kernels run without
+    importing TorchDynamo (:func:`~rpcompile.passes.meta.without_dynamo_import`)."""
+    with without_dynamo_import():
+        for name, fn in passes:
+            t0 = time.perf_counter()
+            fn(c)
+            c.times[name] = time.perf_counter() - t0
+            log.info("%s: %.2f s", name, c.times[name])
     return c
 
 

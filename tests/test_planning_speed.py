@@ -146,3 +146,24 @@ def test_check_and_plan_do_not_import_ortools_until_a_model_is_built():
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('ortools', 'pandas')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_planning_a_meta_model_does_not_import_dynamo_and_costs_the_same_as_with_it():
+    """torch imports TorchDynamo (~1 s) the first time a Python meta kernel runs (meta ``rms_norm``);
+    ``without_dynamo_import`` avoids it for the passes, undoes itself, and changes no cost."""
+    code = (
+        "import sys, torch\n"
+        "from rpcompile.models import load_model\n"
+        "from rpcompile.planning import prepare\n"
+        "from rpcompile.passes.meta import _dynamo_skipped\n"
+        "ms = load_model('llama-demo', device='meta')\n"
+        "def costs():\n"
+        "    gm, _ = prepare(ms.model, ms.example_inputs, gpus=2, spec='rtx4090', microbatches=2)\n"
+        "    return [(n.name, n.meta.get('rpcompile.cost'), n.meta.get('rpcompile.shape')) for n in gm.graph.nodes]\n"
+        "first = costs()\n"
+        "print('dynamo', 'torch._dynamo' in sys.modules, len(_dynamo_skipped()) > 10,\n"
+        "      any(getattr(f, '__dynamo_disable', None) is f for f in _dynamo_skipped()))\n"
+        "import torch._dynamo\n"
+        "print('same', costs() == first)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split("\n")[:2] == ["dynamo False True False", "same True"]

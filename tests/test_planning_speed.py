@@ -19,6 +19,7 @@ from rpcompile.passes.polish import PlanScorer, flip_saves, polish, taper
 from rpcompile.passes.problem import SegmentPlan
 from rpcompile.passes.tables import RangeTables
 from rpcompile.passes.timing import _total, iteration_time
+from rpcompile.plan_options import MIN_SHARE_S, TimeShare
 
 from partition_cases import llama_like, tiny_chain
 
@@ -167,3 +168,34 @@ def test_planning_a_meta_model_does_not_import_dynamo_and_costs_the_same_as_with
         "print('same', costs() == first)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split("\n")[:2] == ["dynamo False True False", "same True"]
+
+
+def test_the_head_splits_share_the_time_limit():
+    """Each split's solve gets an equal share of what the earlier ones left, so together they keep the limit."""
+    share = TimeShare(10.0, 2)
+    assert share.next() == 5.0
+    share.used(2.0)  # stopped early, by its counts: the next split gets the rest
+    assert share.next() == 8.0
+    share.used(8.0)
+    assert share.next() == MIN_SHARE_S
+
+
+def test_compile_plan_gives_each_head_split_its_share(monkeypatch):
+    import rpcompile.planning as planning
+    from rpcompile.models import load_model
+
+    limits: list[float] = []
+    spent: list[float] = []
+
+    def recording(problem, strategy="ilp", *, time_limit_s=10.0, seed=0):
+        limits.append(time_limit_s)
+        res = solve(problem, strategy, time_limit_s=time_limit_s, seed=seed)
+        spent.append(res.solve_time_s)
+        return res
+
+    monkeypatch.setattr(planning, "solve", recording)
+    ms = load_model("llama-demo")
+    made = planning.compile_plan(ms.model, ms.example_inputs, gpus=2, spec="rtx4090", loss_fn=ms.loss_fn,
+                                 example_target=ms.example_target, time_limit_s=4.0)
+    assert made.plan is not None and len(limits) == 2 and limits[0] == 2.0
+    assert limits[1] == pytest.approx(max(4.0 - spent[0], MIN_SHARE_S))

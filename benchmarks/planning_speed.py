@@ -58,7 +58,10 @@ def _run(argv: list[str], pythonpath: str | None) -> dict[str, Any]:
     load = os.getloadavg()[0]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "rpcompile", *argv], env=env, capture_output=True, text=True)
+    # cwd away from any checkout: ``-m`` puts the cwd first on sys.path, ahead of PYTHONPATH, so run from a
+    # checkout's root the baseline side would import that checkout's package instead of the baseline's
+    proc = subprocess.run([sys.executable, "-m", "rpcompile", *argv], env=env, capture_output=True, text=True,
+                          cwd=tempfile.gettempdir())
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)

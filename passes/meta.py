@@ -9,13 +9,19 @@ cost driver and the analytic cost model run nodes under it.
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import sys
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
+import torch._compile
+import torch._decomp
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["MetaSafeMode", "packet_name", "compute_dtype", "run_unifying_dtypes", "stay_on_meta", "is_assert"]
+__all__ = ["MetaSafeMode", "packet_name", "compute_dtype", "run_unifying_dtypes", "stay_on_meta", "is_assert",
+           "without_dynamo_import"]
 
 aten = torch.ops.aten
 
@@ -70,3 +76,55 @@ class MetaSafeMode(TorchDispatchMode):
             return None
         kwargs, _ = stay_on_meta(func, args, kwargs or {})
         return run_unifying_dtypes(func, args, kwargs)
+
+
+def _dynamo_skipped() -> tuple[Callable[..., Any], ...]:
+    """The functions torch's Python meta kernels wrap in ``torch._disable_dynamo`` (its ``inner`` imports
+    ``torch._dynamo`` on a function's first call): found by following ``__wrapped__`` and closures from the
+    decomposition and meta tables, ``torch._refs`` and the dispatch modes defined so far (each one's
+    ``__torch_dispatch__`` is wrapped too). Empty if torch no longer works this way."""
+    inner = getattr(torch._compile._disable_dynamo(lambda: 0), "__code__", None)
+    roots: list[Any] = list(torch._decomp.meta_table.values())
+    roots += [f for table in torch._decomp.global_decomposition_table.values() for f in table.values()]
+    roots += [v for name, mod in list(sys.modules.items()) if name.startswith("torch._refs") and mod is not None
+              for v in list(vars(mod).values())]
+    modes, i = [TorchDispatchMode], 0
+    while i < len(modes):
+        modes += modes[i].__subclasses__()
+        i += 1
+    roots += [vars(cls).get("__torch_dispatch__") for cls in modes]
+    found: dict[int, Callable[..., Any]] = {}
+    seen: set[int] = set()
+    while roots:
+        f = roots.pop()
+        code = getattr(f, "__code__", None)
+        if code is None or id(f) in seen:
+            continue
+        seen.add(id(f))
+        cells = dict(zip(code.co_freevars, (c.cell_contents for c in (f.__closure__ or ()))))
+        if code is inner and callable(cells.get("fn")):
+            found[id(cells["fn"])] = cells["fn"]
+        roots += [v for v in (getattr(f, "__wrapped__", None), *cells.values()) if callable(v)]
+    return tuple(found.values())
+
+
+@contextmanager
+def without_dynamo_import() -> Iterator[None]:
+    """Run torch's Python meta kernels without importing ``torch._dynamo`` (~1 s of CPU the first time a meta
+    ``rms_norm`` or ``add.Scalar`` runs: torch wraps each such kernel to be skipped by TorchDynamo and imports it
+    to build the wrapper). While nothing has imported TorchDynamo nothing can be compiling, so each wrapper is
+    told its function is its own skipped version for the duration, and forgets it afterwards (a later call, when
+    something may compile, builds the real one). A no-op once TorchDynamo is imported."""
+    if "torch._dynamo" in sys.modules:
+        yield
+        return
+    key = "__dynamo_disable"  # the attribute torch._compile._disable_dynamo's wrapper caches its function in
+    marked = [fn for fn in _dynamo_skipped() if getattr(fn, key, None) is None]
+    for fn in marked:
+        setattr(fn, key, fn)
+    try:
+        yield
+    finally:
+        for fn in marked:
+            if getattr(fn, key, None) is fn:
+                delattr(fn, key)

@@ -3,6 +3,7 @@ the strategies, the LM-head splits to try and which of their plans wins, and the
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -18,7 +19,7 @@ from .core.plan import Hardware
 from .core.specs import DeviceSpec, HostSpec, assumed_host, get_spec
 
 __all__ = ["STRATEGIES", "AUTO_HEAD_CHUNKS", "make_cost_model", "make_hardware", "default_spec",
-           "head_chunk_candidates", "fastest", "infeasible_error", "model_device"]
+           "head_chunk_candidates", "fastest", "TimeShare", "infeasible_error", "model_device"]
 
 STRATEGIES = ("ilp", "dp", "roundpipe", "uniform")
 #: Sequence chunks ``head_chunks="auto"`` tries for the LM head (besides not splitting it): on the benchmark
@@ -76,6 +77,31 @@ def head_chunk_candidates(head_chunks: "int | str", loss_fn: Any, example_target
     if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1:
         raise ConfigError(f"head_chunks must be a positive integer or 'auto', got {head_chunks!r}")
     return (head_chunks,)
+
+
+@dataclass
+class TimeShare:
+    """The ILP's time limit shared by the solves of several LM-head splits, in turn: each gets an equal share of
+    what the earlier ones left (a split whose solve stops early, by its counts, leaves the rest to the next), so
+    together they keep ``total`` seconds (plus each solve's tables and bounds, which the limit never covered)."""
+
+    total: float
+    count: int
+    spent: float = 0.0
+    started: int = 0
+
+    def next(self) -> float:
+        """The next solve's limit (at least :data:`MIN_SHARE_S`)."""
+        left = max(self.total - self.spent, 0.0) / max(self.count - self.started, 1)
+        self.started += 1
+        return max(left, MIN_SHARE_S)
+
+    def used(self, seconds: float) -> None:
+        self.spent += seconds
+
+
+#: The least limit a shared solve gets: its phases stop at once and it keeps the plans it was seeded with.
+MIN_SHARE_S = 0.05
 
 
 def fastest(candidates: Sequence[int], attempt: Callable[[int], tuple[float, Any]]) -> Any:

@@ -35,6 +35,7 @@ from rpcompile.passes.formulate import PRECISION_BYTES, partition_problem
 from rpcompile.passes.host import host_embedding_pass
 from rpcompile.passes.loss_head import TARGET, split_head
 from rpcompile.passes.lower import to_plan
+from rpcompile.passes.meta import without_dynamo_import
 from rpcompile.passes.partition import solve
 from rpcompile.passes.problem import PartitionProblem
 from rpcompile.passes.shape import shape_pass
@@ -45,7 +46,7 @@ from .core.errors import ConfigError
 from .core.plan import Hardware, Plan
 from .core.specs import DeviceSpec
 from .envelope import warn_if_link_bound
-from .plan_options import (AUTO_HEAD_CHUNKS, STRATEGIES, default_spec, fastest, head_chunk_candidates,
+from .plan_options import (AUTO_HEAD_CHUNKS, STRATEGIES, TimeShare, default_spec, fastest, head_chunk_candidates,
                            infeasible_error, make_cost_model, make_hardware, model_device)
 
 __all__ = [
@@ -217,12 +218,14 @@ BACK = PASSES[6:]
 
 
 def run(c: Compilation, passes: Sequence[tuple[str, Pass]] = PASSES) -> Compilation:
-    """Run ``passes`` on ``c`` in order, logging each one's time; returns ``c``."""
-    for name, fn in passes:
-        t0 = time.perf_counter()
-        fn(c)
-        c.times[name] = time.perf_counter() - t0
-        log.info("%s: %.2f s", name, c.times[name])
+    """Run ``passes`` on ``c`` in order, logging each one's time; returns ``c``. Meta kernels run without
+    importing TorchDynamo (:func:`~rpcompile.passes.meta.without_dynamo_import`)."""
+    with without_dynamo_import():
+        for name, fn in passes:
+            t0 = time.perf_counter()
+            fn(c)
+            c.times[name] = time.perf_counter() - t0
+            log.info("%s: %.2f s", name, c.times[name])
     return c
 
 
@@ -351,18 +354,24 @@ def compile_plan(
     **options: Any,
 ) -> Compilation:
     """Every pass, once per LM-head split of :func:`head_chunk_candidates`; the :class:`Compilation` with the
-    fastest plan (its ``plan`` and the graph ``gm`` it was made from). ``options``: :func:`start`'s."""
+    fastest plan (its ``plan`` and the graph ``gm`` it was made from). ``options``: :func:`start`'s; their
+    ``time_limit_s`` (default 10) is shared by the splits' solves (:class:`~rpcompile.plan_options.TimeShare`)."""
     if precision not in PRECISION_BYTES:
         raise ConfigError(f"precision must be one of {sorted(PRECISION_BYTES)}, got {precision!r}")
     hardware = make_hardware(gpus, default_spec(spec, device, model_device(model)), memory_limit)
 
+    candidates = head_chunk_candidates(head_chunks, loss_fn, example_target)
+    share = TimeShare(float(options.pop("time_limit_s", 10.0)), len(candidates))
+
     def attempt(k: int) -> tuple[float, Compilation]:
         c = run(start(model, example_inputs, gpus=gpus, spec=spec, device=device, precision=precision,
-                      loss_fn=loss_fn, example_target=example_target, head_chunks=k, hardware=hardware, **options))
-        assert c.plan is not None
+                      loss_fn=loss_fn, example_target=example_target, head_chunks=k, hardware=hardware,
+                      time_limit_s=share.next(), **options))
+        assert c.plan is not None and c.result is not None
+        share.used(c.result.solve_time_s)
         return c.plan.predicted.iteration_time_s, c
 
-    made: Compilation = fastest(head_chunk_candidates(head_chunks, loss_fn, example_target), attempt)
+    made: Compilation = fastest(candidates, attempt)
     warn_if_link_bound(made.plan, (*made.args, *made.kwargs.values()))  # the operating envelope, one line
     return made
 
@@ -398,8 +407,8 @@ def plan(
     ``head_chunks > 1`` (with ``loss_fn`` and ``example_target``) plans the LM head and its cross-entropy as that
     many sequence chunks (:mod:`rpcompile.passes.loss_head`); ``"auto"`` (the default) plans the whole head and,
     when a loss and a target are given and the head can be split, :data:`AUTO_HEAD_CHUNKS` chunks too, and keeps
-    the faster plan (so planning takes up to twice ``time_limit_s``). ``segments_per_layer`` (default 2: attention
-    and MLP halves) above 2 lets the planner cut and save inside those halves: plans up to ~6% faster on the
+    the faster plan (the splits' solves share ``time_limit_s``: each gets an equal share of what the earlier ones
+    left). ``segments_per_layer`` (default 2: attention and MLP halves) above 2 lets the planner cut and save inside those halves: plans up to ~6% faster on the
     benchmark models, at two to three times the solve time (which may then overrun ``time_limit_s``).
     ``host_embedding`` (default on) lets the host run token embeddings whose tables are larger than what an
     iteration looks up (:mod:`rpcompile.passes.host`); ``False`` none, node names exactly those lookups.

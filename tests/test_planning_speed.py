@@ -20,6 +20,7 @@ from rpcompile.passes.polish import PlanScorer, flip_saves, polish, taper
 from rpcompile.passes.problem import SegmentPlan
 from rpcompile.passes.tables import RangeTables
 from rpcompile.passes.timing import _total, iteration_time
+from rpcompile.plan_options import MIN_SHARE_S, TimeShare
 
 from partition_cases import llama_like, tiny_chain
 
@@ -151,3 +152,55 @@ def test_check_and_plan_do_not_import_ortools_until_a_model_is_built():
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('ortools', 'pandas')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_planning_a_meta_model_does_not_import_dynamo_and_costs_the_same_as_with_it():
+    """torch imports TorchDynamo (~1 s) the first time a Python meta kernel runs (meta ``rms_norm``);
+    ``without_dynamo_import`` avoids it for the passes, undoes itself, and changes no cost."""
+    code = (
+        "import sys, torch\n"
+        "from rpcompile.models import load_model\n"
+        "from rpcompile.planning import prepare\n"
+        "from rpcompile.passes.meta import _dynamo_skipped\n"
+        "ms = load_model('llama-demo', device='meta')\n"
+        "def costs():\n"
+        "    gm, _ = prepare(ms.model, ms.example_inputs, gpus=2, spec='rtx4090', microbatches=2)\n"
+        "    return [(n.name, n.meta.get('rpcompile.cost'), n.meta.get('rpcompile.shape')) for n in gm.graph.nodes]\n"
+        "first = costs()\n"
+        "print('dynamo', 'torch._dynamo' in sys.modules, len(_dynamo_skipped()) > 10,\n"
+        "      any(getattr(f, '__dynamo_disable', None) is f for f in _dynamo_skipped()))\n"
+        "import torch._dynamo\n"
+        "print('same', costs() == first)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split("\n")[:2] == ["dynamo False True False", "same True"]
+
+
+def test_the_head_splits_share_the_time_limit():
+    """Each split's solve gets an equal share of what the earlier ones left, so together they keep the limit."""
+    share = TimeShare(10.0, 2)
+    assert share.next() == 5.0
+    share.used(2.0)  # stopped early, by its counts: the next split gets the rest
+    assert share.next() == 8.0
+    share.used(8.0)
+    assert share.next() == MIN_SHARE_S
+
+
+def test_compile_plan_gives_each_head_split_its_share(monkeypatch):
+    import rpcompile.planning as planning
+    from rpcompile.models import load_model
+
+    limits: list[float] = []
+    spent: list[float] = []
+
+    def recording(problem, strategy="ilp", *, time_limit_s=10.0, seed=0):
+        limits.append(time_limit_s)
+        res = solve(problem, strategy, time_limit_s=time_limit_s, seed=seed)
+        spent.append(res.solve_time_s)
+        return res
+
+    monkeypatch.setattr(planning, "solve", recording)
+    ms = load_model("llama-demo")
+    made = planning.compile_plan(ms.model, ms.example_inputs, gpus=2, spec="rtx4090", loss_fn=ms.loss_fn,
+                                 example_target=ms.example_target, time_limit_s=4.0)
+    assert made.plan is not None and len(limits) == 2 and limits[0] == 2.0
+    assert limits[1] == pytest.approx(max(4.0 - spent[0], MIN_SHARE_S))

@@ -7,6 +7,7 @@ import argparse
 import torch
 
 from rpcompile.models import ModelSpec, load_model
+from rpcompile.models.registry import _PRESETS
 
 __all__ = ["load", "load_for", "dtype"]
 
@@ -23,7 +24,11 @@ def load(args: argparse.Namespace) -> ModelSpec:
 
 def load_for(args: argparse.Namespace, microbatches: int) -> ModelSpec:
     """The model with a batch of at least ``microbatches`` (one sample per microbatch at least) unless
-    ``--batch-size`` says otherwise: the meta presets come with a batch of one sequence."""
+    ``--batch-size`` says otherwise: the meta presets come with a batch of one sequence. A built-in model's batch
+    is known before it is built, so it is built once (a model file's is not: it ignores ``--batch-size``)."""
+    preset = _PRESETS.get(args.model)
+    if args.batch_size is None and preset is not None and preset.batch_size < microbatches:
+        args.batch_size = microbatches
     ms = load(args)
     first = ms.example_inputs[0] if ms.example_inputs else None
     if args.batch_size is None and isinstance(first, torch.Tensor) and first.dim() and first.shape[0] < microbatches:

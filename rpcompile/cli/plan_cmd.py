@@ -18,7 +18,7 @@ from rpcompile.passes.split import split_plan
 from rpcompile.core.specs import HostSpec
 from rpcompile.envelope import link_bound, microbatch_tokens
 from rpcompile.lora import LORA_TARGETS, apply_lora, lora_host_memory
-from rpcompile.plan_options import model_device
+from rpcompile.plan_options import TimeShare, model_device
 from rpcompile.probe import load_host, probe_host
 from rpcompile.planning import (compare, default_spec, fastest, head_chunk_candidates, infeasible_error,
                                 make_hardware, partition_problem, prepare)
@@ -136,6 +136,9 @@ def _plan_fastest(args: argparse.Namespace, ms: ModelSpec, hardware: Hardware) -
     """Every strategy on each LM-head split ``--head-chunks`` asks for; the split whose ``--strategy`` plan is
     fastest: (that plan, its graph, microbatches, {strategy: (result, plan)})."""
 
+    candidates = head_chunk_candidates(args.head_chunks, ms.loss_fn, ms.example_target)
+    share = TimeShare(args.time_limit, len(candidates))
+
     def attempt(k: int) -> tuple[float, tuple]:
         gm, m = prepare(ms.model, ms.example_inputs, gpus=args.gpus, spec=args.spec, device=args.device,
                         microbatches=args.microbatches, precision=args.precision, max_segments=args.max_segments,
@@ -143,9 +146,10 @@ def _plan_fastest(args: argparse.Namespace, ms: ModelSpec, hardware: Hardware) -
                         head_chunks=k, segments_per_layer=args.segments_per_layer, host_embedding=args.host_embedding,
                         cache=args.cache)
         head = f"LM head in {k} chunks" if k > 1 else "whole LM head"
-        with step(args, f"solving ({head}): ilp ≤ {args.time_limit:g} s, dp, roundpipe, uniform"):
-            rows = compare(gm, hardware=hardware, microbatches=m, precision=args.precision,
-                           time_limit_s=args.time_limit)
+        limit = share.next()
+        with step(args, f"solving ({head}): ilp ≤ {limit:.3g} s, dp, roundpipe, uniform"):
+            rows = compare(gm, hardware=hardware, microbatches=m, precision=args.precision, time_limit_s=limit)
+        share.used(rows["ilp"][0].solve_time_s)
         chosen = rows[args.strategy][1]
         if chosen is None:
             raise infeasible_error(partition_problem(gm, hardware=hardware, microbatches=m, precision=args.precision),
@@ -153,7 +157,7 @@ def _plan_fastest(args: argparse.Namespace, ms: ModelSpec, hardware: Hardware) -
         return chosen.predicted.iteration_time_s, (chosen, gm, m, rows)
 
     try:
-        return fastest(head_chunk_candidates(args.head_chunks, ms.loss_fn, ms.example_target), attempt)
+        return fastest(candidates, attempt)
     except ValueError as e:  # e.g. a head that cannot be split as asked: one line, not a traceback
         raise RPCompileError(str(e)) from None
 

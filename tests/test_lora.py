@@ -214,7 +214,7 @@ def test_lora_host_memory_counts_the_frozen_base_once_in_the_compute_precision()
     assert (fp32.frozen_bytes, fp32.trainable_bytes) == (4 * n_frozen, 16 * n_adapter)
 
 
-def test_apply_lora_adds_peft_adapters_on_the_attention_projections_of_a_meta_model():
+def test_apply_lora_adds_adapters_on_the_attention_projections_of_a_meta_model():
     spec = load_model("moe-demo", device="meta")
     model = apply_lora(spec.model, rank=4)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]

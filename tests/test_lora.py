@@ -214,7 +214,7 @@ def test_lora_host_memory_counts_the_frozen_base_once_in_the_compute_precision()
     assert (fp32.frozen_bytes, fp32.trainable_bytes) == (4 * n_frozen, 16 * n_adapter)
 
 
-def test_apply_lora_adds_peft_adapters_on_the_attention_projections_of_a_meta_model():
+def test_apply_lora_adds_adapters_on_the_attention_projections_of_a_meta_model():
     spec = load_model("moe-demo", device="meta")
     model = apply_lora(spec.model, rank=4)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -223,6 +223,38 @@ def test_apply_lora_adds_peft_adapters_on_the_attention_projections_of_a_meta_mo
     assert all(p.device.type == "meta" for p in model.parameters())
     with pytest.raises(ConfigError, match=r"no nn.Linear named q_proj, k_proj, v_proj, o_proj in ConvNet"):
         apply_lora(load_model("cnn-demo").model)
+
+
+def test_planning_adapters_equal_pefts_in_parameters_outputs_gradients_and_flops():
+    """``apply_lora`` on an rpcompile model: adapters laid out as PEFT's (names, shapes, frozen set), so PEFT's state
+    dict loads as is; then the same logits, the same adapter gradients and the same forward + backward FLOPs as
+    ``get_peft_model``'s — and it traces with torch.fx, where PeftModel needs torch.export."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from rpcompile.lora import LoraModel
+    from rpcompile.passes.trace import TRACE_META_KEY, trace
+
+    spec = load_model("moe-demo")
+    ref = apply_lora(copy.deepcopy(spec.model), rank=4, peft=True)
+    model = apply_lora(spec.model, rank=4)
+    assert isinstance(model, LoraModel) and type(ref).__name__ == "PeftModel"
+    shapes = {n: (p.shape, p.requires_grad) for n, p in model.named_parameters()}
+    assert shapes == {n: (p.shape, p.requires_grad) for n, p in ref.named_parameters()}
+    assert sum(r for _, r in shapes.values()) == 2 * 4 * 2  # A and B, q/k/v/o, 2 layers
+    torch.manual_seed(0)
+    for p in adapters(ref).values():  # B starts at zero in both: make the adapters count
+        torch.nn.init.normal_(p, std=0.1)
+    model.load_state_dict(ref.state_dict())
+    (ids,), y = spec.example_inputs, spec.example_target
+    flops = []
+    for m in (model, ref):
+        with FlopCounterMode(display=False) as counter:
+            spec.loss(m(ids), y).backward()
+        flops.append(counter.get_total_flops())
+    assert flops[0] == flops[1] > 0
+    torch.testing.assert_close(model(ids), ref(ids), rtol=0, atol=0)
+    assert_grads_equal(model, ref)
+    assert trace(model, spec.example_inputs).meta[TRACE_META_KEY] == "fx"
 
 
 def test_plan_lora_reports_host_memory_gpu_memory_and_tokens_per_s(capsys):

@@ -104,7 +104,8 @@ def _max_seq_len(args: argparse.Namespace) -> int:
 
 
 def _with_lora(args: argparse.Namespace, ms: ModelSpec) -> ModelSpec:
-    """``--lora RANK``: the model with its base frozen and PEFT adapters on the attention projections."""
+    """``--lora RANK``: the model with its base frozen and adapters on the attention projections (laid out as
+    PEFT's; fx-traceable ones on rpcompile's own models: :func:`rpcompile.lora.apply_lora`)."""
     if not args.lora:
         return ms
     with step(args, f"adding rank-{args.lora} LoRA adapters"):

@@ -19,6 +19,7 @@ import torch.fx as fx
 from rpcompile.passes.fingerprint import fingerprint
 from rpcompile.passes.host import as_planned
 from rpcompile.passes.loss_head import split_head
+from rpcompile.passes.precision import compute_dtype
 from rpcompile.passes.trace import trace
 
 from .core.errors import PlanMismatchError
@@ -44,7 +45,8 @@ def graph_as_planned(plan: Plan, model: torch.nn.Module, example_inputs: Any, *,
     """``model`` traced into the graph ``plan`` was planned from (the module docstring: its LM head split as the
     plan's ``head_chunks``, its ``host`` lookups on the host), once the fingerprints agree; else
     :class:`PlanMismatchError` saying what differs."""
-    gm = trace(model, tuple(example_inputs), example_kwargs=example_kwargs)
+    # traced as the plan was (an exported graph records its casts for the plan's compute precision)
+    gm = trace(model, tuple(example_inputs), example_kwargs=example_kwargs, dtype=compute_dtype(plan.precision))
     if plan.head_chunks > 1:
         if loss_fn is None:
             raise PlanMismatchError(f"{source} splits the LM head and its loss into {plan.head_chunks} chunks: give "

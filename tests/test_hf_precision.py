@@ -97,3 +97,25 @@ def test_the_export_path_records_the_casts_of_the_compute_dtype_on_the_model_s_o
     assert all(own[n] is p and p.dtype == torch.float32 for n, p in bf16.named_parameters())
     fx_model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     assert TRACE_DTYPE_KEY not in trace(fx_model, (torch.randn(2, 4),), dtype=torch.bfloat16).meta
+
+
+def test_fp16_with_a_grad_scaler_trains_an_hf_model_like_eager_fp16():
+    """The pipeline's gradients are the scaled ones (GradScaler's convention: ``scaler.step`` unscales them); once
+    unscaled they are eager fp16's, and the step is taken."""
+    model = hf_model("llama")
+    ref = copy.deepcopy(model).to(torch.float16)
+    ids, y = torch.randint(0, VOCAB, (6, 8)), torch.randint(0, VOCAB, (6, 8))
+    scale = 2.0**8
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+    pipe = rpcompile.compile(model, (ids,), loss_fn=token_loss, devices=["cpu", "cpu"], spec=FINE_CPU,
+                             precision="fp16", scaler=scaler, time_limit_s=1.0)
+    loss = pipe.forward_backward(ids, target=y)
+    ref_loss = token_loss(ref(ids, use_cache=False), y)
+    ref_loss.backward()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler.unscale_(opt)
+    assert_matches_low_precision_eager(model, ref, loss, ref_loss)
+    before = model.lm_head.weight.detach().clone()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == scale and not torch.equal(model.lm_head.weight, before)

@@ -119,3 +119,14 @@ def test_fp16_with_a_grad_scaler_trains_an_hf_model_like_eager_fp16():
     scaler.step(opt)
     scaler.update()
     assert scaler.get_scale() == scale and not torch.equal(model.lm_head.weight, before)
+
+
+def test_an_hf_plan_compiled_in_another_precision_is_refused_in_one_line():
+    model = hf_model("llama")
+    ids = torch.randint(0, VOCAB, (6, 8))
+    plan = rpcompile.compile(model, (ids,), loss_fn=token_loss, devices=["cpu", "cpu"], spec=FINE_CPU,
+                             precision="bf16", time_limit_s=1.0).plan
+    with pytest.raises(rpcompile.RPCompileError, match=r"^plan was made for precision='bf16' but this run is in "
+                       r"'fp32', and LlamaForCausalLM's exported graph records its dtype casts for one precision: "
+                       r"compile with precision='bf16' or re-plan$"):
+        rpcompile.compile(model, (ids,), loss_fn=token_loss, devices=["cpu", "cpu"], precision="fp32", plan=plan)

@@ -28,6 +28,7 @@ entry skips measuring altogether.
 from __future__ import annotations
 
 import abc
+import functools
 import os
 import sys
 import warnings
@@ -47,6 +48,7 @@ from . import profile_cache
 from .kernels import GpuKernels
 from .meta import MetaSafeMode
 from .portable import device_of, running_on
+from .precision import TRACE_DTYPE_KEY
 from .repeats import block_of, repeat_map
 from .shape import SHAPE_KEY, describe, scaled_nbytes, storage_key
 from .util import is_compute, node_params
@@ -146,6 +148,9 @@ class NodeCall:
     buffers: dict[str, torch.Tensor]
     trainable: set[int] = field(default_factory=set)
     """ids of the tensors in args/kwargs/params that need a gradient."""
+    as_traced: bool = False
+    """The graph was recorded in the compute dtype (:data:`~.precision.TRACE_DTYPE_KEY`): its tensors already have
+    their run-time dtypes (fp32 islands such as a norm's statistics included), so none is cast."""
 
     @property
     def inplace(self) -> bool:
@@ -158,6 +163,7 @@ class NodeCall:
         """Copy the inputs to ``device`` (``meta``: shapes only), optionally casting floating tensors to
         ``dtype``; inputs are copied so running the node never mutates the reference values."""
         device = torch.device(device)
+        dtype = None if self.as_traced else dtype
         memo: dict[int, torch.Tensor] = {}
         leaves: list[torch.Tensor] = []
 
@@ -229,14 +235,15 @@ def _call_for(gm: fx.GraphModule, node: fx.Node, args: tuple, kwargs: dict, need
         if needs_grad.get(arg_node, False):
             trainable.update(id(t) for t in tensor_leaves(_env_lookup(args, kwargs, node, arg_node)))
     target = node.target
+    call = functools.partial(NodeCall, as_traced=gm.meta.get(TRACE_DTYPE_KEY) is not None)
     if node.op in ("call_module", "call_method"):  # fx names modules and methods by string
         assert isinstance(target, str), node.format_node()
         if node.op == "call_method":
-            return NodeCall(node, _method(target), args, kwargs, {}, {}, trainable)
+            return call(node, _method(target), args, kwargs, {}, {}, trainable)
         mod = gm.get_submodule(target)
-        return NodeCall(node, mod, args, kwargs, dict(mod.named_parameters()), dict(mod.named_buffers()), trainable)
+        return call(node, mod, args, kwargs, dict(mod.named_parameters()), dict(mod.named_buffers()), trainable)
     assert callable(target), node.format_node()  # call_function
-    return NodeCall(node, target, args, kwargs, {}, {}, trainable)
+    return call(node, target, args, kwargs, {}, {}, trainable)
 
 
 def _method(name: str) -> Callable[..., Any]:

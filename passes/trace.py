@@ -41,9 +41,10 @@ from rpcompile.core.errors import ConfigError, TraceError
 from .export_inputs import dynamic_shapes, explicit_signature
 from .inplace import functional_inplace_pass
 from .portable import portable_bodies
+from .precision import TRACE_DTYPE_KEY, cast_floating, computing_in
 from .trace_failure import Failure, ModuleTracker, failure_message
 
-__all__ = ["trace", "training_inputs", "TRACE_META_KEY"]
+__all__ = ["trace", "training_inputs", "TRACE_META_KEY", "TRACE_DTYPE_KEY"]
 
 log = logging.getLogger("rpcompile")
 
@@ -61,6 +62,7 @@ def trace(
     example_kwargs: Mapping[str, Any] | None = None,
     leaf_modules: Iterable[LeafSpec] = (),
     method: Literal["auto", "fx", "export"] = "auto",
+    dtype: torch.dtype | None = None,
 ) -> fx.GraphModule:
     """Trace ``model`` with fx symbolic tracing, falling back to non-strict ``torch.export``.
 
@@ -90,7 +92,7 @@ def trace(
     if method != "fx":
         try:
             with tracker:
-                return _trace_export(model, args, kwargs)
+                return _trace_export(model, args, kwargs, dtype)
         except Exception as e:  # noqa: BLE001
             failures["export"] = tracker.failure(e)
     # Raised outside the except blocks: no pages of chained traceback; the originals stay on `.failures`.
@@ -227,11 +229,14 @@ def _type_name(t: Any) -> str:
 # --- the export path -----------------------------------------------------------------------------------------------
 
 
-def _trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> fx.GraphModule:
+def _trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  dtype: torch.dtype | None = None) -> fx.GraphModule:
+    args, kwargs = cast_floating(args, dtype), cast_floating(kwargs, dtype)
     # On failure torch.export prints the partial graph to stderr (pages); keep it only when export succeeds.
     captured = io.StringIO()
     with contextlib.redirect_stderr(captured):
-        with explicit_signature(model, args, kwargs):  # a forward(*args, **kwargs): every input named
+        # values=False: export runs on fake tensors, so the compute-dtype weights are never filled
+        with explicit_signature(model, args, kwargs), computing_in(model, dtype, values=False):
             ep = torch.export.export(model, args, kwargs, strict=False,
                                      dynamic_shapes=dynamic_shapes(model, args, kwargs))
     sys.stderr.write(captured.getvalue())
@@ -242,6 +247,7 @@ def _trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     gm = fx.GraphModule(holder, graph, type(model).__name__)
     gm.meta.update(unlifted.meta)
     gm.meta[TRACE_META_KEY] = "export"
+    gm.meta[TRACE_DTYPE_KEY] = dtype
     _outline_vmap(gm)
     functional_inplace_pass(gm)
     portable_bodies(gm)  # bodies of higher-order ops run whole: their device constants follow the stage's device

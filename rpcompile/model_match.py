@@ -19,7 +19,8 @@ import torch.fx as fx
 from rpcompile.passes.fingerprint import fingerprint
 from rpcompile.passes.host import as_planned
 from rpcompile.passes.loss_head import split_head
-from rpcompile.passes.trace import trace
+from rpcompile.passes.precision import TRACE_DTYPE_KEY, compute_dtype
+from rpcompile.passes.trace import TRACE_META_KEY, trace
 
 from .core.errors import PlanMismatchError
 from .core.plan import Plan
@@ -40,11 +41,19 @@ def planned_graph(plan: Plan, gm: fx.GraphModule, *, source: str = "plan") -> fx
 
 
 def graph_as_planned(plan: Plan, model: torch.nn.Module, example_inputs: Any, *, loss_fn: Any = None,
-                     example_kwargs: Any = None, source: str = "plan") -> fx.GraphModule:
+                     example_kwargs: Any = None, source: str = "plan", precision: str | None = None,
+                     ) -> fx.GraphModule:
     """``model`` traced into the graph ``plan`` was planned from (the module docstring: its LM head split as the
     plan's ``head_chunks``, its ``host`` lookups on the host), once the fingerprints agree; else
-    :class:`PlanMismatchError` saying what differs."""
-    gm = trace(model, tuple(example_inputs), example_kwargs=example_kwargs)
+    :class:`PlanMismatchError` saying what differs. ``precision``: the one the graph will run in (default the
+    plan's); an exported graph records its casts for it, so it must be the plan's."""
+    precision = precision or plan.precision
+    gm = trace(model, tuple(example_inputs), example_kwargs=example_kwargs, dtype=compute_dtype(precision))
+    if precision != plan.precision and gm.meta.get(TRACE_DTYPE_KEY, None) != compute_dtype(plan.precision) \
+            and gm.meta.get(TRACE_META_KEY) == "export":
+        raise PlanMismatchError(f"{source} was made for precision={plan.precision!r} but this run is in "
+                                f"{precision!r}, and {type(model).__name__}'s exported graph records its dtype casts "
+                                f"for one precision: compile with precision={plan.precision!r} or re-plan")
     if plan.head_chunks > 1:
         if loss_fn is None:
             raise PlanMismatchError(f"{source} splits the LM head and its loss into {plan.head_chunks} chunks: give "

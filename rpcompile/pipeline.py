@@ -553,7 +553,8 @@ def compile(
         if not isinstance(plan, Plan):
             plan = Plan.load(plan)
         # the graph the plan was made from: its LM head split, its embedding lookups on the host
-        gm = graph_as_planned(plan, model, example_inputs, loss_fn=loss_fn, example_kwargs=example_kwargs)
+        gm = graph_as_planned(plan, model, example_inputs, loss_fn=loss_fn, example_kwargs=example_kwargs,
+                              precision=precision)
         head_chunks = plan.head_chunks
         verify_plan(plan, gm)
         if plan.hardware.device_count != len(devs):

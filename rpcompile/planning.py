@@ -19,8 +19,10 @@ single device.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -39,6 +41,7 @@ from rpcompile.passes.meta import without_dynamo_import
 from rpcompile.passes.partition import solve
 from rpcompile.passes.problem import PartitionProblem
 from rpcompile.passes.shape import shape_pass
+from rpcompile.passes.precision import TRACE_DTYPE_KEY, cast_floating, compute_dtype, computing_in
 from rpcompile.passes.trace import trace
 
 from .core.batch import split_microbatches
@@ -125,7 +128,9 @@ class Compilation:
 def _trace(c: Compilation) -> None:
     if c.model is None:
         raise RuntimeError("the trace pass needs a model")
-    gm = trace(c.model, c.args, example_kwargs=c.kwargs, leaf_modules=c.leaf_modules)
+    # bf16/fp16: an exported graph is recorded in the compute dtype, so the model's own casts stay in it
+    gm = trace(c.model, c.args, example_kwargs=c.kwargs, leaf_modules=c.leaf_modules,
+               dtype=compute_dtype(c.precision))
     if not isinstance(gm, fx.GraphModule):
         raise TypeError(f"trace returned {type(gm).__name__}, expected a GraphModule")
     c.gm = gm
@@ -147,8 +152,18 @@ def _loss_head(c: Compilation) -> None:
     c.kwargs = {**c.kwargs, TARGET: target}
 
 
+@contextlib.contextmanager
+def _as_traced(c: Compilation) -> Iterator[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """The example inputs, while the graph's weights are in the dtype it was traced in (an exported graph traced
+    in the compute dtype runs only in it: :mod:`rpcompile.passes.precision`)."""
+    dtype = c.graph.meta.get(TRACE_DTYPE_KEY)
+    with computing_in(c.graph, dtype):
+        yield cast_floating(c.args, dtype), cast_floating(c.kwargs, dtype)
+
+
 def _shape(c: Compilation) -> None:
-    shape_pass(c.graph, c.args, c.kwargs)
+    with _as_traced(c) as (args, kwargs):
+        shape_pass(c.graph, args, kwargs)
 
 
 def _cost(c: Compilation) -> None:
@@ -156,7 +171,8 @@ def _cost(c: Compilation) -> None:
     if c.threads is not None:
         torch.set_num_threads(c.threads)
     try:
-        cost_pass(c.graph, c.args, c.kwargs, cost_model=c.cost_model, progress=c.progress)
+        with _as_traced(c) as (args, kwargs):
+            cost_pass(c.graph, args, kwargs, cost_model=c.cost_model, progress=c.progress)
     finally:
         torch.set_num_threads(threads)
 

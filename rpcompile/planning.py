@@ -42,7 +42,7 @@ from rpcompile.passes.partition import solve
 from rpcompile.passes.problem import PartitionProblem
 from rpcompile.passes.shape import shape_pass
 from rpcompile.passes.precision import TRACE_DTYPE_KEY, cast_floating, compute_dtype, computing_in
-from rpcompile.passes.trace import trace
+from rpcompile.passes.trace import trace, training_inputs
 
 from .core.batch import split_microbatches
 from .core.errors import ConfigError
@@ -128,6 +128,8 @@ class Compilation:
 def _trace(c: Compilation) -> None:
     if c.model is None:
         raise RuntimeError("the trace pass needs a model")
+    # the inputs as traced (an HF model's use_cache=False joins them): the later passes run the graph on them
+    c.args, c.kwargs = training_inputs(c.model, c.args, c.kwargs)
     # bf16/fp16: an exported graph is recorded in the compute dtype, so the model's own casts stay in it
     gm = trace(c.model, c.args, example_kwargs=c.kwargs, leaf_modules=c.leaf_modules,
                dtype=compute_dtype(c.precision))

@@ -340,3 +340,21 @@ def test_cli_infeasible_budget_is_one_line(capsys):
     assert err.startswith("rpcompile: error: no plan fits") and err.count("\n") == 1
     need = int(re.search(r"allow at least (\d+) bytes", err).group(1))
     assert need > 64 * 2**10
+
+
+@pytest.mark.hf
+def test_the_readme_s_planning_calls_take_an_hf_model_as_it_comes():
+    """``rpcompile.plan`` and ``rpcompile.profile`` on an HF causal LM with just its ids (README, "Planning and
+    costing"): the trace adds ``use_cache=False``, and the shape and cost passes run the graph on those same inputs
+    (they once missed it: "Expected positional argument for parameter use_cache")."""
+    from _hf import VOCAB, hf_model
+
+    model = hf_model("llama")
+    ids = torch.randint(0, VOCAB, (6, 8))
+    made = rpcompile.plan(model, (ids,), gpus=2, spec="rtx4090", precision="bf16", time_limit_s=10.0)
+    planned = {p for s in made.stages for p in s.params}
+    # every parameter is in a stage but the token embedding table, which is looked up on the host
+    assert {n for n, _ in model.named_parameters()} - planned == {"model.embed_tokens.weight"}
+    prof = rpcompile.profile(model, (ids,), spec="rtx4090")
+    assert prof.total.fwd_time_s > 0 and prof.total.params == sum(p.numel() for p in model.parameters())
+    assert model.config.use_cache is True

@@ -58,12 +58,22 @@ import rpcompile
 import roundpipe_peer  # benchmarks/: RoundPipe itself is imported only when --peer roundpipe asks for it
 from rpcompile.runtime.optim import AdamW as MirroringAdamW
 from rpcompile.models import load_model
+from rpcompile.models.llama import Llama, LlamaConfig
+from rpcompile.models.registry import lm_loss
 
 GiB = 1 << 30
-SECTIONS = ("link", "resident", "capped")
+SECTIONS = ("link", "resident", "capped", "seqlen")
 
 
 # --------------------------------------------------------------------------------------------- timing helpers
+_T0 = time.perf_counter()
+
+
+def _say(msg: str) -> None:
+    """Progress on stderr, with the seconds since start: a run cut short by a time limit shows where it was."""
+    print(f"[{time.perf_counter() - _T0:7.1f} s] {msg}", file=sys.stderr, flush=True)
+
+
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -229,16 +239,20 @@ def optimizer_rows(pipe: Any, spec: Any, base: dict, steps: int, device: str, op
 
 def rpcompile_row(spec: Any, devices: list[str], label: str, steps: int, *, section: str, microbatches: int | None,
                   memory_limit: int | None, cost_spec: str | None, profile: Path | None,
-                  optimizer: str | None = None) -> list[dict]:
-    """rpcompile's row (forward+backward per step), then — given ``optimizer`` — :func:`optimizer_rows`."""
+                  optimizer: str | None = None, recompile: bool = False) -> list[dict]:
+    """rpcompile's row (forward+backward per step), then — given ``optimizer`` — :func:`optimizer_rows`.
+    ``recompile``: compile the same model again once the steps ran, and record its time (``recompile_s``: with
+    measured costs, the profile cache is warm then)."""
     (x,), y = spec.example_inputs, spec.example_target
     device = devices[0]
     _peak_reset(device)
+    _say(f"{section}: compiling {label}")
     t0 = time.perf_counter()
     pipe = rpcompile.compile(spec.model, (x,), loss_fn=spec.loss_fn, devices=devices, precision="bf16",
                              microbatches=microbatches, memory_limit=memory_limit, spec=cost_spec,
                              example_target=y)
     compile_s = time.perf_counter() - t0
+    _say(f"{section}: compiled in {compile_s:.1f} s; stepping")
 
     losses: list[float] = []
 
@@ -266,6 +280,15 @@ def rpcompile_row(spec: Any, devices: list[str], label: str, steps: int, *, sect
     if row["step_s"]:
         row["predicted_over_measured"] = row["predicted_s"] / row["step_s"]
     row["loss"] = losses[0] if losses else None
+    if recompile:
+        _say(f"{section}: compiling again (warm cache)")
+        t0 = time.perf_counter()
+        again = rpcompile.compile(spec.model, (x,), loss_fn=spec.loss_fn, devices=devices, precision="bf16",
+                                  microbatches=microbatches, memory_limit=memory_limit, spec=cost_spec,
+                                  example_target=y)
+        row["recompile_s"] = time.perf_counter() - t0
+        row["same_plan_again"] = again.plan.to_dict()["stages"] == pipe.plan.to_dict()["stages"]
+        del again
     rows = [row]
     if optimizer is not None and row["error"] is None:
         rows += optimizer_rows(pipe, spec, row, steps, device, optimizer)
@@ -282,6 +305,7 @@ def _tokens(rows: list[dict], spec: Any) -> None:
 
 
 def resident_rows(args: argparse.Namespace, device: str) -> list[dict]:
+    _say(f"resident: building {args.model}")
     spec = load_model(args.model, device="cpu", batch_size=args.batch, seq_len=args.seq)
     rows = []
     for label, weights, ckpt in (("fp32 weights + bf16 autocast", torch.float32, False),
@@ -307,10 +331,11 @@ def capped_rows(args: argparse.Namespace, device: str,
     cap = int(args.cap_gib * GiB)
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
     try:
+        _say(f"capped: building {args.capped_model}")
         spec = load_model(args.capped_model, device="cpu", batch_size=args.capped_batch, seq_len=args.capped_seq)
         rows = rpcompile_row(spec, [device], f"bf16, 1 device, capped at {args.cap_gib:g} GiB", args.steps,
                              section="capped", microbatches=args.capped_batch, memory_limit=int(cap * 0.9),
-                             cost_spec=args.spec, profile=args.profile, optimizer=args.optimizer)
+                             cost_spec=args.spec, profile=args.profile, optimizer=args.optimizer, recompile=True)
         if args.peer == "roundpipe":
             spec.model.zero_grad(set_to_none=True)
             if save is not None:
@@ -324,6 +349,60 @@ def capped_rows(args: argparse.Namespace, device: str,
         _versus_peer(rows)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
+    return rows
+
+
+def seqlen_rows(args: argparse.Namespace, device: str) -> list[dict]:
+    """One training step of a ``--seqlen-layers``-layer slice of the Llama-3-8B shape at ``--seqlen-tokens`` (one
+    sequence; default: the longest ``benchmarks/seqlen.py`` predicts for llama-8b on 8 × rtx4090), planned with the
+    rtx4090 spec's analytic costs and memory, on the GPU capped at ``--cap-gib``: the measured peak against the
+    plan's predicted peak. Out of memory under the cap, the same step runs again uncapped to measure the peak."""
+    n = args.seqlen_tokens
+    _say(f"seqlen: building the {args.seqlen_layers}-layer slice")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Llama(LlamaConfig(max_seq_len=n, vocab_size=128_256, dim=4096, n_layers=args.seqlen_layers,
+                                  n_heads=32, n_kv_heads=8, ffn_dim=14_336, rope_theta=500_000.0, norm_eps=1e-5))
+        x, y = torch.randint(0, 128_256, (1, n)), torch.randint(0, 128_256, (1, n))
+    _say("seqlen: compiling")
+    t0 = time.perf_counter()
+    pipe = rpcompile.compile(model, (x,), loss_fn=lm_loss, devices=[device], precision="bf16", microbatches=1,
+                             spec="rtx4090", example_target=y)
+    base = {"section": "seqlen", "system": "rpcompile", "model": f"llama-8b, {args.seqlen_layers} layers",
+            "tokens": n, "setup_s": time.perf_counter() - t0, "stages": len(pipe.plan.stages),
+            "head_chunks": pipe.plan.head_chunks, "predicted_s": pipe.plan.predicted.pipeline_s,
+            "predicted_peak_gib": pipe.plan.predicted.peak_memory_bytes / GiB,
+            "plan_memory_limit_gib": pipe.plan.hardware.memory_bytes / GiB}
+    cuda = device.startswith("cuda")
+    total = torch.cuda.get_device_properties(0).total_memory if cuda else 0
+    rows = []
+    for cap in (args.cap_gib, None):
+        if cuda:
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap * GiB / total) if cap else 1.0)
+        row = {**base, "variant": f"bf16, 1 sequence of {n:,} tokens, " + (
+            f"capped at {cap:g} GiB" if cap else "uncapped (to measure the peak)")}
+        _peak_reset(device)
+        _say(f"seqlen: one step, {row['variant']}")
+        try:
+            t0 = time.perf_counter()
+            loss = float(pipe.forward_backward(x, target=y))
+            _sync(device)
+            row.update(step_s=time.perf_counter() - t0, loss=loss, error=None)
+        except Exception as e:  # noqa: BLE001 - reported in the table
+            row.update(step_s=None, error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        row["peak_gib"] = _peak(device)
+        row["peak_over_predicted"] = row["peak_gib"] / row["predicted_peak_gib"] if row["peak_gib"] else None
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        rows.append(row)
+        if row["error"] is None:
+            break
+    if cuda:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    for r in rows:
+        r["tokens_per_s"] = n / r["step_s"] if r.get("step_s") else None
+    del pipe
+    gc.collect()
     return rows
 
 
@@ -347,7 +426,8 @@ def _fmt(v: Any, unit: str = "") -> str:
 _COLUMNS = (("model", "model", ""), ("system", "system", ""), ("variant", "variant", ""),
             ("tokens/s", "tokens_per_s", ""), ("step", "step_s", " s"), ("vs eager ckpt", "vs_eager_checkpointed", "×"),
             ("predicted", "predicted_s", " s"), ("pred/meas", "predicted_over_measured", "×"),
-            ("peak GPU", "peak_gib", " GiB"), ("compile/setup", "setup_s", " s"), ("error", "error", ""))
+            ("peak GPU", "peak_gib", " GiB"), ("predicted peak", "predicted_peak_gib", " GiB"),
+            ("compile/setup", "setup_s", " s"), ("warm recompile", "recompile_s", " s"), ("error", "error", ""))
 _PEER_COLUMN = ("vs RoundPipe", "vs_peer", "×")
 
 
@@ -388,6 +468,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--capped-seq", type=int, default=2048)
     ap.add_argument("--cap-gib", type=float, default=20.0)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--seqlen-tokens", type=int, default=125_952,
+                    help="seqlen section: the sequence length (default: benchmarks/seqlen.py's llama-8b prediction)")
+    ap.add_argument("--seqlen-layers", type=int, default=4, help="seqlen section: layers of the Llama-3-8B slice")
     ap.add_argument("--spec", default=None, help="plan from analytic costs of this GPU spec (default: measured here)")
     ap.add_argument("--profile", type=Path, default=None, help="write a torch profiler trace per rpcompile row here")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model: checks the script, times mean nothing")
@@ -434,12 +517,18 @@ def main(argv: list[str] | None = None) -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({**header, "rows": rows + more, "markdown": markdown}, indent=1, default=str))
 
+    # each section's rows are saved as soon as it ends: a run stopped by a time limit keeps what it measured
     if "link" in sections:
         rows += link_rows()
+        save([])
     if "resident" in sections:
         rows += resident_rows(args, device)
+        save([])
     if "capped" in sections:
         rows += capped_rows(args, device, save)
+        save([])
+    if "seqlen" in sections:
+        rows += seqlen_rows(args, device)
     markdown = print_tables(rows, header)
     save([], markdown)
     print(f"wrote {args.out}")

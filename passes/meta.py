@@ -10,20 +10,23 @@ cost driver and the analytic cost model run nodes under it.
 from __future__ import annotations
 
 import functools
+import logging
 import sys
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.fx as fx
 import torch._compile
 import torch._decomp
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["MetaSafeMode", "packet_name", "compute_dtype", "run_unifying_dtypes", "stay_on_meta", "is_assert",
-           "without_dynamo_import"]
+           "without_dynamo_import", "on_meta"]
 
 aten = torch.ops.aten
+log = logging.getLogger(__name__)
 
 
 def packet_name(op: Any) -> str:
@@ -128,3 +131,46 @@ def without_dynamo_import() -> Iterator[None]:
         for fn in marked:
             if getattr(fn, key, None) is fn:
                 delattr(fn, key)
+
+
+def _stand_in(t: torch.Tensor) -> torch.Tensor:
+    """A meta tensor with ``t``'s shape, strides, dtype and (for a parameter) ``requires_grad``."""
+    m = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+    return torch.nn.Parameter(m, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else m
+
+
+class _Runner(torch.nn.Module):
+    """Holds ``gm`` as its child so :func:`torch.func.functional_call` swaps its parameters and buffers."""
+
+    def __init__(self, gm: fx.GraphModule, fn: Callable[..., Any]):
+        super().__init__()
+        self.gm, self.fn = gm, fn
+
+    def forward(self, *values: Any) -> Any:
+        return self.fn(*values)
+
+
+def on_meta(gm: fx.GraphModule, args: tuple, kwargs: dict, fn: Callable[[tuple, dict], Any]) -> bool:
+    """Run ``fn(args, kwargs)`` — a pass that runs ``gm`` only for the shapes of its values — on the ``meta``
+    device: ``gm``'s parameters and buffers are swapped for meta stand-ins (nothing is copied, and they are
+    back when it returns), ``args``/``kwargs`` tensors become meta tensors, under :class:`MetaSafeMode`. A model
+    on the CPU then costs no real forward pass (a Llama-3-8B shape at 2048 tokens is minutes of CPU). False when
+    the graph cannot run on meta (a data-dependent op such as ``nonzero`` or ``item``): the caller runs it on the
+    real values instead. True, without swapping, when everything is on meta already."""
+    tensors = [*tensor_values((args, kwargs)), *gm.parameters(), *gm.buffers()]
+    if all(t.device.type == "meta" for t in tensors):
+        fn(args, kwargs)
+        return True
+    state = {f"gm.{name}": _stand_in(t) for name, t in (*gm.named_parameters(), *gm.named_buffers())}
+    meta_args, meta_kwargs = pytree.tree_map_only(torch.Tensor, _stand_in, (args, kwargs))
+    try:
+        with torch.no_grad(), MetaSafeMode():
+            torch.func.functional_call(_Runner(gm, lambda: fn(meta_args, meta_kwargs)), state, ())
+    except Exception as err:  # noqa: BLE001 - any failure: the real run decides (and raises its own error)
+        log.debug("the graph cannot run on meta (%s: %s): running it on its real values", type(err).__name__, err)
+        return False
+    return True
+
+
+def tensor_values(tree: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]

@@ -37,7 +37,7 @@ from rpcompile.passes.formulate import PRECISION_BYTES, partition_problem
 from rpcompile.passes.host import host_embedding_pass
 from rpcompile.passes.loss_head import TARGET, split_head
 from rpcompile.passes.lower import to_plan
-from rpcompile.passes.meta import without_dynamo_import
+from rpcompile.passes.meta import on_meta, without_dynamo_import
 from rpcompile.passes.partition import solve
 from rpcompile.passes.problem import PartitionProblem
 from rpcompile.passes.shape import shape_pass
@@ -164,17 +164,25 @@ def _as_traced(c: Compilation) -> Iterator[tuple[tuple[Any, ...], dict[str, Any]
 
 
 def _shape(c: Compilation) -> None:
+    """Shapes need no data: the graph runs on meta stand-ins (:func:`~rpcompile.passes.meta.on_meta`) unless a
+    data-dependent op needs the real values."""
     with _as_traced(c) as (args, kwargs):
-        shape_pass(c.graph, args, kwargs)
+        if not on_meta(c.graph, args, kwargs, lambda a, k: shape_pass(c.graph, a, k)):
+            shape_pass(c.graph, args, kwargs)
 
 
 def _cost(c: Compilation) -> None:
+    """Costs; analytic ones, like shapes, from a run on meta stand-ins. Measured ones run the graph for real."""
     threads = torch.get_num_threads()
     if c.threads is not None:
         torch.set_num_threads(c.threads)
     try:
         with _as_traced(c) as (args, kwargs):
-            cost_pass(c.graph, args, kwargs, cost_model=c.cost_model, progress=c.progress)
+            def cost(a: tuple, k: dict) -> None:
+                cost_pass(c.graph, a, k, cost_model=c.cost_model, progress=c.progress)
+
+            if not (isinstance(c.cost_model, AnalyticCostModel) and on_meta(c.graph, args, kwargs, cost)):
+                cost(args, kwargs)
     finally:
         torch.set_num_threads(threads)
 

@@ -30,6 +30,10 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not ON_CPU and not torch.cuda.is_available(), reason="needs CUDA")]
 
 GPU_TOL = dict(rtol=1e-4, atol=1e-5)
+#: Weights after AdamW steps. Adam's step is about ``lr`` whatever a gradient's size, so where a gradient is near
+#: zero, the CUDA kernels' last bits (against eager on the CPU) move a weight by up to a few 1e-5 at lr 1e-3 (seen on
+#: an H200, 2026-11-26: one element of 11,264 at 1.66e-5). A lost or wrong gradient moves weights by ~lr.
+WEIGHT_TOL = dict(rtol=1e-4, atol=5e-5)
 
 
 def _devices(k: int) -> list[str]:
@@ -82,7 +86,7 @@ def test_compiled_decoder_trains_like_eager_on_cuda(host):
         torch.testing.assert_close(loss, ref_loss, **GPU_TOL)
         opt.step(), ref_opt.step()
     for (name, p), r in zip(spec.model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p, r, **GPU_TOL, msg=lambda m, n=name: f"weight {n} after two steps: {m}")
+        torch.testing.assert_close(p, r, **WEIGHT_TOL, msg=lambda m, n=name: f"weight {n} after two steps: {m}")
 
 
 def test_two_logical_devices_on_one_gpu_match_eager():

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One GPU session in few device calls (recipe: ../shared/gpu/README.md; wheels in .whl/, sent with `carry`).
+#   bash benchmarks/gpu_session.sh tests,resident,seqlen     # first call
+#   bash benchmarks/gpu_session.sh capped                    # second call
+# Every step has its own time limit and writes under $OUT as it goes, so a call cut short keeps what it measured.
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 RPCOMPILE_CACHE=${RPCOMPILE_CACHE:-/tmp/rpcompile-cache}
+if [ ! -d /tmp/site ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+fi
+export PYTHONPATH=/tmp/site
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || { echo "install failed"; exit 1; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
+# BUDGET_S: seconds this call may take in all; each step's own limit is cut to what is left of it
+deadline=$(( $(date +%s) + ${BUDGET_S:-100000} ))
+lim() { local left=$(( deadline - $(date +%s) )); echo $(( left < $1 ? (left > 1 ? left : 1) : $1 )); }
+for step in ${1//,/ }; do
+  start=$(date +%s)
+  case $step in
+    tests) timeout $(lim 150) python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 >"$OUT/pytest-gpu.txt" 2>&1
+           echo "pytest -m gpu rc=$?"; tail -25 "$OUT/pytest-gpu.txt" ;;
+    retest) timeout $(lim 90) python3 -m pytest -q -m gpu -p no:cacheprovider -k "trains_like_eager" >"$OUT/pytest-retest.txt" 2>&1
+            echo "pytest -m gpu -k trains_like_eager rc=$?"; tail -5 "$OUT/pytest-retest.txt" ;;
+    resident) timeout $(lim 240) python3 benchmarks/gpu.py --sections link,resident --out "$OUT/gpu-resident.json" \
+                >"$OUT/gpu-resident.txt" 2>&1; echo "resident rc=$?"; tail -30 "$OUT/gpu-resident.txt" ;;
+    seqlen) timeout $(lim 110) python3 benchmarks/gpu.py --sections seqlen --out "$OUT/gpu-seqlen.json" \
+              >"$OUT/gpu-seqlen.txt" 2>&1; echo "seqlen rc=$?"; tail -15 "$OUT/gpu-seqlen.txt" ;;
+    capped) timeout $(lim 420) python3 benchmarks/gpu.py --sections capped --steps 2 --out "$OUT/gpu-capped.json" \
+              >"$OUT/gpu-capped.txt" 2>&1; echo "capped rc=$?"; tail -20 "$OUT/gpu-capped.txt" ;;
+  esac
+  echo "step $step: $(( $(date +%s) - start )) s"
+done

@@ -60,6 +60,7 @@ from rpcompile.runtime.optim import AdamW as MirroringAdamW
 from rpcompile.models import load_model
 from rpcompile.models.llama import Llama, LlamaConfig
 from rpcompile.models.registry import lm_loss
+from rpcompile.core.specs import get_spec
 
 GiB = 1 << 30
 SECTIONS = ("link", "resident", "capped", "seqlen")
@@ -366,8 +367,9 @@ def seqlen_rows(args: argparse.Namespace, device: str) -> list[dict]:
         x, y = torch.randint(0, 128_256, (1, n)), torch.randint(0, 128_256, (1, n))
     _say("seqlen: compiling")
     t0 = time.perf_counter()
+    # memory_limit: the 4090's usable memory; without it the plan takes the device's own (an H200's 126 GiB)
     pipe = rpcompile.compile(model, (x,), loss_fn=lm_loss, devices=[device], precision="bf16", microbatches=1,
-                             spec="rtx4090", example_target=y)
+                             spec="rtx4090", memory_limit=get_spec("rtx4090").usable_memory_bytes, example_target=y)
     base = {"section": "seqlen", "system": "rpcompile", "model": f"llama-8b, {args.seqlen_layers} layers",
             "tokens": n, "setup_s": time.perf_counter() - t0, "stages": len(pipe.plan.stages),
             "head_chunks": pipe.plan.head_chunks, "predicted_s": pipe.plan.predicted.pipeline_s,

@@ -73,8 +73,10 @@ class MeasuredCostModel(CostModel):
 
     def prepare(self, gm: fx.GraphModule, flat_args: list[Any]) -> None:
         """Warm the device up with one forward and backward of the whole graph (first calls of many kernels
-        pay one-off initialisation that must not land on the first layer's nodes)."""
-        if any(t.device.type == "meta" for t in tensor_leaves(flat_args)):
+        pay one-off initialisation that must not land on the first layer's nodes). Only when the graph is on
+        the measured device: a model in CPU memory measured on a GPU would warm the CPU up with a whole forward
+        and backward (minutes for a Llama-3-8B shape) — the nodes' own ``warmup`` runs warm the GPU."""
+        if not self._holds(gm, flat_args):
             return
         with torch.enable_grad():
             out = torch.fx.Interpreter(gm).run(*flat_args, enable_io_processing=False)
@@ -82,6 +84,13 @@ class MeasuredCostModel(CostModel):
             if floats:
                 torch.autograd.backward([t.float().sum() for t in floats])
         gm.zero_grad(set_to_none=True)
+
+    def _holds(self, gm: fx.GraphModule, flat_args: list[Any]) -> bool:
+        """Whether the graph's inputs and parameters are all on the measured device (``cuda`` means ``cuda:0``
+        there when it is the current one)."""
+        want = self.device if self.device.index is not None or self.device.type != "cuda" else \
+            torch.device("cuda", torch.cuda.current_device())
+        return all(t.device == want for t in [*tensor_leaves(flat_args), *gm.parameters()])
 
     def _time(self, fn: Callable[[], Any]) -> float:
         for _ in range(self.warmup):
@@ -109,8 +118,7 @@ class MeasuredCostModel(CostModel):
         Node-by-node timings run each op with its inputs hot in cache and leave out autograd's bookkeeping, so
         their sum underestimates a real step (1.3–1.6× on this machine's CPU); :func:`cost_pass` scales the
         node times to these totals."""
-        leaves = tensor_leaves(flat_args) + [p for p in gm.parameters()]
-        if self.dtype is not None or any(t.device != self.device for t in leaves):
+        if self.dtype is not None or not self._holds(gm, flat_args):
             return None
         params = [p for p in gm.parameters() if p.requires_grad]
 

@@ -226,6 +226,11 @@ class CostModel(abc.ABC):
         """What the times depend on besides the graph and its inputs (the cache key's part; see :mod:`.profile_cache`)."""
         return {"cost_model": self.name, "dtype": str(self.dtype)}
 
+    def drive_device(self, gm: fx.GraphModule, flat_args: list[Any]) -> torch.device | None:
+        """Where :func:`cost_pass` computes the graph's values node by node: ``None`` where the graph is (the
+        default); a measuring model on a GPU names it for a graph in CPU memory (:mod:`.measured`)."""
+        return None
+
 
 # --------------------------------------------------------------------------------------------- the driver
 def _call_for(gm: fx.GraphModule, node: fx.Node, args: tuple, kwargs: dict, needs_grad: dict[fx.Node, bool]) -> NodeCall:
@@ -325,9 +330,13 @@ def _grad_pattern(call: NodeCall) -> tuple[bool, ...]:
 
 class _CostInterpreter(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule, cost_model: CostModel, on_node: Callable[[], None], *,
-                 share: dict[fx.Node, fx.Node] | None = None, cached: dict[str, dict[str, Any]] | None = None):
+                 share: dict[fx.Node, fx.Node] | None = None, cached: dict[str, dict[str, Any]] | None = None,
+                 drive: torch.device | None = None):
         super().__init__(gm)
         self.gm = gm  # ``self.module`` as fx types it (an nn.Module)
+        self.drive = drive
+        """Compute nodes' values are computed on this device (their inputs and parameters copied there), not
+        where the graph is: a model in CPU memory measured on a GPU runs no forward pass on the CPU."""
         self.cost_model, self.on_node = cost_model, on_node
         self.dtype: torch.dtype | None = getattr(cost_model, "dtype", None)
         self.needs_grad: dict[fx.Node, bool] = {}
@@ -351,6 +360,15 @@ class _CostInterpreter(fx.Interpreter):
 
     def run_node(self, n: fx.Node) -> Any:
         args, kwargs = self.fetch_args_kwargs_from_env(n)
+        if self.drive is not None and is_compute(n):
+            call = _call_for(self.gm, n, args, kwargs, self.needs_grad)
+            with running_on(self.drive):
+                m = call.materialize(self.drive, dtype=self.dtype)
+                result = m.run()
+            if n.meta.get(SHAPE_KEY) is None:  # aliases of the copies the node ran on
+                n.meta[SHAPE_KEY] = describe(result, list(m.memo.values()))
+            self._cost(n, args, kwargs, result, call)
+            return result
         result = super().run_node(n)
         if n.op == "get_attr":
             self.needs_grad[n] = isinstance(result, torch.nn.Parameter) and result.requires_grad
@@ -358,8 +376,8 @@ class _CostInterpreter(fx.Interpreter):
             self._cost(n, args, kwargs, result)
         return result
 
-    def _cost(self, n: fx.Node, args: tuple, kwargs: dict, result: Any) -> None:
-        call = _call_for(self.gm, n, args, kwargs, self.needs_grad)
+    def _cost(self, n: fx.Node, args: tuple, kwargs: dict, result: Any, call: NodeCall | None = None) -> None:
+        call = call if call is not None else _call_for(self.gm, n, args, kwargs, self.needs_grad)
         params = node_params(self.gm, n)
         self.needs_grad[n] = bool(call.trainable) and any(t.is_floating_point() for t in tensor_leaves(result))
         self.patterns[n] = _grad_pattern(call)
@@ -495,17 +513,13 @@ def cost_pass(
         return _write(gm, cost_model, partial, entry.calibration)
     label = f"profiling ({cost_model.name}{', cached' if entry is not None else ''})"
     bar, task = _progress(n_compute, label, enabled)
-    interp = _CostInterpreter(gm, cost_model, lambda: bar.advance(task),
-                              share=repeat_map(gm) if share and entry is None else None,
-                              cached=entry.nodes if entry is not None else None)
     grads = {name: p.grad for name, p in gm.named_parameters()}
     try:
         with torch.random.fork_rng(devices=[]), bar:
             if entry is None:
                 cost_model.prepare(gm, flat)
-            with torch.no_grad(), running_on(device_of(gm, flat)):
-                interp.run(*flat, enable_io_processing=False)
-                interp.finish()
+            interp = _drive(gm, flat, cost_model, lambda: bar.advance(task), share and entry is None,
+                            entry.nodes if entry is not None else None)
             calibration = getattr(cost_model, "calibration", None)
             if entry is not None:
                 totals = entry.calibration
@@ -527,6 +541,28 @@ def cost_pass(
     gm.meta["rpcompile.profiling"] = {"nodes": n_compute, "measured": interp.measured, "shared": len(interp.shared),
                                       "batches": interp.batches, "cache_hit": entry is not None}
     return _write(gm, cost_model, interp.partial, totals)
+
+
+def _drive(gm: fx.GraphModule, flat: list[Any], cost_model: CostModel, on_node: Callable[[], None], share: bool,
+           cached: dict[str, dict[str, Any]] | None) -> _CostInterpreter:
+    """Run the graph node by node, costing each compute node. On the cost model's :meth:`~CostModel.drive_device`
+    when it names one; if that device runs out of memory holding the values, again where the graph is."""
+    drive = cost_model.drive_device(gm, flat)
+    for where in ([drive, None] if drive is not None else [None]):
+        interp = _CostInterpreter(gm, cost_model, on_node, share=repeat_map(gm) if share else None, cached=cached,
+                                  drive=where)
+        try:
+            with torch.no_grad(), running_on(where or device_of(gm, flat)):
+                interp.run(*flat, enable_io_processing=False)
+                interp.finish()
+            return interp
+        except torch.OutOfMemoryError:
+            if where is None:
+                raise
+            del interp
+            warnings.warn(f"profiling: {where} ran out of memory holding the graph's values; running the graph "
+                          "where it is instead (slower)", stacklevel=3)
+    raise AssertionError("unreachable")
 
 
 def _write(gm: fx.GraphModule, cost_model: CostModel, partial: dict[fx.Node, dict[str, Any]],

@@ -22,6 +22,9 @@ import torch._decomp
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .kernels import GpuKernels
+from .util import CANONICAL_NAMES_KEY, canonical_names
+
 __all__ = ["MetaSafeMode", "packet_name", "compute_dtype", "run_unifying_dtypes", "stay_on_meta", "is_assert",
            "without_dynamo_import", "on_meta"]
 
@@ -72,12 +75,20 @@ def stay_on_meta(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tupl
 
 
 class MetaSafeMode(TorchDispatchMode):
-    """Dispatch mode for shape-only runs (see module docstring)."""
+    """Dispatch mode for shape-only runs (see module docstring). ``keep_moves``: a pure device move returns its
+    input, as on the one device that runs the graph (``x.to(x.device)`` is ``x``), so the shapes record it as an
+    alias; the whole-graph driver of :func:`on_meta` sets it (a mode pushed above it rewrites devices first)."""
+
+    def __init__(self, *, keep_moves: bool = False):
+        super().__init__()
+        self.keep_moves = keep_moves
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if is_assert(func):
             return None
-        kwargs, _ = stay_on_meta(func, args, kwargs or {})
+        kwargs, pure = stay_on_meta(func, args, kwargs or {})
+        if pure and self.keep_moves and not kwargs.get("copy"):
+            return args[0]
         return run_unifying_dtypes(func, args, kwargs)
 
 
@@ -161,14 +172,23 @@ def on_meta(gm: fx.GraphModule, args: tuple, kwargs: dict, fn: Callable[[tuple, 
     if all(t.device.type == "meta" for t in tensors):
         fn(args, kwargs)
         return True
-    state = {f"gm.{name}": _stand_in(t) for name, t in (*gm.named_parameters(), *gm.named_buffers())}
+    # one stand-in per tensor (a tied weight's names share it), and the id-keyed name cache of
+    # passes/util.py:canonical_names pointed at the stand-ins for the run, then back
+    real = [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]
+    canonical = canonical_names(gm)
+    stand_ins = {id(t): _stand_in(t) for _, t in real}
+    state = {f"gm.{name}": stand_ins[id(t)] for name, t in real}
     meta_args, meta_kwargs = pytree.tree_map_only(torch.Tensor, _stand_in, (args, kwargs))
+    gm.meta[CANONICAL_NAMES_KEY] = {id(stand_ins[i]): name for i, name in canonical.items() if i in stand_ins}
     try:
-        with torch.no_grad(), MetaSafeMode():
-            torch.func.functional_call(_Runner(gm, lambda: fn(meta_args, meta_kwargs)), state, ())
+        with torch.no_grad(), MetaSafeMode(keep_moves=True), GpuKernels():  # GPU kernels' layouts, as the real run's
+            torch.func.functional_call(_Runner(gm, lambda: fn(meta_args, meta_kwargs)), state, (),
+                                       tie_weights=False)
     except Exception as err:  # noqa: BLE001 - any failure: the real run decides (and raises its own error)
         log.debug("the graph cannot run on meta (%s: %s): running it on its real values", type(err).__name__, err)
         return False
+    finally:
+        gm.meta[CANONICAL_NAMES_KEY] = canonical
     return True
 
 

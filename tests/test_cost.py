@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from _hf import hf_model
 from rpcompile.passes.analytic import AnalyticCostModel
-from rpcompile.passes.cost import COST_KEY, NodeCost, _calibrate, cost_pass, node_cost
+from rpcompile.passes.cost import COST_KEY, NodeCall, NodeCost, _calibrate, _CostInterpreter, cost_pass, node_cost
 from rpcompile.passes.measured import MeasuredCostModel
 from rpcompile.passes.trace import trace
 
@@ -134,3 +134,73 @@ def test_calibration_scales_node_times_to_the_whole_graph_and_warns_when_they_di
         _calibrate(gm, tiny, forward_s=3e-5, step_s=6e-5)
     assert gm.meta["rpcompile.calibration"]["applied"] is False
     assert busy["a"] == {"fwd_time_s": 1.0, "bwd_time_s": 1.0} and gm.meta["rpcompile.calibration"]["applied"] is False
+
+
+_FIELDS = [f for f in NodeCost.__dataclass_fields__ if not f.endswith("_time_s")]
+
+
+def _static_costs(gm):
+    """Every compute node's costs but its times (which are measurements)."""
+    return {n.name: {f: getattr(node_cost(n), f) for f in _FIELDS} for n in gm.graph.nodes if COST_KEY in n.meta}
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_measuring_on_another_device_computes_the_values_there(monkeypatch, dtype):
+    """A model in CPU memory measured on a GPU: the driver computes each node's value from the copies on the
+    measured device (no forward pass of the model where it lives) and gets the costs the plain run gets. On the
+    CPU the other device is the CPU itself; the graph's own modules must never run."""
+    torch.manual_seed(0)
+    x = torch.randint(0, 30, (8, 5))
+    plain = fx.symbolic_trace(Net())
+    cost_pass(plain, (x,), cost_model=MeasuredCostModel("cpu", repeats=1, dtype=dtype, cache=False), progress=False)
+    torch.manual_seed(0)
+    driven = fx.symbolic_trace(Net())
+    monkeypatch.setattr(MeasuredCostModel, "drive_device", lambda self, gm, flat: torch.device("cpu"))
+    ran, call_module = [], fx.Interpreter.call_module
+
+    def spy(self, target, *args):
+        if isinstance(self, _CostInterpreter):  # the driver (not the warm-up run of the whole graph)
+            ran.append(target)
+        return call_module(self, target, *args)
+
+    monkeypatch.setattr(fx.Interpreter, "call_module", spy)
+    cost_pass(driven, (x,), cost_model=MeasuredCostModel("cpu", repeats=1, dtype=dtype, cache=False), progress=False)
+    assert ran == []
+    assert _static_costs(driven) == _static_costs(plain) != {}
+
+
+def test_a_measured_device_out_of_memory_falls_back_to_where_the_graph_is(monkeypatch):
+    torch.manual_seed(0)
+    x = torch.randint(0, 30, (8, 5))
+    plain = fx.symbolic_trace(Net())
+    cost_pass(plain, (x,), cost_model=MeasuredCostModel("cpu", repeats=1, cache=False), progress=False)
+    torch.manual_seed(0)
+    driven = fx.symbolic_trace(Net())
+    monkeypatch.setattr(MeasuredCostModel, "drive_device", lambda self, gm, flat: torch.device("cpu"))
+    real, failed = NodeCall.materialize, []
+
+    def materialize(self, device, **kw):  # the driver's first copy of `lin` finds the device full
+        if self.node.name == "lin" and not failed:
+            failed.append(self.node)
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(self, device, **kw)
+
+    monkeypatch.setattr(NodeCall, "materialize", materialize)
+    with pytest.warns(UserWarning, match=r"^profiling: cpu ran out of memory holding the graph's values; running "
+                                         r"the graph where it is instead \(slower\)$"):
+        cost_pass(driven, (x,), cost_model=MeasuredCostModel("cpu", repeats=1, cache=False), progress=False)
+    assert failed and _static_costs(driven) == _static_costs(plain)
+
+
+@pytest.mark.hf
+def test_an_exported_hf_model_is_driven_on_the_measured_device_too(monkeypatch):
+    """torch.export lifts parameters to inputs and bakes devices into `.to` calls: both follow the copies."""
+    model = hf_model("llama", vocab=128).eval()
+    kwargs = {"input_ids": torch.randint(0, 128, (2, 8)), "use_cache": False}
+    costs = []
+    for drive in (None, torch.device("cpu")):
+        monkeypatch.setattr(MeasuredCostModel, "drive_device", lambda self, gm, flat, d=drive: d)
+        gm = trace(model, (), example_kwargs=kwargs)
+        cost_pass(gm, (), kwargs, cost_model=MeasuredCostModel("cpu", repeats=1, cache=False), progress=False)
+        costs.append(_static_costs(gm))
+    assert costs[0] == costs[1] != {}

@@ -1,0 +1,85 @@
+"""Shapes and analytic costs of a model in CPU memory come from a run on meta stand-ins (passes/meta.py:on_meta):
+the same costs and plans as running the model for real, without computing anything on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rpcompile.planning as planning
+from _hf import hf_model, token_loss
+from rpcompile.models import load_model
+from rpcompile.passes.meta import on_meta
+from rpcompile.planning import compile_plan
+
+SHAPE, COST = "rpcompile.shape", "rpcompile.cost"
+
+
+def _both_ways(monkeypatch, model, inputs, **options):
+    """compile_plan on meta stand-ins, then with every graph run on the real values."""
+    made = [compile_plan(model, inputs, gpus=2, spec="rtx4090", time_limit_s=2, **options)]
+    monkeypatch.setattr(planning, "on_meta", lambda *a, **k: False)
+    made.append(compile_plan(model, inputs, gpus=2, spec="rtx4090", time_limit_s=2, **options))
+    return made
+
+
+def _node_facts(c):
+    return {n.name: (n.meta.get(SHAPE), n.meta.get(COST)) for n in c.graph.graph.nodes}
+
+
+@pytest.mark.parametrize("name,precision", [("llama-demo", "bf16"), ("gpt-demo", "fp32"), ("moe-demo", "bf16"),
+                                            ("cnn-demo", "fp32")])
+def test_meta_stand_ins_give_the_real_runs_costs_and_plan(monkeypatch, name, precision):
+    """gpt-demo ties its embeddings (one stand-in, one name); llama's attention output is a view only with the
+    GPU kernel's layout (passes/kernels.py), which the meta run takes too."""
+    ms = load_model(name)
+    meta, real = _both_ways(monkeypatch, ms.model, ms.example_inputs, precision=precision, loss_fn=ms.loss_fn,
+                            example_target=ms.example_target)
+    assert _node_facts(meta) == _node_facts(real)
+    assert meta.plan.to_dict()["stages"] == real.plan.to_dict()["stages"]
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("kind", ["llama", "mixtral", "bert"])
+def test_an_exported_hf_model_too(monkeypatch, kind):
+    """torch.export graphs: lifted parameters, `.to(device)` calls, metadata asserts, MoE routing."""
+    model = hf_model(kind)
+    ids = torch.randint(0, 64, (3, 8))
+    options = dict(example_kwargs={"input_ids": ids}, loss_fn=token_loss, example_target=ids, head_chunks=1)
+    meta, real = _both_ways(monkeypatch, model, (), **options)
+    assert _node_facts(meta) == _node_facts(real)
+    assert meta.plan.to_dict()["stages"] == real.plan.to_dict()["stages"]
+
+
+def test_the_model_computes_nothing_on_the_cpu():
+    ms = load_model("llama-demo")
+    seen = []
+    hooks = [m.register_forward_hook(lambda m, i, o: seen.append(o.device.type))
+             for m in ms.model.modules() if isinstance(m, torch.nn.Linear)]
+    compile_plan(ms.model, ms.example_inputs, gpus=2, spec="rtx4090", time_limit_s=2)
+    for h in hooks:
+        h.remove()
+    assert seen and set(seen) == {"meta"}
+    assert all(p.device.type == "cpu" for p in ms.model.parameters())  # and the weights are back
+
+
+def test_a_graph_that_needs_its_values_is_left_to_the_real_run():
+    """A data-dependent op (boolean indexing: the output's size depends on the data) cannot run on meta:
+    on_meta says so, and the graph keeps its real weights."""
+
+    class Picky(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x[x.sum(-1) > 0])
+
+    gm = torch.fx.symbolic_trace(Picky())
+    weight = gm.lin.weight
+    x = torch.randn(6, 4)
+    shapes = []
+    assert not on_meta(gm, (x,), {}, lambda a, k: shapes.append(torch.fx.Interpreter(gm).run(*a).shape))
+    assert shapes == [] and gm.lin.weight is weight and weight.device.type == "cpu"
+    assert on_meta(torch.fx.symbolic_trace(torch.nn.Linear(4, 2)), (x,), {}, lambda a, k: shapes.append(a[0].device))
+    assert shapes == [torch.device("meta")]

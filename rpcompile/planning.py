@@ -38,7 +38,7 @@ from rpcompile.passes.host import host_embedding_pass
 from rpcompile.passes.loss_head import TARGET, split_head
 from rpcompile.passes.lower import to_plan
 from rpcompile.passes.meta import on_meta, without_dynamo_import
-from rpcompile.passes.partition import solve
+from rpcompile.passes.partition import ilp, solve
 from rpcompile.passes.problem import PartitionProblem
 from rpcompile.passes.shape import shape_pass
 from rpcompile.passes.precision import TRACE_DTYPE_KEY, cast_floating, compute_dtype, computing_in
@@ -370,8 +370,14 @@ def compare(
     """Every strategy on the same problem: name -> (PartitionResult, Plan or None when infeasible)."""
     problem = partition_problem(gm, hardware=hardware, microbatches=microbatches, precision=precision)
     out = {}
+    baselines: dict[str, Any] = {}  # the ILP's seeds: dp's, roundpipe's and uniform's own results, not solved again
     for name in STRATEGIES:
-        result = solve(problem, name, time_limit_s=time_limit_s)
+        if name in baselines:
+            result = baselines[name]
+        elif name == "ilp":
+            result = ilp(problem, time_limit_s=time_limit_s, baselines=baselines)
+        else:
+            result = solve(problem, name, time_limit_s=time_limit_s)
         made = to_plan(gm, problem, result, hardware=hardware, precision=precision) if result.feasible else None
         out[name] = (result, made)
     return out

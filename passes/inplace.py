@@ -11,6 +11,7 @@ nothing viewed before (the common case: an activation after a conv or an add); t
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import operator
 from typing import Any
@@ -31,12 +32,29 @@ _INPLACE_OPERATORS = {operator.iadd: operator.add, operator.isub: operator.sub, 
 _NOT_COMPUTE_METHODS = {"requires_grad_", "share_memory_", "resize_", "set_", "retain_grad"}
 
 
+@functools.lru_cache(maxsize=4096)
+def _signature(target: Any) -> inspect.Signature | None:
+    """``target``'s signature when it takes an ``inplace`` argument by name (one look-up per function: a graph
+    calls the same few thousands of times), else None."""
+    try:
+        sig = inspect.signature(target)
+    except (TypeError, ValueError):
+        return None
+    return sig if "inplace" in sig.parameters else None
+
+
 def _inplace_kwarg(target: Any, args: tuple, kwargs: dict) -> inspect.BoundArguments | None:
     """The bound call when a Python function is called with ``inplace=True`` (``F.relu(x, inplace=True)``)."""
     if not callable(target) or isinstance(target, torch._ops.OpOverload):
         return None
     try:
-        bound = inspect.signature(target).bind(*args, **kwargs)
+        sig = _signature(target)
+    except TypeError:  # unhashable: looked up afresh
+        sig = _signature.__wrapped__(target)
+    if sig is None:
+        return None
+    try:
+        bound = sig.bind(*args, **kwargs)
     except (TypeError, ValueError):
         return None
     return bound if bound.arguments.get("inplace") is True else None

@@ -123,12 +123,17 @@ class _Pool:
         return float(self.best_t[s]), self.best_plan.get(s)
 
 
-def _seed(pb: PartitionProblem, pool: _Pool, tables: RangeTables) -> dict[str, float]:
-    """Baselines and the no-save DP's plans near the optimum go into the pool."""
+def _seed(pb: PartitionProblem, pool: _Pool, tables: RangeTables,
+          baselines: dict[str, PartitionResult] | None = None) -> dict[str, float]:
+    """Baselines and the no-save DP's plans near the optimum go into the pool; ``baselines`` (given) gets the
+    baselines' results, each what its own strategy returns (:func:`~rpcompile.planning.compare` reuses them)."""
     seeds = {}
+    started = time.perf_counter()
     bal = exact_balance(pb, tables)  # dp's balance too: solved once
-    for res in (dp_of_balance(pb, bal, time.perf_counter()), roundpipe(pb), uniform(pb)):
+    for res in (dp_of_balance(pb, bal, started), roundpipe(pb), uniform(pb)):
         seeds[res.strategy] = res.objective
+        if baselines is not None:
+            baselines[res.strategy] = res
         pool.add(res.plan if res.feasible else None)
     values = bound_values(pool.c[: len(bal.t_star)], bal.t_star)
     for s in np.argsort(values, kind="stable")[:8]:
@@ -177,14 +182,15 @@ def _greedy_phase(pb: PartitionProblem, tables: RangeTables, pool: _Pool, lb: np
     return len(tried)
 
 
-def _prepare(pb: PartitionProblem, strategy: str, started: float, *,
-             greedy_deadline: float = float("inf")) -> PartitionResult | tuple:
-    """Tables, the seeded pool, lower bounds and the greedy plans — or an infeasible result."""
+def _prepare(pb: PartitionProblem, strategy: str, started: float, *, greedy_deadline: float = float("inf"),
+             baselines: dict[str, PartitionResult] | None = None) -> PartitionResult | tuple:
+    """Tables, the seeded pool (``baselines``: see :func:`_seed`), lower bounds and the greedy plans — or an
+    infeasible result."""
     tables = RangeTables.build(pb)
     if min_memory(tables)[0] > pb.memory_bytes:
         return infeasible_result(strategy, pb, started, tables)
     pool = _Pool(pb, 2 * pb.n + 1)
-    seeds = _seed(pb, pool, tables)
+    seeds = _seed(pb, pool, tables, baselines)
     lb, b_relaxed = _lower_bounds(pb, tables, pool)
     greedy_tried = _greedy_phase(pb, tables, pool, lb, deadline=greedy_deadline) if pb.allow_save else 0
     return tables, pool, seeds, lb, b_relaxed, greedy_tried
@@ -202,13 +208,16 @@ def greedy(pb: PartitionProblem, *, time_limit_s: float = 10.0, seed: int = 0) -
     return make_result("greedy", pb, best, started, model_best_s=pool.incumbent(), greedy_budgets=greedy_tried)
 
 
-def ilp(pb: PartitionProblem, *, time_limit_s: float = 10.0, seed: int = 0) -> PartitionResult:
+def ilp(pb: PartitionProblem, *, time_limit_s: float = 10.0, seed: int = 0,
+        baselines: dict[str, PartitionResult] | None = None) -> PartitionResult:
     """Joint partition + checkpointing by CP-SAT (see the module docstring and :mod:`.ilp`). Counts bound each
     phase (the result does not depend on the machine's load); ``time_limit_s`` holds end to end as a guard — the
     greedy phase, the Lagrangian bisections, CP-SAT and the local search each stop at their share of it — apart
-    from the tables, baselines and bounds every strategy computes first (1–2 s at 128 layers on 2 cores)."""
+    from the tables, baselines and bounds every strategy computes first (1–2 s at 128 layers on 2 cores).
+    ``baselines`` (given): filled with the results of ``dp``, ``roundpipe`` and ``uniform`` it seeds with."""
     started = time.perf_counter()
-    prep = _prepare(pb, "ilp", started, greedy_deadline=started + GREEDY_WALL_SHARE * time_limit_s)
+    prep = _prepare(pb, "ilp", started, greedy_deadline=started + GREEDY_WALL_SHARE * time_limit_s,
+                    baselines=baselines)
     if isinstance(prep, PartitionResult):
         return prep
     tables, pool, seeds, lb, b_relaxed, greedy_tried = prep

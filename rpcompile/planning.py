@@ -38,7 +38,7 @@ from rpcompile.passes.host import host_embedding_pass
 from rpcompile.passes.loss_head import TARGET, split_head
 from rpcompile.passes.lower import to_plan
 from rpcompile.passes.meta import on_meta, without_dynamo_import
-from rpcompile.passes.partition import solve
+from rpcompile.passes.partition import ilp, solve
 from rpcompile.passes.problem import PartitionProblem
 from rpcompile.passes.shape import shape_pass
 from rpcompile.passes.precision import TRACE_DTYPE_KEY, cast_floating, compute_dtype, computing_in
@@ -51,6 +51,7 @@ from .core.specs import DeviceSpec
 from .envelope import warn_if_link_bound
 from .plan_options import (AUTO_HEAD_CHUNKS, STRATEGIES, TimeShare, default_spec, fastest, head_chunk_candidates,
                            infeasible_error, make_cost_model, make_hardware, model_device)
+from .shared_trace import TraceOnce
 
 __all__ = [
     "Compilation",
@@ -60,6 +61,7 @@ __all__ = [
     "start",
     "analyze",
     "prepare",
+    "shared_trace",
     "plan",
     "compile_plan",
     "plan_graph",
@@ -256,6 +258,13 @@ def run(c: Compilation, passes: Sequence[tuple[str, Pass]] = PASSES) -> Compilat
 
 
 # ------------------------------------------------------------------------------------------------- drivers
+def shared_trace(count: int) -> Pass:
+    """The trace pass for ``count`` compilations of one model on one example, run in turn (the LM-head splits of
+    one plan): the model is traced once, each later compilation starts from a copy of that graph
+    (:class:`~rpcompile.shared_trace.TraceOnce`)."""
+    return TraceOnce(_trace, count)
+
+
 def start(
     model: torch.nn.Module,
     example_inputs: Sequence[Any],
@@ -314,6 +323,7 @@ def prepare(
     progress: bool | None = None,
     segments_per_layer: int = 2,
     host_embedding: "bool | Sequence[str]" = True,
+    trace_pass: "Pass | None" = None,
     **options: Any,
 ) -> tuple[fx.GraphModule, int]:
     """Trace, cost (on one microbatch), move token embeddings to the host and coarsen; returns the graph and the
@@ -323,10 +333,12 @@ def prepare(
     ``head_chunks > 1`` (which needs ``loss_fn`` and ``example_target``) puts the loss in the graph (its last input
     is ``target``) and splits the LM head along the sequence (:mod:`rpcompile.passes.loss_head`).
     ``host_embedding``: ``True`` moves the token embeddings whose tables are larger than what an iteration
-    looks up to the host (:mod:`rpcompile.passes.host`), ``False`` none, node names exactly those (a plan's)."""
+    looks up to the host (:mod:`rpcompile.passes.host`), ``False`` none, node names exactly those (a plan's).
+    ``trace_pass``: the trace pass to run instead of tracing afresh, e.g. :func:`shared_trace`'s (the LM-head splits
+    of one model and example traced once)."""
     c = start(model, example_inputs, gpus=gpus, max_segments=max_segments, leaf_modules=leaf_modules,
               progress=progress, segments_per_layer=segments_per_layer, host_embedding=host_embedding, **options)
-    run(c, PREPARE)
+    run(c, PREPARE if trace_pass is None else (("trace", trace_pass), *PREPARE[1:]))
     return c.graph, c.microbatches
 
 
@@ -358,8 +370,14 @@ def compare(
     """Every strategy on the same problem: name -> (PartitionResult, Plan or None when infeasible)."""
     problem = partition_problem(gm, hardware=hardware, microbatches=microbatches, precision=precision)
     out = {}
+    baselines: dict[str, Any] = {}  # the ILP's seeds: dp's, roundpipe's and uniform's own results, not solved again
     for name in STRATEGIES:
-        result = solve(problem, name, time_limit_s=time_limit_s)
+        if name in baselines:
+            result = baselines[name]
+        elif name == "ilp":
+            result = ilp(problem, time_limit_s=time_limit_s, baselines=baselines)
+        else:
+            result = solve(problem, name, time_limit_s=time_limit_s)
         made = to_plan(gm, problem, result, hardware=hardware, precision=precision) if result.feasible else None
         out[name] = (result, made)
     return out
@@ -379,20 +397,23 @@ def compile_plan(
     head_chunks: "int | str" = "auto",
     **options: Any,
 ) -> Compilation:
-    """Every pass, once per LM-head split of :func:`head_chunk_candidates`; the :class:`Compilation` with the
-    fastest plan (its ``plan`` and the graph ``gm`` it was made from). ``options``: :func:`start`'s; their
-    ``time_limit_s`` (default 10) is shared by the splits' solves (:class:`~rpcompile.plan_options.TimeShare`)."""
+    """Every pass, once per LM-head split of :func:`head_chunk_candidates` (but the trace: the model is traced
+    once and each split starts from a copy of that graph, :class:`~rpcompile.shared_trace.TraceOnce`); the
+    :class:`Compilation` with the fastest plan (its ``plan`` and the graph ``gm`` it was made from). ``options``:
+    :func:`start`'s; their ``time_limit_s`` (default 10) is shared by the splits' solves
+    (:class:`~rpcompile.plan_options.TimeShare`)."""
     if precision not in PRECISION_BYTES:
         raise ConfigError(f"precision must be one of {sorted(PRECISION_BYTES)}, got {precision!r}")
     hardware = make_hardware(gpus, default_spec(spec, device, model_device(model)), memory_limit)
 
     candidates = head_chunk_candidates(head_chunks, loss_fn, example_target)
     share = TimeShare(float(options.pop("time_limit_s", 10.0)), len(candidates))
+    passes = (("trace", shared_trace(len(candidates))), *PASSES[1:])
 
     def attempt(k: int) -> tuple[float, Compilation]:
         c = run(start(model, example_inputs, gpus=gpus, spec=spec, device=device, precision=precision,
                       loss_fn=loss_fn, example_target=example_target, head_chunks=k, hardware=hardware,
-                      time_limit_s=share.next(), **options))
+                      time_limit_s=share.next(), **options), passes)
         assert c.plan is not None and c.result is not None
         share.used(c.result.solve_time_s)
         return c.plan.predicted.iteration_time_s, c

@@ -16,6 +16,7 @@ from rpcompile.core.errors import BatchSplitError
 import torch
 
 import rpcompile
+from rpcompile import planning
 from rpcompile.cli import main
 from rpcompile.core.errors import InfeasibleError
 from rpcompile.models import load_model
@@ -224,6 +225,24 @@ def test_plan_graph_agrees_with_compare(llama_graph, strategy):
     single = plan_graph(gm, hardware=hw, microbatches=m, strategy=strategy, time_limit_s=TIME_LIMIT)
     _, from_compare = compare(gm, hardware=hw, microbatches=m, time_limit_s=TIME_LIMIT)[strategy]
     assert single.stages == from_compare.stages
+
+
+def test_compare_takes_the_baselines_the_ilp_seeds_with_as_solved_alone(llama_graph, monkeypatch):
+    """compare() reuses the ILP's dp/roundpipe/uniform seeds: each is the result its strategy gives alone (its
+    plan, objective and figures; only the measured solve time differs), and no baseline is solved twice."""
+    gm, m, hw = llama_graph
+    solved: list[str] = []
+    real = planning.solve
+    monkeypatch.setattr(planning, "solve", lambda pb, name, **kw: solved.append(name) or real(pb, name, **kw))
+    rows = compare(gm, hardware=hw, microbatches=m, time_limit_s=TIME_LIMIT)
+    assert solved == []  # the ILP ran directly; the baselines came with it
+    pb = partition_problem(gm, hardware=hw, microbatches=m)
+    for name in ("dp", "roundpipe", "uniform"):
+        alone, (kept, made) = real(pb, name, time_limit_s=TIME_LIMIT), rows[name]
+        assert (kept.strategy, kept.feasible, kept.plan, kept.objective) == \
+            (alone.strategy, alone.feasible, alone.plan, alone.objective), name
+        assert kept.stats == alone.stats and made is not None and made.stages == plan_graph(
+            gm, hardware=hw, microbatches=m, strategy=name, time_limit_s=TIME_LIMIT).stages, name
 
 
 def test_no_saving_means_full_recompute(llama_graph):

@@ -21,7 +21,7 @@ from rpcompile.lora import LORA_TARGETS, apply_lora, lora_host_memory
 from rpcompile.plan_options import TimeShare, model_device
 from rpcompile.probe import load_host, probe_host
 from rpcompile.planning import (compare, default_spec, fastest, head_chunk_candidates, infeasible_error,
-                                make_hardware, partition_problem, prepare)
+                                make_hardware, partition_problem, prepare, shared_trace)
 from rpcompile.report import compare_table, plan_table, print_table
 from rpcompile.seqlen import max_sequence_length
 
@@ -139,13 +139,14 @@ def _plan_fastest(args: argparse.Namespace, ms: ModelSpec, hardware: Hardware) -
 
     candidates = head_chunk_candidates(args.head_chunks, ms.loss_fn, ms.example_target)
     share = TimeShare(args.time_limit, len(candidates))
+    traced = shared_trace(len(candidates))  # one trace for every split
 
     def attempt(k: int) -> tuple[float, tuple]:
         gm, m = prepare(ms.model, ms.example_inputs, gpus=args.gpus, spec=args.spec, device=args.device,
                         microbatches=args.microbatches, precision=args.precision, max_segments=args.max_segments,
                         progress=bars(args), loss_fn=ms.loss_fn, example_target=ms.example_target,
                         head_chunks=k, segments_per_layer=args.segments_per_layer, host_embedding=args.host_embedding,
-                        cache=args.cache)
+                        cache=args.cache, trace_pass=traced)
         head = f"LM head in {k} chunks" if k > 1 else "whole LM head"
         limit = share.next()
         with step(args, f"solving ({head}): ilp ≤ {limit:.3g} s, dp, roundpipe, uniform"):

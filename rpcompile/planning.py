@@ -41,7 +41,7 @@ from rpcompile.passes.meta import on_meta, without_dynamo_import
 from rpcompile.passes.partition import solve
 from rpcompile.passes.problem import PartitionProblem
 from rpcompile.passes.shape import shape_pass
-from rpcompile.passes.precision import TRACE_DTYPE_KEY, cast_floating, compute_dtype, computing_in
+from rpcompile.passes.precision import RUN_DTYPE_KEY, TRACE_DTYPE_KEY, cast_floating, compute_dtype, computing_in
 from rpcompile.passes.trace import trace, training_inputs
 
 from .core.batch import split_microbatches
@@ -156,9 +156,11 @@ def _loss_head(c: Compilation) -> None:
 
 @contextlib.contextmanager
 def _as_traced(c: Compilation) -> Iterator[tuple[tuple[Any, ...], dict[str, Any]]]:
-    """The example inputs, while the graph's weights are in the dtype it was traced in (an exported graph traced
-    in the compute dtype runs only in it: :mod:`rpcompile.passes.precision`)."""
-    dtype = c.graph.meta.get(TRACE_DTYPE_KEY)
+    """The example inputs, while the graph's weights are in the compute dtype (as the runtime uploads them; an
+    exported graph traced in it runs only in it): every node then has its run-time dtype, explicit fp32 upcasts
+    included, and the graph records it (:data:`~rpcompile.passes.precision.RUN_DTYPE_KEY`)."""
+    dtype = c.graph.meta.get(TRACE_DTYPE_KEY) or compute_dtype(c.precision)
+    c.graph.meta[RUN_DTYPE_KEY] = dtype
     with computing_in(c.graph, dtype):
         yield cast_floating(c.args, dtype), cast_floating(c.kwargs, dtype)
 

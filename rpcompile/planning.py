@@ -36,6 +36,7 @@ from rpcompile.passes.measured import MeasuredCostModel
 from rpcompile.passes.formulate import PRECISION_BYTES, partition_problem
 from rpcompile.passes.host import host_embedding_pass
 from rpcompile.passes.loss_head import TARGET, split_head
+from rpcompile.passes.loss_memory import LOSS_BYTES_KEY, loss_memory
 from rpcompile.passes.lower import to_plan
 from rpcompile.passes.meta import on_meta, without_dynamo_import
 from rpcompile.passes.partition import solve
@@ -94,7 +95,8 @@ class Compilation:
     precision: str = "fp32"
     head_chunks: int = 1
     loss: tuple[Any, Any] | None = None
-    """``(loss_fn, target of one microbatch)`` when the loss joins the graph (``head_chunks > 1``)."""
+    """``(loss_fn, target of one microbatch)`` when both are given: the loss joins the graph when ``head_chunks > 1``;
+    else it runs after the graph, and the cost pass measures its memory (:mod:`rpcompile.passes.loss_memory`)."""
     leaf_modules: Sequence[Any] = ()
     progress: bool | None = None
     threads: int | None = None
@@ -139,10 +141,11 @@ def _trace(c: Compilation) -> None:
 
 
 def _loss_head(c: Compilation) -> None:
-    """``loss`` given: the loss joins the graph (a last input ``target``) and ``head_chunks > 1`` splits the LM head
-    and its cross-entropy along the sequence (:mod:`rpcompile.passes.loss_head`)."""
-    if c.loss is None:
-        if c.head_chunks > 1:
+    """``loss`` given and ``head_chunks > 1``: the loss joins the graph (a last input ``target``) and the LM head and
+    its cross-entropy are split along the sequence (:mod:`rpcompile.passes.loss_head`). With the whole head the loss
+    stays outside the graph (the cost pass measures its memory)."""
+    if c.loss is None or c.head_chunks == 1:
+        if c.loss is None and c.head_chunks > 1:
             raise ConfigError(f"head_chunks={c.head_chunks} splits the LM head together with its loss: pass "
                               "loss_fn= and example_target= (a target for one batch), or use head_chunks=1")
         return
@@ -185,6 +188,8 @@ def _cost(c: Compilation) -> None:
 
             if not (isinstance(c.cost_model, AnalyticCostModel) and on_meta(c.graph, args, kwargs, cost)):
                 cost(args, kwargs)
+        if c.loss is not None and c.head_chunks == 1:  # the loss runs after the graph: its memory, on meta
+            c.graph.meta[LOSS_BYTES_KEY] = loss_memory(c.graph, *c.loss)
     finally:
         torch.set_num_threads(threads)
 
@@ -282,8 +287,9 @@ def start(
     # pipeline to fill, and splitting the batch would only shrink its kernels.
     m = microbatches or (gpus + 1 if gpus > 1 else 1)
     args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
-    with_loss = head_chunks > 1  # the loss joins the graph only to be split with the head
-    if with_loss and (loss_fn is None or example_target is None):  # before the batch split's own errors
+    # the loss joins the graph only to be split with the head; after it, only its memory is costed
+    with_loss = head_chunks > 1 or (loss_fn is not None and example_target is not None)
+    if head_chunks > 1 and (loss_fn is None or example_target is None):  # before the batch split's own errors
         raise ConfigError(f"head_chunks={head_chunks} splits the LM head together with its loss: pass loss_fn= and "
                           "example_target= (a target for one batch), or use head_chunks=1")
     extra = (example_target,) if with_loss else ()

@@ -22,6 +22,8 @@ import torch._decomp
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .util import CANONICAL_NAMES_KEY
+
 __all__ = ["MetaSafeMode", "packet_name", "compute_dtype", "run_unifying_dtypes", "stay_on_meta", "is_assert",
            "without_dynamo_import", "on_meta"]
 
@@ -163,12 +165,18 @@ def on_meta(gm: fx.GraphModule, args: tuple, kwargs: dict, fn: Callable[[tuple, 
         return True
     state = {f"gm.{name}": _stand_in(t) for name, t in (*gm.named_parameters(), *gm.named_buffers())}
     meta_args, meta_kwargs = pytree.tree_map_only(torch.Tensor, _stand_in, (args, kwargs))
+    # names by id: the real tensors' cache is put aside while the stand-ins (other ids) are in, theirs dropped after
+    names = gm.meta.pop(CANONICAL_NAMES_KEY, None)
     try:
         with torch.no_grad(), MetaSafeMode():
             torch.func.functional_call(_Runner(gm, lambda: fn(meta_args, meta_kwargs)), state, ())
     except Exception as err:  # noqa: BLE001 - any failure: the real run decides (and raises its own error)
         log.debug("the graph cannot run on meta (%s: %s): running it on its real values", type(err).__name__, err)
         return False
+    finally:
+        gm.meta.pop(CANONICAL_NAMES_KEY, None)
+        if names is not None:
+            gm.meta[CANONICAL_NAMES_KEY] = names
     return True
 
 

@@ -21,6 +21,7 @@ __all__ = [
     "node_params",
     "node_buffers",
     "canonical_names",
+    "CANONICAL_NAMES_KEY",
     "module_path",
 ]
 
@@ -38,13 +39,17 @@ def compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if is_compute(n)]
 
 
+CANONICAL_NAMES_KEY = "rpcompile.canonical_names"
+"""``gm.meta`` key caching :func:`canonical_names` (by ``id``: whoever swaps ``gm``'s tensors drops it meanwhile)."""
+
+
 def canonical_names(gm: fx.GraphModule) -> dict[int, str]:
     """id(tensor) -> the one name ``gm.named_parameters()``/``named_buffers()`` gives it (a tied weight has
     several attribute paths but one canonical name)."""
-    cache = gm.meta.get("rpcompile.canonical_names")
+    cache = gm.meta.get(CANONICAL_NAMES_KEY)
     if cache is None:
         cache = {id(t): name for name, t in [*gm.named_parameters(), *gm.named_buffers()]}
-        gm.meta["rpcompile.canonical_names"] = cache
+        gm.meta[CANONICAL_NAMES_KEY] = cache
     return cache
 
 

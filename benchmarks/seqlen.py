@@ -67,7 +67,7 @@ def main() -> None:
                       f"{r['segment']} ({r['need_bytes'] / 2**30:.2f} GiB at {r['seq_len']:,})" if r else "-")
     Console(width=200).print(table)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps({"date": "2026-11-25", "prediction": True, "gpus": args.gpus,
+    Path(args.output).write_text(json.dumps({"date": "2026-11-26", "prediction": True, "gpus": args.gpus,
                                              "spec": args.spec, "granularity": args.granularity,
                                              "head_chunks": args.head_chunks, "rows": rows},
                                             indent=1) + "\n")

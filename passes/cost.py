@@ -48,7 +48,7 @@ from . import profile_cache
 from .kernels import GpuKernels
 from .meta import MetaSafeMode
 from .portable import device_of, running_on
-from .precision import TRACE_DTYPE_KEY
+from .precision import recorded_dtype
 from .repeats import block_of, repeat_map
 from .shape import SHAPE_KEY, describe, scaled_nbytes, storage_key
 from .util import is_compute, node_params
@@ -67,8 +67,9 @@ __all__ = [
 
 COST_KEY = "rpcompile.cost"
 DTYPE_KEY = "rpcompile.dtype"
-"""``gm.meta`` key: the dtype floating activations will have when the model runs (the cost model's; ``None``: as
-traced). Byte counts made from the traced shapes (the coarsener's live bytes) are scaled to it."""
+"""``gm.meta`` key: the dtype byte counts made from the recorded shapes (the coarsener's live bytes) are scaled to:
+the cost model's when the graph ran as the model is; ``None`` when it ran in the compute dtype
+(:data:`~.precision.RUN_DTYPE_KEY`: every tensor already has its run-time dtype) or in fp32."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -240,7 +241,7 @@ def _call_for(gm: fx.GraphModule, node: fx.Node, args: tuple, kwargs: dict, need
         if needs_grad.get(arg_node, False):
             trainable.update(id(t) for t in tensor_leaves(_env_lookup(args, kwargs, node, arg_node)))
     target = node.target
-    call = functools.partial(NodeCall, as_traced=gm.meta.get(TRACE_DTYPE_KEY) is not None)
+    call = functools.partial(NodeCall, as_traced=recorded_dtype(gm.meta) is not None)
     if node.op in ("call_module", "call_method"):  # fx names modules and methods by string
         assert isinstance(target, str), node.format_node()
         if node.op == "call_method":
@@ -339,6 +340,8 @@ class _CostInterpreter(fx.Interpreter):
         where the graph is: a model in CPU memory measured on a GPU runs no forward pass on the CPU."""
         self.cost_model, self.on_node = cost_model, on_node
         self.dtype: torch.dtype | None = getattr(cost_model, "dtype", None)
+        self.scale: torch.dtype | None = None if recorded_dtype(gm.meta) is not None else self.dtype
+        """The dtype output bytes are scaled to: none when the graph ran in the compute dtype (bytes as recorded)."""
         self.needs_grad: dict[fx.Node, bool] = {}
         self.kept: set[fx.Node] = set()
         self.partial: dict[fx.Node, dict[str, Any]] = {}
@@ -395,7 +398,7 @@ class _CostInterpreter(fx.Interpreter):
         self.partial[n] = dict(
             fwd_time_s=0.0,
             bwd_time_s=0.0,
-            output_bytes=_scaled_nbytes(n.meta[SHAPE_KEY], self.dtype),
+            output_bytes=_scaled_nbytes(n.meta[SHAPE_KEY], self.scale),
             act_bytes=own,
             param_bytes=sum(p.numel() * p.element_size() for p in params.values()),
             grad_bytes=sum(p.numel() * p.element_size() for p in params.values() if p.requires_grad),
@@ -573,7 +576,8 @@ def _write(gm: fx.GraphModule, cost_model: CostModel, partial: dict[fx.Node, dic
     for n, fields in partial.items():
         n.meta[COST_KEY] = NodeCost(**fields)
     gm.meta["rpcompile.cost_model"] = cost_model.name
-    gm.meta[DTYPE_KEY] = getattr(cost_model, "dtype", None)  # the precision activations will have
+    # the dtype the shapes' byte counts are scaled to: none when they were recorded in the compute dtype
+    gm.meta[DTYPE_KEY] = None if recorded_dtype(gm.meta) is not None else getattr(cost_model, "dtype", None)
     return gm
 
 

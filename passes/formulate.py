@@ -11,6 +11,7 @@ from rpcompile.core.stages import host_load
 from .coarsen import segments_of
 from .cost import DTYPE_KEY
 from .host import host_of
+from .loss_memory import LOSS_BYTES_KEY
 from .problem import PartitionProblem, SharedParam
 from .shape import SHAPE_KEY, scaled_nbytes
 
@@ -56,7 +57,9 @@ def partition_problem(
         fwd_s=tuple(s.fwd_s for s in segs),
         bwd_s=tuple(s.bwd_s for s in segs),
         rec_s=tuple(s.fwd_s for s in segs),
-        act_bytes=tuple(s.act_bytes for s in segs),
+        # a loss that runs after the graph (the whole LM head) runs in the fused stage, which always holds the last
+        # segment: its peak bytes count there (:mod:`.loss_memory`)
+        act_bytes=tuple(s.act_bytes + (int(gm.meta.get(LOSS_BYTES_KEY, 0)) if s is segs[-1] else 0) for s in segs),
         peak_bytes=tuple(s.peak_bytes for s in segs),
         boundary_bytes=tuple(s.boundary_bytes for s in segs),
         input_bytes=int(gm.meta.get("rpcompile.input_bytes", 0)),

@@ -21,6 +21,7 @@ __all__ = [
     "node_params",
     "node_buffers",
     "canonical_names",
+    "CANONICAL_NAMES_KEY",
     "module_path",
 ]
 
@@ -39,6 +40,7 @@ def compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
 
 
 CANONICAL_NAMES_KEY = "rpcompile.canonical_names"
+"""``gm.meta`` key caching :func:`canonical_names` (by ``id``: whoever swaps ``gm``'s tensors re-points it meanwhile)."""
 
 
 def canonical_names(gm: fx.GraphModule) -> dict[int, str]:

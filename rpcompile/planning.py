@@ -36,12 +36,13 @@ from rpcompile.passes.measured import MeasuredCostModel
 from rpcompile.passes.formulate import PRECISION_BYTES, partition_problem
 from rpcompile.passes.host import host_embedding_pass
 from rpcompile.passes.loss_head import TARGET, split_head
+from rpcompile.passes.loss_memory import LOSS_BYTES_KEY, loss_memory
 from rpcompile.passes.lower import to_plan
 from rpcompile.passes.meta import on_meta, without_dynamo_import
 from rpcompile.passes.partition import ilp, solve
 from rpcompile.passes.problem import PartitionProblem
 from rpcompile.passes.shape import shape_pass
-from rpcompile.passes.precision import TRACE_DTYPE_KEY, cast_floating, compute_dtype, computing_in
+from rpcompile.passes.precision import RUN_DTYPE_KEY, TRACE_DTYPE_KEY, cast_floating, compute_dtype, computing_in
 from rpcompile.passes.trace import trace, training_inputs
 
 from .core.batch import split_microbatches
@@ -96,7 +97,8 @@ class Compilation:
     precision: str = "fp32"
     head_chunks: int = 1
     loss: tuple[Any, Any] | None = None
-    """``(loss_fn, target of one microbatch)`` when the loss joins the graph (``head_chunks > 1``)."""
+    """``(loss_fn, target of one microbatch)`` when both are given: the loss joins the graph when ``head_chunks > 1``;
+    else it runs after the graph, and the cost pass measures its memory (:mod:`rpcompile.passes.loss_memory`)."""
     leaf_modules: Sequence[Any] = ()
     progress: bool | None = None
     threads: int | None = None
@@ -141,10 +143,11 @@ def _trace(c: Compilation) -> None:
 
 
 def _loss_head(c: Compilation) -> None:
-    """``loss`` given: the loss joins the graph (a last input ``target``) and ``head_chunks > 1`` splits the LM head
-    and its cross-entropy along the sequence (:mod:`rpcompile.passes.loss_head`)."""
-    if c.loss is None:
-        if c.head_chunks > 1:
+    """``loss`` given and ``head_chunks > 1``: the loss joins the graph (a last input ``target``) and the LM head and
+    its cross-entropy are split along the sequence (:mod:`rpcompile.passes.loss_head`). With the whole head the loss
+    stays outside the graph (the cost pass measures its memory)."""
+    if c.loss is None or c.head_chunks == 1:
+        if c.loss is None and c.head_chunks > 1:
             raise ConfigError(f"head_chunks={c.head_chunks} splits the LM head together with its loss: pass "
                               "loss_fn= and example_target= (a target for one batch), or use head_chunks=1")
         return
@@ -158,9 +161,11 @@ def _loss_head(c: Compilation) -> None:
 
 @contextlib.contextmanager
 def _as_traced(c: Compilation) -> Iterator[tuple[tuple[Any, ...], dict[str, Any]]]:
-    """The example inputs, while the graph's weights are in the dtype it was traced in (an exported graph traced
-    in the compute dtype runs only in it: :mod:`rpcompile.passes.precision`)."""
-    dtype = c.graph.meta.get(TRACE_DTYPE_KEY)
+    """The example inputs, while the graph's weights are in the compute dtype (as the runtime uploads them; an
+    exported graph traced in it runs only in it): every node then has its run-time dtype, explicit fp32 upcasts
+    included, and the graph records it (:data:`~rpcompile.passes.precision.RUN_DTYPE_KEY`)."""
+    dtype = c.graph.meta.get(TRACE_DTYPE_KEY) or compute_dtype(c.precision)
+    c.graph.meta[RUN_DTYPE_KEY] = dtype
     with computing_in(c.graph, dtype):
         yield cast_floating(c.args, dtype), cast_floating(c.kwargs, dtype)
 
@@ -185,6 +190,8 @@ def _cost(c: Compilation) -> None:
 
             if not (isinstance(c.cost_model, AnalyticCostModel) and on_meta(c.graph, args, kwargs, cost)):
                 cost(args, kwargs)
+        if c.loss is not None and c.head_chunks == 1:  # the loss runs after the graph: its memory, on meta
+            c.graph.meta[LOSS_BYTES_KEY] = loss_memory(c.graph, *c.loss)
     finally:
         torch.set_num_threads(threads)
 
@@ -289,8 +296,9 @@ def start(
     # pipeline to fill, and splitting the batch would only shrink its kernels.
     m = microbatches or (gpus + 1 if gpus > 1 else 1)
     args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
-    with_loss = head_chunks > 1  # the loss joins the graph only to be split with the head
-    if with_loss and (loss_fn is None or example_target is None):  # before the batch split's own errors
+    # the loss joins the graph only to be split with the head; after it, only its memory is costed
+    with_loss = head_chunks > 1 or (loss_fn is not None and example_target is not None)
+    if head_chunks > 1 and (loss_fn is None or example_target is None):  # before the batch split's own errors
         raise ConfigError(f"head_chunks={head_chunks} splits the LM head together with its loss: pass loss_fn= and "
                           "example_target= (a target for one batch), or use head_chunks=1")
     extra = (example_target,) if with_loss else ()

@@ -66,6 +66,8 @@ class Segment:
     boundary_bytes: int
     """Bytes live across the cut after this segment."""
     params: tuple[str, ...]
+    transient_bytes: int = 0
+    """Largest ``bwd_transient_bytes`` of its nodes: their backwards run one at a time, so these do not add up."""
 
 
 def _nbytes(node: fx.Node, dtype: torch.dtype | None) -> int:
@@ -221,6 +223,7 @@ def _segment(i: int, nodes: Sequence[fx.Node], a: int, b: int, groups: Sequence[
         peak_bytes=max(live[a:b]),
         boundary_bytes=live[b - 1],
         params=tuple(params),
+        transient_bytes=max(c.bwd_transient_bytes for c in costs),
     )
 
 

@@ -46,6 +46,7 @@ from rpcompile.core.batch import flat_inputs, tensor_leaves
 
 from . import profile_cache
 from .kernels import GpuKernels
+from .loss_memory import PeakBytes
 from .meta import MetaSafeMode
 from .portable import device_of, running_on
 from .precision import recorded_dtype
@@ -83,6 +84,10 @@ class NodeCost:
     act_bytes: int = 0
     """Bytes autograd keeps for backward that this node produced (its output if a consumer saves it, plus
     internal tensors such as an attention's log-sum-exp)."""
+    bwd_transient_bytes: int = 0
+    """The most bytes its backward allocates at once beyond its saved tensors and its output's gradient (its
+    inputs' gradients and what it makes on the way to them: a cross-entropy's log-softmax and logits gradients,
+    8 bytes a logit in fp32), beside what the stage holds; parameter gradients are not in it (``grad_bytes``)."""
     param_bytes: int = 0
     grad_bytes: int = 0
     """Bytes of the gradients of the trainable parameters it reads (0 for frozen ones)."""
@@ -274,8 +279,9 @@ def _scaled_nbytes(info: Any, dtype: torch.dtype | None) -> int:
 
 def _autograd_profile(
     call: NodeCall, producers: dict[int, fx.Node], dtype: torch.dtype | None = None
-) -> tuple[int, int, set[fx.Node], int]:
-    """Run ``call`` on meta with autograd: (fwd FLOPs, bwd FLOPs, input nodes whose value it saves, own saved bytes)."""
+) -> tuple[int, int, set[fx.Node], int, int]:
+    """Run ``call`` on meta with autograd: (fwd FLOPs, bwd FLOPs, input nodes whose value it saves, own saved bytes,
+    backward transient bytes)."""
     m = call.materialize("meta", dtype=dtype)
     saved_keys: list[torch.Tensor] = []
 
@@ -300,6 +306,8 @@ def _autograd_profile(
     for orig_id, copy in m.memo.items():
         if orig_id in producers:
             input_keys[storage_key(copy)] = producers[orig_id]
+            if producers[orig_id].op == "get_attr":
+                param_keys.add(storage_key(copy))
     out_keys = {storage_key(t) for t in tensor_leaves(out)}
     saved_inputs: set[fx.Node] = set()
     own = 0
@@ -316,7 +324,25 @@ def _autograd_profile(
             own += t.numel() * t.element_size()
         else:
             saved_inputs.add(call.node)
-    return fwd_counter.get_total_flops(), bwd_flops, saved_inputs, own
+    transient = _backward_transient(m, out, saved_keys, param_keys) if backward is not None else 0
+    return fwd_counter.get_total_flops(), bwd_flops, saved_inputs, own, transient
+
+
+def _backward_transient(m: Materialized, out: Any, saved: list[torch.Tensor], param_keys: set[int]) -> int:
+    """The most bytes the node's backward (to its non-parameter inputs) allocates at once on meta: everything that
+    existed before it (inputs, parameters, saved tensors, outputs, output gradients) and views of it count 0."""
+    leaves = [t for t in m.leaves if storage_key(t) not in param_keys]
+    outs = [t for t in tensor_leaves(out) if t.requires_grad]
+    if not leaves or not outs:
+        return 0
+    grads = [torch.ones_like(t) for t in outs]
+    peak = PeakBytes([*m.memo.values(), *saved, *tensor_leaves(out), *grads])
+    try:
+        with MetaSafeMode(), GpuKernels(), peak:
+            torch.autograd.grad(outs, leaves, grads, retain_graph=True, allow_unused=True)
+    except Exception:  # noqa: BLE001 - a backward that reads values cannot run on meta: not costed
+        return 0
+    return peak.peak
 
 
 #: Nodes outside repeated blocks go to the cost model in batches of at most this many.
@@ -350,7 +376,7 @@ class _CostInterpreter(fx.Interpreter):
         self.cached = cached
         """node name → its cached cost fields: nothing is measured."""
         self.patterns: dict[fx.Node, tuple[bool, ...]] = {}
-        self.profiles: dict[fx.Node, tuple[int, int, set[fx.Node], int]] = {}
+        self.profiles: dict[fx.Node, tuple[int, int, set[fx.Node], int, int]] = {}
         """Each node's meta profile (:func:`_autograd_profile`), for its repeats to take."""
         self.shared: dict[fx.Node, fx.Node] = {}
         """Nodes that took their representative's times (filled in by :meth:`finish`)."""
@@ -389,9 +415,9 @@ class _CostInterpreter(fx.Interpreter):
             producers = {id(t): a for a in n.all_input_nodes if a in self.env for t in tensor_leaves(self.env[a])}
             profile = _autograd_profile(call, producers, self.dtype)
         self.profiles[n] = profile
-        fwd_flops, bwd_flops, saved_inputs, own = profile
+        fwd_flops, bwd_flops, saved_inputs, own, transient = profile
         if not self.needs_grad[n]:
-            saved_inputs, own, bwd_flops = set(), 0, 0
+            saved_inputs, own, bwd_flops, transient = set(), 0, 0, 0
         self.kept |= saved_inputs
         if n.meta.get(SHAPE_KEY) is None:
             n.meta[SHAPE_KEY] = describe(result, list(args) + list(kwargs.values()) + list(params.values()))
@@ -400,6 +426,7 @@ class _CostInterpreter(fx.Interpreter):
             bwd_time_s=0.0,
             output_bytes=_scaled_nbytes(n.meta[SHAPE_KEY], self.scale),
             act_bytes=own,
+            bwd_transient_bytes=transient,
             param_bytes=sum(p.numel() * p.element_size() for p in params.values()),
             grad_bytes=sum(p.numel() * p.element_size() for p in params.values() if p.requires_grad),
             fwd_flops=fwd_flops,
@@ -414,18 +441,18 @@ class _CostInterpreter(fx.Interpreter):
         rep = self.share.get(n)
         return rep if rep is not None and self.patterns.get(rep) == self.patterns[n] else None
 
-    def _shared_profile(self, n: fx.Node) -> tuple[int, int, set[fx.Node], int] | None:
+    def _shared_profile(self, n: fx.Node) -> tuple[int, int, set[fx.Node], int, int] | None:
         """The representative's meta profile (FLOPs, saved inputs, own saved bytes) carried over to ``n``: a saved
         input maps to the input at the same position of ``n`` (the block signatures match argument by argument)."""
         rep = self._rep(n)
         if rep is None or rep not in self.profiles or len(rep.all_input_nodes) != len(n.all_input_nodes):
             return None
-        fwd_flops, bwd_flops, saved, own = self.profiles[rep]
+        fwd_flops, bwd_flops, saved, own, transient = self.profiles[rep]
         where = {a: i for i, a in enumerate(rep.all_input_nodes)}
         if any(s is not rep and s not in where for s in saved):
             return None
         mapped = {n if s is rep else n.all_input_nodes[where[s]] for s in saved}
-        return fwd_flops, bwd_flops, {s for s in mapped if s is n or is_compute(s)}, own
+        return fwd_flops, bwd_flops, {s for s in mapped if s is n or is_compute(s)}, own, transient
 
     def _time(self, n: fx.Node, call: NodeCall) -> None:
         """Times from the cache, from the representative (later, in :meth:`finish`) or measured in a batch."""

@@ -61,6 +61,7 @@ def partition_problem(
         # segment: its peak bytes count there (:mod:`.loss_memory`)
         act_bytes=tuple(s.act_bytes + (int(gm.meta.get(LOSS_BYTES_KEY, 0)) if s is segs[-1] else 0) for s in segs),
         peak_bytes=tuple(s.peak_bytes for s in segs),
+        transient_bytes=tuple(s.transient_bytes for s in segs),
         boundary_bytes=tuple(s.boundary_bytes for s in segs),
         input_bytes=int(gm.meta.get("rpcompile.input_bytes", 0)),
         input_grad_bytes=_host_grad_bytes(gm),

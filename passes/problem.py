@@ -91,6 +91,10 @@ class PartitionProblem:
     when saved, and resident on the device while its backward stage runs either way."""
     peak_bytes: tuple[int, ...]
     """Transient working bytes of the segment's forward without grad."""
+    transient_bytes: tuple[int, ...] = ()
+    """The most bytes one of the segment's nodes' backward allocates at once beside what the stage holds (its
+    inputs' gradients, a cross-entropy's logits gradients): a fused or backward stage holds the largest of its
+    segments' at one time, not their sum. Empty: none (0 for every segment)."""
     boundary_bytes: tuple[int, ...]
     """Bytes live across the cut after the segment (one microbatch); its gradient has the same size."""
     input_bytes: int
@@ -132,7 +136,8 @@ class PartitionProblem:
             raise ProblemError(f"layer ids must be non-decreasing along the chain, got {self.layer}")
         for key in ("fwd_s", "bwd_s", "rec_s"):
             set_(key, _times(key, getattr(self, key), n))
-        for key in ("act_bytes", "peak_bytes", "boundary_bytes", "param_bytes", "grad_bytes"):
+        set_("transient_bytes", self.transient_bytes or (0,) * n)
+        for key in ("act_bytes", "peak_bytes", "transient_bytes", "boundary_bytes", "param_bytes", "grad_bytes"):
             set_(key, _ints(key, getattr(self, key), n))
         set_("input_bytes", _ints("input_bytes", (self.input_bytes,))[0])
         set_("input_grad_bytes", _ints("input_grad_bytes", (self.input_grad_bytes,))[0])

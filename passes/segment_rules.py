@@ -92,7 +92,8 @@ def memory_violations(pb: PartitionProblem, plan: SegmentPlan, costs: Sequence[S
     out = []
     for k, c in enumerate(costs):
         if c.memory_bytes > pb.memory_bytes:
-            worst = max(range(c.start, c.stop), key=lambda i: pb.act_bytes[i] + pb.param_bytes[i])
+            worst = max(range(c.start, c.stop), key=lambda i: pb.act_bytes[i] + pb.param_bytes[i]
+                        + (pb.transient_bytes[i] if c.kind != "forward" else 0))
             out.append(f"stage {k} ({c.kind} [{c.start}, {c.stop})) needs {format_bytes(c.memory_bytes)} but the "
                        f"device has {format_bytes(pb.memory_bytes)}; split the stage or lower the micro-batch size "
                        f"(segment: {_where(pb, worst)})")

@@ -99,7 +99,8 @@ class RangeTables:
         b_time = ovh + np.maximum(bwd, np.maximum(inb[:, None] + outb[None, :] + w / m, down_b) / link)
         fused_time = ovh + np.maximum(fb[:, n], np.maximum(up_f[:, n], down_b[:, n]) / link)
         f_need = w + inb[:, None] + outb[None, :] + _running_max(pb.peak_bytes)
-        b_need = w + g + 2 * inb[:, None] + outb[None, :] + act  # + the next microbatch's input, prefetched
+        # + the next microbatch's input, prefetched; + the largest backward transient of a node in the range
+        b_need = w + g + 2 * inb[:, None] + outb[None, :] + act + _running_max(pb.transient_bytes)
 
         def mask(x: np.ndarray, fill: float) -> np.ndarray:
             return np.where(valid, x, fill)

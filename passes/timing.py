@@ -13,7 +13,10 @@ counts once per stage using it), ``P`` the largest ``W`` of any stage in the pla
 prefetched during this one; conservative), ``working`` one microbatch's live tensors (for a forward stage also
 the activations it saves, held until they are copied to the host) and ``buffers`` what double buffering keeps
 beside them so that copies overlap compute: a forward stage's previous saved activations still going down, a
-backward stage's next input and saved activations already coming up. Forward stages compute no
+backward stage's next input and saved activations already coming up. A fused or backward stage's ``working``
+also holds the largest backward transient of its segments (``transient_bytes``: what one node's backward allocates
+beside the saved tensors, its inputs' gradients; nodes run backward one at a time, so only the largest counts,
+as :mod:`.tables` prices it with a running max over the range). Forward stages compute no
 gradients, so their ``G`` is 0 (the only place this model departs from a literal ``W + G + P + working``).
 
 **Iteration time** is the exact event recurrence of :func:`pipeline_time` — with equal stage times it reduces to
@@ -93,12 +96,12 @@ def _stage(pb: PartitionProblem, kind: StageKind, a: int, b: int, saved: Sequenc
     elif kind == "fused":
         compute = sum(pb.fwd_s[i] + pb.bwd_s[i] for i in seg)
         inputs, outputs = inb, grad_in
-        working = inb + outb + act
+        working = inb + outb + act + max(pb.transient_bytes[i] for i in seg)
     else:
         compute = sum(pb.bwd_s[i] + (0.0 if saved[i] else pb.rec_s[i]) for i in seg)
         # its output gradients wait for the stage above; its input and saved activations are in host memory
         inputs, outputs, prefetch = outb, grad_in, inb + saved_act
-        working = inb + outb + act
+        working = inb + outb + act + max(pb.transient_bytes[i] for i in seg)
         buffers = inb + saved_act  # the next microbatch's input and saved activations, prefetched
     up = (inputs + prefetch) + w / m  # StageCost.upload_bytes / download_bytes, spelled out (hot path)
     down = (outputs + offload) + g / m

@@ -78,6 +78,31 @@ def test_activation_bytes_follow_autograd():
     assert c["add"].act_bytes == 8 * 5 * 8
 
 
+def test_backward_transient_bytes_are_the_input_gradients_and_what_leads_to_them():
+    """What a node's backward allocates beside its saved tensors (parameter gradients are ``grad_bytes``): a linear's
+    input gradient (8 x 16 fp32), relu's and bn's (8 x 24); nothing for the embedding (only its weight has a
+    gradient) or the sum (its gradient is a broadcast view of the output gradient); a cross-entropy over [N, V]
+    fp32 logits makes the log-softmax's gradient and the logits' (8 bytes a logit), beyond the 4 it keeps."""
+    _, _, c = costed()
+    assert [c[k].bwd_transient_bytes for k in ("add", "embed", "sum_1", "frozen", "lin", "relu", "bn")] == \
+        [0, 0, 0, 8 * 16 * 4, 8 * 16 * 4, 8 * 24 * 4, 8 * 24 * 4]
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.lin = nn.Linear(8, 16), nn.Linear(16, 1000)
+
+        def forward(self, x, y):
+            return nn.functional.cross_entropy(self.lin(self.up(x)), y)
+
+    gm = fx.symbolic_trace(Head())
+    x, y = torch.randn(64, 8), torch.randint(0, 1000, (64,))
+    cost_pass(gm, (x, y), cost_model=AnalyticCostModel("rtx4090"), progress=False)
+    assert node_cost(next(n for n in gm.graph.nodes if n.name == "cross_entropy")).bwd_transient_bytes == 64 * 1000 * 8
+    assert node_cost(next(n for n in gm.graph.nodes if n.name == "lin")).bwd_transient_bytes == 64 * 16 * 4
+    assert node_cost(next(n for n in gm.graph.nodes if n.name == "up")).bwd_transient_bytes == 0  # x needs none
+
+
 def test_buffers_are_restored():
     model, _, _ = costed()
     assert torch.equal(model.bn.running_mean, torch.zeros(24))

@@ -6,6 +6,8 @@ loss's fp32 copy of the logits, log-softmax and gradients were counted nowhere."
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -14,6 +16,8 @@ from rpcompile.models.registry import lm_loss
 from rpcompile.passes.coarsen import segments_of
 from rpcompile.passes.formulate import partition_problem
 from rpcompile.passes.loss_memory import LOSS_BYTES_KEY, PeakBytes
+from rpcompile.passes.problem import SegmentPlan
+from rpcompile.passes.timing import stage_costs
 from rpcompile.plan_options import make_hardware
 from rpcompile.planning import prepare
 
@@ -54,3 +58,22 @@ def test_the_whole_head_plan_counts_the_loss_in_the_fused_stage(precision, logit
     assert LOSS_BYTES_KEY not in bare.meta
     assert bare_problem.act_bytes[:-1] == problem.act_bytes[:-1]
     assert bare_problem.act_bytes[-1] == problem.act_bytes[-1] - loss
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_a_split_head_chunk_s_cross_entropy_gradients_count_in_its_stage(precision):
+    """Split head (2 chunks of 16 tokens): each chunk's cross-entropy backward makes the gradients of its fp32
+    log-softmax and logits, 8 bytes a logit beside the 4 it keeps. The fused stage holding the head needs exactly
+    that much more than a model blind to backward transients (the largest of its segments': they do not add)."""
+    ms = load_model("llama-demo")
+    x, y = ms.example_inputs[0][:1], ms.example_target[:1]
+    gm, _ = prepare(ms.model, (x,), gpus=2, spec="rtx4090", precision=precision, microbatches=1, head_chunks=2,
+                    loss_fn=ms.loss_fn, example_target=y)
+    pb = partition_problem(gm, hardware=make_hardware(2, "rtx4090", None), microbatches=1, precision=precision)
+    chunks = [i for i, name in enumerate(pb.names) if name.startswith("lm_head.chunk")]
+    assert len(chunks) == 2 and all(pb.transient_bytes[i] == 16 * V * 8 for i in chunks)
+    k = chunks[0]
+    plan = SegmentPlan(forward=((0, k),), fused=(k, pb.n), backward=((0, k),), saved=(False,) * pb.n)
+    blind = dataclasses.replace(pb, transient_bytes=())
+    fb, fb_blind = stage_costs(pb, plan)[1], stage_costs(blind, plan)[1]
+    assert fb.kind == "fused" and fb.memory_bytes - fb_blind.memory_bytes == 16 * V * 8

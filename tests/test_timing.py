@@ -13,10 +13,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rpcompile.core.errors import ProblemError
 from rpcompile.core.specs import HostSpec
 from rpcompile.core.stages import HostLoad, StageCost, host_load
 from rpcompile.passes.problem import PartitionProblem, SegmentPlan, SharedParam
 from rpcompile.passes.segment_rules import validate_segment_plan
+from rpcompile.passes.tables import RangeTables
 from rpcompile.passes.timing import (bubble_fraction, equal_time_factor, host_lane_end, host_times, iteration_time,
                                      offload_backlog, pipeline_time, plan_memory, save_reads, stage_costs,
                                      transfer_edges)
@@ -125,6 +127,27 @@ def test_stage_costs_three_stage_example_by_hand():
     assert plan_memory(pb, plan) == 4300
     busy = 2 * (5.4 + 10.5 + 6.8)
     assert bubble_fraction(pb, plan) == pytest.approx(1 - busy / (2 * 58.2))
+
+
+def test_a_grad_stage_holds_its_largest_backward_transient_not_their_sum():
+    """Nodes run backward one at a time: a fused or backward stage's memory rises by the largest transient of its
+    segments; a forward stage computes no gradients and is unchanged. The range tables the solvers read agree."""
+    plain = _three_stage_problem(names=("a", "b", "c"), layer=(0, 1, 2), fwd_s=(1.0,) * 3, bwd_s=(1.0,) * 3,
+                                 rec_s=(1.0,) * 3, act_bytes=(100,) * 3, peak_bytes=(10,) * 3,
+                                 boundary_bytes=(40,) * 3, param_bytes=(1000,) * 3, grad_bytes=(1000,) * 3)
+    hot = dataclasses.replace(plain, transient_bytes=(700, 300, 5000))
+    assert plain.transient_bytes == (0, 0, 0)
+    plan = _plan([(0, 2)], (2, 3), [(0, 2)], (False, False, False))
+    before, after = stage_costs(plain, plan), stage_costs(hot, plan)
+    assert [b.memory_bytes - a.memory_bytes for a, b in zip(before, after)] == [0, 5000, 700]
+    assert plan_memory(hot, plan) == after[1].memory_bytes > plan_memory(plain, plan)  # the fused stage now binds
+    t0, t1 = RangeTables.build(plain), RangeTables.build(hot)
+    assert t1.bwd_need[0, 2] - t0.bwd_need[0, 2] == 700 and t1.fwd_need[0, 2] == t0.fwd_need[0, 2]
+    assert t1.fused_need[2] - t0.fused_need[2] == 5000 and t1.fused_need[1] - t0.fused_need[1] == 5000
+    with pytest.raises(ProblemError, match=r"transient_bytes\[1\] = -1 must be a non-negative int"):
+        dataclasses.replace(plain, transient_bytes=(0, -1, 0))
+    with pytest.raises(ProblemError, match="transient_bytes has 2 entries but there are 3 segments"):
+        dataclasses.replace(plain, transient_bytes=(0, 1))
 
 
 def test_recompute_instead_of_save():

@@ -53,7 +53,7 @@ def chains(draw, max_n: int = 24, min_n: int = 2, allow_save: bool | None = None
     bwd = [f * draw(st.sampled_from([1.0, 2.0, 3.0])) for f in fwd]
     rec = [f * draw(st.sampled_from([0.5, 1.0])) for f in fwd]
     ints = lambda hi: st.lists(st.integers(0, hi), min_size=n, max_size=n)  # noqa: E731
-    act, peak, param = draw(ints(1000)), draw(ints(500)), draw(ints(2000))
+    act, peak, param, transient = draw(ints(1000)), draw(ints(500)), draw(ints(2000)), draw(ints(800))
     boundary = draw(st.lists(st.integers(1, 2500), min_size=n, max_size=n))  # often > act: skip connections
     frozen = draw(st.lists(st.booleans(), min_size=n, max_size=n))
     shared = ()
@@ -63,8 +63,8 @@ def chains(draw, max_n: int = 24, min_n: int = 2, allow_save: bool | None = None
         shared = (SharedParam(name="tied", bytes=size, grad_bytes=size, segments=tuple(segs)),)
     pb = PartitionProblem(
         names=tuple(f"seg{i}" for i in range(n)), layer=layer, fwd_s=tuple(fwd), bwd_s=tuple(bwd),
-        rec_s=tuple(rec), act_bytes=tuple(act), peak_bytes=tuple(peak), boundary_bytes=tuple(boundary),
-        input_bytes=draw(st.integers(0, 500)), param_bytes=tuple(param),
+        rec_s=tuple(rec), act_bytes=tuple(act), peak_bytes=tuple(peak), transient_bytes=tuple(transient),
+        boundary_bytes=tuple(boundary), input_bytes=draw(st.integers(0, 500)), param_bytes=tuple(param),
         grad_bytes=tuple(0 if f else p for f, p in zip(frozen, param)), shared=shared,
         device_count=draw(st.integers(1, 4)), microbatches=draw(st.integers(1, 6)), memory_bytes=1,
         link_bytes_per_s=draw(st.sampled_from([300.0, 1000.0, 5000.0])),

@@ -252,7 +252,7 @@ def test_the_key_changes_with_every_part(monkeypatch: pytest.MonkeyPatch) -> Non
     assert key(g=analyze(other_model, inputs, cost_model=AnalyticCostModel("rtx4090"))) == base  # same model, same key
 
 
-@pytest.mark.parametrize("how", ["garbage", "truncated", "foreign", "schema", "nodes", "empty"])
+@pytest.mark.parametrize("how", ["garbage", "truncated", "foreign", "schema", "nodes", "empty", "older"])
 def test_a_bad_entry_warns_once_and_is_measured_afresh(how: str, monkeypatch: pytest.MonkeyPatch,
                                                         caplog: pytest.LogCaptureFixture) -> None:
     model, inputs = _stack()
@@ -270,6 +270,11 @@ def test_a_bad_entry_warns_once_and_is_measured_afresh(how: str, monkeypatch: py
         entry.write_text(json.dumps({**data, "key": {**data["key"], "graph": "0" * 64}}))
     elif how == "schema":
         entry.write_text(json.dumps({**data, "nodes": [1, 2, 3]}))
+    elif how == "older":  # written before NodeCost had bwd_transient_bytes: refused, not read as 0
+        old = {name: {k: v for k, v in fields.items() if k != "bwd_transient_bytes"}
+               for name, fields in data["nodes"].items()}
+        assert old != data["nodes"]
+        entry.write_text(json.dumps({**data, "nodes": old}))
     else:
         entry.write_text(json.dumps({**data, "nodes": dict(list(data["nodes"].items())[1:])}))
     calls = []

@@ -22,6 +22,8 @@ import torch._decomp
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from rpcompile.core.batch import tensor_leaves
+
 from .kernels import GpuKernels
 from .util import CANONICAL_NAMES_KEY, canonical_names
 
@@ -168,7 +170,7 @@ def on_meta(gm: fx.GraphModule, args: tuple, kwargs: dict, fn: Callable[[tuple, 
     on the CPU then costs no real forward pass (a Llama-3-8B shape at 2048 tokens is minutes of CPU). False when
     the graph cannot run on meta (a data-dependent op such as ``nonzero`` or ``item``): the caller runs it on the
     real values instead. True, without swapping, when everything is on meta already."""
-    tensors = [*tensor_values((args, kwargs)), *gm.parameters(), *gm.buffers()]
+    tensors = [*tensor_leaves((args, kwargs)), *gm.parameters(), *gm.buffers()]
     if all(t.device.type == "meta" for t in tensors):
         fn(args, kwargs)
         return True
@@ -190,7 +192,3 @@ def on_meta(gm: fx.GraphModule, args: tuple, kwargs: dict, fn: Callable[[tuple, 
     finally:
         gm.meta[CANONICAL_NAMES_KEY] = canonical
     return True
-
-
-def tensor_values(tree: Any) -> list[torch.Tensor]:
-    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]

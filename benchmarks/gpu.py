@@ -470,7 +470,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--capped-seq", type=int, default=2048)
     ap.add_argument("--cap-gib", type=float, default=20.0)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--seqlen-tokens", type=int, default=125_952,
+    ap.add_argument("--seqlen-tokens", type=int, default=83_968,
                     help="seqlen section: the sequence length (default: benchmarks/seqlen.py's llama-8b prediction)")
     ap.add_argument("--seqlen-layers", type=int, default=4, help="seqlen section: layers of the Llama-3-8B slice")
     ap.add_argument("--spec", default=None, help="plan from analytic costs of this GPU spec (default: measured here)")

@@ -365,6 +365,10 @@ class Executor:
         if act.kind == "F" and act.microbatch == 0 and act.stage in ahead:  # the stage starts: prefetch the next
             nxt = self.program.stages[ahead[act.stage]]
             prefetched[nxt.index] = self._prefetchers[device.index].submit(self._upload, device, nxt)
+        if act.kind == "F" and act.microbatch == 0 and device.offloader is not None:
+            # saves of the previous stage beyond the budget still going down: this stage's planned memory has no
+            # room for them (on an H100 an 8B LM-head stage ran 3.3 GiB past its plan beside such a backlog)
+            device.offloader.wait_within_budget()
         if act.kind == "W":
             future = prefetched.pop(act.stage, None)
             state = states[act.stage] = future.result() if future is not None else self._upload(device, prog)

@@ -229,3 +229,38 @@ def test_a_failed_weight_upload_fails_the_step_with_the_stage():
     with pytest.raises(PipelineError, match=rf"stage {pipe.plan.stages[second.stage].name} \({second}\) failed on "
                                             r"device 0 \(cpu\): OSError: out of pinned memory"):
         pipe.forward_backward(x, target=y)
+
+
+def test_a_stage_starts_only_once_the_saves_before_it_are_within_the_budget(monkeypatch):
+    """One device runs every stage; its saves go down slowly (20 ms a copy) with no room beside the stages (a
+    budget of one byte). A forward stage may keep its previous microbatch's saves beside it (the planner counts
+    them), but the next stage starts only once they are down: its planned memory has no room for them (on an
+    H100 an 8B LM-head stage ran 3.3 GiB past its plan beside the previous stage's saves). Loss and gradients are
+    eager's."""
+    from test_runtime import TOL, _saving_pipeline, assert_grads_equal, eager_step
+
+    from rpcompile.runtime import executor
+
+    spec, ref, pipe, x, y = _saving_pipeline("llama-demo", 1, k=1)
+
+    def slow(tensors, ready):
+        time.sleep(0.02)
+        return [t.clone() for t in tensors]
+
+    device, = pipe.devices
+    device.enable_offload(budget_bytes=1, copy=slow)
+    at_start = []
+    compute = executor.Executor._compute
+
+    def spy(self, dev, prog, state, mb):
+        if mb == 0:
+            at_start.append((prog.name, dev.offloader.pending_bytes))
+        return compute(self, dev, prog, state, mb)
+
+    monkeypatch.setattr(executor.Executor, "_compute", spy)
+    loss = pipe.forward_backward(x, target=y)
+    torch.testing.assert_close(loss, eager_step(ref, spec.loss_fn, x, y, pipe.microbatches), **TOL)
+    assert_grads_equal(spec.model, ref)
+    assert [name for name, _ in at_start] == [s.name for s in pipe.plan.stages]
+    assert device.offloader.peak_pending_bytes > 1  # a forward stage did keep saves beside it
+    assert all(pending <= 1 for _, pending in at_start), at_start

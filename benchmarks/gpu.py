@@ -41,6 +41,7 @@ import copy
 import datetime
 import gc
 import json
+import logging
 import os
 import statistics
 import sys
@@ -88,6 +89,33 @@ def _peak_reset(device: str) -> None:
 
 def _peak(device: str) -> float | None:
     return torch.cuda.max_memory_allocated() / GiB if device.startswith("cuda") else None
+
+
+@contextlib.contextmanager
+def _pass_times(row: dict) -> Any:
+    """``row["compile_passes"]``: seconds per compile pass (trace, shape, cost, partition, ...; summed over the
+    LM-head splits) from the ``rpcompile`` logger, and ``"other"``: what ``compile`` spent outside them. A compile
+    that misses its time target then says where the time went."""
+    times: dict[str, float] = {}
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.msg == "%s: %.2f s" and len(record.args or ()) == 2:
+                name, seconds = record.args  # type: ignore[misc]
+                times[str(name)] = times.get(str(name), 0.0) + float(seconds)
+
+    logger, handler = logging.getLogger("rpcompile"), Collect(logging.INFO)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        times["other"] = max(0.0, time.perf_counter() - t0 - sum(times.values()))
+        row["compile_passes"] = {k: round(v, 3) for k, v in times.items()}
 
 
 def _timed(step: Callable[[], Any], steps: int, device: str) -> float:
@@ -248,10 +276,12 @@ def rpcompile_row(spec: Any, devices: list[str], label: str, steps: int, *, sect
     device = devices[0]
     _peak_reset(device)
     _say(f"{section}: compiling {label}")
+    passes: dict[str, Any] = {}
     t0 = time.perf_counter()
-    pipe = rpcompile.compile(spec.model, (x,), loss_fn=spec.loss_fn, devices=devices, precision="bf16",
-                             microbatches=microbatches, memory_limit=memory_limit, spec=cost_spec,
-                             example_target=y)
+    with _pass_times(passes):
+        pipe = rpcompile.compile(spec.model, (x,), loss_fn=spec.loss_fn, devices=devices, precision="bf16",
+                                 microbatches=microbatches, memory_limit=memory_limit, spec=cost_spec,
+                                 example_target=y)
     compile_s = time.perf_counter() - t0
     _say(f"{section}: compiled in {compile_s:.1f} s; stepping")
 
@@ -263,7 +293,7 @@ def rpcompile_row(spec: Any, devices: list[str], label: str, steps: int, *, sect
 
     row: dict[str, Any] = {"section": section, "system": "rpcompile", "variant": label, "setup_s": compile_s,
                            "stages": len(pipe.plan.stages), "microbatches": pipe.microbatches,
-                           "head_chunks": pipe.plan.head_chunks,
+                           "head_chunks": pipe.plan.head_chunks, **passes,
                            # the pipeline's part of the prediction: these steps run no optimizer
                            "predicted_s": pipe.plan.predicted.pipeline_s or pipe.plan.predicted.iteration_time_s}
     try:
@@ -283,11 +313,14 @@ def rpcompile_row(spec: Any, devices: list[str], label: str, steps: int, *, sect
     row["loss"] = losses[0] if losses else None
     if recompile:
         _say(f"{section}: compiling again (warm cache)")
+        warm: dict[str, Any] = {}
         t0 = time.perf_counter()
-        again = rpcompile.compile(spec.model, (x,), loss_fn=spec.loss_fn, devices=devices, precision="bf16",
-                                  microbatches=microbatches, memory_limit=memory_limit, spec=cost_spec,
-                                  example_target=y)
+        with _pass_times(warm):
+            again = rpcompile.compile(spec.model, (x,), loss_fn=spec.loss_fn, devices=devices, precision="bf16",
+                                      microbatches=microbatches, memory_limit=memory_limit, spec=cost_spec,
+                                      example_target=y)
         row["recompile_s"] = time.perf_counter() - t0
+        row["recompile_passes"] = warm["compile_passes"]
         row["same_plan_again"] = again.plan.to_dict()["stages"] == pipe.plan.to_dict()["stages"]
         del again
     rows = [row]
@@ -366,12 +399,15 @@ def seqlen_rows(args: argparse.Namespace, device: str) -> list[dict]:
                                   n_heads=32, n_kv_heads=8, ffn_dim=14_336, rope_theta=500_000.0, norm_eps=1e-5))
         x, y = torch.randint(0, 128_256, (1, n)), torch.randint(0, 128_256, (1, n))
     _say("seqlen: compiling")
+    passes: dict[str, Any] = {}
     t0 = time.perf_counter()
     # memory_limit: the 4090's usable memory; without it the plan takes the device's own (an H200's 126 GiB)
-    pipe = rpcompile.compile(model, (x,), loss_fn=lm_loss, devices=[device], precision="bf16", microbatches=1,
-                             spec="rtx4090", memory_limit=get_spec("rtx4090").usable_memory_bytes, example_target=y)
+    with _pass_times(passes):
+        pipe = rpcompile.compile(model, (x,), loss_fn=lm_loss, devices=[device], precision="bf16", microbatches=1,
+                                 spec="rtx4090", memory_limit=get_spec("rtx4090").usable_memory_bytes,
+                                 example_target=y)
     base = {"section": "seqlen", "system": "rpcompile", "model": f"llama-8b, {args.seqlen_layers} layers",
-            "tokens": n, "setup_s": time.perf_counter() - t0, "stages": len(pipe.plan.stages),
+            "tokens": n, "setup_s": time.perf_counter() - t0, **passes, "stages": len(pipe.plan.stages),
             "head_chunks": pipe.plan.head_chunks, "predicted_s": pipe.plan.predicted.pipeline_s,
             "predicted_peak_gib": pipe.plan.predicted.peak_memory_bytes / GiB,
             "plan_memory_limit_gib": pipe.plan.hardware.memory_bytes / GiB}

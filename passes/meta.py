@@ -146,9 +146,11 @@ def without_dynamo_import() -> Iterator[None]:
                 delattr(fn, key)
 
 
-def _stand_in(t: torch.Tensor) -> torch.Tensor:
-    """A meta tensor with ``t``'s shape, strides, dtype and (for a parameter) ``requires_grad``."""
-    m = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+def _stand_in(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A meta tensor with ``t``'s shape, strides, dtype (``dtype`` instead, for a floating ``t``) and (for a
+    parameter) ``requires_grad``."""
+    as_dtype = dtype if dtype is not None and t.is_floating_point() else t.dtype
+    m = torch.empty_strided(t.shape, t.stride(), dtype=as_dtype, device="meta")
     return torch.nn.Parameter(m, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else m
 
 
@@ -163,22 +165,27 @@ class _Runner(torch.nn.Module):
         return self.fn(*values)
 
 
-def on_meta(gm: fx.GraphModule, args: tuple, kwargs: dict, fn: Callable[[tuple, dict], Any]) -> bool:
+def on_meta(gm: fx.GraphModule, args: tuple, kwargs: dict, fn: Callable[[tuple, dict], Any], *,
+            dtype: torch.dtype | None = None) -> bool:
     """Run ``fn(args, kwargs)`` — a pass that runs ``gm`` only for the shapes of its values — on the ``meta``
     device: ``gm``'s parameters and buffers are swapped for meta stand-ins (nothing is copied, and they are
     back when it returns), ``args``/``kwargs`` tensors become meta tensors, under :class:`MetaSafeMode`. A model
-    on the CPU then costs no real forward pass (a Llama-3-8B shape at 2048 tokens is minutes of CPU). False when
-    the graph cannot run on meta (a data-dependent op such as ``nonzero`` or ``item``): the caller runs it on the
-    real values instead. True, without swapping, when everything is on meta already."""
+    on the CPU then costs no real forward pass (a Llama-3-8B shape at 2048 tokens is minutes of CPU). ``dtype``:
+    the floating parameters' and buffers' stand-ins are in it (the compute precision; the real weights are not
+    cast, which for a Llama-3-8B-width 4-layer slice on this CPU was 4 s a pass). False when the graph cannot run
+    on meta (a data-dependent op such as ``nonzero`` or ``item``): the caller runs it on the real values instead.
+    True, without swapping, when everything is on meta already in ``dtype``."""
     tensors = [*tensor_leaves((args, kwargs)), *gm.parameters(), *gm.buffers()]
-    if all(t.device.type == "meta" for t in tensors):
+    weights = [*gm.parameters(), *gm.buffers()]
+    if all(t.device.type == "meta" for t in tensors) and (
+            dtype is None or all(t.dtype == dtype for t in weights if t.is_floating_point())):
         fn(args, kwargs)
         return True
     # one stand-in per tensor (a tied weight's names share it), and the id-keyed name cache of
     # passes/util.py:canonical_names pointed at the stand-ins for the run, then back
     real = [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]
     canonical = canonical_names(gm)
-    stand_ins = {id(t): _stand_in(t) for _, t in real}
+    stand_ins = {id(t): _stand_in(t, dtype) for _, t in real}
     state = {f"gm.{name}": stand_ins[id(t)] for name, t in real}
     meta_args, meta_kwargs = pytree.tree_map_only(torch.Tensor, _stand_in, (args, kwargs))
     gm.meta[CANONICAL_NAMES_KEY] = {id(stand_ins[i]): name for i, name in canonical.items() if i in stand_ins}

@@ -159,22 +159,35 @@ def _loss_head(c: Compilation) -> None:
     c.kwargs = {**c.kwargs, TARGET: target}
 
 
-@contextlib.contextmanager
-def _as_traced(c: Compilation) -> Iterator[tuple[tuple[Any, ...], dict[str, Any]]]:
-    """The example inputs, while the graph's weights are in the compute dtype (as the runtime uploads them; an
-    exported graph traced in it runs only in it): every node then has its run-time dtype, explicit fp32 upcasts
-    included, and the graph records it (:data:`~rpcompile.passes.precision.RUN_DTYPE_KEY`)."""
+def _run_dtype(c: Compilation) -> torch.dtype | None:
+    """The dtype the graph runs in: the compute dtype (as the runtime uploads the weights; an exported graph traced
+    in one runs only in it), recorded on the graph (:data:`~rpcompile.passes.precision.RUN_DTYPE_KEY`)."""
     dtype = c.graph.meta.get(TRACE_DTYPE_KEY) or compute_dtype(c.precision)
     c.graph.meta[RUN_DTYPE_KEY] = dtype
+    return dtype
+
+
+@contextlib.contextmanager
+def _as_traced(c: Compilation) -> Iterator[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """The example inputs, while the graph's weights are in the run dtype (:func:`_run_dtype`): every node then
+    has its run-time dtype, explicit fp32 upcasts included. Casts the real weights: for a real run only."""
+    dtype = _run_dtype(c)
     with computing_in(c.graph, dtype):
         yield cast_floating(c.args, dtype), cast_floating(c.kwargs, dtype)
+
+
+def _on_meta(c: Compilation, fn: Callable[[tuple, dict], Any]) -> bool:
+    """``fn`` on meta stand-ins in the run dtype (:func:`~rpcompile.passes.meta.on_meta`): the real weights are
+    neither read nor cast. False when the graph cannot run on meta."""
+    dtype = _run_dtype(c)
+    return on_meta(c.graph, cast_floating(c.args, dtype), cast_floating(c.kwargs, dtype), fn, dtype=dtype)
 
 
 def _shape(c: Compilation) -> None:
     """Shapes need no data: the graph runs on meta stand-ins (:func:`~rpcompile.passes.meta.on_meta`) unless a
     data-dependent op needs the real values."""
-    with _as_traced(c) as (args, kwargs):
-        if not on_meta(c.graph, args, kwargs, lambda a, k: shape_pass(c.graph, a, k)):
+    if not _on_meta(c, lambda a, k: shape_pass(c.graph, a, k)):
+        with _as_traced(c) as (args, kwargs):
             shape_pass(c.graph, args, kwargs)
 
 
@@ -184,11 +197,11 @@ def _cost(c: Compilation) -> None:
     if c.threads is not None:
         torch.set_num_threads(c.threads)
     try:
-        with _as_traced(c) as (args, kwargs):
-            def cost(a: tuple, k: dict) -> None:
-                cost_pass(c.graph, a, k, cost_model=c.cost_model, progress=c.progress)
+        def cost(a: tuple, k: dict) -> None:
+            cost_pass(c.graph, a, k, cost_model=c.cost_model, progress=c.progress)
 
-            if not (isinstance(c.cost_model, AnalyticCostModel) and on_meta(c.graph, args, kwargs, cost)):
+        if not (isinstance(c.cost_model, AnalyticCostModel) and _on_meta(c, cost)):
+            with _as_traced(c) as (args, kwargs):
                 cost(args, kwargs)
         if c.loss is not None and c.head_chunks == 1:  # the loss runs after the graph: its memory, on meta
             c.graph.meta[LOSS_BYTES_KEY] = loss_memory(c.graph, *c.loss)

@@ -62,6 +62,7 @@ __all__ = [
     "Materialized",
     "CostModel",
     "cost_pass",
+    "cost_from_cache",
     "node_cost",
     "DTYPE_KEY",
 ]
@@ -536,11 +537,7 @@ def cost_pass(
     entry = profile_cache.load(key, {n.name for n in compute}, set(NodeCost.__dataclass_fields__)) \
         if key is not None else None
     if entry is not None and all(n.meta.get(SHAPE_KEY) is not None for n in compute):
-        # warm: every cost comes from the cache, the graph does not run at all
-        partial = {n: dict(entry.nodes[n.name]) for n in compute}
-        gm.meta["rpcompile.profiling"] = {"nodes": n_compute, "measured": 0, "shared": 0, "batches": 0,
-                                          "cache_hit": True}
-        return _write(gm, cost_model, partial, entry.calibration)
+        return _warm(gm, cost_model, entry, compute)  # the graph does not run at all
     label = f"profiling ({cost_model.name}{', cached' if entry is not None else ''})"
     bar, task = _progress(n_compute, label, enabled)
     grads = {name: p.grad for name, p in gm.named_parameters()}
@@ -571,6 +568,32 @@ def cost_pass(
     gm.meta["rpcompile.profiling"] = {"nodes": n_compute, "measured": interp.measured, "shared": len(interp.shared),
                                       "batches": interp.batches, "cache_hit": entry is not None}
     return _write(gm, cost_model, interp.partial, totals)
+
+
+def cost_from_cache(gm: fx.GraphModule, example_inputs: Sequence[Any] = (),
+                    example_kwargs: Mapping[str, Any] | None = None, *, cost_model: CostModel) -> bool:
+    """:func:`cost_pass` from a warm profile cache only: every compute node's :class:`NodeCost` written from the
+    cache's entry, without running the graph or reading its weights (they may be uninitialised storage in the
+    compute dtype: a Llama-3-8B in CPU memory is not cast for a lookup). False, and nothing written, when the cost
+    model keeps no cache, a node has no shape yet, or there is no sound entry (:func:`cost_pass` then measures,
+    and says why an entry was refused)."""
+    compute = [n for n in gm.graph.nodes if is_compute(n)]
+    if not getattr(cost_model, "cache", False) or any(n.meta.get(SHAPE_KEY) is None for n in compute):
+        return False
+    key = profile_cache.profile_key(gm, flat_inputs(gm, example_inputs, example_kwargs), cost_model.identity())
+    entry = profile_cache.load(key, {n.name for n in compute}, set(NodeCost.__dataclass_fields__), quiet=True)
+    if entry is None:
+        return False
+    _warm(gm, cost_model, entry, compute)
+    return True
+
+
+def _warm(gm: fx.GraphModule, cost_model: CostModel, entry: profile_cache.CacheEntry,
+          compute: list[fx.Node]) -> fx.GraphModule:
+    """Every cost from the cache's ``entry``."""
+    gm.meta["rpcompile.profiling"] = {"nodes": len(compute), "measured": 0, "shared": 0, "batches": 0,
+                                      "cache_hit": True}
+    return _write(gm, cost_model, {n: dict(entry.nodes[n.name]) for n in compute}, entry.calibration)
 
 
 def _drive(gm: fx.GraphModule, flat: list[Any], cost_model: CostModel, on_node: Callable[[], None], share: bool,

@@ -88,8 +88,9 @@ def _path(key: dict[str, Any]) -> Path:
     return _profiles() / f"{digest}.json"
 
 
-def _ignore(path: Path, why: str) -> None:
-    log.warning("ignoring profile cache entry %s (%s); measuring afresh", path, why)
+def _ignore(path: Path, why: str, quiet: bool = False) -> None:
+    if not quiet:
+        log.warning("ignoring profile cache entry %s (%s); measuring afresh", path, why)
 
 
 def _node(value: Any, fields: set[str]) -> dict[str, Any]:
@@ -113,37 +114,38 @@ def _node(value: Any, fields: set[str]) -> dict[str, Any]:
     return out
 
 
-def load(key: dict[str, Any], node_names: set[str], fields: set[str]) -> CacheEntry | None:
+def load(key: dict[str, Any], node_names: set[str], fields: set[str], *, quiet: bool = False) -> CacheEntry | None:
     """The entry for ``key`` if one exists and is sound (exactly ``node_names``, each with exactly ``fields``);
-    else None (one warning line when an entry exists but is not usable)."""
+    else None (one warning line when an entry exists but is not usable, unless ``quiet``: a first look, before
+    the lookup that warns)."""
     path = _path(key)
     try:
         text = path.read_text()
     except FileNotFoundError:
         return None
     except OSError as e:
-        _ignore(path, f"unreadable: {e.strerror}")
+        _ignore(path, f"unreadable: {e.strerror}", quiet)
         return None
     try:
         data = json.loads(text)
     except ValueError:
-        _ignore(path, "not JSON: corrupt or truncated")
+        _ignore(path, "not JSON: corrupt or truncated", quiet)
         return None
     try:
         if not isinstance(data, dict) or data.get("format") != FORMAT_VERSION:
-            _ignore(path, "not this cache format")
+            _ignore(path, "not this cache format", quiet)
             return None
         if data.get("key") != json.loads(json.dumps(key)):
-            _ignore(path, "made for another model, device or torch")
+            _ignore(path, "made for another model, device or torch", quiet)
             return None
         nodes = {str(k): _node(v, fields) for k, v in data["nodes"].items()}
         cal = data["calibration"]
         calibration = None if cal is None else (float(cal[0]), float(cal[1]))
     except (KeyError, TypeError, ValueError, IndexError, AttributeError):
-        _ignore(path, "wrong schema")
+        _ignore(path, "wrong schema", quiet)
         return None
     if set(nodes) != node_names:
-        _ignore(path, "its nodes are not this graph's")
+        _ignore(path, "its nodes are not this graph's", quiet)
         return None
     return CacheEntry(nodes, calibration)
 

@@ -31,7 +31,7 @@ import torch.fx as fx
 
 from rpcompile.passes.analytic import AnalyticCostModel
 from rpcompile.passes.coarsen import coarsen_pass
-from rpcompile.passes.cost import cost_pass
+from rpcompile.passes.cost import cost_from_cache, cost_pass
 from rpcompile.passes.measured import MeasuredCostModel
 from rpcompile.passes.formulate import PRECISION_BYTES, partition_problem
 from rpcompile.passes.host import host_embedding_pass
@@ -183,6 +183,16 @@ def _on_meta(c: Compilation, fn: Callable[[tuple, dict], Any]) -> bool:
     return on_meta(c.graph, cast_floating(c.args, dtype), cast_floating(c.kwargs, dtype), fn, dtype=dtype)
 
 
+def _from_cache(c: Compilation) -> bool:
+    """Measured costs from a warm profile cache (:func:`~rpcompile.passes.cost.cost_from_cache`): the weights
+    are not cast for it (uninitialised storage in the run dtype: the cache's key reads shapes and dtypes only).
+    False when the cache has no entry for this graph."""
+    dtype = _run_dtype(c)
+    with computing_in(c.graph, dtype, values=False):
+        return cost_from_cache(c.graph, cast_floating(c.args, dtype), cast_floating(c.kwargs, dtype),
+                               cost_model=c.cost_model)
+
+
 def _shape(c: Compilation) -> None:
     """Shapes need no data: the graph runs on meta stand-ins (:func:`~rpcompile.passes.meta.on_meta`) unless a
     data-dependent op needs the real values."""
@@ -200,7 +210,11 @@ def _cost(c: Compilation) -> None:
         def cost(a: tuple, k: dict) -> None:
             cost_pass(c.graph, a, k, cost_model=c.cost_model, progress=c.progress)
 
-        if not (isinstance(c.cost_model, AnalyticCostModel) and _on_meta(c, cost)):
+        if isinstance(c.cost_model, AnalyticCostModel):
+            done = _on_meta(c, cost)
+        else:
+            done = _from_cache(c)
+        if not done:
             with _as_traced(c) as (args, kwargs):
                 cost(args, kwargs)
         if c.loss is not None and c.head_chunks == 1:  # the loss runs after the graph: its memory, on meta

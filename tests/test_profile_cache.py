@@ -222,6 +222,27 @@ def test_cold_then_warm_does_not_measure(monkeypatch: pytest.MonkeyPatch) -> Non
     assert warm.meta.get("rpcompile.calibration") == cold.meta.get("rpcompile.calibration")
 
 
+def test_a_warm_cache_casts_no_weight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 plan with measured costs: the warm lookup gives the graph uninitialised storage in bf16 for the
+    key's dtypes and never casts the real weights (a Llama-3-8B in CPU memory is 32 GB to read per cast, once
+    per LM-head split); the costs are the cold compile's."""
+    import rpcompile.planning as planning
+
+    model, inputs = _stack()
+    plan = dict(gpus=1, device="cpu", precision="bf16", time_limit_s=1)
+    cold = compile_plan(model, inputs, **plan)
+    assert not cold.graph.meta["rpcompile.profiling"]["cache_hit"]
+    values = []
+    cast = planning.computing_in
+    monkeypatch.setattr(planning, "computing_in",
+                        lambda m, dtype, **k: values.append(k.get("values", True)) or cast(m, dtype, **k))
+    _no_measuring(monkeypatch)
+    warm = compile_plan(model, inputs, **plan)
+    assert values == [False] and warm.graph.meta["rpcompile.profiling"]["cache_hit"]
+    assert [n.meta[COST_KEY] for n in compute_nodes(warm.graph)] == [n.meta[COST_KEY] for n in compute_nodes(cold.graph)]
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
 def test_the_key_changes_with_every_part(monkeypatch: pytest.MonkeyPatch) -> None:
     model, inputs = _stack()
     gm = analyze(model, inputs, cost_model=AnalyticCostModel("rtx4090"))

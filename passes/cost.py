@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import abc
 import functools
+import logging
 import os
 import sys
 import warnings
@@ -66,6 +67,8 @@ __all__ = [
     "node_cost",
     "DTYPE_KEY",
 ]
+
+log = logging.getLogger(__name__)
 
 COST_KEY = "rpcompile.cost"
 DTYPE_KEY = "rpcompile.dtype"
@@ -341,8 +344,10 @@ def _backward_transient(m: Materialized, out: Any, saved: list[torch.Tensor], pa
     try:
         with MetaSafeMode(), GpuKernels(), peak:
             torch.autograd.grad(outs, leaves, grads, retain_graph=True, allow_unused=True)
-    except Exception:  # noqa: BLE001 - a backward that reads values cannot run on meta: not costed
-        return 0
+    except Exception as err:  # noqa: BLE001 - a backward that reads values cannot run on meta
+        # at least its inputs' gradients: counting nothing would let a stage past the memory it has
+        log.debug("a backward does not run on meta (%s): its transient is its input gradients", err)
+        return sum(t.numel() * t.element_size() for t in leaves if t.requires_grad)
     return peak.peak
 
 

@@ -103,6 +103,41 @@ def test_backward_transient_bytes_are_the_input_gradients_and_what_leads_to_them
     assert node_cost(next(n for n in gm.graph.nodes if n.name == "up")).bwd_transient_bytes == 0  # x needs none
 
 
+class _ReadsItsGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2 if g.abs().max().item() < 1e30 else g  # reads a value: cannot run on meta
+
+
+class _Picky(nn.Module):
+    def forward(self, x):
+        return _ReadsItsGradient.apply(x)
+
+
+def test_a_backward_that_reads_values_counts_at_least_its_input_gradients():
+    """The meta run cannot measure it; counting 0 would let a stage past its memory."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.picky, self.down = nn.Linear(8, 16), _Picky(), nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.down(self.picky(self.up(x)))
+
+    class Leaves(fx.Tracer):
+        def is_leaf_module(self, m, name):
+            return isinstance(m, _Picky) or super().is_leaf_module(m, name)
+
+    net = Net()
+    gm = fx.GraphModule(net, Leaves().trace(net))
+    cost_pass(gm, (torch.randn(8, 8),), cost_model=AnalyticCostModel("rtx4090"), progress=False)
+    assert node_cost(next(n for n in gm.graph.nodes if n.name == "picky")).bwd_transient_bytes == 8 * 16 * 4
+
+
 def test_buffers_are_restored():
     model, _, _ = costed()
     assert torch.equal(model.bn.running_mean, torch.zeros(24))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session in few device calls (recipe: ../shared/gpu/README.md; wheels in .whl/, sent with `carry`).
-#   bash benchmarks/gpu_session.sh tests,resident,seqlen     # first call
-#   bash benchmarks/gpu_session.sh capped                    # second call
+#   BUDGET_S=540 bash benchmarks/gpu_session.sh seqlen,tests,resident   # first call
+#   BUDGET_S=420 bash benchmarks/gpu_session.sh capped                  # second call
 # Every step has its own time limit and writes under $OUT as it goes, so a call cut short keeps what it measured.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -19,7 +19,7 @@ lim() { local left=$(( deadline - $(date +%s) )); echo $(( left < $1 ? (left > 1
 for step in ${1//,/ }; do
   start=$(date +%s)
   case $step in
-    tests) timeout $(lim 150) python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 >"$OUT/pytest-gpu.txt" 2>&1
+    tests) timeout $(lim 220) python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 >"$OUT/pytest-gpu.txt" 2>&1
            echo "pytest -m gpu rc=$?"; tail -25 "$OUT/pytest-gpu.txt" ;;
     retest) timeout $(lim 90) python3 -m pytest -q -m gpu -p no:cacheprovider -k "trains_like_eager" >"$OUT/pytest-retest.txt" 2>&1
             echo "pytest -m gpu -k trains_like_eager rc=$?"; tail -5 "$OUT/pytest-retest.txt" ;;

@@ -44,7 +44,9 @@ Contracts
 from __future__ import annotations
 
 import functools
+import logging
 import os
+import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -79,6 +81,8 @@ _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 #: The target value a mean loss leaves out (``ignore_index`` of torch's and HF's cross-entropy): padding.
 IGNORE_INDEX = -100
+
+log = logging.getLogger(__name__)
 
 
 def shifted_tokens(target: torch.Tensor) -> int:
@@ -574,9 +578,12 @@ def compile(
                         progress=False, loss_fn=loss_fn, example_target=example_target, head_chunks=head_chunks,
                         host_embedding=host_embedding, threads=threads, **plan_options)
     assert made.plan is not None
-    return Pipeline(model, made.graph, made.plan, devs, loss_fn, precision, scaler,
+    t0 = time.perf_counter()
+    pipe = Pipeline(model, made.graph, made.plan, devs, loss_fn, precision, scaler,
                     loss_in_graph=made.plan.head_chunks > 1, signature=signature, loss_weight=loss_weight,
                     frozen_masters=frozen_masters)
+    log.info("%s: %.2f s", "pipeline", time.perf_counter() - t0)  # stage code, host weight copies (pinned for GPUs)
+    return pipe
 
 
 def _join(dp: DataParallel, local: Callable[..., Pipeline], plan: "Plan | str | os.PathLike | None",

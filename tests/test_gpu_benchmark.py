@@ -34,7 +34,7 @@ def test_the_smoke_run_writes_every_row(tmp_path, capsys, monkeypatch):
     for r in rows[3:]:
         assert r["predicted_s"] > 0 and r["predicted_over_measured"] == r["predicted_s"] / r["step_s"]
         passes = r["compile_passes"]  # where compile's time went, pass by pass
-        assert {"trace", "shape", "cost", "partition", "lower", "other"} <= passes.keys(), passes
+        assert {"trace", "shape", "cost", "partition", "lower", "pipeline", "other"} <= passes.keys(), passes
         assert sum(passes.values()) == pytest.approx(r["setup_s"], rel=0.05, abs=0.05)
     plain, synchronous, overlapped = rows[3:6]
     host = synchronous["predicted_s"] - plain["predicted_s"]

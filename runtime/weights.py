@@ -5,7 +5,8 @@ gradients they send home.
 another precision or is a GPU: it uploads a copy in the compute precision — pinned when any device is a GPU, so
 the upload is one DMA straight from it — made once per optimizer step, not at every upload (a cast of every
 weight at every upload was 2.5 s of host time per iteration on the H100 machine, with the GPU idle 88% of it).
-When the copy is refreshed:
+The first copy is made by the first upload that needs it (the pipeline allocates them, fills none), so building a
+pipeline casts no weight. When the copy is refreshed:
 
 - after any ``torch.optim`` optimizer's ``step()`` over one of its parameters (a global step post-hook, so a plain
   ``optimizer.step()`` loop needs nothing more): the copy is marked stale and refreshed by the next upload that
@@ -131,10 +132,12 @@ class WeightStore:
             if not self._needs_copy(e.master):
                 continue
             e.front = self._empty_like(e.master)
-            self._make(e, e.front)
             if once:
+                self._make(e, e.front)
                 e.master.data = e.front  # frozen: stored once, in the compute precision
                 e.front = None
+            # else stale until the first upload that needs it makes it, on the device's prefetch thread beside
+            # the previous stage's compute: not all at once before the first step (a cast of every weight)
         store = weakref.ref(self)
         handle = register_optimizer_step_post_hook(lambda opt, args, kwargs: _after_step(store, opt))
         weakref.finalize(self, handle.remove)

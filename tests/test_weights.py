@@ -85,6 +85,23 @@ def test_copies_made_once_per_step_train_as_casting_at_every_upload(kind):
         assert torch.equal(copies.source(name), p.detach().to(torch.bfloat16)), name
 
 
+def test_building_a_pipeline_casts_no_weight_and_the_first_step_uploads_the_masters_as_they_are_then():
+    """The copies are made by the first uploads (on the prefetch threads, beside compute), not when the pipeline
+    is built (for an 8B model: a cast of 32 GB of masters before the first step); a master edited in between is
+    uploaded as edited."""
+    a, pa, b, pb = pair()
+    assert pa.host_traffic.get("weight copies", 0) == 0
+    with torch.no_grad():
+        for m in (a, b):
+            next(m.parameters()).mul_(0.5)
+    x, y = batch(1)
+    assert torch.equal(pa.forward_backward(x, target=y), pb.forward_backward(x, target=y))
+    uploaded = {n for prog in pa.program.stages for n in prog.params.values()}
+    assert pa.host_traffic["weight copies"] == sum(6 * p.numel() for n, p in a.named_parameters() if n in uploaded)
+    for name, p in a.named_parameters():
+        assert torch.equal(pa.executor.weights.source(name), p.detach().to(torch.bfloat16)), name
+
+
 def test_host_bytes_per_parameter_follow_the_counting_rules():
     """bf16 on logical CPU devices: per iteration the host makes each trainable copy once (read 4 + write 2 bytes
     per parameter) and adds each grad stage's bf16 gradient into .grad (read 2 + write 4 bytes the first time,

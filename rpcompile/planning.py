@@ -41,6 +41,7 @@ from rpcompile.passes.lower import to_plan
 from rpcompile.passes.meta import on_meta, without_dynamo_import
 from rpcompile.passes.partition import ilp, solve
 from rpcompile.passes.problem import PartitionProblem
+from rpcompile.passes.reuse import RunMemo
 from rpcompile.passes.shape import shape_pass
 from rpcompile.passes.precision import RUN_DTYPE_KEY, TRACE_DTYPE_KEY, cast_floating, compute_dtype, computing_in
 from rpcompile.passes.trace import trace, training_inputs
@@ -120,6 +121,9 @@ class Compilation:
     """lower: the plan of names."""
     times: dict[str, float] = field(default_factory=dict)
     """Seconds each pass took."""
+    memo: RunMemo | None = None
+    """What the shape and cost passes of an earlier compilation of the same trace left for this one (set by
+    :func:`shared_trace`'s pass: the LM-head splits' bodies are shaped and costed once, :mod:`.passes.reuse`)."""
 
     @property
     def graph(self) -> fx.GraphModule:
@@ -174,7 +178,7 @@ def _shape(c: Compilation) -> None:
     """Shapes need no data: the graph runs on meta stand-ins (:func:`~rpcompile.passes.meta.on_meta`) unless a
     data-dependent op needs the real values."""
     with _as_traced(c) as (args, kwargs):
-        if not on_meta(c.graph, args, kwargs, lambda a, k: shape_pass(c.graph, a, k)):
+        if not on_meta(c.graph, args, kwargs, lambda a, k: shape_pass(c.graph, a, k, memo=c.memo)):
             shape_pass(c.graph, args, kwargs)
 
 
@@ -186,7 +190,7 @@ def _cost(c: Compilation) -> None:
     try:
         with _as_traced(c) as (args, kwargs):
             def cost(a: tuple, k: dict) -> None:
-                cost_pass(c.graph, a, k, cost_model=c.cost_model, progress=c.progress)
+                cost_pass(c.graph, a, k, cost_model=c.cost_model, progress=c.progress, memo=c.memo)
 
             if not (isinstance(c.cost_model, AnalyticCostModel) and on_meta(c.graph, args, kwargs, cost)):
                 cost(args, kwargs)

@@ -383,6 +383,7 @@ def compare(
     problem = partition_problem(gm, hardware=hardware, microbatches=microbatches, precision=precision)
     out = {}
     baselines: dict[str, Any] = {}  # the ILP's seeds: dp's, roundpipe's and uniform's own results, not solved again
+    facts: dict = {}  # what the plans of one graph share (fingerprint, inputs record, node parameters): made once
     for name in STRATEGIES:
         if name in baselines:
             result = baselines[name]
@@ -390,7 +391,8 @@ def compare(
             result = ilp(problem, time_limit_s=time_limit_s, baselines=baselines)
         else:
             result = solve(problem, name, time_limit_s=time_limit_s)
-        made = to_plan(gm, problem, result, hardware=hardware, precision=precision) if result.feasible else None
+        made = (to_plan(gm, problem, result, hardware=hardware, precision=precision, facts=facts)
+                if result.feasible else None)
         out[name] = (result, made)
     return out
 

@@ -374,10 +374,13 @@ class _Recorded:
 class _CostInterpreter(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule, cost_model: CostModel, on_node: Callable[[], None], *,
                  share: dict[fx.Node, fx.Node] | None = None, cached: dict[str, dict[str, Any]] | None = None,
-                 drive: torch.device | None = None, reuse: Reuse | None = None):
+                 drive: torch.device | None = None, reuse: Reuse | None = None, values: Reuse | None = None):
         super().__init__(gm)
         self.reuse = reuse
         """Nodes the same as in a recorded run take its entries instead of running (:mod:`.reuse`)."""
+        self.values = values
+        """Nodes the same as in the shape pass's recorded run take the value it computed instead of computing it
+        again (their costs are still worked out here)."""
         self.gm = gm  # ``self.module`` as fx types it (an nn.Module)
         self.drive = drive
         """Compute nodes' values are computed on this device (their inputs and parameters copied there), not
@@ -465,7 +468,10 @@ class _CostInterpreter(fx.Interpreter):
                 n.meta[SHAPE_KEY] = describe(result, list(m.memo.values()))
             self._cost(n, args, kwargs, result, call)
             return result
-        result = super().run_node(n)
+        got = self.values.lookup(n) if self.values is not None else None
+        result = got[0] if got is not None else super().run_node(n)
+        if self.values is not None and got is None:
+            self.values.settle(n, result, None)
         if n.op == "get_attr":
             self.needs_grad[n] = isinstance(result, torch.nn.Parameter) and result.requires_grad
         elif is_compute(n):
@@ -656,8 +662,9 @@ def _drive(gm: fx.GraphModule, flat: list[Any], cost_model: CostModel, on_node: 
                 and all_meta([*flat, *gm.parameters(), *gm.buffers()]))
     for where in ([drive, None] if drive is not None else [None]):
         reuse = memo.session(gm, "cost", _memo_key(cost_model, gm, share)) if reusable and memo is not None else None
+        values = memo.values(gm) if reusable and memo is not None else None
         interp = _CostInterpreter(gm, cost_model, on_node, share=repeat_map(gm) if share else None, cached=cached,
-                                  drive=where, reuse=reuse)
+                                  drive=where, reuse=reuse, values=values)
         try:
             with torch.no_grad(), running_on(where or device_of(gm, flat)):
                 interp.run(*flat, enable_io_processing=False)

@@ -90,6 +90,12 @@ class RunMemo:
         self.runs[kind] = (key, entries)
         return Reuse(gm, entries, recording=True, on_fail=lambda: self.runs.pop(kind, None))
 
+    def values(self, gm: fx.GraphModule) -> "Reuse | None":
+        """The values the shape pass's recorded run computed, for another pass running ``gm`` on ``meta`` (its
+        entries are ``(value, shape)``): a read-only view, ``None`` when nothing was recorded."""
+        recorded = self.runs.get("shape")
+        return Reuse(gm, recorded[1], recording=False) if recorded is not None else None
+
     def _count(self, kind: str) -> None:
         self.reused[kind] += 1
 

@@ -43,7 +43,7 @@ class TraceOnce:
     def __init__(self, trace_pass: Callable[[Any], None], count: int) -> None:
         self.trace_pass, self.left = trace_pass, count
         self.kept: fx.GraphModule | None = None
-        self.memo = RunMemo() if count > 1 else None
+        self.memo = RunMemo()
 
     def __call__(self, c: Any) -> None:
         self.left -= 1

@@ -112,10 +112,10 @@ def _packed_once(scorer: PlanScorer, side: StageKind, lo: int, hi: int, parts: i
     the same re-cuts on every pass (its flags and fused stage change rarely), and climbs from one plan again."""
     key = (side, lo, hi, parts, saved)
     if key not in scorer.packed:
-        got = _packed(lo, hi, parts, cost, side == "backward")
-        scorer.packed[key] = tuple(got) if got is not None else None
-    got = scorer.packed[key]
-    return list(got) if got is not None else None
+        cut = _packed(lo, hi, parts, cost, side == "backward")
+        scorer.packed[key] = tuple(cut) if cut is not None else None
+    kept = scorer.packed[key]
+    return list(kept) if kept is not None else None
 
 
 def polish(pb: PartitionProblem, plan: SegmentPlan, *, max_evaluations: int = 3000,

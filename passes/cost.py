@@ -52,6 +52,7 @@ from .meta import MetaSafeMode
 from .portable import device_of, running_on
 from .precision import recorded_dtype
 from .repeats import block_of, repeat_map
+from .reuse import Reuse, RunMemo, all_meta
 from .shape import SHAPE_KEY, describe, scaled_nbytes, storage_key
 from .util import is_compute, node_params
 
@@ -361,11 +362,31 @@ def _grad_pattern(call: NodeCall) -> tuple[bool, ...]:
     return tuple(id(t) in call.trainable for t in leaves)
 
 
+@dataclass
+class _Recorded:
+    """What a meta run of the cost pass leaves of one node for a later run (:mod:`.reuse`): its value, whether it
+    needs a gradient and, for a compute node, its shape, grad pattern, profile (saved inputs by name) and fields
+    before :func:`cost_pass` adds the kept output bytes, with the cost model's estimate where it made one."""
+
+    value: Any
+    needs_grad: bool | None
+    shape: Any = None
+    pattern: tuple[bool, ...] = ()
+    profile: tuple[int, int, frozenset[str], int, int] | None = None
+    fields: dict[str, Any] | None = None
+    estimate: OpEstimate | None = None
+
+
 class _CostInterpreter(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule, cost_model: CostModel, on_node: Callable[[], None], *,
                  share: dict[fx.Node, fx.Node] | None = None, cached: dict[str, dict[str, Any]] | None = None,
-                 drive: torch.device | None = None):
+                 drive: torch.device | None = None, reuse: Reuse | None = None, values: Reuse | None = None):
         super().__init__(gm)
+        self.reuse = reuse
+        """Nodes the same as in a recorded run take its entries instead of running (:mod:`.reuse`)."""
+        self.values = values
+        """Nodes the same as in the shape pass's recorded run take the value it computed instead of computing it
+        again (their costs are still worked out here)."""
         self.gm = gm  # ``self.module`` as fx types it (an nn.Module)
         self.drive = drive
         """Compute nodes' values are computed on this device (their inputs and parameters copied there), not
@@ -392,8 +413,57 @@ class _CostInterpreter(fx.Interpreter):
         self.measured = 0
         """Nodes the cost model estimated (the others shared a representative's times or came from the cache)."""
         self.batches = 0
+        self._by_name: dict[str, fx.Node] | None = None
 
     def run_node(self, n: fx.Node) -> Any:
+        if self.reuse is not None:
+            got = self.reuse.lookup(n)
+            if got is not None:
+                return self._reused(n, got)
+        result = self._run_node(n)
+        if self.reuse is not None:
+            self.reuse.settle(n, result, _Recorded(result, self.needs_grad.get(n)))
+        return result
+
+    def _reused(self, n: fx.Node, rec: _Recorded) -> Any:
+        """``n`` as the recorded run left it: its value, and for a compute node everything :meth:`_cost` makes."""
+        if rec.needs_grad is not None:
+            self.needs_grad[n] = rec.needs_grad
+        if rec.fields is None or rec.profile is None:
+            return rec.value
+        nodes = self._names()
+        fwd_flops, bwd_flops, saved_names, own, transient = rec.profile
+        saved = {nodes[s] for s in saved_names}
+        self.patterns[n] = rec.pattern
+        self.profiles[n] = (fwd_flops, bwd_flops, saved, own, transient)
+        if self.needs_grad[n]:
+            self.kept |= saved
+        if n.meta.get(SHAPE_KEY) is None:
+            n.meta[SHAPE_KEY] = rec.shape
+        self.partial[n] = dict(rec.fields)
+        if rec.estimate is not None:
+            self.estimates[n] = rec.estimate
+        self.on_node()
+        return rec.value
+
+    def _names(self) -> dict[str, fx.Node]:
+        if self._by_name is None:
+            self._by_name = {n.name: n for n in self.gm.graph.nodes}
+        return self._by_name
+
+    def record(self) -> None:
+        """A recording run is over: complete each compute node's entry (its times are known now)."""
+        if self.reuse is None or not self.reuse.recording:
+            return
+        for n, fields in self.partial.items():
+            rec = self.reuse.entries[n.name][1]
+            fwd_flops, bwd_flops, saved, own, transient = self.profiles[n]
+            rec.shape, rec.pattern, rec.fields, rec.estimate = \
+                n.meta.get(SHAPE_KEY), self.patterns[n], dict(fields), self.estimates.get(n)
+            rec.needs_grad = self.needs_grad[n]
+            rec.profile = (fwd_flops, bwd_flops, frozenset(s.name for s in saved), own, transient)
+
+    def _run_node(self, n: fx.Node) -> Any:
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         if self.drive is not None and is_compute(n):
             call = _call_for(self.gm, n, args, kwargs, self.needs_grad)
@@ -404,7 +474,10 @@ class _CostInterpreter(fx.Interpreter):
                 n.meta[SHAPE_KEY] = describe(result, list(m.memo.values()))
             self._cost(n, args, kwargs, result, call)
             return result
-        result = super().run_node(n)
+        got = self.values.lookup(n) if self.values is not None else None
+        result = got[0] if got is not None else super().run_node(n)
+        if self.values is not None and got is None:
+            self.values.settle(n, result, None)
         if n.op == "get_attr":
             self.needs_grad[n] = isinstance(result, torch.nn.Parameter) and result.requires_grad
         elif is_compute(n):
@@ -467,7 +540,9 @@ class _CostInterpreter(fx.Interpreter):
             self.partial[n].update(fwd_time_s=fwd, bwd_time_s=bwd if self.needs_grad[n] else 0.0)
             return
         rep = self._rep(n)
-        if rep is not None:
+        reused_unmeasured = rep is not None and rep not in self.estimates and self.reuse is not None \
+            and rep.name in self.reuse.same  # a reused node whose times were a representative's: measure n
+        if rep is not None and not reused_unmeasured:
             self.shared[n] = rep
             return
         block = block_of(n)
@@ -522,6 +597,7 @@ def cost_pass(
     progress: bool | None = None,
     share: bool | None = None,
     cache: bool | None = None,
+    memo: RunMemo | None = None,
 ) -> fx.GraphModule:
     """Write a :class:`NodeCost` into ``node.meta["rpcompile.cost"]`` for every compute node of ``gm``.
 
@@ -530,6 +606,8 @@ def cost_pass(
     ``cache`` reads and writes measured times on disk (default: the cost model's ``cache``). Buffers mutated by
     the graph (BatchNorm statistics) are restored afterwards. Also fills ``rpcompile.shape`` where missing.
     Counts land in ``gm.meta["rpcompile.profiling"]`` (nodes measured, shared, batches, whether the cache hit).
+    ``memo`` (analytic costs on ``meta``): nodes the same as in the run it recorded take their recorded costs
+    instead of running (:mod:`.reuse`; every cost as a full run gives it); a first run records them.
     """
     enabled = (sys.stderr.isatty() and not os.environ.get("CI")) if progress is None else progress
     share = getattr(cost_model, "share_repeats", False) if share is None else share
@@ -551,7 +629,7 @@ def cost_pass(
             if entry is None:
                 cost_model.prepare(gm, flat)
             interp = _drive(gm, flat, cost_model, lambda: bar.advance(task), share and entry is None,
-                            entry.nodes if entry is not None else None)
+                            entry.nodes if entry is not None else None, memo)
             calibration = getattr(cost_model, "calibration", None)
             if entry is not None:
                 totals = entry.calibration
@@ -602,25 +680,43 @@ def _warm(gm: fx.GraphModule, cost_model: CostModel, entry: profile_cache.CacheE
 
 
 def _drive(gm: fx.GraphModule, flat: list[Any], cost_model: CostModel, on_node: Callable[[], None], share: bool,
-           cached: dict[str, dict[str, Any]] | None) -> _CostInterpreter:
+           cached: dict[str, dict[str, Any]] | None, memo: RunMemo | None = None) -> _CostInterpreter:
     """Run the graph node by node, costing each compute node. On the cost model's :meth:`~CostModel.drive_device`
-    when it names one; if that device runs out of memory holding the values, again where the graph is."""
+    when it names one; if that device runs out of memory holding the values, again where the graph is.
+    ``memo``: used when nothing is measured (no calibration, no cache entry) and every value is on meta."""
     drive = cost_model.drive_device(gm, flat)
+    reusable = (memo is not None and drive is None and cached is None
+                and getattr(cost_model, "calibration", None) is None
+                and all_meta([*flat, *gm.parameters(), *gm.buffers()]))
     for where in ([drive, None] if drive is not None else [None]):
+        reuse = memo.session(gm, "cost", _memo_key(cost_model, gm, share)) if reusable and memo is not None else None
+        values = memo.values(gm) if reusable and memo is not None else None
         interp = _CostInterpreter(gm, cost_model, on_node, share=repeat_map(gm) if share else None, cached=cached,
-                                  drive=where)
+                                  drive=where, reuse=reuse, values=values)
         try:
             with torch.no_grad(), running_on(where or device_of(gm, flat)):
                 interp.run(*flat, enable_io_processing=False)
                 interp.finish()
+            interp.record()
             return interp
-        except torch.OutOfMemoryError:
+        except BaseException as err:
+            if reuse is not None:
+                reuse.failed()
+            if not isinstance(err, torch.OutOfMemoryError):
+                raise
             if where is None:
                 raise
             del interp
             warnings.warn(f"profiling: {where} ran out of memory holding the graph's values; running the graph "
                           "where it is instead (slower)", stacklevel=3)
     raise AssertionError("unreachable")
+
+
+def _memo_key(cost_model: CostModel, gm: fx.GraphModule, share: bool) -> tuple:
+    """What a run's costs depend on besides its nodes: the cost model (its kind, spec and dtype), the dtype bytes
+    are scaled to, and whether repeats share."""
+    return (type(cost_model).__module__, type(cost_model).__qualname__, repr(cost_model),
+            repr(getattr(cost_model, "spec", None)), repr(cost_model.identity()), str(recorded_dtype(gm.meta)), share)
 
 
 def _write(gm: fx.GraphModule, cost_model: CostModel, partial: dict[fx.Node, dict[str, Any]],

@@ -29,10 +29,13 @@ from .util import compute_nodes, module_path, node_params
 __all__ = ["plan_from_ranges", "to_plan"]
 
 
-def _modules(nodes: Sequence[fx.Node]) -> tuple[str, ...]:
+def _modules(nodes: Sequence[fx.Node], paths: dict[fx.Node, str] | None = None) -> tuple[str, ...]:
     out: list[str] = []
     for n in nodes:
-        path = module_path(n) or "(root)"
+        if paths is None:
+            path = module_path(n) or "(root)"
+        else:
+            path = paths.get(n) or paths.setdefault(n, module_path(n) or "(root)")
         if not out or out[-1] != path:
             out.append(path)
     return tuple(dict.fromkeys(out))
@@ -64,12 +67,18 @@ def plan_from_ranges(
     cost_model: str = "",
     precision: str = "fp32",
     stats: dict | None = None,
+    facts: dict | None = None,
 ) -> Plan:
     """Build a Plan whose stages are ``forward`` (F0.. ascending), ``fused`` and ``backward`` (B1.. descending)
     node-index ranges of ``gm``'s compute nodes. ``saved`` names nodes whose activations are saved to host;
     ``stage_times``/``stage_memory`` are per stage in execution order, and so are ``stage_figures`` (extra
-    :class:`Stage` fields such as ``compute_s`` and ``weight_bytes``)."""
-    nodes = compute_nodes(gm)
+    :class:`Stage` fields such as ``compute_s`` and ``weight_bytes``). ``facts``: a dict kept across plans of
+    the same graph (:func:`to_plan`'s), holding what they share: the fingerprint, each node's parameters and
+    module."""
+    facts = {} if facts is None else facts
+    nodes = facts.get("nodes") or facts.setdefault("nodes", compute_nodes(gm))
+    param_names: dict[fx.Node, tuple[str, ...]] = facts.setdefault("params", {})
+    paths: dict[fx.Node, str] = facts.setdefault("paths", {})
     saved_set = set(saved)
     specs: list[tuple[StageKind, str, tuple[int, int]]] = [("forward", f"F{i}", r) for i, r in enumerate(forward)]
     specs += [("fused", "FB", fused)]
@@ -85,7 +94,10 @@ def plan_from_ranges(
         run = nodes[a:b]
         params: dict[str, None] = {}
         for n in run:
-            params.update(dict.fromkeys(node_params(gm, n)))
+            names = param_names.get(n)
+            if names is None:
+                names = param_names[n] = tuple(node_params(gm, n))
+            params.update(dict.fromkeys(names))
         stages.append(
             Stage(
                 name=name,
@@ -93,15 +105,16 @@ def plan_from_ranges(
                 nodes=tuple(n.name for n in run),
                 params=tuple(params),
                 saved=tuple(n.name for n in run if n.name in saved_set) if kind != "fused" else (),
-                modules=_modules(run),
-                saved_modules=_modules([n for n in run if n.name in saved_set]) if kind == "forward" else (),
+                modules=_modules(run, paths),
+                saved_modules=_modules([n for n in run if n.name in saved_set], paths) if kind == "forward" else (),
                 time_s=float(t),
                 memory_bytes=int(mem),
                 **fig,
             )
         )
+    model = facts.get("fingerprint") or facts.setdefault("fingerprint", fingerprint(gm))
     return Plan(
-        model=fingerprint(gm),
+        model=model,
         hardware=hardware,
         microbatches=microbatches,
         stages=tuple(stages),
@@ -114,8 +127,13 @@ def plan_from_ranges(
     )
 
 
-def to_plan(gm: fx.GraphModule, problem: Any, result: Any, *, hardware: Hardware, precision: str) -> Plan:
-    """Map a solver's SegmentPlan back to node names."""
+def to_plan(gm: fx.GraphModule, problem: Any, result: Any, *, hardware: Hardware, precision: str,
+            facts: dict | None = None) -> Plan:
+    """Map a solver's SegmentPlan back to node names. ``facts``: a dict the caller keeps across several plans of
+    the same graph, problem, hardware and precision (:func:`rpcompile.planning.compare`'s): what they share —
+    the fingerprint, the record of what they were solved from, each node's parameters and module — is worked
+    out once."""
+    facts = {} if facts is None else facts
     segs = segments_of(gm)
     sp = result.plan
 
@@ -149,10 +167,15 @@ def to_plan(gm: fx.GraphModule, problem: Any, result: Any, *, hardware: Hardware
         precision=precision,
         stats={k: v for k, v in result.stats.items() if isinstance(v, (int, float, str, bool))}
         | {"solve_time_s": result.solve_time_s, "segments": len(segs)},
+        facts=facts,
     )
+    inputs = facts.get("inputs")
+    if inputs is None:
+        inputs = facts["inputs"] = solve_inputs(gm, problem, hardware, strategy=result.strategy, precision=precision)
+    else:  # the same record but for the strategy (the first option)
+        inputs = {**inputs, "options": {**inputs["options"], "strategy": result.strategy}}
     return dataclasses.replace(made, head_chunks=int(gm.meta.get(HEAD_CHUNKS_META, 1)),
-                               host=tuple(h.node for h in host_of(gm)),
-                               inputs=solve_inputs(gm, problem, hardware, strategy=result.strategy, precision=precision))
+                               host=tuple(h.node for h in host_of(gm)), inputs=inputs)
 
 
 def _figures(c: Any, microbatches: int) -> dict:

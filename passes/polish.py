@@ -106,6 +106,18 @@ def _packed(lo: int, hi: int, parts: int, cost, descending: bool) -> Ranges | No
     return best[::-1] if descending and best else best
 
 
+def _packed_once(scorer: PlanScorer, side: StageKind, lo: int, hi: int, parts: int, saved: tuple[bool, ...],
+                 cost) -> Ranges | None:
+    """:func:`_packed` of ``side``'s stage times under ``saved``, worked out once per scorer: a climb asks for
+    the same re-cuts on every pass (its flags and fused stage change rarely), and climbs from one plan again."""
+    key = (side, lo, hi, parts, saved)
+    if key not in scorer.packed:
+        cut = _packed(lo, hi, parts, cost, side == "backward")
+        scorer.packed[key] = tuple(cut) if cut is not None else None
+    kept = scorer.packed[key]
+    return list(kept) if kept is not None else None
+
+
 def polish(pb: PartitionProblem, plan: SegmentPlan, *, max_evaluations: int = 3000,
            deadline: float = float("inf"), scorer: PlanScorer | None = None) -> SegmentPlan:
     """A plan at least as fast as ``plan`` by exact iteration time (see the module docstring). First-improvement
@@ -144,7 +156,7 @@ def _climb(pb: PartitionProblem, plan: SegmentPlan, budget: int, macro: bool,
             cost = (lambda a, b, _k=side: t(_k, a, b))
             lo, hi = 0, plan.fused[0]
             counts = range(max(1, len(current) - 2), len(current) + 4) if macro else range(0)
-            rebalanced = (_packed(lo, hi, p, cost, desc) for p in counts)
+            rebalanced = (_packed_once(costs, side, lo, hi, p, saved, cost) for p in counts)
             for cand in itertools.chain((c for c in rebalanced if c), _neighbours(current, descending=desc)):
                 if evaluations >= budget or time.perf_counter() > deadline:
                     break

@@ -78,6 +78,8 @@ class PlanScorer:
         self.cache: dict[tuple[str, int, int, tuple[bool, ...]], StageCost] = {}
         self.rows: dict[tuple[str, int, int, tuple[bool, ...]], _Row] = {}
         self.totals: dict[tuple, float] = {}
+        self.packed: dict[tuple, tuple[tuple[int, int], ...] | None] = {}
+        """:func:`.polish._packed` re-cuts by side, range, stage count and saved flags."""
         self._accumulates = math.isfinite(pb.host.accumulate_bytes_per_s)
 
     def _key(self, kind: StageKind, a: int, b: int, saved: tuple[bool, ...]) -> tuple[str, int, int, tuple[bool, ...]]:

@@ -19,6 +19,7 @@ import torch.fx as fx
 from rpcompile.core.batch import flat_inputs, tensor_leaves
 
 from .portable import device_of, running_on
+from .reuse import Reuse, RunMemo, all_meta
 
 __all__ = ["SHAPE_KEY", "TensorInfo", "ShapeInfo", "shape_pass", "describe", "storage_key", "scaled_nbytes"]
 
@@ -79,7 +80,22 @@ def describe(value: Any, inputs: Sequence[Any] = ()) -> ShapeInfo:
 
 
 class _ShapeInterpreter(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule, reuse: Reuse | None = None) -> None:
+        super().__init__(gm)
+        self.reuse = reuse
+
     def run_node(self, n: fx.Node) -> Any:
+        if self.reuse is not None:
+            got = self.reuse.lookup(n)
+            if got is not None:  # the same node as in the recorded run: its value and shape
+                n.meta[SHAPE_KEY] = got[1]
+                return got[0]
+        result = self._run_node(n)
+        if self.reuse is not None:
+            self.reuse.settle(n, result, (result, n.meta.get(SHAPE_KEY)))
+        return result
+
+    def _run_node(self, n: fx.Node) -> Any:
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         result = super().run_node(n)
         inputs = list(args) + list(kwargs.values())
@@ -92,19 +108,28 @@ class _ShapeInterpreter(fx.Interpreter):
 
 
 def shape_pass(
-    gm: fx.GraphModule, example_inputs: Sequence[Any] = (), example_kwargs: Mapping[str, Any] | None = None
+    gm: fx.GraphModule, example_inputs: Sequence[Any] = (), example_kwargs: Mapping[str, Any] | None = None, *,
+    memo: RunMemo | None = None,
 ) -> fx.GraphModule:
     """Run ``gm`` once on the example inputs and record every node's output :class:`ShapeInfo`.
 
     Placeholders and get_attr nodes are recorded as aliases (they allocate nothing inside the graph).
     Runs under ``torch.no_grad()``; the graph's buffers are restored afterwards, so running it does not
-    advance BatchNorm statistics.
+    advance BatchNorm statistics. ``memo`` (a run on ``meta``): nodes the same as in the run it recorded take
+    their recorded values and shapes instead of running (:mod:`.reuse`); a first run records them.
     """
     saved = {name: b.detach().clone() for name, b in gm.named_buffers() if b.device.type != "meta"}
+    reuse = None
     try:
         flat = flat_inputs(gm, example_inputs, example_kwargs)
+        if memo is not None and all_meta([*flat, *gm.parameters(), *gm.buffers()]):
+            reuse = memo.session(gm, "shape")
         with torch.no_grad(), running_on(device_of(gm, flat)):
-            _ShapeInterpreter(gm).run(*flat, enable_io_processing=False)
+            _ShapeInterpreter(gm, reuse).run(*flat, enable_io_processing=False)
+    except BaseException:
+        if reuse is not None:
+            reuse.failed()
+        raise
     finally:
         with torch.no_grad():
             for name, b in gm.named_buffers():

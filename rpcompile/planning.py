@@ -41,6 +41,7 @@ from rpcompile.passes.lower import to_plan
 from rpcompile.passes.meta import on_meta, without_dynamo_import
 from rpcompile.passes.partition import ilp, solve
 from rpcompile.passes.problem import PartitionProblem
+from rpcompile.passes.reuse import RunMemo
 from rpcompile.passes.shape import shape_pass
 from rpcompile.passes.precision import RUN_DTYPE_KEY, TRACE_DTYPE_KEY, cast_floating, compute_dtype, computing_in
 from rpcompile.passes.trace import trace, training_inputs
@@ -120,6 +121,9 @@ class Compilation:
     """lower: the plan of names."""
     times: dict[str, float] = field(default_factory=dict)
     """Seconds each pass took."""
+    memo: RunMemo | None = None
+    """What the shape and cost passes of an earlier compilation of the same trace left for this one (set by
+    :func:`shared_trace`'s pass: the LM-head splits' bodies are shaped and costed once, :mod:`.passes.reuse`)."""
 
     @property
     def graph(self) -> fx.GraphModule:
@@ -196,7 +200,7 @@ def _from_cache(c: Compilation) -> bool:
 def _shape(c: Compilation) -> None:
     """Shapes need no data: the graph runs on meta stand-ins (:func:`~rpcompile.passes.meta.on_meta`) unless a
     data-dependent op needs the real values."""
-    if not _on_meta(c, lambda a, k: shape_pass(c.graph, a, k)):
+    if not _on_meta(c, lambda a, k: shape_pass(c.graph, a, k, memo=c.memo)):
         with _as_traced(c) as (args, kwargs):
             shape_pass(c.graph, args, kwargs)
 
@@ -208,7 +212,7 @@ def _cost(c: Compilation) -> None:
         torch.set_num_threads(c.threads)
     try:
         def cost(a: tuple, k: dict) -> None:
-            cost_pass(c.graph, a, k, cost_model=c.cost_model, progress=c.progress)
+            cost_pass(c.graph, a, k, cost_model=c.cost_model, progress=c.progress, memo=c.memo)
 
         if isinstance(c.cost_model, AnalyticCostModel):
             done = _on_meta(c, cost)
@@ -406,6 +410,7 @@ def compare(
     problem = partition_problem(gm, hardware=hardware, microbatches=microbatches, precision=precision)
     out = {}
     baselines: dict[str, Any] = {}  # the ILP's seeds: dp's, roundpipe's and uniform's own results, not solved again
+    facts: dict = {}  # what the plans of one graph share (fingerprint, inputs record, node parameters): made once
     for name in STRATEGIES:
         if name in baselines:
             result = baselines[name]
@@ -413,7 +418,8 @@ def compare(
             result = ilp(problem, time_limit_s=time_limit_s, baselines=baselines)
         else:
             result = solve(problem, name, time_limit_s=time_limit_s)
-        made = to_plan(gm, problem, result, hardware=hardware, precision=precision) if result.feasible else None
+        made = (to_plan(gm, problem, result, hardware=hardware, precision=precision, facts=facts)
+                if result.feasible else None)
         out[name] = (result, made)
     return out
 

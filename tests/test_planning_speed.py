@@ -204,3 +204,20 @@ def test_compile_plan_gives_each_head_split_its_share(monkeypatch):
                                  example_target=ms.example_target, time_limit_s=4.0)
     assert made.plan is not None and len(limits) == 2 and limits[0] == 2.0
     assert limits[1] == pytest.approx(max(4.0 - spent[0], MIN_SHARE_S))
+
+
+def test_plans_of_one_graph_sharing_their_facts_are_those_made_alone():
+    """``compare`` makes its four plans with one ``facts`` dict (fingerprint, inputs record, node parameters)."""
+    from rpcompile.models import load_model
+    from rpcompile.passes.lower import to_plan
+    from rpcompile.planning import compare, make_hardware, partition_problem, prepare
+
+    ms = load_model("llama-demo")
+    gm, m = prepare(ms.model, ms.example_inputs, gpus=2, spec="rtx4090", loss_fn=ms.loss_fn,
+                    example_target=ms.example_target, head_chunks=1)
+    hw = make_hardware(2, "rtx4090", None)
+    problem = partition_problem(gm, hardware=hw, microbatches=m)
+    rows = compare(gm, hardware=hw, microbatches=m, time_limit_s=2)
+    for name, (result, made) in rows.items():
+        assert made == to_plan(gm, problem, result, hardware=hw, precision="fp32"), name
+    assert len({made.inputs["options"]["strategy"] for _, made in rows.values()}) == len(rows)

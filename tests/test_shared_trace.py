@@ -149,3 +149,21 @@ def test_llama_8b_plans_as_with_a_trace_per_split(monkeypatch, tmp_path, capsys,
     with monkeypatch.context() as m:
         _unshared(m)
         assert _cli_plan(tmp_path, "llama-8b", "--head-chunks", head_chunks) == shared
+
+
+def test_a_later_split_takes_the_bodys_shapes_and_costs_from_the_first_and_they_equal_a_fresh_run():
+    """The memo (passes/reuse.py): the 8-chunk split shapes and costs only the head region again."""
+    ms = load_model("llama-demo")
+    kw = dict(gpus=2, spec="rtx4090", loss_fn=ms.loss_fn, example_target=ms.example_target)
+
+    def nodes(gm: Any) -> dict[str, tuple]:
+        return {n.name: (n.meta.get(SHAPE_KEY), n.meta.get(COST_KEY)) for n in gm.graph.nodes}
+
+    traced = planning.shared_trace(2)
+    planning.prepare(ms.model, ms.example_inputs, head_chunks=1, trace_pass=traced, **kw)
+    assert traced.memo is not None and traced.memo.reused == {"shape": 0, "cost": 0}  # the first run records
+    gm, _ = planning.prepare(ms.model, ms.example_inputs, head_chunks=8, trace_pass=traced, **kw)
+    compute = sum(1 for n in gm.graph.nodes if n.op.startswith("call"))
+    assert traced.memo.reused["shape"] > compute // 2 and traced.memo.reused["cost"] > compute // 2
+    fresh, _ = planning.prepare(ms.model, ms.example_inputs, head_chunks=8, **kw)
+    assert nodes(gm) == nodes(fresh)

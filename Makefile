@@ -11,8 +11,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rpcompile-installed
 TORCH_CPU ?= torch==2.13.0
 PYTEST_ARGS ?=
-# pytest-xdist workers for make test (the suite is CPU-bound: one per core of the 2-core reference machine); each
-# file runs on one worker (--dist loadfile), so its pipelines reuse each other's saved-segment captures
+# pytest-xdist workers for make test (the suite is CPU-bound: one per core of the 2-core reference machine)
 PYTEST_WORKERS ?= 2
 
 # transformers versions the HF tests also run against (pyproject allows >=4.50): each installs into .tf/VERSION
@@ -24,7 +23,7 @@ demo: $(STAMP)
 	$(VENV)/bin/rpcompile demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=10 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --durations=10 $(PYTEST_ARGS)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)

@@ -24,7 +24,9 @@ length its guards allow (sizes 0 and 1 are specialised, and so is whatever the t
 batch of a new length costs a guard check, not a capture. Where a capture's guards do not hold, or symbolic
 tracing fails, signatures (shapes, strides, dtypes, devices, non-tensor values) are captured one by one: a capture
 costs tens of forward passes, so only the first are captured at sight; a later new one is recomputed by the
-backward stage until it comes again (:meth:`SavedSegment._worth_capturing`).
+backward stage until it comes again (:meth:`SavedSegment._worth_capturing`). A capture is kept for a later segment
+of the same code, module settings and signature (:func:`structure`; a pipeline compiled again from the same model),
+:data:`SHARED_CAPTURES` at most: the trace is deterministic, so it would make the same graphs.
 Dropout inside a saved segment is rewritten to ``x * seeded_noise(x)`` (:func:`.rng.dropout_to_noise`) where the
 noise op is opaque to tracing and draws the mask with :func:`rpcompile.runtime.rng.seeded_call` (same seed as the recompute path: bit-identical on
 CPU); the mask is then simply a saved tensor. Segments with other random ops are not saveable (recomputed instead).
@@ -37,8 +39,10 @@ forward stage and is recomputed by its backward stage, every step, as in a plan 
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import threading
+from collections import OrderedDict
 from typing import Any, Callable, Sequence
 
 import torch
@@ -59,6 +63,11 @@ context = threading.local()
 """Per worker thread: ``save`` (bool) — a training forward stage keeps activations; otherwise segments run plainly."""
 
 _CAPTURE_LOCK = threading.Lock()  # AOT tracing is not meant to run concurrently
+
+#: Captures kept for reuse by a later segment of the same code, module settings and signature (a pipeline
+#: compiled again from the same model: the AOT trace is deterministic, so it would give the same capture).
+SHARED_CAPTURES = 64
+_SHARED: OrderedDict[tuple, SegmentAOT] = OrderedDict()
 
 
 #: Modules whose functions and ``nn.Module`` classes are pure tensor code (no side effect a capture could lose).
@@ -93,6 +102,37 @@ def _constant(v: Any) -> tuple:
         return ("const", v)
     except TypeError:
         return ("const", repr(v))
+
+
+def _tensor_digest(t: torch.Tensor) -> tuple | None:
+    """A tensor constant's identity by value; None for one without values (meta)."""
+    if t.device.type == "meta":
+        return None
+    data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return (tuple(t.shape), t.stride(), t.dtype, str(t.device), hashlib.sha1(data).hexdigest())
+
+
+def structure(spec: SegmentSpec) -> tuple | None:
+    """What a segment's capture depends on besides its call's signature: its code (and that of nested graphs),
+    each module's settings and mode, the values of tensor constants, the attribute layout and the rewrite. None
+    where that cannot be told from the outside (hooks, a constant on meta): such a segment shares no capture."""
+    parts: list[Any] = [spec.params, spec.buffers, spec.inputs, spec.outputs, spec.wants_grad, repr(spec.rewrite),
+                        torch.are_deterministic_algorithms_enabled()]
+    for name, mod in spec.gm.named_modules():
+        if mod._forward_hooks or mod._forward_pre_hooks or mod._backward_hooks or mod._backward_pre_hooks:
+            return None
+        attrs: list[Any] = []
+        for key, value in sorted(vars(mod).items()):
+            if isinstance(value, torch.Tensor):
+                digest = _tensor_digest(value)
+                if digest is None:
+                    return None
+                attrs.append((key, digest))
+            elif not isinstance(mod, fx.GraphModule) and not key.startswith("_") and key != "training":
+                attrs.append((key, repr(value)))
+        code = mod.code if isinstance(mod, fx.GraphModule) else None
+        parts.append((name, type(mod).__module__, type(mod).__qualname__, mod.training, code, tuple(attrs)))
+    return tuple(map(repr, parts))
 
 
 class SavedSegment(SegmentSpec):
@@ -163,7 +203,26 @@ class SavedSegment(SegmentSpec):
         return aot
 
     def _trace(self, flat: Sequence[Any], symbolic: bool) -> SegmentAOT:
-        """One capture: of this signature, or ``symbolic`` (sizes of the activation inputs, int inputs)."""
+        """One capture: of this signature, or ``symbolic`` (sizes of the activation inputs, int inputs); the one
+        an earlier segment of the same structure made of the same signature where there is one."""
+        shape = structure(self)  # at the call: a module's mode may have changed since the last capture
+        shared = None if shape is None else (
+            shape, self._key(flat), symbolic, torch.get_default_device(), torch.get_default_dtype(),
+            torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda"))
+        with _CAPTURE_LOCK:
+            if shared is not None and shared in _SHARED:
+                _SHARED.move_to_end(shared)
+                return _SHARED[shared]
+        aot = self._capture_new(flat, symbolic)
+        if shared is not None:
+            with _CAPTURE_LOCK:
+                _SHARED[shared] = aot
+                while len(_SHARED) > SHARED_CAPTURES:
+                    _SHARED.popitem(last=False)
+        return aot
+
+    def _capture_new(self, flat: Sequence[Any], symbolic: bool) -> SegmentAOT:
+        """:meth:`_trace` without the shared captures."""
         first_input = len(self.params) + len(self.buffers)
         where = [i for i, v in enumerate(flat)
                  if isinstance(v, torch.Tensor) or (symbolic and i >= first_input and _is_size(v))]

@@ -50,7 +50,8 @@ def frozen(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return {n: p for n, p in model.named_parameters() if not p.requires_grad}
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "mixtral", "qwen3-moe"])
+# qwen3 behind slow: its attention (q/k norms) and projections, where the adapters sit, are qwen3-moe's too
+@pytest.mark.parametrize("kind", ["llama", pytest.param("qwen3", marks=pytest.mark.slow), "mixtral", "qwen3-moe"])
 def test_lora_trains_like_eager_peft_on_padded_batches(kind):
     """HF batch dicts of different sizes and lengths, the model's own loss (``loss_fn=None``): every step's loss
     and adapter gradients equal eager PEFT's on the whole batch, the weights after AdamW steps too, the frozen base

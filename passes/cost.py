@@ -615,10 +615,8 @@ def cost_pass(
     n_compute = sum(1 for n in gm.graph.nodes if is_compute(n))
     saved = {name: b.detach().clone() for name, b in gm.named_buffers() if b.device.type != "meta"}
     flat = flat_inputs(gm, example_inputs, example_kwargs)
-    key = profile_cache.profile_key(gm, flat, cost_model.identity()) if cache else None
     compute = [n for n in gm.graph.nodes if is_compute(n)]
-    entry = profile_cache.load(key, {n.name for n in compute}, set(NodeCost.__dataclass_fields__)) \
-        if key is not None else None
+    key, entry = _cache_entry(gm, flat, cost_model, compute) if cache else (None, None)
     if entry is not None and all(n.meta.get(SHAPE_KEY) is not None for n in compute):
         return _warm(gm, cost_model, entry, compute)  # the graph does not run at all
     label = f"profiling ({cost_model.name}{', cached' if entry is not None else ''})"
@@ -663,12 +661,18 @@ def cost_from_cache(gm: fx.GraphModule, example_inputs: Sequence[Any] = (),
     compute = [n for n in gm.graph.nodes if is_compute(n)]
     if not getattr(cost_model, "cache", False) or any(n.meta.get(SHAPE_KEY) is None for n in compute):
         return False
-    key = profile_cache.profile_key(gm, flat_inputs(gm, example_inputs, example_kwargs), cost_model.identity())
-    entry = profile_cache.load(key, {n.name for n in compute}, set(NodeCost.__dataclass_fields__), quiet=True)
+    _, entry = _cache_entry(gm, flat_inputs(gm, example_inputs, example_kwargs), cost_model, compute, quiet=True)
     if entry is None:
         return False
     _warm(gm, cost_model, entry, compute)
     return True
+
+
+def _cache_entry(gm: fx.GraphModule, flat: list[Any], cost_model: CostModel, compute: list[fx.Node], *,
+                 quiet: bool = False) -> tuple[dict[str, Any], profile_cache.CacheEntry | None]:
+    """The profile cache's key for ``gm`` on these inputs and cost model, and its sound entry or None."""
+    key = profile_cache.profile_key(gm, flat, cost_model.identity())
+    return key, profile_cache.load(key, {n.name for n in compute}, set(NodeCost.__dataclass_fields__), quiet=quiet)
 
 
 def _warm(gm: fx.GraphModule, cost_model: CostModel, entry: profile_cache.CacheEntry,

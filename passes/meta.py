@@ -175,9 +175,8 @@ def on_meta(gm: fx.GraphModule, args: tuple, kwargs: dict, fn: Callable[[tuple, 
     cast, which for a Llama-3-8B-width 4-layer slice on this CPU was 4 s a pass). False when the graph cannot run
     on meta (a data-dependent op such as ``nonzero`` or ``item``): the caller runs it on the real values instead.
     True, without swapping, when everything is on meta already in ``dtype``."""
-    tensors = [*tensor_leaves((args, kwargs)), *gm.parameters(), *gm.buffers()]
     weights = [*gm.parameters(), *gm.buffers()]
-    if all(t.device.type == "meta" for t in tensors) and (
+    if all(t.device.type == "meta" for t in [*tensor_leaves((args, kwargs)), *weights]) and (
             dtype is None or all(t.dtype == dtype for t in weights if t.is_floating_point())):
         fn(args, kwargs)
         return True

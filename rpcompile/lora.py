@@ -11,25 +11,23 @@ Terms:
   cannot be symbolically traced, and exporting a 94-layer MoE instead took minutes (``tests/test_lora.py`` checks
   parameters, outputs, gradients and FLOPs against PEFT's). Any other model gets PEFT's adapters
   (``peft.get_peft_model``).
-- *host memory* (:func:`lora_host_memory`): what rpcompile keeps in CPU memory to train the adapted model. The
-  frozen base is stored once, in the compute precision (``runtime/weights.py``: 2 bytes a parameter in bf16);
-  each trainable parameter has an fp32 master, an fp32 gradient, AdamW's two fp32 moments and its upload copy
-  in the compute precision (4 + 4 + 8 + 2 = 18 bytes in bf16). Activations saved on the host are the plan's and
-  not counted here.
+- *host memory* (:func:`lora_host_memory`, :mod:`rpcompile.host_memory`): what rpcompile keeps in CPU memory to
+  train the adapted model. The frozen base is stored once, in the compute precision (``runtime/weights.py``: 2
+  bytes a parameter in bf16); each trainable parameter has an fp32 master, an fp32 gradient, AdamW's two fp32
+  moments and its upload copy in the compute precision (4 + 4 + 8 + 2 = 18 bytes in bf16). Activations saved on
+  the host are the plan's and not counted here.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from torch import Tensor, nn
 
 from rpcompile.core.errors import ConfigError
+from rpcompile.host_memory import HostMemory, host_memory
 from rpcompile.models.llama import Llama
-from rpcompile.passes.segment_rules import format_bytes
-from rpcompile.report import fmt_params
 
 __all__ = ["LORA_TARGETS", "LORA_RANK", "apply_lora", "LoraLinear", "LoraModel", "HostMemory", "lora_host_memory"]
 
@@ -37,8 +35,6 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 """The attention projections: module names of rpcompile's and HF's decoders alike."""
 LORA_RANK = 16
 """The default rank (``alpha = 2 * rank``)."""
-
-_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def apply_lora(model: nn.Module, *, rank: int = LORA_RANK, targets: Sequence[str] = LORA_TARGETS,
@@ -109,42 +105,7 @@ class _Holder(nn.Module):
         self.model = model
 
 
-@dataclass(frozen=True)
-class HostMemory:
-    """Host memory to train a model whose frozen parameters are stored once (module docstring), in bytes."""
-
-    frozen_params: int
-    trainable_params: int
-    frozen_bytes: int
-    """The frozen base, in the compute precision."""
-    trainable_bytes: int
-    """Masters, gradients and AdamW state in fp32, plus the upload copy in the compute precision."""
-
-    @property
-    def total_bytes(self) -> int:
-        return self.frozen_bytes + self.trainable_bytes
-
-    def line(self) -> str:
-        low = self.frozen_bytes // max(self.frozen_params, 1)
-        each = self.trainable_bytes // max(self.trainable_params, 1)
-        return (f"host memory {format_bytes(self.total_bytes)} (predicted; saved activations not included): frozen "
-                f"base {fmt_params(self.frozen_params)} parameters × {low} B = {format_bytes(self.frozen_bytes)}, "
-                f"adapters {fmt_params(self.trainable_params)} × {each} B (fp32 master, gradient, AdamW moments, "
-                f"upload copy) = {format_bytes(self.trainable_bytes)}")
-
-    def to_dict(self) -> dict[str, int]:
-        return {"frozen_params": self.frozen_params, "trainable_params": self.trainable_params,
-                "frozen_bytes": self.frozen_bytes, "trainable_bytes": self.trainable_bytes,
-                "total_bytes": self.total_bytes}
-
-
 def lora_host_memory(model: nn.Module, precision: str = "bf16") -> HostMemory:
-    """:class:`HostMemory` of ``model`` trained in ``precision`` with AdamW (each parameter counted once)."""
-    if precision not in _BYTES:
-        raise ConfigError(f"precision must be one of {sorted(_BYTES)}, got {precision!r}")
-    low = _BYTES[precision]
-    params = {id(p): p for p in model.parameters()}.values()
-    frozen = sum(p.numel() for p in params if not p.requires_grad and p.is_floating_point())
-    trainable = sum(p.numel() for p in params if p.requires_grad)
-    copy = low if low != 4 else 0  # fp32 on the devices: the master itself is uploaded
-    return HostMemory(frozen, trainable, frozen * low, trainable * (4 + 4 + 8 + copy))
+    """:class:`~rpcompile.host_memory.HostMemory` of ``model`` trained in ``precision`` with AdamW (each parameter
+    counted once; :func:`rpcompile.host_memory.host_memory` without a plan)."""
+    return host_memory(model, precision)

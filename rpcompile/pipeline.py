@@ -65,8 +65,10 @@ from .core.batch import flat_inputs, split_microbatches, tensor_leaves
 from .core.errors import ConfigError, RPCompileError
 from rpcompile.runtime.executor import PipelineError
 from .core.plan import Plan
+from .core.specs import get_spec
 from .core.schedule import round_robin
 from .distributed import DataParallel, DistributedError, data_parallel_group, plan_digest
+from .host_memory import check_host_memory
 from .planning import compile_plan
 from rpcompile.passes.trace import training_inputs
 from .model_match import graph_as_planned
@@ -168,6 +170,12 @@ class Pipeline:
         self._schedules = {self.microbatches: self.schedule}
         params = {n: p for n, p in gm.named_parameters()}
         buffers = {n: b for n, b in gm.named_buffers()}
+        # refused in one line before anything is allocated, not killed by the OS mid-step
+        self.host_bytes = check_host_memory(
+            params, plan, dtype=_DTYPES[precision], pin=any(d.torch_device.type == "cuda" for d in self.devices),
+            uploaded=[n for prog in self.program.stages for n in prog.params.values()],
+            host_only=[h.weight for h in self.program.host], frozen_masters=frozen_masters)
+        """Host bytes building and running this pipeline allocates beyond what existed (:mod:`.host_memory`)."""
         self.executor = Executor(self.program, self.devices, params, buffers, dtype=_DTYPES[precision],
                                  frozen_masters=frozen_masters)
         self.iteration = 0
@@ -501,8 +509,11 @@ def compile(
     ``devices=["cpu"] * k`` runs k logical devices on the CPU; ``gpus=k`` uses ``cuda:0..k-1``; with neither, every
     visible GPU, or one logical CPU device. Costs are measured on the first device unless ``spec`` (a
     :class:`~rpcompile.core.specs.DeviceSpec` or preset name) asks for analytic ones — which also makes the plan
-    independent of timing noise. ``plan_options`` go to :func:`rpcompile.planning.compile_plan` (``strategy``,
-    ``memory_limit``, ``time_limit_s``, ...): ``compile`` is that plan plus a :class:`Pipeline` that runs it.
+    independent of timing noise. On GPUs a plan may use 90% of their memory — with ``spec``, no more than the spec's
+    usable memory (:func:`gpu_memory_limit`) — unless ``memory_limit`` says otherwise. ``plan_options`` go to
+    :func:`rpcompile.planning.compile_plan` (``strategy``, ``memory_limit``, ``time_limit_s``, ...): ``compile`` is
+    that plan plus a :class:`Pipeline` that runs it. Building it checks the host memory it needs first
+    (:mod:`rpcompile.host_memory`).
 
     ``head_chunks=k`` (with ``example_target``, a target for ``example_inputs``) moves a mean token cross-entropy
     into the graph and splits it with the LM head into ``k`` sequence chunks (:mod:`rpcompile.passes.loss_head`):
@@ -569,7 +580,7 @@ def compile(
     on_cpu = devs[0].torch_device.type == "cpu"
     memory_limit = plan_options.pop("memory_limit", None)
     if memory_limit is None and not on_cpu:
-        memory_limit = int(torch.cuda.get_device_properties(devs[0].torch_device).total_memory * 0.9)
+        memory_limit = gpu_memory_limit(devs[0].torch_device, spec)
     # costs measured with the intra-op threads each logical CPU device will have
     threads = max(1, torch.get_num_threads() // len(devs)) if on_cpu and len(devs) > 1 else None
     made = compile_plan(model, example_inputs, gpus=len(devs), spec=spec,
@@ -584,6 +595,13 @@ def compile(
                     frozen_masters=frozen_masters)
     log.info("%s: %.2f s", "pipeline", time.perf_counter() - t0)  # stage code, host weight copies (pinned for GPUs)
     return pipe
+
+
+def gpu_memory_limit(device: torch.device, spec: Any = None) -> int:
+    """The memory a plan for GPU ``device`` may use: 90% of what it has — no more than ``spec``'s usable memory
+    when a spec is given (a plan for a 24 GB card made on an 80 GB one stays a plan for the 24 GB card)."""
+    have = int(torch.cuda.get_device_properties(device).total_memory * 0.9)
+    return have if spec is None else min(have, get_spec(spec).usable_memory_bytes)
 
 
 def _join(dp: DataParallel, local: Callable[..., Pipeline], plan: "Plan | str | os.PathLike | None",

@@ -58,7 +58,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-__all__ = ["HostTraffic", "WeightStore", "GradSink", "nbytes", "ADD_PIECE"]
+__all__ = ["HostTraffic", "WeightStore", "GradSink", "nbytes", "pinned_bytes", "ADD_PIECE"]
 
 #: Elements per piece when a gradient in the compute precision is added into an fp32 ``.grad`` (4 MiB of fp32:
 #: cache-sized, and few enough pieces that the Python loop costs ~1% of the memory traffic).
@@ -87,6 +87,13 @@ class HostTraffic:
 def nbytes(t: torch.Tensor) -> int:
     """A tensor's size in bytes."""
     return t.numel() * t.element_size()
+
+
+def pinned_bytes(size: int) -> int:
+    """Host memory a pinned allocation of ``size`` bytes takes: PyTorch's caching host allocator
+    (``torch.empty(..., pin_memory=True)``) rounds each request up to a power of two unless
+    ``pinned_max_round_threshold_mb`` (``PYTORCH_ALLOC_CONF``) says otherwise — a 112 MiB weight takes 128 MiB."""
+    return 1 << (size - 1).bit_length() if size > 0 else 0
 
 
 @dataclass
@@ -126,7 +133,7 @@ class WeightStore:
         for name, e in self.entries.items():
             once = not e.master.requires_grad and not frozen_masters and e.master.is_floating_point()
             if name in self.host_only:
-                if once and self.dtype is not None and e.master.dtype != self.dtype:
+                if once and _casts(e.master, self.dtype):
                     e.master.data = e.master.data.to(self.dtype)  # a frozen host table: its rows are cast anyway
                 continue
             if not self._needs_copy(e.master):
@@ -141,6 +148,28 @@ class WeightStore:
         store = weakref.ref(self)
         handle = register_optimizer_step_post_hook(lambda opt, args, kwargs: _after_step(store, opt))
         weakref.finalize(self, handle.remove)
+
+    @staticmethod
+    def planned_bytes(params: dict[str, torch.nn.Parameter], dtype: torch.dtype | None, *, pin: bool,
+                      uploaded: Iterable[str], host_only: Iterable[str] = (), frozen_masters: bool = False) -> int:
+        """Host bytes a store built with these arguments allocates (its construction is the peak): an upload copy
+        per parameter that needs one — in the compute precision, rounded as pinned allocations are — and the
+        compute-precision table of a frozen host-only embedding. Each parameter counted once."""
+        uploaded = list(uploaded)
+        host = set(host_only) - set(uploaded)
+        total, seen = 0, set()
+        for name in dict.fromkeys([*uploaded, *host]):
+            master = params[name]
+            if id(master) in seen:
+                continue
+            seen.add(id(master))
+            once = not master.requires_grad and not frozen_masters and master.is_floating_point()
+            if name in host:
+                total += master.numel() * _copy_dtype(master, dtype).itemsize if once and _casts(master, dtype) else 0
+            elif _needs_copy(master, dtype, pin):
+                size = master.numel() * _copy_dtype(master, dtype).itemsize
+                total += pinned_bytes(size) if pin else size
+        return total
 
     # ------------------------------------------------------------------------------------------ reading
     def source(self, name: str) -> torch.Tensor:
@@ -255,14 +284,11 @@ class WeightStore:
 
     # ------------------------------------------------------------------------------------------ helpers
     def _needs_copy(self, master: torch.Tensor) -> bool:
-        if not master.is_floating_point():
-            return self.pin
-        return self.pin or (self.dtype is not None and master.dtype != self.dtype)
+        return _needs_copy(master, self.dtype, self.pin)
 
     def _empty_like(self, master: torch.Tensor, *, keep: bool = False) -> torch.Tensor:
         """An empty copy of ``master`` in the compute precision (``keep``: in its own), pinned for GPUs."""
-        cast = self.dtype is not None and master.is_floating_point() and not keep
-        dtype = self.dtype if cast else master.dtype
+        dtype = master.dtype if keep else _copy_dtype(master, self.dtype)
         return torch.empty(master.shape, dtype=dtype, device="cpu", pin_memory=self.pin)
 
     def _make(self, e: _Entry, into: torch.Tensor, *, stamp: bool = True) -> None:
@@ -271,6 +297,20 @@ class WeightStore:
         self.traffic.add("weight copies", nbytes(e.master) + nbytes(into))
         if stamp:
             e.made_from = _stamp(e.master)
+
+
+def _casts(master: torch.Tensor, dtype: torch.dtype | None) -> bool:
+    """``master`` is computed in another precision than its own."""
+    return master.is_floating_point() and dtype is not None and master.dtype != dtype
+
+
+def _needs_copy(master: torch.Tensor, dtype: torch.dtype | None, pin: bool) -> bool:
+    """Devices upload a copy of ``master``, not the master: pinned (GPUs) or cast."""
+    return pin or _casts(master, dtype)
+
+
+def _copy_dtype(master: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    return dtype if dtype is not None and master.is_floating_point() else master.dtype
 
 
 def _stamp(t: torch.Tensor) -> tuple[int, int]:

@@ -1,0 +1,116 @@
+"""Host memory (rpcompile/host_memory.py): what a pipeline will allocate, refused in one line when the machine does
+not have it, and the plan's GPU memory when a spec names a smaller card than the one at hand."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import rpcompile
+import rpcompile.host_memory as hm
+from rpcompile.core.specs import get_spec
+from rpcompile.host_memory import HostMemoryError, HostMemoryWarning, activation_bytes
+from rpcompile.pipeline import gpu_memory_limit
+from rpcompile.runtime.weights import WeightStore, pinned_bytes
+
+from test_weights import FINE, Tied, batch, loss_fn
+
+
+def frozen_norm() -> Tied:
+    model = Tied()
+    model.norm.requires_grad_(False)
+    return model
+
+
+@pytest.fixture(scope="module")
+def plan():
+    torch.manual_seed(0)
+    x, _ = batch(0)
+    return rpcompile.compile(frozen_norm(), (x,), loss_fn=loss_fn, devices=["cpu", "cpu"], precision="bf16", spec=FINE,
+                             microbatches=2, host_embedding=False, time_limit_s=5.0).plan
+
+
+def build(plan, model=None, **kw):
+    x, _ = batch(0)
+    return rpcompile.compile(model or frozen_norm(), (x,), loss_fn=loss_fn, devices=["cpu", "cpu"], precision="bf16",
+                             plan=plan, host_embedding=False, **kw)
+
+
+def test_host_bytes_are_the_copies_gradients_and_activations_the_pipeline_allocates(plan):
+    """bf16 on logical CPU devices: a bf16 copy of every weight (2 B each), an fp32 gradient per trainable
+    parameter (4 B each), and the forward stages' saved activations and outputs for every microbatch — then the
+    copies and gradients made by one step are exactly those bytes."""
+    model = frozen_norm()
+    pipe = build(plan, model)
+    n_all = sum(p.numel() for p in model.parameters())
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    acts = activation_bytes(plan)
+    assert acts == plan.microbatches * sum(s.offload_bytes + s.download_bytes for s in plan.stages
+                                           if s.kind == "forward") > 0
+    assert pipe.host_bytes == 2 * n_all + 4 * n_trainable + acts
+    x, y = batch(1)
+    pipe.forward_backward(x, target=y)
+    store = pipe.executor.weights
+    copies = sum(e.front.numel() * e.front.element_size() for e in store.entries.values() if e.front is not None)
+    frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    assert copies + frozen == 2 * n_all  # the frozen norm became its own bf16 copy
+    assert sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None) \
+        == 4 * n_trainable
+
+
+def test_pinned_copies_are_counted_as_the_allocator_rounds_them():
+    """GPUs upload from pinned copies, and PyTorch's pinned allocator rounds every request up to a power of two:
+    a 3,000-element bf16 weight (6,000 B) takes 8,192; an fp32 run still pins a copy of each weight."""
+    params = {"w": torch.nn.Parameter(torch.zeros(3, 1000)), "b": torch.nn.Parameter(torch.zeros(1024))}
+    assert [pinned_bytes(n) for n in (0, 1, 4096, 4097, 6000)] == [0, 1, 4096, 8192, 8192]
+    assert WeightStore.planned_bytes(params, torch.bfloat16, pin=True, uploaded=["w", "b"]) == 8192 + 2048
+    assert WeightStore.planned_bytes(params, torch.bfloat16, pin=False, uploaded=["w", "b"]) == 6000 + 2048
+    assert WeightStore.planned_bytes(params, None, pin=True, uploaded=["w", "b"]) == 16384 + 4096
+    assert WeightStore.planned_bytes(params, None, pin=False, uploaded=["w", "b"]) == 0  # uploads the masters
+
+
+def test_a_pipeline_the_host_cannot_hold_is_refused_in_one_line_before_it_allocates(plan, monkeypatch):
+    model = frozen_norm()
+    before = {n: (p.dtype, p.data_ptr()) for n, p in model.named_parameters()}
+    monkeypatch.setattr(hm, "available_host_memory", lambda: 1000)
+    with pytest.raises(HostMemoryError) as e:
+        build(plan, model)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg.startswith("host memory: this pipeline needs ")
+    assert "(upload copies " in msg and f"at {plan.microbatches} microbatches; predicted) but 1000 B are available" \
+        in msg and "RPCOMPILE_HOST_MEMORY=ignore to try anyway" in msg
+    # nothing was cast, replaced or created
+    assert {n: (p.dtype, p.data_ptr()) for n, p in model.named_parameters()} == before
+    assert all(p.grad is None for p in model.parameters())
+    monkeypatch.setenv("RPCOMPILE_HOST_MEMORY", "ignore")
+    x, y = batch(1)
+    assert torch.isfinite(build(plan, model).forward_backward(x, target=y))
+
+
+def test_no_room_for_adamw_state_is_one_warning(plan, monkeypatch):
+    model = frozen_norm()
+    need = build(plan).host_bytes
+    adam = 8 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+    monkeypatch.setattr(hm, "available_host_memory", lambda: need + adam - 1)
+    with pytest.warns(HostMemoryWarning, match=r"leaves no room for an AdamW optimizer's .* of state"):
+        build(plan, model)
+    monkeypatch.setattr(hm, "available_host_memory", lambda: need + adam)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", HostMemoryWarning)
+        build(plan)
+
+
+def test_a_spec_caps_the_plans_gpu_memory_at_its_own(monkeypatch):
+    """``compile(spec="rtx4090")`` on an 80 GB GPU plans for the 4090's memory; without a spec, 90% of the GPU's."""
+    class Props:
+        total_memory = 80 * 2**30
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
+    gpu = torch.device("cuda:0")
+    assert gpu_memory_limit(gpu) == int(80 * 2**30 * 0.9)
+    assert gpu_memory_limit(gpu, "rtx4090") == get_spec("rtx4090").usable_memory_bytes < int(80 * 2**30 * 0.9)
+    Props.total_memory = 16 * 2**30  # a smaller card than the spec's: its own memory binds
+    assert gpu_memory_limit(gpu, "rtx4090") == int(16 * 2**30 * 0.9)

@@ -213,6 +213,8 @@ class PartitionResult:
     """Predicted iteration time (s) by :func:`.timing.iteration_time`; ``inf`` when infeasible."""
     solve_time_s: float
     stats: dict[str, Any] = field(default_factory=dict)
+    cached: bool = False
+    """From the solve cache (:mod:`.solve_cache`), not solved now; ``solve_time_s`` is then the first solve's."""
 
     def require_plan(self) -> SegmentPlan:
         """The plan, or :class:`rpcompile.core.errors.InfeasibleError` with the solver's reason when there is none."""

@@ -30,7 +30,8 @@ import torch.fx as fx
 
 from .fingerprint import fingerprint
 
-__all__ = ["FORMAT_VERSION", "CacheEntry", "cache_dir", "profile_key", "load", "store", "entries", "clear"]
+__all__ = ["FORMAT_VERSION", "CacheEntry", "cache_dir", "profile_key", "load", "store", "entries", "clear", "write_entry",
+           "remove_entries"]
 
 FORMAT_VERSION = 2
 """The cost format of an entry; bump it when what a node time means changes (the key then changes too)."""
@@ -156,6 +157,18 @@ def store(key: dict[str, Any], entry: CacheEntry) -> Path | None:
     data = {"format": FORMAT_VERSION, "key": key, "created": time.time(),
             "nodes": {k: {**v, "params": list(v["params"])} for k, v in entry.nodes.items()},
             "calibration": None if entry.calibration is None else list(entry.calibration)}
+    try:
+        write_entry(path, data)
+        return path
+    except OSError as e:
+        log.warning("cannot write the profile cache %s (%s); costs were measured but not kept",
+                    path.parent, e.strerror)
+        return None
+
+
+def write_entry(path: Path, data: Any) -> None:
+    """``data`` as JSON at ``path``, atomically: a temporary file beside it, then renamed into place (a reader
+    never sees half an entry). Raises OSError, leaving no temporary file."""
     tmp: str | None = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -163,13 +176,10 @@ def store(key: dict[str, Any], entry: CacheEntry) -> Path | None:
         with os.fdopen(fd, "w") as f:
             json.dump(data, f)
         os.replace(tmp, path)
-        return path
-    except OSError as e:
-        log.warning("cannot write the profile cache %s (%s); costs were measured but not kept",
-                    path.parent, e.strerror)
+    except OSError:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
-        return None
+        raise
 
 
 def entries() -> list[dict[str, Any]]:
@@ -191,7 +201,11 @@ def entries() -> list[dict[str, Any]]:
 
 def clear() -> int:
     """Remove every entry (and leftover temporary files); the number of files removed."""
-    root = _profiles()
+    return remove_entries(_profiles())
+
+
+def remove_entries(root: Path) -> int:
+    """Remove the entries under ``root`` (and leftover temporary files); the number of files removed."""
     if not root.is_dir():
         return 0
     removed = 0

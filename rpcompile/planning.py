@@ -39,7 +39,8 @@ from rpcompile.passes.loss_head import TARGET, split_head
 from rpcompile.passes.loss_memory import LOSS_BYTES_KEY, loss_memory
 from rpcompile.passes.lower import to_plan
 from rpcompile.passes.meta import on_meta, without_dynamo_import
-from rpcompile.passes.partition import ilp, solve
+from rpcompile.passes.partition import solve
+from rpcompile.passes.solve_cache import solve as cached_solve
 from rpcompile.passes.problem import PartitionProblem
 from rpcompile.passes.reuse import RunMemo
 from rpcompile.passes.shape import shape_pass
@@ -110,6 +111,8 @@ class Compilation:
     strategy: str = "ilp"
     time_limit_s: float = 10.0
     allow_save: bool = True
+    cache: bool = True
+    """Measured costs and solved partitions kept on disk (:mod:`.passes.profile_cache`, :mod:`.passes.solve_cache`)."""
 
     gm: fx.GraphModule | None = None
     """trace: the graph; later passes annotate and rewrite it."""
@@ -251,7 +254,7 @@ def _partition(c: Compilation) -> None:
     if c.strategy not in STRATEGIES:
         raise ConfigError(f"unknown strategy {c.strategy!r}; choose one of {', '.join(STRATEGIES)}")
     assert c.problem is not None and c.hardware is not None
-    c.result = solve(c.problem, c.strategy, time_limit_s=c.time_limit_s)
+    c.result = cached_solve(c.problem, c.strategy, time_limit_s=c.time_limit_s, cache=c.cache)
     if not c.result.feasible:
         raise infeasible_error(c.problem, c.hardware)
 
@@ -320,7 +323,7 @@ def start(
     **options: Any,
 ) -> Compilation:
     """A :class:`Compilation` for one microbatch of the example batch, before any pass. ``cache=False``: measure
-    costs afresh and keep nothing on disk. ``options``: the other :class:`Compilation` fields (``hardware``,
+    costs and solve afresh, and keep nothing on disk. ``options``: the other :class:`Compilation` fields (``hardware``,
     ``leaf_modules``, ``progress``, ``threads``, ``host_embedding``, ``max_segments``, ``segments_per_layer``,
     ``strategy``, ``time_limit_s``, ``allow_save``)."""
     # DESIGN.md §3: N + 1 is the fewest microbatches without a bubble between stages; one device has no
@@ -340,7 +343,7 @@ def start(
         cost_model=make_cost_model(spec=spec, device=device, dtype=dtype, model_device=model_device(model),
                                    cache=cache),
         microbatches=m, precision=precision, head_chunks=head_chunks,
-        loss=(loss_fn, piece[-1]) if with_loss else None, **options)
+        loss=(loss_fn, piece[-1]) if with_loss else None, cache=cache, **options)
 
 
 def analyze(model: torch.nn.Module, example_inputs: Sequence[Any] = (), *, cost_model: Any,
@@ -390,23 +393,26 @@ def plan_graph(
     precision: str = "fp32",
     time_limit_s: float = 10.0,
     allow_save: bool = True,
+    cache: bool = True,
 ) -> Plan:
     """Partition a costed, coarsened graph with one strategy (the :data:`BACK` passes); raise
     :class:`InfeasibleError` if nothing fits. ``allow_save=False`` makes every backward stage recompute (no
-    activations kept in host memory)."""
+    activations kept in host memory); ``cache=False`` solves even when the solve cache holds this problem."""
     if strategy not in STRATEGIES:  # before the problem is made
         raise ConfigError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     c = Compilation(None, (), {}, None, microbatches, hardware=hardware, precision=precision,
-                    strategy=strategy, time_limit_s=time_limit_s, allow_save=allow_save, gm=gm)
+                    strategy=strategy, time_limit_s=time_limit_s, allow_save=allow_save, gm=gm, cache=cache)
     plan = run(c, BACK).plan
     assert plan is not None
     return plan
 
 
 def compare(
-    gm: fx.GraphModule, *, hardware: Hardware, microbatches: int, precision: str = "fp32", time_limit_s: float = 10.0
+    gm: fx.GraphModule, *, hardware: Hardware, microbatches: int, precision: str = "fp32", time_limit_s: float = 10.0,
+    cache: bool = True,
 ) -> dict[str, tuple[Any, Plan | None]]:
-    """Every strategy on the same problem: name -> (PartitionResult, Plan or None when infeasible)."""
+    """Every strategy on the same problem: name -> (PartitionResult, Plan or None when infeasible). ``cache``: the
+    ILP's solve through the solve cache (:mod:`rpcompile.passes.solve_cache`)."""
     problem = partition_problem(gm, hardware=hardware, microbatches=microbatches, precision=precision)
     out = {}
     baselines: dict[str, Any] = {}  # the ILP's seeds: dp's, roundpipe's and uniform's own results, not solved again
@@ -415,7 +421,7 @@ def compare(
         if name in baselines:
             result = baselines[name]
         elif name == "ilp":
-            result = ilp(problem, time_limit_s=time_limit_s, baselines=baselines)
+            result = cached_solve(problem, "ilp", time_limit_s=time_limit_s, cache=cache, baselines=baselines)
         else:
             result = solve(problem, name, time_limit_s=time_limit_s)
         made = (to_plan(gm, problem, result, hardware=hardware, precision=precision, facts=facts)
@@ -501,7 +507,8 @@ def plan(
     ``host_embedding`` (default on) lets the host run token embeddings whose tables are larger than what an
     iteration looks up (:mod:`rpcompile.passes.host`); ``False`` none, node names exactly those lookups.
     ``cache`` (default on) reuses measured costs kept on disk for the same graph, inputs, device and torch
-    (:mod:`rpcompile.passes.profile_cache`); ``False`` measures afresh and keeps nothing.
+    (:mod:`rpcompile.passes.profile_cache`) and solved partitions of the same problem
+    (:mod:`rpcompile.passes.solve_cache`); ``False`` measures and solves afresh and keeps nothing.
     """
     made = compile_plan(model, example_inputs, gpus=gpus, spec=spec, device=device, microbatches=microbatches,
                         memory_limit=memory_limit, strategy=strategy, precision=precision,

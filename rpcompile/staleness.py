@@ -170,7 +170,8 @@ def check_plan(path: str | Path, model: Any, example_inputs: Sequence[Any], *, m
     try:
         with (status or _quiet)(f"solving a fresh {strategy} plan (up to {time_limit_s:g} s): {reason[1]}"):
             fresh = plan_graph(gm, hardware=hw, microbatches=plan.microbatches, strategy=strategy,
-                               precision=plan.precision, time_limit_s=time_limit_s, allow_save=allow_save)
+                               precision=plan.precision, time_limit_s=time_limit_s, allow_save=allow_save,
+                               cache=not resolve)  # --resolve: solve, even where the solve cache has it
     except InfeasibleError as e:
         result.problems.append(f"does not fit: {e}")
         return result

@@ -192,13 +192,13 @@ def test_compile_plan_gives_each_head_split_its_share(monkeypatch):
     limits: list[float] = []
     spent: list[float] = []
 
-    def recording(problem, strategy="ilp", *, time_limit_s=10.0, seed=0):
+    def recording(problem, strategy="ilp", *, time_limit_s=10.0, seed=0, cache=True):
         limits.append(time_limit_s)
         res = solve(problem, strategy, time_limit_s=time_limit_s, seed=seed)
         spent.append(res.solve_time_s)
         return res
 
-    monkeypatch.setattr(planning, "solve", recording)
+    monkeypatch.setattr(planning, "cached_solve", recording)
     ms = load_model("llama-demo")
     made = planning.compile_plan(ms.model, ms.example_inputs, gpus=2, spec="rtx4090", loss_fn=ms.loss_fn,
                                  example_target=ms.example_target, time_limit_s=4.0)

@@ -53,8 +53,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     _add_cost_source(p)
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None, help="cost compute in this precision")
     p.add_argument("--no-cache", dest="cache", action="store_false",
-                   help="measure costs afresh and keep nothing (default: reuse measured costs kept in the profile "
-                        "cache, rpcompile cache)")
+                   help="measure costs and solve afresh and keep nothing (default: reuse measured costs and solved "
+                        "partitions kept in the cache, rpcompile cache)")
 
 
 def _add_cost_source(p: argparse.ArgumentParser) -> None:

@@ -150,7 +150,8 @@ def _plan_fastest(args: argparse.Namespace, ms: ModelSpec, hardware: Hardware) -
         head = f"LM head in {k} chunks" if k > 1 else "whole LM head"
         limit = share.next()
         with step(args, f"solving ({head}): ilp ≤ {limit:.3g} s, dp, roundpipe, uniform"):
-            rows = compare(gm, hardware=hardware, microbatches=m, precision=args.precision, time_limit_s=limit)
+            rows = compare(gm, hardware=hardware, microbatches=m, precision=args.precision, time_limit_s=limit,
+                           cache=args.cache)
         share.used(rows["ilp"][0].solve_time_s)
         chosen = rows[args.strategy][1]
         if chosen is None:

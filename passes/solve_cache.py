@@ -1,0 +1,136 @@
+"""Solved partitions on disk, so re-running a training script does not solve the same problem again.
+
+A solve is a function of its inputs: the :class:`~.problem.PartitionProblem` (the solvers' whole input, in plain
+numbers: costs, memory, link, microbatches), the strategy, the time limit (every phase of ``ilp`` is bounded by
+counts derived from it, so the same limit gives the same plan) and the partitioner's source
+(:func:`~.plan_inputs.solver_digest`). :func:`solve` keys an entry by all of them; a warm entry returns the stored
+result — its plan re-checked against the problem (:func:`~.segment_rules.validate_segment_plan`) and re-scored
+(:func:`~.timing.iteration_time` must give the stored objective) — and ``solve_time_s`` as first measured, so that
+splits sharing one time budget (:class:`~rpcompile.plan_options.TimeShare`) give each later solve the very limit
+it had, and hit too. ``PartitionResult.cached`` says where a result came from.
+
+Measured costs from a warm profile cache give the same problem, so a second compile of a model on the same GPU
+neither measures nor solves. Directory: ``solves/`` beside the profile cache (:func:`.profile_cache.cache_dir`);
+``rpcompile cache clear`` empties both and ``--no-cache`` / ``cache=False`` bypasses both. Only feasible results
+are kept. An entry that cannot be read, has another key or whose plan no longer checks out is ignored with one
+warning line and solved afresh (then overwritten); a cache that cannot be written is warned about and ignored.
+Writes go to a temporary file renamed into place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from . import partition
+from .plan_inputs import problem_digest, solver_digest
+from .problem import PartitionProblem, PartitionResult, SegmentPlan
+from .profile_cache import cache_dir, remove_entries, write_entry
+from .segment_rules import validate_segment_plan
+from .timing import iteration_time
+
+__all__ = ["FORMAT_VERSION", "solve", "solve_key", "entries", "clear"]
+
+FORMAT_VERSION = 1
+log = logging.getLogger("rpcompile")
+
+
+def _root() -> Path:
+    return cache_dir() / "solves"
+
+
+def solve_key(problem: PartitionProblem, strategy: str, *, time_limit_s: float, seed: int = 0) -> dict[str, Any]:
+    """Everything a solve's result depends on (module docstring)."""
+    return {"problem": problem_digest(problem), "strategy": strategy, "time_limit_s": repr(float(time_limit_s)),
+            "seed": seed, "solver": solver_digest()}
+
+
+def _path(key: dict[str, Any]) -> Path:
+    return _root() / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]}.json"
+
+
+def solve(problem: PartitionProblem, strategy: str = "ilp", *, time_limit_s: float = 10.0, seed: int = 0,
+          cache: bool = True, **options: Any) -> PartitionResult:
+    """:func:`.partition.solve` (``ilp`` with ``options``: :func:`.partition.ilp`'s ``baselines``) through the cache
+    (module docstring); ``cache=False`` solves and keeps nothing."""
+    def fresh() -> PartitionResult:
+        if strategy == "ilp":
+            return partition.ilp(problem, time_limit_s=time_limit_s, seed=seed, **options)
+        return partition.solve(problem, strategy, time_limit_s=time_limit_s, seed=seed)
+
+    if not cache:
+        return fresh()
+    key = solve_key(problem, strategy, time_limit_s=time_limit_s, seed=seed)
+    path = _path(key)
+    found = _load(path, key, problem)
+    if found is not None:
+        return found
+    result = fresh()
+    if result.feasible and result.plan is not None:
+        _store(path, key, result)
+    return result
+
+
+def _load(path: Path, key: dict[str, Any], problem: PartitionProblem) -> PartitionResult | None:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        _ignore(path, f"unreadable: {getattr(e, 'strerror', None) or 'not JSON'}")
+        return None
+    try:
+        if data.get("format") != FORMAT_VERSION or data.get("key") != key:
+            _ignore(path, "another format or problem")
+            return None
+        p = data["plan"]
+        plan = SegmentPlan(forward=tuple(tuple(r) for r in p["forward"]), fused=tuple(p["fused"]),
+                           backward=tuple(tuple(r) for r in p["backward"]), saved=tuple(p["saved"]))
+        objective, took = float(data["objective"]), float(data["solve_time_s"])
+        stats = dict(data["stats"])
+    except (KeyError, TypeError, ValueError, AttributeError):
+        _ignore(path, "wrong schema")
+        return None
+    try:
+        problems = validate_segment_plan(problem, plan)
+        score = iteration_time(problem, plan) if not problems else math.inf
+    except (IndexError, ValueError, TypeError):
+        problems, score = ["does not fit the problem"], math.inf
+    if problems or not math.isclose(score, objective, rel_tol=1e-9, abs_tol=0.0):
+        _ignore(path, "its plan does not check out against the problem")
+        return None
+    return PartitionResult(strategy=key["strategy"], feasible=True, plan=plan, objective=objective,
+                           solve_time_s=took, stats=stats, cached=True)
+
+
+def _ignore(path: Path, why: str) -> None:
+    log.warning("ignoring solve cache entry %s (%s); solving afresh", path, why)
+
+
+def _store(path: Path, key: dict[str, Any], result: PartitionResult) -> None:
+    assert result.plan is not None
+    plan = result.plan
+    data = {"format": FORMAT_VERSION, "key": key, "created": time.time(),
+            "plan": {"forward": plan.forward, "fused": plan.fused, "backward": plan.backward, "saved": plan.saved},
+            "objective": result.objective, "solve_time_s": result.solve_time_s,
+            "stats": json.loads(json.dumps(result.stats, default=str))}
+    try:
+        write_entry(path, data)
+    except OSError as e:
+        log.warning("cannot write the solve cache %s (%s); the plan was solved but not kept", path.parent,
+                    e.strerror)
+
+
+def entries() -> list[Path]:
+    """The entries' files."""
+    return sorted(_root().glob("*.json")) if _root().is_dir() else []
+
+
+def clear() -> int:
+    """Remove every entry (and leftover temporary files); the number of files removed."""
+    return remove_entries(_root())

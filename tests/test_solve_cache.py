@@ -1,0 +1,83 @@
+"""The solve cache (rpcompile/passes/solve_cache.py): a second compile of the same problem solves nothing and gets
+the same plan; --no-cache, a corrupt or tampered entry and ``cache clear`` behave as the module says.
+(conftest.py gives every test a fresh, empty cache directory.)"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from rpcompile.cli import main
+from rpcompile.models import load_model
+from rpcompile.passes import partition, solve_cache
+from rpcompile.planning import compile_plan
+
+
+def compile_gpt(**kw):
+    spec = load_model("gpt-demo")
+    return compile_plan(spec.model, spec.example_inputs, gpus=2, spec="rtx4090", loss_fn=spec.loss,
+                        example_target=spec.example_target, time_limit_s=2.0, **kw)
+
+
+def plan_dict(c) -> dict:
+    d = c.plan.to_dict()
+    return {"stages": d["stages"], "predicted": d["predicted"]}  # a fresh solve's stats hold its phases' wall times
+
+
+def test_a_second_compile_solves_nothing_and_gets_the_same_plan(monkeypatch):
+    """Both LM-head splits (head_chunks="auto") hit: the first split's stored solve time is charged to the shared
+    time budget, so the second split asks for the very limit it was solved with."""
+    first = compile_gpt()
+    assert not first.result.cached
+    assert len(solve_cache.entries()) == 2  # the whole head and the 8-chunk split
+    monkeypatch.setattr(partition, "ilp", lambda *a, **k: pytest.fail("solved although the cache holds it"))
+    second = compile_gpt()
+    assert second.result.cached
+    assert second.result.solve_time_s == first.result.solve_time_s
+    assert plan_dict(second) == plan_dict(first)
+    assert len(solve_cache.entries()) == 2
+
+
+def test_no_cache_solves_and_keeps_nothing():
+    compile_gpt(cache=False)
+    assert solve_cache.entries() == []
+
+
+def test_a_corrupt_or_tampered_entry_is_ignored_with_one_warning_and_replaced(caplog):
+    first = compile_gpt(head_chunks=1)
+    (path,) = solve_cache.entries()
+    data = json.loads(path.read_text())
+    data["objective"] *= 0.5  # a plan that does not score as stored
+    path.write_text(json.dumps(data))
+    with caplog.at_level(logging.WARNING, logger="rpcompile"):
+        again = compile_gpt(head_chunks=1)
+    lines = [r.getMessage() for r in caplog.records if "solve cache" in r.getMessage()]
+    assert len(lines) == 1 and "(its plan does not check out against the problem); solving afresh" in lines[0]
+    assert not again.result.cached and plan_dict(again) == plan_dict(first)
+    assert json.loads(path.read_text())["objective"] == first.result.objective  # overwritten
+    path.write_text("{not json")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="rpcompile"):
+        compile_gpt(head_chunks=1)
+    assert [r.getMessage() for r in caplog.records if "solve cache" in r.getMessage()][0].endswith(
+        "(unreadable: not JSON); solving afresh")
+
+
+def test_the_cli_reuses_a_solve_and_cache_clear_forgets_it(capsys, monkeypatch):
+    argv = ["plan", "llama-demo", "--gpus", "2", "--spec", "rtx4090", "--time-limit", "2", "--head-chunks", "1",
+            "--json"]
+    assert main(argv) == 0
+    first = json.loads(capsys.readouterr().out)
+    real = partition.ilp
+    monkeypatch.setattr(partition, "ilp", lambda *a, **k: pytest.fail("solved although the cache holds it"))
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["stages"] == first["stages"]
+    assert main(["cache", "clear"]) == 0
+    assert "and 1 solved partition" in capsys.readouterr().out
+    assert solve_cache.entries() == []
+    calls = []
+    monkeypatch.setattr(partition, "ilp", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert main([*argv, "--no-cache"]) == 0
+    assert calls == [1] and solve_cache.entries() == []

@@ -74,12 +74,14 @@ class HostMemory:
     def line(self) -> str:
         low = self.frozen_bytes // max(self.frozen_params, 1)
         each = self.trainable_bytes // max(self.trainable_params, 1)
-        acts = (f", activations on the host {format_bytes(self.activation_bytes)}" if self.activation_bytes
-                else "; saved activations not included")
-        return (f"host memory {format_bytes(self.total_bytes)} (predicted{acts}): frozen "
-                f"base {fmt_params(self.frozen_params)} parameters × {low} B = {format_bytes(self.frozen_bytes)}, "
-                f"trainable {fmt_params(self.trainable_params)} × {each} B (fp32 master, gradient, AdamW moments, "
-                f"upload copy) = {format_bytes(self.trainable_bytes)}")
+        parts = [f"frozen base {fmt_params(self.frozen_params)} parameters × {low} B = "
+                 f"{format_bytes(self.frozen_bytes)}"] if self.frozen_params else []
+        parts.append(f"trainable {fmt_params(self.trainable_params)} × {each} B (fp32 master, gradient, AdamW "
+                     f"moments, upload copy) = {format_bytes(self.trainable_bytes)}")
+        if self.activation_bytes:
+            parts.append(f"activations on the host {format_bytes(self.activation_bytes)}")
+        note = "" if self.activation_bytes else "; saved activations not included"
+        return f"host memory {format_bytes(self.total_bytes)} (predicted{note}): {', '.join(parts)}"
 
     def to_dict(self) -> dict[str, int]:
         return {"frozen_params": self.frozen_params, "trainable_params": self.trainable_params,
@@ -139,10 +141,12 @@ def check_host_memory(params: dict[str, nn.Parameter], plan: Plan, *, dtype: tor
     parts = (f"upload copies {format_bytes(copies)}, gradients {format_bytes(grads)}, activations on the host "
              f"{format_bytes(acts)} at {plan.microbatches} microbatches")
     if need > have:
+        fix = ("re-plan with allow_save=False (rpcompile.compile(..., allow_save=False): the backward recomputes "
+               "instead of keeping activations on the host) or a smaller batch" if acts > copies + grads else
+               f"freeze the base and train adapters (LoRA: it is kept once, in {dtype_name(dtype)})")
         raise HostMemoryError(
             f"host memory: this pipeline needs {format_bytes(need)} more ({parts}; predicted) but "
-            f"{format_bytes(have)} are available; free host memory, freeze the base and train adapters (LoRA: "
-            f"it is kept once, in {dtype_name(dtype)}), or set {ENV}=ignore to try anyway")
+            f"{format_bytes(have)} are available; free host memory, {fix}, or set {ENV}=ignore to try anyway")
     adam = ADAM_BYTES * sum(p.numel() for p in trainable if p.dtype == torch.float32)
     if need + adam > have:
         warnings.warn(

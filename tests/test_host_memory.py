@@ -3,6 +3,8 @@ not have it, and the plan's GPU memory when a spec names a smaller card than the
 
 from __future__ import annotations
 
+import json
+import re
 import warnings
 
 import pytest
@@ -114,3 +116,41 @@ def test_a_spec_caps_the_plans_gpu_memory_at_its_own(monkeypatch):
     assert gpu_memory_limit(gpu, "rtx4090") == get_spec("rtx4090").usable_memory_bytes < int(80 * 2**30 * 0.9)
     Props.total_memory = 16 * 2**30  # a smaller card than the spec's: its own memory binds
     assert gpu_memory_limit(gpu, "rtx4090") == int(16 * 2**30 * 0.9)
+
+
+def test_the_refusal_names_the_remedy_for_what_dominates(plan, monkeypatch):
+    """Activations kept on the host dominate: re-plan with allow_save=False, which keeps none but the hand-offs;
+    else the weights' state does: LoRA."""
+    monkeypatch.setattr(hm, "available_host_memory", lambda: 1000)
+    x, _ = batch(0)
+    long = torch.randint(0, 32, (4, 96))  # long sequences: activations outweigh a 1.3k-parameter model
+    for example, remedy in ((x, "freeze the base and train adapters (LoRA: it is kept once, in bfloat16)"),
+                            (long, "re-plan with allow_save=False")):
+        with pytest.raises(HostMemoryError, match=re.escape(remedy)):
+            rpcompile.compile(frozen_norm(), (example,), loss_fn=loss_fn, devices=["cpu", "cpu"], precision="bf16",
+                              spec=FINE, microbatches=2, host_embedding=False, time_limit_s=5.0)
+    monkeypatch.undo()
+    none = rpcompile.compile(frozen_norm(), (long,), loss_fn=loss_fn, devices=["cpu", "cpu"], precision="bf16",
+                             spec=FINE, microbatches=2, host_embedding=False, time_limit_s=5.0, allow_save=False)
+    assert all(s.offload_bytes == 0 for s in none.plan.stages)
+    assert activation_bytes(none.plan) == 2 * sum(s.download_bytes for s in none.plan.stages if s.kind == "forward")
+
+
+def test_rpcompile_plan_reports_the_host_memory_of_its_plan(capsys):
+    """``rpcompile plan``: the whole run's host memory (predicted) — 18 B a trainable parameter in bf16 (the CLI's
+    default: fp32 master, gradient, AdamW moments, bf16 upload copy) and the plan's activations on the host."""
+    from rpcompile.cli import main
+    from rpcompile.models import load_model
+
+    argv = ["plan", "llama-demo", "--gpus", "2", "--spec", "rtx4090", "--time-limit", "1"]
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    params = sum(p.numel() for p in load_model("llama-demo", device="meta").model.parameters())
+    acts = out["microbatches"] * sum(s["offload_bytes"] + s["download_bytes"] for s in out["stages"]
+                                     if s["kind"] == "forward")
+    assert out["host_memory"] == {"frozen_params": 0, "trainable_params": params, "frozen_bytes": 0,
+                                  "trainable_bytes": 18 * params, "activation_bytes": acts,
+                                  "total_bytes": 18 * params + acts}
+    assert main(argv) == 0
+    assert re.search(r"^host memory [\d.]+ [KM]iB \(predicted\): trainable [\d.]+k × 18 B .*, activations on the "
+                     r"host [\d.]+ [KM]iB$", capsys.readouterr().out, re.M)

@@ -17,6 +17,7 @@ from rpcompile.passes.codegen import write_stages
 from rpcompile.passes.split import split_plan
 from rpcompile.core.specs import HostSpec
 from rpcompile.envelope import link_bound, microbatch_tokens
+from rpcompile.host_memory import host_memory
 from rpcompile.lora import LORA_TARGETS, apply_lora, lora_host_memory
 from rpcompile.plan_options import TimeShare, model_device
 from rpcompile.probe import load_host, probe_host
@@ -57,6 +58,7 @@ def plan(args: argparse.Namespace) -> int:
                                if args.compare else chosen.to_dict())
         if args.lora:
             out["lora"] = {"rank": args.lora, **lora_host_memory(ms.model, args.precision).to_dict()}
+        out["host_memory"] = host_memory(ms.model, args.precision, chosen).to_dict()
         print(json.dumps(out))
         return 0
     head = f", LM head in {chosen.head_chunks} chunks" if chosen.head_chunks > 1 else ""
@@ -66,6 +68,8 @@ def plan(args: argparse.Namespace) -> int:
     print_table(compare_table(rows, reference=args.strategy))
     if args.lora:
         print("\n".join(_lora_lines(args, ms, chosen)))
+    else:
+        print(host_memory(ms.model, args.precision, chosen).line())
     if args.output:
         print(f"plan written to {args.output}")
     if args.emit:
@@ -118,7 +122,7 @@ def _lora_lines(args: argparse.Namespace, ms: ModelSpec, chosen: Plan) -> list[s
     tokens = ids.numel() if isinstance(ids, torch.Tensor) else 0
     p = chosen.predicted
     rate = f"; {tokens / p.iteration_time_s:,.0f} tokens/s ({tokens:,} tokens an iteration)" if tokens else ""
-    return [f"LoRA rank {args.lora} on {', '.join(LORA_TARGETS)}: {lora_host_memory(ms.model, args.precision).line()}",
+    return [f"LoRA rank {args.lora} on {', '.join(LORA_TARGETS)}: {host_memory(ms.model, args.precision, chosen).line()}",
             f"GPU memory: largest stage {max(s.memory_bytes for s in chosen.stages) / 2**30:.2f} GiB of "
             f"{chosen.hardware.memory_bytes / 2**30:.2f} GiB; iteration {p.iteration_time_s:.2f} s{rate} (predicted)"]
 

@@ -14,7 +14,12 @@ our users train, host memory — not the GPUs' — is often what binds: the Llam
   that do not exist yet, saved activations and hand-offs at the plan's microbatches) against what the operating
   system reports available (``MemAvailable``). More than that is refused in one line (:class:`HostMemoryError`);
   fitting without room for an AdamW optimizer's two fp32 moments issues one :class:`HostMemoryWarning`.
-  ``RPCOMPILE_HOST_MEMORY=ignore`` skips the check.
+  ``RPCOMPILE_HOST_MEMORY=ignore`` skips the check;
+- the planner itself does not bound host memory: a plan may keep every microbatch's saved activations on the host
+  (the Llama-3-8B shape, 9 microbatches of 4,096 tokens: 140 GiB). ``rpcompile.compile`` therefore compares them
+  with :func:`activation_room` (what is left beside the copies, gradients and AdamW's state) and, when they do
+  not fit, re-plans with ``allow_save=False`` — the backward recomputes instead — with one
+  :class:`HostMemoryWarning` giving both plans' predicted iteration times.
 
 Predictions, not measurements: the optimizer's own temporaries, Python, the CUDA context and the data loader are
 not counted, and pinned activation buffers may take up to twice their bytes (PyTorch rounds each pinned
@@ -25,8 +30,9 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -38,7 +44,7 @@ from rpcompile.report import fmt_params
 from rpcompile.runtime.weights import WeightStore
 
 __all__ = ["HostMemory", "HostMemoryError", "HostMemoryWarning", "host_memory", "activation_bytes",
-           "available_host_memory", "check_host_memory", "ADAM_BYTES"]
+           "activation_room", "fit_host_memory", "available_host_memory", "check_host_memory", "ADAM_BYTES"]
 
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 ADAM_BYTES = 8
@@ -141,9 +147,13 @@ def check_host_memory(params: dict[str, nn.Parameter], plan: Plan, *, dtype: tor
     parts = (f"upload copies {format_bytes(copies)}, gradients {format_bytes(grads)}, activations on the host "
              f"{format_bytes(acts)} at {plan.microbatches} microbatches")
     if need > have:
-        fix = ("re-plan with allow_save=False (rpcompile.compile(..., allow_save=False): the backward recomputes "
-               "instead of keeping activations on the host) or a smaller batch" if acts > copies + grads else
-               f"freeze the base and train adapters (LoRA: it is kept once, in {dtype_name(dtype)})")
+        if acts <= copies + grads:
+            fix = f"freeze the base and train adapters (LoRA: it is kept once, in {dtype_name(dtype)})"
+        elif any(s.offload_bytes for s in plan.stages):
+            fix = ("re-plan with allow_save=False (rpcompile.compile(..., allow_save=False): the backward recomputes "
+                   "instead of keeping activations on the host)")
+        else:
+            fix = "use smaller batches (the activations handed between stages wait on the host for the backward)"
         raise HostMemoryError(
             f"host memory: this pipeline needs {format_bytes(need)} more ({parts}; predicted) but "
             f"{format_bytes(have)} are available; free host memory, {fix}, or set {ENV}=ignore to try anyway")
@@ -155,6 +165,45 @@ def check_host_memory(params: dict[str, nn.Parameter], plan: Plan, *, dtype: tor
             "moments a trainable parameter); use a lighter optimizer or train fewer parameters", HostMemoryWarning,
             stacklevel=4)
     return need
+
+
+def activation_room(params: dict[str, nn.Parameter], plan: Plan, *, dtype: torch.dtype | None, pin: bool,
+                    frozen_masters: bool = False, available: int | None = None) -> int | None:
+    """Host bytes left for ``plan``'s activations once a pipeline's copies, new gradients and an AdamW optimizer's
+    state are counted (None where the available memory is unknown or the check is off, :data:`ENV`)."""
+    if os.environ.get(ENV, "").lower() == "ignore":
+        return None
+    have = available_host_memory() if available is None else available
+    if have is None:
+        return None
+    uploaded = [n for s in plan.stages for n in s.params if n in params]
+    copies = WeightStore.planned_bytes(params, dtype, pin=pin, uploaded=uploaded, frozen_masters=frozen_masters)
+    trainable = {id(p): p for p in params.values() if p.requires_grad}.values()
+    grads = sum(p.numel() * p.element_size() for p in trainable if p.grad is None)
+    adam = ADAM_BYTES * sum(p.numel() for p in trainable if p.dtype == torch.float32)
+    return have - copies - grads - adam
+
+
+def fit_host_memory(made: Any, replan: Callable[[], Any], *, dtype: torch.dtype | None, pin: bool,
+                    frozen_masters: bool = False) -> Any:
+    """``made`` (a :class:`~rpcompile.planning.Compilation`), or — when its plan keeps more activations on the host
+    than :func:`activation_room` leaves — ``replan()`` (the same compile with ``allow_save=False``), with one
+    :class:`HostMemoryWarning` (module docstring)."""
+    plan = made.plan
+    if not any(s.offload_bytes for s in plan.stages):
+        return made
+    kept = activation_bytes(plan)
+    room = activation_room(dict(made.graph.named_parameters()), plan, dtype=dtype, pin=pin,
+                           frozen_masters=frozen_masters)
+    if room is None or kept <= room:
+        return made
+    again = replan()
+    warnings.warn(
+        f"host memory: the plan kept {format_bytes(kept)} of activations on the host but {format_bytes(max(room, 0))} "
+        f"are left beside the weights' copies, gradients and an AdamW optimizer's state; re-planned to recompute "
+        f"them instead (allow_save=False): iteration {plan.predicted.iteration_time_s:.4g} s -> "
+        f"{again.plan.predicted.iteration_time_s:.4g} s (predicted)", HostMemoryWarning, stacklevel=3)
+    return again
 
 
 def dtype_name(dtype: torch.dtype | None) -> str:

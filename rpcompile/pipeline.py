@@ -68,7 +68,7 @@ from .core.plan import Plan
 from .core.specs import get_spec
 from .core.schedule import round_robin
 from .distributed import DataParallel, DistributedError, data_parallel_group, plan_digest
-from .host_memory import check_host_memory
+from .host_memory import check_host_memory, fit_host_memory
 from .planning import compile_plan
 from rpcompile.passes.trace import training_inputs
 from .model_match import graph_as_planned
@@ -583,12 +583,17 @@ def compile(
         memory_limit = gpu_memory_limit(devs[0].torch_device, spec)
     # costs measured with the intra-op threads each logical CPU device will have
     threads = max(1, torch.get_num_threads() // len(devs)) if on_cpu and len(devs) > 1 else None
-    made = compile_plan(model, example_inputs, gpus=len(devs), spec=spec,
-                        device=None if spec is not None else devs[0].torch_device, memory_limit=memory_limit,
-                        microbatches=microbatches, precision=precision, example_kwargs=example_kwargs,
-                        progress=False, loss_fn=loss_fn, example_target=example_target, head_chunks=head_chunks,
-                        host_embedding=host_embedding, threads=threads, **plan_options)
+    planned = functools.partial(
+        compile_plan, model, example_inputs, gpus=len(devs), spec=spec,
+        device=None if spec is not None else devs[0].torch_device, memory_limit=memory_limit,
+        microbatches=microbatches, precision=precision, example_kwargs=example_kwargs, progress=False,
+        loss_fn=loss_fn, example_target=example_target, head_chunks=head_chunks, host_embedding=host_embedding,
+        threads=threads)
+    made = planned(**plan_options)
     assert made.plan is not None
+    # saved activations the host may not hold: recomputed instead (:mod:`.host_memory`)
+    made = fit_host_memory(made, lambda: planned(**{**plan_options, "allow_save": False}), dtype=_DTYPES[precision],
+                           pin=not on_cpu, frozen_masters=frozen_masters)
     t0 = time.perf_counter()
     pipe = Pipeline(model, made.graph, made.plan, devs, loss_fn, precision, scaler,
                     loss_in_graph=made.plan.head_chunks > 1, signature=signature, loss_weight=loss_weight,

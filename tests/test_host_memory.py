@@ -119,21 +119,25 @@ def test_a_spec_caps_the_plans_gpu_memory_at_its_own(monkeypatch):
 
 
 def test_the_refusal_names_the_remedy_for_what_dominates(plan, monkeypatch):
-    """Activations kept on the host dominate: re-plan with allow_save=False, which keeps none but the hand-offs;
-    else the weights' state does: LoRA."""
-    monkeypatch.setattr(hm, "available_host_memory", lambda: 1000)
-    x, _ = batch(0)
+    """The weights' state dominates: LoRA. Saved activations do: allow_save=False. Activations handed between
+    stages do (nothing saved): smaller batches."""
     long = torch.randint(0, 32, (4, 96))  # long sequences: activations outweigh a 1.3k-parameter model
-    for example, remedy in ((x, "freeze the base and train adapters (LoRA: it is kept once, in bfloat16)"),
-                            (long, "re-plan with allow_save=False")):
-        with pytest.raises(HostMemoryError, match=re.escape(remedy)):
-            rpcompile.compile(frozen_norm(), (example,), loss_fn=loss_fn, devices=["cpu", "cpu"], precision="bf16",
-                              spec=FINE, microbatches=2, host_embedding=False, time_limit_s=5.0)
-    monkeypatch.undo()
-    none = rpcompile.compile(frozen_norm(), (long,), loss_fn=loss_fn, devices=["cpu", "cpu"], precision="bf16",
-                             spec=FINE, microbatches=2, host_embedding=False, time_limit_s=5.0, allow_save=False)
-    assert all(s.offload_bytes == 0 for s in none.plan.stages)
-    assert activation_bytes(none.plan) == 2 * sum(s.download_bytes for s in none.plan.stages if s.kind == "forward")
+    options = dict(loss_fn=loss_fn, devices=["cpu", "cpu"], precision="bf16", host_embedding=False)
+    saving = rpcompile.compile(frozen_norm(), (long,), spec=FINE, microbatches=2, time_limit_s=5.0, **options).plan
+    recompute = rpcompile.compile(frozen_norm(), (long,), spec=FINE, microbatches=2, time_limit_s=5.0,
+                                  allow_save=False, **options).plan
+    assert any(s.offload_bytes for s in saving.stages) and activation_bytes(plan) < 8160 < activation_bytes(saving)
+    assert activation_bytes(recompute) > 8160  # 6 B a parameter: bf16 copy and fp32 gradient, 1,360 parameters
+    monkeypatch.setattr(hm, "available_host_memory", lambda: 1000)
+    for made, example, remedy in (
+            (plan, batch(0)[0], "freeze the base and train adapters (LoRA: it is kept once, in bfloat16)"),
+            (saving, long, "re-plan with allow_save=False (rpcompile.compile(..., allow_save=False): the backward "
+                           "recomputes instead of keeping activations on the host)"),
+            (recompute, long, "use smaller batches (the activations handed between stages wait on the host for "
+                              "the backward)")):
+        with pytest.raises(HostMemoryError, match=re.escape(f"are available; free host memory, {remedy}, or set "
+                                                            "RPCOMPILE_HOST_MEMORY=ignore to try anyway")):
+            rpcompile.compile(frozen_norm(), (example,), plan=made, **options)
 
 
 def test_rpcompile_plan_reports_the_host_memory_of_its_plan(capsys):
@@ -154,3 +158,22 @@ def test_rpcompile_plan_reports_the_host_memory_of_its_plan(capsys):
     assert main(argv) == 0
     assert re.search(r"^host memory [\d.]+ [KM]iB \(predicted\): trainable [\d.]+k × 18 B .*, activations on the "
                      r"host [\d.]+ [KM]iB$", capsys.readouterr().out, re.M)
+
+
+def test_activations_the_host_cannot_keep_are_recomputed_instead(monkeypatch):
+    """compile: a plan that saves more activations on the host than is left beside the copies, gradients and AdamW's
+    state is re-planned with allow_save=False — one warning, the recomputing plan, and it trains."""
+    long, y = torch.randint(0, 32, (4, 96)), torch.randint(0, 32, (4, 96))
+    options = dict(loss_fn=loss_fn, devices=["cpu", "cpu"], precision="bf16", spec=FINE, microbatches=2,
+                   host_embedding=False, time_limit_s=5.0)
+    recompute = rpcompile.compile(frozen_norm(), (long,), allow_save=False, **options)
+    adam = 8 * sum(p.numel() for p in frozen_norm().parameters() if p.requires_grad)
+    monkeypatch.setattr(hm, "available_host_memory", lambda: 10**12)
+    saving = rpcompile.compile(frozen_norm(), (long,), **options)
+    assert activation_bytes(saving.plan) > 2 * activation_bytes(recompute.plan)  # it saves when the host has room
+    monkeypatch.setattr(hm, "available_host_memory", lambda: recompute.host_bytes + adam)
+    with pytest.warns(HostMemoryWarning, match=r"host memory: the plan kept .* of activations on the host but .* are "
+                                               r"left .*; re-planned to recompute them instead \(allow_save=False\)"):
+        pipe = rpcompile.compile(frozen_norm(), (long,), **options)
+    assert pipe.plan.stages == recompute.plan.stages
+    assert torch.isfinite(pipe.forward_backward(long, target=y))

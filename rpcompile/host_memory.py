@@ -19,7 +19,8 @@ our users train, host memory — not the GPUs' — is often what binds: the Llam
   (the Llama-3-8B shape, 9 microbatches of 4,096 tokens: 140 GiB). ``rpcompile.compile`` therefore compares them
   with :func:`activation_room` (what is left beside the copies, gradients and AdamW's state) and, when they do
   not fit, re-plans with ``allow_save=False`` — the backward recomputes instead — with one
-  :class:`HostMemoryWarning` giving both plans' predicted iteration times.
+  :class:`HostMemoryWarning` giving both plans' predicted iteration times (unless ``allow_save`` is given:
+  ``allow_save=True`` keeps the saving plan).
 
 Predictions, not measurements: the optimizer's own temporaries, Python, the CUDA context and the data loader are
 not counted, and pinned activation buffers may take up to twice their bytes (PyTorch rounds each pinned
@@ -202,7 +203,8 @@ def fit_host_memory(made: Any, replan: Callable[[], Any], *, dtype: torch.dtype 
         f"host memory: the plan kept {format_bytes(kept)} of activations on the host but {format_bytes(max(room, 0))} "
         f"are left beside the weights' copies, gradients and an AdamW optimizer's state; re-planned to recompute "
         f"them instead (allow_save=False): iteration {plan.predicted.iteration_time_s:.4g} s -> "
-        f"{again.plan.predicted.iteration_time_s:.4g} s (predicted)", HostMemoryWarning, stacklevel=3)
+        f"{again.plan.predicted.iteration_time_s:.4g} s (predicted); allow_save=True keeps the saving plan",
+        HostMemoryWarning, stacklevel=3)
     return again
 
 

@@ -177,3 +177,8 @@ def test_activations_the_host_cannot_keep_are_recomputed_instead(monkeypatch):
         pipe = rpcompile.compile(frozen_norm(), (long,), **options)
     assert pipe.plan.stages == recompute.plan.stages
     assert torch.isfinite(pipe.forward_backward(long, target=y))
+    monkeypatch.setattr(hm, "available_host_memory", lambda: saving.host_bytes)  # fits, but AdamW would not
+    with pytest.warns(HostMemoryWarning) as caught:
+        kept = rpcompile.compile(frozen_norm(), (long,), allow_save=True, **options)  # asked for: kept
+    assert kept.plan.stages == saving.plan.stages
+    assert [str(w.message) for w in caught if "re-planned" in str(w.message)] == []

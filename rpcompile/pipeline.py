@@ -590,11 +590,10 @@ def compile(
         loss_fn=loss_fn, example_target=example_target, head_chunks=head_chunks, host_embedding=host_embedding,
         threads=threads)
     made = planned(**plan_options)
-    assert made.plan is not None
     if "allow_save" not in plan_options:  # saved activations the host may not hold: recomputed instead
         made = fit_host_memory(made, lambda: planned(**plan_options, allow_save=False), dtype=_DTYPES[precision],
                                pin=not on_cpu, frozen_masters=frozen_masters)
-        assert made.plan is not None
+    assert made.plan is not None
     t0 = time.perf_counter()
     pipe = Pipeline(model, made.graph, made.plan, devs, loss_fn, precision, scaler,
                     loss_in_graph=made.plan.head_chunks > 1, signature=signature, loss_weight=loss_weight,

@@ -173,3 +173,28 @@ def test_hf_decoders_with_measured_costs_match_eager_on_cuda(kind):
 def test_an_exported_bert_matches_eager_on_cuda():
     """A BERT model failed in its backward stages on an H100 (``view size is not compatible``)."""
     check_bert(_devices(2), spec=FINE_CPU if ON_CPU else None)
+
+
+def test_pinned_weight_copies_take_what_the_host_memory_check_counts():
+    """The host-memory check (rpcompile/host_memory.py) counts each pinned weight copy as PyTorch's pinned allocator
+    hands it out, rounded up to a power of two: the allocator's own active bytes grow by exactly that while the
+    pipeline is built (llama-demo's weights include sizes that are not powers of two)."""
+    if ON_CPU:
+        pytest.skip("pinned memory needs CUDA")
+    from rpcompile.host_memory import activation_bytes
+    from rpcompile.runtime.weights import nbytes
+
+    key = "active_bytes.current"
+    if key not in torch.cuda.host_memory_stats():
+        pytest.skip(f"this torch's host_memory_stats() has no {key}")
+    spec = load_model("llama-demo")
+    (x,), y = spec.example_inputs, spec.example_target
+    plan = rpcompile.compile(spec.model, (x,), loss_fn=spec.loss_fn, devices=["cpu", "cpu"], spec="rtx4090",
+                             time_limit_s=2.0, precision="bf16").plan
+    before = torch.cuda.host_memory_stats()[key]
+    pipe = rpcompile.compile(spec.model, (x,), loss_fn=spec.loss_fn, devices=_devices(2), plan=plan, precision="bf16")
+    grew = torch.cuda.host_memory_stats()[key] - before
+    grads = sum(nbytes(p) for p in spec.model.parameters() if p.requires_grad and p.grad is None)
+    copies = pipe.host_bytes - grads - activation_bytes(plan)
+    exact = sum(p.numel() * 2 for p in spec.model.parameters())
+    assert grew == copies > exact, (grew, copies, exact)

@@ -409,11 +409,13 @@ def plan_graph(
 
 def compare(
     gm: fx.GraphModule, *, hardware: Hardware, microbatches: int, precision: str = "fp32", time_limit_s: float = 10.0,
-    cache: bool = True,
+    cache: bool = True, allow_save: bool = True,
 ) -> dict[str, tuple[Any, Plan | None]]:
     """Every strategy on the same problem: name -> (PartitionResult, Plan or None when infeasible). ``cache``: the
-    ILP's solve through the solve cache (:mod:`rpcompile.passes.solve_cache`)."""
-    problem = partition_problem(gm, hardware=hardware, microbatches=microbatches, precision=precision)
+    ILP's solve through the solve cache (:mod:`rpcompile.passes.solve_cache`); ``allow_save=False``: nothing is
+    saved to host memory (every backward stage recomputes)."""
+    problem = partition_problem(gm, hardware=hardware, microbatches=microbatches, precision=precision,
+                                allow_save=allow_save)
     out = {}
     baselines: dict[str, Any] = {}  # the ILP's seeds: dp's, roundpipe's and uniform's own results, not solved again
     facts: dict = {}  # what the plans of one graph share (fingerprint, inputs record, node parameters): made once

@@ -182,3 +182,21 @@ def test_activations_the_host_cannot_keep_are_recomputed_instead(monkeypatch):
         kept = rpcompile.compile(frozen_norm(), (long,), allow_save=True, **options)  # asked for: kept
     assert kept.plan.stages == saving.plan.stages
     assert [str(w.message) for w in caught if "re-planned" in str(w.message)] == []
+
+
+def test_rpcompile_plan_no_save_keeps_no_activations_on_the_host(capsys):
+    """``--no-save``: every backward stage recomputes; the host keeps only the hand-offs (and the plan says so)."""
+    from rpcompile.cli import main
+
+    argv = ["plan", "llama-demo", "--gpus", "2", "--spec", "rtx4090", "--time-limit", "1", "--json"]
+    runs = []
+    for extra in ([], ["--no-save"]):
+        assert main([*argv, *extra]) == 0
+        runs.append(json.loads(capsys.readouterr().out))
+    saving, recompute = runs
+    assert any(s["offload_bytes"] for s in saving["stages"]) and saving["inputs"]["options"]["allow_save"]
+    assert not any(s["offload_bytes"] or (s["kind"] == "backward" and s["saved"]) for s in recompute["stages"])
+    assert recompute["inputs"]["options"]["allow_save"] is False
+    assert recompute["host_memory"]["activation_bytes"] == recompute["microbatches"] * sum(
+        s["download_bytes"] for s in recompute["stages"] if s["kind"] == "forward")
+    assert recompute["host_memory"]["activation_bytes"] < saving["host_memory"]["activation_bytes"]

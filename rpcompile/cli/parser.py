@@ -100,6 +100,9 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-host-embedding", dest="host_embedding", action="store_false",
                    help="keep token embeddings on the devices (default: the host looks up the rows of tables larger "
                         "than what an iteration reads)")
+    p.add_argument("--no-save", dest="allow_save", action="store_false",
+                   help="keep no activations in host memory: every backward stage recomputes its forward (what "
+                        "rpcompile.compile falls back to when the saved activations would not fit the host)")
     p.add_argument("--host", default="assumed", metavar="HOST",
                    help="the host the optimizer step and gradient accumulation run on: assumed (default: the spec's "
                         "assumed host), probe (measure this one now, ~0.5 s) or a JSON file from rpcompile probe -o")

@@ -155,7 +155,7 @@ def _plan_fastest(args: argparse.Namespace, ms: ModelSpec, hardware: Hardware) -
         limit = share.next()
         with step(args, f"solving ({head}): ilp ≤ {limit:.3g} s, dp, roundpipe, uniform"):
             rows = compare(gm, hardware=hardware, microbatches=m, precision=args.precision, time_limit_s=limit,
-                           cache=args.cache)
+                           cache=args.cache, allow_save=args.allow_save)
         share.used(rows["ilp"][0].solve_time_s)
         chosen = rows[args.strategy][1]
         if chosen is None:

@@ -12,6 +12,7 @@ check, diff, show; :mod:`.probe_cmd`; :mod:`.cache_cmd`), sharing :mod:`.common`
 
 from __future__ import annotations
 
+import gc
 import importlib
 import logging
 import os
@@ -46,6 +47,21 @@ def _command(name: str) -> Callable[..., int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command ``argv`` asks for (default: this process's command line) and return its exit status."""
+    status = _main(argv)
+    if argv is None:  # the process's own command line (the console script, ``python -m``): it exits next
+        _before_exit()
+    return status
+
+
+def _before_exit() -> None:
+    """Keep the interpreter's exit from collecting what the command left alive: its final garbage collections walk
+    every object (torch's modules, a traced graph, the solver's caches), ~0.5 s of ``rpcompile plan llama-8b``'s
+    wall time on the 2-core reference machine; frozen objects are skipped, and still freed as the process ends."""
+    gc.freeze()
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     try:

@@ -19,7 +19,7 @@ from typing import Sequence
 from rpcompile.core.stages import StageCost, StageKind
 
 from .problem import PartitionProblem
-from .timing import _stage, pipeline_time, save_reads
+from .timing import _stage, pipeline_time
 
 __all__ = ["PlanScorer"]
 
@@ -80,6 +80,8 @@ class PlanScorer:
         self.totals: dict[tuple, float] = {}
         self.packed: dict[tuple, tuple[tuple[int, int], ...] | None] = {}
         """:func:`.polish._packed` re-cuts by side, range, stage count and saved flags."""
+        self.counts: dict[tuple[bool, ...], list[int]] = {}
+        """Per saved flags, the saved segments before each index (:func:`.timing.save_reads`'s ``count``)."""
         self._accumulates = math.isfinite(pb.host.accumulate_bytes_per_s)
 
     def _key(self, kind: StageKind, a: int, b: int, saved: tuple[bool, ...]) -> tuple[str, int, int, tuple[bool, ...]]:
@@ -104,6 +106,28 @@ class PlanScorer:
                        + [rows[self._key("backward", a, b, saved)] for a, b in bwd])
             value = self.totals[key] = self._total(ordered, saved)
         return value
+
+    def _reads(self, rows: list[_Row], saved: tuple[bool, ...]) -> list[tuple[int, ...]]:
+        """:func:`.timing.save_reads` of these stages, the same tuples: the saved-segment counts kept per flags,
+        and the scan over savers only for the backward stages (the others read nothing)."""
+        count = self.counts.get(saved)
+        if count is None:
+            count = [0]
+            for flag in saved:
+                count.append(count[-1] + flag)
+            self.counts[saved] = count
+        savers = [(f, r.cost.start, r.cost.stop) for f, r in enumerate(rows)
+                  if r.cost.kind == "forward" and r.offload]
+        out: list[tuple[int, ...]] = []
+        for r in rows:
+            c = r.cost
+            if c.kind != "backward":
+                out.append(())
+                continue
+            start, stop = c.start, c.stop
+            out.append(tuple(f for f, a, b in savers
+                             if a < stop and start < b and count[min(b, stop)] > count[max(a, start)]))
+        return out
 
     def _total(self, rows: list[_Row], saved: tuple[bool, ...]) -> float:
         pb = self.pb
@@ -140,7 +164,7 @@ class PlanScorer:
         edges: dict[str, list] = dict(weight_s=weight_s, grad_s=[r.grad_s for r in rows], handoff_s=handoff)
         if offloads:
             edges.update(out_s=[r.out_s for r in rows], save_s=[r.save_s for r in rows],
-                         reads=save_reads([r.cost for r in rows], saved), prefetch_s=[r.prefetch_s for r in rows])
+                         reads=self._reads(rows, saved), prefetch_s=[r.prefetch_s for r in rows])
         acc = [r.acc for r in rows] if self._accumulates else []
         h = self.pb.host
         return pipeline_time(times, n_dev, m, **edges, accumulate_s=acc, reduce_s=[r.reduce for r in rows],

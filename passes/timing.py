@@ -269,26 +269,32 @@ def _stage_ends(stage_times: Sequence[float], devices: int, m: int, weight_s: Se
     last: list[float] = []
     began: list[float] = []  # when each stage's first microbatch started
     landed: dict[int, list[float]] = {}  # stage -> when each microbatch's saves are in host memory
+    n_weight, n_handoff, n_reads, n_save = len(weight_s), len(handoff_s), len(reads), len(save_s)
     for k, t in enumerate(stage_times):
-        up = weight_s[k] if k < len(weight_s) else 0.0
-        h = handoff_s[k] if 0 < k < len(handoff_s) else 0.0  # the first stage has no one to wait for
-        floor = max(last[k - devices], began[k - devices] + up) if k >= devices else up
+        up = weight_s[k] if k < n_weight else 0.0
+        h = handoff_s[k] if 0 < k < n_handoff else 0.0  # the first stage has no one to wait for
+        if k >= devices:
+            floor, b = last[k - devices], began[k - devices] + up
+            floor = b if b > floor else floor
+        else:
+            floor = up
         ready = [p + h for p in prev] if h else prev
-        if k < len(reads) and reads[k]:
+        if k < n_reads and reads[k]:
             pre = prefetch_s[k] if k < len(prefetch_s) else 0.0
             for f in reads[k]:
                 if f not in landed:  # it saved 0 bytes: nothing to wait for
                     continue
-                gate = [x + pre for x in landed[f]]
-                ready = [r if r > g else g for r, g in zip(ready, gate)]
-        start = max(ready[0], floor)
+                ready = [r if r > g else g for r, g in zip(ready, [x + pre for x in landed[f]])]
+        start = ready[0]
+        start = floor if floor > start else start
         began.append(start)
         end = start + t
         ends = [end]
+        add = ends.append
         for r in ready[1:]:
             end = (r if r > end else end) + t
-            ends.append(end)
-        if k < len(save_s) and save_s[k] > 0:
+            add(end)
+        if k < n_save and save_s[k] > 0:
             out, save, land, lands = (out_s[k] if k < len(out_s) else 0.0), save_s[k], 0.0, []
             for e in ends:
                 e += out

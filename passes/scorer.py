@@ -133,7 +133,8 @@ class PlanScorer:
         pb = self.pb
         n_dev, m, link = pb.device_count, pb.microbatches, pb.link_bytes_per_s
         times = [r.time for r in rows]
-        offloads = any(r.offload for r in rows)
+        offloading = [k for k, r in enumerate(rows) if r.offload]
+        offloads = bool(offloading)
         if offloads:  # timing._lazy_offload
             prefetch = max(r.weight for r in rows)
             base = [r.base + prefetch + r.tail[0] + r.tail[1] for r in rows]
@@ -141,7 +142,7 @@ class PlanScorer:
                 mine = range(d, len(rows), n_dev)
                 room = max(0, pb.memory_bytes - max((base[k] for k in mine), default=0))
                 backlog = 0.0
-                for k in mine:
+                for k in range(d, offloading[-1] + 1, n_dev):  # the backlog changes no time after the last saver
                     r = rows[k]
                     start = backlog
                     if r.offload:

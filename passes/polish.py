@@ -145,6 +145,7 @@ def _climb(pb: PartitionProblem, plan: SegmentPlan, budget: int, macro: bool,
 
     fwd, bwd = list(plan.forward), list(plan.backward)
     best = total(fwd, bwd)
+    costs.anchor(fwd, plan.fused, bwd, saved)  # the candidates below move from it
     improved = True
     while improved and evaluations < budget:
         if time.perf_counter() > deadline:
@@ -167,6 +168,7 @@ def _climb(pb: PartitionProblem, plan: SegmentPlan, budget: int, macro: bool,
                     trial = SegmentPlan(forward=tuple(f2), fused=plan.fused, backward=tuple(b2), saved=saved)
                     if not validate_segment_plan(pb, trial):
                         fwd, bwd, best, improved = f2, b2, value, True
+                        costs.anchor(fwd, plan.fused, bwd, saved)
                         break
             if improved:
                 break
@@ -183,6 +185,7 @@ def _climb(pb: PartitionProblem, plan: SegmentPlan, budget: int, macro: bool,
                 trial = SegmentPlan(forward=tuple(fwd), fused=plan.fused, backward=tuple(bwd), saved=saved)
                 if not validate_segment_plan(pb, trial):
                     best, improved = value, True
+                    costs.anchor(fwd, plan.fused, bwd, saved)
                     break
             saved = current_saved
     return best, SegmentPlan(forward=tuple(fwd), fused=plan.fused, backward=tuple(bwd), saved=saved)
@@ -199,6 +202,7 @@ def flip_saves(pb: PartitionProblem, plan: SegmentPlan, *, max_sweeps: int = 3,
         return costs.total(plan.forward, plan.fused, plan.backward, saved)
 
     saved, best = plan.saved, total(plan.saved)
+    costs.anchor(plan.forward, plan.fused, plan.backward, saved)
     for _ in range(max_sweeps):
         if time.perf_counter() > deadline:
             break
@@ -212,6 +216,7 @@ def flip_saves(pb: PartitionProblem, plan: SegmentPlan, *, max_sweeps: int = 3,
                 candidate = SegmentPlan(forward=plan.forward, fused=plan.fused, backward=plan.backward, saved=trial)
                 if not validate_segment_plan(pb, candidate):
                     saved, best, gained = trial, value, True
+                    costs.anchor(plan.forward, plan.fused, plan.backward, saved)
         if not gained:
             break
     return SegmentPlan(forward=plan.forward, fused=plan.fused, backward=plan.backward, saved=saved)
@@ -244,6 +249,7 @@ def taper(pb: PartitionProblem, plan: SegmentPlan, *, scorer: PlanScorer | None 
 
     fwd, bwd = list(plan.forward), list(plan.backward)
     best = total(fwd, bwd)
+    costs.anchor(fwd, plan.fused, bwd, saved)
     sides: tuple[tuple[StageKind, Ranges], ...] = (("forward", fwd), ("backward", bwd))
     for side, current in sides:
         if not current:
@@ -257,4 +263,5 @@ def taper(pb: PartitionProblem, plan: SegmentPlan, *, scorer: PlanScorer | None 
                 trial = SegmentPlan(forward=tuple(f2), fused=plan.fused, backward=tuple(b2), saved=saved)
                 if not validate_segment_plan(pb, trial):
                     fwd, bwd, best = f2, b2, value
+                    costs.anchor(fwd, plan.fused, bwd, saved)
     return SegmentPlan(forward=tuple(fwd), fused=plan.fused, backward=tuple(bwd), saved=saved)

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from rpcompile.core.stages import StageCost, StageKind
@@ -211,6 +212,13 @@ def pipeline_time(stage_times: Sequence[float], devices: int, microbatches: int,
     host reads); the iteration waits for the last.
     """
     ends = _stage_ends(stage_times, devices, microbatches, weight_s, handoff_s, out_s, save_s, reads, prefetch_s)
+    return _pipeline_end(ends, grad_s, accumulate_s, reduce_s, overlap_reduce, reduce_host_s)
+
+
+def _pipeline_end(ends: Sequence[float], grad_s: Sequence[float], accumulate_s: Sequence[float],
+                  reduce_s: Sequence[float], overlap_reduce: bool, reduce_host_s: float) -> float:
+    """:func:`pipeline_time` after the walk: each stage's last microbatch ``ends``, its gradients down, added on
+    the host, all-reduced."""
     landed = [e + (grad_s[k] if k < len(grad_s) else 0.0) for k, e in enumerate(ends)]
     added = lane_ends(landed, accumulate_s)
     end = max(max(landed, default=0.0), max(added, default=0.0))
@@ -256,39 +264,64 @@ def host_lane_end(landed: Sequence[float], accumulate_s: Sequence[float]) -> flo
     return end
 
 
+@dataclass(slots=True)
+class Walk:
+    """What :func:`_stage_ends` met at each stage, for a later walk over a plan with the same first stages (the
+    local search's candidates share a prefix with the plan they move from) to resume from."""
+
+    ends: list[list[float]] = field(default_factory=list)
+    """Each stage's microbatch ends."""
+    last: list[float] = field(default_factory=list)
+    began: list[float] = field(default_factory=list)
+    landed: dict[int, list[float]] = field(default_factory=dict)
+
+
 def _stage_ends(stage_times: Sequence[float], devices: int, m: int, weight_s: Sequence[float] = (),
                 handoff_s: Sequence[float] = (), out_s: Sequence[float] = (), save_s: Sequence[float] = (),
-                reads: Sequence[Sequence[int]] = (), prefetch_s: Sequence[float] = ()) -> list[float]:
+                reads: Sequence[Sequence[int]] = (), prefetch_s: Sequence[float] = (), *, resume: int = 0,
+                base: Walk | None = None, record: Walk | None = None) -> list[float]:
     """``e(k, m-1)`` for every stage ``k``: when each stage finishes its last microbatch.
 
     A plain loop over microbatches (the planner's local search calls this thousands of times on short vectors,
     where it is several times faster than array operations): microbatch ``j`` starts once the stage finished
     ``j−1`` and stage ``k−1``'s ``j`` has been handed over (and the saves it reads have landed); the first one also
-    waits for the device (``floor``)."""
-    prev = [0.0] * m
-    last: list[float] = []
-    began: list[float] = []  # when each stage's first microbatch started
-    landed: dict[int, list[float]] = {}  # stage -> when each microbatch's saves are in host memory
-    for k, t in enumerate(stage_times):
-        up = weight_s[k] if k < len(weight_s) else 0.0
-        h = handoff_s[k] if 0 < k < len(handoff_s) else 0.0  # the first stage has no one to wait for
-        floor = max(last[k - devices], began[k - devices] + up) if k >= devices else up
+    waits for the device (``floor``). Stage ``k`` reads only what stages before it left, so a walk whose first
+    ``resume`` stages have the inputs of ``base``'s takes their results from it (``record``: this walk's)."""
+    if base is not None and resume > 0:
+        prev = base.ends[resume - 1]
+        every, last, began = base.ends[:resume], base.last[:resume], base.began[:resume]
+        landed = {f: v for f, v in base.landed.items() if f < resume}
+    else:
+        resume, prev, every, last, began, landed = 0, [0.0] * m, [], [], [], {}
+    # began: when each stage's first microbatch started; landed: stage -> when each microbatch's saves are in
+    # host memory
+    n_weight, n_handoff, n_reads, n_save = len(weight_s), len(handoff_s), len(reads), len(save_s)
+    for k in range(resume, len(stage_times)):
+        t = stage_times[k]
+        up = weight_s[k] if k < n_weight else 0.0
+        h = handoff_s[k] if 0 < k < n_handoff else 0.0  # the first stage has no one to wait for
+        if k >= devices:
+            floor, b = last[k - devices], began[k - devices] + up
+            floor = b if b > floor else floor
+        else:
+            floor = up
         ready = [p + h for p in prev] if h else prev
-        if k < len(reads) and reads[k]:
+        if k < n_reads and reads[k]:
             pre = prefetch_s[k] if k < len(prefetch_s) else 0.0
             for f in reads[k]:
                 if f not in landed:  # it saved 0 bytes: nothing to wait for
                     continue
-                gate = [x + pre for x in landed[f]]
-                ready = [r if r > g else g for r, g in zip(ready, gate)]
-        start = max(ready[0], floor)
+                ready = [r if r > g else g for r, g in zip(ready, [x + pre for x in landed[f]])]
+        start = ready[0]
+        start = floor if floor > start else start
         began.append(start)
         end = start + t
         ends = [end]
+        add = ends.append
         for r in ready[1:]:
             end = (r if r > end else end) + t
-            ends.append(end)
-        if k < len(save_s) and save_s[k] > 0:
+            add(end)
+        if k < n_save and save_s[k] > 0:
             out, save, land, lands = (out_s[k] if k < len(out_s) else 0.0), save_s[k], 0.0, []
             for e in ends:
                 e += out
@@ -296,7 +329,10 @@ def _stage_ends(stage_times: Sequence[float], devices: int, m: int, weight_s: Se
                 lands.append(land)
             landed[k] = lands
         prev = ends
+        every.append(ends)
         last.append(end)
+    if record is not None:
+        record.ends, record.last, record.began, record.landed = every, last, began, landed
     return last
 
 

@@ -38,6 +38,17 @@ def test_console_script_help():
         assert command in done.stdout
 
 
+def test_only_the_process_command_line_freezes_what_is_alive_before_exit(capsys, monkeypatch):
+    frozen = []
+    monkeypatch.setattr("rpcompile.cli.gc.freeze", lambda: frozen.append(True))
+    assert main(["models"]) == 0  # called with arguments (a test, a caller): nothing frozen, its garbage still goes
+    assert frozen == []
+    monkeypatch.setattr(sys, "argv", ["rpcompile", "models"])
+    assert main() == 0  # the console script: frozen after the imports, and before the process exits
+    assert frozen == [True, True]
+    assert "llama-8b" in capsys.readouterr().out
+
+
 def test_models_lists_builtins(capsys):
     code, out, _ = run(capsys, "models")
     assert code == 0

@@ -16,7 +16,7 @@ import rpcompile.passes.lagrange as lagrange
 import rpcompile.passes.partition as partition
 from rpcompile.passes.balance import relaxed_backward_time, relaxed_balance
 from rpcompile.passes.partition import solve
-from rpcompile.passes.polish import PlanScorer, flip_saves, polish, taper
+from rpcompile.passes.polish import PlanScorer, _neighbours, flip_saves, polish, taper
 from rpcompile.passes.problem import SegmentPlan
 from rpcompile.passes.tables import RangeTables
 from rpcompile.passes.timing import _total, iteration_time
@@ -143,6 +143,35 @@ def test_the_scorer_is_the_timing_model_bit_for_bit(nodes):
         costs = ([scorer.stage("forward", a, b, saved) for a, b in fwd] + [scorer.stage("fused", *fused, saved)]
                  + [scorer.stage("backward", a, b, saved) for a, b in bwd])
         assert value == _total(pb, costs, saved)
+
+
+@pytest.mark.parametrize("nodes", [1, 4])
+def test_a_scorer_resuming_from_its_anchor_gives_a_fresh_walks_value(nodes):
+    """A candidate shares its first stages with the plan the search moves from (PlanScorer.anchor): its score
+    resumes from that plan's walk, and is bit for bit a fresh scorer's — for every one-move neighbour and flip,
+    and from an anchor unlike the candidates (other cuts, other flags) too."""
+    pb = llama_like(8)
+    if nodes > 1:
+        pb = dataclasses.replace(pb, host=dataclasses.replace(pb.host, nodes=nodes, network_bytes_per_s=1e9))
+    cuts = solve(pb, "dp").plan
+    saved = tuple(i < cuts.fused[0] and i % 3 != 2 for i in range(pb.n))
+    fwd, bwd = list(cuts.forward), list(cuts.backward)
+    plans = [(f, bwd, saved) for f in _neighbours(fwd, descending=False)]
+    plans += [(fwd, b, saved) for b in _neighbours(bwd, descending=True)]
+    plans += [(fwd, bwd, saved[:i] + (not saved[i],) + saved[i + 1:]) for i in range(cuts.fused[0])]
+    assert len(plans) > 50
+    counts = []
+    for anchor_plan in ((fwd, bwd, saved), (plans[0][0], bwd, (False,) * pb.n)):
+        anchored = PlanScorer(pb)
+        anchored.anchor(anchor_plan[0], cuts.fused, anchor_plan[1], anchor_plan[2])
+        resumed = 0
+        for f, b, flags in plans:
+            got = anchored.total(f, cuts.fused, b, flags)
+            assert anchored.recent is not None and anchored.base is not None
+            resumed += anchored.recent.walk.ends[0] is anchored.base.walk.ends[0]  # the anchor's first stage kept
+            assert got == PlanScorer(pb).total(f, cuts.fused, b, flags)
+        counts.append(resumed)
+    assert counts[0] >= 10 and counts[1] == 0  # the moves from it resumed; from a plan unlike them, none could
 
 
 def test_check_and_plan_do_not_import_ortools_until_a_model_is_built():

@@ -71,7 +71,9 @@ def _run(argv: list[str], pythonpath: str | None) -> dict[str, Any]:
 
 
 def _plan(model: str, out: str, time_limit: float) -> list[str]:
-    return ["plan", model, "--gpus", "8", "--spec", "rtx4090", "--time-limit", f"{time_limit:g}", "-o", out]
+    # --no-cache: cold, as a first run (a repeat would take its solve from the solve cache)
+    return ["plan", model, "--gpus", "8", "--spec", "rtx4090", "--time-limit", f"{time_limit:g}", "--no-cache",
+            "-o", out]
 
 
 def _predicted(path: str) -> float:

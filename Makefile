@@ -11,7 +11,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rpcompile-installed
 TORCH_CPU ?= torch==2.13.0
 PYTEST_ARGS ?=
-# pytest-xdist workers for make test (the suite is CPU-bound: one per core of the 2-core reference machine)
+# pytest-xdist workers for make test (the suite is CPU-bound: one per core of the 2-core reference machine);
+# worksteal: each worker starts on a contiguous half (a file's tests share their saved-segment captures) and
+# steals from the other at the end; a crashed worker's tests are rescheduled, as with load
 PYTEST_WORKERS ?= 2
 
 # transformers versions the HF tests also run against (pyproject allows >=4.50): each installs into .tf/VERSION
@@ -23,7 +25,7 @@ demo: $(STAMP)
 	$(VENV)/bin/rpcompile demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --durations=10 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal --durations=10 $(PYTEST_ARGS)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)

@@ -26,7 +26,8 @@ tracing fails, signatures (shapes, strides, dtypes, devices, non-tensor values) 
 costs tens of forward passes, so only the first are captured at sight; a later new one is recomputed by the
 backward stage until it comes again (:meth:`SavedSegment._worth_capturing`). A capture is kept for a later segment
 of the same code, module settings and signature (:func:`structure`; a pipeline compiled again from the same model),
-:data:`SHARED_CAPTURES` at most: the trace is deterministic, so it would make the same graphs.
+or, symbolic, of the same kind of signature where its guards hold, :data:`SHARED_CAPTURES` at most: the trace is
+deterministic, so it would make the same graphs.
 Dropout inside a saved segment is rewritten to ``x * seeded_noise(x)`` (:func:`.rng.dropout_to_noise`) where the
 noise op is opaque to tracing and draws the mask with :func:`rpcompile.runtime.rng.seeded_call` (same seed as the recompute path: bit-identical on
 CPU); the mask is then simply a saved tensor. Segments with other random ops are not saveable (recomputed instead).
@@ -135,6 +136,21 @@ def structure(spec: SegmentSpec) -> tuple | None:
     return tuple(map(repr, parts))
 
 
+def _shared_capture(key: tuple, flat: Sequence[Any]) -> SegmentAOT | None:
+    """The kept capture for ``key`` (:meth:`SavedSegment._trace`): the one made of the same signature, else a
+    symbolic one of the same structure and kind of signature whose guards hold for ``flat`` (what
+    :meth:`SavedSegment._find` would run within one segment). Called under ``_CAPTURE_LOCK``."""
+    if key in _SHARED:
+        _SHARED.move_to_end(key)
+        return _SHARED[key]
+    if key[1]:  # symbolic: key[:-1] is all but the sizes and strides
+        for k, aot in reversed(_SHARED.items()):
+            if k[:-1] == key[:-1] and aot.guards is not None and aot.guards.hold([flat[i] for i in aot.inputs]):
+                _SHARED.move_to_end(k)
+                return aot
+    return None
+
+
 class SavedSegment(SegmentSpec):
     """One saved segment of a plan (its :class:`~rpcompile.core.program.SegmentSpec` and what it has captured),
     shared by its forward stage (:meth:`forward_call`) and its backward stage (:meth:`backward_call`), which call
@@ -204,15 +220,16 @@ class SavedSegment(SegmentSpec):
 
     def _trace(self, flat: Sequence[Any], symbolic: bool) -> SegmentAOT:
         """One capture: of this signature, or ``symbolic`` (sizes of the activation inputs, int inputs); the one
-        an earlier segment of the same structure made of the same signature where there is one."""
+        an earlier segment of the same structure made of the same signature, or symbolic with guards that hold for it,
+        where there is one (:func:`_shared_capture`)."""
         shape = structure(self)  # at the call: a module's mode may have changed since the last capture
         shared = None if shape is None else (
-            shape, self._key(flat), symbolic, torch.get_default_device(), torch.get_default_dtype(),
-            torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda"))
+            shape, symbolic, torch.get_default_device(), torch.get_default_dtype(), torch.is_autocast_enabled("cpu"),
+            torch.is_autocast_enabled("cuda"), self._kind(flat), self._key(flat))
         with _CAPTURE_LOCK:
-            if shared is not None and shared in _SHARED:
-                _SHARED.move_to_end(shared)
-                return _SHARED[shared]
+            found = None if shared is None else _shared_capture(shared, flat)
+        if found is not None:
+            return found
         aot = self._capture_new(flat, symbolic)
         if shared is not None:
             with _CAPTURE_LOCK:

@@ -140,24 +140,25 @@ def test_the_refusal_names_the_remedy_for_what_dominates(plan, monkeypatch):
             rpcompile.compile(frozen_norm(), (example,), plan=made, **options)
 
 
-def test_rpcompile_plan_reports_the_host_memory_of_its_plan(capsys):
+def test_rpcompile_plan_reports_the_host_memory_of_its_plan(capsys, tmp_path):
     """``rpcompile plan``: the whole run's host memory (predicted) — 18 B a trainable parameter in bf16 (the CLI's
-    default: fp32 master, gradient, AdamW moments, bf16 upload copy) and the plan's activations on the host."""
+    default: fp32 master, gradient, AdamW moments, bf16 upload copy) and the plan's activations on the host. (The
+    ``--json`` output stays the plan file itself.)"""
     from rpcompile.cli import main
+    from rpcompile.core.plan import Plan
     from rpcompile.models import load_model
+    from rpcompile.passes.segment_rules import format_bytes
 
-    argv = ["plan", "llama-demo", "--gpus", "2", "--spec", "rtx4090", "--time-limit", "1"]
-    assert main([*argv, "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    params = sum(p.numel() for p in load_model("llama-demo", device="meta").model.parameters())
-    acts = out["microbatches"] * sum(s["offload_bytes"] + s["download_bytes"] for s in out["stages"]
-                                     if s["kind"] == "forward")
-    assert out["host_memory"] == {"frozen_params": 0, "trainable_params": params, "frozen_bytes": 0,
-                                  "trainable_bytes": 18 * params, "activation_bytes": acts,
-                                  "total_bytes": 18 * params + acts}
-    assert main(argv) == 0
-    assert re.search(r"^host memory [\d.]+ [KM]iB \(predicted\): trainable [\d.]+k × 18 B .*, activations on the "
-                     r"host [\d.]+ [KM]iB$", capsys.readouterr().out, re.M)
+    out = tmp_path / "plan.json"
+    assert main(["plan", "llama-demo", "--gpus", "2", "--spec", "rtx4090", "--time-limit", "1", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    model = load_model("llama-demo", device="meta").model
+    expected = hm.host_memory(model, "bf16", Plan.load(out))
+    params = sum(p.numel() for p in model.parameters())
+    assert (expected.trainable_bytes, expected.activation_bytes) == (18 * params, activation_bytes(Plan.load(out)))
+    assert expected.activation_bytes > 0
+    assert expected.line() in text.splitlines()
+    assert f", activations on the host {format_bytes(expected.activation_bytes)}" in expected.line()
 
 
 def test_activations_the_host_cannot_keep_are_recomputed_instead(monkeypatch):
@@ -187,16 +188,17 @@ def test_activations_the_host_cannot_keep_are_recomputed_instead(monkeypatch):
 def test_rpcompile_plan_no_save_keeps_no_activations_on_the_host(capsys):
     """``--no-save``: every backward stage recomputes; the host keeps only the hand-offs (and the plan says so)."""
     from rpcompile.cli import main
+    from rpcompile.core.plan import Plan
 
     argv = ["plan", "llama-demo", "--gpus", "2", "--spec", "rtx4090", "--time-limit", "1", "--json"]
     runs = []
     for extra in ([], ["--no-save"]):
         assert main([*argv, *extra]) == 0
-        runs.append(json.loads(capsys.readouterr().out))
+        runs.append(Plan.from_dict(json.loads(capsys.readouterr().out)))
     saving, recompute = runs
-    assert any(s["offload_bytes"] for s in saving["stages"]) and saving["inputs"]["options"]["allow_save"]
-    assert not any(s["offload_bytes"] or (s["kind"] == "backward" and s["saved"]) for s in recompute["stages"])
-    assert recompute["inputs"]["options"]["allow_save"] is False
-    assert recompute["host_memory"]["activation_bytes"] == recompute["microbatches"] * sum(
-        s["download_bytes"] for s in recompute["stages"] if s["kind"] == "forward")
-    assert recompute["host_memory"]["activation_bytes"] < saving["host_memory"]["activation_bytes"]
+    assert any(s.offload_bytes for s in saving.stages) and saving.inputs["options"]["allow_save"]
+    assert not any(s.offload_bytes or (s.kind == "backward" and s.saved) for s in recompute.stages)
+    assert recompute.inputs["options"]["allow_save"] is False
+    assert activation_bytes(recompute) == recompute.microbatches * sum(
+        s.download_bytes for s in recompute.stages if s.kind == "forward")
+    assert activation_bytes(recompute) < activation_bytes(saving)

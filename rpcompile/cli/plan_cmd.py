@@ -58,7 +58,6 @@ def plan(args: argparse.Namespace) -> int:
                                if args.compare else chosen.to_dict())
         if args.lora:
             out["lora"] = {"rank": args.lora, **lora_host_memory(ms.model, args.precision).to_dict()}
-        out["host_memory"] = host_memory(ms.model, args.precision, chosen).to_dict()
         print(json.dumps(out))
         return 0
     head = f", LM head in {chosen.head_chunks} chunks" if chosen.head_chunks > 1 else ""

@@ -128,21 +128,37 @@ def available_host_memory() -> int | None:
     return None
 
 
+def _state_bytes(params: dict[str, nn.Parameter], *, dtype: torch.dtype | None, pin: bool, uploaded: Iterable[str],
+                 host_only: Iterable[str] = (), frozen_masters: bool = False) -> tuple[int, int, int]:
+    """``(copies, gradients, AdamW state)`` a pipeline over ``params`` adds to host memory: the upload copies its
+    :class:`~rpcompile.runtime.weights.WeightStore` allocates, the fp32 gradients that do not exist yet, and the two
+    moments an AdamW optimizer would keep per trainable fp32 parameter."""
+    copies = WeightStore.planned_bytes(params, dtype, pin=pin, uploaded=uploaded, host_only=host_only,
+                                       frozen_masters=frozen_masters)
+    trainable = {id(p): p for p in params.values() if p.requires_grad}.values()
+    grads = sum(p.numel() * p.element_size() for p in trainable if p.grad is None)
+    adam = ADAM_BYTES * sum(p.numel() for p in trainable if p.dtype == torch.float32)
+    return copies, grads, adam
+
+
+def _available(available: int | None) -> int | None:
+    """``available``, else what the OS reports; None when unknown or the check is off (:data:`ENV`)."""
+    if os.environ.get(ENV, "").lower() == "ignore":
+        return None
+    return available_host_memory() if available is None else available
+
+
 def check_host_memory(params: dict[str, nn.Parameter], plan: Plan, *, dtype: torch.dtype | None, pin: bool,
                       uploaded: Iterable[str], host_only: Iterable[str] = (), frozen_masters: bool = False,
                       available: int | None = None) -> int:
     """Before a pipeline allocates: refuse (:class:`HostMemoryError`) when what it will allocate exceeds the host
     memory ``available`` (default :func:`available_host_memory`), warn (:class:`HostMemoryWarning`) when AdamW's state
     would not fit on top (module docstring). Returns the bytes it will allocate."""
-    copies = WeightStore.planned_bytes(params, dtype, pin=pin, uploaded=uploaded, host_only=host_only,
+    copies, grads, adam = _state_bytes(params, dtype=dtype, pin=pin, uploaded=uploaded, host_only=host_only,
                                        frozen_masters=frozen_masters)
-    trainable = {id(p): p for p in params.values() if p.requires_grad}.values()
-    grads = sum(p.numel() * p.element_size() for p in trainable if p.grad is None)
     acts = activation_bytes(plan)
     need = copies + grads + acts
-    if os.environ.get(ENV, "").lower() == "ignore":
-        return need
-    have = available_host_memory() if available is None else available
+    have = _available(available)
     if have is None:
         return need
     parts = (f"upload copies {format_bytes(copies)}, gradients {format_bytes(grads)}, activations on the host "
@@ -158,7 +174,6 @@ def check_host_memory(params: dict[str, nn.Parameter], plan: Plan, *, dtype: tor
         raise HostMemoryError(
             f"host memory: this pipeline needs {format_bytes(need)} more ({parts}; predicted) but "
             f"{format_bytes(have)} are available; free host memory, {fix}, or set {ENV}=ignore to try anyway")
-    adam = ADAM_BYTES * sum(p.numel() for p in trainable if p.dtype == torch.float32)
     if need + adam > have:
         warnings.warn(
             f"host memory: the pipeline takes {format_bytes(need)} ({parts}; predicted) of {format_bytes(have)} "
@@ -172,17 +187,11 @@ def activation_room(params: dict[str, nn.Parameter], plan: Plan, *, dtype: torch
                     frozen_masters: bool = False, available: int | None = None) -> int | None:
     """Host bytes left for ``plan``'s activations once a pipeline's copies, new gradients and an AdamW optimizer's
     state are counted (None where the available memory is unknown or the check is off, :data:`ENV`)."""
-    if os.environ.get(ENV, "").lower() == "ignore":
-        return None
-    have = available_host_memory() if available is None else available
+    have = _available(available)
     if have is None:
         return None
     uploaded = [n for s in plan.stages for n in s.params if n in params]
-    copies = WeightStore.planned_bytes(params, dtype, pin=pin, uploaded=uploaded, frozen_masters=frozen_masters)
-    trainable = {id(p): p for p in params.values() if p.requires_grad}.values()
-    grads = sum(p.numel() * p.element_size() for p in trainable if p.grad is None)
-    adam = ADAM_BYTES * sum(p.numel() for p in trainable if p.dtype == torch.float32)
-    return have - copies - grads - adam
+    return have - sum(_state_bytes(params, dtype=dtype, pin=pin, uploaded=uploaded, frozen_masters=frozen_masters))
 
 
 def fit_host_memory(made: Any, replan: Callable[[], Any], *, dtype: torch.dtype | None, pin: bool,

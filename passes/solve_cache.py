@@ -5,9 +5,9 @@ numbers: costs, memory, link, microbatches), the strategy, the time limit (every
 counts derived from it, so the same limit gives the same plan) and the partitioner's source
 (:func:`~.plan_inputs.solver_digest`). :func:`solve` keys an entry by all of them; a warm entry returns the stored
 result — its plan re-checked against the problem (:func:`~.segment_rules.validate_segment_plan`) and re-scored
-(:func:`~.timing.iteration_time` must give the stored objective) — and ``solve_time_s`` as first measured, so that
-splits sharing one time budget (:class:`~rpcompile.plan_options.TimeShare`) give each later solve the very limit
-it had, and hit too. ``PartitionResult.cached`` says where a result came from.
+(:func:`~.timing.iteration_time` must give the stored objective) — and ``solve_time_s`` as first measured.
+``PartitionResult.cached`` says where a result came from. A solve may run in a forked child
+(:mod:`.background`): it reads and writes its entry there, as it would in the caller.
 
 Measured costs from a warm profile cache give the same problem, so a second compile of a model on the same GPU
 neither measures nor solves. Directory: ``solves/`` beside the profile cache (:func:`.profile_cache.cache_dir`);

@@ -3,7 +3,6 @@ the strategies, the LM-head splits to try and which of their plans wins, and the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -19,7 +18,7 @@ from .core.plan import Hardware
 from .core.specs import DeviceSpec, HostSpec, assumed_host, get_spec
 
 __all__ = ["STRATEGIES", "AUTO_HEAD_CHUNKS", "make_cost_model", "make_hardware", "default_spec",
-           "head_chunk_candidates", "fastest", "TimeShare", "infeasible_error", "model_device"]
+           "head_chunk_candidates", "fastest", "split_limit", "solve_timeout", "infeasible_error", "model_device"]
 
 STRATEGIES = ("ilp", "dp", "roundpipe", "uniform")
 #: Sequence chunks ``head_chunks="auto"`` tries for the LM head (besides not splitting it): on the benchmark
@@ -79,51 +78,60 @@ def head_chunk_candidates(head_chunks: "int | str", loss_fn: Any, example_target
     return (head_chunks,)
 
 
-@dataclass
-class TimeShare:
-    """The ILP's time limit shared by the solves of several LM-head splits, in turn: each gets an equal share of
-    what the earlier ones left (a split whose solve stops early, by its counts, leaves the rest to the next), so
-    together they keep ``total`` seconds (plus each solve's tables and bounds, which the limit never covered)."""
-
-    total: float
-    count: int
-    spent: float = 0.0
-    started: int = 0
-
-    def next(self) -> float:
-        """The next solve's limit (at least :data:`MIN_SHARE_S`)."""
-        left = max(self.total - self.spent, 0.0) / max(self.count - self.started, 1)
-        self.started += 1
-        return max(left, MIN_SHARE_S)
-
-    def used(self, seconds: float) -> None:
-        self.spent += seconds
+def split_limit(total: float, count: int) -> float:
+    """Each of ``count`` LM-head splits' solves gets this share of the time limit ``total``: an equal one, known
+    before any of them runs, so the splits can be solved at once (:mod:`rpcompile.passes.background`) and each
+    one's plan never depends on how long another took."""
+    return max(total / max(count, 1), MIN_SHARE_S)
 
 
-#: The least limit a shared solve gets: its phases stop at once and it keeps the plans it was seeded with.
+def solve_timeout(limit: float) -> float:
+    """How long a split's solve with time limit ``limit`` may stay silent in the background before the caller gives
+    up on it and solves it itself: the limit guards the phases, not the tables and bounds before them."""
+    return 60.0 + 4.0 * limit
+
+
+#: The least limit a split's solve gets: its phases stop at once and it keeps the plans it was seeded with.
 MIN_SHARE_S = 0.05
 
+Made = tuple[float, Any]
+"""What an attempt at one candidate makes: (predicted iteration seconds, payload)."""
 
-def fastest(candidates: Sequence[int], attempt: Callable[[int], tuple[float, Any]]) -> Any:
+
+def fastest(candidates: Sequence[int], attempt: Callable[[int], "Made | Callable[[], Made]"]) -> Any:
     """Run ``attempt(k)`` for every candidate head split and return the payload of the fastest: ``attempt``
-    returns ``(predicted iteration seconds, payload)`` (the first wins a tie). A split the graph refuses
-    (an error for ``k > 1``) or that has no feasible plan (the whole head may not fit where its chunks do)
-    is skipped while another candidate remains."""
-    best: tuple[float, Any] | None = None
-    errors: list[Exception] = []
+    returns ``(predicted iteration seconds, payload)`` (the first wins a tie), or a function that returns it once
+    the work it started is done. Every attempt is started, in order, before any is finished, and they finish in
+    reverse order: work an attempt left in the background (:func:`rpcompile.passes.background.later`) runs while
+    the later candidates are prepared and solved, and the last one's is done in the foreground. A split the graph
+    refuses (an error for ``k > 1``) or that has no feasible plan (the whole head may not fit where its chunks
+    do) is skipped while another candidate remains."""
+    outcomes: dict[int, "Made | Exception | Callable[[], Made]"] = {}
     for k in candidates:
         try:
-            made = attempt(k)
+            outcomes[k] = attempt(k)
         except (ValueError, RPCompileError) as exc:
-            if len(candidates) == 1 or (k == 1 and not isinstance(exc, InfeasibleError)):
-                raise
-            errors.append(exc)
-            continue
-        if best is None or made[0] < best[0]:
-            best = made
-    if best is None:
-        raise errors[0]
-    return best[1]
+            _refused(candidates, k, exc)
+            outcomes[k] = exc
+    for k in reversed(candidates):
+        pending = outcomes[k]
+        if callable(pending):
+            try:
+                outcomes[k] = pending()
+            except (ValueError, RPCompileError) as exc:
+                _refused(candidates, k, exc)
+                outcomes[k] = exc
+    made = [(o, i) for i, o in enumerate(outcomes[k] for k in candidates) if isinstance(o, tuple)]
+    if not made:
+        raise next(o for o in outcomes.values() if isinstance(o, Exception))
+    return min(made, key=lambda m: (m[0][0], m[1]))[0][1]
+
+
+def _refused(candidates: Sequence[int], k: int, exc: Exception) -> None:
+    """Raise ``exc`` unless a split may be skipped for it: another candidate remains, and ``k`` is a split or the
+    whole head is infeasible."""
+    if len(candidates) == 1 or (k == 1 and not isinstance(exc, InfeasibleError)):
+        raise exc
 
 
 def infeasible_error(problem: PartitionProblem, hardware: Hardware) -> InfeasibleError:

@@ -20,6 +20,7 @@ single device.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Iterator
@@ -30,6 +31,7 @@ import torch
 import torch.fx as fx
 
 from rpcompile.passes.analytic import AnalyticCostModel
+from rpcompile.passes.background import later
 from rpcompile.passes.coarsen import coarsen_pass
 from rpcompile.passes.cost import cost_from_cache, cost_pass
 from rpcompile.passes.measured import MeasuredCostModel
@@ -41,7 +43,7 @@ from rpcompile.passes.lower import to_plan
 from rpcompile.passes.meta import on_meta, without_dynamo_import
 from rpcompile.passes.partition import solve
 from rpcompile.passes.solve_cache import solve as cached_solve
-from rpcompile.passes.problem import PartitionProblem
+from rpcompile.passes.problem import PartitionProblem, PartitionResult
 from rpcompile.passes.reuse import RunMemo
 from rpcompile.passes.shape import shape_pass
 from rpcompile.passes.precision import RUN_DTYPE_KEY, TRACE_DTYPE_KEY, cast_floating, compute_dtype, computing_in
@@ -52,8 +54,9 @@ from .core.errors import ConfigError
 from .core.plan import Hardware, Plan
 from .core.specs import DeviceSpec
 from .envelope import warn_if_link_bound
-from .plan_options import (AUTO_HEAD_CHUNKS, STRATEGIES, TimeShare, default_spec, fastest, head_chunk_candidates,
-                           infeasible_error, make_cost_model, make_hardware, model_device)
+from .plan_options import (AUTO_HEAD_CHUNKS, STRATEGIES, default_spec, fastest, head_chunk_candidates,
+                           infeasible_error, make_cost_model, make_hardware, model_device, solve_timeout,
+                           split_limit)
 from .shared_trace import TraceOnce
 
 __all__ = [
@@ -249,12 +252,20 @@ def _problem(c: Compilation) -> None:
                                   precision=c.precision, allow_save=c.allow_save)
 
 
-def _partition(c: Compilation) -> None:
-    """Solve with ``strategy``; :class:`InfeasibleError` (naming the least memory that fits) if nothing fits."""
+def _solve(c: Compilation) -> PartitionResult:
+    """``c``'s problem solved with its strategy, through the solve cache (what :func:`_partition` does)."""
     if c.strategy not in STRATEGIES:
         raise ConfigError(f"unknown strategy {c.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    assert c.problem is not None
+    return cached_solve(c.problem, c.strategy, time_limit_s=c.time_limit_s, cache=c.cache)
+
+
+def _partition(c: Compilation) -> None:
+    """Solve with ``strategy`` — unless ``c.result`` already holds that solve (:func:`compile_plan` solves a split
+    in the background); :class:`InfeasibleError` (naming the least memory that fits) if nothing fits."""
     assert c.problem is not None and c.hardware is not None
-    c.result = cached_solve(c.problem, c.strategy, time_limit_s=c.time_limit_s, cache=c.cache)
+    if c.result is None:
+        c.result = _solve(c)
     if not c.result.feasible:
         raise infeasible_error(c.problem, c.hardware)
 
@@ -282,6 +293,8 @@ PASSES: tuple[tuple[str, Pass], ...] = (
 FRONT = PASSES[:4]
 #: To a coarsened graph (what the solvers' problem is made from).
 PREPARE = PASSES[:6]
+#: Where the solve starts: ``PASSES[:SOLVE]`` make the problem, ``PASSES[SOLVE:]`` solve it and lower the plan.
+SOLVE = 7
 #: From a coarsened graph to a plan.
 BACK = PASSES[6:]
 
@@ -449,23 +462,32 @@ def compile_plan(
     """Every pass, once per LM-head split of :func:`head_chunk_candidates` (but the trace: the model is traced
     once and each split starts from a copy of that graph, :class:`~rpcompile.shared_trace.TraceOnce`); the
     :class:`Compilation` with the fastest plan (its ``plan`` and the graph ``gm`` it was made from). ``options``:
-    :func:`start`'s; their ``time_limit_s`` (default 10) is shared by the splits' solves
-    (:class:`~rpcompile.plan_options.TimeShare`)."""
+    :func:`start`'s; their ``time_limit_s`` (default 10) is shared by the splits' solves, equally
+    (:func:`~rpcompile.plan_options.split_limit`). Every split but the last is solved in a child process while the
+    next one is traced, costed and solved (:mod:`rpcompile.passes.background`); the plans do not depend on it."""
     if precision not in PRECISION_BYTES:
         raise ConfigError(f"precision must be one of {sorted(PRECISION_BYTES)}, got {precision!r}")
     hardware = make_hardware(gpus, default_spec(spec, device, model_device(model)), memory_limit)
 
     candidates = head_chunk_candidates(head_chunks, loss_fn, example_target)
-    share = TimeShare(float(options.pop("time_limit_s", 10.0)), len(candidates))
+    limit = split_limit(float(options.pop("time_limit_s", 10.0)), len(candidates))
     passes = (("trace", shared_trace(len(candidates))), *PASSES[1:])
+    front, back = passes[:SOLVE], passes[SOLVE:]
 
-    def attempt(k: int) -> tuple[float, Compilation]:
+    def attempt(k: int) -> Callable[[], tuple[float, Compilation]]:
         c = run(start(model, example_inputs, gpus=gpus, spec=spec, device=device, precision=precision,
                       loss_fn=loss_fn, example_target=example_target, head_chunks=k, hardware=hardware,
-                      time_limit_s=share.next(), **options), passes)
-        assert c.plan is not None and c.result is not None
-        share.used(c.result.solve_time_s)
-        return c.plan.predicted.iteration_time_s, c
+                      time_limit_s=limit, **options), front)
+        # every split but the last is solved in a child process while the next split is prepared and solved here
+        solving = later(functools.partial(_solve, c), background=k != candidates[-1], timeout_s=solve_timeout(limit))
+
+        def finish() -> tuple[float, Compilation]:
+            c.result = solving.result()
+            run(c, back)
+            assert c.plan is not None
+            return c.plan.predicted.iteration_time_s, c
+
+        return finish
 
     made: Compilation = fastest(candidates, attempt)
     warn_if_link_bound(made.plan, (*made.args, *made.kwargs.values()))  # the operating envelope, one line
@@ -503,8 +525,8 @@ def plan(
     ``head_chunks > 1`` (with ``loss_fn`` and ``example_target``) plans the LM head and its cross-entropy as that
     many sequence chunks (:mod:`rpcompile.passes.loss_head`); ``"auto"`` (the default) plans the whole head and,
     when a loss and a target are given and the head can be split, :data:`AUTO_HEAD_CHUNKS` chunks too, and keeps
-    the faster plan (the splits' solves share ``time_limit_s``: each gets an equal share of what the earlier ones
-    left). ``segments_per_layer`` (default 2: attention and MLP halves) above 2 lets the planner cut and save inside those halves: plans up to ~6% faster on the
+    the faster plan (the splits' solves share ``time_limit_s`` equally, and run on two cores at once where there
+    are two). ``segments_per_layer`` (default 2: attention and MLP halves) above 2 lets the planner cut and save inside those halves: plans up to ~6% faster on the
     benchmark models, at two to three times the solve time (which may then overrun ``time_limit_s``).
     ``host_embedding`` (default on) lets the host run token embeddings whose tables are larger than what an
     iteration looks up (:mod:`rpcompile.passes.host`); ``False`` none, node names exactly those lookups.

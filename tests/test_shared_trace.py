@@ -36,6 +36,8 @@ def _recording(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
 
     def recorded(c: planning.Compilation, passes: Any = planning.PASSES) -> planning.Compilation:
         run(c, passes)
+        if passes[-1][0] == "problem":  # compile_plan runs each split's front, then (last split first) its back
+            return c
         nodes = {n.name: (n.meta.get(SHAPE_KEY), n.meta.get(COST_KEY)) for n in c.graph.graph.nodes}
         runs.append((c.head_chunks, c.graph.code, nodes, _plan_data(c.plan) if c.plan is not None else None))
         return c
@@ -102,7 +104,8 @@ def test_compile_plan_makes_the_plans_of_a_trace_per_split(monkeypatch, name, he
         _unshared(m)
         assert made(m) == shared
     # every split's graph, shapes, costs and plan: the later ones come from a copy of the first trace
-    assert [r[0] for r in shared[3]] == ([1, 8] if head_chunks == "auto" else [head_chunks])
+    # (the splits are finished last first: the whole head's solve ran in the background meanwhile)
+    assert [r[0] for r in shared[3]] == ([8, 1] if head_chunks == "auto" else [head_chunks])
 
 
 def test_an_hf_model_plans_as_with_a_trace_per_split(monkeypatch):

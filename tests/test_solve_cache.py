@@ -27,8 +27,8 @@ def plan_dict(c) -> dict:
 
 
 def test_a_second_compile_solves_nothing_and_gets_the_same_plan(monkeypatch):
-    """Both LM-head splits (head_chunks="auto") hit: the first split's stored solve time is charged to the shared
-    time budget, so the second split asks for the very limit it was solved with."""
+    """Both LM-head splits (head_chunks="auto") hit: each asks for half the limit, as it did when it was solved (the
+    whole head's solve in a forked child: its entry is written and read there)."""
     first = compile_gpt()
     assert not first.result.cached
     assert len(solve_cache.entries()) == 2  # the whole head and the 8-chunk split

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -13,13 +15,14 @@ import torch
 from rpcompile.core.errors import ConfigError, RPCompileError
 from rpcompile.core.plan import Hardware, Plan
 from rpcompile.models import ModelSpec
+from rpcompile.passes.background import later
 from rpcompile.passes.codegen import write_stages
 from rpcompile.passes.split import split_plan
 from rpcompile.core.specs import HostSpec
 from rpcompile.envelope import link_bound, microbatch_tokens
 from rpcompile.host_memory import host_memory
 from rpcompile.lora import LORA_TARGETS, apply_lora, lora_host_memory
-from rpcompile.plan_options import TimeShare, model_device
+from rpcompile.plan_options import model_device, solve_timeout, split_limit
 from rpcompile.probe import load_host, probe_host
 from rpcompile.planning import (compare, default_spec, fastest, head_chunk_candidates, infeasible_error,
                                 make_hardware, partition_problem, prepare, shared_trace)
@@ -141,26 +144,31 @@ def _plan_fastest(args: argparse.Namespace, ms: ModelSpec, hardware: Hardware) -
     fastest: (that plan, its graph, microbatches, {strategy: (result, plan)})."""
 
     candidates = head_chunk_candidates(args.head_chunks, ms.loss_fn, ms.example_target)
-    share = TimeShare(args.time_limit, len(candidates))
+    limit = split_limit(args.time_limit, len(candidates))
     traced = shared_trace(len(candidates))  # one trace for every split
 
-    def attempt(k: int) -> tuple[float, tuple]:
+    def attempt(k: int) -> Callable[[], tuple[float, tuple]]:
         gm, m = prepare(ms.model, ms.example_inputs, gpus=args.gpus, spec=args.spec, device=args.device,
                         microbatches=args.microbatches, precision=args.precision, max_segments=args.max_segments,
                         progress=bars(args), loss_fn=ms.loss_fn, example_target=ms.example_target,
                         head_chunks=k, segments_per_layer=args.segments_per_layer, host_embedding=args.host_embedding,
                         cache=args.cache, trace_pass=traced)
+        # every split but the last is solved in a child process while the next one is prepared and solved here
+        solving = later(functools.partial(compare, gm, hardware=hardware, microbatches=m, precision=args.precision,
+                                          time_limit_s=limit, cache=args.cache, allow_save=args.allow_save),
+                        background=k != candidates[-1], timeout_s=solve_timeout(limit))
         head = f"LM head in {k} chunks" if k > 1 else "whole LM head"
-        limit = share.next()
-        with step(args, f"solving ({head}): ilp ≤ {limit:.3g} s, dp, roundpipe, uniform"):
-            rows = compare(gm, hardware=hardware, microbatches=m, precision=args.precision, time_limit_s=limit,
-                           cache=args.cache, allow_save=args.allow_save)
-        share.used(rows["ilp"][0].solve_time_s)
-        chosen = rows[args.strategy][1]
-        if chosen is None:
-            raise infeasible_error(partition_problem(gm, hardware=hardware, microbatches=m, precision=args.precision),
-                              hardware)
-        return chosen.predicted.iteration_time_s, (chosen, gm, m, rows)
+
+        def finish() -> tuple[float, tuple]:
+            with step(args, f"solving ({head}): ilp ≤ {limit:.3g} s, dp, roundpipe, uniform"):
+                rows = solving.result()
+            chosen = rows[args.strategy][1]
+            if chosen is None:
+                raise infeasible_error(partition_problem(gm, hardware=hardware, microbatches=m,
+                                                         precision=args.precision), hardware)
+            return chosen.predicted.iteration_time_s, (chosen, gm, m, rows)
+
+        return finish
 
     try:
         return fastest(candidates, attempt)

@@ -1,0 +1,132 @@
+"""Work that runs in a forked child process while the caller goes on: the LM-head splits' solves.
+
+A plan tries the whole LM head and a split one (:func:`rpcompile.plan_options.head_chunk_candidates`); each split's
+solve is single-threaded (CP-SAT with one worker, numpy) and independent of the others. :func:`later` starts one in
+a child process — forked, so the child inherits the problem and nothing is pickled on the way in — while the caller
+prepares and solves the next split on another core; :meth:`Later.result` collects it. Only the result crosses
+back, pickled through a pipe.
+
+The answer never depends on where the work ran: every phase of a solve is bounded by counts, not by the clock.
+So anything that goes wrong with the child makes :meth:`Later.result` run the work in the caller instead (the
+same answer, only later): the child dies, its result cannot be pickled, or it is silent past ``timeout_s``. An
+exception the work raises in the child is raised by :meth:`Later.result`, as if it had run in the caller.
+
+The child must not touch CUDA nor run torch kernels (a fork inherits neither a usable CUDA context nor OpenMP's
+threads); a solve uses neither. Work runs in the caller, at :meth:`Later.result`, where a fork does not pay or is
+not safe: one usable CPU, no ``fork`` start method or not Linux (macOS's frameworks are not fork-safe), or
+``RPCOMPILE_BACKGROUND=off``.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import weakref
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+__all__ = ["later", "Later", "enabled", "ENV"]
+
+T = TypeVar("T")
+log = logging.getLogger("rpcompile")
+
+ENV = "RPCOMPILE_BACKGROUND"
+"""Set to ``off`` (or ``0``) to run every piece of background work in the caller."""
+
+
+def enabled() -> bool:
+    """Whether :func:`later` forks here (module docstring)."""
+    if os.environ.get(ENV, "").strip().lower() in ("off", "0", "false", "no"):
+        return False
+    if not sys.platform.startswith("linux") or "fork" not in multiprocessing.get_all_start_methods():
+        return False
+    return len(os.sched_getaffinity(0)) > 1
+
+
+class Later(Generic[T]):
+    """``fn()``, started in a child process (or not: :func:`enabled`); :meth:`result` returns what it returned."""
+
+    def __init__(self, fn: Callable[[], T], *, background: bool = True, timeout_s: float = 120.0):
+        self._fn, self._timeout_s = fn, timeout_s
+        self._child: Any = None
+        self._done: tuple[bool, Any] | None = None
+        if background and enabled():
+            self._start()
+
+    @property
+    def forked(self) -> bool:
+        """Whether the work runs (or ran) in a child process."""
+        return self._child is not None
+
+    def _start(self) -> None:
+        ctx = multiprocessing.get_context("fork")
+        try:
+            receive, send = ctx.Pipe(duplex=False)
+            child = ctx.Process(target=_run_child, args=(self._fn, send), daemon=True, name="rpcompile-later")
+            child.start()
+        except OSError as exc:  # no memory to fork, too many processes: the caller does it
+            log.debug("background work runs in the caller: %s", exc)
+            return
+        send.close()
+        self._child = (child, receive)
+        self._finalizer = weakref.finalize(self, _stop, child, receive)  # never collected: the child is stopped
+
+    def result(self) -> T:
+        """What ``fn()`` returned (its exception raised here); waits for the child, or runs ``fn`` now."""
+        if self._done is None:
+            self._done = self._collect()
+        ok, value = self._done
+        if ok:
+            return value
+        raise value
+
+    def _collect(self) -> tuple[bool, Any]:
+        got = None
+        if self._child is not None:
+            child, receive = self._child
+            try:
+                if receive.poll(self._timeout_s):
+                    got = receive.recv()
+                else:
+                    log.warning("background work was silent for %.3g s; running it here instead", self._timeout_s)
+            except (EOFError, OSError) as exc:  # the child died before it answered
+                log.debug("background work's child died (%s); running it here", exc)
+            finally:
+                self._finalizer()
+        if got is None or got[0] is None:  # not forked, or no usable answer: the same work, here
+            try:
+                return True, self._fn()
+            except Exception as exc:
+                return False, exc
+        return got
+
+
+def later(fn: Callable[[], T], *, background: bool = True, timeout_s: float = 120.0) -> Later[T]:
+    """``fn()`` in a forked child (``background`` and :func:`enabled`), else in the caller when its result is asked
+    for; the child is given up and the work done in the caller after ``timeout_s`` without an answer."""
+    return Later(fn, background=background, timeout_s=timeout_s)
+
+
+def _run_child(fn: Callable[[], Any], send: Any) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the caller, which stops the child: no traceback here
+    try:
+        answer: tuple[bool | None, Any] = (True, fn())
+    except BaseException as exc:  # SystemExit too: the caller raises it, as if the work had run there
+        answer = (False, exc)
+    try:
+        send.send(answer)
+    except Exception:  # the result or the exception does not pickle: the caller runs it itself
+        send.send((None, None))
+    finally:
+        send.close()
+
+
+def _stop(child: Any, receive: Any) -> None:
+    receive.close()
+    child.join(timeout=1)  # it answered and is exiting; or it is hung, or given up on
+    if child.is_alive():
+        child.kill()
+        child.join(timeout=5)

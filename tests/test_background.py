@@ -1,0 +1,123 @@
+"""Work in a forked child (rpcompile.passes.background): the same answer as in the caller, whatever goes wrong."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import time
+
+import pytest
+
+import rpcompile.passes.background as background
+from rpcompile.core.errors import InfeasibleError
+from rpcompile.passes.background import later
+from rpcompile.plan_options import fastest
+
+CALLER = os.getpid()
+FORKS = background.enabled()  # two cores and Linux here and in CI; elsewhere everything runs in the caller
+
+
+def _where() -> int:
+    return os.getpid()
+
+
+def test_the_work_runs_in_a_child_and_its_result_comes_back():
+    job = later(lambda: (_where(), [1.5, "x", {"k": (2, 3)}]))
+    assert job.forked == FORKS
+    pid, value = job.result()
+    assert value == [1.5, "x", {"k": (2, 3)}]
+    assert (pid != CALLER) == FORKS
+    assert job.result()[0] == pid  # asked again: the same answer, not run again
+
+
+def test_not_in_the_background_it_runs_in_the_caller_when_asked_for():
+    ran: list[int] = []
+    job = later(lambda: ran.append(_where()) or "done", background=False)
+    assert not job.forked and ran == []  # nothing yet
+    assert job.result() == "done" and ran == [CALLER]
+
+
+def test_the_switch_turns_it_off(monkeypatch):
+    monkeypatch.setenv(background.ENV, "off")
+    assert not background.enabled()
+    assert later(_where).result() == CALLER
+
+
+def test_an_exception_in_the_child_is_raised_by_result():
+    job = later(lambda: (_ for _ in ()).throw(InfeasibleError("no plan fits 1 GiB per device")))
+    with pytest.raises(InfeasibleError, match="^no plan fits 1 GiB per device$"):
+        job.result()
+
+
+@pytest.mark.skipif(not FORKS, reason="nothing is forked here")
+def test_a_child_that_dies_leaves_the_work_to_the_caller():
+    def work():
+        if os.getpid() != CALLER:
+            os._exit(3)  # killed by the OS, say
+        return "from the caller"
+
+    assert later(work).result() == "from the caller"
+
+
+@pytest.mark.skipif(not FORKS, reason="nothing is forked here")
+def test_a_result_that_does_not_pickle_is_made_again_in_the_caller():
+    value = later(lambda: (lambda: _where())).result()  # a lambda cannot cross the pipe
+    assert value() == CALLER
+
+
+@pytest.mark.skipif(not FORKS, reason="nothing is forked here")
+def test_a_silent_child_is_given_up_on_and_stopped(caplog):
+    def work():
+        if os.getpid() != CALLER:
+            time.sleep(60)  # hung
+        return "from the caller"
+
+    job = later(work, timeout_s=0.5)
+    child = job._child[0]
+    started = time.perf_counter()
+    with caplog.at_level(logging.WARNING, logger="rpcompile"):
+        assert job.result() == "from the caller"
+    assert time.perf_counter() - started < 10
+    assert "background work was silent for 0.5 s; running it here instead" in caplog.text
+    assert not child.is_alive()
+
+
+@pytest.mark.skipif(not FORKS, reason="nothing is forked here")
+def test_work_nobody_asks_for_is_stopped_when_forgotten():
+    job = later(lambda: time.sleep(60))
+    child = job._child[0]
+    assert child.is_alive()
+    del job
+    gc.collect()
+    assert not child.is_alive()
+
+
+def test_fastest_starts_every_attempt_before_it_finishes_any_and_finishes_the_last_first():
+    events: list[str] = []
+
+    def attempt(k):
+        events.append(f"start {k}")
+
+        def finish():
+            events.append(f"finish {k}")
+            return {1: 3.0, 8: 2.0}[k], k
+
+        return finish
+
+    assert fastest((1, 8), attempt) == 8
+    assert events == ["start 1", "start 8", "finish 8", "finish 1"]
+
+
+def test_fastest_skips_a_split_whose_deferred_work_fails_and_keeps_the_first_of_equals():
+    def attempt(k):
+        def finish():
+            if k == 8:
+                raise InfeasibleError("no plan with 8")
+            return 2.0, k
+        return finish
+
+    assert fastest((1, 8), attempt) == 1
+    assert fastest((1, 4), lambda k: (lambda: (2.0, k))) == 1
+    with pytest.raises(InfeasibleError, match="no plan with 8"):
+        fastest((8,), attempt)

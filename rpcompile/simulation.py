@@ -11,15 +11,16 @@ import dataclasses
 import functools
 import math
 from contextlib import nullcontext
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from rpcompile.core.errors import ConfigError, InfeasibleError
+from rpcompile.passes.background import later
 from rpcompile.passes.lower import _tokens
 from rpcompile.passes.partition import solve
 from rpcompile.scenarios import (SCHEDULES, Scenario, from_plan, from_segment_plan, layer_profile_scenarios,
                                  load_layer_profile, static_scenarios)
 
-from .plan_options import model_device
+from .plan_options import model_device, solve_timeout
 from .planning import default_spec, fastest, head_chunk_candidates, make_hardware, partition_problem, prepare
 
 __all__ = ["SCHEDULES", "parse_schedules", "model_scenarios", "plan_scenarios", "profile_scenarios", "run_all",
@@ -64,7 +65,7 @@ def model_scenarios(model: Any, example_inputs: Sequence[Any], *, gpus: int, spe
     if static:
         out.update(static_scenarios(pb, chunks=chunks, precision=precision, tokens_per_iteration=tokens,
                                     host_bytes_per_s=host_bytes_per_s, schedules=static))
-    def attempt(name: str, k: int) -> tuple[float, tuple]:
+    def attempt(name: str, ks: tuple[int, ...], k: int) -> Callable[[], tuple[float, tuple]]:
         problem = pb
         if k > 1 or (name == "ilp" and host_embedding):
             own, _ = prepare(model, example_inputs, gpus=gpus, spec=spec, device=device, microbatches=microbatches,
@@ -72,17 +73,24 @@ def model_scenarios(model: Any, example_inputs: Sequence[Any], *, gpus: int, spe
                              head_chunks=k, segments_per_layer=segments_per_layer,
                              host_embedding=host_embedding and name == "ilp")
             problem = partition_problem(own, hardware=hardware, microbatches=m, precision=precision)
-        with (status or _quiet)(f"solving {name}" + (f", LM head in {k} chunks" if k > 1 else "")
-                                + (f" (up to {time_limit_s:g} s)" if name == "ilp" else "")):
-            res = solve(problem, name, time_limit_s=time_limit_s)
-        if not res.feasible:
-            raise InfeasibleError(f"{name}: no feasible plan")
-        return res.objective, (problem, res, k)
+        # every split but the last is solved in a child process while the next is prepared and solved here
+        solving = later(functools.partial(solve, problem, name, time_limit_s=time_limit_s), background=k != ks[-1],
+                        timeout_s=solve_timeout(time_limit_s))
+
+        def finish() -> tuple[float, tuple]:
+            with (status or _quiet)(f"solving {name}" + (f", LM head in {k} chunks" if k > 1 else "")
+                                    + (f" (up to {time_limit_s:g} s)" if name == "ilp" else "")):
+                res = solving.result()
+            if not res.feasible:
+                raise InfeasibleError(f"{name}: no feasible plan")
+            return res.objective, (problem, res, k)
+
+        return finish
 
     for name in (s for s in schedules if s in ("roundpipe", "ilp")):
         ks = head_chunk_candidates(head_chunks, loss_fn, example_target) if name == "ilp" else (1,)
         try:
-            problem, res, k = fastest(ks, functools.partial(attempt, name))
+            problem, res, k = fastest(ks, functools.partial(attempt, name, ks))
         except InfeasibleError:
             continue
         sc = from_segment_plan(problem, res.plan, name=name, tokens_per_iteration=tokens,

@@ -5,6 +5,7 @@ in the compute precision; ``merge_and_unload()`` works afterwards; LoRA dropout 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import re
 import subprocess
@@ -19,6 +20,7 @@ from rpcompile.cli import main
 from rpcompile.core.errors import ConfigError
 from rpcompile.lora import apply_lora, lora_host_memory
 from rpcompile.models import load_model
+from rpcompile.passes.segment_rules import format_bytes
 
 from _hf import VOCAB, hf_model, token_loss
 from test_batches import _padded
@@ -270,16 +272,20 @@ def test_planning_adapters_equal_pefts_in_parameters_outputs_gradients_and_flops
 
 def test_plan_lora_reports_host_memory_gpu_memory_and_tokens_per_s(capsys):
     """``rpcompile plan MODEL --lora R``: the plan downloads adapter gradients only (bf16: 2 bytes each) and the
-    JSON and the text report the host memory of :func:`lora_host_memory`."""
+    JSON and the text report the same host memory: :func:`lora_host_memory` and the plan's activations."""
     argv = ["plan", "moe-demo", "--gpus", "2", "--spec", "rtx4090", "--lora", "4", "--time-limit", "1"]
     assert main([*argv, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     expected = lora_host_memory(apply_lora(load_model("moe-demo", device="meta").model, rank=4), "bf16")
-    assert out["lora"] == {"rank": 4, **expected.to_dict()}
+    acts = out["microbatches"] * sum(s["offload_bytes"] + s["download_bytes"] for s in out["stages"]
+                                     if s["kind"] == "forward")
+    assert acts > 0
+    assert out["lora"] == {"rank": 4, **dataclasses.replace(expected, activation_bytes=acts).to_dict()}
     assert sum(s["grad_bytes"] for s in out["stages"]) == 2 * expected.trainable_params
     assert main(argv) == 0
     text = capsys.readouterr().out
-    assert "LoRA rank 4 on q_proj, k_proj, v_proj, o_proj: host memory" in text
+    assert (f"LoRA rank 4 on q_proj, k_proj, v_proj, o_proj: host memory {format_bytes(out['lora']['total_bytes'])} "
+            "(predicted): ") in text
     assert re.search(r"GPU memory: largest stage [\d.]+ GiB of 20.12 GiB; iteration [\d.]+ s; [\d,]+ tokens/s", text)
     assert main(["plan", "moe-demo", "--gpus", "2", "--spec", "rtx4090", "--lora", "--max-seq-len"]) == 2
     assert "--max-seq-len does not plan LoRA yet" in capsys.readouterr().err

@@ -21,7 +21,7 @@ from rpcompile.passes.split import split_plan
 from rpcompile.core.specs import HostSpec
 from rpcompile.envelope import link_bound, microbatch_tokens
 from rpcompile.host_memory import host_memory
-from rpcompile.lora import LORA_TARGETS, apply_lora, lora_host_memory
+from rpcompile.lora import LORA_TARGETS, apply_lora
 from rpcompile.plan_options import model_device, solve_timeout, split_limit
 from rpcompile.probe import load_host, probe_host
 from rpcompile.planning import (compare, default_spec, fastest, head_chunk_candidates, infeasible_error,
@@ -60,7 +60,7 @@ def plan(args: argparse.Namespace) -> int:
         out: dict[str, Any] = ({"strategies": {k: _strategy_json(r, p) for k, (r, p) in rows.items()}}
                                if args.compare else chosen.to_dict())
         if args.lora:
-            out["lora"] = {"rank": args.lora, **lora_host_memory(ms.model, args.precision).to_dict()}
+            out["lora"] = {"rank": args.lora, **host_memory(ms.model, args.precision, chosen).to_dict()}
         print(json.dumps(out))
         return 0
     head = f", LM head in {chosen.head_chunks} chunks" if chosen.head_chunks > 1 else ""

@@ -8,8 +8,10 @@ back, pickled through a pipe.
 
 The answer never depends on where the work ran: every phase of a solve is bounded by counts, not by the clock.
 So anything that goes wrong with the child makes :meth:`Later.result` run the work in the caller instead (the
-same answer, only later): the child dies, its result cannot be pickled, or it is silent past ``timeout_s``. An
-exception the work raises in the child is raised by :meth:`Later.result`, as if it had run in the caller.
+same answer, only later): the child dies, its result cannot be pickled, it is silent past ``timeout_s``, or the
+work fails there with anything but one of rpcompile's own errors (a fork may be the cause: CUDA cannot be used in
+a forked child). An :class:`~rpcompile.core.errors.RPCompileError` the work raises in the child (a plan that
+does not fit) is raised by :meth:`Later.result`, as if the work had run in the caller.
 
 The child must not touch CUDA nor run torch kernels (a fork inherits neither a usable CUDA context nor OpenMP's
 threads); a solve uses neither. Work runs in the caller, at :meth:`Later.result`, where a fork does not pay or is
@@ -24,9 +26,12 @@ import multiprocessing
 import os
 import signal
 import sys
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
+
+from rpcompile.core.errors import RPCompileError
 
 __all__ = ["later", "Later", "enabled", "ENV"]
 
@@ -66,7 +71,9 @@ class Later(Generic[T]):
         try:
             receive, send = ctx.Pipe(duplex=False)
             child = ctx.Process(target=_run_child, args=(self._fn, send), daemon=True, name="rpcompile-later")
-            child.start()
+            with warnings.catch_warnings():  # Python 3.12+ warns of forking with threads: the child takes no locks
+                warnings.simplefilter("ignore", DeprecationWarning)
+                child.start()
         except OSError as exc:  # no memory to fork, too many processes: the caller does it
             log.debug("background work runs in the caller: %s", exc)
             return
@@ -96,6 +103,11 @@ class Later(Generic[T]):
                 log.debug("background work's child died (%s); running it here", exc)
             finally:
                 self._finalizer()
+        if got is not None and got[0] is False and not isinstance(got[1], RPCompileError):
+            # not one of rpcompile's refusals: it may come from being in a fork (CUDA cannot be used in a forked
+            # child), so the caller does the work; a real error is raised again here
+            log.debug("background work failed in its child (%s: %s); running it here", type(got[1]).__name__, got[1])
+            got = None
         if got is None or got[0] is None:  # not forked, or no usable answer: the same work, here
             try:
                 return True, self._fn()

@@ -51,6 +51,22 @@ def test_an_exception_in_the_child_is_raised_by_result():
 
 
 @pytest.mark.skipif(not FORKS, reason="nothing is forked here")
+def test_any_other_error_in_the_child_leaves_the_work_to_the_caller():
+    def work():
+        if os.getpid() != CALLER:
+            raise RuntimeError("Cannot re-initialize CUDA in forked subprocess")  # what a fork may cause
+        return "from the caller"
+
+    assert later(work).result() == "from the caller"
+
+    def broken():
+        raise KeyError("a real bug")
+
+    with pytest.raises(KeyError, match="a real bug"):  # raised again where it ran last: here
+        later(broken).result()
+
+
+@pytest.mark.skipif(not FORKS, reason="nothing is forked here")
 def test_a_child_that_dies_leaves_the_work_to_the_caller():
     def work():
         if os.getpid() != CALLER:

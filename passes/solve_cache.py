@@ -34,7 +34,7 @@ from .profile_cache import cache_dir, remove_entries, write_entry
 from .segment_rules import validate_segment_plan
 from .timing import iteration_time
 
-__all__ = ["FORMAT_VERSION", "solve", "solve_key", "entries", "clear"]
+__all__ = ["FORMAT_VERSION", "solve", "lookup", "solve_key", "entries", "clear"]
 
 FORMAT_VERSION = 1
 log = logging.getLogger("rpcompile")
@@ -74,6 +74,13 @@ def solve(problem: PartitionProblem, strategy: str = "ilp", *, time_limit_s: flo
     if result.feasible and result.plan is not None:
         _store(path, key, result)
     return result
+
+
+def lookup(problem: PartitionProblem, strategy: str = "ilp", *, time_limit_s: float = 10.0,
+           seed: int = 0) -> PartitionResult | None:
+    """The cached result :func:`solve` would return for these arguments, or None (nothing is solved)."""
+    key = solve_key(problem, strategy, time_limit_s=time_limit_s, seed=seed)
+    return _load(_path(key), key, problem)
 
 
 def _load(path: Path, key: dict[str, Any], problem: PartitionProblem) -> PartitionResult | None:

@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from rpcompile.passes.analytic import AnalyticCostModel
-from rpcompile.passes.background import later
+from rpcompile.passes.background import later, solve_apart
 from rpcompile.passes.coarsen import coarsen_pass
 from rpcompile.passes.cost import cost_from_cache, cost_pass
 from rpcompile.passes.measured import MeasuredCostModel
@@ -422,13 +422,15 @@ def plan_graph(
 
 def compare(
     gm: fx.GraphModule, *, hardware: Hardware, microbatches: int, precision: str = "fp32", time_limit_s: float = 10.0,
-    cache: bool = True, allow_save: bool = True,
+    cache: bool = True, allow_save: bool = True, problem: PartitionProblem | None = None,
 ) -> dict[str, tuple[Any, Plan | None]]:
     """Every strategy on the same problem: name -> (PartitionResult, Plan or None when infeasible). ``cache``: the
     ILP's solve through the solve cache (:mod:`rpcompile.passes.solve_cache`); ``allow_save=False``: nothing is
-    saved to host memory (every backward stage recomputes)."""
-    problem = partition_problem(gm, hardware=hardware, microbatches=microbatches, precision=precision,
-                                allow_save=allow_save)
+    saved to host memory (every backward stage recomputes). ``problem``: ``gm``'s, already made with these
+    arguments."""
+    if problem is None:
+        problem = partition_problem(gm, hardware=hardware, microbatches=microbatches, precision=precision,
+                                    allow_save=allow_save)
     out = {}
     baselines: dict[str, Any] = {}  # the ILP's seeds: dp's, roundpipe's and uniform's own results, not solved again
     facts: dict = {}  # what the plans of one graph share (fingerprint, inputs record, node parameters): made once
@@ -479,7 +481,9 @@ def compile_plan(
                       loss_fn=loss_fn, example_target=example_target, head_chunks=k, hardware=hardware,
                       time_limit_s=limit, **options), front)
         # every split but the last is solved in a child process while the next split is prepared and solved here
-        solving = later(functools.partial(_solve, c), background=k != candidates[-1], timeout_s=solve_timeout(limit))
+        assert c.problem is not None
+        apart = k != candidates[-1] and solve_apart(c.problem, time_limit_s=limit, strategy=c.strategy, cache=c.cache)
+        solving = later(functools.partial(_solve, c), background=apart, timeout_s=solve_timeout(limit))
 
         def finish() -> tuple[float, Compilation]:
             c.result = solving.result()

@@ -14,7 +14,7 @@ from contextlib import nullcontext
 from typing import Any, Callable, Sequence
 
 from rpcompile.core.errors import ConfigError, InfeasibleError
-from rpcompile.passes.background import later
+from rpcompile.passes.background import later, solve_apart
 from rpcompile.passes.lower import _tokens
 from rpcompile.passes.partition import solve
 from rpcompile.scenarios import (SCHEDULES, Scenario, from_plan, from_segment_plan, layer_profile_scenarios,
@@ -74,7 +74,8 @@ def model_scenarios(model: Any, example_inputs: Sequence[Any], *, gpus: int, spe
                              host_embedding=host_embedding and name == "ilp")
             problem = partition_problem(own, hardware=hardware, microbatches=m, precision=precision)
         # every split but the last is solved in a child process while the next is prepared and solved here
-        solving = later(functools.partial(solve, problem, name, time_limit_s=time_limit_s), background=k != ks[-1],
+        apart = k != ks[-1] and solve_apart(problem, time_limit_s=time_limit_s, strategy=name, cache=False)
+        solving = later(functools.partial(solve, problem, name, time_limit_s=time_limit_s), background=apart,
                         timeout_s=solve_timeout(time_limit_s))
 
         def finish() -> tuple[float, tuple]:

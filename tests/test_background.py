@@ -8,11 +8,15 @@ import os
 import time
 
 import pytest
+import torch
 
 import rpcompile.passes.background as background
+import rpcompile.passes.solve_cache as solve_cache
 from rpcompile.core.errors import InfeasibleError
-from rpcompile.passes.background import later
+from rpcompile.passes.background import later, solve_apart
 from rpcompile.plan_options import fastest
+
+from partition_cases import llama_like, tiny_chain
 
 CALLER = os.getpid()
 FORKS = background.enabled()  # two cores and Linux here and in CI; elsewhere everything runs in the caller
@@ -137,3 +141,25 @@ def test_fastest_skips_a_split_whose_deferred_work_fails_and_keeps_the_first_of_
     assert fastest((1, 4), lambda k: (lambda: (2.0, k))) == 1
     with pytest.raises(InfeasibleError, match="no plan with 8"):
         fastest((8,), attempt)
+
+
+def test_a_solve_goes_to_a_child_only_where_it_pays(monkeypatch):
+    """Not a small problem, nor one the solve cache holds, nor in a process whose fork costs more than the solve."""
+    big, small = llama_like(8), tiny_chain(6)  # 18 and 6 segments: about 0.45 and 0.15 s to solve
+    monkeypatch.setattr(background, "fork_cost_s", lambda: 0.1)
+    assert solve_apart(big, time_limit_s=5.0) == FORKS
+    assert not solve_apart(small, time_limit_s=5.0)
+    assert not solve_apart(big, time_limit_s=0.2)  # its limit keeps it short
+    monkeypatch.setattr(background, "fork_cost_s", lambda: 2.0)  # a process holding a large model in CPU memory
+    assert not solve_apart(big, time_limit_s=5.0)
+    monkeypatch.setattr(background, "fork_cost_s", lambda: 0.1)
+    solve_cache.solve(big, "ilp", time_limit_s=0.5)
+    assert not solve_apart(big, time_limit_s=0.5)  # cached: the caller looks it up
+    assert solve_apart(big, time_limit_s=0.5, cache=False) == FORKS
+
+
+def test_the_fork_cost_follows_the_memory_the_process_holds():
+    before = background.fork_cost_s()
+    held = torch.ones(2**28)  # 1 GiB, touched
+    assert background.fork_cost_s() - before == pytest.approx(background.FORK_S_PER_GIB, rel=0.2)
+    del held

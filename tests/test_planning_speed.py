@@ -228,6 +228,7 @@ def test_compile_plan_solves_the_first_split_in_a_child_and_the_plan_is_the_one_
         return solve(problem, strategy, time_limit_s=time_limit_s, seed=seed)
 
     monkeypatch.setattr(planning, "cached_solve", recording)
+    monkeypatch.setattr(background, "fork_cost_s", lambda: 0.0)  # whatever this worker holds: the fork pays
     ms = load_model("llama-demo")
 
     def made():

@@ -15,7 +15,7 @@ import torch
 from rpcompile.core.errors import ConfigError, RPCompileError
 from rpcompile.core.plan import Hardware, Plan
 from rpcompile.models import ModelSpec
-from rpcompile.passes.background import later
+from rpcompile.passes.background import later, solve_apart
 from rpcompile.passes.codegen import write_stages
 from rpcompile.passes.split import split_plan
 from rpcompile.core.specs import HostSpec
@@ -154,9 +154,12 @@ def _plan_fastest(args: argparse.Namespace, ms: ModelSpec, hardware: Hardware) -
                         head_chunks=k, segments_per_layer=args.segments_per_layer, host_embedding=args.host_embedding,
                         cache=args.cache, trace_pass=traced)
         # every split but the last is solved in a child process while the next one is prepared and solved here
+        problem = partition_problem(gm, hardware=hardware, microbatches=m, precision=args.precision,
+                                    allow_save=args.allow_save)
+        apart = k != candidates[-1] and solve_apart(problem, time_limit_s=limit, cache=args.cache)
         solving = later(functools.partial(compare, gm, hardware=hardware, microbatches=m, precision=args.precision,
-                                          time_limit_s=limit, cache=args.cache, allow_save=args.allow_save),
-                        background=k != candidates[-1], timeout_s=solve_timeout(limit))
+                                          time_limit_s=limit, cache=args.cache, allow_save=args.allow_save,
+                                          problem=problem), background=apart, timeout_s=solve_timeout(limit))
         head = f"LM head in {k} chunks" if k > 1 else "whole LM head"
 
         def finish() -> tuple[float, tuple]:
@@ -164,8 +167,7 @@ def _plan_fastest(args: argparse.Namespace, ms: ModelSpec, hardware: Hardware) -
                 rows = solving.result()
             chosen = rows[args.strategy][1]
             if chosen is None:
-                raise infeasible_error(partition_problem(gm, hardware=hardware, microbatches=m,
-                                                         precision=args.precision), hardware)
+                raise infeasible_error(problem, hardware)
             return chosen.predicted.iteration_time_s, (chosen, gm, m, rows)
 
         return finish

@@ -13,7 +13,7 @@ work fails there with anything but one of rpcompile's own errors (a fork may be 
 a forked child). An :class:`~rpcompile.core.errors.RPCompileError` the work raises in the child (a plan that
 does not fit) is raised by :meth:`Later.result`, as if the work had run in the caller.
 
-A fork costs time: the page tables of the whole process are copied (0.3 s for 7.4 GiB resident here), and the
+A fork costs time: the page tables of the whole process are copied (0.28 s for 8 GiB of tensors here), and the
 parent's later writes copy pages. So a solve goes to a child only where it pays (:func:`solve_apart`): not for a
 problem the solve cache holds, nor for one expected to take less than three times the fork — a small problem, or a
 process holding a large model in CPU memory, solves in the caller as before.
@@ -59,10 +59,11 @@ def enabled() -> bool:
     return len(os.sched_getaffinity(0)) > 1
 
 
-#: A fork and a result's way back in a process of little memory (measured: 13 ms at 0.2 GiB resident) ...
-FORK_S = 0.015
-#: ... and per GiB the process holds (the page tables a fork copies; measured: 0.26–0.30 s at 7.4 GiB).
-FORK_S_PER_GIB = 0.04
+#: A fork and a result's way back in a process of little memory (measured: 10–17 ms) ...
+FORK_S = 0.012
+#: ... and per MiB of the page tables a fork copies (``VmPTE``; measured: 0.08 s at 4.8 MiB, 0.28 s at 16.8 MiB:
+#: 2 GiB and 8 GiB of tensors in 4 KiB pages).
+FORK_S_PER_PAGE_TABLE_MIB = 0.016
 #: A piece of work goes to a child only when it is expected to take this many times what the fork costs.
 FORK_PAYS = 3.0
 #: A solve's time per segment of its problem, one core (measured: 24–30 ms on llama-8b, gpt-demo, llama-demo).
@@ -70,19 +71,20 @@ SOLVE_S_PER_SEGMENT = 0.025
 
 
 def fork_cost_s() -> float:
-    """What forking this process and getting a result back costs, predicted from its resident memory."""
+    """What forking this process and getting a result back costs, predicted from the size of its page tables."""
     try:
-        with open("/proc/self/statm") as f:
-            resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        resident = 0
-    return FORK_S + FORK_S_PER_GIB * resident / 2**30
+        with open("/proc/self/status") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("VmPTE:"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        kib = 0
+    return FORK_S + FORK_S_PER_PAGE_TABLE_MIB * kib / 1024
 
 
 def solve_apart(problem: PartitionProblem, *, time_limit_s: float, strategy: str = "ilp", cache: bool = True) -> bool:
     """Whether solving ``problem`` is worth a child process: not in the solve cache (a lookup is quicker than a
     fork) and expected to take :data:`FORK_PAYS` times what the fork costs — not so for a small problem, nor in a
-    process holding a large model in CPU memory (a fork copies its page tables: about a second for 25 GiB)."""
+    process holding a large model in CPU memory (a fork copies its page tables: about a second for 25 GiB in 4 KiB
+    pages)."""
     if not enabled():
         return False
     if cache and lookup(problem, strategy, time_limit_s=time_limit_s) is not None:

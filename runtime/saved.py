@@ -25,9 +25,10 @@ batch of a new length costs a guard check, not a capture. Where a capture's guar
 tracing fails, signatures (shapes, strides, dtypes, devices, non-tensor values) are captured one by one: a capture
 costs tens of forward passes, so only the first are captured at sight; a later new one is recomputed by the
 backward stage until it comes again (:meth:`SavedSegment._worth_capturing`). A capture is kept for a later segment
-of the same code, module settings and signature (:func:`structure`; a pipeline compiled again from the same model),
-or, symbolic, of the same kind of signature where its guards hold, :data:`SHARED_CAPTURES` at most: the trace is
-deterministic, so it would make the same graphs.
+of the same code, module settings and signature (:func:`~.sharing.structure`: names aside, so identical layers
+share one, as does a pipeline compiled again from the same model), or, symbolic, of the same kind of signature
+where its guards hold, :data:`~.sharing.SHARED_CAPTURES` at most: the trace is deterministic, so it would make the
+same graphs.
 Dropout inside a saved segment is rewritten to ``x * seeded_noise(x)`` (:func:`.rng.dropout_to_noise`) where the
 noise op is opaque to tracing and draws the mask with :func:`rpcompile.runtime.rng.seeded_call` (same seed as the recompute path: bit-identical on
 CPU); the mask is then simply a saved tensor. Segments with other random ops are not saveable (recomputed instead).
@@ -40,10 +41,8 @@ forward stage and is recomputed by its backward stage, every step, as in a plan 
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import threading
-from collections import OrderedDict
 from typing import Any, Callable, Sequence
 
 import torch
@@ -53,6 +52,7 @@ from rpcompile.core.program import SegmentSpec
 
 from . import rng
 from .capture import Aliased, HostSaved, SegmentAOT, SegmentFunction, capture_segment
+from .sharing import keep, shared_capture, structure
 from .symbolic import Guards, fake_inputs
 
 __all__ = ["SavedSegment", "context", "opaque_calls"]
@@ -64,12 +64,6 @@ context = threading.local()
 """Per worker thread: ``save`` (bool) — a training forward stage keeps activations; otherwise segments run plainly."""
 
 _CAPTURE_LOCK = threading.Lock()  # AOT tracing is not meant to run concurrently
-
-#: Captures kept for reuse by a later segment of the same code, module settings and signature (a pipeline
-#: compiled again from the same model: the AOT trace is deterministic, so it would give the same capture).
-SHARED_CAPTURES = 64
-_SHARED: OrderedDict[tuple, SegmentAOT] = OrderedDict()
-
 
 #: Modules whose functions and ``nn.Module`` classes are pure tensor code (no side effect a capture could lose).
 _PURE_MODULES = ("torch", "rpcompile", "operator", "_operator", "math", "builtins")
@@ -103,52 +97,6 @@ def _constant(v: Any) -> tuple:
         return ("const", v)
     except TypeError:
         return ("const", repr(v))
-
-
-def _tensor_digest(t: torch.Tensor) -> tuple | None:
-    """A tensor constant's identity by value; None for one without values (meta)."""
-    if t.device.type == "meta":
-        return None
-    data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-    return (tuple(t.shape), t.stride(), t.dtype, str(t.device), hashlib.sha1(data).hexdigest())
-
-
-def structure(spec: SegmentSpec) -> tuple | None:
-    """What a segment's capture depends on besides its call's signature: its code (and that of nested graphs),
-    each module's settings and mode, the values of tensor constants, the attribute layout and the rewrite. None
-    where that cannot be told from the outside (hooks, a constant on meta): such a segment shares no capture."""
-    parts: list[Any] = [spec.params, spec.buffers, spec.inputs, spec.outputs, spec.wants_grad, repr(spec.rewrite),
-                        torch.are_deterministic_algorithms_enabled()]
-    for name, mod in spec.gm.named_modules():
-        if mod._forward_hooks or mod._forward_pre_hooks or mod._backward_hooks or mod._backward_pre_hooks:
-            return None
-        attrs: list[Any] = []
-        for key, value in sorted(vars(mod).items()):
-            if isinstance(value, torch.Tensor):
-                digest = _tensor_digest(value)
-                if digest is None:
-                    return None
-                attrs.append((key, digest))
-            elif not isinstance(mod, fx.GraphModule) and not key.startswith("_") and key != "training":
-                attrs.append((key, repr(value)))
-        code = mod.code if isinstance(mod, fx.GraphModule) else None
-        parts.append((name, type(mod).__module__, type(mod).__qualname__, mod.training, code, tuple(attrs)))
-    return tuple(map(repr, parts))
-
-
-def _shared_capture(key: tuple, flat: Sequence[Any]) -> SegmentAOT | None:
-    """The kept capture for ``key`` (:meth:`SavedSegment._trace`): the one made of the same signature, else a
-    symbolic one of the same structure and kind of signature whose guards hold for ``flat`` (what
-    :meth:`SavedSegment._find` would run within one segment). Called under ``_CAPTURE_LOCK``."""
-    if key in _SHARED:
-        _SHARED.move_to_end(key)
-        return _SHARED[key]
-    if key[1]:  # symbolic: key[:-1] is all but the sizes and strides
-        for k, aot in reversed(_SHARED.items()):
-            if k[:-1] == key[:-1] and aot.guards is not None and aot.guards.hold([flat[i] for i in aot.inputs]):
-                _SHARED.move_to_end(k)
-                return aot
-    return None
 
 
 class SavedSegment(SegmentSpec):
@@ -221,21 +169,19 @@ class SavedSegment(SegmentSpec):
     def _trace(self, flat: Sequence[Any], symbolic: bool) -> SegmentAOT:
         """One capture: of this signature, or ``symbolic`` (sizes of the activation inputs, int inputs); the one
         an earlier segment of the same structure made of the same signature, or symbolic with guards that hold for it,
-        where there is one (:func:`_shared_capture`)."""
+        where there is one (:func:`~.sharing.shared_capture`)."""
         shape = structure(self)  # at the call: a module's mode may have changed since the last capture
         shared = None if shape is None else (
             shape, symbolic, torch.get_default_device(), torch.get_default_dtype(), torch.is_autocast_enabled("cpu"),
             torch.is_autocast_enabled("cuda"), self._kind(flat), self._key(flat))
         with _CAPTURE_LOCK:
-            found = None if shared is None else _shared_capture(shared, flat)
+            found = None if shared is None else shared_capture(shared, flat)
         if found is not None:
             return found
         aot = self._capture_new(flat, symbolic)
         if shared is not None:
             with _CAPTURE_LOCK:
-                _SHARED[shared] = aot
-                while len(_SHARED) > SHARED_CAPTURES:
-                    _SHARED.popitem(last=False)
+                keep(shared, aot)
         return aot
 
     def _capture_new(self, flat: Sequence[Any], symbolic: bool) -> SegmentAOT:

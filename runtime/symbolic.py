@@ -32,6 +32,9 @@ def fake_inputs(examples: Sequence[Any], dynamic: Sequence[bool]) -> tuple[FakeT
     the segment receives from outside: a sequence length) becomes a symbol of its own. Each equal size gets its own
     symbol (no duck sizing): equalities the trace relies on become guards instead of assumptions."""
     mode = FakeTensorMode(shape_env=ShapeEnv(duck_shape=False))
+    # its dispatch cache costs more than it saves here: a hit rebuilds a symbolic output (strides, contiguity:
+    # sympy), and a capture, in a shape environment of its own, reuses few entries
+    mode.cache_enabled = False
     shape_env = mode.shape_env
     assert shape_env is not None
     fakes: list[Any] = []

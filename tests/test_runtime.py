@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -400,6 +401,40 @@ def test_a_pipeline_compiled_again_runs_the_same_captures_unless_a_module_settin
         captures.append({id(a) for seg in pipe.program.saved for a in seg.captures.values()})
     assert captures[0] and captures[1] == captures[0]
     assert captures[2] != captures[0]
+
+
+def test_the_segments_of_identical_layers_run_one_capture_unless_a_module_setting_differs():
+    """runtime/saved.py keys a capture by what it computes, not by names: the saved segments of llama-demo's
+    identical layers (same code but for ``layers.1.`` / ``layers.2.``, parameters in the same places) run one
+    capture, and the pipeline equals eager. With one layer's norm given another ``eps``, that layer's segment
+    captures its own and the pipeline equals its own eager (a shared capture would run the other ``eps``)."""
+    def layer_free(seg):  # a segment's parameter names without the layer index
+        return tuple(re.sub(r"^layers\.\d+\.", "layers.*.", a) for attrs in seg.params for a in attrs)
+
+    odd = None
+    for eps in (None, 0.25):
+        spec = load_model("llama-demo", batch_size=10)
+        if eps is not None:
+            odd = spec.model.layers[2].mlp_norm
+            odd.eps = eps
+        ref = copy.deepcopy(spec.model)
+        x, y = spec.example_inputs[0], spec.example_target
+        pipe = rpcompile.compile(spec.model, (x,), loss_fn=spec.loss_fn, devices=["cpu"] * 2, microbatches=3,
+                                 spec=FINE_CPU, time_limit_s=2.0)
+        assert_step_matches_eager(pipe, spec.model, ref, spec.loss_fn, x, target=y, what=f"eps {eps}: ")
+        groups: dict[tuple, list] = {}
+        for seg in pipe.program.saved:
+            groups.setdefault(layer_free(seg), []).append(seg)
+        alike = [g for g in groups.values() if len(g) > 1]
+        assert alike, [s.params for s in pipe.program.saved]  # at least two layers' segments are saved
+        for group in alike:
+            runs = [{id(a) for a in seg.captures.values()} for seg in group]
+            assert all(runs), [seg.name for seg in group]
+            odd_ones = [r for seg, r in zip(group, runs) if odd is not None and
+                        any(a.startswith("layers.2.mlp_norm.") for attrs in seg.params for a in attrs)]
+            plain = [r for r in runs if r not in odd_ones]
+            assert all(r == plain[0] for r in plain), [seg.name for seg in group]
+            assert not any(r & plain[0] for r in odd_ones), "a layer with another eps ran the others' capture"
 
 
 def test_a_pipeline_compiled_again_runs_the_first_s_symbolic_captures_at_another_batch_size():

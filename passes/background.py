@@ -41,7 +41,7 @@ from rpcompile.core.errors import RPCompileError
 from .problem import PartitionProblem
 from .solve_cache import lookup
 
-__all__ = ["later", "Later", "enabled", "solve_apart", "fork_cost_s", "ENV"]
+__all__ = ["later", "Later", "solving", "enabled", "solve_apart", "solve_timeout", "fork_cost_s", "ENV"]
 
 T = TypeVar("T")
 log = logging.getLogger("rpcompile")
@@ -90,6 +90,20 @@ def solve_apart(problem: PartitionProblem, *, time_limit_s: float, strategy: str
     if cache and lookup(problem, strategy, time_limit_s=time_limit_s) is not None:
         return False
     return min(time_limit_s, SOLVE_S_PER_SEGMENT * problem.n) >= FORK_PAYS * fork_cost_s()
+
+
+def solve_timeout(limit: float) -> float:
+    """How long a solve with time limit ``limit`` may stay silent in a child before the caller gives up on it and
+    solves it itself: the limit guards the phases, not the tables and bounds before them."""
+    return 60.0 + 4.0 * limit
+
+
+def solving(fn: Callable[[], T], problem: PartitionProblem, *, time_limit_s: float, strategy: str = "ilp",
+            cache: bool = True, background: bool = True) -> Later[T]:
+    """``fn()`` — work whose bulk is solving ``problem`` — in a child where that pays (``background`` and
+    :func:`solve_apart`), else in the caller when its result is asked for."""
+    apart = background and solve_apart(problem, time_limit_s=time_limit_s, strategy=strategy, cache=cache)
+    return Later(fn, background=apart, timeout_s=solve_timeout(time_limit_s))
 
 
 class Later(Generic[T]):

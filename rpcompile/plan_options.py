@@ -18,7 +18,7 @@ from .core.plan import Hardware
 from .core.specs import DeviceSpec, HostSpec, assumed_host, get_spec
 
 __all__ = ["STRATEGIES", "AUTO_HEAD_CHUNKS", "make_cost_model", "make_hardware", "default_spec",
-           "head_chunk_candidates", "fastest", "split_limit", "solve_timeout", "infeasible_error", "model_device"]
+           "head_chunk_candidates", "fastest", "split_limit", "infeasible_error", "model_device"]
 
 STRATEGIES = ("ilp", "dp", "roundpipe", "uniform")
 #: Sequence chunks ``head_chunks="auto"`` tries for the LM head (besides not splitting it): on the benchmark
@@ -83,12 +83,6 @@ def split_limit(total: float, count: int) -> float:
     before any of them runs, so the splits can be solved at once (:mod:`rpcompile.passes.background`) and each
     one's plan never depends on how long another took."""
     return max(total / max(count, 1), MIN_SHARE_S)
-
-
-def solve_timeout(limit: float) -> float:
-    """How long a split's solve with time limit ``limit`` may stay silent in the background before the caller gives
-    up on it and solves it itself: the limit guards the phases, not the tables and bounds before them."""
-    return 60.0 + 4.0 * limit
 
 
 #: The least limit a split's solve gets: its phases stop at once and it keeps the plans it was seeded with.

@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from rpcompile.passes.analytic import AnalyticCostModel
-from rpcompile.passes.background import later, solve_apart
+from rpcompile.passes.background import solving
 from rpcompile.passes.coarsen import coarsen_pass
 from rpcompile.passes.cost import cost_from_cache, cost_pass
 from rpcompile.passes.measured import MeasuredCostModel
@@ -55,8 +55,7 @@ from .core.plan import Hardware, Plan
 from .core.specs import DeviceSpec
 from .envelope import warn_if_link_bound
 from .plan_options import (AUTO_HEAD_CHUNKS, STRATEGIES, default_spec, fastest, head_chunk_candidates,
-                           infeasible_error, make_cost_model, make_hardware, model_device, solve_timeout,
-                           split_limit)
+                           infeasible_error, make_cost_model, make_hardware, model_device, split_limit)
 from .shared_trace import TraceOnce
 
 __all__ = [
@@ -294,7 +293,7 @@ FRONT = PASSES[:4]
 #: To a coarsened graph (what the solvers' problem is made from).
 PREPARE = PASSES[:6]
 #: Where the solve starts: ``PASSES[:SOLVE]`` make the problem, ``PASSES[SOLVE:]`` solve it and lower the plan.
-SOLVE = 7
+SOLVE = [name for name, _ in PASSES].index("partition")
 #: From a coarsened graph to a plan.
 BACK = PASSES[6:]
 
@@ -482,11 +481,11 @@ def compile_plan(
                       time_limit_s=limit, **options), front)
         # every split but the last is solved in a child process while the next split is prepared and solved here
         assert c.problem is not None
-        apart = k != candidates[-1] and solve_apart(c.problem, time_limit_s=limit, strategy=c.strategy, cache=c.cache)
-        solving = later(functools.partial(_solve, c), background=apart, timeout_s=solve_timeout(limit))
+        solved = solving(functools.partial(_solve, c), c.problem, time_limit_s=limit, strategy=c.strategy,
+                         cache=c.cache, background=k != candidates[-1])
 
         def finish() -> tuple[float, Compilation]:
-            c.result = solving.result()
+            c.result = solved.result()
             run(c, back)
             assert c.plan is not None
             return c.plan.predicted.iteration_time_s, c

@@ -14,13 +14,13 @@ from contextlib import nullcontext
 from typing import Any, Callable, Sequence
 
 from rpcompile.core.errors import ConfigError, InfeasibleError
-from rpcompile.passes.background import later, solve_apart
+from rpcompile.passes.background import solving
 from rpcompile.passes.lower import _tokens
 from rpcompile.passes.partition import solve
 from rpcompile.scenarios import (SCHEDULES, Scenario, from_plan, from_segment_plan, layer_profile_scenarios,
                                  load_layer_profile, static_scenarios)
 
-from .plan_options import model_device, solve_timeout
+from .plan_options import model_device
 from .planning import default_spec, fastest, head_chunk_candidates, make_hardware, partition_problem, prepare
 
 __all__ = ["SCHEDULES", "parse_schedules", "model_scenarios", "plan_scenarios", "profile_scenarios", "run_all",
@@ -74,14 +74,13 @@ def model_scenarios(model: Any, example_inputs: Sequence[Any], *, gpus: int, spe
                              host_embedding=host_embedding and name == "ilp")
             problem = partition_problem(own, hardware=hardware, microbatches=m, precision=precision)
         # every split but the last is solved in a child process while the next is prepared and solved here
-        apart = k != ks[-1] and solve_apart(problem, time_limit_s=time_limit_s, strategy=name, cache=False)
-        solving = later(functools.partial(solve, problem, name, time_limit_s=time_limit_s), background=apart,
-                        timeout_s=solve_timeout(time_limit_s))
+        solved = solving(functools.partial(solve, problem, name, time_limit_s=time_limit_s), problem,
+                         time_limit_s=time_limit_s, strategy=name, cache=False, background=k != ks[-1])
 
         def finish() -> tuple[float, tuple]:
             with (status or _quiet)(f"solving {name}" + (f", LM head in {k} chunks" if k > 1 else "")
                                     + (f" (up to {time_limit_s:g} s)" if name == "ilp" else "")):
-                res = solving.result()
+                res = solved.result()
             if not res.feasible:
                 raise InfeasibleError(f"{name}: no feasible plan")
             return res.objective, (problem, res, k)

@@ -14,7 +14,7 @@ import torch
 import rpcompile.passes.background as background
 import rpcompile.passes.solve_cache as solve_cache
 from rpcompile.core.errors import InfeasibleError
-from rpcompile.passes.background import later, solve_apart
+from rpcompile.passes.background import later, solve_apart, solving
 from rpcompile.plan_options import fastest
 
 from partition_cases import llama_like, tiny_chain
@@ -149,6 +149,9 @@ def test_a_solve_goes_to_a_child_only_where_it_pays(monkeypatch):
     big, small = llama_like(8), tiny_chain(6)  # 18 and 6 segments: about 0.45 and 0.15 s to solve
     monkeypatch.setattr(background, "fork_cost_s", lambda: 0.1)
     assert solve_apart(big, time_limit_s=5.0) == FORKS
+    assert solving(lambda: "solved", big, time_limit_s=5.0).forked == FORKS
+    last = solving(lambda: "solved", big, time_limit_s=5.0, background=False)  # the last split: solved here
+    assert not last.forked and last.result() == "solved"
     assert not solve_apart(small, time_limit_s=5.0)
     assert not solve_apart(big, time_limit_s=0.2)  # its limit keeps it short
     monkeypatch.setattr(background, "fork_cost_s", lambda: 2.0)  # a process holding a large model in CPU memory

@@ -15,14 +15,14 @@ import torch
 from rpcompile.core.errors import ConfigError, RPCompileError
 from rpcompile.core.plan import Hardware, Plan
 from rpcompile.models import ModelSpec
-from rpcompile.passes.background import later, solve_apart
+from rpcompile.passes.background import solving
 from rpcompile.passes.codegen import write_stages
 from rpcompile.passes.split import split_plan
 from rpcompile.core.specs import HostSpec
 from rpcompile.envelope import link_bound, microbatch_tokens
 from rpcompile.host_memory import host_memory
 from rpcompile.lora import LORA_TARGETS, apply_lora
-from rpcompile.plan_options import model_device, solve_timeout, split_limit
+from rpcompile.plan_options import model_device, split_limit
 from rpcompile.probe import load_host, probe_host
 from rpcompile.planning import (compare, default_spec, fastest, head_chunk_candidates, infeasible_error,
                                 make_hardware, partition_problem, prepare, shared_trace)
@@ -156,15 +156,15 @@ def _plan_fastest(args: argparse.Namespace, ms: ModelSpec, hardware: Hardware) -
         # every split but the last is solved in a child process while the next one is prepared and solved here
         problem = partition_problem(gm, hardware=hardware, microbatches=m, precision=args.precision,
                                     allow_save=args.allow_save)
-        apart = k != candidates[-1] and solve_apart(problem, time_limit_s=limit, cache=args.cache)
-        solving = later(functools.partial(compare, gm, hardware=hardware, microbatches=m, precision=args.precision,
-                                          time_limit_s=limit, cache=args.cache, allow_save=args.allow_save,
-                                          problem=problem), background=apart, timeout_s=solve_timeout(limit))
+        solved = solving(functools.partial(compare, gm, hardware=hardware, microbatches=m, precision=args.precision,
+                                           time_limit_s=limit, cache=args.cache, allow_save=args.allow_save,
+                                           problem=problem),
+                         problem, time_limit_s=limit, cache=args.cache, background=k != candidates[-1])
         head = f"LM head in {k} chunks" if k > 1 else "whole LM head"
 
         def finish() -> tuple[float, tuple]:
             with step(args, f"solving ({head}): ilp ≤ {limit:.3g} s, dp, roundpipe, uniform"):
-                rows = solving.result()
+                rows = solved.result()
             chosen = rows[args.strategy][1]
             if chosen is None:
                 raise infeasible_error(problem, hardware)

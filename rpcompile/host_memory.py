@@ -197,7 +197,8 @@ def activation_room(params: dict[str, nn.Parameter], plan: Plan, *, dtype: torch
 def fit_host_memory(made: Any, replan: Callable[[], Any], *, dtype: torch.dtype | None, pin: bool,
                     frozen_masters: bool = False) -> Any:
     """``made`` (a :class:`~rpcompile.planning.Compilation`), or — when its plan keeps more activations on the host
-    than :func:`activation_room` leaves — ``replan()`` (the same compile with ``allow_save=False``), with one
+    than :func:`activation_room` leaves — ``replan()`` (``rpcompile.compile``: the same graph solved again with
+    ``allow_save=False``, :func:`~rpcompile.planning.replanned`), with one
     :class:`HostMemoryWarning` (module docstring)."""
     plan = made.plan
     if not any(s.offload_bytes for s in plan.stages):

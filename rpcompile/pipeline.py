@@ -69,7 +69,7 @@ from .core.specs import get_spec
 from .core.schedule import round_robin
 from .distributed import DataParallel, DistributedError, data_parallel_group, plan_digest
 from .host_memory import check_host_memory, fit_host_memory
-from .planning import compile_plan
+from .planning import compile_plan, replanned
 from rpcompile.passes.trace import training_inputs
 from .model_match import graph_as_planned
 from .oom import out_of_memory
@@ -583,16 +583,17 @@ def compile(
         memory_limit = gpu_memory_limit(devs[0].torch_device, spec)
     # costs measured with the intra-op threads each logical CPU device will have
     threads = max(1, torch.get_num_threads() // len(devs)) if on_cpu and len(devs) > 1 else None
-    planned = functools.partial(
-        compile_plan, model, example_inputs, gpus=len(devs), spec=spec,
-        device=None if spec is not None else devs[0].torch_device, memory_limit=memory_limit,
-        microbatches=microbatches, precision=precision, example_kwargs=example_kwargs, progress=False,
-        loss_fn=loss_fn, example_target=example_target, head_chunks=head_chunks, host_embedding=host_embedding,
-        threads=threads)
-    made = planned(**plan_options)
+    made = compile_plan(
+        model, example_inputs, gpus=len(devs), spec=spec, device=None if spec is not None else devs[0].torch_device,
+        memory_limit=memory_limit, microbatches=microbatches, precision=precision, example_kwargs=example_kwargs,
+        progress=False, loss_fn=loss_fn, example_target=example_target, head_chunks=head_chunks,
+        host_embedding=host_embedding, threads=threads, **plan_options)
     if "allow_save" not in plan_options:  # saved activations the host may not hold: recomputed instead
-        made = fit_host_memory(made, lambda: planned(**plan_options, allow_save=False), dtype=_DTYPES[precision],
-                               pin=not on_cpu, frozen_masters=frozen_masters)
+        # the same graph solved again (one solve, the whole time limit): it is not traced or costed again
+        limit = float(plan_options.get("time_limit_s", 10.0))
+        saving = made
+        made = fit_host_memory(saving, lambda: replanned(saving, allow_save=False, time_limit_s=limit),
+                               dtype=_DTYPES[precision], pin=not on_cpu, frozen_masters=frozen_masters)
     assert made.plan is not None
     t0 = time.perf_counter()
     pipe = Pipeline(model, made.graph, made.plan, devs, loss_fn, precision, scaler,

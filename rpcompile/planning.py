@@ -24,7 +24,7 @@ import functools
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -69,6 +69,7 @@ __all__ = [
     "shared_trace",
     "plan",
     "compile_plan",
+    "replanned",
     "plan_graph",
     "partition_problem",
     "compare",
@@ -495,6 +496,13 @@ def compile_plan(
     made: Compilation = fastest(candidates, attempt)
     warn_if_link_bound(made.plan, (*made.args, *made.kwargs.values()))  # the operating envelope, one line
     return made
+
+
+def replanned(c: Compilation, **changes: Any) -> Compilation:
+    """``c`` planned again with ``changes`` to its options (``allow_save=False``, ``time_limit_s``): only the
+    :data:`BACK` passes, on ``c``'s costed, coarsened graph — nothing is traced or costed again, and the LM-head
+    split stays ``c``'s. ``c`` itself is left as it was."""
+    return run(replace(c, problem=None, result=None, plan=None, times={}, **changes), BACK)
 
 
 def plan(

@@ -12,8 +12,11 @@ import torch
 
 import rpcompile
 import rpcompile.host_memory as hm
+import rpcompile.planning as planning
 from rpcompile.core.specs import get_spec
 from rpcompile.host_memory import HostMemoryError, HostMemoryWarning, activation_bytes
+from rpcompile.passes.cost import cost_pass
+from rpcompile.passes.trace import trace
 from rpcompile.pipeline import gpu_memory_limit
 from rpcompile.runtime.weights import WeightStore, pinned_bytes
 
@@ -173,10 +176,15 @@ def test_activations_the_host_cannot_keep_are_recomputed_instead(monkeypatch):
     saving = rpcompile.compile(frozen_norm(), (long,), **options)
     assert activation_bytes(saving.plan) > 2 * activation_bytes(recompute.plan)  # it saves when the host has room
     monkeypatch.setattr(hm, "available_host_memory", lambda: recompute.host_bytes + adam)
+    traced, costed = [], []  # the re-plan solves the saving plan's graph again: no second trace or cost pass
+    monkeypatch.setattr(planning, "trace", lambda *a, **k: traced.append(1) or trace(*a, **k))
+    monkeypatch.setattr(planning, "cost_pass", lambda *a, **k: costed.append(1) or cost_pass(*a, **k))
     with pytest.warns(HostMemoryWarning, match=r"host memory: the plan kept .* of activations on the host but .* are "
                                                r"left .*; re-planned to recompute them instead \(allow_save=False\)"):
         pipe = rpcompile.compile(frozen_norm(), (long,), **options)
+    assert (len(traced), len(costed)) == (1, 1)
     assert pipe.plan.stages == recompute.plan.stages
+    assert pipe.plan.inputs["options"]["allow_save"] is False
     assert torch.isfinite(pipe.forward_backward(long, target=y))
     monkeypatch.setattr(hm, "available_host_memory", lambda: saving.host_bytes)  # fits, but AdamW would not
     with pytest.warns(HostMemoryWarning) as caught:

@@ -253,15 +253,27 @@ def test_ctrl_c_stops_the_workers_and_is_reraised(how: str, watchdog: None) -> N
     loss, grads = _eager(ref, x, y)
     main = threading.main_thread().ident
     assert main is not None
+    delivered = threading.Event()
+
+    def interrupt(signum: int, frame: Any) -> None:  # Python's own Ctrl-C, and a note that it was raised
+        delivered.set()
+        signal.default_int_handler(signum, frame)
 
     def ctrl_c(i: int) -> BaseException:
         signal.pthread_kill(main, signal.SIGINT)  # arrives while the caller computes or waits
-        time.sleep(0.2)
+        # the stage goes on only once the caller has raised it: on a loaded machine a fixed sleep let the stage
+        # fail first and the KeyboardInterrupt land later, in pytest itself (a crashed xdist worker)
+        delivered.wait(30)
         return RuntimeError("ran on after Ctrl-C")
 
     k = {"worker": 2, "caller": 4, "signal": 1}[how]  # F2 on device 2, FB on device 0 (the caller), F1 on device 1
     _arm(_layer_of(pipe.plan.stages[k]), 2, "forward", ctrl_c if how == "signal" else lambda i: KeyboardInterrupt())
-    err = _failing_call(pipe, x, y, KeyboardInterrupt)
+    previous = signal.signal(signal.SIGINT, interrupt)
+    try:
+        err = _failing_call(pipe, x, y, KeyboardInterrupt)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert delivered.is_set() == (how == "signal")
     assert type(err) is KeyboardInterrupt
     _clean_call_matches_eager(pipe, x, y, loss, grads, f"after Ctrl-C ({how})")
 

@@ -51,6 +51,7 @@ _EXPORTS = {
     "InfeasibleError": "rpcompile.core.errors",
     "ConfigError": "rpcompile.core.errors",
     "InputError": "rpcompile.core.errors",
+    "ModelChangedError": "rpcompile.core.errors",
     "BatchSplitError": "rpcompile.core.errors",
     "LossHeadError": "rpcompile.core.errors",
 }

@@ -62,7 +62,7 @@ from rpcompile.runtime.executor import Executor, ValueStore
 
 from .checkpoint import CheckpointError, check_pipeline_state, pipeline_state
 from .core.batch import flat_inputs, split_microbatches, tensor_leaves
-from .core.errors import ConfigError, RPCompileError
+from .core.errors import ConfigError, ModelChangedError, RPCompileError
 from rpcompile.runtime.executor import PipelineError
 from .core.plan import Plan
 from .core.specs import get_spec
@@ -74,7 +74,7 @@ from rpcompile.passes.trace import training_inputs
 from .model_match import graph_as_planned
 from .oom import out_of_memory
 from .invariants import verify_plan
-from .signature import InputSignature, check_compile_arguments, needs_target
+from .signature import InputSignature, check_call_mode, check_compile_arguments, needs_target
 
 __all__ = ["compile", "Pipeline"]
 
@@ -164,6 +164,8 @@ class Pipeline:
         self.loss_weight = _checked_weight(loss_weight)
         if loss_fn is None and loss_weight == "auto" and _shifts_labels(model):
             self.loss_weight = shifted_tokens  # the model's own causal LM loss averages over labels[:, 1:]
+        self._parameters = dict(model.named_parameters(remove_duplicate=False))
+        """The model's parameters as compiled: :meth:`check_model` refuses a call once they are not."""
         self.microbatches = plan.microbatches
         self.program = split_plan(plan, gm)
         self.schedule = round_robin([s.kind for s in plan.stages], len(self.devices), self.microbatches)
@@ -393,7 +395,29 @@ class Pipeline:
             self.executor.grads.hold(False)
         return torch.tensor(total, dtype=loss.dtype)
 
+    def check_model(self) -> None:
+        """Refuse (:class:`ModelChangedError`, one line) a model whose parameters are no longer the ones compiled:
+        one replaced by a new ``nn.Parameter`` (``model.lm_head.weight = nn.Parameter(...)``, weights tied
+        afresh), added (an adapter) or removed. The stages hold the old objects, so a call would train those and
+        leave the new ones without gradients. Changing a parameter's values in place is fine (``load_state_dict``,
+        ``p.copy_``); calls check this first."""
+        now = dict(self.model.named_parameters(remove_duplicate=False))
+        if now.keys() == self._parameters.keys() and all(now[n] is p for n, p in self._parameters.items()):
+            return
+        replaced = [n for n, p in self._parameters.items() if n in now and now[n] is not p]
+        added = [n for n in now if n not in self._parameters]
+        removed = [n for n in self._parameters if n not in now]
+        what = (f"parameter {replaced[0]} was replaced by a new nn.Parameter" if replaced else
+                f"parameter {added[0]} was added" if added else f"parameter {removed[0]} was removed")
+        more = len(replaced) + len(added) + len(removed) - 1
+        raise ModelChangedError(
+            f"the model changed after compile: {what}{f' (and {more} more)' if more else ''}, but the pipeline "
+            "trains the parameters it was compiled with; change values in place (with torch.no_grad(): "
+            "p.copy_(new), or model.load_state_dict(...)) or compile the model again")
+
     def _forward_backward(self, inputs: Sequence[Any], target: Any, kwargs: dict[str, Any]) -> torch.Tensor:
+        check_call_mode("forward_backward", self.precision)
+        self.check_model()
         if target is None and "labels" in kwargs and self.loss_fn is not None and \
                 (self.signature is None or "labels" not in self.signature.names):
             target = kwargs.pop("labels")  # an HF batch dict: its labels are the loss's target
@@ -469,6 +493,8 @@ class Pipeline:
     @torch.no_grad()
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Evaluation: the model's output for the whole batch, stage by stage on the plan's devices."""
+        check_call_mode("forward", self.precision)
+        self.check_model()
         if self.signature is not None:  # the inputs as compiled (signature.py); the in-graph loss's target rides along
             target = {TARGET: kwargs.pop(TARGET)} if self.loss_in_graph and TARGET in kwargs else {}
             inputs, kwargs = self.signature.bind(inputs, kwargs)

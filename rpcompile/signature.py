@@ -17,7 +17,8 @@ Dtypes are compared as eager PyTorch would run them: a float64 batch for a float
 refused here with the cast to make, not cast silently. ``int32`` and ``int64`` ids are interchangeable (embeddings
 take either), and a floating input may come in the pipeline's compute precision (``bf16``).
 
-:func:`check_compile_arguments` does the same for ``rpcompile.compile``'s own arguments.
+:func:`check_compile_arguments` does the same for ``rpcompile.compile``'s own arguments, and
+:func:`check_call_mode` for the modes a call is made under (autocast, inference mode).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from torch.utils import _pytree as pytree
 from .core.batch import tensor_leaves
 from .core.errors import ConfigError, InputError
 
-__all__ = ["InputSignature", "LeafSpec", "check_compile_arguments", "needs_target"]
+__all__ = ["InputSignature", "LeafSpec", "check_call_mode", "check_compile_arguments", "needs_target"]
 
 _IDS = {torch.int32, torch.int64}
 _ARRAYS = (list, tuple)
@@ -224,6 +225,29 @@ class InputSignature:
         if self.target_follows_seq and seq is not None and target.dim() > 1 and target.shape[1] != seq:
             raise InputError(f"target has sequence length {target.shape[1]} but the inputs have {seq} (dim 1), and "
                              "the compile example's target had one label per token; pass the target of this batch")
+
+
+_PRECISIONS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def check_call_mode(call: str, precision: str) -> None:
+    """Refuse (:class:`InputError`, one line) a ``call`` (``forward_backward``, ``forward``) made under a mode the
+    stages do not run in. ``torch.autocast``: it holds on the calling thread only — the stages run there would
+    compute in another dtype than the devices' worker threads, and a saved segment would capture that dtype for
+    every later call — while the pipeline computes in its own ``precision`` everywhere. ``torch.inference_mode``:
+    ``forward_backward`` makes gradients. (``torch.no_grad`` is harmless: the pipeline turns gradients on itself.)"""
+    for kind in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(kind):
+            dtype = torch.get_autocast_dtype(kind)
+            wanted = _PRECISIONS.get(dtype)
+            fix = f"; compile with precision={wanted!r} for {_name(dtype)} compute" if wanted != precision else ""
+            raise InputError(
+                f"{call} is called under torch.autocast({kind!r}, dtype=torch.{_name(dtype)}), but the pipeline "
+                f"computes in the precision it was compiled with ({precision!r}) on every device: call it outside "
+                f"autocast{fix}")
+    if call == "forward_backward" and torch.is_inference_mode_enabled():
+        raise InputError("forward_backward is called under torch.inference_mode(), but it makes gradients: call it "
+                         "outside inference mode (pipe.forward(...) evaluates without them)")
 
 
 def _short(v: Any) -> str:

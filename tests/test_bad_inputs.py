@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 import rpcompile
 from rpcompile.cli import main
-from rpcompile.core.errors import ConfigError, InputError, PlanFileError, PlanMismatchError, RPCompileError
+from rpcompile.core.errors import (ConfigError, InputError, ModelChangedError, PlanFileError, PlanMismatchError,
+                                   RPCompileError)
 from rpcompile.core.plan import Plan
 
 from _hf import hf_model
@@ -164,7 +165,24 @@ MLP_ROWS: list[Row] = [
     ("eval: wrong feature size", lambda p: p.forward(torch.randn(6, 9)), InputError,
      r"^x has shape \(6, 9\) but the pipeline was compiled for \(batch, 8\)"),
     ("eval: list", lambda p: p.forward(X.tolist()), InputError, r"^x is a list, not a tensor"),
+    # the caller's thread runs device 0's stages: under autocast they (and the captures they make) would compute
+    # in another dtype than the other devices' — silently wrong gradients from then on, or a raw dtype error
+    ("under autocast", lambda p: _under(torch.autocast("cpu", dtype=torch.bfloat16), p.forward_backward, X, target=Y),
+     InputError, r"^forward_backward is called under torch.autocast\('cpu', dtype=torch.bfloat16\), but the pipeline "
+     r"computes in the precision it was compiled with \('fp32'\) on every device: call it outside autocast; "
+     r"compile with precision='bf16' for bfloat16 compute$"),
+    ("eval: under autocast", lambda p: _under(torch.autocast("cpu", dtype=torch.float16), p.forward, X),
+     InputError, r"^forward is called under torch.autocast\('cpu', dtype=torch.float16\), .* call it outside "
+     r"autocast; compile with precision='fp16' for float16 compute$"),
+    ("under inference mode", lambda p: _under(torch.inference_mode(), p.forward_backward, X, target=Y), InputError,
+     r"^forward_backward is called under torch.inference_mode\(\), but it makes gradients: call it outside "
+     r"inference mode \(pipe.forward\(...\) evaluates without them\)$"),
 ]
+
+
+def _under(mode: Any, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    with mode:
+        return call(*args, **kwargs)
 
 TOKEN_ROWS: list[Row] = [
     ("float token ids", lambda p: p.forward_backward(IDS.float(), target=LABELS), InputError,
@@ -414,3 +432,50 @@ def test_a_target_no_loss_reads_is_refused_in_one_line():
         pipe.forward_backward(X, target=Y)
     ref = copy.deepcopy(pipe.model)
     torch.testing.assert_close(pipe.forward_backward(X), ref(X), **TOL)
+
+
+def test_a_parameter_replaced_after_compile_is_refused_and_values_changed_in_place_train():
+    """The stages hold the parameters compiled: a new ``nn.Parameter`` put in one's place, one added or removed,
+    is refused in one line before anything runs (training would go to the old objects, silently); the original
+    put back trains again, and values changed in place train as eager."""
+    pipe = _compile(MLP(), X, loss_fn=F.mse_loss, example_target=Y, devices=["cpu"], microbatches=2)
+    model, weight, bias = pipe.model, pipe.model.b.weight, pipe.model.a.bias
+    fix = (r", but the pipeline trains the parameters it was compiled with; change values in place \(with "
+           r"torch.no_grad\(\): p.copy_\(new\), or model.load_state_dict\(...\)\) or compile the model again$")
+    model.b.weight = nn.Parameter(weight.detach() * 2)
+    for call in (lambda p: p.forward_backward(X, target=Y), lambda p: p.forward(X)):
+        _run(pipe, call, ModelChangedError, r"^the model changed after compile: parameter b.weight was replaced by "
+                                            r"a new nn.Parameter" + fix)
+    model.b.weight = weight
+    model.extra = nn.Linear(2, 2)
+    _run(pipe, lambda p: p.forward_backward(X, target=Y), ModelChangedError,
+         r"^the model changed after compile: parameter extra.weight was added \(and 1 more\)" + fix)
+    del model.extra
+    del model.a.bias
+    _run(pipe, lambda p: p.forward_backward(X, target=Y), ModelChangedError,
+         r"^the model changed after compile: parameter a.bias was removed" + fix)
+    model.a.bias = bias
+    with torch.no_grad():
+        model.b.weight.mul_(2)  # in place: the pipeline sees it
+    ref = copy.deepcopy(model)
+    model.zero_grad(set_to_none=True)
+    torch.testing.assert_close(pipe.forward_backward(X, target=Y), F.mse_loss(ref(X), Y), **TOL)
+    F.mse_loss(ref(X), Y).backward()
+    assert_grads_equal(model, ref)
+
+
+def test_no_grad_and_eval_under_inference_mode_are_fine(mlp):
+    """``torch.no_grad`` around ``forward_backward`` changes nothing (the pipeline makes its gradients itself), and
+    ``forward`` may run under inference mode: both give eager's results."""
+    model = mlp.model
+    ref = copy.deepcopy(model)
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        loss = mlp.forward_backward(X, target=Y)
+    ref_loss = F.mse_loss(ref(X), Y)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+    assert_grads_equal(model, ref)
+    model.zero_grad(set_to_none=True)
+    with torch.inference_mode():
+        torch.testing.assert_close(mlp.forward(X), ref(X), **TOL)

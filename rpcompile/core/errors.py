@@ -17,6 +17,7 @@ __all__ = [
     "BatchSplitError",
     "ConfigError",
     "InputError",
+    "ModelChangedError",
     "ProblemError",
     "SimulationError",
     "LossHeadError",
@@ -72,6 +73,11 @@ class InfeasibleError(RPCompileError):
 
 class ConfigError(RPCompileError, ValueError):
     """An argument names something unknown or is out of range (a schedule name, a repeat count)."""
+
+
+class ModelChangedError(RPCompileError):
+    """The model's parameters are no longer the ones its pipeline was compiled with: one was replaced by a new
+    ``nn.Parameter``, added or removed after ``compile`` (the pipeline would train the old ones)."""
 
 
 class InputError(RPCompileError, ValueError):

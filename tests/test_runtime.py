@@ -189,6 +189,39 @@ def test_cnn_batchnorm_and_dropout(k, m):
     assert int(spec.model.blocks[0].bn.num_batches_tracked) == m
 
 
+@pytest.mark.hf
+@pytest.mark.parametrize("allow_save", [False, True])
+def test_attention_dropout_replays_its_mask_in_recompute(allow_save):
+    """An HF model in train mode with attention dropout calls ``scaled_dot_product_attention(..., dropout_p=0.3)``:
+    the kernel draws its own mask, so it is seeded like every other random node (the same mask in the forward
+    stage and in the backward stage's recompute) and its segment is recomputed, not saved. Reference: the same
+    graph with the same per-node seeds run eagerly on one device over the same microbatches."""
+    transformers = pytest.importorskip("transformers")
+    from rpcompile.core.randomness import is_random
+    from rpcompile.passes.trace import trace
+
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.3)
+    model = transformers.BertForMaskedLM(cfg).train()
+    ref = copy.deepcopy(model)
+    x, y = torch.randint(0, 64, (6, 12)), torch.randint(0, 64, (6, 12))
+
+    def loss_fn(out, target):
+        return F.cross_entropy(out.logits.flatten(0, 1), target.flatten())
+
+    attention = [n for n in trace(copy.deepcopy(model), (x,)).graph.nodes if "scaled_dot_product" in str(n.target)]
+    assert len(attention) == 2 and all(is_random(None, n) for n in attention)  # type: ignore[arg-type]
+    pipe = rpcompile.compile(model, (x,), loss_fn=loss_fn, spec=FINE_CPU, devices=["cpu"] * 2, microbatches=3,
+                             time_limit_s=2.0, head_chunks=1, allow_save=allow_save)
+    backward = [s for s in pipe.plan.stages if s.kind == "backward"]
+    assert any(n.startswith("scaled_dot_product") for s in backward for n in (s.saved if allow_save else s.recomputed))
+    loss = pipe.forward_backward(x, target=y)
+    spec = dataclasses.make_dataclass("Spec", ["model", "loss_fn"])(model, loss_fn)
+    assert_matches_seeded_reference(spec, ref, x, y, 3, loss)
+
+
 def test_forward_for_evaluation():
     spec, ref, pipe, x, y = make("llama-demo", 2, 3)
     torch.testing.assert_close(pipe.forward(x), ref(x), **TOL)

@@ -8,8 +8,8 @@ from typing import Literal
 import torch.fx as fx
 import torch.nn as nn
 
-__all__ = ["RANDOM_MODULES", "RANDOM_FUNCTIONS", "DROPOUT_MODULES", "DROPOUT_FUNCTIONS", "target_name", "is_random",
-           "random_kind"]
+__all__ = ["RANDOM_MODULES", "RANDOM_FUNCTIONS", "DROPOUT_MODULES", "DROPOUT_FUNCTIONS", "ATTENTION_DROPOUT",
+           "target_name", "is_random", "random_kind"]
 
 RANDOM_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 RANDOM_FUNCTIONS = frozenset({
@@ -19,6 +19,23 @@ RANDOM_FUNCTIONS = frozenset({
 #: Multiplicative dropouts: a saved segment keeps their mask as a saved tensor (``x * noise``).
 DROPOUT_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
 DROPOUT_FUNCTIONS = frozenset({"dropout", "dropout1d", "dropout2d", "dropout3d", "feature_dropout"})
+
+
+#: Attention kernels that draw a dropout mask (inside the kernel) unless their ``dropout_p`` is 0: where that
+#: argument sits among their positional ones (``F.scaled_dot_product_attention`` / ``aten`` and its backends).
+ATTENTION_DROPOUT = {"scaled_dot_product_attention": 4, "_scaled_dot_product_flash_attention": 3,
+                     "_scaled_dot_product_flash_attention_for_cpu": 3, "_scaled_dot_product_efficient_attention": 5,
+                     "_scaled_dot_product_cudnn_attention": 5}
+
+
+def _attention_dropout(node: fx.Node) -> bool:
+    """An attention call whose ``dropout_p`` is not a constant 0 (HF models in train mode with attention dropout:
+    ``dropout_p=self.dropout if self.training else 0.0``)."""
+    at = ATTENTION_DROPOUT.get(target_name(node))
+    if at is None:
+        return False
+    p = node.kwargs.get("dropout_p", node.args[at] if len(node.args) > at else 0.0)
+    return isinstance(p, fx.Node) or bool(p != 0)
 
 
 def target_name(node: fx.Node) -> str:
@@ -33,7 +50,7 @@ def is_random(gm: fx.GraphModule, node: fx.Node) -> bool:
     if node.op == "call_module":
         return isinstance(gm.get_submodule(str(node.target)), RANDOM_MODULES)
     if node.op in ("call_function", "call_method"):
-        return target_name(node) in RANDOM_FUNCTIONS
+        return target_name(node) in RANDOM_FUNCTIONS or _attention_dropout(node)
     return False
 
 

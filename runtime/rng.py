@@ -6,6 +6,10 @@ random node of a stage graph (dropout and friends, :mod:`rpcompile.core.randomne
 (iteration, node name, microbatch) — the executor sets those in :data:`context` before it
 runs a stage. A node therefore draws the same mask whenever and wherever it runs, on any number of devices.
 Logical CPU devices share one generator, so seeding takes a process-wide lock there.
+
+A trace records dropouts as the model's mode had them; a model traced in train mode and then put in eval mode
+(``model.eval()`` to evaluate) runs them switched off instead: the executor sets ``training`` in :data:`context`
+and :func:`seeded_call` passes a dropout's input through and gives an attention kernel ``dropout_p=0``.
 """
 
 from __future__ import annotations
@@ -18,12 +22,16 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from rpcompile.core.randomness import is_random, random_kind
+from rpcompile.core.randomness import ATTENTION_DROPOUT, DROPOUT_FUNCTIONS, is_random, random_kind
 
 __all__ = ["context", "stream", "seed_random_nodes", "seeded_call", "seeded_noise", "dropout_to_noise"]
 
 context = threading.local()
-"""Per worker thread: ``iteration``, ``microbatch`` and ``device`` (a torch.device) of the stage running now."""
+"""Per worker thread: ``iteration``, ``microbatch``, ``device`` (a torch.device) and ``training`` (False: dropouts
+off, :func:`seeded_call`) of the stage running now."""
+
+#: Dropouts that pass their input through in eval mode (as ``nn.Dropout`` and ``F.dropout(training=False)`` do).
+EVAL_IDENTITY = frozenset({*DROPOUT_FUNCTIONS, "alpha_dropout", "feature_alpha_dropout"})
 
 stream = ""
 """A process-wide salt of every seed: data-parallel ranks (:mod:`rpcompile.distributed`) set their own, so each
@@ -35,8 +43,34 @@ _NOISE: dict[str, tuple[str, Callable[..., Any], tuple, dict]] = {}
 _TOKENS = itertools.count()
 
 
+def _op_name(fn: Any) -> str:
+    return getattr(getattr(fn, "_overloadpacket", fn), "__name__", "")
+
+
+def _without_dropout(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+    """``fn(*args, **kwargs)`` as eval mode runs it: a dropout passes its input through, an attention kernel
+    runs with ``dropout_p=0``, anything else (a module follows its own mode; a random draw that is no dropout)
+    as it is. :data:`NotImplemented` where nothing changes."""
+    name = _op_name(fn)
+    if name in EVAL_IDENTITY:
+        return args[0]
+    if name == "native_dropout":
+        return args[0], torch.ones_like(args[0], dtype=torch.bool)
+    at = ATTENTION_DROPOUT.get(name)
+    if at is not None:
+        if "dropout_p" in kwargs or len(args) <= at:
+            return fn(*args, **{**kwargs, "dropout_p": 0.0})
+        return fn(*args[:at], 0.0, *args[at + 1:], **kwargs)
+    return NotImplemented
+
+
 def seeded_call(key: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Run ``fn`` with the current device's generator seeded from (iteration, ``key``, microbatch)."""
+    """Run ``fn`` with the current device's generator seeded from (iteration, ``key``, microbatch) — in eval mode
+    (``context.training`` False: the model was put in eval mode after a train-mode trace) without its dropout."""
+    if not getattr(context, "training", True):
+        out = _without_dropout(fn, args, kwargs)
+        if out is not NotImplemented:
+            return out
     iteration = getattr(context, "iteration", 0)
     mb = getattr(context, "microbatch", 0)
     device = getattr(context, "device", torch.device("cpu"))

@@ -222,6 +222,72 @@ def test_attention_dropout_replays_its_mask_in_recompute(allow_save):
     assert_matches_seeded_reference(spec, ref, x, y, 3, loss)
 
 
+def _bert(**dropout):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, max_position_embeddings=16, **dropout)
+    return transformers.BertForMaskedLM(cfg)
+
+
+def _mlm_loss(out, target):
+    return F.cross_entropy(out.logits.flatten(0, 1), target.flatten())
+
+
+@pytest.mark.hf
+def test_eval_mode_after_a_train_mode_trace_switches_the_dropouts_off():
+    """Evaluating during training: a model traced in train mode (hidden and attention dropout) and then put in
+    eval mode runs as eager eval does — ``forward`` and ``forward_backward`` without dropout, eager's outputs,
+    loss and gradients — and in train mode again draws its masks again."""
+    model = _bert(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.3).train()
+    ref = copy.deepcopy(model)
+    x, y = torch.randint(0, 64, (6, 12)), torch.randint(0, 64, (6, 12))
+    pipe = rpcompile.compile(model, (x,), loss_fn=_mlm_loss, spec=FINE_CPU, devices=["cpu"] * 2, microbatches=3,
+                             time_limit_s=2.0, head_chunks=1)
+    trained = pipe.forward_backward(x, target=y)
+    model.eval(), ref.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(pipe.forward(x).logits, ref(x).logits, **TOL)
+    model.zero_grad(set_to_none=True)
+    loss = pipe.forward_backward(x, target=y)
+    ref_loss = _mlm_loss(ref(x), y)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+    assert_grads_equal(model, ref)
+    model.train()
+    assert abs(float(pipe.forward_backward(x, target=y)) - float(loss)) > 1e-3  # dropout draws again
+    assert abs(float(trained) - float(loss)) > 1e-3
+
+
+@pytest.mark.hf
+def test_a_mode_the_trace_cannot_run_is_refused_in_one_line_and_a_model_without_dropout_trains_in_any():
+    """Traced in eval mode (as models load), the dropouts are not in the graph: train mode is refused, naming the
+    fix. A mixed mode is refused likewise. A model with no dropout (0.0) and no batch norm runs in either mode."""
+    x, y = torch.randint(0, 64, (6, 12)), torch.randint(0, 64, (6, 12))
+    options = dict(loss_fn=_mlm_loss, spec=FINE_CPU, devices=["cpu"] * 2, microbatches=3, time_limit_s=2.0,
+                   head_chunks=1)
+    pipe = rpcompile.compile(_bert(hidden_dropout_prob=0.1).eval(), (x,), **options)
+    pipe.model.train()
+    with pytest.raises(rpcompile.ModelChangedError, match=r"^the model changed after compile: it is in train mode "
+                       r"but was traced in eval mode, and its dropouts \(dropout\) were traced as in eval mode; call "
+                       r"model.train\(\) before rpcompile.compile \(models load in eval mode\)$"):
+        pipe.forward_backward(x, target=y)
+    pipe.model.eval()
+    pipe.model.bert.encoder.train()
+    with pytest.raises(rpcompile.ModelChangedError, match=r"^the model changed after compile: module bert.encoder is "
+                       r"in train mode .* call model.train\(\) before rpcompile.compile"):
+        pipe.forward(x)
+    model = _bert(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0).eval()
+    ref = copy.deepcopy(model).train()
+    pipe = rpcompile.compile(model, (x,), **options)
+    model.train()
+    loss = pipe.forward_backward(x, target=y)
+    ref_loss = _mlm_loss(ref(x), y)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+    assert_grads_equal(model, ref)
+
+
 def test_forward_for_evaluation():
     spec, ref, pipe, x, y = make("llama-demo", 2, 3)
     torch.testing.assert_close(pipe.forward(x), ref(x), **TOL)

@@ -9,7 +9,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 __all__ = ["RANDOM_MODULES", "RANDOM_FUNCTIONS", "DROPOUT_MODULES", "DROPOUT_FUNCTIONS", "ATTENTION_DROPOUT",
-           "target_name", "is_random", "random_kind"]
+           "MODE_FUNCTIONS", "mode_fixed", "target_name", "is_random", "draws", "random_kind"]
 
 RANDOM_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 RANDOM_FUNCTIONS = frozenset({
@@ -26,6 +26,20 @@ DROPOUT_FUNCTIONS = frozenset({"dropout", "dropout1d", "dropout2d", "dropout3d",
 ATTENTION_DROPOUT = {"scaled_dot_product_attention": 4, "_scaled_dot_product_flash_attention": 3,
                      "_scaled_dot_product_flash_attention_for_cpu": 3, "_scaled_dot_product_efficient_attention": 5,
                      "_scaled_dot_product_cudnn_attention": 5}
+
+
+#: Functions a trace records with the mode the model was in as a constant argument (batch norm's ``training``):
+#: their graph computes that mode's behaviour whatever mode the model is put in later.
+MODE_FUNCTIONS = frozenset({
+    "batch_norm", "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional",
+    "_native_batch_norm_legit_no_training", "_batch_norm_impl_index", "cudnn_batch_norm", "miopen_batch_norm",
+    "_batch_norm_with_update", "_batch_norm_with_update_functional", "_batch_norm_no_update", "instance_norm"})
+
+
+def mode_fixed(gm: fx.GraphModule) -> list[str]:
+    """Nodes of ``gm`` whose behaviour its trace fixed to the model's mode then (:data:`MODE_FUNCTIONS`); a
+    called module (an fx ``call_module``) follows the mode it is in and is not one."""
+    return [n.name for n in gm.graph.nodes if n.op == "call_function" and target_name(n) in MODE_FUNCTIONS]
 
 
 def _attention_dropout(node: fx.Node) -> bool:
@@ -52,6 +66,19 @@ def is_random(gm: fx.GraphModule, node: fx.Node) -> bool:
     if node.op in ("call_function", "call_method"):
         return target_name(node) in RANDOM_FUNCTIONS or _attention_dropout(node)
     return False
+
+
+def draws(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """:func:`is_random`, but for a dropout that drops nothing (probability a constant 0, in either mode)."""
+    if not is_random(gm, node):
+        return False
+    if node.op == "call_module":
+        mod = gm.get_submodule(str(node.target))
+        return not (isinstance(mod, DROPOUT_MODULES) and float(getattr(mod, "p")) == 0)
+    if target_name(node) in DROPOUT_FUNCTIONS:
+        p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
+        return isinstance(p, fx.Node) or bool(p != 0)
+    return True
 
 
 def random_kind(gm: fx.GraphModule, node: fx.Node) -> Literal["dropout", "other"] | None:

@@ -7,6 +7,9 @@ counts, learning rates) and the **pipeline's** (:meth:`Pipeline.state_dict`):
 - ``iteration``: the number of ``forward_backward`` calls so far, which seeds every dropout mask (with the node
   and the microbatch, :mod:`rpcompile.runtime.rng`) — a fresh pipeline starts at 0 and would draw the first
   iteration's masks again;
+- ``dropout_seed``: the seed every dropout mask is drawn from beside them (``torch.initial_seed()`` when the
+  pipeline was made; a resumed run draws the saved run's masks whatever the new process's seed is; a version-1
+  state, saved before there was one, resumes with the masks it was drawing);
 - ``scaler``: the ``GradScaler``'s state (scale, growth tracker) when the pipeline holds one (fp16);
 - ``stale_weights``: after ``pipe.step(optimizer, overlap=True)``, the copies of the weights from *before* that
   step, which the next iteration computes with (one step stale, :meth:`Pipeline.step`). The step itself is waited
@@ -18,7 +21,8 @@ counts, learning rates) and the **pipeline's** (:meth:`Pipeline.state_dict`):
   parameters), the microbatch count, the precision and the plan's cuts (:func:`plan_cuts`: each stage's nodes and
   saved nodes — a fused stage and a forward/backward pair round differently in the last bit), and the plan
   itself. The devices are not part of it: the same cuts on other devices continue bit for bit. A state that
-  differs is refused in one line; ``exact=False`` loads it anyway (the iteration and the scaler carry over).
+  differs is refused in one line; ``exact=False`` loads it anyway (the iteration, the dropout seed and the scaler
+  carry over).
 
 Not saved, by design: gradients (checkpoint after the optimizer step), the weight copies and saved-segment
 captures (remade from the masters), the user's random state and the data loader's position (pass what you need
@@ -61,7 +65,7 @@ __all__ = ["STATE_VERSION", "PLAN_FILE", "Resumable", "Checkpoint", "CheckpointE
            "save_checkpoint", "load_checkpoint", "checkpoint_plan", "checkpoints", "verify", "pipeline_state",
            "check_pipeline_state", "plan_cuts"]
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 """Version of the pipeline state's layout (:func:`pipeline_state`); a newer one is refused."""
 _STATE_FORMAT = "rpcompile.pipeline"
 _FILE_FORMAT = "rpcompile.checkpoint"
@@ -88,6 +92,7 @@ class Resumable(Protocol):
     microbatches: int
     precision: str
     iteration: int
+    dropout_seed: int | None
     scaler: Any
 
     def state_dict(self) -> dict[str, Any]: ...
@@ -125,7 +130,7 @@ def pipeline_state(pipe: Resumable, stale_weights: Mapping[str, torch.Tensor]) -
     scaler = pipe.scaler
     return {"format": _STATE_FORMAT, "version": STATE_VERSION, "model": pipe.plan.model.digest,
             "cuts": plan_cuts(pipe.plan), "plan": pipe.plan.to_json(), "microbatches": pipe.microbatches,
-            "precision": pipe.precision, "iteration": pipe.iteration,
+            "precision": pipe.precision, "iteration": pipe.iteration, "dropout_seed": pipe.dropout_seed,
             "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
             "stale_weights": dict(stale_weights)}
 

@@ -186,6 +186,7 @@ class Pipeline:
         self.executor = Executor(self.program, self.devices, params, buffers, dtype=_DTYPES[precision],
                                  frozen_masters=frozen_masters)
         self.iteration = 0
+        self.executor.seed = torch.initial_seed()  # dropout masks follow torch.manual_seed, as eager's do
         self._stepper = ThreadPoolExecutor(1, thread_name_prefix="rpcompile-step")
         self._step: Future[None] | None = None
         """The overlapped optimizer step in flight (:meth:`step`)."""
@@ -310,12 +311,14 @@ class Pipeline:
         """Continue from :meth:`state_dict`, after the model's and the optimizer's ``load_state_dict``. A state
         saved right after ``step(optimizer, overlap=True)`` needs that ``optimizer``: the next iteration then runs
         beside the (already done) step with the weights from before it, as it would have. ``exact=False`` loads
-        into a pipeline compiled otherwise (another plan, devices, precision): the iteration and the scaler's
-        state carry over, the next iteration runs on the latest weights, and results differ in the last bits."""
+        into a pipeline compiled otherwise (another plan, devices, precision): the iteration, the dropout seed and
+        the scaler's state carry over, the next iteration runs on the latest weights, and results differ in the
+        last bits."""
         self.check_state_dict(state, optimizer=optimizer, exact=exact)
         stale = state["stale_weights"] if exact else {}
         self.synchronize()
         self.iteration = int(state["iteration"])
+        self.dropout_seed = state.get("dropout_seed")  # None: a version-1 state, drawn without one
         if state["scaler"] is not None and self.scaler is not None and self.scaler.is_enabled():
             self.scaler.load_state_dict(state["scaler"])
         if stale:
@@ -326,6 +329,18 @@ class Pipeline:
             self.executor.grads.hold(True)
             self._overlap_optimizer = optimizer
             self._step = self._stepper.submit(weights.write_back, optimizer)  # the step is done: only its copies
+
+    @property
+    def dropout_seed(self) -> int | None:
+        """The seed every dropout mask is drawn from, with the iteration, the node and the microbatch
+        (:mod:`rpcompile.runtime.rng`): ``torch.initial_seed()`` when the pipeline was made — what the last
+        ``torch.manual_seed`` set — so runs with different seeds draw different masks and runs with the same seed
+        the same ones. Saved and restored with :meth:`state_dict`."""
+        return self.executor.seed
+
+    @dropout_seed.setter
+    def dropout_seed(self, seed: int | None) -> None:
+        self.executor.seed = None if seed is None else int(seed)
 
     @property
     def timeline(self) -> list:

@@ -172,6 +172,8 @@ class Executor:
         self.training = True
         """False: the stages run their dropouts switched off (the model in eval mode after a train-mode trace,
         :mod:`.rng`)."""
+        self.seed: int | None = None
+        """The dropout seed every mask is drawn from, with the iteration, node and microbatch (:mod:`.rng`)."""
         self._slot_cache: dict[int, list[tuple[dict, str, str, bool]] | None] = {}
         self._changed_buffers: dict[int, set[str]] = {}  # per forward stage: the buffers its forward changes
         # one thread per device uploads its next stage's weights (in list order, so never more than one ahead)
@@ -348,7 +350,7 @@ class Executor:
             state = self._upload(device, prog)
             device.wait_weights(state.ready)
             rng.context.iteration, rng.context.microbatch, rng.context.device = iteration, 0, device.torch_device
-            rng.context.training = self.training
+            rng.context.training, rng.context.seed = self.training, self.seed
             saved.context.save = False  # evaluation keeps nothing for a backward pass
             with _ambient(device), device.compute():
                 outs = self._call(prog, state, self._inputs(device, prog, 0, leaves=False), copy_buffers=False)
@@ -528,7 +530,7 @@ class Executor:
 
     def _compute(self, device: Device, prog: StageProgram, state: _StageState, mb: int) -> None:
         rng.context.iteration, rng.context.microbatch, rng.context.device = self.iteration, mb, device.torch_device
-        rng.context.training = self.training
+        rng.context.training, rng.context.seed = self.training, self.seed
         if prog.kind == "forward":
             saved.context.save = True  # saved segments keep their activations for the backward stage
             with torch.no_grad():

@@ -3,8 +3,9 @@
 Forward and backward stages cut the graph differently, so randomness cannot be keyed by stage. Instead every
 random node of a stage graph (dropout and friends, :mod:`rpcompile.core.randomness`) is rewritten by
 :func:`seed_random_nodes` when the runtime binds a program (:mod:`.bind`) to run under a generator seeded from
-(iteration, node name, microbatch) — the executor sets those in :data:`context` before it
-runs a stage. A node therefore draws the same mask whenever and wherever it runs, on any number of devices.
+(the pipeline's dropout seed, iteration, node name, microbatch) — the executor sets those in :data:`context`
+before it runs a stage. The dropout seed is ``torch.initial_seed()`` when the pipeline is made, so
+``torch.manual_seed`` chooses the masks as it does eager's. A node therefore draws the same mask whenever and wherever it runs, on any number of devices.
 Logical CPU devices share one generator, so seeding takes a process-wide lock there.
 
 A trace records dropouts as the model's mode had them; a model traced in train mode and then put in eval mode
@@ -27,8 +28,9 @@ from rpcompile.core.randomness import ATTENTION_DROPOUT, DROPOUT_FUNCTIONS, is_r
 __all__ = ["context", "stream", "seed_random_nodes", "seeded_call", "seeded_noise", "dropout_to_noise"]
 
 context = threading.local()
-"""Per worker thread: ``iteration``, ``microbatch``, ``device`` (a torch.device) and ``training`` (False: dropouts
-off, :func:`seeded_call`) of the stage running now."""
+"""Per worker thread: ``iteration``, ``microbatch``, ``device`` (a torch.device), ``seed`` (the pipeline's dropout
+seed: None in a pipeline state saved before there was one) and ``training`` (False: dropouts off,
+:func:`seeded_call`) of the stage running now."""
 
 #: Dropouts that pass their input through in eval mode (as ``nn.Dropout`` and ``F.dropout(training=False)`` do).
 EVAL_IDENTITY = frozenset({*DROPOUT_FUNCTIONS, "alpha_dropout", "feature_alpha_dropout"})
@@ -74,7 +76,8 @@ def seeded_call(key: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> 
     iteration = getattr(context, "iteration", 0)
     mb = getattr(context, "microbatch", 0)
     device = getattr(context, "device", torch.device("cpu"))
-    seed = zlib.crc32(f"{stream}{iteration}/{key}/{mb}".encode())
+    base = getattr(context, "seed", None)
+    seed = zlib.crc32(f"{stream}{'' if base is None else f'{base}:'}{iteration}/{key}/{mb}".encode())
     if device.type == "cuda":
         state = torch.cuda.get_rng_state(device)
         torch.cuda.manual_seed(seed)

@@ -84,8 +84,9 @@ def test_resume_into_a_fresh_pipeline_is_exact(plan, tmp_path, precision, overla
     assert_bitwise(weights(model), want)  # saving did not change training
     keep_up_to(tmp_path, 3)
     model, pipe, opt = build(rpcompile.checkpoint_plan(tmp_path), **options)
+    seed, pipe.dropout_seed = pipe.dropout_seed, 12345  # as a process seeded otherwise: the saved seed wins
     resumed = rpcompile.load_checkpoint(tmp_path, model=model, optimizer=opt, pipeline=pipe)
-    assert resumed is not None and resumed.step == 3 and pipe.iteration == 3
+    assert resumed is not None and resumed.step == 3 and pipe.iteration == 3 and pipe.dropout_seed == seed == 0
     assert bool(pipe.state_dict()["stale_weights"]) == overlap  # the step-3 copies the next iteration reads
     if scaler:
         assert pipe.scaler.get_scale() == 2.0 ** 13  # grown once (growth_interval=2), carried over
@@ -149,8 +150,11 @@ def test_a_state_that_cannot_continue_exactly_is_refused_in_one_line(plan, tmp_p
                        r"returned .*; got OrderedDict$"):
         pipe.load_state_dict(model.state_dict())
     with pytest.raises(rpcompile.CheckpointError, match=r"^the pipeline state has version 99 but this rpcompile "
-                       r"reads up to 1; "):
+                       r"reads up to 2; "):
         pipe.load_state_dict({**state, "version": 99})
+    older = {k: v for k, v in state.items() if k != "dropout_seed"}  # version 1: saved before the dropout seed
+    pipe.load_state_dict({**older, "version": 1})
+    assert pipe.dropout_seed is None and pipe.iteration == 1  # it draws the masks it was drawing
     _, scaled, _ = build(plan, scaler=True)
     with pytest.raises(rpcompile.CheckpointError, match=r"^the pipeline state has no GradScaler state but this "
                        r"pipeline has scaler; "):

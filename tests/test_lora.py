@@ -194,7 +194,7 @@ def test_lora_dropout_trains_and_recomputation_replays_its_masks():
     loss = pipe.forward_backward(ids, target=y)
     ref_gm = trace(ref, (ids,))
     assert rng.seed_random_nodes(ref_gm) >= 8  # one dropout per adapter
-    rng.context.iteration, rng.context.device = 0, torch.device("cpu")
+    rng.context.iteration, rng.context.device, rng.context.seed = 0, torch.device("cpu"), pipe.dropout_seed
     ref_loss = torch.zeros(())
     for j, ((xs,), (ys,)) in enumerate(zip(split_microbatches((ids,), 3), split_microbatches((y,), 3))):
         rng.context.microbatch = j

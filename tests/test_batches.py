@@ -98,7 +98,10 @@ def test_loss_fn_none_without_labels_is_refused_at_compile_in_one_line():
 
 @pytest.mark.hf
 def test_padding_is_weighted_by_tokens_by_default():
-    """An integer target with -100 on padding: each microbatch's mean counts its real tokens (the default)."""
+    """An integer target with -100 on padding: each microbatch's mean counts its real tokens (the default). A
+    microbatch whose labels are all -100 has no mean (eager's ``cross_entropy`` gives nan): it weighs 0, so the
+    batch still gives eager's loss and gradients. A batch with no real token returns 0 — eager: nan — and adds no
+    gradient (nothing to learn from; no nan reaches the weights)."""
     model = hf_model("llama")
     ref = copy.deepcopy(model)
     ids, mask, labels = _padded(seed=1)
@@ -106,6 +109,14 @@ def test_padding_is_weighted_by_tokens_by_default():
                              loss_fn=token_loss, devices=["cpu", "cpu"], microbatches=3, spec=FINE_CPU,
                              time_limit_s=2.0)
     assert_step_matches_eager(pipe, model, ref, token_loss, input_ids=ids, attention_mask=mask, target=labels)
+    labels[:2] = IGNORE_INDEX  # microbatch 0 of 3: padding only
+    for p in (*model.parameters(), *ref.parameters()):
+        p.grad = None
+    assert_step_matches_eager(pipe, model, ref, token_loss, input_ids=ids, attention_mask=mask, target=labels)
+    model.zero_grad(set_to_none=True)
+    loss = pipe.forward_backward(input_ids=ids, attention_mask=mask, target=torch.full_like(labels, IGNORE_INDEX))
+    assert float(loss) == 0.0
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
 
 
 @pytest.mark.hf

@@ -175,6 +175,40 @@ def test_an_exported_bert_matches_eager_on_cuda():
     check_bert(_devices(2), spec=FINE_CPU if ON_CPU else None)
 
 
+@pytest.mark.hf
+def test_attention_dropout_replays_its_mask_on_cuda():
+    """An HF BERT in train mode with attention and hidden dropout: the SDPA kernel draws its own mask (on CUDA from
+    the Philox generator). Backward stages that recompute it (two devices, nothing saved) must draw the forward's
+    mask, so their loss and gradients equal one device's, whose forward and backward are one autograd graph — the
+    same seeds, microbatches and kernels. Then in eval mode both give eager eval's loss."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, max_position_embeddings=16, hidden_dropout_prob=0.1,
+                                  attention_probs_dropout_prob=0.3)
+    model = transformers.BertForMaskedLM(cfg).train()
+    x, y = torch.randint(0, 64, (6, 12)), torch.randint(0, 64, (6, 12))
+
+    def loss_fn(out, target):
+        return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), target.flatten())
+
+    runs = []
+    for devices, options in ((_devices(1), {}), (_devices(2), {"allow_save": False})):
+        m = copy.deepcopy(model)
+        torch.manual_seed(1)  # the same dropout seed
+        pipe = rpcompile.compile(m, (x,), loss_fn=loss_fn, devices=devices, microbatches=3, head_chunks=1,
+                                 spec=FINE_CPU if ON_CPU else None, time_limit_s=2.0, **options)
+        runs.append((m, pipe, pipe.forward_backward(x, target=y)))
+    (one, _, loss1), (two, pipe2, loss2) = runs
+    assert any(s.kind == "backward" for s in pipe2.plan.stages)
+    torch.testing.assert_close(loss2, loss1, **GPU_TOL)
+    _assert_grads(two, one)
+    ref = copy.deepcopy(model).eval()
+    two.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(pipe2.forward_backward(x, target=y), loss_fn(ref(x), y), **GPU_TOL)
+
+
 def test_pinned_weight_copies_take_what_the_host_memory_check_counts():
     """The host-memory check (rpcompile/host_memory.py) counts each pinned weight copy as PyTorch's pinned allocator
     hands it out, rounded up to a power of two: the allocator's own active bytes grow by exactly that while the

@@ -4,7 +4,7 @@ One worker thread per device runs its list in order. ``kW`` makes the device's c
 host copies in the compute precision, :mod:`.weights`), ``kFj`` runs stage k on microbatch j once stage k−1 has
 finished microbatch j, ``kG`` sends the stage's gradients home, where the gradient sink's thread adds them into
 the masters' ``.grad`` while the device goes on. Values between stages live in
-host memory (:class:`ValueStore`), keyed by (value name, microbatch).
+host memory (:class:`~.values.ValueStore`), keyed by (value name, microbatch).
 
 **Weight prefetch.** A device's weights for its next stage go up while it runs the current one: when the worker
 starts a stage's first microbatch it hands the next ``W`` of its list to the device's prefetch thread, and that
@@ -53,7 +53,6 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
-from rpcompile.core.errors import RPCompileError
 from rpcompile.core.program import Program, StageProgram
 from rpcompile.core.schedule import Action
 
@@ -61,7 +60,9 @@ from . import rng, saved
 from .bind import bind
 from .capture import HostSaved
 from .devices import Device
+from .failures import PipelineError, _Stopped, _first, _one_line, _without_frames
 from .offload import Landing
+from .values import TimelineEvent, ValueStore
 from .weights import GradSink, HostTraffic, WeightStore
 
 __all__ = ["ValueStore", "Executor", "TimelineEvent", "PipelineError"]
@@ -69,66 +70,6 @@ __all__ = ["ValueStore", "Executor", "TimelineEvent", "PipelineError"]
 #: Store key of a buffer's value before a forward stage changed it (per microbatch; the backward stage recomputes
 #: from it).
 _BEFORE = "{}::before"
-
-
-class PipelineError(RPCompileError, RuntimeError):
-    """A stage failed on a worker: one line naming the stage, action, device and microbatch, and the failure; the
-    original exception is the ``__cause__`` (without its frames, which held the stage's tensors)."""
-
-    details: str = ""
-    """The worker's traceback (the message is one line)."""
-    stage: str | None = None
-    """The stage's name (``F1``, ``FB``, ``B2``); None for the host's lookups or an overlapped optimizer step."""
-    device: int | None = None
-    """The index of the device whose worker failed."""
-    microbatch: int | None = None
-    """The microbatch it was computing; None for a weight upload or a gradient download."""
-
-
-class _Stopped(Exception):
-    """The host thread stopped early: another thread of the call failed first."""
-
-
-@dataclass(frozen=True)
-class TimelineEvent:
-    """One executed action: what ran where and when (seconds since the call started)."""
-
-    action: str
-    stage: str
-    microbatch: int
-    device: int
-    start: float
-    end: float
-
-
-class ValueStore:
-    """Host memory between stages: values and accumulated gradients by (name, microbatch)."""
-
-    def __init__(self) -> None:
-        self.values: dict[tuple[str, int], Any] = {}
-        self.grads: dict[tuple[str, int], list[Any]] = {}
-        self.lock = threading.Lock()
-
-    def put(self, name: str, mb: int, value: Any) -> None:
-        self.values[(name, mb)] = value
-
-    def get(self, name: str, mb: int) -> Any:
-        return self.values[(name, mb)]
-
-    def add_grad(self, name: str, mb: int, grad: Any) -> None:
-        """Add a gradient contribution (a tensor, or a :class:`~.offload.Landing` of one still going down)."""
-        with self.lock:
-            self.grads.setdefault((name, mb), []).append(grad)
-
-    def grad(self, name: str, mb: int) -> torch.Tensor | None:
-        """The sum of the contributions, in the order they were added (waits for those still going down)."""
-        with self.lock:
-            parts = list(self.grads.get((name, mb), ()))
-        total = None
-        for g in parts:
-            g = g.wait() if isinstance(g, Landing) else g
-            total = g if total is None else total + g
-        return total
 
 
 @dataclass
@@ -565,29 +506,6 @@ class Executor:
                 roots.append(v)
                 grads.append(device.upload(g, v.dtype))
         return roots, grads
-
-
-def _first(failed: Sequence[BaseException]) -> BaseException:
-    """What the caller sees: a Ctrl-C itself, else the first failure (later ones are its consequences)."""
-    return next((e for e in failed if isinstance(e, KeyboardInterrupt)), failed[0])
-
-
-def _one_line(e: BaseException) -> str:
-    """``Type: first line of the message`` (torch's messages run to several lines; all of it is on ``.details``)."""
-    text = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
-
-
-def _without_frames(e: BaseException) -> BaseException:
-    """``e`` and the exceptions chained to it without their tracebacks: their frames hold the stage's inputs and
-    activations (device memory an out-of-memory retry needs back); the text is on ``.details``."""
-    seen: set[int] = set()
-    cur: BaseException | None = e
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        cur.__traceback__ = None
-        cur = cur.__cause__ or cur.__context__
-    return e
 
 
 def _next_weights(actions: Sequence[Action]) -> dict[int, int]:

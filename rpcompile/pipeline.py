@@ -66,86 +66,25 @@ from .core.errors import ConfigError, ModelChangedError, RPCompileError
 from .core.randomness import draws, mode_fixed
 from rpcompile.runtime.executor import PipelineError
 from .core.plan import Plan
-from .core.specs import get_spec
 from .core.schedule import round_robin
 from .distributed import DataParallel, DistributedError, data_parallel_group, plan_digest
+from .gpu_memory import gpu_memory_limit, offload_budget
 from .host_memory import check_host_memory, fit_host_memory
 from .planning import compile_plan, replanned
 from rpcompile.passes.trace import training_inputs
 from .model_match import graph_as_planned
 from .oom import out_of_memory
 from .invariants import verify_plan
+from .loss_weighting import IGNORE_INDEX, _checked_weight, _shifts_labels, loss_weights, own_loss, shifted_tokens
 from .signature import InputSignature, check_call_mode, check_compile_arguments, needs_target
 
-__all__ = ["compile", "Pipeline"]
+__all__ = ["compile", "Pipeline",
+           # re-exported from their modules
+           "IGNORE_INDEX", "shifted_tokens", "loss_weights", "own_loss", "gpu_memory_limit", "offload_budget"]
 
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-
-#: The target value a mean loss leaves out (``ignore_index`` of torch's and HF's cross-entropy): padding.
-IGNORE_INDEX = -100
-
 log = logging.getLogger(__name__)
-
-
-def shifted_tokens(target: torch.Tensor) -> int:
-    """``loss_weight=`` for a causal LM loss that shifts inside (HF's): the labels it averages over are
-    ``target[:, 1:]`` that are not :data:`IGNORE_INDEX`."""
-    return int((target[:, 1:] != IGNORE_INDEX).sum())
-
-
-def loss_weights(targets: Sequence[Any], rows: Sequence[int], weight: "str | Callable[[Any], float]" = "auto",
-                 ) -> list[float]:
-    """What each microbatch's mean loss averages over, so that their weighted sum is the whole batch's mean.
-
-    ``"auto"``: an integer target (token ids, class labels) counts its entries that are not
-    :data:`IGNORE_INDEX` — padded batches are weighted by real tokens, as eager ``cross_entropy(...,
-    ignore_index=-100)`` on the whole batch averages (the gradient-accumulation normalisation HF's Trainer fixed
-    with ``num_items_in_batch``); any other target weighs by rows (dim 0). ``"rows"``: always rows. A callable
-    (e.g. :func:`shifted_tokens`) counts the items of one microbatch's target."""
-    out = []
-    for t, n in zip(targets, rows):
-        if callable(weight):
-            out.append(float(weight(t)))
-        elif weight == "auto" and isinstance(t, torch.Tensor) and not t.is_floating_point() \
-                and not t.is_complex() and t.dtype != torch.bool:
-            out.append(float((t != IGNORE_INDEX).sum()))
-        else:
-            out.append(float(n))
-    return out
-
-
-def own_loss(output: Any) -> torch.Tensor:
-    """The loss a model computes itself (``loss_fn=None``): its output when that is a tensor, else the output's
-    ``loss`` (an HF ``ModelOutput`` or a dict) or its first element (a tuple)."""
-    if isinstance(output, Mapping):
-        if "loss" not in output or output["loss"] is None:
-            raise RPCompileError(f"loss_fn=None but the model's output ({type(output).__name__}) has no loss: pass "
-                                 "the batch's labels= (the model computes its loss from them) or give loss_fn=")
-        return output["loss"]
-    if isinstance(output, (tuple, list)) and output:
-        return output[0]
-    return output
-
-
-def _shifts_labels(model: torch.nn.Module) -> bool:
-    """Whether the model's own loss predicts token t+1 from position t (HF causal LMs: ``loss_type`` or the class
-    naming convention HF's loss registry keys on), so it averages over ``labels[:, 1:]``."""
-    return getattr(model, "loss_type", None) == "ForCausalLM" or type(model).__name__.endswith("ForCausalLM")
-
-
-def _checked_weight(loss_weight: Any) -> Any:
-    if not callable(loss_weight) and loss_weight not in ("auto", "rows"):
-        raise RPCompileError(f"loss_weight={loss_weight!r}; use 'auto', 'rows' or a function of a microbatch's "
-                             "target returning how many items its mean loss averages over")
-    return loss_weight
-
-
-def offload_budget(plan: Plan, device: int, devices: int) -> int:
-    """Saved activations that may wait on ``device`` to go down: the memory its stages leave free (the lazy
-    offload policy of :func:`rpcompile.passes.timing.offload_backlog`)."""
-    mine = [s.memory_bytes for k, s in enumerate(plan.stages) if k % devices == device]
-    return max(0, plan.hardware.memory_bytes - max(mine, default=0))
 
 
 class Pipeline:
@@ -676,13 +615,6 @@ def compile(
                     frozen_masters=frozen_masters)
     log.info("%s: %.2f s", "pipeline", time.perf_counter() - t0)  # stage code, host weight copies (pinned for GPUs)
     return pipe
-
-
-def gpu_memory_limit(device: torch.device, spec: Any = None) -> int:
-    """The memory a plan for GPU ``device`` may use: 90% of what it has — no more than ``spec``'s usable memory
-    when a spec is given (a plan for a 24 GB card made on an 80 GB one stays a plan for the 24 GB card)."""
-    have = int(torch.cuda.get_device_properties(device).total_memory * 0.9)
-    return have if spec is None else min(have, get_spec(spec).usable_memory_bytes)
 
 
 def _join(dp: DataParallel, local: Callable[..., Pipeline], plan: "Plan | str | os.PathLike | None",

@@ -1,7 +1,8 @@
 """The runtime runs plans; it never plans, and imports only :mod:`rpcompile.core` and torch.
 
 It binds a lowered plan (:mod:`.bind`: saved segments, seeded random ops), runs it with the round-robin executor
-(:mod:`.executor`) on devices and their transfers (:mod:`.devices`, :mod:`.offload`), uploads weights from host
+(:mod:`.executor`; a stage's own steps :mod:`.stage_call`, host values and timeline :mod:`.values`, what a failed
+call raises :mod:`.failures`) on devices and their transfers (:mod:`.devices`, :mod:`.offload`), uploads weights from host
 copies in the compute precision made once per optimizer step and adds gradients home (:mod:`.weights`), keeps
 saved segments' activations instead of recomputing them (:mod:`.saved`, :mod:`.capture`, :mod:`.symbolic`), replays
 randomness (:mod:`.rng`), steps AdamW on the host writing those copies in the same pass (:mod:`.optim`), and

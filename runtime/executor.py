@@ -4,7 +4,8 @@ One worker thread per device runs its list in order. ``kW`` makes the device's c
 host copies in the compute precision, :mod:`.weights`), ``kFj`` runs stage k on microbatch j once stage k−1 has
 finished microbatch j, ``kG`` sends the stage's gradients home, where the gradient sink's thread adds them into
 the masters' ``.grad`` while the device goes on. Values between stages live in
-host memory (:class:`ValueStore`), keyed by (value name, microbatch).
+host memory (:class:`~.values.ValueStore`), keyed by (value name, microbatch). A stage's own steps (its weights
+and inputs up, the call, its buffers and gradients home) are :mod:`.stage_call`'s functions.
 
 **Weight prefetch.** A device's weights for its next stage go up while it runs the current one: when the worker
 starts a stage's first microbatch it hands the next ``W`` of its list to the device's prefetch thread, and that
@@ -47,102 +48,24 @@ import threading
 import time
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 from torch.utils import _pytree as pytree
 
-from rpcompile.core.errors import RPCompileError
 from rpcompile.core.program import Program, StageProgram
 from rpcompile.core.schedule import Action
 
-from . import rng, saved
+from . import rng, saved, stage_call
 from .bind import bind
 from .capture import HostSaved
 from .devices import Device
-from .offload import Landing
+from .failures import PipelineError, _Stopped, _first, _one_line, _without_frames
+from .stage_call import StageState, to_host, upload_tree
+from .values import TimelineEvent, ValueStore
 from .weights import GradSink, HostTraffic, WeightStore
 
 __all__ = ["ValueStore", "Executor", "TimelineEvent", "PipelineError"]
-
-#: Store key of a buffer's value before a forward stage changed it (per microbatch; the backward stage recomputes
-#: from it).
-_BEFORE = "{}::before"
-
-
-class PipelineError(RPCompileError, RuntimeError):
-    """A stage failed on a worker: one line naming the stage, action, device and microbatch, and the failure; the
-    original exception is the ``__cause__`` (without its frames, which held the stage's tensors)."""
-
-    details: str = ""
-    """The worker's traceback (the message is one line)."""
-    stage: str | None = None
-    """The stage's name (``F1``, ``FB``, ``B2``); None for the host's lookups or an overlapped optimizer step."""
-    device: int | None = None
-    """The index of the device whose worker failed."""
-    microbatch: int | None = None
-    """The microbatch it was computing; None for a weight upload or a gradient download."""
-
-
-class _Stopped(Exception):
-    """The host thread stopped early: another thread of the call failed first."""
-
-
-@dataclass(frozen=True)
-class TimelineEvent:
-    """One executed action: what ran where and when (seconds since the call started)."""
-
-    action: str
-    stage: str
-    microbatch: int
-    device: int
-    start: float
-    end: float
-
-
-class ValueStore:
-    """Host memory between stages: values and accumulated gradients by (name, microbatch)."""
-
-    def __init__(self) -> None:
-        self.values: dict[tuple[str, int], Any] = {}
-        self.grads: dict[tuple[str, int], list[Any]] = {}
-        self.lock = threading.Lock()
-
-    def put(self, name: str, mb: int, value: Any) -> None:
-        self.values[(name, mb)] = value
-
-    def get(self, name: str, mb: int) -> Any:
-        return self.values[(name, mb)]
-
-    def add_grad(self, name: str, mb: int, grad: Any) -> None:
-        """Add a gradient contribution (a tensor, or a :class:`~.offload.Landing` of one still going down)."""
-        with self.lock:
-            self.grads.setdefault((name, mb), []).append(grad)
-
-    def grad(self, name: str, mb: int) -> torch.Tensor | None:
-        """The sum of the contributions, in the order they were added (waits for those still going down)."""
-        with self.lock:
-            parts = list(self.grads.get((name, mb), ()))
-        total = None
-        for g in parts:
-            g = g.wait() if isinstance(g, Landing) else g
-            total = g if total is None else total + g
-        return total
-
-
-@dataclass
-class _StageState:
-    """A stage's device copies of its weights while it is resident."""
-
-    params: dict[str, torch.Tensor] = field(default_factory=dict)
-    """canonical name -> device tensor (a leaf with requires_grad for trainable params of grad stages)."""
-    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
-    ready: Any = None
-    """What the device's compute waits for before it uses them (:meth:`~.devices.Device.wait_weights`)."""
-    uploaded: tuple[float, float] = (0.0, 0.0)
-    """When the upload started and ended (seconds since the call started; the timeline's ``W`` event)."""
-
 
 class Executor:
     """Runs one iteration of a schedule (see module docstring)."""
@@ -174,7 +97,7 @@ class Executor:
         :mod:`.rng`)."""
         self.seed: int | None = None
         """The dropout seed every mask is drawn from, with the iteration, node and microbatch (:mod:`.rng`)."""
-        self._slot_cache: dict[int, list[tuple[dict, str, str, bool]] | None] = {}
+        self._slot_cache: stage_call.SlotCache = {}
         self._changed_buffers: dict[int, set[str]] = {}  # per forward stage: the buffers its forward changes
         # one thread per device uploads its next stage's weights (in list order, so never more than one ahead)
         self._prefetchers = [ThreadPoolExecutor(1, thread_name_prefix=f"rpcompile-prefetch{d}")
@@ -270,7 +193,7 @@ class Executor:
 
     def _worker(self, d: int, actions: list[Action]) -> None:
         device = self.devices[d]
-        states: dict[int, _StageState] = {}
+        states: dict[int, StageState] = {}
         prefetched: dict[int, Future] = {}
         ahead = _next_weights(actions)
         act: Action | None = None
@@ -353,14 +276,15 @@ class Executor:
             rng.context.training, rng.context.seed = self.training, self.seed
             saved.context.save = False  # evaluation keeps nothing for a backward pass
             with _ambient(device), device.compute():
-                outs = self._call(prog, state, self._inputs(device, prog, 0, leaves=False), copy_buffers=False)
+                outs = stage_call.call(prog, state, self._inputs(device, prog, 0, leaves=False), self._slot_cache,
+                                       copy_buffers=False)
             if prog.kind == "fused":  # the output on the host, like the model's on the CPU
-                return prog.model_output(pytree.tree_map(lambda v: _to_host(device, v), outs))
+                return prog.model_output(pytree.tree_map(lambda v: to_host(device, v), outs))
             for name, v in zip(prog.outputs, outs):
-                store.put(name, 0, _to_host(device, v))
+                store.put(name, 0, to_host(device, v))
         raise RuntimeError("plan has no fused stage")
 
-    def _dispatch(self, device: Device, act: Action, states: dict[int, _StageState],
+    def _dispatch(self, device: Device, act: Action, states: dict[int, StageState],
                   prefetched: dict[int, Future], ahead: dict[int, int]) -> None:
         prog = self.program.stages[act.stage]
         if act.kind == "F" and act.stage > 0:
@@ -387,214 +311,60 @@ class Executor:
             with device.compute():
                 self._compute(device, prog, states[act.stage], act.microbatch)
                 if prog.kind != "backward" and last:
-                    self._writeback_buffers(device, prog, states[act.stage])
+                    stage_call.writeback_buffers(device, states[act.stage], self.buffers)
             if prog.kind == "forward" and last:
                 del states[act.stage]  # no gradients to wait for: the device's copy of the weights can go
             self.done[(act.stage, act.microbatch)].set()
         else:
-            self._download_grads(device, prog, states.pop(act.stage))
+            stage_call.download_grads(device, prog, states.pop(act.stage), self.grads)
         self.timeline.append(TimelineEvent(str(act), prog.name, act.microbatch, device.index, start,
                                            time.perf_counter() - self.t0))
 
-    # ------------------------------------------------------------------------------------------ weights
-    def _upload(self, device: Device, prog: StageProgram) -> _StageState:
-        """The device's copies of a stage's parameters and buffers (like ``model.to(dtype)``: floating buffers
-        too), on the worker or on the device's prefetch thread."""
-        grads = prog.kind != "forward"
-        params = list(dict.fromkeys(prog.params.values()))
-        buffers = list(dict.fromkeys(prog.buffers.values()))
-        start = time.perf_counter() - self.t0
-        copies, ready = device.upload_weights([self.weights.source(n) for n in params]
-                                              + [self.buffers[n] for n in buffers], self.dtype)
-        state = _StageState(ready=ready, uploaded=(start, time.perf_counter() - self.t0))
-        for name, t in zip(params, copies):
-            # a new leaf (on logical CPU devices sharing the host copy's storage, which other stages read at the
-            # same time): its own .grad
-            state.params[name] = t.detach().requires_grad_(grads and self.params[name].requires_grad)
-        state.buffers = dict(zip(buffers, copies[len(params):]))
-        return state
+    def _upload(self, device: Device, prog: StageProgram) -> StageState:
+        """The device's copies of a stage's weights (:func:`.stage_call.upload`), on the worker or on the device's
+        prefetch thread."""
+        return stage_call.upload(device, prog, self.weights, self.params, self.buffers, self.dtype, self.t0)
 
-    def _writeback_buffers(self, device: Device, prog: StageProgram, state: _StageState) -> None:
-        """After a real forward's last microbatch: device copies of buffers (BatchNorm statistics) go home."""
-        for name, t in state.buffers.items():
-            master = self.buffers[name]
-            if t is not master:
-                with torch.no_grad():
-                    master.copy_(device.download(t))
-
-    def _download_grads(self, device: Device, prog: StageProgram, state: _StageState) -> None:
-        """The stage's gradients (still multiplied by grad_scale: GradScaler unscales) on their way home, in the
-        compute precision; the sink adds them into the masters' ``.grad`` on its own thread."""
-        names, grads = [], []
-        for name, t in state.params.items():
-            if t.grad is not None:
-                names.append(name)
-                grads.append(t.grad)
-        if names:
-            self.grads.submit(names, device.download_all(grads), tag=prog.index)
-        elif self.grads.listener is not None:  # nothing to add, but the listener counts on every grad stage
-            self.grads.submit([], [], tag=prog.index)
-
-    # ------------------------------------------------------------------------------------------ compute
     def _inputs(self, device: Device, prog: StageProgram, mb: int, *, leaves: bool) -> list[Any]:
-        out = []
-        for name in prog.inputs:
-            v = self.store.get(name, mb)
-            if isinstance(v, Landing):  # saved activations still going down from the device that saved them
-                v = v.wait()
-            elif isinstance(v, Future):  # rows the host is still looking up
-                v = v.result()
-            if isinstance(v, torch.Tensor):
-                v = device.upload(v, self.dtype)
-                if leaves and v.is_floating_point() and name in self.program.needs_grad:
-                    v = v.detach().requires_grad_(True)
-            elif isinstance(v, HostSaved):  # saved activations keep their dtype (the compute precision)
-                v = v.map(device.upload)
-            out.append(v)
-        return out
+        """A stage's inputs for microbatch ``mb`` on its device (:func:`.stage_call.inputs`)."""
+        return stage_call.inputs(device, prog, mb, self.store, self.dtype, self.program.needs_grad, leaves=leaves)
 
-    def _call(self, prog: StageProgram, state: _StageState, inputs: list[Any], *, copy_buffers: bool,
-              before: dict[str, torch.Tensor] | None = None) -> Any:
-        """Run the stage's module with this device's copies of its parameters and buffers (``copy_buffers``: on
-        copies, those in ``before`` instead of the device's: :meth:`_buffers_before`).
-
-        The copies are put straight into the module's parameter and buffer slots for the call and the originals
-        put back after it — what ``torch.func.functional_call`` does, without its generic attribute walk, which
-        cost ~0.2 ms per call (a quarter of a CPU stage's hand-off)."""
-        slots = self._slots(prog)
-        if slots is None:  # an attribute outside _parameters/_buffers: the generic path
-            tensors = {attr: state.params[name] for attr, name in prog.params.items()}
-            for attr, name in prog.buffers.items():
-                b = (before or {}).get(name, state.buffers[name])
-                tensors[attr] = b.clone() if copy_buffers else b
-            return torch.func.functional_call(prog.gm, tensors, tuple(inputs), strict=False, tie_weights=False)
-        originals = []
-        try:
-            for table, key, name, is_param in slots:
-                originals.append((table, key, table[key]))
-                if is_param:
-                    table[key] = state.params[name]
-                else:
-                    b = (before or {}).get(name, state.buffers[name]) if copy_buffers else state.buffers[name]
-                    table[key] = b.clone() if copy_buffers else b
-            return prog.gm(*inputs)
-        finally:
-            for table, key, value in reversed(originals):
-                table[key] = value
-
-    def _buffer_copies(self, prog: StageProgram, state: _StageState) -> dict[str, tuple[int, torch.Tensor]]:
-        """Before a forward stage runs a microbatch: ``(version, copy)`` of each buffer it changes (all of them the
-        first time, until it is known which)."""
-        changed = self._changed_buffers.get(prog.index, state.buffers.keys())
-        return {n: (state.buffers[n]._version, state.buffers[n].clone()) for n in changed}
-
-    def _keep_buffers_before(self, device: Device, prog: StageProgram, state: _StageState,
-                             kept: dict[str, tuple[int, torch.Tensor]], mb: int) -> None:
-        """After a forward stage ran microbatch ``mb``: the buffers it changed (a running statistic) go to host
-        memory as they were before, for the backward stage that recomputes the microbatch (:meth:`_buffers_before`)."""
-        changed = {n for n, (version, old) in kept.items()
-                   if state.buffers[n]._version != version or not torch.equal(state.buffers[n], old)}
-        self._changed_buffers.setdefault(prog.index, changed)
-        for n in changed:
-            self.store.put(_BEFORE.format(n), mb, device.handoff(kept[n][1]))
-
-    def _buffers_before(self, device: Device, prog: StageProgram, mb: int) -> dict[str, torch.Tensor]:
-        """A backward stage's buffers as the forward pass found them for microbatch ``mb`` (those it changed): its
-        recomputation reads the statistic that microbatch's forward read, not the latest one."""
-        out = {}
-        for name in dict.fromkeys(prog.buffers.values()):
-            v = self.store.values.get((_BEFORE.format(name), mb))
-            if v is not None:
-                out[name] = device.upload(v.wait() if isinstance(v, Landing) else v)
-        return out
-
-    def _slots(self, prog: StageProgram) -> list[tuple[dict, str, str, bool]] | None:
-        """``(module._parameters or ._buffers, key, canonical name, is_param)`` per attribute of the stage, cached."""
-        cache = self._slot_cache
-        if prog.index not in cache:
-            slots: list[tuple[dict, str, str, bool]] | None = []
-            for attrs, is_param in ((prog.params, True), (prog.buffers, False)):
-                for attr, name in attrs.items():
-                    path, _, key = attr.rpartition(".")
-                    mod = prog.gm.get_submodule(path) if path else prog.gm
-                    table = mod._parameters if is_param else mod._buffers
-                    if key not in table:
-                        slots = None
-                        break
-                    assert slots is not None  # set to None only just before the break above
-                    slots.append((table, key, name, is_param))
-                if slots is None:
-                    break
-            cache[prog.index] = slots
-        return cache[prog.index]
-
-    def _compute(self, device: Device, prog: StageProgram, state: _StageState, mb: int) -> None:
+    def _compute(self, device: Device, prog: StageProgram, state: StageState, mb: int) -> None:
         rng.context.iteration, rng.context.microbatch, rng.context.device = self.iteration, mb, device.torch_device
         rng.context.training, rng.context.seed = self.training, self.seed
         if prog.kind == "forward":
             saved.context.save = True  # saved segments keep their activations for the backward stage
             with torch.no_grad():
-                kept = self._buffer_copies(prog, state)
-                outs = self._call(prog, state, self._inputs(device, prog, mb, leaves=False), copy_buffers=False)
-                self._keep_buffers_before(device, prog, state, kept, mb)
+                kept = stage_call.buffer_copies(prog, state, self._changed_buffers)
+                outs = stage_call.call(prog, state, self._inputs(device, prog, mb, leaves=False), self._slot_cache,
+                                       copy_buffers=False)
+                stage_call.keep_buffers_before(device, prog, state, kept, mb, self.store, self._changed_buffers)
             for name, v in zip(prog.outputs, outs):
                 if isinstance(v, HostSaved):  # behind the compute, latest stage first (runtime/offload.py)
                     self.store.put(name, mb, device.offload(v, priority=(-prog.index, mb)))
                 elif isinstance(v, torch.Tensor):
                     self.store.put(name, mb, device.handoff(v))
                 else:
-                    self.store.put(name, mb, _to_host(device, v))
+                    self.store.put(name, mb, to_host(device, v))
             return
         inputs = self._inputs(device, prog, mb, leaves=True)
         recompute = prog.kind == "backward"
-        before = self._buffers_before(device, prog, mb) if recompute else None
+        before = stage_call.buffers_before(device, prog, mb, self.store) if recompute else None
         with torch.enable_grad():
-            raw = self._call(prog, state, inputs, copy_buffers=recompute, before=before)
+            raw = stage_call.call(prog, state, inputs, self._slot_cache, copy_buffers=recompute, before=before)
         if prog.kind == "fused":
-            target = _upload_tree(device, self.targets[mb]) if self.targets is not None else None
+            target = upload_tree(device, self.targets[mb]) if self.targets is not None else None
             assert self.loss_fn is not None  # run() is given one whenever the plan has a fused stage
             loss = self.loss_fn(prog.model_output(raw), target, mb)
             self.losses[mb] = device.download(loss.detach().float())
             roots, grads = [loss * self.grad_scale], [None]
         else:
-            roots, grads = self._output_grads(device, prog, raw, mb)
+            roots, grads = stage_call.output_grads(device, prog, raw, mb, self.store)
         if roots:
             torch.autograd.backward(roots, grads)
         for name, v in zip(prog.inputs, inputs):
             if isinstance(v, torch.Tensor) and v.requires_grad and v.grad is not None:
                 self.store.add_grad(name, mb, device.handoff(v.grad))
-
-    def _output_grads(self, device: Device, prog: StageProgram, outs: Any, mb: int) -> tuple[list, list]:
-        roots, grads = [], []
-        for name, v in zip(prog.outputs, outs):
-            g = self.store.grad(name, mb)
-            if g is not None and isinstance(v, torch.Tensor) and v.requires_grad:
-                roots.append(v)
-                grads.append(device.upload(g, v.dtype))
-        return roots, grads
-
-
-def _first(failed: Sequence[BaseException]) -> BaseException:
-    """What the caller sees: a Ctrl-C itself, else the first failure (later ones are its consequences)."""
-    return next((e for e in failed if isinstance(e, KeyboardInterrupt)), failed[0])
-
-
-def _one_line(e: BaseException) -> str:
-    """``Type: first line of the message`` (torch's messages run to several lines; all of it is on ``.details``)."""
-    text = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
-
-
-def _without_frames(e: BaseException) -> BaseException:
-    """``e`` and the exceptions chained to it without their tracebacks: their frames hold the stage's inputs and
-    activations (device memory an out-of-memory retry needs back); the text is on ``.details``."""
-    seen: set[int] = set()
-    cur: BaseException | None = e
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        cur.__traceback__ = None
-        cur = cur.__cause__ or cur.__context__
-    return e
 
 
 def _next_weights(actions: Sequence[Action]) -> dict[int, int]:
@@ -610,21 +380,8 @@ def _next_weights(actions: Sequence[Action]) -> dict[int, int]:
     return out
 
 
-def _to_host(device: Device, v: Any) -> Any:
-    if isinstance(v, torch.Tensor):
-        return device.download(v)
-    if isinstance(v, HostSaved):
-        return v.map(device.download)
-    return v
-
-
 def _ambient(device: Device) -> Any:
     """The stage's device as the default device while it runs: fx-traced factory calls without ``device=`` and the
     portable graphs' ``default_device()`` nodes (:mod:`rpcompile.passes.portable`) allocate there. The CPU is the
     default already (and a device context costs a Python call per torch call)."""
     return torch.device(device.torch_device) if device.torch_device.type != "cpu" else contextlib.nullcontext()
-
-
-def _upload_tree(device: Device, value: Any) -> Any:
-    """Every tensor in ``value`` (a target: a tensor, a tuple, a dict) to ``device``, dtypes kept."""
-    return pytree.tree_map(lambda v: device.upload(v) if isinstance(v, torch.Tensor) else v, value)

@@ -1,0 +1,221 @@
+"""One stage's steps on its device, as the executor's workers run them (:mod:`.executor`).
+
+:func:`upload` makes the device's copies of the stage's weights (a :class:`StageState`), :func:`inputs` brings its
+inputs up from host memory (the :class:`~.values.ValueStore`), :func:`call` runs its module with those copies,
+:func:`output_grads` brings up the gradients later stages left for its outputs; after the last microbatch
+:func:`writeback_buffers` sends a real forward's buffers home and :func:`download_grads` the stage's gradients.
+Buffers a forward stage changes (BatchNorm statistics) are kept per microbatch as they were before it ran
+(:func:`buffer_copies`, :func:`keep_buffers_before`), so that the backward stage recomputes from the values that
+forward read (:func:`buffers_before`). What these read of the executor (host weights, the gradient sink, the store,
+caches that live as long as it does) comes as arguments.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from rpcompile.core.program import StageProgram
+
+from .capture import HostSaved
+from .devices import Device
+from .offload import Landing
+from .values import ValueStore
+from .weights import GradSink, WeightStore
+
+__all__ = [
+    "StageState", "upload", "writeback_buffers", "download_grads", "inputs", "call", "buffer_copies",
+    "keep_buffers_before", "buffers_before", "output_grads", "to_host", "upload_tree",
+]
+
+#: Store key of a buffer's value before a forward stage changed it (per microbatch; the backward stage recomputes
+#: from it).
+_BEFORE = "{}::before"
+
+#: Per stage index: ``(module._parameters or ._buffers, key, canonical name, is_param)`` per attribute, or None.
+SlotCache = dict[int, list[tuple[dict, str, str, bool]] | None]
+
+
+@dataclass
+class StageState:
+    """A stage's device copies of its weights while it is resident."""
+
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+    """canonical name -> device tensor (a leaf with requires_grad for trainable params of grad stages)."""
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    ready: Any = None
+    """What the device's compute waits for before it uses them (:meth:`~.devices.Device.wait_weights`)."""
+    uploaded: tuple[float, float] = (0.0, 0.0)
+    """When the upload started and ended (seconds since the call started; the timeline's ``W`` event)."""
+
+
+# ------------------------------------------------------------------------------------------ weights
+def upload(device: Device, prog: StageProgram, weights: WeightStore, masters: dict[str, torch.nn.Parameter],
+           host_buffers: dict[str, torch.Tensor], dtype: torch.dtype | None, t0: float) -> StageState:
+    """The device's copies of a stage's parameters and buffers (like ``model.to(dtype)``: floating buffers
+    too), on the worker or on the device's prefetch thread."""
+    grads = prog.kind != "forward"
+    params = list(dict.fromkeys(prog.params.values()))
+    buffers = list(dict.fromkeys(prog.buffers.values()))
+    start = time.perf_counter() - t0
+    copies, ready = device.upload_weights([weights.source(n) for n in params]
+                                          + [host_buffers[n] for n in buffers], dtype)
+    state = StageState(ready=ready, uploaded=(start, time.perf_counter() - t0))
+    for name, t in zip(params, copies):
+        # a new leaf (on logical CPU devices sharing the host copy's storage, which other stages read at the
+        # same time): its own .grad
+        state.params[name] = t.detach().requires_grad_(grads and masters[name].requires_grad)
+    state.buffers = dict(zip(buffers, copies[len(params):]))
+    return state
+
+
+def writeback_buffers(device: Device, state: StageState, host_buffers: dict[str, torch.Tensor]) -> None:
+    """After a real forward's last microbatch: device copies of buffers (BatchNorm statistics) go home."""
+    for name, t in state.buffers.items():
+        master = host_buffers[name]
+        if t is not master:
+            with torch.no_grad():
+                master.copy_(device.download(t))
+
+
+def download_grads(device: Device, prog: StageProgram, state: StageState, sink: GradSink) -> None:
+    """The stage's gradients (still multiplied by grad_scale: GradScaler unscales) on their way home, in the
+    compute precision; the sink adds them into the masters' ``.grad`` on its own thread."""
+    names, grads = [], []
+    for name, t in state.params.items():
+        if t.grad is not None:
+            names.append(name)
+            grads.append(t.grad)
+    if names:
+        sink.submit(names, device.download_all(grads), tag=prog.index)
+    elif sink.listener is not None:  # nothing to add, but the listener counts on every grad stage
+        sink.submit([], [], tag=prog.index)
+
+
+# ------------------------------------------------------------------------------------------ compute
+def inputs(device: Device, prog: StageProgram, mb: int, store: ValueStore, dtype: torch.dtype | None,
+           needs_grad: frozenset[str], *, leaves: bool) -> list[Any]:
+    out = []
+    for name in prog.inputs:
+        v = store.get(name, mb)
+        if isinstance(v, Landing):  # saved activations still going down from the device that saved them
+            v = v.wait()
+        elif isinstance(v, Future):  # rows the host is still looking up
+            v = v.result()
+        if isinstance(v, torch.Tensor):
+            v = device.upload(v, dtype)
+            if leaves and v.is_floating_point() and name in needs_grad:
+                v = v.detach().requires_grad_(True)
+        elif isinstance(v, HostSaved):  # saved activations keep their dtype (the compute precision)
+            v = v.map(device.upload)
+        out.append(v)
+    return out
+
+
+def call(prog: StageProgram, state: StageState, inputs: list[Any], slot_cache: SlotCache, *, copy_buffers: bool,
+         before: dict[str, torch.Tensor] | None = None) -> Any:
+    """Run the stage's module with this device's copies of its parameters and buffers (``copy_buffers``: on
+    copies, those in ``before`` instead of the device's: :func:`buffers_before`).
+
+    The copies are put straight into the module's parameter and buffer slots for the call and the originals
+    put back after it — what ``torch.func.functional_call`` does, without its generic attribute walk, which
+    cost ~0.2 ms per call (a quarter of a CPU stage's hand-off)."""
+    slots = _slots(prog, slot_cache)
+    if slots is None:  # an attribute outside _parameters/_buffers: the generic path
+        tensors = {attr: state.params[name] for attr, name in prog.params.items()}
+        for attr, name in prog.buffers.items():
+            b = (before or {}).get(name, state.buffers[name])
+            tensors[attr] = b.clone() if copy_buffers else b
+        return torch.func.functional_call(prog.gm, tensors, tuple(inputs), strict=False, tie_weights=False)
+    originals = []
+    try:
+        for table, key, name, is_param in slots:
+            originals.append((table, key, table[key]))
+            if is_param:
+                table[key] = state.params[name]
+            else:
+                b = (before or {}).get(name, state.buffers[name]) if copy_buffers else state.buffers[name]
+                table[key] = b.clone() if copy_buffers else b
+        return prog.gm(*inputs)
+    finally:
+        for table, key, value in reversed(originals):
+            table[key] = value
+
+
+def buffer_copies(prog: StageProgram, state: StageState,
+                  changed_buffers: dict[int, set[str]]) -> dict[str, tuple[int, torch.Tensor]]:
+    """Before a forward stage runs a microbatch: ``(version, copy)`` of each buffer it changes (all of them the
+    first time, until it is known which: ``changed_buffers``, per forward stage)."""
+    changed = changed_buffers.get(prog.index, state.buffers.keys())
+    return {n: (state.buffers[n]._version, state.buffers[n].clone()) for n in changed}
+
+
+def keep_buffers_before(device: Device, prog: StageProgram, state: StageState,
+                        kept: dict[str, tuple[int, torch.Tensor]], mb: int, store: ValueStore,
+                        changed_buffers: dict[int, set[str]]) -> None:
+    """After a forward stage ran microbatch ``mb``: the buffers it changed (a running statistic) go to host
+    memory as they were before, for the backward stage that recomputes the microbatch (:func:`buffers_before`)."""
+    changed = {n for n, (version, old) in kept.items()
+               if state.buffers[n]._version != version or not torch.equal(state.buffers[n], old)}
+    changed_buffers.setdefault(prog.index, changed)
+    for n in changed:
+        store.put(_BEFORE.format(n), mb, device.handoff(kept[n][1]))
+
+
+def buffers_before(device: Device, prog: StageProgram, mb: int, store: ValueStore) -> dict[str, torch.Tensor]:
+    """A backward stage's buffers as the forward pass found them for microbatch ``mb`` (those it changed): its
+    recomputation reads the statistic that microbatch's forward read, not the latest one."""
+    out = {}
+    for name in dict.fromkeys(prog.buffers.values()):
+        v = store.values.get((_BEFORE.format(name), mb))
+        if v is not None:
+            out[name] = device.upload(v.wait() if isinstance(v, Landing) else v)
+    return out
+
+
+def _slots(prog: StageProgram, cache: SlotCache) -> list[tuple[dict, str, str, bool]] | None:
+    """``(module._parameters or ._buffers, key, canonical name, is_param)`` per attribute of the stage, cached."""
+    if prog.index not in cache:
+        slots: list[tuple[dict, str, str, bool]] | None = []
+        for attrs, is_param in ((prog.params, True), (prog.buffers, False)):
+            for attr, name in attrs.items():
+                path, _, key = attr.rpartition(".")
+                mod = prog.gm.get_submodule(path) if path else prog.gm
+                table = mod._parameters if is_param else mod._buffers
+                if key not in table:
+                    slots = None
+                    break
+                assert slots is not None  # set to None only just before the break above
+                slots.append((table, key, name, is_param))
+            if slots is None:
+                break
+        cache[prog.index] = slots
+    return cache[prog.index]
+
+
+def output_grads(device: Device, prog: StageProgram, outs: Any, mb: int, store: ValueStore) -> tuple[list, list]:
+    roots, grads = [], []
+    for name, v in zip(prog.outputs, outs):
+        g = store.grad(name, mb)
+        if g is not None and isinstance(v, torch.Tensor) and v.requires_grad:
+            roots.append(v)
+            grads.append(device.upload(g, v.dtype))
+    return roots, grads
+
+
+def to_host(device: Device, v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return device.download(v)
+    if isinstance(v, HostSaved):
+        return v.map(device.download)
+    return v
+
+
+def upload_tree(device: Device, value: Any) -> Any:
+    """Every tensor in ``value`` (a target: a tensor, a tuple, a dict) to ``device``, dtypes kept."""
+    return pytree.tree_map(lambda v: device.upload(v) if isinstance(v, torch.Tensor) else v, value)

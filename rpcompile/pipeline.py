@@ -62,11 +62,11 @@ from rpcompile.runtime.executor import Executor, ValueStore
 
 from .checkpoint import CheckpointError, check_pipeline_state, pipeline_state
 from .core.batch import flat_inputs, split_microbatches, tensor_leaves
-from .core.errors import ConfigError, ModelChangedError, RPCompileError
-from .core.randomness import draws, mode_fixed
+from .core.errors import ConfigError, RPCompileError
 from rpcompile.runtime.executor import PipelineError
 from .core.plan import Plan
 from .core.schedule import round_robin
+from .compiled_model import CompiledModel
 from .distributed import DataParallel, DistributedError, data_parallel_group, plan_digest
 from .gpu_memory import gpu_memory_limit, offload_budget
 from .host_memory import check_host_memory, fit_host_memory
@@ -104,12 +104,8 @@ class Pipeline:
         self.loss_weight = _checked_weight(loss_weight)
         if loss_fn is None and loss_weight == "auto" and _shifts_labels(model):
             self.loss_weight = shifted_tokens  # the model's own causal LM loss averages over labels[:, 1:]
-        self._parameters = dict(model.named_parameters(remove_duplicate=False))
-        """The model's parameters as compiled: :meth:`check_model` refuses a call once they are not."""
-        self._modes = {name: m.training for name, m in model.named_modules()}
-        """Each module's mode when the model was traced (:meth:`check_model`)."""
-        self._mode_fixed = mode_fixed(gm)
-        self._randomness = [n.name for n in gm.graph.nodes if draws(gm, n)]
+        self.compiled = CompiledModel(model, gm)
+        """The model's parameters and modes as compiled: :meth:`check_model` compares every call's with them."""
         self.microbatches = plan.microbatches
         self.program = split_plan(plan, gm)
         self.schedule = round_robin([s.kind for s in plan.stages], len(self.devices), self.microbatches)
@@ -355,53 +351,10 @@ class Pipeline:
         return torch.tensor(total, dtype=loss.dtype)
 
     def check_model(self) -> bool:
-        """Refuse (:class:`ModelChangedError`, one line) a model whose parameters are no longer the ones compiled:
-        one replaced by a new ``nn.Parameter`` (``model.lm_head.weight = nn.Parameter(...)``, weights tied
-        afresh), added (an adapter) or removed. The stages hold the old objects, so a call would train those and
-        leave the new ones without gradients. Changing a parameter's values in place is fine (``load_state_dict``,
-        ``p.copy_``); calls check this first.
-
-        Returns the mode the stages run in (:meth:`_training`): a model traced in train mode and then put in eval
-        mode runs its dropouts switched off."""
-        self._check_parameters()
-        return self._training()
-
-    def _training(self) -> bool:
-        """Train mode (True) or eval mode for this call. The trace recorded the model's modes: dropouts (a
-        ``training`` flag or an attention ``dropout_p`` fixed to that mode) and batch norms. The modes as traced
-        run as traced; every module in eval mode after a train-mode trace runs the dropouts switched off
-        (:mod:`rpcompile.runtime.rng`); any other change is refused where the graph depends on the mode."""
-        now = {name: m.training for name, m in self.model.named_modules()}
-        traced = self._modes[""]  # the model's own mode (its name is "")
-        if now == self._modes:
-            return traced
-        if traced and not any(now.values()) and not self._mode_fixed:
-            return False
-        if not (self._mode_fixed or self._randomness):
-            return traced  # nothing in the graph depends on the mode
-        name = next(n for n, mode in now.items() if self._modes.get(n) != mode)
-        mode, was = ("train", "eval") if now[name] else ("eval", "train")
-        fixed = (f"its batch norm ({self._mode_fixed[0]}) runs as in {was} mode" if self._mode_fixed else
-                 f"its dropouts ({self._randomness[0]}) were traced as in {was} mode")
-        fix = ("call model.train() before rpcompile.compile (models load in eval mode)" if mode == "train" else
-               f"put the whole model in one mode (model.eval() or model.train()), or compile it again in {mode} mode")
-        raise ModelChangedError(f"the model changed after compile: {f'module {name}' if name else 'it'} is in {mode} "
-                                f"mode but was traced in {was} mode, and {fixed}; {fix}")
-
-    def _check_parameters(self) -> None:
-        now = dict(self.model.named_parameters(remove_duplicate=False))
-        if now.keys() == self._parameters.keys() and all(now[n] is p for n, p in self._parameters.items()):
-            return
-        replaced = [n for n, p in self._parameters.items() if n in now and now[n] is not p]
-        added = [n for n in now if n not in self._parameters]
-        removed = [n for n in self._parameters if n not in now]
-        what = (f"parameter {replaced[0]} was replaced by a new nn.Parameter" if replaced else
-                f"parameter {added[0]} was added" if added else f"parameter {removed[0]} was removed")
-        more = len(replaced) + len(added) + len(removed) - 1
-        raise ModelChangedError(
-            f"the model changed after compile: {what}{f' (and {more} more)' if more else ''}, but the pipeline "
-            "trains the parameters it was compiled with; change values in place (with torch.no_grad(): "
-            "p.copy_(new), or model.load_state_dict(...)) or compile the model again")
+        """Refuse (:class:`ModelChangedError`, one line) a model whose parameters are no longer the ones compiled
+        or whose mode the stages cannot run; returns the mode they run in (:mod:`rpcompile.compiled_model`: a
+        model traced in train mode and then put in eval mode runs its dropouts switched off). Calls check first."""
+        return self.compiled.check()
 
     def _forward_backward(self, inputs: Sequence[Any], target: Any, kwargs: dict[str, Any]) -> torch.Tensor:
         check_call_mode("forward_backward", self.precision)

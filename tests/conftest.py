@@ -1,10 +1,33 @@
-"""Suite-wide: the profile cache (rpcompile.passes.profile_cache) lives in a fresh temporary directory per test, so
-no test reads another's measured costs and the suite never writes into the real ``~/.cache/rpcompile``
-(subprocesses inherit the variable)."""
+"""Suite-wide:
+
+- the profile cache (rpcompile.passes.profile_cache) lives in a fresh temporary directory per test, so no test reads
+  another's measured costs and the suite never writes into the real ``~/.cache/rpcompile`` (subprocesses inherit
+  the variable);
+- under pytest-xdist (``make test``: one worker a core) each worker gets its share of the cores as torch intra-op
+  threads, its subprocesses too (``OMP_NUM_THREADS``): two workers of two threads each on the 2-core reference
+  machine wait at every parallel region's barrier for a thread the other worker holds (the same files took 108 s
+  and 120 CPU-s with two threads a worker, 49 s and 86 CPU-s with one, under the same load).
+"""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+
+def worker_threads(workers: int, cores: int | None) -> int:
+    """Intra-op threads for one of ``workers`` test processes sharing ``cores``: its share, at least one."""
+    return max(1, (cores or 1) // max(1, workers))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))  # set in a worker before its configuration
+    if workers > 1:
+        threads = worker_threads(workers, os.cpu_count())
+        torch.set_num_threads(threads)
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
 
 
 @pytest.fixture(autouse=True)

@@ -4,7 +4,7 @@
   another's measured costs and the suite never writes into the real ``~/.cache/rpcompile`` (subprocesses inherit
   the variable);
 - under pytest-xdist (``make test``: one worker a core) each worker gets its share of the cores as torch intra-op
-  threads, its subprocesses too (``OMP_NUM_THREADS``): two workers of two threads each on the 2-core reference
+  threads, its subprocesses too (``OMP_NUM_THREADS``, unless the environment sets it): two workers of two threads each on the 2-core reference
   machine wait at every parallel region's barrier for a thread the other worker holds (the same files took 108 s
   and 120 CPU-s with two threads a worker, 49 s and 86 CPU-s with one, under the same load).
 """
@@ -24,10 +24,10 @@ def worker_threads(workers: int, cores: int | None) -> int:
 
 def pytest_configure(config: pytest.Config) -> None:
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))  # set in a worker before its configuration
-    if workers > 1:
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:  # a count given in the environment is kept
         threads = worker_threads(workers, os.cpu_count())
         torch.set_num_threads(threads)
-        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+        os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
 @pytest.fixture(autouse=True)

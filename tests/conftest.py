@@ -6,8 +6,8 @@
 - under pytest-xdist (``make test``: one worker a core) each worker gets its share of the cores as torch intra-op
   threads, its subprocesses too (``OMP_NUM_THREADS``, unless the environment sets it): two workers of two threads
   each on the 2-core reference machine wait at parallel regions' barriers for a core the other worker holds
-  (test_foreign_devices.py under ``-n 2``, runs interleaved at load 4.6-5.4: 74-76 s and 71-75 CPU-s with one thread a worker, 86-89 s and
-  85-86 CPU-s with two).
+  (test_foreign_devices.py under ``-n 2``, runs interleaved at load 4.6-5.4: 74-76 s and 71-75 CPU-s with one
+  thread a worker, 86-89 s and 85-86 CPU-s with two).
 """
 
 from __future__ import annotations

@@ -87,6 +87,28 @@ _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 log = logging.getLogger(__name__)
 
 
+#: The settings of a parameter group that lr schedulers set (``OneCycleLR`` and ``CyclicLR`` cycle the momentum
+#: too). Others are left out: some optimizers keep their own running values there (Prodigy's ``d``).
+SCHEDULED = ("lr", "momentum", "betas", "weight_decay")
+
+
+def settings(optimizer: Any) -> list[dict[str, Any]]:
+    """An optimizer's :data:`SCHEDULED` settings, per parameter group."""
+    return [{k: g[k].clone() if isinstance(g[k], torch.Tensor) else g[k] for k in SCHEDULED if k in g}
+            for g in optimizer.param_groups]
+
+
+def changed_setting(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> str:
+    """The first setting that differs, as ``lr of group 0 (0.001 -> 0.0009)``; "" where none does."""
+    for i, (b, a) in enumerate(zip(before, after)):
+        for k in sorted({*b, *a}):
+            x, y = b.get(k), a.get(k)
+            same = torch.equal(x, y) if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) else x == y
+            if not same:
+                return f"{k} of group {i} ({x!r} -> {y!r})"
+    return "" if len(before) == len(after) else f"parameter groups ({len(before)} -> {len(after)})"
+
+
 class Pipeline:
     """A compiled model: runs training iterations of a plan on its devices (see module docstring)."""
 
@@ -123,9 +145,11 @@ class Pipeline:
         self.iteration = 0
         self.executor.seed = torch.initial_seed()  # dropout masks follow torch.manual_seed, as eager's do
         self._stepper = ThreadPoolExecutor(1, thread_name_prefix="rpcompile-step")
-        self._step: Future[None] | None = None
+        self._step: Future[tuple[Any, Any]] | None = None
         """The overlapped optimizer step in flight (:meth:`step`)."""
         self._overlap_optimizer: Any = None
+        self._step_settings: tuple[Any, Any] = (None, None)
+        """The optimizer of the step in flight and its settings when it was submitted (:meth:`step`)."""
         """The optimizer of the last overlapped step, until :meth:`synchronize`."""
         for d, device in enumerate(self.devices):  # GPUs send hand-offs and saved activations down behind the compute
             if device.torch_device.type == "cuda" and device.offloader is None:
@@ -149,10 +173,17 @@ class Pipeline:
         self.synchronize()
         self.executor.weights.refresh()
 
-    def step(self, optimizer: torch.optim.Optimizer, *, overlap: bool = False) -> None:
+    def step(self, optimizer: torch.optim.Optimizer, *, overlap: bool = False, scheduler: Any = None) -> None:
         """``optimizer.step()`` then ``optimizer.zero_grad()`` — through the pipeline's ``GradScaler`` when it has
-        one (``scaler.step(optimizer); scaler.update()``) — or, with ``overlap=True``, on a thread of its own
-        beside the next :meth:`forward_backward`, which returns once both are done.
+        one (``scaler.step(optimizer); scaler.update()``) — then ``scheduler.step()`` when one is given (an lr
+        scheduler), or, with ``overlap=True``, all of it on a thread of its own beside the next
+        :meth:`forward_backward`, which returns once both are done.
+
+        **The optimizer's settings during an overlapped step.** The step reads them (``lr``, ``weight_decay``, ...)
+        on its thread: a change made before the next :meth:`forward_backward` returns — ``scheduler.step()`` after
+        ``pipe.step(optimizer, overlap=True)``, as in a plain loop — races with it, so the step may use either
+        value. Such a change is refused there (a :class:`PipelineError`, as a failed step): pass the scheduler
+        as ``scheduler=``, which steps it right after the optimizer, on the same thread.
 
         **What overlap computes.** The iteration that runs beside step t reads the weights from *before* step t
         (the device copies are double-buffered: the step writes the other buffer), so its gradients are one step
@@ -174,6 +205,8 @@ class Pipeline:
             else:
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            if scheduler is not None:
+                scheduler.step()
             return
         if self.scaler is not None and self.scaler.is_enabled():
             raise ConfigError("step(optimizer, overlap=True) does not take a GradScaler (its scale would change "
@@ -183,11 +216,18 @@ class Pipeline:
         self.executor.grads.hold(True)  # the next iteration's gradients wait beside .grad, which the step reads
         self._overlap_optimizer = optimizer
 
-        def run() -> None:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            weights.write_back(optimizer)
+        given = settings(optimizer)
 
+        def run() -> tuple[Any, Any]:
+            optimizer.step()
+            used = settings(optimizer)  # what the step may have read: changed since pipe.step(), it raced
+            optimizer.zero_grad(set_to_none=True)
+            if scheduler is not None:
+                scheduler.step()
+            weights.write_back(optimizer)
+            return used, settings(optimizer)
+
+        self._step_settings = (optimizer, given)
         self._step = self._stepper.submit(run)
 
     def synchronize(self) -> None:
@@ -206,7 +246,15 @@ class Pipeline:
             return
         future, self._step = self._step, None
         try:
-            future.result()
+            used, left = future.result()
+            optimizer, given = self._step_settings
+            changed = changed_setting(given, used) or changed_setting(left, settings(optimizer))
+            if changed:
+                raise ConfigError(
+                    f"the optimizer's {changed} changed while the overlapped step ran, which may have used either "
+                    "value (an lr scheduler stepped after pipe.step(optimizer, overlap=True)?); pass it as "
+                    "pipe.step(optimizer, overlap=True, scheduler=scheduler), or change the optimizer before "
+                    "pipe.step")
         except Exception as e:
             # back to synchronous steps: the copies are remade from the masters as the step left them, and the
             # iteration's gradients (held apart) are dropped — .grad keeps what the failed step was given
@@ -263,7 +311,14 @@ class Pipeline:
                 weights.source(name).copy_(t)  # the front copies: what the next iteration computes with
             self.executor.grads.hold(True)
             self._overlap_optimizer = optimizer
-            self._step = self._stepper.submit(weights.write_back, optimizer)  # the step is done: only its copies
+            now = settings(optimizer)
+            self._step_settings = (optimizer, now)
+
+            def copies() -> tuple[Any, Any]:  # the step is done: only its copies
+                weights.write_back(optimizer)
+                return now, now
+
+            self._step = self._stepper.submit(copies)
 
     @property
     def dropout_seed(self) -> int | None:

@@ -207,6 +207,58 @@ def test_overlapped_step_is_exactly_one_step_stale(precision):
     assert torch.equal(pa.forward_backward(x, target=y), pb.forward_backward(x, target=y))
 
 
+def test_an_lr_scheduler_steps_after_the_optimizer_also_when_overlapped():
+    """``pipe.step(opt, scheduler=s)`` is ``opt.step(); opt.zero_grad(); s.step()``; with ``overlap=True`` the
+    scheduler steps on the step's thread right after the optimizer, so each step uses its own lr, bit for bit as the
+    one-step-stale reference does. A scheduler stepped by hand after an overlapped step races with it (the step may
+    read either lr): refused at the next iteration's end, in one line naming the fix."""
+    def schedule(opt):
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1 + t))  # another lr every step
+
+    a, pa, b, pb = pair()
+    oa, ob = torch.optim.AdamW(a.parameters(), lr=1e-2), torch.optim.AdamW(b.parameters(), lr=1e-2)
+    sa, sb = schedule(oa), schedule(ob)
+    previous = {k: v.clone() for k, v in b.state_dict().items()}
+    for step in range(4):
+        x, y = batch(step)
+        loss_a = pa.forward_backward(x, target=y)
+        pa.step(oa, overlap=step > 0, scheduler=sa)  # the first step synchronous, the others overlapped
+        current = {k: v.clone() for k, v in b.state_dict().items()}
+        if step > 1:  # from the second overlapped step on, the gradients are one step stale
+            b.load_state_dict(previous)
+        loss_b = pb.forward_backward(x, target=y)
+        b.load_state_dict(current)
+        ob.step(), ob.zero_grad(), sb.step()
+        previous = current
+        assert torch.equal(loss_a, loss_b), f"step {step}"
+    pa.synchronize()
+    assert_same_weights(a, b)
+    assert oa.param_groups[0]["lr"] == ob.param_groups[0]["lr"] == 1e-2 / 5
+
+    pa.step(oa, overlap=True)
+    sa.step()  # by hand, while the step may still be running
+    x, y = batch(5)
+    with pytest.raises(PipelineError, match=r"^the overlapped optimizer step failed: ConfigError: the optimizer's lr "
+                       r"of group 0 \(0\.002 -> 0\.00166.*\) changed while the overlapped step ran, which may have "
+                       r"used either value \(an lr scheduler stepped after pipe.step\(optimizer, overlap=True\)\?\); "
+                       r"pass it as pipe.step\(optimizer, overlap=True, scheduler=scheduler\), or change the "
+                       r"optimizer before pipe.step$"):
+        pa.forward_backward(x, target=y)
+
+    class Adapting(torch.optim.SGD):  # keeps a running value of its own in its groups, as Prodigy's d
+        def step(self, closure=None):
+            for group in self.param_groups:
+                group["d"] = group.get("d", 0) + 1
+            return super().step(closure)
+
+    adapting = Adapting(a.parameters(), lr=1e-3)
+    for _ in range(3):  # its own change is no race
+        pa.forward_backward(x, target=y)
+        pa.step(adapting, overlap=True)
+    pa.synchronize()
+    assert adapting.param_groups[0]["d"] == 3
+
+
 def test_overlap_with_the_mirroring_adamw_writes_no_copies_itself(monkeypatch):
     """rpcompile's AdamW writes the copies in its own pass: after its first step the pipeline makes none, and
     training matches torch's fused AdamW (which the pipeline's copies follow). Its torch backend: the protocol is

@@ -23,7 +23,7 @@ from rpcompile.models import load_model
 
 from _hf import VOCAB, hf_model, token_loss
 from test_foreign_devices import check_bert
-from test_runtime import FINE_CPU, _normwise, _saving_pipeline, assert_grads_equal, eager_step
+from test_runtime import FINE_CPU, _normwise, _saving_pipeline, assert_grads_equal, bert, eager_step, mlm_loss
 
 ON_CPU = os.environ.get("RPCOMPILE_GPU_TESTS_ON_CPU") == "1"
 pytestmark = [pytest.mark.gpu,
@@ -181,17 +181,9 @@ def test_attention_dropout_replays_its_mask_on_cuda():
     the Philox generator). Backward stages that recompute it (two devices, nothing saved) must draw the forward's
     mask, so their loss and gradients equal one device's, whose forward and backward are one autograd graph — the
     same seeds, microbatches and kernels. Then in eval mode both give eager eval's loss."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                  num_attention_heads=4, max_position_embeddings=16, hidden_dropout_prob=0.1,
-                                  attention_probs_dropout_prob=0.3)
-    model = transformers.BertForMaskedLM(cfg).train()
+    model = bert(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.3).train()
     x, y = torch.randint(0, 64, (6, 12)), torch.randint(0, 64, (6, 12))
-
-    def loss_fn(out, target):
-        return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), target.flatten())
-
+    loss_fn = mlm_loss
     runs = []
     for devices, options in ((_devices(1), {}), (_devices(2), {"allow_save": False})):
         m = copy.deepcopy(model)

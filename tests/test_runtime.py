@@ -189,6 +189,19 @@ def test_cnn_batchnorm_and_dropout(k, m):
     assert int(spec.model.blocks[0].bn.num_batches_tracked) == m
 
 
+def bert(**dropout):
+    """A two-layer HF BERT (masked LM) with the given dropout probabilities, seeded."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, max_position_embeddings=16, **dropout)
+    return transformers.BertForMaskedLM(cfg)
+
+
+def mlm_loss(out, target):
+    return F.cross_entropy(out.logits.flatten(0, 1), target.flatten())
+
+
 @pytest.mark.hf
 @pytest.mark.parametrize("allow_save", [False, True])
 def test_attention_dropout_replays_its_mask_in_recompute(allow_save):
@@ -196,21 +209,13 @@ def test_attention_dropout_replays_its_mask_in_recompute(allow_save):
     the kernel draws its own mask, so it is seeded like every other random node (the same mask in the forward
     stage and in the backward stage's recompute) and its segment is recomputed, not saved. Reference: the same
     graph with the same per-node seeds run eagerly on one device over the same microbatches."""
-    transformers = pytest.importorskip("transformers")
     from rpcompile.core.randomness import is_random
     from rpcompile.passes.trace import trace
 
-    torch.manual_seed(0)
-    cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                  num_attention_heads=4, max_position_embeddings=16, hidden_dropout_prob=0.0,
-                                  attention_probs_dropout_prob=0.3)
-    model = transformers.BertForMaskedLM(cfg).train()
+    model = bert(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.3).train()
     ref = copy.deepcopy(model)
     x, y = torch.randint(0, 64, (6, 12)), torch.randint(0, 64, (6, 12))
-
-    def loss_fn(out, target):
-        return F.cross_entropy(out.logits.flatten(0, 1), target.flatten())
-
+    loss_fn = mlm_loss
     attention = [n for n in trace(copy.deepcopy(model), (x,)).graph.nodes if "scaled_dot_product" in str(n.target)]
     assert len(attention) == 2 and all(is_random(None, n) for n in attention)  # type: ignore[arg-type]
     pipe = rpcompile.compile(model, (x,), loss_fn=loss_fn, spec=FINE_CPU, devices=["cpu"] * 2, microbatches=3,
@@ -222,18 +227,6 @@ def test_attention_dropout_replays_its_mask_in_recompute(allow_save):
     assert_matches_seeded_reference(spec, ref, x, y, 3, loss, pipe.dropout_seed)
 
 
-def _bert(**dropout):
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                  num_attention_heads=4, max_position_embeddings=16, **dropout)
-    return transformers.BertForMaskedLM(cfg)
-
-
-def _mlm_loss(out, target):
-    return F.cross_entropy(out.logits.flatten(0, 1), target.flatten())
-
-
 @pytest.mark.hf
 def test_torch_manual_seed_chooses_the_dropout_masks():
     """As in eager PyTorch, ``torch.manual_seed`` before the pipeline is made chooses its dropout masks: the same
@@ -241,9 +234,9 @@ def test_torch_manual_seed_chooses_the_dropout_masks():
     x, y = torch.randint(0, 64, (6, 12)), torch.randint(0, 64, (6, 12))
     losses = []
     for seed in (1, 2, 1):
-        model = _bert(hidden_dropout_prob=0.3).train()
+        model = bert(hidden_dropout_prob=0.3).train()
         torch.manual_seed(seed)
-        pipe = rpcompile.compile(model, (x,), loss_fn=_mlm_loss, spec=FINE_CPU, devices=["cpu"] * 2,
+        pipe = rpcompile.compile(model, (x,), loss_fn=mlm_loss, spec=FINE_CPU, devices=["cpu"] * 2,
                                  microbatches=3, time_limit_s=2.0, head_chunks=1)
         assert pipe.dropout_seed == seed
         losses.append(float(pipe.forward_backward(x, target=y)))
@@ -255,10 +248,10 @@ def test_eval_mode_after_a_train_mode_trace_switches_the_dropouts_off():
     """Evaluating during training: a model traced in train mode (hidden and attention dropout) and then put in
     eval mode runs as eager eval does — ``forward`` and ``forward_backward`` without dropout, eager's outputs,
     loss and gradients — and in train mode again draws its masks again."""
-    model = _bert(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.3).train()
+    model = bert(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.3).train()
     ref = copy.deepcopy(model)
     x, y = torch.randint(0, 64, (6, 12)), torch.randint(0, 64, (6, 12))
-    pipe = rpcompile.compile(model, (x,), loss_fn=_mlm_loss, spec=FINE_CPU, devices=["cpu"] * 2, microbatches=3,
+    pipe = rpcompile.compile(model, (x,), loss_fn=mlm_loss, spec=FINE_CPU, devices=["cpu"] * 2, microbatches=3,
                              time_limit_s=2.0, head_chunks=1)
     trained = pipe.forward_backward(x, target=y)
     model.eval(), ref.eval()
@@ -267,7 +260,7 @@ def test_eval_mode_after_a_train_mode_trace_switches_the_dropouts_off():
         torch.testing.assert_close(pipe.forward(x).logits, logits, **TOL)
     model.zero_grad(set_to_none=True)
     loss = pipe.forward_backward(x, target=y)
-    ref_loss = _mlm_loss(ref(x), y)
+    ref_loss = mlm_loss(ref(x), y)
     ref_loss.backward()
     torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
     assert_grads_equal(model, ref)
@@ -282,9 +275,9 @@ def test_a_mode_the_trace_cannot_run_is_refused_in_one_line_and_a_model_without_
     """Traced in eval mode (as models load), the dropouts are not in the graph: train mode is refused, naming the
     fix. A mixed mode is refused likewise. A model with no dropout (0.0) and no batch norm runs in either mode."""
     x, y = torch.randint(0, 64, (6, 12)), torch.randint(0, 64, (6, 12))
-    options = dict(loss_fn=_mlm_loss, spec=FINE_CPU, devices=["cpu"] * 2, microbatches=3, time_limit_s=2.0,
+    options = dict(loss_fn=mlm_loss, spec=FINE_CPU, devices=["cpu"] * 2, microbatches=3, time_limit_s=2.0,
                    head_chunks=1)
-    pipe = rpcompile.compile(_bert(hidden_dropout_prob=0.1).eval(), (x,), **options)
+    pipe = rpcompile.compile(bert(hidden_dropout_prob=0.1).eval(), (x,), **options)
     pipe.model.train()
     with pytest.raises(rpcompile.ModelChangedError, match=r"^the model changed after compile: it is in train mode "
                        r"but was traced in eval mode, and its dropouts \(dropout\) were traced as in eval mode; call "
@@ -295,12 +288,12 @@ def test_a_mode_the_trace_cannot_run_is_refused_in_one_line_and_a_model_without_
     with pytest.raises(rpcompile.ModelChangedError, match=r"^the model changed after compile: module bert.encoder is "
                        r"in train mode .* call model.train\(\) before rpcompile.compile"):
         pipe.forward(x)
-    model = _bert(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0).eval()
+    model = bert(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0).eval()
     ref = copy.deepcopy(model).train()
     pipe = rpcompile.compile(model, (x,), **options)
     model.train()
     loss = pipe.forward_backward(x, target=y)
-    ref_loss = _mlm_loss(ref(x), y)
+    ref_loss = mlm_loss(ref(x), y)
     ref_loss.backward()
     torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
     assert_grads_equal(model, ref)

@@ -5,7 +5,8 @@ random node of a stage graph (dropout and friends, :mod:`rpcompile.core.randomne
 :func:`seed_random_nodes` when the runtime binds a program (:mod:`.bind`) to run under a generator seeded from
 (the pipeline's dropout seed, iteration, node name, microbatch) — the executor sets those in :data:`context`
 before it runs a stage. The dropout seed is ``torch.initial_seed()`` when the pipeline is made, so
-``torch.manual_seed`` chooses the masks as it does eager's. A node therefore draws the same mask whenever and wherever it runs, on any number of devices.
+``torch.manual_seed`` chooses the masks as it does eager's. A node therefore draws the same mask whenever and
+wherever it runs, on any number of devices.
 Logical CPU devices share one generator, so seeding takes a process-wide lock there.
 
 A trace records dropouts as the model's mode had them; a model traced in train mode and then put in eval mode
@@ -23,7 +24,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from rpcompile.core.randomness import ATTENTION_DROPOUT, DROPOUT_FUNCTIONS, is_random, random_kind
+from rpcompile.core.randomness import ATTENTION_DROPOUT, DROPOUT_FUNCTIONS, is_random, op_name, random_kind
 
 __all__ = ["context", "stream", "seed_random_nodes", "seeded_call", "seeded_noise", "dropout_to_noise"]
 
@@ -45,15 +46,11 @@ _NOISE: dict[str, tuple[str, Callable[..., Any], tuple, dict]] = {}
 _TOKENS = itertools.count()
 
 
-def _op_name(fn: Any) -> str:
-    return getattr(getattr(fn, "_overloadpacket", fn), "__name__", "")
-
-
 def _without_dropout(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
     """``fn(*args, **kwargs)`` as eval mode runs it: a dropout passes its input through, an attention kernel
     runs with ``dropout_p=0``, anything else (a module follows its own mode; a random draw that is no dropout)
     as it is. :data:`NotImplemented` where nothing changes."""
-    name = _op_name(fn)
+    name = op_name(fn)
     if name in EVAL_IDENTITY:
         return args[0]
     if name == "native_dropout":

@@ -3,13 +3,13 @@ saved, and what the runtime seeds so a node draws the same mask wherever it runs
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch.fx as fx
 import torch.nn as nn
 
 __all__ = ["RANDOM_MODULES", "RANDOM_FUNCTIONS", "DROPOUT_MODULES", "DROPOUT_FUNCTIONS", "ATTENTION_DROPOUT",
-           "MODE_FUNCTIONS", "mode_fixed", "target_name", "is_random", "draws", "random_kind"]
+           "MODE_FUNCTIONS", "mode_fixed", "op_name", "target_name", "is_random", "draws", "random_kind"]
 
 RANDOM_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 RANDOM_FUNCTIONS = frozenset({
@@ -52,12 +52,17 @@ def _attention_dropout(node: fx.Node) -> bool:
     return isinstance(p, fx.Node) or bool(p != 0)
 
 
+def op_name(target: Any) -> str:
+    """A function's or an op's name without namespace or overload (``aten.dropout.default`` → ``dropout``); a
+    method's name as it is; "" for anything else (a module)."""
+    if isinstance(target, str):
+        return target
+    return getattr(getattr(target, "_overloadpacket", target), "__name__", "").split(".")[-1]
+
+
 def target_name(node: fx.Node) -> str:
-    """A node's op name without namespace or overload (``aten.dropout.default`` → ``dropout``)."""
-    t = node.target
-    if isinstance(t, str):
-        return t
-    return getattr(getattr(t, "_overloadpacket", t), "__name__", "").split(".")[-1]
+    """A node's op name (:func:`op_name` of its target)."""
+    return op_name(node.target)
 
 
 def is_random(gm: fx.GraphModule, node: fx.Node) -> bool:

@@ -22,8 +22,11 @@ def test_measured_timeline_compares_with_the_simulator():
     assert [s.name for s in v.stages] == [s.name for s in pipe.plan.stages]
     for s in v.stages:
         assert s.predicted_s > 0 and s.measured_s > 0 and math.isfinite(s.ratio), s
-        assert 0.1 < s.ratio < 10, s  # a units or bookkeeping bug shows up as orders of magnitude
-    assert 0.1 < v.iteration_ratio < 10, v  # loose: a loaded 2-core machine stretches small models several-fold
+        # a units or bookkeeping bug shows up as three orders of magnitude (ms for s) or more; a loaded 2-core
+        # machine stretches this small model's stages 2-6x idle and its iteration 3-4x idle, 10.2x beside another
+        # test worker (fresh-clone CI, 2026-11-26): timing is not what this test checks
+        assert 0.01 < s.ratio < 100, s
+    assert 0.01 < v.iteration_ratio < 100, v
     d = v.to_dict()
     assert d["iteration_ratio"] == v.iteration_ratio and len(d["stages"]) == len(v.stages)
     # gradients still land: validate zeroes them after each run, a last call refills them

@@ -52,6 +52,7 @@ _EXPORTS = {
     "ConfigError": "rpcompile.core.errors",
     "InputError": "rpcompile.core.errors",
     "ModelChangedError": "rpcompile.core.errors",
+    "LossFnError": "rpcompile.core.errors",
     "BatchSplitError": "rpcompile.core.errors",
     "LossHeadError": "rpcompile.core.errors",
 }

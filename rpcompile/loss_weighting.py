@@ -3,7 +3,8 @@ weighted sum of them is the whole batch's mean (the module docstring of :mod:`rp
 
 An integer target counts its real tokens (entries that are not :data:`IGNORE_INDEX`), any other target its rows;
 :func:`shifted_tokens` counts the labels a causal LM's own loss averages over; :func:`own_loss` finds the loss a
-model computes itself (``loss_fn=None``).
+model computes itself (``loss_fn=None``); :class:`MicrobatchLoss` is what the fused stage calls for each microbatch's
+weighted loss, and :class:`BatchLoss` what ``forward_backward`` returns.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from .core.errors import RPCompileError
+from .core.errors import LossFnError, RPCompileError
 
-__all__ = ["IGNORE_INDEX", "shifted_tokens", "loss_weights", "own_loss"]
+__all__ = ["IGNORE_INDEX", "BatchLoss", "MicrobatchLoss", "shifted_tokens", "loss_weights", "own_loss"]
 
 #: The target value a mean loss leaves out (``ignore_index`` of torch's and HF's cross-entropy): padding.
 IGNORE_INDEX = -100
@@ -52,7 +53,7 @@ def own_loss(output: Any) -> torch.Tensor:
     ``loss`` (an HF ``ModelOutput`` or a dict) or its first element (a tuple)."""
     if isinstance(output, Mapping):
         if "loss" not in output or output["loss"] is None:
-            raise RPCompileError(f"loss_fn=None but the model's output ({type(output).__name__}) has no loss: pass "
+            raise LossFnError(f"loss_fn=None but the model's output ({type(output).__name__}) has no loss: pass "
                                  "the batch's labels= (the model computes its loss from them) or give loss_fn=")
         return output["loss"]
     if isinstance(output, (tuple, list)) and output:
@@ -71,3 +72,90 @@ def _checked_weight(loss_weight: Any) -> Any:
         raise RPCompileError(f"loss_weight={loss_weight!r}; use 'auto', 'rows' or a function of a microbatch's "
                              "target returning how many items its mean loss averages over")
     return loss_weight
+
+
+class BatchLoss(torch.Tensor):
+    """What ``forward_backward`` returns: the batch's loss, a scalar tensor with no autograd graph (its gradients
+    are already in each ``p.grad``). ``loss.backward()`` out of eager habit — on it or on anything computed from it,
+    ``(loss / accumulation).backward()`` — is refused in one line rather than with torch's "element 0 of tensors
+    does not require grad". It prints, formats, copies and pickles as a plain tensor (``torch.load(weights_only=True)``
+    reads it back as one)."""
+
+    def backward(self, *args: Any, **kwargs: Any) -> None:
+        raise RPCompileError("loss.backward() on what forward_backward returned: forward_backward already ran the "
+                             "backward pass and added the gradients into each p.grad; drop loss.backward() and call "
+                             "optimizer.step() (the loss is for logging)")
+
+    # as a plain tensor: torch formats, copies and prints exact Tensors only (f"{loss:.4f}", copy.deepcopy)
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)
+
+    def __format__(self, spec: str) -> str:
+        return self.as_subclass(torch.Tensor).__format__(spec)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> torch.Tensor:
+        return self.as_subclass(torch.Tensor).__deepcopy__(memo)
+
+    def __repr__(self, **kwargs: Any) -> str:  # type: ignore[override]
+        return self.as_subclass(torch.Tensor).__repr__(**kwargs)
+
+
+class MicrobatchLoss:
+    """``loss(output, target, j)``: microbatch ``j``'s loss, weighted so that the microbatches' sum is the batch's
+    mean (``weights[j] / total``; summed as they are for ``summed``), from ``loss_fn(output, target)``
+    (``where="outside"``), the model's own loss (``"own"``, ``loss_fn=None``) or the graph's output (``"graph"``,
+    the loss inside the graph). A ``loss_fn`` that raises, or a loss that is no scalar, is refused in one line
+    naming the target it was given (:class:`~rpcompile.core.errors.LossFnError`), and ``checked_targets=False``
+    (no ``example_target=``) adds how to check every target before anything runs."""
+
+    def __init__(self, loss_fn: Callable[[Any, Any], torch.Tensor] | None, where: str, weights: Sequence[float],
+                 total: float, *, summed: bool = False, checked_targets: bool = True) -> None:
+        self.loss_fn, self.where, self.weights, self.total = loss_fn, where, weights, total
+        self.summed, self.checked_targets = summed, checked_targets
+
+    def __call__(self, output: Any, target: Any, j: int) -> torch.Tensor:
+        if self.where == "graph":
+            loss = output
+        elif self.where == "own":
+            loss = own_loss(output)
+        else:
+            assert self.loss_fn is not None  # outside: there is a loss_fn
+            loss = self._loss_fn(output, target, j)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            what = "loss_fn returned" if self.where == "outside" else "the model's loss (loss_fn=None) is"
+            raise LossFnError(f"{what} {shape}, not a scalar: reduce it over the batch (reduction="
+                                 "'mean' or 'sum')")
+        if self.summed:
+            return loss
+        if self.weights[j] == 0:  # nothing to average (all padding): the mean is nan, its gradient zero
+            return loss.nan_to_num() * 0.0
+        return loss * (self.weights[j] / self.total)
+
+    def _loss_fn(self, output: Any, target: Any, j: int) -> Any:
+        assert self.loss_fn is not None
+        try:
+            return self.loss_fn(output, target)
+        except RPCompileError:
+            raise
+        except Exception as e:  # noqa: BLE001 - most often a target the loss cannot take: say which
+            first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+            hint = "" if self.checked_targets else (
+                ", or compile with example_target= (one batch's target) to have every call's target checked "
+                "before anything runs")
+            raise LossFnError(f"loss_fn(output, target) failed on microbatch {j} ({type(e).__name__}: {first}); "
+                              f"it was given the target {describe(target)} and the output {describe(output)}: "
+                              f"pass a target loss_fn takes (or fix loss_fn){hint}") from e
+
+
+def describe(value: Any) -> str:
+    """A short description of a loss's input: ``int64 (2, 8)`` for a tensor; the tensors of an HF output, a
+    mapping or a tuple as ``CausalLMOutputWithPast(logits float32 (2, 8, 64))``."""
+    if isinstance(value, torch.Tensor):
+        return f"{str(value.dtype).removeprefix('torch.')} {tuple(value.shape)}"
+    if isinstance(value, Mapping):
+        parts = [f"{k} {describe(v)}" for k, v in value.items() if isinstance(v, torch.Tensor)]
+        return f"{type(value).__name__}({', '.join(parts[:3])})"
+    if isinstance(value, (tuple, list)):
+        return f"{type(value).__name__}({', '.join(describe(v) for v in value[:3])})"
+    return type(value).__name__

@@ -62,7 +62,7 @@ from rpcompile.runtime.executor import Executor, ValueStore
 
 from .checkpoint import CheckpointError, check_pipeline_state, pipeline_state
 from .core.batch import flat_inputs, split_microbatches, tensor_leaves
-from .core.errors import ConfigError, RPCompileError
+from .core.errors import ConfigError, LossFnError, RPCompileError
 from rpcompile.runtime.executor import PipelineError
 from .core.plan import Plan
 from .core.schedule import round_robin
@@ -75,7 +75,8 @@ from rpcompile.passes.trace import training_inputs
 from .model_match import graph_as_planned
 from .oom import out_of_memory
 from .invariants import verify_plan
-from .loss_weighting import IGNORE_INDEX, _checked_weight, _shifts_labels, loss_weights, own_loss, shifted_tokens
+from .loss_weighting import (IGNORE_INDEX, BatchLoss, MicrobatchLoss, _checked_weight, _shifts_labels, loss_weights,
+                             own_loss, shifted_tokens)
 from .signature import InputSignature, check_call_mode, check_compile_arguments, needs_target
 
 __all__ = ["compile", "Pipeline",
@@ -155,6 +156,11 @@ class Pipeline:
             if device.torch_device.type == "cuda" and device.offloader is None:
                 device.enable_offload(offload_budget(plan, d, len(self.devices)))
                 device.enable_async_handoff()
+
+    def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
+        raise RPCompileError("a Pipeline is not called like the model: pipe.forward_backward(x, target=y) trains "
+                             "(the forward and the backward in one call: no loss.backward()), pipe.forward(x) "
+                             "evaluates")
 
     def join(self, dp: DataParallel) -> None:
         """Run as one rank of data-parallel training: gradients summed across the ranks (``compile`` does this)."""
@@ -363,10 +369,10 @@ class Pipeline:
         any rank raises on every rank (one line naming it); that call's gradients are dropped."""
         dp = self.data_parallel
         if dp is None:
-            return self._forward_backward(inputs, target, kwargs)
+            return self._forward_backward(inputs, target, kwargs).as_subclass(BatchLoss)
         self._dp_phase = "before"
         try:
-            return self._forward_backward(inputs, target, kwargs)
+            return self._forward_backward(inputs, target, kwargs).as_subclass(BatchLoss)
         except DistributedError:
             self._drop_held()
             raise
@@ -446,24 +452,9 @@ class Pipeline:
             weights = [float(n) for n in sizes]
         total = self._global_total(sum(weights))
 
-        def loss_of(output: Any, target_j: Any, j: int) -> torch.Tensor:
-            if self.loss_in_graph:
-                loss = output
-            elif not outside:
-                loss = own_loss(output)
-            else:
-                assert self.loss_fn is not None  # outside: there is a loss_fn
-                loss = self.loss_fn(output, target_j)
-            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-                what = "loss_fn returned" if outside else "the model's loss (loss_fn=None) is"
-                raise RPCompileError(f"{what} {shape}, not a scalar: reduce it over the batch (reduction="
-                                     "'mean' or 'sum')")
-            if summed:
-                return loss
-            if weights[j] == 0:  # nothing to average (all padding): the mean is nan, its gradient zero
-                return loss.nan_to_num() * 0.0
-            return loss * (weights[j] / total)
+        where = "graph" if self.loss_in_graph else "outside" if outside else "own"
+        loss_of = MicrobatchLoss(self.loss_fn, where, weights, total, summed=summed,
+                                 checked_targets=self.signature is not None and self.signature.target is not None)
 
         scale = 1.0
         if self.scaler is not None and self.scaler.is_enabled():
@@ -478,6 +469,8 @@ class Pipeline:
                 if isinstance(e, PipelineError) else None
             if oom is not None:
                 raise oom from e.__cause__
+            if isinstance(e, PipelineError) and isinstance(e.__cause__, LossFnError):
+                raise e.__cause__ from None  # the stage ran: the target did not suit the loss (one line)
             raise
         self.iteration += 1
         loss = self._reduced(torch.stack(losses).sum())

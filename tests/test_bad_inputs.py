@@ -11,6 +11,7 @@ train as eager does: see the last tests.
 from __future__ import annotations
 
 import copy
+import io
 import json
 import re
 from pathlib import Path
@@ -23,8 +24,8 @@ import torch.nn.functional as F
 
 import rpcompile
 from rpcompile.cli import main
-from rpcompile.core.errors import (ConfigError, InputError, ModelChangedError, PlanFileError, PlanMismatchError,
-                                   RPCompileError)
+from rpcompile.core.errors import (ConfigError, InputError, LossFnError, ModelChangedError, PlanFileError,
+                                   PlanMismatchError, RPCompileError)
 from rpcompile.core.plan import Plan
 
 from _hf import hf_model
@@ -196,6 +197,11 @@ TOKEN_ROWS: list[Row] = [
     ("float target for token loss", lambda p: p.forward_backward(IDS, target=LABELS.float()), InputError,
      r"^target has dtype float32 but the pipeline was compiled for int64"),
     ("missing target", lambda p: p.forward_backward(IDS), InputError, r"^target is missing"),
+    # the target passes the signature (int64, one label per token) but not the loss: the stage ran, the loss named
+    ("label out of range", lambda p: p.forward_backward(IDS, target=LABELS + 16), LossFnError,
+     r"^loss_fn\(output, target\) failed on microbatch 0 \(IndexError: Target \d+ is out of bounds\.\); it was "
+     r"given the target int64 \(2, 5\) and the output float32 \(2, 5, 16\): pass a target loss_fn takes \(or fix "
+     r"loss_fn\)$"),
     ("ids keyword misspelt", lambda p: p.forward_backward(input_ids=IDS, target=LABELS), InputError,
      r"^the pipeline was compiled for 1 positional input\(s\), got 0"),
 ]
@@ -224,6 +230,37 @@ HF_ROWS: list[Row] = [
 ]
 
 
+# a pipeline compiled without example_target= checks its targets only in loss_fn, when the last stage has run; and
+# what users type out of eager habit: loss.backward() after forward_backward, pipe(x) for the model's output
+UNCHECKED_HINT = (r"pass a target loss_fn takes \(or fix loss_fn\), or compile with example_target= \(one batch's "
+                  r"target\) to have every call's target checked before anything runs$")
+HABIT = (r"^loss\.backward\(\) on what forward_backward returned: forward_backward already ran the backward pass and "
+         r"added the gradients into each p\.grad; drop loss\.backward\(\) and call optimizer\.step\(\) \(the loss is "
+         r"for logging\)$")
+UNCHECKED_ROWS: list[Row] = [
+    ("float target", lambda p: p.forward_backward(IDS, target=LABELS.float()), LossFnError,
+     r"^loss_fn\(output, target\) failed on microbatch 0 \(RuntimeError: expected .*Long.*got Float\); it was given "
+     r"the target float32 \(2, 5\) and the output float32 \(2, 5, 16\): " + UNCHECKED_HINT),
+    ("target shorter than ids", lambda p: p.forward_backward(IDS, target=LABELS[:, :4]), LossFnError,
+     r"^loss_fn\(output, target\) failed on microbatch 0 \(ValueError: Expected input batch_size \(10\) to match "
+     r"target batch_size \(8\)\.\); it was given the target int64 \(2, 4\) and the output float32 \(2, 5, 16\): "
+     + UNCHECKED_HINT),
+    ("loss.backward()", lambda p: p.forward_backward(IDS, target=LABELS).backward(), RPCompileError, HABIT),
+    ("(loss / steps).backward()", lambda p: (p.forward_backward(IDS, target=LABELS) / 4).backward(), RPCompileError,
+     HABIT),
+    ("pipe(x)", lambda p: p(IDS), RPCompileError,
+     r"^a Pipeline is not called like the model: pipe\.forward_backward\(x, target=y\) trains \(the forward and the "
+     r"backward in one call: no loss\.backward\(\)\), pipe\.forward\(x\) evaluates$"),
+]
+
+
+@pytest.fixture(scope="module")
+def unchecked() -> rpcompile.Pipeline:
+    """The token pipeline compiled as the README's snippet does: without example_target=."""
+    torch.manual_seed(0)
+    return _compile(TiedToy(), IDS, loss_fn=token_loss)
+
+
 def _run(pipe: rpcompile.Pipeline, call: Callable[..., Any], error: type, message: str) -> None:
     with pytest.raises(error, match=message) as info:
         call(pipe)
@@ -238,6 +275,36 @@ def test_bad_inputs_to_a_float_pipeline(mlp, call, error, message):
 @pytest.mark.parametrize("call, error, message", [r[1:] for r in TOKEN_ROWS], ids=[r[0] for r in TOKEN_ROWS])
 def test_bad_inputs_to_a_token_pipeline(tokens, call, error, message):
     _run(tokens, call, error, message)
+
+
+@pytest.mark.parametrize("call, error, message", [r[1:] for r in UNCHECKED_ROWS],
+                         ids=[r[0] for r in UNCHECKED_ROWS])
+def test_bad_targets_and_eager_habits_without_an_example_target(unchecked, call, error, message):
+    _run(unchecked, call, error, message)
+    unchecked.model.zero_grad(set_to_none=True)
+
+
+def test_a_loss_that_fails_on_its_target_leaves_no_gradient_and_the_next_call_trains(unchecked):
+    """The failed call adds nothing to ``.grad`` (all or none), the loss returned by a good one is what eager's is,
+    as a plain tensor where users log it (formatted, copied, pickled)."""
+    model = unchecked.model
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(LossFnError):
+        unchecked.forward_backward(IDS, target=LABELS.float())
+    assert all(p.grad is None for p in model.parameters())
+    ref = copy.deepcopy(model)
+    loss = unchecked.forward_backward(IDS, target=LABELS)
+    ref_loss = token_loss(ref(IDS), LABELS)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+    assert_grads_equal(model, ref)
+    assert f"{loss:.3f}" == f"{ref_loss.item():.3f}" and repr(loss) == repr(loss.as_subclass(torch.Tensor))
+    assert type(copy.deepcopy(loss)) is torch.Tensor
+    saved = io.BytesIO()
+    torch.save({"loss": loss}, saved)
+    saved.seek(0)
+    assert type(torch.load(saved, weights_only=True)["loss"]) is torch.Tensor
+    model.zero_grad(set_to_none=True)
 
 
 @pytest.fixture(scope="module")
@@ -379,7 +446,8 @@ def test_check_reports_an_undecodable_plan_in_one_line(plans, capsys):
 
 # ---- what must still pass -----------------------------------------------------------------------------------------
 def test_the_catalogue_has_the_issue_s_breadth():
-    rows = len(MLP_ROWS) + len(TOKEN_ROWS) + len(HF_ROWS) + len(COMPILE_ROWS) + len(PLAN_ROWS) + len(CLI_ROWS) + 1
+    rows = len(MLP_ROWS) + len(TOKEN_ROWS) + len(UNCHECKED_ROWS) + len(HF_ROWS) + len(COMPILE_ROWS) + len(PLAN_ROWS) \
+        + len(CLI_ROWS) + 1
     assert rows >= 58, rows
 
 

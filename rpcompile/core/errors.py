@@ -85,6 +85,12 @@ class InputError(RPCompileError, ValueError):
     dimensions, device, batch size, a missing target): refused before any stage runs."""
 
 
+class LossFnError(RPCompileError, ValueError):
+    """``loss_fn(output, target)`` raised on what a microbatch gave it — most often a target it cannot take (a
+    float target for cross-entropy, another length) — or returned no scalar. The stage itself ran: the pipeline
+    raises this, naming the target and the output, rather than the stage's ``PipelineError`` around it."""
+
+
 class ProblemError(RPCompileError, ValueError):
     """A partition problem's numbers are malformed: lengths that disagree, negative bytes or times."""
 

@@ -49,7 +49,7 @@ import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NoReturn, Sequence
 
 import torch
 import torch.fx as fx
@@ -61,7 +61,7 @@ from rpcompile.runtime.devices import make_devices
 from rpcompile.runtime.executor import Executor, ValueStore
 
 from .checkpoint import CheckpointError, check_pipeline_state, pipeline_state
-from .core.batch import flat_inputs, split_microbatches, tensor_leaves
+from .core.batch import flat_inputs, joined, split_microbatches, tensor_leaves
 from .core.errors import ConfigError, LossFnError, RPCompileError
 from rpcompile.runtime.executor import PipelineError
 from .core.plan import Plan
@@ -420,6 +420,29 @@ class Pipeline:
     def _forward_backward(self, inputs: Sequence[Any], target: Any, kwargs: dict[str, Any]) -> torch.Tensor:
         check_call_mode("forward_backward", self.precision)
         self.executor.training = self.check_model()
+        store, m, loss_of, targets = self._batch("forward_backward", inputs, target, kwargs, global_total=True)
+        scale = 1.0
+        if self.scaler is not None and self.scaler.is_enabled():
+            scale = float(self.scaler.scale(torch.ones(())))  # also starts the scaler's bookkeeping
+        try:
+            losses = self.executor.run(self._schedule(m), store, iteration=self.iteration, loss_fn=loss_of,
+                                       targets=targets, grad_scale=scale)
+        except BaseException as e:  # .grad is as before the call; an overlapped step in flight finishes (not taken)
+            if self._step is not None:
+                wait([self._step])
+            self._reraise(e)
+        self.iteration += 1
+        loss = self._reduced(torch.stack(losses).sum())
+        if self._overlap_optimizer is not None:  # the step beside this iteration is done: its gradients to .grad
+            self._finish_step()
+            self.executor.grads.install()
+        return loss
+
+    def _batch(self, call: str, inputs: Sequence[Any], target: Any, kwargs: dict[str, Any], *,
+               global_total: bool) -> tuple[ValueStore, int, MicrobatchLoss, list[Any] | None]:
+        """A call's batch as the stages take it: the inputs checked against the compiled signature and split into
+        microbatches (fewer for a batch with fewer rows), each microbatch's target and weight (the loss they
+        average over, summed over the ranks where ``global_total``), and the loss the fused stage computes."""
         if target is None and "labels" in kwargs and self.loss_fn is not None and \
                 (self.signature is None or "labels" not in self.signature.names):
             target = kwargs.pop("labels")  # an HF batch dict: its labels are the loss's target
@@ -430,11 +453,9 @@ class Pipeline:
         if self.loss_in_graph:
             if not isinstance(target, torch.Tensor):
                 raise RPCompileError("this pipeline computes the loss inside its graph (head_chunks > 1): "
-                                     "pass the batch's target, forward_backward(x, target=y)")
+                                     f"pass the batch's target, {call}(x, target=y)")
             kwargs = {**kwargs, TARGET: target}
-        # a batch with fewer rows than microbatches runs as that many microbatches of one row
-        rows = next((v.shape[0] for v in tensor_leaves((inputs, kwargs)) if v.dim() > 0), self.microbatches)
-        m = max(1, min(self.microbatches, rows))
+        m = self._microbatches_of(inputs, kwargs)
         store, sizes = self._store(inputs, kwargs, m)
         outside = self.loss_fn is not None and not self.loss_in_graph  # the loss runs after the last stage
         pieces = [p[0] for p in split_microbatches((target,), m)] if isinstance(target, torch.Tensor) else [target] * m
@@ -443,55 +464,80 @@ class Pipeline:
         # a mean over the batch is the weighted mean of the microbatches' means (weights: what each mean averages
         # over, loss_weights; the model's own loss averages over its labels); a sum is their sum
         summed = outside and getattr(self.loss_fn, "reduction", "mean") == "sum"
-        labels = kwargs.get("labels") if self.loss_fn is None else None
-        if isinstance(labels, torch.Tensor):
-            weights = loss_weights([p[0] for p in split_microbatches((labels,), m)], sizes, self.loss_weight)
-        elif self.loss_fn is not None:
-            weights = loss_weights(pieces, sizes, self.loss_weight)
-        else:
-            weights = [float(n) for n in sizes]
-        total = self._global_total(sum(weights))
-
+        weights = self._weights(kwargs, pieces, sizes, m)
+        total = self._global_total(sum(weights)) if global_total else sum(weights)
         where = "graph" if self.loss_in_graph else "outside" if outside else "own"
         loss_of = MicrobatchLoss(self.loss_fn, where, weights, total, summed=summed,
                                  checked_targets=self.signature is not None and self.signature.target is not None)
+        return store, m, loss_of, targets
 
-        scale = 1.0
-        if self.scaler is not None and self.scaler.is_enabled():
-            scale = float(self.scaler.scale(torch.ones(())))  # also starts the scaler's bookkeeping
-        try:
-            losses = self.executor.run(self._schedule(m), store, iteration=self.iteration, loss_fn=loss_of,
-                                       targets=targets, grad_scale=scale)
-        except BaseException as e:  # .grad is as before the call; an overlapped step in flight finishes (not taken)
-            if self._step is not None:
-                wait([self._step])
-            oom = out_of_memory(e, self.plan, [str(d.torch_device) for d in self.devices]) \
-                if isinstance(e, PipelineError) else None
+    def _microbatches_of(self, inputs: Sequence[Any], kwargs: Mapping[str, Any]) -> int:
+        """The plan's microbatches, or one row each for a batch with fewer rows."""
+        rows = next((v.shape[0] for v in tensor_leaves((inputs, kwargs)) if v.dim() > 0), self.microbatches)
+        return max(1, min(self.microbatches, rows))
+
+    def _weights(self, kwargs: Mapping[str, Any], pieces: Sequence[Any], sizes: Sequence[int], m: int) -> list[float]:
+        """What each microbatch's mean loss averages over (:func:`~.loss_weighting.loss_weights`): the labels of
+        the model's own loss, the target of ``loss_fn``, else the rows."""
+        labels = kwargs.get("labels") if self.loss_fn is None else None
+        if isinstance(labels, torch.Tensor):
+            return loss_weights([p[0] for p in split_microbatches((labels,), m)], sizes, self.loss_weight)
+        if self.loss_fn is not None:
+            return loss_weights(pieces, sizes, self.loss_weight)
+        return [float(n) for n in sizes]
+
+    def _reraise(self, e: BaseException) -> NoReturn:
+        """A failed call's error as the caller sees it: a stage out of device memory as
+        :class:`~.oom.StageOutOfMemoryError`, a ``loss_fn`` that failed on its target as that
+        :class:`LossFnError` itself (the stage ran), anything else as it is."""
+        if isinstance(e, PipelineError):
+            oom = out_of_memory(e, self.plan, [str(d.torch_device) for d in self.devices])
             if oom is not None:
                 raise oom from e.__cause__
-            if isinstance(e, PipelineError) and isinstance(e.__cause__, LossFnError):
-                raise e.__cause__ from None  # the stage ran: the target did not suit the loss (one line)
-            raise
-        self.iteration += 1
-        loss = self._reduced(torch.stack(losses).sum())
-        if self._overlap_optimizer is not None:  # the step beside this iteration is done: its gradients to .grad
-            self._finish_step()
-            self.executor.grads.install()
-        return loss
+            if isinstance(e.__cause__, LossFnError):
+                raise e.__cause__ from None
+        raise e
 
     @torch.no_grad()
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        """Evaluation: the model's output for the whole batch, stage by stage on the plan's devices."""
+        """Evaluation: the model's output for the whole batch, computed as :meth:`forward_backward` splits it —
+        the plan's microbatches, each stage's weights uploaded once and its microbatches run in turn, so a stage
+        never holds more than the plan allows — and joined on the host: every tensor with a batch dimension
+        concatenated along it, a scalar (the model's own loss) the batch's mean (:func:`joined`)."""
         check_call_mode("forward", self.precision)
         self.executor.training = self.check_model()
-        if self.signature is not None:  # the inputs as compiled (signature.py); the in-graph loss's target rides along
-            target = {TARGET: kwargs.pop(TARGET)} if self.loss_in_graph and TARGET in kwargs else {}
+        # the in-graph loss's target rides along
+        target = {TARGET: kwargs.pop(TARGET)} if self.loss_in_graph and TARGET in kwargs else {}
+        if self.signature is not None:  # the inputs as compiled (signature.py)
             inputs, kwargs = self.signature.bind(inputs, kwargs)
-            kwargs = {**kwargs, **target}
-        store = ValueStore()
-        for name, value in zip(self.program.placeholders, flat_inputs(self.gm, inputs, kwargs)):
-            store.put(name, 0, value)
-        return self.executor.run_forward(store, iteration=self.iteration)
+        kwargs = {**kwargs, **target}
+        m = self._microbatches_of(inputs, kwargs)
+        store, sizes = self._store(inputs, kwargs, m)
+        pieces = [p[0] for p in split_microbatches((target[TARGET],), m)] if target else [None] * m
+        try:
+            outputs = self.executor.run_forward(store, iteration=self.iteration, microbatches=m)
+        except BaseException as e:
+            self._reraise(e)
+        # a scalar output is a mean loss: the model's own over its labels, the in-graph loss over its target
+        weights = self._weights(kwargs, pieces, sizes, m) if self.loss_fn is None or target else sizes
+        return joined(outputs, weights)
+
+    @torch.no_grad()
+    def evaluate(self, *inputs: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
+        """The batch's loss without gradients: what :meth:`forward_backward` returns, computed as it does — the
+        plan's microbatches, the loss on the fused stage's device (no output comes home; a split LM head never
+        materialises the logits) — and weighted as it is (padding left out): eager's ``loss_fn(model(x), y)``
+        under ``torch.no_grad()``, in the model's mode (``model.eval()``: dropouts off). Nothing changes: no
+        gradient, no dropout iteration. Data-parallel: this rank's batch's loss."""
+        check_call_mode("evaluate", self.precision)
+        self.executor.training = self.check_model()
+        store, m, loss_of, targets = self._batch("evaluate", inputs, target, dict(kwargs), global_total=False)
+        try:
+            losses = self.executor.run_forward(store, iteration=self.iteration, microbatches=m, loss_fn=loss_of,
+                                               targets=targets)
+        except BaseException as e:
+            self._reraise(e)
+        return torch.stack(losses).sum().as_subclass(BatchLoss)
 
     def codegen(self, directory: str | os.PathLike) -> list[Path]:
         """Write each stage's generated Python into ``directory``; returns the files."""

@@ -259,30 +259,60 @@ class Executor:
                 if not f.done():
                     f.set_exception(err)
 
-    def run_forward(self, store: ValueStore, *, iteration: int) -> Any:
-        """Evaluation: forward and fused stages in order, one batch, no autograd; returns the model output."""
+    def run_forward(self, store: ValueStore, *, iteration: int, microbatches: int = 1,
+                    loss_fn: Callable[[Any, Any, int], torch.Tensor] | None = None,
+                    targets: Sequence[Any] | None = None) -> list[Any]:
+        """Evaluation, without autograd: the forward and fused stages in order, each stage's weights uploaded once
+        and its microbatches run in turn (a stage holds one microbatch's values at a time, as planned). Returns per
+        microbatch the model's output on the host, or, with ``loss_fn``, ``loss_fn(output, targets[j], j)``
+        computed on the fused stage's device (the output never comes home). A failure raises one
+        :class:`PipelineError` naming the stage, device and microbatch, as :meth:`run` does."""
         self.store, self.iteration, self.t0 = store, iteration, time.perf_counter()
         for h in self.program.host:
-            with torch.no_grad():
-                rows = h.forward(store.get(h.index, 0), self.weights.host_table(h.weight))
-            store.put(h.value, 0, rows.to(self.dtype) if self.dtype is not None else rows)
+            for j in range(microbatches):
+                with torch.no_grad():
+                    rows = h.forward(store.get(h.index, j), self.weights.host_table(h.weight))
+                store.put(h.value, j, rows.to(self.dtype) if self.dtype is not None else rows)
         for prog in self.program.stages:
             if prog.kind == "backward":
                 continue
-            device = self.devices[prog.index % len(self.devices)]
-            state = self._upload(device, prog)
-            device.wait_weights(state.ready)
-            rng.context.iteration, rng.context.microbatch, rng.context.device = iteration, 0, device.torch_device
-            rng.context.training, rng.context.seed = self.training, self.seed
-            saved.context.save = False  # evaluation keeps nothing for a backward pass
-            with _ambient(device), device.compute():
-                outs = stage_call.call(prog, state, self._inputs(device, prog, 0, leaves=False), self._slot_cache,
-                                       copy_buffers=False)
-            if prog.kind == "fused":  # the output on the host, like the model's on the CPU
-                return prog.model_output(pytree.tree_map(lambda v: to_host(device, v), outs))
-            for name, v in zip(prog.outputs, outs):
-                store.put(name, 0, to_host(device, v))
+            d = prog.index % len(self.devices)
+            device, act = self.devices[d], Action(prog.index, "W")
+            results: list[Any] = []
+            try:
+                state = self._upload(device, prog)
+                device.wait_weights(state.ready)
+                for j in range(microbatches):
+                    act = Action(prog.index, "F", j)
+                    results.append(self._evaluate(device, prog, state, j, loss_fn, targets))
+            except BaseException as e:  # noqa: BLE001 - one line naming the stage, as a training call's failure
+                with contextlib.suppress(Exception):
+                    device.synchronize()
+                if isinstance(e, KeyboardInterrupt):
+                    raise
+                raise self._stage_error(d, act, e) from None
+            if prog.kind == "fused":
+                return results
         raise RuntimeError("plan has no fused stage")
+
+    def _evaluate(self, device: Device, prog: StageProgram, state: StageState, j: int,
+                  loss_fn: Callable[[Any, Any, int], torch.Tensor] | None, targets: Sequence[Any] | None) -> Any:
+        """Microbatch ``j`` through one stage without autograd (:meth:`run_forward`): a forward stage's values go
+        to the store; the fused stage's output comes home, or its loss does."""
+        rng.context.iteration, rng.context.microbatch, rng.context.device = self.iteration, j, device.torch_device
+        rng.context.training, rng.context.seed = self.training, self.seed
+        saved.context.save = False  # evaluation keeps nothing for a backward pass
+        with torch.no_grad(), _ambient(device), device.compute():
+            outs = stage_call.call(prog, state, self._inputs(device, prog, j, leaves=False), self._slot_cache,
+                                   copy_buffers=False)
+            if prog.kind == "fused" and loss_fn is not None:
+                target = upload_tree(device, targets[j]) if targets is not None else None
+                return device.download(loss_fn(prog.model_output(outs), target, j).float())
+        if prog.kind == "fused":  # the output on the host, like the model's on the CPU
+            return prog.model_output(pytree.tree_map(lambda v: to_host(device, v), outs))
+        for name, v in zip(prog.outputs, outs):
+            self.store.put(name, j, to_host(device, v))
+        return None
 
     def _dispatch(self, device: Device, act: Action, states: dict[int, StageState],
                   prefetched: dict[int, Future], ahead: dict[int, int]) -> None:

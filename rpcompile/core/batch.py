@@ -11,7 +11,7 @@ from torch.utils import _pytree as pytree
 
 from .errors import BatchSplitError, InputError
 
-__all__ = ["flat_inputs", "split_microbatches", "tensor_leaves"]
+__all__ = ["flat_inputs", "joined", "split_microbatches", "tensor_leaves"]
 
 
 def flat_inputs(gm: fx.GraphModule, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> list[Any]:
@@ -70,6 +70,28 @@ def split_microbatches(values: Sequence[Any], microbatches: int) -> list[tuple[A
         for v in values
     ]
     return [tuple(pytree.tree_unflatten([p[j] for p in pieces], spec)) for j in range(microbatches)]
+
+
+def joined(outputs: Sequence[Any], weights: Sequence[float]) -> Any:
+    """The whole batch's output from its microbatches' outputs (the inverse of :func:`split_microbatches`), leaf by
+    leaf: a tensor with a batch dimension is concatenated along dim 0; a scalar tensor (a mean loss) is the mean
+    of the microbatches' weighted by ``weights`` (what each averages over; a microbatch weighing nothing is left
+    out, and a batch that weighs nothing is nan, as eager's mean over nothing); anything else is the first's."""
+    if len(outputs) == 1:
+        return outputs[0]
+    total = sum(weights)
+
+    def join(*leaves: Any) -> Any:
+        first = leaves[0]
+        if not isinstance(first, torch.Tensor):
+            return first
+        if first.dim() > 0:
+            return torch.cat(leaves)
+        if total == 0:
+            return torch.full_like(first, float("nan"))
+        return sum(leaf * (w / total) for leaf, w in zip(leaves, weights) if w)
+
+    return pytree.tree_map(join, outputs[0], *outputs[1:])
 
 
 def tensor_leaves(value: Any) -> list[torch.Tensor]:

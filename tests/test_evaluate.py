@@ -1,0 +1,141 @@
+"""Evaluation as users run it between training steps: ``pipe.evaluate`` (the batch's loss without gradients) and
+``pipe.forward`` (the model's output), both run as ``forward_backward`` splits a batch — the plan's microbatches,
+a stage holding one at a time — and equal to eager PyTorch under ``torch.no_grad()`` on the whole batch."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import rpcompile
+from rpcompile.models import load_model
+from rpcompile.pipeline import shifted_tokens
+from rpcompile.runtime.executor import PipelineError
+
+from _hf import hf_model
+from test_batches import _causal_loss, _padded
+from test_runtime import FINE_CPU, TOL
+
+
+def _assert_evaluates_like_eager(pipe, model, ref, batch, labels, what):
+    """``evaluate`` is eager's no-grad loss and ``forward`` its logits; neither leaves a gradient or moves a
+    weight."""
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        ref_out = ref(**batch)
+    torch.testing.assert_close(pipe.evaluate(**batch, target=labels), _causal_loss(ref_out, labels), **TOL,
+                               msg=lambda m: f"{what}: loss: {m}")
+    torch.testing.assert_close(pipe.forward(**batch).logits, ref_out.logits, **TOL,
+                               msg=lambda m: f"{what}: logits: {m}")
+    assert all(p.grad is None for p in model.parameters()), what
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()), what
+
+
+@pytest.mark.hf
+def test_evaluate_and_forward_give_eager_s_no_grad_results_on_padded_batches_between_training_steps():
+    """The loop users write: train, and every so often evaluate a held-out padded batch of another size and
+    length — the loss weighted by real tokens over the whole batch, as eager's mean over it."""
+    model = hf_model("llama")
+    ref = copy.deepcopy(model)
+    ids, mask, labels = _padded()
+    pipe = rpcompile.compile(model, (), example_kwargs={"input_ids": ids, "attention_mask": mask},
+                             loss_fn=_causal_loss, loss_weight=shifted_tokens, devices=["cpu", "cpu"],
+                             microbatches=3, spec=FINE_CPU, time_limit_s=2.0)
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step, (n, seq) in enumerate([(6, 32), (5, 20), (2, 9), (1, 5)]):
+        ids, mask, labels = _padded(n, seq, seed=10 + step)
+        _assert_evaluates_like_eager(pipe, model, ref, {"input_ids": ids, "attention_mask": mask}, labels,
+                                     f"step {step}")
+        pipe.forward_backward(input_ids=ids, attention_mask=mask, target=labels)
+        pipe.step(opt)
+        _causal_loss(ref(input_ids=ids, attention_mask=mask), labels).backward()
+        ref_opt.step(), ref_opt.zero_grad()
+
+
+@pytest.mark.hf
+def test_the_model_s_own_loss_evaluates_and_forward_joins_it_as_the_batch_mean():
+    """``loss_fn=None``: ``evaluate`` is the model's own loss on the whole batch (each microbatch weighted by the
+    shifted labels it averages over), and so is the ``loss`` of what ``forward`` returns."""
+    model = hf_model("llama")
+    ref = copy.deepcopy(model)
+    ids, mask, labels = _padded(seed=2)
+    pipe = rpcompile.compile(model, (), example_kwargs={"input_ids": ids, "attention_mask": mask, "labels": labels},
+                             loss_fn=None, devices=["cpu", "cpu"], microbatches=3, spec=FINE_CPU, time_limit_s=2.0)
+    ids, mask, labels = _padded(5, 20, seed=3)
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    with torch.no_grad():
+        ref_out = ref(**batch)
+    torch.testing.assert_close(pipe.evaluate(**batch), ref_out.loss, **TOL)
+    out = pipe.forward(**batch)
+    torch.testing.assert_close(out.loss, ref_out.loss, **TOL)
+    torch.testing.assert_close(out.logits, ref_out.logits, **TOL)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_split_lm_head_evaluates_its_loss_inside_the_graph():
+    """``head_chunks=4`` computes the loss in the fused stage's graph, a chunk of the head at a time: ``evaluate``
+    runs it there, without the logits, and equals eager on batches of other sizes and lengths."""
+    spec = load_model("llama-demo", batch_size=6)
+    ref = copy.deepcopy(spec.model)
+    (x,), y = spec.example_inputs, spec.example_target
+    pipe = rpcompile.compile(spec.model, (x,), loss_fn=spec.loss_fn, devices=["cpu", "cpu"], microbatches=3,
+                             spec=FINE_CPU, time_limit_s=2.0, example_target=y, head_chunks=4)
+    assert pipe.loss_in_graph
+    for rows, seq in [(6, x.shape[1]), (4, x.shape[1] // 2)]:
+        xs, ys = x[:rows, :seq], y[:rows, :seq]
+        with torch.no_grad():
+            torch.testing.assert_close(pipe.evaluate(xs, target=ys), spec.loss_fn(ref(xs), ys), **TOL)
+    assert all(p.grad is None for p in spec.model.parameters())
+
+
+SEEN: list[int] = []
+FAIL_AT: list[int] = []
+
+
+class Rows(nn.Module):
+    """A leaf module recording the rows each call gets; it raises on the call numbered in ``FAIL_AT``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        SEEN.append(x.shape[0])
+        if FAIL_AT and len(SEEN) == FAIL_AT[0]:
+            raise RuntimeError("sensor offline")
+        return x * 1.0
+
+
+class Recorded(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.rows, self.b = nn.Linear(8, 16), Rows(), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.rows(self.a(x).relu()))
+
+
+def test_a_stage_evaluates_one_microbatch_at_a_time_and_a_failure_is_one_line_naming_it():
+    """A stage gets the plan's microbatch, not the whole batch (the memory it was planned for); an exception in
+    a stage is one ``PipelineError`` naming the stage, device and microbatch, and the next call runs."""
+    torch.manual_seed(0)
+    model = Recorded()
+    x, y = torch.randn(6, 8), torch.randn(6, 4)
+    pipe = rpcompile.compile(model, (x,), loss_fn=F.mse_loss, devices=["cpu", "cpu"], microbatches=3,
+                             spec=FINE_CPU, time_limit_s=2.0, leaf_modules=[Rows])
+    SEEN.clear()
+    torch.testing.assert_close(pipe.forward(x), model(x), **TOL)
+    assert SEEN[:3] == [2, 2, 2]
+    SEEN.clear()
+    torch.testing.assert_close(pipe.evaluate(x[:5], target=y[:5]), F.mse_loss(model(x[:5]), y[:5]), **TOL)
+    assert SEEN[:3] == [2, 2, 1]
+    SEEN.clear()
+    FAIL_AT.append(2)
+    stage = next(s.name for s in pipe.plan.stages if any("rows" in n for n in s.nodes) and s.kind != "backward")
+    try:
+        with pytest.raises(PipelineError, match=rf"^stage {stage} \(\d+F1\) failed on device \d \(cpu\) at "
+                                                r"microbatch 1: RuntimeError: sensor offline$"):
+            pipe.forward(x)
+    finally:
+        FAIL_AT.clear()
+    torch.testing.assert_close(pipe.forward(x), model(x), **TOL)

@@ -159,8 +159,8 @@ class Pipeline:
 
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
         raise RPCompileError("a Pipeline is not called like the model: pipe.forward_backward(x, target=y) trains "
-                             "(the forward and the backward in one call: no loss.backward()), pipe.forward(x) "
-                             "evaluates")
+                             "(the forward and the backward in one call: no loss.backward()); pipe.evaluate(x, "
+                             "target=y) gives the loss without gradients, pipe.forward(x) the model's output")
 
     def join(self, dp: DataParallel) -> None:
         """Run as one rank of data-parallel training: gradients summed across the ranks (``compile`` does this)."""

@@ -250,7 +250,8 @@ UNCHECKED_ROWS: list[Row] = [
      HABIT),
     ("pipe(x)", lambda p: p(IDS), RPCompileError,
      r"^a Pipeline is not called like the model: pipe\.forward_backward\(x, target=y\) trains \(the forward and the "
-     r"backward in one call: no loss\.backward\(\)\), pipe\.forward\(x\) evaluates$"),
+     r"backward in one call: no loss\.backward\(\)\); pipe\.evaluate\(x, target=y\) gives the loss without "
+     r"gradients, pipe\.forward\(x\) the model's output$"),
 ]
 
 

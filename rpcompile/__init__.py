@@ -35,6 +35,7 @@ _EXPORTS = {
     "compile": "rpcompile.pipeline",
     "max_sequence_length": "rpcompile.seqlen",
     "LinkBoundWarning": "rpcompile.envelope",
+    "PrecisionWarning": "rpcompile.signature",
     "Pipeline": "rpcompile.pipeline",
     "save_checkpoint": "rpcompile.checkpoint",
     "load_checkpoint": "rpcompile.checkpoint",

@@ -24,6 +24,7 @@ take either), and a floating input may come in the pipeline's compute precision 
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -34,7 +35,13 @@ from torch.utils import _pytree as pytree
 from .core.batch import tensor_leaves
 from .core.errors import ConfigError, InputError
 
-__all__ = ["InputSignature", "LeafSpec", "check_call_mode", "check_compile_arguments", "needs_target"]
+__all__ = ["InputSignature", "LeafSpec", "PrecisionWarning", "check_call_mode", "check_compile_arguments",
+           "needs_target"]
+
+
+class PrecisionWarning(UserWarning):
+    """The model's trainable parameters are in a 16-bit dtype: they are the masters the optimizer updates, in that
+    dtype (:func:`check_compile_arguments`)."""
 
 _IDS = {torch.int32, torch.int64}
 _ARRAYS = (list, tuple)
@@ -292,6 +299,10 @@ def check_compile_arguments(model: Any, example_inputs: Any, example_kwargs: Map
     """Refuse, in one line, a ``compile`` argument that cannot work, before tracing or planning anything."""
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"model is a {type(model).__name__}, not a torch.nn.Module; pass the module to compile")
+    if isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):  # torch.compile's OptimizedModule
+        raise ConfigError(f"model is a torch.compile wrapper ({type(model).__name__}): rpcompile compiles the model "
+                          "itself, into stages of its own; pass the module it wraps, model._orig_mod")
+    _warn_16_bit_masters(model)
     if loss_fn is not None and not callable(loss_fn):
         raise ConfigError(f"loss_fn={loss_fn!r} is not callable; pass a function loss_fn(output, target) -> scalar "
                           "(e.g. torch.nn.functional.cross_entropy), or loss_fn=None for the model's own loss")
@@ -310,3 +321,18 @@ def check_compile_arguments(model: Any, example_inputs: Any, example_kwargs: Map
         if _numbers(v):
             raise ConfigError(f"{where} is a {type(v).__name__} of numbers, not a tensor; pass a tensor "
                               "(torch.as_tensor(...)) as the model's forward takes")
+
+
+def _warn_16_bit_masters(model: torch.nn.Module) -> None:
+    """Warn (:class:`PrecisionWarning`) when trainable parameters are bfloat16 or float16 — a model loaded with
+    ``torch_dtype=torch.bfloat16`` —: they stay the masters the optimizer updates, so updates smaller than half a
+    step of that dtype are lost, where rpcompile's design keeps fp32 masters on the host for the devices' 16-bit
+    compute (``precision=``). A frozen 16-bit base (LoRA) is fine and not warned about."""
+    low = [(n, p.dtype) for n, p in model.named_parameters() if p.requires_grad and p.dtype in (torch.bfloat16,
+                                                                                                  torch.float16)]
+    if low:
+        name, dtype = low[0]
+        warnings.warn(f"{len(low)} trainable parameter(s) are {_name(dtype)} (e.g. {name}): the optimizer updates them "
+                      f"in {_name(dtype)}, losing small updates; for fp32 masters with {_name(dtype)} compute load the "
+                      f"model in float32 (torch_dtype=torch.float32) and compile with "
+                      f"precision={_PRECISIONS[dtype]!r}", PrecisionWarning, stacklevel=4)

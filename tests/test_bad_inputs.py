@@ -14,6 +14,7 @@ import copy
 import io
 import json
 import re
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -361,6 +362,10 @@ COMPILE_ROWS: list[Row] = [
      r"^loss_weight='tokens'; use 'auto', 'rows' or a function"),
     ("model not a module", _c(devices=["cpu"], model=F.relu), ConfigError,
      r"^model is a function, not a torch\.nn\.Module; pass the module to compile$"),
+    ("model under torch.compile", lambda plans: rpcompile.compile(torch.compile(MLP()), (X,), loss_fn=F.mse_loss,
+                                                                  devices=["cpu"]), ConfigError,
+     r"^model is a torch\.compile wrapper \(OptimizedModule\): rpcompile compiles the model itself, into stages of "
+     r"its own; pass the module it wraps, model\._orig_mod$"),
     ("example a list of numbers", _c(devices=["cpu"], example=(X.tolist(),)), ConfigError,
      r"^example input 0 is a list of numbers, not a tensor; pass a tensor \(torch\.as_tensor\(\.\.\.\)\)"),
     ("example a numpy array", _c(devices=["cpu"], example=(X.numpy(),)), ConfigError,
@@ -531,6 +536,26 @@ def test_a_parameter_replaced_after_compile_is_refused_and_values_changed_in_pla
     torch.testing.assert_close(pipe.forward_backward(X, target=Y), F.mse_loss(ref(X), Y), **TOL)
     F.mse_loss(ref(X), Y).backward()
     assert_grads_equal(model, ref)
+
+
+def test_trainable_16_bit_parameters_are_warned_about_once_and_a_frozen_16_bit_base_is_not():
+    """A model loaded in bfloat16 trains (its masters are bf16, as eager's would be), with one warning naming the
+    fix; a LoRA-style frozen bf16 base with fp32 adapters gets none."""
+    model = MLP().to(torch.bfloat16)
+    with pytest.warns(rpcompile.PrecisionWarning, match=r"^4 trainable parameter\(s\) are bfloat16 \(e\.g\. a\.weight\): "
+                      r"the optimizer updates them in bfloat16, losing small updates; for fp32 masters with bfloat16 "
+                      r"compute load the model in float32 \(torch_dtype=torch\.float32\) and compile with "
+                      r"precision='bf16'$") as record:
+        _compile(model, X.bfloat16(), loss_fn=F.mse_loss, devices=["cpu"], microbatches=1)
+    ours = [w for w in record if w.category is rpcompile.PrecisionWarning]
+    assert len(ours) == 1 and ours[0].filename == __file__  # at the compile call
+    frozen = MLP()
+    frozen.a.to(torch.bfloat16).requires_grad_(False)
+    frozen.b.requires_grad_(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", rpcompile.PrecisionWarning)
+        rpcompile.signature.check_compile_arguments(frozen, (X,), None, loss_fn=F.mse_loss, devices=["cpu"],
+                                                    gpus=None, microbatches=None)
 
 
 def test_no_grad_and_eval_under_inference_mode_are_fine(mlp):

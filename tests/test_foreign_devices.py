@@ -83,6 +83,8 @@ def test_a_pipeline_runs_where_the_default_device_is_not_the_cpu(case):
     assert not missing
     out = pipe.forward(x)
     assert out.device.type == "cpu" and out.shape == (*x.shape, spec.model.lm_head.out_features)
+    evaluated = pipe.evaluate(x, target=y)  # the loss computed on the last stage's device, the target sent there
+    assert evaluated.device.type == "cpu" and evaluated.shape == ()
 
 
 @pytest.mark.hf
@@ -117,6 +119,8 @@ def test_a_pipeline_whose_copies_change_the_layout_matches_eager(parity):
     loss = pipe.forward_backward(x, target=y)
     torch.testing.assert_close(loss, eager_step(ref, spec.loss_fn, x, y, pipe.microbatches), **TOL)
     assert_grads_equal(spec.model, ref)
+    with torch.no_grad():  # evaluation's microbatches through the same column-major copies
+        torch.testing.assert_close(pipe.evaluate(x, target=y), spec.loss_fn(ref(x), y), **TOL)
 
 
 def check_bert(devices, spec):

@@ -120,6 +120,8 @@ def test_split_head_matches_eager_on_cuda():
     ref_loss.backward()
     torch.testing.assert_close(loss, ref_loss.detach(), **GPU_TOL)
     _assert_grads(spec.model, ref)
+    with torch.no_grad():  # evaluation: the in-graph loss per microbatch on the fused stage's GPU
+        torch.testing.assert_close(pipe.evaluate(x, target=y), spec.loss_fn(ref(x), y), **GPU_TOL)
 
 
 @pytest.mark.parametrize("precision,dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])

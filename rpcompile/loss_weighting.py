@@ -13,9 +13,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from .core.errors import LossFnError, RPCompileError
+from .core.errors import InputError, LossFnError, RPCompileError
 
-__all__ = ["IGNORE_INDEX", "BatchLoss", "MicrobatchLoss", "shifted_tokens", "loss_weights", "own_loss"]
+__all__ = ["IGNORE_INDEX", "BatchLoss", "MicrobatchLoss", "check_labels", "label_bounds", "output_classes",
+           "shifted_tokens", "loss_weights", "own_loss"]
 
 #: The target value a mean loss leaves out (``ignore_index`` of torch's and HF's cross-entropy): padding.
 IGNORE_INDEX = -100
@@ -106,12 +107,15 @@ class MicrobatchLoss:
     (``where="outside"``), the model's own loss (``"own"``, ``loss_fn=None``) or the graph's output (``"graph"``,
     the loss inside the graph). A ``loss_fn`` that raises, or a loss that is no scalar, is refused in one line
     naming the target it was given (:class:`~rpcompile.core.errors.LossFnError`), and ``checked_targets=False``
-    (no ``example_target=``) adds how to check every target before anything runs."""
+    (no ``example_target=``) adds how to check every target before anything runs. ``bounds[j]`` (the host's
+    :func:`label_bounds` of microbatch j's target) are checked against the classes of the output ``loss_fn`` gets
+    before it runs: on a GPU a label out of range stops cross-entropy at a device-side assert."""
 
     def __init__(self, loss_fn: Callable[[Any, Any], torch.Tensor] | None, where: str, weights: Sequence[float],
-                 total: float, *, summed: bool = False, checked_targets: bool = True) -> None:
+                 total: float, *, summed: bool = False, checked_targets: bool = True,
+                 bounds: Sequence[tuple[int, int] | None] = ()) -> None:
         self.loss_fn, self.where, self.weights, self.total = loss_fn, where, weights, total
-        self.summed, self.checked_targets = summed, checked_targets
+        self.summed, self.checked_targets, self.bounds = summed, checked_targets, bounds
 
     def __call__(self, output: Any, target: Any, j: int) -> torch.Tensor:
         if self.where == "graph":
@@ -120,12 +124,15 @@ class MicrobatchLoss:
             loss = own_loss(output)
         else:
             assert self.loss_fn is not None  # outside: there is a loss_fn
+            if j < len(self.bounds):
+                check_labels(self.bounds[j], output_classes(output, target), f"the target of microbatch {j}",
+                             LossFnError)
             loss = self._loss_fn(output, target, j)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             what = "loss_fn returned" if self.where == "outside" else "the model's loss (loss_fn=None) is"
             raise LossFnError(f"{what} {shape}, not a scalar: reduce it over the batch (reduction="
-                                 "'mean' or 'sum')")
+                              "'mean' or 'sum')")
         if self.summed:
             return loss
         if self.weights[j] == 0:  # nothing to average (all padding): the mean is nan, its gradient zero
@@ -146,6 +153,43 @@ class MicrobatchLoss:
             raise LossFnError(f"loss_fn(output, target) failed on microbatch {j} ({type(e).__name__}: {first}); "
                               f"it was given the target {describe(target)} and the output {describe(output)}: "
                               f"pass a target loss_fn takes (or fix loss_fn){hint}") from e
+
+
+def label_bounds(target: Any) -> tuple[int, int] | None:
+    """The smallest and largest label of an integer target, leaving out :data:`IGNORE_INDEX` (padding); None for
+    another target or one that is all padding."""
+    if not isinstance(target, torch.Tensor) or target.is_floating_point() or target.is_complex() \
+            or target.dtype == torch.bool or target.numel() == 0:
+        return None
+    labels = target[target != IGNORE_INDEX]
+    return (int(labels.min()), int(labels.max())) if labels.numel() else None
+
+
+def output_classes(output: Any, target: Any) -> int | None:
+    """How many classes the output scores for each label of ``target``: the last dimension of the output's
+    logits — the output itself, its ``logits`` or its first tensor — when it has one dimension more than the
+    target (``(batch, seq, vocab)`` for ``(batch, seq)`` labels) and more than one class; None otherwise."""
+    if isinstance(output, Mapping):
+        output = output.get("logits")
+    elif isinstance(output, (tuple, list)):
+        output = next((v for v in output if isinstance(v, torch.Tensor)), None)
+    if not isinstance(output, torch.Tensor) or not isinstance(target, torch.Tensor) \
+            or output.dim() != target.dim() + 1 or output.shape[-1] < 2:
+        return None
+    return int(output.shape[-1])
+
+
+def check_labels(bounds: tuple[int, int] | None, classes: int | None, what: str,
+                 error: type[Exception] = InputError) -> None:
+    """Refuse (``error``, one line) a label the output has no class for (``>= classes``): on a GPU the loss would
+    stop at a device-side assert (and CUDA in the process with it) rather than raise. Negative labels are left to
+    the loss (a loss may ignore another index than -100)."""
+    if bounds is None or classes is None or bounds[1] < classes:
+        return
+    raise error(f"{what} has label {bounds[1]}, beyond the {classes} classes of the model's output (its last "
+                f"dimension): labels must be below {classes}, or {IGNORE_INDEX} (ignored); check the tokenizer "
+                "against the model's vocabulary (resize_token_embeddings, then compile) — on a GPU the loss would "
+                "stop at a device-side assert")
 
 
 def describe(value: Any) -> str:

@@ -75,8 +75,8 @@ from rpcompile.passes.trace import training_inputs
 from .model_match import graph_as_planned
 from .oom import out_of_memory
 from .invariants import verify_plan
-from .loss_weighting import (IGNORE_INDEX, BatchLoss, MicrobatchLoss, _checked_weight, _shifts_labels, loss_weights,
-                             own_loss, shifted_tokens)
+from .loss_weighting import (IGNORE_INDEX, BatchLoss, MicrobatchLoss, _checked_weight, _shifts_labels, check_labels,
+                             label_bounds, loss_weights, own_loss, shifted_tokens)
 from .signature import InputSignature, check_call_mode, check_compile_arguments, needs_target
 
 __all__ = ["compile", "Pipeline",
@@ -91,6 +91,18 @@ log = logging.getLogger(__name__)
 #: The settings of a parameter group that lr schedulers set (``OneCycleLR`` and ``CyclicLR`` cycle the momentum
 #: too). Others are left out: some optimizers keep their own running values there (Prodigy's ``d``).
 SCHEDULED = ("lr", "momentum", "betas", "weight_decay")
+
+
+def _output_classes(model: torch.nn.Module) -> int | None:
+    """The rows of an HF model's output embeddings (``get_output_embeddings()``, its LM head): the classes its
+    logits score. None for a model without them."""
+    get = getattr(model, "get_output_embeddings", None)
+    try:
+        head = get() if callable(get) else None
+    except Exception:  # noqa: BLE001 - a model that does not implement it has none to check against
+        return None
+    weight = getattr(head, "weight", None)
+    return int(weight.shape[0]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
 
 
 def settings(optimizer: Any) -> list[dict[str, Any]]:
@@ -125,6 +137,9 @@ class Pipeline:
         self.loss_in_graph = loss_in_graph  # the graph takes the target and returns the loss (split LM head)
         self.signature = signature
         self.loss_weight = _checked_weight(loss_weight)
+        self.classes = _output_classes(model)
+        """The classes the model's output scores (an HF model's output embeddings), which labels of a loss
+        inside the stages are checked against on the host; None where unknown."""
         if loss_fn is None and loss_weight == "auto" and _shifts_labels(model):
             self.loss_weight = shifted_tokens  # the model's own causal LM loss averages over labels[:, 1:]
         self.compiled = CompiledModel(model, gm)
@@ -464,10 +479,15 @@ class Pipeline:
         # a mean over the batch is the weighted mean of the microbatches' means (weights: what each mean averages
         # over, loss_weights; the model's own loss averages over its labels); a sum is their sum
         summed = outside and getattr(self.loss_fn, "reduction", "mean") == "sum"
+        where = "graph" if self.loss_in_graph else "outside" if outside else "own"
+        # labels out of the model's classes: refused here, not at a device-side assert on a GPU (loss_weighting)
+        labels = target if where == "graph" else kwargs.get("labels") if where == "own" else None
+        if isinstance(labels, torch.Tensor):
+            check_labels(label_bounds(labels), self.classes, "labels" if where == "own" else "target")
+        bounds = [label_bounds(p) for p in pieces] if outside else []
         weights = self._weights(kwargs, pieces, sizes, m)
         total = self._global_total(sum(weights)) if global_total else sum(weights)
-        where = "graph" if self.loss_in_graph else "outside" if outside else "own"
-        loss_of = MicrobatchLoss(self.loss_fn, where, weights, total, summed=summed,
+        loss_of = MicrobatchLoss(self.loss_fn, where, weights, total, summed=summed, bounds=bounds,
                                  checked_targets=self.signature is not None and self.signature.target is not None)
         return store, m, loss_of, targets
 

@@ -198,17 +198,19 @@ TOKEN_ROWS: list[Row] = [
     ("float target for token loss", lambda p: p.forward_backward(IDS, target=LABELS.float()), InputError,
      r"^target has dtype float32 but the pipeline was compiled for int64"),
     ("missing target", lambda p: p.forward_backward(IDS), InputError, r"^target is missing"),
-    # the target passes the signature (int64, one label per token) but not the loss: the stage ran, the loss named
-    ("label out of range", lambda p: p.forward_backward(IDS, target=LABELS + 16), LossFnError,
-     r"^loss_fn\(output, target\) failed on microbatch 0 \(IndexError: Target \d+ is out of bounds\.\); it was "
-     r"given the target int64 \(2, 5\) and the output float32 \(2, 5, 16\): pass a target loss_fn takes \(or fix "
-     r"loss_fn\)$"),
+    # the target passes the signature (int64, one label per token) but has a label the output has no class for:
+    # refused before loss_fn runs (on a GPU cross-entropy would stop at a device-side assert, CUDA gone with it)
+    ("label beyond the classes", lambda p: p.forward_backward(IDS, target=LABELS + 16), LossFnError,
+     r"^the target of microbatch 0 has label \d+, beyond the 16 classes of the model's output \(its last dimension\): "
+     r"labels must be below 16, or -100 \(ignored\); check the tokenizer against the model's vocabulary "
+     r"\(resize_token_embeddings, then compile\) — on a GPU the loss would stop at a device-side assert$"),
     ("ids keyword misspelt", lambda p: p.forward_backward(input_ids=IDS, target=LABELS), InputError,
      r"^the pipeline was compiled for 1 positional input\(s\), got 0"),
 ]
 
 
 HF_IDS, HF_MASK = torch.randint(1, 64, (4, 8)), torch.ones(4, 8, dtype=torch.long)
+HF_BEYOND = HF_IDS.index_put((torch.tensor([3]), torch.tensor([2])), torch.tensor(70))  # a token id past the vocab
 HF_ROWS: list[Row] = [
     ("float attention mask", lambda p: p.forward_backward(input_ids=HF_IDS, attention_mask=HF_MASK.float(),
                                                           target=HF_IDS), InputError,
@@ -228,6 +230,9 @@ HF_ROWS: list[Row] = [
      r"^target has sequence length 5 but the inputs have 8 \(dim 1\)"),
     ("missing labels and target", lambda p: p.forward_backward(input_ids=HF_IDS, attention_mask=HF_MASK),
      InputError, r"^target is missing"),
+    ("token id beyond the vocabulary", lambda p: p.forward_backward(input_ids=HF_IDS, attention_mask=HF_MASK,
+                                                                    target=HF_BEYOND),
+     LossFnError, r"^the target of microbatch \d has label 70, beyond the 64 classes of the model's output"),
 ]
 
 
@@ -535,6 +540,26 @@ def test_a_parameter_replaced_after_compile_is_refused_and_values_changed_in_pla
     model.zero_grad(set_to_none=True)
     torch.testing.assert_close(pipe.forward_backward(X, target=Y), F.mse_loss(ref(X), Y), **TOL)
     F.mse_loss(ref(X), Y).backward()
+    assert_grads_equal(model, ref)
+
+
+@pytest.mark.hf
+def test_labels_beyond_an_hf_model_s_vocabulary_are_refused_before_its_own_loss_runs():
+    """``loss_fn=None``: the model's loss runs inside the last stage, so its labels are checked on the host, against
+    the model's output embeddings, before anything runs; the next batch trains as eager."""
+    model = hf_model("llama")
+    ref = copy.deepcopy(model)
+    batch = {"input_ids": HF_IDS, "attention_mask": HF_MASK, "labels": HF_IDS}
+    pipe = rpcompile.compile(model, (), example_kwargs=batch, loss_fn=None, devices=["cpu", "cpu"], spec=FINE_CPU,
+                             time_limit_s=2.0)
+    with pytest.raises(InputError, match=r"^labels has label 70, beyond the 64 classes of the model's output \(its "
+                                         r"last dimension\): labels must be below 64, or -100 \(ignored\); check "):
+        pipe.forward_backward(**{**batch, "labels": HF_BEYOND})
+    assert all(p.grad is None for p in model.parameters())
+    loss = pipe.forward_backward(**batch)
+    ref_loss = ref(**batch).loss
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, **TOL)
     assert_grads_equal(model, ref)
 
 

@@ -30,12 +30,15 @@ import torch.nn.functional as F
 from ..core.errors import LossHeadError
 from .util import module_path
 
-__all__ = ["attach_loss", "chunk_loss_head", "split_head", "HeadSplit", "TARGET", "HEAD_CHUNKS_META", "CHUNK_META"]
+__all__ = ["attach_loss", "chunk_loss_head", "split_head", "HeadSplit", "TARGET", "HEAD_CHUNKS_META",
+           "HEAD_CLASSES_META", "CHUNK_META"]
 
 #: Name of the placeholder :func:`attach_loss` adds.
 TARGET = "target"
 #: ``gm.meta`` key under which :func:`chunk_loss_head` records its chunk count.
 HEAD_CHUNKS_META = "rpcompile.head_chunks"
+HEAD_CLASSES_META = "rpcompile.head_classes"
+"""``gm.meta`` key: the classes the split LM head scores (its weight's rows), for the host's label check."""
 #: ``node.meta`` key naming the chunk a node computes (``lm_head.chunk2``): the coarsener groups by it, so the
 #: chunks become segments of their own with readable names.
 CHUNK_META = "rpcompile.head_chunk"
@@ -130,6 +133,20 @@ def _is_linear(node: fx.Node, gm: fx.GraphModule) -> bool:
 _RESHAPES = ("flatten", "view", "reshape")
 
 
+def _head_classes(node: fx.Node, gm: fx.GraphModule) -> int | None:
+    """The rows of the LM head's weight (a :func:`_is_linear` node): the classes its logits score."""
+    if node.op == "call_module":
+        head = gm.get_submodule(str(node.target))
+        return head.out_features if isinstance(head, torch.nn.Linear) else None
+    weight = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+    if isinstance(weight, fx.Node) and weight.op == "get_attr":
+        try:
+            return int(gm.get_parameter(str(weight.target)).shape[0])
+        except AttributeError:  # a buffer or a constant: no classes to check against
+            return None
+    return None
+
+
 def _step_name(node: fx.Node) -> str:
     return str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", "")
 
@@ -209,6 +226,7 @@ def chunk_loss_head(gm: fx.GraphModule, chunks: int) -> HeadSplit:
             cur = graph.node_copy(step, _replacing(step.args[0], cur))
         return cur
 
+    classes = _head_classes(head, gm)
     before = set(graph.nodes)
     label = module_path(head) or "head"
     total = None
@@ -240,6 +258,8 @@ def chunk_loss_head(gm: fx.GraphModule, chunks: int) -> HeadSplit:
     graph.lint()
     gm.recompile()
     gm.meta[HEAD_CHUNKS_META] = chunks  # plans made from this graph record it, so it can be rebuilt
+    if classes is not None:  # the target's labels are checked against it on the host (rpcompile.pipeline)
+        gm.meta[HEAD_CLASSES_META] = classes
     return HeadSplit(chunks)
 
 

@@ -55,7 +55,7 @@ import torch
 import torch.fx as fx
 
 from rpcompile.passes.codegen import write_stages
-from rpcompile.passes.loss_head import TARGET
+from rpcompile.passes.loss_head import HEAD_CLASSES_META, TARGET
 from rpcompile.passes.split import split_plan
 from rpcompile.runtime.devices import make_devices
 from rpcompile.runtime.executor import Executor, ValueStore
@@ -137,9 +137,9 @@ class Pipeline:
         self.loss_in_graph = loss_in_graph  # the graph takes the target and returns the loss (split LM head)
         self.signature = signature
         self.loss_weight = _checked_weight(loss_weight)
-        self.classes = _output_classes(model)
-        """The classes the model's output scores (an HF model's output embeddings), which labels of a loss
-        inside the stages are checked against on the host; None where unknown."""
+        self.classes = _output_classes(model) or gm.meta.get(HEAD_CLASSES_META)
+        """The classes the model's output scores (an HF model's output embeddings, a split head's weight), which
+        the labels of a loss inside the stages are checked against on the host; None where unknown."""
         if loss_fn is None and loss_weight == "auto" and _shifts_labels(model):
             self.loss_weight = shifted_tokens  # the model's own causal LM loss averages over labels[:, 1:]
         self.compiled = CompiledModel(model, gm)

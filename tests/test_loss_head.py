@@ -102,6 +102,13 @@ def test_pipeline_with_split_head_matches_eager():
     assert_grads_equal(spec.model, ref)
     with pytest.raises(rpcompile.RPCompileError, match=r"pass the batch's target, forward_backward\(x, target=y\)"):
         pipe.forward_backward(x)
+    # the loss is inside the graph: a label the head has no class for is refused on the host, before anything runs
+    # (on a GPU the chunks' cross-entropy would stop at a device-side assert)
+    assert pipe.classes == spec.model.lm_head.out_features
+    beyond = y.index_put((torch.tensor([1]), torch.tensor([2])), torch.tensor(pipe.classes))
+    with pytest.raises(rpcompile.InputError, match=rf"^target has label {pipe.classes}, beyond the {pipe.classes} "
+                                                   r"classes of the model's output"):
+        pipe.forward_backward(x, target=beyond)
 
 
 def test_split_head_needs_a_loss_and_a_sequence_target():

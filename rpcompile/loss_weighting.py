@@ -85,7 +85,8 @@ class BatchLoss(torch.Tensor):
     def backward(self, *args: Any, **kwargs: Any) -> None:
         raise RPCompileError("loss.backward() on what forward_backward returned: forward_backward already ran the "
                              "backward pass and added the gradients into each p.grad; drop loss.backward() and call "
-                             "optimizer.step() (the loss is for logging)")
+                             "optimizer.step() (the loss is for logging; to accumulate gradients over k calls, pass "
+                             "forward_backward(..., loss_scale=1/k))")
 
     # as a plain tensor: torch formats, copies and prints exact Tensors only (f"{loss:.4f}", copy.deepcopy)
     def __reduce_ex__(self, protocol: Any) -> Any:
@@ -103,7 +104,7 @@ class BatchLoss(torch.Tensor):
 
 class MicrobatchLoss:
     """``loss(output, target, j)``: microbatch ``j``'s loss, weighted so that the microbatches' sum is the batch's
-    mean (``weights[j] / total``; summed as they are for ``summed``), from ``loss_fn(output, target)``
+    mean (``weights[j] / total``; summed as they are for ``summed``), times ``scale``, from ``loss_fn(output, target)``
     (``where="outside"``), the model's own loss (``"own"``, ``loss_fn=None``) or the graph's output (``"graph"``,
     the loss inside the graph). A ``loss_fn`` that raises, or a loss that is no scalar, is refused in one line
     naming the target it was given (:class:`~rpcompile.core.errors.LossFnError`), and ``checked_targets=False``
@@ -113,9 +114,9 @@ class MicrobatchLoss:
 
     def __init__(self, loss_fn: Callable[[Any, Any], torch.Tensor] | None, where: str, weights: Sequence[float],
                  total: float, *, summed: bool = False, checked_targets: bool = True,
-                 bounds: Sequence[tuple[int, int] | None] = ()) -> None:
+                 bounds: Sequence[tuple[int, int] | None] = (), scale: float = 1.0) -> None:
         self.loss_fn, self.where, self.weights, self.total = loss_fn, where, weights, total
-        self.summed, self.checked_targets, self.bounds = summed, checked_targets, bounds
+        self.summed, self.checked_targets, self.bounds, self.scale = summed, checked_targets, bounds, scale
 
     def __call__(self, output: Any, target: Any, j: int) -> torch.Tensor:
         if self.where == "graph":
@@ -134,10 +135,10 @@ class MicrobatchLoss:
             raise LossFnError(f"{what} {shape}, not a scalar: reduce it over the batch (reduction="
                               "'mean' or 'sum')")
         if self.summed:
-            return loss
+            return loss * self.scale if self.scale != 1.0 else loss
         if self.weights[j] == 0:  # nothing to average (all padding): the mean is nan, its gradient zero
             return loss.nan_to_num() * 0.0
-        return loss * (self.weights[j] / self.total)
+        return loss * (self.weights[j] / self.total * self.scale)
 
     def _loss_fn(self, output: Any, target: Any, j: int) -> Any:
         assert self.loss_fn is not None

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -91,6 +92,18 @@ log = logging.getLogger(__name__)
 #: The settings of a parameter group that lr schedulers set (``OneCycleLR`` and ``CyclicLR`` cycle the momentum
 #: too). Others are left out: some optimizers keep their own running values there (Prodigy's ``d``).
 SCHEDULED = ("lr", "momentum", "betas", "weight_decay")
+
+
+def _accumulation(loss_scale: Any, num_items: Any) -> tuple[float, float | None]:
+    """``forward_backward``'s ``loss_scale`` and ``num_items``, refused in one line unless finite and (for
+    ``num_items``) positive."""
+    if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)) or not math.isfinite(loss_scale):
+        raise ConfigError(f"loss_scale={loss_scale!r}; give a finite number (1 / steps to accumulate over steps)")
+    if num_items is not None and (isinstance(num_items, bool) or not isinstance(num_items, (int, float))
+                                  or not math.isfinite(num_items) or num_items <= 0):
+        raise ConfigError(f"num_items={num_items!r}; give what the loss averages over in every batch accumulated "
+                          "(a positive count of real tokens or rows), or None for this batch's own")
+    return float(loss_scale), None if num_items is None else float(num_items)
 
 
 def _output_classes(model: torch.nn.Module) -> int | None:
@@ -374,20 +387,31 @@ class Pipeline:
         sizes = [next((v.shape[0] for v in p if isinstance(v, torch.Tensor) and v.dim() > 0), 1) for p in pieces]
         return store, sizes
 
-    def forward_backward(self, *inputs: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
+    def forward_backward(self, *inputs: Any, target: Any = None, loss_scale: float = 1.0,
+                         num_items: float | None = None, **kwargs: Any) -> torch.Tensor:
         """One training iteration's forward and backward over the whole batch; returns the batch's loss: the mean
         over the batch (microbatch losses weighted by their sizes), or their sum for a loss module with
-        ``reduction="sum"``.
+        ``reduction="sum"``. Its gradients are added into ``.grad``: the loss returned is for logging.
+
+        **Gradient accumulation** over several calls before one optimizer step — the eager
+        ``(loss / steps).backward()``, which cannot be written here as the backward runs inside the call:
+        ``loss_scale=1 / steps`` scales the loss and its gradients. ``num_items=N`` makes the mean's denominator
+        N — what the loss averages over in *all* the batches accumulated (their real tokens for an integer
+        target, their rows otherwise; every rank's, data-parallel) — instead of this batch's own count, so the
+        accumulated gradients are those of the mean over all of them, padding weighted as in one big batch (HF
+        Trainer's ``num_items_in_batch``); a summed loss (``reduction="sum"``) takes ``loss_scale`` only. The
+        loss returned is the one whose gradients were added (scaled, or over ``N``).
 
         Data-parallel (:mod:`rpcompile.distributed`): the batch is this rank's shard; the loss returned and the
         gradients added into ``.grad`` are those of the whole batch, every rank's shard concatenated. A failure on
         any rank raises on every rank (one line naming it); that call's gradients are dropped."""
+        accumulation = _accumulation(loss_scale, num_items)
         dp = self.data_parallel
         if dp is None:
-            return self._forward_backward(inputs, target, kwargs).as_subclass(BatchLoss)
+            return self._forward_backward(inputs, target, kwargs, accumulation).as_subclass(BatchLoss)
         self._dp_phase = "before"
         try:
-            return self._forward_backward(inputs, target, kwargs).as_subclass(BatchLoss)
+            return self._forward_backward(inputs, target, kwargs, accumulation).as_subclass(BatchLoss)
         except DistributedError:
             self._drop_held()
             raise
@@ -432,10 +456,12 @@ class Pipeline:
         model traced in train mode and then put in eval mode runs its dropouts switched off). Calls check first."""
         return self.compiled.check()
 
-    def _forward_backward(self, inputs: Sequence[Any], target: Any, kwargs: dict[str, Any]) -> torch.Tensor:
+    def _forward_backward(self, inputs: Sequence[Any], target: Any, kwargs: dict[str, Any],
+                          accumulation: tuple[float, float | None] = (1.0, None)) -> torch.Tensor:
         check_call_mode("forward_backward", self.precision)
         self.executor.training = self.check_model()
-        store, m, loss_of, targets = self._batch("forward_backward", inputs, target, kwargs, global_total=True)
+        store, m, loss_of, targets = self._batch("forward_backward", inputs, target, kwargs, global_total=True,
+                                                 accumulation=accumulation)
         scale = 1.0
         if self.scaler is not None and self.scaler.is_enabled():
             scale = float(self.scaler.scale(torch.ones(())))  # also starts the scaler's bookkeeping
@@ -454,10 +480,12 @@ class Pipeline:
         return loss
 
     def _batch(self, call: str, inputs: Sequence[Any], target: Any, kwargs: dict[str, Any], *,
-               global_total: bool) -> tuple[ValueStore, int, MicrobatchLoss, list[Any] | None]:
+               global_total: bool, accumulation: tuple[float, float | None] = (1.0, None),
+               ) -> tuple[ValueStore, int, MicrobatchLoss, list[Any] | None]:
         """A call's batch as the stages take it: the inputs checked against the compiled signature and split into
         microbatches (fewer for a batch with fewer rows), each microbatch's target and weight (the loss they
-        average over, summed over the ranks where ``global_total``), and the loss the fused stage computes."""
+        average over, summed over the ranks where ``global_total``), and the loss the fused stage computes
+        (``accumulation``: the ``loss_scale`` and ``num_items`` of :meth:`forward_backward`)."""
         if target is None and "labels" in kwargs and self.loss_fn is not None and \
                 (self.signature is None or "labels" not in self.signature.names):
             target = kwargs.pop("labels")  # an HF batch dict: its labels are the loss's target
@@ -487,7 +515,16 @@ class Pipeline:
         bounds = [label_bounds(p) for p in pieces] if outside else []
         weights = self._weights(kwargs, pieces, sizes, m)
         total = self._global_total(sum(weights)) if global_total else sum(weights)
-        loss_of = MicrobatchLoss(self.loss_fn, where, weights, total, summed=summed, bounds=bounds,
+        scale, items = accumulation
+        if items is not None:
+            if summed:
+                raise ConfigError(f"num_items={items:g} sets what a mean loss averages over, but loss_fn sums "
+                                  "(reduction='sum'): scale it with loss_scale= instead")
+            if items < total:
+                raise ConfigError(f"num_items={items:g} but this batch alone averages over {total:g} (its real "
+                                  "tokens, or rows): pass the count over every batch the gradients accumulate over")
+            total = items
+        loss_of = MicrobatchLoss(self.loss_fn, where, weights, total, summed=summed, bounds=bounds, scale=scale,
                                  checked_targets=self.signature is not None and self.signature.target is not None)
         return store, m, loss_of, targets
 

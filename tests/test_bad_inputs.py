@@ -164,6 +164,14 @@ MLP_ROWS: list[Row] = [
     ("target trailing dims", lambda p: p.forward_backward(X, target=torch.randn(6, 5)), InputError,
      r"^target has shape \(6, 5\) but the pipeline was compiled for \(batch, 4\)"),
     ("target on meta", lambda p: p.forward_backward(X, target=Y.to("meta")), InputError, r"^target is on meta"),
+    ("num_items below the batch's", lambda p: p.forward_backward(X, target=Y, num_items=4), ConfigError,
+     r"^num_items=4 but this batch alone averages over 6 \(its real tokens, or rows\): pass the count over every "
+     r"batch the gradients accumulate over$"),
+    ("num_items zero", lambda p: p.forward_backward(X, target=Y, num_items=0), ConfigError,
+     r"^num_items=0; give what the loss averages over in every batch accumulated \(a positive count of real tokens "
+     r"or rows\), or None for this batch's own$"),
+    ("loss_scale a string", lambda p: p.forward_backward(X, target=Y, loss_scale="1/4"), ConfigError,
+     r"^loss_scale='1/4'; give a finite number \(1 / steps to accumulate over steps\)$"),
     ("eval: wrong feature size", lambda p: p.forward(torch.randn(6, 9)), InputError,
      r"^x has shape \(6, 9\) but the pipeline was compiled for \(batch, 8\)"),
     ("eval: list", lambda p: p.forward(X.tolist()), InputError, r"^x is a list, not a tensor"),
@@ -242,7 +250,7 @@ UNCHECKED_HINT = (r"pass a target loss_fn takes \(or fix loss_fn\), or compile w
                   r"target\) to have every call's target checked before anything runs$")
 HABIT = (r"^loss\.backward\(\) on what forward_backward returned: forward_backward already ran the backward pass and "
          r"added the gradients into each p\.grad; drop loss\.backward\(\) and call optimizer\.step\(\) \(the loss is "
-         r"for logging\)$")
+         r"for logging; to accumulate gradients over k calls, pass forward_backward\(\.\.\., loss_scale=1/k\)\)$")
 UNCHECKED_ROWS: list[Row] = [
     ("float target", lambda p: p.forward_backward(IDS, target=LABELS.float()), LossFnError,
      r"^loss_fn\(output, target\) failed on microbatch 0 \(RuntimeError: expected .*Long.*got Float\); it was given "

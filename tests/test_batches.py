@@ -120,6 +120,37 @@ def test_padding_is_weighted_by_tokens_by_default():
 
 
 @pytest.mark.hf
+def test_gradient_accumulation_over_padded_batches_equals_one_big_batch_or_their_scaled_means():
+    """Three padded batches of different sizes and lengths accumulated before one optimizer step. With
+    ``num_items`` (the real tokens of all three) the gradients are those of the mean over every real token —
+    one big batch, padding weighted as in it (HF Trainer's ``num_items_in_batch``); with ``loss_scale=1/3``
+    those of the eager ``(loss / 3).backward()`` loop. The losses returned are the ones differentiated, and the
+    weights after the step are eager's."""
+    model = hf_model("llama")
+    ids, mask, labels = _padded(seed=5)
+    pipe = rpcompile.compile(model, (), example_kwargs={"input_ids": ids, "attention_mask": mask},
+                             loss_fn=token_loss, devices=["cpu", "cpu"], microbatches=3, spec=FINE_CPU,
+                             time_limit_s=2.0)
+    batches = [_padded(6, 32, seed=6), _padded(3, 20, seed=7), _padded(5, 11, seed=8)]
+    items = sum(int((labels != IGNORE_INDEX).sum()) for _, _, labels in batches)
+    summed = lambda out, y: F.cross_entropy(out.logits.flatten(0, 1).float(), y.flatten(), reduction="sum")  # noqa: E731
+    for how, options, ref_loss in [("num_items", {"num_items": items}, lambda out, y: summed(out, y) / items),
+                                   ("loss_scale", {"loss_scale": 1 / 3}, lambda out, y: token_loss(out, y) / 3)]:
+        ref = copy.deepcopy(model)
+        opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
+        for ids, mask, labels in batches:
+            loss = pipe.forward_backward(input_ids=ids, attention_mask=mask, target=labels, **options)
+            expected = ref_loss(ref(input_ids=ids, attention_mask=mask), labels)
+            expected.backward()
+            torch.testing.assert_close(loss, expected.detach(), **TOL, msg=lambda m: f"{how}: loss: {m}")
+        assert_grads_equal(model, ref, what=f"{how}: ")
+        pipe.step(opt)
+        ref_opt.step()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, **TOL, msg=lambda m: f"{how}: weights after the step: {m}")
+
+
+@pytest.mark.hf
 def test_inputs_that_do_not_match_the_compiled_signature_are_refused_in_one_line():
     model = hf_model("llama")
     ids, mask, _ = _padded(batch=4, seq=8)

@@ -492,7 +492,7 @@ class Pipeline:
         if self.signature is not None:  # refuse what the stages were not compiled for, in one line (signature.py)
             inputs, kwargs = self.signature.bind(inputs, kwargs)
             self.signature.check_target(target, inputs, kwargs, used=self.loss_in_graph or self.loss_fn is not None,
-                                        needed=self.loss_in_graph or needs_target(self.loss_fn))
+                                        needed=self.loss_in_graph or needs_target(self.loss_fn), call=call)
         if self.loss_in_graph:
             if not isinstance(target, torch.Tensor):
                 raise RPCompileError("this pipeline computes the loss inside its graph (head_chunks > 1): "

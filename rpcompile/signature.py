@@ -199,7 +199,7 @@ class InputSignature:
             raise InputError(f"{where} is an empty batch (shape {tuple(t.shape)}); pass at least one row")
 
     def check_target(self, target: Any, args: Sequence[Any], kwargs: Mapping[str, Any], *, needed: bool,
-                     used: bool = True) -> None:
+                     used: bool = True, call: str = "forward_backward") -> None:
         """Refuse a missing target where the loss needs one, a target no loss reads (``used=False``: the model
         computes its own), one that is not a tensor (it would not be split into microbatches), and one whose
         batch size differs from the inputs'."""
@@ -210,7 +210,7 @@ class InputSignature:
         if target is None:
             if needed:
                 raise InputError("target is missing: the loss needs it; pass the batch's target, "
-                                 "forward_backward(x, target=y) (a loss_fn that takes none: give its second "
+                                 f"{call}(x, target=y) (a loss_fn that takes none: give its second "
                                  "parameter a default, def loss(output, target=None))")
             return
         if isinstance(target, _ARRAYS) and not tensor_leaves(target) or type(target).__module__ == "numpy":

@@ -175,6 +175,13 @@ MLP_ROWS: list[Row] = [
     ("eval: wrong feature size", lambda p: p.forward(torch.randn(6, 9)), InputError,
      r"^x has shape \(6, 9\) but the pipeline was compiled for \(batch, 8\)"),
     ("eval: list", lambda p: p.forward(X.tolist()), InputError, r"^x is a list, not a tensor"),
+    ("evaluate: missing target", lambda p: p.evaluate(X), InputError,
+     r"^target is missing: the loss needs it; pass the batch's target, evaluate\(x, target=y\)"),
+    ("evaluate: wrong feature size", lambda p: p.evaluate(torch.randn(6, 9), target=Y), InputError,
+     r"^x has shape \(6, 9\) but the pipeline was compiled for \(batch, 8\)"),
+    ("evaluate: under autocast", lambda p: _under(torch.autocast("cpu", dtype=torch.bfloat16), p.evaluate, X,
+                                                  target=Y), InputError,
+     r"^evaluate is called under torch.autocast\('cpu', dtype=torch.bfloat16\)"),
     # the caller's thread runs device 0's stages: under autocast they (and the captures they make) would compute
     # in another dtype than the other devices' — silently wrong gradients from then on, or a raw dtype error
     ("under autocast", lambda p: _under(torch.autocast("cpu", dtype=torch.bfloat16), p.forward_backward, X, target=Y),

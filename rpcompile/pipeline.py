@@ -560,7 +560,9 @@ class Pipeline:
         """Evaluation: the model's output for the whole batch, computed as :meth:`forward_backward` splits it —
         the plan's microbatches, each stage's weights uploaded once and its microbatches run in turn, so a stage
         never holds more than the plan allows — and joined on the host: every tensor with a batch dimension
-        concatenated along it, a scalar (the model's own loss) the batch's mean (:func:`joined`)."""
+        concatenated along it, a scalar (the model's own loss) the batch's mean (:func:`joined`). In train mode a
+        batch norm normalises each microbatch by its own statistics, as in :meth:`forward_backward`; in eval mode
+        (``model.eval()``, the usual way to evaluate) it uses its running statistics, as eager does."""
         check_call_mode("forward", self.precision)
         self.executor.training = self.check_model()
         # the in-graph loss's target rides along

@@ -108,6 +108,12 @@ def _train(console: Console, ms: ModelSpec, plan: Plan, name: str, n_dev: int, w
         console.print(f"step {step}: loss {loss.item():.4f}  (pipeline {fmt_ms(took[-1])}, optimizer "
                       f"{fmt_ms(time.perf_counter() - t1)}; {len(pipe.plan.stages)} stages, {pipe.microbatches} "
                       f"microbatches){first}")
+    model_eval = ms.model.training
+    ms.model.eval()  # evaluation as users run it: dropout off, the same microbatches, no gradients
+    after = pipe.evaluate(x, target=ms.example_target)
+    ms.model.train(model_eval)
+    console.print(f"after {steps} steps: pipe.evaluate(x, target=y) = {after.item():.4f} (no gradients, "
+                  f"the same {pipe.microbatches} microbatches)")
     _compare(console, plan, statistics.median(took[1:] or took), device, steps)
 
 

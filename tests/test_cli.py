@@ -296,6 +296,10 @@ def test_the_demo_trains_the_plan_it_prints():
     steps = re.findall(r"^step \d: loss [\d.]+  \(pipeline [\d,.]+ ms, optimizer [\d,.]+ ms; (\d+) stages, 3 "
                        r"microbatches\)", out, re.MULTILINE)
     assert steps == [str(shown)] * 2
+    losses = [float(v) for v in re.findall(r"^step \d: loss ([\d.]+)", out, re.MULTILINE)]
+    evaluated = float(re.search(r"^after 2 steps: pipe\.evaluate\(x, target=y\) = ([\d.]+) \(no gradients, the same "
+                                r"3 microbatches\)", out, re.MULTILINE).group(1))
+    assert evaluated < losses[0]  # two AdamW steps on this very batch lowered its loss
     assert re.search(r"plan's prediction: [\d,.]+ ms per pipeline step \(timing model over the cpu spec's analytic "
                      r"costs\); measured: [\d,.]+ ms \(median of steps 1–1\), [\d.e+]+× the prediction\.",
                      " ".join(out.split()))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import threading
 
 import pytest
 import torch
@@ -182,6 +183,33 @@ def test_step_without_overlap_is_the_plain_loop():
     assert all(p.grad is None for p in a.parameters())
 
 
+def stale_reference(b: nn.Module, pb, optimizers, steps: int, schedulers=()) -> list[torch.Tensor]:
+    """The one-step-stale reference: synchronous training on delayed gradients — iteration t's gradients taken at
+    the weights from before step t-1 — each step ``o.step()`` for every optimizer, then their ``zero_grad()``,
+    then the schedulers; returns the losses of ``batch(0..steps-1)``."""
+    losses = []
+    previous = {k: v.clone() for k, v in b.state_dict().items()}
+    for step in range(steps):
+        x, y = batch(step)
+        current = {k: v.clone() for k, v in b.state_dict().items()}
+        b.load_state_dict(previous)  # the reference takes its gradients at the previous weights
+        losses.append(pb.forward_backward(x, target=y))
+        b.load_state_dict(current)
+        for o in optimizers:
+            o.step()
+        for o in optimizers:
+            o.zero_grad()
+        for s in schedulers:
+            s.step()
+        previous = current
+    return losses
+
+
+def assert_same_losses(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(g, w), f"step {step}: {g.item()} != {w.item()}"
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_overlapped_step_is_exactly_one_step_stale(precision):
     """pipe.step(opt, overlap=True) equals synchronous training on delayed gradients — iteration t's gradients
@@ -189,22 +217,135 @@ def test_overlapped_step_is_exactly_one_step_stale(precision):
     all that differs."""
     a, pa, b, pb = pair(precision)
     oa, ob = torch.optim.AdamW(a.parameters(), lr=1e-2), torch.optim.AdamW(b.parameters(), lr=1e-2)
-    previous = {k: v.clone() for k, v in b.state_dict().items()}
+    losses = []
     for step in range(4):
         x, y = batch(step)
-        loss_a = pa.forward_backward(x, target=y)
+        losses.append(pa.forward_backward(x, target=y))
         pa.step(oa, overlap=True)
-        current = {k: v.clone() for k, v in b.state_dict().items()}
-        b.load_state_dict(previous)  # the reference takes its gradients at the previous weights
-        loss_b = pb.forward_backward(x, target=y)
-        b.load_state_dict(current)
-        ob.step(), ob.zero_grad()
-        previous = current
-        assert torch.equal(loss_a, loss_b), f"step {step}"
     pa.synchronize()
+    assert_same_losses(losses, stale_reference(b, pb, [ob], 4))
     assert_same_weights(a, b)
     x, y = batch(9)  # back to synchronous: the copies are the latest weights
     assert torch.equal(pa.forward_backward(x, target=y), pb.forward_backward(x, target=y))
+
+
+class Gated(torch.optim.AdamW):
+    """AdamW whose step waits until the main thread opens ``gate``: what the main thread does first (the user's
+    ``zero_grad``) happens while the overlapped step is in flight and has not read ``.grad`` yet, every time."""
+
+    def __init__(self, params, gate: threading.Event, **options):
+        super().__init__(params, **options)
+        self.gate = gate
+
+    def step(self, closure=None):
+        if not self.gate.wait(timeout=60):
+            raise RuntimeError("the test never opened the gate")
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("loop", ["optimizer.zero_grad first", "optimizer.zero_grad after step",
+                                  "model.zero_grad first"])
+def test_zero_grad_in_the_loop_beside_an_overlapped_step_clears_what_it_means_to(loop):
+    """The PyTorch-tutorial loop with ``pipe.step(optimizer, overlap=True)``: the user's ``zero_grad()`` — of the
+    optimizer at the top or after the step, or of the model — runs while the step is in flight, before it reads
+    ``.grad``. It is recorded, not run, and run once the step is done, before the next iteration's gradients land:
+    the one-step-stale reference bit for bit (it used to clear the gradients the step was about to read). After
+    ``synchronize()`` zero_grad is the optimizer's own again."""
+    a, pa, b, pb = pair("fp32")
+    gate = threading.Event()
+    oa, ob = Gated(a.parameters(), gate, lr=1e-2), torch.optim.AdamW(b.parameters(), lr=1e-2)
+
+    def zero_grad() -> None:  # looked up at the call, as the user's loop does
+        (a if loop.startswith("model") else oa).zero_grad()
+
+    losses = []
+    for step in range(4):
+        x, y = batch(step)
+        if not loop.endswith("after step"):
+            zero_grad()
+            gate.set()  # the step in flight (from the previous iteration) reads .grad only now
+        losses.append(pa.forward_backward(x, target=y))
+        gate.clear()
+        pa.step(oa, overlap=True)
+        if loop.endswith("after step"):
+            zero_grad()
+            gate.set()
+    gate.set()
+    pa.synchronize()
+    assert_same_losses(losses, stale_reference(b, pb, [ob], 4))
+    assert_same_weights(a, b)
+    assert "zero_grad" not in vars(oa) and "zero_grad" not in vars(a)  # the methods are the real ones again
+    x, y = batch(7)
+    pa.forward_backward(x, target=y)
+    oa.zero_grad()
+    assert all(p.grad is None for p in a.parameters())
+
+
+def two_optimizers(model: nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
+    """AdamW over the embedding and the norm, SGD with momentum over the blocks: disjoint parameter groups."""
+    blocks = [p for n, p in model.named_parameters() if n.startswith("blocks.")]
+    rest = [p for n, p in model.named_parameters() if not n.startswith("blocks.")]
+    return torch.optim.AdamW(rest, lr=1e-2), torch.optim.SGD(blocks, lr=0.1, momentum=0.9)
+
+
+def test_several_optimizers_step_together():
+    """``pipe.step([o1, o2], overlap=True, scheduler=[s1, s2])`` steps both on the one thread: the one-step-stale
+    reference with the same two optimizers and schedulers, bit for bit; its state resumes into a fresh pipeline
+    (``load_state_dict(state, optimizer=[o1, o2])``); synchronous, it is the plain loop. A second overlapped step
+    before the next iteration is refused in one line naming the fix."""
+    def schedule(opts):
+        return [torch.optim.lr_scheduler.LambdaLR(o, lambda t: 1.0 / (1 + t)) for o in opts]
+
+    a, pa, b, pb = pair()
+    oa, ob = two_optimizers(a), two_optimizers(b)
+    sa, sb = schedule(oa), schedule(ob)
+    losses = []
+    for step in range(4):
+        x, y = batch(step)
+        losses.append(pa.forward_backward(x, target=y))
+        pa.step(list(oa) if step % 2 else oa, overlap=True, scheduler=sa)  # a list or a tuple
+    assert_same_losses(losses, stale_reference(b, pb, ob, 4, sb))
+
+    # resumed from here (a step in flight) into a fresh model, optimizers and pipeline, one iteration on
+    state = pa.state_dict()
+    c = copy.deepcopy(a)
+    oc = two_optimizers(c)
+    for o, saved in zip(oc, oa):
+        o.load_state_dict(saved.state_dict())
+    pc = rpcompile.compile(c, batch(0)[:1], loss_fn=loss_fn, devices=["cpu", "cpu"], precision="bf16",
+                           plan=pa.plan, host_embedding=False)
+    pc.load_state_dict(state, optimizer=list(oc))
+    x, y = batch(4)
+    assert torch.equal(pa.forward_backward(x, target=y), pc.forward_backward(x, target=y))
+    pa.synchronize(), pc.synchronize()
+    assert_same_weights(a, c)
+
+    # synchronous: o1.step(); o2.step(); zero_grads; schedulers — the plain loop
+    assert_same_weights(a, b)  # four steps each (batch(4)'s gradients, not stepped, dropped next)
+    for o in oa:
+        o.zero_grad()
+    for step in range(2):
+        x, y = batch(step)
+        assert torch.equal(pa.forward_backward(x, target=y), pb.forward_backward(x, target=y))
+        pa.step(oa, scheduler=sa)
+        for o in ob:
+            o.step()
+        for o in ob:
+            o.zero_grad()
+        for s in sb:
+            s.step()
+    assert_same_weights(a, b)
+    assert all(p.grad is None for p in a.parameters())
+
+    pa.forward_backward(x, target=y)
+    pa.step(oa[0], overlap=True)
+    with pytest.raises(rpcompile.ConfigError, match=r"^pipe\.step\(\.\.\., overlap=True\) again before the next "
+                       r"forward_backward, while the overlapped step of AdamW is in flight: step the optimizers "
+                       r"together, pipe\.step\(\[o1, o2\], overlap=True\)$"):
+        pa.step(oa[1], overlap=True)
+    pa.synchronize()  # the first step alone went ahead
+    assert "zero_grad" not in vars(oa[0]) and all(p.grad is None for p in oa[0].param_groups[0]["params"])
+    assert all(p.grad is not None for p in oa[1].param_groups[0]["params"])
 
 
 def test_an_lr_scheduler_steps_after_the_optimizer_also_when_overlapped():

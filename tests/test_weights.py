@@ -183,14 +183,17 @@ def test_step_without_overlap_is_the_plain_loop():
     assert all(p.grad is None for p in a.parameters())
 
 
-def stale_reference(b: nn.Module, pb, optimizers, steps: int, schedulers=()) -> list[torch.Tensor]:
+def stale_reference(b: nn.Module, pb, optimizers, steps: int, schedulers=(), zero_grad=None) -> list[torch.Tensor]:
     """The one-step-stale reference: synchronous training on delayed gradients — iteration t's gradients taken at
     the weights from before step t-1 — each step ``o.step()`` for every optimizer, then their ``zero_grad()``,
-    then the schedulers; returns the losses of ``batch(0..steps-1)``."""
+    then the schedulers (and ``zero_grad()`` before each iteration, when given); returns the losses of
+    ``batch(0..steps-1)``."""
     losses = []
     previous = {k: v.clone() for k, v in b.state_dict().items()}
     for step in range(steps):
         x, y = batch(step)
+        if zero_grad is not None:
+            zero_grad()
         current = {k: v.clone() for k, v in b.state_dict().items()}
         b.load_state_dict(previous)  # the reference takes its gradients at the previous weights
         losses.append(pb.forward_backward(x, target=y))
@@ -249,14 +252,17 @@ def test_zero_grad_in_the_loop_beside_an_overlapped_step_clears_what_it_means_to
     """The PyTorch-tutorial loop with ``pipe.step(optimizer, overlap=True)``: the user's ``zero_grad()`` — of the
     optimizer at the top or after the step, or of the model — runs while the step is in flight, before it reads
     ``.grad``. It is recorded, not run, and run once the step is done, before the next iteration's gradients land:
-    the one-step-stale reference bit for bit (it used to clear the gradients the step was about to read). After
-    ``synchronize()`` zero_grad is the optimizer's own again."""
+    the one-step-stale reference bit for bit (it used to clear the gradients the step was about to read) — also
+    for the parameters the model's zero_grad clears and no optimizer steps. After ``synchronize()`` zero_grad is
+    the optimizer's own again."""
     a, pa, b, pb = pair("fp32")
     gate = threading.Event()
-    oa, ob = Gated(a.parameters(), gate, lr=1e-2), torch.optim.AdamW(b.parameters(), lr=1e-2)
+    model = loop.startswith("model")
+    stepped = (lambda m: m.blocks.parameters()) if model else (lambda m: m.parameters())  # the model's: not all
+    oa, ob = Gated(stepped(a), gate, lr=1e-2), torch.optim.AdamW(stepped(b), lr=1e-2)
 
     def zero_grad() -> None:  # looked up at the call, as the user's loop does
-        (a if loop.startswith("model") else oa).zero_grad()
+        (a if model else oa).zero_grad()
 
     losses = []
     for step in range(4):
@@ -272,13 +278,16 @@ def test_zero_grad_in_the_loop_beside_an_overlapped_step_clears_what_it_means_to
             gate.set()
     gate.set()
     pa.synchronize()
-    assert_same_losses(losses, stale_reference(b, pb, [ob], 4))
+    assert_same_losses(losses, stale_reference(b, pb, [ob], 4, zero_grad=b.zero_grad if model else None))
     assert_same_weights(a, b)
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        if not name.startswith("blocks.") and model:  # the last iteration's gradients alone, not a sum
+            assert torch.equal(p.grad, q.grad), name
     assert "zero_grad" not in vars(oa) and "zero_grad" not in vars(a)  # the methods are the real ones again
     x, y = batch(7)
     pa.forward_backward(x, target=y)
     oa.zero_grad()
-    assert all(p.grad is None for p in a.parameters())
+    assert all(p.grad is None for p in stepped(a))
 
 
 def two_optimizers(model: nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
@@ -447,15 +456,25 @@ def test_overlap_errors():
         assert torch.equal(pa.executor.weights.source(name), p.detach().to(torch.bfloat16)), name
 
 
-def test_step_goes_through_the_pipelines_grad_scaler():
+@pytest.mark.parametrize("several", [False, True], ids=["one optimizer", "two optimizers"])
+def test_step_goes_through_the_pipelines_grad_scaler(several):
+    """``pipe.step(o)`` is ``scaler.step(o); scaler.update()``; ``pipe.step([o1, o2])`` is ``scaler.step(o1);
+    scaler.step(o2); scaler.update()`` (one update for the iteration), then the zero_grads."""
     a, pa, b, pb = pair("fp16")
-    pa.scaler, pb.scaler = (torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) for _ in range(2))
-    oa, ob = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    pa.scaler, pb.scaler = (torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1) for _ in range(2))
+    if several:
+        oa, ob = two_optimizers(a), two_optimizers(b)
+    else:
+        oa, ob = torch.optim.SGD(a.parameters(), lr=0.1), (torch.optim.SGD(b.parameters(), lr=0.1),)
     for step in range(2):
         x, y = batch(step)
         pa.forward_backward(x, target=y), pb.forward_backward(x, target=y)
         pa.step(oa)
-        pb.scaler.step(ob), pb.scaler.update(), ob.zero_grad()
+        for o in ob:
+            pb.scaler.step(o)
+        pb.scaler.update()
+        for o in ob:
+            o.zero_grad()
     assert pa.scaler.get_scale() == pb.scaler.get_scale()
     assert_same_weights(a, b)
 

@@ -297,10 +297,10 @@ def two_optimizers(model: nn.Module) -> tuple[torch.optim.Optimizer, torch.optim
     return torch.optim.AdamW(rest, lr=1e-2), torch.optim.SGD(blocks, lr=0.1, momentum=0.9)
 
 
-def test_several_optimizers_step_together():
+def test_several_optimizers_step_together(tmp_path):
     """``pipe.step([o1, o2], overlap=True, scheduler=[s1, s2])`` steps both on the one thread: the one-step-stale
-    reference with the same two optimizers and schedulers, bit for bit; its state resumes into a fresh pipeline
-    (``load_state_dict(state, optimizer=[o1, o2])``); synchronous, it is the plain loop. A second overlapped step
+    reference with the same two optimizers and schedulers, bit for bit; a checkpoint of the two resumes into a
+    fresh pipeline (``load_state_dict(state, optimizer=[o1, o2])``); synchronous, it is the plain loop. A second overlapped step
     before the next iteration is refused in one line naming the fix."""
     def schedule(opts):
         return [torch.optim.lr_scheduler.LambdaLR(o, lambda t: 1.0 / (1 + t)) for o in opts]
@@ -315,15 +315,18 @@ def test_several_optimizers_step_together():
         pa.step(list(oa) if step % 2 else oa, overlap=True, scheduler=sa)  # a list or a tuple
     assert_same_losses(losses, stale_reference(b, pb, ob, 4, sb))
 
-    # resumed from here (a step in flight) into a fresh model, optimizers and pipeline, one iteration on
-    state = pa.state_dict()
-    c = copy.deepcopy(a)
+    # saved here (a step in flight) and resumed into a fresh model, optimizers and pipeline: one iteration on
+    rpcompile.save_checkpoint(tmp_path, model=a, optimizer=oa, pipeline=pa)
+    c = Tied()
     oc = two_optimizers(c)
-    for o, saved in zip(oc, oa):
-        o.load_state_dict(saved.state_dict())
     pc = rpcompile.compile(c, batch(0)[:1], loss_fn=loss_fn, devices=["cpu", "cpu"], precision="bf16",
                            plan=pa.plan, host_embedding=False)
-    pc.load_state_dict(state, optimizer=list(oc))
+    with pytest.raises(rpcompile.CheckpointError, match=r"the checkpoint holds the state of 2 optimizer\(s\) but 1 "
+                       r"were given; pass optimizer= as it was saved \(2, a list in the same order for several\)$"):
+        rpcompile.load_checkpoint(tmp_path, model=c, optimizer=oc[0], pipeline=pc)
+    assert not torch.equal(c.embed.weight, a.embed.weight)  # refused before anything was loaded
+    rpcompile.load_checkpoint(tmp_path, model=c, optimizer=list(oc), pipeline=pc)  # load_state_dict(optimizer=[...])
+    assert pc.state_dict()["stale_weights"]
     x, y = batch(4)
     assert torch.equal(pa.forward_backward(x, target=y), pc.forward_backward(x, target=y))
     pa.synchronize(), pc.synchronize()

@@ -204,8 +204,8 @@ class Overlap:
         self._shadow = ZeroGradShadow(shadow)
         try:
             self.future = self._stepper.submit(fn)
-        except BaseException:
-            self._shadow.restore(replay=True)  # nothing runs: the calls (none yet) run now
+        except BaseException:  # (a pool shut down): nothing was shadowed
+            self._shadow.restore(replay=False)
             self._shadow = None
             raise
 
@@ -244,9 +244,9 @@ class Overlap:
             self.grads.hold(False)
             self._end(failed=True)
             raise PipelineError(f"the overlapped optimizer step failed: {type(e).__name__}: {e}") from e
+        self.weights.swap()
         if shadow is not None:
             shadow.restore(replay=True)  # before the held gradients are installed: they are the next backward's
-        self.weights.swap()
 
     def end(self) -> None:
         """Back to synchronous steps (``pipe.synchronize()``): the step collected, the held gradients in

@@ -27,7 +27,7 @@ Contracts
 - **Optimizer step.** ``optimizer.step(); optimizer.zero_grad()`` as in eager PyTorch, or
   :meth:`Pipeline.step` — which with ``overlap=True`` runs the step beside the next ``forward_backward``: that
   iteration then computes with the weights from before the step (one step stale, as RoundPipe's
-  ``is_async=True``), see :meth:`Pipeline.step`.
+  ``is_async=True``; ``zero_grad()`` in the loop stays safe), see :meth:`Pipeline.step` and :mod:`.overlap`.
 - **Buffers** (BatchNorm statistics) are updated once per microbatch by the real forward pass, never by
   recomputation: the pipeline equals eager training with gradient accumulation over the same microbatches.
 - **Randomness** (dropout) is seeded per (iteration, node, microbatch): recomputation replays the forward's masks

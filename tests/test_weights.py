@@ -450,9 +450,16 @@ def test_overlap_errors():
 
     pa.forward_backward(x, target=y)
     grads = {n: p.grad.clone() for n, p in a.named_parameters()}
-    pa.step(Broken(a.parameters(), lr=0.1), overlap=True)
+    broken = Broken(a.parameters(), lr=0.1)
+    counted = []
+    broken.zero_grad = lambda set_to_none=True: counted.append(set_to_none)  # the user's own, kept as it was
+    pa.step(broken, overlap=True)
+    broken.zero_grad()  # recorded; dropped with the failed step
     with pytest.raises(PipelineError, match=r"^the overlapped optimizer step failed: RuntimeError: disk full$"):
         pa.forward_backward(x, target=y)
+    assert "zero_grad" not in vars(a) and counted == []
+    broken.zero_grad(False)
+    assert counted == [False]  # the user's own attribute again
     for n, p in a.named_parameters():  # .grad holds what the failed step was given; the iteration's were dropped
         assert torch.equal(p.grad, grads[n]), n
     for name, p in a.named_parameters():  # synchronous again, copies made from the masters

@@ -306,7 +306,8 @@ def save_checkpoint(directory: str | os.PathLike, *, model: torch.nn.Module, opt
     """Write ``model``'s, ``optimizer``'s and ``pipeline``'s state (and ``extra``) to
     ``<directory>/ckpt-<step>.ckpt`` atomically, then delete all but the newest ``keep`` checkpoints there; returns
     the path. ``step`` defaults to ``pipeline.iteration``. Call it after the optimizer step (gradients are not
-    saved); an overlapped step in flight is waited for (module docstring). ``optimizer=None`` saves none."""
+    saved); an overlapped step in flight is waited for (module docstring). ``optimizer=None`` saves none; a list of
+    optimizers (``pipe.step([o1, o2])``) saves each, and loads into a list in the same order."""
     if keep < 1:
         raise CheckpointError(f"save_checkpoint: keep={keep}; keep at least the checkpoint just written (keep >= 1)")
     step = pipeline.iteration if step is None else int(step)
@@ -321,7 +322,7 @@ def save_checkpoint(directory: str | os.PathLike, *, model: torch.nn.Module, opt
     _check_extra(extra)
     pipeline_sd = pipeline.state_dict()  # first: it waits for an overlapped step, so the masters are final
     payload = {"format": _FILE_FORMAT, "step": step, "pipeline": pipeline_sd, "model": model.state_dict(),
-               "optimizer": None if optimizer is None else optimizer.state_dict(), "extra": extra}
+               "optimizer": _optimizer_state(optimizer), "extra": extra}
     plan_file = root / PLAN_FILE  # first, so that every checkpoint's plan is on disk
     if not plan_file.is_file() or plan_file.read_text() != pipeline_sd["plan"]:
         _write_durably(plan_file, lambda f: f.write(pipeline_sd["plan"].encode()))
@@ -378,6 +379,38 @@ def _newest_good(root: Path) -> Path | None:
     return None
 
 
+def _optimizer_state(optimizer: Any) -> Any:
+    """What a checkpoint holds of ``optimizer``: its ``state_dict``, a list of them for a list of optimizers
+    (``pipe.step([o1, o2])``), or None."""
+    if optimizer is None:
+        return None
+    if isinstance(optimizer, (list, tuple)):
+        return [o.state_dict() for o in optimizer]
+    return optimizer.state_dict()
+
+
+def _optimizer_pairs(path: Path, optimizer: Any, saved: Any) -> list[tuple[Any, Any]]:
+    """Each optimizer given to :func:`load_checkpoint` with the state saved for it (none if none was saved)."""
+    if optimizer is None or saved is None:
+        return []
+    mine = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    theirs = saved if isinstance(saved, list) else [saved]
+    if len(mine) != len(theirs):
+        raise CheckpointError(f"{path}: the checkpoint holds the state of {len(theirs)} optimizer(s) but "
+                              f"{len(mine)} were given; pass optimizer= as it was saved ({len(theirs)}, a list in "
+                              "the same order for several)")
+    return list(zip(mine, theirs))
+
+
+def _load_optimizer_state(path: Path, pairs: list[tuple[Any, Any]]) -> None:
+    for o, state in pairs:
+        try:
+            o.load_state_dict(state)
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(f"{path}: the optimizer's state does not fit this optimizer ({_first_line(e)}); "
+                                  "make it as for the run that saved it (same parameters, same groups)") from None
+
+
 def load_checkpoint(directory: str | os.PathLike, *, model: torch.nn.Module, optimizer: Any,
                     pipeline: Resumable, exact: bool = True) -> Checkpoint | None:
     """Load the newest good checkpoint in ``directory`` into ``model``, ``optimizer`` and ``pipeline`` — made
@@ -389,17 +422,13 @@ def load_checkpoint(directory: str | os.PathLike, *, model: torch.nn.Module, opt
         return None
     payload = _unpickle(path)
     pipeline.check_state_dict(payload["pipeline"], optimizer=optimizer, exact=exact)  # before anything changes
+    optimizers = _optimizer_pairs(path, optimizer, payload["optimizer"])
     pipeline.synchronize()  # no overlapped step may be writing the masters while they load
     try:
         model.load_state_dict(payload["model"])
     except RuntimeError as e:
         raise CheckpointError(f"{path}: the model's state does not fit this model ({_first_line(e)}); load it into "
                               "the model it was saved from") from None
-    if optimizer is not None and payload["optimizer"] is not None:
-        try:
-            optimizer.load_state_dict(payload["optimizer"])
-        except (ValueError, KeyError) as e:
-            raise CheckpointError(f"{path}: the optimizer's state does not fit this optimizer ({_first_line(e)}); "
-                                  "make it as for the run that saved it (same parameters, same groups)") from None
+    _load_optimizer_state(path, optimizers)
     pipeline.load_state_dict(payload["pipeline"], optimizer=optimizer, exact=exact)
     return Checkpoint(path=path, step=int(payload["step"]), extra=payload["extra"])

@@ -27,7 +27,7 @@ Contracts
 - **Optimizer step.** ``optimizer.step(); optimizer.zero_grad()`` as in eager PyTorch, or
   :meth:`Pipeline.step` — which with ``overlap=True`` runs the step beside the next ``forward_backward``: that
   iteration then computes with the weights from before the step (one step stale, as RoundPipe's
-  ``is_async=True``), see :meth:`Pipeline.step`.
+  ``is_async=True``; ``zero_grad()`` in the loop stays safe), see :meth:`Pipeline.step` and :mod:`.overlap`.
 - **Buffers** (BatchNorm statistics) are updated once per microbatch by the real forward pass, never by
   recomputation: the pipeline equals eager training with gradient accumulation over the same microbatches.
 - **Randomness** (dropout) is seeded per (iteration, node, microbatch): recomputation replays the forward's masks
@@ -48,7 +48,7 @@ import logging
 import math
 import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from pathlib import Path
 from typing import Any, Callable, Mapping, NoReturn, Sequence
 
@@ -75,6 +75,7 @@ from .planning import compile_plan, replanned
 from rpcompile.passes.trace import training_inputs
 from .model_match import graph_as_planned
 from .oom import out_of_memory
+from .overlap import Overlap, optimizers_of, schedulers_of, step_now
 from .invariants import verify_plan
 from .loss_weighting import (IGNORE_INDEX, BatchLoss, MicrobatchLoss, _checked_weight, _shifts_labels, check_labels,
                              label_bounds, loss_weights, own_loss, shifted_tokens)
@@ -87,11 +88,6 @@ __all__ = ["compile", "Pipeline",
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 log = logging.getLogger(__name__)
-
-
-#: The settings of a parameter group that lr schedulers set (``OneCycleLR`` and ``CyclicLR`` cycle the momentum
-#: too). Others are left out: some optimizers keep their own running values there (Prodigy's ``d``).
-SCHEDULED = ("lr", "momentum", "betas", "weight_decay")
 
 
 def _accumulation(loss_scale: Any, num_items: Any) -> tuple[float, float | None]:
@@ -116,23 +112,6 @@ def _output_classes(model: torch.nn.Module) -> int | None:
         return None
     weight = getattr(head, "weight", None)
     return int(weight.shape[0]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
-
-
-def settings(optimizer: Any) -> list[dict[str, Any]]:
-    """An optimizer's :data:`SCHEDULED` settings, per parameter group."""
-    return [{k: g[k].clone() if isinstance(g[k], torch.Tensor) else g[k] for k in SCHEDULED if k in g}
-            for g in optimizer.param_groups]
-
-
-def changed_setting(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> str:
-    """The first setting that differs, as ``lr of group 0 (0.001 -> 0.0009)``; "" where none does."""
-    for i, (b, a) in enumerate(zip(before, after)):
-        for k in sorted({*b, *a}):
-            x, y = b.get(k), a.get(k)
-            same = torch.equal(x, y) if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) else x == y
-            if not same:
-                return f"{k} of group {i} ({x!r} -> {y!r})"
-    return "" if len(before) == len(after) else f"parameter groups ({len(before)} -> {len(after)})"
 
 
 class Pipeline:
@@ -173,13 +152,8 @@ class Pipeline:
                                  frozen_masters=frozen_masters)
         self.iteration = 0
         self.executor.seed = torch.initial_seed()  # dropout masks follow torch.manual_seed, as eager's do
-        self._stepper = ThreadPoolExecutor(1, thread_name_prefix="rpcompile-step")
-        self._step: Future[tuple[Any, Any]] | None = None
-        """The overlapped optimizer step in flight (:meth:`step`)."""
-        self._overlap_optimizer: Any = None
-        self._step_settings: tuple[Any, Any] = (None, None)
-        """The optimizer of the step in flight and its settings when it was submitted (:meth:`step`)."""
-        """The optimizer of the last overlapped step, until :meth:`synchronize`."""
+        self._overlap = Overlap(self.executor.weights, self.executor.grads)
+        """The overlapped optimizer step in flight and the overlap it began (:meth:`step`, :mod:`.overlap`)."""
         for d, device in enumerate(self.devices):  # GPUs send hand-offs and saved activations down behind the compute
             if device.torch_device.type == "cuda" and device.offloader is None:
                 device.enable_offload(offload_budget(plan, d, len(self.devices)))
@@ -207,11 +181,25 @@ class Pipeline:
         self.synchronize()
         self.executor.weights.refresh()
 
-    def step(self, optimizer: torch.optim.Optimizer, *, overlap: bool = False, scheduler: Any = None) -> None:
+    def step(self, optimizer: Any, *, overlap: bool = False, scheduler: Any = None) -> None:
         """``optimizer.step()`` then ``optimizer.zero_grad()`` — through the pipeline's ``GradScaler`` when it has
         one (``scaler.step(optimizer); scaler.update()``) — then ``scheduler.step()`` when one is given (an lr
         scheduler), or, with ``overlap=True``, all of it on a thread of its own beside the next
-        :meth:`forward_backward`, which returns once both are done.
+        :meth:`forward_backward`, which returns once both are done (:mod:`rpcompile.overlap`).
+
+        **Several optimizers** (a list or tuple: one for LoRA adapters and one for the head, Muon and AdamW):
+        ``pipe.step([o1, o2])`` is ``o1.step(); o2.step()`` — ``scaler.step(o)`` for each, then one
+        ``scaler.update()`` — then their ``zero_grad()``, then the schedulers (``scheduler=`` one or a list);
+        overlapped, all of it on the one thread. A second ``step(..., overlap=True)`` before the next
+        :meth:`forward_backward` is refused (a :class:`ConfigError`): step them together.
+
+        **zero_grad during an overlapped step.** The step reads ``.grad`` on its thread, then zeroes it; the next
+        iteration's gradients are held aside and land in ``.grad`` when it ends. ``optimizer.zero_grad()`` and
+        ``pipe.model.zero_grad()`` in the loop — before ``forward_backward`` or after ``pipe.step``, as in the
+        PyTorch tutorial — would race with that: until the step is collected (the end of the next
+        :meth:`forward_backward`, or :meth:`synchronize`) they are recorded instead (an instance attribute
+        shadows the method) and run once the step is done, before the held gradients land — exactly "clear the
+        gradients before the next backward". Afterwards the attribute is gone.
 
         **The optimizer's settings during an overlapped step.** The step reads them (``lr``, ``weight_decay``, ...)
         on its thread: a change made before the next :meth:`forward_backward` returns — ``scheduler.step()`` after
@@ -227,76 +215,40 @@ class Pipeline:
         iteration's end the masters are being written: read them (save a checkpoint, evaluate on the masters)
         after :meth:`synchronize`. A ``GradScaler`` is refused with overlap (its scale would change mid-iteration).
         A step that raises surfaces at the end of the next :meth:`forward_backward` as a :class:`PipelineError`;
-        that iteration's gradients are dropped and the pipeline is back to synchronous steps, its copies remade
-        from the masters as the failed step left them.
+        that iteration's gradients are dropped (and the ``zero_grad`` calls recorded meanwhile) and the pipeline
+        is back to synchronous steps, its copies remade from the masters as the failed step left them.
         """
+        optimizers, schedulers = optimizers_of(optimizer), schedulers_of(scheduler)
+        if overlap:
+            self._overlap.check_idle()  # a second overlapped step before the next iteration: one line
         self._finish_step()
         if not overlap:
             self.synchronize()
-            if self.scaler is not None and self.scaler.is_enabled():
-                self.scaler.step(optimizer)  # skipped on inf/nan gradients; the scale adapts
-                self.scaler.update()
-            else:
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if scheduler is not None:
-                scheduler.step()
+            step_now(optimizers, schedulers, self.scaler)
             return
         if self.scaler is not None and self.scaler.is_enabled():
             raise ConfigError("step(optimizer, overlap=True) does not take a GradScaler (its scale would change "
                               "while the next iteration runs): use precision='bf16', or overlap=False")
-        weights = self.executor.weights
-        weights.begin_overlap(optimizer)
-        self.executor.grads.hold(True)  # the next iteration's gradients wait beside .grad, which the step reads
-        self._overlap_optimizer = optimizer
-
-        given = settings(optimizer)
-
-        def run() -> tuple[Any, Any]:
-            optimizer.step()
-            used = settings(optimizer)  # what the step may have read: changed since pipe.step(), it raced
-            optimizer.zero_grad(set_to_none=True)
-            if scheduler is not None:
-                scheduler.step()
-            weights.write_back(optimizer)
-            return used, settings(optimizer)
-
-        self._step_settings = (optimizer, given)
-        self._step = self._stepper.submit(run)
+        self._overlap.start(optimizers, schedulers, self.model)
 
     def synchronize(self) -> None:
         """Wait for an overlapped optimizer step (:meth:`step`) and go back to synchronous steps: afterwards the
         masters, ``.grad`` and the device copies all agree."""
-        self._finish_step()
-        if self._overlap_optimizer is not None:
-            self.executor.grads.install()
-            self.executor.grads.hold(False)
-            self.executor.weights.end_overlap(self._overlap_optimizer)
-            self._overlap_optimizer = None
+        self._overlap.end()
 
     def _finish_step(self) -> None:
         """Wait for the overlapped step in flight, if any; its weights become the ones the devices upload."""
-        if self._step is None:
-            return
-        future, self._step = self._step, None
-        try:
-            used, left = future.result()
-            optimizer, given = self._step_settings
-            changed = changed_setting(given, used) or changed_setting(left, settings(optimizer))
-            if changed:
-                raise ConfigError(
-                    f"the optimizer's {changed} changed while the overlapped step ran, which may have used either "
-                    "value (an lr scheduler stepped after pipe.step(optimizer, overlap=True)?); pass it as "
-                    "pipe.step(optimizer, overlap=True, scheduler=scheduler), or change the optimizer before "
-                    "pipe.step")
-        except Exception as e:
-            # back to synchronous steps: the copies are remade from the masters as the step left them, and the
-            # iteration's gradients (held apart) are dropped — .grad keeps what the failed step was given
-            self.executor.grads.hold(False)
-            self.executor.weights.end_overlap(self._overlap_optimizer, failed=True)
-            self._overlap_optimizer = None
-            raise PipelineError(f"the overlapped optimizer step failed: {type(e).__name__}: {e}") from e
-        self.executor.weights.swap()
+        self._overlap.collect()
+
+    @property
+    def _step(self) -> Future | None:
+        """The overlapped step in flight, if any (:class:`rpcompile.overlap.Overlap`)."""
+        return self._overlap.future
+
+    @property
+    def _overlap_optimizer(self) -> list[Any] | None:
+        """The optimizers stepped overlapped since the overlap began; None: synchronous steps."""
+        return self._overlap.optimizers or None
 
     def state_dict(self) -> dict[str, Any]:
         """The pipeline's own training state — the iteration that seeds dropout, the GradScaler's state, the
@@ -304,13 +256,7 @@ class Pipeline:
         ``state_dict``, continues training bit for bit (:mod:`rpcompile.checkpoint`; ``save_checkpoint`` writes
         all three). An overlapped step in flight is waited for first; saving does not change what training
         computes."""
-        stale: dict[str, torch.Tensor] = {}
-        if self._step is not None:  # an overlapped step no iteration has run beside yet
-            if self._step.exception() is not None:
-                self._finish_step()  # raises its PipelineError; back to synchronous steps
-            weights = self.executor.weights
-            stale = {n: weights.source(n).clone() for n, e in weights.entries.items() if e.master.requires_grad}
-        return pipeline_state(self, stale)
+        return pipeline_state(self, self._overlap.stale_copies())
 
     def check_state_dict(self, state: Any, *, optimizer: Any = None, exact: bool = True) -> None:
         """Raise a one-line :class:`~rpcompile.checkpoint.CheckpointError` unless :meth:`load_state_dict` can
@@ -326,11 +272,11 @@ class Pipeline:
 
     def load_state_dict(self, state: Mapping[str, Any], *, optimizer: Any = None, exact: bool = True) -> None:
         """Continue from :meth:`state_dict`, after the model's and the optimizer's ``load_state_dict``. A state
-        saved right after ``step(optimizer, overlap=True)`` needs that ``optimizer``: the next iteration then runs
-        beside the (already done) step with the weights from before it, as it would have. ``exact=False`` loads
-        into a pipeline compiled otherwise (another plan, devices, precision): the iteration, the dropout seed and
-        the scaler's state carry over, the next iteration runs on the latest weights, and results differ in the
-        last bits."""
+        saved right after ``step(optimizer, overlap=True)`` needs that ``optimizer`` (a list of them after
+        ``step([o1, o2], overlap=True)``): the next iteration then runs beside the (already done) step with the
+        weights from before it, as it would have. ``exact=False`` loads into a pipeline compiled otherwise (another
+        plan, devices, precision): the iteration, the dropout seed and the scaler's state carry over, the next
+        iteration runs on the latest weights, and results differ in the last bits."""
         self.check_state_dict(state, optimizer=optimizer, exact=exact)
         stale = state["stale_weights"] if exact else {}
         self.synchronize()
@@ -339,20 +285,7 @@ class Pipeline:
         if state["scaler"] is not None and self.scaler is not None and self.scaler.is_enabled():
             self.scaler.load_state_dict(state["scaler"])
         if stale:
-            weights = self.executor.weights
-            weights.begin_overlap(optimizer)  # double-buffered copies of the masters, as step(overlap=True) does
-            for name, t in stale.items():
-                weights.source(name).copy_(t)  # the front copies: what the next iteration computes with
-            self.executor.grads.hold(True)
-            self._overlap_optimizer = optimizer
-            now = settings(optimizer)
-            self._step_settings = (optimizer, now)
-
-            def copies() -> tuple[Any, Any]:  # the step is done: only its copies
-                weights.write_back(optimizer)
-                return now, now
-
-            self._step = self._stepper.submit(copies)
+            self._overlap.resume(optimizers_of(optimizer), stale)
 
     @property
     def dropout_seed(self) -> int | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import threading
 
 import pytest
 import torch
@@ -182,6 +183,36 @@ def test_step_without_overlap_is_the_plain_loop():
     assert all(p.grad is None for p in a.parameters())
 
 
+def stale_reference(b: nn.Module, pb, optimizers, steps: int, schedulers=(), zero_grad=None) -> list[torch.Tensor]:
+    """The one-step-stale reference: synchronous training on delayed gradients — iteration t's gradients taken at
+    the weights from before step t-1 — each step ``o.step()`` for every optimizer, then their ``zero_grad()``,
+    then the schedulers (and ``zero_grad()`` before each iteration, when given); returns the losses of
+    ``batch(0..steps-1)``."""
+    losses = []
+    previous = {k: v.clone() for k, v in b.state_dict().items()}
+    for step in range(steps):
+        x, y = batch(step)
+        if zero_grad is not None:
+            zero_grad()
+        current = {k: v.clone() for k, v in b.state_dict().items()}
+        b.load_state_dict(previous)  # the reference takes its gradients at the previous weights
+        losses.append(pb.forward_backward(x, target=y))
+        b.load_state_dict(current)
+        for o in optimizers:
+            o.step()
+        for o in optimizers:
+            o.zero_grad()
+        for s in schedulers:
+            s.step()
+        previous = current
+    return losses
+
+
+def assert_same_losses(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(g, w), f"step {step}: {g.item()} != {w.item()}"
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_overlapped_step_is_exactly_one_step_stale(precision):
     """pipe.step(opt, overlap=True) equals synchronous training on delayed gradients — iteration t's gradients
@@ -189,22 +220,144 @@ def test_overlapped_step_is_exactly_one_step_stale(precision):
     all that differs."""
     a, pa, b, pb = pair(precision)
     oa, ob = torch.optim.AdamW(a.parameters(), lr=1e-2), torch.optim.AdamW(b.parameters(), lr=1e-2)
-    previous = {k: v.clone() for k, v in b.state_dict().items()}
+    losses = []
     for step in range(4):
         x, y = batch(step)
-        loss_a = pa.forward_backward(x, target=y)
+        losses.append(pa.forward_backward(x, target=y))
         pa.step(oa, overlap=True)
-        current = {k: v.clone() for k, v in b.state_dict().items()}
-        b.load_state_dict(previous)  # the reference takes its gradients at the previous weights
-        loss_b = pb.forward_backward(x, target=y)
-        b.load_state_dict(current)
-        ob.step(), ob.zero_grad()
-        previous = current
-        assert torch.equal(loss_a, loss_b), f"step {step}"
     pa.synchronize()
+    assert_same_losses(losses, stale_reference(b, pb, [ob], 4))
     assert_same_weights(a, b)
     x, y = batch(9)  # back to synchronous: the copies are the latest weights
     assert torch.equal(pa.forward_backward(x, target=y), pb.forward_backward(x, target=y))
+
+
+class Gated(torch.optim.AdamW):
+    """AdamW whose step waits until the main thread opens ``gate``: what the main thread does first (the user's
+    ``zero_grad``) happens while the overlapped step is in flight and has not read ``.grad`` yet, every time."""
+
+    def __init__(self, params, gate: threading.Event, **options):
+        super().__init__(params, **options)
+        self.gate = gate
+
+    def step(self, closure=None):
+        if not self.gate.wait(timeout=60):
+            raise RuntimeError("the test never opened the gate")
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("loop", ["optimizer.zero_grad first", "optimizer.zero_grad after step",
+                                  "model.zero_grad first"])
+def test_zero_grad_in_the_loop_beside_an_overlapped_step_clears_what_it_means_to(loop):
+    """The PyTorch-tutorial loop with ``pipe.step(optimizer, overlap=True)``: the user's ``zero_grad()`` — of the
+    optimizer at the top or after the step, or of the model — runs while the step is in flight, before it reads
+    ``.grad``. It is recorded, not run, and run once the step is done, before the next iteration's gradients land:
+    the one-step-stale reference bit for bit (it used to clear the gradients the step was about to read) — also
+    for the parameters the model's zero_grad clears and no optimizer steps. After ``synchronize()`` zero_grad is
+    the optimizer's own again."""
+    a, pa, b, pb = pair("fp32")
+    gate = threading.Event()
+    model = loop.startswith("model")
+    stepped = (lambda m: m.blocks.parameters()) if model else (lambda m: m.parameters())  # the model's: not all
+    oa, ob = Gated(stepped(a), gate, lr=1e-2), torch.optim.AdamW(stepped(b), lr=1e-2)
+
+    def zero_grad() -> None:  # looked up at the call, as the user's loop does
+        (a if model else oa).zero_grad()
+
+    losses = []
+    for step in range(4):
+        x, y = batch(step)
+        if not loop.endswith("after step"):
+            zero_grad()
+            gate.set()  # the step in flight (from the previous iteration) reads .grad only now
+        losses.append(pa.forward_backward(x, target=y))
+        gate.clear()
+        pa.step(oa, overlap=True)
+        if loop.endswith("after step"):
+            zero_grad()
+            gate.set()
+    gate.set()
+    pa.synchronize()
+    assert_same_losses(losses, stale_reference(b, pb, [ob], 4, zero_grad=b.zero_grad if model else None))
+    assert_same_weights(a, b)
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        if not name.startswith("blocks.") and model:  # the last iteration's gradients alone, not a sum
+            assert torch.equal(p.grad, q.grad), name
+    assert "zero_grad" not in vars(oa) and "zero_grad" not in vars(a)  # the methods are the real ones again
+    x, y = batch(7)
+    pa.forward_backward(x, target=y)
+    oa.zero_grad()
+    assert all(p.grad is None for p in stepped(a))
+
+
+def two_optimizers(model: nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
+    """AdamW over the embedding and the norm, SGD with momentum over the blocks: disjoint parameter groups."""
+    blocks = [p for n, p in model.named_parameters() if n.startswith("blocks.")]
+    rest = [p for n, p in model.named_parameters() if not n.startswith("blocks.")]
+    return torch.optim.AdamW(rest, lr=1e-2), torch.optim.SGD(blocks, lr=0.1, momentum=0.9)
+
+
+def test_several_optimizers_step_together(tmp_path):
+    """``pipe.step([o1, o2], overlap=True, scheduler=[s1, s2])`` steps both on the one thread: the one-step-stale
+    reference with the same two optimizers and schedulers, bit for bit; a checkpoint of the two resumes into a
+    fresh pipeline (``load_state_dict(state, optimizer=[o1, o2])``); synchronous, it is the plain loop. A second overlapped step
+    before the next iteration is refused in one line naming the fix."""
+    def schedule(opts):
+        return [torch.optim.lr_scheduler.LambdaLR(o, lambda t: 1.0 / (1 + t)) for o in opts]
+
+    a, pa, b, pb = pair()
+    oa, ob = two_optimizers(a), two_optimizers(b)
+    sa, sb = schedule(oa), schedule(ob)
+    losses = []
+    for step in range(4):
+        x, y = batch(step)
+        losses.append(pa.forward_backward(x, target=y))
+        pa.step(list(oa) if step % 2 else oa, overlap=True, scheduler=sa)  # a list or a tuple
+    assert_same_losses(losses, stale_reference(b, pb, ob, 4, sb))
+
+    # saved here (a step in flight) and resumed into a fresh model, optimizers and pipeline: one iteration on
+    rpcompile.save_checkpoint(tmp_path, model=a, optimizer=oa, pipeline=pa)
+    c = Tied()
+    oc = two_optimizers(c)
+    pc = rpcompile.compile(c, batch(0)[:1], loss_fn=loss_fn, devices=["cpu", "cpu"], precision="bf16",
+                           plan=pa.plan, host_embedding=False)
+    with pytest.raises(rpcompile.CheckpointError, match=r"the checkpoint holds the state of 2 optimizer\(s\) but 1 "
+                       r"were given; pass optimizer= as it was saved \(2, a list in the same order for several\)$"):
+        rpcompile.load_checkpoint(tmp_path, model=c, optimizer=oc[0], pipeline=pc)
+    assert not torch.equal(c.embed.weight, a.embed.weight)  # refused before anything was loaded
+    rpcompile.load_checkpoint(tmp_path, model=c, optimizer=list(oc), pipeline=pc)  # load_state_dict(optimizer=[...])
+    assert pc.state_dict()["stale_weights"]
+    x, y = batch(4)
+    assert torch.equal(pa.forward_backward(x, target=y), pc.forward_backward(x, target=y))
+    pa.synchronize(), pc.synchronize()
+    assert_same_weights(a, c)
+
+    # synchronous: o1.step(); o2.step(); zero_grads; schedulers — the plain loop
+    assert_same_weights(a, b)  # four steps each (batch(4)'s gradients, not stepped, dropped next)
+    for o in oa:
+        o.zero_grad()
+    for step in range(2):
+        x, y = batch(step)
+        assert torch.equal(pa.forward_backward(x, target=y), pb.forward_backward(x, target=y))
+        pa.step(oa, scheduler=sa)
+        for o in ob:
+            o.step()
+        for o in ob:
+            o.zero_grad()
+        for s in sb:
+            s.step()
+    assert_same_weights(a, b)
+    assert all(p.grad is None for p in a.parameters())
+
+    pa.forward_backward(x, target=y)
+    pa.step(oa[0], overlap=True)
+    with pytest.raises(rpcompile.ConfigError, match=r"^pipe\.step\(\.\.\., overlap=True\) again before the next "
+                       r"forward_backward, while the overlapped step of AdamW is in flight: step the optimizers "
+                       r"together, pipe\.step\(\[o1, o2\], overlap=True\)$"):
+        pa.step(oa[1], overlap=True)
+    pa.synchronize()  # the first step alone went ahead
+    assert "zero_grad" not in vars(oa[0]) and all(p.grad is None for p in oa[0].param_groups[0]["params"])
+    assert all(p.grad is not None for p in oa[1].param_groups[0]["params"])
 
 
 def test_an_lr_scheduler_steps_after_the_optimizer_also_when_overlapped():
@@ -297,24 +450,41 @@ def test_overlap_errors():
 
     pa.forward_backward(x, target=y)
     grads = {n: p.grad.clone() for n, p in a.named_parameters()}
-    pa.step(Broken(a.parameters(), lr=0.1), overlap=True)
+    broken = Broken(a.parameters(), lr=0.1)
+    counted = []
+    broken.zero_grad = lambda set_to_none=True: counted.append(set_to_none)  # the user's own, kept as it was
+    pa.step(broken, overlap=True)
+    broken.zero_grad()  # recorded; dropped with the failed step
     with pytest.raises(PipelineError, match=r"^the overlapped optimizer step failed: RuntimeError: disk full$"):
         pa.forward_backward(x, target=y)
+    assert "zero_grad" not in vars(a) and counted == []
+    broken.zero_grad(False)
+    assert counted == [False]  # the user's own attribute again
     for n, p in a.named_parameters():  # .grad holds what the failed step was given; the iteration's were dropped
         assert torch.equal(p.grad, grads[n]), n
     for name, p in a.named_parameters():  # synchronous again, copies made from the masters
         assert torch.equal(pa.executor.weights.source(name), p.detach().to(torch.bfloat16)), name
 
 
-def test_step_goes_through_the_pipelines_grad_scaler():
+@pytest.mark.parametrize("several", [False, True], ids=["one optimizer", "two optimizers"])
+def test_step_goes_through_the_pipelines_grad_scaler(several):
+    """``pipe.step(o)`` is ``scaler.step(o); scaler.update()``; ``pipe.step([o1, o2])`` is ``scaler.step(o1);
+    scaler.step(o2); scaler.update()`` (one update for the iteration), then the zero_grads."""
     a, pa, b, pb = pair("fp16")
-    pa.scaler, pb.scaler = (torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) for _ in range(2))
-    oa, ob = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    pa.scaler, pb.scaler = (torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1) for _ in range(2))
+    if several:
+        oa, ob = two_optimizers(a), two_optimizers(b)
+    else:
+        oa, ob = torch.optim.SGD(a.parameters(), lr=0.1), (torch.optim.SGD(b.parameters(), lr=0.1),)
     for step in range(2):
         x, y = batch(step)
         pa.forward_backward(x, target=y), pb.forward_backward(x, target=y)
         pa.step(oa)
-        pb.scaler.step(ob), pb.scaler.update(), ob.zero_grad()
+        for o in ob:
+            pb.scaler.step(o)
+        pb.scaler.update()
+        for o in ob:
+            o.zero_grad()
     assert pa.scaler.get_scale() == pb.scaler.get_scale()
     assert_same_weights(a, b)
 

@@ -1,0 +1,274 @@
+"""Overlapped optimizer steps: ``pipe.step(optimizer, overlap=True)`` runs the step on a thread of its own beside
+the next ``forward_backward``.
+
+**What it computes.** The iteration that runs beside step t reads the weights from *before* step t — every
+trainable weight copy is double-buffered (:meth:`rpcompile.runtime.weights.WeightStore.begin_overlap`): the step
+writes the back buffer, the iteration uploads the front one, and the two swap once the step is collected — so its
+gradients are one step stale: with w₀ the initial weights, w_{t+1} = step(w_t, ∇L_t(w_{t-1})), w_{-1} = w₀
+(RoundPipe's ``is_async=True``). Meanwhile ``.grad`` belongs to the step (it reads them, then zeroes them): the
+iteration's gradients are held aside (:meth:`rpcompile.runtime.weights.GradSink.hold`) and installed into ``.grad``
+when it ends, after the step is collected. Several optimizers (``pipe.step([o1, o2], overlap=True)``) step one
+after the other on the one thread, each with its parameters double-buffered.
+
+**What the user may do meanwhile.** ``optimizer.zero_grad()`` (or the model's ``zero_grad()``) while the step is
+in flight would race with its reading of ``.grad``: from :meth:`Overlap.start` until the step is collected both
+are shadowed by an instance attribute (:class:`ZeroGradShadow`) that records the call, and the call is replayed —
+with the real method — once the step is done and before the held gradients are installed: exactly "clear the
+gradients before the next backward". A change of the settings a scheduler sets (:data:`SCHEDULED`) while the
+step is in flight races too: it is refused when the step is collected (``scheduler=`` steps it on the thread).
+A step that raises is collected as a :class:`PipelineError`; the overlap ends, the copies are remade from the
+masters as the step left them, and the recorded ``zero_grad`` calls are dropped (``.grad`` keeps what the failed
+step was given).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from rpcompile.runtime.executor import PipelineError
+from rpcompile.runtime.weights import GradSink, WeightStore
+
+from .core.errors import ConfigError
+
+__all__ = ["SCHEDULED", "settings", "changed_setting", "optimizers_of", "schedulers_of", "step_now",
+           "ZeroGradShadow", "Overlap"]
+
+#: The settings of a parameter group that lr schedulers set (``OneCycleLR`` and ``CyclicLR`` cycle the momentum
+#: too). Others are left out: some optimizers keep their own running values there (Prodigy's ``d``).
+SCHEDULED = ("lr", "momentum", "betas", "weight_decay")
+
+Settings = list[dict[str, Any]]
+
+
+def settings(optimizer: Any) -> Settings:
+    """An optimizer's :data:`SCHEDULED` settings, per parameter group."""
+    return [{k: g[k].clone() if isinstance(g[k], torch.Tensor) else g[k] for k in SCHEDULED if k in g}
+            for g in optimizer.param_groups]
+
+
+def changed_setting(before: Settings, after: Settings) -> str:
+    """The first setting that differs, as ``lr of group 0 (0.001 -> 0.0009)``; "" where none does."""
+    for i, (b, a) in enumerate(zip(before, after)):
+        for k in sorted({*b, *a}):
+            x, y = b.get(k), a.get(k)
+            same = torch.equal(x, y) if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) else x == y
+            if not same:
+                return f"{k} of group {i} ({x!r} -> {y!r})"
+    return "" if len(before) == len(after) else f"parameter groups ({len(before)} -> {len(after)})"
+
+
+def optimizers_of(optimizer: Any) -> list[Any]:
+    """``pipe.step``'s optimizer argument as a list: one optimizer, or a list or tuple of them."""
+    many = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    if not many:
+        raise ConfigError("pipe.step got an empty list of optimizers: pass an optimizer or a list of them")
+    for o in many:
+        if not hasattr(o, "param_groups") or not callable(getattr(o, "step", None)):
+            raise ConfigError(f"pipe.step takes an optimizer (param_groups, step(), zero_grad()) or a list of them, "
+                              f"got {type(o).__name__}")
+    return many
+
+
+def schedulers_of(scheduler: Any) -> list[Any]:
+    """``pipe.step``'s ``scheduler=``: None, one lr scheduler, or a list or tuple of them."""
+    if scheduler is None:
+        return []
+    return list(scheduler) if isinstance(scheduler, (list, tuple)) else [scheduler]
+
+
+def step_now(optimizers: Sequence[Any], schedulers: Sequence[Any], scaler: Any = None) -> None:
+    """The synchronous step: each optimizer's ``step()`` — ``scaler.step(o)`` for each then one
+    ``scaler.update()`` with an enabled ``GradScaler`` — then their ``zero_grad()``, then the schedulers."""
+    if scaler is not None and scaler.is_enabled():
+        for o in optimizers:
+            scaler.step(o)  # skipped on inf/nan gradients; the scale adapts
+        scaler.update()
+    else:
+        for o in optimizers:
+            o.step()
+    for o in optimizers:
+        o.zero_grad(set_to_none=True)
+    for s in schedulers:
+        s.step()
+
+
+class ZeroGradShadow:
+    """``zero_grad`` of some owners (optimizers, a module) shadowed by an instance attribute that records the call
+    instead of running it, while an overlapped step reads ``.grad`` (module docstring); :meth:`restore` puts back
+    exactly what each owner had and, with ``replay``, runs the recorded calls with the real methods, in order."""
+
+    def __init__(self, owners: Sequence[Any]):
+        self.saved: list[tuple[Any, bool, Any]] = []
+        """Per owner shadowed: the owner, whether it had an instance attribute ``zero_grad``, and its value."""
+        self.calls: list[tuple[Callable[..., Any], tuple, dict[str, Any]]] = []
+        for owner in owners:
+            own = getattr(owner, "__dict__", None)
+            if own is None or any(owner is s[0] for s in self.saved):
+                continue
+            self.saved.append((owner, "zero_grad" in own, own.get("zero_grad")))
+            own["zero_grad"] = self._deferred(owner.zero_grad)  # not setattr: a Module's __setattr__ stays out
+
+    def _deferred(self, real: Callable[..., Any]) -> Callable[..., None]:
+        def zero_grad(*args: Any, **kwargs: Any) -> None:
+            """Recorded: an overlapped step is reading ``.grad``; replayed once it is done (rpcompile.overlap)."""
+            self.calls.append((real, args, kwargs))
+        return zero_grad
+
+    def restore(self, *, replay: bool) -> None:
+        for owner, had, value in self.saved:
+            if had:
+                owner.__dict__["zero_grad"] = value
+            else:
+                owner.__dict__.pop("zero_grad", None)
+        self.saved = []
+        calls, self.calls = self.calls, []
+        if replay:
+            for real, args, kwargs in calls:
+                real(*args, **kwargs)
+
+
+class Overlap:
+    """The overlapped step in flight (:attr:`future`) and the overlap it began, which lasts until :meth:`end`
+    (``pipe.synchronize()``): the optimizers stepped overlapped since it began, the settings the step in flight
+    was given, the ``zero_grad`` methods shadowed meanwhile."""
+
+    def __init__(self, weights: WeightStore, grads: GradSink):
+        self.weights, self.grads = weights, grads
+        self._stepper = ThreadPoolExecutor(1, thread_name_prefix="rpcompile-step")
+        self.future: Future[tuple[list[Settings], list[Settings]]] | None = None
+        self.optimizers: list[Any] = []
+        """Every optimizer stepped overlapped since the overlap began (empty: synchronous steps)."""
+        self._stepping: list[Any] = []
+        self._given: list[Settings] = []
+        self._shadow: ZeroGradShadow | None = None
+
+    def start(self, optimizers: Sequence[Any], schedulers: Sequence[Any], model: torch.nn.Module) -> None:
+        """Submit ``optimizers``' step (then ``zero_grad``, then ``schedulers``) to the step thread, their
+        parameters double-buffered, the next iteration's gradients held aside and ``zero_grad`` of the optimizers
+        and ``model`` shadowed until the step is collected."""
+        self.check_idle()
+        for o in optimizers:
+            self.weights.begin_overlap(o)
+        self.grads.hold(True)  # the next iteration's gradients wait beside .grad, which the step reads
+        self.optimizers += [o for o in optimizers if all(o is not p for p in self.optimizers)]
+        reals = [o.zero_grad for o in optimizers]  # before the shadow: the step thread clears .grad for real
+        weights = self.weights
+
+        def run() -> tuple[list[Settings], list[Settings]]:
+            for o in optimizers:
+                o.step()
+            used = [settings(o) for o in optimizers]  # what the step may have read: changed since, it raced
+            for zero_grad in reals:
+                zero_grad(set_to_none=True)
+            for s in schedulers:
+                s.step()
+            for o in optimizers:
+                weights.write_back(o)
+            return used, [settings(o) for o in optimizers]
+
+        self._submit(optimizers, run, shadow=[*optimizers, model])
+
+    def check_idle(self) -> None:
+        """Refuse (one line) a second overlapped step while one no iteration has run beside is in flight."""
+        if self.future is not None:
+            names = ", ".join(type(o).__name__ for o in self._stepping)
+            raise ConfigError(f"pipe.step(..., overlap=True) again before the next forward_backward, while the "
+                              f"overlapped step of {names} is in flight: step the optimizers together, "
+                              "pipe.step([o1, o2], overlap=True)")
+
+    def resume(self, optimizers: Sequence[Any], stale: Mapping[str, torch.Tensor]) -> None:
+        """A state saved right after an overlapped step (``Pipeline.load_state_dict``): the step is done (the
+        optimizers' state says so); the next iteration computes with the ``stale`` copies from before it."""
+        for o in optimizers:
+            self.weights.begin_overlap(o)  # double-buffered copies of the masters, as start() makes
+        for name, t in stale.items():
+            self.weights.source(name).copy_(t)  # the front copies: what the next iteration computes with
+        self.grads.hold(True)
+        self.optimizers = list(optimizers)
+        weights = self.weights
+        now = [settings(o) for o in optimizers]
+
+        def copies() -> tuple[list[Settings], list[Settings]]:  # the step is done: only its copies
+            for o in optimizers:
+                weights.write_back(o)
+            return now, now
+
+        self._submit(optimizers, copies, shadow=[])  # nothing reads .grad: zero_grad may run
+
+    def _submit(self, optimizers: Sequence[Any], fn: Callable[[], tuple[list[Settings], list[Settings]]],
+                shadow: Sequence[Any]) -> None:
+        self._stepping, self._given = list(optimizers), [settings(o) for o in optimizers]
+        self._shadow = ZeroGradShadow(shadow)
+        try:
+            self.future = self._stepper.submit(fn)
+        except BaseException:  # (a pool shut down): nothing was shadowed
+            self._shadow.restore(replay=False)
+            self._shadow = None
+            raise
+
+    def stale_copies(self) -> dict[str, torch.Tensor]:
+        """The copies the next iteration computes with, while a step no iteration has run beside is in flight
+        (``Pipeline.state_dict``): collected first if it failed (raising its :class:`PipelineError`)."""
+        if self.future is None:
+            return {}
+        if self.future.exception() is not None:
+            self.collect()  # raises; back to synchronous steps
+        weights = self.weights
+        return {n: weights.source(n).clone() for n, e in weights.entries.items() if e.master.requires_grad}
+
+    def collect(self) -> None:
+        """Wait for the step in flight, if any: its weights become the ones the devices upload and the
+        ``zero_grad`` calls made meanwhile run. A step that raised, or raced with a settings change, raises a
+        :class:`PipelineError` after ending the overlap (module docstring)."""
+        if self.future is None:
+            return
+        future, self.future = self.future, None
+        shadow, self._shadow = self._shadow, None
+        try:
+            used, left = future.result()
+            changed = _changed(self._stepping, self._given, used, left)
+            if changed:
+                raise ConfigError(
+                    f"{changed} changed while the overlapped step ran, which may have used either value (an lr "
+                    "scheduler stepped after pipe.step(optimizer, overlap=True)?); pass it as "
+                    "pipe.step(optimizer, overlap=True, scheduler=scheduler), or change the optimizer before "
+                    "pipe.step")
+        except Exception as e:
+            # back to synchronous steps: the copies are remade from the masters as the step left them, and the
+            # iteration's gradients (held apart) are dropped — .grad keeps what the failed step was given
+            if shadow is not None:
+                shadow.restore(replay=False)
+            self.grads.hold(False)
+            self._end(failed=True)
+            raise PipelineError(f"the overlapped optimizer step failed: {type(e).__name__}: {e}") from e
+        self.weights.swap()
+        if shadow is not None:
+            shadow.restore(replay=True)  # before the held gradients are installed: they are the next backward's
+
+    def end(self) -> None:
+        """Back to synchronous steps (``pipe.synchronize()``): the step collected, the held gradients in
+        ``.grad``, the double buffers gone."""
+        self.collect()
+        if self.optimizers:
+            self.grads.install()
+            self.grads.hold(False)
+            self._end(failed=False)
+
+    def _end(self, *, failed: bool) -> None:
+        for o in self.optimizers or [None]:
+            self.weights.end_overlap(o, failed=failed)
+        self.optimizers = []
+
+
+def _changed(optimizers: Sequence[Any], given: list[Settings], used: list[Settings], left: list[Settings]) -> str:
+    """The first scheduled setting changed by someone else while the step ran — between ``pipe.step`` and the
+    step (``given``/``used``) or between the step's end and now (``left``/now) — as ``the optimizer's lr of group
+    0 (...)``; "" where none was."""
+    for i, o in enumerate(optimizers):
+        changed = changed_setting(given[i], used[i]) or changed_setting(left[i], settings(o))
+        if changed:
+            return f"the optimizer's {changed}" if len(optimizers) == 1 else f"optimizer {i}'s {changed}"
+    return ""

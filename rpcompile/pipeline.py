@@ -520,7 +520,9 @@ class Pipeline:
         plan's microbatches, the loss on the fused stage's device (no output comes home; a split LM head never
         materialises the logits) — and weighted as it is (padding left out): eager's ``loss_fn(model(x), y)``
         under ``torch.no_grad()``, in the model's mode (``model.eval()``: dropouts off). Nothing changes: no
-        gradient, no dropout iteration. Data-parallel: this rank's batch's loss."""
+        gradient, no dropout iteration. Data-parallel: this rank's batch's loss. Beside an overlapped step
+        (``pipe.step(opt, overlap=True)``) it sees the weights the next iteration computes with, from before that
+        step; :meth:`synchronize` first for the stepped ones."""
         check_call_mode("evaluate", self.precision)
         self.executor.training = self.check_model()
         store, m, loss_of, targets = self._batch("evaluate", inputs, target, dict(kwargs), global_total=False)

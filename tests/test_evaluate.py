@@ -139,3 +139,24 @@ def test_a_stage_evaluates_one_microbatch_at_a_time_and_a_failure_is_one_line_na
     finally:
         FAIL_AT.clear()
     torch.testing.assert_close(pipe.forward(x), model(x), **TOL)
+
+
+def test_beside_an_overlapped_step_evaluation_sees_the_weights_the_next_iteration_computes_with():
+    """After ``pipe.step(opt, overlap=True)`` the step is still running: ``evaluate`` uses the weights from before
+    it (those the next iteration computes with, one step stale), racing with nothing; after ``synchronize()`` the
+    stepped ones."""
+    from test_weights import batch, loss_fn, pair
+
+    a, pa, _, _ = pair("fp32")
+    opt = torch.optim.AdamW(a.parameters(), lr=1e-2)
+    x, y = batch(0)
+    pa.forward_backward(x, target=y)
+    before = copy.deepcopy(a)
+    pa.step(opt, overlap=True)
+    with torch.no_grad():
+        torch.testing.assert_close(pa.evaluate(x, target=y), loss_fn(before(x), y), **TOL)
+    pa.synchronize()
+    with torch.no_grad():
+        stepped = loss_fn(a(x), y)
+        assert not torch.allclose(stepped, loss_fn(before(x), y))
+    torch.testing.assert_close(pa.evaluate(x, target=y), stepped, **TOL)

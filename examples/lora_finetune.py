@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, task_type="CAUSAL_LM",
                                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
     model.print_trainable_parameters()
+    model.train()  # from_pretrained loads in eval mode: trace in train mode so that lora_dropout trains
 
     g = torch.Generator().manual_seed(0)
     example = padded_batch(args.batch, args.seq, config.vocab_size, g)
@@ -57,11 +58,14 @@ def main(argv: list[str] | None = None) -> None:
                              devices=None if on_gpu else ["cpu", "cpu"], spec=None if on_gpu else "cpu")  # costs: measured on the GPU, analytic on CPUs
     print(f"planned {len(pipe.plan.stages)} stages on {len(pipe.devices)} devices")
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    held_out = padded_batch(args.batch, args.seq, config.vocab_size, g)
     for step in range(args.steps):
         batch = padded_batch(args.batch, args.seq, config.vocab_size, g)  # any size, up to the compiled length
         loss = pipe.forward_backward(**batch)  # the labels are the target; gradients land in the adapters' .grad
         pipe.step(optimizer)                   # optimizer.step(); optimizer.zero_grad()
         print(f"step {step}: loss {loss.item():.4f}")
+    model.eval()  # evaluation: dropout off, no gradients, the same microbatches as training
+    print(f"held-out loss: {pipe.evaluate(**held_out).item():.4f}")
 
     merged = model.merge_and_unload()  # a plain LlamaForCausalLM with the adapters folded into its weights
     out = args.out or tempfile.mkdtemp(prefix="lora-merged-")

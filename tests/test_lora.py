@@ -216,7 +216,7 @@ def test_the_example_script_runs(tmp_path, capsys, monkeypatch):
     with torch.random.fork_rng(devices=[]):  # the script seeds the global generator
         runpy.run_path(str(script), run_name="__main__")
     out = capsys.readouterr().out
-    assert "planned " in out and "step 1: loss " in out, out
+    assert "planned " in out and "step 1: loss " in out and re.search(r"^held-out loss: \d+\.\d{4}$", out, re.M), out
     assert f"merged model saved to {tmp_path}" in out, out
     assert (tmp_path / "config.json").exists()
 

@@ -12,7 +12,8 @@ PyTorch would, silently:
   norm's ``training`` as constants. Every module in eval mode after a train-mode trace is the one change the
   runtime can follow: its dropouts are switched off at run time (:mod:`rpcompile.runtime.rng`), so
   ``model.eval()`` evaluates as eager eval does. Another change is refused where the graph depends on the mode
-  (a dropout that drops something, a recorded batch norm); a module called by an fx graph follows its own mode.
+  (a dropout that drops something, a recorded batch norm); a module called by an fx graph follows its model
+  module's mode (:meth:`CompiledModel.follow` sets the stages' copies before every call).
 
 :class:`CompiledModel` records both at compile time; :meth:`CompiledModel.check` raises
 :class:`~rpcompile.core.errors.ModelChangedError` in one line, or returns the mode the stages run in.
@@ -41,6 +42,8 @@ class CompiledModel:
         """Nodes the trace fixed to the traced mode that the runtime cannot switch (batch norms)."""
         self.randomness = [n.name for n in gm.graph.nodes if draws(gm, n)]
         """Random nodes that draw something (dropouts of probability above 0, attention dropout, ...)."""
+        self._followed = dict(self.modes)
+        """The modes the stages' modules were last put in (:meth:`follow`): the traced ones to start with."""
 
     def check(self) -> bool:
         """Refuse a changed model (module docstring); else the mode the stages run in (True: train)."""
@@ -55,7 +58,7 @@ class CompiledModel:
         if traced and not any(now.values()) and not self.mode_fixed:
             return False  # eval after a train-mode trace: the dropouts off at run time
         if not (self.mode_fixed or self.randomness):
-            return traced  # nothing in the graph depends on the mode
+            return now[""]  # nothing the graph fixed depends on the mode; its modules follow theirs (follow())
         name = next(n for n, mode in now.items() if self.modes.get(n) != mode)
         mode, was = ("train", "eval") if now[name] else ("eval", "train")
         fixed = (f"its batch norm ({self.mode_fixed[0]}) runs as in {was} mode" if self.mode_fixed else
@@ -64,6 +67,21 @@ class CompiledModel:
                f"put the whole model in one mode (model.eval() or model.train()), or compile it again in {mode} mode")
         raise ModelChangedError(f"the model changed after compile: {f'module {name}' if name else 'it'} is in {mode} "
                                 f"mode but was traced in {was} mode, and {fixed}; {fix}")
+
+    def follow(self, stages: list[fx.GraphModule]) -> None:
+        """Put each module the stages call (their copies of the model's modules, under the model's names, inside
+        a saved segment's module too) in the mode its model module is in now: a batch norm or dropout module of an fx graph then runs as eager does
+        after ``model.eval()`` / ``model.train()``."""
+        now = {name: m.training for name, m in self.model.named_modules()}
+        if now == self._followed:
+            return
+        for gm in stages:
+            for name, sub in gm.named_modules():
+                while name and name not in now:  # inside a saved segment's module: its path after the segment's
+                    name = name.partition(".")[2]
+                if name:
+                    sub.training = now[name]
+        self._followed = now
 
     def _check_parameters(self) -> None:
         now = dict(self.model.named_parameters(remove_duplicate=False))

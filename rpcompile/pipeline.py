@@ -387,7 +387,10 @@ class Pipeline:
         """Refuse (:class:`ModelChangedError`, one line) a model whose parameters are no longer the ones compiled
         or whose mode the stages cannot run; returns the mode they run in (:mod:`rpcompile.compiled_model`: a
         model traced in train mode and then put in eval mode runs its dropouts switched off). Calls check first."""
-        return self.compiled.check()
+        training = self.compiled.check()
+        program = self.executor.program  # the stages' modules, and those of the saved segments they call
+        self.compiled.follow([prog.gm for prog in program.stages] + [seg.gm for seg in program.saved])
+        return training
 
     def _forward_backward(self, inputs: Sequence[Any], target: Any, kwargs: dict[str, Any],
                           accumulation: tuple[float, float | None] = (1.0, None)) -> torch.Tensor:

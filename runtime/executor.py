@@ -263,7 +263,9 @@ class Executor:
                     loss_fn: Callable[[Any, Any, int], torch.Tensor] | None = None,
                     targets: Sequence[Any] | None = None) -> list[Any]:
         """Evaluation, without autograd: the forward and fused stages in order, each stage's weights uploaded once
-        and its microbatches run in turn (a stage holds one microbatch's values at a time, as planned). Returns per
+        — the next stage's going up while this one computes, as in training — and its microbatches run in turn (a
+        stage holds one microbatch's values at a time, as planned); a batch norm's statistics come home after the
+        last, as in training (train mode: eager's forward updates them too). Returns per
         microbatch the model's output on the host, or, with ``loss_fn``, ``loss_fn(output, targets[j], j)``
         computed on the fused stage's device (the output never comes home). A failure raises one
         :class:`PipelineError` naming the stage, device and microbatch, as :meth:`run` does."""
@@ -273,19 +275,30 @@ class Executor:
                 with torch.no_grad():
                     rows = h.forward(store.get(h.index, j), self.weights.host_table(h.weight))
                 store.put(h.value, j, rows.to(self.dtype) if self.dtype is not None else rows)
-        for prog in self.program.stages:
-            if prog.kind == "backward":
-                continue
+        stages = [p for p in self.program.stages if p.kind != "backward"]
+        ahead: Future[StageState] | None = None
+        for k, prog in enumerate(stages):
             d = prog.index % len(self.devices)
-            device, act = self.devices[d], Action(prog.index, "W")
+            device = self.devices[d]
+            act: Action | None = Action(prog.index, "W")
             results: list[Any] = []
             try:
-                state = self._upload(device, prog)
+                state = ahead.result() if ahead is not None else self._upload(device, prog)
+                ahead = None
+                if k + 1 < len(stages):  # the next stage's weights go up while this one computes
+                    nxt = stages[k + 1]
+                    nxt_device = self.devices[nxt.index % len(self.devices)]
+                    ahead = self._prefetchers[nxt_device.index].submit(self._upload, nxt_device, nxt)
                 device.wait_weights(state.ready)
                 for j in range(microbatches):
                     act = Action(prog.index, "F", j)
                     results.append(self._evaluate(device, prog, state, j, loss_fn, targets))
+                act = None
+                if self.training or any(m.training for m in list(prog.gm.modules())[1:]):  # a train-mode BN's
+                    stage_call.writeback_buffers(device, state, self.buffers)  # statistics (eval changes none)
             except BaseException as e:  # noqa: BLE001 - one line naming the stage, as a training call's failure
+                if ahead is not None:
+                    wait([ahead])  # the next stage's upload lands before the caller sees the failure
                 with contextlib.suppress(Exception):
                     device.synchronize()
                 if isinstance(e, KeyboardInterrupt):

@@ -134,15 +134,23 @@ class SavedSegment(SegmentSpec):
         return outs, bufs
 
     def _key(self, flat: Sequence[Any]) -> tuple:
-        """The signature a capture is specialised to: sizes, strides, dtypes, devices, non-tensor values."""
-        return tuple((tuple(v.shape), v.stride(), v.dtype, v.device) if isinstance(v, torch.Tensor) else _constant(v)
-                     for v in flat)
+        """The signature a capture is specialised to: sizes, strides, dtypes, devices, non-tensor values, and the
+        modes it bakes in (:meth:`_modes`)."""
+        return (*((tuple(v.shape), v.stride(), v.dtype, v.device) if isinstance(v, torch.Tensor) else _constant(v)
+                  for v in flat), self._modes())
 
     def _kind(self, flat: Sequence[Any]) -> tuple:
         """A signature without sizes and strides: what a symbolic capture's guards do not check."""
         first_input = len(self.params) + len(self.buffers)
-        return tuple((v.dtype, v.device, v.dim()) if isinstance(v, torch.Tensor) else
-                     ("size",) if i >= first_input and _is_size(v) else _constant(v) for i, v in enumerate(flat))
+        return (*((v.dtype, v.device, v.dim()) if isinstance(v, torch.Tensor) else
+                  ("size",) if i >= first_input and _is_size(v) else _constant(v) for i, v in enumerate(flat)),
+                self._modes())
+
+    def _modes(self) -> tuple:
+        """What a capture bakes in of the modes: each module's (a batch norm's statistics, a dropout module) and
+        whether the dropouts run (:mod:`.rng`, eval mode after a train-mode trace) — a capture made in train mode
+        must not run in eval mode, nor the reverse."""
+        return bool(getattr(rng.context, "training", True)), tuple(m.training for m in self.gm.modules())
 
     def _find(self, key: tuple, flat: Sequence[Any]) -> SegmentAOT | None:
         """The capture that runs this signature: its own, or a symbolic one whose guards hold for it."""

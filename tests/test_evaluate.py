@@ -18,6 +18,7 @@ from rpcompile.runtime.executor import PipelineError
 
 from _hf import hf_model
 from test_batches import _causal_loss, _padded
+from _devices import StridedDevice
 from test_runtime import FINE_CPU, TOL
 
 
@@ -160,3 +161,34 @@ def test_beside_an_overlapped_step_evaluation_sees_the_weights_the_next_iteratio
         stepped = loss_fn(a(x), y)
         assert not torch.allclose(stepped, loss_fn(before(x), y))
     torch.testing.assert_close(pa.evaluate(x, target=y), stepped, **TOL)
+
+
+class Normed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.norm, self.b = nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.norm(self.a(x)).relu())
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train-mode", "eval-mode"])
+def test_a_batch_norm_s_statistics_come_home_from_a_train_mode_evaluation(train):
+    """On devices whose copies are not the host's tensors: in train mode ``forward`` normalises each microbatch by
+    its own statistics and updates the running ones once per microbatch — as eager over those microbatches —, and
+    they come home; in eval mode it uses the running statistics and changes nothing."""
+    torch.manual_seed(0)
+    model = Normed()
+    x = torch.randn(6, 8)
+    pipe = rpcompile.compile(model, (x,), loss_fn=F.mse_loss, devices=[StridedDevice(), StridedDevice()],
+                             microbatches=3, spec=FINE_CPU, time_limit_s=2.0)
+    ref = copy.deepcopy(model)
+    model.train(train)
+    ref.train(train)
+    out = pipe.forward(x)
+    with torch.no_grad():
+        expected = torch.cat([ref(piece) for piece in x.chunk(3)]) if train else ref(x)
+    torch.testing.assert_close(out, expected, **TOL)
+    for name, buffer in model.norm.named_buffers():
+        torch.testing.assert_close(buffer, getattr(ref.norm, name), **TOL, msg=lambda m: f"{name}: {m}")
+    assert int(model.norm.num_batches_tracked) == (3 if train else 0)

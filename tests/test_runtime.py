@@ -271,6 +271,34 @@ def test_eval_mode_after_a_train_mode_trace_switches_the_dropouts_off():
 
 
 @pytest.mark.hf
+@pytest.mark.parametrize("parity", [0, 1], ids=["saved-even", "saved-odd"])
+def test_eval_mode_after_a_train_mode_trace_runs_fx_batch_norm_and_dropout_modules_as_eager_eval(parity):
+    """An fx graph calls the stages' copies of the model's modules: after ``model.eval()`` they follow it (batch
+    norm on its running statistics, dropout off) — also in saved segments captured in train mode, which are
+    captured again for eval (a capture bakes the modes in) — so training, ``forward`` and ``evaluate`` equal eager
+    eval; ``model.train()`` brings train mode back."""
+    spec, ref, pipe, x, y = _saving_pipeline("cnn-demo", parity)
+    pipe.forward_backward(x, target=y)  # train mode: the saved segments are captured
+    model = spec.model
+    model.zero_grad(set_to_none=True)
+    ref.load_state_dict(model.state_dict())  # the running statistics the train-mode step left
+    model.eval()
+    ref.eval()
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    loss = pipe.forward_backward(x, target=y)
+    ref_loss = spec.loss_fn(ref(x), y)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+    assert_grads_equal(model, ref)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe.forward(x), ref(x), **TOL)
+        torch.testing.assert_close(pipe.evaluate(x, target=y), spec.loss_fn(ref(x), y), **TOL)
+    assert all(torch.equal(v, buffers[k]) for k, v in model.named_buffers())  # eval mode changes no statistic
+    model.train()
+    pipe.forward_backward(x, target=y)
+    assert int(model.blocks[0].bn.num_batches_tracked) == 2 * pipe.microbatches
+
+
 def test_a_mode_the_trace_cannot_run_is_refused_in_one_line_and_a_model_without_dropout_trains_in_any():
     """Traced in eval mode (as models load), the dropouts are not in the graph: train mode is refused, naming the
     fix. A mixed mode is refused likewise. A model with no dropout (0.0) and no batch norm runs in either mode."""

@@ -8,8 +8,8 @@ A :class:`~rpcompile.pipeline.Pipeline` call (``forward_backward``, ``evaluate``
    the compiled signature (:class:`~rpcompile.signature.InputSignature`), refusing a missing or unused target;
 2. splits the batch along dim 0 into the plan's microbatches — fewer for a batch with fewer rows
    (:func:`microbatches_of`) — into a :class:`~rpcompile.runtime.executor.ValueStore` (:func:`microbatch_store`);
-3. checks integer labels against the model's classes on the host (:func:`output_classes`), not at a device-side
-   assert on a GPU;
+3. checks integer labels against the classes the model scores (:func:`output_classes`, or a split LM head's) on
+   the host, not at a device-side assert on a GPU;
 4. weights each microbatch's mean loss by what it averages over (:func:`microbatch_weights`: real tokens or rows)
    divided by the batch's total — summed over the ranks, data-parallel, or ``num_items`` of gradient accumulation
    (:func:`checked_accumulation`) — in the :class:`~rpcompile.loss_weighting.MicrobatchLoss` the fused stage calls.

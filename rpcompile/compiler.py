@@ -99,9 +99,10 @@ def compile(
     looked-up rows instead of uploading the table, and the rows' gradients go into the table's ``.grad``;
     ``False`` keeps every table on the devices, and node names move exactly those lookups.
 
-    ``loss_weight`` says what each microbatch's mean loss averages over (:func:`loss_weights`): by default real
-    tokens for an integer target (entries that are not -100, so padded batches give eager's whole-batch loss and
-    gradients), rows otherwise; :func:`shifted_tokens` for a loss that shifts the labels itself (HF causal LMs).
+    ``loss_weight`` says what each microbatch's mean loss averages over
+    (:func:`~rpcompile.loss_weighting.loss_weights`): by default real tokens for an integer target (entries that
+    are not -100, so padded batches give eager's whole-batch loss and gradients), rows otherwise;
+    :func:`~rpcompile.loss_weighting.shifted_tokens` for a loss that shifts the labels itself (HF causal LMs).
     Inputs are bound to the compile example's signature (:class:`InputSignature`); an HF model is traced with
     ``use_cache=False`` unless ``example_kwargs`` says otherwise, and ``forward_backward(**batch)`` takes an HF
     batch dict, its ``labels`` as the target.

@@ -32,7 +32,7 @@ _EXPORTS = {
     "list_models": "rpcompile.models",
     "profile": "rpcompile.profiling",
     "plan": "rpcompile.planning",
-    "compile": "rpcompile.pipeline",
+    "compile": "rpcompile.compiler",
     "max_sequence_length": "rpcompile.seqlen",
     "LinkBoundWarning": "rpcompile.envelope",
     "PrecisionWarning": "rpcompile.signature",

@@ -23,7 +23,7 @@ import time
 import torch
 from rich.console import Console
 
-from rpcompile import pipeline
+from rpcompile import compiler
 from rpcompile.core.errors import InfeasibleError
 from rpcompile.core.plan import Plan
 from rpcompile.models import ModelSpec, load_model
@@ -92,7 +92,7 @@ def _train(console: Console, ms: ModelSpec, plan: Plan, name: str, n_dev: int, w
     prediction is for ``forward_backward``; the optimizer runs on the CPU afterwards, timed apart)."""
     console.rule(f"[bold]3. {name}: train the plan above for {steps} steps on {where}")
     devices = [f"cuda:{i}" for i in range(n_dev)] if device != "cpu" else ["cpu"] * n_dev
-    pipe = pipeline.compile(ms.model, ms.example_inputs, loss_fn=ms.loss_fn, devices=devices, plan=plan,
+    pipe = compiler.compile(ms.model, ms.example_inputs, loss_fn=ms.loss_fn, devices=devices, plan=plan,
                              precision=plan.precision)
     optimizer = torch.optim.AdamW(ms.model.parameters(), lr=3e-3, fused=True)  # the README's advice
     x, = ms.example_inputs

@@ -44,7 +44,7 @@ from .core.errors import ConfigError, RPCompileError
 from .core.plan import Plan
 from .core.program import Program
 
-__all__ = ["DistributedError", "DataParallel", "data_parallel_group", "plan_digest", "shard"]
+__all__ = ["DistributedError", "DataParallel", "RankCalls", "data_parallel_group", "plan_digest", "shard"]
 
 
 class DistributedError(RPCompileError):
@@ -184,6 +184,57 @@ class DataParallel:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return DistributedError(f"rank {self.rank}: {what} failed ({first}): another rank stopped or hangs (its own "
                                 "error says why), or the network failed; every rank stops")
+
+
+class RankCalls:
+    """A pipeline's training calls as one rank of :class:`DataParallel` training (``Pipeline.join``): the batch's
+    total summed over the ranks before the call runs, its gradients held apart from ``.grad`` (``grads``) until
+    they are summed across the ranks, and a failure told to the other ranks in the collective they wait in.
+    ``overlapped()``: an overlapped optimizer step is in place, which installs the held gradients itself."""
+
+    def __init__(self, dp: DataParallel, grads: GradSink, overlapped: Callable[[], bool]):
+        self.dp, self.grads, self.overlapped = dp, grads, overlapped
+        self.phase = "done"  # a call: "before" its first collective, "running", "done"
+
+    def run(self, call: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``call()`` (one ``forward_backward``); a failure on any rank raises on every rank and drops the call's
+        gradients."""
+        self.phase = "before"
+        try:
+            return call()
+        except DistributedError:
+            self.drop_held()
+            raise
+        except BaseException as e:  # tell the other ranks, in the collective they wait in, then raise it here
+            self.drop_held()
+            if self.phase == "before":
+                self.dp.start(0.0, e)
+            elif self.phase == "running":
+                self.dp.finish(0.0, e)
+            raise
+
+    def drop_held(self) -> None:
+        """A data-parallel call failed: its gradients (held apart from ``.grad``) are dropped."""
+        if self.grads.private is not None:
+            self.grads.hold(self.overlapped())
+
+    def global_total(self, total: float) -> float:
+        """What the whole batch's mean averages over: this rank's ``total`` summed over the ranks (the call's
+        gradients are held apart from ``.grad`` until they are reduced)."""
+        total = self.dp.start(total, None)
+        self.phase = "running"
+        if self.grads.private is None:
+            self.grads.hold(True)
+        return total
+
+    def reduced(self, loss: torch.Tensor) -> torch.Tensor:
+        """The gradients summed across the ranks (then into ``.grad``) and the whole batch's loss."""
+        total = self.dp.finish(float(loss), None)
+        self.phase = "done"  # the call's collectives are over
+        if not self.overlapped():
+            self.grads.install()
+            self.grads.hold(False)
+        return torch.tensor(total, dtype=loss.dtype)
 
 
 def shard(batch: torch.Tensor, rank: int, world: int) -> torch.Tensor:

@@ -1,10 +1,13 @@
-"""``rpcompile.compile``: the public face of the runtime.
+"""``Pipeline``: the public face of the runtime — what :func:`rpcompile.compile` (:mod:`rpcompile.compiler`) returns.
 
     pipe = rpcompile.compile(model, example_inputs, loss_fn=loss_fn, devices=["cpu", "cpu"])
     optimizer = torch.optim.AdamW(model.parameters())
     for x, y in data:
         loss = pipe.forward_backward(x, target=y)   # gradients land in model's p.grad, on the CPU
         optimizer.step(); optimizer.zero_grad()
+
+What a call's batch becomes — microbatches, their targets and the weighted loss each fused stage computes — is
+:mod:`rpcompile.batches`; a data-parallel rank's calls are :class:`rpcompile.distributed.RankCalls`.
 
 Contracts
 ---------
@@ -44,10 +47,7 @@ Contracts
 from __future__ import annotations
 
 import functools
-import logging
-import math
 import os
-import time
 from concurrent.futures import Future, wait
 from pathlib import Path
 from typing import Any, Callable, Mapping, NoReturn, Sequence
@@ -58,60 +58,30 @@ import torch.fx as fx
 from rpcompile.passes.codegen import write_stages
 from rpcompile.passes.loss_head import HEAD_CLASSES_META, TARGET
 from rpcompile.passes.split import split_plan
-from rpcompile.runtime.devices import make_devices
-from rpcompile.runtime.executor import Executor, ValueStore
+from rpcompile.runtime.executor import Executor, PipelineError
 
+from .batches import (call_batch, checked_accumulation, microbatch_store, microbatch_weights, microbatches_of,
+                      output_classes)
 from .checkpoint import CheckpointError, check_pipeline_state, pipeline_state
-from .core.batch import flat_inputs, joined, split_microbatches, tensor_leaves
+from .compiled_model import CompiledModel
+from .core.batch import joined, split_microbatches
 from .core.errors import ConfigError, LossFnError, RPCompileError
-from rpcompile.runtime.executor import PipelineError
 from .core.plan import Plan
 from .core.schedule import round_robin
-from .compiled_model import CompiledModel
-from .distributed import DataParallel, DistributedError, data_parallel_group, plan_digest
+from .distributed import DataParallel, RankCalls
 from .gpu_memory import gpu_memory_limit, offload_budget
-from .host_memory import check_host_memory, fit_host_memory
-from .planning import compile_plan, replanned
-from rpcompile.passes.trace import training_inputs
-from .model_match import graph_as_planned
+from .host_memory import check_host_memory
+from .loss_weighting import (IGNORE_INDEX, BatchLoss, _checked_weight, _shifts_labels, loss_weights, own_loss,
+                             shifted_tokens)
 from .oom import out_of_memory
 from .overlap import Overlap, optimizers_of, schedulers_of, step_now
-from .invariants import verify_plan
-from .loss_weighting import (IGNORE_INDEX, BatchLoss, MicrobatchLoss, _checked_weight, _shifts_labels, check_labels,
-                             label_bounds, loss_weights, own_loss, shifted_tokens)
-from .signature import InputSignature, check_call_mode, check_compile_arguments, needs_target
+from .signature import InputSignature, check_call_mode
 
-__all__ = ["compile", "Pipeline",
+__all__ = ["Pipeline",
            # re-exported from their modules
            "IGNORE_INDEX", "shifted_tokens", "loss_weights", "own_loss", "gpu_memory_limit", "offload_budget"]
 
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-log = logging.getLogger(__name__)
-
-
-def _accumulation(loss_scale: Any, num_items: Any) -> tuple[float, float | None]:
-    """``forward_backward``'s ``loss_scale`` and ``num_items``, refused in one line unless finite and (for
-    ``num_items``) positive."""
-    if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)) or not math.isfinite(loss_scale):
-        raise ConfigError(f"loss_scale={loss_scale!r}; give a finite number (1 / steps to accumulate over steps)")
-    if num_items is not None and (isinstance(num_items, bool) or not isinstance(num_items, (int, float))
-                                  or not math.isfinite(num_items) or num_items <= 0):
-        raise ConfigError(f"num_items={num_items!r}; give what the loss averages over in every batch accumulated "
-                          "(a positive count of real tokens or rows), or None for this batch's own")
-    return float(loss_scale), None if num_items is None else float(num_items)
-
-
-def _output_classes(model: torch.nn.Module) -> int | None:
-    """The rows of an HF model's output embeddings (``get_output_embeddings()``, its LM head): the classes its
-    logits score. None for a model without them."""
-    get = getattr(model, "get_output_embeddings", None)
-    try:
-        head = get() if callable(get) else None
-    except Exception:  # noqa: BLE001 - a model that does not implement it has none to check against
-        return None
-    weight = getattr(head, "weight", None)
-    return int(weight.shape[0]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
 
 
 class Pipeline:
@@ -123,13 +93,13 @@ class Pipeline:
                  loss_weight: "str | Callable[[Any], float]" = "auto", frozen_masters: bool = False):
         self.data_parallel: DataParallel | None = None
         """Set by :meth:`join`: this pipeline is one rank of data-parallel training (:mod:`rpcompile.distributed`)."""
-        self._dp_phase = "done"  # a data-parallel call: "before" its first collective, "running", "done"
+        self._rank: RankCalls | None = None  # a data-parallel call's collectives and held gradients (join)
         self.model, self.gm, self.plan, self.devices = model, gm, plan, list(devices)
         self.loss_fn, self.precision, self.scaler = loss_fn, precision, scaler
         self.loss_in_graph = loss_in_graph  # the graph takes the target and returns the loss (split LM head)
         self.signature = signature
         self.loss_weight = _checked_weight(loss_weight)
-        self.classes = _output_classes(model) or gm.meta.get(HEAD_CLASSES_META)
+        self.classes = output_classes(model) or gm.meta.get(HEAD_CLASSES_META)
         """The classes the model's output scores (an HF model's output embeddings, a split head's weight), which
         the labels of a loss inside the stages are checked against on the host; None where unknown."""
         if loss_fn is None and loss_weight == "auto" and _shifts_labels(model):
@@ -168,6 +138,7 @@ class Pipeline:
         """Run as one rank of data-parallel training: gradients summed across the ranks (``compile`` does this)."""
         self.data_parallel = dp
         dp.attach(self.executor.program, dict(self.gm.named_parameters()), self.executor.grads)
+        self._rank = RankCalls(dp, self.executor.grads, lambda: self._overlap_optimizer is not None)
 
     @property
     def host_traffic(self) -> dict[str, int]:
@@ -310,16 +281,6 @@ class Pipeline:
             self._schedules[m] = round_robin([s.kind for s in self.plan.stages], len(self.devices), m)
         return self._schedules[m]
 
-    def _store(self, inputs: Sequence[Any], kwargs: Mapping[str, Any], m: int) -> tuple[Any, list[int]]:
-        flat = flat_inputs(self.gm, inputs, kwargs)
-        pieces = split_microbatches(flat, m)
-        store = ValueStore()
-        for j, piece in enumerate(pieces):
-            for name, value in zip(self.program.placeholders, piece):
-                store.put(name, j, value)
-        sizes = [next((v.shape[0] for v in p if isinstance(v, torch.Tensor) and v.dim() > 0), 1) for p in pieces]
-        return store, sizes
-
     def forward_backward(self, *inputs: Any, target: Any = None, loss_scale: float = 1.0,
                          num_items: float | None = None, **kwargs: Any) -> torch.Tensor:
         """One training iteration's forward and backward over the whole batch; returns the batch's loss: the mean
@@ -338,50 +299,9 @@ class Pipeline:
         Data-parallel (:mod:`rpcompile.distributed`): the batch is this rank's shard; the loss returned and the
         gradients added into ``.grad`` are those of the whole batch, every rank's shard concatenated. A failure on
         any rank raises on every rank (one line naming it); that call's gradients are dropped."""
-        accumulation = _accumulation(loss_scale, num_items)
-        dp = self.data_parallel
-        if dp is None:
-            return self._forward_backward(inputs, target, kwargs, accumulation).as_subclass(BatchLoss)
-        self._dp_phase = "before"
-        try:
-            return self._forward_backward(inputs, target, kwargs, accumulation).as_subclass(BatchLoss)
-        except DistributedError:
-            self._drop_held()
-            raise
-        except BaseException as e:  # tell the other ranks, in the collective they wait in, then raise it here
-            self._drop_held()
-            if self._dp_phase == "before":
-                dp.start(0.0, e)
-            elif self._dp_phase == "running":
-                dp.finish(0.0, e)
-            raise
-
-    def _drop_held(self) -> None:
-        """A data-parallel call failed: its gradients (held apart from ``.grad``) are dropped."""
-        if self.executor.grads.private is not None:
-            self.executor.grads.hold(self._overlap_optimizer is not None)
-
-    def _global_total(self, total: float) -> float:
-        """What the whole batch's mean averages over: this rank's ``total`` summed over the ranks (data-parallel;
-        the call's gradients are held apart from ``.grad`` until they are reduced)."""
-        if self.data_parallel is None:
-            return total
-        total = self.data_parallel.start(total, None)
-        self._dp_phase = "running"
-        if self.executor.grads.private is None:
-            self.executor.grads.hold(True)
-        return total
-
-    def _reduced(self, loss: torch.Tensor) -> torch.Tensor:
-        """Data-parallel: the gradients summed across the ranks (then into ``.grad``) and the whole batch's loss."""
-        if self.data_parallel is None:
-            return loss
-        total = self.data_parallel.finish(float(loss), None)
-        self._dp_phase = "done"  # the call's collectives are over
-        if self._overlap_optimizer is None:
-            self.executor.grads.install()
-            self.executor.grads.hold(False)
-        return torch.tensor(total, dtype=loss.dtype)
+        accumulation = checked_accumulation(loss_scale, num_items)
+        call = functools.partial(self._forward_backward, inputs, target, kwargs, accumulation)
+        return (call() if self._rank is None else self._rank.run(call)).as_subclass(BatchLoss)
 
     def check_model(self) -> bool:
         """Refuse (:class:`ModelChangedError`, one line) a model whose parameters are no longer the ones compiled
@@ -396,8 +316,9 @@ class Pipeline:
                           accumulation: tuple[float, float | None] = (1.0, None)) -> torch.Tensor:
         check_call_mode("forward_backward", self.precision)
         self.executor.training = self.check_model()
-        store, m, loss_of, targets = self._batch("forward_backward", inputs, target, kwargs, global_total=True,
-                                                 accumulation=accumulation)
+        total_of = None if self._rank is None else self._rank.global_total  # data-parallel: over every rank
+        store, m, loss_of, targets = call_batch(self, "forward_backward", inputs, target, kwargs, total_of=total_of,
+                                                accumulation=accumulation)
         scale = 1.0
         if self.scaler is not None and self.scaler.is_enabled():
             scale = float(self.scaler.scale(torch.ones(())))  # also starts the scaler's bookkeeping
@@ -409,75 +330,13 @@ class Pipeline:
                 wait([self._step])
             self._reraise(e)
         self.iteration += 1
-        loss = self._reduced(torch.stack(losses).sum())
+        loss = torch.stack(losses).sum()
+        if self._rank is not None:  # data-parallel: the gradients summed across the ranks, the whole batch's loss
+            loss = self._rank.reduced(loss)
         if self._overlap_optimizer is not None:  # the step beside this iteration is done: its gradients to .grad
             self._finish_step()
             self.executor.grads.install()
         return loss
-
-    def _batch(self, call: str, inputs: Sequence[Any], target: Any, kwargs: dict[str, Any], *,
-               global_total: bool, accumulation: tuple[float, float | None] = (1.0, None),
-               ) -> tuple[ValueStore, int, MicrobatchLoss, list[Any] | None]:
-        """A call's batch as the stages take it: the inputs checked against the compiled signature and split into
-        microbatches (fewer for a batch with fewer rows), each microbatch's target and weight (the loss they
-        average over, summed over the ranks where ``global_total``), and the loss the fused stage computes
-        (``accumulation``: the ``loss_scale`` and ``num_items`` of :meth:`forward_backward`)."""
-        if target is None and "labels" in kwargs and self.loss_fn is not None and \
-                (self.signature is None or "labels" not in self.signature.names):
-            target = kwargs.pop("labels")  # an HF batch dict: its labels are the loss's target
-        if self.signature is not None:  # refuse what the stages were not compiled for, in one line (signature.py)
-            inputs, kwargs = self.signature.bind(inputs, kwargs)
-            self.signature.check_target(target, inputs, kwargs, used=self.loss_in_graph or self.loss_fn is not None,
-                                        needed=self.loss_in_graph or needs_target(self.loss_fn), call=call)
-        if self.loss_in_graph:
-            if not isinstance(target, torch.Tensor):
-                raise RPCompileError("this pipeline computes the loss inside its graph (head_chunks > 1): "
-                                     f"pass the batch's target, {call}(x, target=y)")
-            kwargs = {**kwargs, TARGET: target}
-        m = self._microbatches_of(inputs, kwargs)
-        store, sizes = self._store(inputs, kwargs, m)
-        outside = self.loss_fn is not None and not self.loss_in_graph  # the loss runs after the last stage
-        pieces = [p[0] for p in split_microbatches((target,), m)] if isinstance(target, torch.Tensor) else [target] * m
-        # each microbatch's target goes to the device of the stage that computes its loss (the executor uploads it)
-        targets = pieces if outside else None
-        # a mean over the batch is the weighted mean of the microbatches' means (weights: what each mean averages
-        # over, loss_weights; the model's own loss averages over its labels); a sum is their sum
-        summed = outside and getattr(self.loss_fn, "reduction", "mean") == "sum"
-        where = "graph" if self.loss_in_graph else "outside" if outside else "own"
-        # labels out of the model's classes: refused here, not at a device-side assert on a GPU (loss_weighting)
-        labels = target if where == "graph" else kwargs.get("labels") if where == "own" else None
-        if isinstance(labels, torch.Tensor):
-            check_labels(label_bounds(labels), self.classes, "labels" if where == "own" else "target")
-        bounds = [label_bounds(p) for p in pieces] if outside else []
-        weights = self._weights(kwargs, pieces, sizes, m)
-        total = self._global_total(sum(weights)) if global_total else sum(weights)
-        scale, items = accumulation
-        if items is not None:
-            if summed:
-                raise ConfigError(f"num_items={items:g} sets what a mean loss averages over, but loss_fn sums "
-                                  "(reduction='sum'): scale it with loss_scale= instead")
-            if items < total:
-                raise ConfigError(f"num_items={items:g} but this batch alone averages over {total:g} (its real "
-                                  "tokens, or rows): pass the count over every batch the gradients accumulate over")
-            total = items
-        loss_of = MicrobatchLoss(self.loss_fn, where, weights, total, summed=summed, bounds=bounds, scale=scale,
-                                 checked_targets=self.signature is not None and self.signature.target is not None)
-        return store, m, loss_of, targets
-
-    def _microbatches_of(self, inputs: Sequence[Any], kwargs: Mapping[str, Any]) -> int:
-        """The plan's microbatches, or one row each for a batch with fewer rows."""
-        rows = next((v.shape[0] for v in tensor_leaves((inputs, kwargs)) if v.dim() > 0), self.microbatches)
-        return max(1, min(self.microbatches, rows))
-
-    def _weights(self, kwargs: Mapping[str, Any], pieces: Sequence[Any], sizes: Sequence[int], m: int) -> list[float]:
-        """What each microbatch's mean loss averages over (:func:`~.loss_weighting.loss_weights`): the labels of
-        the model's own loss, the target of ``loss_fn``, else the rows."""
-        labels = kwargs.get("labels") if self.loss_fn is None else None
-        if isinstance(labels, torch.Tensor):
-            return loss_weights([p[0] for p in split_microbatches((labels,), m)], sizes, self.loss_weight)
-        if self.loss_fn is not None:
-            return loss_weights(pieces, sizes, self.loss_weight)
-        return [float(n) for n in sizes]
 
     def _reraise(self, e: BaseException) -> NoReturn:
         """A failed call's error as the caller sees it: a stage out of device memory as
@@ -506,15 +365,16 @@ class Pipeline:
         if self.signature is not None:  # the inputs as compiled (signature.py)
             inputs, kwargs = self.signature.bind(inputs, kwargs)
         kwargs = {**kwargs, **target}
-        m = self._microbatches_of(inputs, kwargs)
-        store, sizes = self._store(inputs, kwargs, m)
+        m = microbatches_of(inputs, kwargs, self.microbatches)
+        store, sizes = microbatch_store(self.gm, self.program.placeholders, inputs, kwargs, m)
         pieces = [p[0] for p in split_microbatches((target[TARGET],), m)] if target else [None] * m
         try:
             outputs = self.executor.run_forward(store, iteration=self.iteration, microbatches=m)
         except BaseException as e:
             self._reraise(e)
         # a scalar output is a mean loss: the model's own over its labels, the in-graph loss over its target
-        weights = self._weights(kwargs, pieces, sizes, m) if self.loss_fn is None or target else sizes
+        weights = microbatch_weights(self.loss_fn, self.loss_weight, kwargs, pieces, sizes, m) \
+            if self.loss_fn is None or target else sizes
         return joined(outputs, weights)
 
     @torch.no_grad()
@@ -528,7 +388,7 @@ class Pipeline:
         step; :meth:`synchronize` first for the stepped ones."""
         check_call_mode("evaluate", self.precision)
         self.executor.training = self.check_model()
-        store, m, loss_of, targets = self._batch("evaluate", inputs, target, dict(kwargs), global_total=False)
+        store, m, loss_of, targets = call_batch(self, "evaluate", inputs, target, dict(kwargs))
         try:
             losses = self.executor.run_forward(store, iteration=self.iteration, microbatches=m, loss_fn=loss_of,
                                                targets=targets)
@@ -539,147 +399,3 @@ class Pipeline:
     def codegen(self, directory: str | os.PathLike) -> list[Path]:
         """Write each stage's generated Python into ``directory``; returns the files."""
         return write_stages(self.program, self.plan, directory)
-
-
-def compile(
-    model: torch.nn.Module,
-    example_inputs: Sequence[Any] = (),
-    *,
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None,
-    gpus: int | None = None,
-    devices: Sequence[str | torch.device] | None = None,
-    microbatches: int | None = None,
-    plan: Plan | str | os.PathLike | None = None,
-    precision: str = "fp32",
-    example_kwargs: Mapping[str, Any] | None = None,
-    scaler: Any = None,
-    spec: Any = None,
-    example_target: Any = None,
-    head_chunks: "int | str" = "auto",
-    host_embedding: "bool | Sequence[str]" = True,
-    loss_weight: "str | Callable[[Any], float]" = "auto",
-    frozen_masters: bool = False,
-    data_parallel: bool | None = None,
-    **plan_options: Any,
-) -> Pipeline:
-    """Trace ``model``, plan it (or load/check ``plan``) and return a :class:`Pipeline` on its devices.
-
-    ``devices=["cpu"] * k`` runs k logical devices on the CPU; ``gpus=k`` uses ``cuda:0..k-1``; with neither, every
-    visible GPU, or one logical CPU device. Costs are measured on the first device unless ``spec`` (a
-    :class:`~rpcompile.core.specs.DeviceSpec` or preset name) asks for analytic ones — which also makes the plan
-    independent of timing noise. On GPUs a plan may use 90% of their memory — with ``spec``, no more than the spec's
-    usable memory (:func:`gpu_memory_limit`) — unless ``memory_limit`` says otherwise. ``plan_options`` go to
-    :func:`rpcompile.planning.compile_plan` (``strategy``, ``memory_limit``, ``time_limit_s``, ...): ``compile`` is
-    that plan plus a :class:`Pipeline` that runs it. Building it checks the host memory it needs first
-    (:mod:`rpcompile.host_memory`).
-
-    ``head_chunks=k`` (with ``example_target``, a target for ``example_inputs``) moves a mean token cross-entropy
-    into the graph and splits it with the LM head into ``k`` sequence chunks (:mod:`rpcompile.passes.loss_head`):
-    the full logits never exist and the head spreads over stages. ``forward_backward`` is unchanged;
-    ``forward(x, target=y)`` then returns the loss. The default ``"auto"`` plans the whole head and — given
-    ``example_target`` and a head that can be split — 8 chunks as well, and keeps the faster plan.
-    ``host_embedding`` (default on) runs token embeddings whose tables are larger than what an iteration looks
-    up on the host, next to their fp32 masters (:mod:`rpcompile.passes.host`): the first stage receives the
-    looked-up rows instead of uploading the table, and the rows' gradients go into the table's ``.grad``;
-    ``False`` keeps every table on the devices, and node names move exactly those lookups.
-
-    ``loss_weight`` says what each microbatch's mean loss averages over (:func:`loss_weights`): by default real
-    tokens for an integer target (entries that are not -100, so padded batches give eager's whole-batch loss and
-    gradients), rows otherwise; :func:`shifted_tokens` for a loss that shifts the labels itself (HF causal LMs).
-    Inputs are bound to the compile example's signature (:class:`InputSignature`); an HF model is traced with
-    ``use_cache=False`` unless ``example_kwargs`` says otherwise, and ``forward_backward(**batch)`` takes an HF
-    batch dict, its ``labels`` as the target.
-
-    Frozen parameters (``requires_grad=False``) are then kept only in the compute precision — their ``.data``
-    becomes the pipeline's (pinned) copy, so a bf16 LoRA base costs 2 bytes a parameter of host memory —
-    unless ``frozen_masters=True`` keeps their fp32 masters too.
-
-    Under ``torch.distributed`` (a default process group of several ranks, e.g. ``torchrun``) every rank runs
-    this plan on its own shard of the batch and gradients are summed across the ranks
-    (:mod:`rpcompile.distributed`): rank 0 plans (unless ``plan`` is given) and every rank checks it runs the
-    same plan. ``data_parallel=False`` keeps this process on its own; ``True`` requires a process group.
-    """
-    check_compile_arguments(model, example_inputs, example_kwargs, loss_fn=loss_fn, devices=devices, gpus=gpus,
-                            microbatches=microbatches)
-    if precision not in _DTYPES:
-        raise ConfigError(f"precision must be one of {sorted(_DTYPES)}, got {precision!r}")
-    dp = data_parallel_group(data_parallel)
-    if dp is not None:  # one pipeline per rank, on one plan (rank 0's unless given), checked alike everywhere
-        local = functools.partial(
-            compile, model, example_inputs, loss_fn=loss_fn, gpus=gpus, devices=devices, microbatches=microbatches,
-            precision=precision, example_kwargs=example_kwargs, scaler=scaler, spec=spec,
-            example_target=example_target, head_chunks=head_chunks, host_embedding=host_embedding,
-            loss_weight=loss_weight, frozen_masters=frozen_masters, data_parallel=False, **plan_options)
-        return _join(dp, local, plan, precision)
-    _checked_weight(loss_weight)  # before any planning
-    if devices is None and gpus is None:
-        devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())] or ["cpu"]
-    devs = make_devices(list(devices) if devices is not None else None, gpus)
-    args, kwargs = training_inputs(model, example_inputs, example_kwargs)
-    example_inputs, example_kwargs = args, kwargs
-    signature = InputSignature(model, args, kwargs, devices=[d.torch_device.type for d in devs],
-                               compute_dtype=_DTYPES[precision], target=example_target)
-    if loss_fn is None and "labels" in signature.params and "labels" not in kwargs:
-        raise RPCompileError("loss_fn=None uses the model's own loss, which it computes from labels: compile with "
-                             "them in the example (example_kwargs={'input_ids': ids, 'labels': labels}) or give loss_fn=")
-    if plan is not None:
-        if not isinstance(plan, Plan):
-            plan = Plan.load(plan)
-        # the graph the plan was made from: its LM head split, its embedding lookups on the host
-        gm = graph_as_planned(plan, model, example_inputs, loss_fn=loss_fn, example_kwargs=example_kwargs,
-                              precision=precision)
-        head_chunks = plan.head_chunks
-        verify_plan(plan, gm)
-        if plan.hardware.device_count != len(devs):
-            raise RPCompileError(f"the plan is for {plan.hardware.device_count} devices but {len(devs)} were given; "
-                                 "re-plan for these devices or pass matching devices=")
-        return Pipeline(model, gm, plan, devs, loss_fn, precision, scaler, loss_in_graph=head_chunks > 1,
-                        signature=signature, loss_weight=loss_weight, frozen_masters=frozen_masters)
-    on_cpu = devs[0].torch_device.type == "cpu"
-    memory_limit = plan_options.pop("memory_limit", None)
-    if memory_limit is None and not on_cpu:
-        memory_limit = gpu_memory_limit(devs[0].torch_device, spec)
-    # costs measured with the intra-op threads each logical CPU device will have
-    threads = max(1, torch.get_num_threads() // len(devs)) if on_cpu and len(devs) > 1 else None
-    made = compile_plan(
-        model, example_inputs, gpus=len(devs), spec=spec, device=None if spec is not None else devs[0].torch_device,
-        memory_limit=memory_limit, microbatches=microbatches, precision=precision, example_kwargs=example_kwargs,
-        progress=False, loss_fn=loss_fn, example_target=example_target, head_chunks=head_chunks,
-        host_embedding=host_embedding, threads=threads, **plan_options)
-    if "allow_save" not in plan_options:  # saved activations the host may not hold: recomputed instead
-        # the same graph solved again (one solve, the whole time limit): it is not traced or costed again
-        limit = float(plan_options.get("time_limit_s", 10.0))
-        saving = made
-        made = fit_host_memory(saving, lambda: replanned(saving, allow_save=False, time_limit_s=limit),
-                               dtype=_DTYPES[precision], pin=not on_cpu, frozen_masters=frozen_masters)
-    assert made.plan is not None
-    t0 = time.perf_counter()
-    pipe = Pipeline(model, made.graph, made.plan, devs, loss_fn, precision, scaler,
-                    loss_in_graph=made.plan.head_chunks > 1, signature=signature, loss_weight=loss_weight,
-                    frozen_masters=frozen_masters)
-    log.info("%s: %.2f s", "pipeline", time.perf_counter() - t0)  # stage code, host weight copies (pinned for GPUs)
-    return pipe
-
-
-def _join(dp: DataParallel, local: Callable[..., Pipeline], plan: "Plan | str | os.PathLike | None",
-          precision: str) -> Pipeline:
-    """This rank's pipeline of data-parallel training: rank 0 plans when no ``plan`` is given and sends it to the
-    others; each compiles it locally; all compare what they run (:meth:`DataParallel.agree`) and then join."""
-    pipe: Pipeline | None = None
-    failure: Exception | None = None
-    if plan is None:
-        pipe, plan = dp.shared_plan(local)
-    try:
-        pipe = pipe or local(plan=plan)
-        digest, error = plan_digest(pipe.plan, devices=len(pipe.devices), precision=precision), ""
-    except Exception as e:  # noqa: BLE001 - every rank learns which one failed, then this one raises its own
-        digest, error, failure = None, f"{type(e).__name__}: {e}".splitlines()[0], e
-    try:
-        dp.agree(digest, error)
-    except DistributedError:
-        if failure is not None:
-            raise failure from None
-        raise
-    assert pipe is not None
-    pipe.join(dp)
-    return pipe

@@ -1,0 +1,202 @@
+"""``rpcompile.compile``: a model traced, planned (or its plan loaded and checked) and made a :class:`Pipeline`.
+
+    pipe = rpcompile.compile(model, example_inputs, loss_fn=loss_fn, devices=["cpu", "cpu"])
+
+:func:`compile` is :func:`rpcompile.planning.compile_plan`'s plan plus a :class:`~rpcompile.pipeline.Pipeline` that
+runs it (the pipeline's contracts: :mod:`rpcompile.pipeline`). It checks, in this order, each refused in one line
+before anything costly runs:
+
+1. the arguments themselves — model, example inputs, ``loss_fn``, ``devices`` / ``gpus``, ``microbatches``
+   (:func:`~rpcompile.signature.check_compile_arguments`) — and the ``precision`` (fp32, bf16, fp16);
+2. whether this process is one rank of data-parallel training (:func:`~rpcompile.distributed.data_parallel_group`);
+3. ``loss_weight``, before any planning;
+4. the devices (every visible GPU, or one logical CPU device, unless named) and the inputs, bound to the example's
+   signature (:class:`~rpcompile.signature.InputSignature`), which a model's own loss needs ``labels`` in.
+
+**A plan given** (a :class:`~rpcompile.core.plan.Plan` or its file) is not solved again: the graph it was made
+from is rebuilt (its LM head split, its embedding lookups on the host: :func:`~rpcompile.model_match.graph_as_planned`),
+the plan is verified against it (:func:`~rpcompile.invariants.verify_plan`) and must be for as many devices as
+given. **Otherwise it is planned**: on GPUs within their usable memory unless ``memory_limit`` says otherwise
+(:func:`~rpcompile.gpu_memory.gpu_memory_limit`), costed with the intra-op threads each logical CPU device will
+have, and — unless ``allow_save`` is given — solved again without saved activations when the host could not hold
+them (:func:`~rpcompile.host_memory.fit_host_memory`). Either way the :class:`~rpcompile.pipeline.Pipeline` checks
+the host memory it needs before it allocates.
+
+**Data-parallel** (a default ``torch.distributed`` process group of several ranks): every rank compiles the same
+plan on its own — rank 0's unless ``plan`` is given — then all compare a digest of what they run in one collective
+and join (:func:`_join`, :mod:`rpcompile.distributed`); a rank that failed or differs stops every rank.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from rpcompile.passes.trace import training_inputs
+from rpcompile.runtime.devices import make_devices
+
+from .core.errors import ConfigError, RPCompileError
+from .core.plan import Plan
+from .distributed import DataParallel, DistributedError, data_parallel_group, plan_digest
+from .gpu_memory import gpu_memory_limit
+from .host_memory import fit_host_memory
+from .invariants import verify_plan
+from .loss_weighting import _checked_weight
+from .model_match import graph_as_planned
+from .pipeline import _DTYPES, Pipeline
+from .planning import compile_plan, replanned
+from .signature import InputSignature, check_compile_arguments
+
+__all__ = ["compile"]
+
+log = logging.getLogger(__name__)
+
+
+def compile(
+    model: torch.nn.Module,
+    example_inputs: Sequence[Any] = (),
+    *,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+    gpus: int | None = None,
+    devices: Sequence[str | torch.device] | None = None,
+    microbatches: int | None = None,
+    plan: Plan | str | os.PathLike | None = None,
+    precision: str = "fp32",
+    example_kwargs: Mapping[str, Any] | None = None,
+    scaler: Any = None,
+    spec: Any = None,
+    example_target: Any = None,
+    head_chunks: "int | str" = "auto",
+    host_embedding: "bool | Sequence[str]" = True,
+    loss_weight: "str | Callable[[Any], float]" = "auto",
+    frozen_masters: bool = False,
+    data_parallel: bool | None = None,
+    **plan_options: Any,
+) -> Pipeline:
+    """Trace ``model``, plan it (or load/check ``plan``) and return a :class:`Pipeline` on its devices.
+
+    ``devices=["cpu"] * k`` runs k logical devices on the CPU; ``gpus=k`` uses ``cuda:0..k-1``; with neither, every
+    visible GPU, or one logical CPU device. Costs are measured on the first device unless ``spec`` (a
+    :class:`~rpcompile.core.specs.DeviceSpec` or preset name) asks for analytic ones — which also makes the plan
+    independent of timing noise. On GPUs a plan may use 90% of their memory — with ``spec``, no more than the spec's
+    usable memory (:func:`gpu_memory_limit`) — unless ``memory_limit`` says otherwise. ``plan_options`` go to
+    :func:`rpcompile.planning.compile_plan` (``strategy``, ``memory_limit``, ``time_limit_s``, ...): ``compile`` is
+    that plan plus a :class:`Pipeline` that runs it. Building it checks the host memory it needs first
+    (:mod:`rpcompile.host_memory`).
+
+    ``head_chunks=k`` (with ``example_target``, a target for ``example_inputs``) moves a mean token cross-entropy
+    into the graph and splits it with the LM head into ``k`` sequence chunks (:mod:`rpcompile.passes.loss_head`):
+    the full logits never exist and the head spreads over stages. ``forward_backward`` is unchanged;
+    ``forward(x, target=y)`` then returns the loss. The default ``"auto"`` plans the whole head and — given
+    ``example_target`` and a head that can be split — 8 chunks as well, and keeps the faster plan.
+    ``host_embedding`` (default on) runs token embeddings whose tables are larger than what an iteration looks
+    up on the host, next to their fp32 masters (:mod:`rpcompile.passes.host`): the first stage receives the
+    looked-up rows instead of uploading the table, and the rows' gradients go into the table's ``.grad``;
+    ``False`` keeps every table on the devices, and node names move exactly those lookups.
+
+    ``loss_weight`` says what each microbatch's mean loss averages over
+    (:func:`~rpcompile.loss_weighting.loss_weights`): by default real tokens for an integer target (entries that
+    are not -100, so padded batches give eager's whole-batch loss and gradients), rows otherwise;
+    :func:`~rpcompile.loss_weighting.shifted_tokens` for a loss that shifts the labels itself (HF causal LMs).
+    Inputs are bound to the compile example's signature (:class:`InputSignature`); an HF model is traced with
+    ``use_cache=False`` unless ``example_kwargs`` says otherwise, and ``forward_backward(**batch)`` takes an HF
+    batch dict, its ``labels`` as the target.
+
+    Frozen parameters (``requires_grad=False``) are then kept only in the compute precision — their ``.data``
+    becomes the pipeline's (pinned) copy, so a bf16 LoRA base costs 2 bytes a parameter of host memory —
+    unless ``frozen_masters=True`` keeps their fp32 masters too.
+
+    Under ``torch.distributed`` (a default process group of several ranks, e.g. ``torchrun``) every rank runs
+    this plan on its own shard of the batch and gradients are summed across the ranks
+    (:mod:`rpcompile.distributed`): rank 0 plans (unless ``plan`` is given) and every rank checks it runs the
+    same plan. ``data_parallel=False`` keeps this process on its own; ``True`` requires a process group.
+    """
+    check_compile_arguments(model, example_inputs, example_kwargs, loss_fn=loss_fn, devices=devices, gpus=gpus,
+                            microbatches=microbatches)
+    if precision not in _DTYPES:
+        raise ConfigError(f"precision must be one of {sorted(_DTYPES)}, got {precision!r}")
+    dp = data_parallel_group(data_parallel)
+    if dp is not None:  # one pipeline per rank, on one plan (rank 0's unless given), checked alike everywhere
+        local = functools.partial(
+            compile, model, example_inputs, loss_fn=loss_fn, gpus=gpus, devices=devices, microbatches=microbatches,
+            precision=precision, example_kwargs=example_kwargs, scaler=scaler, spec=spec,
+            example_target=example_target, head_chunks=head_chunks, host_embedding=host_embedding,
+            loss_weight=loss_weight, frozen_masters=frozen_masters, data_parallel=False, **plan_options)
+        return _join(dp, local, plan, precision)
+    _checked_weight(loss_weight)  # before any planning
+    if devices is None and gpus is None:
+        devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())] or ["cpu"]
+    devs = make_devices(list(devices) if devices is not None else None, gpus)
+    args, kwargs = training_inputs(model, example_inputs, example_kwargs)
+    example_inputs, example_kwargs = args, kwargs
+    signature = InputSignature(model, args, kwargs, devices=[d.torch_device.type for d in devs],
+                               compute_dtype=_DTYPES[precision], target=example_target)
+    if loss_fn is None and "labels" in signature.params and "labels" not in kwargs:
+        raise RPCompileError("loss_fn=None uses the model's own loss, which it computes from labels: compile with "
+                             "them in the example (example_kwargs={'input_ids': ids, 'labels': labels}) or give loss_fn=")
+    if plan is not None:
+        if not isinstance(plan, Plan):
+            plan = Plan.load(plan)
+        # the graph the plan was made from: its LM head split, its embedding lookups on the host
+        gm = graph_as_planned(plan, model, example_inputs, loss_fn=loss_fn, example_kwargs=example_kwargs,
+                              precision=precision)
+        head_chunks = plan.head_chunks
+        verify_plan(plan, gm)
+        if plan.hardware.device_count != len(devs):
+            raise RPCompileError(f"the plan is for {plan.hardware.device_count} devices but {len(devs)} were given; "
+                                 "re-plan for these devices or pass matching devices=")
+        return Pipeline(model, gm, plan, devs, loss_fn, precision, scaler, loss_in_graph=head_chunks > 1,
+                        signature=signature, loss_weight=loss_weight, frozen_masters=frozen_masters)
+    on_cpu = devs[0].torch_device.type == "cpu"
+    memory_limit = plan_options.pop("memory_limit", None)
+    if memory_limit is None and not on_cpu:
+        memory_limit = gpu_memory_limit(devs[0].torch_device, spec)
+    # costs measured with the intra-op threads each logical CPU device will have
+    threads = max(1, torch.get_num_threads() // len(devs)) if on_cpu and len(devs) > 1 else None
+    made = compile_plan(
+        model, example_inputs, gpus=len(devs), spec=spec, device=None if spec is not None else devs[0].torch_device,
+        memory_limit=memory_limit, microbatches=microbatches, precision=precision, example_kwargs=example_kwargs,
+        progress=False, loss_fn=loss_fn, example_target=example_target, head_chunks=head_chunks,
+        host_embedding=host_embedding, threads=threads, **plan_options)
+    if "allow_save" not in plan_options:  # saved activations the host may not hold: recomputed instead
+        # the same graph solved again (one solve, the whole time limit): it is not traced or costed again
+        limit = float(plan_options.get("time_limit_s", 10.0))
+        saving = made
+        made = fit_host_memory(saving, lambda: replanned(saving, allow_save=False, time_limit_s=limit),
+                               dtype=_DTYPES[precision], pin=not on_cpu, frozen_masters=frozen_masters)
+    assert made.plan is not None
+    t0 = time.perf_counter()
+    pipe = Pipeline(model, made.graph, made.plan, devs, loss_fn, precision, scaler,
+                    loss_in_graph=made.plan.head_chunks > 1, signature=signature, loss_weight=loss_weight,
+                    frozen_masters=frozen_masters)
+    log.info("%s: %.2f s", "pipeline", time.perf_counter() - t0)  # stage code, host weight copies (pinned for GPUs)
+    return pipe
+
+
+def _join(dp: DataParallel, local: Callable[..., Pipeline], plan: "Plan | str | os.PathLike | None",
+          precision: str) -> Pipeline:
+    """This rank's pipeline of data-parallel training: rank 0 plans when no ``plan`` is given and sends it to the
+    others; each compiles it locally; all compare what they run (:meth:`DataParallel.agree`) and then join."""
+    pipe: Pipeline | None = None
+    failure: Exception | None = None
+    if plan is None:
+        pipe, plan = dp.shared_plan(local)
+    try:
+        pipe = pipe or local(plan=plan)
+        digest, error = plan_digest(pipe.plan, devices=len(pipe.devices), precision=precision), ""
+    except Exception as e:  # noqa: BLE001 - every rank learns which one failed, then this one raises its own
+        digest, error, failure = None, f"{type(e).__name__}: {e}".splitlines()[0], e
+    try:
+        dp.agree(digest, error)
+    except DistributedError:
+        if failure is not None:
+            raise failure from None
+        raise
+    assert pipe is not None
+    pipe.join(dp)
+    return pipe

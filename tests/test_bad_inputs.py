@@ -558,26 +558,6 @@ def test_a_parameter_replaced_after_compile_is_refused_and_values_changed_in_pla
     assert_grads_equal(model, ref)
 
 
-@pytest.mark.hf
-def test_labels_beyond_an_hf_model_s_vocabulary_are_refused_before_its_own_loss_runs():
-    """``loss_fn=None``: the model's loss runs inside the last stage, so its labels are checked on the host, against
-    the model's output embeddings, before anything runs; the next batch trains as eager."""
-    model = hf_model("llama")
-    ref = copy.deepcopy(model)
-    batch = {"input_ids": HF_IDS, "attention_mask": HF_MASK, "labels": HF_IDS}
-    pipe = rpcompile.compile(model, (), example_kwargs=batch, loss_fn=None, devices=["cpu", "cpu"], spec=FINE_CPU,
-                             time_limit_s=2.0)
-    with pytest.raises(InputError, match=r"^labels has label 70, beyond the 64 classes of the model's output \(its "
-                                         r"last dimension\): labels must be below 64, or -100 \(ignored\); check "):
-        pipe.forward_backward(**{**batch, "labels": HF_BEYOND})
-    assert all(p.grad is None for p in model.parameters())
-    loss = pipe.forward_backward(**batch)
-    ref_loss = ref(**batch).loss
-    ref_loss.backward()
-    torch.testing.assert_close(loss, ref_loss, **TOL)
-    assert_grads_equal(model, ref)
-
-
 def test_trainable_16_bit_parameters_are_warned_about_once_and_a_frozen_16_bit_base_is_not():
     """A model loaded in bfloat16 trains (its masters are bf16, as eager's would be), with one warning naming the
     fix; a LoRA-style frozen bf16 base with fp32 adapters gets none."""

@@ -85,6 +85,15 @@ def test_loss_fn_none_uses_the_model_s_own_loss_weighted_by_its_shifted_labels()
         ref_loss.backward()
         torch.testing.assert_close(loss, ref_loss.detach(), **TOL, msg=lambda m: f"step {step}: loss: {m}")
         assert_grads_equal(model, ref, what=f"step {step}: ")
+    # the model's loss runs inside the last stage: its labels are checked on the host against the model's output
+    # embeddings before anything runs (on a GPU a label past the vocabulary stops at a device-side assert)
+    model.zero_grad(set_to_none=True)
+    beyond = labels.index_put((torch.tensor([0]), torch.tensor([1])), torch.tensor(VOCAB + 6))
+    with pytest.raises(rpcompile.InputError, match=rf"^labels has label {VOCAB + 6}, beyond the {VOCAB} classes of "
+                                                   rf"the model's output \(its last dimension\): labels must be "
+                                                   rf"below {VOCAB}, or -100 \(ignored\); check the tokenizer "):
+        pipe.forward_backward(input_ids=ids, attention_mask=mask, labels=beyond)
+    assert all(p.grad is None for p in model.parameters())
 
 
 @pytest.mark.hf

@@ -183,6 +183,16 @@ def test_step_without_overlap_is_the_plain_loop():
     assert all(p.grad is None for p in a.parameters())
 
 
+def plain_step(optimizers, schedulers=()) -> None:
+    """The eager loop's step: every optimizer's ``step()``, then their ``zero_grad()``, then the schedulers."""
+    for o in optimizers:
+        o.step()
+    for o in optimizers:
+        o.zero_grad()
+    for s in schedulers:
+        s.step()
+
+
 def stale_reference(b: nn.Module, pb, optimizers, steps: int, schedulers=(), zero_grad=None) -> list[torch.Tensor]:
     """The one-step-stale reference: synchronous training on delayed gradients — iteration t's gradients taken at
     the weights from before step t-1 — each step ``o.step()`` for every optimizer, then their ``zero_grad()``,
@@ -198,12 +208,7 @@ def stale_reference(b: nn.Module, pb, optimizers, steps: int, schedulers=(), zer
         b.load_state_dict(previous)  # the reference takes its gradients at the previous weights
         losses.append(pb.forward_backward(x, target=y))
         b.load_state_dict(current)
-        for o in optimizers:
-            o.step()
-        for o in optimizers:
-            o.zero_grad()
-        for s in schedulers:
-            s.step()
+        plain_step(optimizers, schedulers)
         previous = current
     return losses
 
@@ -340,12 +345,7 @@ def test_several_optimizers_step_together(tmp_path):
         x, y = batch(step)
         assert torch.equal(pa.forward_backward(x, target=y), pb.forward_backward(x, target=y))
         pa.step(oa, scheduler=sa)
-        for o in ob:
-            o.step()
-        for o in ob:
-            o.zero_grad()
-        for s in sb:
-            s.step()
+        plain_step(ob, sb)
     assert_same_weights(a, b)
     assert all(p.grad is None for p in a.parameters())
 

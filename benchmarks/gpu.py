@@ -378,7 +378,8 @@ def capped_rows(args: argparse.Namespace, device: str,
                 save([{**r, "model": args.capped_model} for r in rows])
             rows.append(roundpipe_peer.roundpipe_row(
                 spec, device=device, microbatches=args.capped_batch, cap_gib=args.cap_gib, steps=args.steps,
-                label=f"HF Llama, bf16, 1 device, capped at {args.cap_gib:g} GiB", timeout_s=args.peer_timeout))
+                label=f"HF {'Qwen3' if getattr(spec.model.config, 'qk_norm', False) else 'Llama'}, bf16, 1 device, "
+                      f"capped at {args.cap_gib:g} GiB", timeout_s=args.peer_timeout, release_source=True))
         for r in rows:
             r["model"] = args.capped_model
         _tokens(rows, spec)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session in few device calls (recipe: ../shared/gpu/README.md; wheels in .whl/, sent with `carry`).
-#   BUDGET_S=540 bash benchmarks/gpu_session.sh seqlen,tests,resident   # first call
-#   BUDGET_S=420 bash benchmarks/gpu_session.sh capped                  # second call
+#   BUDGET_S=540 bash benchmarks/gpu_session.sh peer8b,peer17b,tests    # RoundPipe side by side + profiler traces
+#   BUDGET_S=540 bash benchmarks/gpu_session.sh seqlen,tests,resident
+#   BUDGET_S=420 bash benchmarks/gpu_session.sh capped
 # Every step has its own time limit and writes under $OUT as it goes, so a call cut short keeps what it measured.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -27,6 +28,15 @@ for step in ${1//,/ }; do
                 >"$OUT/gpu-resident.txt" 2>&1; echo "resident rc=$?"; tail -30 "$OUT/gpu-resident.txt" ;;
     seqlen) timeout $(lim 110) python3 benchmarks/gpu.py --sections seqlen --out "$OUT/gpu-seqlen.json" \
               >"$OUT/gpu-seqlen.txt" 2>&1; echo "seqlen rc=$?"; tail -15 "$OUT/gpu-seqlen.txt" ;;
+    # rpcompile and the real RoundPipe side by side under the 20 GiB cap, one process a shape, with a profiler trace
+    # of one steady rpcompile step (gzipped: the trace directory comes home)
+    peer8b) timeout $(lim 330) python3 benchmarks/gpu.py --sections capped --peer roundpipe --steps 3 \
+              --profile "$OUT/traces-8b" --out "$OUT/gpu-peer-8b.json" >"$OUT/gpu-peer-8b.txt" 2>&1
+            echo "peer8b rc=$?"; gzip -f "$OUT"/traces-8b/*.json 2>/dev/null; tail -20 "$OUT/gpu-peer-8b.txt" ;;
+    peer17b) timeout $(lim 200) python3 benchmarks/gpu.py --sections capped --peer roundpipe --steps 3 \
+               --capped-model llama-1.7b --capped-batch 8 --capped-seq 2048 \
+               --profile "$OUT/traces-1.7b" --out "$OUT/gpu-peer-1.7b.json" >"$OUT/gpu-peer-1.7b.txt" 2>&1
+             echo "peer17b rc=$?"; gzip -f "$OUT"/traces-1.7b/*.json 2>/dev/null; tail -20 "$OUT/gpu-peer-1.7b.txt" ;;
     capped) timeout $(lim 420) python3 benchmarks/gpu.py --sections capped --steps 2 --out "$OUT/gpu-capped.json" \
               >"$OUT/gpu-capped.txt" 2>&1; echo "capped rc=$?"; tail -20 "$OUT/gpu-capped.txt" ;;
   esac

@@ -76,18 +76,20 @@ def causal_mask_shim(fn: Callable[..., Any]) -> Callable[..., Any]:
     return create_causal_mask
 
 
+#: the mask builders RoundPipe's presets call with its names (the Qwen3 preset calls both with one set of kwargs)
+_MASK_FUNCTIONS = ("create_causal_mask", "create_sliding_window_causal_mask")
+
+
 def install_mask_shim(module: Any) -> bool:
-    """Wrap ``module.create_causal_mask`` (a RoundPipe preset module) in :func:`causal_mask_shim`, once. Returns
-    whether the module's function is now a shim."""
-    fn = getattr(module, "create_causal_mask", None)
-    if fn is None:
-        return False
-    if not getattr(fn, "__rpcompile_shim__", False):
-        shimmed = causal_mask_shim(fn)
-        if shimmed is fn:
-            return False
-        module.create_causal_mask = shimmed
-    return True
+    """Wrap each of ``module``'s mask builders (``_MASK_FUNCTIONS``; a RoundPipe preset module) in
+    :func:`causal_mask_shim`, once. Returns whether the module's ``create_causal_mask`` is now a shim."""
+    for name in _MASK_FUNCTIONS:
+        fn = getattr(module, name, None)
+        if fn is not None and not getattr(fn, "__rpcompile_shim__", False):
+            shimmed = causal_mask_shim(fn)
+            if shimmed is not fn:
+                setattr(module, name, shimmed)
+    return getattr(getattr(module, "create_causal_mask", None), "__rpcompile_shim__", False)
 
 
 # --------------------------------------------------------------------------------------------- the HF twin
@@ -112,23 +114,30 @@ def hf_name(name: str) -> str:
 
 
 def hf_twin(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
-    """An HF ``LlamaForCausalLM`` of ``model``'s shape (an :class:`rpcompile.models.Llama` without q/k norms, i.e.
-    not the Qwen3 shapes) holding a copy of its weights in ``dtype``, on the CPU, built without HF's own init."""
+    """An HF ``LlamaForCausalLM`` of ``model``'s shape (an :class:`rpcompile.models.Llama`; ``Qwen3ForCausalLM``
+    when it has q/k norms, the Qwen3 shapes such as llama-1.7b) holding a copy of its weights in ``dtype``, on the
+    CPU, built without HF's own init. RoundPipe has a preset for both classes."""
     import transformers  # here, not at the top: only --peer needs transformers
 
     cfg = getattr(model, "config", None)
-    if cfg is None or not hasattr(cfg, "n_layers") or getattr(cfg, "qk_norm", False):
-        raise PeerUnavailable("--peer roundpipe runs on Llama-shaped models (rpcompile's llama presets without "
-                              "q/k norms, e.g. llama-8b); this model has no HF Llama twin")
-    config = transformers.LlamaConfig(
+    if cfg is None or not hasattr(cfg, "n_layers"):
+        raise PeerUnavailable("--peer roundpipe runs on rpcompile's Llama/Qwen3-shaped models (the llama presets, "
+                              "e.g. llama-8b, llama-1.7b); this model has no HF twin")
+    qwen3 = bool(getattr(cfg, "qk_norm", False))
+    if qwen3 and not hasattr(transformers, "Qwen3Config"):
+        raise PeerUnavailable(f"--peer roundpipe on a Qwen3 shape needs transformers with Qwen3 (>= 4.51); this is "
+                              f"{transformers.__version__}")
+    Config, Model = ((transformers.Qwen3Config, transformers.Qwen3ForCausalLM) if qwen3
+                     else (transformers.LlamaConfig, transformers.LlamaForCausalLM))
+    config = Config(
         vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim,
         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads,
         head_dim=cfg.hd, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps,
         max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=cfg.tie_embeddings, attention_bias=False,
-        mlp_bias=False, use_cache=False)
+        use_cache=False, **({"use_sliding_window": False} if qwen3 else {"mlp_bias": False}))
     config._attn_implementation = "sdpa"  # what rpcompile's Llama runs (F.scaled_dot_product_attention)
     with torch.device("meta"):  # no storage and no init: the weights come from `model`
-        hf = transformers.LlamaForCausalLM(config)
+        hf = Model(config)
     state = {hf_name(k): v.detach().to(dtype=dtype, copy=True) for k, v in model.state_dict().items()}
     if cfg.tie_embeddings:
         state.pop("lm_head.weight", None)
@@ -172,11 +181,12 @@ def load_roundpipe() -> Any:
         os.environ["RPP_DISABLE_TORCH_COMPILE"] = "1"  # its loss is torch.compile'd, and inductor needs a C compiler
     try:
         roundpipe = importlib.import_module("roundpipe")
-        llama = importlib.import_module("roundpipe.models.llama")
+        presets = [importlib.import_module(f"roundpipe.models.{m}") for m in ("llama", "qwen3")]
     except ImportError as e:
         raise PeerUnavailable(f"--peer roundpipe: cannot import roundpipe ({e}); install roundpipe==0.1.1 with "
                               "beartype and py-cpuinfo (pip install roundpipe==0.1.1, or their wheels from .whl/)")
-    install_mask_shim(llama)
+    for preset in presets:
+        install_mask_shim(preset)
     return roundpipe
 
 
@@ -202,12 +212,14 @@ class _Watchdog:
 
 
 def roundpipe_row(spec: Any, *, device: str, microbatches: int, cap_gib: float, steps: int, label: str,
-                  timeout_s: float = 900.0) -> dict[str, Any]:
+                  timeout_s: float = 900.0, release_source: bool = False) -> dict[str, Any]:
     """One row: RoundPipe on the HF twin of ``spec.model``, ``spec``'s tokens and targets, ``microbatches``
     microbatches, its planner limited to 0.6 × ``cap_gib`` (the caller caps the GPU itself). Median of ``steps``
     timed steps after two warm-ups (its planner re-plans from the times it measured). RoundPipe runs on every
     visible CUDA device (``device`` only labels the row): give the process one GPU. A failure (RoundPipe missing
-    or failing to import included) is the row's ``error``, not an exception."""
+    or failing to import included) is the row's ``error``, not an exception. ``release_source``: free
+    ``spec.model``'s weights once the twin holds its copy (the caller's last use of them: on the 8B shape, fp32
+    weights + the bf16 twin + RoundPipe's fp32 copies and gradients come near a 126 GiB host)."""
     row: dict[str, Any] = {"section": "capped", "system": "roundpipe", "variant": label, "device": device,
                            "gpus": torch.cuda.device_count(), "microbatches": microbatches, "step_s": None}
     try:
@@ -216,6 +228,10 @@ def roundpipe_row(spec: Any, *, device: str, microbatches: int, cap_gib: float, 
                    torch_compile=os.environ.get("RPP_DISABLE_TORCH_COMPILE", "0") != "1")
         t0 = time.perf_counter()
         hf = hf_twin(spec.model)
+        if release_source:
+            for t in [*spec.model.parameters(), *spec.model.buffers()]:
+                t.data = torch.empty(0, dtype=t.dtype)
+            gc.collect()
         rp = roundpipe.wrap_model_to_roundpipe(
             hf, use_sequential_preset=True, optim_dtype=torch.float32, name="peer",
             model_run_config=roundpipe.RoundPipeRunConfig(num_microbatch=microbatches))

@@ -17,6 +17,7 @@ import gpu  # noqa: E402  (benchmarks/ is scripts, not a package)
 import roundpipe_peer  # noqa: E402
 
 from rpcompile.models import load_model  # noqa: E402
+from rpcompile.models.llama import Llama, LlamaConfig  # noqa: E402
 
 
 def _fake_mask(config, inputs_embeds, attention_mask, cache=None, position_ids=None):
@@ -138,10 +139,26 @@ def test_the_hf_twin_computes_the_same_function():
     assert hf.model.embed_tokens.weight.data_ptr() != model.embed.weight.data_ptr()  # a copy, not shared
 
 
-def test_no_twin_for_qwen3_shapes():
-    spec = load_model("llama-1.7b")  # the Qwen3-1.7B shape: q/k norms (meta device: nothing is allocated)
-    with pytest.raises(roundpipe_peer.PeerUnavailable, match="Llama-shaped"):
-        roundpipe_peer.hf_twin(spec.model)
+@pytest.mark.hf
+def test_the_qwen3_twin_computes_the_same_function():
+    """A Qwen3 shape (q/k norms, head_dim of its own, tied embeddings: the llama-1.7b preset's kind) gets an HF
+    ``Qwen3ForCausalLM`` twin, the class RoundPipe's Qwen3 preset takes."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Qwen3ForCausalLM"):
+        pytest.skip(f"transformers {transformers.__version__} has no Qwen3")
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=48,
+                              qk_norm=True, tie_embeddings=True, rope_theta=1e6)).eval()
+    hf = roundpipe_peer.hf_twin(model, dtype=torch.float32)
+    assert type(hf).__name__ == "Qwen3ForCausalLM"
+    x = torch.randint(0, 64, (2, 10))
+    with torch.no_grad():
+        assert torch.equal(hf(input_ids=x).logits, model(x))
+
+
+def test_no_twin_for_a_model_without_a_llama_config():
+    with pytest.raises(roundpipe_peer.PeerUnavailable, match="Llama/Qwen3-shaped"):
+        roundpipe_peer.hf_twin(torch.nn.Linear(2, 2))
 
 
 def test_rows_are_set_against_the_peer():

@@ -43,6 +43,7 @@ import gc
 import json
 import logging
 import os
+import re
 import statistics
 import sys
 import time
@@ -307,7 +308,7 @@ def rpcompile_row(spec: Any, devices: list[str], label: str, steps: int, *, sect
         with torch.profiler.profile(record_shapes=False) as prof:
             step()
             _sync(device)
-        path = profile / f"{section}-{label.replace(' ', '_')}.json"
+        path = profile / f"{section}-{re.sub(r'[^A-Za-z0-9.-]+', '_', label)}.json"  # a plain name: it travels
         prof.export_chrome_trace(str(path))
         row["profile"] = str(path)
     if row["step_s"]:

@@ -37,6 +37,9 @@ for step in ${1//,/ }; do
                --capped-model llama-1.7b --capped-batch 8 --capped-seq 2048 \
                --profile "$OUT/traces-1.7b" --out "$OUT/gpu-peer-1.7b.json" >"$OUT/gpu-peer-1.7b.txt" 2>&1
              echo "peer17b rc=$?"; gzip -f "$OUT"/traces-1.7b/*.json 2>/dev/null; tail -20 "$OUT/gpu-peer-1.7b.txt" ;;
+    trace8b) timeout $(lim 300) python3 benchmarks/gpu.py --sections capped --steps 1 --optimizer none \
+               --profile "$OUT/traces-8b" --out "$OUT/gpu-trace-8b.json" >"$OUT/gpu-trace-8b.txt" 2>&1
+             echo "trace8b rc=$?"; gzip -f "$OUT"/traces-8b/*.json 2>/dev/null; tail -6 "$OUT/gpu-trace-8b.txt" ;;
     capped) timeout $(lim 420) python3 benchmarks/gpu.py --sections capped --steps 2 --out "$OUT/gpu-capped.json" \
               >"$OUT/gpu-capped.txt" 2>&1; echo "capped rc=$?"; tail -20 "$OUT/gpu-capped.txt" ;;
   esac

@@ -152,6 +152,11 @@ def hf_twin(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
     left = [n for n, t in [*hf.named_parameters(), *hf.named_buffers()] if t.is_meta]
     if left:
         raise ValueError(f"HF twin left without values: {left}")
+    if qwen3:  # RoundPipe's Qwen3 preset picks each layer's mask by `layer.attention_type`, gone in transformers 5
+        types = getattr(config, "layer_types", None) or ["full_attention"] * cfg.n_layers
+        for layer, kind in zip(hf.model.layers, types):
+            if not hasattr(layer, "attention_type"):
+                layer.attention_type = kind
     hf.eval()  # no dropout in either model; eval only silences HF's training-mode warnings
     return hf
 

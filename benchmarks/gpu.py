@@ -448,12 +448,25 @@ def seqlen_rows(args: argparse.Namespace, device: str) -> list[dict]:
     return rows
 
 
+#: the relative difference between the peer's loss and rpcompile's above which the peer's row is flagged: both run
+#: the same weights on the same tokens in bf16, so a larger gap means the two did not compute the same thing
+PEER_LOSS_TOLERANCE = 0.02
+
+
 def _versus_peer(rows: list[dict]) -> None:
-    """``vs_peer``: each row's tokens/s over the peer's (RoundPipe's) in the same section."""
+    """``vs_peer``: each row's tokens/s over the peer's (RoundPipe's) in the same section. The peer's row also gets
+    ``loss_vs_rpcompile`` (its loss over rpcompile's first row's) and, when that is off by more than
+    ``PEER_LOSS_TOLERANCE``, an ``error`` saying the ratio is not a like-for-like comparison."""
     peer = next((r for r in rows if r["system"] in roundpipe_peer.PEERS), None)
     base = peer and peer.get("tokens_per_s")
     for r in rows:
         r["vs_peer"] = r["tokens_per_s"] / base if base and r.get("tokens_per_s") else None
+    ours = next((r.get("loss") for r in rows if r["system"] == "rpcompile" and r.get("loss")), None)
+    if peer is not None and ours and peer.get("loss"):
+        peer["loss_vs_rpcompile"] = peer["loss"] / ours
+        if abs(peer["loss_vs_rpcompile"] - 1) > PEER_LOSS_TOLERANCE and not peer.get("error"):
+            peer["error"] = (f"loss {peer['loss']:.4g} against rpcompile's {ours:.4g} on the same weights and tokens: "
+                             "not the same computation, so vs RoundPipe is not like for like")
 
 
 # --------------------------------------------------------------------------------------------- output

@@ -262,6 +262,8 @@ def roundpipe_row(spec: Any, *, device: str, microbatches: int, cap_gib: float, 
         rp.synchronize()  # gradients into .grad, so the next step starts from none (untimed)
         hf.zero_grad(set_to_none=True)
         row["loss"] = float(loss)
+        row.setdefault("losses", []).append(row["loss"])  # every step's, warm-ups included: no optimizer steps, so
+        # they should all equal rpcompile's loss on the same weights and tokens (gpu._versus_peer checks the last)
         return elapsed
 
     torch.cuda.empty_cache()

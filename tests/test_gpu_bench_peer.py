@@ -173,6 +173,20 @@ def test_rows_are_set_against_the_peer():
     assert "vs RoundPipe" in md.splitlines()[0] and "| 1.500× |" in md
 
 
+def test_a_peer_whose_loss_is_not_ours_is_flagged():
+    """The 2026-11-28 H100 run: RoundPipe's loss on the tied Qwen3-1.7B twin was 7.30 against rpcompile's 12.35."""
+    rows = [{"system": "rpcompile", "tokens_per_s": 7776.0, "loss": 12.35},
+            {"system": "roundpipe", "tokens_per_s": 5312.0, "loss": 7.30, "error": None}]
+    gpu._versus_peer(rows)
+    assert rows[1]["loss_vs_rpcompile"] == pytest.approx(7.30 / 12.35)
+    assert rows[1]["error"] == ("loss 7.3 against rpcompile's 12.35 on the same weights and tokens: not the same "
+                                "computation, so vs RoundPipe is not like for like")
+    same = [{"system": "rpcompile", "tokens_per_s": 3261.0, "loss": 12.5989},
+            {"system": "roundpipe", "tokens_per_s": 5560.0, "loss": 12.5992, "error": None}]
+    gpu._versus_peer(same)
+    assert same[1]["error"] is None and same[1]["loss_vs_rpcompile"] == pytest.approx(1.0, abs=1e-4)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_roundpipe_trains_the_twin_on_the_gpu():

@@ -60,6 +60,7 @@ from rpcompile.passes.loss_head import HEAD_CLASSES_META, TARGET
 from rpcompile.passes.split import split_plan
 from rpcompile.runtime.executor import Executor, PipelineError
 
+from .callers import OneCaller, one_call
 from .batches import (call_batch, checked_accumulation, microbatch_store, microbatch_weights, microbatches_of,
                       output_classes)
 from .checkpoint import CheckpointError, check_pipeline_state, pipeline_state
@@ -74,7 +75,8 @@ from .host_memory import check_host_memory
 from .loss_weighting import (IGNORE_INDEX, BatchLoss, _checked_weight, _shifts_labels, loss_weights, own_loss,
                              shifted_tokens)
 from .oom import out_of_memory
-from .overlap import Overlap, optimizers_of, schedulers_of, step_now
+from .interrupts import deferred
+from .overlap import Overlap, optimizers_of, schedulers_of, step_now, wait_for_steps, watch_model
 from .signature import InputSignature, check_call_mode
 
 __all__ = ["Pipeline",
@@ -124,6 +126,10 @@ class Pipeline:
         self.executor.seed = torch.initial_seed()  # dropout masks follow torch.manual_seed, as eager's do
         self._overlap = Overlap(self.executor.weights, self.executor.grads)
         """The overlapped optimizer step in flight and the overlap it began (:meth:`step`, :mod:`.overlap`)."""
+        watch_model(model, self._overlap, self.synchronize)  # model.state_dict / load_state_dict wait for it
+        self.callers = OneCaller()
+        """Which thread is inside a call now: a second thread's call meanwhile is refused (:mod:`.callers`)."""
+        self._masters = list(params.values())  # what another pipeline's overlapped step may be writing
         for d, device in enumerate(self.devices):  # GPUs send hand-offs and saved activations down behind the compute
             if device.torch_device.type == "cuda" and device.offloader is None:
                 device.enable_offload(offload_budget(plan, d, len(self.devices)))
@@ -146,12 +152,14 @@ class Pipeline:
         weight copies, upload casts, gradients (:class:`rpcompile.runtime.weights.HostTraffic`; DMA not counted)."""
         return dict(self.executor.traffic.bytes)
 
+    @one_call
     def refresh_weights(self) -> None:
         """Remake the devices' copies of every weight from the masters — needed only after edits through
         ``p.data``, which no version counter sees (module docstring)."""
         self.synchronize()
         self.executor.weights.refresh()
 
+    @one_call
     def step(self, optimizer: Any, *, overlap: bool = False, scheduler: Any = None) -> None:
         """``optimizer.step()`` then ``optimizer.zero_grad()`` — through the pipeline's ``GradScaler`` when it has
         one (``scaler.step(optimizer); scaler.update()``) — then ``scheduler.step()`` when one is given (an lr
@@ -202,6 +210,7 @@ class Pipeline:
                               "while the next iteration runs): use precision='bf16', or overlap=False")
         self._overlap.start(optimizers, schedulers, self.model)
 
+    @one_call
     def synchronize(self) -> None:
         """Wait for an overlapped optimizer step (:meth:`step`) and go back to synchronous steps: afterwards the
         masters, ``.grad`` and the device copies all agree."""
@@ -221,6 +230,7 @@ class Pipeline:
         """The optimizers stepped overlapped since the overlap began; None: synchronous steps."""
         return self._overlap.optimizers or None
 
+    @one_call
     def state_dict(self) -> dict[str, Any]:
         """The pipeline's own training state — the iteration that seeds dropout, the GradScaler's state, the
         weights an overlapped step left for the next iteration — which, with the model's and the optimizer's
@@ -241,6 +251,7 @@ class Pipeline:
             raise CheckpointError("this pipeline state was saved right after step(optimizer, overlap=True): pass "
                                   "load_state_dict(state, optimizer=optimizer), its state loaded first")
 
+    @one_call
     def load_state_dict(self, state: Mapping[str, Any], *, optimizer: Any = None, exact: bool = True) -> None:
         """Continue from :meth:`state_dict`, after the model's and the optimizer's ``load_state_dict``. A state
         saved right after ``step(optimizer, overlap=True)`` needs that ``optimizer`` (a list of them after
@@ -251,12 +262,13 @@ class Pipeline:
         self.check_state_dict(state, optimizer=optimizer, exact=exact)
         stale = state["stale_weights"] if exact else {}
         self.synchronize()
-        self.iteration = int(state["iteration"])
-        self.dropout_seed = state.get("dropout_seed")  # None: a version-1 state, drawn without one
-        if state["scaler"] is not None and self.scaler is not None and self.scaler.is_enabled():
-            self.scaler.load_state_dict(state["scaler"])
-        if stale:
-            self._overlap.resume(optimizers_of(optimizer), stale)
+        with deferred():  # all of it or, with a Ctrl-C before it began, none
+            self.iteration = int(state["iteration"])
+            self.dropout_seed = state.get("dropout_seed")  # None: a version-1 state, drawn without one
+            if state["scaler"] is not None and self.scaler is not None and self.scaler.is_enabled():
+                self.scaler.load_state_dict(state["scaler"])
+            if stale:
+                self._overlap.resume(optimizers_of(optimizer), stale)
 
     @property
     def dropout_seed(self) -> int | None:
@@ -281,6 +293,7 @@ class Pipeline:
             self._schedules[m] = round_robin([s.kind for s in self.plan.stages], len(self.devices), m)
         return self._schedules[m]
 
+    @one_call
     def forward_backward(self, *inputs: Any, target: Any = None, loss_scale: float = 1.0,
                          num_items: float | None = None, **kwargs: Any) -> torch.Tensor:
         """One training iteration's forward and backward over the whole batch; returns the batch's loss: the mean
@@ -316,6 +329,7 @@ class Pipeline:
                           accumulation: tuple[float, float | None] = (1.0, None)) -> torch.Tensor:
         check_call_mode("forward_backward", self.precision)
         self.executor.training = self.check_model()
+        wait_for_steps(self._masters, besides=self._overlap)  # another pipeline's over the same parameters
         total_of = None if self._rank is None else self._rank.global_total  # data-parallel: over every rank
         store, m, loss_of, targets = call_batch(self, "forward_backward", inputs, target, kwargs, total_of=total_of,
                                                 accumulation=accumulation)
@@ -329,13 +343,14 @@ class Pipeline:
             if self._step is not None:
                 wait([self._step])
             self._reraise(e)
-        self.iteration += 1
-        loss = torch.stack(losses).sum()
-        if self._rank is not None:  # data-parallel: the gradients summed across the ranks, the whole batch's loss
-            loss = self._rank.reduced(loss)
-        if self._overlap_optimizer is not None:  # the step beside this iteration is done: its gradients to .grad
-            self._finish_step()
-            self.executor.grads.install()
+        with deferred():  # a Ctrl-C from here on is raised once the iteration is wholly done
+            self.iteration += 1
+            loss = torch.stack(losses).sum()
+            if self._rank is not None:  # data-parallel: the gradients summed across the ranks, the batch's loss
+                loss = self._rank.reduced(loss)
+            if self._overlap_optimizer is not None:  # the step beside this iteration is done: its gradients to .grad
+                self._finish_step()
+                self.executor.grads.install()
         return loss
 
     def _reraise(self, e: BaseException) -> NoReturn:
@@ -350,6 +365,7 @@ class Pipeline:
                 raise e.__cause__ from None
         raise e
 
+    @one_call
     @torch.no_grad()
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Evaluation: the model's output for the whole batch, computed as :meth:`forward_backward` splits it —
@@ -360,6 +376,7 @@ class Pipeline:
         (``model.eval()``, the usual way to evaluate) it uses its running statistics, as eager does."""
         check_call_mode("forward", self.precision)
         self.executor.training = self.check_model()
+        wait_for_steps(self._masters, besides=self._overlap)
         # the in-graph loss's target rides along
         target = {TARGET: kwargs.pop(TARGET)} if self.loss_in_graph and TARGET in kwargs else {}
         if self.signature is not None:  # the inputs as compiled (signature.py)
@@ -377,6 +394,7 @@ class Pipeline:
             if self.loss_fn is None or target else sizes
         return joined(outputs, weights)
 
+    @one_call
     @torch.no_grad()
     def evaluate(self, *inputs: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
         """The batch's loss without gradients: what :meth:`forward_backward` returns, computed as it does — the
@@ -388,6 +406,7 @@ class Pipeline:
         step; :meth:`synchronize` first for the stepped ones."""
         check_call_mode("evaluate", self.precision)
         self.executor.training = self.check_model()
+        wait_for_steps(self._masters, besides=self._overlap)
         store, m, loss_of, targets = call_batch(self, "evaluate", inputs, target, dict(kwargs))
         try:
             losses = self.executor.run_forward(store, iteration=self.iteration, microbatches=m, loss_fn=loss_of,

@@ -123,16 +123,14 @@ class Executor:
         self.timeline = []
         # Device 0 runs on the calling thread: a fresh thread would start its own OpenMP team while the caller's
         # idles (spinning) on the same cores, which made one-device CPU steps ~2× slower than eager.
-        workers = [threading.Thread(target=self._worker, args=(d, acts), name=f"rpcompile-dev{d}", daemon=True)
-                   for d, acts in enumerate(schedule) if d > 0]
+        workers = [_Thread(self._worker, (d, acts), f"rpcompile-dev{d}") for d, acts in enumerate(schedule) if d > 0]
         threads = torch.get_num_threads()
         cpu_workers = sum(1 for d in self.devices if d.torch_device.type == "cpu")
         rows: dict[tuple[str, int], Future[torch.Tensor]] = {
             (h.value, j): Future() for h in self.program.host for j in range(self.microbatches)}
         for (name, j), future in rows.items():  # in the store before any stage may look for them
             store.put(name, j, future)
-        host = [threading.Thread(target=self._host, args=(store, rows), name="rpcompile-host", daemon=True)] \
-            if self.program.host else []
+        host = [_Thread(self._host, (store, rows), "rpcompile-host")] if self.program.host else []
         self.grads.begin()
         try:
             if cpu_workers > 1:  # logical CPU devices share the cores: more intra-op threads than cores thrash
@@ -165,13 +163,13 @@ class Executor:
         for ev in self.done.values():
             ev.set()
 
-    def _join(self, threads: Sequence[threading.Thread]) -> None:
+    def _join(self, threads: Sequence[_Thread]) -> None:
         """Wait for the call's threads. A Ctrl-C meanwhile stops them (each finishes the action it is in) and is
         re-raised once they have; a second Ctrl-C while they stop returns at once."""
         for t in threads:
-            while t.is_alive():
+            while not t.ended.is_set():
                 try:
-                    t.join()
+                    t.ended.wait()
                 except KeyboardInterrupt as e:
                     if any(isinstance(f, KeyboardInterrupt) for f in self.failed):
                         raise
@@ -408,6 +406,23 @@ class Executor:
         for name, v in zip(prog.inputs, inputs):
             if isinstance(v, torch.Tensor) and v.requires_grad and v.grad is not None:
                 self.store.add_grad(name, mb, device.handoff(v.grad))
+
+
+class _Thread(threading.Thread):
+    """A daemon thread of a call that says when it has ended (:attr:`ended`). Waited for with the event, never
+    ``join``: a ``join`` that a Ctrl-C interrupts marks the thread as ended while it still runs (CPython's
+    ``_wait_for_tstate_lock``), and the call would settle beside a worker still at work."""
+
+    def __init__(self, target: Callable[..., None], args: tuple[Any, ...], name: str) -> None:
+        super().__init__(name=name, daemon=True)
+        self._call, self._call_args = target, args
+        self.ended = threading.Event()
+
+    def run(self) -> None:
+        try:
+            self._call(*self._call_args)
+        finally:
+            self.ended.set()
 
 
 def _next_weights(actions: Sequence[Action]) -> dict[int, int]:

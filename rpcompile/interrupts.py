@@ -61,12 +61,16 @@ class _Guard:
         if self.depth:
             self.pending = (signum, frame)
             return
+        self.deliver(self.previous, signum, frame)
+
+    def deliver(self, previous: Any, signum: int, frame: FrameType | None) -> None:
+        """A Ctrl-C that may be raised now: once the steps in flight have ended, to the handler replaced."""
         self.waiting = True
         try:
             wait(list(self.steps))
         finally:
             self.waiting = False
-        _hand_on(self.previous, signum, frame)
+        _hand_on(previous, signum, frame)
 
     def install(self) -> None:
         """Take SIGINT's place, if this is the main thread and its handler was set from Python."""
@@ -119,8 +123,8 @@ class deferred:
         pending, previous = _GUARD.pending, _GUARD.previous
         _GUARD.pending = None
         _GUARD.release()
-        if pending is not None:
-            _hand_on(previous, *pending)
+        if pending is not None:  # (a step the block started is waited for too)
+            _GUARD.deliver(previous, *pending)
 
 
 def finish_first(step: Future[Any]) -> None:

@@ -110,7 +110,9 @@ def call_batch(pipe: Batched, call: str, inputs: Sequence[Any], target: Any, kwa
     m = microbatches_of(inputs, kwargs, pipe.microbatches)
     store, sizes = microbatch_store(pipe.gm, pipe.program.placeholders, inputs, kwargs, m)
     outside = pipe.loss_fn is not None and not pipe.loss_in_graph  # the loss runs after the last stage
-    pieces = [p[0] for p in split_microbatches((target,), m)] if isinstance(target, torch.Tensor) else [target] * m
+    # a target's tensors are split with the inputs — also inside a tuple or dict, (values, row weights) — so each
+    # microbatch's loss gets its own rows (the whole tuple would broadcast against one-row microbatches)
+    pieces = [p[0] for p in split_microbatches((target,), m)] if tensor_leaves(target) else [target] * m
     # each microbatch's target goes to the device of the stage that computes its loss (the executor uploads it)
     targets = pieces if outside else None
     # a mean over the batch is the weighted mean of the microbatches' means (weights: what each mean averages

@@ -164,6 +164,14 @@ MLP_ROWS: list[Row] = [
     ("target trailing dims", lambda p: p.forward_backward(X, target=torch.randn(6, 5)), InputError,
      r"^target has shape \(6, 5\) but the pipeline was compiled for \(batch, 4\)"),
     ("target on meta", lambda p: p.forward_backward(X, target=Y.to("meta")), InputError, r"^target is on meta"),
+    # every tensor of a tuple or dict target is split with the inputs (issue 36: one-row microbatches broadcast)
+    ("tuple target batch size", lambda p: p.forward_backward(X, target=(Y, torch.ones(4))), InputError,
+     r"^target\[1\] has batch size 4 but the inputs have 6 rows \(dim 0\): each tensor of a target is split into "
+     r"microbatches with the inputs; pass this batch's rows \(a constant such as class weights belongs in "
+     r"loss_fn\)$"),
+    ("dict target on meta", lambda p: p.forward_backward(X, target={"y": Y, "w": torch.ones(6, device="meta")}),
+     InputError, r"^target\['w'\] is on meta but the pipeline takes inputs on cpu; move it there "
+                 r"\(target\['w'\]\.to\('cpu'\)\)$"),
     ("num_items below the batch's", lambda p: p.forward_backward(X, target=Y, num_items=4), ConfigError,
      r"^num_items=4 but this batch alone averages over 6 \(its real tokens, or rows\): pass the count over every "
      r"batch the gradients accumulate over$"),

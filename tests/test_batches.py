@@ -239,3 +239,34 @@ def test_the_built_in_decoders_train_every_batch_size_and_length_like_eager(name
 def token_loss_plain(logits, target):
     """Mean token cross-entropy of plain logits, padding (-100) ignored."""
     return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+
+
+def _row_weighted(out, target):
+    """A loss whose target is a tuple: (values, a weight per row); the mean over the rows of the weighted error."""
+    values, weights = target
+    return (((out - values) ** 2).mean(1) * weights).mean()
+
+
+@pytest.mark.parametrize("rows", [3, 6, 4], ids=["one-row-microbatches", "two-row", "uneven"])
+def test_a_tuple_target_is_split_with_the_inputs_and_gives_eager_s_loss(rows):
+    """A target of (values, row weights): every tensor in it is split into microbatches along dim 0 as the inputs
+    are. With one-row microbatches the old code gave each microbatch the whole tuple, which broadcast against its
+    one row to a silently wrong loss (with two or more rows it was refused by the loss's shape error)."""
+    from test_bad_inputs import MLP
+
+    torch.manual_seed(0)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    x, values, weights = torch.randn(6, 8), torch.randn(6, 4), torch.rand(6)
+    pipe = rpcompile.compile(model, (x,), loss_fn=_row_weighted, devices=["cpu", "cpu"], microbatches=3,
+                             spec=FINE_CPU, time_limit_s=1.0, head_chunks=1)
+    target = (values[:rows], weights[:rows])
+    with torch.no_grad():
+        torch.testing.assert_close(pipe.evaluate(x[:rows], target=target), _row_weighted(ref(x[:rows]), target),
+                                   **TOL)
+    assert_step_matches_eager(pipe, model, ref, _row_weighted, x[:rows], target=target)
+    dict_pipe = rpcompile.compile(model, (x,), loss_fn=lambda out, t: _row_weighted(out, (t["v"], t["w"])),
+                                  devices=["cpu", "cpu"], microbatches=3, plan=pipe.plan)
+    with torch.no_grad():  # a dict target likewise
+        torch.testing.assert_close(dict_pipe.evaluate(x[:rows], target={"v": target[0], "w": target[1]}),
+                                   _row_weighted(ref(x[:rows]), target), **TOL)

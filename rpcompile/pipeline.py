@@ -31,8 +31,11 @@ Contracts
   :meth:`Pipeline.step` — which with ``overlap=True`` runs the step beside the next ``forward_backward``: that
   iteration then computes with the weights from before the step (one step stale, as RoundPipe's
   ``is_async=True``; ``zero_grad()`` in the loop stays safe), see :meth:`Pipeline.step` and :mod:`.overlap`.
-- **Buffers** (BatchNorm statistics) are updated once per microbatch by the real forward pass, never by
-  recomputation: the pipeline equals eager training with gradient accumulation over the same microbatches.
+- **Buffers** a forward writes (BatchNorm statistics, a counter or running mean updated under ``torch.no_grad()``)
+  are updated once per microbatch by the real forward pass — of ``forward_backward``, ``evaluate`` and
+  ``forward`` alike — never by recomputation: the pipeline equals eager over the same microbatches one after the
+  other (gradient accumulation), so a counter of forward calls counts microbatches. Compiling writes none
+  (:func:`rpcompile.trace` puts back what fx ran on them), and a buffer no forward writes keeps its own bits.
 - **Randomness** (dropout) is seeded per (iteration, node, microbatch): recomputation replays the forward's masks
   (saved segments keep them), and results do not depend on the number of devices.
 - **fp16** uses loss scaling through ``torch.amp.GradScaler("cpu")`` (pass ``scaler=``): the loss is multiplied by

@@ -262,8 +262,9 @@ class Executor:
                     targets: Sequence[Any] | None = None) -> list[Any]:
         """Evaluation, without autograd: the forward and fused stages in order, each stage's weights uploaded once
         — the next stage's going up while this one computes, as in training — and its microbatches run in turn (a
-        stage holds one microbatch's values at a time, as planned); a batch norm's statistics come home after the
-        last, as in training (train mode: eager's forward updates them too). Returns per
+        stage holds one microbatch's values at a time, as planned); the buffers a forward wrote (a train-mode
+        batch norm's statistics, a counter) come home after the last, as in training — eager's forward writes them
+        too. Returns per
         microbatch the model's output on the host, or, with ``loss_fn``, ``loss_fn(output, targets[j], j)``
         computed on the fused stage's device (the output never comes home). A failure raises one
         :class:`PipelineError` naming the stage, device and microbatch, as :meth:`run` does."""
@@ -292,8 +293,8 @@ class Executor:
                     act = Action(prog.index, "F", j)
                     results.append(self._evaluate(device, prog, state, j, loss_fn, targets))
                 act = None
-                if self.training or any(m.training for m in list(prog.gm.modules())[1:]):  # a train-mode BN's
-                    stage_call.writeback_buffers(device, state, self.buffers)  # statistics (eval changes none)
+                # what the forward wrote (a train-mode BN's statistics; a counter in any mode), as eager's forward
+                stage_call.writeback_buffers(device, state, self.buffers)
             except BaseException as e:  # noqa: BLE001 - one line naming the stage, as a training call's failure
                 if ahead is not None:
                     wait([ahead])  # the next stage's upload lands before the caller sees the failure

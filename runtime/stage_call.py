@@ -75,12 +75,19 @@ def upload(device: Device, prog: StageProgram, weights: WeightStore, masters: di
 
 
 def writeback_buffers(device: Device, state: StageState, host_buffers: dict[str, torch.Tensor]) -> None:
-    """After a real forward's last microbatch: device copies of buffers (BatchNorm statistics) go home."""
+    """After a real forward's last microbatch: the device copies of the buffers it wrote (BatchNorm statistics, a
+    counter a forward increments under ``no_grad``) go home. A copy in the compute precision that still equals its
+    master cast to it is left out: nothing wrote it, and copied home it would round an fp32 buffer (version counters
+    cannot tell: a batch norm's kernel writes its statistics without moving them)."""
     for name, t in state.buffers.items():
         master = host_buffers[name]
-        if t is not master:
-            with torch.no_grad():
-                master.copy_(device.download(t))
+        if t is master:
+            continue
+        home = device.download(t)
+        with torch.no_grad():
+            if home.dtype != master.dtype and torch.equal(home, master.to(home.dtype)):
+                continue
+            master.copy_(home)
 
 
 def download_grads(device: Device, prog: StageProgram, state: StageState, sink: GradSink) -> None:

@@ -321,6 +321,12 @@ def check_compile_arguments(model: Any, example_inputs: Any, example_kwargs: Map
     if isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):  # torch.compile's OptimizedModule
         raise ConfigError(f"model is a torch.compile wrapper ({type(model).__name__}): rpcompile compiles the model "
                           "itself, into stages of its own; pass the module it wraps, model._orig_mod")
+    meta = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.device.type == "meta"]
+    if meta:  # no values to train: a stage would fail on torch's device error at the first call
+        raise ConfigError(f"model has {len(meta)} parameter(s) or buffer(s) on the meta device (e.g. {meta[0]}), "
+                          "which hold no values to train; load its weights first (model.to_empty(device='cpu') then "
+                          "load_state_dict(...), or from_pretrained without a meta device_map) — rpcompile.plan "
+                          "plans a model on the meta device")
     _warn_16_bit_masters(model)
     if loss_fn is not None and not callable(loss_fn):
         raise ConfigError(f"loss_fn={loss_fn!r} is not callable; pass a function loss_fn(output, target) -> scalar "

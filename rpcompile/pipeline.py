@@ -20,7 +20,10 @@ Contracts
   (HF models given ``labels=``), each microbatch weighted by its labels (shifted ones for a causal LM).
 - **Gradients** accumulate into the original parameters' ``.grad`` (fp32, CPU) across calls, as eager PyTorch does;
   frozen parameters (``requires_grad=False``) get none and are never sent back. A parameter used by several stages
-  (tied embeddings) receives the sum.
+  (tied embeddings) receives the sum. An input that requires grad gets eager's gradient: the stages run a program
+  split with it among the values that carry gradients (made once per set of such inputs), its microbatches'
+  gradients come home and go on through the caller's autograd graph (``x.grad`` of a leaf, a soft prompt's
+  parameter); data-parallel, each rank's inputs get their own.
 - **Weights.** The fp32 masters stay in the model on the CPU; the devices upload copies in the compute precision
   (pinned for GPUs), made once per optimizer step (:mod:`rpcompile.runtime.weights`): any ``torch.optim``
   optimizer's ``step()`` marks its parameters' copies stale (a global step hook), as does an in-place change of a
@@ -61,7 +64,9 @@ import torch.fx as fx
 from rpcompile.passes.codegen import write_stages
 from rpcompile.passes.loss_head import HEAD_CLASSES_META, TARGET
 from rpcompile.passes.split import split_plan
+from rpcompile.runtime.bind import bind
 from rpcompile.runtime.executor import Executor, PipelineError
+from rpcompile.runtime.values import ValueStore
 
 from .callers import OneCaller, one_call
 from .batches import (call_batch, checked_accumulation, microbatch_store, microbatch_weights, microbatches_of,
@@ -71,6 +76,7 @@ from .compiled_model import CompiledModel
 from .core.batch import joined, split_microbatches
 from .core.errors import ConfigError, LossFnError, RPCompileError
 from .core.plan import Plan
+from .core.program import Program
 from .core.schedule import round_robin
 from .distributed import DataParallel, RankCalls
 from .gpu_memory import gpu_memory_limit, offload_budget
@@ -113,6 +119,7 @@ class Pipeline:
         """The model's parameters and modes as compiled: :meth:`check_model` compares every call's with them."""
         self.microbatches = plan.microbatches
         self.program = split_plan(plan, gm)
+        self._input_grad_programs: dict[frozenset[str], Program] = {}  # by the inputs whose gradients they send home
         self.schedule = round_robin([s.kind for s in plan.stages], len(self.devices), self.microbatches)
         self._schedules = {self.microbatches: self.schedule}
         params = {n: p for n, p in gm.named_parameters()}
@@ -324,9 +331,19 @@ class Pipeline:
         or whose mode the stages cannot run; returns the mode they run in (:mod:`rpcompile.compiled_model`: a
         model traced in train mode and then put in eval mode runs its dropouts switched off). Calls check first."""
         training = self.compiled.check()
-        program = self.executor.program  # the stages' modules, and those of the saved segments they call
-        self.compiled.follow([prog.gm for prog in program.stages] + [seg.gm for seg in program.saved])
+        for program in (self.executor.program, *self._input_grad_programs.values()):
+            # the stages' modules, and those of the saved segments they call
+            self.compiled.follow([prog.gm for prog in program.stages] + [seg.gm for seg in program.saved])
         return training
+
+    def _program_for(self, inputs: frozenset[str]) -> Program:
+        """The plan split again so that the gradients of these inputs (placeholders) come home too — made, and
+        bound, the first time a call's inputs require grad."""
+        if inputs not in self._input_grad_programs:
+            program = bind(split_plan(self.plan, self.gm, input_grads=inputs))
+            self.compiled.follow([prog.gm for prog in program.stages] + [seg.gm for seg in program.saved])
+            self._input_grad_programs[inputs] = program
+        return self._input_grad_programs[inputs]
 
     def _forward_backward(self, inputs: Sequence[Any], target: Any, kwargs: dict[str, Any],
                           accumulation: tuple[float, float | None] = (1.0, None)) -> torch.Tensor:
@@ -334,11 +351,14 @@ class Pipeline:
         self.executor.training = self.check_model()
         wait_for_steps(self._masters, besides=self._overlap)  # another pipeline's over the same parameters
         total_of = None if self._rank is None else self._rank.global_total  # data-parallel: over every rank
-        store, m, loss_of, targets = call_batch(self, "forward_backward", inputs, target, kwargs, total_of=total_of,
-                                                accumulation=accumulation)
+        store, m, loss_of, targets, wanted = call_batch(self, "forward_backward", inputs, target, kwargs,
+                                                        total_of=total_of, accumulation=accumulation)
         scale = 1.0
         if self.scaler is not None and self.scaler.is_enabled():
             scale = float(self.scaler.scale(torch.ones(())))  # also starts the scaler's bookkeeping
+        main = self.executor.program
+        if wanted:  # inputs that require grad: the stages that read them send their gradients home too
+            self.executor.program = self._program_for(frozenset(wanted))
         try:
             losses = self.executor.run(self._schedule(m), store, iteration=self.iteration, loss_fn=loss_of,
                                        targets=targets, grad_scale=scale)
@@ -346,7 +366,10 @@ class Pipeline:
             if self._step is not None:
                 wait([self._step])
             self._reraise(e)
+        finally:
+            self.executor.program = main
         with deferred():  # a Ctrl-C from here on is raised once the iteration is wholly done
+            _input_gradients(store, m, wanted)
             self.iteration += 1
             loss = torch.stack(losses).sum()
             if self._rank is not None:  # data-parallel: the gradients summed across the ranks, the batch's loss
@@ -410,7 +433,7 @@ class Pipeline:
         check_call_mode("evaluate", self.precision)
         self.executor.training = self.check_model()
         wait_for_steps(self._masters, besides=self._overlap)
-        store, m, loss_of, targets = call_batch(self, "evaluate", inputs, target, dict(kwargs))
+        store, m, loss_of, targets, _ = call_batch(self, "evaluate", inputs, target, dict(kwargs))
         try:
             losses = self.executor.run_forward(store, iteration=self.iteration, microbatches=m, loss_fn=loss_of,
                                                targets=targets)
@@ -421,3 +444,21 @@ class Pipeline:
     def codegen(self, directory: str | os.PathLike) -> list[Path]:
         """Write each stage's generated Python into ``directory``; returns the files."""
         return write_stages(self.program, self.plan, directory)
+
+
+def _input_gradients(store: ValueStore, m: int, inputs: Mapping[str, torch.Tensor]) -> None:
+    """The gradients of the inputs that require grad, from their ``m`` microbatches' (``store``), as eager's
+    ``loss.backward()`` leaves them: accumulated into a leaf's ``.grad``, or on through the autograd graph that
+    made the input (a soft prompt's parameters), in the input's dtype. A microbatch whose stages used no gradient
+    of it adds zeros; an input no stage differentiated through keeps ``.grad`` None, as in eager."""
+    for name, x in inputs.items():
+        parts = [store.grad(name, j) for j in range(m)]
+        if all(g is None for g in parts):
+            continue
+        if x.dim() == 0 or m == 1:  # one value every microbatch read (not split): the sum of their gradients
+            grad = sum((g.to(x.dtype) for g in parts if g is not None), torch.zeros_like(x))
+        else:
+            rows = torch.tensor_split(x.detach(), m)
+            grad = torch.cat([g.to(x.dtype) if g is not None else torch.zeros_like(r) for g, r in zip(parts, rows)])
+        with torch.enable_grad():
+            torch.autograd.backward([x], [grad.reshape(x.shape)])

@@ -37,7 +37,8 @@ __all__ = [
 #: from it).
 _BEFORE = "{}::before"
 
-#: Per stage index: ``(module._parameters or ._buffers, key, canonical name, is_param)`` per attribute, or None.
+#: Per stage program (by identity: a program split for input gradients has stage modules of its own):
+#: ``(module._parameters or ._buffers, key, canonical name, is_param)`` per attribute, or None.
 SlotCache = dict[int, list[tuple[dict, str, str, bool]] | None]
 
 
@@ -187,7 +188,8 @@ def buffers_before(device: Device, prog: StageProgram, mb: int, store: ValueStor
 
 def _slots(prog: StageProgram, cache: SlotCache) -> list[tuple[dict, str, str, bool]] | None:
     """``(module._parameters or ._buffers, key, canonical name, is_param)`` per attribute of the stage, cached."""
-    if prog.index not in cache:
+    key = id(prog)  # programs live as long as their pipeline: an identity is never reused meanwhile
+    if key not in cache:
         slots: list[tuple[dict, str, str, bool]] | None = []
         for attrs, is_param in ((prog.params, True), (prog.buffers, False)):
             for attr, name in attrs.items():
@@ -201,8 +203,8 @@ def _slots(prog: StageProgram, cache: SlotCache) -> list[tuple[dict, str, str, b
                 slots.append((table, key, name, is_param))
             if slots is None:
                 break
-        cache[prog.index] = slots
-    return cache[prog.index]
+        cache[key] = slots
+    return cache[key]
 
 
 def output_grads(device: Device, prog: StageProgram, outs: Any, mb: int, store: ValueStore) -> tuple[list, list]:

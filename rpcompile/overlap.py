@@ -191,7 +191,7 @@ def watch_model(model: torch.nn.Module, overlap: Overlap, synchronize: Callable[
     """Hooks on the compiled ``model`` (module docstring): its ``state_dict()`` waits for ``overlap``'s step in
     flight; its ``load_state_dict()`` calls ``synchronize`` first (the pipeline's ``synchronize``, held weakly),
     which waits for the step and ends the overlap. They go when ``overlap`` (its pipeline) does."""
-    compiled, own, sync = weakref.ref(model), weakref.ref(overlap), weakref.WeakMethod(synchronize)  # type: ignore[arg-type]  # a bound method
+    compiled, own, sync = weakref.ref(model), weakref.ref(overlap), weakref.WeakMethod(synchronize)
 
     def before_save(module: torch.nn.Module, *args: Any) -> None:
         o = own()

@@ -44,6 +44,11 @@ Contracts
 - **fp16** uses loss scaling through ``torch.amp.GradScaler("cpu")`` (pass ``scaler=``): the loss is multiplied by
   the scaler's scale, master gradients arrive scaled, and ``scaler.step(optimizer)`` / ``scaler.update()`` skip the
   step and lower the scale on overflow, raising it after a run of good steps — the standard torch contract.
+- **Callers.** One call at a time: a call from a second thread while another thread's runs is refused in one line
+  (:class:`~rpcompile.core.errors.ConcurrentCallError`, :mod:`rpcompile.callers`); an overlapped step in flight is
+  waited for by whatever reads or writes what it writes (the model's and the optimizer's ``state_dict`` and
+  ``load_state_dict``, another pipeline's runs over the same parameters; :mod:`rpcompile.overlap`); a Ctrl-C never
+  leaves a step half done (:mod:`rpcompile.interrupts`).
 - **Checkpoints.** :meth:`Pipeline.state_dict` holds what the pipeline adds to the model's and the optimizer's
   state — the iteration that seeds dropout, the scaler's state, an overlapped step's stale copies — so a run
   resumed from all three (:func:`rpcompile.save_checkpoint` / :func:`rpcompile.load_checkpoint`, atomic and

@@ -188,8 +188,8 @@ def buffers_before(device: Device, prog: StageProgram, mb: int, store: ValueStor
 
 def _slots(prog: StageProgram, cache: SlotCache) -> list[tuple[dict, str, str, bool]] | None:
     """``(module._parameters or ._buffers, key, canonical name, is_param)`` per attribute of the stage, cached."""
-    key = id(prog)  # programs live as long as their pipeline: an identity is never reused meanwhile
-    if key not in cache:
+    ident = id(prog)  # programs live as long as their pipeline: an identity is never reused meanwhile
+    if ident not in cache:
         slots: list[tuple[dict, str, str, bool]] | None = []
         for attrs, is_param in ((prog.params, True), (prog.buffers, False)):
             for attr, name in attrs.items():
@@ -203,8 +203,8 @@ def _slots(prog: StageProgram, cache: SlotCache) -> list[tuple[dict, str, str, b
                 slots.append((table, key, name, is_param))
             if slots is None:
                 break
-        cache[key] = slots
-    return cache[key]
+        cache[ident] = slots
+    return cache[ident]
 
 
 def output_grads(device: Device, prog: StageProgram, outs: Any, mb: int, store: ValueStore) -> tuple[list, list]:

@@ -19,24 +19,15 @@ from typing import Any, Callable
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 import rpcompile
 from rpcompile.core.errors import ConcurrentCallError
+from test_bad_inputs import MLP
 from test_runtime import FINE_CPU, TOL, assert_grads_equal
 
 X, Y = torch.randn(6, 8), torch.randn(6, 4)
 LR = 0.1
-
-
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(self.a(x).relu())
 
 
 class SlowSGD(torch.optim.Optimizer):
@@ -64,7 +55,7 @@ def _pipeline(seed: int = 0, **kw: Any) -> rpcompile.Pipeline:
     return rpcompile.compile(MLP(), (X,), **{**opts, **kw})
 
 
-def _stepped(model: nn.Module) -> dict[str, torch.Tensor]:
+def _stepped(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """What one SlowSGD step makes of the model's parameters and gradients, computed as it computes them."""
     return {n: p.detach().clone().add_(p.grad, alpha=-LR) for n, p in model.named_parameters()}
 

@@ -329,7 +329,15 @@ class Pipeline:
         any rank raises on every rank (one line naming it); that call's gradients are dropped."""
         accumulation = checked_accumulation(loss_scale, num_items)
         call = functools.partial(self._forward_backward, inputs, target, kwargs, accumulation)
-        return (call() if self._rank is None else self._rank.run(call)).as_subclass(BatchLoss)
+        self.executor.interrupted = False
+        # a Ctrl-C stops the workers at their next action and is raised once the call is settled, never in the
+        # middle of its bookkeeping (rpcompile.interrupts)
+        with deferred(stop=self._interrupt):
+            return (call() if self._rank is None else self._rank.run(call)).as_subclass(BatchLoss)
+
+    def _interrupt(self) -> None:
+        """A Ctrl-C during :meth:`forward_backward` (from the signal handler: a flag, no lock)."""
+        self.executor.interrupted = True
 
     def check_model(self) -> bool:
         """Refuse (:class:`ModelChangedError`, one line) a model whose parameters are no longer the ones compiled
@@ -368,6 +376,7 @@ class Pipeline:
             losses = self.executor.run(self._schedule(m), store, iteration=self.iteration, loss_fn=loss_of,
                                        targets=targets, grad_scale=scale)
         except BaseException as e:  # .grad is as before the call; an overlapped step in flight finishes (not taken)
+            self.executor.finish()  # (a call a Ctrl-C left running: stopped, its gradients taken back)
             if self._step is not None:
                 wait([self._step])
             self._reraise(e)

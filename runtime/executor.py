@@ -38,7 +38,10 @@ Ctrl-C (a ``KeyboardInterrupt`` on any of its threads), the ``KeyboardInterrupt`
 none: the sink takes back everything the call added (:meth:`~.weights.GradSink.abort`), so every ``.grad`` is
 what it was before the call, and the next call starts clean. What stays alive between calls is idle: the
 devices' prefetch and offload threads (pools that outlive calls) wait for work; the call's own threads (workers,
-host, sink) have ended.
+host, sink) have ended. A Ctrl-C may also come as :attr:`Executor.interrupted` (set from a signal handler, which
+must not raise at an arbitrary instant of the call's own bookkeeping: ``rpcompile.interrupts``); and a call that
+a second Ctrl-C left before its threads had stopped is stopped and settled by :meth:`Executor.finish`, at the
+latest when the next call begins.
 """
 
 from __future__ import annotations
@@ -98,6 +101,12 @@ class Executor:
         self.seed: int | None = None
         """The dropout seed every mask is drawn from, with the iteration, node and microbatch (:mod:`.rng`)."""
         self._slot_cache: stage_call.SlotCache = {}
+        self.interrupted = False
+        """Set (it may be from a signal handler: a plain store, no lock) to stop the call in flight at its workers'
+        next action, as a Ctrl-C does: the call raises ``KeyboardInterrupt`` and adds no gradient. Whoever sets it
+        clears it (``Pipeline`` at each call's start)."""
+        self._threads: list[_Thread] = []  # the last call's
+        self._open = False  # a call has begun and neither committed nor settled (finish)
         self._changed_buffers: dict[int, set[str]] = {}  # per forward stage: the buffers its forward changes
         # one thread per device uploads its next stage's weights (in list order, so never more than one ahead)
         self._prefetchers = [ThreadPoolExecutor(1, thread_name_prefix=f"rpcompile-prefetch{d}")
@@ -113,6 +122,7 @@ class Executor:
         device (every tensor in it, dtypes kept; None without ``targets``). A failure anywhere stops the call as
         the module docstring's **Failures** says: :class:`PipelineError` (or the ``KeyboardInterrupt`` itself)
         once nothing of the call runs any more, every ``.grad`` as it was before the call."""
+        self.finish()  # a call left behind by a Ctrl-C that escaped: stopped before this one takes its place
         self.store, self.iteration, self.loss_fn, self.grad_scale = store, iteration, loss_fn, grad_scale
         self.targets = targets
         self.losses: dict[int, torch.Tensor] = {}
@@ -132,14 +142,15 @@ class Executor:
             store.put(name, j, future)
         host = [_Thread(self._host, (store, rows), "rpcompile-host")] if self.program.host else []
         self.grads.begin()
+        self._threads, self._open = host + workers, True
         try:
             if cpu_workers > 1:  # logical CPU devices share the cores: more intra-op threads than cores thrash
                 torch.set_num_threads(max(1, threads // cpu_workers))
-            started = []
+            started: list[_Thread] = []
             try:
                 for w in host + workers:
+                    started.append(w)  # first: a Ctrl-C inside start() leaves it joined (_join skips unstarted)
                     w.start()
-                    started.append(w)
                 self._worker(0, schedule[0])
             except BaseException as e:  # noqa: BLE001 - Ctrl-C on the calling thread between actions
                 self._fail(e)
@@ -149,13 +160,34 @@ class Executor:
                     self.grads.drain()  # every stage's gradients added
                 except BaseException as e:  # noqa: BLE001 - a gradient that failed to land fails the call
                     self._fail(e)
+            self._stopping()  # (a Ctrl-C while the call ran, however late: the call did not happen)
         finally:  # a second Ctrl-C while the threads stop leaves at once (_join), without settling
             torch.set_num_threads(threads)
         if self.failed:
             self._settle()
+            self._open = False
             raise _first(self.failed)
         self.grads.commit()
+        self._open = False
         return [self.losses[j] for j in sorted(self.losses)]
+
+    def finish(self) -> None:
+        """Leave no call behind: one that a Ctrl-C left before it had stopped its threads (a second Ctrl-C, or one
+        at an instant the call could not catch it) is stopped now — its threads end at their next action and are
+        waited for — and the gradients it added are taken back (:meth:`GradSink.abort`). The next :meth:`run`
+        does this first; the pipeline does it as soon as a call raises."""
+        if not self._open:
+            return
+        self._fail(_Stopped())
+        self._join(self._threads)
+        self._settle()
+        self._open = False
+
+    def _stopping(self) -> bool:
+        """Whether the call stops here: it failed, or :attr:`interrupted` was set (recorded as a Ctrl-C)."""
+        if self.interrupted and not any(isinstance(f, KeyboardInterrupt) for f in self.failed):
+            self._fail(KeyboardInterrupt())
+        return bool(self.failed)
 
     def _fail(self, e: BaseException) -> None:
         """Record a failure; every thread of the call stops at its next action (or wait)."""
@@ -167,7 +199,7 @@ class Executor:
         """Wait for the call's threads. A Ctrl-C meanwhile stops them (each finishes the action it is in) and is
         re-raised once they have; a second Ctrl-C while they stop returns at once."""
         for t in threads:
-            while not t.ended.is_set():
+            while t.ident is not None and not t.ended.is_set():  # (a thread never started has nothing to stop)
                 try:
                     t.ended.wait()
                 except KeyboardInterrupt as e:
@@ -198,7 +230,7 @@ class Executor:
         try:
             with _ambient(device):
                 for act in actions:
-                    if self.failed:
+                    if self._stopping():
                         return
                     self._dispatch(device, act, states, prefetched, ahead)
         except BaseException as e:  # noqa: BLE001 - reported to the caller, other workers stop
@@ -225,7 +257,7 @@ class Executor:
         try:
             for j in range(m):
                 for h in host:
-                    if self.failed:
+                    if self._stopping():
                         raise _Stopped()
                     with torch.no_grad():
                         rows = h.forward(store.get(h.index, j), self.weights.host_table(h.weight))
@@ -237,7 +269,7 @@ class Executor:
                 for h in trainable:
                     for k in readers[h.value]:
                         self.done[(k, j)].wait()
-                    if self.failed:
+                    if self._stopping():
                         return
                     grad = store.grad(h.value, j)
                     if grad is None:

@@ -339,6 +339,7 @@ class GradSink:
         self._locks = {n: threading.Lock() for n in params}
         self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._starting = threading.Lock()
         self._error: BaseException | None = None
         self._scratch: torch.Tensor | None = None  # the sink thread's (:meth:`_add`)
         self._undo: dict[str, tuple[torch.Tensor, torch.Tensor] | None] | None = None
@@ -357,9 +358,10 @@ class GradSink:
     def submit(self, names: list[str], grads: Any, *, tag: Any = None) -> None:
         """Add ``grads`` (tensors, or something whose ``wait()`` gives them: copies still landing) into the
         gradients of the parameters ``names``, on the sink's thread; then tell the :attr:`listener` ``tag``."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="rpcompile-grads", daemon=True)
-            self._thread.start()
+        with self._starting:  # two devices may submit first at once: one thread, or drain would wait for one
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="rpcompile-grads", daemon=True)
+                self._thread.start()
         self._queue.put((names, grads, tag))
 
     def notify(self, tag: Any) -> None:

@@ -57,6 +57,7 @@ from rpcompile.core.program import Program, StageProgram
 from rpcompile.core.schedule import Action
 
 from . import rng, saved, stage_call
+from .activity import span
 from .bind import bind
 from .capture import HostSaved
 from .devices import Device
@@ -331,7 +332,8 @@ class Executor:
                   prefetched: dict[int, Future], ahead: dict[int, int]) -> None:
         prog = self.program.stages[act.stage]
         if act.kind == "F" and act.stage > 0:
-            self.done[(act.stage - 1, act.microbatch)].wait()
+            with span("wait", f"{prog.name} mb{act.microbatch}"):
+                self.done[(act.stage - 1, act.microbatch)].wait()
             if self.failed:
                 return
         start = time.perf_counter() - self.t0
@@ -359,7 +361,8 @@ class Executor:
                 del states[act.stage]  # no gradients to wait for: the device's copy of the weights can go
             self.done[(act.stage, act.microbatch)].set()
         else:
-            stage_call.download_grads(device, prog, states.pop(act.stage), self.grads)
+            with span("grads out", prog.name):
+                stage_call.download_grads(device, prog, states.pop(act.stage), self.grads)
         self.timeline.append(TimelineEvent(str(act), prog.name, act.microbatch, device.index, start,
                                            time.perf_counter() - self.t0))
 
@@ -375,39 +378,48 @@ class Executor:
     def _compute(self, device: Device, prog: StageProgram, state: StageState, mb: int) -> None:
         rng.context.iteration, rng.context.microbatch, rng.context.device = self.iteration, mb, device.torch_device
         rng.context.training, rng.context.seed = self.training, self.seed
+        what = f"{prog.name} mb{mb}"  # the profiler spans' detail (.activity)
         if prog.kind == "forward":
             saved.context.save = True  # saved segments keep their activations for the backward stage
             with torch.no_grad():
-                kept = stage_call.buffer_copies(prog, state, self._changed_buffers)
-                outs = stage_call.call(prog, state, self._inputs(device, prog, mb, leaves=False), self._slot_cache,
-                                       copy_buffers=False)
-                stage_call.keep_buffers_before(device, prog, state, kept, mb, self.store, self._changed_buffers)
-            for name, v in zip(prog.outputs, outs):
-                if isinstance(v, HostSaved):  # behind the compute, latest stage first (runtime/offload.py)
-                    self.store.put(name, mb, device.offload(v, priority=(-prog.index, mb)))
-                elif isinstance(v, torch.Tensor):
-                    self.store.put(name, mb, device.handoff(v))
-                else:
-                    self.store.put(name, mb, to_host(device, v))
+                with span("inputs", what):
+                    inputs = self._inputs(device, prog, mb, leaves=False)
+                with span("compute", what):
+                    kept = stage_call.buffer_copies(prog, state, self._changed_buffers)
+                    outs = stage_call.call(prog, state, inputs, self._slot_cache, copy_buffers=False)
+                    stage_call.keep_buffers_before(device, prog, state, kept, mb, self.store, self._changed_buffers)
+            with span("outputs", what):
+                for name, v in zip(prog.outputs, outs):
+                    if isinstance(v, HostSaved):  # behind the compute, latest stage first (runtime/offload.py)
+                        self.store.put(name, mb, device.offload(v, priority=(-prog.index, mb)))
+                    elif isinstance(v, torch.Tensor):
+                        self.store.put(name, mb, device.handoff(v))
+                    else:
+                        self.store.put(name, mb, to_host(device, v))
             return
-        inputs = self._inputs(device, prog, mb, leaves=True)
         recompute = prog.kind == "backward"
-        before = stage_call.buffers_before(device, prog, mb, self.store) if recompute else None
-        with torch.enable_grad():
-            raw = stage_call.call(prog, state, inputs, self._slot_cache, copy_buffers=recompute, before=before)
-        if prog.kind == "fused":
-            target = upload_tree(device, self.targets[mb]) if self.targets is not None else None
-            assert self.loss_fn is not None  # run() is given one whenever the plan has a fused stage
-            loss = self.loss_fn(prog.model_output(raw), target, mb)
-            self.losses[mb] = device.download(loss.detach().float())
-            roots, grads = [loss * self.grad_scale], [None]
-        else:
-            roots, grads = stage_call.output_grads(device, prog, raw, mb, self.store)
+        with span("inputs", what):
+            inputs = self._inputs(device, prog, mb, leaves=True)
+            before = stage_call.buffers_before(device, prog, mb, self.store) if recompute else None
+        with span("compute", what):
+            with torch.enable_grad():
+                raw = stage_call.call(prog, state, inputs, self._slot_cache, copy_buffers=recompute, before=before)
+            if prog.kind == "fused":
+                target = upload_tree(device, self.targets[mb]) if self.targets is not None else None
+                assert self.loss_fn is not None  # run() is given one whenever the plan has a fused stage
+                loss = self.loss_fn(prog.model_output(raw), target, mb)
+                self.losses[mb] = device.download(loss.detach().float())
+                roots, grads = [loss * self.grad_scale], [None]
+        if prog.kind != "fused":
+            with span("inputs", what):  # the gradients later stages left for this one's outputs
+                roots, grads = stage_call.output_grads(device, prog, raw, mb, self.store)
         if roots:
-            torch.autograd.backward(roots, grads)
-        for name, v in zip(prog.inputs, inputs):
-            if isinstance(v, torch.Tensor) and v.requires_grad and v.grad is not None:
-                self.store.add_grad(name, mb, device.handoff(v.grad))
+            with span("compute", what):
+                torch.autograd.backward(roots, grads)
+        with span("outputs", what):
+            for name, v in zip(prog.inputs, inputs):
+                if isinstance(v, torch.Tensor) and v.requires_grad and v.grad is not None:
+                    self.store.add_grad(name, mb, device.handoff(v.grad))
 
 
 def _next_weights(actions: Sequence[Action]) -> dict[int, int]:

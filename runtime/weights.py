@@ -58,6 +58,8 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from .activity import span
+
 __all__ = ["HostTraffic", "WeightStore", "GradSink", "nbytes", "pinned_bytes", "ADD_PIECE"]
 
 #: Elements per piece when a gradient in the compute precision is added into an fp32 ``.grad`` (4 MiB of fp32:
@@ -292,7 +294,7 @@ class WeightStore:
         return torch.empty(master.shape, dtype=dtype, device="cpu", pin_memory=self.pin)
 
     def _make(self, e: _Entry, into: torch.Tensor, *, stamp: bool = True) -> None:
-        with torch.no_grad():
+        with torch.no_grad(), span("weights refresh"):
             into.copy_(e.master)
         self.traffic.add("weight copies", nbytes(e.master) + nbytes(into))
         if stamp:
@@ -431,9 +433,11 @@ class GradSink:
             if self._error is not None or self._dropping:
                 continue  # drain what is queued; the first failure is what the caller sees
             try:
-                for name, g in zip(names, grads.wait() if hasattr(grads, "wait") else grads, strict=True):
-                    with self._locks[name]:
-                        self._target(name, g)
+                landed = grads.wait() if hasattr(grads, "wait") else grads
+                with span("grad sink"):
+                    for name, g in zip(names, landed, strict=True):
+                        with self._locks[name]:
+                            self._target(name, g)
                 if tag is not None and self.listener is not None:
                     self.listener(tag)
             except BaseException as e:  # noqa: BLE001 - re-raised by drain() on the caller's thread

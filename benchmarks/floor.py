@@ -41,6 +41,7 @@ import platform
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,7 @@ from rich.table import Table
 
 import rpcompile
 from rpcompile.models import load_model
+from rpcompile.runtime.activity import ACTIVITIES
 from rpcompile.runtime.devices import Device
 
 import trace_table  # benchmarks/
@@ -59,19 +61,27 @@ GiB = 1 << 30
 
 
 class FloorDevice(Device):
-    """A device whose kernels cost nothing (they run on ``meta``) and whose copies cost the host only what a DMA
-    would: an upload is free, a download is a new host buffer (not filled: a DMA would fill it). Its saved
-    activations and hand-offs go down on offloader threads, as a GPU's do."""
+    """A device whose kernels cost nothing (they run on ``meta``) and whose copies cost the host nothing, as a DMA
+    does: an upload is free, a download lands in a zero-filled host buffer kept per layout and handed out again
+    (no host work per copy). Zeros, not fresh uninitialised memory: stray bits can be denormals or NaNs, which
+    make the host's adds (the gradient sink, the embedding's ``index_add_``) many times slower than real values
+    do. Its saved activations and hand-offs go down on offloader threads, as a GPU's do."""
 
     def __init__(self, index: int = 0):
         super().__init__(torch.device("meta"), index)
+        self._landing: dict[tuple, torch.Tensor] = {}
+        self._lock = threading.Lock()
 
     def upload(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
         return t.to(device="meta", dtype=cast)
 
     def download(self, t: torch.Tensor) -> torch.Tensor:
-        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+        key = (tuple(t.shape), t.stride(), t.dtype)
+        with self._lock:  # several offloader threads download at once
+            if key not in self._landing:
+                self._landing[key] = torch.zeros_like(t, device="cpu")
+            return self._landing[key]
 
 
 def build(name: str, batch: int, seq: int) -> Any:
@@ -98,18 +108,26 @@ def _stage_launch(pipe: Any) -> dict[str, float]:
             "node_us": 1e6 * statistics.median(per_node) if per_node else None}
 
 
-def _by_activity(step: Any, top: int) -> list[dict[str, Any]]:
-    """The host threads' outermost operators in one profiled ``step()``, by name (``trace_table.host_threads``)."""
+def _profiled(step: Any, top: int) -> dict[str, Any]:
+    """One profiled ``step()``: its wall seconds, the runtime's host work by activity (``rpcompile::`` spans,
+    every thread) and each thread's outermost operators."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                 experimental_config=trace_table.profiler_config()) as prof:
+        t0 = time.perf_counter()
         step()
+        wall = time.perf_counter() - t0
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "trace.json"
         prof.export_chrome_trace(str(path))
-        return trace_table.host_threads(trace_table.load(path), top=top)
+        events = trace_table.load(path)
+    return {"profiled_wall_s": wall, "activities_ms": trace_table.activities(events),
+            "threads": trace_table.host_threads(events, top=top)}
 
 
 def measure(pipe: Any, spec: Any, params: int, *, label: str, optimizer: Any, steps: int, top: int) -> dict[str, Any]:
+    """``label``'s row: the median step of ``steps`` after a warm-up, then one profiled step's breakdown. The
+    floor is the wall time less the compute's dispatch (on ``meta``: shape functions, some of them Python, that a
+    GPU's kernel launches replace), measured on the device's thread in the profiled step."""
     (x,), y = spec.example_inputs, spec.example_target
 
     def step() -> None:
@@ -127,10 +145,16 @@ def measure(pipe: Any, spec: Any, params: int, *, label: str, optimizer: Any, st
         walls.append(time.perf_counter() - w0)
         cpus.append(time.process_time() - c0)
     launch = _stage_launch(pipe)
+    prof = _profiled(step, top)
     wall, cpu = statistics.median(walls), statistics.median(cpus)
+    # the compute's share of the profiled step, applied to the unprofiled one (the profiler slows every span alike)
+    compute = prof["activities_ms"].get("compute", 0.0) / 1e3 * wall / prof["profiled_wall_s"]
+    floor = wall - compute
     b = params / 1e9
-    return {"variant": label, "wall_s": wall, "cpu_s": cpu, "wall_s_per_b": wall / b, "cpu_s_per_b": cpu / b,
-            **{f"launch_{k}": v for k, v in launch.items()}, "threads": _by_activity(step, top)}
+    return {"variant": label, "wall_s": wall, "cpu_s": cpu, "compute_s": compute, "floor_s": floor,
+            "floor_s_per_b": floor / b, "wall_s_per_b": wall / b, "cpu_s_per_b": cpu / b,
+            "floor_per_action_ms": 1e3 * floor / launch["actions"] if launch["actions"] else None,
+            **{f"launch_{k}": v for k, v in launch.items()}, **prof}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,17 +196,24 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(base | measure(pipe, spec, params, label="forward_backward + pipe.step(SGD)", optimizer=sgd,
                                steps=args.steps, top=args.top))
 
-    table = Table(title=f"runtime floor: {args.model}, {x.numel():,} tokens in {pipe.microbatches} microbatches, "
-                        f"{len(pipe.plan.stages)} stages; compute free (meta)")
-    for c in ("variant", "wall", "host CPU", "wall / B params", "CPU / B params", "actions", "per action",
-              "per node"):
+    table = Table(title=f"runtime floor: {args.model} ({params / 1e9:.2f}B), {x.numel():,} tokens in "
+                        f"{pipe.microbatches} microbatches, {len(pipe.plan.stages)} stages; compute on meta")
+    for c in ("variant", "wall", "compute (meta)", "floor", "floor / B params", "host CPU / B params",
+              "runtime per action", "action", "per node"):
         table.add_column(c, justify="left" if c == "variant" else "right")
     for r in rows:
-        table.add_row(r["variant"], f"{r['wall_s']:.3f} s", f"{r['cpu_s']:.3f} s", f"{r['wall_s_per_b']:.3f} s",
-                      f"{r['cpu_s_per_b']:.3f} s", str(r["launch_actions"]), f"{r['launch_action_ms']:.2f} ms",
-                      f"{r['launch_node_us']:.0f} µs")
-    console = Console()
+        table.add_row(r["variant"], f"{r['wall_s']:.3f} s", f"{r['compute_s']:.3f} s", f"{r['floor_s']:.3f} s",
+                      f"{r['floor_s_per_b']:.3f} s", f"{r['cpu_s_per_b']:.3f} s", f"{r['floor_per_action_ms']:.2f} ms",
+                      f"{r['launch_action_ms']:.2f} ms", f"{r['launch_node_us']:.0f} µs")
+    console = Console(width=160)
     console.print(table)
+    acts = Table(title="host seconds by activity (one profiled step, all threads; rpcompile.runtime.activity)")
+    acts.add_column("activity")
+    for r in rows:
+        acts.add_column(r["variant"], justify="right")
+    for a in ACTIVITIES:
+        acts.add_row(a, *(f"{r['activities_ms'].get(a, 0.0) / 1e3:.3f} s" for r in rows))
+    console.print(acts)
     for r in rows:
         trace_table.render_threads(r["threads"], console, title=f"host threads, {r['variant']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -50,6 +50,7 @@ copy engines move pinned memory without the CPU). Deterministic, so the CPU meas
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -343,6 +344,7 @@ class GradSink:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._scratch: torch.Tensor | None = None  # the sink thread's (:meth:`_add`)
+        self._spare: dict[str, torch.Tensor] = {}  # per parameter, the last gradient buffer made (:meth:`_buffer`)
         self._undo: dict[str, tuple[torch.Tensor, torch.Tensor] | None] | None = None
         """Per parameter the call touched: None (it had no gradient) or (its gradient, a copy from before)."""
         self._dropping = False
@@ -453,11 +455,11 @@ class GradSink:
             if current is not None:
                 self.traffic.add("gradients", 2 * nbytes(current))
         if current is None:
+            current = self._buffer(name, p)
             if g is None:
-                current = torch.zeros_like(p)
+                current.zero_()
                 self.traffic.add("gradients", nbytes(current))
             else:
-                current = torch.empty_like(p)
                 current.copy_(g)
                 self.traffic.add("gradients", nbytes(g) + nbytes(current))
             if self.private is not None:
@@ -468,6 +470,21 @@ class GradSink:
             self._add(current, g)
             self.traffic.add("gradients", nbytes(g) + 2 * nbytes(current))
         return current
+
+    def _buffer(self, name: str, p: torch.Tensor) -> torch.Tensor:
+        """A buffer for a new gradient of ``name`` (contents undefined): the one the last call made, when nothing
+        else holds it any more (``zero_grad()`` set ``.grad`` to None and no one kept it), else a new one. Freshly
+        allocated memory is faulted in page by page as it is first written: 4 bytes a parameter every step,
+        ~5 s a step at 2B parameters on the 2-core reference machine (``benchmarks/floor.py``)."""
+        spare = self._spare.get(name)
+        # the tensor held by this dict, the local and getrefcount's argument only (no .grad, no user, no held
+        # buffer), and its memory by the tensor and the probe's storage object only (no view of it anywhere)
+        if (spare is not None and sys.getrefcount(spare) <= 3
+                and torch._C._storage_Use_Count(spare.untyped_storage()._cdata) <= 2
+                and spare.shape == p.shape and spare.dtype == p.dtype):
+            return spare
+        self._spare[name] = fresh = torch.empty_like(p)
+        return fresh
 
     def _add(self, into: torch.Tensor, g: torch.Tensor) -> None:
         """``into += g``. A gradient in another precision goes through a small scratch buffer, a piece at a time:

@@ -250,6 +250,7 @@ def slim(events: list[dict[str, Any]], out: Path) -> int:
     try:
         with os.fdopen(fd, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=9, mtime=0) as f:
             f.write(data)
+        os.chmod(tmp, 0o644)  # a result to share, not a secret (mkstemp makes it the owner's only)
         os.replace(tmp, out)
     except BaseException:
         os.unlink(tmp)

@@ -126,7 +126,11 @@ class Pipeline:
         """The overlapped optimizer step in flight and the overlap it began (:meth:`step`, :mod:`.overlap`)."""
         for d, device in enumerate(self.devices):  # GPUs send hand-offs and saved activations down behind the compute
             if device.torch_device.type == "cuda" and device.offloader is None:
-                device.enable_offload(offload_budget(plan, d, len(self.devices)))
+                budget = offload_budget(plan, d, len(self.devices))
+                if self.executor.resident_handoffs:  # one GPU: hand-offs kept there share what the plan leaves free
+                    self.executor.resident_budget = budget // 2
+                    budget -= budget // 2
+                device.enable_offload(budget)
                 device.enable_async_handoff()
 
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:

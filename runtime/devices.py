@@ -152,6 +152,8 @@ class CudaDevice(Device):
     """One GPU with a copy stream for uploads and pinned host memory for downloads."""
 
     def __init__(self, torch_device: torch.device, index: int):
+        if torch_device.index is None:  # "cuda": the current GPU, named (tensors report theirs by number)
+            torch_device = torch.device("cuda", torch.cuda.current_device())
         super().__init__(torch_device, index)
         self.copy_stream = torch.cuda.Stream(torch_device)
         self.weight_stream = torch.cuda.Stream(torch_device)
@@ -159,6 +161,9 @@ class CudaDevice(Device):
         self._copy_streams = threading.local()  # one D2H stream per offloader thread (saves, hand-offs)
 
     def upload(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        if t.is_cuda and t.get_device() == self.torch_device.index:  # a value this device made and kept (a
+            # hand-off): already on its compute stream
+            return t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != dtype else t
         with torch.cuda.stream(self.copy_stream):
             src = t if t.is_pinned() or t.device.type != "cpu" else t.pin_memory()
             out = src.to(self.torch_device, non_blocking=True)

@@ -14,6 +14,15 @@ it; at most two stages' weights are resident, the planner's ``P`` term). A forwa
 after its last microbatch, a fused or backward stage's after its gradients went home. On a GPU the copies run on
 a stream of their own, behind the activation uploads (:meth:`~.devices.Device.upload_weights`).
 
+**Hand-offs on one device.** With a single device that is not a logical CPU device (one GPU), every stage runs
+there, so a value one stage hands to the next (and the gradient a backward stage leaves for an earlier one) stays in
+device memory instead of a round trip through host memory — on the H100 the 1.7B shape's step moved 8 MiB pieces
+down and straight back up for every stage and microbatch. Only what the host reads comes home: the gradients of a
+host embedding's rows, the losses, the model's output in evaluation. Saved activations still go down (they are
+what the plan sends to host memory). What stays is held until the call ends (a backward stage recomputes from its
+forward's input), so at most :attr:`Executor.resident_budget` bytes of it in a call; beyond that a hand-off goes
+home as it would on several devices.
+
 **Host embeddings** (:mod:`rpcompile.passes.host`): a host thread looks up every microbatch's rows in the fp32
 master table, in order, cast to the compute precision; the stages that read them wait for them like for any
 value still on its way. Once every fused or backward stage that reads a microbatch's rows has finished it, the
@@ -44,6 +53,7 @@ host, sink) have ended.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 import traceback
@@ -60,7 +70,7 @@ from . import rng, saved, stage_call
 from .activity import span
 from .bind import bind
 from .capture import HostSaved
-from .devices import Device
+from .devices import CpuDevice, Device
 from .failures import PipelineError, _Stopped, _first, _one_line, _without_frames
 from .stage_call import StageState, to_host, upload_tree
 from .values import TimelineEvent, ValueStore
@@ -90,6 +100,14 @@ class Executor:
                                    uploaded=uploaded, host_only=[h.weight for h in self.program.host],
                                    frozen_masters=frozen_masters, traffic=self.traffic)
         self.grads = GradSink(params, self.traffic)
+        self.resident_handoffs = len(self.devices) == 1 and not isinstance(self.devices[0], CpuDevice)
+        """Hand-offs between stages stay on the device (module docstring); the host's values still come home."""
+        self.resident_budget: float = math.inf
+        """Bytes of hand-offs a call may keep on the device (the pipeline gives a GPU part of what its plan leaves
+        free); the rest go home."""
+        self._resident_bytes = 0
+        self._resident_lock = threading.Lock()
+        self._host_values = frozenset(h.value for h in self.program.host)
         for d in self.devices:
             d.traffic = self.traffic
         self.timeline: list[TimelineEvent] = []
@@ -122,6 +140,7 @@ class Executor:
         self.failed: list[BaseException] = []
         self.t0 = time.perf_counter()
         self.timeline = []
+        self._resident_bytes = 0  # what the last call kept went with its store
         # Device 0 runs on the calling thread: a fresh thread would start its own OpenMP team while the caller's
         # idles (spinning) on the same cores, which made one-device CPU steps ~2× slower than eager.
         workers = [threading.Thread(target=self._worker, args=(d, acts), name=f"rpcompile-dev{d}", daemon=True)
@@ -375,6 +394,17 @@ class Executor:
         """A stage's inputs for microbatch ``mb`` on its device (:func:`.stage_call.inputs`)."""
         return stage_call.inputs(device, prog, mb, self.store, self.dtype, self.program.needs_grad, leaves=leaves)
 
+    def _stays(self, t: torch.Tensor) -> bool:
+        """Whether hand-off ``t`` stays on the device (module docstring), counted against the budget if so."""
+        if not self.resident_handoffs:
+            return False
+        size = t.untyped_storage().nbytes()
+        with self._resident_lock:
+            if self._resident_bytes + size > self.resident_budget:
+                return False
+            self._resident_bytes += size
+        return True
+
     def _compute(self, device: Device, prog: StageProgram, state: StageState, mb: int) -> None:
         rng.context.iteration, rng.context.microbatch, rng.context.device = self.iteration, mb, device.torch_device
         rng.context.training, rng.context.seed = self.training, self.seed
@@ -387,13 +417,14 @@ class Executor:
                 with span("compute", what):
                     kept = stage_call.buffer_copies(prog, state, self._changed_buffers)
                     outs = stage_call.call(prog, state, inputs, self._slot_cache, copy_buffers=False)
-                    stage_call.keep_buffers_before(device, prog, state, kept, mb, self.store, self._changed_buffers)
+                    stage_call.keep_buffers_before(device, prog, state, kept, mb, self.store, self._changed_buffers,
+                                                   on_device=self.resident_handoffs)
             with span("outputs", what):
                 for name, v in zip(prog.outputs, outs):
                     if isinstance(v, HostSaved):  # behind the compute, latest stage first (runtime/offload.py)
                         self.store.put(name, mb, device.offload(v, priority=(-prog.index, mb)))
                     elif isinstance(v, torch.Tensor):
-                        self.store.put(name, mb, device.handoff(v))
+                        self.store.put(name, mb, v if self._stays(v) else device.handoff(v))
                     else:
                         self.store.put(name, mb, to_host(device, v))
             return
@@ -419,7 +450,8 @@ class Executor:
         with span("outputs", what):
             for name, v in zip(prog.inputs, inputs):
                 if isinstance(v, torch.Tensor) and v.requires_grad and v.grad is not None:
-                    self.store.add_grad(name, mb, device.handoff(v.grad))
+                    stays = name not in self._host_values and self._stays(v.grad)  # the host adds those
+                    self.store.add_grad(name, mb, v.grad if stays else device.handoff(v.grad))
 
 
 def _next_weights(actions: Sequence[Action]) -> dict[int, int]:

@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any, Literal, Mapping
 
 from .errors import ConfigError, PlanFileError, PlanMismatchError
-from .planfile import decode_plan_text, plan_file_problem
+from .files import parse_json, read_limited, write_atomic
+from .planfile import MAX_MICROBATCHES, plan_file_problem, size_problem
 from .specs import DeviceSpec, HostSpec
 
 __all__ = ["SCHEMA_VERSION", "Fingerprint", "Hardware", "Stage", "Prediction", "Plan", "StageKind"]
@@ -43,6 +44,9 @@ host (``hardware.host``) and the prediction's host part (``pipeline_s``, ``optim
 ``accumulate_s``, ``overlap_step``); version-2 files still load without them (no host work is modelled). 4 added
 data-parallel machines (``hardware.nodes``, ``hardware.network_bytes_per_s``, written only for more than one
 node); version-3 files are single-node plans."""
+MAX_PLAN_BYTES = 256 * 2**20
+"""The largest plan file :meth:`Plan.load` reads (an 8B model's plan is about 1 MB)."""
+_MAX_DEPTH = 8
 StageKind = Literal["forward", "fused", "backward"]
 _KINDS = ("forward", "fused", "backward")
 
@@ -227,8 +231,11 @@ class Plan:
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", tuple(self.stages))
         object.__setattr__(self, "host", tuple(self.host))
-        if self.microbatches < 1:
-            raise ConfigError(f"Plan: microbatches must be >= 1, got {self.microbatches}")
+        if not 1 <= self.microbatches <= MAX_MICROBATCHES:
+            raise ConfigError(f"Plan: microbatches must be in [1, {MAX_MICROBATCHES}], got {self.microbatches}")
+        too_big = size_problem(len(self.stages), self.microbatches)
+        if too_big is not None:
+            raise ConfigError(f"Plan: {too_big}; use fewer microbatches or stages")
 
     # ---- views ----------------------------------------------------------------------------------------
     @property
@@ -281,12 +288,9 @@ class Plan:
         return json.dumps(self.to_dict(), indent=1, allow_nan=False) + "\n"
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write the plan as JSON (atomically: a crash never leaves half a file)."""
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(self.to_json())
-        os.replace(tmp, path)
-        return path
+        """Write the plan as JSON, atomically (:func:`~rpcompile.core.files.write_atomic`: a crash never leaves half
+        a file, and no link planted beside it is followed)."""
+        return write_atomic(path, self.to_json())
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, source: str = "plan") -> "Plan":
@@ -331,22 +335,11 @@ class Plan:
         """Read a plan file. Raises :class:`PlanFileError` (one line: what is wrong, what to do)."""
         path = Path(path)
         try:
-            raw = path.read_bytes()
+            data = parse_json(read_limited(path, MAX_PLAN_BYTES), max_depth=_MAX_DEPTH, what="a plan")
         except OSError as e:
             raise PlanFileError(f"cannot read plan file {path}: {e.strerror or e}") from None
-        text, problem = decode_plan_text(raw)
-        if text is None:
-            raise PlanFileError(f"{path} is corrupt: {problem}; re-plan to regenerate it")
-        try:
-            data = json.loads(text, parse_constant=_no_constant)
-        except json.JSONDecodeError as e:
-            raise PlanFileError(
-                f"{path} is corrupt: invalid JSON at line {e.lineno} column {e.colno} ({e.msg}); "
-                "re-plan to regenerate it"
-            ) from None
-        except (ValueError, RecursionError) as e:  # NaN or Infinity (_no_constant), a number too long, nesting
-            raise PlanFileError(f"{path} is corrupt: {' '.join(str(e).split())[:120]}; re-plan to regenerate it"
-                                ) from None
+        except ValueError as e:  # not UTF-8, not JSON, NaN, a number out of range, too deep or too large
+            raise PlanFileError(f"{path} is corrupt: {e}; re-plan to regenerate it") from None
         return cls.from_dict(data, source=str(path))
 
     def check_model(self, fingerprint: Fingerprint, *, source: str = "plan") -> None:
@@ -357,10 +350,6 @@ class Plan:
                 f"{source} was made for a different model ({'; '.join(diffs)}); "
                 "re-plan for this model (rpcompile plan MODEL ...) or load the model the plan was made for"
             )
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a number a plan holds")
 
 
 def _hardware(d: Mapping[str, Any]) -> Hardware:

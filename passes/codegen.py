@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 from typing import Sequence
 
+from rpcompile.core.files import write_atomic
 from rpcompile.core.plan import Plan
 from rpcompile.core.program import HostEmbedding, Program, StageProgram
 
@@ -51,6 +52,6 @@ def write_stages(program: Program, plan: Plan, directory: str | os.PathLike) -> 
     paths = []
     for prog in program.stages:
         path = out / f"stage_{prog.index:02d}_{prog.name}.py"
-        path.write_text(stage_source(prog, plan, program.host))
+        write_atomic(path, stage_source(prog, plan, program.host))
         paths.append(path)
     return paths

@@ -19,7 +19,6 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,8 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
+
+from rpcompile.core.files import sweep_temporaries, write_atomic
 
 from .fingerprint import fingerprint
 
@@ -167,19 +168,10 @@ def store(key: dict[str, Any], entry: CacheEntry) -> Path | None:
 
 
 def write_entry(path: Path, data: Any) -> None:
-    """``data`` as JSON at ``path``, atomically: a temporary file beside it, then renamed into place (a reader
-    never sees half an entry). Raises OSError, leaving no temporary file."""
-    tmp: str | None = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, path)
-    except OSError:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
-        raise
+    """``data`` as JSON at ``path``, atomically (:func:`~rpcompile.core.files.write_atomic`: a reader never sees
+    half an entry). Raises OSError, leaving no temporary file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, json.dumps(data, allow_nan=False))
 
 
 def entries() -> list[dict[str, Any]]:
@@ -205,11 +197,12 @@ def clear() -> int:
 
 
 def remove_entries(root: Path) -> int:
-    """Remove the entries under ``root`` (and leftover temporary files); the number of files removed."""
+    """Remove the entries under ``root`` (and temporary files of writers that are gone; one in flight is left to
+    its writer); the number of files removed."""
     if not root.is_dir():
         return 0
     removed = 0
-    for p in list(root.glob("*.json")) + list(root.glob(".tmp-*")):
+    for p in root.glob("*.json"):
         p.unlink(missing_ok=True)
         removed += 1
-    return removed
+    return removed + sweep_temporaries(root)

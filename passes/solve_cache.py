@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rpcompile.core.files import jsonable
+
 from . import partition
 from .plan_inputs import problem_digest, solver_digest
 from .problem import PartitionProblem, PartitionResult, SegmentPlan
@@ -125,7 +127,7 @@ def _store(path: Path, key: dict[str, Any], result: PartitionResult) -> None:
     data = {"format": FORMAT_VERSION, "key": key, "created": time.time(),
             "plan": {"forward": plan.forward, "fused": plan.fused, "backward": plan.backward, "saved": plan.saved},
             "objective": result.objective, "solve_time_s": result.solve_time_s,
-            "stats": json.loads(json.dumps(result.stats, default=str))}
+            "stats": jsonable(result.stats)}
     try:
         write_entry(path, data)
     except OSError as e:

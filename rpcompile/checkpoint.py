@@ -30,11 +30,11 @@ in ``extra=``, e.g. an lr scheduler's ``state_dict``; the data's order is yours 
 
 **Files.** :func:`save_checkpoint` writes the three states (and ``extra``) to ``<directory>/ckpt-<step>.ckpt``:
 a 48-byte header — magic, payload length, sha256 of the payload — then ``torch.save``\\ 's bytes, streamed (no
-second copy in memory). It writes a hidden temporary file in the same directory, flushes and ``fsync``\\ s it,
-renames it into place (``os.replace``: atomic) and ``fsync``\\ s the directory, so a checkpoint's name only ever
-holds a whole file; then it deletes all but the newest ``keep``. The plan goes beside them once, as ``plan.json``
+second copy in memory), through :func:`rpcompile.core.files.write_atomic` (an exclusive temporary beside it,
+``fsync``, rename, directory ``fsync``), so a checkpoint's name only ever holds a whole file; then it deletes all but the newest ``keep``. The plan goes beside them once, as ``plan.json``
 (:func:`checkpoint_plan`: compile the resumed run with it, since a fresh plan may cut otherwise). A process killed
-while saving leaves only its temporary file, removed by the next save. :func:`load_checkpoint` takes the newest
+while saving leaves only its temporary file, removed by the next save once that process is gone (a temporary of
+another rank saving into the same directory is never touched). :func:`load_checkpoint` takes the newest
 checkpoint whose header, length and checksum hold — one torn by a machine crash, truncated or bit-flipped is moved
 aside to ``<name>.corrupt`` with a one-line warning and the previous one is used — and loads the model, optimizer
 and pipeline states from it, in that order, after checking the pipeline's. Payloads load with
@@ -53,11 +53,12 @@ import struct
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Callable, Mapping, Protocol, cast
+from typing import IO, Any, Mapping, Protocol, cast
 
 import torch
 
 from .core.errors import RPCompileError
+from .core.files import sweep_temporaries, write_atomic
 from .core.plan import Plan
 
 
@@ -217,35 +218,6 @@ class _Payload(io.RawIOBase):
         return self.f.tell() - _HEADER.size
 
 
-def _fsync_directory(directory: Path) -> None:
-    """Make a rename in ``directory`` durable (a no-op where directories cannot be opened, e.g. Windows)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_durably(path: Path, write: Callable[[Any], Any]) -> None:
-    """``write(f)`` into a temporary file beside ``path``, fsync'd, renamed onto ``path``, the rename fsync'd."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_directory(path.parent)
-
-
 def _write_payload(f: Any, payload: Any) -> None:
     """The header, then ``payload`` as ``torch.save`` writes it, hashed on the way (module docstring)."""
     f.write(bytes(_HEADER.size))  # zeros until the payload is complete: a torn file has no magic
@@ -317,17 +289,16 @@ def save_checkpoint(directory: str | os.PathLike, *, model: torch.nn.Module, opt
     if newer:
         raise CheckpointError(f"save_checkpoint: {root} already holds {newer[0]}, newer than step {step}: a resume "
                               "would take that one; remove it or save into another directory")
-    for stale in [*root.glob(".ckpt-*.tmp*"), *root.glob(f".{PLAN_FILE}.tmp*")]:  # left by a process killed
-        stale.unlink(missing_ok=True)                                                 # while it saved
+    sweep_temporaries(root)  # left by processes killed while they saved (never another rank's in flight)
     _check_extra(extra)
     pipeline_sd = pipeline.state_dict()  # first: it waits for an overlapped step, so the masters are final
     payload = {"format": _FILE_FORMAT, "step": step, "pipeline": pipeline_sd, "model": model.state_dict(),
                "optimizer": _optimizer_state(optimizer), "extra": extra}
     plan_file = root / PLAN_FILE  # first, so that every checkpoint's plan is on disk
     if not plan_file.is_file() or plan_file.read_text() != pipeline_sd["plan"]:
-        _write_durably(plan_file, lambda f: f.write(pipeline_sd["plan"].encode()))
+        write_atomic(plan_file, pipeline_sd["plan"])
     path = root / f"ckpt-{step:08d}.ckpt"
-    _write_durably(path, lambda f: _write_payload(f, payload))
+    write_atomic(path, lambda f: _write_payload(f, payload))
     for _, old in checkpoints(root)[keep:]:
         old.unlink(missing_ok=True)
     return path

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .core.errors import ConfigError
+from .core.files import write_atomic
 from .core.plan import Plan
 from .graph_rollup import MAX_BOXES, ModuleBox, Rollup, rollup
 from .svg import document, esc, line, num, path, rect, stage_color, text, text_width, title
@@ -265,5 +266,4 @@ def write_graph(path: str | Path, plan: Plan, graph: Any = None, **kw: Any) -> P
         raise ConfigError(f"cannot write a plan graph to {str(path)!r}: the file name must end in .svg or .dot")
     body = graph_svg(plan, graph, **kw) if suffix == ".svg" else graph_dot(plan, graph, **kw)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(body, encoding="utf-8")
-    return path
+    return write_atomic(path, body)

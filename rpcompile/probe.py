@@ -19,17 +19,17 @@ which ``rpcompile plan --host FILE`` stores with the plan's hardware.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import time
-from pathlib import Path
 from typing import Callable
 
 import torch
 from rich.table import Table
 
 from .core.errors import ConfigError
+from .core.files import parse_json, read_limited
+from .core.planfile import dataclass_problem
 from .core.specs import HostSpec
 
 __all__ = ["probe_host", "host_table", "load_host"]
@@ -127,12 +127,20 @@ def probe_host(*, elements: int = COPY_ELEMENTS, adam_params: int = ADAM_PARAMS,
 def load_host(path: str | os.PathLike) -> HostSpec:
     """A host saved by ``rpcompile probe --json FILE``."""
     try:
-        data = json.loads(Path(path).read_text())
-        return HostSpec.from_dict(data.get("host", data))
+        data = parse_json(read_limited(path, 1 << 20), max_depth=4)
     except OSError as e:
         raise ConfigError(f"cannot read the host file {path}: {e.strerror or e}") from None
-    except (ValueError, TypeError, AttributeError) as e:
+    except ValueError as e:
         raise ConfigError(f"{path} is not a host made by `rpcompile probe --json`: {e}") from None
+    host = data.get("host", data) if isinstance(data, dict) else data
+    problem = dataclass_problem(HostSpec, host, "host")
+    if problem is not None:
+        raise ConfigError(f"{path} is not a host made by `rpcompile probe --json`: {problem}; probe again")
+    try:
+        return HostSpec.from_dict(host)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{path} is not a host made by `rpcompile probe --json`: {' '.join(str(e).split())}"
+                          ) from None
 
 
 def host_table(host: HostSpec, *, title: str = "") -> Table:

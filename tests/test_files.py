@@ -19,11 +19,12 @@ from pathlib import Path
 import pytest
 
 from rpcompile.core import files
-from rpcompile.core.files import parse_json, read_limited, sweep_temporaries, temporary_owner, write_atomic
+from rpcompile.core.files import (host_name, parse_json, read_limited, sweep_temporaries, temporary_owner,
+                                  write_atomic)
 from rpcompile.core.plan import Plan
 
 GOLDEN = Path(__file__).parent / "golden" / "cnn-demo.json"
-HOST = files._host()
+HOST = host_name()
 
 
 def _planted(tmp_path: Path, name: str) -> Path:
@@ -33,9 +34,9 @@ def _planted(tmp_path: Path, name: str) -> Path:
     return victim
 
 
-@pytest.mark.parametrize("name", ["plan.json.tmp", f".plan.json.tmp{os.getpid()}", ".tmp-plan.json"])
+@pytest.mark.parametrize("name", ["plan.json.tmp", ".plan.json.tmp{pid}", ".tmp-plan.json"])
 def test_plan_save_follows_no_link_planted_at_a_predictable_name(tmp_path, name):
-    victim = _planted(tmp_path, name)
+    victim = _planted(tmp_path, name.format(pid=os.getpid()))
     Plan.load(GOLDEN).save(tmp_path / "plan.json")
     assert victim.read_text() == "precious"
     assert Plan.load(tmp_path / "plan.json") == Plan.load(GOLDEN)

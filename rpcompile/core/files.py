@@ -24,17 +24,17 @@ import re
 import secrets
 import socket
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import IO, Any, Callable, Mapping
 
-__all__ = ["MAX_INT", "write_atomic", "temporary_owner", "sweep_temporaries", "read_limited", "parse_json",
-           "json_depth"]
+__all__ = ["MAX_INT", "host_name", "write_atomic", "temporary_owner", "sweep_temporaries", "read_limited", "parse_json",
+           "json_depth", "jsonable"]
 
 MAX_INT = 2**63 - 1
 """The largest integer a file may hold (an int64: byte counts, steps); a longer number is refused when parsed."""
 _TEMP = re.compile(r"^\..*\.(?P<host>[A-Za-z0-9-]{1,64})\.(?P<pid>\d{1,10})\.[0-9a-f]{16}\.tmp$")
 
 
-def _host() -> str:
+def host_name() -> str:
     """This machine's name as it appears in temporary names (letters, digits and ``-`` only)."""
     return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:64] or "host"
 
@@ -56,7 +56,7 @@ def _fsync_directory(directory: Path) -> None:
 def _create_temporary(path: Path) -> tuple[int, Path]:
     """An exclusive, unpredictable temporary beside ``path`` (never a link): its descriptor and name."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    stem = f".{path.name[:100]}.{_host()}.{os.getpid()}"
+    stem = f".{path.name[:100]}.{host_name()}.{os.getpid()}"
     for _ in range(100):
         tmp = path.with_name(f"{stem}.{secrets.token_hex(8)}.tmp")
         try:
@@ -97,7 +97,7 @@ def temporary_owner(name: str) -> tuple[str, int] | None:
 
 def _dead(host: str, pid: int) -> bool:
     """Whether process ``pid`` on ``host`` is provably gone: on this host, and no such process exists."""
-    if host != _host() or pid <= 0:
+    if host != host_name() or pid <= 0:
         return False
     try:
         os.kill(pid, 0)
@@ -189,3 +189,17 @@ def json_depth(value: Any) -> int:
         deepest = max(deepest, depth + 1)
         stack.extend((x, depth + 1) for x in v)
     return deepest
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` as strict JSON holds it: mappings with string keys, lists, finite numbers (others become null),
+    other objects as their text."""
+    if isinstance(value, Mapping):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)

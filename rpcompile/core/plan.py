@@ -24,14 +24,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
 from .errors import ConfigError, PlanFileError, PlanMismatchError
-from .files import parse_json, read_limited, write_atomic
+from .files import jsonable, parse_json, read_limited, write_atomic
 from .planfile import MAX_MICROBATCHES, plan_file_problem, size_problem
 from .specs import DeviceSpec, HostSpec
 
@@ -272,13 +271,13 @@ class Plan:
             del d["hardware"]["host"]
         if self.hardware.nodes == 1:
             del d["hardware"]["nodes"], d["hardware"]["network_bytes_per_s"]
-        d["stats"] = _jsonable(dict(self.stats))
+        d["stats"] = jsonable(dict(self.stats))
         if d["head_chunks"] == 1:
             del d["head_chunks"]
         if not d["host"]:
             del d["host"]
         if d["inputs"]:
-            d["inputs"] = _jsonable(dict(self.inputs))
+            d["inputs"] = jsonable(dict(self.inputs))
         else:
             del d["inputs"]
         d = {"schema_version": d.pop("schema_version"), **d}
@@ -356,15 +355,3 @@ def _hardware(d: Mapping[str, Any]) -> Hardware:
     host = d.get("host")
     return Hardware(**{**d, "spec": DeviceSpec.from_dict(d["spec"]),
                        "host": HostSpec.from_dict(host) if host is not None else None})
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    return str(value)

@@ -38,7 +38,7 @@ from typing import Any, Literal, Mapping, Union
 
 from .files import json_depth
 
-__all__ = ["MAX_MICROBATCHES", "SIZE_LIMITS", "MAX_STAGE_RUNS", "TEXT_RULES", "plan_file_problem", "size_problem"]
+__all__ = ["MAX_MICROBATCHES", "SIZE_LIMITS", "MAX_STAGE_RUNS", "TEXT_RULES", "plan_file_problem", "dataclass_problem", "size_problem"]
 
 _AT_LEAST_ONE = {"microbatches", "head_chunks", "device_count", "schema_version"}
 _FREE_FORM = {"stats", "inputs"}
@@ -77,13 +77,14 @@ def plan_file_problem(plan_cls: type, d: Any) -> str | None:
     """The first problem of ``d`` as the JSON of a ``plan_cls`` (``field.path: what``), or ``None``."""
     if not isinstance(d, Mapping):
         return f"expected a JSON object, found {_kind(d)}"
-    problem = _dataclass_problem(plan_cls, d, "")
+    problem = dataclass_problem(plan_cls, d, "")
     if problem is None:
         problem = _stage_order_problem(d["stages"]) or size_problem(len(d["stages"]), d["microbatches"])
     return problem
 
 
-def _dataclass_problem(cls: type, d: Any, where: str) -> str | None:
+def dataclass_problem(cls: type, d: Any, where: str) -> str | None:
+    """The first problem of ``d`` as the JSON of dataclass ``cls`` at path ``where`` (the rules above), or None."""
     if not isinstance(d, Mapping):
         return f"{where or 'plan'}: expected a JSON object, found {_kind(d)}"
     hints = typing.get_type_hints(cls)
@@ -112,7 +113,7 @@ def _value_problem(hint: Any, v: Any, path: str) -> str | None:
             return None
         return _value_problem(next(a for a in args if a is not type(None)), v, path)
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-        return _dataclass_problem(hint, v, path)
+        return dataclass_problem(hint, v, path)
     if origin is Literal:
         return None if v in args else f"{path}: expected one of {list(args)}, found {repr(v)[:60]}"
     if hint is bool:

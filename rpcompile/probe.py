@@ -28,7 +28,7 @@ import torch
 from rich.table import Table
 
 from .core.errors import ConfigError
-from .core.files import parse_json, read_limited
+from .core.files import read_json
 from .core.planfile import dataclass_problem
 from .core.specs import HostSpec
 
@@ -127,7 +127,7 @@ def probe_host(*, elements: int = COPY_ELEMENTS, adam_params: int = ADAM_PARAMS,
 def load_host(path: str | os.PathLike) -> HostSpec:
     """A host saved by ``rpcompile probe --json FILE``."""
     try:
-        data = parse_json(read_limited(path, 1 << 20), max_depth=4)
+        data = read_json(path, max_bytes=1 << 20, max_depth=4)
     except OSError as e:
         raise ConfigError(f"cannot read the host file {path}: {e.strerror or e}") from None
     except ValueError as e:

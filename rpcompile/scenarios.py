@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from rpcompile.core.errors import RPCompileError, SimulationError
-from rpcompile.core.files import parse_json, read_limited
+from rpcompile.core.files import read_json
 from rpcompile.core.planfile import MAX_MICROBATCHES
 from rpcompile.core.schedule import Action, gpipe, interleaved_one_f_one_b, one_f_one_b, round_robin
 from rpcompile.core.stages import HostLoad, StageCost, StageKind, host_load
@@ -223,7 +223,7 @@ def load_layer_profile(path: str | Path, model: str) -> tuple[dict[str, Any], in
     """``(entry, gpus, microbatches)`` for ``model`` from a RoundPipe-style simulator input file (milliseconds).
     Raises :class:`RPCompileError` naming the models the file has, or the field that is missing."""
     try:
-        data = parse_json(read_limited(path, 64 << 20), max_depth=8)
+        data = read_json(path, max_bytes=64 << 20, max_depth=8)
     except OSError as e:
         raise RPCompileError(f"cannot read layer profile {path}: {e.strerror or e}") from None
     except ValueError as e:

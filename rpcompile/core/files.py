@@ -26,8 +26,8 @@ import socket
 from pathlib import Path
 from typing import IO, Any, Callable, Mapping
 
-__all__ = ["MAX_INT", "host_name", "write_atomic", "temporary_owner", "sweep_temporaries", "read_limited", "parse_json",
-           "json_depth", "jsonable"]
+__all__ = ["MAX_INT", "host_name", "write_atomic", "temporary_owner", "sweep_temporaries", "read_limited",
+           "parse_json", "read_json", "json_depth", "jsonable"]
 
 MAX_INT = 2**63 - 1
 """The largest integer a file may hold (an int64: byte counts, steps); a longer number is refused when parsed."""
@@ -174,6 +174,12 @@ def parse_json(raw: bytes, *, max_depth: int, what: str = "such a file") -> Any:
     if json_depth(value) > max_depth:
         raise ValueError(f"nested deeper than {max_depth} levels")
     return value
+
+
+def read_json(path: str | os.PathLike, *, max_bytes: int, max_depth: int) -> Any:
+    """:func:`parse_json` of :func:`read_limited`: OSError when unreadable (FileNotFoundError when missing),
+    ValueError (one line) when too large or not strict JSON."""
+    return parse_json(read_limited(path, max_bytes), max_depth=max_depth)
 
 
 def json_depth(value: Any) -> int:

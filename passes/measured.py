@@ -42,7 +42,7 @@ def cpu_model() -> str:
         text = CPUINFO.read_text(errors="replace")[: 1 << 20]
     except OSError:
         text = ""
-    found = {}
+    found: dict[str, str] = {}
     for line in text.splitlines():
         key, sep, value = line.partition(":")
         if sep and value.strip():

@@ -31,6 +31,7 @@ from .core.errors import ConfigError
 from .core.files import read_json
 from .core.planfile import dataclass_problem
 from .core.specs import HostSpec
+from .terminal import SafeTable
 
 __all__ = ["probe_host", "host_table", "load_host"]
 
@@ -146,7 +147,7 @@ def load_host(path: str | os.PathLike) -> HostSpec:
 def host_table(host: HostSpec, *, title: str = "") -> Table:
     """The host's rates, one row each (``measured`` or ``assumed``, as its ``source`` says)."""
     how = "measured" if host.source == "probe" else "assumed"
-    table = Table(title=title or f"host ({how})")
+    table = SafeTable(title=title or f"host ({how})")
     table.add_column("what", justify="left")
     table.add_column("rate", justify="right")
     table.add_column("per 1e9 params", justify="right")

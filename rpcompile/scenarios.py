@@ -234,7 +234,7 @@ def load_layer_profile(path: str | Path, model: str) -> tuple[dict[str, Any], in
     if model not in models:
         raise RPCompileError(f"{path} has no model {model!r}; it has: {', '.join(map(str, models))}"[:400])
     entry = models[model]
-    if not isinstance(entry, Mapping):
+    if not isinstance(entry, dict):
         raise RPCompileError(f"{path}: model {model!r} is not an object")
     for key in ("num_layers", *_PROFILE_TIMES):
         if key not in entry:

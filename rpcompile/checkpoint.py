@@ -57,6 +57,8 @@ from typing import IO, Any, Mapping, Protocol, cast
 
 import torch
 
+from .checkpoint_state import (model_state_problem, optimizer_state_problem, payload_problem,
+                               pipeline_state_problem)
 from .core.errors import RPCompileError
 from .core.files import sweep_temporaries, write_atomic
 from .core.plan import Plan
@@ -147,6 +149,10 @@ def check_pipeline_state(pipe: Resumable, state: Any, copies: Mapping[str, tuple
     if not isinstance(version, int) or version > STATE_VERSION:
         raise CheckpointError(f"the pipeline state has version {version!r} but this rpcompile reads up to "
                               f"{STATE_VERSION}; load it with the rpcompile that saved it or a newer one")
+    problem = pipeline_state_problem(state, version)
+    if problem is not None:
+        raise CheckpointError(f"the pipeline state is malformed ({problem}); load a state Pipeline.state_dict() "
+                              "returned (a checkpoint of this rpcompile)")
     if not exact:
         return
     again = ("compile with the plan it was saved with (plan=rpcompile.checkpoint_plan(directory) for save_checkpoint's "
@@ -282,7 +288,10 @@ def save_checkpoint(directory: str | os.PathLike, *, model: torch.nn.Module, opt
     optimizers (``pipe.step([o1, o2])``) saves each, and loads into a list in the same order."""
     if keep < 1:
         raise CheckpointError(f"save_checkpoint: keep={keep}; keep at least the checkpoint just written (keep >= 1)")
-    step = pipeline.iteration if step is None else int(step)
+    step = pipeline.iteration if step is None else step
+    if type(step) is not int or step < 0:
+        raise CheckpointError(f"save_checkpoint: step={step!r}; give a whole number >= 0 (load_checkpoint takes "
+                              "the largest), or leave it out for pipeline.iteration")
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     newer = [p.name for s, p in checkpoints(root) if s > step]
@@ -392,14 +401,27 @@ def load_checkpoint(directory: str | os.PathLike, *, model: torch.nn.Module, opt
     if path is None:
         return None
     payload = _unpickle(path)
-    pipeline.check_state_dict(payload["pipeline"], optimizer=optimizer, exact=exact)  # before anything changes
+    problem = payload_problem(payload)
+    if problem is not None:
+        raise CheckpointError(f"{path}: its checksum holds but its content is malformed ({problem}); load it with "
+                              "the rpcompile that saved it, or remove it to resume from the one before")
+    # every check before anything changes: the pipeline state, the model's, each optimizer's
+    pipeline.check_state_dict(payload["pipeline"], optimizer=optimizer, exact=exact)
     optimizers = _optimizer_pairs(path, optimizer, payload["optimizer"])
+    problem = model_state_problem(model, payload["model"])
+    if problem is not None:
+        raise CheckpointError(f"{path}: the model's state does not fit this model ({problem}); load it into the model "
+                              "it was saved from")
+    problem = next((p for o, state in optimizers if (p := optimizer_state_problem(o, state)) is not None), None)
+    if problem is not None:
+        raise CheckpointError(f"{path}: the optimizer's state does not fit this optimizer ({problem}); make it as for "
+                              "the run that saved it (same parameters, same groups)")
     pipeline.synchronize()  # no overlapped step may be writing the masters while they load
+    _load_optimizer_state(path, optimizers)  # torch's load changes nothing until its own checks pass
     try:
         model.load_state_dict(payload["model"])
-    except RuntimeError as e:
+    except RuntimeError as e:  # checked above: not expected
         raise CheckpointError(f"{path}: the model's state does not fit this model ({_first_line(e)}); load it into "
                               "the model it was saved from") from None
-    _load_optimizer_state(path, optimizers)
     pipeline.load_state_dict(payload["pipeline"], optimizer=optimizer, exact=exact)
-    return Checkpoint(path=path, step=int(payload["step"]), extra=payload["extra"])
+    return Checkpoint(path=path, step=payload["step"], extra=payload["extra"])

@@ -304,7 +304,7 @@ def save_checkpoint(directory: str | os.PathLike, *, model: torch.nn.Module, opt
     payload = {"format": _FILE_FORMAT, "step": step, "pipeline": pipeline_sd, "model": model.state_dict(),
                "optimizer": _optimizer_state(optimizer), "extra": extra}
     plan_file = root / PLAN_FILE  # first, so that every checkpoint's plan is on disk
-    if not plan_file.is_file() or plan_file.read_text() != pipeline_sd["plan"]:
+    if not plan_file.is_file() or plan_file.read_bytes() != pipeline_sd["plan"].encode():
         write_atomic(plan_file, pipeline_sd["plan"])
     path = root / f"ckpt-{step:08d}.ckpt"
     write_atomic(path, lambda f: _write_payload(f, payload))

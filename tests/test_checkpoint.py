@@ -254,6 +254,18 @@ def test_a_malformed_payload_is_one_line_and_changes_nothing(plan, tmp_path, cha
     assert not opt.state and pipe.iteration == iteration
 
 
+def test_a_save_follows_no_link_planted_where_its_temporary_would_be(plan, tmp_path):
+    """Issue 36: the temporary's name was predictable (``.<name>.tmp<pid>``) and opened through a planted link."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    for name in (f".ckpt-00000000.ckpt.tmp{os.getpid()}", f".plan.json.tmp{os.getpid()}", "ckpt-00000000.ckpt.tmp"):
+        (tmp_path / name).symlink_to(victim)
+    model, pipe, opt = build(plan)
+    rpcompile.save_checkpoint(tmp_path, model=model, optimizer=opt, pipeline=pipe)
+    assert victim.read_bytes() == b"precious"
+    assert rpcompile.load_checkpoint(tmp_path, model=model, optimizer=opt, pipeline=pipe).step == 0
+
+
 @pytest.mark.parametrize("step", [-1, 1.5, True, "3", None])
 def test_a_step_load_checkpoint_would_not_take_is_refused_when_saving(plan, tmp_path, step):
     """Issue 36: step=-1 wrote a file that load_checkpoint then ignored."""

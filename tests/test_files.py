@@ -67,35 +67,47 @@ def test_a_failed_write_leaves_neither_the_target_nor_a_temporary(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_threads_writing_one_file_leave_one_whole_version(tmp_path):
-    target = tmp_path / "plan.json"
-    bodies = [json.dumps({"writer": i, "pad": "x" * 200_000}) for i in range(8)]
-    threads = [threading.Thread(target=lambda b=b: [write_atomic(target, b) for _ in range(5)]) for b in bodies]
+GOLDENS = [GOLDEN, GOLDEN.with_name("llama-demo.json")]
+
+
+def test_threads_saving_one_plan_file_all_succeed_and_leave_one_whole_plan(tmp_path):
+    target, errors = tmp_path / "plan.json", []
+    plans = [Plan.load(g) for g in GOLDENS] * 3
+
+    def save(plan: Plan) -> None:
+        try:
+            for _ in range(5):
+                plan.save(target)
+        except Exception as e:  # noqa: BLE001 - collected: a thread's exception would vanish
+            errors.append(e)
+
+    threads = [threading.Thread(target=save, args=(p,)) for p in plans]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert target.read_text() in bodies
+    assert not errors and Plan.load(target) in plans[:2]
     assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]
 
 
-_WRITER = """
+_SAVER = """
 import sys
-from rpcompile.core.files import write_atomic
+from rpcompile.core.plan import Plan
+plan = Plan.load(sys.argv[2])
 for _ in range(20):
-    write_atomic(sys.argv[1], sys.argv[2] * 100_000)
+    plan.save(sys.argv[1])
 """
 
 
 def test_two_processes_saving_into_one_directory_both_succeed(tmp_path):
     """Two ranks (or two runs) saving side by side: neither deletes the other's temporary in flight."""
-    target = tmp_path / "ckpt.bin"
-    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(target), c], stderr=subprocess.PIPE)
-             for c in "ab"]
+    target = tmp_path / "plan.json"
+    procs = [subprocess.Popen([sys.executable, "-c", _SAVER, str(target), str(g)], stderr=subprocess.PIPE)
+             for g in GOLDENS]
     errors = [p.communicate(timeout=120)[1].decode() for p in procs]
     assert [p.returncode for p in procs] == [0, 0], errors
-    assert target.read_text() in ("a" * 100_000, "b" * 100_000)
-    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.bin"]
+    assert Plan.load(target) in [Plan.load(g) for g in GOLDENS]
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]
 
 
 def _dead_pid() -> int:

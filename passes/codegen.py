@@ -36,7 +36,8 @@ def stage_source(prog: StageProgram, plan: Plan, host: Sequence[HostEmbedding] =
         f"device {prog.index % n} of {n} (round-robin)",
         f"# {_KIND_TEXT.get(s.kind, '')}.",
         f"# nodes: {printable(s.nodes[0])} .. {printable(s.nodes[-1])} ({len(s.nodes)} nodes)",
-        "# source modules: " + _names(s.modules[:12]) + (f", … (+{len(s.modules) - 12})" if len(s.modules) > 12 else ""),
+        "# source modules: " + _names(s.modules[:12])
+        + (f", … (+{len(s.modules) - 12})" if len(s.modules) > 12 else ""),
         f"# inputs: {_names(prog.inputs) or '-'}",
         *looked_up,
         f"# outputs: {_names(prog.outputs) or '(the model output)'}",

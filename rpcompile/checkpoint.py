@@ -31,7 +31,8 @@ in ``extra=``, e.g. an lr scheduler's ``state_dict``; the data's order is yours 
 **Files.** :func:`save_checkpoint` writes the three states (and ``extra``) to ``<directory>/ckpt-<step>.ckpt``:
 a 48-byte header — magic, payload length, sha256 of the payload — then ``torch.save``\\ 's bytes, streamed (no
 second copy in memory), through :func:`rpcompile.core.files.write_atomic` (an exclusive temporary beside it,
-``fsync``, rename, directory ``fsync``), so a checkpoint's name only ever holds a whole file; then it deletes all but the newest ``keep``. The plan goes beside them once, as ``plan.json``
+``fsync``, rename, directory ``fsync``), so a checkpoint's name only ever holds a whole file; then it deletes all
+but the newest ``keep``. The plan goes beside them once, as ``plan.json``
 (:func:`checkpoint_plan`: compile the resumed run with it, since a fresh plan may cut otherwise). A process killed
 while saving leaves only its temporary file, removed by the next save once that process is gone (a temporary of
 another rank saving into the same directory is never touched). :func:`load_checkpoint` takes the newest

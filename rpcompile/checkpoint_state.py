@@ -69,7 +69,9 @@ def model_state_problem(model: torch.nn.Module, state: Mapping[str, torch.Tensor
         return f"missing {missing[0]!r}"
     if unexpected:
         return f"unexpected {unexpected[0]!r}"
-    return None if wrong is None else f"{wrong!r} is {tuple(state[wrong].shape)}, this model's {tuple(mine[wrong].shape)}"
+    if wrong is None:
+        return None
+    return f"{wrong!r} is {tuple(state[wrong].shape)}, this model's {tuple(mine[wrong].shape)}"
 
 
 def optimizer_state_problem(optimizer: Any, state: Any) -> str | None:

@@ -271,7 +271,8 @@ def test_a_step_load_checkpoint_would_not_take_is_refused_when_saving(plan, tmp_
     """Issue 36: step=-1 wrote a file that load_checkpoint then ignored."""
     model, pipe, opt = build(plan)
     if step is None:  # the default, pipeline.iteration, is fine
-        assert rpcompile.save_checkpoint(tmp_path, model=model, optimizer=opt, pipeline=pipe).name == "ckpt-00000000.ckpt"
+        path = rpcompile.save_checkpoint(tmp_path, model=model, optimizer=opt, pipeline=pipe)
+        assert path.name == "ckpt-00000000.ckpt"
         return
     with pytest.raises(rpcompile.CheckpointError, match=rf"^save_checkpoint: step={re.escape(repr(step))}; give a "
                                                         r"whole number >= 0 \(load_checkpoint takes the largest\)"):

@@ -192,10 +192,8 @@ def _hostile_plan(plan: Plan, where: str, value: str) -> Plan:
     if where in stage:
         return dataclasses.replace(plan, stages=(dataclasses.replace(first, **stage[where]), *plan.stages[1:]))
     if where == "spec":
-        return dataclasses.replace(plan, hardware=dataclasses.replace(hw, spec=dataclasses.replace(hw.spec, name=value)))
-    if where == "note":
-        assert hw.host is not None
-        return dataclasses.replace(plan, hardware=dataclasses.replace(hw, host=dataclasses.replace(hw.host, note=value)))
+        return dataclasses.replace(plan, hardware=dataclasses.replace(hw, spec=dataclasses.replace(hw.spec,
+                                                                                                  name=value)))
     return dataclasses.replace(plan, **{where: (value,) if where == "host" else value})
 
 

@@ -9,7 +9,8 @@ import re
 from rpcompile.core.planfile import MAX_MICROBATCHES
 from rpcompile.core.specs import SPECS
 
-__all__ = ["SPEC_NAMES", "spec", "device", "positive_int", "microbatch_count", "positive_float", "head_chunks", "parse_bytes",
+__all__ = ["SPEC_NAMES", "spec", "device", "positive_int", "microbatch_count",
+           "positive_float", "head_chunks", "parse_bytes",
            "parse_rate", "parse_percent", "network_rate", "network_rates", "node_counts"]
 
 SPEC_NAMES = ", ".join(SPECS)

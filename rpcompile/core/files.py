@@ -176,10 +176,10 @@ def parse_json(raw: bytes, *, max_depth: int, what: str = "such a file") -> Any:
     return value
 
 
-def read_json(path: str | os.PathLike, *, max_bytes: int, max_depth: int) -> Any:
+def read_json(path: str | os.PathLike, *, max_bytes: int, max_depth: int, what: str = "such a file") -> Any:
     """:func:`parse_json` of :func:`read_limited`: OSError when unreadable (FileNotFoundError when missing),
     ValueError (one line) when too large or not strict JSON."""
-    return parse_json(read_limited(path, max_bytes), max_depth=max_depth)
+    return parse_json(read_limited(path, max_bytes), max_depth=max_depth, what=what)
 
 
 def json_depth(value: Any) -> int:

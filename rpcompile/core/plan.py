@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Literal, Mapping
 
 from .errors import ConfigError, PlanFileError, PlanMismatchError
-from .files import jsonable, parse_json, read_limited, write_atomic
+from .files import jsonable, read_json, write_atomic
 from .planfile import MAX_MICROBATCHES, plan_file_problem, size_problem
 from .specs import DeviceSpec, HostSpec
 
@@ -334,7 +334,7 @@ class Plan:
         """Read a plan file. Raises :class:`PlanFileError` (one line: what is wrong, what to do)."""
         path = Path(path)
         try:
-            data = parse_json(read_limited(path, MAX_PLAN_BYTES), max_depth=_MAX_DEPTH, what="a plan")
+            data = read_json(path, max_bytes=MAX_PLAN_BYTES, max_depth=_MAX_DEPTH, what="a plan")
         except OSError as e:
             raise PlanFileError(f"cannot read plan file {path}: {e.strerror or e}") from None
         except ValueError as e:  # not UTF-8, not JSON, NaN, a number out of range, too deep or too large

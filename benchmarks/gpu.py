@@ -57,6 +57,7 @@ from rich.table import Table
 from torch.utils.checkpoint import checkpoint
 
 import rpcompile
+from rpcompile.core.files import write_atomic
 import roundpipe_peer  # benchmarks/: RoundPipe itself is imported only when --peer roundpipe asks for it
 import trace_table  # benchmarks/
 from rpcompile.runtime.optim import AdamW as MirroringAdamW
@@ -574,7 +575,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def save(more: list[dict], markdown: str | None = None) -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({**header, "rows": rows + more, "markdown": markdown}, indent=1, default=str))
+        write_atomic(args.out, json.dumps({**header, "rows": rows + more, "markdown": markdown}, indent=1, default=str))
 
     # each section's rows are saved as soon as it ends: a run stopped by a time limit keeps what it measured
     if "link" in sections:

@@ -51,6 +51,7 @@ from rich.console import Console
 from rich.table import Table
 
 import rpcompile
+from rpcompile.core.files import write_atomic
 from rpcompile.models import load_model
 from rpcompile.runtime.activity import ACTIVITIES
 from rpcompile.runtime.devices import Device
@@ -219,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     header = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {_cpus()} CPUs",
               "torch": torch.__version__, "compile_s": compile_s, "args": {k: str(v) for k, v in vars(args).items()}}
-    args.out.write_text(json.dumps(header | {"rows": rows}, indent=1) + "\n")
+    write_atomic(args.out, json.dumps(header | {"rows": rows}, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0
 

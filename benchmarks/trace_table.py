@@ -26,9 +26,7 @@ import bisect
 import gzip
 import json
 import lzma
-import os
 import sys
-import tempfile
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any, Iterable
@@ -38,6 +36,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from rpcompile.core.files import write_atomic
 from rpcompile.runtime.activity import ACTIVITIES, PREFIX
 
 #: the largest trace read (decompressed): a profiled step of the 8B shape is ~100 MB of JSON
@@ -246,15 +245,7 @@ def slim(events: list[dict[str, Any]], out: Path) -> int:
             kept.append(keep)
     data = json.dumps({"traceEvents": kept}, separators=(",", ":")).encode()
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=9, mtime=0) as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)  # a result to share, not a secret (mkstemp makes it the owner's only)
-        os.replace(tmp, out)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    write_atomic(out, lambda f: f.write(gzip.compress(data, compresslevel=9, mtime=0)))
     return out.stat().st_size
 
 
@@ -316,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.slim is not None:
         print(f"wrote {args.slim} ({slim(events, args.slim) / 2**20:.1f} MiB)")
     if args.json is not None:
-        args.json.write_text(json.dumps({"trace": args.trace.name, **result}, indent=1) + "\n")
+        write_atomic(args.json, json.dumps({"trace": args.trace.name, **result}, indent=1) + "\n")
         print(f"wrote {args.json}")
     return 0
 

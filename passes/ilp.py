@@ -34,13 +34,20 @@ down, subtracted terms up), so the proven bound is valid in seconds; plans are r
 below ``c(S)·T`` when stages are unequal, e.g. around a slow LM-head stage). Search is deterministic: one worker
 (on 2 cores it found better plans per second than two interleaved workers), a fixed seed and a
 ``max_deterministic_time`` budget; ``workers > 1`` switches to CP-SAT's deterministic ``interleave_search``.
+
+**Ctrl-C.** A solve leaves the process's signal handling as it found it, and a Ctrl-C during one is a
+``KeyboardInterrupt`` like anywhere else (:func:`_solve`): CP-SAT's own SIGINT handling, on by default, leaves
+SIGINT at the default action after ``Solve()`` — the next Ctrl-C would kill the process with no
+``KeyboardInterrupt`` and no ``finally`` — and swallows a Ctrl-C during the solve as if its time limit had come.
 """
 
 from __future__ import annotations
 
 import math
+import signal
+import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -294,7 +301,7 @@ def solve_budget(pb: PartitionProblem, t: RangeTables, b_relaxed: np.ndarray, st
     prm.interleave_search = workers > 1  # deterministic whatever the thread timing
     prm.interleave_batch_size = 2 * workers  # small batches keep max_deterministic_time honest
     prm.max_deterministic_time, prm.max_time_in_seconds = det_time, wall_time
-    status = solver.solve(md.cp)
+    status = _solve(solver, md.cp)
     name = solver.status_name(status)
     nvars = len(md.xf) + len(md.xb) + len(md.z) + len(md.s)
     dt = solver.response_proto.deterministic_time
@@ -307,3 +314,44 @@ def solve_budget(pb: PartitionProblem, t: RangeTables, b_relaxed: np.ndarray, st
         return BudgetResult(stages=stages, status=name, plan=None, bound_s=ub, det_time=dt, variables=nvars)
     return BudgetResult(stages=stages, status=name, plan=None, bound_s=lb, det_time=dt, variables=nvars)
 
+
+
+def _solve(solver: cp_model.CpSolver, model: cp_model.CpModel) -> Any:
+    """``solver.solve(model)``, the process's SIGINT handling left as found and a Ctrl-C during the solve raised as
+    ``KeyboardInterrupt`` (module docstring). CP-SAT's own handling (``catch_sigint_signal``) is off; on the main
+    thread — the only one Python delivers signals to — the solve runs on a helper thread (CP-SAT releases the GIL)
+    while this one waits, interruptibly: a Ctrl-C stops the search (``stop_search``), waits for the helper to
+    return and is raised; a second Ctrl-C meanwhile leaves at once. The handler found is put back afterwards in
+    any case, so no native code run by the solve can leave another one behind."""
+    solver.parameters.catch_sigint_signal = False
+    if threading.current_thread() is not threading.main_thread():
+        return solver.solve(model)
+    found = signal.getsignal(signal.SIGINT)
+    answer: list[tuple[bool, Any]] = []
+    done = threading.Event()  # not Thread.join: a join interrupted by Ctrl-C may take a running thread for ended
+
+    def run() -> None:
+        try:
+            answer.append((True, solver.solve(model)))
+        except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
+            answer.append((False, e))
+        finally:
+            done.set()
+
+    helper = threading.Thread(target=run, name="rpcompile-cpsat", daemon=True)
+    try:
+        try:
+            helper.start()
+            done.wait()
+        except KeyboardInterrupt:
+            solver.stop_search()
+            if helper.ident is not None:
+                done.wait()  # returns at once: the search stops at its next check
+            raise
+    finally:
+        if found is not None:  # None: a handler not installed from Python, which Python cannot put back
+            signal.signal(signal.SIGINT, found)
+    ok, value = answer[0]
+    if not ok:
+        raise value
+    return value

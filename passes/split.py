@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import functools
 import operator
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import torch
 import torch.fx as fx
@@ -41,9 +41,10 @@ from .util import canonical_names, compute_nodes, node_params
 __all__ = ["split_plan"]
 
 
-def _needs_grad(gm: fx.GraphModule) -> set[str]:
+def _needs_grad(gm: fx.GraphModule, inputs: Collection[str] = ()) -> set[str]:
     params = dict(gm.named_parameters())
     out = {h.value for h in host_of(gm) if params[h.weight].requires_grad}  # a lookup of a trainable table
+    out |= set(inputs)  # placeholders whose gradient the caller wants (an input that requires grad)
     for n in gm.graph.nodes:
         if n.op == "get_attr":
             continue
@@ -215,14 +216,16 @@ def _exports(gm: fx.GraphModule, stage: Stage, stages: Sequence[Stage], consumer
     return out
 
 
-def split_plan(plan: Plan, gm: fx.GraphModule) -> Program:
-    """Build one :class:`StageProgram` per stage of ``plan`` over the traced graph ``gm``."""
+def split_plan(plan: Plan, gm: fx.GraphModule, *, input_grads: Collection[str] = ()) -> Program:
+    """Build one :class:`StageProgram` per stage of ``plan`` over the traced graph ``gm``. ``input_grads``:
+    placeholders whose gradient is wanted too (inputs that require grad) — they and what depends on them carry
+    gradients between stages (``Program.needs_grad``) and into saved segments' captures."""
     consumers: dict[str, set[str]] = {}
     for n in gm.graph.nodes:
         for a in n.all_input_nodes:
             consumers.setdefault(a.name, set()).add(n.name if n.op != "output" else "<output>")
     names = canonical_names(gm)
-    needs_grad = _needs_grad(gm)
+    needs_grad = _needs_grad(gm, input_grads)
     segments = _saved_segments(plan, gm, needs_grad, consumers, names)
     seg_of = {n: seg for seg in segments for n in seg.nodes}
     programs = []

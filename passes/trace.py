@@ -29,7 +29,7 @@ import io
 import logging
 import operator
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -79,6 +79,12 @@ def trace(
         raise ConfigError(f"method={method!r}; use 'auto', 'fx' or 'export'")
     args, kwargs = training_inputs(model, example_inputs, example_kwargs)
     leaves = _check_leaves(model, tuple(leaf_modules))
+    with _buffers_kept(model):  # fx runs what it cannot trace (``self.calls += 1`` on a buffer) for real
+        return _trace(model, args, kwargs, leaves, method, dtype)
+
+
+def _trace(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: tuple[LeafSpec, ...],
+           method: str, dtype: torch.dtype | None) -> fx.GraphModule:
     tracker = ModuleTracker(model)
     failures: dict[str, Failure | str] = {}
     if method != "export":
@@ -99,6 +105,25 @@ def trace(
     error = TraceError(failure_message(model, failures))
     error.failures = failures  # the originals ride on the error
     raise error
+
+
+@contextlib.contextmanager
+def _buffers_kept(model: nn.Module) -> Iterator[None]:
+    """Tracing leaves the model's buffers as it found them. ``torch.fx`` proxies parameters but hands a forward
+    the real buffers, so an in-place update it cannot record — a step counter ``self.calls += 1`` under
+    ``torch.no_grad()``, the ``mul_`` of a running average — ran on them for real, once per trace: the model was
+    one update ahead of eager before training started. Their values (not meta ones: none) are copied first and
+    put back, in place and under their own names, after the trace."""
+    kept = [(mod, name, b, b.clone()) for mod in model.modules() for name, b in mod._buffers.items()
+            if b is not None and b.device.type != "meta"]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for mod, name, b, value in kept:
+                mod._buffers[name] = b
+                if b.shape == value.shape and not torch.equal(b, value):
+                    b.copy_(value)
 
 
 def training_inputs(

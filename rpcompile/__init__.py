@@ -56,6 +56,7 @@ _EXPORTS = {
     "LossFnError": "rpcompile.core.errors",
     "BatchSplitError": "rpcompile.core.errors",
     "LossHeadError": "rpcompile.core.errors",
+    "ConcurrentCallError": "rpcompile.core.errors",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -12,7 +12,8 @@ A :class:`~rpcompile.pipeline.Pipeline` call (``forward_backward``, ``evaluate``
    the host, not at a device-side assert on a GPU;
 4. weights each microbatch's mean loss by what it averages over (:func:`microbatch_weights`: real tokens or rows)
    divided by the batch's total — summed over the ranks, data-parallel, or ``num_items`` of gradient accumulation
-   (:func:`checked_accumulation`) — in the :class:`~rpcompile.loss_weighting.MicrobatchLoss` the fused stage calls.
+   (:func:`checked_accumulation`) — in the :class:`~rpcompile.loss_weighting.MicrobatchLoss` the fused stage calls;
+5. names the inputs that require grad, whose gradients ``forward_backward`` computes too.
 
 The pipeline's own contracts (the Loss, padded batches, ``reduction="sum"``) are :mod:`rpcompile.pipeline`'s.
 """
@@ -62,6 +63,9 @@ class CallBatch(NamedTuple):
     """The loss the fused stage computes for each microbatch, weighted."""
     targets: list[Any] | None
     """Each microbatch's target, for a ``loss_fn`` after the last stage; None otherwise."""
+    input_grads: dict[str, torch.Tensor]
+    """The inputs that require grad (``x.requires_grad_()``: a saliency map, an adversarial step, a soft prompt),
+    by placeholder: ``forward_backward`` computes their gradients too (:mod:`rpcompile.pipeline`)."""
 
 
 def checked_accumulation(loss_scale: Any, num_items: Any) -> tuple[float, float | None]:
@@ -110,7 +114,9 @@ def call_batch(pipe: Batched, call: str, inputs: Sequence[Any], target: Any, kwa
     m = microbatches_of(inputs, kwargs, pipe.microbatches)
     store, sizes = microbatch_store(pipe.gm, pipe.program.placeholders, inputs, kwargs, m)
     outside = pipe.loss_fn is not None and not pipe.loss_in_graph  # the loss runs after the last stage
-    pieces = [p[0] for p in split_microbatches((target,), m)] if isinstance(target, torch.Tensor) else [target] * m
+    # a target's tensors are split with the inputs — also inside a tuple or dict, (values, row weights) — so each
+    # microbatch's loss gets its own rows (the whole tuple would broadcast against one-row microbatches)
+    pieces = [p[0] for p in split_microbatches((target,), m)] if tensor_leaves(target) else [target] * m
     # each microbatch's target goes to the device of the stage that computes its loss (the executor uploads it)
     targets = pieces if outside else None
     # a mean over the batch is the weighted mean of the microbatches' means (weights: what each mean averages
@@ -135,7 +141,10 @@ def call_batch(pipe: Batched, call: str, inputs: Sequence[Any], target: Any, kwa
         total = items
     loss_of = MicrobatchLoss(pipe.loss_fn, where, weights, total, summed=summed, bounds=bounds, scale=scale,
                              checked_targets=pipe.signature is not None and pipe.signature.target is not None)
-    return CallBatch(store, m, loss_of, targets)
+    flat = flat_inputs(pipe.gm, inputs, kwargs)
+    wanted = {name: v for name, v in zip(pipe.program.placeholders, flat)
+              if isinstance(v, torch.Tensor) and v.requires_grad}
+    return CallBatch(store, m, loss_of, targets, wanted)
 
 
 def microbatches_of(inputs: Sequence[Any], kwargs: Mapping[str, Any], microbatches: int) -> int:
@@ -147,8 +156,9 @@ def microbatches_of(inputs: Sequence[Any], kwargs: Mapping[str, Any], microbatch
 def microbatch_store(gm: fx.GraphModule, placeholders: Sequence[str], inputs: Sequence[Any],
                      kwargs: Mapping[str, Any], m: int) -> tuple[ValueStore, list[int]]:
     """A call's inputs flattened into ``gm``'s placeholders and split into ``m`` microbatches, put where the first
-    stages read them; each microbatch's rows (1 for a batch without a batch dimension)."""
-    flat = flat_inputs(gm, inputs, kwargs)
+    stages read them; each microbatch's rows (1 for a batch without a batch dimension). Detached: a stage never
+    reaches back into the caller's autograd graph (an input's gradient comes home by name, ``CallBatch``)."""
+    flat = [v.detach() if isinstance(v, torch.Tensor) else v for v in flat_inputs(gm, inputs, kwargs)]
     pieces = split_microbatches(flat, m)
     store = ValueStore()
     for j, piece in enumerate(pieces):

@@ -44,7 +44,7 @@ from .core.errors import ConfigError, PlanVerificationError, RPCompileError
 from .core.plan import Plan
 from .distributed import DataParallel, DistributedError, data_parallel_group, plan_digest
 from .gpu_memory import gpu_memory_limit
-from .host_memory import fit_host_memory
+from .host_memory import fit_host_memory, within_host_memory
 from .invariants import plan_violations
 from .loss_weighting import _checked_weight
 from .model_match import graph_as_planned
@@ -139,46 +139,48 @@ def compile(
     if loss_fn is None and "labels" in signature.params and "labels" not in kwargs:
         raise RPCompileError("loss_fn=None uses the model's own loss, which it computes from labels: compile with "
                              "them in the example (example_kwargs={'input_ids': ids, 'labels': labels}) or give loss_fn=")
-    if plan is not None:
-        source = "the plan" if isinstance(plan, Plan) else str(plan)
-        if not isinstance(plan, Plan):
-            plan = Plan.load(plan)
-        # the graph the plan was made from: its LM head split, its embedding lookups on the host
-        gm = graph_as_planned(plan, model, example_inputs, loss_fn=loss_fn, example_kwargs=example_kwargs,
-                              precision=precision)
-        head_chunks = plan.head_chunks
-        problems = plan_violations(plan, gm)
-        if problems:
-            raise PlanVerificationError(problems, source=source)
-        if plan.hardware.device_count != len(devs):
-            raise RPCompileError(f"the plan is for {plan.hardware.device_count} devices but {len(devs)} were given; "
-                                 "re-plan for these devices or pass matching devices=")
-        return Pipeline(model, gm, plan, devs, loss_fn, precision, scaler, loss_in_graph=head_chunks > 1,
-                        signature=signature, loss_weight=loss_weight, frozen_masters=frozen_masters)
-    on_cpu = devs[0].torch_device.type == "cpu"
-    memory_limit = plan_options.pop("memory_limit", None)
-    if memory_limit is None and not on_cpu:
-        memory_limit = gpu_memory_limit(devs[0].torch_device, spec)
-    # costs measured with the intra-op threads each logical CPU device will have
-    threads = max(1, torch.get_num_threads() // len(devs)) if on_cpu and len(devs) > 1 else None
-    made = compile_plan(
-        model, example_inputs, gpus=len(devs), spec=spec, device=None if spec is not None else devs[0].torch_device,
-        memory_limit=memory_limit, microbatches=microbatches, precision=precision, example_kwargs=example_kwargs,
-        progress=False, loss_fn=loss_fn, example_target=example_target, head_chunks=head_chunks,
-        host_embedding=host_embedding, threads=threads, **plan_options)
-    if "allow_save" not in plan_options:  # saved activations the host may not hold: recomputed instead
-        # the same graph solved again (one solve, the whole time limit): it is not traced or costed again
-        limit = float(plan_options.get("time_limit_s", 10.0))
-        saving = made
-        made = fit_host_memory(saving, lambda: replanned(saving, allow_save=False, time_limit_s=limit),
-                               dtype=_DTYPES[precision], pin=not on_cpu, frozen_masters=frozen_masters)
-    assert made.plan is not None
-    t0 = time.perf_counter()
-    pipe = Pipeline(model, made.graph, made.plan, devs, loss_fn, precision, scaler,
-                    loss_in_graph=made.plan.head_chunks > 1, signature=signature, loss_weight=loss_weight,
-                    frozen_masters=frozen_masters)
-    log.info("%s: %.2f s", "pipeline", time.perf_counter() - t0)  # stage code, host weight copies (pinned for GPUs)
-    return pipe
+    with within_host_memory("compile"):  # the allocator's raw error as one line (rpcompile.host_memory)
+        if plan is not None:
+            source = "the plan" if isinstance(plan, Plan) else str(plan)
+            if not isinstance(plan, Plan):
+                plan = Plan.load(plan)
+            # the graph the plan was made from: its LM head split, its embedding lookups on the host
+            gm = graph_as_planned(plan, model, example_inputs, loss_fn=loss_fn, example_kwargs=example_kwargs,
+                                  precision=precision)
+            head_chunks = plan.head_chunks
+            problems = plan_violations(plan, gm)
+            if problems:
+                raise PlanVerificationError(problems, source=source)
+            if plan.hardware.device_count != len(devs):
+                raise RPCompileError(f"the plan is for {plan.hardware.device_count} devices but {len(devs)} were "
+                                     "given; re-plan for these devices or pass matching devices=")
+            return Pipeline(model, gm, plan, devs, loss_fn, precision, scaler, loss_in_graph=head_chunks > 1,
+                            signature=signature, loss_weight=loss_weight, frozen_masters=frozen_masters)
+        on_cpu = devs[0].torch_device.type == "cpu"
+        memory_limit = plan_options.pop("memory_limit", None)
+        if memory_limit is None and not on_cpu:
+            memory_limit = gpu_memory_limit(devs[0].torch_device, spec)
+        # costs measured with the intra-op threads each logical CPU device will have
+        threads = max(1, torch.get_num_threads() // len(devs)) if on_cpu and len(devs) > 1 else None
+        made = compile_plan(
+            model, example_inputs, gpus=len(devs), spec=spec,
+            device=None if spec is not None else devs[0].torch_device, memory_limit=memory_limit,
+            microbatches=microbatches, precision=precision, example_kwargs=example_kwargs, progress=False,
+            loss_fn=loss_fn, example_target=example_target, head_chunks=head_chunks, host_embedding=host_embedding,
+            threads=threads, **plan_options)
+        if "allow_save" not in plan_options:  # saved activations the host may not hold: recomputed instead
+            # the same graph solved again (one solve, the whole time limit): it is not traced or costed again
+            limit = float(plan_options.get("time_limit_s", 10.0))
+            saving = made
+            made = fit_host_memory(saving, lambda: replanned(saving, allow_save=False, time_limit_s=limit),
+                                   dtype=_DTYPES[precision], pin=not on_cpu, frozen_masters=frozen_masters)
+        assert made.plan is not None
+        t0 = time.perf_counter()
+        pipe = Pipeline(model, made.graph, made.plan, devs, loss_fn, precision, scaler,
+                        loss_in_graph=made.plan.head_chunks > 1, signature=signature, loss_weight=loss_weight,
+                        frozen_masters=frozen_masters)
+        log.info("%s: %.2f s", "pipeline", time.perf_counter() - t0)  # stage code, host weight copies (pinned for GPUs)
+        return pipe
 
 
 def _join(dp: DataParallel, local: Callable[..., Pipeline], plan: "Plan | str | os.PathLike | None",

@@ -20,7 +20,11 @@ our users train, host memory — not the GPUs' — is often what binds: the Llam
   with :func:`activation_room` (what is left beside the copies, gradients and AdamW's state) and, when they do
   not fit, re-plans with ``allow_save=False`` — the backward recomputes instead — with one
   :class:`HostMemoryWarning` giving both plans' predicted iteration times (unless ``allow_save`` is given:
-  ``allow_save=True`` keeps the saving plan).
+  ``allow_save=True`` keeps the saving plan);
+- what ``compile`` itself allocates — a measured cost pass runs the example batch node by node, a plan for bf16
+  holds a compute-precision copy of the weights — is not predicted: running out of host memory there is turned
+  from the allocator's raw error into one :class:`HostMemoryError` line naming where and what to do
+  (:func:`within_host_memory`).
 
 Predictions, not measurements: the optimizer's own temporaries, Python, the CUDA context and the data loader are
 not counted, and pinned activation buffers may take up to twice their bytes (PyTorch rounds each pinned
@@ -29,9 +33,12 @@ allocation up to a power of two; :func:`rpcompile.runtime.weights.pinned_bytes`)
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import traceback
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +52,8 @@ from rpcompile.report import fmt_params
 from rpcompile.runtime.weights import WeightStore
 
 __all__ = ["HostMemory", "HostMemoryError", "HostMemoryWarning", "host_memory", "activation_bytes",
-           "activation_room", "fit_host_memory", "available_host_memory", "check_host_memory", "ADAM_BYTES"]
+           "activation_room", "fit_host_memory", "available_host_memory", "check_host_memory", "within_host_memory",
+           "ADAM_BYTES"]
 
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 ADAM_BYTES = 8
@@ -216,6 +224,41 @@ def fit_host_memory(made: Any, replan: Callable[[], Any], *, dtype: torch.dtype 
         f"{again.plan.predicted.iteration_time_s:.4g} s (predicted); allow_save=True keeps the saving plan",
         HostMemoryWarning, stacklevel=3)
     return again
+
+
+#: torch's CPU allocator out of memory: ``DefaultCPUAllocator: can't allocate memory: you tried to allocate N bytes``
+_ALLOCATOR = re.compile(r"can't allocate memory(?:: you tried to allocate (\d+) bytes)?")
+
+
+@contextlib.contextmanager
+def within_host_memory(what: str) -> Iterator[None]:
+    """Run ``what`` (``compile``), turning the host running out of memory — torch's CPU allocator refusing, or
+    Python's ``MemoryError`` — into one :class:`HostMemoryError` line: how much was asked for, where in rpcompile,
+    what is available, and what to do. Other errors pass unchanged."""
+    try:
+        yield
+    except (MemoryError, RuntimeError) as e:
+        found = _ALLOCATOR.search(str(e)) if isinstance(e, RuntimeError) else None
+        if isinstance(e, RuntimeError) and found is None:
+            raise
+        asked = f"an allocation of {format_bytes(int(found.group(1)))}" if found and found.group(1) else "memory"
+        have = _available(None)
+        available = f"; {format_bytes(have)} available" if have is not None else ""
+        raise HostMemoryError(
+            f"{what} ran out of host memory: {asked} failed {_where(e)}{available}; free host memory, or give "
+            f"{what} less to do: an example batch no larger than one step's (it is run once, node by node, to "
+            "measure costs), or spec='rtx4090' (any GPU spec) for analytic costs that run nothing") from None
+
+
+def _where(e: BaseException) -> str:
+    """The innermost frame of rpcompile's own code in ``e``'s traceback, as ``in passes/measured.py (prepare)``."""
+    for frame in reversed(traceback.extract_tb(e.__traceback__)):
+        parts = frame.filename.replace(os.sep, "/").split("/")
+        for top in ("passes", "runtime", "rpcompile"):
+            if top in parts[:-1]:
+                at = "/".join(parts[len(parts) - 1 - parts[::-1].index(top):])
+                return f"in {at} ({frame.name})"
+    return "in compile"
 
 
 def dtype_name(dtype: torch.dtype | None) -> str:

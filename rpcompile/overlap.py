@@ -19,12 +19,26 @@ step is in flight races too: it is refused when the step is collected (``schedul
 A step that raises is collected as a :class:`PipelineError`; the overlap ends, the copies are remade from the
 masters as the step left them, and the recorded ``zero_grad`` calls are dropped (``.grad`` keeps what the failed
 step was given).
+
+**Who else waits for the step.** The step writes the masters (and the optimizer's state) on its thread until it
+is collected; whatever reads or writes them meanwhile waits for it first — or would see, or be overwritten by, a
+half-done step. ``model.state_dict()`` (so ``rpcompile.save_checkpoint`` and ``torch.save(model.state_dict())``)
+and ``optimizer.state_dict()`` wait for it; ``model.load_state_dict()`` and ``optimizer.load_state_dict()`` wait
+for it and, for the model, end the overlap as ``pipe.synchronize()`` does, so the loaded weights are the ones the
+next iteration computes with (the pipeline's hooks on the compiled model and, while the step runs, on its
+optimizers: :func:`watch_model`; copies of the model, pickled or deep-copied, carry hooks that do nothing). A run
+of another pipeline over the same parameters — ``forward_backward``, ``evaluate``, ``forward`` — waits for every
+step in flight over them (:func:`wait_for_steps`, keyed by the parameters' storage), so it never computes with
+half-stepped weights. A Ctrl-C waits for the step too (:mod:`rpcompile.interrupts`): the weights are stepped or
+not, never half, when the ``KeyboardInterrupt`` arrives; starting and collecting a step are never cut in half.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Mapping, Sequence
+import threading
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -32,9 +46,10 @@ from rpcompile.runtime.executor import PipelineError
 from rpcompile.runtime.weights import GradSink, WeightStore
 
 from .core.errors import ConfigError
+from .interrupts import deferred, finish_first, finished
 
 __all__ = ["SCHEDULED", "settings", "changed_setting", "optimizers_of", "schedulers_of", "step_now",
-           "ZeroGradShadow", "Overlap"]
+           "ZeroGradShadow", "Overlap", "wait_for_steps", "watch_model", "Hook"]
 
 #: The settings of a parameter group that lr schedulers set (``OneCycleLR`` and ``CyclicLR`` cycle the momentum
 #: too). Others are left out: some optimizers keep their own running values there (Prodigy's ``d``).
@@ -81,18 +96,20 @@ def schedulers_of(scheduler: Any) -> list[Any]:
 
 def step_now(optimizers: Sequence[Any], schedulers: Sequence[Any], scaler: Any = None) -> None:
     """The synchronous step: each optimizer's ``step()`` — ``scaler.step(o)`` for each then one
-    ``scaler.update()`` with an enabled ``GradScaler`` — then their ``zero_grad()``, then the schedulers."""
-    if scaler is not None and scaler.is_enabled():
+    ``scaler.update()`` with an enabled ``GradScaler`` — then their ``zero_grad()``, then the schedulers; a Ctrl-C
+    meanwhile is raised when all of it is done (:class:`~rpcompile.interrupts.deferred`)."""
+    with deferred():  # a Ctrl-C meanwhile is raised once every optimizer has stepped (rpcompile.interrupts)
+        if scaler is not None and scaler.is_enabled():
+            for o in optimizers:
+                scaler.step(o)  # skipped on inf/nan gradients; the scale adapts
+            scaler.update()
+        else:
+            for o in optimizers:
+                o.step()
         for o in optimizers:
-            scaler.step(o)  # skipped on inf/nan gradients; the scale adapts
-        scaler.update()
-    else:
-        for o in optimizers:
-            o.step()
-    for o in optimizers:
-        o.zero_grad(set_to_none=True)
-    for s in schedulers:
-        s.step()
+            o.zero_grad(set_to_none=True)
+        for s in schedulers:
+            s.step()
 
 
 class ZeroGradShadow:
@@ -130,6 +147,72 @@ class ZeroGradShadow:
                 real(*args, **kwargs)
 
 
+_IN_FLIGHT: "weakref.WeakSet[Overlap]" = weakref.WeakSet()
+"""Every :class:`Overlap` with a step not yet collected (:func:`wait_for_steps`)."""
+_STEP_THREAD = threading.local()  # .on: this thread runs an overlapped step (it must never wait for itself)
+
+
+def _keys(tensors: Iterable[torch.Tensor]) -> frozenset[int]:
+    """What identifies parameters across pipelines over one model: their storage (the same ``nn.Parameter``, or a
+    traced graph's tensor sharing it)."""
+    return frozenset(t.data_ptr() for t in tensors if t.device.type != "meta" and t.data_ptr())
+
+
+def wait_for_steps(tensors: Iterable[torch.Tensor], *, besides: Overlap | None = None) -> None:
+    """Wait for every overlapped step in flight over any of ``tensors`` (another pipeline's over the same model),
+    except ``besides``' (a pipeline's own step runs beside its next iteration by design)."""
+    others = [o for o in list(_IN_FLIGHT) if o is not besides and o.future is not None and not o.future.done()]
+    if not others or getattr(_STEP_THREAD, "on", False):
+        return
+    keys = _keys(tensors)
+    wait([f for o in others if o.keys & keys and (f := o.future) is not None])
+
+
+def _nothing(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+class Hook:
+    """A hook rpcompile sets on a user's model or optimizer: ``fn``, called as the hook; pickled or deep-copied
+    (``torch.save(model)``, ``copy.deepcopy(model)``), a hook that does nothing — the copy belongs to no pipeline,
+    and ``fn`` (a closure) would not pickle."""
+
+    def __init__(self, fn: Callable[..., None]) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        self.fn(*args, **kwargs)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Hook, (_nothing,))
+
+
+def watch_model(model: torch.nn.Module, overlap: Overlap, synchronize: Callable[[], None]) -> None:
+    """Hooks on the compiled ``model`` (module docstring): its ``state_dict()`` waits for ``overlap``'s step in
+    flight; its ``load_state_dict()`` calls ``synchronize`` first (the pipeline's ``synchronize``, held weakly),
+    which waits for the step and ends the overlap. They go when ``overlap`` (its pipeline) does."""
+    compiled, own, sync = weakref.ref(model), weakref.ref(overlap), weakref.WeakMethod(synchronize)
+
+    def before_save(module: torch.nn.Module, *args: Any) -> None:
+        o = own()
+        if module is compiled() and o is not None:
+            o.wait()
+
+    def before_load(module: torch.nn.Module, *args: Any) -> None:
+        s = sync()
+        if module is compiled() and s is not None and not getattr(_STEP_THREAD, "on", False):
+            s()
+
+    handles = [model.register_state_dict_pre_hook(Hook(before_save)),
+               model.register_load_state_dict_pre_hook(Hook(before_load))]
+    weakref.finalize(overlap, _remove, handles)
+
+
+def _remove(handles: Sequence[Any]) -> None:
+    for h in handles:
+        h.remove()
+
+
 class Overlap:
     """The overlapped step in flight (:attr:`future`) and the overlap it began, which lasts until :meth:`end`
     (``pipe.synchronize()``): the optimizers stepped overlapped since it began, the settings the step in flight
@@ -144,12 +227,19 @@ class Overlap:
         self._stepping: list[Any] = []
         self._given: list[Settings] = []
         self._shadow: ZeroGradShadow | None = None
+        self.keys: frozenset[int] = frozenset()
+        """The storage of the parameters the step in flight writes (:func:`wait_for_steps`)."""
+        self._hooks: list[Any] = []  # on the stepping optimizers' state_dict and load_state_dict
 
     def start(self, optimizers: Sequence[Any], schedulers: Sequence[Any], model: torch.nn.Module) -> None:
         """Submit ``optimizers``' step (then ``zero_grad``, then ``schedulers``) to the step thread, their
         parameters double-buffered, the next iteration's gradients held aside and ``zero_grad`` of the optimizers
         and ``model`` shadowed until the step is collected."""
         self.check_idle()
+        with deferred():  # never half begun: a Ctrl-C meanwhile is raised once the step is submitted
+            self._start(optimizers, schedulers, model)
+
+    def _start(self, optimizers: Sequence[Any], schedulers: Sequence[Any], model: torch.nn.Module) -> None:
         for o in optimizers:
             self.weights.begin_overlap(o)
         self.grads.hold(True)  # the next iteration's gradients wait beside .grad, which the step reads
@@ -203,11 +293,25 @@ class Overlap:
         self._stepping, self._given = list(optimizers), [settings(o) for o in optimizers]
         self._shadow = ZeroGradShadow(shadow)
         try:
-            self.future = self._stepper.submit(fn)
+            self.future = future = self._stepper.submit(_on_step_thread, fn)
         except BaseException:  # (a pool shut down): nothing was shadowed
             self._shadow.restore(replay=False)
             self._shadow = None
             raise
+        # whoever reads or writes what the step writes waits for it (module docstring)
+        self.keys = _keys(p for o in optimizers for g in o.param_groups for p in g["params"])
+        _IN_FLIGHT.add(self)
+        finish_first(future)
+        for o in optimizers:
+            if hasattr(o, "register_state_dict_pre_hook"):  # torch.optim optimizers
+                self._hooks += [o.register_state_dict_pre_hook(Hook(lambda *_: self.wait())),
+                                o.register_load_state_dict_pre_hook(Hook(lambda *_: self.wait()))]
+
+    def wait(self) -> None:
+        """Wait for the step in flight, if any, without collecting it (not on the step's own thread)."""
+        future = self.future
+        if future is not None and not getattr(_STEP_THREAD, "on", False):
+            wait([future])
 
     def stale_copies(self) -> dict[str, torch.Tensor]:
         """The copies the next iteration computes with, while a step no iteration has run beside is in flight
@@ -223,9 +327,19 @@ class Overlap:
         """Wait for the step in flight, if any: its weights become the ones the devices upload and the
         ``zero_grad`` calls made meanwhile run. A step that raised, or raced with a settings change, raises a
         :class:`PipelineError` after ending the overlap (module docstring)."""
-        if self.future is None:
+        future = self.future
+        if future is None:
             return
-        future, self.future = self.future, None
+        wait([future])  # (a second Ctrl-C here leaves with nothing changed)
+        with deferred():  # never half collected
+            self._collect(future)
+
+    def _collect(self, future: Future[tuple[list[Settings], list[Settings]]]) -> None:
+        self.future = None
+        _IN_FLIGHT.discard(self)
+        finished(future)
+        _remove(self._hooks)
+        self._hooks = []
         shadow, self._shadow = self._shadow, None
         try:
             used, left = future.result()
@@ -252,15 +366,25 @@ class Overlap:
         """Back to synchronous steps (``pipe.synchronize()``): the step collected, the held gradients in
         ``.grad``, the double buffers gone."""
         self.collect()
-        if self.optimizers:
-            self.grads.install()
-            self.grads.hold(False)
-            self._end(failed=False)
+        with deferred():
+            if self.optimizers:
+                self.grads.install()
+                self.grads.hold(False)
+                self._end(failed=False)
 
     def _end(self, *, failed: bool) -> None:
         for o in self.optimizers or [None]:
             self.weights.end_overlap(o, failed=failed)
         self.optimizers = []
+
+
+def _on_step_thread(fn: Callable[[], Any]) -> Any:
+    """``fn()`` on the step's thread, marked as such: hooks it meets there do not wait for the step itself."""
+    _STEP_THREAD.on = True
+    try:
+        return fn()
+    finally:
+        _STEP_THREAD.on = False
 
 
 def _changed(optimizers: Sequence[Any], given: list[Settings], used: list[Settings], left: list[Settings]) -> str:

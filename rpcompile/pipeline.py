@@ -20,7 +20,10 @@ Contracts
   (HF models given ``labels=``), each microbatch weighted by its labels (shifted ones for a causal LM).
 - **Gradients** accumulate into the original parameters' ``.grad`` (fp32, CPU) across calls, as eager PyTorch does;
   frozen parameters (``requires_grad=False``) get none and are never sent back. A parameter used by several stages
-  (tied embeddings) receives the sum.
+  (tied embeddings) receives the sum. An input that requires grad gets eager's gradient: the stages run a program
+  split with it among the values that carry gradients (made once per set of such inputs), its microbatches'
+  gradients come home and go on through the caller's autograd graph (``x.grad`` of a leaf, a soft prompt's
+  parameter); data-parallel, each rank's inputs get their own.
 - **Weights.** The fp32 masters stay in the model on the CPU; the devices upload copies in the compute precision
   (pinned for GPUs), made once per optimizer step (:mod:`rpcompile.runtime.weights`): any ``torch.optim``
   optimizer's ``step()`` marks its parameters' copies stale (a global step hook), as does an in-place change of a
@@ -31,13 +34,21 @@ Contracts
   :meth:`Pipeline.step` — which with ``overlap=True`` runs the step beside the next ``forward_backward``: that
   iteration then computes with the weights from before the step (one step stale, as RoundPipe's
   ``is_async=True``; ``zero_grad()`` in the loop stays safe), see :meth:`Pipeline.step` and :mod:`.overlap`.
-- **Buffers** (BatchNorm statistics) are updated once per microbatch by the real forward pass, never by
-  recomputation: the pipeline equals eager training with gradient accumulation over the same microbatches.
+- **Buffers** a forward writes (BatchNorm statistics, a counter or running mean updated under ``torch.no_grad()``)
+  are updated once per microbatch by the real forward pass — of ``forward_backward``, ``evaluate`` and
+  ``forward`` alike — never by recomputation: the pipeline equals eager over the same microbatches one after the
+  other (gradient accumulation), so a counter of forward calls counts microbatches. Compiling writes none
+  (:func:`rpcompile.trace` puts back what fx ran on them), and a buffer no forward writes keeps its own bits.
 - **Randomness** (dropout) is seeded per (iteration, node, microbatch): recomputation replays the forward's masks
   (saved segments keep them), and results do not depend on the number of devices.
 - **fp16** uses loss scaling through ``torch.amp.GradScaler("cpu")`` (pass ``scaler=``): the loss is multiplied by
   the scaler's scale, master gradients arrive scaled, and ``scaler.step(optimizer)`` / ``scaler.update()`` skip the
   step and lower the scale on overflow, raising it after a run of good steps — the standard torch contract.
+- **Callers.** One call at a time: a call from a second thread while another thread's runs is refused in one line
+  (:class:`~rpcompile.core.errors.ConcurrentCallError`, :mod:`rpcompile.callers`); an overlapped step in flight is
+  waited for by whatever reads or writes what it writes (the model's and the optimizer's ``state_dict`` and
+  ``load_state_dict``, another pipeline's runs over the same parameters; :mod:`rpcompile.overlap`); a Ctrl-C never
+  leaves a step half done (:mod:`rpcompile.interrupts`).
 - **Checkpoints.** :meth:`Pipeline.state_dict` holds what the pipeline adds to the model's and the optimizer's
   state — the iteration that seeds dropout, the scaler's state, an overlapped step's stale copies — so a run
   resumed from all three (:func:`rpcompile.save_checkpoint` / :func:`rpcompile.load_checkpoint`, atomic and
@@ -58,8 +69,11 @@ import torch.fx as fx
 from rpcompile.passes.codegen import write_stages
 from rpcompile.passes.loss_head import HEAD_CLASSES_META, TARGET
 from rpcompile.passes.split import split_plan
+from rpcompile.runtime.bind import bind
 from rpcompile.runtime.executor import Executor, PipelineError
+from rpcompile.runtime.values import ValueStore
 
+from .callers import OneCaller, one_call
 from .batches import (call_batch, checked_accumulation, microbatch_store, microbatch_weights, microbatches_of,
                       output_classes)
 from .checkpoint import CheckpointError, check_pipeline_state, pipeline_state
@@ -67,6 +81,7 @@ from .compiled_model import CompiledModel
 from .core.batch import joined, split_microbatches
 from .core.errors import ConfigError, LossFnError, RPCompileError
 from .core.plan import Plan
+from .core.program import Program
 from .core.schedule import round_robin
 from .distributed import DataParallel, RankCalls
 from .gpu_memory import gpu_memory_limit, offload_budget
@@ -74,7 +89,8 @@ from .host_memory import check_host_memory
 from .loss_weighting import (IGNORE_INDEX, BatchLoss, _checked_weight, _shifts_labels, loss_weights, own_loss,
                              shifted_tokens)
 from .oom import out_of_memory
-from .overlap import Overlap, optimizers_of, schedulers_of, step_now
+from .interrupts import deferred
+from .overlap import Overlap, optimizers_of, schedulers_of, step_now, wait_for_steps, watch_model
 from .signature import InputSignature, check_call_mode
 
 __all__ = ["Pipeline",
@@ -108,6 +124,7 @@ class Pipeline:
         """The model's parameters and modes as compiled: :meth:`check_model` compares every call's with them."""
         self.microbatches = plan.microbatches
         self.program = split_plan(plan, gm)
+        self._input_grad_programs: dict[frozenset[str], Program] = {}  # by the inputs whose gradients they send home
         self.schedule = round_robin([s.kind for s in plan.stages], len(self.devices), self.microbatches)
         self._schedules = {self.microbatches: self.schedule}
         params = {n: p for n, p in gm.named_parameters()}
@@ -124,6 +141,10 @@ class Pipeline:
         self.executor.seed = torch.initial_seed()  # dropout masks follow torch.manual_seed, as eager's do
         self._overlap = Overlap(self.executor.weights, self.executor.grads)
         """The overlapped optimizer step in flight and the overlap it began (:meth:`step`, :mod:`.overlap`)."""
+        watch_model(model, self._overlap, self.synchronize)  # model.state_dict / load_state_dict wait for it
+        self.callers = OneCaller()
+        """Which thread is inside a call now: a second thread's call meanwhile is refused (:mod:`.callers`)."""
+        self._masters = list(params.values())  # what another pipeline's overlapped step may be writing
         for d, device in enumerate(self.devices):  # GPUs send hand-offs and saved activations down behind the compute
             if device.torch_device.type == "cuda" and device.offloader is None:
                 budget = offload_budget(plan, d, len(self.devices))
@@ -150,12 +171,14 @@ class Pipeline:
         weight copies, upload casts, gradients (:class:`rpcompile.runtime.weights.HostTraffic`; DMA not counted)."""
         return dict(self.executor.traffic.bytes)
 
+    @one_call
     def refresh_weights(self) -> None:
         """Remake the devices' copies of every weight from the masters — needed only after edits through
         ``p.data``, which no version counter sees (module docstring)."""
         self.synchronize()
         self.executor.weights.refresh()
 
+    @one_call
     def step(self, optimizer: Any, *, overlap: bool = False, scheduler: Any = None) -> None:
         """``optimizer.step()`` then ``optimizer.zero_grad()`` — through the pipeline's ``GradScaler`` when it has
         one (``scaler.step(optimizer); scaler.update()``) — then ``scheduler.step()`` when one is given (an lr
@@ -206,6 +229,7 @@ class Pipeline:
                               "while the next iteration runs): use precision='bf16', or overlap=False")
         self._overlap.start(optimizers, schedulers, self.model)
 
+    @one_call
     def synchronize(self) -> None:
         """Wait for an overlapped optimizer step (:meth:`step`) and go back to synchronous steps: afterwards the
         masters, ``.grad`` and the device copies all agree."""
@@ -225,6 +249,7 @@ class Pipeline:
         """The optimizers stepped overlapped since the overlap began; None: synchronous steps."""
         return self._overlap.optimizers or None
 
+    @one_call
     def state_dict(self) -> dict[str, Any]:
         """The pipeline's own training state — the iteration that seeds dropout, the GradScaler's state, the
         weights an overlapped step left for the next iteration — which, with the model's and the optimizer's
@@ -245,6 +270,7 @@ class Pipeline:
             raise CheckpointError("this pipeline state was saved right after step(optimizer, overlap=True): pass "
                                   "load_state_dict(state, optimizer=optimizer), its state loaded first")
 
+    @one_call
     def load_state_dict(self, state: Mapping[str, Any], *, optimizer: Any = None, exact: bool = True) -> None:
         """Continue from :meth:`state_dict`, after the model's and the optimizer's ``load_state_dict``. A state
         saved right after ``step(optimizer, overlap=True)`` needs that ``optimizer`` (a list of them after
@@ -255,12 +281,13 @@ class Pipeline:
         self.check_state_dict(state, optimizer=optimizer, exact=exact)
         stale = state["stale_weights"] if exact else {}
         self.synchronize()
-        self.iteration = int(state["iteration"])
-        self.dropout_seed = state.get("dropout_seed")  # None: a version-1 state, drawn without one
-        if state["scaler"] is not None and self.scaler is not None and self.scaler.is_enabled():
-            self.scaler.load_state_dict(state["scaler"])
-        if stale:
-            self._overlap.resume(optimizers_of(optimizer), stale)
+        with deferred():  # all of it or, with a Ctrl-C before it began, none
+            self.iteration = int(state["iteration"])
+            self.dropout_seed = state.get("dropout_seed")  # None: a version-1 state, drawn without one
+            if state["scaler"] is not None and self.scaler is not None and self.scaler.is_enabled():
+                self.scaler.load_state_dict(state["scaler"])
+            if stale:
+                self._overlap.resume(optimizers_of(optimizer), stale)
 
     @property
     def dropout_seed(self) -> int | None:
@@ -285,6 +312,7 @@ class Pipeline:
             self._schedules[m] = round_robin([s.kind for s in self.plan.stages], len(self.devices), m)
         return self._schedules[m]
 
+    @one_call
     def forward_backward(self, *inputs: Any, target: Any = None, loss_scale: float = 1.0,
                          num_items: float | None = None, **kwargs: Any) -> torch.Tensor:
         """One training iteration's forward and backward over the whole batch; returns the batch's loss: the mean
@@ -312,20 +340,34 @@ class Pipeline:
         or whose mode the stages cannot run; returns the mode they run in (:mod:`rpcompile.compiled_model`: a
         model traced in train mode and then put in eval mode runs its dropouts switched off). Calls check first."""
         training = self.compiled.check()
-        program = self.executor.program  # the stages' modules, and those of the saved segments they call
-        self.compiled.follow([prog.gm for prog in program.stages] + [seg.gm for seg in program.saved])
+        for program in (self.executor.program, *self._input_grad_programs.values()):
+            # the stages' modules, and those of the saved segments they call
+            self.compiled.follow([prog.gm for prog in program.stages] + [seg.gm for seg in program.saved])
         return training
+
+    def _program_for(self, inputs: frozenset[str]) -> Program:
+        """The plan split again so that the gradients of these inputs (placeholders) come home too — made, and
+        bound, the first time a call's inputs require grad."""
+        if inputs not in self._input_grad_programs:
+            program = bind(split_plan(self.plan, self.gm, input_grads=inputs))
+            self.compiled.follow([prog.gm for prog in program.stages] + [seg.gm for seg in program.saved])
+            self._input_grad_programs[inputs] = program
+        return self._input_grad_programs[inputs]
 
     def _forward_backward(self, inputs: Sequence[Any], target: Any, kwargs: dict[str, Any],
                           accumulation: tuple[float, float | None] = (1.0, None)) -> torch.Tensor:
         check_call_mode("forward_backward", self.precision)
         self.executor.training = self.check_model()
+        wait_for_steps(self._masters, besides=self._overlap)  # another pipeline's over the same parameters
         total_of = None if self._rank is None else self._rank.global_total  # data-parallel: over every rank
-        store, m, loss_of, targets = call_batch(self, "forward_backward", inputs, target, kwargs, total_of=total_of,
-                                                accumulation=accumulation)
+        store, m, loss_of, targets, wanted = call_batch(self, "forward_backward", inputs, target, kwargs,
+                                                        total_of=total_of, accumulation=accumulation)
         scale = 1.0
         if self.scaler is not None and self.scaler.is_enabled():
             scale = float(self.scaler.scale(torch.ones(())))  # also starts the scaler's bookkeeping
+        main = self.executor.program
+        if wanted:  # inputs that require grad: the stages that read them send their gradients home too
+            self.executor.program = self._program_for(frozenset(wanted))
         try:
             losses = self.executor.run(self._schedule(m), store, iteration=self.iteration, loss_fn=loss_of,
                                        targets=targets, grad_scale=scale)
@@ -333,13 +375,17 @@ class Pipeline:
             if self._step is not None:
                 wait([self._step])
             self._reraise(e)
-        self.iteration += 1
-        loss = torch.stack(losses).sum()
-        if self._rank is not None:  # data-parallel: the gradients summed across the ranks, the whole batch's loss
-            loss = self._rank.reduced(loss)
-        if self._overlap_optimizer is not None:  # the step beside this iteration is done: its gradients to .grad
-            self._finish_step()
-            self.executor.grads.install()
+        finally:
+            self.executor.program = main
+        with deferred():  # a Ctrl-C from here on is raised once the iteration is wholly done
+            _input_gradients(store, m, wanted)
+            self.iteration += 1
+            loss = torch.stack(losses).sum()
+            if self._rank is not None:  # data-parallel: the gradients summed across the ranks, the batch's loss
+                loss = self._rank.reduced(loss)
+            if self._overlap_optimizer is not None:  # the step beside this iteration is done: its gradients to .grad
+                self._finish_step()
+                self.executor.grads.install()
         return loss
 
     def _reraise(self, e: BaseException) -> NoReturn:
@@ -354,6 +400,7 @@ class Pipeline:
                 raise e.__cause__ from None
         raise e
 
+    @one_call
     @torch.no_grad()
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Evaluation: the model's output for the whole batch, computed as :meth:`forward_backward` splits it —
@@ -364,6 +411,7 @@ class Pipeline:
         (``model.eval()``, the usual way to evaluate) it uses its running statistics, as eager does."""
         check_call_mode("forward", self.precision)
         self.executor.training = self.check_model()
+        wait_for_steps(self._masters, besides=self._overlap)
         # the in-graph loss's target rides along
         target = {TARGET: kwargs.pop(TARGET)} if self.loss_in_graph and TARGET in kwargs else {}
         if self.signature is not None:  # the inputs as compiled (signature.py)
@@ -381,6 +429,7 @@ class Pipeline:
             if self.loss_fn is None or target else sizes
         return joined(outputs, weights)
 
+    @one_call
     @torch.no_grad()
     def evaluate(self, *inputs: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
         """The batch's loss without gradients: what :meth:`forward_backward` returns, computed as it does — the
@@ -392,7 +441,8 @@ class Pipeline:
         step; :meth:`synchronize` first for the stepped ones."""
         check_call_mode("evaluate", self.precision)
         self.executor.training = self.check_model()
-        store, m, loss_of, targets = call_batch(self, "evaluate", inputs, target, dict(kwargs))
+        wait_for_steps(self._masters, besides=self._overlap)
+        store, m, loss_of, targets, _ = call_batch(self, "evaluate", inputs, target, dict(kwargs))
         try:
             losses = self.executor.run_forward(store, iteration=self.iteration, microbatches=m, loss_fn=loss_of,
                                                targets=targets)
@@ -403,3 +453,21 @@ class Pipeline:
     def codegen(self, directory: str | os.PathLike) -> list[Path]:
         """Write each stage's generated Python into ``directory``; returns the files."""
         return write_stages(self.program, self.plan, directory)
+
+
+def _input_gradients(store: ValueStore, m: int, inputs: Mapping[str, torch.Tensor]) -> None:
+    """The gradients of the inputs that require grad, from their ``m`` microbatches' (``store``), as eager's
+    ``loss.backward()`` leaves them: accumulated into a leaf's ``.grad``, or on through the autograd graph that
+    made the input (a soft prompt's parameters), in the input's dtype. A microbatch whose stages used no gradient
+    of it adds zeros; an input no stage differentiated through keeps ``.grad`` None, as in eager."""
+    for name, x in inputs.items():
+        parts = [store.grad(name, j) for j in range(m)]
+        if all(g is None for g in parts):
+            continue
+        if x.dim() == 0 or m == 1:  # one value every microbatch read (not split): the sum of their gradients
+            grad = sum((g.to(x.dtype) for g in parts if g is not None), torch.zeros_like(x))
+        else:
+            rows = torch.tensor_split(x.detach(), m)
+            grad = torch.cat([g.to(x.dtype) if g is not None else torch.zeros_like(r) for g, r in zip(parts, rows)])
+        with torch.enable_grad():
+            torch.autograd.backward([x], [grad.reshape(x.shape)])

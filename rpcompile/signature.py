@@ -202,8 +202,8 @@ class InputSignature:
     def check_target(self, target: Any, args: Sequence[Any], kwargs: Mapping[str, Any], *, needed: bool,
                      used: bool = True, call: str = "forward_backward") -> None:
         """Refuse a missing target where the loss needs one, a target no loss reads (``used=False``: the model
-        computes its own), one that is not a tensor (it would not be split into microbatches), and one whose
-        batch size differs from the inputs'."""
+        computes its own), a list or array of numbers (it would not be split into microbatches), and one whose
+        batch size differs from the inputs' — for a target holding tensors (a tuple, a dict), any of them."""
         if target is not None and not used:
             raise InputError("target= is given but the pipeline has no loss_fn: with loss_fn=None the model computes "
                              "its own loss from the labels it was compiled with; pass them as labels=..., or compile "
@@ -218,6 +218,7 @@ class InputSignature:
             raise InputError(f"target is a {type(target).__name__}, not a tensor: it would not be split into "
                              "microbatches with the inputs; pass a tensor (torch.as_tensor(target))")
         if not isinstance(target, torch.Tensor):
+            self._check_target_leaves(target, args, kwargs)
             return
         if self.target is not None:
             self._check_tensor("target", target, self.target)
@@ -233,6 +234,24 @@ class InputSignature:
         if self.target_follows_seq and seq is not None and target.dim() > 1 and target.shape[1] != seq:
             raise InputError(f"target has sequence length {target.shape[1]} but the inputs have {seq} (dim 1), and "
                              "the compile example's target had one label per token; pass the target of this batch")
+
+
+    def _check_target_leaves(self, target: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+        """A target that holds tensors — ``(values, row weights)``, a dict — is split into microbatches as the
+        inputs are (every tensor along dim 0): each of them must have the inputs' rows. A constant of the loss
+        (class weights) would be split too, or refused: it belongs in ``loss_fn``."""
+        rows = next((v.shape[0] for v in tensor_leaves((tuple(args), dict(kwargs))) if v.dim() > 0), None)
+        for path, leaf in pytree.tree_flatten_with_path(target)[0]:
+            if not isinstance(leaf, torch.Tensor):
+                continue
+            where = f"target{pytree.keystr(path)}"
+            if leaf.device.type not in self.devices:
+                raise InputError(f"{where} is on {leaf.device} but the pipeline takes inputs on "
+                                 f"{' or '.join(sorted(self.devices))}; move it there ({where}.to('cpu'))")
+            if rows is not None and leaf.dim() > 0 and leaf.shape[0] != rows:
+                raise InputError(f"{where} has batch size {leaf.shape[0]} but the inputs have {rows} rows (dim 0): "
+                                 "each tensor of a target is split into microbatches with the inputs; pass this "
+                                 "batch's rows (a constant such as class weights belongs in loss_fn)")
 
 
 _PRECISIONS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -303,6 +322,12 @@ def check_compile_arguments(model: Any, example_inputs: Any, example_kwargs: Map
     if isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):  # torch.compile's OptimizedModule
         raise ConfigError(f"model is a torch.compile wrapper ({type(model).__name__}): rpcompile compiles the model "
                           "itself, into stages of its own; pass the module it wraps, model._orig_mod")
+    meta = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.device.type == "meta"]
+    if meta:  # no values to train: a stage would fail on torch's device error at the first call
+        raise ConfigError(f"model has {len(meta)} parameter(s) or buffer(s) on the meta device (e.g. {meta[0]}), "
+                          "which hold no values to train; load its weights first (model.to_empty(device='cpu') then "
+                          "load_state_dict(...), or from_pretrained without a meta device_map) — rpcompile.plan "
+                          "plans a model on the meta device")
     _warn_16_bit_masters(model)
     if loss_fn is not None and not callable(loss_fn):
         raise ConfigError(f"loss_fn={loss_fn!r} is not callable; pass a function loss_fn(output, target) -> scalar "

@@ -143,16 +143,14 @@ class Executor:
         self._resident_bytes = 0  # what the last call kept went with its store
         # Device 0 runs on the calling thread: a fresh thread would start its own OpenMP team while the caller's
         # idles (spinning) on the same cores, which made one-device CPU steps ~2× slower than eager.
-        workers = [threading.Thread(target=self._worker, args=(d, acts), name=f"rpcompile-dev{d}", daemon=True)
-                   for d, acts in enumerate(schedule) if d > 0]
+        workers = [_Thread(self._worker, (d, acts), f"rpcompile-dev{d}") for d, acts in enumerate(schedule) if d > 0]
         threads = torch.get_num_threads()
         cpu_workers = sum(1 for d in self.devices if d.torch_device.type == "cpu")
         rows: dict[tuple[str, int], Future[torch.Tensor]] = {
             (h.value, j): Future() for h in self.program.host for j in range(self.microbatches)}
         for (name, j), future in rows.items():  # in the store before any stage may look for them
             store.put(name, j, future)
-        host = [threading.Thread(target=self._host, args=(store, rows), name="rpcompile-host", daemon=True)] \
-            if self.program.host else []
+        host = [_Thread(self._host, (store, rows), "rpcompile-host")] if self.program.host else []
         self.grads.begin()
         try:
             if cpu_workers > 1:  # logical CPU devices share the cores: more intra-op threads than cores thrash
@@ -185,13 +183,13 @@ class Executor:
         for ev in self.done.values():
             ev.set()
 
-    def _join(self, threads: Sequence[threading.Thread]) -> None:
+    def _join(self, threads: Sequence[_Thread]) -> None:
         """Wait for the call's threads. A Ctrl-C meanwhile stops them (each finishes the action it is in) and is
         re-raised once they have; a second Ctrl-C while they stop returns at once."""
         for t in threads:
-            while t.is_alive():
+            while not t.ended.is_set():
                 try:
-                    t.join()
+                    t.ended.wait()
                 except KeyboardInterrupt as e:
                     if any(isinstance(f, KeyboardInterrupt) for f in self.failed):
                         raise
@@ -284,8 +282,9 @@ class Executor:
                     targets: Sequence[Any] | None = None) -> list[Any]:
         """Evaluation, without autograd: the forward and fused stages in order, each stage's weights uploaded once
         — the next stage's going up while this one computes, as in training — and its microbatches run in turn (a
-        stage holds one microbatch's values at a time, as planned); a batch norm's statistics come home after the
-        last, as in training (train mode: eager's forward updates them too). Returns per
+        stage holds one microbatch's values at a time, as planned); the buffers a forward wrote (a train-mode
+        batch norm's statistics, a counter) come home after the last, as in training — eager's forward writes them
+        too. Returns per
         microbatch the model's output on the host, or, with ``loss_fn``, ``loss_fn(output, targets[j], j)``
         computed on the fused stage's device (the output never comes home). A failure raises one
         :class:`PipelineError` naming the stage, device and microbatch, as :meth:`run` does."""
@@ -314,8 +313,8 @@ class Executor:
                     act = Action(prog.index, "F", j)
                     results.append(self._evaluate(device, prog, state, j, loss_fn, targets))
                 act = None
-                if self.training or any(m.training for m in list(prog.gm.modules())[1:]):  # a train-mode BN's
-                    stage_call.writeback_buffers(device, state, self.buffers)  # statistics (eval changes none)
+                # what the forward wrote (a train-mode BN's statistics; a counter in any mode), as eager's forward
+                stage_call.writeback_buffers(device, state, self.buffers)
             except BaseException as e:  # noqa: BLE001 - one line naming the stage, as a training call's failure
                 if ahead is not None:
                     wait([ahead])  # the next stage's upload lands before the caller sees the failure
@@ -452,6 +451,23 @@ class Executor:
                 if isinstance(v, torch.Tensor) and v.requires_grad and v.grad is not None:
                     stays = name not in self._host_values and self._stays(v.grad)  # the host adds those
                     self.store.add_grad(name, mb, v.grad if stays else device.handoff(v.grad))
+
+
+class _Thread(threading.Thread):
+    """A daemon thread of a call that says when it has ended (:attr:`ended`). Waited for with the event, never
+    ``join``: a ``join`` that a Ctrl-C interrupts marks the thread as ended while it still runs (CPython's
+    ``_wait_for_tstate_lock``), and the call would settle beside a worker still at work."""
+
+    def __init__(self, target: Callable[..., None], args: tuple[Any, ...], name: str) -> None:
+        super().__init__(name=name, daemon=True)
+        self._call, self._call_args = target, args
+        self.ended = threading.Event()
+
+    def run(self) -> None:
+        try:
+            self._call(*self._call_args)
+        finally:
+            self.ended.set()
 
 
 def _next_weights(actions: Sequence[Action]) -> dict[int, int]:

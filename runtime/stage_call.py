@@ -38,7 +38,8 @@ __all__ = [
 #: from it).
 _BEFORE = "{}::before"
 
-#: Per stage index: ``(module._parameters or ._buffers, key, canonical name, is_param)`` per attribute, or None.
+#: Per stage program (by identity: a program split for input gradients has stage modules of its own):
+#: ``(module._parameters or ._buffers, key, canonical name, is_param)`` per attribute, or None.
 SlotCache = dict[int, list[tuple[dict, str, str, bool]] | None]
 
 
@@ -77,12 +78,19 @@ def upload(device: Device, prog: StageProgram, weights: WeightStore, masters: di
 
 
 def writeback_buffers(device: Device, state: StageState, host_buffers: dict[str, torch.Tensor]) -> None:
-    """After a real forward's last microbatch: device copies of buffers (BatchNorm statistics) go home."""
+    """After a real forward's last microbatch: the device copies of the buffers it wrote (BatchNorm statistics, a
+    counter a forward increments under ``no_grad``) go home. A copy in the compute precision that still equals its
+    master cast to it is left out: nothing wrote it, and copied home it would round an fp32 buffer (version counters
+    cannot tell: a batch norm's kernel writes its statistics without moving them)."""
     for name, t in state.buffers.items():
         master = host_buffers[name]
-        if t is not master:
-            with torch.no_grad():
-                master.copy_(device.download(t))
+        if t is master:
+            continue
+        home = device.download(t)
+        with torch.no_grad():
+            if home.dtype != master.dtype and torch.equal(home, master.to(home.dtype)):
+                continue
+            master.copy_(home)
 
 
 def download_grads(device: Device, prog: StageProgram, state: StageState, sink: GradSink) -> None:
@@ -183,7 +191,8 @@ def buffers_before(device: Device, prog: StageProgram, mb: int, store: ValueStor
 
 def _slots(prog: StageProgram, cache: SlotCache) -> list[tuple[dict, str, str, bool]] | None:
     """``(module._parameters or ._buffers, key, canonical name, is_param)`` per attribute of the stage, cached."""
-    if prog.index not in cache:
+    ident = id(prog)  # programs live as long as their pipeline: an identity is never reused meanwhile
+    if ident not in cache:
         slots: list[tuple[dict, str, str, bool]] | None = []
         for attrs, is_param in ((prog.params, True), (prog.buffers, False)):
             for attr, name in attrs.items():
@@ -197,8 +206,8 @@ def _slots(prog: StageProgram, cache: SlotCache) -> list[tuple[dict, str, str, b
                 slots.append((table, key, name, is_param))
             if slots is None:
                 break
-        cache[prog.index] = slots
-    return cache[prog.index]
+        cache[ident] = slots
+    return cache[ident]
 
 
 def output_grads(device: Device, prog: StageProgram, outs: Any, mb: int, store: ValueStore) -> tuple[list, list]:

@@ -28,6 +28,7 @@ from rpcompile.cli import main
 from rpcompile.core.errors import (ConfigError, InputError, LossFnError, ModelChangedError, PlanFileError,
                                    PlanMismatchError, RPCompileError)
 from rpcompile.core.plan import Plan
+from rpcompile.host_memory import HostMemoryError
 
 from _hf import hf_model
 from _hf import token_loss as token_loss_hf
@@ -47,6 +48,18 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.b(self.a(x).relu())
+
+
+class Huge(nn.Module):
+    """A forward whose intermediate is ~2**55 bytes (6 rows of 16 features broadcast over 2**24 × 2**24)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)[..., None, None].expand(-1, -1, 2**24, 2**24)
+        return (h * 2).sum((-1, -2))[:, :4]
 
 
 def token_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -178,6 +191,14 @@ MLP_ROWS: list[Row] = [
     ("target trailing dims", lambda p: p.forward_backward(X, target=torch.randn(6, 5)), InputError,
      r"^target has shape \(6, 5\) but the pipeline was compiled for \(batch, 4\)"),
     ("target on meta", lambda p: p.forward_backward(X, target=Y.to("meta")), InputError, r"^target is on meta"),
+    # every tensor of a tuple or dict target is split with the inputs (issue 36: one-row microbatches broadcast)
+    ("tuple target batch size", lambda p: p.forward_backward(X, target=(Y, torch.ones(4))), InputError,
+     r"^target\[1\] has batch size 4 but the inputs have 6 rows \(dim 0\): each tensor of a target is split into "
+     r"microbatches with the inputs; pass this batch's rows \(a constant such as class weights belongs in "
+     r"loss_fn\)$"),
+    ("dict target on meta", lambda p: p.forward_backward(X, target={"y": Y, "w": torch.ones(6, device="meta")}),
+     InputError, r"^target\['w'\] is on meta but the pipeline takes inputs on cpu; move it there "
+                 r"\(target\['w'\]\.to\('cpu'\)\)$"),
     ("num_items below the batch's", lambda p: p.forward_backward(X, target=Y, num_items=4), ConfigError,
      r"^num_items=4 but this batch alone averages over 6 \(its real tokens, or rows\): pass the count over every "
      r"batch the gradients accumulate over$"),
@@ -406,6 +427,17 @@ COMPILE_ROWS: list[Row] = [
      r"^example input 0 is a ndarray of numbers, not a tensor"),
     ("example kwarg a list", _c(devices=["cpu"], example=(), example_kwargs={"x": X.tolist()}), ConfigError,
      r"^example_kwargs\['x'\] is a list of numbers, not a tensor"),
+    # issue 36: torch's device error from inside a stage at the first call; the allocator's raw error while
+    # compile measured the example (an allocation no machine can make: past the 47-bit address space)
+    ("model on the meta device", _c(devices=["cpu"], model=nn.Linear(8, 4, device="meta")), ConfigError,
+     r"^model has 2 parameter\(s\) or buffer\(s\) on the meta device \(e\.g\. weight\), which hold no values to "
+     r"train; load its weights first \(model\.to_empty\(device='cpu'\) then load_state_dict\(\.\.\.\), or "
+     r"from_pretrained without a meta device_map\) — rpcompile\.plan plans a model on the meta device$"),
+    ("host memory runs out while compiling", _c(devices=["cpu"], model=Huge(), head_chunks=1, spec=None),
+     HostMemoryError, r"^compile ran out of host memory: an allocation of [\d.]+ \w+ failed in passes/\w+\.py "
+                      r"\(\w+\)(; [\d.]+ \w+ available)?; free host memory, or give compile less to do: an example "
+                      r"batch no larger than one step's \(it is run once, node by node, to measure costs\), or "
+                      r"spec='rtx4090' \(any GPU spec\) for analytic costs that run nothing$"),
     ("plan file for another model", _c(devices=["cpu", "cpu"], plan=lambda p: p["good"]), PlanMismatchError,
      r"^plan was made for a different model.*; re-plan for this model$"),
     ("plan file missing", _c(devices=["cpu"], plan=lambda p: p["missing"]), PlanFileError,

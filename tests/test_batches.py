@@ -239,3 +239,105 @@ def test_the_built_in_decoders_train_every_batch_size_and_length_like_eager(name
 def token_loss_plain(logits, target):
     """Mean token cross-entropy of plain logits, padding (-100) ignored."""
     return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+
+
+def _row_weighted(out, target):
+    """A loss whose target is a tuple: (values, a weight per row); the mean over the rows of the weighted error."""
+    values, weights = target
+    return (((out - values) ** 2).mean(1) * weights).mean()
+
+
+@pytest.mark.parametrize("rows", [3, 6, 4], ids=["one-row-microbatches", "two-row", "uneven"])
+def test_a_tuple_target_is_split_with_the_inputs_and_gives_eager_s_loss(rows):
+    """A target of (values, row weights): every tensor in it is split into microbatches along dim 0 as the inputs
+    are. With one-row microbatches the old code gave each microbatch the whole tuple, which broadcast against its
+    one row to a silently wrong loss (with two or more rows it was refused by the loss's shape error)."""
+    from test_bad_inputs import MLP
+
+    torch.manual_seed(0)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    x, values, weights = torch.randn(6, 8), torch.randn(6, 4), torch.rand(6)
+    pipe = rpcompile.compile(model, (x,), loss_fn=_row_weighted, devices=["cpu", "cpu"], microbatches=3,
+                             spec=FINE_CPU, time_limit_s=1.0, head_chunks=1)
+    target = (values[:rows], weights[:rows])
+    with torch.no_grad():
+        torch.testing.assert_close(pipe.evaluate(x[:rows], target=target), _row_weighted(ref(x[:rows]), target),
+                                   **TOL)
+    assert_step_matches_eager(pipe, model, ref, _row_weighted, x[:rows], target=target)
+    dict_pipe = rpcompile.compile(model, (x,), loss_fn=lambda out, t: _row_weighted(out, (t["v"], t["w"])),
+                                  devices=["cpu", "cpu"], microbatches=3, plan=pipe.plan)
+    with torch.no_grad():  # a dict target likewise
+        torch.testing.assert_close(dict_pipe.evaluate(x[:rows], target={"v": target[0], "w": target[1]}),
+                                   _row_weighted(ref(x[:rows]), target), **TOL)
+
+
+class _Residual(torch.nn.Module):
+    """Residual tanh layers on float inputs: thirteen segments, no dropout or batch norm (eager is exact)."""
+
+    def __init__(self, d: int = 16, n: int = 6) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(n))
+        self.head = torch.nn.Linear(d, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x)) + x
+        return self.head(x)
+
+
+def _eager_input_grads(ref, loss_fn, x, target, calls=2):
+    """``x.grad`` after ``calls`` eager backward passes (the model's gradients accumulate in ``ref`` too)."""
+    xr = x.detach().clone().requires_grad_(True)
+    for _ in range(calls):
+        loss_fn(ref(xr), target).backward()
+    return xr.grad
+
+
+@pytest.mark.parametrize("plan", ["one-device", "pipelined", "saved-segments"])
+def test_an_input_that_requires_grad_gets_eager_s_gradient(plan):
+    """``x.requires_grad_(True)`` then ``forward_backward(x, ...)`` (saliency maps, adversarial steps): ``x.grad``
+    is eager's, accumulated over calls like the parameters' — the first stage's input gradients come home per
+    microbatch, through saved segments too. The old code left ``x.grad`` None (or, on one CPU device, reached
+    into the caller's graph by accident)."""
+    from test_runtime import _saving_pipeline
+    from rpcompile.models.registry import ModelSpec
+
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 16), torch.randn(6, 4)
+    if plan == "saved-segments":
+        spec = ModelSpec(_Residual(), (x,), F.mse_loss, y)
+        _, ref, pipe, _, _ = _saving_pipeline(spec, 0)
+        model = spec.model
+    else:
+        model = _Residual()
+        ref = copy.deepcopy(model)
+        pipe = rpcompile.compile(model, (x,), loss_fn=F.mse_loss, devices=["cpu"] * (1 if plan == "one-device" else 2),
+                                 microbatches=3, spec=FINE_CPU, time_limit_s=1.0, head_chunks=1)
+    xa = x.clone().requires_grad_(True)
+    for _ in range(2):
+        pipe.forward_backward(xa, target=y)
+    torch.testing.assert_close(xa.grad, _eager_input_grads(ref, F.mse_loss, x, y), **TOL)
+    assert_grads_equal(model, ref)
+    before = xa.grad.clone()  # and a call without it changes nothing of x
+    pipe.forward_backward(x, target=y)
+    assert torch.equal(xa.grad, before)
+
+
+def test_a_soft_prompt_gets_eager_s_gradient_through_the_input_it_makes():
+    """An input made by the caller's own autograd graph — a soft prompt (a parameter) expanded over the batch and
+    joined to the rest — is differentiated on through that graph, as eager's ``loss.backward()`` does: the
+    prompt's ``.grad`` is eager's (the input itself is no leaf and keeps none)."""
+    torch.manual_seed(0)
+    model = _Residual()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(6, 16), torch.randn(6, 4)
+    pipe = rpcompile.compile(model, (x,), loss_fn=F.mse_loss, devices=["cpu", "cpu"], microbatches=3, spec=FINE_CPU,
+                             time_limit_s=1.0, head_chunks=1)
+    prompt = torch.nn.Parameter(torch.randn(1, 4) * 0.1)
+    ref_prompt = torch.nn.Parameter(prompt.detach().clone())
+    joined = torch.cat([prompt.expand(6, -1), x[:, 4:]], 1)
+    pipe.forward_backward(joined, target=y, loss_scale=0.5)
+    (F.mse_loss(ref(torch.cat([ref_prompt.expand(6, -1), x[:, 4:]], 1)), y) * 0.5).backward()
+    torch.testing.assert_close(prompt.grad, ref_prompt.grad, **TOL)
+    assert_grads_equal(model, ref)

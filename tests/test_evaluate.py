@@ -192,3 +192,65 @@ def test_a_batch_norm_s_statistics_come_home_from_a_train_mode_evaluation(train)
     for name, buffer in model.norm.named_buffers():
         torch.testing.assert_close(buffer, getattr(ref.norm, name), **TOL, msg=lambda m: f"{name}: {m}")
     assert int(model.norm.num_batches_tracked) == (3 if train else 0)
+
+
+class Counted(nn.Module):
+    """A forward that counts its calls and keeps a running mean of a hidden layer under ``torch.no_grad()`` (not a
+    batch norm), and an fp32 constant that nothing writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("mean", torch.full((16,), 0.5))
+        self.register_buffer("third", torch.full((4,), 1 / 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        with torch.no_grad():
+            self.calls += 1
+            self.mean.mul_(0.9).add_(h.mean(0), alpha=0.1)
+        return self.b(h.relu()) * self.third * 3
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("kind", ["cpu", "strided"])
+def test_buffers_a_forward_writes_follow_eager_over_the_same_microbatches(kind, precision):
+    """What "eager" means for buffers: the same microbatches run one after the other (as for BatchNorm). A counter
+    a forward increments under ``no_grad`` counts microbatches — 3 per call here, in train and eval mode — and a
+    running mean follows them; ``compile`` itself changes no buffer (torch.fx ran ``calls += 1`` for real while
+    tracing: the counter was one ahead of eager before training began); a buffer no forward writes stays bit for
+    bit as it was, also where the devices compute in bf16 (its copy is not written back). ``strided``: devices
+    whose copies are not the host's tensors, as a GPU's."""
+    torch.manual_seed(0)
+    model = Counted()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(6, 8), torch.randn(6, 4)
+    devices = [StridedDevice(), StridedDevice()] if kind == "strided" else ["cpu", "cpu"]
+    pipe = rpcompile.compile(model, (x,), loss_fn=F.mse_loss, devices=devices, microbatches=3, spec=FINE_CPU,
+                             time_limit_s=1.0, head_chunks=1, precision=precision)
+    tol = TOL if precision == "fp32" else dict(rtol=2e-2, atol=2e-2)
+
+    def same(what: str) -> None:
+        assert int(model.calls) == int(ref.calls), (what, int(model.calls), int(ref.calls))
+        torch.testing.assert_close(model.mean, ref.mean, **tol, msg=lambda m: f"{what}: mean: {m}")
+        assert torch.equal(model.third, ref.third), what
+
+    same("after compile")
+    pipe.forward_backward(x, target=y)
+    for piece in x.chunk(3):
+        ref(piece)
+    same("after forward_backward")
+    pipe.evaluate(x, target=y)
+    with torch.no_grad():
+        for piece in x.chunk(3):
+            ref(piece)
+    same("after evaluate")
+    model.eval()
+    ref.eval()
+    pipe.forward(x)
+    with torch.no_grad():
+        for piece in x.chunk(3):
+            ref(piece)
+    same("after an eval-mode forward")
+    assert int(model.calls) == 9

@@ -473,9 +473,9 @@ def test_fp16_loss_scaling_skips_overflowing_steps():
 
 # ---------------------------------------------------------------------------------------------- saved segments
 def _saving_pipeline(name, parity, k=2, m=3, devices=None, adjust=None):
-    """A hand-made plan over ``name``: two forward stages, two backward stages cut elsewhere, and every other
-    segment (outside the fused stage) saved, so each backward stage mixes saved and recomputed segments. On
-    ``devices`` (default ``["cpu"] * k``)."""
+    """A hand-made plan over ``name`` (a built-in model, or a ``ModelSpec`` of one's own): two forward stages, two
+    backward stages cut elsewhere, and every other segment (outside the fused stage) saved, so each backward stage
+    mixes saved and recomputed segments. On ``devices`` (default ``["cpu"] * k``)."""
     from rpcompile.passes.lower import plan_from_ranges
     from rpcompile.passes.coarsen import coarsen_pass, segments_of
     from rpcompile.passes.util import compute_nodes
@@ -483,7 +483,7 @@ def _saving_pipeline(name, parity, k=2, m=3, devices=None, adjust=None):
     from rpcompile.planning import make_hardware, prepare
     from rpcompile.runtime.devices import make_devices
 
-    spec = load_model(name, batch_size=10)
+    spec = load_model(name, batch_size=10) if isinstance(name, str) else name
     if adjust is not None:
         adjust(spec)
     ref = copy.deepcopy(spec.model)

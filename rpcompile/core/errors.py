@@ -21,6 +21,7 @@ __all__ = [
     "ProblemError",
     "SimulationError",
     "LossHeadError",
+    "ConcurrentCallError",
 ]
 
 
@@ -109,3 +110,8 @@ class SimulationError(RPCompileError, ValueError):
 class LossHeadError(RPCompileError, ValueError):
     """The loss cannot be attached to the traced graph, or the LM head cannot be split into sequence chunks as
     asked (``head_chunks``). A ``ValueError`` too: ``planning.fastest`` drops a head split the graph refuses."""
+
+
+class ConcurrentCallError(RPCompileError, RuntimeError):
+    """A pipeline was called from a second thread while a call from another thread was still running in it: a
+    pipeline runs one call at a time (:mod:`rpcompile.callers`)."""

@@ -19,13 +19,19 @@ PYTEST_WORKERS ?= 2
 # transformers versions the HF tests also run against (pyproject allows >=4.50): each installs into .tf/VERSION
 TRANSFORMERS_VERSIONS ?= 4.50.3 4.57.6 5.17.0
 
-.PHONY: demo test test-slow test-compat typecheck setup clean
+.PHONY: demo test test-slow test-compat typecheck setup clean adamw
 
 demo: $(STAMP)
 	$(VENV)/bin/rpcompile demo
 
-test: $(STAMP)
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal --durations=10 $(PYTEST_ARGS)
+# the C++ AdamW's tests run, never skip: the kernel is built first (into torch's extension cache,
+# ~/.cache/torch_extensions, which keeps it between runs: about 30 s on 2 cores when cold, 2 s when current)
+test: $(STAMP) adamw
+	RPCOMPILE_TEST_CPP_ADAMW=required $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal --durations=10 $(PYTEST_ARGS)
+
+# build (or find current) the one-pass C++ AdamW (runtime/csrc/adamw.cpp) the GPU benchmarks use by default
+adamw: $(STAMP)
+	$(PY) -c "from rpcompile.runtime.optim import build_extension as b; print('C++ AdamW:', b())"
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)

@@ -57,7 +57,9 @@ from rich.table import Table
 from torch.utils.checkpoint import checkpoint
 
 import rpcompile
+from rpcompile.core.files import write_atomic
 import roundpipe_peer  # benchmarks/: RoundPipe itself is imported only when --peer roundpipe asks for it
+import trace_table  # benchmarks/
 from rpcompile.runtime.optim import AdamW as MirroringAdamW
 from rpcompile.models import load_model
 from rpcompile.models.llama import Llama, LlamaConfig
@@ -305,7 +307,8 @@ def rpcompile_row(spec: Any, devices: list[str], label: str, steps: int, *, sect
         row.update(step_s=None, peak_gib=_peak(device), error=f"{type(e).__name__}: {str(e).splitlines()[0]}")
     if profile is not None and row["error"] is None:
         profile.mkdir(parents=True, exist_ok=True)
-        with torch.profiler.profile(record_shapes=False) as prof:
+        with torch.profiler.profile(record_shapes=False,
+                                    experimental_config=trace_table.profiler_config(cuda=device.startswith("cuda"))) as prof:
             step()
             _sync(device)
         path = profile / f"{section}-{re.sub(r'[^A-Za-z0-9.-]+', '_', label)}.json"  # a plain name: it travels
@@ -572,7 +575,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def save(more: list[dict], markdown: str | None = None) -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({**header, "rows": rows + more, "markdown": markdown}, indent=1, default=str))
+        write_atomic(args.out, json.dumps({**header, "rows": rows + more, "markdown": markdown}, indent=1, default=str))
 
     # each section's rows are saved as soon as it ends: a run stopped by a time limit keeps what it measured
     if "link" in sections:

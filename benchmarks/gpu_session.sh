@@ -17,6 +17,15 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 # BUDGET_S: seconds this call may take in all; each step's own limit is cut to what is left of it
 deadline=$(( $(date +%s) + ${BUDGET_S:-100000} ))
 lim() { local left=$(( deadline - $(date +%s) )); echo $(( left < $1 ? (left > 1 ? left : 1) : $1 )); }
+# each trace in DIR: its table (TRACE.table.json) and a slim gzipped copy (TRACE.slim.json.gz) that travel home; the
+# full trace is kept gzipped only if the slim one could not be made
+slim() {
+  for t in "$1"/*.json; do
+    [ -e "$t" ] || continue
+    timeout 120 python3 benchmarks/trace_table.py "$t" --slim "${t%.json}.slim.json.gz" --json "${t%.json}.table.json" \
+      >"${t%.json}.table.txt" 2>&1 && rm -f "$t" || gzip -f "$t"
+  done
+}
 for step in ${1//,/ }; do
   start=$(date +%s)
   case $step in
@@ -32,14 +41,14 @@ for step in ${1//,/ }; do
     # of one steady rpcompile step (gzipped: the trace directory comes home)
     peer8b) timeout $(lim 330) python3 benchmarks/gpu.py --sections capped --peer roundpipe --steps 3 \
               --profile "$OUT/traces-8b" --out "$OUT/gpu-peer-8b.json" >"$OUT/gpu-peer-8b.txt" 2>&1
-            echo "peer8b rc=$?"; gzip -f "$OUT"/traces-8b/*.json 2>/dev/null; tail -20 "$OUT/gpu-peer-8b.txt" ;;
+            echo "peer8b rc=$?"; slim "$OUT/traces-8b"; tail -20 "$OUT/gpu-peer-8b.txt" ;;
     peer17b) timeout $(lim 200) python3 benchmarks/gpu.py --sections capped --peer roundpipe --steps 3 \
                --capped-model llama-1.7b --capped-batch 8 --capped-seq 2048 \
                --profile "$OUT/traces-1.7b" --out "$OUT/gpu-peer-1.7b.json" >"$OUT/gpu-peer-1.7b.txt" 2>&1
-             echo "peer17b rc=$?"; gzip -f "$OUT"/traces-1.7b/*.json 2>/dev/null; tail -20 "$OUT/gpu-peer-1.7b.txt" ;;
+             echo "peer17b rc=$?"; slim "$OUT/traces-1.7b"; tail -20 "$OUT/gpu-peer-1.7b.txt" ;;
     trace8b) timeout $(lim 300) python3 benchmarks/gpu.py --sections capped --steps 1 --optimizer none \
                --profile "$OUT/traces-8b" --out "$OUT/gpu-trace-8b.json" >"$OUT/gpu-trace-8b.txt" 2>&1
-             echo "trace8b rc=$?"; gzip -f "$OUT"/traces-8b/*.json 2>/dev/null; tail -6 "$OUT/gpu-trace-8b.txt" ;;
+             echo "trace8b rc=$?"; slim "$OUT/traces-8b"; tail -6 "$OUT/gpu-trace-8b.txt" ;;
     capped) timeout $(lim 420) python3 benchmarks/gpu.py --sections capped --steps 2 --out "$OUT/gpu-capped.json" \
               >"$OUT/gpu-capped.txt" 2>&1; echo "capped rc=$?"; tail -20 "$OUT/gpu-capped.txt" ;;
   esac

@@ -21,6 +21,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from rpcompile.core.files import write_atomic
 from rpcompile.runtime.optim import BACKEND_ENV, AdamW
 
 BASELINE = "fused + copy_ to bf16 (baseline)"
@@ -119,7 +120,7 @@ def main() -> None:
     Console(width=140).print(table)
     out = Path(__file__).parent / "results" / "optimizer.json"
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(), "rows": rows}, indent=1))
+    write_atomic(out, json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(), "rows": rows}, indent=1))
     print(f"wrote {out}")
 
 

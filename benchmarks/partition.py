@@ -32,6 +32,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from rpcompile.core.files import write_atomic
 from rpcompile.models import load_model
 from rpcompile.planning import compare, make_hardware, prepare
 from rpcompile.report import fmt_bytes, fmt_time
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             "precision": PRECISION, "seq_len": SEQ_LEN, "microbatches": "2N", "time_limit_s": args.time_limit,
             "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
             "machine": platform.processor() or platform.machine(), "wall_s": time.perf_counter() - started}
-    args.out.write_text(json.dumps({"meta": meta, "rows": rows, "targets": verdicts}, indent=1, allow_nan=False) + "\n")
+    write_atomic(args.out, json.dumps({"meta": meta, "rows": rows, "targets": verdicts}, indent=1, allow_nan=False) + "\n")
     print(f"wrote {args.out}")
     return 0
 

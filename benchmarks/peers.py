@@ -44,6 +44,7 @@ from rich.table import Table
 from torch import Tensor, nn
 
 import rpcompile
+from rpcompile.core.files import write_atomic
 from rpcompile.models.llama import Llama, LlamaConfig
 from rpcompile.models.registry import lm_loss
 
@@ -393,7 +394,7 @@ def main() -> None:
                   f"{max(1, torch.get_num_threads() // 2)} per logical device (2 devices)")
     out = Path(__file__).parent / "results" / "peers.json"
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"machine": machine(), "setup": asdict(setup), **report}, indent=1))
+    write_atomic(out, json.dumps({"machine": machine(), "setup": asdict(setup), **report}, indent=1))
     print(f"wrote {out}")
 
 

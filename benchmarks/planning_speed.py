@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from rpcompile.core.files import write_atomic
 from rpcompile.models import Llama, LlamaConfig, lm_loss
 
 RESULTS = Path(__file__).parent / "results" / "planning_speed.json"
@@ -120,7 +121,7 @@ def main() -> None:
             "python": platform.python_version(), "torch": torch.__version__, "time_limit_s": args.time_limit,
             "baseline": args.baseline, "repeats": args.repeats}
     args.output.parent.mkdir(exist_ok=True)
-    args.output.write_text(json.dumps({"meta": meta, "runs": rows, "median": summary}, indent=1) + "\n")
+    write_atomic(args.output, json.dumps({"meta": meta, "runs": rows, "median": summary}, indent=1) + "\n")
     for key, value in summary.items():
         print(key, value)
 

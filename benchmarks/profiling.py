@@ -25,6 +25,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from rpcompile.core.files import write_atomic
 from rpcompile.models import load_model
 from rpcompile.passes.measured import MeasuredCostModel
 from rpcompile.planning import FRONT, Compilation, run
@@ -73,7 +74,7 @@ def main() -> None:
                       f"{r['warm_speedup']:.2f}x")
     Console().print(table)
     OUT.parent.mkdir(exist_ok=True)
-    OUT.write_text(json.dumps({"device": "cpu", "threads": args.threads, "torch": torch.__version__,
+    write_atomic(OUT, json.dumps({"device": "cpu", "threads": args.threads, "torch": torch.__version__,
                                "repeats": args.repeats, "rows": rows}, indent=1) + "\n")
 
 

@@ -29,6 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 import rpcompile
+from rpcompile.core.files import write_atomic
 from rpcompile.models import load_model
 from rpcompile.runtime.optim import AdamW as MirroringAdamW
 
@@ -137,7 +138,7 @@ def main() -> None:
         Console().print("[yellow]CUDA is present: the GPU comparison (1B LLaMA, bf16) is not written yet.")
     out = Path(__file__).parent / "results" / "runtime.json"
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"torch": torch.__version__, "device": "cpu", "rows": rows, "host_bytes": host},
+    write_atomic(out, json.dumps({"torch": torch.__version__, "device": "cpu", "rows": rows, "host_bytes": host},
                               indent=1))
     print(f"wrote {out}")
 

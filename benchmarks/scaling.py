@@ -28,6 +28,7 @@ import torch
 from rich.console import Console
 
 from rpcompile.cli.argtypes import network_rates, node_counts
+from rpcompile.core.files import write_atomic
 from rpcompile.models import load_model
 from rpcompile.report import print_table, scaling_table
 from rpcompile.simulation import model_scenarios, scaling
@@ -65,7 +66,7 @@ def main() -> None:
         "head_chunks": sc.notes.get("head_chunks"), "rows": rows,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(out, indent=1) + "\n")
+    write_atomic(args.output, json.dumps(out, indent=1) + "\n")
     print(f"written to {args.output}")
 
 

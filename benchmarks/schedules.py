@@ -43,6 +43,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from rpcompile.core.files import write_atomic
 from rpcompile.passes.lower import _tokens
 from rpcompile.models import load_model
 from rpcompile.passes.partition import solve
@@ -241,7 +242,7 @@ def main() -> None:
         console.print(f"{'PASS' if ok else 'FAIL'}  {t}")
     path = args.out or (RESULTS.with_name(f"{RESULTS.stem}-quick.json") if args.quick else RESULTS)
     path.parent.mkdir(parents=True, exist_ok=True)  # a smoke run never overwrites the full run's figures
-    path.write_text(json.dumps(out, indent=1) + "\n")
+    write_atomic(path, json.dumps(out, indent=1) + "\n")
     console.print(f"written to {path}")
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from rpcompile.core.files import write_atomic
 from rpcompile.seqlen import max_sequence_length
 
 ROUNDPIPE = {"llama-1.7b": ("Qwen3-1.7B", 73_000), "llama-8b": ("Llama-3.1-8B", 49_000),
@@ -67,7 +68,7 @@ def main() -> None:
                       f"{r['segment']} ({r['need_bytes'] / 2**30:.2f} GiB at {r['seq_len']:,})" if r else "-")
     Console(width=200).print(table)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps({"date": "2026-11-26", "prediction": True, "gpus": args.gpus,
+    write_atomic(Path(args.output), json.dumps({"date": "2026-11-26", "prediction": True, "gpus": args.gpus,
                                              "spec": args.spec, "granularity": args.granularity,
                                              "head_chunks": args.head_chunks, "rows": rows},
                                             indent=1) + "\n")

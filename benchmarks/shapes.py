@@ -26,6 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 import rpcompile
+from rpcompile.core.files import write_atomic
 from rpcompile.models import load_model
 
 try:  # optional: the Hugging Face row runs only where transformers is installed
@@ -91,7 +92,7 @@ def main() -> None:
                       f"{r['compile_s']:.1f} s")
     Console(width=160).print(table)
     path = Path(__file__).parent / "results" / "shapes.json"
-    path.write_text(json.dumps({"torch": torch.__version__, "device": "cpu", "rows": result}, indent=1))
+    write_atomic(path, json.dumps({"torch": torch.__version__, "device": "cpu", "rows": result}, indent=1))
     print(f"wrote {path}")
 
 

@@ -23,6 +23,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from rpcompile.core.files import write_atomic
 from rpcompile.models import Llama, LlamaConfig
 from rpcompile.models.registry import lm_loss
 from rpcompile.simulator_validation import compile_for_validation, validate
@@ -69,7 +70,7 @@ def main() -> None:
         console.print(f"  stages within ±25%: {within}/{len(r['stages'])}; iteration within ±15%: "
                       f"{'PASS' if abs(r['iteration_ratio'] - 1) <= 0.15 else 'FAIL'}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(out, indent=1) + "\n")
+    write_atomic(RESULTS, json.dumps(out, indent=1) + "\n")
     console.print(f"written to {RESULTS}")
 
 

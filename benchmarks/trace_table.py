@@ -26,16 +26,18 @@ import bisect
 import gzip
 import json
 import lzma
-import os
 import sys
-import tempfile
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any, Iterable
 
+import torch
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+
+from rpcompile.core.files import write_atomic
+from rpcompile.runtime.activity import ACTIVITIES, PREFIX
 
 #: the largest trace read (decompressed): a profiled step of the 8B shape is ~100 MB of JSON
 MAX_TRACE_BYTES = 2 << 30
@@ -44,6 +46,21 @@ SYNC_CALLS = frozenset({"cudaStreamSynchronize", "cudaEventSynchronize", "cudaDe
 #: what the slim copy keeps: GPU activity, operators, the runtime calls that block, the process/thread names
 _SLIM_CATS = {"kernel", "gpu_memcpy", "gpu_memset", "cpu_op", "user_annotation", "gpu_user_annotation"}
 _SLIM_ARGS = ("stream", "bytes", "device")
+
+
+def profiler_config(*, cuda: bool = False) -> Any:
+    """The torch profiler's ``experimental_config`` for a trace this table reads: every thread's operators (the
+    runtime's device, copy and gradient threads, not only the one that started the profiler) and, on CUDA, the
+    synchronisations (what a host thread waited for). Options this torch lacks are left out."""
+    wanted = {"profile_all_threads": True, **({"enable_cuda_sync_events": True} if cuda else {})}
+    config = torch._C._profiler._ExperimentalConfig
+    while wanted:
+        try:
+            return config(**wanted)
+        except TypeError as e:  # an older torch: drop the option it names (or the last one)
+            drop = next((k for k in wanted if k in str(e)), list(wanted)[-1])
+            wanted.pop(drop)
+    return config()
 
 
 def load(path: Path) -> list[dict[str, Any]]:
@@ -160,13 +177,7 @@ def analyse(events: list[dict[str, Any]], *, min_gap_us: float = 50.0, top: int 
     for g in gaps:
         causes[g["cause"]]["gaps"] += 1
         causes[g["cause"]]["ms"] += g["ms"]
-    threads = []
-    for tid, ops in sorted(outer.items(), key=lambda kv: -sum(b - a for a, b, _ in kv[1])):
-        by_name: Counter[str] = Counter()
-        for a, b, n in ops:
-            by_name[n] += (b - a) / 1e3
-        threads.append({"tid": tid, "busy_ms": sum(by_name.values()),
-                        "top": [{"op": n, "ms": ms} for n, ms in by_name.most_common(top)]})
+    threads = _threads(outer, top)
     busy = {"compute": sum(b - a for a, b in compute) / 1e3}
     busy |= {f"copy {d}": sum(b - a for a, b in s) / 1e3 for d, s in sorted(by_dir.items())}
     return {"window_ms": window / 1e3, "busy_ms": busy,
@@ -174,6 +185,46 @@ def analyse(events: list[dict[str, Any]], *, min_gap_us: float = 50.0, top: int 
             "gaps": {"count": len(gaps), "ms": sum(g["ms"] for g in gaps), "min_gap_us": min_gap_us,
                      "by_cause": dict(causes), "longest": sorted(gaps, key=lambda g: -g["ms"])[:top]},
             "threads": threads}
+
+
+def _threads(outer: dict[Any, list[tuple[float, float, str]]], top: int) -> list[dict[str, Any]]:
+    threads = []
+    for tid, ops in sorted(outer.items(), key=lambda kv: -sum(b - a for a, b, _ in kv[1])):
+        by_name: Counter[str] = Counter()
+        for a, b, n in ops:
+            by_name[n] += (b - a) / 1e3
+        threads.append({"tid": tid, "busy_ms": sum(by_name.values()),
+                        "top": [{"op": n, "ms": ms} for n, ms in by_name.most_common(top)]})
+    return threads
+
+
+def host_threads(events: list[dict[str, Any]], *, top: int = 8) -> list[dict[str, Any]]:
+    """Per host thread that ran operators: its outermost operators' time in all and by name (the ``top`` longest),
+    busiest thread first — the table's last part, for a trace with or without GPU activity."""
+    ops: dict[Any, list[tuple[float, float, str]]] = defaultdict(list)
+    for e in events:
+        span = _span(e) if isinstance(e, dict) else None
+        if span is not None and (e.get("cat") == "cpu_op" or (e.get("cat") == "cuda_runtime"
+                                                               and e.get("name") in SYNC_CALLS)):
+            ops[e.get("tid")].append((*span, str(e.get("name", ""))))
+    return _threads({tid: _outermost(o) for tid, o in ops.items()}, top)
+
+
+def activities(events: list[dict[str, Any]]) -> dict[str, float]:
+    """Milliseconds of the runtime's named host work (``rpcompile::<activity>`` spans, ``rpcompile.runtime.activity``)
+    by activity, summed over threads; a span inside another of the same thread counts once, in the outer one."""
+    spans: dict[Any, list[tuple[float, float, str]]] = defaultdict(list)
+    for e in events:
+        span = _span(e) if isinstance(e, dict) else None
+        name = str(e.get("name", "")) if span is not None else ""
+        if span is not None and name.startswith(PREFIX):
+            spans[e.get("tid")].append((*span, name[len(PREFIX):].split(" mb")[0]))
+    out: Counter[str] = Counter()
+    for ops in spans.values():
+        for a, b, name in _outermost(ops):
+            activity = next((k for k in ACTIVITIES if name == k or name.startswith(k + " ")), name)
+            out[activity] += (b - a) / 1e3
+    return dict(out.most_common())
 
 
 def slim(events: list[dict[str, Any]], out: Path) -> int:
@@ -194,14 +245,7 @@ def slim(events: list[dict[str, Any]], out: Path) -> int:
             kept.append(keep)
     data = json.dumps({"traceEvents": kept}, separators=(",", ":")).encode()
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=9, mtime=0) as f:
-            f.write(data)
-        os.replace(tmp, out)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    write_atomic(out, lambda f: f.write(gzip.compress(data, compresslevel=9, mtime=0)))
     return out.stat().st_size
 
 
@@ -231,10 +275,15 @@ def render(result: dict[str, Any], console: Console) -> None:
     for x in g["longest"]:
         t.add_row(f"{x['start_ms']:.1f} ms", f"{x['ms']:.2f}", x["cause"], escape(x["host_op"][:80]))
     console.print(t)
-    t = Table(title="host threads (outermost operators)")
+    render_threads(result["threads"], console)
+
+
+def render_threads(threads: list[dict[str, Any]], console: Console, *,
+                   title: str = "host threads (outermost operators)") -> None:
+    t = Table(title=title)
     for c in ("thread", "busy", "top operators"):
         t.add_column(c)
-    for th in result["threads"]:
+    for th in threads:
         t.add_row(escape(str(th["tid"])), f"{th['busy_ms']:.1f} ms",
                   escape(", ".join(f"{_short(o['op'])} {o['ms']:.1f}" for o in th["top"])))
     console.print(t)
@@ -258,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.slim is not None:
         print(f"wrote {args.slim} ({slim(events, args.slim) / 2**20:.1f} MiB)")
     if args.json is not None:
-        args.json.write_text(json.dumps({"trace": args.trace.name, **result}, indent=1) + "\n")
+        write_atomic(args.json, json.dumps({"trace": args.trace.name, **result}, indent=1) + "\n")
         print(f"wrote {args.json}")
     return 0
 

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Sequence
 
+from rpcompile.core.files import write_atomic
 from rpcompile.core.plan import Plan
 from rpcompile.core.program import HostEmbedding, Program, StageProgram
+from rpcompile.core.text import printable
 
 __all__ = ["stage_source", "write_stages"]
 
@@ -20,37 +23,44 @@ _KIND_TEXT = {
 
 def stage_source(prog: StageProgram, plan: Plan, host: Sequence[HostEmbedding] = ()) -> str:
     """The generated Python of one stage, headed by a comment block (stage, kind, device, nodes, modules; inputs
-    the host looks up, :mod:`rpcompile.passes.host`)."""
+    the host looks up, :mod:`rpcompile.passes.host`). Every name in the header is :func:`printable` (one line
+    whatever the plan says: nothing from a plan file becomes code)."""
     s = prog.stage
     n = plan.hardware.device_count
-    looked_up = [f"# {h.value}: rows the host looks up, embedding({h.index}, {h.weight}"
-                 + (f", padding_idx={h.padding_idx})" if h.padding_idx is not None else ")")
+    looked_up = [f"# {printable(h.value)}: rows the host looks up, embedding({printable(h.index)}, "
+                 f"{printable(h.weight)}" + (f", padding_idx={h.padding_idx})" if h.padding_idx is not None else ")")
                  for h in host if h.value in prog.inputs]
+    params = list(dict.fromkeys(prog.params.values()))
     header = [
-        f"# rpcompile stage {s.name} ({s.kind}), position {prog.index} of {len(plan.stages)}, "
+        f"# rpcompile stage {printable(s.name)} ({printable(s.kind)}), position {prog.index} of {len(plan.stages)}, "
         f"device {prog.index % n} of {n} (round-robin)",
-        f"# {_KIND_TEXT[s.kind]}.",
-        f"# nodes: {s.nodes[0]} .. {s.nodes[-1]} ({len(s.nodes)} nodes)",
-        "# source modules: " + ", ".join(s.modules[:12]) + (f", … (+{len(s.modules) - 12})" if len(s.modules) > 12 else ""),
-        f"# inputs: {', '.join(prog.inputs) or '-'}",
+        f"# {_KIND_TEXT.get(s.kind, '')}.",
+        f"# nodes: {printable(s.nodes[0])} .. {printable(s.nodes[-1])} ({len(s.nodes)} nodes)",
+        "# source modules: " + _names(s.modules[:12])
+        + (f", … (+{len(s.modules) - 12})" if len(s.modules) > 12 else ""),
+        f"# inputs: {_names(prog.inputs) or '-'}",
         *looked_up,
-        f"# outputs: {', '.join(prog.outputs) or '(the model output)'}",
-        f"# parameters ({len(set(prog.params.values()))}): " + ", ".join(list(dict.fromkeys(prog.params.values()))[:8])
-        + (" …" if len(set(prog.params.values())) > 8 else ""),
+        f"# outputs: {_names(prog.outputs) or '(the model output)'}",
+        f"# parameters ({len(params)}): " + _names(params[:8]) + (" …" if len(params) > 8 else ""),
         f"# predicted: {s.time_s * 1e3:.3f} ms per microbatch, {s.memory_bytes / 2**20:.1f} MiB peak",
-        "# model fingerprint: " + plan.model.digest,
+        "# model fingerprint: " + printable(plan.model.digest),
         "",
     ]
     return "\n".join(header) + prog.gm.code.lstrip("\n")
 
 
+def _names(xs: Sequence[object]) -> str:
+    return ", ".join(printable(x) for x in xs)
+
+
 def write_stages(program: Program, plan: Plan, directory: str | os.PathLike) -> list[Path]:
-    """Write ``stage_<k>_<name>.py`` for every stage; returns the paths."""
+    """Write ``stage_<k>_<name>.py`` for every stage (the name's other characters than letters, digits and ``_``
+    as ``_``: a name never leaves ``directory``); returns the paths."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for prog in program.stages:
-        path = out / f"stage_{prog.index:02d}_{prog.name}.py"
-        path.write_text(stage_source(prog, plan, program.host))
+        path = out / f"stage_{prog.index:02d}_{re.sub(r'[^A-Za-z0-9_]', '_', prog.name)[:40]}.py"
+        write_atomic(path, stage_source(prog, plan, program.host))
         paths.append(path)
     return paths

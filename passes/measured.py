@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import platform
 import time
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -27,7 +28,27 @@ from rpcompile.core.errors import ConfigError
 from .cost import CostModel, NodeCall, OpEstimate
 from .portable import running_on
 
-__all__ = ["MeasuredCostModel"]
+__all__ = ["MeasuredCostModel", "CPUINFO", "cpu_model"]
+
+CPUINFO = Path("/proc/cpuinfo")
+"""Where Linux names the CPU (:func:`cpu_model`)."""
+
+
+def cpu_model() -> str:
+    """This machine's CPU model (``AMD EPYC 7763 64-Core Processor``): the first ``model name`` (ARM: ``Hardware``,
+    ``cpu model``) of :data:`CPUINFO`, else what :mod:`platform` says. ``platform.processor()`` alone is empty on
+    Linux, so every x86_64 machine with as many cores would share one profile cache key."""
+    try:
+        text = CPUINFO.read_text(errors="replace")[: 1 << 20]
+    except OSError:
+        text = ""
+    found: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and value.strip():
+            found.setdefault(key.strip().lower(), value.strip())
+    name = next((found[k] for k in ("model name", "hardware", "cpu model") if k in found), "")
+    return name or platform.processor() or platform.machine()
 
 
 def _sync(device: torch.device) -> None:
@@ -58,12 +79,12 @@ class MeasuredCostModel(CostModel):
         self.share_repeats, self.cache = share_repeats, cache
 
     def identity(self) -> dict[str, Any]:
-        """The cache key's device part: the device's name (a CPU: its processor, cores and intra-op threads), the
-        compute dtype, warm-up runs and repeats."""
+        """The cache key's device part: the device's name (a GPU's; a CPU: its model, :func:`cpu_model`, cores and
+        intra-op threads), the compute dtype, warm-up runs and repeats."""
         if self.device.type == "cuda":
             name = torch.cuda.get_device_name(self.device)
         else:
-            name = f"{self.device.type}:{platform.machine()}:{platform.processor()}:{os.cpu_count()} cores:" \
+            name = f"{self.device.type}:{platform.machine()}:{cpu_model()}:{os.cpu_count()} cores:" \
                    f"{torch.get_num_threads()} threads"
         return {"cost_model": self.name, "device": name, "dtype": str(self.dtype), "warmup": self.warmup,
                 "repeats": self.repeats}

@@ -8,8 +8,10 @@ version and :data:`FORMAT_VERSION`. An entry holds each compute node's whole cos
 :class:`~.cost.NodeCost`, times raw: before calibration) and the whole-graph calibration times, so a warm entry
 skips the cost pass's graph run too.
 
-An entry that cannot be read, is not this format, holds another key or other nodes is ignored with one warning line
-(logger ``rpcompile``) and measured afresh (then overwritten). Writes go to a temporary file renamed into place, so
+An entry that cannot be read, is larger than :data:`MAX_ENTRY_BYTES`, is not strict JSON (bytes that are not UTF-8,
+``NaN``/``Infinity``, numbers out of range, deep nesting), is not this format, holds another key, other nodes or a
+time or count out of range is ignored with one warning line (logger ``rpcompile``) and measured afresh (then
+overwritten). Writes go to a temporary file renamed into place, so
 a reader never sees half an entry; a cache that cannot be written is warned about and otherwise ignored.
 """
 
@@ -19,7 +21,6 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,8 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
+
+from rpcompile.core.files import read_json, sweep_temporaries, write_atomic
 
 from .fingerprint import fingerprint
 
@@ -36,6 +39,9 @@ __all__ = ["FORMAT_VERSION", "CacheEntry", "cache_dir", "profile_key", "load", "
 FORMAT_VERSION = 2
 """The cost format of an entry; bump it when what a node time means changes (the key then changes too)."""
 
+MAX_ENTRY_BYTES = 512 * 2**20
+"""The largest entry read (a 235B MoE's measured profile is tens of MB); a larger one is ignored."""
+_MAX_SECONDS, _MAX_COUNT = 1e9, 2**53
 log = logging.getLogger("rpcompile")
 
 
@@ -95,7 +101,8 @@ def _ignore(path: Path, why: str, quiet: bool = False) -> None:
 
 
 def _node(value: Any, fields: set[str]) -> dict[str, Any]:
-    """One node's fields, checked (ValueError/TypeError when not as written)."""
+    """One node's fields, checked (ValueError when not as written: a type, a time not in [0, 1e9] s, a count not
+    in [0, 2**53])."""
     if not isinstance(value, dict) or set(value) != fields:
         raise ValueError("fields")
     out: dict[str, Any] = {}
@@ -105,14 +112,18 @@ def _node(value: Any, fields: set[str]) -> dict[str, Any]:
                 raise ValueError("params")
             out[k] = tuple(v)
         elif k.endswith("_s"):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
-                raise ValueError(k)
-            out[k] = float(v)
+            out[k] = _seconds(v, k)
         else:
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= _MAX_COUNT:
                 raise ValueError(k)
             out[k] = v
     return out
+
+
+def _seconds(v: Any, what: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= _MAX_SECONDS:
+        raise ValueError(what)
+    return float(v)
 
 
 def load(key: dict[str, Any], node_names: set[str], fields: set[str], *, quiet: bool = False) -> CacheEntry | None:
@@ -121,16 +132,14 @@ def load(key: dict[str, Any], node_names: set[str], fields: set[str], *, quiet: 
     the lookup that warns)."""
     path = _path(key)
     try:
-        text = path.read_text()
+        data = read_json(path, max_bytes=MAX_ENTRY_BYTES, max_depth=6)
     except FileNotFoundError:
         return None
     except OSError as e:
         _ignore(path, f"unreadable: {e.strerror}", quiet)
         return None
-    try:
-        data = json.loads(text)
-    except ValueError:
-        _ignore(path, "not JSON: corrupt or truncated", quiet)
+    except ValueError as e:  # not UTF-8, not JSON, NaN/Infinity, a number out of range, too deep or too large
+        _ignore(path, f"corrupt: {e}", quiet)
         return None
     try:
         if not isinstance(data, dict) or data.get("format") != FORMAT_VERSION:
@@ -141,7 +150,7 @@ def load(key: dict[str, Any], node_names: set[str], fields: set[str], *, quiet: 
             return None
         nodes = {str(k): _node(v, fields) for k, v in data["nodes"].items()}
         cal = data["calibration"]
-        calibration = None if cal is None else (float(cal[0]), float(cal[1]))
+        calibration = None if cal is None else (_seconds(cal[0], "calibration"), _seconds(cal[1], "calibration"))
     except (KeyError, TypeError, ValueError, IndexError, AttributeError):
         _ignore(path, "wrong schema", quiet)
         return None
@@ -167,19 +176,10 @@ def store(key: dict[str, Any], entry: CacheEntry) -> Path | None:
 
 
 def write_entry(path: Path, data: Any) -> None:
-    """``data`` as JSON at ``path``, atomically: a temporary file beside it, then renamed into place (a reader
-    never sees half an entry). Raises OSError, leaving no temporary file."""
-    tmp: str | None = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, path)
-    except OSError:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
-        raise
+    """``data`` as JSON at ``path``, atomically (:func:`~rpcompile.core.files.write_atomic`: a reader never sees
+    half an entry). Raises OSError, leaving no temporary file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, json.dumps(data, allow_nan=False))
 
 
 def entries() -> list[dict[str, Any]]:
@@ -190,10 +190,10 @@ def entries() -> list[dict[str, Any]]:
         row: dict[str, Any] = {"path": str(p), "bytes": p.stat().st_size, "created": None, "device": "?",
                                "dtype": "?", "nodes": 0}
         try:
-            data = json.loads(p.read_text())
+            data = read_json(p, max_bytes=MAX_ENTRY_BYTES, max_depth=6)
             row.update(created=data.get("created"), device=data["key"].get("device", "?"),
                        dtype=data["key"].get("dtype", "?"), nodes=len(data["nodes"]))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):  # listed as unreadable
             pass
         out.append(row)
     return out
@@ -205,11 +205,12 @@ def clear() -> int:
 
 
 def remove_entries(root: Path) -> int:
-    """Remove the entries under ``root`` (and leftover temporary files); the number of files removed."""
+    """Remove the entries under ``root`` (and temporary files of writers that are gone; one in flight is left to
+    its writer); the number of files removed."""
     if not root.is_dir():
         return 0
     removed = 0
-    for p in list(root.glob("*.json")) + list(root.glob(".tmp-*")):
+    for p in root.glob("*.json"):
         p.unlink(missing_ok=True)
         removed += 1
-    return removed
+    return removed + sweep_temporaries(root)

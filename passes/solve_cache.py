@@ -12,7 +12,8 @@ result — its plan re-checked against the problem (:func:`~.segment_rules.valid
 Measured costs from a warm profile cache give the same problem, so a second compile of a model on the same GPU
 neither measures nor solves. Directory: ``solves/`` beside the profile cache (:func:`.profile_cache.cache_dir`);
 ``rpcompile cache clear`` empties both and ``--no-cache`` / ``cache=False`` bypasses both. Only feasible results
-are kept. An entry that cannot be read, has another key or whose plan no longer checks out is ignored with one
+are kept. An entry that cannot be read, is not strict JSON (not UTF-8, ``NaN``, numbers out of range, deep
+nesting), is too large, has another key, a malformed plan or one that no longer checks out is ignored with one
 warning line and solved afresh (then overwritten); a cache that cannot be written is warned about and ignored.
 Writes go to a temporary file renamed into place.
 """
@@ -27,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rpcompile.core.files import json_depth, jsonable, read_json
+
 from . import partition
 from .plan_inputs import problem_digest, solver_digest
 from .problem import PartitionProblem, PartitionResult, SegmentPlan
@@ -37,6 +40,7 @@ from .timing import iteration_time
 __all__ = ["FORMAT_VERSION", "solve", "lookup", "solve_key", "entries", "clear"]
 
 FORMAT_VERSION = 1
+_MAX_ENTRY_BYTES = 64 * 2**20
 log = logging.getLogger("rpcompile")
 
 
@@ -85,21 +89,23 @@ def lookup(problem: PartitionProblem, strategy: str = "ilp", *, time_limit_s: fl
 
 def _load(path: Path, key: dict[str, Any], problem: PartitionProblem) -> PartitionResult | None:
     try:
-        data = json.loads(path.read_text())
+        data = read_json(path, max_bytes=_MAX_ENTRY_BYTES, max_depth=6)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as e:
-        _ignore(path, f"unreadable: {getattr(e, 'strerror', None) or 'not JSON'}")
+    except OSError as e:
+        _ignore(path, f"unreadable: {e.strerror}")
+        return None
+    except ValueError as e:  # not UTF-8, not JSON, NaN/Infinity, a number out of range, too deep or too large
+        _ignore(path, f"corrupt: {e}")
         return None
     try:
-        if data.get("format") != FORMAT_VERSION or data.get("key") != key:
+        if not isinstance(data, dict) or data.get("format") != FORMAT_VERSION or data.get("key") != key:
             _ignore(path, "another format or problem")
             return None
-        p = data["plan"]
-        plan = SegmentPlan(forward=tuple(tuple(r) for r in p["forward"]), fused=tuple(p["fused"]),
-                           backward=tuple(tuple(r) for r in p["backward"]), saved=tuple(p["saved"]))
-        objective, took = float(data["objective"]), float(data["solve_time_s"])
-        stats = dict(data["stats"])
+        plan = _segment_plan(data["plan"], problem.n)
+        objective, took, stats = _number(data["objective"]), _number(data["solve_time_s"]), data["stats"]
+        if not isinstance(stats, dict) or json_depth(stats) > 2:
+            raise ValueError("stats")
     except (KeyError, TypeError, ValueError, AttributeError):
         _ignore(path, "wrong schema")
         return None
@@ -112,7 +118,29 @@ def _load(path: Path, key: dict[str, Any], problem: PartitionProblem) -> Partiti
         _ignore(path, "its plan does not check out against the problem")
         return None
     return PartitionResult(strategy=key["strategy"], feasible=True, plan=plan, objective=objective,
-                           solve_time_s=took, stats=stats, cached=True)
+                           solve_time_s=took, stats=dict(stats), cached=True)
+
+
+def _segment_plan(p: Any, n: int) -> SegmentPlan:
+    """An entry's plan, its types and ranges checked (ValueError, TypeError or KeyError when not as written)."""
+    def pair(r: Any) -> tuple[int, int]:
+        if not isinstance(r, list) or len(r) != 2 or not all(type(x) is int and 0 <= x <= n for x in r):
+            raise ValueError("range")
+        return r[0], r[1]
+
+    lists = ("forward", "backward", "saved")
+    if not isinstance(p, dict) or not all(isinstance(p[k], list) and len(p[k]) <= n + 1 for k in lists):
+        raise ValueError("plan")
+    if not all(type(x) is bool for x in p["saved"]):
+        raise ValueError("saved")
+    return SegmentPlan(forward=tuple(pair(r) for r in p["forward"]), fused=pair(p["fused"]),
+                       backward=tuple(pair(r) for r in p["backward"]), saved=tuple(p["saved"]))
+
+
+def _number(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1e12:
+        raise ValueError("number")
+    return float(v)
 
 
 def _ignore(path: Path, why: str) -> None:
@@ -125,7 +153,7 @@ def _store(path: Path, key: dict[str, Any], result: PartitionResult) -> None:
     data = {"format": FORMAT_VERSION, "key": key, "created": time.time(),
             "plan": {"forward": plan.forward, "fused": plan.fused, "backward": plan.backward, "saved": plan.saved},
             "objective": result.objective, "solve_time_s": result.solve_time_s,
-            "stats": json.loads(json.dumps(result.stats, default=str))}
+            "stats": jsonable(result.stats)}
     try:
         write_entry(path, data)
     except OSError as e:

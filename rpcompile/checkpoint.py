@@ -30,11 +30,12 @@ in ``extra=``, e.g. an lr scheduler's ``state_dict``; the data's order is yours 
 
 **Files.** :func:`save_checkpoint` writes the three states (and ``extra``) to ``<directory>/ckpt-<step>.ckpt``:
 a 48-byte header — magic, payload length, sha256 of the payload — then ``torch.save``\\ 's bytes, streamed (no
-second copy in memory). It writes a hidden temporary file in the same directory, flushes and ``fsync``\\ s it,
-renames it into place (``os.replace``: atomic) and ``fsync``\\ s the directory, so a checkpoint's name only ever
-holds a whole file; then it deletes all but the newest ``keep``. The plan goes beside them once, as ``plan.json``
+second copy in memory), through :func:`rpcompile.core.files.write_atomic` (an exclusive temporary beside it,
+``fsync``, rename, directory ``fsync``), so a checkpoint's name only ever holds a whole file; then it deletes all
+but the newest ``keep``. The plan goes beside them once, as ``plan.json``
 (:func:`checkpoint_plan`: compile the resumed run with it, since a fresh plan may cut otherwise). A process killed
-while saving leaves only its temporary file, removed by the next save. :func:`load_checkpoint` takes the newest
+while saving leaves only its temporary file, removed by the next save once that process is gone (a temporary of
+another rank saving into the same directory is never touched). :func:`load_checkpoint` takes the newest
 checkpoint whose header, length and checksum hold — one torn by a machine crash, truncated or bit-flipped is moved
 aside to ``<name>.corrupt`` with a one-line warning and the previous one is used — and loads the model, optimizer
 and pipeline states from it, in that order, after checking the pipeline's. Payloads load with
@@ -53,11 +54,14 @@ import struct
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Callable, Mapping, Protocol, cast
+from typing import IO, Any, Mapping, Protocol, cast
 
 import torch
 
+from .checkpoint_state import (model_state_problem, optimizer_state_problem, payload_problem,
+                               pipeline_state_problem)
 from .core.errors import RPCompileError
+from .core.files import sweep_temporaries, write_atomic
 from .core.plan import Plan
 
 
@@ -146,6 +150,10 @@ def check_pipeline_state(pipe: Resumable, state: Any, copies: Mapping[str, tuple
     if not isinstance(version, int) or version > STATE_VERSION:
         raise CheckpointError(f"the pipeline state has version {version!r} but this rpcompile reads up to "
                               f"{STATE_VERSION}; load it with the rpcompile that saved it or a newer one")
+    problem = pipeline_state_problem(state, version)
+    if problem is not None:
+        raise CheckpointError(f"the pipeline state is malformed ({problem}); load a state Pipeline.state_dict() "
+                              "returned (a checkpoint of this rpcompile)")
     if not exact:
         return
     again = ("compile with the plan it was saved with (plan=rpcompile.checkpoint_plan(directory) for save_checkpoint's "
@@ -217,35 +225,6 @@ class _Payload(io.RawIOBase):
         return self.f.tell() - _HEADER.size
 
 
-def _fsync_directory(directory: Path) -> None:
-    """Make a rename in ``directory`` durable (a no-op where directories cannot be opened, e.g. Windows)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_durably(path: Path, write: Callable[[Any], Any]) -> None:
-    """``write(f)`` into a temporary file beside ``path``, fsync'd, renamed onto ``path``, the rename fsync'd."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_directory(path.parent)
-
-
 def _write_payload(f: Any, payload: Any) -> None:
     """The header, then ``payload`` as ``torch.save`` writes it, hashed on the way (module docstring)."""
     f.write(bytes(_HEADER.size))  # zeros until the payload is complete: a torn file has no magic
@@ -310,24 +289,26 @@ def save_checkpoint(directory: str | os.PathLike, *, model: torch.nn.Module, opt
     optimizers (``pipe.step([o1, o2])``) saves each, and loads into a list in the same order."""
     if keep < 1:
         raise CheckpointError(f"save_checkpoint: keep={keep}; keep at least the checkpoint just written (keep >= 1)")
-    step = pipeline.iteration if step is None else int(step)
+    step = pipeline.iteration if step is None else step
+    if type(step) is not int or step < 0:
+        raise CheckpointError(f"save_checkpoint: step={step!r}; give a whole number >= 0 (load_checkpoint takes "
+                              "the largest), or leave it out for pipeline.iteration")
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     newer = [p.name for s, p in checkpoints(root) if s > step]
     if newer:
         raise CheckpointError(f"save_checkpoint: {root} already holds {newer[0]}, newer than step {step}: a resume "
                               "would take that one; remove it or save into another directory")
-    for stale in [*root.glob(".ckpt-*.tmp*"), *root.glob(f".{PLAN_FILE}.tmp*")]:  # left by a process killed
-        stale.unlink(missing_ok=True)                                                 # while it saved
+    sweep_temporaries(root)  # left by processes killed while they saved (never another rank's in flight)
     _check_extra(extra)
     pipeline_sd = pipeline.state_dict()  # first: it waits for an overlapped step, so the masters are final
     payload = {"format": _FILE_FORMAT, "step": step, "pipeline": pipeline_sd, "model": model.state_dict(),
                "optimizer": _optimizer_state(optimizer), "extra": extra}
     plan_file = root / PLAN_FILE  # first, so that every checkpoint's plan is on disk
-    if not plan_file.is_file() or plan_file.read_text() != pipeline_sd["plan"]:
-        _write_durably(plan_file, lambda f: f.write(pipeline_sd["plan"].encode()))
+    if not plan_file.is_file() or plan_file.read_bytes() != pipeline_sd["plan"].encode():
+        write_atomic(plan_file, pipeline_sd["plan"])
     path = root / f"ckpt-{step:08d}.ckpt"
-    _write_durably(path, lambda f: _write_payload(f, payload))
+    write_atomic(path, lambda f: _write_payload(f, payload))
     for _, old in checkpoints(root)[keep:]:
         old.unlink(missing_ok=True)
     return path
@@ -421,14 +402,27 @@ def load_checkpoint(directory: str | os.PathLike, *, model: torch.nn.Module, opt
     if path is None:
         return None
     payload = _unpickle(path)
-    pipeline.check_state_dict(payload["pipeline"], optimizer=optimizer, exact=exact)  # before anything changes
+    problem = payload_problem(payload)
+    if problem is not None:
+        raise CheckpointError(f"{path}: its checksum holds but its content is malformed ({problem}); load it with "
+                              "the rpcompile that saved it, or remove it to resume from the one before")
+    # every check before anything changes: the pipeline state, the model's, each optimizer's
+    pipeline.check_state_dict(payload["pipeline"], optimizer=optimizer, exact=exact)
     optimizers = _optimizer_pairs(path, optimizer, payload["optimizer"])
+    problem = model_state_problem(model, payload["model"])
+    if problem is not None:
+        raise CheckpointError(f"{path}: the model's state does not fit this model ({problem}); load it into the model "
+                              "it was saved from")
+    problem = next((p for o, state in optimizers if (p := optimizer_state_problem(o, state)) is not None), None)
+    if problem is not None:
+        raise CheckpointError(f"{path}: the optimizer's state does not fit this optimizer ({problem}); make it as for "
+                              "the run that saved it (same parameters, same groups)")
     pipeline.synchronize()  # no overlapped step may be writing the masters while they load
+    _load_optimizer_state(path, optimizers)  # torch's load changes nothing until its own checks pass
     try:
         model.load_state_dict(payload["model"])
-    except RuntimeError as e:
+    except RuntimeError as e:  # checked above: not expected
         raise CheckpointError(f"{path}: the model's state does not fit this model ({_first_line(e)}); load it into "
                               "the model it was saved from") from None
-    _load_optimizer_state(path, optimizers)
     pipeline.load_state_dict(payload["pipeline"], optimizer=optimizer, exact=exact)
-    return Checkpoint(path=path, step=int(payload["step"]), extra=payload["extra"])
+    return Checkpoint(path=path, step=payload["step"], extra=payload["extra"])

@@ -40,12 +40,12 @@ import torch
 from rpcompile.passes.trace import training_inputs
 from rpcompile.runtime.devices import make_devices
 
-from .core.errors import ConfigError, RPCompileError
+from .core.errors import ConfigError, PlanVerificationError, RPCompileError
 from .core.plan import Plan
 from .distributed import DataParallel, DistributedError, data_parallel_group, plan_digest
 from .gpu_memory import gpu_memory_limit
 from .host_memory import fit_host_memory, within_host_memory
-from .invariants import verify_plan
+from .invariants import plan_violations
 from .loss_weighting import _checked_weight
 from .model_match import graph_as_planned
 from .pipeline import _DTYPES, Pipeline
@@ -141,13 +141,16 @@ def compile(
                              "them in the example (example_kwargs={'input_ids': ids, 'labels': labels}) or give loss_fn=")
     with within_host_memory("compile"):  # the allocator's raw error as one line (rpcompile.host_memory)
         if plan is not None:
+            source = "the plan" if isinstance(plan, Plan) else str(plan)
             if not isinstance(plan, Plan):
                 plan = Plan.load(plan)
             # the graph the plan was made from: its LM head split, its embedding lookups on the host
             gm = graph_as_planned(plan, model, example_inputs, loss_fn=loss_fn, example_kwargs=example_kwargs,
                                   precision=precision)
             head_chunks = plan.head_chunks
-            verify_plan(plan, gm)
+            problems = plan_violations(plan, gm)
+            if problems:
+                raise PlanVerificationError(problems, source=source)
             if plan.hardware.device_count != len(devs):
                 raise RPCompileError(f"the plan is for {plan.hardware.device_count} devices but {len(devs)} were "
                                      "given; re-plan for these devices or pass matching devices=")

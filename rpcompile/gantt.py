@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from rpcompile.core.errors import ConfigError
+from rpcompile.core.files import write_atomic
 from rpcompile.runtime.simulator import SimEvent
 from rpcompile.svg import TRANSFER_COLORS, document, esc, line, num, rect, stage_color, text, text_width
 
@@ -294,5 +295,4 @@ def write_timeline_svg(path: str | Path, events: Iterable[Any], **kw: Any) -> Pa
     """Write :func:`timeline_svg` of ``events`` to ``path`` (keywords as there); returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(timeline_svg(events, **kw), encoding="utf-8")
-    return path
+    return write_atomic(path, timeline_svg(events, **kw))

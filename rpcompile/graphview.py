@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .core.errors import ConfigError
+from .core.files import write_atomic
+from .core.text import printable
 from .core.plan import Plan
 from .graph_rollup import MAX_BOXES, ModuleBox, Rollup, rollup
 from .svg import document, esc, line, num, path, rect, stage_color, text, text_width, title
@@ -32,7 +34,14 @@ FANOUT = 4
 
 
 def _q(s: str) -> str:
-    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    """``s`` as a DOT quoted string, shown as it is (:func:`_dot_text`)."""
+    return f'"{_dot_text(s)}"'
+
+
+def _dot_text(s: str) -> str:
+    """``s`` inside a DOT quoted string: one line (:func:`~rpcompile.core.text.printable`), backslashes and quotes
+    escaped (so a name never starts a DOT escape such as ``\\N`` or ends the string)."""
+    return printable(s).replace("\\", "\\\\").replace('"', '\\"')
 
 
 def _stage_index(plan: Plan) -> dict[str, int]:
@@ -82,8 +91,8 @@ def graph_dot(plan: Plan, graph: Any = None, *, depth: int | None = None) -> str
             b = r.boxes[i]
             fcol = stage_color(idx.get(b.forward[0], -1)) if b.forward else stage_color(-1)
             bcol = stage_color(idx.get(b.backward[-1], -1)) if b.backward else stage_color(-1)
-            label = f"{b.name}\\n{b.stage_label}" + ("\\nsaved" if b.saved else "")
-            attrs = f'label="{_esc_dot(label)}", fillcolor="{fcol};0.5:{bcol}", tooltip={_q(_tooltip(b, plan))}'
+            label = "\\n".join(_dot_text(t) for t in (b.name, b.stage_label, *(["saved"] if b.saved else [])))
+            attrs = f'label="{label}", fillcolor="{fcol};0.5:{bcol}", tooltip={_q(_tooltip(b, plan))}'
             if b.saved:
                 attrs += ", penwidth=3"
             out.append(f"{pad}{_q(b.name)} [{attrs}];")
@@ -95,11 +104,6 @@ def graph_dot(plan: Plan, graph: Any = None, *, depth: int | None = None) -> str
         out.append(f"  {_q(r.boxes[src].name)} -> {_q(r.boxes[dst].name)}{style};")
     out.append("}")
     return "\n".join(out) + "\n"
-
-
-def _esc_dot(s: str) -> str:
-    """Escape a DOT label that may hold ``\\n`` line breaks (kept) and quotes (escaped)."""
-    return s.replace('"', '\\"')
 
 
 # ---- SVG ----------------------------------------------------------------------------------------------------
@@ -265,5 +269,4 @@ def write_graph(path: str | Path, plan: Plan, graph: Any = None, **kw: Any) -> P
         raise ConfigError(f"cannot write a plan graph to {str(path)!r}: the file name must end in .svg or .dot")
     body = graph_svg(plan, graph, **kw) if suffix == ".svg" else graph_dot(plan, graph, **kw)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(body, encoding="utf-8")
-    return path
+    return write_atomic(path, body)

@@ -147,7 +147,11 @@ class Pipeline:
         self._masters = list(params.values())  # what another pipeline's overlapped step may be writing
         for d, device in enumerate(self.devices):  # GPUs send hand-offs and saved activations down behind the compute
             if device.torch_device.type == "cuda" and device.offloader is None:
-                device.enable_offload(offload_budget(plan, d, len(self.devices)))
+                budget = offload_budget(plan, d, len(self.devices))
+                if self.executor.resident_handoffs:  # one GPU: hand-offs kept there share what the plan leaves free
+                    self.executor.resident_budget = budget // 2
+                    budget -= budget // 2
+                device.enable_offload(budget)
                 device.enable_async_handoff()
 
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -469,10 +473,12 @@ def _input_gradients(store: ValueStore, m: int, inputs: Mapping[str, torch.Tenso
         parts = [store.grad(name, j) for j in range(m)]
         if all(g is None for g in parts):
             continue
+        # on x's device: one GPU keeps the gradients stages leave for each other there (runtime.executor)
+        parts = [g.to(device=x.device, dtype=x.dtype) if g is not None else None for g in parts]
         if x.dim() == 0 or m == 1:  # one value every microbatch read (not split): the sum of their gradients
-            grad = sum((g.to(x.dtype) for g in parts if g is not None), torch.zeros_like(x))
+            grad = sum((g for g in parts if g is not None), torch.zeros_like(x))
         else:
             rows = torch.tensor_split(x.detach(), m)
-            grad = torch.cat([g.to(x.dtype) if g is not None else torch.zeros_like(r) for g, r in zip(parts, rows)])
+            grad = torch.cat([g if g is not None else torch.zeros_like(r) for g, r in zip(parts, rows)])
         with torch.enable_grad():
             torch.autograd.backward([x], [grad.reshape(x.shape)])

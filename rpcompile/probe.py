@@ -19,18 +19,19 @@ which ``rpcompile plan --host FILE`` stores with the plan's hardware.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import time
-from pathlib import Path
 from typing import Callable
 
 import torch
 from rich.table import Table
 
 from .core.errors import ConfigError
+from .core.files import read_json
+from .core.planfile import dataclass_problem
 from .core.specs import HostSpec
+from .terminal import SafeTable
 
 __all__ = ["probe_host", "host_table", "load_host"]
 
@@ -127,18 +128,26 @@ def probe_host(*, elements: int = COPY_ELEMENTS, adam_params: int = ADAM_PARAMS,
 def load_host(path: str | os.PathLike) -> HostSpec:
     """A host saved by ``rpcompile probe --json FILE``."""
     try:
-        data = json.loads(Path(path).read_text())
-        return HostSpec.from_dict(data.get("host", data))
+        data = read_json(path, max_bytes=1 << 20, max_depth=4)
     except OSError as e:
         raise ConfigError(f"cannot read the host file {path}: {e.strerror or e}") from None
-    except (ValueError, TypeError, AttributeError) as e:
+    except ValueError as e:
         raise ConfigError(f"{path} is not a host made by `rpcompile probe --json`: {e}") from None
+    host = data.get("host", data) if isinstance(data, dict) else data
+    problem = dataclass_problem(HostSpec, host, "host")
+    if problem is not None:
+        raise ConfigError(f"{path} is not a host made by `rpcompile probe --json`: {problem}; probe again")
+    try:
+        return HostSpec.from_dict(host)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{path} is not a host made by `rpcompile probe --json`: {' '.join(str(e).split())}"
+                          ) from None
 
 
 def host_table(host: HostSpec, *, title: str = "") -> Table:
     """The host's rates, one row each (``measured`` or ``assumed``, as its ``source`` says)."""
     how = "measured" if host.source == "probe" else "assumed"
-    table = Table(title=title or f"host ({how})")
+    table = SafeTable(title=title or f"host ({how})")
     table.add_column("what", justify="left")
     table.add_column("rate", justify="right")
     table.add_column("per 1e9 params", justify="right")

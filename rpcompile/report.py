@@ -13,6 +13,8 @@ from rich.table import Table
 
 from rpcompile.passes.segment_rules import format_bytes as fmt_bytes
 
+from .terminal import SafeTable
+
 if TYPE_CHECKING:  # annotations only: importing rpcompile.profiling imports torch (3.3 s), which a plan table never needs
     from .profiling import CostRow, Profile
 
@@ -74,7 +76,7 @@ def _add_columns(table: Table, columns: Sequence[tuple[str, JustifyMethod]]) -> 
 
 def models_table(summaries: Sequence[Any]) -> Table:
     """``rpcompile models``: one row per built-in model (:class:`rpcompile.models.ModelSummary`)."""
-    table = Table(title="built-in models (rpcompile profile|plan|simulate NAME)")
+    table = SafeTable(title="built-in models (rpcompile profile|plan|simulate NAME)")
     _add_columns(table, (("model", "left"), ("params", "right"), ("layers", "right"), ("runs", "left"),
                          ("shape", "left")))
     for m in summaries:
@@ -85,7 +87,7 @@ def models_table(summaries: Sequence[Any]) -> Table:
 
 def profile_table(prof: Profile, *, nodes: bool = False, title: str = "") -> Table:
     """The cost table: one row per module (or per node), then the total."""
-    table = Table(title=title or f"cost table ({prof.cost_model}, traced with {prof.trace})", show_footer=False)
+    table = SafeTable(title=title or f"cost table ({prof.cost_model}, traced with {prof.trace})", show_footer=False)
     _add_columns(table, (("module" if not nodes else "node", "left"), ("params", "right"), ("param bytes", "right"),
                          ("fwd FLOPs", "right"), ("fwd time", "right"), ("bwd time", "right"),
                          ("activations", "right"), ("nodes", "right")))
@@ -111,7 +113,7 @@ def stage_range(stage) -> str:
 
 def plan_table(plan, *, title: str = "") -> Table:
     """One row per stage in execution order: device, kind, range, time, memory, saved/recomputed."""
-    table = Table(title=title or f"plan: {plan.strategy}, {len(plan.stages)} stages on {plan.hardware.device_count} × {plan.hardware.spec.name}, {plan.microbatches} microbatches")
+    table = SafeTable(title=title or f"plan: {plan.strategy}, {len(plan.stages)} stages on {plan.hardware.device_count} × {plan.hardware.spec.name}, {plan.microbatches} microbatches")
     _add_columns(table, (("stage", "left"), ("dev", "right"), ("kind", "left"), ("modules", "left"), ("nodes", "right"),
                          ("time/mb", "right"), ("memory", "right"), ("activations", "left")))
     for k, s in enumerate(plan.stages):
@@ -168,7 +170,7 @@ def bound_note(plan: Any) -> str:
 
 def compare_table(rows: dict, *, reference: str = "ilp") -> Table:
     """Strategies side by side: ``rows`` maps name -> (PartitionResult, Plan | None)."""
-    table = Table(title="strategies under the same timing model (predicted)")
+    table = SafeTable(title="strategies under the same timing model (predicted)")
     for col in ("strategy", "feasible", "F/B stages", "iteration", f"vs {reference}", "bubble", "recompute", "peak memory", "solve"):
         table.add_column(col, justify="left" if col == "strategy" else "right")
     ref = rows.get(reference, (None, None))[1]
@@ -187,7 +189,7 @@ def compare_table(rows: dict, *, reference: str = "ilp") -> Table:
 
 def simulate_table(results: dict, scenarios: dict, *, title: str = "") -> Table:
     """One row per simulated schedule: time, bubble, throughput, memory, and whether it fits."""
-    t = Table(title=title, caption="simulated (the executor's schedules on a clock), not measured")
+    t = SafeTable(title=title, caption="simulated (the executor's schedules on a clock), not measured")
     for col in ("schedule", "stages", "iteration", "bubble", "fill / drain / waits", "tokens/s", "peak memory",
                 "fits", "vs ilp"):
         t.add_column(col, justify="left" if col == "schedule" else "right")
@@ -209,7 +211,7 @@ def simulate_table(results: dict, scenarios: dict, *, title: str = "") -> Table:
 def devices_table(result, *, title: str = "") -> Table:
     """Per device of one simulated schedule: compute utilisation, bytes through its links, the most saved
     activations waiting to go down (lazy offload), peak memory."""
-    t = Table(title=title)
+    t = SafeTable(title=title)
     for col in ("device", "busy", "utilisation", "fill", "drain", "waits", "uploaded", "downloaded",
                 "offload backlog", "peak memory"):
         t.add_column(col, justify="right")
@@ -226,7 +228,7 @@ def devices_table(result, *, title: str = "") -> Table:
 def scaling_table(rows: Sequence[dict], *, title: str = "") -> Table:
     """Data-parallel scaling (:func:`rpcompile.simulation.scaling`): one row per machine count, network and
     whether the gradient all-reduce overlaps the later stages."""
-    t = Table(title=title, caption="simulated: every machine runs the pipeline on its own batch; the all-reduce is "
+    t = SafeTable(title=title, caption="simulated: every machine runs the pipeline on its own batch; the all-reduce is "
                                    "a ring over each machine's network link, not measured")
     for col in ("nodes", "network", "all-reduce", "iteration", "tokens/s (all nodes)", "efficiency", "reduce",
                 "of it exposed"):

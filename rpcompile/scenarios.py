@@ -19,13 +19,14 @@ describes its chain positions with the timing model's own :class:`~rpcompile.cor
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from rpcompile.core.errors import RPCompileError, SimulationError
+from rpcompile.core.files import read_json
+from rpcompile.core.planfile import MAX_MICROBATCHES
 from rpcompile.core.schedule import Action, gpipe, interleaved_one_f_one_b, one_f_one_b, round_robin
 from rpcompile.core.stages import HostLoad, StageCost, StageKind, host_load
 from rpcompile.passes.baselines import layer_ranges
@@ -215,24 +216,37 @@ def _static_stages(pb: Any, ranges: list[tuple[int, int]], n_dev: int, opt: floa
 
 
 # ---------------------------------------------------------------------------------------------- layer profiles
+_PROFILE_TIMES = ("fwd_ms_per_layer", "bwd_ms_per_layer", "head_fwd_ms", "head_bwd_ms", "comm_ms")
+
+
 def load_layer_profile(path: str | Path, model: str) -> tuple[dict[str, Any], int, int]:
     """``(entry, gpus, microbatches)`` for ``model`` from a RoundPipe-style simulator input file (milliseconds).
     Raises :class:`RPCompileError` naming the models the file has, or the field that is missing."""
     try:
-        data = json.loads(Path(path).read_text())
+        data = read_json(path, max_bytes=64 << 20, max_depth=8)
     except OSError as e:
         raise RPCompileError(f"cannot read layer profile {path}: {e.strerror or e}") from None
-    except json.JSONDecodeError as e:
-        raise RPCompileError(f"{path} is not JSON (line {e.lineno}: {e.msg})") from None
+    except ValueError as e:
+        raise RPCompileError(f"{path} is not a layer profile: {e}") from None
     models = data.get("models") if isinstance(data, Mapping) else None
     if not isinstance(models, Mapping):
         raise RPCompileError(f"{path} is not a layer profile: no 'models' object")
     if model not in models:
-        raise RPCompileError(f"{path} has no model {model!r}; it has: {', '.join(models)}")
+        raise RPCompileError(f"{path} has no model {model!r}; it has: {', '.join(map(str, models))}"[:400])
     entry = models[model]
-    for key in ("num_layers", "fwd_ms_per_layer", "bwd_ms_per_layer", "head_fwd_ms", "head_bwd_ms", "comm_ms"):
+    if not isinstance(entry, dict):
+        raise RPCompileError(f"{path}: model {model!r} is not an object")
+    for key in ("num_layers", *_PROFILE_TIMES):
         if key not in entry:
             raise RPCompileError(f"{path}: model {model!r} lacks {key!r}")
+    checks = [(f"model {model!r}: {k}", entry[k], 0, 1e9, False) for k in _PROFILE_TIMES]
+    checks += [(f"model {model!r}: num_layers", entry["num_layers"], 1, 1 << 14, True),
+               ("num_gpus", data.get("num_gpus", 8), 1, 1 << 16, True),
+               ("num_microbatches", data.get("num_microbatches", 16), 1, MAX_MICROBATCHES, True)]
+    for what, v, least, most, whole in checks:
+        if isinstance(v, bool) or not isinstance(v, int if whole else (int, float)) or not least <= v <= most:
+            raise RPCompileError(f"{path}: {what} must be {'an integer' if whole else 'a number'} in [{least}, "
+                                 f"{most:g}], found {repr(v)[:40]}")
     return entry, int(data.get("num_gpus", 8)), int(data.get("num_microbatches", 16))
 
 

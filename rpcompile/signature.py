@@ -34,6 +34,7 @@ from torch.utils import _pytree as pytree
 
 from .core.batch import tensor_leaves
 from .core.errors import ConfigError, InputError
+from .core.planfile import MAX_MICROBATCHES
 
 __all__ = ["InputSignature", "LeafSpec", "PrecisionWarning", "check_call_mode", "check_compile_arguments",
            "needs_target"]
@@ -336,6 +337,9 @@ def check_compile_arguments(model: Any, example_inputs: Any, example_kwargs: Map
     if microbatches is not None and (isinstance(microbatches, bool) or not isinstance(microbatches, int)
                                      or microbatches < 1):
         raise ConfigError(f"microbatches={microbatches!r}; give a whole number >= 1 (or None: the planner picks)")
+    if microbatches is not None and microbatches > MAX_MICROBATCHES:
+        raise ConfigError(f"microbatches={microbatches}; at most {MAX_MICROBATCHES} (a plan holds no more): give "
+                          "fewer, larger microbatches")
     if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1):
         raise ConfigError(f"gpus={gpus!r}; give a whole number >= 1, or devices=['cpu'] * k for logical CPU devices")
     examples = dict(example_inputs) if isinstance(example_inputs, Mapping) else \

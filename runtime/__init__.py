@@ -5,7 +5,7 @@ It binds a lowered plan (:mod:`.bind`: saved segments, seeded random ops), runs 
 call raises :mod:`.failures`) on devices and their transfers (:mod:`.devices`, :mod:`.offload`), uploads weights from host
 copies in the compute precision made once per optimizer step and adds gradients home (:mod:`.weights`), keeps
 saved segments' activations instead of recomputing them (:mod:`.saved`, :mod:`.capture`, :mod:`.symbolic`), replays
-randomness (:mod:`.rng`), steps AdamW on the host writing those copies in the same pass (:mod:`.optim`), and
+randomness (:mod:`.rng`), names its host work for the profiler (:mod:`.activity`), steps AdamW on the host writing those copies in the same pass (:mod:`.optim`), and
 simulates the same action lists with a clock (:mod:`.simulator`, :mod:`.sim_result`). The
 schedules themselves are Core data (:mod:`rpcompile.core.schedule`); plans and stage programs come from the passes;
 the drivers that plan and then simulate live in :mod:`rpcompile.scenarios`, timeline pictures in

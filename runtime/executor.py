@@ -14,6 +14,15 @@ it; at most two stages' weights are resident, the planner's ``P`` term). A forwa
 after its last microbatch, a fused or backward stage's after its gradients went home. On a GPU the copies run on
 a stream of their own, behind the activation uploads (:meth:`~.devices.Device.upload_weights`).
 
+**Hand-offs on one device.** With a single device that is not a logical CPU device (one GPU), every stage runs
+there, so a value one stage hands to the next (and the gradient a backward stage leaves for an earlier one) stays in
+device memory instead of a round trip through host memory — on the H100 the 1.7B shape's step moved 8 MiB pieces
+down and straight back up for every stage and microbatch. Only what the host reads comes home: the gradients of a
+host embedding's rows, the losses, the model's output in evaluation. Saved activations still go down (they are
+what the plan sends to host memory). What stays is held until the call ends (a backward stage recomputes from its
+forward's input), so at most :attr:`Executor.resident_budget` bytes of it in a call; beyond that a hand-off goes
+home as it would on several devices.
+
 **Host embeddings** (:mod:`rpcompile.passes.host`): a host thread looks up every microbatch's rows in the fp32
 master table, in order, cast to the compute precision; the stages that read them wait for them like for any
 value still on its way. Once every fused or backward stage that reads a microbatch's rows has finished it, the
@@ -47,6 +56,7 @@ latest when the next call begins.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 import traceback
@@ -60,9 +70,10 @@ from rpcompile.core.program import Program, StageProgram
 from rpcompile.core.schedule import Action
 
 from . import rng, saved, stage_call
+from .activity import span
 from .bind import bind
 from .capture import HostSaved
-from .devices import Device
+from .devices import CpuDevice, Device
 from .failures import PipelineError, _Stopped, _first, _one_line, _without_frames
 from .stage_call import StageState, to_host, upload_tree
 from .values import TimelineEvent, ValueStore
@@ -92,6 +103,14 @@ class Executor:
                                    uploaded=uploaded, host_only=[h.weight for h in self.program.host],
                                    frozen_masters=frozen_masters, traffic=self.traffic)
         self.grads = GradSink(params, self.traffic)
+        self.resident_handoffs = len(self.devices) == 1 and not isinstance(self.devices[0], CpuDevice)
+        """Hand-offs between stages stay on the device (module docstring); the host's values still come home."""
+        self.resident_budget: float = math.inf
+        """Bytes of hand-offs a call may keep on the device (the pipeline gives a GPU part of what its plan leaves
+        free); the rest go home."""
+        self._resident_bytes = 0
+        self._resident_lock = threading.Lock()
+        self._host_values = frozenset(h.value for h in self.program.host)
         for d in self.devices:
             d.traffic = self.traffic
         self.timeline: list[TimelineEvent] = []
@@ -131,6 +150,7 @@ class Executor:
         self.failed: list[BaseException] = []
         self.t0 = time.perf_counter()
         self.timeline = []
+        self._resident_bytes = 0  # what the last call kept went with its store
         # Device 0 runs on the calling thread: a fresh thread would start its own OpenMP team while the caller's
         # idles (spinning) on the same cores, which made one-device CPU steps ~2× slower than eager.
         workers = [_Thread(self._worker, (d, acts), f"rpcompile-dev{d}") for d, acts in enumerate(schedule) if d > 0]
@@ -362,7 +382,8 @@ class Executor:
                   prefetched: dict[int, Future], ahead: dict[int, int]) -> None:
         prog = self.program.stages[act.stage]
         if act.kind == "F" and act.stage > 0:
-            self.done[(act.stage - 1, act.microbatch)].wait()
+            with span("wait", f"{prog.name} mb{act.microbatch}"):
+                self.done[(act.stage - 1, act.microbatch)].wait()
             if self.failed:
                 return
         start = time.perf_counter() - self.t0
@@ -390,7 +411,8 @@ class Executor:
                 del states[act.stage]  # no gradients to wait for: the device's copy of the weights can go
             self.done[(act.stage, act.microbatch)].set()
         else:
-            stage_call.download_grads(device, prog, states.pop(act.stage), self.grads)
+            with span("grads out", prog.name):
+                stage_call.download_grads(device, prog, states.pop(act.stage), self.grads)
         self.timeline.append(TimelineEvent(str(act), prog.name, act.microbatch, device.index, start,
                                            time.perf_counter() - self.t0))
 
@@ -403,42 +425,64 @@ class Executor:
         """A stage's inputs for microbatch ``mb`` on its device (:func:`.stage_call.inputs`)."""
         return stage_call.inputs(device, prog, mb, self.store, self.dtype, self.program.needs_grad, leaves=leaves)
 
+    def _stays(self, t: torch.Tensor) -> bool:
+        """Whether hand-off ``t`` stays on the device (module docstring), counted against the budget if so."""
+        if not self.resident_handoffs:
+            return False
+        size = t.untyped_storage().nbytes()
+        with self._resident_lock:
+            if self._resident_bytes + size > self.resident_budget:
+                return False
+            self._resident_bytes += size
+        return True
+
     def _compute(self, device: Device, prog: StageProgram, state: StageState, mb: int) -> None:
         rng.context.iteration, rng.context.microbatch, rng.context.device = self.iteration, mb, device.torch_device
         rng.context.training, rng.context.seed = self.training, self.seed
+        what = f"{prog.name} mb{mb}"  # the profiler spans' detail (.activity)
         if prog.kind == "forward":
             saved.context.save = True  # saved segments keep their activations for the backward stage
             with torch.no_grad():
-                kept = stage_call.buffer_copies(prog, state, self._changed_buffers)
-                outs = stage_call.call(prog, state, self._inputs(device, prog, mb, leaves=False), self._slot_cache,
-                                       copy_buffers=False)
-                stage_call.keep_buffers_before(device, prog, state, kept, mb, self.store, self._changed_buffers)
-            for name, v in zip(prog.outputs, outs):
-                if isinstance(v, HostSaved):  # behind the compute, latest stage first (runtime/offload.py)
-                    self.store.put(name, mb, device.offload(v, priority=(-prog.index, mb)))
-                elif isinstance(v, torch.Tensor):
-                    self.store.put(name, mb, device.handoff(v))
-                else:
-                    self.store.put(name, mb, to_host(device, v))
+                with span("inputs", what):
+                    inputs = self._inputs(device, prog, mb, leaves=False)
+                with span("compute", what):
+                    kept = stage_call.buffer_copies(prog, state, self._changed_buffers)
+                    outs = stage_call.call(prog, state, inputs, self._slot_cache, copy_buffers=False)
+                    stage_call.keep_buffers_before(device, prog, state, kept, mb, self.store, self._changed_buffers,
+                                                   on_device=self.resident_handoffs)
+            with span("outputs", what):
+                for name, v in zip(prog.outputs, outs):
+                    if isinstance(v, HostSaved):  # behind the compute, latest stage first (runtime/offload.py)
+                        self.store.put(name, mb, device.offload(v, priority=(-prog.index, mb)))
+                    elif isinstance(v, torch.Tensor):
+                        self.store.put(name, mb, v if self._stays(v) else device.handoff(v))
+                    else:
+                        self.store.put(name, mb, to_host(device, v))
             return
-        inputs = self._inputs(device, prog, mb, leaves=True)
         recompute = prog.kind == "backward"
-        before = stage_call.buffers_before(device, prog, mb, self.store) if recompute else None
-        with torch.enable_grad():
-            raw = stage_call.call(prog, state, inputs, self._slot_cache, copy_buffers=recompute, before=before)
-        if prog.kind == "fused":
-            target = upload_tree(device, self.targets[mb]) if self.targets is not None else None
-            assert self.loss_fn is not None  # run() is given one whenever the plan has a fused stage
-            loss = self.loss_fn(prog.model_output(raw), target, mb)
-            self.losses[mb] = device.download(loss.detach().float())
-            roots, grads = [loss * self.grad_scale], [None]
-        else:
-            roots, grads = stage_call.output_grads(device, prog, raw, mb, self.store)
+        with span("inputs", what):
+            inputs = self._inputs(device, prog, mb, leaves=True)
+            before = stage_call.buffers_before(device, prog, mb, self.store) if recompute else None
+        with span("compute", what):
+            with torch.enable_grad():
+                raw = stage_call.call(prog, state, inputs, self._slot_cache, copy_buffers=recompute, before=before)
+            if prog.kind == "fused":
+                target = upload_tree(device, self.targets[mb]) if self.targets is not None else None
+                assert self.loss_fn is not None  # run() is given one whenever the plan has a fused stage
+                loss = self.loss_fn(prog.model_output(raw), target, mb)
+                self.losses[mb] = device.download(loss.detach().float())
+                roots, grads = [loss * self.grad_scale], [None]
+        if prog.kind != "fused":
+            with span("inputs", what):  # the gradients later stages left for this one's outputs
+                roots, grads = stage_call.output_grads(device, prog, raw, mb, self.store)
         if roots:
-            torch.autograd.backward(roots, grads)
-        for name, v in zip(prog.inputs, inputs):
-            if isinstance(v, torch.Tensor) and v.requires_grad and v.grad is not None:
-                self.store.add_grad(name, mb, device.handoff(v.grad))
+            with span("compute", what):
+                torch.autograd.backward(roots, grads)
+        with span("outputs", what):
+            for name, v in zip(prog.inputs, inputs):
+                if isinstance(v, torch.Tensor) and v.requires_grad and v.grad is not None:
+                    stays = name not in self._host_values and self._stays(v.grad)  # the host adds those
+                    self.store.add_grad(name, mb, v.grad if stays else device.handoff(v.grad))
 
 
 class _Thread(threading.Thread):

@@ -35,6 +35,8 @@ import torch
 
 from rpcompile.core.errors import ConfigError
 
+from .activity import span
+
 __all__ = ["Landing", "Offloader"]
 
 
@@ -178,7 +180,8 @@ class Offloader:
                     return
                 _, _, (tensors, ready, wrap, landing, nbytes) = heapq.heappop(self._heap)
             try:
-                value = wrap(tuple(self.copy(tensors, ready)))
+                with span("copy out", self.what):
+                    value = wrap(tuple(self.copy(tensors, ready)))
             except BaseException as e:  # noqa: BLE001 - handed to every waiter
                 with self._cv:
                     self._error = e

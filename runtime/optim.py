@@ -57,7 +57,7 @@ from torch.optim.adamw import adamw as torch_adamw
 
 from rpcompile.core.errors import ConfigError
 
-__all__ = ["AdamW", "BACKEND_ENV"]
+__all__ = ["AdamW", "BACKEND_ENV", "build_extension"]
 
 BACKEND_ENV = "RPCOMPILE_ADAMW_BACKEND"
 """Environment variable that forces a backend: ``cpp`` (a failed build is an error) or ``torch``."""
@@ -95,6 +95,13 @@ def _extension() -> Any:
             lines = [line.strip() for line in str(e).splitlines() if line.strip()]
             _BUILD["failure"] = f"{type(e).__name__}: {lines[0] if lines else 'no message'}"[:300]
     raise RuntimeError(_BUILD["failure"])
+
+
+def build_extension() -> str:
+    """Build the C++ kernel now (a no-op when torch's extension cache holds a current build) and return the file it
+    loaded from; raises :class:`RuntimeError` (one line) when it does not build. ``make test`` runs it first, so
+    the C++ backend's tests run rather than skip."""
+    return str(_extension().__file__)
 
 
 def _resolve_backend() -> str:

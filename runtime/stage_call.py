@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 
 from rpcompile.core.program import StageProgram
 
+from .activity import span
 from .capture import HostSaved
 from .devices import Device
 from .offload import Landing
@@ -64,8 +65,9 @@ def upload(device: Device, prog: StageProgram, weights: WeightStore, masters: di
     params = list(dict.fromkeys(prog.params.values()))
     buffers = list(dict.fromkeys(prog.buffers.values()))
     start = time.perf_counter() - t0
-    copies, ready = device.upload_weights([weights.source(n) for n in params]
-                                          + [host_buffers[n] for n in buffers], dtype)
+    with span("weights up", prog.name):
+        copies, ready = device.upload_weights([weights.source(n) for n in params]
+                                              + [host_buffers[n] for n in buffers], dtype)
     state = StageState(ready=ready, uploaded=(start, time.perf_counter() - t0))
     for name, t in zip(params, copies):
         # a new leaf (on logical CPU devices sharing the host copy's storage, which other stages read at the
@@ -165,14 +167,15 @@ def buffer_copies(prog: StageProgram, state: StageState,
 
 def keep_buffers_before(device: Device, prog: StageProgram, state: StageState,
                         kept: dict[str, tuple[int, torch.Tensor]], mb: int, store: ValueStore,
-                        changed_buffers: dict[int, set[str]]) -> None:
+                        changed_buffers: dict[int, set[str]], *, on_device: bool = False) -> None:
     """After a forward stage ran microbatch ``mb``: the buffers it changed (a running statistic) go to host
-    memory as they were before, for the backward stage that recomputes the microbatch (:func:`buffers_before`)."""
-    changed = {n for n, (version, old) in kept.items()
-               if state.buffers[n]._version != version or not torch.equal(state.buffers[n], old)}
+    memory as they were before, for the backward stage that recomputes the microbatch (:func:`buffers_before`);
+    ``on_device``: they stay on the device (one device runs every stage: the executor's resident hand-offs)."""
+    changed = {n for n, (version, old) in kept.items()  # meta holds no values to compare: its version tells
+               if state.buffers[n]._version != version or (not old.is_meta and not torch.equal(state.buffers[n], old))}
     changed_buffers.setdefault(prog.index, changed)
     for n in changed:
-        store.put(_BEFORE.format(n), mb, device.handoff(kept[n][1]))
+        store.put(_BEFORE.format(n), mb, kept[n][1] if on_device else device.handoff(kept[n][1]))
 
 
 def buffers_before(device: Device, prog: StageProgram, mb: int, store: ValueStore) -> dict[str, torch.Tensor]:

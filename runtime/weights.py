@@ -50,6 +50,7 @@ copy engines move pinned memory without the CPU). Deterministic, so the CPU meas
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -57,6 +58,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from .activity import span
 
 __all__ = ["HostTraffic", "WeightStore", "GradSink", "nbytes", "pinned_bytes", "ADD_PIECE"]
 
@@ -102,7 +105,9 @@ class _Entry:
 
     master: torch.nn.Parameter
     front: torch.Tensor | None = None
-    """The copy the devices upload from; None: the master itself."""
+    """The copy the devices upload from; None: the master itself (or, with ``lazy``, a copy not allocated yet)."""
+    lazy: bool = False
+    """A copy is kept but not allocated until the first upload needs it (:meth:`WeightStore.source`)."""
     back: torch.Tensor | None = None
     written: bool = False
     """``back`` holds the stepped master (an overlapped step wrote it): :meth:`WeightStore.swap` takes it."""
@@ -138,13 +143,16 @@ class WeightStore:
                 continue
             if not self._needs_copy(e.master):
                 continue
-            e.front = self._empty_like(e.master)
             if once:
+                e.front = self._empty_like(e.master)
                 self._make(e, e.front)
                 e.master.data = e.front  # frozen: stored once, in the compute precision
                 e.front = None
-            # else stale until the first upload that needs it makes it, on the device's prefetch thread beside
-            # the previous stage's compute: not all at once before the first step (a cast of every weight)
+                continue
+            # allocated and made by the first upload that needs it, on the device's prefetch thread beside the
+            # previous stage's compute: not all at once before the first step (for an 8B model a cast of every
+            # weight, and pinning 16 GB: ~7 s of building the pipeline on the H100 machine)
+            e.lazy = True
         store = weakref.ref(self)
         handle = register_optimizer_step_post_hook(lambda opt, args, kwargs: _after_step(store, opt))
         weakref.finalize(self, handle.remove)
@@ -176,6 +184,10 @@ class WeightStore:
         """What a device uploads for parameter ``name``: the current copy (refreshed first if stale), or the
         master (detached) where no copy is kept."""
         e = self.entries[name]
+        if e.front is None and e.lazy:
+            with e.lock:
+                if e.front is None:
+                    e.front = self._empty_like(e.master)
         if e.front is None:
             return e.master.detach()
         if not self.overlapping and e.made_from != _stamp(e.master):
@@ -292,7 +304,7 @@ class WeightStore:
         return torch.empty(master.shape, dtype=dtype, device="cpu", pin_memory=self.pin)
 
     def _make(self, e: _Entry, into: torch.Tensor, *, stamp: bool = True) -> None:
-        with torch.no_grad():
+        with torch.no_grad(), span("weights refresh"):
             into.copy_(e.master)
         self.traffic.add("weight copies", nbytes(e.master) + nbytes(into))
         if stamp:
@@ -342,6 +354,7 @@ class GradSink:
         self._starting = threading.Lock()
         self._error: BaseException | None = None
         self._scratch: torch.Tensor | None = None  # the sink thread's (:meth:`_add`)
+        self._spare: dict[str, torch.Tensor] = {}  # per parameter, the last gradient buffer made (:meth:`_buffer`)
         self._undo: dict[str, tuple[torch.Tensor, torch.Tensor] | None] | None = None
         """Per parameter the call touched: None (it had no gradient) or (its gradient, a copy from before)."""
         self._dropping = False
@@ -433,9 +446,11 @@ class GradSink:
             if self._error is not None or self._dropping:
                 continue  # drain what is queued; the first failure is what the caller sees
             try:
-                for name, g in zip(names, grads.wait() if hasattr(grads, "wait") else grads, strict=True):
-                    with self._locks[name]:
-                        self._target(name, g)
+                landed = grads.wait() if hasattr(grads, "wait") else grads
+                with span("grad sink"):
+                    for name, g in zip(names, landed, strict=True):
+                        with self._locks[name]:
+                            self._target(name, g)
                 if tag is not None and self.listener is not None:
                     self.listener(tag)
             except BaseException as e:  # noqa: BLE001 - re-raised by drain() on the caller's thread
@@ -451,11 +466,11 @@ class GradSink:
             if current is not None:
                 self.traffic.add("gradients", 2 * nbytes(current))
         if current is None:
+            current = self._buffer(name, p)
             if g is None:
-                current = torch.zeros_like(p)
+                current.zero_()
                 self.traffic.add("gradients", nbytes(current))
             else:
-                current = torch.empty_like(p)
                 current.copy_(g)
                 self.traffic.add("gradients", nbytes(g) + nbytes(current))
             if self.private is not None:
@@ -466,6 +481,21 @@ class GradSink:
             self._add(current, g)
             self.traffic.add("gradients", nbytes(g) + 2 * nbytes(current))
         return current
+
+    def _buffer(self, name: str, p: torch.Tensor) -> torch.Tensor:
+        """A buffer for a new gradient of ``name`` (contents undefined): the one the last call made, when nothing
+        else holds it any more (``zero_grad()`` set ``.grad`` to None and no one kept it), else a new one. Freshly
+        allocated memory is faulted in page by page as it is first written: 4 bytes a parameter every step,
+        ~5 s a step at 2B parameters on the 2-core reference machine (``benchmarks/floor.py``)."""
+        spare = self._spare.get(name)
+        # the tensor held by this dict, the local and getrefcount's argument only (no .grad, no user, no held
+        # buffer), and its memory by the tensor and the probe's storage object only (no view of it anywhere)
+        if (spare is not None and sys.getrefcount(spare) <= 3
+                and torch._C._storage_Use_Count(spare.untyped_storage()._cdata) <= 2
+                and spare.shape == p.shape and spare.dtype == p.dtype):
+            return spare
+        self._spare[name] = fresh = torch.empty_like(p)
+        return fresh
 
     def _add(self, into: torch.Tensor, g: torch.Tensor) -> None:
         """``into += g``. A gradient in another precision goes through a small scratch buffer, a piece at a time:

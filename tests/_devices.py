@@ -6,6 +6,9 @@ Each stands for a way a GPU differs from the CPU that the CPU devices never exer
   ``torch.device("cuda:0")``), so an allocation that forgets ``device=``, a host value handed to a stage without
   being uploaded (a target) or a device the trace baked into the graph fails here as it does on a GPU. Values are
   shapes only: downloads come back as zeros.
+- :class:`CopyingDevice` computes on the CPU but is not a logical CPU device: like a GPU, its downloads are
+  copies, and a pipeline on one of them keeps its hand-offs on the device as it does on one GPU (the hand-offs
+  still sent home are counted in :attr:`CopyingDevice.handed_off`).
 - :class:`StridedDevice` computes on the CPU but every upload and download returns a copy laid out in reverse
   dimension order (column-major), as a GPU kernel or a hand-off may lay a tensor out otherwise than the CPU's
   kernels did at trace time. Values are exact, so the pipeline must still equal eager.
@@ -52,3 +55,18 @@ class StridedDevice(CpuDevice):
 
     def download(self, t: torch.Tensor) -> torch.Tensor:
         return scrambled(t)
+
+
+class CopyingDevice(Device):
+    """A device on the CPU that is not a logical CPU device (see module docstring)."""
+
+    def __init__(self, index: int = 0):
+        super().__init__(torch.device("cpu"), index)
+        self.handed_off = 0
+
+    def download(self, t: torch.Tensor) -> torch.Tensor:
+        return t.clone()
+
+    def handoff(self, t: torch.Tensor) -> torch.Tensor:
+        self.handed_off += 1
+        return super().handoff(t)

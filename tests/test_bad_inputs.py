@@ -86,6 +86,10 @@ def tokens() -> rpcompile.Pipeline:
     return _compile(TiedToy(), IDS, loss_fn=token_loss, example_target=LABELS)
 
 
+def _stage0(data: dict, **fields: Any) -> bytes:
+    return json.dumps({**data, "stages": [{**data["stages"][0], **fields}, *data["stages"][1:]]}).encode()
+
+
 @pytest.fixture(scope="module")
 def plans(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Plan files: the golden llama-demo one and corruptions of it."""
@@ -112,6 +116,16 @@ def plans(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "bad-kind": json.dumps({**data, "stages": [{**data["stages"][0], "kind": "sideways"},
                                                    *data["stages"][1:]]}).encode(),
         "zero-devices": json.dumps({**data, "hardware": {**data["hardware"], "device_count": 0}}).encode(),
+        # issue 36: text that would become code or reach the terminal, numbers that would run away
+        "module-newline": _stage0(data, modules=["layers.0\nimport os; os._exit(7)"]),
+        "stage-name-path": _stage0(data, name="../../evil"),
+        "escape-in-spec": json.dumps({**data, "hardware": {**data["hardware"], "spec": {
+            **data["hardware"]["spec"], "name": "rtx\x1b]0;pwned\x07"}}}).encode(),
+        "int8": json.dumps({**data, "precision": "int8"}).encode(),
+        "huge-microbatches": json.dumps({**data, "microbatches": 10**8}).encode(),
+        "long-number": raw.replace(b'"microbatches": 3', b'"microbatches": 1' + b"0" * 400, 1),
+        "float-overflow": raw.replace(b'"microbatches": 3', b'"microbatches": 1e400', 1),
+        "deep": raw.replace(b'"stats": {', b'"stats": {"x": ' + b"[" * 50_000 + b"]" * 50_000 + b",", 1),
     }
     paths = {}
     for name, content in files.items():
@@ -430,6 +444,10 @@ COMPILE_ROWS: list[Row] = [
      r"^cannot read plan file .*nope\.json: No such file or directory$"),
     ("plan file corrupt", _c(devices=["cpu"], plan=lambda p: p["latin1"]), PlanFileError,
      r"latin1\.json is corrupt: byte \d+ is not UTF-8 text \(0xe9\); re-plan to regenerate it$"),
+    ("plan file with code in a module name", _c(devices=["cpu"], plan=lambda p: p["module-newline"]), PlanFileError,
+     r"module-newline\.json is corrupt: stages\[0\]\.modules\[0\]: holds the control or format character"),
+    ("microbatches beyond the bound", _c(devices=["cpu"], microbatches=10**8), ConfigError,
+     r"^microbatches=100000000; at most 4096 \(a plan holds no more\): give fewer, larger microbatches$"),
 ]
 
 
@@ -458,6 +476,15 @@ PLAN_ROWS: list[tuple[str, str]] = [
     ("bad-kind", r"is corrupt: stages\[0\]\.kind: expected one of \['forward', 'fused', 'backward'\], "
                  r"found 'sideways'"),
     ("zero-devices", r"is corrupt: hardware\.device_count: must be >= 1, found 0"),
+    ("module-newline", r"is corrupt: stages\[0\]\.modules\[0\]: holds the control or format character '\\n', "
+                       r"which no plan text has"),
+    ("stage-name-path", r"is corrupt: stages\[0\]\.name: '\.\./\.\./evil' is not a stage name \(F<i>, FB or B<i>\)"),
+    ("escape-in-spec", r"is corrupt: hardware\.spec\.name: holds the control or format character '\\x1b'"),
+    ("int8", r"is corrupt: precision: 'int8' is not a precision rpcompile runs \(fp32, bf16 or fp16\)"),
+    ("huge-microbatches", r"is corrupt: microbatches: must be at most 4096, found 100000000"),
+    ("long-number", r"is corrupt: the number 1000000000000\S+ is out of range \(beyond 2\*\*63\)"),
+    ("float-overflow", r"is corrupt: the number 1e400 is out of range \(beyond a float\)"),
+    ("deep", r"is corrupt: nested deeper than 8 levels"),
     ("missing", r"^cannot read plan file .*: No such file or directory$"),
     ("directory", r"^cannot read plan file .*: Is a directory$"),
 ]
@@ -482,6 +509,9 @@ CLI_ROWS: list[tuple[str, list[str], str]] = [
     ("diff truncated first", ["diff", "{truncated}", "{good}"], r"truncated\.json is corrupt: invalid JSON"),
     ("simulate corrupt plan", ["simulate", "{nan}"], r"nan\.json is corrupt: NaN is not a number a plan holds"),
     ("simulate no fused stage", ["simulate", "{no-fused}"], r"is corrupt: stages: kinds must run"),
+    ("simulate 10**8 microbatches", ["simulate", "{huge-microbatches}"], r"microbatches: must be at most 4096"),
+    ("simulate int8", ["simulate", "{int8}"], r"precision: 'int8' is not a precision"),
+    ("show an escape sequence", ["show", "{escape-in-spec}"], r"hardware\.spec\.name: holds the control"),
 ]
 
 
@@ -492,6 +522,14 @@ def test_cli_commands_on_bad_plan_files(plans, capsys, argv, message):
     assert code == 2 and len(err) == 1, err
     assert err[0].startswith("rpcompile: error: ") and "unexpected" not in err[0], err
     assert re.search(message, err[0]), err
+
+
+def test_a_microbatch_count_no_plan_holds_is_refused_before_any_work(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["simulate", "llama-demo", "--gpus", "2", "--microbatches", "100000000"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2 and err[-1].startswith("rpcompile simulate: error: argument --microbatches: at most "
+                                                       "4096 (a plan holds no more), got 100000000"), err
 
 
 def test_check_reports_an_undecodable_plan_in_one_line(plans, capsys):
@@ -506,7 +544,7 @@ def test_check_reports_an_undecodable_plan_in_one_line(plans, capsys):
 def test_the_catalogue_has_the_issue_s_breadth():
     rows = len(MLP_ROWS) + len(TOKEN_ROWS) + len(UNCHECKED_ROWS) + len(HF_ROWS) + len(COMPILE_ROWS) + len(PLAN_ROWS) \
         + len(CLI_ROWS) + 1
-    assert rows >= 58, rows
+    assert rows >= 72, rows
 
 
 def test_batches_a_real_loop_sees_still_train_like_eager(tokens):

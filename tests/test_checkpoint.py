@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import io
 import multiprocessing
 import os
 import random
+import re
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -25,6 +28,7 @@ import torch
 
 import rpcompile
 from rpcompile.checkpoint import CheckpointWarning, checkpoints, verify
+from rpcompile.core.files import host_name
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _resume  # noqa: E402
@@ -183,6 +187,99 @@ def test_model_and_optimizer_that_do_not_fit_are_refused_in_one_line(plan, tmp_p
                                                                {"params": [model.head.bias]}]))
 
 
+def _untouched(model, pipe, opt) -> tuple[dict[str, torch.Tensor], int]:
+    """What a refused load must leave as it was: the weights, the optimizer's state (empty: fresh) and the
+    pipeline's iteration."""
+    assert not opt.state
+    return weights(model), pipe.iteration
+
+
+def test_an_optimizer_state_that_does_not_fit_changes_nothing(plan, tmp_path):
+    """Issue 36: it was refused only after the model's weights had been overwritten."""
+    model, pipe, opt = build(plan)
+    train(model, pipe, opt, 0, 1, ckpt=tmp_path)
+    model, pipe, _ = build(plan)
+    two_groups = torch.optim.AdamW([{"params": [p for n, p in model.named_parameters() if n != "head.bias"]},
+                                    {"params": [model.head.bias]}])
+    before, iteration = _untouched(model, pipe, two_groups)
+    with pytest.raises(rpcompile.CheckpointError, match=r"the optimizer's state does not fit this optimizer \(the "
+                                                        r"checkpoint holds 1 parameter group\(s\), this optimizer has "
+                                                        r"2\)") as info:
+        rpcompile.load_checkpoint(tmp_path, model=model, pipeline=pipe, optimizer=two_groups)
+    assert "\n" not in str(info.value)
+    assert_bitwise(weights(model), before)
+    assert not two_groups.state and pipe.iteration == iteration
+
+
+def _rewrite(path: Path, change) -> None:
+    """Change the payload of the checkpoint at ``path`` and write it back with a header and checksum that hold."""
+    raw = path.read_bytes()
+    payload = torch.load(io.BytesIO(raw[48:]), weights_only=True)
+    change(payload)
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    body = buffer.getvalue()
+    path.write_bytes(struct.pack("<8sQ32s", raw[:8], len(body), hashlib.sha256(body).digest()) + body)
+
+
+MALFORMED = {  # issue 36: valid checksums over these raised raw KeyError, AttributeError, ValueError
+    "no pipeline state": (lambda p: p.pop("pipeline"), r"its content is malformed \(no 'pipeline'\)"),
+    "no fingerprint": (lambda p: p["pipeline"].pop("model"), r"the pipeline state is malformed \(no 'model'\)"),
+    "stale weights a list": (lambda p: p["pipeline"].update(stale_weights=[1]),
+                             r"the pipeline state is malformed \(stale_weights is list"),
+    "iteration a string": (lambda p: p["pipeline"].update(iteration="3"), r"malformed \(iteration is str '3'\)"),
+    "step a string": (lambda p: p.update(step="3"), r"its content is malformed \(step is '3'\)"),
+    "scaler empty": (lambda p: p["pipeline"].update(scaler={}), r"scaler is not a GradScaler state_dict"),
+    "a weight of another shape": (lambda p: p["model"].update({"head.bias": torch.zeros(3)}),
+                                  r"the model's state does not fit this model \('head\.bias' is \(3,\), this "
+                                  r"model's \(32,\)\)"),
+    "a weight missing": (lambda p: p["model"].pop("norm.weight"), r"does not fit this model \(missing 'norm\.weight'"),
+    "optimizer state a string": (lambda p: p.update(optimizer="adam"), r"the optimizer's state does not fit this "
+                                                                       r"optimizer \(not an optimizer state_dict\)"),
+}
+
+
+@pytest.mark.parametrize("change, message", MALFORMED.values(), ids=MALFORMED.keys())
+def test_a_malformed_payload_is_one_line_and_changes_nothing(plan, tmp_path, change, message):
+    model, pipe, opt = build(plan)
+    train(model, pipe, opt, 0, 1, ckpt=tmp_path)
+    (step, path), = checkpoints(tmp_path)
+    _rewrite(path, change)
+    model, pipe, opt = build(plan)
+    before, iteration = _untouched(model, pipe, opt)
+    with pytest.raises(rpcompile.CheckpointError, match=message) as info:
+        rpcompile.load_checkpoint(tmp_path, model=model, pipeline=pipe, optimizer=opt)
+    assert "\n" not in str(info.value)
+    assert_bitwise(weights(model), before)
+    assert not opt.state and pipe.iteration == iteration
+
+
+def test_a_save_follows_no_link_planted_where_its_temporary_would_be(plan, tmp_path):
+    """Issue 36: the temporary's name was predictable (``.<name>.tmp<pid>``) and opened through a planted link."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    for name in (f".ckpt-00000000.ckpt.tmp{os.getpid()}", f".plan.json.tmp{os.getpid()}", "ckpt-00000000.ckpt.tmp"):
+        (tmp_path / name).symlink_to(victim)
+    model, pipe, opt = build(plan)
+    rpcompile.save_checkpoint(tmp_path, model=model, optimizer=opt, pipeline=pipe)
+    assert victim.read_bytes() == b"precious"
+    assert rpcompile.load_checkpoint(tmp_path, model=model, optimizer=opt, pipeline=pipe).step == 0
+
+
+@pytest.mark.parametrize("step", [-1, 1.5, True, "3", None])
+def test_a_step_load_checkpoint_would_not_take_is_refused_when_saving(plan, tmp_path, step):
+    """Issue 36: step=-1 wrote a file that load_checkpoint then ignored."""
+    model, pipe, opt = build(plan)
+    if step is None:  # the default, pipeline.iteration, is fine
+        path = rpcompile.save_checkpoint(tmp_path, model=model, optimizer=opt, pipeline=pipe)
+        assert path.name == "ckpt-00000000.ckpt"
+        return
+    with pytest.raises(rpcompile.CheckpointError, match=rf"^save_checkpoint: step={re.escape(repr(step))}; give a "
+                                                        r"whole number >= 0 \(load_checkpoint takes the largest\)"):
+        rpcompile.save_checkpoint(tmp_path, model=model, optimizer=opt, pipeline=pipe, step=step)
+    assert checkpoints(tmp_path) == []
+
+
 def test_extra_comes_back_and_one_that_would_not_load_is_refused_when_saving(plan, tmp_path):
     model, pipe, opt = build(plan)
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
@@ -225,7 +322,11 @@ def test_a_torn_newest_checkpoint_is_skipped_for_the_previous(plan, tmp_path):
     train(model, pipe, opt, 0, 4, ckpt=tmp_path)  # keeps ckpt 3 and 4
     newest = tmp_path / "ckpt-00000004.ckpt"
     newest.write_bytes(newest.read_bytes()[:-100])  # torn: the disk lost its tail
-    (tmp_path / ".ckpt-00000005.ckpt.tmp123").write_bytes(b"half a save")  # a save killed midway
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    killed = tmp_path / f".ckpt-00000005.ckpt.{host_name()}.{int(dead.stdout)}.{'0' * 16}.tmp"
+    in_flight = tmp_path / f".ckpt-00000005.ckpt.{host_name()}.{os.getppid()}.{'1' * 16}.tmp"  # another rank's
+    killed.write_bytes(b"half a save")  # a save killed midway
+    in_flight.write_bytes(b"being written")
     model, pipe, opt = build(plan)
     with pytest.warns(CheckpointWarning, match=r"^checkpoint .*ckpt-00000004.ckpt is torn or corrupt \(\d+ bytes "
                       r"where the header says \d+\); moved to ckpt-00000004.ckpt.corrupt, trying the previous one$"):
@@ -233,7 +334,7 @@ def test_a_torn_newest_checkpoint_is_skipped_for_the_previous(plan, tmp_path):
     assert resumed.step == 3 and (tmp_path / "ckpt-00000004.ckpt.corrupt").is_file()
     train(model, pipe, opt, 3, STEPS, ckpt=tmp_path)
     assert_bitwise(weights(model), want)
-    assert not list(tmp_path.glob(".ckpt-*")), "the next save removes what a killed save left"
+    assert list(tmp_path.glob(".ckpt-*")) == [in_flight], "the next save removes what a killed save left, only"
     assert [s for s, _ in checkpoints(tmp_path)] == [STEPS, STEPS - 1]
 
 

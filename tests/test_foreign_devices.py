@@ -26,7 +26,7 @@ from rpcompile.models import load_model
 from rpcompile.pipeline import Pipeline
 from rpcompile.runtime.devices import host_buffer
 
-from _devices import MetaDevice, StridedDevice
+from _devices import CopyingDevice, MetaDevice, StridedDevice
 from _hf import VOCAB, hf_model, token_loss
 from test_runtime import FINE_CPU, TOL, _saving_pipeline, assert_grads_equal, assert_step_matches_eager, eager_step
 
@@ -137,3 +137,43 @@ def check_bert(devices, spec):
 def test_an_exported_bert_whose_copies_change_the_layout_matches_eager():
     """Failure 3 on an exported encoder (a BERT model failed in its backward stages on the GPU)."""
     check_bert([StridedDevice(), StridedDevice()], FINE_CPU)
+
+
+@pytest.mark.parametrize("parity", [None, 0], ids=["recompute", "saved"])
+def test_on_one_gpu_hand_offs_stay_on_the_device_and_training_matches_eager(parity):
+    """One device that is not a logical CPU device (one GPU): values between stages and the gradients backward
+    stages leave for earlier ones stay in device memory — no download for them — while the host's rows'
+    gradients and the losses still come home; loss and every gradient equal eager's (host embedding, LM head
+    split in chunks, saved segments)."""
+    def pipeline(devices):
+        if parity is not None:
+            return _saving_pipeline("llama-demo", parity, devices=devices)
+        spec = load_model("llama-demo", batch_size=6)
+        x, y = spec.example_inputs[0], spec.example_target
+        ref = copy.deepcopy(spec.model)
+        pipe = rpcompile.compile(spec.model, (x,), loss_fn=spec.loss_fn, devices=devices, microbatches=3,
+                                 spec=FINE_CPU, time_limit_s=2.0, head_chunks=2, example_target=y,
+                                 memory_limit=800_000)  # a small device: several stages
+        return spec, ref, pipe, x, y
+
+    one = CopyingDevice()
+    spec, ref, pipe, x, y = pipeline([one])
+    assert pipe.executor.resident_handoffs and len(pipe.plan.stages) >= 4
+    assert bool(pipe.program.host) == (parity is None)  # the hand-made saving plan has no host embedding
+    loss = pipe.forward_backward(x, target=y)
+    torch.testing.assert_close(loss, eager_step(ref, spec.loss_fn, x, y, pipe.microbatches), **TOL)
+    assert_grads_equal(spec.model, ref)
+    # sent home: only the gradients of the host's rows, one a microbatch (none without a host embedding)
+    assert one.handed_off == (pipe.microbatches if parity is None else 0)
+    full = CopyingDevice()  # one device without room to keep them: hand-offs go home, training is the same
+    spec3, ref3, pipe3, _, _ = pipeline([full])
+    pipe3.executor.resident_budget = 0
+    loss = pipe3.forward_backward(x, target=y)
+    torch.testing.assert_close(loss, eager_step(ref3, spec3.loss_fn, x, y, pipe3.microbatches), **TOL)
+    assert_grads_equal(spec3.model, ref3)
+    assert full.handed_off > one.handed_off + pipe3.microbatches
+    two = [CopyingDevice(0), CopyingDevice(1)]  # two devices: every hand-off goes through host memory
+    _, _, pipe2, _, _ = pipeline(two)
+    assert not pipe2.executor.resident_handoffs
+    pipe2.forward_backward(x, target=y)
+    assert sum(d.handed_off for d in two) >= 2 * (len(pipe2.plan.stages) - 1) * pipe2.microbatches // 2

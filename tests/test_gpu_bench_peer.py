@@ -150,10 +150,14 @@ def test_the_qwen3_twin_computes_the_same_function():
     model = Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=48,
                               qk_norm=True, tie_embeddings=True, rope_theta=1e6)).eval()
     hf = roundpipe_peer.hf_twin(model, dtype=torch.float32)
+    untied = roundpipe_peer.hf_twin(model, dtype=torch.float32, untie=True)  # what the peer runs
     assert type(hf).__name__ == "Qwen3ForCausalLM"
+    assert hf.lm_head.weight is hf.model.embed_tokens.weight
+    assert untied.lm_head.weight is not untied.model.embed_tokens.weight and not untied.config.tie_word_embeddings
     x = torch.randint(0, 64, (2, 10))
     with torch.no_grad():
         assert torch.equal(hf(input_ids=x).logits, model(x))
+        assert torch.equal(untied(input_ids=x).logits, model(x))
 
 
 def test_no_twin_for_a_model_without_a_llama_config():

@@ -150,7 +150,7 @@ def test_host_rows_after_optimizer_steps_and_a_saved_plan(tmp_path):
 
     drawn = [rollup(pipe.plan, trace(spec.model, (x,))), rollup(pipe.plan)]  # over the model, and the plan alone
     assert [(r.boxes[0].name, r.boxes[0].stage_label) for r in drawn] == [("embed", "host")] * 2
-    assert plan_table(pipe.plan).caption.endswith("; on the host: embed (embedding lookups)")
+    assert str(plan_table(pipe.plan).caption).endswith("; on the host: embed (embedding lookups)")
     first = pipe.codegen(tmp_path / "stages")[0].read_text()
     assert "# embed_1: rows the host looks up, embedding(input_ids, embed.weight)\n" in first
     path = pipe.plan.save(tmp_path / "plan.json")

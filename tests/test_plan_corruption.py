@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -70,8 +71,9 @@ def _assert_one_line(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         assert "\n" not in str(e) and str(path) in str(e), str(e)
     for argv in (["show", str(path)], ["simulate", str(path), "--json"]):
         code = main(argv)
-        err = capsys.readouterr().err
+        out, err = capsys.readouterr()
         assert code in (0, 2), (argv, err)
+        assert all(c == "\n" or c.isprintable() for c in out + err), (argv, out, err)  # no escape reaches a terminal
         if code == 2:
             lines = err.strip().splitlines()
             assert len(lines) == 1 and lines[0].startswith("rpcompile: error: "), (argv, err)
@@ -104,6 +106,27 @@ def _type_swap(plan_file, capsys, path, value):
     _assert_one_line(plan_file, capsys)
 
 
+def _at(path: tuple) -> Any:
+    node: Any = DATA
+    for key in path:
+        node = node[key]
+    return node
+
+
+NUMBER_PATHS = [p for p in PATHS if isinstance(_at(p), (int, float)) and not isinstance(_at(p), bool)]
+HOSTILE_NUMBERS = st.sampled_from(["-1", "-0.5", "NaN", "Infinity", "-Infinity", "1e400", "-1e400", "1" + "0" * 400,
+                                   "1e300", str(2**63), str(2**53 + 1), "1e19", "0", "4097", "100000000"])
+
+
+def _hostile_number(plan_file, capsys, path, text):
+    """Issue 36: every hostile number in every numeric field is refused in one line or harmless — in bounded time
+    (10**8 microbatches ran 19 s into a MemoryError)."""
+    plan_file.write_bytes(_swapped(path, "@@").replace(b'"@@"', text.encode()))
+    start = time.monotonic()
+    _assert_one_line(plan_file, capsys)
+    assert time.monotonic() - start < 30, (path, text)
+
+
 BITS = st.lists(st.integers(0, len(RAW) * 8 - 1), min_size=1, max_size=3)
 LENGTHS = st.integers(0, len(RAW) - 1)
 SWAPS = dict(path=st.sampled_from(PATHS), value=OTHER_TYPES)
@@ -125,6 +148,19 @@ def test_truncations_give_one_line(plan_file, capsys, length):
 @given(**SWAPS)
 def test_type_swaps_give_one_line(plan_file, capsys, path, value):
     _type_swap(plan_file, capsys, path, value)
+
+
+@FAST
+@given(path=st.sampled_from(NUMBER_PATHS), text=HOSTILE_NUMBERS)
+def test_hostile_numbers_give_one_line(plan_file, capsys, path, text):
+    _hostile_number(plan_file, capsys, path, text)
+
+
+@pytest.mark.slow
+@SLOW
+@given(path=st.sampled_from(NUMBER_PATHS), text=HOSTILE_NUMBERS)
+def test_many_hostile_numbers_give_one_line(plan_file, capsys, path, text):
+    _hostile_number(plan_file, capsys, path, text)
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ from torch import nn
 import rpcompile
 from rpcompile.cli import main
 from rpcompile.models import load_model
-from rpcompile.passes import profile_cache
+from rpcompile.passes import measured, profile_cache
 from rpcompile.passes.analytic import AnalyticCostModel
 from rpcompile.passes.cost import COST_KEY, node_cost
 from rpcompile.passes.fingerprint import fingerprint
@@ -273,7 +273,39 @@ def test_the_key_changes_with_every_part(monkeypatch: pytest.MonkeyPatch) -> Non
     assert key(g=analyze(other_model, inputs, cost_model=AnalyticCostModel("rtx4090"))) == base  # same model, same key
 
 
-@pytest.mark.parametrize("how", ["garbage", "truncated", "foreign", "schema", "nodes", "empty", "older"])
+def _first_node_field(text: str, field: str, value: str) -> str:
+    """``text`` with the first node's ``field`` written as the raw JSON ``value`` (Infinity, 10**400…)."""
+    data = json.loads(text)
+    first = next(iter(data["nodes"].values()))
+    first[field] = "@@"
+    return json.dumps(data).replace('"@@"', value, 1)
+
+
+HOSTILE = {  # issue 36: each crashed the next compile instead of one warning
+    "not UTF-8": lambda text: text.encode().replace(b'"format"', b'"f\xe9rmat"', 1),
+    "infinite time": lambda text: _first_node_field(text, "fwd_time_s", "Infinity").encode(),
+    "huge byte count": lambda text: _first_node_field(text, "output_bytes", "1" + "0" * 400).encode(),
+    "time out of range": lambda text: _first_node_field(text, "bwd_time_s", "1e300").encode(),
+    "nested": lambda text: _first_node_field(text, "params", "[" * 50_000 + "]" * 50_000).encode(),
+}
+
+
+def test_the_key_names_the_cpu_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 36: platform.processor() is empty on Linux, so two x86_64 machines with as many cores shared timings."""
+    keys = []
+    for model in ("AMD EPYC 7763 64-Core Processor", "Intel(R) Xeon(R) Platinum 8480+"):
+        info = tmp_path / f"cpuinfo-{len(keys)}"
+        info.write_text(f"processor\t: 0\nvendor_id\t: x\nmodel name\t: {model}\nflags\t\t: fpu\n\n"
+                        f"processor\t: 1\nmodel name\t: {model}\n")
+        monkeypatch.setattr(measured, "CPUINFO", info)
+        monkeypatch.setattr(measured.platform, "processor", lambda: "")
+        identity = _measured().identity()
+        assert model in identity["device"]
+        keys.append(identity["device"])
+    assert keys[0] != keys[1]
+
+
+@pytest.mark.parametrize("how", ["garbage", "truncated", "foreign", "schema", "nodes", "empty", "older", *HOSTILE])
 def test_a_bad_entry_warns_once_and_is_measured_afresh(how: str, monkeypatch: pytest.MonkeyPatch,
                                                         caplog: pytest.LogCaptureFixture) -> None:
     model, inputs = _stack()
@@ -281,7 +313,9 @@ def test_a_bad_entry_warns_once_and_is_measured_afresh(how: str, monkeypatch: py
     (entry,) = _cache_files()
     text = entry.read_text()
     data = json.loads(text)
-    if how == "garbage":
+    if how in HOSTILE:
+        entry.write_bytes(HOSTILE[how](text))
+    elif how == "garbage":
         entry.write_text("not json {")
     elif how == "truncated":
         entry.write_text(text[: len(text) // 2])

@@ -62,7 +62,41 @@ def test_a_corrupt_or_tampered_entry_is_ignored_with_one_warning_and_replaced(ca
     with caplog.at_level(logging.WARNING, logger="rpcompile"):
         compile_gpt(head_chunks=1)
     assert [r.getMessage() for r in caplog.records if "solve cache" in r.getMessage()][0].endswith(
-        "(unreadable: not JSON); solving afresh")
+        "(corrupt: invalid JSON at line 1 column 2 (Expecting property name enclosed in double quotes)); solving "
+        "afresh")
+
+
+HOSTILE = {  # issue 36: each crashed the next compile (RecursionError, ...) instead of one warning
+    "nested": (lambda raw: raw.replace(b'"stats": {', b'"stats": {"x": ' + b"[" * 100_000 + b"]" * 100_000 + b",", 1),
+               "corrupt: nested deeper than 6 levels"),
+    "not UTF-8": (lambda raw: raw.replace(b'"key"', b'"k\xffy"', 1), "corrupt: byte"),
+    "infinite objective": (lambda raw: _set(raw, "objective", "Infinity"), "corrupt: Infinity is not a number"),
+    "huge index": (lambda raw: _set(raw, "plan", '{"forward": [[0, 1' + "0" * 400 + ']], "fused": [0, 1], '
+                                                 '"backward": [], "saved": []}'), "corrupt: the number"),
+    "range beyond the problem": (lambda raw: _set(raw, "plan", '{"forward": [[0, 4611686018427387904]], "fused": '
+                                                               '[0, 1], "backward": [], "saved": []}'), "wrong schema"),
+    "strings for numbers": (lambda raw: _set(raw, "objective", '"0.5"'), "wrong schema"),
+}
+
+
+def _set(raw: bytes, field: str, text: str) -> bytes:
+    data = json.loads(raw)
+    data[field] = "@@"
+    return json.dumps(data).replace('"@@"', text).encode()
+
+
+def test_hostile_entries_are_ignored_with_one_warning_and_solved_afresh(caplog):
+    first = compile_gpt(head_chunks=1)
+    (path,) = solve_cache.entries()
+    good = path.read_bytes()
+    for name, (corrupt, why) in HOSTILE.items():
+        path.write_bytes(corrupt(good))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="rpcompile"):
+            again = compile_gpt(head_chunks=1)
+        lines = [r.getMessage() for r in caplog.records if "solve cache" in r.getMessage()]
+        assert len(lines) == 1 and f"({why}" in lines[0] and lines[0].endswith("solving afresh"), (name, lines)
+        assert not again.result.cached and plan_dict(again) == plan_dict(first), name
 
 
 def test_the_cli_reuses_a_solve_and_cache_clear_forgets_it(capsys, monkeypatch):

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -92,3 +95,19 @@ def test_the_documented_command_on_the_kept_h100_trace(capsys):
     assert r["window_ms"] == pytest.approx(2307.4, abs=0.1)
     assert r["busy_share"]["compute"] == pytest.approx(0.238, abs=0.001)
     assert r["gaps"]["by_cause"]["host"]["ms"] == pytest.approx(783.1, abs=0.1)
+
+
+def test_the_gpu_session_script_parses_and_slims_its_traces(tmp_path):
+    """benchmarks/gpu_session.sh (run only on the lent GPU machine): its syntax, and its ``slim`` step on a GPU trace
+    (table and slim copy made, full trace removed) and on a trace without GPU activity (kept, gzipped)."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_session.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    fn = re.search(r"^slim\(\) \{.*?^\}", script.read_text(), re.S | re.M).group(0)
+    (tmp_path / "gpu.json").write_text(json.dumps({"traceEvents": EVENTS[:-1]}))
+    (tmp_path / "cpu.json").write_text(json.dumps({"traceEvents": [_x("cpu_op", "aten::mm", 0, 5)]}))
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    subprocess.run(["bash", "-c", f"{fn}\nslim {tmp_path}"], check=True, env=env,
+                   cwd=Path(__file__).resolve().parents[1])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "cpu.json.gz", "cpu.table.txt", "gpu.slim.json.gz", "gpu.table.json", "gpu.table.txt"]
+    assert json.loads((tmp_path / "gpu.table.json").read_text())["gaps"]["count"] == 2

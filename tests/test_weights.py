@@ -183,6 +183,29 @@ def test_step_without_overlap_is_the_plain_loop():
     assert all(p.grad is None for p in a.parameters())
 
 
+def test_gradient_buffers_are_reused_after_zero_grad_but_never_under_a_reference_someone_kept():
+    """``zero_grad()`` sets ``.grad`` to None; the next call's gradients go into the buffers the last call made
+    (no fresh memory to fault in every step) — unless something still refers to them: the tensor (a logged
+    gradient) or its memory (a view of it). Those keep their values, and every gradient equals the plain loop's."""
+    a, pa, b, pb = pair()
+    x, y = batch(0)
+    pa.forward_backward(x, target=y)
+    first = {n: p.grad for n, p in a.named_parameters()}
+    ptrs = {n: g.data_ptr() for n, g in first.items()}
+    kept_tensor, kept_view = first["blocks.0.weight"], first["blocks.1.weight"].view(-1)
+    want_tensor, want_view = kept_tensor.clone(), kept_view.clone()
+    del first
+    a.zero_grad()
+    x, y = batch(1)
+    pa.forward_backward(x, target=y)
+    pb.forward_backward(x, target=y)
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p.grad, q.grad), n
+        reused = p.grad.data_ptr() == ptrs[n]
+        assert reused == (n not in ("blocks.0.weight", "blocks.1.weight")), n
+    assert torch.equal(kept_tensor, want_tensor) and torch.equal(kept_view, want_view)
+
+
 def plain_step(optimizers, schedulers=()) -> None:
     """The eager loop's step: every optimizer's ``step()``, then their ``zero_grad()``, then the schedulers."""
     for o in optimizers:

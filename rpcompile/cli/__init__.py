@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import cast
 
 from rpcompile.core.errors import RPCompileError
+from rpcompile.core.text import printable
 
 from .parser import DEFAULT_MICROBATCHES, build_parser
 
@@ -73,7 +74,7 @@ def _main(argv: Sequence[str] | None, own: bool = False) -> int:
             _freeze()
         return int(command(args) or 0)
     except RPCompileError as e:
-        print(f"rpcompile: error: {e}", file=sys.stderr)
+        print(f"rpcompile: error: {printable(e)}", file=sys.stderr)  # names from files: one line, no escapes
         return 2
     except KeyboardInterrupt:
         print("rpcompile: interrupted", file=sys.stderr)
@@ -84,7 +85,7 @@ def _main(argv: Sequence[str] | None, own: bool = False) -> int:
     except Exception as e:  # not anticipated: still one line, the traceback behind -v
         if args.verbose:
             raise
-        text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        text = printable(str(e).strip().splitlines()[0], limit=400) if str(e).strip() else ""
         print(f"rpcompile: error: {type(e).__name__}{': ' + text if text else ''} (unexpected: rerun with -v for the "
               "traceback, and please report it)", file=sys.stderr)
         return 2

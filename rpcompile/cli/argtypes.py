@@ -6,9 +6,11 @@ from __future__ import annotations
 import argparse
 import re
 
+from rpcompile.core.planfile import MAX_MICROBATCHES
 from rpcompile.core.specs import SPECS
 
-__all__ = ["SPEC_NAMES", "spec", "device", "positive_int", "positive_float", "head_chunks", "parse_bytes",
+__all__ = ["SPEC_NAMES", "spec", "device", "positive_int", "microbatch_count",
+           "positive_float", "head_chunks", "parse_bytes",
            "parse_rate", "parse_percent", "network_rate", "network_rates", "node_counts"]
 
 SPEC_NAMES = ", ".join(SPECS)
@@ -49,6 +51,14 @@ def positive_int(text: str) -> int:
         k = 0
     if k < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return k
+
+
+def microbatch_count(text: str) -> int:
+    """``--microbatches``: a positive integer, at most :data:`~rpcompile.core.planfile.MAX_MICROBATCHES`."""
+    k = positive_int(text)
+    if k > MAX_MICROBATCHES:
+        raise argparse.ArgumentTypeError(f"at most {MAX_MICROBATCHES} (a plan holds no more), got {k}")
     return k
 
 

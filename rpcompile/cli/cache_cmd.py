@@ -11,6 +11,8 @@ import time
 from rpcompile.passes import profile_cache, solve_cache
 from rpcompile.passes.segment_rules import format_bytes
 
+from .common import say
+
 __all__ = ["cache"]
 
 
@@ -35,5 +37,5 @@ def cache(args: argparse.Namespace) -> int:
     now = time.time()
     for r in rows:
         age = f"{(now - r['created']) / 3600:.1f} h ago" if isinstance(r["created"], (int, float)) else "?"
-        print(f"  {r['device']}  {r['dtype']}  {r['nodes']} nodes  {format_bytes(r['bytes'])}  {age}")
+        say(f"  {r['device']}  {r['dtype']}  {r['nodes']} nodes  {format_bytes(r['bytes'])}  {age}")  # from files
     return 0

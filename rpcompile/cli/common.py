@@ -13,8 +13,16 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from rpcompile.core.errors import ConfigError
+from rpcompile.core.text import printable
 
-__all__ = ["step", "stepper", "bars", "writable", "directory", "default_microbatches"]
+__all__ = ["say", "step", "stepper", "bars", "writable", "directory", "default_microbatches"]
+
+
+def say(*lines: str) -> None:
+    """Print each line on its own, :func:`~rpcompile.core.text.printable`: text from a plan or cache file never
+    reaches the terminal as a control or escape sequence."""
+    for line in lines:
+        print(printable(line))
 
 
 @contextmanager

@@ -8,7 +8,7 @@ from typing import NoReturn
 from rpcompile import __version__
 
 from .argtypes import (SPEC_NAMES, device, head_chunks, network_rate, network_rates, node_counts, parse_bytes, parse_percent, parse_rate, positive_float,
-                       positive_int, spec)
+                       positive_int, microbatch_count, spec)
 
 __all__ = ["build_parser", "DEFAULT_MICROBATCHES"]
 
@@ -84,7 +84,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="partition a model into round-robin stages and compare with the baselines")
     _add_model_args(p)
     p.add_argument("--gpus", type=positive_int, required=True, help="number of devices")
-    p.add_argument("--microbatches", type=positive_int, default=None,
+    p.add_argument("--microbatches", type=microbatch_count, default=None,
                    help=f"microbatches per iteration (default {DEFAULT_MICROBATCHES})")
     p.add_argument("--memory-limit", type=parse_bytes, default=None, help="usable memory per device, e.g. 20GiB (default: the spec's)")
     p.add_argument("--strategy", choices=("ilp", "dp", "roundpipe", "uniform"), default="ilp")
@@ -146,7 +146,7 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     _add_batch_override(p)
     _add_cost_source(p)
     p.add_argument("--gpus", type=positive_int, default=None, help="number of devices (MODEL; a layer profile has its own)")
-    p.add_argument("--microbatches", type=positive_int, default=None,
+    p.add_argument("--microbatches", type=microbatch_count, default=None,
                    help=f"microbatches per iteration (MODEL: default {DEFAULT_MICROBATCHES}; a layer profile has its own)")
     p.add_argument("--memory-limit", type=parse_bytes, default=None, help="usable memory per device (default: the spec's)")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16")

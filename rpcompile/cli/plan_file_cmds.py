@@ -13,7 +13,7 @@ from rpcompile.plandiff import diff_plans
 from rpcompile.report import plan_table, print_table
 from rpcompile.staleness import check_plan
 
-from .common import bars, step, stepper
+from .common import bars, say, step, stepper
 from .loading import load_for
 
 __all__ = ["check", "diff", "show"]
@@ -31,15 +31,16 @@ def check(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(res.to_dict()))
     else:
-        for line in res.problems:
-            print(f"{args.plan}: {line}")
-        print(res.summary())
+        say(*(f"{args.plan}: {line}" for line in res.problems), res.summary())
     return 0 if res.ok else 1
 
 
 def diff(args: argparse.Namespace) -> int:
     d = diff_plans(Plan.load(args.a), Plan.load(args.b), a_name=args.a, b_name=args.b)
-    print(json.dumps(d.to_dict()) if args.json else "\n".join(d.lines()))
+    if args.json:
+        print(json.dumps(d.to_dict()))
+    else:
+        say(*d.lines())
     return 1 if d.changed else 0
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
+from rpcompile.core.files import write_atomic
 from rpcompile.probe import host_table, probe_host
 from rpcompile.report import print_table
 
@@ -20,7 +20,7 @@ def probe(args: argparse.Namespace) -> int:
     with step(args, "probing the host"):
         host = probe_host()
     if args.output:
-        Path(args.output).write_text(json.dumps({"host": host.to_dict()}, indent=1) + "\n")
+        write_atomic(args.output, json.dumps({"host": host.to_dict()}, indent=1) + "\n")
     if args.json:
         print(json.dumps(host.to_dict()))
         return 0

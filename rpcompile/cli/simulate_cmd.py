@@ -15,7 +15,7 @@ from rpcompile.report import devices_table, host_line, print_table, scaling_tabl
 from rpcompile.simulation import (model_scenarios, parse_schedules, plan_scenarios, profile_scenarios, run_all,
                                   scaling, skipped)
 
-from .common import bars, default_microbatches, step, stepper, writable
+from .common import bars, default_microbatches, say, step, stepper, writable
 from .loading import load_for
 
 __all__ = ["simulate"]
@@ -46,7 +46,7 @@ def simulate(args: argparse.Namespace) -> int:
         if host_line(name, r):
             print(host_line(name, r))
     for name, why in left_out.items():
-        print(f"{name}: not simulated: {why}")
+        say(f"{name}: not simulated: {why}")
     if len(results) == 1:
         (name, only), = results.items()
         print_table(devices_table(only, title=f"{name}: per device (simulated)"))

@@ -59,11 +59,17 @@ class PlanMismatchError(PlanError):
 class PlanVerificationError(PlanError):
     """A plan breaks one or more of the rules of :func:`rpcompile.verify_plan`.
 
-    ``violations`` holds one line per broken rule instance.
+    ``violations`` holds one line per broken rule instance; with ``source`` (the plan's file) the message is one line
+    naming the first.
     """
 
-    def __init__(self, violations: list[str]):
+    def __init__(self, violations: list[str], *, source: str = ""):
         self.violations = list(violations)
+        if source:  # one line, for a plan given to compile: the first problem and how to see them all
+            more = f" (and {len(self.violations) - 1} more)" if len(self.violations) > 1 else ""
+            super().__init__(f"{source} does not fit this model: {self.violations[0]}{more}; re-plan it (rpcompile "
+                             "plan), or see every problem with rpcompile check PLAN MODEL")
+            return
         lines = "\n".join(f"  - {v}" for v in self.violations)
         super().__init__(f"plan is invalid ({len(self.violations)} problem(s)):\n{lines}")
 

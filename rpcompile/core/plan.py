@@ -24,14 +24,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
 from .errors import ConfigError, PlanFileError, PlanMismatchError
-from .planfile import decode_plan_text, plan_file_problem
+from .files import jsonable, read_json, write_atomic
+from .planfile import MAX_MICROBATCHES, plan_file_problem, size_problem
 from .specs import DeviceSpec, HostSpec
 
 __all__ = ["SCHEMA_VERSION", "Fingerprint", "Hardware", "Stage", "Prediction", "Plan", "StageKind"]
@@ -43,6 +43,9 @@ host (``hardware.host``) and the prediction's host part (``pipeline_s``, ``optim
 ``accumulate_s``, ``overlap_step``); version-2 files still load without them (no host work is modelled). 4 added
 data-parallel machines (``hardware.nodes``, ``hardware.network_bytes_per_s``, written only for more than one
 node); version-3 files are single-node plans."""
+MAX_PLAN_BYTES = 256 * 2**20
+"""The largest plan file :meth:`Plan.load` reads (an 8B model's plan is about 1 MB)."""
+_MAX_DEPTH = 8
 StageKind = Literal["forward", "fused", "backward"]
 _KINDS = ("forward", "fused", "backward")
 
@@ -227,8 +230,11 @@ class Plan:
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", tuple(self.stages))
         object.__setattr__(self, "host", tuple(self.host))
-        if self.microbatches < 1:
-            raise ConfigError(f"Plan: microbatches must be >= 1, got {self.microbatches}")
+        if not 1 <= self.microbatches <= MAX_MICROBATCHES:
+            raise ConfigError(f"Plan: microbatches must be in [1, {MAX_MICROBATCHES}], got {self.microbatches}")
+        too_big = size_problem(len(self.stages), self.microbatches)
+        if too_big is not None:
+            raise ConfigError(f"Plan: {too_big}; use fewer microbatches or stages")
 
     # ---- views ----------------------------------------------------------------------------------------
     @property
@@ -265,13 +271,13 @@ class Plan:
             del d["hardware"]["host"]
         if self.hardware.nodes == 1:
             del d["hardware"]["nodes"], d["hardware"]["network_bytes_per_s"]
-        d["stats"] = _jsonable(dict(self.stats))
+        d["stats"] = jsonable(dict(self.stats))
         if d["head_chunks"] == 1:
             del d["head_chunks"]
         if not d["host"]:
             del d["host"]
         if d["inputs"]:
-            d["inputs"] = _jsonable(dict(self.inputs))
+            d["inputs"] = jsonable(dict(self.inputs))
         else:
             del d["inputs"]
         d = {"schema_version": d.pop("schema_version"), **d}
@@ -281,12 +287,9 @@ class Plan:
         return json.dumps(self.to_dict(), indent=1, allow_nan=False) + "\n"
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write the plan as JSON (atomically: a crash never leaves half a file)."""
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(self.to_json())
-        os.replace(tmp, path)
-        return path
+        """Write the plan as JSON, atomically (:func:`~rpcompile.core.files.write_atomic`: a crash never leaves half
+        a file, and no link planted beside it is followed)."""
+        return write_atomic(path, self.to_json())
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, source: str = "plan") -> "Plan":
@@ -331,22 +334,11 @@ class Plan:
         """Read a plan file. Raises :class:`PlanFileError` (one line: what is wrong, what to do)."""
         path = Path(path)
         try:
-            raw = path.read_bytes()
+            data = read_json(path, max_bytes=MAX_PLAN_BYTES, max_depth=_MAX_DEPTH, what="a plan")
         except OSError as e:
             raise PlanFileError(f"cannot read plan file {path}: {e.strerror or e}") from None
-        text, problem = decode_plan_text(raw)
-        if text is None:
-            raise PlanFileError(f"{path} is corrupt: {problem}; re-plan to regenerate it")
-        try:
-            data = json.loads(text, parse_constant=_no_constant)
-        except json.JSONDecodeError as e:
-            raise PlanFileError(
-                f"{path} is corrupt: invalid JSON at line {e.lineno} column {e.colno} ({e.msg}); "
-                "re-plan to regenerate it"
-            ) from None
-        except (ValueError, RecursionError) as e:  # NaN or Infinity (_no_constant), a number too long, nesting
-            raise PlanFileError(f"{path} is corrupt: {' '.join(str(e).split())[:120]}; re-plan to regenerate it"
-                                ) from None
+        except ValueError as e:  # not UTF-8, not JSON, NaN, a number out of range, too deep or too large
+            raise PlanFileError(f"{path} is corrupt: {e}; re-plan to regenerate it") from None
         return cls.from_dict(data, source=str(path))
 
     def check_model(self, fingerprint: Fingerprint, *, source: str = "plan") -> None:
@@ -359,23 +351,7 @@ class Plan:
             )
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a number a plan holds")
-
-
 def _hardware(d: Mapping[str, Any]) -> Hardware:
     host = d.get("host")
     return Hardware(**{**d, "spec": DeviceSpec.from_dict(d["spec"]),
                        "host": HostSpec.from_dict(host) if host is not None else None})
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    return str(value)

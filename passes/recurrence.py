@@ -206,7 +206,7 @@ def overlapped_ends(stage_times: Sequence[float], devices: int, microbatches: in
 
 
 #: The longest cycle of iterations :func:`overlapped_ends` recognises to stop walking.
-MAX_CYCLE = 3
+MAX_CYCLE = 4
 
 
 def _cycle(walk: Walk, steps: Sequence[float], per: int, devices: int, fused: int) -> tuple[int, float] | None:

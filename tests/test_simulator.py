@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rpcompile.core import schedule
-from rpcompile.core.schedule import (format_schedule, interleaved_one_f_one_b, one_f_one_b, parse_action,
+from rpcompile.core.schedule import (OVERLAP_ITERATIONS, format_schedule, interleaved_one_f_one_b, one_f_one_b, parse_action,
                                      round_robin)
 from rpcompile.core.errors import SimulationError
 from rpcompile.core.stages import HostLoad, StageCost
@@ -409,7 +409,8 @@ def test_overlapped_iterations_run_on_without_the_drain():
     and the run pays one fill and one drain (0.5 s a device each)."""
     lists, sts = _three_stages()
     run = simulate(lists, sts, host=OVERLAPPED)  # by default as many iterations as the timing model walks
-    assert run.iterations == 9 and run.iteration_ends_s == pytest.approx([4.0 + 3 * t for t in range(9)])
+    assert run.iterations == OVERLAP_ITERATIONS == 15
+    assert run.iteration_ends_s == pytest.approx([4.0 + 3 * t for t in range(15)])
     assert run.iteration_time_s == pytest.approx(3.0) and run.bubble_fraction == pytest.approx(0.0, abs=1e-12)
     assert (run.first_iteration_s, run.fill_s, run.drain_s) == (pytest.approx(4.0), 0.5, 0.5)
     second = sorted((e.start, e.action, e.device) for e in run.timeline if e.lane == "compute" and e.iteration == 1)
@@ -418,8 +419,8 @@ def test_overlapped_iterations_run_on_without_the_drain():
     sync = simulate(lists, sts)
     assert sync.iteration_time_s == pytest.approx(4.0) and sync.bubble_fraction == pytest.approx(0.25)
     summary = run.summary()
-    assert summary["period_s"] == pytest.approx(3.0) and summary["iterations"] == 9
-    assert summary["fill_s"] == 0.5 and len(summary["iteration_ends_s"]) == 9
+    assert summary["period_s"] == pytest.approx(3.0) and summary["iterations"] == 15
+    assert summary["fill_s"] == 0.5 and len(summary["iteration_ends_s"]) == 15
 
 
 def test_the_iteration_after_next_waits_for_the_step():

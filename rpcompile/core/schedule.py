@@ -61,8 +61,8 @@ def round_robin(kinds: Sequence[str], devices: int, microbatches: int, *, offset
 
 #: Consecutive iterations the simulator and the timing model play for an overlapped run: the first two cannot
 #: wait for an optimizer step (iteration ``t`` waits for step ``t − 2``), the third may be the first that does;
-#: the steady-state period is the mean of the six after it.
-OVERLAP_ITERATIONS = 9
+#: the steady-state period is the mean of the twelve after it.
+OVERLAP_ITERATIONS = 15
 
 
 def steady_period(ends: Sequence[float]) -> float:
@@ -71,10 +71,10 @@ def steady_period(ends: Sequence[float]) -> float:
     second when there are fewer than four; one iteration: its end).
 
     Iterations differ only in which device runs which stage (the pointer carries on) and the devices are alike,
-    so once the start is behind the iterations repeat — each the one before, or in a short cycle (the
-    round-robin recurrence is max-plus linear, and such a system settles into a cycle; Baccelli et al.,
-    "Synchronization and Linearity", 1992). Plans of the benchmark models repeat every one, two or three
-    iterations: over :data:`OVERLAP_ITERATIONS` the mean is over six, exact for each of those."""
+    but the round-robin recurrence is max-plus linear and such a system settles into a cycle of iterations, not
+    always one long (Baccelli et al., "Synchronization and Linearity", 1992): plans of the benchmark models repeat
+    every one to four iterations (their durations differ by up to 10%). Over :data:`OVERLAP_ITERATIONS` the mean
+    is over twelve, exact for cycles of 1, 2, 3, 4, 6 and 12."""
     if len(ends) < 2:
         return ends[0] if ends else 0.0
     skip = min(2, len(ends) - 2)

@@ -196,7 +196,7 @@ def simulate(
         lists, sts = _repeat(lists, sts, iterations)
     tasks, lanes, compute_of = _build(lists, sts, link_bytes_per_s, per)
     _add_accumulation(tasks, lanes, sts, host)
-    _add_reduction(tasks, lanes, sts, host, per)
+    _add_reduction(tasks, lanes, sts, host)
     if iterations > 1:
         _add_steps(tasks, lanes, sts, host, per, iterations)
     devices = len(lists)
@@ -464,7 +464,7 @@ def _add_accumulation(tasks: list[_Task], lanes: dict, sts: Sequence[StageCost],
         lanes.setdefault((-1, "acc"), []).append(acc)
 
 
-def _add_reduction(tasks: list[_Task], lanes: dict, sts: Sequence[StageCost], host: HostLoad, per: int) -> None:
+def _add_reduction(tasks: list[_Task], lanes: dict, sts: Sequence[StageCost], host: HostLoad) -> None:
     """A ``kR`` on the host's network lane after every grad stage's ``kA`` (its ``kG`` when accumulation is free),
     in stage order: the all-reduce of its gradients across the data-parallel machines (fixed time); not
     overlapped, every ``kR`` waits for all other work of its iteration."""

@@ -29,11 +29,13 @@ def partition_problem(
     stage_overhead_s: float | None = None,
     allow_save: bool = True,
     overlap_step: bool = False,
+    overlap_iterations: bool = False,
 ) -> PartitionProblem:
     """Lower a coarsened graph to plain numbers. Parameters read by several segments (tied embeddings) become
     :class:`SharedParam`s: every stage that uses one receives it, and its gradient is summed over them. The host's
     work (:func:`~rpcompile.core.stages.host_load`) is priced for every trainable parameter on ``hardware.host``;
-    ``overlap_step``: the optimizer step runs beside the next iteration."""
+    ``overlap_step``: the optimizer step runs beside the next iteration; ``overlap_iterations``: the devices run on
+    into it too, and the plan is priced by the steady-state period (:attr:`HostLoad.overlap_iterations`)."""
     segs = segments_of(gm)
     elt = PRECISION_BYTES[precision]
     params = dict(gm.named_parameters())
@@ -75,7 +77,8 @@ def partition_problem(
         stage_overhead_s=hardware.spec.stage_overhead_s if stage_overhead_s is None else stage_overhead_s,
         allow_save=allow_save,
         host=host_load(hardware.host, trainable_params=sum(p.numel() for p in params.values() if p.requires_grad),
-                       precision=precision, overlap_step=overlap_step, nodes=hardware.nodes,
+                       precision=precision, overlap_step=overlap_step, overlap_iterations=overlap_iterations,
+                       nodes=hardware.nodes,
                        network_bytes_per_s=hardware.network_bytes_per_s,
                        host_params=sum(params[h.weight].numel() for h in host_of(gm)
                                        if h.weight not in users and params[h.weight].requires_grad)),

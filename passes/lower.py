@@ -160,6 +160,7 @@ def to_plan(gm: fx.GraphModule, problem: Any, result: Any, *, hardware: Hardware
             peak_memory_bytes=max(c.memory_bytes for c in costs),
             bound_s=float(result.stats.get("bound_s", 0.0) or 0.0),
             overlap_step=problem.host.overlap_step,
+            overlap_iterations=problem.host.overlap_iterations,
             **host_times(problem, sp),
         ),
         strategy=result.strategy,

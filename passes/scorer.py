@@ -21,10 +21,12 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+from rpcompile.core.schedule import steady_period
 from rpcompile.core.stages import StageCost, StageKind
 
 from .problem import PartitionProblem
-from .timing import Walk, _pipeline_end, _stage, _stage_ends
+from .recurrence import Walk, overlapped_ends, pipeline_end, stage_ends
+from .timing import _stage
 
 __all__ = ["PlanScorer"]
 
@@ -120,7 +122,8 @@ class PlanScorer:
 
     def total(self, fwd: Sequence[tuple[int, int]], fused: tuple[int, int], bwd: Sequence[tuple[int, int]],
               saved: tuple[bool, ...]) -> float:
-        """Exact iteration time of the plan these cuts and flags make (:func:`.timing._total`'s value)."""
+        """Exact iteration time of the plan these cuts and flags make (:func:`.timing._total`'s value; with
+        ``host.overlap_iterations``, :func:`.timing.overlapped_period`'s)."""
         key = (tuple(fwd), fused, tuple(bwd), saved)
         value = self.totals.get(key)
         if value is None:
@@ -216,9 +219,17 @@ class PlanScorer:
             out_s, save_s = [r.out_s for r in rows], [r.save_s for r in rows]
             prefetch_s = [r.prefetch_s for r in rows]
         walk = Walk()  # timing.pipeline_time, resumed after the anchor's first stages
-        ends = _stage_ends(times, n_dev, m, weight_s, handoff, out_s, save_s, reads or (), prefetch_s, resume=first,
-                           base=anchor.walk if anchor is not None else None, record=walk)
+        ends = stage_ends(times, n_dev, m, weight_s, handoff, out_s, save_s, reads or (), prefetch_s, resume=first,
+                          base=anchor.walk if anchor is not None else None, record=walk)
         self.recent = _Scored(key, rows, times, handoff, weight_s, reads, walk)
         h = self.pb.host
-        return _pipeline_end(ends, [r.grad_s for r in rows], [r.acc for r in rows] if self._accumulates else [],
-                             [r.reduce for r in rows], h.overlap_reduce, h.reduce_s(h.host_grad_bytes))
+        grad_s, acc = [r.grad_s for r in rows], [r.acc for r in rows] if self._accumulates else []
+        reduce = [r.reduce for r in rows]
+        if h.overlap_iterations:  # timing.overlapped_period, the first iteration's walk being this one
+            fused = next((k for k, r in enumerate(rows) if r.cost.kind == "fused"), len(rows) - 1)
+            return steady_period(overlapped_ends(
+                times, n_dev, m, fused=fused, step_s=h.step_s, weight_s=weight_s, grad_s=grad_s, handoff_s=handoff,
+                out_s=out_s, save_s=save_s, reads=reads or (), prefetch_s=prefetch_s, accumulate_s=acc,
+                reduce_s=reduce, overlap_reduce=h.overlap_reduce, reduce_host_s=h.reduce_s(h.host_grad_bytes),
+                first=walk))
+        return pipeline_end(ends, grad_s, acc, reduce, h.overlap_reduce, h.reduce_s(h.host_grad_bytes))

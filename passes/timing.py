@@ -53,12 +53,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
 from typing import Sequence
 
+from rpcompile.core.schedule import steady_period
 from rpcompile.core.stages import StageCost, StageKind
 
 from .problem import PartitionProblem, SegmentPlan, plan_stages
+from .recurrence import overlapped_ends, pipeline_end, stage_ends
 
 __all__ = [
     "stage_costs",
@@ -72,9 +73,7 @@ __all__ = [
     "plan_memory",
     "bubble_fraction",
     "host_times",
-    "host_lane_end",
-    "lane_ends",
-    "reduce_times",
+    "overlapped_period",
 ]
 
 
@@ -208,132 +207,11 @@ def pipeline_time(stage_times: Sequence[float], devices: int, microbatches: int,
     iteration waits for the last.
 
     Data-parallel reduction: ``reduce_s[k]``, the all-reduce of stage ``k``'s gradients once the host has added
-    them, on one network link in stage order (:func:`reduce_times`), then ``reduce_host_s`` (the tables only the
+    them, on one network link in stage order (:func:`.recurrence.reduce_times`), then ``reduce_host_s`` (the tables only the
     host reads); the iteration waits for the last.
     """
-    ends = _stage_ends(stage_times, devices, microbatches, weight_s, handoff_s, out_s, save_s, reads, prefetch_s)
-    return _pipeline_end(ends, grad_s, accumulate_s, reduce_s, overlap_reduce, reduce_host_s)
-
-
-def _pipeline_end(ends: Sequence[float], grad_s: Sequence[float], accumulate_s: Sequence[float],
-                  reduce_s: Sequence[float], overlap_reduce: bool, reduce_host_s: float) -> float:
-    """:func:`pipeline_time` after the walk: each stage's last microbatch ``ends``, its gradients down, added on
-    the host, all-reduced."""
-    landed = [e + (grad_s[k] if k < len(grad_s) else 0.0) for k, e in enumerate(ends)]
-    added = lane_ends(landed, accumulate_s)
-    end = max(max(landed, default=0.0), max(added, default=0.0))
-    if any(reduce_s) or reduce_host_s:
-        work = [reduce_s[k] if k < len(reduce_s) else 0.0 for k in range(len(added))] + [reduce_host_s]
-        ready = added + [max(added, default=0.0)]
-        end = max(end, max(reduce_times(ready, work, after=None if overlap_reduce else end)[1]))
-    return end
-
-
-def lane_ends(landed: Sequence[float], work: Sequence[float]) -> list[float]:
-    """When each stage's ``work`` is done on one host thread that takes it in the order it lands (``landed[k]``
-    for a stage without work)."""
-    out = list(landed)
-    end = 0.0
-    for at, k in sorted((landed[k], k) for k, w in enumerate(work) if w > 0 and k < len(landed)):
-        end = max(end, at) + work[k]
-        out[k] = end
-    return out
-
-
-def reduce_times(ready: Sequence[float], reduce_s: Sequence[float], *, after: float | None = None,
-                 ) -> tuple[list[float], list[float]]:
-    """``(starts, ends)`` of each stage's all-reduce on one network link, in stage order (the runtime launches its
-    buckets in that order on every rank), each once its gradients are added (``ready[k]``) — or all after
-    ``after`` (the reduction not overlapped)."""
-    starts, ends, free = [], [], 0.0
-    for k, r in enumerate(ready):
-        w = reduce_s[k] if k < len(reduce_s) else 0.0
-        begin = max(free, r if after is None else after)
-        starts.append(begin)
-        free = begin + w if w > 0 else free
-        ends.append(begin + w if w > 0 else r)
-    return starts, ends
-
-
-def host_lane_end(landed: Sequence[float], accumulate_s: Sequence[float]) -> float:
-    """When one host thread finishes ``accumulate_s[k]`` of work that may start at ``landed[k]``, taken in the
-    order it lands (0 when there is none)."""
-    end = 0.0
-    for at, work in sorted((landed[k], w) for k, w in enumerate(accumulate_s) if w > 0 and k < len(landed)):
-        end = max(end, at) + work
-    return end
-
-
-@dataclass(slots=True)
-class Walk:
-    """What :func:`_stage_ends` met at each stage, for a later walk over a plan with the same first stages (the
-    local search's candidates share a prefix with the plan they move from) to resume from."""
-
-    ends: list[list[float]] = field(default_factory=list)
-    """Each stage's microbatch ends."""
-    last: list[float] = field(default_factory=list)
-    began: list[float] = field(default_factory=list)
-    landed: dict[int, list[float]] = field(default_factory=dict)
-
-
-def _stage_ends(stage_times: Sequence[float], devices: int, m: int, weight_s: Sequence[float] = (),
-                handoff_s: Sequence[float] = (), out_s: Sequence[float] = (), save_s: Sequence[float] = (),
-                reads: Sequence[Sequence[int]] = (), prefetch_s: Sequence[float] = (), *, resume: int = 0,
-                base: Walk | None = None, record: Walk | None = None) -> list[float]:
-    """``e(k, m-1)`` for every stage ``k``: when each stage finishes its last microbatch.
-
-    A plain loop over microbatches (the planner's local search calls this thousands of times on short vectors,
-    where it is several times faster than array operations): microbatch ``j`` starts once the stage finished
-    ``j−1`` and stage ``k−1``'s ``j`` has been handed over (and the saves it reads have landed); the first one also
-    waits for the device (``floor``). Stage ``k`` reads only what stages before it left, so a walk whose first
-    ``resume`` stages have the inputs of ``base``'s takes their results from it (``record``: this walk's)."""
-    if base is not None and resume > 0:
-        prev = base.ends[resume - 1]
-        every, last, began = base.ends[:resume], base.last[:resume], base.began[:resume]
-        landed = {f: v for f, v in base.landed.items() if f < resume}
-    else:
-        resume, prev, every, last, began, landed = 0, [0.0] * m, [], [], [], {}
-    # began: when each stage's first microbatch started; landed: stage -> when each microbatch's saves are in
-    # host memory
-    n_weight, n_handoff, n_reads, n_save = len(weight_s), len(handoff_s), len(reads), len(save_s)
-    for k in range(resume, len(stage_times)):
-        t = stage_times[k]
-        up = weight_s[k] if k < n_weight else 0.0
-        h = handoff_s[k] if 0 < k < n_handoff else 0.0  # the first stage has no one to wait for
-        if k >= devices:
-            floor, b = last[k - devices], began[k - devices] + up
-            floor = b if b > floor else floor
-        else:
-            floor = up
-        ready = [p + h for p in prev] if h else prev
-        if k < n_reads and reads[k]:
-            pre = prefetch_s[k] if k < len(prefetch_s) else 0.0
-            for f in reads[k]:
-                if f not in landed:  # it saved 0 bytes: nothing to wait for
-                    continue
-                ready = [r if r > g else g for r, g in zip(ready, [x + pre for x in landed[f]])]
-        start = ready[0]
-        start = floor if floor > start else start
-        began.append(start)
-        end = start + t
-        ends = [end]
-        add = ends.append
-        for r in ready[1:]:
-            end = (r if r > end else end) + t
-            add(end)
-        if k < n_save and save_s[k] > 0:
-            out, save, land, lands = (out_s[k] if k < len(out_s) else 0.0), save_s[k], 0.0, []
-            for e in ends:
-                e += out
-                land = (land if land > e else e) + save
-                lands.append(land)
-            landed[k] = lands
-        prev = ends
-        every.append(ends)
-        last.append(end)
-    if record is not None:
-        record.ends, record.last, record.began, record.landed = every, last, began, landed
-    return last
+    ends = stage_ends(stage_times, devices, microbatches, weight_s, handoff_s, out_s, save_s, reads, prefetch_s)
+    return pipeline_end(ends, grad_s, accumulate_s, reduce_s, overlap_reduce, reduce_host_s)
 
 
 def equal_time_factor(stages: int, devices: int, microbatches: int) -> int:
@@ -343,7 +221,7 @@ def equal_time_factor(stages: int, devices: int, microbatches: int) -> int:
 
 def equal_time_factors(max_stages: int, devices: int, microbatches: int) -> list[int]:
     """``[c(0), c(1), ..., c(max_stages)]`` in one pass (``c(0) = 0``)."""
-    return [0] + [round(e) for e in _stage_ends([1.0] * max_stages, devices, microbatches)]
+    return [0] + [round(e) for e in stage_ends([1.0] * max_stages, devices, microbatches)]
 
 
 def transfer_edges(problem: PartitionProblem, costs: Sequence[StageCost], times: Sequence[float] | None = None,
@@ -403,23 +281,47 @@ def save_reads(costs: Sequence[StageCost], saved: Sequence[bool]) -> list[tuple[
     return out
 
 
-def _total(problem: PartitionProblem, costs: Sequence[StageCost], saved: Sequence[bool]) -> float:
-    """Exact iteration time of the stages (costed on their own, or already through :func:`offload_backlog`: the
-    walk gives the same times either way) with their transfer edges; the local search calls it on cached stages."""
+def _walk_inputs(problem: PartitionProblem, costs: Sequence[StageCost], saved: Sequence[bool],
+                 ) -> tuple[list[float], dict]:
+    """The stages' times after the lazy offload and the rest of :func:`pipeline_time`'s arguments for them."""
     times = _lazy_offload(problem, costs)[0]
     h = problem.host
     acc = [h.accumulate_s(c.grad_bytes) for c in costs] if math.isfinite(h.accumulate_bytes_per_s) else []
-    return pipeline_time(times, problem.device_count, problem.microbatches,
-                         **transfer_edges(problem, costs, times, saved), accumulate_s=acc,
-                         reduce_s=[h.reduce_s(c.reduced_bytes) for c in costs], overlap_reduce=h.overlap_reduce,
-                         reduce_host_s=h.reduce_s(h.host_grad_bytes))
+    return times, dict(**transfer_edges(problem, costs, times, saved), accumulate_s=acc,
+                       reduce_s=[h.reduce_s(c.reduced_bytes) for c in costs], overlap_reduce=h.overlap_reduce,
+                       reduce_host_s=h.reduce_s(h.host_grad_bytes))
+
+
+def _total(problem: PartitionProblem, costs: Sequence[StageCost], saved: Sequence[bool]) -> float:
+    """Exact iteration time of the stages (costed on their own, or already through :func:`offload_backlog`: the
+    walk gives the same times either way) with their transfer edges; the local search calls it on cached stages."""
+    times, edges = _walk_inputs(problem, costs, saved)
+    return pipeline_time(times, problem.device_count, problem.microbatches, **edges)
+
+
+def overlapped_period(problem: PartitionProblem, costs: Sequence[StageCost], saved: Sequence[bool]) -> float:
+    """The steady-state period of overlapped iterations of these stages (:func:`.recurrence.overlapped_ends`; the
+    optimizer step's waits included)."""
+    times, edges = _walk_inputs(problem, costs, saved)
+    fused = next((k for k, c in enumerate(costs) if c.kind == "fused"), len(costs) - 1)
+    return steady_period(overlapped_ends(times, problem.device_count, problem.microbatches, fused=fused,
+                                         step_s=problem.host.step_s, **edges))
+
+
+def _objective(problem: PartitionProblem, costs: Sequence[StageCost], saved: Sequence[bool]) -> float:
+    """What an iteration costs: the pipeline and the step (added, or the longer of the two), or with
+    ``host.overlap_iterations`` the steady-state period."""
+    if problem.host.overlap_iterations:
+        return overlapped_period(problem, costs, saved)
+    return problem.host.iteration_s(_total(problem, costs, saved))
 
 
 def iteration_time(problem: PartitionProblem, plan: SegmentPlan) -> float:
     """Predicted time of one training iteration (s): the pipeline plus its exposed fill and drain transfers and
     the host accumulation it could not hide, then the optimizer step and copy refresh (added, or overlapped:
-    ``HostLoad.iteration_s``)."""
-    return problem.host.iteration_s(_total(problem, stage_costs(problem, plan, lazy_offload=False), plan.saved))
+    ``HostLoad.iteration_s``); with ``host.overlap_iterations``, the steady-state period of overlapped iterations
+    (:func:`overlapped_period`)."""
+    return _objective(problem, stage_costs(problem, plan, lazy_offload=False), plan.saved)
 
 
 def host_times(problem: PartitionProblem, plan: SegmentPlan) -> dict[str, float]:
@@ -437,8 +339,10 @@ def plan_memory(problem: PartitionProblem, plan: SegmentPlan) -> int:
 
 
 def bubble_fraction(problem: PartitionProblem, plan: SegmentPlan) -> float:
-    """Idle device time over ``N × iteration``: ``1 − m·Σ t_k / (N · iteration)``."""
+    """Idle device time over ``N × iteration``: ``1 − m·Σ t_k / (N · iteration)``, the iteration being the pipeline
+    (the step apart) or, with ``host.overlap_iterations``, the steady-state period."""
     costs = stage_costs(problem, plan)
-    total = _total(problem, costs, plan.saved)
+    over = overlapped_period if problem.host.overlap_iterations else _total
+    total = over(problem, costs, plan.saved)
     busy = problem.microbatches * sum(c.time_s for c in costs)
     return 1.0 - busy / (problem.device_count * total) if total > 0 else 0.0

@@ -141,6 +141,11 @@ def host_note(plan: Any) -> str:
     (added, or overlapped), and the gradient accumulation the host thread ran beside the pipeline."""
     p, host = plan.predicted, plan.hardware.host
     how = "measured" if host.source == "probe" else "assumed"
+    if p.overlap_iterations:
+        return (f"iterations overlapped (planned for overlap=True): {fmt_ms(p.iteration_time_s)} is the steady-state "
+                f"period, one iteration alone {fmt_ms(p.pipeline_s)}; host ({how}): optimizer step "
+                f"{fmt_ms(p.optimizer_s)} + copy refresh {fmt_ms(p.refresh_s)} beside the next iteration, gradient "
+                f"accumulation {fmt_ms(p.accumulate_s)} on the host thread beside the stages")
     return (f"host ({how}): optimizer step {fmt_ms(p.optimizer_s)} + copy refresh {fmt_ms(p.refresh_s)} "
             "(none under rpcompile's AdamW) "
             f"{'beside' if p.overlap_step else 'after'} the {fmt_ms(p.pipeline_s)} pipeline "
@@ -149,7 +154,14 @@ def host_note(plan: Any) -> str:
 
 
 def host_line(name: str, result: Any) -> str:
-    """One simulated schedule's host work, or "" when it has none."""
+    """One simulated schedule's host work, or "" when it has none; for a run of overlapped iterations, its steady
+    state, first iteration and one-off fill and drain too."""
+    if result.iteration_ends_s:
+        return (f"{name}: {result.iterations} iterations{' overlapped' if result.overlap_step else ''} (simulated): "
+                f"steady-state period {fmt_ms(result.iteration_time_s)}, bubble {result.bubble_fraction:.1%}; the "
+                f"first iteration {fmt_ms(result.first_iteration_s)}; once a run, fill {fmt_ms(result.fill_s)} and "
+                f"drain {fmt_ms(result.drain_s)} a device; optimizer step and copy refresh {fmt_ms(result.step_s)} "
+                f"{'beside the next iteration' if result.overlap_step else 'between iterations'}")
     if not result.step_s and not result.accumulate_s:
         return ""
     joined = "overlapped with the pipeline" if result.overlap_step else "after the pipeline"

@@ -7,6 +7,9 @@
   state and every in-flight microbatch's activations on the device (no streaming, no recompute), hand
   activations between devices through host memory, and take a time-balanced contiguous partition of the layers
   (the best static partition, as torchgpipe's ``balance_by_time`` aims for);
+- :func:`overlapped` — a round-robin scenario with its iterations overlapped (``pipe.step(optimizer,
+  overlap=True)`` once devices run on into the next iteration): the simulator plays several and reports the
+  steady state;
 - :func:`layer_profile_scenarios` — a published per-layer profile such as the RoundPipe paper's simulator inputs
   (``benchmarks/data/roundpipe-simulator-inputs.json``): every schedule with the file's own partitions, plus
   ``ilp`` (rpcompile's partitioner on the same layer costs, layer granularity, no memory limit, full recompute
@@ -38,6 +41,7 @@ from rpcompile.runtime.simulator import SimResult, simulate
 __all__ = [
     "Scenario",
     "SCHEDULES",
+    "overlapped",
     "from_plan",
     "from_segment_plan",
     "static_scenarios",
@@ -105,7 +109,8 @@ def from_plan(plan: Any, *, host_bytes_per_s: float = math.inf) -> Scenario:
     p = plan.predicted  # the host's rates from the plan's host, its step as the plan predicted it
     host = dataclasses.replace(host_load(hw.host, trainable_params=0, precision=plan.precision, nodes=hw.nodes,
                                          network_bytes_per_s=hw.network_bytes_per_s),
-                               optimizer_s=p.optimizer_s, refresh_s=p.refresh_s, overlap_step=p.overlap_step)
+                               optimizer_s=p.optimizer_s, refresh_s=p.refresh_s, overlap_step=p.overlap_step,
+                               overlap_iterations=p.overlap_iterations)
     return Scenario(plan.strategy, lists, stages, link_bytes_per_s=hw.link_bytes_per_s,
                     host_bytes_per_s=host_bytes_per_s, memory_limit_bytes=hw.memory_bytes,
                     tokens_per_iteration=plan.tokens_per_microbatch * m, host=host)
@@ -130,6 +135,16 @@ def from_segment_plan(problem: Any, plan: Any, *, name: str, tokens_per_iteratio
     return Scenario(name, lists, stages, link_bytes_per_s=link if handoff_s is None else math.inf,
                     host_bytes_per_s=host_bytes_per_s, memory_limit_bytes=problem.memory_bytes,
                     tokens_per_iteration=tokens_per_iteration, host=problem.host if handoff_s is None else HostLoad())
+
+
+def overlapped(scenario: Scenario) -> Scenario:
+    """``scenario`` with overlapped iterations (:attr:`HostLoad.overlap_iterations`, one step stale): its run plays
+    several iterations and reports the steady-state period. A static schedule (stages resident on their devices,
+    no pointer to carry on) is returned as it is."""
+    if any(s.releases >= 0 or s.resident_bytes or s.stash_bytes for s in scenario.stages):
+        return scenario
+    host = dataclasses.replace(scenario.host, overlap_step=True, overlap_iterations=True)
+    return dataclasses.replace(scenario, host=host)
 
 
 # ---------------------------------------------------------------------------------------------- static
@@ -256,13 +271,15 @@ def _counts(text: str) -> list[int]:
 
 def layer_profile_scenarios(entry: Mapping[str, Any], *, devices: int, microbatches: int,
                             schedules: Sequence[str] = SCHEDULES, time_limit_s: float = 10.0,
-                            static_recompute: bool = False) -> dict[str, Scenario]:
+                            static_recompute: bool = False, overlap: bool = False) -> dict[str, Scenario]:
     """Every schedule on a per-layer profile (see module docstring). Times in the entry are milliseconds.
 
     ``static_recompute``: the static schedules (GPipe, 1F1B, interleaved) recompute every layer's forward in its
     backward (full activation checkpointing; the LM head is not recomputed), as the RoundPipe paper's simulator
     does; with it these reproduce that simulator's makespans. Off (the default), they keep activations: the
-    stronger baseline, 14–30% shorter on the paper's inputs (no memory limit applies to these profiles)."""
+    stronger baseline, 14–30% shorter on the paper's inputs (no memory limit applies to these profiles).
+    ``overlap``: the round-robin schedules with overlapped iterations (:func:`overlapped`; ``ilp`` planned for
+    their steady-state period), as the paper's asynchronous mode; the static ones stay synchronous."""
     ms = 1e-3
     L = int(entry["num_layers"])
     f, b = entry["fwd_ms_per_layer"] * ms, entry["bwd_ms_per_layer"] * ms
@@ -311,12 +328,16 @@ def layer_profile_scenarios(entry: Mapping[str, Any], *, devices: int, microbatc
                       for k, (kd, t) in enumerate(zip(kinds, comp))]
             out[name] = Scenario(name, round_robin(kinds, devices, microbatches), stages,
                                  notes={"partition": parts["roundpipe"]})
+            out[name] = overlapped(out[name]) if overlap else out[name]
         elif name in ("ilp", "dp"):
             pb = layer_profile_problem(entry, devices=devices, microbatches=microbatches)
+            if overlap:
+                pb = dataclasses.replace(pb, host=HostLoad(overlap_step=True, overlap_iterations=True))
             res = solve(pb, name, time_limit_s=time_limit_s)
             sc = from_segment_plan(pb, res.require_plan(), name=name, handoff_s=comm if devices > 1 else None)
             out[name] = Scenario(name, sc.lists, sc.stages, notes={"partition": _describe(res.plan, L),
                                                                   "solve_time_s": res.solve_time_s})
+            out[name] = overlapped(out[name]) if overlap else out[name]
     return out
 
 

@@ -18,7 +18,7 @@ from rpcompile.passes.background import solving
 from rpcompile.passes.lower import _tokens
 from rpcompile.passes.partition import solve
 from rpcompile.scenarios import (SCHEDULES, Scenario, from_plan, from_segment_plan, layer_profile_scenarios,
-                                 load_layer_profile, static_scenarios)
+                                 load_layer_profile, overlapped, static_scenarios)
 
 from .plan_options import model_device
 from .planning import default_spec, fastest, head_chunk_candidates, make_hardware, partition_problem, prepare
@@ -48,17 +48,18 @@ def model_scenarios(model: Any, example_inputs: Sequence[Any], *, gpus: int, spe
                     time_limit_s: float = 10.0, progress: Any = None, loss_fn: Any = None,
                     example_target: Any = None, head_chunks: "int | str" = "auto",
                     segments_per_layer: int = 2, host_embedding: bool = True,
-                    status: Any = None) -> dict[str, Scenario]:
+                    status: Any = None, overlap: bool = False) -> dict[str, Scenario]:
     """Trace and cost ``model`` once, then build every requested schedule on that one problem. ``ilp`` may plan
     a graph with the LM head split as well (``head_chunks``, see :func:`rpcompile.planning.plan`) and keeps the
     faster plan; its notes say which (``head_chunks``). Only ``ilp`` runs token embeddings on the host
     (``host_embedding``, :mod:`rpcompile.passes.host`): the baselines keep them on the devices, as their
     systems do. ``progress`` is the profiler's bar; ``status(text)``, a context manager, shows each solve (the
-    CLI's spinner)."""
+    CLI's spinner). ``overlap``: ``roundpipe`` and ``ilp`` run with overlapped iterations (``ilp`` planned for their
+    steady-state period, :func:`rpcompile.scenarios.overlapped`); the static schedules stay synchronous."""
     gm, m = prepare(model, example_inputs, gpus=gpus, spec=spec, device=device, microbatches=microbatches,
                     precision=precision, progress=progress, segments_per_layer=segments_per_layer, host_embedding=False)
     hardware = make_hardware(gpus, default_spec(spec, device, model_device(model)), memory_limit)
-    pb = partition_problem(gm, hardware=hardware, microbatches=m, precision=precision)
+    pb = partition_problem(gm, hardware=hardware, microbatches=m, precision=precision, overlap_iterations=overlap)
     tokens = _tokens(gm) * m
     out: dict[str, Scenario] = {}
     static = [s for s in schedules if s in ("gpipe", "1f1b", "interleaved-1f1b")]
@@ -72,7 +73,8 @@ def model_scenarios(model: Any, example_inputs: Sequence[Any], *, gpus: int, spe
                              precision=precision, progress=progress, loss_fn=loss_fn, example_target=example_target,
                              head_chunks=k, segments_per_layer=segments_per_layer,
                              host_embedding=host_embedding and name == "ilp")
-            problem = partition_problem(own, hardware=hardware, microbatches=m, precision=precision)
+            problem = partition_problem(own, hardware=hardware, microbatches=m, precision=precision,
+                                        overlap_iterations=overlap)
         # every split but the last is solved in a child process while the next is prepared and solved here
         solved = solving(functools.partial(solve, problem, name, time_limit_s=time_limit_s), problem,
                          time_limit_s=time_limit_s, strategy=name, cache=False, background=k != ks[-1])
@@ -100,17 +102,21 @@ def model_scenarios(model: Any, example_inputs: Sequence[Any], *, gpus: int, spe
     return {name: out[name] for name in schedules if name in out}
 
 
-def plan_scenarios(plan: Any, *, host_bytes_per_s: float = math.inf) -> dict[str, Scenario]:
-    """A saved plan's own schedule, named after its strategy."""
-    return {plan.strategy: from_plan(plan, host_bytes_per_s=host_bytes_per_s)}
+def plan_scenarios(plan: Any, *, host_bytes_per_s: float = math.inf, overlap: bool = False) -> dict[str, Scenario]:
+    """A saved plan's own schedule, named after its strategy (in the mode it was planned for; ``overlap``: with
+    overlapped iterations whatever it was planned for)."""
+    sc = from_plan(plan, host_bytes_per_s=host_bytes_per_s)
+    return {plan.strategy: overlapped(sc) if overlap else sc}
 
 
 def profile_scenarios(path: str, model: str, *, schedules: Sequence[str] = SCHEDULES, gpus: int | None = None,
-                      microbatches: int | None = None, time_limit_s: float = 10.0) -> dict[str, Scenario]:
-    """Every schedule on a RoundPipe-style layer profile (the file's partitions, plus ``ilp``)."""
+                      microbatches: int | None = None, time_limit_s: float = 10.0,
+                      overlap: bool = False) -> dict[str, Scenario]:
+    """Every schedule on a RoundPipe-style layer profile (the file's partitions, plus ``ilp``; ``overlap``: the
+    round-robin ones with overlapped iterations)."""
     entry, n, m = load_layer_profile(path, model)
     return layer_profile_scenarios(entry, devices=gpus or n, microbatches=microbatches or m, schedules=schedules,
-                                   time_limit_s=time_limit_s)
+                                   time_limit_s=time_limit_s, overlap=overlap)
 
 
 def skipped(requested: Sequence[str], scenarios: dict[str, Scenario], *, gpus: int, microbatches: int,

@@ -121,6 +121,7 @@ def check_plan(path: str | Path, model: Any, example_inputs: Sequence[Any], *, m
     device = "cpu" if measured else None
     options = plan.inputs.get("options", {})
     allow_save = bool(options.get("allow_save", True))
+    overlap = plan.predicted.overlap_iterations  # priced and re-solved for the mode it was made for
 
     def graph(host: Any) -> tuple[Any, int]:
         return prepare(model, example_inputs, gpus=hw.device_count, spec=spec, device=device,
@@ -141,7 +142,7 @@ def check_plan(path: str | Path, model: Any, example_inputs: Sequence[Any], *, m
         return result
     result.problems += [f"invalid: {v}" for v in plan_violations(plan, gm)]
     problem = partition_problem(gm, hardware=hw, microbatches=plan.microbatches, precision=plan.precision,
-                                allow_save=allow_save)
+                                allow_save=allow_save, overlap_iterations=overlap)
     sp, bad = rescore(plan, gm)
     result.problems += bad
     if sp is None:
@@ -171,7 +172,7 @@ def check_plan(path: str | Path, model: Any, example_inputs: Sequence[Any], *, m
         with (status or _quiet)(f"solving a fresh {strategy} plan (up to {time_limit_s:g} s): {reason[1]}"):
             fresh = plan_graph(gm, hardware=hw, microbatches=plan.microbatches, strategy=strategy,
                                precision=plan.precision, time_limit_s=time_limit_s, allow_save=allow_save,
-                               cache=not resolve)  # --resolve: solve, even where the solve cache has it
+                               cache=not resolve, overlap=overlap)  # --resolve: solve, even where the solve cache has it
     except InfeasibleError as e:
         result.problems.append(f"does not fit: {e}")
         return result

@@ -31,6 +31,8 @@ class SimEvent:
     microbatch: int
     start: float
     end: float
+    iteration: int = 0
+    """Which iteration of a run of several it belongs to (``stage`` and ``action`` count within it)."""
 
 
 @dataclass(frozen=True)
@@ -65,16 +67,57 @@ class SimResult:
     host_timeline: tuple[SimEvent, ...] = ()
     """The host's work: ``kA`` (stage k's gradients added into ``.grad``) and ``step`` (``device`` is only the
     device whose gradients it is; 0 for the step)."""
+    iteration_ends_s: tuple[float, ...] = ()
+    """A run of several consecutive iterations (``simulate(..., iterations=K)``): when each one's work was done —
+    its devices, copies, gradient adds and all-reduces, not its optimizer step. Empty for one iteration. The
+    figures above are then per iteration in the steady state: ``iteration_time_s`` is the period
+    (:func:`~rpcompile.core.schedule.steady_period`), ``busy_s`` and the bytes are means per iteration, and the
+    bubble is over the period; the run's one-off fill and drain are :attr:`fill_s` and :attr:`drain_s`."""
+
+    @property
+    def iterations(self) -> int:
+        """Iterations simulated (1 unless a run of several)."""
+        return max(1, len(self.iteration_ends_s))
+
+    @property
+    def first_iteration_s(self) -> float:
+        """When the first iteration's work was done: one iteration's pipeline, fill and drain included."""
+        return self.iteration_ends_s[0] if self.iteration_ends_s else self.span_s
+
+    @property
+    def fill_s(self) -> float:
+        """Mean over the devices of the time before their first compute: what a run pays once to fill."""
+        first = self._first_last()[0]
+        return sum(first.get(d, self._end()) for d in range(len(self.busy_s))) / max(len(self.busy_s), 1)
+
+    @property
+    def drain_s(self) -> float:
+        """Mean over the devices of the time after their last compute until the run's (last iteration's) work
+        is done: what a run pays once to drain."""
+        last, end = self._first_last()[1], self._end()
+        return sum(max(end - last.get(d, end), 0.0) for d in range(len(self.busy_s))) / max(len(self.busy_s), 1)
+
+    def _end(self) -> float:
+        return self.iteration_ends_s[-1] if self.iteration_ends_s else self.span_s
+
+    def _first_last(self) -> tuple[dict[int, float], dict[int, float]]:
+        first: dict[int, float] = {}
+        last: dict[int, float] = {}
+        for e in self.timeline:
+            if e.lane == "compute":
+                first[e.device] = min(first.get(e.device, _INF), e.start)
+                last[e.device] = max(last.get(e.device, 0.0), e.end)
+        return first, last
 
     @property
     def accumulate_s(self) -> float:
-        """Time the host thread spent adding gradients into ``.grad`` (beside the pipeline)."""
-        return sum(e.end - e.start for e in self.host_timeline if e.kind == "accumulate")
+        """Time the host thread spent adding gradients into ``.grad`` (beside the pipeline; per iteration)."""
+        return sum(e.end - e.start for e in self.host_timeline if e.kind == "accumulate") / self.iterations
 
     @property
     def reduce_s(self) -> float:
-        """Data-parallel: time the network spent all-reducing gradients (0 on one node)."""
-        return sum(e.end - e.start for e in self.host_timeline if e.kind == "reduce")
+        """Data-parallel: time the network spent all-reducing gradients (0 on one node; per iteration)."""
+        return sum(e.end - e.start for e in self.host_timeline if e.kind == "reduce") / self.iterations
 
     @property
     def span_s(self) -> float:
@@ -112,16 +155,17 @@ class SimResult:
     def idle_s(self) -> tuple[dict[str, float], ...]:
         """Per device, where its compute queue sat idle: ``fill`` before its first compute, ``drain`` after its
         last, ``waits`` between them (inputs not yet handed over, copies still draining, memory). The three add up
-        to ``span − busy`` (:attr:`span_s`)."""
-        first: dict[int, float] = {}
-        last: dict[int, float] = {}
-        for e in self.timeline:
-            if e.lane == "compute":
-                first[e.device] = min(first.get(e.device, _INF), e.start)
-                last[e.device] = max(last.get(e.device, 0.0), e.end)
+        to ``span − busy`` (:attr:`span_s`). A run of several iterations: in the steady state no device fills or
+        drains, so all of it is ``waits``, the same on every device (the pointer moves the stages round them; the
+        run's one-off fill and drain: :attr:`fill_s`, :attr:`drain_s`)."""
+        first, last = self._first_last()
         out = []
         span = self.span_s
+        mean = sum(self.busy_s) / max(len(self.busy_s), 1)
         for d, busy in enumerate(self.busy_s):
+            if self.iteration_ends_s:
+                out.append(dict(fill=0.0, drain=0.0, waits=max(span - mean, 0.0)))
+                continue
             if d not in first:
                 out.append(dict(fill=span, drain=0.0, waits=0.0))
                 continue
@@ -154,4 +198,12 @@ class SimResult:
             "host_step_s": self.step_s,
             "host_accumulate_s": self.accumulate_s,
             "overlap_step": self.overlap_step,
-        } | ({"reduce_s": self.reduce_s, "reduce_exposed_s": self.reduce_exposed_s} if self.reduce_s else {})
+        } | ({"reduce_s": self.reduce_s, "reduce_exposed_s": self.reduce_exposed_s} if self.reduce_s else {}) \
+          | (self.run_summary() if self.iteration_ends_s else {})
+
+    def run_summary(self) -> dict:
+        """A run of several iterations: the period, the first iteration, the one-off fill and drain, and when each
+        iteration's work was done."""
+        return {"iterations": self.iterations, "period_s": self.iteration_time_s,
+                "first_iteration_s": self.first_iteration_s, "fill_s": self.fill_s, "drain_s": self.drain_s,
+                "iteration_ends_s": list(self.iteration_ends_s)}

@@ -52,6 +52,31 @@ from its start beside it (``overlap_step``: the iteration takes the longer of th
 buckets, beside the later stages — or, with ``overlap_reduce=False``, all after everything else. Host work is
 reported in ``SimResult.host_timeline``, apart from the devices' lanes.
 
+**Consecutive iterations** (``iterations=K > 1``; round-robin lists only): the lists and stages describe one
+iteration, and the run plays ``K`` of them. Position ``k`` of iteration ``t`` is global position ``t·S + k``
+(``S`` positions an iteration) on the device after the one that ran ``t·S + k − 1``: the round-robin pointer
+carries on across iterations (DESIGN.md §3), so a device runs the next iteration's stage as soon as it is done
+with its stages of this one, in its list's order. Iteration ``t + 1``'s first position takes its inputs from the
+host, not from iteration ``t``'s last position. The optimizer step of iteration ``t`` (``stepT``, on the host's
+step thread: ``step_s``, after iteration ``t``'s gradients are all added — and all-reduced — and after step
+``t − 1``) decides the rest:
+
+- synchronous (``host.overlap_step`` False): iteration ``t + 1`` starts once step ``t`` is done — every
+  iteration pays the fill, the drain and the step, as one iteration does;
+- the step overlapped (``host.overlap_step``; today's ``pipe.step(optimizer, overlap=True)``, one step stale):
+  iteration ``t + 1`` starts once iteration ``t``'s work is done (``forward_backward`` is a barrier) and
+  computes with the weights from before step ``t``, which step ``t − 1`` made (double-buffered copies), so its
+  weight uploads and its first position (host-side lookups read those weights too) wait for step ``t − 1``;
+- iterations overlapped (``host.overlap_iterations`` too): as the step overlapped, but nothing of iteration
+  ``t`` holds iteration ``t + 1`` up except its loss — the first position waits for the fused position's last
+  microbatch (``forward_backward`` returns the loss, then the caller passes the next batch): a device that has
+  finished its part of iteration ``t`` goes on with ``t + 1`` while the others drain
+  (:func:`rpcompile.passes.recurrence.overlapped_ends` is the timing model's walk of the same).
+
+:class:`SimResult` then reports the steady-state period (``iteration_time_s``), the bubble over it, and the
+one-off fill and drain of the run (:attr:`SimResult.fill_s`, :attr:`SimResult.drain_s`); the timeline holds every
+iteration (``SimEvent.iteration``).
+
 Each chain position is a :class:`~rpcompile.core.stages.StageCost`, the type the timing model prices; the run
 returns a :class:`~.sim_result.SimResult` (the timeline and its figures). With
 transfers free this is exactly the timing model's recurrence (:func:`rpcompile.passes.timing.pipeline_time`,
@@ -61,13 +86,14 @@ schedules (GPipe, 1F1B, interleaved 1F1B) and for published layer profiles.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
 from rpcompile.core.errors import SimulationError
-from rpcompile.core.schedule import Action
+from rpcompile.core.schedule import OVERLAP_ITERATIONS, Action, steady_period
 from rpcompile.core.stages import HostLoad, StageCost
 
 from .sim_result import SimEvent, SimResult
@@ -96,9 +122,10 @@ _LANES = {
     "g_down": ("down", "gradients", "download"),
     "acc": ("cpu", "accumulate", "host"),
     "net": (None, "reduce", "host"),
+    "step": (None, "optimizer", "host"),
 }
 #: Lanes of the host, one for all devices (their queue key has device -1).
-_HOST = ("acc", "net")
+_HOST = ("acc", "net", "step")
 
 
 _Ref = tuple[str, int, int]
@@ -128,6 +155,8 @@ class _Task:
     start: float = -1.0
     end: float = -1.0
     left: float = 0.0
+    iteration: int = 0
+    """Which of the run's iterations it belongs to (``simulate(..., iterations=K)``)."""
 
 
 def _growth(t: _Task) -> float:
@@ -147,6 +176,7 @@ def simulate(
     copies_wait_for_memory: bool = True,
     tokens_per_iteration: int = 0,
     host: HostLoad | None = None,
+    iterations: int | None = None,
 ) -> SimResult:
     """Run the per-device action lists with a clock.
 
@@ -154,12 +184,21 @@ def simulate(
     Bandwidths are bytes/s; infinite bandwidth makes byte transfers free. ``copies_wait_for_memory=False``
     admits copies regardless of ``memory_limit_bytes`` (static schedules, which do not stream and are only
     checked against the limit). ``host``: the host's own work (see the module docstring); none by default.
-    """
+    ``iterations``: how many consecutive iterations of these lists to play (the module docstring; round-robin
+    lists only); by default one, or :data:`~rpcompile.core.schedule.OVERLAP_ITERATIONS` when
+    ``host.overlap_iterations``."""
     sts = [s if isinstance(s, StageCost) else StageCost(name=str(k), compute_s=float(s)) for k, s in enumerate(stages)]
     host = host or HostLoad()
-    tasks, lanes, compute_of = _build(lists, sts, link_bytes_per_s)
+    if iterations is None:
+        iterations = OVERLAP_ITERATIONS if host.overlap_iterations else 1
+    per = len(sts)
+    if iterations != 1:
+        lists, sts = _repeat(lists, sts, iterations)
+    tasks, lanes, compute_of = _build(lists, sts, link_bytes_per_s, per)
     _add_accumulation(tasks, lanes, sts, host)
     _add_reduction(tasks, lanes, sts, host)
+    if iterations > 1:
+        _add_steps(tasks, lanes, sts, host, per, iterations)
     devices = len(lists)
     memory = [0.0] * devices
     peak = [0.0] * devices
@@ -223,24 +262,30 @@ def simulate(
                 peak[t.device] = max(peak[t.device], memory[t.device])
     busy = [0.0] * devices
     for t in compute_of.values():
-        busy[t.device] += t.end - t.start
+        busy[t.device] += (t.end - t.start) / iterations  # per iteration
     moved = {"up": [0.0] * devices, "down": [0.0] * devices}
     for t in tasks:
         link_name = _LANES[t.lane][0]
         if t.on_link and link_name in moved:  # every copy on a link has one
-            moved[link_name][t.device] += t.work
-    events = tuple(
-        SimEvent(t.label, t.device, _LANES[t.lane][2], _LANES[t.lane][1], t.stage, t.microbatch, t.start, t.end)
-        for t in tasks if t.lane not in _HOST
-    )
-    pipeline = max((t.end for t in tasks), default=0.0)
-    host_events = tuple(
-        SimEvent(t.label, t.device, "host", _LANES[t.lane][1], t.stage, -1, t.start, t.end) for t in tasks
-        if t.lane in _HOST)
-    rest = max((t.end for t in tasks if t.lane != "net"), default=0.0)
-    if host.step_s > 0:  # a fixed time on the host's own thread: it meets nothing else, so it is placed afterwards
-        begin = 0.0 if host.overlap_step else pipeline
-        host_events += (SimEvent("step", 0, "host", "optimizer", -1, -1, begin, begin + host.step_s),)
+            moved[link_name][t.device] += t.work / iterations
+    events = tuple(_event(t, per) for t in tasks if t.lane not in _HOST)
+    host_events = tuple(_event(t, per) for t in tasks if t.lane in _HOST)
+    ends = [0.0] * iterations  # when each iteration's work is done (its optimizer step apart)
+    rest = [0.0] * iterations  # the same without the all-reduce
+    for t in tasks:
+        if t.lane != "step":
+            ends[t.iteration] = max(ends[t.iteration], t.end)
+            if t.lane != "net":
+                rest[t.iteration] = max(rest[t.iteration], t.end)
+    if iterations > 1:
+        period = steady_period(ends)
+        pipeline, iteration = (period if host.overlap_step else period - host.step_s), period
+    else:
+        pipeline = ends[0]
+        iteration = host.iteration_s(pipeline)
+        if host.step_s > 0:  # a fixed time on the host's own thread: it meets nothing else, so it is placed afterwards
+            begin = 0.0 if host.overlap_step else pipeline
+            host_events += (SimEvent("step", 0, "host", "optimizer", -1, -1, begin, begin + host.step_s),)
     changes: list[tuple[float, int, int, float]] = []  # (time, order, device, bytes): landings before new saves
     for t in tasks:
         if t.lane == "s_down":
@@ -253,21 +298,22 @@ def simulate(
         most[d] = max(most[d], backlog[d])
     return SimResult(
         timeline=events,
-        iteration_time_s=host.iteration_s(pipeline),
+        iteration_time_s=iteration,
         busy_s=tuple(busy),
         peak_memory_bytes=tuple(int(round(p)) for p in peak),
         host_traffic_bytes=sum(moved["up"]) + sum(moved["down"]),
         uploaded_bytes=tuple(moved["up"]),
         downloaded_bytes=tuple(moved["down"]),
         tokens_per_iteration=tokens_per_iteration,
-        stage_names=tuple(s.name for s in sts),
+        stage_names=tuple(s.name for s in sts[:per]),
         memory_limit_bytes=memory_limit_bytes,
         offload_backlog_bytes=tuple(int(round(b)) for b in most),
         pipeline_s=pipeline,
         step_s=host.step_s,
         overlap_step=host.overlap_step,
         host_timeline=host_events,
-        reduce_exposed_s=pipeline - rest,
+        reduce_exposed_s=ends[-1] - rest[-1],
+        iteration_ends_s=tuple(ends) if iterations > 1 else (),
     )
 
 
@@ -285,14 +331,17 @@ def _next(q: deque, lazy: bool) -> "_Task | None":
     if not lazy:
         return q[0] if _ready(q[0]) else None
     best = None
-    for t in q:
-        if _ready(t) and (best is None or (-t.stage, t.microbatch) < (-best.stage, best.microbatch)):
+    for t in q:  # in the device's compute order: once one is not ready (its compute runs), none after it is
+        if not _ready(t):
+            break
+        if best is None or (-t.stage, t.microbatch) < (-best.stage, best.microbatch):
             best = t
     return best
 
 
-def _build(lists: Sequence[Sequence[Action]], sts: Sequence[StageCost], link: float):
-    """Tasks in device-list order, the queue of every (device, lane), and the compute task of every (stage, mb)."""
+def _build(lists: Sequence[Sequence[Action]], sts: Sequence[StageCost], link: float, per: int):
+    """Tasks in device-list order, the queue of every (device, lane), and the compute task of every (stage, mb);
+    ``per`` positions an iteration (an iteration's first position waits for no producer)."""
     free = math.isinf(link)
     tasks: list[_Task] = []
     lanes: dict[tuple[int, str], list[_Task]] = {}
@@ -305,6 +354,7 @@ def _build(lists: Sequence[Sequence[Action]], sts: Sequence[StageCost], link: fl
     stash_release: list[tuple[_Task, int, int, float]] = []  # (backward compute, device, position, bytes)
 
     def add(t: _Task) -> _Task:
+        t.iteration = t.stage // per
         tasks.append(t)
         lanes.setdefault((t.device, t.lane), []).append(t)
         return t
@@ -352,9 +402,9 @@ def _build(lists: Sequence[Sequence[Action]], sts: Sequence[StageCost], link: fl
                     if prev_compute is not None:
                         cin.after_start.append(prev_compute)
                     c.after_end.append(cin)
-                    _depend_on_producer(cin, a, compute, out_copy)
+                    _depend_on_producer(cin, a, per)
                 else:
-                    _depend_on_producer(c, a, compute, out_copy)
+                    _depend_on_producer(c, a, per)
                 if a.stage in weights:
                     c.after_end.append(weights[a.stage])
                 if a.stage not in first_compute and s.grad_bytes:
@@ -408,7 +458,7 @@ def _add_accumulation(tasks: list[_Task], lanes: dict, sts: Sequence[StageCost],
         return
     for g in [t for t in tasks if t.lane == "g_down" and sts[t.stage].grad_bytes]:
         acc = _Task(f"{g.stage}A", g.device, "acc", g.stage, -1, sts[g.stage].grad_bytes * host.accumulate_traffic,
-                    on_link=True)
+                    on_link=True, iteration=g.iteration)
         acc.after_end.append(g)
         tasks.append(acc)
         lanes.setdefault((-1, "acc"), []).append(acc)
@@ -417,25 +467,91 @@ def _add_accumulation(tasks: list[_Task], lanes: dict, sts: Sequence[StageCost],
 def _add_reduction(tasks: list[_Task], lanes: dict, sts: Sequence[StageCost], host: HostLoad) -> None:
     """A ``kR`` on the host's network lane after every grad stage's ``kA`` (its ``kG`` when accumulation is free),
     in stage order: the all-reduce of its gradients across the data-parallel machines (fixed time); not
-    overlapped, every ``kR`` waits for all other work."""
+    overlapped, every ``kR`` waits for all other work of its iteration."""
     if host.nodes < 2:
         return
     done = {t.stage: t for t in tasks if t.lane == "g_down"}
     done.update({t.stage: t for t in tasks if t.lane == "acc"})
-    others = list(tasks)
-    # each grad stage's gradients, then the tables only the host reads (stage -1: added after every stage)
-    for k, work, after in [(k, host.reduce_s(sts[k].reduced_bytes), [done[k]]) for k in sorted(done)] \
-            + [(-1, host.reduce_s(host.host_grad_bytes), list(done.values()))]:
-        if work <= 0:
+    for it in sorted({t.iteration for t in tasks}):
+        others = [t for t in tasks if t.iteration == it]
+        mine = {k: t for k, t in done.items() if t.iteration == it}
+        # each grad stage's gradients, then the tables only the host reads (stage -1: added after every stage)
+        for k, work, after in [(k, host.reduce_s(sts[k].reduced_bytes), [mine[k]]) for k in sorted(mine)] \
+                + [(-1, host.reduce_s(host.host_grad_bytes), list(mine.values()))]:
+            if work <= 0:
+                continue
+            r = _Task(f"{k}R" if k >= 0 else "hostR", mine[k].device if k >= 0 else 0, "net", k, -1, work,
+                      on_link=False, iteration=it)
+            r.after_end.extend(after if host.overlap_reduce else others)
+            tasks.append(r)
+            lanes.setdefault((-1, "net"), []).append(r)
+
+
+def _repeat(lists: Sequence[Sequence[Action]], sts: list[StageCost], iterations: int,
+            ) -> tuple[list[list[Action]], list[StageCost]]:
+    """``iterations`` consecutive copies of one iteration's round-robin lists and positions: position ``k`` of
+    iteration ``t`` becomes ``t·S + k`` on the device ``t·S`` after its own (the pointer carries on)."""
+    if iterations < 1:
+        raise SimulationError(f"iterations must be >= 1, got {iterations}; pass the number of iterations to play")
+    if any(s.releases >= 0 or s.resident_bytes or s.stash_bytes for s in sts):
+        raise SimulationError("iterations > 1 plays round-robin schedules only (a static schedule keeps its stages "
+                              "resident); simulate GPipe, 1F1B and interleaved 1F1B one iteration at a time")
+    per, n = len(sts), len(lists)
+    out: list[list[Action]] = [[] for _ in range(n)]
+    stages: list[StageCost] = []
+    for t in range(iterations):
+        for d, acts in enumerate(lists):
+            out[(d + t * per) % n].extend(Action(a.stage + t * per, a.kind, a.microbatch) for a in acts)
+        stages.extend(dataclasses.replace(s, saved_by=tuple(f + t * per for f in s.saved_by)) for s in sts)
+    return out, stages
+
+
+def _add_steps(tasks: list[_Task], lanes: dict, sts: Sequence[StageCost], host: HostLoad, per: int,
+               iterations: int) -> None:
+    """A ``stepT`` on the host's step thread after each iteration's work (and the step before), and what waits for
+    it (the module docstring): synchronous, all of the next iteration; overlapped, the weight uploads and the first
+    position of the iteration after next, the first position also waiting for the loss of the one before — or,
+    with ``overlap_step`` but not ``overlap_iterations``, for all of the one before (today's runtime: the step
+    alone runs beside the next iteration)."""
+    work: list[list[_Task]] = [[] for _ in range(iterations)]
+    for t in tasks:
+        work[t.iteration].append(t)
+    fused = next((k for k, s in enumerate(sts[:per]) if s.kind == "fused"), per - 1)
+    steps: list[_Task] = []
+    for it in range(iterations):
+        step = _Task(f"step{it}", 0, "step", -1, -1, host.step_s, on_link=False, iteration=it)
+        step.after_end.extend(work[it] + steps[-1:])
+        steps.append(step)
+        tasks.append(step)
+        lanes.setdefault((-1, "step"), []).append(step)
+    for it in range(1, iterations):
+        if not host.overlap_step:
+            for t in work[it]:
+                t.after_end.append(steps[it - 1])
             continue
-        r = _Task(f"{k}R" if k >= 0 else "hostR", done[k].device if k >= 0 else 0, "net", k, -1, work, on_link=False)
-        r.after_end.extend(after if host.overlap_reduce else others)
-        tasks.append(r)
-        lanes.setdefault((-1, "net"), []).append(r)
+        loss = [t for t in work[it - 1] if t.lane == "compute" and t.stage == (it - 1) * per + fused]
+        for t in work[it]:
+            first = t.stage == it * per and t.lane in ("compute", "a_up", "s_up")
+            if not host.overlap_iterations:
+                t.after_end.extend(work[it - 1])  # forward_backward is a barrier: the step alone overlaps
+            elif first:
+                t.after_end.extend(loss)
+            if it >= 2 and (first or t.lane == "w_up"):
+                t.after_end.append(steps[it - 2])
 
 
-def _depend_on_producer(t: _Task, a: Action, compute: dict, out_copy: dict) -> None:
-    if a.stage > 0:
+def _event(t: _Task, per: int) -> SimEvent:
+    """``t`` as the timeline shows it: its position and label within its iteration."""
+    stage, label = t.stage, t.label
+    if stage >= 0 and t.iteration:
+        stage = stage % per
+        label = f"{stage}{label[len(str(t.stage)):]}"
+    lane = _LANES[t.lane]
+    return SimEvent(label, t.device, lane[2], lane[1], stage, t.microbatch, t.start, t.end, iteration=t.iteration)
+
+
+def _depend_on_producer(t: _Task, a: Action, per: int) -> None:
+    if a.stage % per:  # an iteration's first position takes its inputs from the host
         t.refs.append(("producer", a.stage - 1, a.microbatch))
 
 

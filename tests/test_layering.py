@@ -158,3 +158,19 @@ def test_no_module_imports_itself_through_others():
 def test_an_import_cycle_is_found():
     files = {"passes/cost.py": "from .analytic import A\n", "passes/analytic.py": "from .cost import CostModel\n"}
     assert sorted(set(import_cycle(files))) == ["rpcompile.passes.analytic", "rpcompile.passes.cost"]
+
+
+def test_the_recurrence_is_plain_numbers():
+    """``passes/recurrence.py`` — the round-robin recurrence the timing model, the local search's scorer and the
+    overlapped-iterations walk share (issue 35) — imports no torch, no numpy and of rpcompile only Core: plain
+    numbers, like the simulator it mirrors."""
+    source = (ROOT / "passes" / "recurrence.py").read_text()
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            names.add(node.module or "")
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    ours = {n for n in names if n.startswith("rpcompile")}
+    assert ours and all(layer(n) == "core" for n in ours), sorted(ours)
+    assert names - ours <= {"__future__", "dataclasses", "typing", "math"}, sorted(names - ours)

@@ -64,7 +64,7 @@ def test_save_is_atomic_and_leaves_no_tmp(tmp_path):
         ('{"schema_version": 1, "stages": [', r"p\.json is corrupt: invalid JSON at line 1 column \d+ \(.*\); re-plan to regenerate it"),
         ("[1, 2]", r"p\.json is not an rpcompile plan: expected a JSON object, found list"),
         ('{"hello": 1}', r"p\.json is not an rpcompile plan: no integer 'schema_version'"),
-        ('{"schema_version": 99}', r"p\.json has schema_version 99 but this rpcompile reads up to 4; upgrade rpcompile"),
+        ('{"schema_version": 99}', r"p\.json has schema_version 99 but this rpcompile reads up to 5; upgrade rpcompile"),
         ('{"schema_version": 1}', r"p\.json is corrupt: missing field 'model'; re-plan to regenerate it"),
     ],
 )
@@ -132,6 +132,28 @@ def test_a_version_2_plan_loads_without_a_host(tmp_path):
     assert plan.predicted.host_s == 0.0 and plan.predicted.iteration_time_s == 0.5
 
 
+def test_a_plan_for_overlapped_iterations_says_so_and_older_plans_are_synchronous(tmp_path):
+    """Schema 5 added ``predicted.overlap_iterations``: written only for a plan made for overlapped iterations
+    (so a reader of schema 4 refuses such a file rather than read its period as an iteration), and a version-4
+    file, which has no such field, loads as a synchronous plan."""
+    gm, _ = toy_graph()
+    plan = make_plan(gm)
+    assert "overlap_iterations" not in plan.to_dict()["predicted"]
+    over = dataclasses.replace(plan, predicted=dataclasses.replace(plan.predicted, overlap_iterations=True,
+                                                                   overlap_step=True))
+    assert over.to_dict()["predicted"]["overlap_iterations"] is True
+    assert Plan.load(over.save(tmp_path / "over.json")).predicted.overlap_iterations
+    data = plan.to_dict()
+    data["schema_version"] = 4
+    (tmp_path / "v4.json").write_text(json.dumps(data))
+    old = Plan.load(tmp_path / "v4.json")
+    assert old.schema_version == 4 and not old.predicted.overlap_iterations
+    data["predicted"]["overlap_iterations"] = "yes"
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    with pytest.raises(PlanFileError, match=r"predicted\.overlap_iterations: expected true or false, found a string"):
+        Plan.load(tmp_path / "bad.json")
+
+
 def test_a_plan_with_a_host_round_trips(tmp_path):
     gm, _ = toy_graph()
     plan = make_plan(gm)
@@ -140,4 +162,4 @@ def test_a_plan_with_a_host_round_trips(tmp_path):
     plan = dataclasses.replace(plan, hardware=hw, predicted=pred)
     loaded = Plan.load(plan.save(tmp_path / "p.json"))
     assert loaded.hardware == hw and loaded.predicted == pred and loaded.predicted.host_s == pytest.approx(0.1)
-    assert loaded.schema_version == SCHEMA_VERSION == 4
+    assert loaded.schema_version == SCHEMA_VERSION == 5

@@ -30,6 +30,7 @@ from rpcompile.core.batch import split_microbatches
 from rpcompile.planning import STRATEGIES, compare, make_hardware, partition_problem, plan, plan_graph, prepare
 from rpcompile.core.specs import get_spec
 from rpcompile.invariants import plan_violations, verify_plan
+from rpcompile.scenarios import from_plan
 
 SPEC = "rtx4090"
 TIME_LIMIT = 2.0
@@ -255,7 +256,27 @@ def test_no_saving_means_full_recompute(llama_graph):
     assert free.predicted.iteration_time_s <= recompute.predicted.iteration_time_s * (1 + 1e-12)
 
 
-# ---- tied parameters ----------------------------------------------------------------------------------------------
+def test_a_plan_for_overlapped_iterations_minimises_the_period_and_says_so(llama, llama_graph, tmp_path):
+    """``overlap=True`` plans for overlapped iterations: the prediction is the steady-state period (the timing
+    model's on the rebuilt plan, as the simulator plays it within 2%), never longer than the period the
+    synchronous plan would run at, and it records the mode, which ``rpcompile check`` re-prices it in."""
+    gm, m, hw = llama_graph
+    sync = plan_graph(gm, hardware=hw, microbatches=m, time_limit_s=TIME_LIMIT)
+    over = plan_graph(gm, hardware=hw, microbatches=m, time_limit_s=TIME_LIMIT, overlap=True)
+    assert over.predicted.overlap_iterations and over.predicted.overlap_step and not sync.predicted.overlap_iterations
+    problem = partition_problem(gm, hardware=hw, microbatches=m, overlap_iterations=True)
+    assert over.predicted.iteration_time_s == pytest.approx(iteration_time(problem, segment_plan_of(over, gm)),
+                                                            rel=1e-12)
+    assert over.predicted.iteration_time_s <= iteration_time(problem, segment_plan_of(sync, gm)) * (1 + 1e-12)
+    assert over.predicted.iteration_time_s < over.predicted.pipeline_s + over.predicted.host_s
+    assert over.inputs["options"]["overlap"] is True and "overlap" not in sync.inputs["options"]
+    sim = from_plan(over).run()
+    assert sim.iterations > 1 and sim.iteration_time_s == pytest.approx(over.predicted.iteration_time_s, rel=0.02)
+    path = over.save(tmp_path / "over.json")
+    assert main(["check", str(path), "llama-demo"]) == 0  # priced as a plan for overlapped iterations: not stale
+
+
+# ---- tied parameters ----# ---- tied parameters ----------------------------------------------------------------------------------------------
 def test_tied_embedding_is_listed_by_every_stage_reading_it():
     """The table on the devices (with it on the host only the head's stage reads it: tests/test_host.py)."""
     ms = load_model("gpt-demo", seed=0)

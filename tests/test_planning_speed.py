@@ -17,12 +17,13 @@ import rpcompile.passes.bounds as bounds
 import rpcompile.passes.lagrange as lagrange
 import rpcompile.passes.background as background
 import rpcompile.passes.partition as partition
+from rpcompile.core.stages import HostLoad
 from rpcompile.passes.balance import relaxed_backward_time, relaxed_balance
 from rpcompile.passes.partition import solve
 from rpcompile.passes.polish import PlanScorer, _neighbours, flip_saves, polish, taper
 from rpcompile.passes.problem import SegmentPlan
 from rpcompile.passes.tables import RangeTables
-from rpcompile.passes.timing import _total, iteration_time
+from rpcompile.passes.timing import _total, iteration_time, overlapped_period
 from rpcompile.plan_options import MIN_SHARE_S, split_limit
 
 from partition_cases import llama_like, tiny_chain
@@ -135,14 +136,16 @@ def test_subset_sums_are_the_subset_matrix_product():
                 np.testing.assert_allclose(got, want, rtol=0, atol=16 * k * np.finfo(float).eps * np.abs(x).max())
 
 
-@pytest.mark.parametrize("nodes", [1, 4])
-def test_the_scorer_is_the_timing_model_bit_for_bit(nodes):
+@pytest.mark.parametrize("nodes,overlap", [(1, False), (4, False), (1, True)])
+def test_the_scorer_is_the_timing_model_bit_for_bit(nodes, overlap):
     """PlanScorer.total walks only what depends on the plan, from per-stage figures it keeps: the same value as
     timing._total for every plan a local search meets (saved activations, lazy offload and all; on 4 data-parallel
-    nodes, each grad stage's all-reduce too)."""
+    nodes, each grad stage's all-reduce too); with overlapped iterations, timing.overlapped_period's."""
     pb = llama_like(8)
     if nodes > 1:  # a network slow enough that the reduction shows
         pb = dataclasses.replace(pb, host=dataclasses.replace(pb.host, nodes=nodes, network_bytes_per_s=1e9))
+    if overlap:  # a step long enough that it shows
+        pb = dataclasses.replace(pb, host=HostLoad(optimizer_s=1.0, overlap_step=True, overlap_iterations=True))
     cuts = solve(pb, "dp").plan
     start = SegmentPlan(forward=cuts.forward, fused=cuts.fused, backward=cuts.backward,
                         saved=tuple(i < cuts.fused[0] and i % 3 != 2 for i in range(pb.n)))
@@ -153,7 +156,7 @@ def test_the_scorer_is_the_timing_model_bit_for_bit(nodes):
     for (fwd, fused, bwd, saved), value in scorer.totals.items():
         costs = ([scorer.stage("forward", a, b, saved) for a, b in fwd] + [scorer.stage("fused", *fused, saved)]
                  + [scorer.stage("backward", a, b, saved) for a, b in bwd])
-        assert value == _total(pb, costs, saved)
+        assert value == (overlapped_period if overlap else _total)(pb, costs, saved)
 
 
 @pytest.mark.parametrize("nodes", [1, 4])

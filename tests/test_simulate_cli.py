@@ -212,3 +212,32 @@ def test_plan_nodes_need_a_network(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "llama-demo", "--gpus", "2", "--nodes", "2", "--network", "fast"])
     assert "not a network bandwidth: 'fast' (examples: 25Gb/s, 100Gbit/s, 3GB/s)" in capsys.readouterr().err
+
+
+def test_overlapped_iterations_are_simulated_and_planned_for(capsys, tmp_path):
+    """``--overlap``: a plan file's round-robin runs overlapped iterations (the steady-state period, shorter than
+    its synchronous iteration, and the run's figures); a model's ilp is planned for it and roundpipe runs it, the
+    static schedules stay one synchronous iteration; ``plan --overlap`` writes a plan that says so, which
+    ``simulate`` then plays overlapped without the flag."""
+    code, out, _ = run(capsys, "simulate", str(GOLDEN), "--json", "--overlap")
+    assert code == 0
+    r = next(iter(json.loads(out)["schedules"].values()))
+    sync = from_plan(Plan.load(GOLDEN)).run()
+    assert r["iterations"] == 15 and r["period_s"] == r["iteration_time_s"] < sync.iteration_time_s
+    assert r["first_iteration_s"] >= r["period_s"] and r["fill_s"] > 0 and len(r["iteration_ends_s"]) == 15
+    code, out, _ = run(capsys, "simulate", "llama-demo", "--gpus", "2", "--spec", "rtx4090", "--microbatches", "4",
+                       "--schedules", "1f1b,roundpipe,ilp", "--head-chunks", "1", "--overlap", "--json")
+    res = json.loads(out)["schedules"]
+    assert code == 0 and "iterations" not in res["1f1b"]
+    assert res["roundpipe"]["iterations"] == res["ilp"]["iterations"] == 15
+    code, out, _ = run(capsys, "simulate", "llama-demo", "--gpus", "2", "--spec", "rtx4090", "--microbatches", "4",
+                       "--schedules", "ilp", "--head-chunks", "1", "--overlap")
+    assert code == 0 and "15 iterations overlapped (simulated): steady-state period" in out
+    path = tmp_path / "over.json"
+    code, out, _ = run(capsys, "plan", "llama-demo", "--gpus", "2", "--spec", "rtx4090", "--head-chunks", "1",
+                       "--overlap", "-o", str(path))
+    assert code == 0 and "iterations overlapped" in out and Plan.load(path).predicted.overlap_iterations
+    code, out, _ = run(capsys, "simulate", str(path), "--json")
+    r = next(iter(json.loads(out)["schedules"].values()))
+    assert r["iterations"] == 15
+    assert r["iteration_time_s"] == pytest.approx(Plan.load(path).predicted.iteration_time_s, rel=0.02)

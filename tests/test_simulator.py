@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from rpcompile.core import schedule
-from rpcompile.core.schedule import (format_schedule, interleaved_one_f_one_b, one_f_one_b, parse_action,
+from rpcompile.core.schedule import (OVERLAP_ITERATIONS, format_schedule, interleaved_one_f_one_b, one_f_one_b, parse_action,
                                      round_robin)
+from rpcompile.core.errors import SimulationError
 from rpcompile.core.stages import HostLoad, StageCost
 from rpcompile.passes.timing import pipeline_time
 from rpcompile.runtime.simulator import simulate
@@ -367,3 +368,88 @@ def test_tables_only_the_host_reads_are_reduced_last():
     assert [e.action for e in res.host_timeline if e.kind == "reduce"] == ["0R", "1R", "hostR"]
     want = pipeline_time([1.0, 1.0], 2, 2, reduce_s=[1.0, 1.0], reduce_host_s=3.0)
     assert res.iteration_time_s == pytest.approx(want)
+
+
+# ---- consecutive iterations: synchronous, the step overlapped, iterations overlapped (issue 35) -------------
+OVERLAPPED = HostLoad(overlap_step=True, overlap_iterations=True)
+
+
+def _three_stages(step_s: float = 0.0) -> tuple[list, list[StageCost]]:
+    """F0, FB, B1 of 1 s a microbatch on 2 devices, 2 microbatches: one iteration takes 4 s (DESIGN §3)."""
+    names = ["forward", "fused", "backward"]
+    return round_robin(names, devices=2, microbatches=2), [StageCost(kind=k, compute_s=1.0) for k in names]
+
+
+def test_a_run_of_synchronous_iterations_repeats_one_iteration():
+    """Synchronous: each iteration waits for the step before it, so K iterations are K single ones (with their
+    fill, drain and step); the step overlapped as today's runtime does (forward_backward a barrier): the longer of
+    pipeline and step. Random pipelines, the same figures as one iteration."""
+    rng = random.Random(3)
+    for _ in range(30):
+        devices, m, f, b = rng.randint(1, 4), rng.randint(1, 5), rng.randint(0, 4), rng.randint(0, 4)
+        names = ["forward"] * f + ["fused"] + ["backward"] * b
+        sts = [StageCost(kind=k, compute_s=rng.uniform(0.001, 0.01)) for k in names]
+        lists, step = round_robin(names, devices, m), rng.choice([0.0, 0.004, 0.04])
+        for host in (HostLoad(optimizer_s=step), HostLoad(optimizer_s=step, overlap_step=True)):
+            one, run = simulate(lists, sts, host=host), simulate(lists, sts, host=host, iterations=4)
+            assert run.iteration_time_s == pytest.approx(one.iteration_time_s, rel=1e-9)
+            assert run.iterations == 4 and one.iterations == 1 and not one.iteration_ends_s
+            # synchronous, the bubble is over the pipeline (the step apart); overlapped, over the iteration the
+            # devices see, which waits for a step longer than the pipeline
+            span = one.iteration_time_s if host.overlap_step else one.pipeline_s
+            assert run.bubble_fraction == pytest.approx(1 - sum(one.busy_s) / (devices * span), abs=1e-9)
+        sync = simulate(lists, sts, host=HostLoad(optimizer_s=step), iterations=3)
+        first = sync.iteration_ends_s[0]
+        assert sync.iteration_ends_s == pytest.approx([first + t * (first + step) for t in range(3)])
+
+
+def test_overlapped_iterations_run_on_without_the_drain():
+    """F0, FB, B1 on 2 devices: the pointer carries on, so iteration 1's F0 (position 3) runs on device 1, right
+    after FB, while device 0 drains B1; each iteration then adds 3 s, not 4 — no bubble in the steady state,
+    and the run pays one fill and one drain (0.5 s a device each)."""
+    lists, sts = _three_stages()
+    run = simulate(lists, sts, host=OVERLAPPED)  # by default as many iterations as the timing model walks
+    assert run.iterations == OVERLAP_ITERATIONS == 15
+    assert run.iteration_ends_s == pytest.approx([4.0 + 3 * t for t in range(15)])
+    assert run.iteration_time_s == pytest.approx(3.0) and run.bubble_fraction == pytest.approx(0.0, abs=1e-12)
+    assert (run.first_iteration_s, run.fill_s, run.drain_s) == (pytest.approx(4.0), 0.5, 0.5)
+    second = sorted((e.start, e.action, e.device) for e in run.timeline if e.lane == "compute" and e.iteration == 1)
+    assert second == [(3.0, "0F0", 1), (4.0, "0F1", 1), (4.0, "1F0", 0), (5.0, "1F1", 0), (5.0, "2F0", 1),
+                      (6.0, "2F1", 1)]
+    sync = simulate(lists, sts)
+    assert sync.iteration_time_s == pytest.approx(4.0) and sync.bubble_fraction == pytest.approx(0.25)
+    summary = run.summary()
+    assert summary["period_s"] == pytest.approx(3.0) and summary["iterations"] == 15
+    assert summary["fill_s"] == 0.5 and len(summary["iteration_ends_s"]) == 15
+
+
+def test_the_iteration_after_next_waits_for_the_step():
+    """A 10 s step: iteration 2 computes with the weights step 0 made, so its weights go up and its first
+    microbatch starts when step 0 ends (4 + 10 s), not when device 0 is free (7 s); from then on the step sets
+    the pace: a 10 s period, 70% of it idle."""
+    lists, sts = _three_stages()
+    run = simulate(lists, sts, host=dataclasses.replace(OVERLAPPED, optimizer_s=10.0))
+    step0 = next(e for e in run.host_timeline if e.action == "step0")
+    assert (step0.start, step0.end) == (4.0, 14.0)
+    third = {e.action: e.start for e in run.timeline if e.iteration == 2 and e.stage == 0}
+    assert third["0W"] == third["0F0"] == 14.0
+    assert run.iteration_time_s == pytest.approx(10.0) and run.bubble_fraction == pytest.approx(0.7)
+
+
+def test_the_next_iteration_waits_for_the_loss():
+    """Two stages on four devices: devices 2 and 3 are free from the start, but iteration 1 begins only once
+    iteration 0's loss is known (its fused stage's last microbatch, 2 s): the caller passes the next batch after
+    forward_backward has returned it."""
+    names = ["fused", "backward"]
+    run = simulate(round_robin(names, 4, 2), [StageCost(kind=k, compute_s=1.0) for k in names], host=OVERLAPPED)
+    starts = {(e.iteration, e.device): e.start for e in run.timeline if e.action == "0F0"}
+    assert starts[(0, 0)] == 0.0 and starts[(1, 2)] == 2.0 and starts[(2, 0)] == 4.0
+    assert run.iteration_time_s == pytest.approx(2.0)
+
+
+def test_a_static_schedule_or_no_iteration_is_refused_in_one_line():
+    with pytest.raises(SimulationError, match=r"^iterations > 1 plays round-robin schedules only .*one iteration at a time$"):
+        simulate(one_f_one_b(2, 2), [StageCost(compute_s=1.0, releases=-1)] * 2
+                 + [StageCost(compute_s=1.0, releases=k) for k in (1, 0)], iterations=2)
+    with pytest.raises(SimulationError, match=r"^iterations must be >= 1, got 0; pass the number of iterations to play$"):
+        simulate(*_three_stages(), iterations=0)

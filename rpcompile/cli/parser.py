@@ -103,6 +103,9 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-save", dest="allow_save", action="store_false",
                    help="keep no activations in host memory: every backward stage recomputes its forward (what "
                         "rpcompile.compile falls back to when the saved activations would not fit the host)")
+    p.add_argument("--overlap", action="store_true",
+                   help="plan for overlapped iterations (pipe.step(optimizer, overlap=True), each device going on to "
+                        "the next iteration while the others drain; one step stale): minimise the steady-state period")
     p.add_argument("--host", default="assumed", metavar="HOST",
                    help="the host the optimizer step and gradient accumulation run on: assumed (default: the spec's "
                         "assumed host), probe (measure this one now, ~0.5 s) or a JSON file from rpcompile probe -o")
@@ -160,6 +163,11 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-host-embedding", dest="host_embedding", action="store_false",
                    help="(ilp, MODEL) keep token embeddings on the devices (the baselines always do)")
     p.add_argument("--host-bandwidth", type=parse_rate, default=None, help="the host memory's total bandwidth, e.g. 100GB/s (default: unlimited)")
+    p.add_argument("--overlap", action="store_true",
+                   help="overlapped iterations (pipe.step(optimizer, overlap=True), each device going on to the next "
+                        "iteration while the others drain): the round-robin schedules run several iterations and report the "
+                        "steady-state period, bubble and the run's fill and drain (MODEL: ilp plans for it; the static "
+                        "schedules stay synchronous)")
     p.add_argument("--nodes", type=node_counts, default=None, metavar="N[,N...]",
                    help="data-parallel machines: a scaling report (iteration, tokens/s, efficiency against one node) "
                         "for each count, e.g. 1,2,4,8, with the gradient all-reduce overlapped and not")

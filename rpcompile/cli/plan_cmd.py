@@ -66,6 +66,8 @@ def plan(args: argparse.Namespace) -> int:
     head = f", LM head in {chosen.head_chunks} chunks" if chosen.head_chunks > 1 else ""
     if args.nodes > 1:
         head += f", × {args.nodes} nodes over {args.network * 8 / 1e9:g} Gb/s (data-parallel)"
+    if args.overlap:
+        head += ", iterations overlapped (steady-state period)"
     print_table(plan_table(chosen, title=f"{args.model}: {args.strategy} plan, {len(chosen.stages)} stages on {args.gpus} × {hardware.spec.name}, {m} microbatches{head}"))
     print_table(compare_table(rows, reference=args.strategy))
     if args.lora:
@@ -155,10 +157,10 @@ def _plan_fastest(args: argparse.Namespace, ms: ModelSpec, hardware: Hardware) -
                         cache=args.cache, trace_pass=traced)
         # every split but the last is solved in a child process while the next one is prepared and solved here
         problem = partition_problem(gm, hardware=hardware, microbatches=m, precision=args.precision,
-                                    allow_save=args.allow_save)
+                                    allow_save=args.allow_save, overlap_iterations=args.overlap)
         solved = solving(functools.partial(compare, gm, hardware=hardware, microbatches=m, precision=args.precision,
                                            time_limit_s=limit, cache=args.cache, allow_save=args.allow_save,
-                                           problem=problem),
+                                           problem=problem, overlap=args.overlap),
                          problem, time_limit_s=limit, cache=args.cache, background=k != candidates[-1])
         head = f"LM head in {k} chunks" if k > 1 else "whole LM head"
 

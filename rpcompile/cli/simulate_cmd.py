@@ -75,7 +75,8 @@ def _scenarios(args: argparse.Namespace, schedules: list[str], host: float) -> t
             raise ConfigError("--layer-profile needs --model NAME (which model of the file to simulate)")
         try:
             scenarios = profile_scenarios(args.layer_profile, args.profile_model, schedules=schedules, gpus=args.gpus,
-                                          microbatches=args.microbatches, time_limit_s=args.time_limit)
+                                          microbatches=args.microbatches, time_limit_s=args.time_limit,
+                                          overlap=args.overlap)
         except ValueError as e:
             raise RPCompileError(f"{args.layer_profile}: {e}") from None
         return f"{args.profile_model} from {Path(args.layer_profile).name}", scenarios, {}, args.microbatches or 0
@@ -85,7 +86,7 @@ def _scenarios(args: argparse.Namespace, schedules: list[str], host: float) -> t
         plan = Plan.load(args.target)
         hw = plan.hardware
         title = f"{args.target}: {plan.strategy} plan, {len(plan.stages)} stages on {hw.device_count} × {hw.spec.name}"
-        return title, plan_scenarios(plan, host_bytes_per_s=host), {}, plan.microbatches
+        return title, plan_scenarios(plan, host_bytes_per_s=host, overlap=args.overlap), {}, plan.microbatches
     if args.gpus is None:
         raise ConfigError(f"simulating model {args.target} needs --gpus N")
     return _model_scenarios(args, schedules, host)
@@ -104,7 +105,7 @@ def _model_scenarios(args: argparse.Namespace, schedules: list[str], host: float
                                     time_limit_s=args.time_limit, progress=bars(args), status=stepper(args),
                                     loss_fn=ms.loss_fn, example_target=ms.example_target,
                                     head_chunks=args.head_chunks, segments_per_layer=args.segments_per_layer,
-                                    host_embedding=args.host_embedding)
+                                    host_embedding=args.host_embedding, overlap=args.overlap)
     except ValueError as e:  # e.g. more stages than layers (scenarios.py still raises it bare): one line
         raise RPCompileError(str(e)) from None
     return title, scenarios, skipped(schedules, scenarios, gpus=args.gpus, microbatches=m, chunks=args.chunks), m

@@ -36,13 +36,14 @@ from .specs import DeviceSpec, HostSpec
 
 __all__ = ["SCHEMA_VERSION", "Fingerprint", "Hardware", "Stage", "Prediction", "Plan", "StageKind"]
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """2 added the per-stage transfer figures (``compute_s``, ``weight_bytes``, …) and ``tokens_per_microbatch``;
 version-1 files still load (those figures read as 0 and the simulator falls back to stage times). 3 added the
 host (``hardware.host``) and the prediction's host part (``pipeline_s``, ``optimizer_s``, ``refresh_s``,
 ``accumulate_s``, ``overlap_step``); version-2 files still load without them (no host work is modelled). 4 added
 data-parallel machines (``hardware.nodes``, ``hardware.network_bytes_per_s``, written only for more than one
-node); version-3 files are single-node plans."""
+node); version-3 files are single-node plans. 5 added ``predicted.overlap_iterations`` (a plan made for overlapped
+iterations, written only then); older files are synchronous plans."""
 MAX_PLAN_BYTES = 256 * 2**20
 """The largest plan file :meth:`Plan.load` reads (an 8B model's plan is about 1 MB)."""
 _MAX_DEPTH = 8
@@ -192,6 +193,11 @@ class Prediction:
     overlap_step: bool = False
     """``iteration_time_s`` is ``max(pipeline, step)`` (``pipe.step(optimizer, overlap=True)``, one step stale)
     rather than ``pipeline + step`` (synchronous, the default)."""
+    overlap_iterations: bool = False
+    """The plan was made for overlapped iterations (``rpcompile.plan(..., overlap=True)``): each device goes on to
+    the next iteration's stages while the others drain, so ``iteration_time_s`` is the steady-state period and
+    ``bubble_fraction`` the idle time over it (:func:`rpcompile.passes.recurrence.overlapped_ends`);
+    ``pipeline_s`` is still one iteration alone. Written to the file only when true."""
 
     @property
     def host_s(self) -> float:
@@ -276,6 +282,8 @@ class Plan:
             del d["head_chunks"]
         if not d["host"]:
             del d["host"]
+        if not d["predicted"]["overlap_iterations"]:
+            del d["predicted"]["overlap_iterations"]
         if d["inputs"]:
             d["inputs"] = jsonable(dict(self.inputs))
         else:

@@ -49,6 +49,12 @@ class HostLoad:
     overlap_step: bool = False
     """The step runs beside the next iteration (one step stale): an iteration takes ``max(pipeline, step)``
     instead of ``pipeline + step``."""
+    overlap_iterations: bool = False
+    """With ``overlap_step``, the devices run on into the next iteration too: a device that has finished its
+    stages of one iteration starts its stages of the next while the others drain (the round-robin pointer
+    carries on, DESIGN.md §3; one step stale as ``overlap_step``). An iteration then costs the steady-state
+    period of overlapped iterations (:func:`rpcompile.passes.recurrence.overlapped_ends`), which the planner
+    minimises and the simulator plays over several iterations."""
     nodes: int = 1
     """Data-parallel machines (:mod:`rpcompile.distributed`), each running this pipeline on its own shard; with
     more than one, each grad stage's gradients are all-reduced over the network once the host has added them."""
@@ -71,6 +77,9 @@ class HostLoad:
         if not (self.optimizer_s >= 0 and self.refresh_s >= 0 and math.isfinite(self.optimizer_s + self.refresh_s)):
             raise ConfigError(f"HostLoad: optimizer_s and refresh_s must be finite times >= 0, got "
                              f"{self.optimizer_s} and {self.refresh_s}")
+        if self.overlap_iterations and not self.overlap_step:
+            raise ConfigError("HostLoad: overlap_iterations needs overlap_step=True (iterations overlap only when the "
+                              "optimizer step runs beside the next one); set both")
         if self.nodes < 1 or not self.network_bytes_per_s > 0 or not self.reduce_bytes_per_grad_byte > 0:
             raise ConfigError(f"HostLoad: nodes must be >= 1 and network_bytes_per_s, reduce_bytes_per_grad_byte > 0, "
                               f"got {self.nodes}, {self.network_bytes_per_s} and {self.reduce_bytes_per_grad_byte}")
@@ -98,16 +107,17 @@ class HostLoad:
 
 def host_load(host: HostSpec | None, *, trainable_params: int, precision: str,
               overlap_step: bool = False, nodes: int = 1, network_bytes_per_s: float = 0.0,
-              host_params: int = 0) -> HostLoad:
+              host_params: int = 0, overlap_iterations: bool = False) -> HostLoad:
     """What ``host`` spends on ``trainable_params`` fp32 masters per iteration (none when ``host`` is unknown).
 
     The step is torch's AdamW (``optimizer_params_per_s``); the refresh casts every trainable master into its
     pinned compute-precision copy (``cast_params_per_s``; fp32 plans copy 4 B read + 4 B written at the memory
     bandwidth). Gradients arrive in compute precision and are added into fp32 ``.grad``. ``nodes`` machines
     (``network_bytes_per_s`` each; 0: unknown, free) all-reduce those fp32 gradients, ``host_params`` of them
-    from tables only the host reads."""
+    from tables only the host reads. ``overlap_iterations``: the devices run on into the next iteration (implies
+    ``overlap_step``)."""
     elt = 4 if precision == "fp32" else 2
-    net = HostLoad(overlap_step=overlap_step, nodes=nodes, network_bytes_per_s=network_bytes_per_s or math.inf,
+    net = HostLoad(overlap_step=overlap_step or overlap_iterations, overlap_iterations=overlap_iterations, nodes=nodes, network_bytes_per_s=network_bytes_per_s or math.inf,
                    reduce_bytes_per_grad_byte=4 / elt, host_grad_bytes=host_params * elt)
     if host is None:
         return net

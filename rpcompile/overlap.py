@@ -20,6 +20,23 @@ A step that raises is collected as a :class:`PipelineError`; the overlap ends, t
 masters as the step left them, and the recorded ``zero_grad`` calls are dropped (``.grad`` keeps what the failed
 step was given).
 
+**Overlapped iterations** (a plan made for them, ``compile(..., overlap=True)``, or
+``pipe.overlap_iterations = True``): ``forward_backward`` returns once the fused stage has computed every
+microbatch's loss, and its last backward stages drain in the background (:meth:`Executor.start
+<rpcompile.runtime.executor.Executor.start>`) while the caller steps and passes the next batch; each device goes
+on into the next iteration as soon as it has finished its stages of this one, the round-robin pointer carrying
+on. The semantics stay exactly one step stale — no more: every iteration between step t−1 and step t computes
+with the weights from before step t−1 (each iteration keeps the front copies it started with,
+:meth:`WeightStore.pinned <rpcompile.runtime.weights.WeightStore.pinned>`, through the swap that the next
+``pipe.step`` makes when it collects step t−1), and its gradients go into buffers of that generation
+(:meth:`GradSink.fork <rpcompile.runtime.weights.GradSink.fork>`) that the step's thread puts into ``.grad``
+once they have all drained, right before step t. So ``.grad`` is the step's throughout: read gradients (clip,
+log) after :meth:`Pipeline.synchronize`. Iteration t+1 needs only step t−1, which ``pipe.step`` collected
+before submitting step t. A failure in a draining stage is raised, naming its iteration, by the next call that
+finds it (``forward_backward``, ``pipe.step``, ``synchronize``): the step waiting for it is not taken and the
+overlap ends as for a failed step. A Ctrl-C stops the iteration being called, never one that already returned its
+loss. Not data-parallel (refused in one line).
+
 **Who else waits for the step.** The step writes the masters (and the optimizer's state) on its thread until it
 is collected; whatever reads or writes them meanwhile waits for it first — or would see, or be overwritten by, a
 half-done step. ``model.state_dict()`` (so ``rpcompile.save_checkpoint`` and ``torch.save(model.state_dict())``)
@@ -42,7 +59,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from rpcompile.runtime.executor import PipelineError
+from rpcompile.runtime.executor import PipelineError, Running
 from rpcompile.runtime.weights import GradSink, WeightStore
 
 from .core.errors import ConfigError
@@ -230,11 +247,21 @@ class Overlap:
         self.keys: frozenset[int] = frozenset()
         """The storage of the parameters the step in flight writes (:func:`wait_for_steps`)."""
         self._hooks: list[Any] = []  # on the stepping optimizers' state_dict and load_state_dict
+        self.iterations = False
+        """Iterations overlap too (a plan made for them): :meth:`Pipeline.forward_backward` returns once its loss
+        is known and the devices go on into the next iteration while the last stages drain (module docstring)."""
+        self.running: list[Running] = []
+        """The overlapped iterations not yet handed to a collected step: still draining, or done."""
+        self.held: dict[str, torch.Tensor] = {}
+        """The gradients of the iterations since the last step (the open generation), apart from ``.grad``."""
+        self.last: Running | None = None
+        """The latest overlapped iteration: the next one's devices each go on once they have finished theirs."""
 
     def start(self, optimizers: Sequence[Any], schedulers: Sequence[Any], model: torch.nn.Module) -> None:
         """Submit ``optimizers``' step (then ``zero_grad``, then ``schedulers``) to the step thread, their
         parameters double-buffered, the next iteration's gradients held aside and ``zero_grad`` of the optimizers
-        and ``model`` shadowed until the step is collected."""
+        and ``model`` shadowed until the step is collected. With overlapped iterations the step first waits for
+        the iterations since the last one to drain, and puts their gradients into ``.grad`` itself."""
         self.check_idle()
         with deferred():  # never half begun: a Ctrl-C meanwhile is raised once the step is submitted
             self._start(optimizers, schedulers, model)
@@ -245,9 +272,19 @@ class Overlap:
         self.grads.hold(True)  # the next iteration's gradients wait beside .grad, which the step reads
         self.optimizers += [o for o in optimizers if all(o is not p for p in self.optimizers)]
         reals = [o.zero_grad for o in optimizers]  # before the shadow: the step thread clears .grad for real
-        weights = self.weights
+        weights, grads = self.weights, self.grads
+        drains = [r for r in self.running if not r.handed]
+        held = self.held if self.iterations else None
+        for r in drains:
+            r.handed = True
+        self.held = {}  # the next generation's
 
         def run() -> tuple[list[Settings], list[Settings]]:
+            for r in drains:  # the iterations this step takes the gradients of, still draining
+                if (error := r.wait()) is not None:
+                    raise PipelineError(_drain_failed(r, error)) from error
+            if held is not None:
+                grads.install(held)
             for o in optimizers:
                 o.step()
             used = [settings(o) for o in optimizers]  # what the step may have read: changed since, it raced
@@ -263,7 +300,7 @@ class Overlap:
 
     def check_idle(self) -> None:
         """Refuse (one line) a second overlapped step while one no iteration has run beside is in flight."""
-        if self.future is not None:
+        if self.future is not None and not (self.iterations and any(not r.handed for r in self.running)):
             names = ", ".join(type(o).__name__ for o in self._stepping)
             raise ConfigError(f"pipe.step(..., overlap=True) again before the next forward_backward, while the "
                               f"overlapped step of {names} is in flight: step the optimizers together, "
@@ -335,7 +372,10 @@ class Overlap:
             self._collect(future)
 
     def _collect(self, future: Future[tuple[list[Settings], list[Settings]]]) -> None:
+        if future.exception() is not None:
+            self.check_drains()  # an iteration the step waited for failed: that failure, naming the iteration
         self.future = None
+        self.running = [r for r in self.running if not r.handed]
         _IN_FLIGHT.discard(self)
         finished(future)
         _remove(self._hooks)
@@ -355,6 +395,9 @@ class Overlap:
             # iteration's gradients (held apart) are dropped — .grad keeps what the failed step was given
             if shadow is not None:
                 shadow.restore(replay=False)
+            for r in self.running:  # overlapped iterations still draining: their gradients go with the step's
+                r.wait()
+            self.running, self.last, self.held = [], None, {}
             self.grads.hold(False)
             self._end(failed=True)
             raise PipelineError(f"the overlapped optimizer step failed: {type(e).__name__}: {e}") from e
@@ -363,19 +406,65 @@ class Overlap:
             shadow.restore(replay=True)  # before the held gradients are installed: they are the next backward's
 
     def end(self) -> None:
-        """Back to synchronous steps (``pipe.synchronize()``): the step collected, the held gradients in
-        ``.grad``, the double buffers gone."""
+        """Back to synchronous steps (``pipe.synchronize()``): the overlapped iterations drained, the step
+        collected, the held gradients in ``.grad``, the double buffers gone."""
+        for r in self.running:
+            r.wait()
+        self.check_drains()
         self.collect()
         with deferred():
+            self.running, self.last = [], None
             if self.optimizers:
-                self.grads.install()
+                self.grads.install(self.held if self.iterations else None)
+                self.held = {}
                 self.grads.hold(False)
                 self._end(failed=False)
+
+    def check_drains(self) -> None:
+        """Raise, as a :class:`PipelineError` naming its iteration, the failure of an overlapped iteration that
+        failed after its loss was returned — once every iteration in flight has settled and the step has
+        finished (not taken), the overlap ended as a failed step ends it: back to synchronous steps, the
+        iterations' gradients dropped."""
+        failed = next((r for r in self.running if r.settled.is_set() and r.error is not None), None)
+        if failed is None:
+            return
+        for r in self.running:
+            r.wait()
+        with deferred():
+            future, self.future = self.future, None
+            if future is not None:
+                wait([future])
+                _IN_FLIGHT.discard(self)
+                finished(future)
+                _remove(self._hooks)
+                self._hooks = []
+            if self._shadow is not None:
+                self._shadow.restore(replay=False)
+                self._shadow = None
+            self.running, self.last, self.held = [], None, {}
+            self.grads.hold(False)
+            self._end(failed=True)
+        assert failed.error is not None
+        raise PipelineError(_drain_failed(failed, failed.error)) from failed.error
+
+    def began(self, run: Running) -> None:
+        """An overlapped iteration started (:meth:`Pipeline.forward_backward`)."""
+        self.running = [r for r in self.running if not r.settled.is_set() or r.error is not None] + [run]
+        self.last = run
 
     def _end(self, *, failed: bool) -> None:
         for o in self.optimizers or [None]:
             self.weights.end_overlap(o, failed=failed)
         self.optimizers = []
+        self.ended()
+
+    def ended(self) -> None:
+        """Told when the overlap ends (the pipeline: the executor's threads as before, :meth:`Executor.start`)."""
+
+
+def _drain_failed(run: Running, error: BaseException) -> str:
+    return (f"iteration {run.iteration} failed after forward_backward returned its loss (overlapped iterations: "
+            f"its last stages were draining): {error}")
 
 
 def _on_step_thread(fn: Callable[[], Any]) -> Any:

@@ -126,7 +126,7 @@ class Pipeline:
         self.program = split_plan(plan, gm)
         self._input_grad_programs: dict[frozenset[str], Program] = {}  # by the inputs whose gradients they send home
         self.schedule = round_robin([s.kind for s in plan.stages], len(self.devices), self.microbatches)
-        self._schedules = {self.microbatches: self.schedule}
+        self._schedules: dict[tuple[int, int], list] = {(self.microbatches, 0): self.schedule}
         params = {n: p for n, p in gm.named_parameters()}
         buffers = {n: b for n, b in gm.named_buffers()}
         # refused in one line before anything is allocated, not killed by the OS mid-step
@@ -141,6 +141,8 @@ class Pipeline:
         self.executor.seed = torch.initial_seed()  # dropout masks follow torch.manual_seed, as eager's do
         self._overlap = Overlap(self.executor.weights, self.executor.grads)
         """The overlapped optimizer step in flight and the overlap it began (:meth:`step`, :mod:`.overlap`)."""
+        self._overlap.iterations = plan.predicted.overlap_iterations  # the devices go on into the next iteration
+        self._overlap.ended = self.executor.restore_threads  # type: ignore[method-assign]
         watch_model(model, self._overlap, self.synchronize)  # model.state_dict / load_state_dict wait for it
         self.callers = OneCaller()
         """Which thread is inside a call now: a second thread's call meanwhile is refused (:mod:`.callers`)."""
@@ -215,8 +217,14 @@ class Pipeline:
         A step that raises surfaces at the end of the next :meth:`forward_backward` as a :class:`PipelineError`;
         that iteration's gradients are dropped (and the ``zero_grad`` calls recorded meanwhile) and the pipeline
         is back to synchronous steps, its copies remade from the masters as the failed step left them.
+
+        **Overlapped iterations** (:attr:`overlap_iterations`: a plan made for them): the next
+        :meth:`forward_backward` also returns before its last stages have drained, once its loss is known, and
+        the devices go on into the iteration after it; the step takes their gradients into ``.grad`` on its
+        thread. Still exactly one step stale; see :mod:`rpcompile.overlap`.
         """
         optimizers, schedulers = optimizers_of(optimizer), schedulers_of(scheduler)
+        self._overlap.check_drains()  # an overlapped iteration that failed while draining: named here
         if overlap:
             self._overlap.check_idle()  # a second overlapped step before the next iteration: one line
         self._finish_step()
@@ -227,6 +235,9 @@ class Pipeline:
         if self.scaler is not None and self.scaler.is_enabled():
             raise ConfigError("step(optimizer, overlap=True) does not take a GradScaler (its scale would change "
                               "while the next iteration runs): use precision='bf16', or overlap=False")
+        if self._overlap.iterations and self._rank is not None:
+            raise ConfigError("overlapped iterations do not run data-parallel: compile without overlap=True (the "
+                              "step alone then overlaps the next iteration)")
         self._overlap.start(optimizers, schedulers, self.model)
 
     @one_call
@@ -306,11 +317,33 @@ class Pipeline:
         """What the last call ran where and when (:class:`rpcompile.runtime.executor.TimelineEvent`)."""
         return self.executor.timeline
 
-    def _schedule(self, m: int) -> list:
-        """The round-robin schedule for ``m`` microbatches (the plan's, or fewer for a batch with fewer rows)."""
-        if m not in self._schedules:
-            self._schedules[m] = round_robin([s.kind for s in self.plan.stages], len(self.devices), m)
-        return self._schedules[m]
+    def _schedule(self, m: int, offset: int = 0) -> list:
+        """The round-robin schedule for ``m`` microbatches (the plan's, or fewer for a batch with fewer rows), its
+        first stage on device ``offset``."""
+        if (m, offset) not in self._schedules:
+            self._schedules[(m, offset)] = round_robin([s.kind for s in self.plan.stages], len(self.devices), m,
+                                                       offset=offset)
+        return self._schedules[(m, offset)]
+
+    @property
+    def overlap_iterations(self) -> bool:
+        """Whether ``pipe.step(optimizer, overlap=True)`` also overlaps iterations: each ``forward_backward``
+        returns once its loss is known and every device goes on into the next iteration while the last stages
+        of this one drain (:mod:`.overlap`). True for a plan made for it (``compile(..., overlap=True)``, which
+        also plans for it); settable, outside an overlap, to run any plan so."""
+        return self._overlap.iterations
+
+    @overlap_iterations.setter
+    def overlap_iterations(self, on: bool) -> None:
+        if bool(on) != self._overlap.iterations and self._overlap.optimizers:
+            raise ConfigError("overlap_iterations cannot change while an overlapped step is in flight: call "
+                              "pipe.synchronize() first")
+        self._overlap.iterations = bool(on)
+
+    @property
+    def _iterations_overlap(self) -> bool:
+        """This call overlaps the iteration before (a plan made for it, inside ``step(optimizer, overlap=True)``)."""
+        return self._overlap.iterations and bool(self._overlap.optimizers)
 
     @one_call
     def forward_backward(self, *inputs: Any, target: Any = None, loss_scale: float = 1.0,
@@ -376,9 +409,13 @@ class Pipeline:
         main = self.executor.program
         if wanted:  # inputs that require grad: the stages that read them send their gradients home too
             self.executor.program = self._program_for(frozenset(wanted))
+        overlapped = self._iterations_overlap
         try:
-            losses = self.executor.run(self._schedule(m), store, iteration=self.iteration, loss_fn=loss_of,
-                                       targets=targets, grad_scale=scale)
+            if overlapped:
+                losses = self._overlapped(store, m, loss_of, targets, wait_all=bool(wanted))
+            else:
+                losses = self.executor.run(self._schedule(m), store, iteration=self.iteration, loss_fn=loss_of,
+                                           targets=targets, grad_scale=scale)
         except BaseException as e:  # .grad is as before the call; an overlapped step in flight finishes (not taken)
             self.executor.finish()  # (a call a Ctrl-C left running: stopped, its gradients taken back)
             if self._step is not None:
@@ -392,10 +429,37 @@ class Pipeline:
             loss = torch.stack(losses).sum()
             if self._rank is not None:  # data-parallel: the gradients summed across the ranks, the batch's loss
                 loss = self._rank.reduced(loss)
-            if self._overlap_optimizer is not None:  # the step beside this iteration is done: its gradients to .grad
+            if self._overlap_optimizer is not None and not overlapped:  # the step beside it done: its gradients
                 self._finish_step()
                 self.executor.grads.install()
         return loss
+
+    def _overlapped(self, store: ValueStore, m: int, loss_of: Any, targets: Any, *, wait_all: bool) -> list:
+        """The iteration overlapped with the one before (:mod:`.overlap`): started on each device as soon as that
+        device is done with the iteration before — the round-robin pointer carrying on — with the weights from
+        before the step in flight; its losses once the fused stage has computed them, its last stages left
+        draining (all of it with ``wait_all``: input gradients come home at its end)."""
+        self._overlap.check_drains()  # a failure while the iteration before drained surfaces here
+        if (step := self._step) is not None and step.done() and step.exception() is not None:
+            self._finish_step()  # so does a failed step's
+        offset = self.iteration * len(self.plan.stages) % len(self.devices)
+        run = self.executor.start(self._schedule(m, offset), store, iteration=self.iteration, loss_fn=loss_of,
+                                  targets=targets, held=self._overlap.held, after=self._overlap.last)
+        self._overlap.began(run)
+        try:
+            losses = run.losses()
+            if wait_all and (error := run.wait()) is not None:
+                raise error
+        except BaseException:
+            self._overlap.running.remove(run)  # settled, its gradients taken back: reported here, not again
+            raise
+        return losses
+
+    def _drained(self) -> None:
+        """Every overlapped iteration drained (the devices idle), a failure among them raised."""
+        for r in self._overlap.running:
+            r.wait()
+        self._overlap.check_drains()
 
     def _reraise(self, e: BaseException) -> NoReturn:
         """A failed call's error as the caller sees it: a stage out of device memory as
@@ -421,6 +485,7 @@ class Pipeline:
         check_call_mode("forward", self.precision)
         self.executor.training = self.check_model()
         wait_for_steps(self._masters, besides=self._overlap)
+        self._drained()
         # the in-graph loss's target rides along
         target = {TARGET: kwargs.pop(TARGET)} if self.loss_in_graph and TARGET in kwargs else {}
         if self.signature is not None:  # the inputs as compiled (signature.py)
@@ -451,6 +516,7 @@ class Pipeline:
         check_call_mode("evaluate", self.precision)
         self.executor.training = self.check_model()
         wait_for_steps(self._masters, besides=self._overlap)
+        self._drained()
         store, m, loss_of, targets, _ = call_batch(self, "evaluate", inputs, target, dict(kwargs))
         try:
             losses = self.executor.run_forward(store, iteration=self.iteration, microbatches=m, loss_fn=loss_of,

@@ -28,6 +28,11 @@ master table, in order, cast to the compute precision; the stages that read them
 value still on its way. Once every fused or backward stage that reads a microbatch's rows has finished it, the
 same thread adds the rows' gradients (summed over those stages, as for any value) into the table's ``.grad``.
 
+**Overlapped iterations** (:meth:`Executor.start`): one iteration runs in the background on threads of its own
+(:class:`Running`, all its per-call state on a shallow copy of the executor that shares the devices, the weight
+store and the sink's locks), so the caller gets its losses while its last stages drain; the next iteration's list
+for a device starts once that device has finished its list of the one before.
+
 Stage semantics (DESIGN.md §3):
 - forward stages run without autograd and hand on the values later stages need;
 - the fused stage runs forward, loss and backward in one go;
@@ -56,6 +61,7 @@ latest when the next call begins.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import threading
 import time
@@ -79,7 +85,7 @@ from .stage_call import StageState, to_host, upload_tree
 from .values import TimelineEvent, ValueStore
 from .weights import GradSink, HostTraffic, WeightStore
 
-__all__ = ["ValueStore", "Executor", "TimelineEvent", "PipelineError"]
+__all__ = ["ValueStore", "Executor", "Running", "TimelineEvent", "PipelineError"]
 
 class Executor:
     """Runs one iteration of a schedule (see module docstring)."""
@@ -125,6 +131,9 @@ class Executor:
         next action, as a Ctrl-C does: the call raises ``KeyboardInterrupt`` and adds no gradient. Whoever sets it
         clears it (``Pipeline`` at each call's start)."""
         self._threads: list[_Thread] = []  # the last call's
+        self._watch: Executor | None = None  # an overlapped iteration's: whose interrupted flag stops it too
+        self._threads_before: int | None = None  # intra-op threads while iterations overlap (start)
+        self._losses_in = threading.Event()
         self._open = False  # a call has begun and neither committed nor settled (finish)
         self._changed_buffers: dict[int, set[str]] = {}  # per forward stage: the buffers its forward changes
         # one thread per device uploads its next stage's weights (in list order, so never more than one ahead)
@@ -142,25 +151,13 @@ class Executor:
         the module docstring's **Failures** says: :class:`PipelineError` (or the ``KeyboardInterrupt`` itself)
         once nothing of the call runs any more, every ``.grad`` as it was before the call."""
         self.finish()  # a call left behind by a Ctrl-C that escaped: stopped before this one takes its place
-        self.store, self.iteration, self.loss_fn, self.grad_scale = store, iteration, loss_fn, grad_scale
-        self.targets = targets
-        self.losses: dict[int, torch.Tensor] = {}
-        self.microbatches = 1 + max(a.microbatch for acts in schedule for a in acts)
-        self.done = {(a.stage, a.microbatch): threading.Event() for acts in schedule for a in acts if a.kind == "F"}
-        self.failed: list[BaseException] = []
-        self.t0 = time.perf_counter()
-        self.timeline = []
-        self._resident_bytes = 0  # what the last call kept went with its store
+        self._begin(schedule, store, iteration, loss_fn, targets, grad_scale)
         # Device 0 runs on the calling thread: a fresh thread would start its own OpenMP team while the caller's
         # idles (spinning) on the same cores, which made one-device CPU steps ~2× slower than eager.
         workers = [_Thread(self._worker, (d, acts), f"rpcompile-dev{d}") for d, acts in enumerate(schedule) if d > 0]
         threads = torch.get_num_threads()
         cpu_workers = sum(1 for d in self.devices if d.torch_device.type == "cpu")
-        rows: dict[tuple[str, int], Future[torch.Tensor]] = {
-            (h.value, j): Future() for h in self.program.host for j in range(self.microbatches)}
-        for (name, j), future in rows.items():  # in the store before any stage may look for them
-            store.put(name, j, future)
-        host = [_Thread(self._host, (store, rows), "rpcompile-host")] if self.program.host else []
+        host = self._host_thread(store)
         self.grads.begin()
         self._threads, self._open = host + workers, True
         try:
@@ -191,6 +188,65 @@ class Executor:
         self._open = False
         return [self.losses[j] for j in sorted(self.losses)]
 
+    def _begin(self, schedule: list[list[Action]], store: ValueStore, iteration: int,
+               loss_fn: Callable[[Any, Any, int], torch.Tensor] | None, targets: Sequence[Any] | None,
+               grad_scale: float) -> None:
+        """A call's own state (:meth:`run`, :meth:`start`)."""
+        self.store, self.iteration, self.loss_fn, self.grad_scale = store, iteration, loss_fn, grad_scale
+        self.targets = targets
+        self.losses: dict[int, torch.Tensor] = {}
+        self.microbatches = 1 + max(a.microbatch for acts in schedule for a in acts)
+        self.done = {(a.stage, a.microbatch): threading.Event() for acts in schedule for a in acts if a.kind == "F"}
+        self.failed: list[BaseException] = []
+        self.t0 = time.perf_counter()
+        self.timeline = []
+        self._resident_bytes = 0  # what the last call kept went with its store
+        self._losses_in = threading.Event()  # every microbatch's loss, or a failure (start)
+
+    def _host_thread(self, store: ValueStore) -> list[_Thread]:
+        """The call's host thread, if the program looks rows up on the host; their futures put in the store before
+        any stage may look for them."""
+        if not self.program.host:
+            return []
+        rows: dict[tuple[str, int], Future[torch.Tensor]] = {
+            (h.value, j): Future() for h in self.program.host for j in range(self.microbatches)}
+        for (name, j), future in rows.items():
+            store.put(name, j, future)
+        return [_Thread(self._host, (store, rows), "rpcompile-host")]
+
+    # ------------------------------------------------------------------------------------------ overlapped
+    def start(self, schedule: list[list[Action]], store: ValueStore, *, iteration: int,
+              loss_fn: Callable[[Any, Any, int], torch.Tensor] | None, targets: Sequence[Any] | None = None,
+              grad_scale: float = 1.0, held: dict[str, torch.Tensor] | None = None,
+              after: "Running | None" = None) -> "Running":
+        """One iteration of overlapped iterations, run in the background (:class:`Running`): each device's list
+        starts once the device has finished its list of ``after`` (the iteration before, which may still be
+        draining), with the weights the store's front copies hold now (:meth:`WeightStore.pinned`), its gradients
+        added into ``held`` (a generation's buffers, :meth:`GradSink.fork`). A Ctrl-C (:attr:`interrupted`)
+        stops it until :meth:`Running.losses` has returned; from then on it runs to its end."""
+        cpu_workers = sum(1 for d in self.devices if d.torch_device.type == "cpu")
+        if cpu_workers > 1 and self._threads_before is None:  # as run() does, for as long as iterations overlap
+            self._threads_before = torch.get_num_threads()
+            torch.set_num_threads(max(1, self._threads_before // cpu_workers))
+        call = copy.copy(self)  # shares the devices, weights, sink's locks, caches; the call's own state below
+        call._watch, call.interrupted = self, False
+        call.weights, call.grads = self.weights.pinned(), self.grads.fork(held)
+        call._begin(schedule, store, iteration, loss_fn, targets, grad_scale)
+        call._resident_lock = threading.Lock()
+        self.timeline = call.timeline  # what pipe.timeline shows: the latest call's, filling while it drains
+        return Running(call, schedule, after)
+
+    def restore_threads(self) -> None:
+        """Iterations no longer overlap: the intra-op threads :meth:`start` shared out among logical CPU devices
+        go back to what they were."""
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None
+
+    def _losses_done(self) -> None:
+        if len(self.losses) == self.microbatches:
+            self._losses_in.set()
+
     def finish(self) -> None:
         """Leave no call behind: one that a Ctrl-C left before it had stopped its threads (a second Ctrl-C, or one
         at an instant the call could not catch it) is stopped now — its threads end at their next action and are
@@ -204,8 +260,10 @@ class Executor:
         self._open = False
 
     def _stopping(self) -> bool:
-        """Whether the call stops here: it failed, or :attr:`interrupted` was set (recorded as a Ctrl-C)."""
-        if self.interrupted and not any(isinstance(f, KeyboardInterrupt) for f in self.failed):
+        """Whether the call stops here: it failed, or :attr:`interrupted` was set (recorded as a Ctrl-C) — on an
+        overlapped iteration's executor (:meth:`start`), on the one watched."""
+        watch = self._watch
+        if (self.interrupted or (watch is not None and watch.interrupted)) and not any(isinstance(f, KeyboardInterrupt) for f in self.failed):
             self._fail(KeyboardInterrupt())
         return bool(self.failed)
 
@@ -214,6 +272,7 @@ class Executor:
         self.failed.append(e)
         for ev in self.done.values():
             ev.set()
+        self._losses_in.set()
 
     def _join(self, threads: Sequence[_Thread]) -> None:
         """Wait for the call's threads. A Ctrl-C meanwhile stops them (each finishes the action it is in) and is
@@ -471,6 +530,7 @@ class Executor:
                 assert self.loss_fn is not None  # run() is given one whenever the plan has a fused stage
                 loss = self.loss_fn(prog.model_output(raw), target, mb)
                 self.losses[mb] = device.download(loss.detach().float())
+                self._losses_done()
                 roots, grads = [loss * self.grad_scale], [None]
         if prog.kind != "fused":
             with span("inputs", what):  # the gradients later stages left for this one's outputs
@@ -483,6 +543,73 @@ class Executor:
                 if isinstance(v, torch.Tensor) and v.requires_grad and v.grad is not None:
                     stays = name not in self._host_values and self._stays(v.grad)  # the host adds those
                     self.store.add_grad(name, mb, v.grad if stays else device.handoff(v.grad))
+
+
+class Running:
+    """An overlapped iteration in flight (:meth:`Executor.start`): its devices' lists, host thread and gradient
+    sink on threads of their own, and one more that waits for them, drains the sink and commits the call's
+    gradients — or, after a failure, settles the call and keeps its error (:attr:`error`)."""
+
+    def __init__(self, call: Executor, schedule: list[list[Action]], after: "Running | None") -> None:
+        self.call, self.iteration = call, call.iteration
+        self.error: BaseException | None = None
+        """The call's failure once :attr:`settled` (None: it succeeded)."""
+        self.settled = threading.Event()
+        """Set when nothing of the call runs any more: every gradient added and committed, or taken back."""
+        self.handed = False
+        """Its gradients belong to an optimizer step submitted since (``rpcompile.overlap``)."""
+        self.workers = [_Thread(self._device, (d, acts, after), f"rpcompile-dev{d}")
+                        for d, acts in enumerate(schedule)]
+        _Thread(self._run, (), "rpcompile-iteration").start()
+
+    def _device(self, d: int, actions: list[Action], after: "Running | None") -> None:
+        if after is not None:  # the device goes on once it has finished its list of the iteration before
+            after.workers[d].ended.wait()
+        self.call._worker(d, actions)
+
+    def _run(self) -> None:
+        c = self.call
+        host = c._host_thread(c.store)
+        c.grads.begin()
+        started: list[_Thread] = []
+        try:
+            for w in host + self.workers:
+                started.append(w)
+                w.start()
+        except BaseException as e:  # noqa: BLE001 - a thread that could not start fails the call
+            c._fail(e)
+        c._join(started)
+        if not c.failed:
+            try:
+                c.grads.drain()
+            except BaseException as e:  # noqa: BLE001 - a gradient that failed to land fails the call
+                c._fail(e)
+        c._stopping()
+        if c.failed:
+            try:
+                c._settle()
+            finally:
+                self.error = _first(c.failed)
+        else:
+            c.grads.commit()
+        self.settled.set()
+
+    def losses(self) -> list[torch.Tensor]:
+        """Every microbatch's loss, once the fused stage has computed them all; from then on a Ctrl-C no longer
+        stops the call. A call that failed first raises its failure once it has settled."""
+        c = self.call
+        c._losses_in.wait()
+        if c.failed:
+            self.settled.wait()
+            assert self.error is not None
+            raise self.error
+        c._watch = None
+        return [c.losses[j] for j in sorted(c.losses)]
+
+    def wait(self) -> BaseException | None:
+        """Wait until the call has settled; its failure, or None."""
+        self.settled.wait()
+        return self.error
 
 
 class _Thread(threading.Thread):

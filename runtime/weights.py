@@ -49,6 +49,7 @@ copy engines move pinned memory without the CPU). Deterministic, so the CPU meas
 
 from __future__ import annotations
 
+import copy
 import queue
 import sys
 import threading
@@ -200,6 +201,19 @@ class WeightStore:
         """A token-embedding table as the host looks rows up in it: the master, or its front copy (in the
         master's precision) while overlapping — the master is being stepped."""
         return self.source(name)
+
+    def pinned(self) -> "WeightStore":
+        """This store as one iteration sees it while iterations overlap: every trainable weight's front copy as
+        it is now, kept by the view through later swaps — an iteration still draining uploads for its backward
+        stages the weights its forward stages used, while the next one already reads the next step's. Outside
+        an overlap, the store itself."""
+        if not self.overlapping:
+            return self
+        view = copy.copy(self)
+        fronts = {n: e.front for n, e in self.entries.items() if e.master.requires_grad and e.front is not None}
+        view.source = lambda name: fronts[name] if name in fronts else self.source(name)  # type: ignore[method-assign]
+        view.host_table = view.source  # type: ignore[method-assign]
+        return view
 
     def refresh(self) -> None:
         """Remake every copy from its master now (after edits through ``p.data``, which nothing can see)."""
@@ -368,6 +382,15 @@ class GradSink:
         ``.grad``."""
         self.private = {} if on else None
 
+    def fork(self, held: dict[str, torch.Tensor] | None) -> "GradSink":
+        """A sink of its own for one of several iterations in flight at once (overlapped iterations): its own
+        thread, queue, undo record and failure, adding into ``held`` (a generation's buffers; None: ``.grad``)
+        under the same per-parameter locks, reusing the same spare buffers."""
+        f = copy.copy(self)
+        f.private, f._queue, f._thread, f._starting = held, queue.SimpleQueue(), None, threading.Lock()
+        f._error, f._scratch, f._undo, f._dropping = None, None, None, False
+        return f
+
     def submit(self, names: list[str], grads: Any, *, tag: Any = None) -> None:
         """Add ``grads`` (tensors, or something whose ``wait()`` gives them: copies still landing) into the
         gradients of the parameters ``names``, on the sink's thread; then tell the :attr:`listener` ``tag``."""
@@ -427,11 +450,13 @@ class GradSink:
             self._thread.join()
             self._thread = None
 
-    def install(self) -> None:
-        """Move the held gradients into ``.grad`` (added to any already there); keep holding."""
-        held = self.private or {}
-        if self.private is not None:
-            self.private = {}
+    def install(self, held: dict[str, torch.Tensor] | None = None) -> None:
+        """Move the held gradients into ``.grad`` (added to any already there); keep holding. ``held``: a
+        generation's buffers (:meth:`fork`) instead of the sink's own."""
+        if held is None:
+            held = self.private or {}
+            if self.private is not None:
+                self.private = {}
         for name, g in held.items():
             p = self.params[name]
             if p.grad is None:

@@ -241,12 +241,14 @@ def assert_same_losses(got: list[torch.Tensor], want: list[torch.Tensor]) -> Non
         assert torch.equal(g, w), f"step {step}: {g.item()} != {w.item()}"
 
 
+@pytest.mark.parametrize("iterations", [False, True], ids=["step overlapped", "iterations overlapped"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_overlapped_step_is_exactly_one_step_stale(precision):
+def test_overlapped_step_is_exactly_one_step_stale(precision, iterations):
     """pipe.step(opt, overlap=True) equals synchronous training on delayed gradients — iteration t's gradients
     taken at the weights from before step t-1, w_{t+1} = step(w_t, ∇L_t(w_{t-1})) — bit for bit: the staleness is
-    all that differs."""
-    a, pa, b, pb = pair(precision)
+    all that differs; with overlapped iterations too (a plan made for them: each call returns at its loss)."""
+    a, pa, b, pb = pair(precision, overlap=iterations)
+    assert pa.overlap_iterations == iterations
     oa, ob = torch.optim.AdamW(a.parameters(), lr=1e-2), torch.optim.AdamW(b.parameters(), lr=1e-2)
     losses = []
     for step in range(4):

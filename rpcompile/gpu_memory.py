@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from .core.errors import ConfigError
 from .core.plan import Plan
 from .core.specs import get_spec
 
@@ -16,7 +17,13 @@ __all__ = ["gpu_memory_limit", "offload_budget"]
 
 def gpu_memory_limit(device: torch.device, spec: Any = None) -> int:
     """The memory a plan for GPU ``device`` may use: 90% of what it has — no more than ``spec``'s usable memory
-    when a spec is given (a plan for a 24 GB card made on an 80 GB one stays a plan for the 24 GB card)."""
+    when a spec is given (a plan for a 24 GB card made on an 80 GB one stays a plan for the 24 GB card). A device
+    that is not a CUDA GPU (a device class of the user's) has what its ``spec`` says."""
+    if torch.device(device).type != "cuda":
+        if spec is None:
+            raise ConfigError(f"how much memory a {torch.device(device).type} device has is unknown: pass "
+                              "memory_limit= (bytes) or spec= (a GPU spec name)")
+        return get_spec(spec).usable_memory_bytes
     have = int(torch.cuda.get_device_properties(device).total_memory * 0.9)
     return have if spec is None else min(have, get_spec(spec).usable_memory_bytes)
 

@@ -30,3 +30,15 @@ def test_quick_run_writes_both_rows_with_their_activities(tmp_path):
         assert r["activities_ms"]["compute"] > 0 and "grad sink" in r["activities_ms"]
         assert r["launch_actions"] >= r["microbatches"] * r["stages"]  # every stage on every microbatch
         assert abs(r["floor_s"] - (r["wall_s"] - r["compute_s"])) < 1e-9
+
+
+def test_a_device_of_the_users_needs_a_memory_limit_or_a_spec_in_one_line():
+    import pytest
+
+    import rpcompile
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    with pytest.raises(rpcompile.ConfigError, match=r"^how much memory a meta device has is unknown: pass "
+                                                    r"memory_limit= \(bytes\) or spec= \(a GPU spec name\)$"):
+        rpcompile.compile(model, (torch.randn(4, 4),), loss_fn=torch.nn.functional.mse_loss,
+                          devices=[floor.FloorDevice()])

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -105,10 +104,7 @@ def test_bad_configs_raise(config) -> None:
 
 @pytest.mark.parametrize("name", sorted(META_PRESETS))
 def test_meta_preset_builds_without_memory(name: str) -> None:
-    start = time.perf_counter()
-    spec = load_model(name)
-    elapsed = time.perf_counter() - start
-    assert elapsed < 1.5, f"building {name} on meta took {elapsed:.2f} s"  # ~0.1 s; slack for loaded machines
+    spec = load_model(name)  # (materialised, the 235B preset alone would need ~470 GB: it could not get here)
     tensors = [*spec.model.parameters(), *spec.model.buffers(), *spec.example_inputs, spec.example_target]
     assert all(t.is_meta for t in tensors)
     assert spec.example_inputs[0].shape == (1, 4096)

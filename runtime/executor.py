@@ -300,10 +300,10 @@ class Executor:
         finally:
             self.grads.abort()
 
-    def _worker(self, d: int, actions: list[Action]) -> None:
+    def _worker(self, d: int, actions: list[Action], prefetched: dict[int, Future] | None = None) -> None:
         device = self.devices[d]
         states: dict[int, StageState] = {}
-        prefetched: dict[int, Future] = {}
+        prefetched = {} if prefetched is None else prefetched
         ahead = _next_weights(actions)
         act: Action | None = None
         try:
@@ -563,9 +563,15 @@ class Running:
         _Thread(self._run, (), "rpcompile-iteration").start()
 
     def _device(self, d: int, actions: list[Action], after: "Running | None") -> None:
+        c, prefetched = self.call, {}
+        if after is not None and actions and actions[0].kind == "W":
+            # the first stage's weights go up behind the device's last stage of the iteration before, on its
+            # prefetch thread, as the next stage's always do (two stages' weights resident: the plan's P term)
+            prog = c.program.stages[actions[0].stage]
+            prefetched[prog.index] = c._prefetchers[d].submit(c._upload, c.devices[d], prog)
         if after is not None:  # the device goes on once it has finished its list of the iteration before
             after.workers[d].ended.wait()
-        self.call._worker(d, actions)
+        c._worker(d, actions, prefetched)
 
     def _run(self) -> None:
         c = self.call

@@ -226,3 +226,25 @@ def test_pinned_weight_copies_take_what_the_host_memory_check_counts():
     copies = pipe.host_bytes - grads - activation_bytes(plan)
     exact = sum(p.numel() * 2 for p in spec.model.parameters())
     assert grew == copies > exact, (grew, copies, exact)
+
+
+def test_overlapped_iterations_equal_the_overlapped_step_on_cuda():
+    """Overlapped iterations on the GPU — each call returning at its loss, the next iteration's stages starting
+    on the copy and compute streams while the last ones drain, its first weights prefetched behind them — compute
+    what the overlapped step alone computes (the same one-step-stale training) over four AdamW steps."""
+    spec = load_model("llama-demo", batch_size=6)
+    twin = copy.deepcopy(spec.model)
+    (x,), y = spec.example_inputs, spec.example_target
+    pa = rpcompile.compile(spec.model, (x,), loss_fn=spec.loss_fn, devices=_devices(2), microbatches=3,
+                           spec="rtx4090", time_limit_s=2.0, overlap=True)
+    pb = rpcompile.compile(twin, (x,), loss_fn=spec.loss_fn, devices=_devices(2), plan=pa.plan)
+    pb.overlap_iterations = False
+    oa = torch.optim.AdamW(spec.model.parameters(), lr=1e-3)
+    ob = torch.optim.AdamW(twin.parameters(), lr=1e-3)
+    for step in range(4):
+        la, lb = pa.forward_backward(x, target=y), pb.forward_backward(x, target=y)
+        torch.testing.assert_close(la, lb, **GPU_TOL)
+        pa.step(oa, overlap=True), pb.step(ob, overlap=True)
+    pa.synchronize(), pb.synchronize()
+    for (name, p), q in zip(spec.model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, **WEIGHT_TOL, msg=name)

@@ -200,13 +200,14 @@ def assumed_host(spec: "str | DeviceSpec") -> HostSpec:
 #: outputs handed over, events, bookkeeping. ``benchmarks/floor.py`` measured 0.63 ms per action at the Qwen3-1.7B
 #: shape once the gradient buffers were reused (RESULTS.md, 2026-11-28; compute on ``meta``, so no GPU needed).
 GPU_STAGE_OVERHEAD_S = 0.6e-3
-#: Host time per graph node the runtime takes to dispatch a stage's forward onto a GPU, and a backward's. From
-#: the H100 trace of the 1.7B shape (RESULTS.md, 2026-11-28; forward stages, whose host thread nothing else
-#: contended: 2.29 ms a decoder layer of 54 nodes under the profiler, 0.91 of that without it); the backward
-#: launches about twice the kernels per node (the trace: 2.9x) from the autograd engine. Presets only: a plan
-#: with costs measured on a GPU probes its own (:mod:`rpcompile.device_probe`).
+#: Host time per graph node the runtime takes to dispatch a stage's forward onto a GPU, and per node with a
+#: backward to run that backward. From the H100 trace of the 1.7B shape (RESULTS.md, 2026-11-28), less the
+#: profiler's share (the profiled step took 2.307 s of GPU window, the unprofiled 2.107 s: ×0.91): forward,
+#: 2.29 ms of host per decoder layer of 54 graph nodes (42 µs a node; the forward stages, the gradient sink idle);
+#: backward, the autograd thread's 795 ms over 8 microbatches of 730 nodes with a backward (136 µs a node: a
+#: saved segment's backward runs its captured graph's aten operations one by one, about four per graph node).
 GPU_DISPATCH_S = 38e-6
-GPU_BACKWARD_DISPATCH_S = 76e-6
+GPU_BACKWARD_DISPATCH_S = 124e-6
 
 
 def _gpu(name: str, tflops: float, fp32_tflops: float, gbps: float, mem_gb: float, link_gbps: float) -> DeviceSpec:

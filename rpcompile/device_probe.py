@@ -20,14 +20,13 @@ on every GPU row, so the next GPU session says how the two relate on its machine
 from __future__ import annotations
 
 import dataclasses
-import time
-from typing import Callable
 
 import torch
 
 from .core.errors import ConfigError
 from .core.specs import DeviceSpec, get_spec
 from .models.llama import Llama, LlamaConfig
+from .probe import best_time
 from .runtime.devices import WEIGHT_CHUNK_BYTES
 
 __all__ = ["preset_for", "probe_link", "probe_dispatch", "device_spec", "DEFAULT_PRESET"]
@@ -44,18 +43,6 @@ def preset_for(name: str) -> str:
     :data:`DEFAULT_PRESET`."""
     low = name.lower()
     return next((preset for frag, preset in _FAMILIES if frag in low), DEFAULT_PRESET)
-
-
-def _best(fn: Callable[[], object], sync: Callable[[], object], repeats: int) -> float:
-    fn()
-    sync()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return max(best, 1e-9)
 
 
 def probe_link(device: torch.device, *, pieces: int = 8, piece_bytes: int = WEIGHT_CHUNK_BYTES,
@@ -81,7 +68,7 @@ def probe_link(device: torch.device, *, pieces: int = 8, piece_bytes: int = WEIG
         torch.cuda.synchronize(device)
 
     moved = pieces * n * 2
-    return moved / max(_best(up, sync, repeats), _best(down, sync, repeats))
+    return moved / max(best_time(up, repeats, sync=sync), best_time(down, repeats, sync=sync))
 
 
 def _probe_model() -> torch.nn.Module:
@@ -135,10 +122,11 @@ def probe_dispatch(device: "torch.device | str", *, repeats: int = 5, calls: int
         for _ in range(calls):
             gm(x).float().sum().backward()
 
-    fwd = _best(forward, sync, repeats) / (calls * nodes)
+    fwd = best_time(forward, repeats, sync=sync) / (calls * nodes)
     with torch.enable_grad():
         backward_nodes = _autograd_nodes(gm(x).float().sum())
-        bwd = max(_best(step, sync, repeats) - _best(graph, sync, repeats), 0.0) / (calls * backward_nodes)
+        backward = best_time(step, repeats, sync=sync) - best_time(graph, repeats, sync=sync)
+        bwd = max(backward, 0.0) / (calls * backward_nodes)
     return fwd, bwd
 
 

@@ -66,7 +66,7 @@ def default_spec(spec: "str | DeviceSpec | None", device: "str | torch.device | 
         return spec
     if model_device != "meta" and (device is None or torch.device(device).type == "cpu"):
         return "cpu"
-    if model_device != "meta" and torch.device(device).type == "cuda":
+    if model_device != "meta" and device is not None and torch.device(device).type == "cuda":
         return device_spec(torch.device(device))
     return "rtx4090"
 

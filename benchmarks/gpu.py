@@ -15,7 +15,12 @@ Sections (each a table; all rows also in the JSON):
   tokens/s over RoundPipe's.
 
 Per row: tokens/s, step time (median of ``--steps`` after a warm-up step), peak GPU memory, compile time, and for
-rpcompile rows the plan's predicted iteration next to the measured one (predicted/measured). The rpcompile rows of
+rpcompile rows the plan's predicted iteration next to the measured one (predicted/measured), with what a later
+calibration needs (issue 35 item 6, ``calibration.py``): the plan itself (``plan_file``, beside ``--out``), the
+hardware it was priced on (``priced_on``: link, dispatch per node, cost per action) and per stage the prediction
+beside the last step's measured host time of its actions (``stages``; on a GPU the worker's time to issue them and
+what it waited for). The header holds the host's bare dispatch per graph node on the device
+(``dispatch_probe``, :func:`rpcompile.device_probe.probe_dispatch`). The rpcompile rows of
 one device (resident and capped) are followed by the same pipeline with the optimizer inside the loop
 (``--optimizer``: rpcompile's AdamW by default): ``pipe.step(opt)`` synchronous, then ``overlap=True`` (the step
 beside the next iteration, one step stale) — each predicted as the plan prices it (pipeline + host step, or the
@@ -65,6 +70,7 @@ from rpcompile.models import load_model
 from rpcompile.models.llama import Llama, LlamaConfig
 from rpcompile.models.registry import lm_loss
 from rpcompile.core.specs import get_spec
+from rpcompile.device_probe import probe_dispatch
 
 GiB = 1 << 30
 SECTIONS = ("link", "resident", "capped", "seqlen")
@@ -276,6 +282,7 @@ def optimizer_rows(pipe: Any, spec: Any, base: dict, steps: int, device: str, op
             row.update(step_s=timed, peak_gib=_peak(device), error=None)
             pipe.synchronize()
             row["backend"] = getattr(opt, "backend", "torch")
+            calibration_record(pipe, row, None)  # this row's stages (the plan file is the base row's)
         except Exception as e:  # noqa: BLE001 - reported in the table
             row.update(step_s=None, error=f"{type(e).__name__}: {str(e).splitlines()[0]}")
         row["predicted_over_measured"] = row["predicted_s"] / row["step_s"] \
@@ -289,10 +296,11 @@ def optimizer_rows(pipe: Any, spec: Any, base: dict, steps: int, device: str, op
 
 def rpcompile_row(spec: Any, devices: list[str], label: str, steps: int, *, section: str, microbatches: int | None,
                   memory_limit: int | None, cost_spec: str | None, profile: Path | None,
-                  optimizer: str | None = None, recompile: bool = False) -> list[dict]:
+                  optimizer: str | None = None, recompile: bool = False, plans: Path | None = None) -> list[dict]:
     """rpcompile's row (forward+backward per step), then — given ``optimizer`` — :func:`optimizer_rows`.
     ``recompile``: compile the same model again once the steps ran, and record its time (``recompile_s``: with
-    measured costs, the profile cache is warm then)."""
+    measured costs, the profile cache is warm then). ``plans``: where the row's plan file goes
+    (:func:`calibration_record`)."""
     (x,), y = spec.example_inputs, spec.example_target
     device = devices[0]
     _peak_reset(device)
@@ -334,6 +342,7 @@ def rpcompile_row(spec: Any, devices: list[str], label: str, steps: int, *, sect
         row["profile"] = str(path)
     if row["step_s"]:
         row["predicted_over_measured"] = row["predicted_s"] / row["step_s"]
+        calibration_record(pipe, row, plans)
     row["loss"] = losses[0] if losses else None
     if recompile:
         _say(f"{section}: compiling again (warm cache)")
@@ -355,6 +364,30 @@ def rpcompile_row(spec: Any, devices: list[str], label: str, steps: int, *, sect
     return rows
 
 
+def calibration_record(pipe: Any, row: dict, plans: Path | None) -> None:
+    """What checking the timing model against this row needs (module docstring): the plan's file, the hardware it
+    was priced on, and per stage its predicted time and compute per microbatch beside the last call's measured
+    actions (the median action and the stage's span from its first action's start to its last one's end)."""
+    plan = pipe.plan
+    spec = plan.hardware.spec
+    row["priced_on"] = {"spec": spec.name, "link_bytes_per_s": plan.hardware.link_bytes_per_s,
+                        "dispatch_s": spec.dispatch_s, "backward_dispatch_s": spec.backward_dispatch_s,
+                        "stage_overhead_s": spec.stage_overhead_s, "resident_handoffs": plan.hardware.resident_handoffs}
+    if plans is not None:
+        plans.mkdir(parents=True, exist_ok=True)
+        path = plans / f"{row['section']}-{re.sub(r'[^A-Za-z0-9.-]+', '_', row['variant'])}.json"
+        plan.save(path)
+        row["plan_file"] = str(path)
+    actions: dict[str, list[Any]] = {}
+    for e in pipe.timeline:
+        if e.microbatch >= 0:
+            actions.setdefault(e.stage, []).append(e)
+    row["stages"] = [{"stage": st.name, "kind": st.kind, "predicted_s": st.time_s, "predicted_compute_s": st.compute_s,
+                      "measured_action_s": statistics.median(e.end - e.start for e in acts) if acts else None,
+                      "measured_span_s": max(e.end for e in acts) - min(e.start for e in acts) if acts else None}
+                     for st in plan.stages for acts in [actions.get(st.name, [])]]
+
+
 def _tokens(rows: list[dict], spec: Any) -> None:
     tokens = spec.example_inputs[0].numel()
     for r in rows:
@@ -370,7 +403,8 @@ def resident_rows(args: argparse.Namespace, device: str) -> list[dict]:
                                  ("fp32 weights + bf16 autocast, per-layer checkpointing", torch.float32, True),
                                  ("bf16 weights, per-layer checkpointing", torch.bfloat16, True)):
         rows.append(eager_row(spec, device, label, weights, ckpt, args.steps))
-    options = dict(section="resident", microbatches=None, memory_limit=None, cost_spec=args.spec, profile=args.profile)
+    options = dict(section="resident", microbatches=None, memory_limit=None, cost_spec=args.spec, profile=args.profile,
+                   plans=_plans(args))
     rows += rpcompile_row(spec, [device], "bf16, 1 device", args.steps, optimizer=args.optimizer, **options)
     rows += rpcompile_row(spec, [device, device], "bf16, 2 logical devices on one GPU", args.steps, **options)
     _tokens(rows, spec)
@@ -393,7 +427,8 @@ def capped_rows(args: argparse.Namespace, device: str,
         spec = load_model(args.capped_model, device="cpu", batch_size=args.capped_batch, seq_len=args.capped_seq)
         rows = rpcompile_row(spec, [device], f"bf16, 1 device, capped at {args.cap_gib:g} GiB", args.steps,
                              section="capped", microbatches=args.capped_batch, memory_limit=int(cap * 0.9),
-                             cost_spec=args.spec, profile=args.profile, optimizer=args.optimizer, recompile=True)
+                             cost_spec=args.spec, profile=args.profile, optimizer=args.optimizer, recompile=True,
+                             plans=_plans(args))
         if args.peer == "roundpipe":
             spec.model.zero_grad(set_to_none=True)
             if save is not None:
@@ -467,6 +502,11 @@ def seqlen_rows(args: argparse.Namespace, device: str) -> list[dict]:
     del pipe
     gc.collect()
     return rows
+
+
+def _plans(args: argparse.Namespace) -> Path:
+    """Where the rows' plan files go: ``plans-<stem of --out>/`` beside it."""
+    return args.out.parent / f"plans-{args.out.stem}"
 
 
 #: the relative difference between the peer's loss and rpcompile's above which the peer's row is flagged: both run
@@ -589,6 +629,8 @@ def main(argv: list[str] | None = None) -> None:
               "rpcompile": rpcompile.__version__ if hasattr(rpcompile, "__version__") else None,
               "costs": f"analytic {args.spec}" if args.spec else "measured on the device", "args": {
                   k: str(v) for k, v in vars(args).items()}}
+    fwd, bwd = probe_dispatch(device)  # the host's bare dispatch per graph node here, beside what the runtime pays
+    header["dispatch_probe"] = {"forward_s_per_node": fwd, "backward_s_per_node": bwd}
     rows: list[dict] = []
 
     def save(more: list[dict], markdown: str | None = None) -> None:

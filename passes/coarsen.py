@@ -68,6 +68,9 @@ class Segment:
     params: tuple[str, ...]
     transient_bytes: int = 0
     """Largest ``bwd_transient_bytes`` of its nodes: their backwards run one at a time, so these do not add up."""
+    backward_ops: int = 0
+    """Its nodes that have a backward (a backward time): what a backward stage dispatches for it, where the
+    forward dispatches every one of its ``nodes``."""
 
 
 def _nbytes(node: fx.Node, dtype: torch.dtype | None) -> int:
@@ -224,6 +227,7 @@ def _segment(i: int, nodes: Sequence[fx.Node], a: int, b: int, groups: Sequence[
         boundary_bytes=live[b - 1],
         params=tuple(params),
         transient_bytes=max(c.bwd_transient_bytes for c in costs),
+        backward_ops=sum(1 for c in costs if c.bwd_time_s > 0),
     )
 
 

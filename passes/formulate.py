@@ -1,5 +1,17 @@
 """The problem pass: a costed, coarsened graph → a :class:`~rpcompile.passes.problem.PartitionProblem` of plain
-numbers (per segment: times, activation and weight bytes; the hardware; the microbatch count) for the solvers."""
+numbers (per segment: times, activation and weight bytes; the hardware; the microbatch count) for the solvers.
+
+**Launch-bound segments.** A GPU runs a stage's kernels as the host issues them, and the host issues one graph
+node at a time (the stage's generated Python, PyTorch's dispatcher, the launch: ``DeviceSpec.dispatch_s``, and
+``backward_dispatch_s`` per node of a backward). A segment's time on the device is therefore the longer of its
+kernels and its dispatch (:func:`launch_bound`): on the H100 the Qwen3-1.7B shape's forward at 2,048 tokens a
+microbatch computed 0.5 ms of kernels per decoder layer while its host took 2.3 ms to issue them (RESULTS.md,
+2026-11-28). The bound is taken per segment (attention and MLP halves by default): within one the host runs
+ahead of long kernels while short ones queue, between the node-by-node sum of the two (too slow: the queue hides
+dispatch behind long kernels) and a whole stage's maximum (too fast: a long matmul early in a stage does not hide
+the dispatch of elementwise work much later). Every consumer — the solvers' tables, the timing model, the
+simulator — reads the segment times, so they all price it alike.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +27,7 @@ from .loss_memory import LOSS_BYTES_KEY
 from .problem import PartitionProblem, SharedParam
 from .shape import SHAPE_KEY, scaled_nbytes
 
-__all__ = ["partition_problem", "PRECISION_BYTES"]
+__all__ = ["partition_problem", "launch_bound", "PRECISION_BYTES"]
 
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -53,12 +65,14 @@ def partition_problem(
             own_grads[segments[0]] += grad
         else:
             shared.append(SharedParam(name=name, bytes=size, grad_bytes=grad, segments=tuple(segments)))
+    spec = hardware.spec
+    fwd = tuple(launch_bound(s.fwd_s, len(s.nodes), spec.dispatch_s) for s in segs)
     return PartitionProblem(
         names=tuple(s.name for s in segs),
         layer=tuple(s.layer for s in segs),
-        fwd_s=tuple(s.fwd_s for s in segs),
-        bwd_s=tuple(s.bwd_s for s in segs),
-        rec_s=tuple(s.fwd_s for s in segs),
+        fwd_s=fwd,
+        bwd_s=tuple(launch_bound(s.bwd_s, s.backward_ops, spec.backward_dispatch_s) for s in segs),
+        rec_s=fwd,
         # a loss that runs after the graph (the whole LM head) runs in the fused stage, which always holds the last
         # segment: its peak bytes count there (:mod:`.loss_memory`)
         act_bytes=tuple(s.act_bytes + (int(gm.meta.get(LOSS_BYTES_KEY, 0)) if s is segs[-1] else 0) for s in segs),
@@ -76,6 +90,7 @@ def partition_problem(
         microbatches=microbatches,
         stage_overhead_s=hardware.spec.stage_overhead_s if stage_overhead_s is None else stage_overhead_s,
         allow_save=allow_save,
+        resident_handoffs=hardware.resident_handoffs,
         host=host_load(hardware.host, trainable_params=sum(p.numel() for p in params.values() if p.requires_grad),
                        precision=precision, overlap_step=overlap_step, overlap_iterations=overlap_iterations,
                        nodes=hardware.nodes,
@@ -83,6 +98,12 @@ def partition_problem(
                        host_params=sum(params[h.weight].numel() for h in host_of(gm)
                                        if h.weight not in users and params[h.weight].requires_grad)),
     )
+
+
+def launch_bound(kernels_s: float, nodes: int, dispatch_s: float) -> float:
+    """A segment's time on the device (module docstring): its ``kernels_s`` (the cost model's time of its nodes),
+    or the host's time to issue its ``nodes`` at ``dispatch_s`` each when that is longer."""
+    return max(kernels_s, nodes * dispatch_s)
 
 
 def _host_grad_bytes(gm: fx.GraphModule) -> int:

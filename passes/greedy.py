@@ -72,7 +72,7 @@ def _saves(pb: PartitionProblem, forward: list[tuple[int, int]], limit: float) -
         return tuple(saved)
     rank = _ratio_rank(pb)
     for a, b in forward:
-        room = (limit - ovh) - pb.boundary_bytes[b - 1] / link
+        room = (limit - ovh) - pb.link_out(b) / link
         ranked = sorted(range(a, b), key=rank.__getitem__)
         for i in ranked:
             cost = pb.act_bytes[i] / link

@@ -120,6 +120,11 @@ class PartitionProblem:
     """Fixed cost per stage and microbatch (launch, synchronisation)."""
     allow_save: bool = True
     """When False every segment is recomputed (``saved`` all False): the pure balance problem."""
+    resident_handoffs: bool = False
+    """One GPU: what a stage hands to the next (its outputs, a backward stage's input gradients, the input a
+    backward stage recomputes from) stays in device memory and crosses no link (:meth:`link_in`,
+    :meth:`link_out`); what the host reads still goes home and the model inputs still come up. The runtime keeps
+    them within half of what the plan leaves free, and gives the lazy offload the other half."""
     host: HostLoad = HostLoad()
     """The host's work: gradient accumulation after each grad stage (in the iteration recurrence, not in a
     stage's per-microbatch price) and the optimizer step and copy refresh between iterations (a constant the
@@ -165,6 +170,16 @@ class PartitionProblem:
     def in_bytes(self, a: int) -> int:
         """Bytes entering a stage that starts at segment ``a``."""
         return self.input_bytes if a == 0 else self.boundary_bytes[a - 1]
+
+    def link_in(self, a: int) -> int:
+        """Bytes of :meth:`in_bytes` that come over the link: the model inputs (``a = 0``) always, a hand-off from
+        the stage before unless it stays on the device (:attr:`resident_handoffs`)."""
+        return 0 if self.resident_handoffs and a > 0 else self.in_bytes(a)
+
+    def link_out(self, b: int) -> int:
+        """Bytes live across the cut after segment ``b − 1`` that go down to the host for the next stage (0 when
+        hand-offs stay on the device)."""
+        return 0 if self.resident_handoffs else self.boundary_bytes[b - 1]
 
     def weight(self, a: int, b: int, *, grads: bool = False) -> int:
         """Weight (or gradient) bytes of the range ``[a, b)``; shared parameters count once."""

@@ -180,6 +180,8 @@ class PlanScorer:
             for d in range(n_dev):
                 mine = range(d, len(rows), n_dev)
                 room = max(0, pb.memory_bytes - max((base[k] for k in mine), default=0))
+                if pb.resident_handoffs:
+                    room -= room // 2
                 backlog = 0.0
                 for k in range(d, offloading[-1] + 1, n_dev):  # the backlog changes no time after the last saver
                     r = rows[k]

@@ -67,9 +67,11 @@ class RangeTables:
     grad: np.ndarray
     """``G`` of ``[a, b)`` (bytes)."""
     in_bytes: np.ndarray
-    """Bytes entering a stage that starts at ``a`` (length n+1)."""
+    """Bytes entering a stage that starts at ``a`` over the link (length n+1; :meth:`PartitionProblem.link_in`:
+    hand-offs that stay on one GPU's memory cross none)."""
     out_bytes: np.ndarray
-    """Bytes leaving a stage that stops at ``b`` (length n+1; ``out_bytes[0] = 0``)."""
+    """Bytes leaving a stage that stops at ``b`` over the link (length n+1; ``out_bytes[0] = 0``;
+    :meth:`PartitionProblem.link_out`)."""
     fwd_time: np.ndarray
     bwd_time: np.ndarray
     fused_time: np.ndarray
@@ -90,17 +92,20 @@ class RangeTables:
         bwd = _range_sum(_prefix(pb.bwd_s, np.float64)) + _range_sum(_prefix(pb.rec_s, np.float64))
         fb = _range_sum(_prefix(tuple(f + b for f, b in zip(pb.fwd_s, pb.bwd_s)), np.float64))
         act = _range_sum(_prefix(pb.act_bytes, np.int64))
-        inb = np.asarray([pb.in_bytes(a) for a in range(n + 1)], dtype=np.int64)  # in_bytes(n): unused
-        outb = np.asarray([0] + list(pb.boundary_bytes), dtype=np.int64)
+        # device memory holds every boundary tensor; the link carries only what is not kept on the device
+        in_mem = np.asarray([pb.in_bytes(a) for a in range(n + 1)], dtype=np.int64)  # in_bytes(n): unused
+        out_mem = np.asarray([0] + list(pb.boundary_bytes), dtype=np.int64)
+        inb = np.asarray([pb.link_in(a) for a in range(n + 1)], dtype=np.int64)
+        outb = np.asarray([0] + [pb.link_out(b) for b in range(1, n + 1)], dtype=np.int64)
         grad_in = np.where(np.arange(n + 1) > 0, inb, 0)
         up_f = inb[:, None] + w / m
         down_b = grad_in[:, None] + g / m
         f_time = ovh + np.maximum(fwd, np.maximum(up_f, outb[None, :]) / link)
         b_time = ovh + np.maximum(bwd, np.maximum(inb[:, None] + outb[None, :] + w / m, down_b) / link)
         fused_time = ovh + np.maximum(fb[:, n], np.maximum(up_f[:, n], down_b[:, n]) / link)
-        f_need = w + inb[:, None] + outb[None, :] + _running_max(pb.peak_bytes)
+        f_need = w + in_mem[:, None] + out_mem[None, :] + _running_max(pb.peak_bytes)
         # + the next microbatch's input, prefetched; + the largest backward transient of a node in the range
-        b_need = w + g + 2 * inb[:, None] + outb[None, :] + act + _running_max(pb.transient_bytes)
+        b_need = w + g + (in_mem + inb)[:, None] + out_mem[None, :] + act + _running_max(pb.transient_bytes)
 
         def mask(x: np.ndarray, fill: float) -> np.ndarray:
             return np.where(valid, x, fill)

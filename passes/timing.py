@@ -1,7 +1,11 @@
 """The timing model: what a :class:`~.problem.SegmentPlan` costs, stage by stage and per iteration.
 
 **Stage time** (per microbatch) is ``stage_overhead_s + max(compute, upload/link, download/link)``: copies run on
-their own streams and the host link is full duplex, so a stage is as slow as its slowest resource. That is the
+their own streams and the host link is full duplex, so a stage is as slow as its slowest resource. ``compute`` is
+the sum of its segments' times, each already the longer of its kernels and its host's dispatch
+(:func:`.formulate.launch_bound`); ``stage_overhead_s`` is the runtime's own work per action. On one GPU the
+hand-offs between stages stay in device memory (``problem.resident_handoffs``): only the model inputs and what
+the host reads cross the link (:meth:`.problem.PartitionProblem.link_in`, ``link_out``). That is the
 solvers' per-stage model (:mod:`.tables` prices every range that way at once); the exact model
 (:func:`stage_costs`, :func:`iteration_time`) refines it for the runtime's **lazy offload**
 (:func:`offload_backlog`): a forward stage's saved activations, which nobody in the forward pass waits for, go
@@ -81,28 +85,30 @@ def _stage(pb: PartitionProblem, kind: StageKind, a: int, b: int, saved: Sequenc
     m, link, seg = pb.microbatches, pb.link_bytes_per_s, range(a, b)
     w, g = pb.weight(a, b), pb.weight(a, b, grads=True)
     inb, outb = pb.in_bytes(a), pb.boundary_bytes[b - 1]
-    grad_in = inb if a > 0 else pb.input_grad_bytes
+    # what of them crosses the link (one GPU keeps hand-offs on the device: problem.resident_handoffs)
+    link_in, link_out = pb.link_in(a), pb.link_out(b)
+    grad_in = link_in if a > 0 else pb.input_grad_bytes
     act = sum(pb.act_bytes[i] for i in seg)
     saved_act = sum(pb.act_bytes[i] for i in seg if saved[i])
     prefetch = offload = buffers = 0
     if kind == "forward":
         g = 0
         compute = sum(pb.fwd_s[i] for i in seg)
-        inputs, outputs, offload = inb, outb, saved_act
+        inputs, outputs, offload = link_in, link_out, saved_act
         # the activations it saves pile up on the device during the microbatch; the previous microbatch's are
         # still being copied out meanwhile (double buffering, so the copy overlaps the compute)
         working = inb + outb + max(pb.peak_bytes[i] for i in seg) + saved_act
         buffers = saved_act
     elif kind == "fused":
         compute = sum(pb.fwd_s[i] + pb.bwd_s[i] for i in seg)
-        inputs, outputs = inb, grad_in
+        inputs, outputs = link_in, grad_in
         working = inb + outb + act + max(pb.transient_bytes[i] for i in seg)
     else:
         compute = sum(pb.bwd_s[i] + (0.0 if saved[i] else pb.rec_s[i]) for i in seg)
         # its output gradients wait for the stage above; its input and saved activations are in host memory
-        inputs, outputs, prefetch = outb, grad_in, inb + saved_act
+        inputs, outputs, prefetch = link_out, grad_in, link_in + saved_act
         working = inb + outb + act + max(pb.transient_bytes[i] for i in seg)
-        buffers = inb + saved_act  # the next microbatch's input and saved activations, prefetched
+        buffers = link_in + saved_act  # the next microbatch's input and saved activations, prefetched
     up = (inputs + prefetch) + w / m  # StageCost.upload_bytes / download_bytes, spelled out (hot path)
     down = (outputs + offload) + g / m
     time = pb.stage_overhead_s + max(compute, up / link, down / link)  # eager copies; see offload_backlog
@@ -136,7 +142,8 @@ def offload_backlog(problem: PartitionProblem, costs: Sequence[StageCost]) -> tu
     ``m·((t − overhead)·link − d)`` bytes of it, ``d`` being what it downloads itself and others wait for (a
     forward stage's outputs; a backward stage's input gradients and its weight gradients), and a forward stage
     adds its ``m·saved``. The backlog may use only the memory every stage of the device leaves free
-    (``limit − max_k memory_k``), so no stage's own memory is given up for it; a forward stage whose saves do
+    (``limit − max_k memory_k``; half of it on one GPU, whose hand-offs kept in device memory take the other
+    half, as the runtime shares it), so no stage's own memory is given up for it; a forward stage whose saves do
     not fit that room takes as long as its link needs to keep the backlog there — at most what it took with
     eager copies, unless it also drains an earlier stage's backlog. ``backlog_bytes`` is the most a stage holds
     (beside its ``memory_bytes``; the runtime bounds the backlog the same way, :mod:`rpcompile.runtime.offload`).
@@ -164,6 +171,8 @@ def _lazy_offload(problem: PartitionProblem, costs: Sequence[StageCost]) -> tupl
     for d in range(n_dev):
         mine = range(d, len(costs), n_dev)
         room = max(0, problem.memory_bytes - max((base[k] for k in mine), default=0))
+        if problem.resident_handoffs:  # one GPU: the hand-offs kept there have the other half
+            room -= room // 2
         backlog = 0.0
         for k in mine:
             c = costs[k]
@@ -345,4 +354,5 @@ def bubble_fraction(problem: PartitionProblem, plan: SegmentPlan) -> float:
     over = overlapped_period if problem.host.overlap_iterations else _total
     total = over(problem, costs, plan.saved)
     busy = problem.microbatches * sum(c.time_s for c in costs)
-    return 1.0 - busy / (problem.device_count * total) if total > 0 else 0.0
+    # a pipeline with no idle device: busy equals the total up to rounding, which must not make it negative
+    return max(0.0, 1.0 - busy / (problem.device_count * total)) if total > 0 else 0.0

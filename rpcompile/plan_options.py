@@ -16,6 +16,7 @@ from rpcompile.passes.tables import min_feasible_memory
 from .core.errors import ConfigError, InfeasibleError, RPCompileError
 from .core.plan import Hardware
 from .core.specs import DeviceSpec, HostSpec, assumed_host, get_spec
+from .device_probe import device_spec
 
 __all__ = ["STRATEGIES", "AUTO_HEAD_CHUNKS", "make_cost_model", "make_hardware", "default_spec",
            "head_chunk_candidates", "fastest", "split_limit", "infeasible_error", "model_device"]
@@ -57,12 +58,16 @@ def make_hardware(gpus: int, spec: "str | DeviceSpec", memory_limit: int | None 
 
 def default_spec(spec: "str | DeviceSpec | None", device: "str | torch.device | None",
                  model_device: str) -> "str | DeviceSpec":
-    """The hardware a plan is for: ``spec`` when given; the CPU when costs are measured there; else an RTX 4090
-    (also for meta-device models, which can only be costed analytically)."""
+    """The hardware a plan is for: ``spec`` when given; the CPU when costs are measured there; the GPU itself when
+    they are measured on one (:func:`rpcompile.device_probe.device_spec`: its family's preset with its own memory
+    and measured host link); else an RTX 4090 (also for meta-device models, which can only be costed
+    analytically)."""
     if spec is not None:
         return spec
     if model_device != "meta" and (device is None or torch.device(device).type == "cpu"):
         return "cpu"
+    if model_device != "meta" and device is not None and torch.device(device).type == "cuda":
+        return device_spec(torch.device(device))
     return "rtx4090"
 
 

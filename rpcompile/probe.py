@@ -33,7 +33,7 @@ from .core.planfile import dataclass_problem
 from .core.specs import HostSpec
 from .terminal import SafeTable
 
-__all__ = ["probe_host", "host_table", "load_host"]
+__all__ = ["probe_host", "host_table", "load_host", "best_time"]
 
 #: Elements of the probe's buffers: 8 M (32 MiB in fp32), past the last-level caches.
 COPY_ELEMENTS = 8 * 2**20
@@ -42,7 +42,7 @@ COPY_ELEMENTS = 8 * 2**20
 ADAM_PARAMS = 4 * 2**20
 
 
-def _best(fn: Callable[[], object], repeats: int, *, sync: Callable[[], object] = lambda: None) -> float:
+def best_time(fn: Callable[[], object], repeats: int, *, sync: Callable[[], object] = lambda: None) -> float:
     """Fastest of ``repeats`` timed calls after one warm-up (s)."""
     fn()
     sync()
@@ -87,10 +87,10 @@ def _link_rates(n_bytes: int, repeats: int) -> dict[str, float]:
     pageable = torch.empty(n, dtype=torch.bfloat16)
     sync = torch.cuda.synchronize
     return {
-        "pinned_h2d": n_bytes / _best(lambda: dev.copy_(pinned, non_blocking=True), repeats, sync=sync),
-        "pinned_d2h": n_bytes / _best(lambda: pinned.copy_(dev, non_blocking=True), repeats, sync=sync),
-        "pageable_h2d": n_bytes / _best(lambda: dev.copy_(pageable), repeats, sync=sync),
-        "pageable_d2h": n_bytes / _best(lambda: pageable.copy_(dev), repeats, sync=sync),
+        "pinned_h2d": n_bytes / best_time(lambda: dev.copy_(pinned, non_blocking=True), repeats, sync=sync),
+        "pinned_d2h": n_bytes / best_time(lambda: pinned.copy_(dev, non_blocking=True), repeats, sync=sync),
+        "pageable_h2d": n_bytes / best_time(lambda: dev.copy_(pageable), repeats, sync=sync),
+        "pageable_d2h": n_bytes / best_time(lambda: pageable.copy_(dev), repeats, sync=sync),
     }
 
 
@@ -105,11 +105,11 @@ def probe_host(*, elements: int = COPY_ELEMENTS, adam_params: int = ADAM_PARAMS,
         src = torch.full((elements,), 0.5)
         dst = torch.empty(elements)
         half = torch.empty(elements, dtype=torch.bfloat16)
-        copy_s = _best(lambda: dst.copy_(src), repeats)
-        cast_s = _best(lambda: half.copy_(src), repeats)
-        add_s = _best(lambda: dst.add_(half), repeats)
+        copy_s = best_time(lambda: dst.copy_(src), repeats)
+        cast_s = best_time(lambda: half.copy_(src), repeats)
+        add_s = best_time(lambda: dst.add_(half), repeats)
         del src, dst, half
-    step_s = _best(_adamw_step(adam_params), repeats)
+    step_s = best_time(_adamw_step(adam_params), repeats)
     links = _link_rates(elements * 2, repeats) if (torch.cuda.is_available() if cuda is None else cuda) else {}
     threads = torch.get_num_threads()
     return HostSpec(

@@ -262,8 +262,9 @@ class Executor:
     def _stopping(self) -> bool:
         """Whether the call stops here: it failed, or :attr:`interrupted` was set (recorded as a Ctrl-C) — on an
         overlapped iteration's executor (:meth:`start`), on the one watched."""
-        watch = self._watch
-        if (self.interrupted or (watch is not None and watch.interrupted)) and not any(isinstance(f, KeyboardInterrupt) for f in self.failed):
+        watch = self._watch  # (an overlapped iteration whose losses are all in runs to its end: see start)
+        watched = watch is not None and watch.interrupted and len(self.losses) < self.microbatches
+        if (self.interrupted or watched) and not any(isinstance(f, KeyboardInterrupt) for f in self.failed):
             self._fail(KeyboardInterrupt())
         return bool(self.failed)
 
@@ -605,7 +606,7 @@ class Running:
         stops the call. A call that failed first raises its failure once it has settled."""
         c = self.call
         c._losses_in.wait()
-        if c.failed:
+        if len(c.losses) < c.microbatches:  # (a failure after the losses, however soon, is the drain's: later)
             self.settled.wait()
             assert self.error is not None
             raise self.error

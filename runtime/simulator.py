@@ -77,6 +77,11 @@ step thread: ``step_s``, after iteration ``t``'s gradients are all added — and
 one-off fill and drain of the run (:attr:`SimResult.fill_s`, :attr:`SimResult.drain_s`); the timeline holds every
 iteration (``SimEvent.iteration``).
 
+A one-GPU plan's hand-offs stay in device memory (the timing model's ``resident_handoffs``): its stage costs carry
+no hand-off bytes, so none cross a link here either; the memory they hold and the half of the lazy offload's room
+the runtime gives them are not played (the timing model halves that room). A segment bound by its host's
+dispatch is in ``compute_s`` already (:func:`rpcompile.passes.formulate.launch_bound`).
+
 Each chain position is a :class:`~rpcompile.core.stages.StageCost`, the type the timing model prices; the run
 returns a :class:`~.sim_result.SimResult` (the timeline and its figures). With
 transfers free this is exactly the timing model's recurrence (:func:`rpcompile.passes.timing.pipeline_time`,

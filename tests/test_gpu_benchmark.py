@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+import rpcompile
 from rpcompile.runtime.optim import BACKEND_ENV
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -32,8 +33,16 @@ def test_the_smoke_run_writes_every_row(tmp_path, capsys, monkeypatch):
         ("rpcompile", "bf16, 2 logical devices on one GPU"),
     ]
     assert all(r["error"] is None and r["step_s"] > 0 and r["tokens_per_s"] > 0 for r in rows)
+    assert result["dispatch_probe"]["forward_s_per_node"] > 0 and result["dispatch_probe"]["backward_s_per_node"] > 0
     for r in rows[3:6] + rows[7:]:  # (a plan made synchronous predicts no overlapped iterations)
         assert r["predicted_s"] > 0 and r["predicted_over_measured"] == r["predicted_s"] / r["step_s"]
+        # what calibrating the timing model needs: the plan, what it was priced on, each stage predicted and measured
+        plan = rpcompile.Plan.load(r["plan_file"])
+        assert r["priced_on"]["spec"] == plan.hardware.spec.name == "cpu" and not r["priced_on"]["resident_handoffs"]
+        assert [st["stage"] for st in r["stages"]] == [st.name for st in plan.stages]
+        assert all(st["measured_action_s"] > 0 and st["measured_span_s"] >= st["measured_action_s"]
+                   and st["predicted_s"] == next(x.time_s for x in plan.stages if x.name == st["stage"])
+                   for st in r["stages"])
         passes = r["compile_passes"]  # where compile's time went, pass by pass
         assert {"trace", "shape", "cost", "partition", "lower", "pipeline", "other"} <= passes.keys(), passes
         assert sum(passes.values()) == pytest.approx(r["setup_s"], rel=0.05, abs=0.05)

@@ -48,7 +48,7 @@ def plans(tmp_path_factory):
 def test_check_passes_a_fresh_plan(plans, capsys):
     assert main(["check", str(plans["good"]), "llama-demo"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
-    assert len(out) == 1 and re.match(rf"{re.escape(str(plans['good']))}: OK — 5 stages on 2 × rtx4090, peak .* of 20\.12 GiB, "
+    assert len(out) == 1 and re.match(rf"{re.escape(str(plans['good']))}: OK — 6 stages on 2 × rtx4090, peak .* of 20\.12 GiB, "
                                       r"predicted [\d.]+ ms; not re-solved: nothing the plan was solved from moved .*$",
                                       out[0]), out
 
@@ -109,7 +109,7 @@ def test_show_prints_the_stage_table_and_draws_the_graph(plans, tmp_path, capsys
     svg = tmp_path / "g.svg"
     assert main(["show", str(plans["good"]), "--graph", str(svg), "--model", "llama-demo"]) == 0
     out = capsys.readouterr().out
-    assert "ilp plan, 5 stages on 2 × rtx4090" in out and f"graph written to {svg}" in out
+    assert "ilp plan, 6 stages on 2 × rtx4090" in out and f"graph written to {svg}" in out
     import xml.etree.ElementTree as ET
 
     assert ET.parse(svg).getroot().tag.endswith("svg")

@@ -66,7 +66,8 @@ def chains(draw, max_n: int = 24, min_n: int = 2, allow_save: bool | None = None
         rec_s=tuple(rec), act_bytes=tuple(act), peak_bytes=tuple(peak), transient_bytes=tuple(transient),
         boundary_bytes=tuple(boundary), input_bytes=draw(st.integers(0, 500)), param_bytes=tuple(param),
         grad_bytes=tuple(0 if f else p for f, p in zip(frozen, param)), shared=shared,
-        device_count=draw(st.integers(1, 4)), microbatches=draw(st.integers(1, 6)), memory_bytes=1,
+        device_count=(devices := draw(st.integers(1, 4))), microbatches=draw(st.integers(1, 6)), memory_bytes=1,
+        resident_handoffs=devices == 1 and draw(st.booleans()),  # one GPU keeps its hand-offs off the link
         link_bytes_per_s=draw(st.sampled_from([300.0, 1000.0, 5000.0])),
         stage_overhead_s=draw(st.sampled_from([0.0, 0.0, 0.01])),
         allow_save=draw(st.booleans()) if allow_save is None else allow_save,

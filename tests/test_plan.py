@@ -64,7 +64,7 @@ def test_save_is_atomic_and_leaves_no_tmp(tmp_path):
         ('{"schema_version": 1, "stages": [', r"p\.json is corrupt: invalid JSON at line 1 column \d+ \(.*\); re-plan to regenerate it"),
         ("[1, 2]", r"p\.json is not an rpcompile plan: expected a JSON object, found list"),
         ('{"hello": 1}', r"p\.json is not an rpcompile plan: no integer 'schema_version'"),
-        ('{"schema_version": 99}', r"p\.json has schema_version 99 but this rpcompile reads up to 5; upgrade rpcompile"),
+        ('{"schema_version": 99}', r"p\.json has schema_version 99 but this rpcompile reads up to 6; upgrade rpcompile"),
         ('{"schema_version": 1}', r"p\.json is corrupt: missing field 'model'; re-plan to regenerate it"),
     ],
 )
@@ -154,6 +154,41 @@ def test_a_plan_for_overlapped_iterations_says_so_and_older_plans_are_synchronou
         Plan.load(tmp_path / "bad.json")
 
 
+def test_a_version_5_plan_loads_priced_without_dispatch_and_version_6_fields_are_bounded(tmp_path):
+    """Schema 6 added the host's dispatch per graph node to the hardware's spec (``dispatch_s``,
+    ``backward_dispatch_s``) and prices one GPU's hand-offs as kept in its memory. A version-5 file has no dispatch
+    fields and loads with none, as it was priced; a file is untrusted, so a dispatch that is negative, not a
+    number, a second or more, or of the wrong type is refused in one line."""
+    gm, _ = toy_graph()
+    plan = make_plan(gm)
+    spec = plan.to_dict()["hardware"]["spec"]
+    assert (spec["dispatch_s"], spec["backward_dispatch_s"]) == (38e-6, 124e-6)  # the rtx4090 preset's
+    data = plan.to_dict()
+    data["schema_version"] = 5
+    for key in ("dispatch_s", "backward_dispatch_s"):
+        del data["hardware"]["spec"][key]
+    data["hardware"]["spec"]["stage_overhead_s"] = 30e-6  # what version 5 wrote for a GPU preset
+    (tmp_path / "v5.json").write_text(json.dumps(data))
+    old = Plan.load(tmp_path / "v5.json")
+    assert old.schema_version == 5 and old.hardware.spec.dispatch_s == old.hardware.spec.backward_dispatch_s == 0
+    assert old.hardware.spec.stage_overhead_s == 30e-6 and old.predicted == plan.predicted
+    assert Hardware(device_count=1, spec=old.hardware.spec, memory_bytes=1, link_bytes_per_s=1.0).resident_handoffs
+    assert not old.hardware.resident_handoffs  # two GPUs
+    for value, message in ((-1e-6, r"hardware\.spec\.dispatch_s: must be a finite number >= 0"),
+                           ("fast", r"hardware\.spec\.dispatch_s: expected a number, found a string"),
+                           (1.5, r"dispatch_s must be in \[0, 1\) seconds, got 1\.5")):
+        bad = plan.to_dict()
+        bad["hardware"]["spec"]["dispatch_s"] = value
+        (tmp_path / "bad.json").write_text(json.dumps(bad))
+        with pytest.raises(PlanFileError, match=message):
+            Plan.load(tmp_path / "bad.json")
+    text = plan.to_json()
+    assert '"backward_dispatch_s": 0.000124' in text
+    (tmp_path / "nan.json").write_text(text.replace('"backward_dispatch_s": 0.000124', '"backward_dispatch_s": NaN'))
+    with pytest.raises(PlanFileError, match="NaN|not a number|corrupt"):
+        Plan.load(tmp_path / "nan.json")
+
+
 def test_a_plan_with_a_host_round_trips(tmp_path):
     gm, _ = toy_graph()
     plan = make_plan(gm)
@@ -162,4 +197,4 @@ def test_a_plan_with_a_host_round_trips(tmp_path):
     plan = dataclasses.replace(plan, hardware=hw, predicted=pred)
     loaded = Plan.load(plan.save(tmp_path / "p.json"))
     assert loaded.hardware == hw and loaded.predicted == pred and loaded.predicted.host_s == pytest.approx(0.1)
-    assert loaded.schema_version == SCHEMA_VERSION == 5
+    assert loaded.schema_version == SCHEMA_VERSION == 6

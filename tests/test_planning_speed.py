@@ -136,12 +136,16 @@ def test_subset_sums_are_the_subset_matrix_product():
                 np.testing.assert_allclose(got, want, rtol=0, atol=16 * k * np.finfo(float).eps * np.abs(x).max())
 
 
-@pytest.mark.parametrize("nodes,overlap", [(1, False), (4, False), (1, True)])
-def test_the_scorer_is_the_timing_model_bit_for_bit(nodes, overlap):
+@pytest.mark.parametrize("nodes,overlap,resident", [(1, False, False), (4, False, False), (1, True, False),
+                                                    (1, False, True)])
+def test_the_scorer_is_the_timing_model_bit_for_bit(nodes, overlap, resident):
     """PlanScorer.total walks only what depends on the plan, from per-stage figures it keeps: the same value as
     timing._total for every plan a local search meets (saved activations, lazy offload and all; on 4 data-parallel
-    nodes, each grad stage's all-reduce too); with overlapped iterations, timing.overlapped_period's."""
+    nodes, each grad stage's all-reduce too); with overlapped iterations, timing.overlapped_period's; on one GPU
+    whose hand-offs stay in its memory (and whose lazy offload gets half the room), the same."""
     pb = llama_like(8)
+    if resident:  # one device, memory tight enough that the halved room binds the lazy offload
+        pb = dataclasses.replace(llama_like(8, devices=1, memory_bytes=12 * 10**9), resident_handoffs=True)
     if nodes > 1:  # a network slow enough that the reduction shows
         pb = dataclasses.replace(pb, host=dataclasses.replace(pb.host, nodes=nodes, network_bytes_per_s=1e9))
     if overlap:  # a step long enough that it shows

@@ -300,6 +300,75 @@ def test_a_forward_stage_whose_saves_are_empty_is_nobody_s_dependency():
 
 
 # ---- host work (HostLoad): accumulation on one host thread, the optimizer step and copy refresh -------------
+def test_one_gpu_keeps_its_hand_offs_off_the_link():
+    """One GPU (``resident_handoffs``): a stage's outputs, a backward stage's output gradients and the input it
+    recomputes from stay in device memory, so only the model inputs come up and only what the host reads (the
+    input gradient of host-looked-up rows) goes down; memory is what it was (the tensors are on the device either
+    way). By hand, the three-stage example on one device, nothing saved: F0 uploads input 30 + W/m 500 and
+    downloads nothing; FB uploads W/m 1000 and downloads nothing; B1 uploads its input 30 (the model's: a = 0)
+    + W/m 500 and downloads G/m 500."""
+    plan = _plan([(0, 1)], (1, 2), [(0, 1)], (False, False))
+    roundtrip = _three_stage_problem(device_count=1)
+    kept = dataclasses.replace(roundtrip, resident_handoffs=True)
+    f0, fb, b1 = stage_costs(kept, plan)
+    assert (f0.input_bytes, f0.output_bytes, f0.upload_bytes, f0.download_bytes) == (30, 0, 530.0, 0.0)
+    assert (fb.input_bytes, fb.output_bytes, fb.upload_bytes, fb.download_bytes) == (0, 0, 1000.0, 0.0)
+    assert (b1.input_bytes, b1.prefetch_bytes, b1.output_bytes) == (0, 30, 0)
+    assert (b1.upload_bytes, b1.download_bytes) == (530.0, 500.0)
+    assert [c.handoff_bytes for c in (f0, fb, b1)] == [0, 0, 0]
+    assert transfer_edges(kept, (f0, fb, b1))["handoff_s"] == [0.0, 0.0, 0.0]
+    before = stage_costs(roundtrip, plan)
+    assert [c.memory_bytes for c in before] == [c.memory_bytes for c in (f0, fb, b1)]
+    assert iteration_time(kept, plan) < iteration_time(roundtrip, plan)
+    # the host's rows' gradient still goes home from the stage that runs segment 0's backward
+    rows = dataclasses.replace(kept, input_grad_bytes=70)
+    assert stage_costs(rows, plan)[2].output_bytes == 70
+    # the solvers' tables price the same links
+    t = RangeTables.build(kept)
+    assert t.in_bytes.tolist() == [30, 0, 0] and t.out_bytes.tolist() == [0, 0, 0]
+    assert t.fwd_time[0, 1] == pytest.approx(f0.time_s) and t.fused_time[1] == pytest.approx(fb.time_s)
+    assert t.bwd_time[0, 1] == pytest.approx(b1.time_s) and t.bwd_need[0, 1] + 2000 == b1.memory_bytes
+
+
+def test_one_gpu_gives_the_lazy_offload_half_the_room():
+    """The runtime shares what one GPU's plan leaves free between its kept hand-offs and its saves' backlog (half
+    each, rpcompile.pipeline): a forward stage whose saves exceed its half waits for the link sooner."""
+    plan = _plan([(0, 1)], (1, 2), [(0, 1)], (True, False))
+    base = max(c.memory_bytes for c in stage_costs(_offload_problem(10**6), plan, lazy_offload=False)[::2])
+    roomy = _offload_problem(base + 400)
+    one = dataclasses.replace(roomy, device_count=1)
+    kept = dataclasses.replace(one, resident_handoffs=True)
+    # all stages share device 0; its largest stage leaves 400 bytes (more with hand-offs off the link)
+    room = kept.memory_bytes - max(c.weight_bytes + c.grad_bytes + c.working_bytes + c.buffer_bytes
+                                   for c in stage_costs(kept, plan, lazy_offload=False))
+    f0 = stage_costs(kept, plan)[0]
+    assert f0.backlog_bytes == room - room // 2  # its half fills: 2 x 300 saved bytes exceed it
+    assert stage_costs(one, plan)[0].backlog_bytes > f0.backlog_bytes
+
+
+@pytest.mark.parametrize("link", [math.inf, 50.0])
+def test_the_simulator_plays_one_gpu_s_kept_hand_offs_and_launch_bound_stages_as_the_timing_model(link):
+    """A one-GPU plan with hand-offs kept on the device and segments bound by their dispatch (their times are the
+    launch bound, ``formulate.launch_bound``): the simulator, walking the same StageCosts, agrees with the timing
+    model — exactly with transfers free, within 2% with the link."""
+    from rpcompile.passes.formulate import launch_bound
+    kernels, nodes = (0.2, 0.9, 0.1, 0.6, 0.3, 1.0), (40, 10, 60, 20, 30, 5)
+    fwd = tuple(launch_bound(k, n, 0.01) for k, n in zip(kernels, nodes))
+    pb = tiny_chain(6, devices=1, microbatches=4, fwd_s=fwd, rec_s=fwd,
+                    bwd_s=tuple(launch_bound(2 * k, n, 0.02) for k, n in zip(kernels, nodes)),
+                    act_bytes=(5,) * 6, boundary_bytes=(8,) * 6, param_bytes=(20,) * 6, grad_bytes=(20,) * 6,
+                    link_bytes_per_s=1e12 if math.isinf(link) else link, resident_handoffs=True)
+    assert pb.fwd_s == (0.4, 0.9, 0.6, 0.6, 0.3, 1.0)  # four of six segments wait for their host
+    plan = SegmentPlan(forward=((0, 2), (2, 4)), fused=(4, 6), backward=((2, 4), (0, 2)),
+                       saved=(True, False, True, False, False, False))
+    sc = from_segment_plan(pb, plan, name="ilp")
+    if math.isinf(link):
+        sc = dataclasses.replace(sc, link_bytes_per_s=math.inf)
+    sim = sc.run()
+    assert all(s.handoff_bytes == 0 for s in sc.stages)
+    assert sim.iteration_time_s == pytest.approx(iteration_time(pb, plan), rel=1e-9 if math.isinf(link) else 0.02)
+
+
 def test_host_accumulation_queues_on_one_thread_in_landing_order():
     """Two stages on one device, 1 s each: gradients land at 1 s and 2 s. The host thread adds the first in 3 s
     (1 → 4) and the second after it (4 → 4.5): the iteration ends at 4.5, not 2."""

@@ -36,14 +36,17 @@ from .specs import DeviceSpec, HostSpec
 
 __all__ = ["SCHEMA_VERSION", "Fingerprint", "Hardware", "Stage", "Prediction", "Plan", "StageKind"]
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 """2 added the per-stage transfer figures (``compute_s``, ``weight_bytes``, …) and ``tokens_per_microbatch``;
 version-1 files still load (those figures read as 0 and the simulator falls back to stage times). 3 added the
 host (``hardware.host``) and the prediction's host part (``pipeline_s``, ``optimizer_s``, ``refresh_s``,
 ``accumulate_s``, ``overlap_step``); version-2 files still load without them (no host work is modelled). 4 added
 data-parallel machines (``hardware.nodes``, ``hardware.network_bytes_per_s``, written only for more than one
 node); version-3 files are single-node plans. 5 added ``predicted.overlap_iterations`` (a plan made for overlapped
-iterations, written only then); older files are synchronous plans."""
+iterations, written only then); older files are synchronous plans. 6 added the host's dispatch per graph node
+(``hardware.spec.dispatch_s``, ``backward_dispatch_s``: launch-bound segments) and prices a one-GPU plan's
+hand-offs as kept in device memory (no link time, ``Hardware.resident_handoffs``); version-5 files load with
+no dispatch, as they were priced (re-pricing one, ``rpcompile check``, prices it the version-6 way)."""
 MAX_PLAN_BYTES = 256 * 2**20
 """The largest plan file :meth:`Plan.load` reads (an 8B model's plan is about 1 MB)."""
 _MAX_DEPTH = 8
@@ -110,6 +113,12 @@ class Hardware:
                               "25Gb/s with --nodes")
         if self.memory_bytes <= 0:
             raise ConfigError(f"Hardware: memory_bytes must be > 0, got {self.memory_bytes}")
+
+    @property
+    def resident_handoffs(self) -> bool:
+        """One device that is not the CPU (one GPU): the runtime keeps what a stage hands to the next in device
+        memory (``rpcompile.runtime.executor``, "Hand-offs on one device"), so the hand-offs cross no link."""
+        return self.device_count == 1 and self.spec.name != "cpu"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -16,7 +16,8 @@ from typing import Mapping
 
 from .errors import ConfigError
 
-__all__ = ["DeviceSpec", "HostSpec", "OP_CLASSES", "SPECS", "get_spec", "assumed_host", "GB", "GiB"]
+__all__ = ["DeviceSpec", "HostSpec", "OP_CLASSES", "SPECS", "get_spec", "assumed_host", "GB", "GiB",
+           "GPU_STAGE_OVERHEAD_S", "GPU_DISPATCH_S", "GPU_BACKWARD_DISPATCH_S"]
 
 GB = 10**9
 GiB = 2**30
@@ -62,7 +63,17 @@ class DeviceSpec:
     """Share of ``memory_bytes`` the planner may fill (the rest: CUDA context, allocator slack)."""
     stage_overhead_s: float = 30e-6
     """Fixed runtime cost per stage and microbatch beyond its kernels: waiting on events, handing activations
-    over, bookkeeping. It is what keeps the planner from cutting stages finer than pays off."""
+    over, bookkeeping (the runtime's host work per action, ``benchmarks/floor.py``). It is what keeps the planner
+    from cutting stages finer than pays off."""
+    dispatch_s: float = 0.0
+    """Host time to dispatch one graph node of a stage's forward onto the device: the stage's generated Python,
+    PyTorch's dispatcher and the kernel launch. A device that runs asynchronously (a GPU) cannot finish a node's
+    work before the host has issued it, so a segment takes at least its nodes times this
+    (:func:`rpcompile.passes.formulate.launch_bound`). 0 for a device that computes as it dispatches (a CPU: its
+    node times contain the dispatch) and in plans older than schema 6."""
+    backward_dispatch_s: float = 0.0
+    """The same per graph node of a backward (the autograd engine's nodes for it: the gradients of its inputs and
+    of its parameters, about twice the forward's launches)."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_flops", "fp32_flops", "memory_bandwidth", "host_link_bandwidth"):
@@ -76,8 +87,10 @@ class DeviceSpec:
         bad = {k: v for k, v in self.efficiency.items() if not 0 < v <= 1}
         if bad:
             raise ConfigError(f"DeviceSpec {self.name!r}: efficiency factors must be in (0, 1], got {bad}")
-        if not (0 <= self.stage_overhead_s < 1):
-            raise ConfigError(f"DeviceSpec {self.name!r}: stage_overhead_s must be in [0, 1) seconds")
+        for name in ("stage_overhead_s", "dispatch_s", "backward_dispatch_s"):
+            v = getattr(self, name)
+            if not (0 <= v < 1):  # NaN fails too
+                raise ConfigError(f"DeviceSpec {self.name!r}: {name} must be in [0, 1) seconds, got {v}")
         if not 0 < self.usable_memory_fraction <= 1:
             raise ConfigError(f"DeviceSpec {self.name!r}: usable_memory_fraction must be in (0, 1]")
         # complete the efficiency table so lookups never miss
@@ -183,6 +196,20 @@ def assumed_host(spec: "str | DeviceSpec") -> HostSpec:
                     pageable_d2h=link / 3, threads=threads, source="assumed", note=note)
 
 
+#: The runtime's host work per action (one stage on one microbatch) beyond dispatching its nodes: inputs and
+#: outputs handed over, events, bookkeeping. ``benchmarks/floor.py`` measured 0.63 ms per action at the Qwen3-1.7B
+#: shape once the gradient buffers were reused (RESULTS.md, 2026-11-28; compute on ``meta``, so no GPU needed).
+GPU_STAGE_OVERHEAD_S = 0.6e-3
+#: Host time per graph node the runtime takes to dispatch a stage's forward onto a GPU, and per node with a
+#: backward to run that backward. From the H100 trace of the 1.7B shape (RESULTS.md, 2026-11-28), less the
+#: profiler's share (the profiled step took 2.307 s of GPU window, the unprofiled 2.107 s: ×0.91): forward,
+#: 2.29 ms of host per decoder layer of 54 graph nodes (42 µs a node; the forward stages, the gradient sink idle);
+#: backward, the autograd thread's 795 ms over 8 microbatches of 730 nodes with a backward (136 µs a node: a
+#: saved segment's backward runs its captured graph's aten operations one by one, about four per graph node).
+GPU_DISPATCH_S = 38e-6
+GPU_BACKWARD_DISPATCH_S = 124e-6
+
+
 def _gpu(name: str, tflops: float, fp32_tflops: float, gbps: float, mem_gb: float, link_gbps: float) -> DeviceSpec:
     return DeviceSpec(
         name=name,
@@ -191,6 +218,9 @@ def _gpu(name: str, tflops: float, fp32_tflops: float, gbps: float, mem_gb: floa
         memory_bandwidth=gbps * GB,
         memory_bytes=int(mem_gb * GB),
         host_link_bandwidth=link_gbps * GB,
+        stage_overhead_s=GPU_STAGE_OVERHEAD_S,
+        dispatch_s=GPU_DISPATCH_S,
+        backward_dispatch_s=GPU_BACKWARD_DISPATCH_S,
     )
 
 

@@ -42,7 +42,8 @@ __all__ = ["SOLVER_MODULES", "solve_inputs", "moved_inputs", "hardware_digest", 
 
 #: The partitioner's modules: their source is part of what a plan was solved from.
 SOLVER_MODULES = ("partition", "ilp", "polish", "scorer", "greedy", "exact", "lagrange", "balance", "baselines", "bounds",
-                  "tables", "timing", "recurrence", "problem", "formulate", "coarsen", "segment_rules")
+                  "tables", "timing", "recurrence", "problem", "formulate", "coarsen", "segment_rules", "stays",
+                  "stay_search")
 
 
 def _digest(text: str) -> str:

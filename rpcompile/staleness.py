@@ -26,6 +26,7 @@ otherwise a fresh solve would find the same plan. The result says which, and why
 
 from __future__ import annotations
 
+from collections import Counter
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,9 +97,14 @@ def rescore(plan: Any, gm: Any) -> tuple[Any, list[str]]:
     saved_nodes = set(plan.saved)
     saved = tuple(bool(s.nodes) and all(n in saved_nodes for n in s.nodes) for s in segs)
     fused = next((a, b) for k, a, b in ranges if k == "fused")
+    kept = {p for s in plan.forward_stages for p in s.keeps}  # a segment stays when its own parameters are kept
+    readers = Counter(p for s in segs for p in set(s.params))
+    own = [{p for p in s.params if readers[p] == 1} for s in segs]
+    stays = tuple(not plan.resident and bool(mine) and i < fused[0] and mine <= kept for i, mine in enumerate(own))
     return SegmentPlan(forward=tuple((a, b) for k, a, b in ranges if k == "forward"), fused=fused,
                        backward=tuple((a, b) for k, a, b in ranges if k == "backward"),
-                       saved=tuple(x and i < fused[0] for i, x in enumerate(saved))), []
+                       saved=tuple(x and i < fused[0] for i, x in enumerate(saved)), stays=stays,
+                       resident=plan.resident), []
 
 
 def check_plan(path: str | Path, model: Any, example_inputs: Sequence[Any], *, max_regression: float = 0.02,

@@ -54,7 +54,7 @@ import sys
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Hashable, Iterable
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -113,6 +113,8 @@ class _Entry:
     """``back`` holds the stepped master (an overlapped step wrote it): :meth:`WeightStore.swap` takes it."""
     made_from: tuple[int, int] = (-1, -1)
     """``(master._version, master.data_ptr())`` when ``front`` was made; anything else means stale."""
+    generation: int = 0
+    """How many times ``front`` was made or swapped in (:meth:`WeightStore.version`)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -196,6 +198,17 @@ class WeightStore:
                     self._make(e, e.front)
         return e.front
 
+    def version(self, name: str) -> Hashable:
+        """What :meth:`source` gives for ``name`` now, as a token: a device copy made from it is current while the
+        token stays the same (weights that stay on a device, :mod:`.stays`). None when the host copy is stale (the
+        next :meth:`source` remakes it), which no copy was made from."""
+        e = self.entries[name]
+        if e.front is None:
+            return None if e.lazy else ("master", id(e.master), *_stamp(e.master))
+        if not self.overlapping and e.made_from != _stamp(e.master):
+            return None
+        return id(e.front), e.generation, e.made_from
+
     def host_table(self, name: str) -> torch.Tensor:
         """A token-embedding table as the host looks rows up in it: the master, or its front copy (in the
         master's precision) while overlapping — the master is being stepped."""
@@ -254,6 +267,7 @@ class WeightStore:
             if e.back is not None and e.written:
                 e.front, e.back, e.written = e.back, e.front, False
                 e.made_from = _stamp(e.master)
+                e.generation += 1
 
     def end_overlap(self, optimizer: Any = None, *, failed: bool = False) -> None:
         """Back to synchronous steps: the back buffers go; an optimizer's mirrors point at the front copies.
@@ -281,6 +295,7 @@ class WeightStore:
                     continue
                 if id(p) in mirrored and e.made_from[1] == p.data_ptr():
                     e.made_from = _stamp(p)  # the optimizer wrote the copy in the pass that updated p
+                    e.generation += 1
                 else:
                     e.made_from = (-1, -1)  # remade by the next upload that needs it
         if hasattr(optimizer, "mirror"):
@@ -306,6 +321,7 @@ class WeightStore:
     def _make(self, e: _Entry, into: torch.Tensor, *, stamp: bool = True) -> None:
         with torch.no_grad(), span("weights refresh"):
             into.copy_(e.master)
+        e.generation += 1
         self.traffic.add("weight copies", nbytes(e.master) + nbytes(into))
         if stamp:
             e.made_from = _stamp(e.master)

@@ -124,6 +124,9 @@ class PartitionProblem:
     """Fixed cost per stage and microbatch (launch, synchronisation)."""
     allow_save: bool = True
     """When False every segment is recomputed (``saved`` all False): the pure balance problem."""
+    allow_stay: bool = True
+    """When False no weight stays on its device between stages (``stays`` empty, not ``resident``): every stage
+    uploads its weights, as before weights could stay (:mod:`.stay_search`)."""
     host: HostLoad = HostLoad()
     """The host's work: gradient accumulation after each grad stage (in the iteration recurrence, not in a
     stage's per-microbatch price) and the optimizer step and copy refresh between iterations (a constant the

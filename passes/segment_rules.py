@@ -82,6 +82,8 @@ def _saved_violations(pb: PartitionProblem, plan: SegmentPlan) -> list[str]:
 
 def _stay_violations(pb: PartitionProblem, plan: SegmentPlan) -> list[str]:
     """Rule 5: stays where they can be."""
+    if (plan.resident or plan.stays) and not pb.allow_stay:
+        return ["the problem keeps no weight on the devices (allow_stay=False) but the plan does; drop its stays"]
     if plan.resident:
         out = [] if resident_allowed(pb, plan) else [
             f"a resident plan needs every stage back on its device each iteration: one device, or a stage count "

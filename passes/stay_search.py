@@ -44,6 +44,8 @@ def without_stays(plan: SegmentPlan) -> SegmentPlan:
 def choose_stays(pb: PartitionProblem, plan: SegmentPlan) -> SegmentPlan:
     """``plan`` with the weights that stay chosen (module docstring)."""
     base = without_stays(plan)
+    if not pb.allow_stay:
+        return base
     limit = iteration_time(pb, base) * (1 + SLOWER)
 
     def time_if_valid(p: SegmentPlan) -> float | None:

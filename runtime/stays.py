@@ -54,20 +54,20 @@ class DeviceWeights:
         """Weight bytes each device's stages found there instead of uploading them."""
         self._copies: list[dict[str, tuple[torch.Tensor, Hashable]]] = [{} for _ in range(devices)]
         self._lock = threading.Lock()
-
-    @property
-    def staying(self) -> bool:
-        """Whether any weight stays anywhere (otherwise every stage uploads all of its own)."""
-        return any(self.keeps)
+        self._devices, self._resident = devices, program.resident
 
     def take(self, device: int, stage: int, names: Sequence[str], weights: WeightStore) -> dict[str, torch.Tensor]:
         """The current copies of ``names`` on ``device`` that stage ``stage`` finds there; each one it does not
-        keep itself leaves this table (the stage's state holds it now)."""
-        if stage >= len(self.finds) or not self.finds[stage]:
-            return {}
-        out = {}
+        keep itself leaves this table (the stage's state holds it now). The device's first stage of a call lets
+        go of what an unfinished call left (an evaluation runs no backward stage to find what its forward stages
+        kept; a failed call stops anywhere), which its plan does not count on; a resident plan's copies stay."""
         with self._lock:
             copies = self._copies[device]
+            if stage < self._devices and not self._resident:
+                copies.clear()
+            if stage >= len(self.finds) or not self.finds[stage]:
+                return {}
+            out = {}
             for name in names:
                 if name not in self.finds[stage] or name not in copies:
                     continue
@@ -77,6 +77,11 @@ class DeviceWeights:
             self.found[device] += sum(nbytes(t) for t in out.values())
         return out
 
+    def holding(self, device: int) -> int:
+        """Bytes of weight copies staying on ``device`` now (kept by a stage for a later one, or resident)."""
+        with self._lock:
+            return sum(nbytes(t) for t, _ in self._copies[device].values())
+
     def leave(self, device: int, stage: int, uploaded: dict[str, torch.Tensor], weights: WeightStore) -> None:
         """After stage ``stage`` uploaded ``uploaded`` to ``device`` (from :meth:`WeightStore.source`): count them,
         and keep those it leaves there, with the version of the host copy they came from."""
@@ -85,9 +90,3 @@ class DeviceWeights:
             if stage < len(self.keeps):
                 for name in self.keeps[stage] & uploaded.keys():
                     self._copies[device][name] = (uploaded[name], weights.version(name))
-
-    def clear(self) -> None:
-        """Let every copy go (the devices' memory is needed elsewhere); the next stages upload what they read."""
-        with self._lock:
-            for copies in self._copies:
-                copies.clear()

@@ -132,6 +132,7 @@ class WeightStore:
         self.entries = {n: _Entry(params[n]) for n in dict.fromkeys([*uploaded, *host_only])}
         self.host_only = set(host_only) - set(uploaded)
         self.overlapping = False
+        self._refreshes = 0  # refresh() calls (version)
         self._mirrored: "weakref.WeakKeyDictionary[Any, set[int]]" = weakref.WeakKeyDictionary()
         by_id: dict[int, list[str]] = {}
         for name, e in self.entries.items():
@@ -203,8 +204,8 @@ class WeightStore:
         token stays the same (weights that stay on a device, :mod:`.stays`). None when the host copy is stale (the
         next :meth:`source` remakes it), which no copy was made from."""
         e = self.entries[name]
-        if e.front is None:
-            return None if e.lazy else ("master", id(e.master), *_stamp(e.master))
+        if e.front is None:  # (refresh: edits through p.data, which no version counter sees)
+            return None if e.lazy else ("master", id(e.master), *_stamp(e.master), self._refreshes)
         if not self.overlapping and e.made_from != _stamp(e.master):
             return None
         return id(e.front), e.generation, e.made_from
@@ -215,7 +216,9 @@ class WeightStore:
         return self.source(name)
 
     def refresh(self) -> None:
-        """Remake every copy from its master now (after edits through ``p.data``, which nothing can see)."""
+        """Remake every copy from its master now (after edits through ``p.data``, which nothing can see); copies
+        a device kept (:meth:`version`) are stale from here on."""
+        self._refreshes += 1
         for e in self.entries.values():
             if e.front is not None:
                 with e.lock:

@@ -114,7 +114,8 @@ class _Entry:
     made_from: tuple[int, int] = (-1, -1)
     """``(master._version, master.data_ptr())`` when ``front`` was made; anything else means stale."""
     generation: int = 0
-    """How many times ``front`` was made or swapped in (:meth:`WeightStore.version`)."""
+    """How many times ``front`` was made or swapped in, or an optimizer stepped the master
+    (:meth:`WeightStore.version`)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -205,7 +206,7 @@ class WeightStore:
         next :meth:`source` remakes it), which no copy was made from."""
         e = self.entries[name]
         if e.front is None:  # (refresh: edits through p.data, which no version counter sees)
-            return None if e.lazy else ("master", id(e.master), *_stamp(e.master), self._refreshes)
+            return None if e.lazy else ("master", id(e.master), *_stamp(e.master), e.generation, self._refreshes)
         if not self.overlapping and e.made_from != _stamp(e.master):
             return None
         return id(e.front), e.generation, e.made_from
@@ -294,11 +295,11 @@ class WeightStore:
         for p in _params_of(optimizer):
             for name in self._by_param.get(id(p), ()):
                 e = self.entries[name]
+                e.generation += 1  # a device's copy of it is stale (torch's fused AdamW leaves _version as it was)
                 if e.front is None:
                     continue
                 if id(p) in mirrored and e.made_from[1] == p.data_ptr():
                     e.made_from = _stamp(p)  # the optimizer wrote the copy in the pass that updated p
-                    e.generation += 1
                 else:
                     e.made_from = (-1, -1)  # remade by the next upload that needs it
         if hasattr(optimizer, "mirror"):

@@ -193,3 +193,14 @@ def test_evaluation_between_calls_leaves_no_copy_the_next_call_does_not_count_on
     opt, ref_opt = torch.optim.AdamW(model.parameters(), **ADAMW), torch.optim.AdamW(ref.parameters(), **ADAMW)
     step_both(pipe, model, ref, opt, ref_opt, 2)
     assert sum(stays.holding(d) for d in range(2)) == 0
+
+
+def test_a_fused_adamw_step_makes_a_resident_copy_stale(solved):
+    """torch's fused CPU AdamW writes the masters without moving their version counters: the step hook is what
+    tells a device's copy it is stale (fp32 on the CPU keeps no host copy whose stamp would say so)."""
+    model, ref, pipe = pipeline(solved, 1, "resident")
+    opt = torch.optim.AdamW(model.parameters(), fused=True, **ADAMW)
+    ref_opt = torch.optim.AdamW(ref.parameters(), fused=True, **ADAMW)
+    for seed in range(3):
+        step_both(pipe, model, ref, opt, ref_opt, seed)
+    assert_weights_equal(model, ref)

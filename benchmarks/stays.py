@@ -4,7 +4,8 @@
 eager PyTorch (``loss.backward(); opt.step(); opt.zero_grad()``) against rpcompile with today's plan (every stage
 uploads its weights: ``allow_stay=False``) and with weights that stay (the default), planned on the same cuts
 (stays are chosen on the solved cuts, so the two plans differ only in them). Per setup: median step time, its
-ratio to eager, and the weight bytes uploaded per step — counted by the runtime (``pipe.executor.stays.uploaded``,
+ratio to eager (the median of each round's ratio: the machine's load moves the times, less their ratio), and the
+weight bytes uploaded per step — counted by the runtime (``pipe.executor.stays.uploaded``,
 after a warm-up step) and as the plan predicts (the stages' ``weight_bytes``). On logical CPU devices an upload
 moves nothing (a stage reads the host copy), so the step times show what stays cost the runtime, and the bytes
 what they spare a GPU's link. Setups (llama-demo, fp32, batch 12, analytic ``cpu`` costs — with a 30 µs stage
@@ -12,8 +13,8 @@ overhead instead of the preset's 0.4 ms where said, so that the planner cuts the
 
 - ``1 device, fits``: one device with room for everything: the resident plan (each weight uploaded once, then
   only what the optimizer step changed), as the ``cpu`` preset plans it, and with fine stages;
-- ``1 device, 1 MiB``: one device under a 1 MiB limit: nine stages, the forward stages' weights staying where
-  they fit;
+- ``1 device, 4 MiB``: one device under a 4 MiB limit: seven stages, the forward stages' weights staying only
+  where they fit;
 - ``2 devices``: two devices (default memory): forward stages keep their weights for the backward stages on
   their device;
 - ``1 device, LoRA``: rank-4 adapters on a frozen base, one device with room: the frozen base goes up once.
@@ -36,6 +37,7 @@ import copy
 import dataclasses
 import datetime as dt
 import json
+import os
 import platform
 import statistics
 import time
@@ -60,7 +62,7 @@ FINE = dataclasses.replace(get_spec("cpu"), name="cpu-fine-stages", stage_overhe
 MIB, GIB = 2**20, 2**30
 #: (label, devices, memory limit, LoRA rank or 0, spec) of the measured setups
 SETUPS = (("1 device, fits", 1, None, 0, "cpu"), ("1 device, fits, fine stages", 1, None, 0, FINE),
-          ("1 device, 1 MiB", 1, 1 * MIB, 0, FINE), ("2 devices", 2, None, 0, FINE),
+          ("1 device, 4 MiB", 1, 4 * MIB, 0, FINE), ("2 devices", 2, None, 0, FINE),
           ("1 device, LoRA", 1, None, 4, "cpu"))
 #: (label, model, batch, sequence, devices, spec, memory limit, microbatches) of the predicted rows
 PREDICTED = (("1.7B, 1 GPU", "llama-1.7b", 4, 1024, 1, "h100-sxm", None, None),
@@ -71,8 +73,9 @@ RESULTS = Path(__file__).parent / "results" / "stays.json"
 console = Console(width=max(Console().width, 160))
 
 
-def _timed(steps: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
-    """Median time of each step, measured in turn (load changes hit them alike) after two warm-ups."""
+def _timed(steps: dict[str, Callable[[], None]], repeats: int) -> dict[str, list[float]]:
+    """Each step's times, the steps measured in turn, one round after the other (a load change hits a round's
+    steps alike), after two warm-up rounds."""
     for _ in range(2):
         for fn in steps.values():
             fn()
@@ -82,7 +85,7 @@ def _timed(steps: dict[str, Callable[[], None]], repeats: int) -> dict[str, floa
             t0 = time.perf_counter()
             fn()
             times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return times
 
 
 def measured(label: str, devices: int, memory: int | None, rank: int, spec_: Any, repeats: int) -> dict[str, Any]:
@@ -113,13 +116,16 @@ def measured(label: str, devices: int, memory: int | None, rank: int, spec_: Any
     for k in pipes:  # the first step uploads every weight (frozen ones too); then steady state
         step(k)()
     before = {k: sum(p.executor.stays.uploaded) for k, p in pipes.items()}
+    load = os.getloadavg()[0]
     times = _timed({"eager": eager, "today": step("today"), "stays": step("stays")}, repeats)
     runs = repeats + 2
     row: dict[str, Any] = {"setup": label, "devices": devices, "memory_limit": memory, "lora_rank": rank,
                            "stages": len(pipes["stays"].plan.stages), "resident": pipes["stays"].plan.resident,
-                           "eager_step_s": times["eager"]}
+                           "eager_step_s": statistics.median(times["eager"]), "load_average": load}
     for k, p in pipes.items():
-        row[k] = {"step_s": times[k], "ratio_to_eager": times[k] / times["eager"],
+        # the ratio of each round's steps, then the median: a load change between rounds cancels out
+        ratios = [t / e for t, e in zip(times[k], times["eager"])]
+        row[k] = {"step_s": statistics.median(times[k]), "ratio_to_eager": statistics.median(ratios),
                   "uploaded_bytes_per_step": (sum(p.executor.stays.uploaded) - before[k]) / runs,
                   "predicted_bytes_per_step": sum(s.weight_bytes for s in p.plan.stages),
                   "stages_keeping": sum(1 for s in p.plan.stages if s.keeps)}
@@ -148,12 +154,13 @@ def predicted(label: str, model: str, batch: int, seq: int, gpus: int, spec: str
 def _measured_table(rows: list[dict]) -> Table:
     table = Table(title=f"measured on {torch.get_num_threads()} CPU threads, logical devices (llama-demo, fp32, batch "
                         "12, AdamW): step time, ratio to eager, weight bytes up per step (counted / plan)")
-    for col in ("setup", "stages", "resident", "eager", "today", "× eager", "stays", "× eager", "up today",
+    for col in ("setup", "stages", "resident", "load", "eager", "today", "× eager", "stays", "× eager", "up today",
                 "up stays", "plan today", "plan stays"):
         table.add_column(col, justify="left" if col == "setup" else "right")
     for r in rows:
         t, s = r["today"], r["stays"]
-        table.add_row(r["setup"], str(r["stages"]), "yes" if r["resident"] else "no", fmt_time(r["eager_step_s"]),
+        table.add_row(r["setup"], str(r["stages"]), "yes" if r["resident"] else "no", f"{r['load_average']:.1f}",
+                      fmt_time(r["eager_step_s"]),
                       fmt_time(t["step_s"]), f"{t['ratio_to_eager']:.2f}", fmt_time(s["step_s"]),
                       f"{s['ratio_to_eager']:.2f}", fmt_bytes(t["uploaded_bytes_per_step"]),
                       fmt_bytes(s["uploaded_bytes_per_step"]), fmt_bytes(t["predicted_bytes_per_step"]),

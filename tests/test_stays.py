@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -245,3 +246,10 @@ def test_check_rescores_a_plan_with_stays(plans, capsys):
     for name in ("two", "resident", "tight"):
         assert main(["check", str(plans[name]), "llama-demo"]) == 0, name
     assert "OK" in capsys.readouterr().out
+
+
+def test_diff_says_what_stays_spare_the_link(plans, capsys):
+    assert main(["diff", str(plans["none"]), str(plans["two"])]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"weights up per iteration [\d.]+ KiB → [\d.]+ KiB \(−\d+\.\d%\)", out), out
+    assert "placement" not in out  # the same cuts: stays are chosen on them

@@ -325,7 +325,8 @@ class WeightStore:
     def _make(self, e: _Entry, into: torch.Tensor, *, stamp: bool = True) -> None:
         with torch.no_grad(), span("weights refresh"):
             into.copy_(e.master)
-        e.generation += 1
+        if into is e.front:  # (an overlapped step writing the back buffer changes nothing the devices read)
+            e.generation += 1
         self.traffic.add("weight copies", nbytes(e.master) + nbytes(into))
         if stamp:
             e.made_from = _stamp(e.master)

@@ -209,9 +209,9 @@ def test_a_version_5_plan_loads_as_one_whose_weights_all_leave(plans):
     (lambda d, k: d["stages"][k]["keeps"].append("bad\nname"), r"keeps\[\d+\]: holds the control or format"),
     (lambda d, k: d["stages"][k]["keeps"].clear(), r"finds parameters no earlier stage on its device kept"),
     (lambda d, k: d["stages"][k].update(finds=d["stages"][k]["keeps"]), r"only backward stages find parameters"),
-    (lambda d, k: d.update(resident=True), r"a resident plan's stage keeps and finds every parameter"),
     (lambda d, k: d["stages"][k].update(held_bytes=-1), r"held_bytes: must be >= 0"),
     (lambda d, k: d.update(resident="yes"), r"resident: expected true or false"),
+    (lambda d, k: d.update(resident=True), r"resident: 5 stages on 2 devices would not come back"),
 ])
 def test_stays_in_a_plan_file_are_checked(plans, tmp_path, edit, message):
     data = json.loads(plans["two"].read_text())
@@ -220,6 +220,15 @@ def test_stays_in_a_plan_file_are_checked(plans, tmp_path, edit, message):
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(data))
     with pytest.raises(PlanFileError, match=message):
+        Plan.load(path)
+
+
+def test_a_resident_plan_file_keeps_and_finds_every_parameter_of_every_stage(plans, tmp_path):
+    data = json.loads(plans["resident"].read_text())
+    data["stages"][0]["keeps"] = data["stages"][0]["keeps"][1:]
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlanFileError, match=r"stages\[0\] \(\w+\): a resident plan's stage keeps and finds every"):
         Plan.load(path)
 
 

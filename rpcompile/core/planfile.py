@@ -240,6 +240,9 @@ def _stays_problem(d: Mapping[str, Any]) -> str | None:
     earlier stage on its device (stage ``k`` on device ``k mod devices``). A plan that says otherwise would have
     the runtime hold or skip weights its memory and time figures do not count."""
     stages, devices, resident = d["stages"], d["hardware"]["device_count"], d.get("resident", False)
+    if resident and len(stages) % devices:
+        return (f"resident: {len(stages)} stages on {devices} devices would not come back to their devices each "
+                "iteration (a resident plan has one device, or stages a multiple of the devices)")
     kept: dict[int, set[str]] = {}
     for k, s in enumerate(stages):
         params, keeps, finds = set(s["params"]), s.get("keeps", []), s.get("finds", [])

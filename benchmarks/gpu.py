@@ -327,10 +327,15 @@ def rpcompile_row(spec: Any, devices: list[str], label: str, steps: int, *, sect
                            "head_chunks": pipe.plan.head_chunks, **passes,
                            # the pipeline's part of the prediction: these steps run no optimizer
                            "predicted_s": pipe.plan.predicted.pipeline_s or pipe.plan.predicted.iteration_time_s}
+    # weights that stay on the device (issue 35 item 5): what the plan sends up a step, and what went up (no
+    # optimizer steps here, so a resident plan's steps after the first upload nothing)
+    row.update(resident=pipe.plan.resident, weights_up_gib_planned=sum(s.weight_bytes for s in pipe.plan.stages) / 2**30)
+    uploaded = sum(pipe.executor.stays.uploaded)
     try:
         row.update(step_s=_timed(step, steps, device), peak_gib=_peak(device), error=None)
     except Exception as e:  # noqa: BLE001 - reported in the table: a failing row must not hide the others
         row.update(step_s=None, peak_gib=_peak(device), error=f"{type(e).__name__}: {str(e).splitlines()[0]}")
+    row["weights_up_gib_per_step"] = (sum(pipe.executor.stays.uploaded) - uploaded) / (steps + 1) / 2**30
     if profile is not None and row["error"] is None:
         profile.mkdir(parents=True, exist_ok=True)
         with torch.profiler.profile(record_shapes=False,

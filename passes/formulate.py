@@ -40,6 +40,7 @@ def partition_problem(
     precision: str = "fp32",
     stage_overhead_s: float | None = None,
     allow_save: bool = True,
+    allow_stay: bool = True,
     overlap_step: bool = False,
     overlap_iterations: bool = False,
 ) -> PartitionProblem:
@@ -91,6 +92,7 @@ def partition_problem(
         stage_overhead_s=hardware.spec.stage_overhead_s if stage_overhead_s is None else stage_overhead_s,
         allow_save=allow_save,
         resident_handoffs=hardware.resident_handoffs,
+        allow_stay=allow_stay,
         host=host_load(hardware.host, trainable_params=sum(p.numel() for p in params.values() if p.requires_grad),
                        precision=precision, overlap_step=overlap_step, overlap_iterations=overlap_iterations,
                        nodes=hardware.nodes,

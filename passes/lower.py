@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 from typing import Any, Sequence
 
 import torch.fx as fx
 
 from rpcompile.core.errors import ConfigError
 from rpcompile.core.plan import Hardware, Plan, Prediction, Stage, StageKind
+from rpcompile.core.schedule import weight_stays
 
 from .coarsen import segments_of
 from .fingerprint import fingerprint
@@ -175,8 +177,23 @@ def to_plan(gm: fx.GraphModule, problem: Any, result: Any, *, hardware: Hardware
         inputs = facts["inputs"] = solve_inputs(gm, problem, hardware, strategy=result.strategy, precision=precision)
     else:  # the same record but for the strategy (the first option)
         inputs = {**inputs, "options": {**inputs["options"], "strategy": result.strategy}}
+    if sp.stays or sp.resident:
+        made = _with_stays(made, segs, sp)
     return dataclasses.replace(made, head_chunks=int(gm.meta.get(HEAD_CHUNKS_META, 1)),
                                host=tuple(h.node for h in host_of(gm)), inputs=inputs)
+
+
+def _with_stays(plan: Plan, segs: Sequence[Any], sp: Any) -> Plan:
+    """The parameters each stage keeps on its device and finds there (:func:`weight_stays` over parameter names,
+    as the runtime walks them): a stayed segment's own parameters (those no other segment reads), or with
+    ``resident`` all of them."""
+    readers = Counter(p for s in segs for p in set(s.params))
+    staying = {p for s, flag in zip(segs, sp.stays) if flag for p in s.params if readers[p] == 1}
+    walk = weight_stays([s.params for s in plan.stages], plan.hardware.device_count, staying, resident=sp.resident)
+    stages = tuple(dataclasses.replace(s, keeps=tuple(p for p in s.params if p in w.kept),
+                                       finds=tuple(p for p in s.params if p in w.found))
+                   for s, w in zip(plan.stages, walk))
+    return dataclasses.replace(plan, stages=stages, resident=sp.resident)
 
 
 def _figures(c: Any, microbatches: int) -> dict:
@@ -191,4 +208,7 @@ def _figures(c: Any, microbatches: int) -> dict:
         "download_bytes": round(c.download_bytes - c.grad_bytes / microbatches - c.offload_bytes),
         "offload_bytes": c.offload_bytes,
         "working_bytes": c.working_bytes,
+        "found_bytes": int(c.found_bytes),
+        "kept_bytes": int(c.kept_bytes),
+        "held_bytes": int(c.held_bytes),
     }

@@ -7,7 +7,7 @@ Strategies (all ``(problem, *, time_limit_s, seed) -> PartitionResult``, infeasi
 - ``roundpipe``: RoundPipe's greedy at layer granularity (arXiv 2604.27085, DESIGN §4);
 - ``uniform``: ``N`` equal layer groups, the static-pipeline baseline.
 
-- ``greedy``: the ILP's preparation below without CP-SAT.
+- ``greedy``: the ILP's preparation below without CP-SAT (and its stays, step 7).
 
 **The ILP search.** What is minimised is the bound ``c(S)·T`` of a plan with ``S`` stages whose slowest stage
 takes ``T`` (:mod:`.ilp`); every plan met is finally re-scored by the exact :func:`.timing.iteration_time` (the
@@ -31,7 +31,9 @@ out) and the best one returned. In order:
    the incumbent (``status`` ``OPTIMAL`` when none is below it at all) or the time is spent (``FEASIBLE``);
 6. *local search* on the exact time (:mod:`.polish`): climbs from the best plans of the best few stage counts,
    the winner's save/recompute flips, then a climb from the winner re-cut into stages that grow from both ends
-   of the pipeline (``taper``), the faster of the two kept.
+   of the pipeline (``taper``), the faster of the two kept;
+7. *stays* on the winner's cuts (:mod:`.stay_search`): which weights stay on their device between a forward
+   and a backward stage (or all of them, across iterations), where memory allows and the exact time gains.
 
 ``stats["bound_s"] = min(incumbent, min_S c(S)·LB(S))`` is a proven lower bound on ``c(S)·T`` over all plans;
 ``stats["gap"] = model_best_s / bound_s − 1``; ``objective_gap`` is ``objective / bound_s − 1`` (the exact
@@ -56,6 +58,7 @@ from .lagrange import StageCountBound
 from .polish import PlanScorer, flip_saves, polish, taper
 from .problem import PartitionProblem, PartitionResult, SegmentPlan
 from .segment_rules import validate_segment_plan
+from .stay_search import choose_stays
 from .tables import RangeTables, min_memory
 from .timing import equal_time_factors, iteration_time, stage_costs
 
@@ -204,7 +207,7 @@ def greedy(pb: PartitionProblem, *, time_limit_s: float = 10.0, seed: int = 0) -
     if isinstance(prep, PartitionResult):
         return prep
     _, pool, _, _, _, greedy_tried = prep
-    best = min(pool.plans, key=lambda p: (iteration_time(pb, p), p.stage_count))
+    best = choose_stays(pb, min(pool.plans, key=lambda p: (iteration_time(pb, p), p.stage_count)))
     return make_result("greedy", pb, best, started, model_best_s=pool.incumbent(), greedy_budgets=greedy_tried)
 
 
@@ -347,6 +350,7 @@ def _finish(pb: PartitionProblem, pool: _Pool, lb: np.ndarray, started: float, s
         tapered = flip_saves(pb, polish(pb, tapered, max_evaluations=POLISH_EVALUATIONS, deadline=deadline,
                                         scorer=scorer), deadline=deadline, scorer=scorer)
         best = min((best, tapered), key=lambda p: (iteration_time(pb, p), p.stage_count))
+    best = choose_stays(pb, best)  # the weights that stay on their devices, on the settled cuts
     inc = pool.incumbent()
     bound = min(inc, float(np.min(bound_values(pool.c, lb))))
     proven = bound >= inc * (1 - 1e-9)

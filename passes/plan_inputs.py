@@ -11,7 +11,7 @@ The record (plain JSON):
 - ``problem``: digest of the :class:`~.problem.PartitionProblem` (the solvers' whole input, in plain numbers);
 - ``hardware``: digest of the plan's :class:`~rpcompile.core.plan.Hardware` (spec, memory, link, host rates);
 - ``options``: the planning options, readable (``strategy``, ``microbatches``, ``precision``, ``memory_bytes``,
-  ``head_chunks``, ``host`` embeddings, ``segments_per_layer``, ``max_segments``, ``allow_save``, and
+  ``head_chunks``, ``host`` embeddings, ``segments_per_layer``, ``max_segments``, ``allow_save``, ``allow_stay``, and
   ``overlap`` when the plan is for overlapped iterations);
 - ``solver``: digest of the partitioner's source (a new partitioner may find a faster plan from the same inputs).
 
@@ -42,7 +42,8 @@ __all__ = ["SOLVER_MODULES", "solve_inputs", "moved_inputs", "hardware_digest", 
 
 #: The partitioner's modules: their source is part of what a plan was solved from.
 SOLVER_MODULES = ("partition", "ilp", "polish", "scorer", "greedy", "exact", "lagrange", "balance", "baselines", "bounds",
-                  "tables", "timing", "recurrence", "problem", "formulate", "coarsen", "segment_rules")
+                  "tables", "timing", "recurrence", "problem", "formulate", "coarsen", "segment_rules", "stays",
+                  "stay_search")
 
 
 def _digest(text: str) -> str:
@@ -82,6 +83,7 @@ def solve_inputs(gm: fx.GraphModule, problem: Any, hardware: Hardware, *, strate
         "memory_bytes": hardware.memory_bytes, "head_chunks": int(gm.meta.get(HEAD_CHUNKS_META, 1)),
         "host": [h.node for h in host_of(gm)], "segments_per_layer": coarsen.get("segments_per_layer", 2),
         "max_segments": coarsen.get("max_segments"), "allow_save": bool(problem.allow_save),
+        "allow_stay": bool(problem.allow_stay),
     } | ({"overlap": True} if problem.host.overlap_iterations else {})  # recorded only when set: older plans match
     return {"costs": costs_digest(gm), "problem": problem_digest(problem), "hardware": hardware_digest(hardware),
             "options": options, "solver": solver_digest()}

@@ -10,6 +10,10 @@ Terms (DESIGN.md §3; RoundPipe, Luo et al., arXiv 2604.27085):
   are independent. ``saved[i]`` says whether segment ``i``'s activations go to host memory in the forward pass
   (``True``) or are recomputed by its backward stage (``False``) — the checkpointing choice of Checkmate
   (Jain et al., MLSys 2020), made per segment.
+- ``stays[i]`` says whether segment ``i``'s own parameters stay on the device from its forward stage's upload
+  until its backward stage, which then uploads only the rest (both stages on one device); ``resident``: every
+  weight stays on its device across iterations (:func:`rpcompile.core.schedule.weight_stays`). Chosen on the
+  solved cuts by :mod:`.stays`.
 - Stage ``k`` of ``[F0.., FB, B1..]`` (:func:`plan_stages`) runs on device ``k mod N`` for every microbatch in turn.
 - Every strategy returns a :class:`PartitionResult`; an infeasible problem is a result, not an exception.
 
@@ -125,6 +129,9 @@ class PartitionProblem:
     backward stage recomputes from) stays in device memory and crosses no link (:meth:`link_in`,
     :meth:`link_out`); what the host reads still goes home and the model inputs still come up. The runtime keeps
     them within half of what the plan leaves free, and gives the lazy offload the other half."""
+    allow_stay: bool = True
+    """When False no weight stays on its device between stages (``stays`` empty, not ``resident``): every stage
+    uploads its weights, as before weights could stay (:mod:`.stay_search`)."""
     host: HostLoad = HostLoad()
     """The host's work: gradient accumulation after each grad stage (in the iteration recurrence, not in a
     stage's per-microbatch price) and the optimizer step and copy refresh between iterations (a constant the
@@ -203,6 +210,12 @@ class SegmentPlan:
     """B1..B(b-1), descending, covering ``[0, fused[0])``: the first ends at ``fused[0]``, the last starts at 0."""
     saved: tuple[bool, ...]
     """Per segment: activations saved to host (True) or recomputed (False); False inside the fused range."""
+    stays: tuple[bool, ...] = ()
+    """Per segment: its own parameters stay on the device from its forward stage to its backward stage (True);
+    empty when none does (a plan with all False is stored that way, so equal plans compare equal)."""
+    resident: bool = False
+    """Every weight stays on its device across iterations: uploaded once, refreshed after optimizer steps only
+    (one device, or stages a multiple of the devices, so that each stage returns to its device)."""
 
     def __post_init__(self) -> None:
         pair = lambda r: (int(r[0]), int(r[1]))  # noqa: E731
@@ -210,6 +223,9 @@ class SegmentPlan:
         object.__setattr__(self, "backward", tuple(pair(r) for r in self.backward))
         object.__setattr__(self, "fused", pair(self.fused))
         object.__setattr__(self, "saved", tuple(bool(s) for s in self.saved))
+        stays = tuple(bool(s) for s in self.stays)
+        object.__setattr__(self, "stays", stays if any(stays) else ())
+        object.__setattr__(self, "resident", bool(self.resident))
 
     @property
     def stage_count(self) -> int:

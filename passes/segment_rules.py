@@ -12,6 +12,7 @@ from typing import Sequence
 from rpcompile.core.stages import StageCost
 
 from .problem import PartitionProblem, SegmentPlan
+from .stays import resident_allowed, stay_candidates
 from .timing import stage_costs
 
 __all__ = ["validate_segment_plan", "structural_violations", "memory_violations", "format_bytes"]
@@ -79,16 +80,36 @@ def _saved_violations(pb: PartitionProblem, plan: SegmentPlan) -> list[str]:
     return out
 
 
+def _stay_violations(pb: PartitionProblem, plan: SegmentPlan) -> list[str]:
+    """Rule 5: stays where they can be."""
+    if (plan.resident or plan.stays) and not pb.allow_stay:
+        return ["the problem keeps no weight on the devices (allow_stay=False) but the plan does; drop its stays"]
+    if plan.resident:
+        out = [] if resident_allowed(pb, plan) else [
+            f"a resident plan needs every stage back on its device each iteration: one device, or a stage count "
+            f"that is a multiple of the {pb.device_count} devices (it has {plan.stage_count}); drop resident"]
+        return out + (["a resident plan keeps every weight: give it no stays flags"] if plan.stays else [])
+    if not plan.stays:
+        return []
+    if len(plan.stays) != pb.n:
+        return [f"stays has {len(plan.stays)} flags but there are {pb.n} segments; give one per segment"]
+    can = set(stay_candidates(pb, plan))
+    return [f"segment {i} ({_where(pb, i)}) cannot stay: it has no parameters, is in the fused stage or its "
+            f"forward and backward stages run on different devices; set stays[{i}] = False"
+            for i, s in enumerate(plan.stays) if s and i not in can]
+
+
 def structural_violations(pb: PartitionProblem, plan: SegmentPlan) -> list[str]:
-    """Rules 1-4 of :func:`validate_segment_plan`."""
+    """Rules 1-5 of :func:`validate_segment_plan`."""
     out = _fused_violations(pb, plan)
     if not out:
         out += _chain_violations(pb, plan, "forward") + _chain_violations(pb, plan, "backward")
+        out += _stay_violations(pb, plan)
     return out + _saved_violations(pb, plan)
 
 
 def memory_violations(pb: PartitionProblem, plan: SegmentPlan, costs: Sequence[StageCost]) -> list[str]:
-    """Rule 5: every stage fits the device."""
+    """Rule 6: every stage fits the device (with the weights that stay there)."""
     out = []
     for k, c in enumerate(costs):
         if c.memory_bytes > pb.memory_bytes:
@@ -107,7 +128,10 @@ def validate_segment_plan(problem: PartitionProblem, plan: SegmentPlan, *, memor
     2. ``forward`` ranges are non-empty, ascending and contiguous, from 0 to ``a``.
     3. ``backward`` ranges are non-empty, descending and contiguous, from ``a`` down to 0.
     4. ``saved`` has one flag per segment, all False in the fused range (and everywhere when saving is off).
-    5. (``memory=True``) every stage fits ``memory_bytes``.
+    5. ``stays`` is empty or has one flag per segment, True only where a segment's parameters can stay
+       (:func:`.stays.stay_candidates`); a ``resident`` plan has no flags and every stage returns to its device
+       each iteration (:func:`.stays.resident_allowed`).
+    6. (``memory=True``) every stage fits ``memory_bytes``, the weights that stay on its device included.
     """
     problems = structural_violations(problem, plan)
     if memory and not problems:

@@ -131,10 +131,13 @@ def _segment_plan(p: Any, n: int) -> SegmentPlan:
     lists = ("forward", "backward", "saved")
     if not isinstance(p, dict) or not all(isinstance(p[k], list) and len(p[k]) <= n + 1 for k in lists):
         raise ValueError("plan")
-    if not all(type(x) is bool for x in p["saved"]):
+    stays, resident = p.get("stays", []), p.get("resident", False)  # entries before weights stayed have none
+    if not all(type(x) is bool for x in p["saved"]) or not isinstance(stays, list) or len(stays) > n \
+            or not all(type(x) is bool for x in [*stays, resident]):
         raise ValueError("saved")
     return SegmentPlan(forward=tuple(pair(r) for r in p["forward"]), fused=pair(p["fused"]),
-                       backward=tuple(pair(r) for r in p["backward"]), saved=tuple(p["saved"]))
+                       backward=tuple(pair(r) for r in p["backward"]), saved=tuple(p["saved"]),
+                       stays=tuple(stays), resident=resident)
 
 
 def _number(v: Any) -> float:
@@ -151,7 +154,8 @@ def _store(path: Path, key: dict[str, Any], result: PartitionResult) -> None:
     assert result.plan is not None
     plan = result.plan
     data = {"format": FORMAT_VERSION, "key": key, "created": time.time(),
-            "plan": {"forward": plan.forward, "fused": plan.fused, "backward": plan.backward, "saved": plan.saved},
+            "plan": {"forward": plan.forward, "fused": plan.fused, "backward": plan.backward, "saved": plan.saved,
+                     "stays": plan.stays, "resident": plan.resident},
             "objective": result.objective, "solve_time_s": result.solve_time_s,
             "stats": jsonable(result.stats)}
     try:

@@ -244,5 +244,5 @@ def split_plan(plan: Plan, gm: fx.GraphModule, *, input_grads: Collection[str] =
     host = host_of(gm)
     computed = {h.value for h in host}
     placeholders = tuple(n.name for n in gm.graph.find_nodes(op="placeholder") if n.name not in computed)
-    return Program(programs, placeholders, frozenset(needs_grad), tuple(segments), host)
+    return Program(programs, placeholders, frozenset(needs_grad), tuple(segments), host, resident=plan.resident)
 

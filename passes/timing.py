@@ -23,6 +23,11 @@ beside the saved tensors, its inputs' gradients; nodes run backward one at a tim
 as :mod:`.tables` prices it with a running max over the range). Forward stages compute no
 gradients, so their ``G`` is 0 (the only place this model departs from a literal ``W + G + P + working``).
 
+**Weights that stay** (:mod:`.stays`): a stage that finds some of its weights on its device (left there by an
+earlier stage, or resident) uploads only the rest — ``weight_bytes`` and the link time are what it uploads, ``P``
+the largest upload — and every stage a stay spans holds those weights beside its own (``held_bytes``, in its
+memory and out of the room the lazy offload may use).
+
 **Iteration time** is the exact event recurrence of :func:`pipeline_time` — with equal stage times it reduces to
 DESIGN §3's ``(⌊(S−1)/N⌋·m + (S−1) mod N + m)·T`` for ``m ≥ N`` — with the transfers that compute may not
 hide (:func:`transfer_edges`): a stage starts only once its weights are up — prefetched while the device runs its
@@ -64,6 +69,7 @@ from rpcompile.core.stages import StageCost, StageKind
 
 from .problem import PartitionProblem, SegmentPlan, plan_stages
 from .recurrence import overlapped_ends, pipeline_end, stage_ends
+from .stays import NO_STAY, StayFigures, stay_figures
 
 __all__ = [
     "stage_costs",
@@ -81,9 +87,10 @@ __all__ = [
 ]
 
 
-def _stage(pb: PartitionProblem, kind: StageKind, a: int, b: int, saved: Sequence[bool], p: int) -> StageCost:
+def _stage(pb: PartitionProblem, kind: StageKind, a: int, b: int, saved: Sequence[bool], p: int,
+           stay: StayFigures = NO_STAY) -> StageCost:
     m, link, seg = pb.microbatches, pb.link_bytes_per_s, range(a, b)
-    w, g = pb.weight(a, b), pb.weight(a, b, grads=True)
+    w, g = pb.weight(a, b) - stay.found, pb.weight(a, b, grads=True)  # w: what its W uploads (.stays)
     inb, outb = pb.in_bytes(a), pb.boundary_bytes[b - 1]
     # what of them crosses the link (one GPU keeps hand-offs on the device: problem.resident_handoffs)
     link_in, link_out = pb.link_in(a), pb.link_out(b)
@@ -118,7 +125,9 @@ def _stage(pb: PartitionProblem, kind: StageKind, a: int, b: int, saved: Sequenc
     return StageCost(kind=kind, start=a, stop=b, compute_s=compute, overhead_s=pb.stage_overhead_s,
                      weight_bytes=w, grad_bytes=g, reduce_bytes=reduced, input_bytes=inputs, prefetch_bytes=prefetch,
                      output_bytes=outputs, offload_bytes=offload, working_bytes=working, microbatches=m,
-                     time_s=time, memory_bytes=w + g + p + working + buffers, buffer_bytes=buffers)
+                     time_s=time, memory_bytes=w + stay.found + g + p + working + buffers + stay.held,
+                     buffer_bytes=buffers, found_bytes=stay.found, kept_bytes=stay.kept, held_bytes=stay.held,
+                     refreshes=stay.refreshes)
 
 
 def stage_costs(problem: PartitionProblem, plan: SegmentPlan, *, lazy_offload: bool = True) -> tuple[StageCost, ...]:
@@ -126,8 +135,9 @@ def stage_costs(problem: PartitionProblem, plan: SegmentPlan, *, lazy_offload: b
     on its own, its saved activations copied out while it runs (the solvers' per-stage model, which
     :func:`offload_backlog` refines)."""
     stages = plan_stages(plan)
-    prefetch = max(problem.weight(a, b) for _, a, b in stages)
-    costs = tuple(_stage(problem, kind, a, b, plan.saved, prefetch) for kind, a, b in stages)
+    stays = stay_figures(problem, plan) or [NO_STAY] * len(stages)  # weights that stay on the device (.stays)
+    prefetch = max(problem.weight(a, b) - f.found for (_, a, b), f in zip(stages, stays))
+    costs = tuple(_stage(problem, kind, a, b, plan.saved, prefetch, f) for (kind, a, b), f in zip(stages, stays))
     return offload_backlog(problem, costs) if lazy_offload else costs
 
 
@@ -166,7 +176,8 @@ def _lazy_offload(problem: PartitionProblem, costs: Sequence[StageCost]) -> tupl
     if not any(c.offload_bytes for c in costs):
         return times, [0.0] * len(costs)
     prefetch = max(c.weight_bytes for c in costs)
-    base = [c.weight_bytes + c.grad_bytes + prefetch + c.working_bytes + c.buffer_bytes for c in costs]
+    base = [c.weight_bytes + c.found_bytes + c.grad_bytes + prefetch + c.working_bytes + c.buffer_bytes
+            + c.held_bytes for c in costs]
     held_at = [0.0] * len(costs)
     for d in range(n_dev):
         mine = range(d, len(costs), n_dev)

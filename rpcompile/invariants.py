@@ -18,6 +18,7 @@ from rpcompile.passes.util import compute_nodes, node_params
 
 from .core.errors import PlanVerificationError
 from .core.plan import Plan
+from .core.schedule import weight_stays
 from rpcompile.passes.fingerprint import fingerprint
 
 __all__ = ["verify_plan", "plan_violations"]
@@ -40,6 +41,7 @@ def plan_violations(plan: Plan, gm: fx.GraphModule) -> list[str]:
     out += _check_params(plan, gm, by_name, node_params)
     out += _check_saved(plan)
     out += _check_memory(plan)
+    out += _check_stays(plan)
     return out
 
 
@@ -61,7 +63,10 @@ def verify_plan(plan: Plan, gm: fx.GraphModule) -> None:
        forward stage that runs it, and the fused stage saves nothing;
     9. every stage's predicted memory fits the hardware's usable memory;
     10. the nodes ``plan.host`` names are embedding lookups of model inputs that the host can run (a plainly
-        traced model is checked with them moved there, as the plan runs it: :func:`rpcompile.passes.host.as_planned`).
+        traced model is checked with them moved there, as the plan runs it: :func:`rpcompile.passes.host.as_planned`);
+    11. the parameters each stage keeps on its device and finds there are the runtime's walk of the plan's
+        ``keeps`` (:func:`rpcompile.core.schedule.weight_stays`): each kept for a later stage on the same device
+        that finds it, or every parameter of every stage in a resident plan.
     """
     violations = plan_violations(plan, gm)
     if violations:
@@ -176,3 +181,16 @@ def _few(names: list[str], k: int = 5) -> str:
     head = ", ".join(names[:k])
     return head + (f", … (+{len(names) - k} more)" if len(names) > k else "")
 
+
+def _check_stays(plan: Plan) -> list[str]:
+    staying = {p for s in plan.stages for p in s.keeps}
+    walk = weight_stays([s.params for s in plan.stages], plan.hardware.device_count, staying, resident=plan.resident)
+    out = []
+    for s, w in zip(plan.stages, walk):
+        if set(s.keeps) != w.kept:
+            out.append(f"rule 11: stage {s.name} keeps {sorted(s.keeps)[:3]} on its device, but the runtime keeps "
+                       f"{sorted(w.kept)[:3]} (a parameter kept for no later stage on the device, or missing)")
+        if set(s.finds) != w.found:
+            out.append(f"rule 11: stage {s.name} finds {_few(sorted(set(s.finds) ^ w.found))} otherwise than the "
+                       "stages before it on its device keep them")
+    return out

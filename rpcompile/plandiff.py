@@ -7,15 +7,16 @@ changed, in this order —
   :func:`rpcompile.model_match.model_differences`: the same parameters, and the same graph unless the plans split
   the LM head (``head_chunks``) or host embedding lookups differently — which the header then reports;
 - **header**: hardware (device count, spec, memory, host link), microbatches, strategy, precision, cost model,
-  tokens per microbatch, the embedding lookups the host runs, the LM head's chunks;
+  tokens per microbatch, the embedding lookups the host runs, the LM head's chunks, resident weights;
 - **stage counts**: forward stages ``F0..`` and backward stages ``B1..`` (the fused stage ``FB`` is always one);
 - **placement, per module**, forward and backward separately: which stages hold each module. The forward
   placement looks at the forward stages and ``FB``, the backward placement at ``FB`` and the backward stages; a
   module in two stages reads ``F3+F4``;
 - **activations**: nodes whose backward treatment changed — ``saved`` (uploaded from host memory), ``recomputed``
   or ``fused`` (run in ``FB``: neither);
-- **prediction**: iteration time, bubble fraction and peak memory, then each stage's time per microbatch and
-  memory (stages in both plans), each where it changed by more than 0.5 %.
+- **prediction**: iteration time, bubble fraction, peak memory and the weight bytes uploaded per iteration (less
+  where weights stay on their device), then each stage's time per microbatch and memory (stages in both plans),
+  each where it changed by more than 0.5 %.
 
 Granularity. A plan keeps node names and each stage's source modules (``Stage.modules``, innermost module paths)
 but not which node came from which module, so placement is computed from ``Stage.modules`` and rolled up to the
@@ -229,6 +230,7 @@ def _header(a: Plan, b: Plan) -> tuple[Change, ...]:
         ("cost model", a.cost_model or "(unknown)", b.cost_model or "(unknown)"),
         ("on the host", ", ".join(a.host) or "(nothing)", ", ".join(b.host) or "(nothing)"),
         ("LM head chunks", a.head_chunks, b.head_chunks),
+        ("weights resident", a.resident, b.resident),
     )
 
 
@@ -236,7 +238,8 @@ def _predicted(a: Plan, b: Plan) -> tuple[Change, ...]:
     pa, pb = a.predicted, b.predicted
     items = [("iteration time", pa.iteration_time_s, pb.iteration_time_s),
              ("bubble", pa.bubble_fraction, pb.bubble_fraction),
-             ("peak memory", pa.peak_memory_bytes, pb.peak_memory_bytes)]
+             ("peak memory", pa.peak_memory_bytes, pb.peak_memory_bytes),
+             ("weights up per iteration", sum(s.weight_bytes for s in a.stages), sum(s.weight_bytes for s in b.stages))]
     return tuple(Change(what, x, y) for what, x, y in items if _rel(x, y) > THRESHOLD)
 
 
@@ -447,7 +450,7 @@ def _change_line(c: Change, unit: str) -> str:
         return f"iteration time {_times(c.a, c.b, unit)}"
     if c.what == "bubble":
         return f"bubble {c.a:.1%} → {c.b:.1%} ({'+' if c.b >= c.a else '−'}{abs(c.b - c.a) * 100:.1f} pp)"
-    if c.what in ("peak memory", "memory per device"):
+    if c.what in ("peak memory", "memory per device", "weights up per iteration"):
         return f"{c.what} {_bytes(c.a, c.b)}"
     if c.what == "host link":
         return f"host link {c.a / 1e9:.1f} GB/s → {c.b / 1e9:.1f} GB/s"

@@ -114,6 +114,8 @@ class Compilation:
     strategy: str = "ilp"
     time_limit_s: float = 10.0
     allow_save: bool = True
+    allow_stay: bool = True
+    """Weights may stay on their devices between stages where memory allows (:mod:`.passes.stay_search`)."""
     overlap: bool = False
     """Plan for overlapped iterations (``pipe.step(optimizer, overlap=True)`` with the devices running on into the
     next iteration): the objective is the steady-state period (:attr:`HostLoad.overlap_iterations`)."""
@@ -252,7 +254,8 @@ def _problem(c: Compilation) -> None:
     if c.hardware is None:
         raise RuntimeError("the problem pass needs the hardware: give Compilation.hardware")
     c.problem = partition_problem(c.graph, hardware=c.hardware, microbatches=c.microbatches,
-                                  precision=c.precision, allow_save=c.allow_save, overlap_iterations=c.overlap)
+                                  precision=c.precision, allow_save=c.allow_save, allow_stay=c.allow_stay,
+                                  overlap_iterations=c.overlap)
 
 
 def _solve(c: Compilation) -> PartitionResult:
@@ -341,7 +344,7 @@ def start(
     """A :class:`Compilation` for one microbatch of the example batch, before any pass. ``cache=False``: measure
     costs and solve afresh, and keep nothing on disk. ``options``: the other :class:`Compilation` fields (``hardware``,
     ``leaf_modules``, ``progress``, ``threads``, ``host_embedding``, ``max_segments``, ``segments_per_layer``,
-    ``strategy``, ``time_limit_s``, ``allow_save``, ``overlap``)."""
+    ``strategy``, ``time_limit_s``, ``allow_save``, ``allow_stay``, ``overlap``)."""
     # DESIGN.md §3: N + 1 is the fewest microbatches without a bubble between stages; one device has no
     # pipeline to fill, and splitting the batch would only shrink its kernels.
     m = microbatches or (gpus + 1 if gpus > 1 else 1)
@@ -411,16 +414,18 @@ def plan_graph(
     allow_save: bool = True,
     cache: bool = True,
     overlap: bool = False,
+    allow_stay: bool = True,
 ) -> Plan:
     """Partition a costed, coarsened graph with one strategy (the :data:`BACK` passes); raise
     :class:`InfeasibleError` if nothing fits. ``allow_save=False`` makes every backward stage recompute (no
     activations kept in host memory); ``cache=False`` solves even when the solve cache holds this problem;
-    ``overlap``: plan for overlapped iterations (the steady-state period)."""
+    ``overlap``: plan for overlapped iterations (the steady-state period); ``allow_stay=False``: no weight stays
+    on a device between stages."""
     if strategy not in STRATEGIES:  # before the problem is made
         raise ConfigError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     c = Compilation(None, (), {}, None, microbatches, hardware=hardware, precision=precision,
                     strategy=strategy, time_limit_s=time_limit_s, allow_save=allow_save, gm=gm, cache=cache,
-                    overlap=overlap)
+                    overlap=overlap, allow_stay=allow_stay)
     plan = run(c, BACK).plan
     assert plan is not None
     return plan
@@ -429,6 +434,7 @@ def plan_graph(
 def compare(
     gm: fx.GraphModule, *, hardware: Hardware, microbatches: int, precision: str = "fp32", time_limit_s: float = 10.0,
     cache: bool = True, allow_save: bool = True, problem: PartitionProblem | None = None, overlap: bool = False,
+    allow_stay: bool = True,
 ) -> dict[str, tuple[Any, Plan | None]]:
     """Every strategy on the same problem: name -> (PartitionResult, Plan or None when infeasible). ``cache``: the
     ILP's solve through the solve cache (:mod:`rpcompile.passes.solve_cache`); ``allow_save=False``: nothing is
@@ -436,7 +442,7 @@ def compare(
     overlapped iterations. ``problem``: ``gm``'s, already made with these arguments."""
     if problem is None:
         problem = partition_problem(gm, hardware=hardware, microbatches=microbatches, precision=precision,
-                                    allow_save=allow_save, overlap_iterations=overlap)
+                                    allow_save=allow_save, allow_stay=allow_stay, overlap_iterations=overlap)
     out = {}
     baselines: dict[str, Any] = {}  # the ILP's seeds: dp's, roundpipe's and uniform's own results, not solved again
     facts: dict = {}  # what the plans of one graph share (fingerprint, inputs record, node parameters): made once
@@ -534,6 +540,7 @@ def plan(
     host_embedding: "bool | Sequence[str]" = True,
     cache: bool = True,
     overlap: bool = False,
+    allow_stay: bool = True,
 ) -> Plan:
     """Make a round-robin plan for ``model`` on ``gpus`` devices.
 
@@ -555,12 +562,15 @@ def plan(
     to the next iteration's stages while the others drain (one step stale): the planner minimises the
     steady-state period (no fill or drain per iteration; the optimizer step and the loss the next batch waits for
     are in it), and the plan's prediction says so (``Prediction.overlap_iterations``).
+    ``allow_stay`` (default on) lets a forward stage's weights stay on its device for the backward stage there
+    that differentiates them, or every weight stay across iterations (a resident plan), wherever memory allows and
+    the plan is not slower (:mod:`rpcompile.passes.stay_search`); ``False``: every stage uploads its weights.
     """
     made = compile_plan(model, example_inputs, gpus=gpus, spec=spec, device=device, microbatches=microbatches,
                         memory_limit=memory_limit, strategy=strategy, precision=precision,
                         example_kwargs=example_kwargs, time_limit_s=time_limit_s, max_segments=max_segments,
                         leaf_modules=leaf_modules, progress=progress, loss_fn=loss_fn, example_target=example_target,
                         head_chunks=head_chunks, segments_per_layer=segments_per_layer, host_embedding=host_embedding,
-                        cache=cache, overlap=overlap)
+                        cache=cache, overlap=overlap, allow_stay=allow_stay)
     assert made.plan is not None
     return made.plan

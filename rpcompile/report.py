@@ -115,7 +115,7 @@ def plan_table(plan, *, title: str = "") -> Table:
     """One row per stage in execution order: device, kind, range, time, memory, saved/recomputed."""
     table = SafeTable(title=title or f"plan: {plan.strategy}, {len(plan.stages)} stages on {plan.hardware.device_count} × {plan.hardware.spec.name}, {plan.microbatches} microbatches")
     _add_columns(table, (("stage", "left"), ("dev", "right"), ("kind", "left"), ("modules", "left"), ("nodes", "right"),
-                         ("time/mb", "right"), ("memory", "right"), ("activations", "left")))
+                         ("time/mb", "right"), ("memory", "right"), ("activations", "left"), ("weights", "left")))
     for k, s in enumerate(plan.stages):
         if s.kind == "forward":
             act = f"saves {len(s.saved)} node(s)" if s.saved else "stage input only"
@@ -124,16 +124,44 @@ def plan_table(plan, *, title: str = "") -> Table:
         else:
             act = "forward+loss+backward, nothing recomputed"
         table.add_row(s.name, str(plan.device_of(k)), s.kind, stage_range(s), str(len(s.nodes)), fmt_ms(s.time_s),
-                      fmt_bytes(s.memory_bytes), act)
+                      fmt_bytes(s.memory_bytes), act, stage_weights(s, plan.resident))
     p = plan.predicted
     source = f" from {plan.cost_model} costs" if plan.cost_model else ""
     table.caption = (f"predicted{source}: iteration {fmt_ms(p.iteration_time_s)}, "
                      f"bubble {p.bubble_fraction:.1%}, peak memory {fmt_bytes(p.peak_memory_bytes)} of "
                      f"{fmt_bytes(plan.hardware.memory_bytes)}"
                      + (f"; {host_note(plan)}" if plan.hardware.host is not None else "")
+                     + (f"; {stays_note(plan)}" if plan.resident or any(s.keeps for s in plan.stages) else "")
                      + (f"; {bound_note(plan)}" if p.bound_s else "")
                      + (f"; on the host: {', '.join(plan.host)} (embedding lookups)" if plan.host else ""))
     return table
+
+
+def stage_weights(stage: Any, resident: bool) -> str:
+    """What a stage does with its weights: uploads them all, or keeps some on its device for a later stage, finds
+    some there (weights that stay, :mod:`rpcompile.passes.stays`)."""
+    if resident:
+        return f"resident: {len(stage.params)} stay, {fmt_bytes(stage.weight_bytes)} refreshed"
+    out = []
+    if stage.finds:
+        out.append(f"finds {len(stage.finds)} of {len(stage.params)} ({fmt_bytes(stage.found_bytes)})")
+    if stage.keeps:
+        out.append(f"keeps {len(stage.keeps)} of {len(stage.params)} ({fmt_bytes(stage.kept_bytes)})")
+    up = f"uploads {fmt_bytes(stage.weight_bytes)}"
+    return ", ".join(out + [up]) if out else up
+
+
+def stays_note(plan: Any) -> str:
+    """Which weights stay on their devices and what that spares the link, per iteration (predicted)."""
+    up = sum(s.weight_bytes for s in plan.stages)
+    spared = sum(s.found_bytes for s in plan.stages)
+    if plan.resident:
+        return (f"resident: every weight stays on its device across iterations, uploaded once; weights up "
+                f"{fmt_bytes(up)} an iteration (those the optimizer step changed), {fmt_bytes(up + spared)} without")
+    keepers = [s.name for s in plan.stages if s.keeps]
+    finders = [s.name for s in plan.stages if s.finds]
+    return (f"weights that stay: {', '.join(keepers)} keep theirs on the device for {', '.join(finders)}; weights up "
+            f"{fmt_bytes(up)} an iteration, {fmt_bytes(up + spared)} without")
 
 
 def host_note(plan: Any) -> str:

@@ -103,7 +103,8 @@ def from_plan(plan: Any, *, host_bytes_per_s: float = math.inf) -> Scenario:
             name=s.name, kind=s.kind, compute_s=s.compute_s if detailed else s.time_s,
             weight_bytes=s.weight_bytes, grad_bytes=s.grad_bytes, input_bytes=s.upload_bytes,
             prefetch_bytes=s.prefetch_bytes, output_bytes=s.download_bytes, offload_bytes=s.offload_bytes,
-            working_bytes=s.working_bytes, saved_by=saved_by, microbatches=m,
+            working_bytes=s.working_bytes, saved_by=saved_by, microbatches=m, found_bytes=s.found_bytes,
+            kept_bytes=s.kept_bytes, held_bytes=s.held_bytes, refreshes=plan.resident and s.weight_bytes > 0,
         ))
     lists = round_robin([s.kind for s in plan.stages], hw.device_count, m)
     p = plan.predicted  # the host's rates from the plan's host, its step as the plan predicted it

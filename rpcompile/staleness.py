@@ -26,6 +26,7 @@ otherwise a fresh solve would find the same plan. The result says which, and why
 
 from __future__ import annotations
 
+from collections import Counter
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,7 +45,7 @@ from rpcompile.passes.plan_inputs import moved_inputs, solve_inputs
 from .invariants import plan_violations
 from .planning import partition_problem, plan_graph, prepare
 
-__all__ = ["CheckResult", "check_plan", "rescore"]
+__all__ = ["CheckResult", "check_plan", "rescore", "stays_of"]
 
 
 @dataclass
@@ -98,7 +99,18 @@ def rescore(plan: Any, gm: Any) -> tuple[Any, list[str]]:
     fused = next((a, b) for k, a, b in ranges if k == "fused")
     return SegmentPlan(forward=tuple((a, b) for k, a, b in ranges if k == "forward"), fused=fused,
                        backward=tuple((a, b) for k, a, b in ranges if k == "backward"),
-                       saved=tuple(x and i < fused[0] for i, x in enumerate(saved))), []
+                       saved=tuple(x and i < fused[0] for i, x in enumerate(saved)),
+                       stays=stays_of(plan, segs, fused[0]), resident=plan.resident), []
+
+
+def stays_of(plan: Any, segs: Sequence[Any], fused_start: int) -> tuple[bool, ...]:
+    """Per segment, whether the plan keeps its own parameters (those no other segment reads) on the device for
+    its backward stage: the ``SegmentPlan.stays`` the plan was lowered from (none for a resident plan, which keeps
+    everything)."""
+    kept = {p for s in plan.forward_stages for p in s.keeps}
+    readers = Counter(p for s in segs for p in set(s.params))
+    own = [{p for p in s.params if readers[p] == 1} for s in segs]
+    return tuple(not plan.resident and bool(mine) and i < fused_start and mine <= kept for i, mine in enumerate(own))
 
 
 def check_plan(path: str | Path, model: Any, example_inputs: Sequence[Any], *, max_regression: float = 0.02,
@@ -121,6 +133,7 @@ def check_plan(path: str | Path, model: Any, example_inputs: Sequence[Any], *, m
     device = "cpu" if measured else None
     options = plan.inputs.get("options", {})
     allow_save = bool(options.get("allow_save", True))
+    allow_stay = bool(options.get("allow_stay", True))
     overlap = plan.predicted.overlap_iterations  # priced and re-solved for the mode it was made for
 
     def graph(host: Any) -> tuple[Any, int]:
@@ -142,7 +155,7 @@ def check_plan(path: str | Path, model: Any, example_inputs: Sequence[Any], *, m
         return result
     result.problems += [f"invalid: {v}" for v in plan_violations(plan, gm)]
     problem = partition_problem(gm, hardware=hw, microbatches=plan.microbatches, precision=plan.precision,
-                                allow_save=allow_save, overlap_iterations=overlap)
+                                allow_save=allow_save, allow_stay=allow_stay, overlap_iterations=overlap)
     sp, bad = rescore(plan, gm)
     result.problems += bad
     if sp is None:
@@ -172,6 +185,7 @@ def check_plan(path: str | Path, model: Any, example_inputs: Sequence[Any], *, m
         with (status or _quiet)(f"solving a fresh {strategy} plan (up to {time_limit_s:g} s): {reason[1]}"):
             fresh = plan_graph(gm, hardware=hw, microbatches=plan.microbatches, strategy=strategy,
                                precision=plan.precision, time_limit_s=time_limit_s, allow_save=allow_save,
+                               allow_stay=allow_stay,
                                cache=not resolve, overlap=overlap)  # --resolve: solve, even where the solve cache has it
     except InfeasibleError as e:
         result.problems.append(f"does not fit: {e}")

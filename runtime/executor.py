@@ -82,6 +82,7 @@ from .capture import HostSaved
 from .devices import CpuDevice, Device
 from .failures import PipelineError, _Stopped, _first, _one_line, _without_frames
 from .stage_call import StageState, to_host, upload_tree
+from .stays import DeviceWeights
 from .values import TimelineEvent, ValueStore
 from .weights import GradSink, HostTraffic, WeightStore
 
@@ -109,6 +110,7 @@ class Executor:
                                    uploaded=uploaded, host_only=[h.weight for h in self.program.host],
                                    frozen_masters=frozen_masters, traffic=self.traffic)
         self.grads = GradSink(params, self.traffic)
+        self.stays = DeviceWeights(self.program, len(self.devices))  # weights that stay on a device (runtime/stays.py)
         self.resident_handoffs = len(self.devices) == 1 and not isinstance(self.devices[0], CpuDevice)
         """Hand-offs between stages stay on the device (module docstring); the host's values still come home."""
         self.resident_budget: float = math.inf
@@ -479,7 +481,8 @@ class Executor:
     def _upload(self, device: Device, prog: StageProgram) -> StageState:
         """The device's copies of a stage's weights (:func:`.stage_call.upload`), on the worker or on the device's
         prefetch thread."""
-        return stage_call.upload(device, prog, self.weights, self.params, self.buffers, self.dtype, self.t0)
+        return stage_call.upload(device, prog, self.weights, self.params, self.buffers, self.dtype, self.t0,
+                                 self.stays)
 
     def _inputs(self, device: Device, prog: StageProgram, mb: int, *, leaves: bool) -> list[Any]:
         """A stage's inputs for microbatch ``mb`` on its device (:func:`.stage_call.inputs`)."""
@@ -565,7 +568,9 @@ class Running:
 
     def _device(self, d: int, actions: list[Action], after: "Running | None") -> None:
         c, prefetched = self.call, {}
-        if after is not None and actions and actions[0].kind == "W":
+        # (not where a stage keeps weights for a later one: the device's first stage lets go of what is left)
+        prefetch = c.program.resident or not any(c.stays.keeps)
+        if after is not None and actions and actions[0].kind == "W" and prefetch:
             # the first stage's weights go up behind the device's last stage of the iteration before, on its
             # prefetch thread, as the next stage's always do (two stages' weights resident: the plan's P term)
             prog = c.program.stages[actions[0].stage]

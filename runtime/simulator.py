@@ -36,7 +36,8 @@ until compute frees memory (a prefetcher that respects the allocator), and a com
 waits while copies out of its device are draining — so a plan whose overlap does not fit loses time instead of
 memory. Only when nothing else can run does work overfill a device, and the peak shows it.
 Memory per device is accounted from the same events: weights from the start of their upload until the stage's
-last microbatch ends; gradients from the first microbatch until the ``G`` copy ends; input buffers, working
+last microbatch ends — those that stay on the device (:attr:`StageCost.kept_bytes`) until the end of the stage
+that finds them there (:attr:`StageCost.found_bytes`), a resident plan's from before the run; gradients from the first microbatch until the ``G`` copy ends; input buffers, working
 activations and output buffers around each microbatch; ``resident_bytes`` for the whole iteration (static
 schedules keep weights, gradients and optimizer state on the device) and ``stash_bytes`` from a forward
 microbatch until the backward position named by ``releases`` ends it (activations kept for the backward pass).
@@ -208,7 +209,7 @@ def simulate(
     memory = [0.0] * devices
     peak = [0.0] * devices
     for d, acts in enumerate(lists):  # static residency: every stage this device runs, from t = 0
-        memory[d] = peak[d] = sum(sts[k].resident_bytes for k in {a.stage for a in acts})
+        memory[d] = peak[d] = sum(sts[k].resident_bytes for k in {a.stage for a in acts}) + _standing(acts, sts)
     # copies first: a compute that would overfill its device must see the copies that are about to free memory
     queues = {key: deque(ts) for key, ts in sorted(lanes.items(), key=lambda kv: kv[0][1] == "compute")}
     running: dict[tuple[int, str], _Task] = {}
@@ -380,6 +381,8 @@ def _build(lists: Sequence[Sequence[Action]], sts: Sequence[StageCost], link: fl
             if a.kind == "W":
                 t = add(copy(f"{a}", d, "w_up", a.stage, -1, s.weight_bytes))
                 t.alloc_start = s.weight_bytes
+                if s.refreshes:  # a resident copy refreshed: the old one goes when the new one lands
+                    t.free_end.append((d, s.weight_bytes))
                 if current_stage is not None and current_stage in first_compute:
                     t.after_start.append(first_compute[current_stage])  # prefetch at most one stage ahead
                 weights[a.stage] = t
@@ -442,10 +445,12 @@ def _build(lists: Sequence[Sequence[Action]], sts: Sequence[StageCost], link: fl
                     raise SimulationError(f"action {a} on device {d} comes before any microbatch of stage {a.stage}")
                 g.after_end.append(last_compute[a.stage])
                 g.free_end.append((d, s.grad_bytes))
-    # weights leave when the stage's last microbatch ends (gradients stay until their copy)
+    # weights leave when the stage's last microbatch ends (gradients stay until their copy), but for those that
+    # stay on the device for a later stage; those it found there leave with its own
     for k, w in weights.items():
         if k in last_compute:
-            last_compute[k].free_end.append((w.device, sts[k].weight_bytes))
+            s = sts[k]
+            last_compute[k].free_end.append((w.device, s.weight_bytes + s.found_bytes - s.kept_bytes))
     for c, d, pos, nbytes in stash_release:
         producer = compute.get((pos, c.microbatch))
         if producer is not None:
@@ -454,6 +459,15 @@ def _build(lists: Sequence[Sequence[Action]], sts: Sequence[StageCost], link: fl
     for t in tasks:
         t.after_end.extend(_resolve(r, compute, out_copy, offload) for r in t.refs)
     return tasks, lanes, compute
+
+
+def _standing(acts: Sequence[Action], sts: Sequence[StageCost]) -> float:
+    """Weights on a device before its first stage starts: a resident plan's, which stay across iterations (what
+    the first stage holds for the others and finds of its own)."""
+    first = next((sts[a.stage] for a in acts if a.stage < len(sts)), None)
+    if first is None:
+        return 0.0
+    return first.held_bytes + first.found_bytes + (first.weight_bytes if first.refreshes else 0.0)
 
 
 def _add_accumulation(tasks: list[_Task], lanes: dict, sts: Sequence[StageCost], host: HostLoad) -> None:

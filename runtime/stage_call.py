@@ -26,6 +26,7 @@ from .activity import span
 from .capture import HostSaved
 from .devices import Device
 from .offload import Landing
+from .stays import DeviceWeights
 from .values import ValueStore
 from .weights import GradSink, WeightStore
 
@@ -58,22 +59,30 @@ class StageState:
 
 # ------------------------------------------------------------------------------------------ weights
 def upload(device: Device, prog: StageProgram, weights: WeightStore, masters: dict[str, torch.nn.Parameter],
-           host_buffers: dict[str, torch.Tensor], dtype: torch.dtype | None, t0: float) -> StageState:
+           host_buffers: dict[str, torch.Tensor], dtype: torch.dtype | None, t0: float,
+           stays: DeviceWeights | None = None) -> StageState:
     """The device's copies of a stage's parameters and buffers (like ``model.to(dtype)``: floating buffers
-    too), on the worker or on the device's prefetch thread."""
+    too), on the worker or on the device's prefetch thread. ``stays``: the copies that stay on the devices
+    (:mod:`.stays`): those the stage finds there are not uploaded, those it keeps are left there."""
     grads = prog.kind != "forward"
     params = list(dict.fromkeys(prog.params.values()))
     buffers = list(dict.fromkeys(prog.buffers.values()))
+    found = stays.take(device.index, prog.index, params, weights) if stays is not None else {}
+    sent = [n for n in params if n not in found]
     start = time.perf_counter() - t0
     with span("weights up", prog.name):
-        copies, ready = device.upload_weights([weights.source(n) for n in params]
+        copies, ready = device.upload_weights([weights.source(n) for n in sent]
                                               + [host_buffers[n] for n in buffers], dtype)
     state = StageState(ready=ready, uploaded=(start, time.perf_counter() - t0))
-    for name, t in zip(params, copies):
+    uploaded = dict(zip(sent, copies))
+    if stays is not None:
+        stays.leave(device.index, prog.index, uploaded, weights)
+    for name in params:
         # a new leaf (on logical CPU devices sharing the host copy's storage, which other stages read at the
-        # same time): its own .grad
+        # same time; a copy that stayed shares the storage of the stage that left it): its own .grad
+        t = found[name] if name in found else uploaded[name]
         state.params[name] = t.detach().requires_grad_(grads and masters[name].requires_grad)
-    state.buffers = dict(zip(buffers, copies[len(params):]))
+    state.buffers = dict(zip(buffers, copies[len(sent):]))
     return state
 
 

@@ -55,7 +55,7 @@ import sys
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Hashable, Iterable
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -114,6 +114,9 @@ class _Entry:
     """``back`` holds the stepped master (an overlapped step wrote it): :meth:`WeightStore.swap` takes it."""
     made_from: tuple[int, int] = (-1, -1)
     """``(master._version, master.data_ptr())`` when ``front`` was made; anything else means stale."""
+    generation: int = 0
+    """How many times ``front`` was made or swapped in, or an optimizer stepped the master
+    (:meth:`WeightStore.version`)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -131,6 +134,7 @@ class WeightStore:
         self.entries = {n: _Entry(params[n]) for n in dict.fromkeys([*uploaded, *host_only])}
         self.host_only = set(host_only) - set(uploaded)
         self.overlapping = False
+        self._refreshes = 0  # refresh() calls (version)
         self._mirrored: "weakref.WeakKeyDictionary[Any, set[int]]" = weakref.WeakKeyDictionary()
         by_id: dict[int, list[str]] = {}
         for name, e in self.entries.items():
@@ -197,6 +201,17 @@ class WeightStore:
                     self._make(e, e.front)
         return e.front
 
+    def version(self, name: str) -> Hashable:
+        """What :meth:`source` gives for ``name`` now, as a token: a device copy made from it is current while the
+        token stays the same (weights that stay on a device, :mod:`.stays`). None when the host copy is stale (the
+        next :meth:`source` remakes it), which no copy was made from."""
+        e = self.entries[name]
+        if e.front is None:  # (refresh: edits through p.data, which no version counter sees)
+            return None if e.lazy else ("master", id(e.master), *_stamp(e.master), e.generation, self._refreshes)
+        if not self.overlapping and e.made_from != _stamp(e.master):
+            return None
+        return id(e.front), e.generation, e.made_from
+
     def host_table(self, name: str) -> torch.Tensor:
         """A token-embedding table as the host looks rows up in it: the master, or its front copy (in the
         master's precision) while overlapping — the master is being stepped."""
@@ -211,12 +226,18 @@ class WeightStore:
             return self
         view = copy.copy(self)
         fronts = {n: e.front for n, e in self.entries.items() if e.master.requires_grad and e.front is not None}
+        # a device copy made from a pinned front stays that front's version after the swap (weights that stay,
+        # :mod:`.stays`): the next iteration, reading the next front, must not find it current
+        tokens = {n: self.version(n) for n in fronts}
         view.source = lambda name: fronts[name] if name in fronts else self.source(name)  # type: ignore[method-assign]
         view.host_table = view.source  # type: ignore[method-assign]
+        view.version = lambda name: tokens[name] if name in tokens else self.version(name)  # type: ignore[method-assign]
         return view
 
     def refresh(self) -> None:
-        """Remake every copy from its master now (after edits through ``p.data``, which nothing can see)."""
+        """Remake every copy from its master now (after edits through ``p.data``, which nothing can see); copies
+        a device kept (:meth:`version`) are stale from here on."""
+        self._refreshes += 1
         for e in self.entries.values():
             if e.front is not None:
                 with e.lock:
@@ -268,6 +289,7 @@ class WeightStore:
             if e.back is not None and e.written:
                 e.front, e.back, e.written = e.back, e.front, False
                 e.made_from = _stamp(e.master)
+                e.generation += 1
 
     def end_overlap(self, optimizer: Any = None, *, failed: bool = False) -> None:
         """Back to synchronous steps: the back buffers go; an optimizer's mirrors point at the front copies.
@@ -291,6 +313,7 @@ class WeightStore:
         for p in _params_of(optimizer):
             for name in self._by_param.get(id(p), ()):
                 e = self.entries[name]
+                e.generation += 1  # a device's copy of it is stale (torch's fused AdamW leaves _version as it was)
                 if e.front is None:
                     continue
                 if id(p) in mirrored and e.made_from[1] == p.data_ptr():
@@ -320,6 +343,8 @@ class WeightStore:
     def _make(self, e: _Entry, into: torch.Tensor, *, stamp: bool = True) -> None:
         with torch.no_grad(), span("weights refresh"):
             into.copy_(e.master)
+        if into is e.front:  # (an overlapped step writing the back buffer changes nothing the devices read)
+            e.generation += 1
         self.traffic.add("weight copies", nbytes(e.master) + nbytes(into))
         if stamp:
             e.made_from = _stamp(e.master)

@@ -115,11 +115,15 @@ def test_without_the_pipeline_state_dropout_repeats_its_masks(plan, tmp_path):
 
 def test_resume_on_other_devices_with_the_same_cuts(plan, tmp_path):
     """The devices are not part of the arithmetic: the same cuts on three logical devices continue a
-    two-device run bit for bit."""
+    two-device run bit for bit — nor are the weights that stay on a device (F0 keeps its own for B1 on device 0
+    of two; on three, B1 runs elsewhere and uploads them)."""
     want = uninterrupted(plan)
     model, pipe, opt = build(plan)
     train(model, pipe, opt, 0, 3, ckpt=tmp_path)
-    three = dataclasses.replace(plan, hardware=dataclasses.replace(plan.hardware, device_count=3))
+    assert plan.stages[0].keeps
+    moved = tuple(dataclasses.replace(s, keeps=(), finds=(), weight_bytes=s.weight_bytes + s.found_bytes,
+                                      found_bytes=0, kept_bytes=0, held_bytes=0) for s in plan.stages)
+    three = dataclasses.replace(plan, hardware=dataclasses.replace(plan.hardware, device_count=3), stages=moved)
     model, pipe, opt = build(three, devices=["cpu"] * 3)
     rpcompile.load_checkpoint(tmp_path, model=model, optimizer=opt, pipeline=pipe)
     train(model, pipe, opt, 3, STEPS)

@@ -133,8 +133,9 @@ def test_two_and_three_devices(graph, tmp_path):
     assert re.fullmatch(rf"  iteration time {time} → {time} {pct}", lines[12])
     assert re.fullmatch(r"  bubble \d+\.\d% → \d+\.\d% \([+−]\d+\.\d pp\)", lines[13])
     assert re.fullmatch(rf"  peak memory {size} → {size} {pct}", lines[14])
-    assert lines[15] == "stages (time per microbatch, memory):"
-    rows = lines[16:]
+    assert re.fullmatch(rf"  weights up per iteration {size} → {size} {pct}", lines[15])  # one more stage
+    assert lines[16] == "stages (time per microbatch, memory):"
+    rows = lines[17:]
     assert all(re.fullmatch(rf"  (F0|FB|B1): time {time} → {time} {pct}(; memory {size} → {size} {pct})?", r)
                for r in rows), rows
     assert [r.split(":")[0] for r in rows][:2] == ["  F0", "  FB"]  # both lost a layer

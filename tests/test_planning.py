@@ -31,6 +31,7 @@ from rpcompile.planning import STRATEGIES, compare, make_hardware, partition_pro
 from rpcompile.core.specs import get_spec
 from rpcompile.invariants import plan_violations, verify_plan
 from rpcompile.scenarios import from_plan
+from rpcompile.staleness import stays_of
 
 SPEC = "rtx4090"
 TIME_LIMIT = 2.0
@@ -62,11 +63,14 @@ def segment_plan_of(p: Plan, gm) -> SegmentPlan:
         return ids[0], ids[-1] + 1
 
     saved = set(p.saved)
+    fused = span(p.fused_stage)
     return SegmentPlan(
         forward=tuple(span(s) for s in p.forward_stages),
-        fused=span(p.fused_stage),
+        fused=fused,
         backward=tuple(span(s) for s in p.backward_stages),
         saved=tuple(all(n in saved for n in s.nodes) for s in segs),
+        stays=stays_of(p, segs, fused[0]),
+        resident=p.resident,
     )
 
 

@@ -157,9 +157,11 @@ def _plan_fastest(args: argparse.Namespace, ms: ModelSpec, hardware: Hardware) -
                         cache=args.cache, trace_pass=traced)
         # every split but the last is solved in a child process while the next one is prepared and solved here
         problem = partition_problem(gm, hardware=hardware, microbatches=m, precision=args.precision,
-                                    allow_save=args.allow_save, overlap_iterations=args.overlap)
+                                    allow_save=args.allow_save, allow_stay=args.allow_stay,
+                                    overlap_iterations=args.overlap)
         solved = solving(functools.partial(compare, gm, hardware=hardware, microbatches=m, precision=args.precision,
                                            time_limit_s=limit, cache=args.cache, allow_save=args.allow_save,
+                                           allow_stay=args.allow_stay,
                                            problem=problem, overlap=args.overlap),
                          problem, time_limit_s=limit, cache=args.cache, background=k != candidates[-1])
         head = f"LM head in {k} chunks" if k > 1 else "whole LM head"

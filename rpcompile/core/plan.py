@@ -11,7 +11,9 @@ into a repository, diffed and verified in CI. It holds
   (ascending node ranges, run without autograd), one fused stage (the last nodes: forward, loss and backward in
   one go) and backward stages (descending ranges, recomputing what was not saved). Each stage lists its compute
   nodes in topological order, the parameters it reads, and which nodes' activations are *saved* (to host memory
-  in the forward pass, so the backward pass need not recompute them);
+  in the forward pass, so the backward pass need not recompute them), and which parameters it leaves on its
+  device for a later stage (``keeps``) or finds there (``finds``) instead of uploading them (weights that
+  *stay*; a *resident* plan keeps every weight on its device across iterations);
 - the **prediction**: per-stage time and memory and the iteration time of the round-robin schedule, its host
   part (optimizer step, copy refresh) reported separately.
 
@@ -36,7 +38,7 @@ from .specs import DeviceSpec, HostSpec
 
 __all__ = ["SCHEMA_VERSION", "Fingerprint", "Hardware", "Stage", "Prediction", "Plan", "StageKind"]
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 """2 added the per-stage transfer figures (``compute_s``, ``weight_bytes``, …) and ``tokens_per_microbatch``;
 version-1 files still load (those figures read as 0 and the simulator falls back to stage times). 3 added the
 host (``hardware.host``) and the prediction's host part (``pipeline_s``, ``optimizer_s``, ``refresh_s``,
@@ -46,12 +48,16 @@ node); version-3 files are single-node plans. 5 added ``predicted.overlap_iterat
 iterations, written only then); older files are synchronous plans. 6 added the host's dispatch per graph node
 (``hardware.spec.dispatch_s``, ``backward_dispatch_s``: launch-bound segments) and prices a one-GPU plan's
 hand-offs as kept in device memory (no link time, ``Hardware.resident_handoffs``); version-5 files load with
-no dispatch, as they were priced (re-pricing one, ``rpcompile check``, prices it the version-6 way)."""
+no dispatch, as they were priced (re-pricing one, ``rpcompile check``, prices it the version-6 way). 7 added
+weights that stay on their device (``resident``; per stage ``keeps``, ``finds``, ``found_bytes``, ``kept_bytes``,
+``held_bytes``, each written only when set); older files are plans whose weights leave after every stage."""
 MAX_PLAN_BYTES = 256 * 2**20
 """The largest plan file :meth:`Plan.load` reads (an 8B model's plan is about 1 MB)."""
 _MAX_DEPTH = 8
 StageKind = Literal["forward", "fused", "backward"]
 _KINDS = ("forward", "fused", "backward")
+_WRITTEN_IF_SET = ("keeps", "finds", "found_bytes", "kept_bytes", "held_bytes")
+"""Stage fields of weights that stay, written only when set (most stages of most plans have none)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,11 +168,25 @@ class Stage:
     """Bytes downloaded per microbatch that only the backward pass needs (forward stages: saved activations)."""
     working_bytes: int = 0
     """Device memory one microbatch's live tensors take while it computes."""
+    keeps: tuple[str, ...] = ()
+    """Parameters it leaves on its device after its last microbatch, for a later stage there, which does not
+    upload them (forward stages whose weights stay; every stage of a resident plan). Written only when not empty
+    (schema 6)."""
+    finds: tuple[str, ...] = ()
+    """Parameters already on its device when it starts, left there by an earlier stage: it does not upload them
+    (backward stages; every stage of a resident plan, which uploads those an optimizer step changed). Written only
+    when not empty."""
+    found_bytes: int = 0
+    """Bytes of ``finds`` it does not upload (``weight_bytes`` is what it uploads). Written only when not 0."""
+    kept_bytes: int = 0
+    """Bytes of ``keeps``. Written only when not 0."""
+    held_bytes: int = 0
+    """Other stages' weights on its device while it runs (in ``memory_bytes``). Written only when not 0."""
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
             raise ConfigError(f"stage {self.name}: kind must be one of {_KINDS}, got {self.kind!r}")
-        for name in ("nodes", "params", "saved", "modules", "saved_modules"):
+        for name in ("nodes", "params", "saved", "modules", "saved_modules", "keeps", "finds"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
 
     @property
@@ -240,6 +260,9 @@ class Plan:
     """What the plan was solved from (:mod:`rpcompile.passes.plan_inputs`): digests of the node costs, the
     partition problem, the hardware and the partitioner, and the planning options. ``rpcompile check`` compares
     them instead of solving again. Empty in plans made before it existed or by hand; written only when not empty."""
+    resident: bool = False
+    """Every weight stays on its device across iterations: uploaded once, then only what an optimizer step
+    changed (each stage's ``keeps`` and ``finds`` are all its parameters). Written only when true (schema 6)."""
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -293,6 +316,12 @@ class Plan:
             del d["host"]
         if not d["predicted"]["overlap_iterations"]:
             del d["predicted"]["overlap_iterations"]
+        if not d["resident"]:
+            del d["resident"]
+        for stage in d["stages"]:
+            for key in _WRITTEN_IF_SET:
+                if not stage[key]:
+                    del stage[key]
         if d["inputs"]:
             d["inputs"] = jsonable(dict(self.inputs))
         else:
@@ -339,6 +368,7 @@ class Plan:
                 host=tuple(d.get("host", ())),
                 stats=d.get("stats", {}),
                 inputs=dict(d.get("inputs", {})),
+                resident=d.get("resident", False),
             )
         except KeyError as e:
             raise PlanFileError(f"{source} is corrupt: missing field {e.args[0]!r}; re-plan to regenerate it") from None

@@ -19,7 +19,9 @@ Rules, beyond each field's type:
 5. text is what it claims to be (:data:`TEXT_RULES`: stage names ``F<i>``/``FB``/``B<i>``, graph node names are
    identifiers, parameter and module names dotted words, digests hexadecimal), and every string — free-form ones
    included — is printable (no control, format or line-separator characters) and at most 4096 characters long.
-   Nothing in a plan becomes code or markup; this rule refuses a file that tries.
+   Nothing in a plan becomes code or markup; this rule refuses a file that tries;
+6. parameters that stay on a device (``keeps``, ``finds``) are the stage's own, and where the runtime's walk puts
+   them (:func:`_stays_problem`).
 
 A flip inside a number or a name can leave a well-formed plan that says something else (a time of 0.3 s
 instead of 0.2 s, ``F1`` renamed ``F3``): such a plan loads, and ``rpcompile check`` (which verifies the plan
@@ -62,6 +64,8 @@ TEXT_RULES: dict[str, tuple[str, str]] = {
     "stages.saved": (r"[A-Za-z_][A-Za-z0-9_]*", "a graph node name (a Python identifier)"),
     "host": (r"[A-Za-z_][A-Za-z0-9_]*", "a graph node name (a Python identifier)"),
     "stages.params": (_DOTTED, "a parameter name (dotted words)"),
+    "stages.keeps": (_DOTTED, "a parameter name (dotted words)"),
+    "stages.finds": (_DOTTED, "a parameter name (dotted words)"),
     "stages.modules": (rf"\(root\)|{_DOTTED}", "a module path (dotted words, or (root))"),
     "stages.saved_modules": (rf"\(root\)|{_DOTTED}", "a module path (dotted words, or (root))"),
     "model.graph_digest": (r"[0-9a-f]{16,64}", "a hexadecimal digest"),
@@ -80,7 +84,8 @@ def plan_file_problem(plan_cls: type, d: Any) -> str | None:
         return f"expected a JSON object, found {_kind(d)}"
     problem = dataclass_problem(plan_cls, d, "")
     if problem is None:
-        problem = _stage_order_problem(d["stages"]) or size_problem(len(d["stages"]), d["microbatches"])
+        problem = (_stage_order_problem(d["stages"]) or size_problem(len(d["stages"]), d["microbatches"])
+                   or _stays_problem(d))
     return problem
 
 
@@ -226,6 +231,35 @@ def _stage_order_problem(stages: list[Mapping[str, Any]]) -> str | None:
     names = [s["name"] for s in stages]
     dup = next((n for n in names if names.count(n) > 1), None)
     return None if dup is None else f"stages: the name {dup!r} appears twice"
+
+
+def _stays_problem(d: Mapping[str, Any]) -> str | None:
+    """Rule 6: weights that stay are the stage's own, and where the walk puts them
+    (:func:`~rpcompile.core.schedule.weight_stays`): a resident plan keeps and finds every parameter of every
+    stage; otherwise forward stages keep, backward stages find, and each parameter a stage finds was kept by an
+    earlier stage on its device (stage ``k`` on device ``k mod devices``). A plan that says otherwise would have
+    the runtime hold or skip weights its memory and time figures do not count."""
+    stages, devices, resident = d["stages"], d["hardware"]["device_count"], d.get("resident", False)
+    if resident and len(stages) % devices:
+        return (f"resident: {len(stages)} stages on {devices} devices would not come back to their devices each "
+                "iteration (a resident plan has one device, or stages a multiple of the devices)")
+    kept: dict[int, set[str]] = {}
+    for k, s in enumerate(stages):
+        params, keeps, finds = set(s["params"]), s.get("keeps", []), s.get("finds", [])
+        where = f"stages[{k}] ({s['name']})"
+        if not params.issuperset(keeps) or not params.issuperset(finds):
+            return f"{where}: keeps or finds a parameter it does not read"
+        if resident:
+            if set(keeps) != params or set(finds) != params:
+                return f"{where}: a resident plan's stage keeps and finds every parameter it reads"
+            continue
+        if (keeps and s["kind"] != "forward") or (finds and s["kind"] != "backward"):
+            return f"{where}: only forward stages keep and only backward stages find parameters (unless resident)"
+        on = kept.setdefault(k % devices, set())
+        if not on.issuperset(finds):
+            return f"{where}: finds parameters no earlier stage on its device kept"
+        on.update(keeps)
+    return None
 
 
 def _kind(v: Any) -> str:

@@ -154,6 +154,9 @@ class Program:
     host: tuple[HostEmbedding, ...] = ()
     """Embedding lookups the host runs before the first stage; their values are inputs of the stages that read
     them, and their gradients come back like any stage input's."""
+    resident: bool = False
+    """Every weight stays on its device across iterations (``Plan.resident``); otherwise the parameters a stage
+    keeps there for a later one are its plan stage's ``keeps``."""
 
     @property
     def fused(self) -> StageProgram:

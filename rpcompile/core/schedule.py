@@ -8,18 +8,26 @@ simulator walks the very same lists with a clock.
 Stage ``k`` runs on device ``(k + offset) mod N``. On its device a stage's weight upload comes right after the
 previous stage's compute begins (so it is prefetched while that stage computes), every microbatch follows, then
 its gradient download (backward and fused stages only).
+
+**Weights that stay** (:func:`weight_stays`). A stage's weights normally leave its device after its last
+microbatch, so a parameter read by a forward stage and by the backward stage that differentiates it crosses the
+link twice an iteration. A plan may keep some on the device instead, from one use to the next use on the same
+device (``stays``), or keep every weight there across iterations (``resident``): the later stage finds them and
+uploads only the rest. Which weights a stage finds, leaves behind and holds for others is this walk's, the same
+for the timing model (segments' weights, :mod:`rpcompile.passes.stays`) and the runtime (parameters,
+:mod:`rpcompile.runtime.stays`).
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Literal, Sequence, cast
+from typing import Collection, Generic, Hashable, Literal, Sequence, TypeVar, cast
 
 from .errors import ConfigError
 
 __all__ = ["Action", "ActionKind", "round_robin", "gpipe", "one_f_one_b", "interleaved_one_f_one_b", "format_schedule",
-           "parse_action", "OVERLAP_ITERATIONS", "steady_period"]
+           "parse_action", "OVERLAP_ITERATIONS", "steady_period", "Stay", "weight_stays"]
 
 ActionKind = Literal["W", "F", "G"]
 _ACTION = re.compile(r"^(\d+)([WFG])(\d*)$")
@@ -57,6 +65,55 @@ def round_robin(kinds: Sequence[str], devices: int, microbatches: int, *, offset
         if kind != "forward":
             actions.append(Action(k, "G"))
     return lists
+
+
+H = TypeVar("H", bound=Hashable)
+
+
+@dataclass(frozen=True)
+class Stay(Generic[H]):
+    """One stage's weights as :func:`weight_stays` walks them (items: whatever the caller counts weights by)."""
+
+    found: frozenset[H]
+    """Its weights already on its device when it starts: not uploaded (a resident plan re-uploads those an
+    optimizer step changed, into the same place; :attr:`first` says which it may be)."""
+    kept: frozenset[H]
+    """Its weights it leaves on the device after its last microbatch, for a later stage (or iteration)."""
+    held: frozenset[H]
+    """Other stages' weights on the device while it runs (device memory beside its own)."""
+    first: frozenset[H]
+    """Its weights no earlier stage of the iteration read on this device: in a resident plan, what an optimizer
+    step since the last iteration made stale is refreshed here."""
+
+
+def weight_stays(uses: Sequence[Collection[H]], devices: int, stays: Collection[H] = (), *, resident: bool = False,
+                 offset: int = 0) -> list[Stay[H]]:
+    """Which weights each stage finds on its device, leaves there and holds for others (module docstring).
+
+    ``uses[k]``: the weights stage ``k`` reads (it runs on device ``(k + offset) mod devices``). A weight in
+    ``stays`` is kept on the device after a stage that reads it as long as a later stage of the iteration on
+    that device reads it too (the one that finds it); ``resident``: every weight stays on its device across
+    iterations, so every stage finds its own (uploaded once; refreshed after an optimizer step, at its first use
+    in the iteration). Anything else leaves the device after the stage."""
+    if devices < 1:
+        raise ConfigError(f"need devices >= 1, got {devices}")
+    staying = set(stays)
+    out: list[Stay[H] | None] = [None] * len(uses)
+    for d in range(devices):
+        mine = [k for k in range(len(uses)) if (k + offset) % devices == d]
+        later: list[set[H]] = [set() for _ in mine]  # what the device's stages after each read
+        for i in range(len(mine) - 2, -1, -1):
+            later[i] = later[i + 1] | set(uses[mine[i + 1]])
+        on: set[H] = {x for k in mine for x in uses[k]} if resident else set()
+        seen: set[H] = set()
+        for i, k in enumerate(mine):
+            use = set(uses[k])
+            keep = use if resident else {x for x in use if x in staying and x in later[i]}
+            out[k] = Stay(found=frozenset(use & on), kept=frozenset(keep), held=frozenset(on - use),
+                          first=frozenset(use - seen))
+            seen |= use
+            on = (on - use) | keep
+    return cast("list[Stay[H]]", out)
 
 
 #: Consecutive iterations the simulator and the timing model play for an overlapped run: the first two cannot

@@ -173,6 +173,18 @@ class StageCost:
     saved_by: tuple[int, ...] = ()
     """Chain positions whose ``offload_bytes`` this stage's ``prefetch_bytes`` read: microbatch j's prefetch
     starts only once their offload of j has landed in host memory."""
+    # weights that stay on the device (rpcompile.core.schedule.weight_stays); its own weights are
+    # weight_bytes + found_bytes
+    found_bytes: float = 0
+    """Its own weights already on its device when it starts (an earlier stage left them there), which its ``W``
+    neither uploads nor allocates."""
+    kept_bytes: float = 0
+    """Its own weights it leaves on the device after its last microbatch, for a later stage."""
+    held_bytes: float = 0
+    """Other stages' weights staying on the device while it runs (in ``memory_bytes``)."""
+    refreshes: bool = False
+    """Its ``W`` replaces copies already on the device (a resident plan after the optimizer step): the old copy
+    goes when the new one lands. Its device held them before the iteration."""
 
     # the timing model's figures (0 for stages it did not price)
     start: int = 0

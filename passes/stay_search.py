@@ -1,0 +1,78 @@
+"""``choose_stays``: which weights stay on their device (:mod:`.stays`), chosen on a solved plan's cuts.
+
+A stay trades device memory for link time: segment ``i``'s own parameters held on the device from its forward
+stage to its backward stage spare the backward stage their upload, while every stage of that device in between
+holds them. Whether that pays is the exact timing model's to say (:func:`.timing.iteration_time`: the shorter
+upload may or may not be on the critical path, and the memory it holds is room the lazy offload loses), and
+whether it fits is the memory rule's (:func:`.segment_rules.validate_segment_plan`). The search, on the cuts and
+saved flags the solver settled (the range model of the ILP does not know which device a stage lands on, and a
+stay's memory spans stages):
+
+1. a **resident** plan, when every stage returns to its device each iteration (:func:`.stays.resident_allowed`):
+   every weight stays, uploaded once and refreshed after optimizer steps only — the degenerate plan when the whole
+   model fits, eager training on one device with its weights on the CPU;
+2. every segment that can stay (:func:`.stays.stay_candidates`);
+3. otherwise one segment at a time, those held for the fewest stages first (the last forward stages': the least
+   memory for the same saving), keeping each that fits and is not slower.
+
+The first of 1 and 2 that fits and is not slower than the plan without stays is taken (1 before 2 when they tie:
+a resident plan also spares the uploads of weights no step changed, frozen ones and those of gradient
+accumulation steps); else 3. A stay never makes the plan slower: nothing stays when nothing fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .problem import PartitionProblem, SegmentPlan, plan_stages
+from .segment_rules import validate_segment_plan
+from .stays import resident_allowed, stay_candidates
+from .timing import iteration_time
+
+__all__ = ["choose_stays", "without_stays"]
+
+#: A stay is kept when the plan is at most this much slower with it (float noise; a stay should save time or
+#: nothing).
+SLOWER = 1e-12
+
+
+def without_stays(plan: SegmentPlan) -> SegmentPlan:
+    """``plan`` with every weight leaving its device after each stage (today's round robin)."""
+    return dataclasses.replace(plan, stays=(), resident=False)
+
+
+def choose_stays(pb: PartitionProblem, plan: SegmentPlan) -> SegmentPlan:
+    """``plan`` with the weights that stay chosen (module docstring)."""
+    base = without_stays(plan)
+    if not pb.allow_stay:
+        return base
+    limit = iteration_time(pb, base) * (1 + SLOWER)
+
+    def time_if_valid(p: SegmentPlan) -> float | None:
+        return None if validate_segment_plan(pb, p) else iteration_time(pb, p)
+
+    candidates = stay_candidates(pb, base)
+    whole = [dataclasses.replace(base, stays=tuple(i in candidates for i in range(pb.n)))] if candidates else []
+    if resident_allowed(pb, base) and (any(pb.param_bytes) or any(p.bytes for p in pb.shared)):
+        whole.insert(0, dataclasses.replace(base, resident=True))
+    scored = [(t, p) for p in whole if (t := time_if_valid(p)) is not None and t <= limit]
+    if scored:  # the fastest; the first (resident) of those within float noise of it
+        fastest = min(t for t, _ in scored)
+        return next(p for t, p in scored if t <= fastest * (1 + SLOWER))
+    kinds = plan_stages(base)
+    span = {i: 0 for i in candidates}  # stages between a segment's forward and backward stage
+    for k, (kind, a, b) in enumerate(kinds):
+        for i in range(a, b):
+            if i in span:
+                span[i] = k - span[i] if kind == "backward" else k
+    flags = [False] * pb.n
+    best = base
+    for i in sorted(candidates, key=lambda i: (span[i], -pb.param_bytes[i], i)):
+        flags[i] = True
+        trial = dataclasses.replace(base, stays=tuple(flags))
+        t = time_if_valid(trial)
+        if t is not None and t <= limit:
+            best, limit = trial, min(limit, t * (1 + SLOWER))
+        else:
+            flags[i] = False
+    return best

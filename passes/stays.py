@@ -1,0 +1,99 @@
+"""What weights that stay on their device cost and save, per stage of a :class:`~.problem.SegmentPlan`.
+
+Terms (:func:`rpcompile.core.schedule.weight_stays` walks them): a stage's weights are its segments' own
+parameters and the shared parameters its segments read (counted once per stage, as :meth:`.problem.PartitionProblem.weight`
+counts them). Segment ``i``'s own parameters may **stay** on the device from its forward stage's upload until its
+backward stage (``SegmentPlan.stays[i]``) when both stages run on one device: the backward stage finds them there
+and uploads only the rest, and every stage that runs on that device in between holds them beside its own memory.
+A **resident** plan keeps every weight on its device across iterations: each stage finds its weights, and only the
+trainable ones an optimizer step changed are uploaded again, by the first stage of the iteration on the device
+that reads them (frozen weights — a LoRA base — never again); the device holds all of its stages' weights all the
+time. The timing model (:func:`.timing.stage_costs`) prices both with these figures: the upload a stay saves
+(link time, :attr:`~rpcompile.core.stages.StageCost.weight_bytes`) against the memory it holds
+(:attr:`~rpcompile.core.stages.StageCost.held_bytes`); :mod:`.stay_search` chooses them.
+
+Figures are for an iteration in the steady state: a resident plan's first iteration uploads its frozen weights too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rpcompile.core.schedule import weight_stays
+
+from .problem import PartitionProblem, SegmentPlan, plan_stages
+
+__all__ = ["StayFigures", "NO_STAY", "stay_figures", "stay_candidates", "resident_allowed"]
+
+_Item = tuple[str, int]
+"""A stage's weights, as the walk counts them: ``("segment", i)`` (segment ``i``'s own parameters) or
+``("shared", j)`` (``problem.shared[j]``)."""
+
+
+@dataclass(frozen=True)
+class StayFigures:
+    """One stage's part in the plan's stays (bytes in upload precision; see :class:`~rpcompile.core.stages.StageCost`)."""
+
+    found: int = 0
+    """Its own weights it does not upload: already on the device."""
+    kept: int = 0
+    """Its own weights it leaves on the device."""
+    held: int = 0
+    """Other stages' weights on the device while it runs."""
+    refreshes: bool = False
+    """Its upload replaces copies already on the device (a resident plan's trainable weights after the step)."""
+
+
+NO_STAY = StayFigures()
+"""A stage with nothing staying."""
+
+
+def _items(pb: PartitionProblem, a: int, b: int) -> set[_Item]:
+    own = {("segment", i) for i in range(a, b) if pb.param_bytes[i]}
+    return own | {("shared", j) for j, p in enumerate(pb.shared) if any(a <= s < b for s in p.segments) and p.bytes}
+
+
+def _sizes(pb: PartitionProblem, item: _Item) -> tuple[int, int]:
+    """``(bytes, trainable bytes)`` of one item."""
+    kind, i = item
+    if kind == "segment":
+        return pb.param_bytes[i], min(pb.grad_bytes[i], pb.param_bytes[i])
+    p = pb.shared[i]
+    return p.bytes, min(p.grad_bytes, p.bytes)
+
+
+def stay_figures(pb: PartitionProblem, plan: SegmentPlan) -> list[StayFigures] | None:
+    """Per stage of ``plan`` in execution order, its figures; None when nothing stays."""
+    if not plan.stays and not plan.resident:
+        return None
+    stages = plan_stages(plan)
+    uses = [_items(pb, a, b) for _, a, b in stages]
+    staying = [("segment", i) for i, s in enumerate(plan.stays) if s]
+    out = []
+
+    def size(items: set[_Item] | frozenset[_Item], which: int = 0) -> int:
+        return sum(_sizes(pb, x)[which] for x in items)
+
+    for use, st in zip(uses, weight_stays(uses, pb.device_count, staying, resident=plan.resident)):
+        refresh = size(st.found & st.first, 1)  # stale after the step: uploaded again
+        upload = size(use - st.found) + refresh
+        out.append(StayFigures(found=size(use) - upload, kept=size(st.kept), held=size(st.held),
+                               refreshes=refresh > 0))
+    return out
+
+
+def stay_candidates(pb: PartitionProblem, plan: SegmentPlan) -> list[int]:
+    """Segments whose own parameters may stay on ``plan``'s cuts: before the fused stage, with parameters, their
+    forward and backward stages on one device (round robin from device 0)."""
+    stages = plan_stages(plan)
+    fwd = {i: k for k, (kind, a, b) in enumerate(stages) if kind == "forward" for i in range(a, b)}
+    bwd = {i: k for k, (kind, a, b) in enumerate(stages) if kind == "backward" for i in range(a, b)}
+    n = pb.device_count
+    return [i for i in range(plan.fused[0]) if pb.param_bytes[i] and i in fwd and i in bwd
+            and fwd[i] % n == bwd[i] % n]
+
+
+def resident_allowed(pb: PartitionProblem, plan: SegmentPlan) -> bool:
+    """Whether every stage returns to its device in the next iteration (one device, or a stage count that is a
+    multiple of the devices, whichever way the round-robin pointer carries on): a resident plan needs it."""
+    return pb.device_count == 1 or plan.stage_count % pb.device_count == 0

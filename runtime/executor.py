@@ -11,8 +11,10 @@ and inputs up, the call, its buffers and gradients home) are :mod:`.stage_call`'
 starts a stage's first microbatch it hands the next ``W`` of its list to the device's prefetch thread, and that
 ``W`` only collects the result (the simulator's rule: a ``W`` may start once the device started the stage before
 it; at most two stages' weights are resident, the planner's ``P`` term). A forward stage's weights are dropped
-after its last microbatch, a fused or backward stage's after its gradients went home. On a GPU the copies run on
-a stream of their own, behind the activation uploads (:meth:`~.devices.Device.upload_weights`).
+after its last microbatch, a fused or backward stage's after its gradients went home — except the copies the plan
+keeps on the device for a later stage there, or keeps for good (weights that stay, :mod:`.stays`: a stage uploads
+only what it does not find). On a GPU the copies run on a stream of their own, behind the activation uploads
+(:meth:`~.devices.Device.upload_weights`).
 
 **Hand-offs on one device.** With a single device that is not a logical CPU device (one GPU), every stage runs
 there, so a value one stage hands to the next (and the gradient a backward stage leaves for an earlier one) stays in

@@ -167,14 +167,15 @@ def test_the_ilp_plans_stays_where_memory_allows_and_none_where_it_does_not():
 # ------------------------------------------------------------------------------------------------ plan files
 @pytest.fixture(scope="module")
 def plans(tmp_path_factory):
-    """llama-demo planned for one device under 1 MiB (some weights stay), two devices (forward stages keep
-    theirs for the backward stages on their device), one device with room (resident), and without stays."""
+    """llama-demo planned for one device under 1 MiB (some weights stay), two devices under 800 KiB (forward
+    stages keep theirs for the backward stages on their device: 9 stages, so not resident), one device with room
+    (resident), and the two-device plan without stays."""
     out = tmp_path_factory.mktemp("plans")
     made = {}
-    for name, argv in {"tight": ["--gpus", "1", "--memory-limit", "1MiB"], "two": ["--gpus", "2"],
+    for name, argv in {"tight": ["--gpus", "1", "--memory-limit", "1MiB"], "two": ["--gpus", "2", "--memory-limit", "800KiB"],
                        "resident": ["--gpus", "1", "--memory-limit", "1GiB", "--segments-per-layer", "2",
                                     "--microbatches", "2"],
-                       "none": ["--gpus", "2", "--no-stay"]}.items():
+                       "none": ["--gpus", "2", "--memory-limit", "800KiB", "--no-stay"]}.items():
         path = out / f"{name}.json"
         assert main(["plan", "llama-demo", "--spec", "rtx4090", "--time-limit", "2", *argv, "-o", str(path)]) == 0
         made[name] = path
@@ -183,7 +184,7 @@ def plans(tmp_path_factory):
 
 def test_plans_record_what_stays_and_round_trip(plans):
     two = Plan.load(plans["two"])
-    assert two.schema_version == 6 and not two.resident
+    assert two.schema_version == 7 and not two.resident
     keepers = [s for s in two.stages if s.keeps]
     assert keepers and all(s.kind == "forward" and set(s.keeps) <= set(s.params) for s in keepers)
     assert {p for s in two.stages for p in s.finds} == {p for s in keepers for p in s.keeps}
@@ -197,7 +198,7 @@ def test_plans_record_what_stays_and_round_trip(plans):
     assert not any(k in s for s in data["stages"] for k in ("keeps", "finds", "held_bytes", "found_bytes"))
 
 
-def test_a_version_5_plan_loads_as_one_whose_weights_all_leave(plans):
+def test_a_version_6_plan_loads_as_one_whose_weights_all_leave(plans):
     data = json.loads(plans["none"].read_text())
     data["schema_version"] = 5
     old = Plan.from_dict(data)
@@ -211,7 +212,7 @@ def test_a_version_5_plan_loads_as_one_whose_weights_all_leave(plans):
     (lambda d, k: d["stages"][k].update(finds=d["stages"][k]["keeps"]), r"only backward stages find parameters"),
     (lambda d, k: d["stages"][k].update(held_bytes=-1), r"held_bytes: must be >= 0"),
     (lambda d, k: d.update(resident="yes"), r"resident: expected true or false"),
-    (lambda d, k: d.update(resident=True), r"resident: 5 stages on 2 devices would not come back"),
+    (lambda d, k: d.update(resident=True), r"resident: 9 stages on 2 devices would not come back"),
 ])
 def test_stays_in_a_plan_file_are_checked(plans, tmp_path, edit, message):
     data = json.loads(plans["two"].read_text())

@@ -14,12 +14,12 @@ keeps around GPU-like compute, set beside what the simulator predicts for the sa
 - ``iterations overlapped``: the same with ``pipe.overlap_iterations = True``: each call returns at its loss and the
   devices go on into the next iteration while the last stages drain.
 
-Period: the mean wall time per step over ``--steps`` steps run back to back after a warm-up, the last drain
-included. The model: a LLaMA-shaped decoder (host storage, constant values: nothing is computed), planned with
+Period: the median time between the starts of consecutive steps over ``--steps`` steps after two warm-up steps,
+as the simulator's period is the steady state of consecutive iterations (the run's one-off fill and drain apart). The model: a LLaMA-shaped decoder (host storage, constant values: nothing is computed), planned with
 analytic costs for ``--spec`` (compute times scaled by ``--slow``: a slower GPU, so that the host work of this
 2-core machine hides behind compute as a real host's does behind a real GPU's).
 
-    python benchmarks/overlap_run.py [--gpus 8] [--layers 8] [--dim 1024] [--microbatches 8] [--slow 60] [--steps 4]
+    python benchmarks/overlap_run.py [--gpus 8] [--layers 8] [--dim 1024] [--microbatches 8] [--slow 60] [--steps 6]
     python benchmarks/overlap_run.py --quick   # checks the script (CI); its figures mean nothing
 
 Writes ``benchmarks/results/overlap_run.json`` (``--out``) and prints a table.
@@ -34,6 +34,7 @@ import datetime as dt
 import json
 import math
 import platform
+import statistics
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -125,19 +126,16 @@ def predicted(plan: Any, slow: float, step_s: float, overlap: bool, iterations: 
 
 def measure(pipe: Any, x: torch.Tensor, y: torch.Tensor, optimizer: SleepStep, steps: int, *, overlap: bool,
             iterations: bool) -> float:
+    """The steady-state period: the median time between the starts of consecutive steps, after two warm-up
+    steps (a step that returns before its work is done is timed by when the next one can start)."""
     pipe.overlap_iterations = iterations
-
-    def step() -> None:
+    starts = []
+    for _ in range(steps + 3):
+        starts.append(time.perf_counter())
         pipe.forward_backward(x, target=y)
         pipe.step(optimizer, overlap=overlap)
-
-    step()
     pipe.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    pipe.synchronize()
-    return (time.perf_counter() - t0) / steps
+    return statistics.median(b - a for a, b in zip(starts[2:], starts[3:]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,12 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slow", type=float, default=60.0, help="stage compute times x this (a slower GPU)")
     ap.add_argument("--step-s", type=float, default=None, help="the optimizer step's time (default: a third of "
                                                                    "the predicted synchronous pipeline)")
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--quick", action="store_true", help="a tiny run that checks the script")
     args = ap.parse_args(argv)
     if args.quick:
-        args.gpus, args.layers, args.dim, args.seq, args.microbatches, args.steps = 2, 2, 128, 64, 3, 2
+        args.gpus, args.layers, args.dim, args.seq, args.microbatches, args.steps = 2, 2, 128, 64, 3, 1
     model, x, y = build(args.layers, args.dim, args.seq, args.microbatches)
     devices = [FloorDevice(i) for i in range(args.gpus)]
     pipe = rpcompile.compile(model, (x,), loss_fn=lm_loss, devices=devices, spec=args.spec, precision="bf16",

@@ -395,11 +395,7 @@ class Overlap:
             # iteration's gradients (held apart) are dropped — .grad keeps what the failed step was given
             if shadow is not None:
                 shadow.restore(replay=False)
-            for r in self.running:  # overlapped iterations still draining: their gradients go with the step's
-                r.wait()
-            self.running, self.last, self.held = [], None, {}
-            self.grads.hold(False)
-            self._end(failed=True)
+            self._abandon()
             raise PipelineError(f"the overlapped optimizer step failed: {type(e).__name__}: {e}") from e
         self.weights.swap()
         if shadow is not None:
@@ -408,9 +404,7 @@ class Overlap:
     def end(self) -> None:
         """Back to synchronous steps (``pipe.synchronize()``): the overlapped iterations drained, the step
         collected, the held gradients in ``.grad``, the double buffers gone."""
-        for r in self.running:
-            r.wait()
-        self.check_drains()
+        self.drain()
         self.collect()
         with deferred():
             self.running, self.last = [], None
@@ -428,8 +422,6 @@ class Overlap:
         failed = next((r for r in self.running if r.settled.is_set() and r.error is not None), None)
         if failed is None:
             return
-        for r in self.running:
-            r.wait()
         with deferred():
             future, self.future = self.future, None
             if future is not None:
@@ -441,11 +433,25 @@ class Overlap:
             if self._shadow is not None:
                 self._shadow.restore(replay=False)
                 self._shadow = None
-            self.running, self.last, self.held = [], None, {}
-            self.grads.hold(False)
-            self._end(failed=True)
+            self._abandon()
         assert failed.error is not None
         raise PipelineError(_drain_failed(failed, failed.error)) from failed.error
+
+    def drain(self) -> None:
+        """Wait for every overlapped iteration in flight (the devices idle); raise a failure among them
+        (:meth:`check_drains`)."""
+        for r in self.running:
+            r.wait()
+        self.check_drains()
+
+    def _abandon(self) -> None:
+        """Back to synchronous steps after a failure: the overlapped iterations settled (their gradients, held
+        apart, dropped with the held buffers) and every copy remade from the masters as they were left."""
+        for r in self.running:
+            r.wait()
+        self.running, self.last, self.held = [], None, {}
+        self.grads.hold(False)
+        self._end(failed=True)
 
     def began(self, run: Running) -> None:
         """An overlapped iteration started (:meth:`Pipeline.forward_backward`)."""

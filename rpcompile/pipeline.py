@@ -455,12 +455,6 @@ class Pipeline:
             raise
         return losses
 
-    def _drained(self) -> None:
-        """Every overlapped iteration drained (the devices idle), a failure among them raised."""
-        for r in self._overlap.running:
-            r.wait()
-        self._overlap.check_drains()
-
     def _reraise(self, e: BaseException) -> NoReturn:
         """A failed call's error as the caller sees it: a stage out of device memory as
         :class:`~.oom.StageOutOfMemoryError`, a ``loss_fn`` that failed on its target as that
@@ -485,7 +479,7 @@ class Pipeline:
         check_call_mode("forward", self.precision)
         self.executor.training = self.check_model()
         wait_for_steps(self._masters, besides=self._overlap)
-        self._drained()
+        self._overlap.drain()  # the devices idle: no overlapped iteration draining
         # the in-graph loss's target rides along
         target = {TARGET: kwargs.pop(TARGET)} if self.loss_in_graph and TARGET in kwargs else {}
         if self.signature is not None:  # the inputs as compiled (signature.py)
@@ -516,7 +510,7 @@ class Pipeline:
         check_call_mode("evaluate", self.precision)
         self.executor.training = self.check_model()
         wait_for_steps(self._masters, besides=self._overlap)
-        self._drained()
+        self._overlap.drain()  # the devices idle: no overlapped iteration draining
         store, m, loss_of, targets, _ = call_batch(self, "evaluate", inputs, target, dict(kwargs))
         try:
             losses = self.executor.run_forward(store, iteration=self.iteration, microbatches=m, loss_fn=loss_of,

@@ -103,10 +103,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-save", dest="allow_save", action="store_false",
                    help="keep no activations in host memory: every backward stage recomputes its forward (what "
                         "rpcompile.compile falls back to when the saved activations would not fit the host)")
-    p.add_argument("--no-stay", dest="allow_stay", action="store_false",
-                   help="keep no weight on a device between stages: every stage uploads its weights (default: a "
-                        "forward stage's weights stay for the backward stage on its device, or every weight across "
-                        "iterations, where memory allows and it is faster)")
+    _no_stay(p)
     p.add_argument("--overlap", action="store_true",
                    help="plan for overlapped iterations (pipe.step(optimizer, overlap=True), each device going on to "
                         "the next iteration while the others drain; one step stale): minimise the steady-state period")
@@ -167,10 +164,7 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-host-embedding", dest="host_embedding", action="store_false",
                    help="(ilp, MODEL) keep token embeddings on the devices (the baselines always do)")
     p.add_argument("--host-bandwidth", type=parse_rate, default=None, help="the host memory's total bandwidth, e.g. 100GB/s (default: unlimited)")
-    p.add_argument("--no-stay", dest="allow_stay", action="store_false",
-                   help="keep no weight on a device between stages: every stage uploads its weights (default: a "
-                        "forward stage's weights stay for the backward stage on its device, or every weight across "
-                        "iterations, where memory allows and it is faster)")
+    _no_stay(p)
     p.add_argument("--overlap", action="store_true",
                    help="overlapped iterations (pipe.step(optimizer, overlap=True), each device going on to the next "
                         "iteration while the others drain): the round-robin schedules run several iterations and report the "
@@ -215,3 +209,11 @@ def _add_show(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", dest="graph_model", default=None, metavar="MODEL",
                    help="(with --graph) trace MODEL for the graph's edges and exact module boxes")
     p.add_argument("--depth", type=positive_int, default=None, help="(with --graph) module depth of the roll-up")
+
+
+def _no_stay(p: argparse.ArgumentParser) -> None:
+    """``--no-stay`` (plan, simulate)."""
+    p.add_argument("--no-stay", dest="allow_stay", action="store_false",
+                   help="keep no weight on a device between stages: every stage uploads its weights (default: a "
+                        "forward stage's weights stay for the backward stage on its device, or every weight across "
+                        "iterations, where memory allows and it is faster)")

@@ -259,3 +259,43 @@ def test_resume_from_a_checkpoint_saved_between_overlapped_iterations_is_exact(t
     got = run(3, 6, load=True)
     for k in want:
         assert torch.equal(got[k], want[k]), k
+
+
+@pytest.mark.hf
+def test_an_hf_llama_over_padded_batches_of_other_sizes_trains_one_step_stale():
+    """What users run: an HF Llama from a config, compiled for overlapped iterations, trained over padded batches
+    of 6, 4 and 5 rows (labels -100 on the padding) with AdamW — equal to delayed-gradient training on the same
+    plan run synchronously (losses and weights)."""
+    from _hf import VOCAB, hf_model, token_loss
+
+    def padded(seed: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, VOCAB, (rows, 8), generator=g)
+        labels = ids.clone()
+        labels[:, 8 - seed % 3 - 1:] = -100  # the padded tail
+        return ids, labels
+
+    torch.manual_seed(0)
+    model = hf_model("llama")
+    ref = hf_model("llama")
+    ref.load_state_dict(model.state_dict())
+    pipe = rpcompile.compile(model, (padded(0, 6)[0],), loss_fn=token_loss, devices=["cpu", "cpu"], microbatches=2,
+                             host_embedding=False, time_limit_s=2.0, overlap=True)
+    ref_pipe = rpcompile.compile(ref, (padded(0, 6)[0],), loss_fn=token_loss, devices=["cpu", "cpu"],
+                                 plan=pipe.plan, host_embedding=False)
+    ref_pipe.overlap_iterations = False
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    previous = {k: v.clone() for k, v in ref.state_dict().items()}
+    for seed, rows in enumerate((6, 4, 5, 6)):
+        x, y = padded(seed, rows)
+        loss = pipe.forward_backward(x, target=y)
+        pipe.step(opt, overlap=True)
+        current = {k: v.clone() for k, v in ref.state_dict().items()}
+        ref.load_state_dict(previous)
+        assert torch.equal(loss, ref_pipe.forward_backward(x, target=y)), seed
+        ref.load_state_dict(current)
+        ref_opt.step(), ref_opt.zero_grad()
+        previous = current
+    pipe.synchronize()
+    assert_same_weights(model, ref)

@@ -25,7 +25,7 @@ from .host import host_of
 from .loss_head import HEAD_CHUNKS_META
 from .plan_inputs import solve_inputs
 from .shape import SHAPE_KEY
-from .timing import bubble_fraction, host_times, iteration_time, stage_costs
+from .timing import bubble_fraction, host_times, iteration_time, no_sync_time, stage_costs
 from .util import compute_nodes, module_path, node_params
 
 __all__ = ["plan_from_ranges", "to_plan"]
@@ -163,6 +163,7 @@ def to_plan(gm: fx.GraphModule, problem: Any, result: Any, *, hardware: Hardware
             bound_s=float(result.stats.get("bound_s", 0.0) or 0.0),
             overlap_step=problem.host.overlap_step,
             overlap_iterations=problem.host.overlap_iterations,
+            no_sync_s=no_sync_time(problem, sp) if sp.accumulates else 0.0,
             **host_times(problem, sp),
         ),
         strategy=result.strategy,
@@ -177,21 +178,25 @@ def to_plan(gm: fx.GraphModule, problem: Any, result: Any, *, hardware: Hardware
         inputs = facts["inputs"] = solve_inputs(gm, problem, hardware, strategy=result.strategy, precision=precision)
     else:  # the same record but for the strategy (the first option)
         inputs = {**inputs, "options": {**inputs["options"], "strategy": result.strategy}}
-    if sp.stays or sp.resident:
-        made = _with_stays(made, segs, sp)
+    if sp.stays or sp.resident or sp.accumulates:
+        made = _with_stays(made, segs, sp, {n for n, p in gm.named_parameters() if p.requires_grad})
     return dataclasses.replace(made, head_chunks=int(gm.meta.get(HEAD_CHUNKS_META, 1)),
                                host=tuple(h.node for h in host_of(gm)), inputs=inputs)
 
 
-def _with_stays(plan: Plan, segs: Sequence[Any], sp: Any) -> Plan:
+def _with_stays(plan: Plan, segs: Sequence[Any], sp: Any, trainable: set[str]) -> Plan:
     """The parameters each stage keeps on its device and finds there (:func:`weight_stays` over parameter names,
     as the runtime walks them): a stayed segment's own parameters (those no other segment reads), or with
-    ``resident`` all of them."""
+    ``resident`` all of them; and those whose gradients a grad stage sums on its device (a flagged segment's own
+    trainable parameters)."""
     readers = Counter(p for s in segs for p in set(s.params))
     staying = {p for s, flag in zip(segs, sp.stays) if flag for p in s.params if readers[p] == 1}
+    summed = {p for s, flag in zip(segs, sp.accumulates) if flag for p in s.params
+              if readers[p] == 1 and p in trainable}
     walk = weight_stays([s.params for s in plan.stages], plan.hardware.device_count, staying, resident=sp.resident)
     stages = tuple(dataclasses.replace(s, keeps=tuple(p for p in s.params if p in w.kept),
-                                       finds=tuple(p for p in s.params if p in w.found))
+                                       finds=tuple(p for p in s.params if p in w.found),
+                                       accumulates=tuple(p for p in s.params if p in summed and s.kind != "forward"))
                    for s, w in zip(plan.stages, walk))
     return dataclasses.replace(plan, stages=stages, resident=sp.resident)
 
@@ -211,4 +216,5 @@ def _figures(c: Any, microbatches: int) -> dict:
         "found_bytes": int(c.found_bytes),
         "kept_bytes": int(c.kept_bytes),
         "held_bytes": int(c.held_bytes),
+        "sum_bytes": int(c.sum_bytes),
     }

@@ -13,7 +13,8 @@ Terms (DESIGN.md §3; RoundPipe, Luo et al., arXiv 2604.27085):
 - ``stays[i]`` says whether segment ``i``'s own parameters stay on the device from its forward stage's upload
   until its backward stage, which then uploads only the rest (both stages on one device); ``resident``: every
   weight stays on its device across iterations (:func:`rpcompile.core.schedule.weight_stays`). Chosen on the
-  solved cuts by :mod:`.stays`.
+  solved cuts by :mod:`.stays`. ``accumulates[i]``: segment ``i``'s gradients stay on the device of its grad
+  stage during gradient-accumulation calls, summed there (:mod:`.stays`).
 - Stage ``k`` of ``[F0.., FB, B1..]`` (:func:`plan_stages`) runs on device ``k mod N`` for every microbatch in turn.
 - Every strategy returns a :class:`PartitionResult`; an infeasible problem is a result, not an exception.
 
@@ -216,6 +217,9 @@ class SegmentPlan:
     resident: bool = False
     """Every weight stays on its device across iterations: uploaded once, refreshed after optimizer steps only
     (one device, or stages a multiple of the devices, so that each stage returns to its device)."""
+    accumulates: tuple[bool, ...] = ()
+    """Per segment: the gradients of its own parameters stay on its grad stage's device during calls under
+    ``pipe.no_sync()``, summed there, and go home with the next call outside it; empty when none do."""
 
     def __post_init__(self) -> None:
         pair = lambda r: (int(r[0]), int(r[1]))  # noqa: E731
@@ -226,6 +230,8 @@ class SegmentPlan:
         stays = tuple(bool(s) for s in self.stays)
         object.__setattr__(self, "stays", stays if any(stays) else ())
         object.__setattr__(self, "resident", bool(self.resident))
+        acc = tuple(bool(s) for s in self.accumulates)
+        object.__setattr__(self, "accumulates", acc if any(acc) else ())
 
     @property
     def stage_count(self) -> int:

@@ -12,7 +12,7 @@ from typing import Sequence
 from rpcompile.core.stages import StageCost
 
 from .problem import PartitionProblem, SegmentPlan
-from .stays import resident_allowed, stay_candidates
+from .stays import resident_allowed, stay_candidates, sum_candidates
 from .timing import stage_costs
 
 __all__ = ["validate_segment_plan", "structural_violations", "memory_violations", "format_bytes"]
@@ -80,10 +80,24 @@ def _saved_violations(pb: PartitionProblem, plan: SegmentPlan) -> list[str]:
     return out
 
 
+def _sum_violations(pb: PartitionProblem, plan: SegmentPlan) -> list[str]:
+    """Rule 5, gradient sums: one flag per segment, set only where its gradients can be summed on a device."""
+    if len(plan.accumulates) != pb.n:
+        return [f"accumulates has {len(plan.accumulates)} flags but there are {pb.n} segments; give one per segment"]
+    can = set(sum_candidates(pb, plan))
+    return [f"segment {i} ({_where(pb, i)}) cannot sum its gradients on its device: it has no trainable "
+            f"parameters, or calls do not start on device 0 (overlapped iterations, data-parallel); set "
+            f"accumulates[{i}] = False" for i, s in enumerate(plan.accumulates) if s and i not in can]
+
+
 def _stay_violations(pb: PartitionProblem, plan: SegmentPlan) -> list[str]:
     """Rule 5: stays where they can be."""
-    if (plan.resident or plan.stays) and not pb.allow_stay:
+    if (plan.resident or plan.stays or plan.accumulates) and not pb.allow_stay:
         return ["the problem keeps no weight on the devices (allow_stay=False) but the plan does; drop its stays"]
+    if plan.accumulates:
+        sums = _sum_violations(pb, plan)
+        if sums:
+            return sums
     if plan.resident:
         out = [] if resident_allowed(pb, plan) else [
             f"a resident plan needs every stage back on its device each iteration: one device, or a stage count "
@@ -130,7 +144,8 @@ def validate_segment_plan(problem: PartitionProblem, plan: SegmentPlan, *, memor
     4. ``saved`` has one flag per segment, all False in the fused range (and everywhere when saving is off).
     5. ``stays`` is empty or has one flag per segment, True only where a segment's parameters can stay
        (:func:`.stays.stay_candidates`); a ``resident`` plan has no flags and every stage returns to its device
-       each iteration (:func:`.stays.resident_allowed`).
+       each iteration (:func:`.stays.resident_allowed`); ``accumulates`` likewise, True only where a segment's
+       gradients can be summed on its device (:func:`.stays.sum_candidates`).
     6. (``memory=True``) every stage fits ``memory_bytes``, the weights that stay on its device included.
     """
     problems = structural_violations(problem, plan)

@@ -104,7 +104,7 @@ def _load(path: Path, key: dict[str, Any], problem: PartitionProblem) -> Partiti
             return None
         plan = _segment_plan(data["plan"], problem.n)
         objective, took, stats = _number(data["objective"]), _number(data["solve_time_s"]), data["stats"]
-        if not isinstance(stats, dict) or json_depth(stats) > 2:
+        if not isinstance(stats, dict) or json_depth(stats) > 3:  # budgets: a list of lists
             raise ValueError("stats")
     except (KeyError, TypeError, ValueError, AttributeError):
         _ignore(path, "wrong schema")
@@ -132,12 +132,13 @@ def _segment_plan(p: Any, n: int) -> SegmentPlan:
     if not isinstance(p, dict) or not all(isinstance(p[k], list) and len(p[k]) <= n + 1 for k in lists):
         raise ValueError("plan")
     stays, resident = p.get("stays", []), p.get("resident", False)  # entries before weights stayed have none
-    if not all(type(x) is bool for x in p["saved"]) or not isinstance(stays, list) or len(stays) > n \
-            or not all(type(x) is bool for x in [*stays, resident]):
+    sums = p.get("accumulates", [])  # nor before gradients were summed on the devices
+    if not all(type(x) is bool for x in p["saved"]) or not all(isinstance(x, list) and len(x) <= n for x in (stays, sums)) \
+            or not all(type(x) is bool for x in [*stays, *sums, resident]):
         raise ValueError("saved")
     return SegmentPlan(forward=tuple(pair(r) for r in p["forward"]), fused=pair(p["fused"]),
                        backward=tuple(pair(r) for r in p["backward"]), saved=tuple(p["saved"]),
-                       stays=tuple(stays), resident=resident)
+                       stays=tuple(stays), resident=resident, accumulates=tuple(sums))
 
 
 def _number(v: Any) -> float:
@@ -155,7 +156,7 @@ def _store(path: Path, key: dict[str, Any], result: PartitionResult) -> None:
     plan = result.plan
     data = {"format": FORMAT_VERSION, "key": key, "created": time.time(),
             "plan": {"forward": plan.forward, "fused": plan.fused, "backward": plan.backward, "saved": plan.saved,
-                     "stays": plan.stays, "resident": plan.resident},
+                     "stays": plan.stays, "resident": plan.resident, "accumulates": plan.accumulates},
             "objective": result.objective, "solve_time_s": result.solve_time_s,
             "stats": jsonable(result.stats)}
     try:

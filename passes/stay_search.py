@@ -18,6 +18,11 @@ stay's memory spans stages):
 The first of 1 and 2 that fits and is not slower than the plan without stays is taken (1 before 2 when they tie:
 a resident plan also spares the uploads of weights no step changed, frozen ones and those of gradient
 accumulation steps); else 3. A stay never makes the plan slower: nothing stays when nothing fits.
+
+Then the **gradient sums** (:func:`choose_sums`): on the stays chosen, every grad stage whose gradients can be
+summed on its device across accumulation calls, then (if that does not fit) one stage at a time, the largest
+gradients first, keeping each that fits and leaves a call outside ``no_sync`` no slower (the sums take room the
+lazy offload would use). A call under ``no_sync`` only gains from them: it sends those gradients nowhere.
 """
 
 from __future__ import annotations
@@ -26,10 +31,10 @@ import dataclasses
 
 from .problem import PartitionProblem, SegmentPlan, plan_stages
 from .segment_rules import validate_segment_plan
-from .stays import resident_allowed, stay_candidates
+from .stays import resident_allowed, stay_candidates, sum_candidates
 from .timing import iteration_time
 
-__all__ = ["choose_stays", "without_stays"]
+__all__ = ["choose_stays", "without_stays", "choose_sums"]
 
 #: A stay is kept when the plan is at most this much slower with it (float noise; a stay should save time or
 #: nothing).
@@ -37,15 +42,21 @@ SLOWER = 1e-12
 
 
 def without_stays(plan: SegmentPlan) -> SegmentPlan:
-    """``plan`` with every weight leaving its device after each stage (today's round robin)."""
-    return dataclasses.replace(plan, stays=(), resident=False)
+    """``plan`` with every weight leaving its device after each stage (today's round robin) and every gradient
+    going home after each call."""
+    return dataclasses.replace(plan, stays=(), resident=False, accumulates=())
 
 
 def choose_stays(pb: PartitionProblem, plan: SegmentPlan) -> SegmentPlan:
-    """``plan`` with the weights that stay chosen (module docstring)."""
+    """``plan`` with the weights that stay and the gradient sums chosen (module docstring)."""
     base = without_stays(plan)
     if not pb.allow_stay:
         return base
+    return choose_sums(pb, _weights(pb, base))
+
+
+def _weights(pb: PartitionProblem, base: SegmentPlan) -> SegmentPlan:
+    """``base`` with the weights that stay chosen (module docstring, 1–3)."""
     limit = iteration_time(pb, base) * (1 + SLOWER)
 
     def time_if_valid(p: SegmentPlan) -> float | None:
@@ -75,4 +86,30 @@ def choose_stays(pb: PartitionProblem, plan: SegmentPlan) -> SegmentPlan:
             best, limit = trial, min(limit, t * (1 + SLOWER))
         else:
             flags[i] = False
+    return best
+
+
+def choose_sums(pb: PartitionProblem, plan: SegmentPlan) -> SegmentPlan:
+    """``plan`` with the grad stages whose gradients are summed on their devices chosen (module docstring)."""
+    candidates = set(sum_candidates(pb, plan))
+    if not candidates:
+        return plan
+    limit = iteration_time(pb, plan) * (1 + SLOWER)
+    groups = [[i for i in range(a, b) if i in candidates] for kind, a, b in plan_stages(plan) if kind != "forward"]
+    groups = [g for g in groups if g]
+
+    def trial(chosen: set[int]) -> SegmentPlan | None:
+        p = dataclasses.replace(plan, accumulates=tuple(i in chosen for i in range(pb.n)))
+        return p if not validate_segment_plan(pb, p) and iteration_time(pb, p) <= limit else None
+
+    whole = trial(candidates)
+    if whole is not None:
+        return whole
+    chosen: set[int] = set()
+    best = plan
+    for group in sorted(groups, key=lambda g: -sum(pb.grad_bytes[i] for i in g)):
+        p = trial(chosen | set(group))
+        if p is not None:
+            chosen |= set(group)
+            best = p
     return best

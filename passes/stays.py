@@ -12,6 +12,14 @@ time. The timing model (:func:`.timing.stage_costs`) prices both with these figu
 (link time, :attr:`~rpcompile.core.stages.StageCost.weight_bytes`) against the memory it holds
 (:attr:`~rpcompile.core.stages.StageCost.held_bytes`); :mod:`.stay_search` chooses them.
 
+**Gradient sums** (``SegmentPlan.accumulates``): during gradient-accumulation calls (``pipe.no_sync()``) a
+segment's gradients may stay on the device of the stage that computes them, summed there in the masters' dtype (as
+``.grad``: ``host.reduce_bytes_per_grad_byte`` bytes per gradient byte) and sent home once, by the next call
+outside it: such a call downloads nothing of them and the host adds nothing. Every stage of that device holds the
+sums all the time, and during a call the gradients its earlier stages computed too (they join the sums when the
+call ends, so a failed call leaves the sums as they were). The plan's figures are a call outside ``no_sync``;
+:func:`.timing.stage_costs` with ``deferred`` prices one under it.
+
 Figures are for an iteration in the steady state: a resident plan's first iteration uploads its frozen weights too.
 """
 
@@ -23,7 +31,7 @@ from rpcompile.core.schedule import weight_stays
 
 from .problem import PartitionProblem, SegmentPlan, plan_stages
 
-__all__ = ["StayFigures", "NO_STAY", "stay_figures", "stay_candidates", "resident_allowed"]
+__all__ = ["StayFigures", "NO_STAY", "stay_figures", "stay_candidates", "resident_allowed", "sum_candidates"]
 
 _Item = tuple[str, int]
 """A stage's weights, as the walk counts them: ``("segment", i)`` (segment ``i``'s own parameters) or
@@ -42,6 +50,10 @@ class StayFigures:
     """Other stages' weights on the device while it runs."""
     refreshes: bool = False
     """Its upload replaces copies already on the device (a resident plan's trainable weights after the step)."""
+    sums: int = 0
+    """Gradient sums on the device while it runs (its own and its device's other stages'; module docstring)."""
+    summed: int = 0
+    """Its own gradient bytes (compute precision) that stay on the device in a call under ``no_sync``."""
 
 
 NO_STAY = StayFigures()
@@ -64,9 +76,10 @@ def _sizes(pb: PartitionProblem, item: _Item) -> tuple[int, int]:
 
 def stay_figures(pb: PartitionProblem, plan: SegmentPlan) -> list[StayFigures] | None:
     """Per stage of ``plan`` in execution order, its figures; None when nothing stays."""
-    if not plan.stays and not plan.resident:
+    if not plan.stays and not plan.resident and not plan.accumulates:
         return None
     stages = plan_stages(plan)
+    sums, summed = _sums(pb, plan, stages)
     uses = [_items(pb, a, b) for _, a, b in stages]
     staying = [("segment", i) for i, s in enumerate(plan.stays) if s]
     out = []
@@ -74,12 +87,38 @@ def stay_figures(pb: PartitionProblem, plan: SegmentPlan) -> list[StayFigures] |
     def size(items: set[_Item] | frozenset[_Item], which: int = 0) -> int:
         return sum(_sizes(pb, x)[which] for x in items)
 
-    for use, st in zip(uses, weight_stays(uses, pb.device_count, staying, resident=plan.resident)):
+    walk = weight_stays(uses, pb.device_count, staying, resident=plan.resident)
+    for use, st, total, own in zip(uses, walk, sums, summed):
         refresh = size(st.found & st.first, 1)  # stale after the step: uploaded again
         upload = size(use - st.found) + refresh
         out.append(StayFigures(found=size(use) - upload, kept=size(st.kept), held=size(st.held),
-                               refreshes=refresh > 0))
+                               refreshes=refresh > 0, sums=total, summed=own))
     return out
+
+
+def _sums(pb: PartitionProblem, plan: SegmentPlan, stages: list[tuple[str, int, int]]) -> tuple[list[int], list[int]]:
+    """Per stage: the gradient-sum bytes on its device while it runs, and its own gradient bytes that stay
+    (module docstring)."""
+    sums, summed = [0] * len(stages), [0] * len(stages)
+    if not plan.accumulates:
+        return sums, summed
+    n, ratio = pb.device_count, pb.host.reduce_bytes_per_grad_byte  # sums in the masters' dtype, as .grad
+    for k, (kind, a, b) in enumerate(stages):
+        if kind != "forward":
+            summed[k] = sum(pb.grad_bytes[i] for i in range(a, b) if plan.accumulates[i])
+    for k in range(len(stages)):
+        mine = [j for j in range(len(stages)) if j % n == k % n and summed[j]]
+        sums[k] = int(sum(summed[j] * ratio for j in mine) + sum(summed[j] for j in mine if j < k))
+    return sums, summed
+
+
+def sum_candidates(pb: PartitionProblem, plan: SegmentPlan) -> list[int]:
+    """Segments whose gradients may be summed on their device (module docstring): those with trainable parameters
+    of their own, when every call starts its stages on device 0 — not with overlapped iterations (the
+    round-robin pointer carries on) nor data-parallel (each call's gradients are reduced as they land)."""
+    if pb.host.overlap_iterations or pb.host.nodes > 1:
+        return []
+    return [i for i in range(pb.n) if pb.grad_bytes[i]]
 
 
 def stay_candidates(pb: PartitionProblem, plan: SegmentPlan) -> list[int]:

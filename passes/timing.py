@@ -26,7 +26,8 @@ gradients, so their ``G`` is 0 (the only place this model departs from a literal
 **Weights that stay** (:mod:`.stays`): a stage that finds some of its weights on its device (left there by an
 earlier stage, or resident) uploads only the rest — ``weight_bytes`` and the link time are what it uploads, ``P``
 the largest upload — and every stage a stay spans holds those weights beside its own (``held_bytes``, in its
-memory and out of the room the lazy offload may use).
+memory and out of the room the lazy offload may use). Gradient sums kept on a device across accumulation calls
+hold memory the same way (``sum_bytes``); in a call under ``no_sync`` the summed gradients are not sent home.
 
 **Iteration time** is the exact event recurrence of :func:`pipeline_time` — with equal stage times it reduces to
 DESIGN §3's ``(⌊(S−1)/N⌋·m + (S−1) mod N + m)·T`` for ``m ≥ N`` — with the transfers that compute may not
@@ -84,13 +85,15 @@ __all__ = [
     "bubble_fraction",
     "host_times",
     "overlapped_period",
+    "no_sync_time",
 ]
 
 
 def _stage(pb: PartitionProblem, kind: StageKind, a: int, b: int, saved: Sequence[bool], p: int,
-           stay: StayFigures = NO_STAY) -> StageCost:
+           stay: StayFigures = NO_STAY, deferred: bool = False) -> StageCost:
     m, link, seg = pb.microbatches, pb.link_bytes_per_s, range(a, b)
     w, g = pb.weight(a, b) - stay.found, pb.weight(a, b, grads=True)  # w: what its W uploads (.stays)
+    sent = g - stay.summed if deferred else g  # what of them goes home (under no_sync: not the summed ones)
     inb, outb = pb.in_bytes(a), pb.boundary_bytes[b - 1]
     # what of them crosses the link (one GPU keeps hand-offs on the device: problem.resident_handoffs)
     link_in, link_out = pb.link_in(a), pb.link_out(b)
@@ -117,27 +120,31 @@ def _stage(pb: PartitionProblem, kind: StageKind, a: int, b: int, saved: Sequenc
         working = inb + outb + act + max(pb.transient_bytes[i] for i in seg)
         buffers = link_in + saved_act  # the next microbatch's input and saved activations, prefetched
     up = (inputs + prefetch) + w / m  # StageCost.upload_bytes / download_bytes, spelled out (hot path)
-    down = (outputs + offload) + g / m
+    down = (outputs + offload) + (0 if kind == "forward" else sent) / m
     time = pb.stage_overhead_s + max(compute, up / link, down / link)  # eager copies; see offload_backlog
     # data parallelism reduces a shared parameter once, with the last grad stage holding it: the lowest range
     reduced = 0 if kind == "forward" else sum(pb.grad_bytes[a:b]) + sum(
         s.grad_bytes for s in pb.shared if a <= min(s.segments) < b)
     return StageCost(kind=kind, start=a, stop=b, compute_s=compute, overhead_s=pb.stage_overhead_s,
-                     weight_bytes=w, grad_bytes=g, reduce_bytes=reduced, input_bytes=inputs, prefetch_bytes=prefetch,
-                     output_bytes=outputs, offload_bytes=offload, working_bytes=working, microbatches=m,
-                     time_s=time, memory_bytes=w + stay.found + g + p + working + buffers + stay.held,
+                     weight_bytes=w, grad_bytes=0 if kind == "forward" else sent, reduce_bytes=reduced,
+                     input_bytes=inputs, prefetch_bytes=prefetch, output_bytes=outputs, offload_bytes=offload,
+                     working_bytes=working, microbatches=m, time_s=time,
+                     memory_bytes=w + stay.found + g + p + working + buffers + stay.held + stay.sums,
                      buffer_bytes=buffers, found_bytes=stay.found, kept_bytes=stay.kept, held_bytes=stay.held,
-                     refreshes=stay.refreshes)
+                     refreshes=stay.refreshes, sum_bytes=stay.sums + (stay.summed if deferred else 0))
 
 
-def stage_costs(problem: PartitionProblem, plan: SegmentPlan, *, lazy_offload: bool = True) -> tuple[StageCost, ...]:
+def stage_costs(problem: PartitionProblem, plan: SegmentPlan, *, lazy_offload: bool = True,
+                deferred: bool = False) -> tuple[StageCost, ...]:
     """Cost of every stage of a structurally valid plan, in execution order. ``lazy_offload=False``: each stage
     on its own, its saved activations copied out while it runs (the solvers' per-stage model, which
-    :func:`offload_backlog` refines)."""
+    :func:`offload_backlog` refines). ``deferred``: a call under ``pipe.no_sync()``, whose summed gradients
+    stay on the devices (:mod:`.stays`)."""
     stages = plan_stages(plan)
     stays = stay_figures(problem, plan) or [NO_STAY] * len(stages)  # weights that stay on the device (.stays)
     prefetch = max(problem.weight(a, b) - f.found for (_, a, b), f in zip(stages, stays))
-    costs = tuple(_stage(problem, kind, a, b, plan.saved, prefetch, f) for (kind, a, b), f in zip(stages, stays))
+    costs = tuple(_stage(problem, kind, a, b, plan.saved, prefetch, f, deferred)
+                  for (kind, a, b), f in zip(stages, stays))
     return offload_backlog(problem, costs) if lazy_offload else costs
 
 
@@ -177,7 +184,7 @@ def _lazy_offload(problem: PartitionProblem, costs: Sequence[StageCost]) -> tupl
         return times, [0.0] * len(costs)
     prefetch = max(c.weight_bytes for c in costs)
     base = [c.weight_bytes + c.found_bytes + c.grad_bytes + prefetch + c.working_bytes + c.buffer_bytes
-            + c.held_bytes for c in costs]
+            + c.held_bytes + c.sum_bytes for c in costs]
     held_at = [0.0] * len(costs)
     for d in range(n_dev):
         mine = range(d, len(costs), n_dev)
@@ -342,6 +349,12 @@ def iteration_time(problem: PartitionProblem, plan: SegmentPlan) -> float:
     ``HostLoad.iteration_s``); with ``host.overlap_iterations``, the steady-state period of overlapped iterations
     (:func:`overlapped_period`)."""
     return _objective(problem, stage_costs(problem, plan, lazy_offload=False), plan.saved)
+
+
+def no_sync_time(problem: PartitionProblem, plan: SegmentPlan) -> float:
+    """Predicted pipeline of a call under ``pipe.no_sync()`` (s): the summed gradients go nowhere (:mod:`.stays`),
+    the host adds only the others; as ``host_times``' ``pipeline_s``, the step apart."""
+    return _total(problem, stage_costs(problem, plan, lazy_offload=False, deferred=True), plan.saved)
 
 
 def host_times(problem: PartitionProblem, plan: SegmentPlan) -> dict[str, float]:

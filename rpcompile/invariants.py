@@ -42,6 +42,7 @@ def plan_violations(plan: Plan, gm: fx.GraphModule) -> list[str]:
     out += _check_saved(plan)
     out += _check_memory(plan)
     out += _check_stays(plan)
+    out += _check_sums(plan, gm)
     return out
 
 
@@ -66,7 +67,9 @@ def verify_plan(plan: Plan, gm: fx.GraphModule) -> None:
         traced model is checked with them moved there, as the plan runs it: :func:`rpcompile.passes.host.as_planned`);
     11. the parameters each stage keeps on its device and finds there are the runtime's walk of the plan's
         ``keeps`` (:func:`rpcompile.core.schedule.weight_stays`): each kept for a later stage on the same device
-        that finds it, or every parameter of every stage in a resident plan.
+        that finds it, or every parameter of every stage in a resident plan;
+    12. the gradients a stage sums on its device (``accumulates``) are of trainable parameters that no other grad
+        stage differentiates (one sum per parameter, on one device).
     """
     violations = plan_violations(plan, gm)
     if violations:
@@ -180,6 +183,16 @@ def _check_memory(plan: Plan) -> list[str]:
 def _few(names: list[str], k: int = 5) -> str:
     head = ", ".join(names[:k])
     return head + (f", … (+{len(names) - k} more)" if len(names) > k else "")
+
+
+def _check_sums(plan: Plan, gm: Any) -> list[str]:
+    params = dict(gm.named_parameters())
+    grad_readers = Counter(p for s in plan.stages if s.kind != "forward" for p in s.params)
+    return [f"rule 12: stage {s.name} sums gradients of {name} on its device, but it is "
+            + ("not a parameter that requires grad" if name not in params or not params[name].requires_grad
+               else "differentiated by other stages too")
+            for s in plan.stages for name in s.accumulates
+            if name not in params or not params[name].requires_grad or grad_readers[name] > 1]
 
 
 def _check_stays(plan: Plan) -> list[str]:

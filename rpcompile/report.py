@@ -132,6 +132,7 @@ def plan_table(plan, *, title: str = "") -> Table:
                      f"{fmt_bytes(plan.hardware.memory_bytes)}"
                      + (f"; {host_note(plan)}" if plan.hardware.host is not None else "")
                      + (f"; {stays_note(plan)}" if plan.resident or any(s.keeps for s in plan.stages) else "")
+                     + (f"; {sums_note(plan)}" if any(s.accumulates for s in plan.stages) else "")
                      + (f"; {bound_note(plan)}" if p.bound_s else "")
                      + (f"; on the host: {', '.join(plan.host)} (embedding lookups)" if plan.host else ""))
     return table
@@ -139,16 +140,26 @@ def plan_table(plan, *, title: str = "") -> Table:
 
 def stage_weights(stage: Any, resident: bool) -> str:
     """What a stage does with its weights: uploads them all, or keeps some on its device for a later stage, finds
-    some there (weights that stay, :mod:`rpcompile.passes.stays`)."""
+    some there (weights that stay, :mod:`rpcompile.passes.stays`); and whether it sums gradients there."""
+    sums = f"; sums {len(stage.accumulates)} gradients" if stage.accumulates else ""
     if resident:
-        return f"resident: {len(stage.params)} stay, {fmt_bytes(stage.weight_bytes)} refreshed"
+        return f"resident: {len(stage.params)} stay, {fmt_bytes(stage.weight_bytes)} refreshed{sums}"
     out = []
     if stage.finds:
         out.append(f"finds {len(stage.finds)} of {len(stage.params)} ({fmt_bytes(stage.found_bytes)})")
     if stage.keeps:
         out.append(f"keeps {len(stage.keeps)} of {len(stage.params)} ({fmt_bytes(stage.kept_bytes)})")
     up = f"uploads {fmt_bytes(stage.weight_bytes)}"
-    return ", ".join(out + [up]) if out else up
+    return (", ".join(out + [up]) if out else up) + sums
+
+
+def sums_note(plan: Any) -> str:
+    """Which stages sum their gradients on their devices under ``pipe.no_sync()`` and what a call there spares."""
+    stages = [s for s in plan.stages if s.accumulates]
+    held = max(s.sum_bytes for s in plan.stages)
+    return (f"gradients summed on the devices under pipe.no_sync(): {', '.join(s.name for s in stages)} "
+            f"({sum(len(s.accumulates) for s in stages)} parameters, up to {fmt_bytes(held)} a device); a call "
+            f"there {fmt_ms(plan.predicted.no_sync_s)}, the first outside it sends them home")
 
 
 def stays_note(plan: Any) -> str:

@@ -45,7 +45,7 @@ from rpcompile.passes.plan_inputs import moved_inputs, solve_inputs
 from .invariants import plan_violations
 from .planning import partition_problem, plan_graph, prepare
 
-__all__ = ["CheckResult", "check_plan", "rescore", "stays_of"]
+__all__ = ["CheckResult", "check_plan", "rescore", "stays_of", "sums_of"]
 
 
 @dataclass
@@ -100,7 +100,8 @@ def rescore(plan: Any, gm: Any) -> tuple[Any, list[str]]:
     return SegmentPlan(forward=tuple((a, b) for k, a, b in ranges if k == "forward"), fused=fused,
                        backward=tuple((a, b) for k, a, b in ranges if k == "backward"),
                        saved=tuple(x and i < fused[0] for i, x in enumerate(saved)),
-                       stays=stays_of(plan, segs, fused[0]), resident=plan.resident), []
+                       stays=stays_of(plan, segs, fused[0]), resident=plan.resident,
+                       accumulates=sums_of(plan, segs, gm)), []
 
 
 def stays_of(plan: Any, segs: Sequence[Any], fused_start: int) -> tuple[bool, ...]:
@@ -211,3 +212,15 @@ def _resolve_reason(plan: Plan, now: dict[str, Any], resolve: bool) -> tuple[boo
     if moved:
         return True, "moved since the plan was solved: " + "; ".join(moved)
     return False, "nothing the plan was solved from moved (costs, problem, hardware, options, solver)"
+
+
+def sums_of(plan: Any, segs: Sequence[Any], gm: Any) -> tuple[bool, ...]:
+    """Per segment, whether the plan sums the gradients of its own trainable parameters on its grad stage's device:
+    the ``SegmentPlan.accumulates`` the plan was lowered from."""
+    summed = {p for s in plan.stages for p in s.accumulates}
+    if not summed:
+        return ()
+    trainable = {n for n, p in gm.named_parameters() if p.requires_grad}
+    readers = Counter(p for s in segs for p in set(s.params))
+    own = [{p for p in s.params if readers[p] == 1 and p in trainable} for s in segs]
+    return tuple(bool(mine) and mine <= summed for mine in own)

@@ -64,7 +64,7 @@ def test_save_is_atomic_and_leaves_no_tmp(tmp_path):
         ('{"schema_version": 1, "stages": [', r"p\.json is corrupt: invalid JSON at line 1 column \d+ \(.*\); re-plan to regenerate it"),
         ("[1, 2]", r"p\.json is not an rpcompile plan: expected a JSON object, found list"),
         ('{"hello": 1}', r"p\.json is not an rpcompile plan: no integer 'schema_version'"),
-        ('{"schema_version": 99}', r"p\.json has schema_version 99 but this rpcompile reads up to 7; upgrade rpcompile"),
+        ('{"schema_version": 99}', r"p\.json has schema_version 99 but this rpcompile reads up to 8; upgrade rpcompile"),
         ('{"schema_version": 1}', r"p\.json is corrupt: missing field 'model'; re-plan to regenerate it"),
     ],
 )
@@ -197,4 +197,4 @@ def test_a_plan_with_a_host_round_trips(tmp_path):
     plan = dataclasses.replace(plan, hardware=hw, predicted=pred)
     loaded = Plan.load(plan.save(tmp_path / "p.json"))
     assert loaded.hardware == hw and loaded.predicted == pred and loaded.predicted.host_s == pytest.approx(0.1)
-    assert loaded.schema_version == SCHEMA_VERSION == 7
+    assert loaded.schema_version == SCHEMA_VERSION == 8

@@ -31,7 +31,7 @@ from rpcompile.planning import STRATEGIES, compare, make_hardware, partition_pro
 from rpcompile.core.specs import get_spec
 from rpcompile.invariants import plan_violations, verify_plan
 from rpcompile.scenarios import from_plan
-from rpcompile.staleness import stays_of
+from rpcompile.staleness import stays_of, sums_of
 
 SPEC = "rtx4090"
 TIME_LIMIT = 2.0
@@ -71,6 +71,7 @@ def segment_plan_of(p: Plan, gm) -> SegmentPlan:
         saved=tuple(all(n in saved for n in s.nodes) for s in segs),
         stays=stays_of(p, segs, fused[0]),
         resident=p.resident,
+        accumulates=sums_of(p, segs, gm),
     )
 
 

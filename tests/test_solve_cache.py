@@ -40,6 +40,19 @@ def test_a_second_compile_solves_nothing_and_gets_the_same_plan(monkeypatch):
     assert len(solve_cache.entries()) == 2
 
 
+def test_an_entry_whose_stats_list_the_ilps_budgets_is_a_hit(monkeypatch):
+    """The ILP records each budget it tried as a list (``[stages, status, seconds, models]``): an entry holding
+    them was once refused as "wrong schema" (stats nested 3 deep), so every ILP plan that met an infeasible
+    budget was solved afresh at every compile."""
+    first = compile_gpt(head_chunks=1)
+    (path,) = solve_cache.entries()
+    data = json.loads(path.read_text())
+    data["stats"]["budgets"] = [[6, "INFEASIBLE", 0.011, 192], [7, "OPTIMAL", 0.02, 12]]
+    path.write_text(json.dumps(data))
+    monkeypatch.setattr(partition, "ilp", lambda *a, **k: pytest.fail("solved although the cache holds it"))
+    assert compile_gpt(head_chunks=1).result.cached and plan_dict(compile_gpt(head_chunks=1)) == plan_dict(first)
+
+
 def test_no_cache_solves_and_keeps_nothing():
     compile_gpt(cache=False)
     assert solve_cache.entries() == []

@@ -184,7 +184,7 @@ def plans(tmp_path_factory):
 
 def test_plans_record_what_stays_and_round_trip(plans):
     two = Plan.load(plans["two"])
-    assert two.schema_version == 7 and not two.resident
+    assert two.schema_version == 8 and not two.resident
     keepers = [s for s in two.stages if s.keeps]
     assert keepers and all(s.kind == "forward" and set(s.keeps) <= set(s.params) for s in keepers)
     assert {p for s in two.stages for p in s.finds} == {p for s in keepers for p in s.keeps}

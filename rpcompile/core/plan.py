@@ -13,7 +13,8 @@ into a repository, diffed and verified in CI. It holds
   nodes in topological order, the parameters it reads, and which nodes' activations are *saved* (to host memory
   in the forward pass, so the backward pass need not recompute them), and which parameters it leaves on its
   device for a later stage (``keeps``) or finds there (``finds``) instead of uploading them (weights that
-  *stay*; a *resident* plan keeps every weight on its device across iterations);
+  *stay*; a *resident* plan keeps every weight on its device across iterations), and whose gradients it sums
+  on its device across gradient-accumulation calls (``accumulates``);
 - the **prediction**: per-stage time and memory and the iteration time of the round-robin schedule, its host
   part (optimizer step, copy refresh) reported separately.
 
@@ -38,7 +39,7 @@ from .specs import DeviceSpec, HostSpec
 
 __all__ = ["SCHEMA_VERSION", "Fingerprint", "Hardware", "Stage", "Prediction", "Plan", "StageKind"]
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 """2 added the per-stage transfer figures (``compute_s``, ``weight_bytes``, …) and ``tokens_per_microbatch``;
 version-1 files still load (those figures read as 0 and the simulator falls back to stage times). 3 added the
 host (``hardware.host``) and the prediction's host part (``pipeline_s``, ``optimizer_s``, ``refresh_s``,
@@ -50,14 +51,17 @@ iterations, written only then); older files are synchronous plans. 6 added the h
 hand-offs as kept in device memory (no link time, ``Hardware.resident_handoffs``); version-5 files load with
 no dispatch, as they were priced (re-pricing one, ``rpcompile check``, prices it the version-6 way). 7 added
 weights that stay on their device (``resident``; per stage ``keeps``, ``finds``, ``found_bytes``, ``kept_bytes``,
-``held_bytes``, each written only when set); older files are plans whose weights leave after every stage."""
+``held_bytes``, each written only when set); older files are plans whose weights leave after every stage. 8 added
+gradients summed on the device across accumulation calls (per stage ``accumulates`` and ``sum_bytes``,
+``predicted.no_sync_s``, written only when set); older files send every gradient home after every call."""
 MAX_PLAN_BYTES = 256 * 2**20
 """The largest plan file :meth:`Plan.load` reads (an 8B model's plan is about 1 MB)."""
 _MAX_DEPTH = 8
 StageKind = Literal["forward", "fused", "backward"]
 _KINDS = ("forward", "fused", "backward")
-_WRITTEN_IF_SET = ("keeps", "finds", "found_bytes", "kept_bytes", "held_bytes")
-"""Stage fields of weights that stay, written only when set (most stages of most plans have none)."""
+_WRITTEN_IF_SET = ("keeps", "finds", "found_bytes", "kept_bytes", "held_bytes", "accumulates", "sum_bytes")
+"""Stage fields of weights and gradient sums that stay, written only when set (most stages of most plans have
+none)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,11 +186,19 @@ class Stage:
     """Bytes of ``keeps``. Written only when not 0."""
     held_bytes: int = 0
     """Other stages' weights on its device while it runs (in ``memory_bytes``). Written only when not 0."""
+    accumulates: tuple[str, ...] = ()
+    """Parameters whose gradients stay on its device during calls under ``pipe.no_sync()``, summed there (in the
+    masters' dtype) across those calls and sent home once, by the next call outside it (fused and backward
+    stages; parameters no other stage reads). Written only when not empty (schema 8)."""
+    sum_bytes: int = 0
+    """Device memory for gradient sums while it runs (in ``memory_bytes``): the sums of every stage on its device
+    that ``accumulates``, and the gradients of those that ran before it in the call, added to the sums when the
+    call ends. Written only when not 0."""
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
             raise ConfigError(f"stage {self.name}: kind must be one of {_KINDS}, got {self.kind!r}")
-        for name in ("nodes", "params", "saved", "modules", "saved_modules", "keeps", "finds"):
+        for name in ("nodes", "params", "saved", "modules", "saved_modules", "keeps", "finds", "accumulates"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
 
     @property
@@ -227,6 +239,10 @@ class Prediction:
     the next iteration's stages while the others drain, so ``iteration_time_s`` is the steady-state period and
     ``bubble_fraction`` the idle time over it (:func:`rpcompile.passes.recurrence.overlapped_ends`);
     ``pipeline_s`` is still one iteration alone. Written to the file only when true."""
+    no_sync_s: float = 0.0
+    """A gradient-accumulation call under ``pipe.no_sync()`` (its pipeline, like ``pipeline_s``), when stages sum
+    their gradients on their devices (``Stage.accumulates``): those go nowhere. 0 when none do; written to the
+    file only then (schema 8)."""
 
     @property
     def host_s(self) -> float:
@@ -314,8 +330,9 @@ class Plan:
             del d["head_chunks"]
         if not d["host"]:
             del d["host"]
-        if not d["predicted"]["overlap_iterations"]:
-            del d["predicted"]["overlap_iterations"]
+        for key in ("overlap_iterations", "no_sync_s"):
+            if not d["predicted"][key]:
+                del d["predicted"][key]
         if not d["resident"]:
             del d["resident"]
         for stage in d["stages"]:

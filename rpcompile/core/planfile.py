@@ -21,7 +21,8 @@ Rules, beyond each field's type:
    included — is printable (no control, format or line-separator characters) and at most 4096 characters long.
    Nothing in a plan becomes code or markup; this rule refuses a file that tries;
 6. parameters that stay on a device (``keeps``, ``finds``) are the stage's own, and where the runtime's walk puts
-   them (:func:`_stays_problem`).
+   them (:func:`_stays_problem`); gradients summed on a device (``accumulates``) are those of a grad stage's own
+   parameters, each summed by one stage.
 
 A flip inside a number or a name can leave a well-formed plan that says something else (a time of 0.3 s
 instead of 0.2 s, ``F1`` renamed ``F3``): such a plan loads, and ``rpcompile check`` (which verifies the plan
@@ -66,6 +67,7 @@ TEXT_RULES: dict[str, tuple[str, str]] = {
     "stages.params": (_DOTTED, "a parameter name (dotted words)"),
     "stages.keeps": (_DOTTED, "a parameter name (dotted words)"),
     "stages.finds": (_DOTTED, "a parameter name (dotted words)"),
+    "stages.accumulates": (_DOTTED, "a parameter name (dotted words)"),
     "stages.modules": (rf"\(root\)|{_DOTTED}", "a module path (dotted words, or (root))"),
     "stages.saved_modules": (rf"\(root\)|{_DOTTED}", "a module path (dotted words, or (root))"),
     "model.graph_digest": (r"[0-9a-f]{16,64}", "a hexadecimal digest"),
@@ -259,6 +261,23 @@ def _stays_problem(d: Mapping[str, Any]) -> str | None:
         if not on.issuperset(finds):
             return f"{where}: finds parameters no earlier stage on its device kept"
         on.update(keeps)
+    return _sums_problem(stages)
+
+
+def _sums_problem(stages: Any) -> str | None:
+    """Rule 6, gradients: a stage sums on its device only gradients it computes (a fused or backward stage's own
+    parameters), and no parameter is summed by two stages (its sum would be split over devices)."""
+    summed: set[str] = set()
+    for k, s in enumerate(stages):
+        acc = set(s.get("accumulates", []))
+        if not acc:
+            continue
+        where = f"stages[{k}] ({s['name']})"
+        if s["kind"] == "forward" or not acc <= set(s["params"]):
+            return f"{where}: accumulates gradients of parameters it does not differentiate"
+        if acc & summed:
+            return f"{where}: accumulates gradients another stage accumulates too"
+        summed |= acc
     return None
 
 

@@ -182,6 +182,9 @@ class StageCost:
     """Its own weights it leaves on the device after its last microbatch, for a later stage."""
     held_bytes: float = 0
     """Other stages' weights staying on the device while it runs (in ``memory_bytes``)."""
+    sum_bytes: float = 0
+    """Gradient sums on the device while it runs (in ``memory_bytes``; :mod:`rpcompile.passes.stays`); priced for a
+    call under ``no_sync``, also its own gradients that stay (``grad_bytes`` is then what it sends home)."""
     refreshes: bool = False
     """Its ``W`` replaces copies already on the device (a resident plan after the optimizer step): the old copy
     goes when the new one lands. Its device held them before the iteration."""

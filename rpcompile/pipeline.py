@@ -57,11 +57,12 @@ Contracts
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from concurrent.futures import Future, wait
 from pathlib import Path
-from typing import Any, Callable, Mapping, NoReturn, Sequence
+from typing import Any, Callable, Iterator, Mapping, NoReturn, Sequence
 
 import torch
 import torch.fx as fx
@@ -144,6 +145,7 @@ class Pipeline:
         self._overlap.iterations = plan.predicted.overlap_iterations  # the devices go on into the next iteration
         self._overlap.ended = self.executor.restore_threads  # type: ignore[method-assign]
         watch_model(model, self._overlap, self.synchronize)  # model.state_dict / load_state_dict wait for it
+        self._no_sync = False  # inside no_sync(): gradient-accumulation calls keep summed gradients on the devices
         self.callers = OneCaller()
         """Which thread is inside a call now: a second thread's call meanwhile is refused (:mod:`.callers`)."""
         self._masters = list(params.values())  # what another pipeline's overlapped step may be writing
@@ -228,6 +230,7 @@ class Pipeline:
         if overlap:
             self._overlap.check_idle()  # a second overlapped step before the next iteration: one line
         self._finish_step()
+        self.sync_gradients()  # gradients summed on the devices under no_sync: home before the step reads them
         if not overlap:
             self.synchronize()
             step_now(optimizers, schedulers, self.scaler)
@@ -239,6 +242,36 @@ class Pipeline:
             raise ConfigError("overlapped iterations do not run data-parallel: compile without overlap=True (the "
                               "step alone then overlaps the next iteration)")
         self._overlap.start(optimizers, schedulers, self.model)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation with the gradients left on the devices: calls of :meth:`forward_backward` inside
+        keep the gradients of the stages that sum them on their devices (``Stage.accumulates``, chosen by the
+        planner where memory allows; ``rpcompile show`` lists them) and send nothing of those home; the next call
+        outside ``no_sync`` sends each sum home once, with its own gradient added — DDP's ``no_sync`` contract::
+
+            for i, batch in enumerate(batches):
+                with pipe.no_sync() if (i + 1) % steps else contextlib.nullcontext():
+                    pipe.forward_backward(batch["input_ids"], target=batch["labels"], num_items=n)
+                if (i + 1) % steps == 0:
+                    pipe.step(optimizer)
+
+        Until then those parameters' ``.grad`` hold what they held before (zeros if nothing) — read them after
+        the call outside ``no_sync``, or after :meth:`sync_gradients`; ``optimizer.step()`` over them before that
+        is refused in one line, and :meth:`step` sends them home first. ``optimizer.zero_grad()`` meanwhile drops
+        them, as it drops ``.grad``. With no stage summing on its device, calls inside are ordinary ones. Not with
+        an overlapped step or data-parallel ranks (refused in one line)."""
+        before, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = before
+
+    @one_call
+    def sync_gradients(self) -> None:
+        """Send the gradients summed on the devices under :meth:`no_sync` home into ``.grad`` now (nothing when
+        there are none): before reading or clipping ``.grad`` when the last accumulation call ran inside it."""
+        self.executor.sums.flush(self.executor.grads)
 
     @one_call
     def synchronize(self) -> None:
@@ -410,6 +443,7 @@ class Pipeline:
         if wanted:  # inputs that require grad: the stages that read them send their gradients home too
             self.executor.program = self._program_for(frozenset(wanted))
         overlapped = self._iterations_overlap
+        self._defer_gradients()
         try:
             if overlapped:
                 losses = self._overlapped(store, m, loss_of, targets, wait_all=bool(wanted))
@@ -433,6 +467,24 @@ class Pipeline:
                 self._finish_step()
                 self.executor.grads.install()
         return loss
+
+    def _defer_gradients(self) -> None:
+        """Whether this call keeps the summed gradients on the devices (:meth:`no_sync`), refused where the sums
+        could not be kept whole: beside an overlapped step (the gradients are held apart for it) or data-parallel
+        (each call's gradients are reduced across ranks as they land)."""
+        sums = self.executor.sums
+        sums.check()
+        sums.deferring = self._no_sync and sums.active
+        if not sums.deferring:
+            return
+        if self._overlap_optimizer is not None:
+            sums.deferring = False
+            raise ConfigError("pipe.no_sync() does not run beside an overlapped step: call pipe.synchronize() and "
+                              "step with overlap=False while accumulating, or accumulate outside no_sync()")
+        if self._rank is not None:
+            sums.deferring = False
+            raise ConfigError("pipe.no_sync() does not run data-parallel (each call's gradients are reduced across "
+                              "the ranks as they land): accumulate outside no_sync()")
 
     def _overlapped(self, store: ValueStore, m: int, loss_of: Any, targets: Any, *, wait_all: bool) -> list:
         """The iteration overlapped with the one before (:mod:`.overlap`): started on each device as soon as that

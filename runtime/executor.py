@@ -84,7 +84,7 @@ from .capture import HostSaved
 from .devices import CpuDevice, Device
 from .failures import PipelineError, _Stopped, _first, _one_line, _without_frames
 from .stage_call import StageState, to_host, upload_tree
-from .stays import DeviceWeights
+from .stays import DeviceGrads, DeviceWeights
 from .values import TimelineEvent, ValueStore
 from .weights import GradSink, HostTraffic, WeightStore
 
@@ -113,6 +113,7 @@ class Executor:
                                    frozen_masters=frozen_masters, traffic=self.traffic)
         self.grads = GradSink(params, self.traffic)
         self.stays = DeviceWeights(self.program, len(self.devices))  # weights that stay on a device (runtime/stays.py)
+        self.sums = DeviceGrads(self.program, self.devices, params)  # gradients summed there (no_sync)
         self.resident_handoffs = len(self.devices) == 1 and not isinstance(self.devices[0], CpuDevice)
         """Hand-offs between stages stay on the device (module docstring); the host's values still come home."""
         self.resident_budget: float = math.inf
@@ -189,6 +190,7 @@ class Executor:
             self._open = False
             raise _first(self.failed)
         self.grads.commit()
+        self.sums.commit(self.grads)
         self._open = False
         return [self.losses[j] for j in sorted(self.losses)]
 
@@ -303,6 +305,7 @@ class Executor:
                 with contextlib.suppress(Exception):  # a device that failed reports it on its next use
                     device.synchronize()
         finally:
+            self.sums.abort()
             self.grads.abort()
 
     def _worker(self, d: int, actions: list[Action], prefetched: dict[int, Future] | None = None) -> None:
@@ -476,7 +479,7 @@ class Executor:
             self.done[(act.stage, act.microbatch)].set()
         else:
             with span("grads out", prog.name):
-                stage_call.download_grads(device, prog, states.pop(act.stage), self.grads)
+                stage_call.download_grads(device, prog, states.pop(act.stage), self.grads, self.sums)
         self.timeline.append(TimelineEvent(str(act), prog.name, act.microbatch, device.index, start,
                                            time.perf_counter() - self.t0))
 

@@ -26,7 +26,7 @@ from .activity import span
 from .capture import HostSaved
 from .devices import Device
 from .offload import Landing
-from .stays import DeviceWeights
+from .stays import DeviceGrads, DeviceWeights
 from .values import ValueStore
 from .weights import GradSink, WeightStore
 
@@ -102,14 +102,17 @@ def writeback_buffers(device: Device, state: StageState, host_buffers: dict[str,
             master.copy_(home)
 
 
-def download_grads(device: Device, prog: StageProgram, state: StageState, sink: GradSink) -> None:
+def download_grads(device: Device, prog: StageProgram, state: StageState, sink: GradSink,
+                   sums: DeviceGrads | None = None) -> None:
     """The stage's gradients (still multiplied by grad_scale: GradScaler unscales) on their way home, in the
-    compute precision; the sink adds them into the masters' ``.grad`` on its own thread."""
+    compute precision; the sink adds them into the masters' ``.grad`` on its own thread. ``sums``: the gradients
+    summed on the devices (:class:`~.stays.DeviceGrads`), which keep some or add their sums."""
     names, grads = [], []
     for name, t in state.params.items():
-        if t.grad is not None:
+        g = t.grad if sums is None else sums.take(device.index, prog.index, name, t.grad)
+        if g is not None:
             names.append(name)
-            grads.append(t.grad)
+            grads.append(g)
     if names:
         sink.submit(names, device.download_all(grads), tag=prog.index)
     elif sink.listener is not None:  # nothing to add, but the listener counts on every grad stage

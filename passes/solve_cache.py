@@ -133,7 +133,8 @@ def _segment_plan(p: Any, n: int) -> SegmentPlan:
         raise ValueError("plan")
     stays, resident = p.get("stays", []), p.get("resident", False)  # entries before weights stayed have none
     sums = p.get("accumulates", [])  # nor before gradients were summed on the devices
-    if not all(type(x) is bool for x in p["saved"]) or not all(isinstance(x, list) and len(x) <= n for x in (stays, sums)) \
+    if not all(type(x) is bool for x in p["saved"]) \
+            or not all(isinstance(x, list) and len(x) <= n for x in (stays, sums)) \
             or not all(type(x) is bool for x in [*stays, *sums, resident]):
         raise ValueError("saved")
     return SegmentPlan(forward=tuple(pair(r) for r in p["forward"]), fused=pair(p["fused"]),

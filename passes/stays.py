@@ -97,7 +97,8 @@ def stay_figures(pb: PartitionProblem, plan: SegmentPlan) -> list[StayFigures] |
     return out
 
 
-def _sums(pb: PartitionProblem, plan: SegmentPlan, stages: Sequence[tuple[str, int, int]]) -> tuple[list[int], list[int]]:
+def _sums(pb: PartitionProblem, plan: SegmentPlan,
+          stages: Sequence[tuple[str, int, int]]) -> tuple[list[int], list[int]]:
     """Per stage: the gradient-sum bytes on its device while it runs, and its own gradient bytes that stay
     (module docstring)."""
     sums, summed = [0] * len(stages), [0] * len(stages)

@@ -26,6 +26,9 @@ without them, and the peak device memory.
 
     python benchmarks/stays.py [--steps 10] [--quick]
 
+Per predicted row also the gradient sums (``no_sync``): the grad stages that sum on their devices, the gradient
+bytes a call sends home with and without ``no_sync``, and a call under it.
+
 Writes ``benchmarks/results/stays.json`` (``--quick``: ``stays-quick.json``, one short measured setup and no
 predictions; ignored by git).
 """
@@ -54,7 +57,7 @@ from rpcompile.lora import apply_lora
 from rpcompile.models import load_model
 from rpcompile.passes.partition import solve
 from rpcompile.passes.stay_search import without_stays
-from rpcompile.passes.timing import iteration_time, stage_costs
+from rpcompile.passes.timing import host_times, iteration_time, no_sync_time, stage_costs
 from rpcompile.planning import make_hardware, partition_problem, prepare
 from rpcompile.report import fmt_bytes, fmt_time
 
@@ -147,7 +150,14 @@ def predicted(label: str, model: str, batch: int, seq: int, gpus: int, spec: str
     for k, p in (("today", without_stays(plan)), ("stays", plan)):
         costs = stage_costs(pb, p)
         out[k] = {"iteration_s": iteration_time(pb, p), "weight_bytes_per_step": sum(c.weight_bytes for c in costs),
-                  "peak_memory_bytes": max(c.memory_bytes for c in costs)}
+                  "peak_memory_bytes": max(c.memory_bytes for c in costs),
+                  "grad_bytes_per_call": sum(c.grad_bytes for c in costs)}
+    # gradient sums (no_sync): a call under it sends the summed gradients nowhere
+    deferred = stage_costs(pb, plan, deferred=True)
+    out["sums"] = {"grad_stages_summing": sum(1 for c in stage_costs(pb, plan) if c.sum_bytes and c.kind != "forward"
+                                              and any(plan.accumulates[c.start:c.stop])),
+                   "no_sync_call_s": no_sync_time(pb, plan), "pipeline_s": host_times(pb, plan)["pipeline_s"],
+                   "grad_bytes_per_no_sync_call": sum(c.grad_bytes for c in deferred)} if plan.accumulates else None
     return out
 
 
@@ -172,14 +182,17 @@ def _predicted_table(rows: list[dict]) -> Table:
     table = Table(title="predicted (analytic costs, bf16): weights up per step and iteration, today's round robin "
                         "vs stays")
     for col in ("setup", "stages", "stays", "up today", "up stays", "iteration today", "iteration stays",
-                "peak today", "peak stays"):
+                "peak today", "peak stays", "sums", "down a call", "down under no_sync", "no_sync call"):
         table.add_column(col, justify="left" if col == "setup" else "right")
     for r in rows:
         t, s = r["today"], r["stays"]
         what = "resident" if r["resident"] else f"{r['segments_staying']} of {r['segments']} segments"
         table.add_row(r["setup"], str(r["stages"]), what, fmt_bytes(t["weight_bytes_per_step"]),
                       fmt_bytes(s["weight_bytes_per_step"]), fmt_time(t["iteration_s"]), fmt_time(s["iteration_s"]),
-                      fmt_bytes(t["peak_memory_bytes"]), fmt_bytes(s["peak_memory_bytes"]))
+                      fmt_bytes(t["peak_memory_bytes"]), fmt_bytes(s["peak_memory_bytes"]),
+                      *((f"{u['grad_stages_summing']} stages", fmt_bytes(s["grad_bytes_per_call"]),
+                         fmt_bytes(u["grad_bytes_per_no_sync_call"]), fmt_time(u["no_sync_call_s"]))
+                        if (u := r["sums"]) else ("none", fmt_bytes(s["grad_bytes_per_call"]), "-", "-")))
     return table
 
 

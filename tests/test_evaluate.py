@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import rpcompile
 from rpcompile.models import load_model
-from rpcompile.pipeline import shifted_tokens
+from rpcompile.training.pipeline import shifted_tokens
 from rpcompile.runtime.executor import PipelineError
 
 from _hf import hf_model

@@ -23,7 +23,7 @@ import torch
 
 import rpcompile
 from rpcompile.models import load_model
-from rpcompile.pipeline import Pipeline
+from rpcompile.training.pipeline import Pipeline
 from rpcompile.runtime.devices import host_buffer
 
 from _devices import CopyingDevice, MetaDevice, StridedDevice

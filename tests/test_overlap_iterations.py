@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import rpcompile
-from rpcompile.checkpoint import checkpoints
+from rpcompile.training.checkpoint import checkpoints
 from rpcompile.runtime import rng, stage_call
 from rpcompile.runtime.executor import PipelineError
 

@@ -1,4 +1,4 @@
-"""One trace for every LM-head split (rpcompile/shared_trace.py): the plans are those of a fresh trace per split."""
+"""One trace for every LM-head split (rpcompile/planner/shared_trace.py): the plans are those of a fresh trace per split."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from rpcompile.passes.cost import COST_KEY
 from rpcompile.passes.loss_head import split_head
 from rpcompile.passes.shape import SHAPE_KEY
 from rpcompile.passes.trace import trace
-from rpcompile.shared_trace import TraceOnce, graph_copy
+from rpcompile.planner.shared_trace import TraceOnce, graph_copy
 
 from _hf import hf_model, token_loss
 

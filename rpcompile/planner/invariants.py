@@ -2,7 +2,7 @@
 
 :func:`plan_violations` lists every rule a plan breaks, one message each; :func:`verify_plan` raises one
 :class:`~rpcompile.core.errors.PlanVerificationError` listing them all. Rule 1 is the model's fingerprint
-(:mod:`rpcompile.model_match`); the others are the plan's own invariants: stage kinds and names, every compute
+(:mod:`rpcompile.planner.model_match`); the others are the plan's own invariants: stage kinds and names, every compute
 node covered once per pass, contiguous stages, parameters, saved activations, memory and host lookups.
 """
 
@@ -16,9 +16,9 @@ import torch.fx as fx
 from rpcompile.passes.host import as_planned
 from rpcompile.passes.util import compute_nodes, node_params
 
-from .core.errors import PlanVerificationError
-from .core.plan import Plan
-from .core.schedule import weight_stays
+from ..core.errors import PlanVerificationError
+from ..core.plan import Plan
+from ..core.schedule import weight_stays
 from rpcompile.passes.fingerprint import fingerprint
 
 __all__ = ["verify_plan", "plan_violations"]

@@ -6,7 +6,7 @@ to the host. ``compile(plan=)``, ``rpcompile check`` and ``rpcompile show --mode
 model (:func:`graph_as_planned`, or ``planning.prepare`` with the plan's settings) and compare fingerprints (:mod:`rpcompile.passes.fingerprint`);
 ``rpcompile diff``, which has two plans and no model, calls them the same model when their parameters match and
 their graphs match or differ only where the plans split the head or run lookups on the host differently
-(:func:`model_differences`). A plan's own rules are :mod:`rpcompile.invariants`.
+(:func:`model_differences`). A plan's own rules are :mod:`rpcompile.planner.invariants`.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from rpcompile.passes.loss_head import split_head
 from rpcompile.passes.precision import TRACE_DTYPE_KEY, compute_dtype
 from rpcompile.passes.trace import TRACE_META_KEY, trace
 
-from .core.errors import PlanMismatchError
-from .core.plan import Plan
+from ..core.errors import PlanMismatchError
+from ..core.plan import Plan
 
 __all__ = ["planned_graph", "graph_as_planned", "model_differences"]
 

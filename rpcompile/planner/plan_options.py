@@ -1,4 +1,4 @@
-"""What a plan is made for and how the driver chooses (:mod:`rpcompile.planning`): the hardware, the cost model,
+"""What a plan is made for and how the driver chooses (:mod:`rpcompile.planner.planning`): the hardware, the cost model,
 the strategies, the LM-head splits to try and which of their plans wins, and the refusal when nothing fits."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from rpcompile.passes.problem import PartitionProblem
 from rpcompile.passes.segment_rules import format_bytes
 from rpcompile.passes.tables import min_feasible_memory
 
-from .core.errors import ConfigError, InfeasibleError, RPCompileError
-from .core.plan import Hardware
-from .core.specs import DeviceSpec, HostSpec, assumed_host, get_spec
+from ..core.errors import ConfigError, InfeasibleError, RPCompileError
+from ..core.plan import Hardware
+from ..core.specs import DeviceSpec, HostSpec, assumed_host, get_spec
 from .device_probe import device_spec
 
 __all__ = ["STRATEGIES", "AUTO_HEAD_CHUNKS", "make_cost_model", "make_hardware", "default_spec",
@@ -45,8 +45,8 @@ def make_hardware(gpus: int, spec: "str | DeviceSpec", memory_limit: int | None 
                   host: HostSpec | None = None, nodes: int = 1, network_bytes_per_s: float = 0.0) -> Hardware:
     """``gpus`` devices of ``spec`` with ``memory_limit`` usable bytes each (default: the spec's usable memory),
     in ``host`` (default: the host :func:`~rpcompile.core.specs.assumed_host` assumes for the spec; measure one
-    with :func:`rpcompile.probe.probe_host`); ``nodes`` such machines training data-parallel over a network of
-    ``network_bytes_per_s`` each (:mod:`rpcompile.distributed`)."""
+    with :func:`rpcompile.planner.probe.probe_host`); ``nodes`` such machines training data-parallel over a network of
+    ``network_bytes_per_s`` each (:mod:`rpcompile.training.distributed`)."""
     spec = get_spec(spec)
     if gpus < 1:
         raise ConfigError(f"gpus must be >= 1, got {gpus}")
@@ -59,7 +59,7 @@ def make_hardware(gpus: int, spec: "str | DeviceSpec", memory_limit: int | None 
 def default_spec(spec: "str | DeviceSpec | None", device: "str | torch.device | None",
                  model_device: str) -> "str | DeviceSpec":
     """The hardware a plan is for: ``spec`` when given; the CPU when costs are measured there; the GPU itself when
-    they are measured on one (:func:`rpcompile.device_probe.device_spec`: its family's preset with its own memory
+    they are measured on one (:func:`rpcompile.planner.device_probe.device_spec`: its family's preset with its own memory
     and measured host link); else an RTX 4090 (also for meta-device models, which can only be costed
     analytically)."""
     if spec is not None:

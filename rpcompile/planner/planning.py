@@ -8,8 +8,8 @@ Every pass is a function of one shape, ``pass(c: Compilation) -> None``: it read
 
 ``rpcompile.profile`` runs the front (:data:`FRONT`, to ``cost``), ``prepare`` runs to ``coarsen``, ``plan`` runs
 them all, for each LM-head split ``head_chunks`` asks for, and keeps the fastest plan; ``rpcompile.compile`` is
-:func:`compile_plan` (the plan and the graph it was made from) plus a :class:`~rpcompile.pipeline.Pipeline`. The
-options they share (hardware, cost model, head splits, which plan wins) are :mod:`rpcompile.plan_options`.
+:func:`compile_plan` (the plan and the graph it was made from) plus a :class:`~rpcompile.training.pipeline.Pipeline`. The
+options they share (hardware, cost model, head splits, which plan wins) are :mod:`rpcompile.planner.plan_options`.
 
 Microbatches: ``example_inputs`` is one full batch; it is split along dim 0 into ``microbatches`` pieces
 (``torch.tensor_split``: sizes differ by at most one) and the graph is costed on the first (largest) piece, so every
@@ -49,10 +49,10 @@ from rpcompile.passes.shape import shape_pass
 from rpcompile.passes.precision import RUN_DTYPE_KEY, TRACE_DTYPE_KEY, cast_floating, compute_dtype, computing_in
 from rpcompile.passes.trace import trace, training_inputs
 
-from .core.batch import split_microbatches
-from .core.errors import ConfigError
-from .core.plan import Hardware, Plan
-from .core.specs import DeviceSpec
+from ..core.batch import split_microbatches
+from ..core.errors import ConfigError
+from ..core.plan import Hardware, Plan
+from ..core.specs import DeviceSpec
 from .envelope import warn_if_link_bound
 from .plan_options import (AUTO_HEAD_CHUNKS, STRATEGIES, default_spec, fastest, head_chunk_candidates,
                            infeasible_error, make_cost_model, make_hardware, model_device, split_limit)
@@ -115,12 +115,12 @@ class Compilation:
     time_limit_s: float = 10.0
     allow_save: bool = True
     allow_stay: bool = True
-    """Weights may stay on their devices between stages where memory allows (:mod:`.passes.stay_search`)."""
+    """Weights may stay on their devices between stages where memory allows (:mod:`..passes.stay_search`)."""
     overlap: bool = False
     """Plan for overlapped iterations (``pipe.step(optimizer, overlap=True)`` with the devices running on into the
     next iteration): the objective is the steady-state period (:attr:`HostLoad.overlap_iterations`)."""
     cache: bool = True
-    """Measured costs and solved partitions kept on disk (:mod:`.passes.profile_cache`, :mod:`.passes.solve_cache`)."""
+    """Measured costs and solved partitions kept on disk (:mod:`..passes.profile_cache`, :mod:`..passes.solve_cache`)."""
 
     gm: fx.GraphModule | None = None
     """trace: the graph; later passes annotate and rewrite it."""
@@ -134,7 +134,7 @@ class Compilation:
     """Seconds each pass took."""
     memo: RunMemo | None = None
     """What the shape and cost passes of an earlier compilation of the same trace left for this one (set by
-    :func:`shared_trace`'s pass: the LM-head splits' bodies are shaped and costed once, :mod:`.passes.reuse`)."""
+    :func:`shared_trace`'s pass: the LM-head splits' bodies are shaped and costed once, :mod:`..passes.reuse`)."""
 
     @property
     def graph(self) -> fx.GraphModule:
@@ -321,7 +321,7 @@ def run(c: Compilation, passes: Sequence[tuple[str, Pass]] = PASSES) -> Compilat
 def shared_trace(count: int) -> Pass:
     """The trace pass for ``count`` compilations of one model on one example, run in turn (the LM-head splits of
     one plan): the model is traced once, each later compilation starts from a copy of that graph
-    (:class:`~rpcompile.shared_trace.TraceOnce`)."""
+    (:class:`~rpcompile.planner.shared_trace.TraceOnce`)."""
     return TraceOnce(_trace, count)
 
 
@@ -474,10 +474,10 @@ def compile_plan(
     **options: Any,
 ) -> Compilation:
     """Every pass, once per LM-head split of :func:`head_chunk_candidates` (but the trace: the model is traced
-    once and each split starts from a copy of that graph, :class:`~rpcompile.shared_trace.TraceOnce`); the
+    once and each split starts from a copy of that graph, :class:`~rpcompile.planner.shared_trace.TraceOnce`); the
     :class:`Compilation` with the fastest plan (its ``plan`` and the graph ``gm`` it was made from). ``options``:
     :func:`start`'s; their ``time_limit_s`` (default 10) is shared by the splits' solves, equally
-    (:func:`~rpcompile.plan_options.split_limit`). Every split but the last is solved in a child process while the
+    (:func:`~rpcompile.planner.plan_options.split_limit`). Every split but the last is solved in a child process while the
     next one is traced, costed and solved (:mod:`rpcompile.passes.background`); the plans do not depend on it."""
     if precision not in PRECISION_BYTES:
         raise ConfigError(f"precision must be one of {sorted(PRECISION_BYTES)}, got {precision!r}")

@@ -27,11 +27,11 @@ from typing import Callable
 import torch
 from rich.table import Table
 
-from .core.errors import ConfigError
-from .core.files import read_json
-from .core.planfile import dataclass_problem
-from .core.specs import HostSpec
-from .terminal import SafeTable
+from ..core.errors import ConfigError
+from ..core.files import read_json
+from ..core.planfile import dataclass_problem
+from ..core.specs import HostSpec
+from ..views.terminal import SafeTable
 
 __all__ = ["probe_host", "host_table", "load_host", "best_time"]
 

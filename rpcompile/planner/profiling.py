@@ -1,7 +1,7 @@
-"""The cost report: the front of the pass pipeline (trace → shape → cost, :func:`rpcompile.planning.analyze`)
+"""The cost report: the front of the pass pipeline (trace → shape → cost, :func:`rpcompile.planner.planning.analyze`)
 rolled up by source module (``layers.3``, ``lm_head``, …) into a :class:`Profile` — the table behind
 ``rpcompile profile`` and its ``--json`` form — and, with ``probe_host=True``, the host the optimizer step and the
-gradient accumulation will run on (:func:`rpcompile.probe.probe_host`).
+gradient accumulation will run on (:func:`rpcompile.planner.probe.probe_host`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch.fx as fx
 from rpcompile.passes.cost import node_cost
 from rpcompile.passes.util import compute_nodes, module_path
 
-from .core.specs import DeviceSpec, HostSpec
+from ..core.specs import DeviceSpec, HostSpec
 from .plan_options import model_device
 from .planning import analyze, make_cost_model
 from .probe import probe_host as measure_host
@@ -147,7 +147,7 @@ def profile(
     cache: bool = True,
 ) -> Profile:
     """Trace and cost ``model``; analytic on ``spec`` or measured on ``device`` (see :func:`make_cost_model`).
-    ``probe_host``: also measure this host (about a second; :func:`rpcompile.probe.probe_host`). ``cache``: reuse
+    ``probe_host``: also measure this host (about a second; :func:`rpcompile.planner.probe.probe_host`). ``cache``: reuse
     measured costs kept on disk (:mod:`rpcompile.passes.profile_cache`); ``False`` measures afresh, keeps nothing."""
     cost_model = make_cost_model(spec=spec, device=device, dtype=dtype, model_device=model_device(model),
                                  cache=cache)

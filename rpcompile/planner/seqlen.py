@@ -2,7 +2,7 @@
 
 For each probed length ``L`` the model is built on the ``meta`` device with a batch of ``microbatches``
 sequences of ``L`` tokens (one sequence per microbatch), traced, costed analytically for the spec and coarsened
-(:func:`rpcompile.planning.prepare`); the length is feasible when some plan fits the devices' memory, which
+(:func:`rpcompile.planner.planning.prepare`); the length is feasible when some plan fits the devices' memory, which
 :func:`~rpcompile.passes.tables.min_feasible_memory` decides exactly over all plans without running a solver.
 The LM-head splits ``head_chunks`` allows are tried most chunks first (the split head needs the least memory:
 the full logits never exist) and the first that fits is kept.

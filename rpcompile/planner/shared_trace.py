@@ -1,4 +1,4 @@
-"""One trace for every LM-head split :func:`rpcompile.planning.compile_plan` tries.
+"""One trace for every LM-head split :func:`rpcompile.planner.planning.compile_plan` tries.
 
 The splits' compilations start alike: the same model traced on the same microbatch, in the same precision; they
 differ only from the ``loss_head`` pass on (which attaches the loss and splits the head in place). So the model is
@@ -38,7 +38,7 @@ class TraceOnce:
     """The trace pass for ``count`` compilations of one model and inputs, run in turn: the first traces (with
     ``trace_pass``) and keeps a copy of its graph; each later one takes that graph, copied again while another
     compilation still follows (the last takes the kept copy itself). A compilation here is anything with the
-    ``model``, ``args``, ``kwargs``, ``gm`` and ``memo`` fields of :class:`rpcompile.planning.Compilation`."""
+    ``model``, ``args``, ``kwargs``, ``gm`` and ``memo`` fields of :class:`rpcompile.planner.planning.Compilation`."""
 
     def __init__(self, trace_pass: Callable[[Any], None], count: int) -> None:
         self.trace_pass, self.left = trace_pass, count

@@ -27,10 +27,10 @@ from rpcompile import compiler
 from rpcompile.core.errors import InfeasibleError
 from rpcompile.core.plan import Plan
 from rpcompile.models import ModelSpec, load_model
-from rpcompile.planning import AUTO_HEAD_CHUNKS, compare, make_hardware, prepare
-from rpcompile.planning import plan as plan_model
-from rpcompile.profiling import profile_graph
-from rpcompile.report import compare_table, fmt_bytes, fmt_ms, plan_table, print_table, profile_table
+from rpcompile.planner.planning import AUTO_HEAD_CHUNKS, compare, make_hardware, prepare
+from rpcompile.planner.planning import plan as plan_model
+from rpcompile.planner.profiling import profile_graph
+from rpcompile.views.report import compare_table, fmt_bytes, fmt_ms, plan_table, print_table, profile_table
 
 __all__ = ["run_demo"]
 

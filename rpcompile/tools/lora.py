@@ -11,7 +11,7 @@ Terms:
   cannot be symbolically traced, and exporting a 94-layer MoE instead took minutes (``tests/test_lora.py`` checks
   parameters, outputs, gradients and FLOPs against PEFT's). Any other model gets PEFT's adapters
   (``peft.get_peft_model``).
-- *host memory* (:func:`lora_host_memory`, :mod:`rpcompile.host_memory`): what rpcompile keeps in CPU memory to
+- *host memory* (:func:`lora_host_memory`, :mod:`rpcompile.training.host_memory`): what rpcompile keeps in CPU memory to
   train the adapted model. The frozen base is stored once, in the compute precision (``runtime/weights.py``: 2
   bytes a parameter in bf16); each trainable parameter has an fp32 master, an fp32 gradient, AdamW's two fp32
   moments and its upload copy in the compute precision (4 + 4 + 8 + 2 = 18 bytes in bf16). Activations saved on
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from torch import Tensor, nn
 
 from rpcompile.core.errors import ConfigError
-from rpcompile.host_memory import HostMemory, host_memory
+from rpcompile.training.host_memory import HostMemory, host_memory
 from rpcompile.models.llama import Llama
 
 __all__ = ["LORA_TARGETS", "LORA_RANK", "apply_lora", "LoraLinear", "LoraModel", "HostMemory", "lora_host_memory"]
@@ -106,6 +106,6 @@ class _Holder(nn.Module):
 
 
 def lora_host_memory(model: nn.Module, precision: str = "bf16") -> HostMemory:
-    """:class:`~rpcompile.host_memory.HostMemory` of ``model`` trained in ``precision`` with AdamW (each parameter
-    counted once; :func:`rpcompile.host_memory.host_memory` without a plan)."""
+    """:class:`~rpcompile.training.host_memory.HostMemory` of ``model`` trained in ``precision`` with AdamW (each parameter
+    counted once; :func:`rpcompile.training.host_memory.host_memory` without a plan)."""
     return host_memory(model, precision)

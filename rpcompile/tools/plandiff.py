@@ -4,7 +4,7 @@
 changed, in this order —
 
 - **model**: plans for different models (said first, in capitals). "The same model" is
-  :func:`rpcompile.model_match.model_differences`: the same parameters, and the same graph unless the plans split
+  :func:`rpcompile.planner.model_match.model_differences`: the same parameters, and the same graph unless the plans split
   the LM head (``head_chunks``) or host embedding lookups differently — which the header then reports;
 - **header**: hardware (device count, spec, memory, host link), microbatches, strategy, precision, cost model,
   tokens per microbatch, the embedding lookups the host runs, the LM head's chunks, resident weights;
@@ -37,9 +37,9 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Sequence
 
-from .core.plan import Plan, Stage
-from .report import fmt_bytes
-from .model_match import model_differences
+from ..core.plan import Plan, Stage
+from ..views.report import fmt_bytes
+from ..planner.model_match import model_differences
 
 __all__ = ["diff_plans", "PlanDiff", "Change", "Move", "Nodes", "ActivationChange", "StageChange", "THRESHOLD"]
 

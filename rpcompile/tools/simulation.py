@@ -17,11 +17,11 @@ from rpcompile.core.errors import ConfigError, InfeasibleError
 from rpcompile.passes.background import solving
 from rpcompile.passes.lower import _tokens
 from rpcompile.passes.partition import solve
-from rpcompile.scenarios import (SCHEDULES, Scenario, from_plan, from_segment_plan, layer_profile_scenarios,
+from rpcompile.tools.scenarios import (SCHEDULES, Scenario, from_plan, from_segment_plan, layer_profile_scenarios,
                                  load_layer_profile, overlapped, static_scenarios)
 
-from .plan_options import model_device
-from .planning import default_spec, fastest, head_chunk_candidates, make_hardware, partition_problem, prepare
+from ..planner.plan_options import model_device
+from ..planner.planning import default_spec, fastest, head_chunk_candidates, make_hardware, partition_problem, prepare
 
 __all__ = ["SCHEDULES", "parse_schedules", "model_scenarios", "plan_scenarios", "profile_scenarios", "run_all",
            "skipped", "scaling"]
@@ -50,12 +50,12 @@ def model_scenarios(model: Any, example_inputs: Sequence[Any], *, gpus: int, spe
                     segments_per_layer: int = 2, host_embedding: bool = True,
                     status: Any = None, overlap: bool = False) -> dict[str, Scenario]:
     """Trace and cost ``model`` once, then build every requested schedule on that one problem. ``ilp`` may plan
-    a graph with the LM head split as well (``head_chunks``, see :func:`rpcompile.planning.plan`) and keeps the
+    a graph with the LM head split as well (``head_chunks``, see :func:`rpcompile.planner.planning.plan`) and keeps the
     faster plan; its notes say which (``head_chunks``). Only ``ilp`` runs token embeddings on the host
     (``host_embedding``, :mod:`rpcompile.passes.host`): the baselines keep them on the devices, as their
     systems do. ``progress`` is the profiler's bar; ``status(text)``, a context manager, shows each solve (the
     CLI's spinner). ``overlap``: ``roundpipe`` and ``ilp`` run with overlapped iterations (``ilp`` planned for their
-    steady-state period, :func:`rpcompile.scenarios.overlapped`); the static schedules stay synchronous."""
+    steady-state period, :func:`rpcompile.tools.scenarios.overlapped`); the static schedules stay synchronous."""
     gm, m = prepare(model, example_inputs, gpus=gpus, spec=spec, device=device, microbatches=microbatches,
                     precision=precision, progress=progress, segments_per_layer=segments_per_layer, host_embedding=False)
     hardware = make_hardware(gpus, default_spec(spec, device, model_device(model)), memory_limit)
@@ -144,7 +144,7 @@ def run_all(scenarios: dict[str, Scenario]) -> dict[str, Any]:
 
 
 def scaling(scenario: Scenario, nodes: Sequence[int], networks: Sequence[float]) -> list[dict[str, Any]]:
-    """Data-parallel scaling of a round-robin schedule (:mod:`rpcompile.distributed`): the same pipeline on each of
+    """Data-parallel scaling of a round-robin schedule (:mod:`rpcompile.training.distributed`): the same pipeline on each of
     ``nodes`` machines over each network (bytes/s), the gradient all-reduce overlapped with the later stages (as
     the runtime runs it) and not. Per row: iteration time, tokens/s over all machines, efficiency (one machine's
     iteration over this one's: every machine keeps its own batch), the all-reduce's time and what of it showed."""

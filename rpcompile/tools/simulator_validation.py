@@ -25,7 +25,7 @@ from rpcompile.core.schedule import parse_action
 from rpcompile.core.stages import StageCost
 from rpcompile.runtime.simulator import simulate
 
-from .compiler import compile as compile_pipeline
+from ..compiler import compile as compile_pipeline
 
 __all__ = ["StageComparison", "Validation", "compile_for_validation", "validate"]
 

@@ -38,12 +38,12 @@ from rpcompile.passes.segment_rules import format_bytes, validate_segment_plan
 from rpcompile.passes.timing import iteration_time, stage_costs
 from rpcompile.passes.util import compute_nodes
 
-from .core.errors import InfeasibleError, PlanFileError
-from .core.plan import Plan
+from ..core.errors import InfeasibleError, PlanFileError
+from ..core.plan import Plan
 from rpcompile.passes.fingerprint import fingerprint
 from rpcompile.passes.plan_inputs import moved_inputs, solve_inputs
-from .invariants import plan_violations
-from .planning import partition_problem, plan_graph, prepare
+from ..planner.invariants import plan_violations
+from ..planner.planning import partition_problem, plan_graph, prepare
 
 __all__ = ["CheckResult", "check_plan", "rescore", "stays_of"]
 

@@ -1,21 +1,21 @@
 """What a call's batch becomes: the inputs checked, split into microbatches and put where the stages read them, and
 the loss each microbatch's fused stage computes, weighted by its share of the batch.
 
-A :class:`~rpcompile.pipeline.Pipeline` call (``forward_backward``, ``evaluate``, ``forward``) hands its batch to
+A :class:`~rpcompile.training.pipeline.Pipeline` call (``forward_backward``, ``evaluate``, ``forward``) hands its batch to
 :func:`call_batch`, which in order
 
 1. takes an HF batch dict's ``labels`` as the target (unless the model takes them itself) and binds the inputs to
-   the compiled signature (:class:`~rpcompile.signature.InputSignature`), refusing a missing or unused target;
+   the compiled signature (:class:`~rpcompile.training.signature.InputSignature`), refusing a missing or unused target;
 2. splits the batch along dim 0 into the plan's microbatches — fewer for a batch with fewer rows
    (:func:`microbatches_of`) — into a :class:`~rpcompile.runtime.executor.ValueStore` (:func:`microbatch_store`);
 3. checks integer labels against the classes the model scores (:func:`output_classes`, or a split LM head's) on
    the host, not at a device-side assert on a GPU;
 4. weights each microbatch's mean loss by what it averages over (:func:`microbatch_weights`: real tokens or rows)
    divided by the batch's total — summed over the ranks, data-parallel, or ``num_items`` of gradient accumulation
-   (:func:`checked_accumulation`) — in the :class:`~rpcompile.loss_weighting.MicrobatchLoss` the fused stage calls;
+   (:func:`checked_accumulation`) — in the :class:`~rpcompile.training.loss_weighting.MicrobatchLoss` the fused stage calls;
 5. names the inputs that require grad, whose gradients ``forward_backward`` computes too.
 
-The pipeline's own contracts (the Loss, padded batches, ``reduction="sum"``) are :mod:`rpcompile.pipeline`'s.
+The pipeline's own contracts (the Loss, padded batches, ``reduction="sum"``) are :mod:`rpcompile.training.pipeline`'s.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ import torch.fx as fx
 from rpcompile.passes.loss_head import TARGET
 from rpcompile.runtime.executor import ValueStore
 
-from .core.batch import flat_inputs, split_microbatches, tensor_leaves
-from .core.errors import ConfigError, RPCompileError
-from .core.program import Program
+from ..core.batch import flat_inputs, split_microbatches, tensor_leaves
+from ..core.errors import ConfigError, RPCompileError
+from ..core.program import Program
 from .loss_weighting import MicrobatchLoss, check_labels, label_bounds, loss_weights
 from .signature import InputSignature, needs_target
 
@@ -40,7 +40,7 @@ __all__ = ["CallBatch", "Batched", "checked_accumulation", "output_classes", "ca
 
 
 class Batched(Protocol):
-    """What :func:`call_batch` reads of a :class:`~rpcompile.pipeline.Pipeline` (which imports this module), at
+    """What :func:`call_batch` reads of a :class:`~rpcompile.training.pipeline.Pipeline` (which imports this module), at
     every call: its attributes may change between calls."""
 
     gm: fx.GraphModule
@@ -65,7 +65,7 @@ class CallBatch(NamedTuple):
     """Each microbatch's target, for a ``loss_fn`` after the last stage; None otherwise."""
     input_grads: dict[str, torch.Tensor]
     """The inputs that require grad (``x.requires_grad_()``: a saliency map, an adversarial step, a soft prompt),
-    by placeholder: ``forward_backward`` computes their gradients too (:mod:`rpcompile.pipeline`)."""
+    by placeholder: ``forward_backward`` computes their gradients too (:mod:`rpcompile.training.pipeline`)."""
 
 
 def checked_accumulation(loss_scale: Any, num_items: Any) -> tuple[float, float | None]:

@@ -1,6 +1,6 @@
 """One caller at a time: a pipeline's calls from two threads at once are refused in one line, not run side by side.
 
-A :class:`~rpcompile.pipeline.Pipeline` is one set of state that a call uses from its start to its end: the
+A :class:`~rpcompile.training.pipeline.Pipeline` is one set of state that a call uses from its start to its end: the
 devices and their threads, the weight copies, the gradient sink, the dropout iteration, the overlapped optimizer
 step. Two calls at once from two threads would share all of it: two ``forward_backward`` calls hang (each waits
 for microbatches the other's workers took), an ``evaluate`` beside training reads weights and buffers that the
@@ -12,11 +12,11 @@ thread runs raises :class:`~rpcompile.core.errors.ConcurrentCallError` at once, 
 and changes nothing; the running call goes on undisturbed. Calls from several threads one after the other are
 fine (a training thread, then an evaluation thread that takes its turn under a lock of its own), and so are calls
 nested in one thread (``step`` calls ``synchronize``; ``model.load_state_dict`` synchronizes the pipeline from
-its hook, :mod:`rpcompile.overlap`).
+its hook, :mod:`rpcompile.training.overlap`).
 
 Two pipelines over one model are two callers: each refuses only its own second caller. Their runs meet in the
 model's parameters, so a run of one waits for the other's overlapped optimizer step over them
-(:func:`rpcompile.overlap.wait_for_steps`).
+(:func:`rpcompile.training.overlap.wait_for_steps`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import functools
 import threading
 from typing import Any, Callable, Concatenate, ParamSpec, TypeVar
 
-from .core.errors import ConcurrentCallError
+from ..core.errors import ConcurrentCallError
 
 __all__ = ["OneCaller", "one_call"]
 

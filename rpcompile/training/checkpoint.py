@@ -60,9 +60,9 @@ import torch
 
 from .checkpoint_state import (model_state_problem, optimizer_state_problem, payload_problem,
                                pipeline_state_problem)
-from .core.errors import RPCompileError
-from .core.files import sweep_temporaries, write_atomic
-from .core.plan import Plan
+from ..core.errors import RPCompileError
+from ..core.files import sweep_temporaries, write_atomic
+from ..core.plan import Plan
 
 
 __all__ = ["STATE_VERSION", "PLAN_FILE", "Resumable", "Checkpoint", "CheckpointError", "CheckpointWarning",
@@ -71,8 +71,8 @@ __all__ = ["STATE_VERSION", "PLAN_FILE", "Resumable", "Checkpoint", "CheckpointE
 
 STATE_VERSION = 2
 """Version of the pipeline state's layout (:func:`pipeline_state`); a newer one is refused."""
-_STATE_FORMAT = "rpcompile.pipeline"
-_FILE_FORMAT = "rpcompile.checkpoint"
+_STATE_FORMAT = "rpcompile.training.pipeline"
+_FILE_FORMAT = "rpcompile.training.checkpoint"
 _MAGIC = b"RPCKPT\x00\x01"  # the last byte is the file layout's version
 _HEADER = struct.Struct("<8sQ32s")  # magic, payload length, sha256 of the payload
 PLAN_FILE = "plan.json"
@@ -90,7 +90,7 @@ class CheckpointWarning(UserWarning):
 
 
 class Resumable(Protocol):
-    """What checkpoints use of a :class:`rpcompile.pipeline.Pipeline` (which imports this module)."""
+    """What checkpoints use of a :class:`rpcompile.training.pipeline.Pipeline` (which imports this module)."""
 
     plan: Plan
     microbatches: int

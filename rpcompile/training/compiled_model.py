@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .core.errors import ModelChangedError
-from .core.randomness import draws, mode_fixed
+from ..core.errors import ModelChangedError
+from ..core.randomness import draws, mode_fixed
 
 __all__ = ["CompiledModel"]
 

@@ -40,9 +40,9 @@ from rpcompile.runtime import rng
 from rpcompile.runtime.reduce import GradReducer
 from rpcompile.runtime.weights import GradSink
 
-from .core.errors import ConfigError, RPCompileError
-from .core.plan import Plan
-from .core.program import Program
+from ..core.errors import ConfigError, RPCompileError
+from ..core.plan import Plan
+from ..core.program import Program
 
 __all__ = ["DistributedError", "DataParallel", "RankCalls", "data_parallel_group", "plan_digest", "shard"]
 

@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from .core.errors import ConfigError
-from .core.plan import Plan
-from .core.specs import get_spec
+from ..core.errors import ConfigError
+from ..core.plan import Plan
+from ..core.specs import get_spec
 
 __all__ = ["gpu_memory_limit", "offload_budget"]
 

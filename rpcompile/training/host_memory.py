@@ -9,7 +9,7 @@ our users train, host memory — not the GPUs' — is often what binds: the Llam
 - :func:`host_memory` predicts a model's whole footprint (:class:`HostMemory`): the frozen base stored once in the
   compute precision, each trainable parameter's master, gradient, AdamW moments and upload copy, and — given a
   plan — the activations an iteration holds on the host;
-- :func:`check_host_memory` runs when a :class:`~rpcompile.pipeline.Pipeline` is built, before it allocates
+- :func:`check_host_memory` runs when a :class:`~rpcompile.training.pipeline.Pipeline` is built, before it allocates
   anything: what the pipeline will still allocate (upload copies as the pinned allocator rounds them, gradients
   that do not exist yet, saved activations and hand-offs at the plan's microbatches) against what the operating
   system reports available (``MemAvailable``). More than that is refused in one line (:class:`HostMemoryError`);
@@ -48,7 +48,7 @@ from torch import nn
 from rpcompile.core.errors import ConfigError, RPCompileError
 from rpcompile.core.plan import Plan
 from rpcompile.passes.segment_rules import format_bytes
-from rpcompile.report import fmt_params
+from rpcompile.views.report import fmt_params
 from rpcompile.runtime.weights import WeightStore
 
 __all__ = ["HostMemory", "HostMemoryError", "HostMemoryWarning", "host_memory", "activation_bytes",
@@ -204,9 +204,9 @@ def activation_room(params: dict[str, nn.Parameter], plan: Plan, *, dtype: torch
 
 def fit_host_memory(made: Any, replan: Callable[[], Any], *, dtype: torch.dtype | None, pin: bool,
                     frozen_masters: bool = False) -> Any:
-    """``made`` (a :class:`~rpcompile.planning.Compilation`), or — when its plan keeps more activations on the host
+    """``made`` (a :class:`~rpcompile.planner.planning.Compilation`), or — when its plan keeps more activations on the host
     than :func:`activation_room` leaves — ``replan()`` (``rpcompile.compile``: the same graph solved again with
-    ``allow_save=False``, :func:`~rpcompile.planning.replanned`), with one
+    ``allow_save=False``, :func:`~rpcompile.planner.planning.replanned`), with one
     :class:`HostMemoryWarning` (module docstring)."""
     plan = made.plan
     if not any(s.offload_bytes for s in plan.stages):

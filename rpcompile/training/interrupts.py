@@ -11,7 +11,7 @@ training loop must not be cut there:
   call) or the masters half stepped. :class:`deferred` runs such a stretch with the ``KeyboardInterrupt`` held
   back until it ends, and raises it then; a training call is told at once (``stop``) and stops at its workers'
   next action.
-- **an overlapped step running on its own thread** (:mod:`rpcompile.overlap`), which a Ctrl-C does not stop: raised
+- **an overlapped step running on its own thread** (:mod:`rpcompile.training.overlap`), which a Ctrl-C does not stop: raised
   at once, the interrupt reaches the loop's ``except`` or ``finally`` — where a checkpoint is saved — while the step
   is still writing the masters. :func:`finish_first` registers the step until it is collected; a Ctrl-C meanwhile
   waits for it to end — a step is bounded (about a second for billions of parameters) — and is raised then,

@@ -1,5 +1,5 @@
-"""Loss weighting: what each microbatch's mean loss averages over, so that :class:`~rpcompile.pipeline.Pipeline`'s
-weighted sum of them is the whole batch's mean (the module docstring of :mod:`rpcompile.pipeline`, **Loss**).
+"""Loss weighting: what each microbatch's mean loss averages over, so that :class:`~rpcompile.training.pipeline.Pipeline`'s
+weighted sum of them is the whole batch's mean (the module docstring of :mod:`rpcompile.training.pipeline`, **Loss**).
 
 An integer target counts its real tokens (entries that are not :data:`IGNORE_INDEX`), any other target its rows;
 :func:`shifted_tokens` counts the labels a causal LM's own loss averages over; :func:`own_loss` finds the loss a
@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from .core.errors import InputError, LossFnError, RPCompileError
+from ..core.errors import InputError, LossFnError, RPCompileError
 
 __all__ = ["IGNORE_INDEX", "BatchLoss", "MicrobatchLoss", "check_labels", "label_bounds", "output_classes",
            "shifted_tokens", "loss_weights", "own_loss"]

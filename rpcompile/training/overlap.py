@@ -46,7 +46,7 @@ next iteration computes with (the pipeline's hooks on the compiled model and, wh
 optimizers: :func:`watch_model`; copies of the model, pickled or deep-copied, carry hooks that do nothing). A run
 of another pipeline over the same parameters — ``forward_backward``, ``evaluate``, ``forward`` — waits for every
 step in flight over them (:func:`wait_for_steps`, keyed by the parameters' storage), so it never computes with
-half-stepped weights. A Ctrl-C waits for the step too (:mod:`rpcompile.interrupts`): the weights are stepped or
+half-stepped weights. A Ctrl-C waits for the step too (:mod:`rpcompile.training.interrupts`): the weights are stepped or
 not, never half, when the ``KeyboardInterrupt`` arrives; starting and collecting a step are never cut in half.
 """
 
@@ -62,7 +62,7 @@ import torch
 from rpcompile.runtime.executor import PipelineError, Running
 from rpcompile.runtime.weights import GradSink, WeightStore
 
-from .core.errors import ConfigError
+from ..core.errors import ConfigError
 from .interrupts import deferred, finish_first, finished
 
 __all__ = ["SCHEDULED", "settings", "changed_setting", "optimizers_of", "schedulers_of", "step_now",
@@ -114,8 +114,8 @@ def schedulers_of(scheduler: Any) -> list[Any]:
 def step_now(optimizers: Sequence[Any], schedulers: Sequence[Any], scaler: Any = None) -> None:
     """The synchronous step: each optimizer's ``step()`` — ``scaler.step(o)`` for each then one
     ``scaler.update()`` with an enabled ``GradScaler`` — then their ``zero_grad()``, then the schedulers; a Ctrl-C
-    meanwhile is raised when all of it is done (:class:`~rpcompile.interrupts.deferred`)."""
-    with deferred():  # a Ctrl-C meanwhile is raised once every optimizer has stepped (rpcompile.interrupts)
+    meanwhile is raised when all of it is done (:class:`~rpcompile.training.interrupts.deferred`)."""
+    with deferred():  # a Ctrl-C meanwhile is raised once every optimizer has stepped (rpcompile.training.interrupts)
         if scaler is not None and scaler.is_enabled():
             for o in optimizers:
                 scaler.step(o)  # skipped on inf/nan gradients; the scale adapts
@@ -147,7 +147,7 @@ class ZeroGradShadow:
 
     def _deferred(self, real: Callable[..., Any]) -> Callable[..., None]:
         def zero_grad(*args: Any, **kwargs: Any) -> None:
-            """Recorded: an overlapped step is reading ``.grad``; replayed once it is done (rpcompile.overlap)."""
+            """Recorded: an overlapped step is reading ``.grad``; replayed once it is done (rpcompile.training.overlap)."""
             self.calls.append((real, args, kwargs))
         return zero_grad
 

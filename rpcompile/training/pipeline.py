@@ -7,7 +7,7 @@
         optimizer.step(); optimizer.zero_grad()
 
 What a call's batch becomes — microbatches, their targets and the weighted loss each fused stage computes — is
-:mod:`rpcompile.batches`; a data-parallel rank's calls are :class:`rpcompile.distributed.RankCalls`.
+:mod:`rpcompile.training.batches`; a data-parallel rank's calls are :class:`rpcompile.training.distributed.RankCalls`.
 
 Contracts
 ---------
@@ -45,14 +45,14 @@ Contracts
   the scaler's scale, master gradients arrive scaled, and ``scaler.step(optimizer)`` / ``scaler.update()`` skip the
   step and lower the scale on overflow, raising it after a run of good steps — the standard torch contract.
 - **Callers.** One call at a time: a call from a second thread while another thread's runs is refused in one line
-  (:class:`~rpcompile.core.errors.ConcurrentCallError`, :mod:`rpcompile.callers`); an overlapped step in flight is
+  (:class:`~rpcompile.core.errors.ConcurrentCallError`, :mod:`rpcompile.training.callers`); an overlapped step in flight is
   waited for by whatever reads or writes what it writes (the model's and the optimizer's ``state_dict`` and
-  ``load_state_dict``, another pipeline's runs over the same parameters; :mod:`rpcompile.overlap`); a Ctrl-C never
-  leaves a step half done (:mod:`rpcompile.interrupts`).
+  ``load_state_dict``, another pipeline's runs over the same parameters; :mod:`rpcompile.training.overlap`); a Ctrl-C never
+  leaves a step half done (:mod:`rpcompile.training.interrupts`).
 - **Checkpoints.** :meth:`Pipeline.state_dict` holds what the pipeline adds to the model's and the optimizer's
   state — the iteration that seeds dropout, the scaler's state, an overlapped step's stale copies — so a run
   resumed from all three (:func:`rpcompile.save_checkpoint` / :func:`rpcompile.load_checkpoint`, atomic and
-  checksummed) equals the uninterrupted one bit for bit, given the same plan (:mod:`rpcompile.checkpoint`).
+  checksummed) equals the uninterrupted one bit for bit, given the same plan (:mod:`rpcompile.training.checkpoint`).
 """
 
 from __future__ import annotations
@@ -78,11 +78,11 @@ from .batches import (call_batch, checked_accumulation, microbatch_store, microb
                       output_classes)
 from .checkpoint import CheckpointError, check_pipeline_state, pipeline_state
 from .compiled_model import CompiledModel
-from .core.batch import joined, split_microbatches
-from .core.errors import ConfigError, LossFnError, RPCompileError
-from .core.plan import Plan
-from .core.program import Program
-from .core.schedule import round_robin
+from ..core.batch import joined, split_microbatches
+from ..core.errors import ConfigError, LossFnError, RPCompileError
+from ..core.plan import Plan
+from ..core.program import Program
+from ..core.schedule import round_robin
 from .distributed import DataParallel, RankCalls
 from .gpu_memory import gpu_memory_limit, offload_budget
 from .host_memory import check_host_memory
@@ -108,7 +108,7 @@ class Pipeline:
                  loss_in_graph: bool = False, signature: InputSignature | None = None,
                  loss_weight: "str | Callable[[Any], float]" = "auto", frozen_masters: bool = False):
         self.data_parallel: DataParallel | None = None
-        """Set by :meth:`join`: this pipeline is one rank of data-parallel training (:mod:`rpcompile.distributed`)."""
+        """Set by :meth:`join`: this pipeline is one rank of data-parallel training (:mod:`rpcompile.training.distributed`)."""
         self._rank: RankCalls | None = None  # a data-parallel call's collectives and held gradients (join)
         self.model, self.gm, self.plan, self.devices = model, gm, plan, list(devices)
         self.loss_fn, self.precision, self.scaler = loss_fn, precision, scaler
@@ -185,7 +185,7 @@ class Pipeline:
         """``optimizer.step()`` then ``optimizer.zero_grad()`` — through the pipeline's ``GradScaler`` when it has
         one (``scaler.step(optimizer); scaler.update()``) — then ``scheduler.step()`` when one is given (an lr
         scheduler), or, with ``overlap=True``, all of it on a thread of its own beside the next
-        :meth:`forward_backward`, which returns once both are done (:mod:`rpcompile.overlap`).
+        :meth:`forward_backward`, which returns once both are done (:mod:`rpcompile.training.overlap`).
 
         **Several optimizers** (a list or tuple: one for LoRA adapters and one for the head, Muon and AdamW):
         ``pipe.step([o1, o2])`` is ``o1.step(); o2.step()`` — ``scaler.step(o)`` for each, then one
@@ -221,7 +221,7 @@ class Pipeline:
         **Overlapped iterations** (:attr:`overlap_iterations`: a plan made for them): the next
         :meth:`forward_backward` also returns before its last stages have drained, once its loss is known, and
         the devices go on into the iteration after it; the step takes their gradients into ``.grad`` on its
-        thread. Still exactly one step stale; see :mod:`rpcompile.overlap`.
+        thread. Still exactly one step stale; see :mod:`rpcompile.training.overlap`.
         """
         optimizers, schedulers = optimizers_of(optimizer), schedulers_of(scheduler)
         self._overlap.check_drains()  # an overlapped iteration that failed while draining: named here
@@ -252,7 +252,7 @@ class Pipeline:
 
     @property
     def _step(self) -> Future | None:
-        """The overlapped step in flight, if any (:class:`rpcompile.overlap.Overlap`)."""
+        """The overlapped step in flight, if any (:class:`rpcompile.training.overlap.Overlap`)."""
         return self._overlap.future
 
     @property
@@ -264,13 +264,13 @@ class Pipeline:
     def state_dict(self) -> dict[str, Any]:
         """The pipeline's own training state — the iteration that seeds dropout, the GradScaler's state, the
         weights an overlapped step left for the next iteration — which, with the model's and the optimizer's
-        ``state_dict``, continues training bit for bit (:mod:`rpcompile.checkpoint`; ``save_checkpoint`` writes
+        ``state_dict``, continues training bit for bit (:mod:`rpcompile.training.checkpoint`; ``save_checkpoint`` writes
         all three). An overlapped step in flight is waited for first; saving does not change what training
         computes."""
         return pipeline_state(self, self._overlap.stale_copies())
 
     def check_state_dict(self, state: Any, *, optimizer: Any = None, exact: bool = True) -> None:
-        """Raise a one-line :class:`~rpcompile.checkpoint.CheckpointError` unless :meth:`load_state_dict` can
+        """Raise a one-line :class:`~rpcompile.training.checkpoint.CheckpointError` unless :meth:`load_state_dict` can
         continue ``state`` here — bit for bit where ``exact``: the same graph fingerprint, microbatches,
         precision, plan cuts and scaler."""
         weights = self.executor.weights  # an overlapped step keeps copies of the trainable weights, as uploaded
@@ -361,14 +361,14 @@ class Pipeline:
         Trainer's ``num_items_in_batch``); a summed loss (``reduction="sum"``) takes ``loss_scale`` only. The
         loss returned is the one whose gradients were added (scaled, or over ``N``).
 
-        Data-parallel (:mod:`rpcompile.distributed`): the batch is this rank's shard; the loss returned and the
+        Data-parallel (:mod:`rpcompile.training.distributed`): the batch is this rank's shard; the loss returned and the
         gradients added into ``.grad`` are those of the whole batch, every rank's shard concatenated. A failure on
         any rank raises on every rank (one line naming it); that call's gradients are dropped."""
         accumulation = checked_accumulation(loss_scale, num_items)
         call = functools.partial(self._forward_backward, inputs, target, kwargs, accumulation)
         self.executor.interrupted = False
         # a Ctrl-C stops the workers at their next action and is raised once the call is settled, never in the
-        # middle of its bookkeeping (rpcompile.interrupts)
+        # middle of its bookkeeping (rpcompile.training.interrupts)
         with deferred(stop=self._interrupt):
             return (call() if self._rank is None else self._rank.run(call)).as_subclass(BatchLoss)
 
@@ -378,7 +378,7 @@ class Pipeline:
 
     def check_model(self) -> bool:
         """Refuse (:class:`ModelChangedError`, one line) a model whose parameters are no longer the ones compiled
-        or whose mode the stages cannot run; returns the mode they run in (:mod:`rpcompile.compiled_model`: a
+        or whose mode the stages cannot run; returns the mode they run in (:mod:`rpcompile.training.compiled_model`: a
         model traced in train mode and then put in eval mode runs its dropouts switched off). Calls check first."""
         training = self.compiled.check()
         for program in (self.executor.program, *self._input_grad_programs.values()):

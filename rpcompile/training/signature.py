@@ -32,9 +32,9 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
-from .core.batch import tensor_leaves
-from .core.errors import ConfigError, InputError
-from .core.planfile import MAX_MICROBATCHES
+from ..core.batch import tensor_leaves
+from ..core.errors import ConfigError, InputError
+from ..core.planfile import MAX_MICROBATCHES
 
 __all__ = ["InputSignature", "LeafSpec", "PrecisionWarning", "check_call_mode", "check_compile_arguments",
            "needs_target"]

@@ -10,7 +10,7 @@ Terms:
   another; a lane is as tall as its sub-rows.
 - *idle*: the compute lane's background is hatched, so every gap between compute bars reads as idle time.
 
-Compute bars are coloured by stage (:func:`rpcompile.svg.stage_color`, the same colours as the plan graph); a
+Compute bars are coloured by stage (:func:`rpcompile.views.svg.stage_color`, the same colours as the plan graph); a
 forward stage has no border, a backward stage a dark border and the fused stage a dashed one, and bars wide enough
 carry the stage name (``F3``, ``B11``, ``FB``). Transfer bars are coloured by what they carry (key in the header).
 Every bar has a ``<title>`` tooltip: stage name, microbatch, start and end in ms.
@@ -31,7 +31,7 @@ from typing import Any, Iterable, Sequence
 from rpcompile.core.errors import ConfigError
 from rpcompile.core.files import write_atomic
 from rpcompile.runtime.simulator import SimEvent
-from rpcompile.svg import TRANSFER_COLORS, document, esc, line, num, rect, stage_color, text, text_width
+from rpcompile.views.svg import TRANSFER_COLORS, document, esc, line, num, rect, stage_color, text, text_width
 
 __all__ = ["timeline_svg", "write_timeline_svg", "LANES"]
 

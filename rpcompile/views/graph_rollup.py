@@ -1,10 +1,10 @@
 """A plan over the model: the traced graph rolled up by module into boxes, each labelled with its stages
-(drawn by :mod:`rpcompile.graphview`).
+(drawn by :mod:`rpcompile.views.graphview`).
 
 Terms:
 - *box*: one rolled-up module (``embed``, ``layers.7.attn``, ``layers.7.mlp``, ``lm_head``): every compute node
   whose module path (:func:`rpcompile.passes.util.module_path`) starts with the box's name, cut to ``depth``
-  components as ``rpcompile profile`` does (:func:`rpcompile.profiling.rollup_name`).
+  components as ``rpcompile profile`` does (:func:`rpcompile.planner.profiling.rollup_name`).
 - *folding*: nodes owned by a module that also has boxes below it — a block's residual adds (``layers.7``), the
   root's own glue (``(root)``) — join the box just before them when that box lies inside their module (the
   residual add closes the attention or MLP half it follows, as in the partitioner's segments), else the next one;
@@ -18,7 +18,7 @@ Terms:
   host looks up (``Plan.host``) is a box of its own, first, labelled ``host``.
 
 Node → module mapping. With the traced graph (``graph``: a ``torch.fx.GraphModule`` or ``Graph``, e.g. from
-:func:`rpcompile.trace` or :func:`rpcompile.planning.prepare`) every compute node is placed by its
+:func:`rpcompile.trace` or :func:`rpcompile.planner.planning.prepare`) every compute node is placed by its
 ``nn_module_stack`` meta, edges between boxes are the graph's data edges, and saved activations are placed on
 the boxes exactly. A :class:`~rpcompile.core.plan.Plan` alone stores node *names* and, per stage, the module paths
 its nodes come from (``Stage.modules``, written by :mod:`rpcompile.passes.lower`) but not which node belongs to which
@@ -34,9 +34,9 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-from .core.errors import ConfigError
-from .core.plan import Plan
-from .passes.util import is_compute, module_path
+from ..core.errors import ConfigError
+from ..core.plan import Plan
+from ..passes.util import is_compute, module_path
 
 __all__ = ["MAX_BOXES", "HOST", "ROOT", "ModuleBox", "Rollup", "rollup"]
 

@@ -1,4 +1,4 @@
-"""A plan drawn over the model: the boxes of :func:`rpcompile.graph_rollup.rollup` (the traced graph rolled up by
+"""A plan drawn over the model: the boxes of :func:`rpcompile.views.graph_rollup.rollup` (the traced graph rolled up by
 module, each labelled with its stages) as SVG or Graphviz DOT.
 
 The SVG is laid out here: boxes in topological order, wrapped into columns of at most :data:`ROWS_PER_COLUMN`
@@ -14,10 +14,10 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
-from .core.errors import ConfigError
-from .core.files import write_atomic
-from .core.text import printable
-from .core.plan import Plan
+from ..core.errors import ConfigError
+from ..core.files import write_atomic
+from ..core.text import printable
+from ..core.plan import Plan
 from .graph_rollup import MAX_BOXES, ModuleBox, Rollup, rollup
 from .svg import document, esc, line, num, path, rect, stage_color, text, text_width, title
 

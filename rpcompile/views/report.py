@@ -15,8 +15,8 @@ from rpcompile.passes.segment_rules import format_bytes as fmt_bytes
 
 from .terminal import SafeTable
 
-if TYPE_CHECKING:  # annotations only: importing rpcompile.profiling imports torch (3.3 s), which a plan table never needs
-    from .profiling import CostRow, Profile
+if TYPE_CHECKING:  # annotations only: importing rpcompile.planner.profiling imports torch (3.3 s), which a plan table never needs
+    from ..planner.profiling import CostRow, Profile
 
 __all__ = ["scaling_table", "fmt_bytes", "fmt_time", "fmt_ms", "fmt_count", "fmt_params", "models_table", "bound_note", "host_note", "host_line", "cost_label", "profile_table",
            "plan_table", "compare_table", "stage_range", "print_table", "simulate_table", "devices_table"]
@@ -266,7 +266,7 @@ def devices_table(result, *, title: str = "") -> Table:
 
 
 def scaling_table(rows: Sequence[dict], *, title: str = "") -> Table:
-    """Data-parallel scaling (:func:`rpcompile.simulation.scaling`): one row per machine count, network and
+    """Data-parallel scaling (:func:`rpcompile.tools.simulation.scaling`): one row per machine count, network and
     whether the gradient all-reduce overlaps the later stages."""
     t = SafeTable(title=title, caption="simulated: every machine runs the pipeline on its own batch; the all-reduce is "
                                    "a ring over each machine's network link, not measured")

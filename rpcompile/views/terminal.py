@@ -15,7 +15,7 @@ from rich.console import RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from .core.text import printable
+from ..core.text import printable
 
 __all__ = ["term", "SafeTable"]
 

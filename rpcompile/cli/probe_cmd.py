@@ -6,8 +6,8 @@ import argparse
 import json
 
 from rpcompile.core.files import write_atomic
-from rpcompile.planner.probe import host_table, probe_host
-from rpcompile.views.report import print_table
+from rpcompile.planner.probe import probe_host
+from rpcompile.views.report import host_table, print_table
 
 from .common import step, writable
 

@@ -25,15 +25,13 @@ import time
 from typing import Callable
 
 import torch
-from rich.table import Table
 
 from ..core.errors import ConfigError
 from ..core.files import read_json
 from ..core.planfile import dataclass_problem
 from ..core.specs import HostSpec
-from ..views.terminal import SafeTable
 
-__all__ = ["probe_host", "host_table", "load_host", "best_time"]
+__all__ = ["probe_host", "load_host", "best_time"]
 
 #: Elements of the probe's buffers: 8 M (32 MiB in fp32), past the last-level caches.
 COPY_ELEMENTS = 8 * 2**20
@@ -142,22 +140,3 @@ def load_host(path: str | os.PathLike) -> HostSpec:
     except (ValueError, TypeError) as e:
         raise ConfigError(f"{path} is not a host made by `rpcompile probe --json`: {' '.join(str(e).split())}"
                           ) from None
-
-
-def host_table(host: HostSpec, *, title: str = "") -> Table:
-    """The host's rates, one row each (``measured`` or ``assumed``, as its ``source`` says)."""
-    how = "measured" if host.source == "probe" else "assumed"
-    table = SafeTable(title=title or f"host ({how})")
-    table.add_column("what", justify="left")
-    table.add_column("rate", justify="right")
-    table.add_column("per 1e9 params", justify="right")
-    table.add_row("memory copy (read + write)", f"{host.memory_bandwidth / 1e9:.1f} GB/s", "")
-    for label, rate in (("fp32 → bf16 cast", host.cast_params_per_s),
-                        ("bf16 → fp32 add-into", host.accumulate_params_per_s),
-                        ("AdamW step", host.optimizer_params_per_s)):
-        table.add_row(label, f"{rate / 1e9:.2f} G params/s", f"{1e9 / rate:.3f} s")
-    for label, rate in (("pinned H2D", host.pinned_h2d), ("pinned D2H", host.pinned_d2h),
-                        ("pageable H2D", host.pageable_h2d), ("pageable D2H", host.pageable_d2h)):
-        table.add_row(label, f"{rate / 1e9:.1f} GB/s" if rate else "—", "")
-    table.caption = host.note
-    return table

@@ -47,8 +47,8 @@ from torch import nn
 
 from rpcompile.core.errors import ConfigError, RPCompileError
 from rpcompile.core.plan import Plan
+from rpcompile.core.units import fmt_params
 from rpcompile.passes.segment_rules import format_bytes
-from rpcompile.views.report import fmt_params
 from rpcompile.runtime.weights import WeightStore
 
 __all__ = ["HostMemory", "HostMemoryError", "HostMemoryWarning", "host_memory", "activation_bytes",

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 from rich.console import Console, JustifyMethod
 from rich.table import Table
 
+from rpcompile.core.specs import HostSpec
+from rpcompile.core.units import fmt_params
 from rpcompile.passes.segment_rules import format_bytes as fmt_bytes
 
 from .terminal import SafeTable
@@ -18,8 +20,8 @@ from .terminal import SafeTable
 if TYPE_CHECKING:  # annotations only: importing rpcompile.planner.profiling imports torch (3.3 s), which a plan table never needs
     from ..planner.profiling import CostRow, Profile
 
-__all__ = ["scaling_table", "fmt_bytes", "fmt_time", "fmt_ms", "fmt_count", "fmt_params", "models_table", "bound_note", "host_note", "host_line", "cost_label", "profile_table",
-           "plan_table", "compare_table", "stage_range", "print_table", "simulate_table", "devices_table"]
+__all__ = ["scaling_table", "fmt_bytes", "fmt_time", "fmt_ms", "fmt_count", "models_table", "bound_note", "host_note", "host_line", "cost_label", "profile_table",
+           "plan_table", "compare_table", "stage_range", "print_table", "simulate_table", "devices_table", "host_table"]
 
 
 def fmt_time(s: float) -> str:
@@ -37,14 +39,6 @@ def fmt_ms(s: float) -> str:
     digits = 0 if abs(v) >= 100 else 1 if abs(v) >= 10 else 2 if abs(v) >= 1 else 3
     text = f"{v:,.{digits}f}"
     return f"{'0' if float(text.replace(',', '')) == 0 else text} ms"
-
-
-def fmt_params(n: float) -> str:
-    """A parameter count as people write it: ``8.03B``, ``46.2k``, ``217.7k``, ``64``."""
-    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.3g}{unit}" if n / scale < 100 else f"{n / scale:.1f}{unit}"
-    return f"{int(n)}"
 
 
 def fmt_count(n: float) -> str:
@@ -246,6 +240,25 @@ def simulate_table(results: dict, scenarios: dict, *, title: str = "") -> Table:
                   fmt_count(r.tokens_per_s) if r.tokens_per_iteration else "—",
                   fmt_bytes(memory) if memory else "—", fits, ratio)
     return t
+
+
+def host_table(host: HostSpec, *, title: str = "") -> Table:
+    """The host's rates, one row each (``measured`` or ``assumed``, as its ``source`` says)."""
+    how = "measured" if host.source == "probe" else "assumed"
+    table = SafeTable(title=title or f"host ({how})")
+    table.add_column("what", justify="left")
+    table.add_column("rate", justify="right")
+    table.add_column("per 1e9 params", justify="right")
+    table.add_row("memory copy (read + write)", f"{host.memory_bandwidth / 1e9:.1f} GB/s", "")
+    for label, rate in (("fp32 → bf16 cast", host.cast_params_per_s),
+                        ("bf16 → fp32 add-into", host.accumulate_params_per_s),
+                        ("AdamW step", host.optimizer_params_per_s)):
+        table.add_row(label, f"{rate / 1e9:.2f} G params/s", f"{1e9 / rate:.3f} s")
+    for label, rate in (("pinned H2D", host.pinned_h2d), ("pinned D2H", host.pinned_d2h),
+                        ("pageable H2D", host.pageable_h2d), ("pageable D2H", host.pageable_d2h)):
+        table.add_row(label, f"{rate / 1e9:.1f} GB/s" if rate else "—", "")
+    table.caption = host.note
+    return table
 
 
 def devices_table(result, *, title: str = "") -> Table:

@@ -30,8 +30,8 @@ from rich.console import Console
 from rpcompile.cli.argtypes import network_rates, node_counts
 from rpcompile.core.files import write_atomic
 from rpcompile.models import load_model
-from rpcompile.views.report import print_table, scaling_table
 from rpcompile.tools.simulation import model_scenarios, scaling
+from rpcompile.views.report import print_table, scaling_table
 
 MODEL, SPEC, PRECISION, SEQ_LEN, GPUS, MICROBATCHES = "llama-8b", "rtx4090", "bf16", 4096, 8, 16
 RESULTS = Path(__file__).parent / "results" / "scaling.json"

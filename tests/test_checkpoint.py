@@ -27,8 +27,8 @@ import pytest
 import torch
 
 import rpcompile
-from rpcompile.training.checkpoint import CheckpointWarning, checkpoints, verify
 from rpcompile.core.files import host_name
+from rpcompile.training.checkpoint import CheckpointWarning, checkpoints, verify
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _resume  # noqa: E402

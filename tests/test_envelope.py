@@ -15,8 +15,8 @@ import rpcompile
 from rpcompile.cli import main
 from rpcompile.core.plan import Plan
 from rpcompile.core.specs import get_spec
-from rpcompile.planner.envelope import LinkBoundWarning, link_bound, microbatch_tokens
 from rpcompile.models import load_model
+from rpcompile.planner.envelope import LinkBoundWarning, link_bound, microbatch_tokens
 
 
 def _plan(*stages: tuple[str, int, float], microbatches: int = 4) -> Plan:

@@ -21,9 +21,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import rpcompile
-from rpcompile.training.oom import StageOutOfMemoryError
 from rpcompile.runtime import rng
 from rpcompile.runtime.executor import PipelineError
+from rpcompile.training.oom import StageOutOfMemoryError
 from test_runtime import FINE_CPU, TOL
 
 M = 4  # microbatches
@@ -90,9 +90,9 @@ def _pipeline(devices: Any = None, memory: int = 12 * 2**30) -> tuple[Any, nn.Mo
     from rpcompile.passes.coarsen import coarsen_pass, segments_of
     from rpcompile.passes.lower import plan_from_ranges
     from rpcompile.passes.util import compute_nodes
-    from rpcompile.training.pipeline import Pipeline
     from rpcompile.planner.planning import make_hardware, prepare
     from rpcompile.runtime.devices import make_devices
+    from rpcompile.training.pipeline import Pipeline
 
     torch.manual_seed(0)
     model = Net()

@@ -209,8 +209,8 @@ def test_pinned_weight_copies_take_what_the_host_memory_check_counts():
     pipeline is built (llama-demo's weights include sizes that are not powers of two)."""
     if ON_CPU:
         pytest.skip("pinned memory needs CUDA")
-    from rpcompile.training.host_memory import activation_bytes
     from rpcompile.runtime.weights import nbytes
+    from rpcompile.training.host_memory import activation_bytes
 
     key = "active_bytes.current"
     if key not in torch.cuda.host_memory_stats():

@@ -11,14 +11,14 @@ import pytest
 import torch
 
 import rpcompile
-import rpcompile.training.host_memory as hm
 import rpcompile.planner.planning as planning
+import rpcompile.training.host_memory as hm
 from rpcompile.core.specs import get_spec
-from rpcompile.training.host_memory import HostMemoryError, HostMemoryWarning, activation_bytes
 from rpcompile.passes.cost import cost_pass
 from rpcompile.passes.trace import trace
-from rpcompile.training.pipeline import gpu_memory_limit
 from rpcompile.runtime.weights import WeightStore, pinned_bytes
+from rpcompile.training.host_memory import HostMemoryError, HostMemoryWarning, activation_bytes
+from rpcompile.training.pipeline import gpu_memory_limit
 
 from test_weights import FINE, Tied, batch, loss_fn
 

@@ -26,8 +26,8 @@ import torch
 from ..core.errors import ConfigError
 from ..core.specs import DeviceSpec, get_spec
 from ..models.llama import Llama, LlamaConfig
-from .probe import best_time
 from ..runtime.devices import WEIGHT_CHUNK_BYTES
+from .probe import best_time
 
 __all__ = ["preset_for", "probe_link", "probe_dispatch", "device_spec", "DEFAULT_PRESET"]
 

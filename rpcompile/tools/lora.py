@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from torch import Tensor, nn
 
 from rpcompile.core.errors import ConfigError
-from rpcompile.training.host_memory import HostMemory, host_memory
 from rpcompile.models.llama import Llama
+from rpcompile.training.host_memory import HostMemory, host_memory
 
 __all__ = ["LORA_TARGETS", "LORA_RANK", "apply_lora", "LoraLinear", "LoraModel", "HostMemory", "lora_host_memory"]
 

@@ -58,11 +58,11 @@ from typing import IO, Any, Mapping, Protocol, cast
 
 import torch
 
-from .checkpoint_state import (model_state_problem, optimizer_state_problem, payload_problem,
-                               pipeline_state_problem)
 from ..core.errors import RPCompileError
 from ..core.files import sweep_temporaries, write_atomic
 from ..core.plan import Plan
+from .checkpoint_state import (model_state_problem, optimizer_state_problem, payload_problem,
+                               pipeline_state_problem)
 
 
 __all__ = ["STATE_VERSION", "PLAN_FILE", "Resumable", "Checkpoint", "CheckpointError", "CheckpointWarning",

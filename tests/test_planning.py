@@ -16,7 +16,6 @@ from rpcompile.core.errors import BatchSplitError
 import torch
 
 import rpcompile
-from rpcompile import planning
 from rpcompile.cli import main
 from rpcompile.core.errors import InfeasibleError
 from rpcompile.models import load_model
@@ -27,6 +26,7 @@ from rpcompile.passes.timing import iteration_time, stage_costs
 from rpcompile.passes.util import compute_nodes, node_params
 from rpcompile.core.plan import Plan
 from rpcompile.core.batch import split_microbatches
+from rpcompile.planner import planning
 from rpcompile.planner.planning import STRATEGIES, compare, make_hardware, partition_problem, plan, plan_graph, prepare
 from rpcompile.core.specs import get_spec
 from rpcompile.planner.invariants import plan_violations, verify_plan

@@ -8,7 +8,6 @@ from typing import Any
 import pytest
 import torch
 
-from rpcompile import planning
 from rpcompile.cli import main
 from rpcompile.cli import plan_cmd
 from rpcompile.core.plan import Plan
@@ -17,6 +16,7 @@ from rpcompile.passes.cost import COST_KEY
 from rpcompile.passes.loss_head import split_head
 from rpcompile.passes.shape import SHAPE_KEY
 from rpcompile.passes.trace import trace
+from rpcompile.planner import planning
 from rpcompile.planner.shared_trace import TraceOnce, graph_copy
 
 from _hf import hf_model, token_loss

@@ -62,14 +62,14 @@ from rpcompile.passes.formulate import launch_bound
 from rpcompile.passes.partition import solve
 from rpcompile.passes.problem import PartitionProblem
 from rpcompile.passes.timing import host_times, iteration_time, stage_costs
-from rpcompile.planning import make_hardware, partition_problem, prepare
+from rpcompile.planner.planning import make_hardware, partition_problem, prepare
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
 TRACE = HERE / "traces" / "h100-2026-11-28-llama-1.7b-capped.json.gz"
 TRACE_TABLE = RESULTS / "trace-h100-2026-11-28-llama-1.7b-capped.json"
 #: The rows' plans priced the RTX 4090 preset's link (compile with costs measured on the GPU, before
-#: rpcompile.device_probe).
+#: rpcompile.planner.device_probe).
 OLD_LINK = 25e9
 #: The runtime's copies on the H100 as the 2026-11-28 trace has them (per stream: 50.6, 51.6, 52.0, 52.8 GB/s).
 H100_LINK = 51.5e9

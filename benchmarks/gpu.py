@@ -20,7 +20,7 @@ calibration needs (issue 35 item 6, ``calibration.py``): the plan itself (``plan
 hardware it was priced on (``priced_on``: link, dispatch per node, cost per action) and per stage the prediction
 beside the last step's measured host time of its actions (``stages``; on a GPU the worker's time to issue them and
 what it waited for). The header holds the host's bare dispatch per graph node on the device
-(``dispatch_probe``, :func:`rpcompile.device_probe.probe_dispatch`). The rpcompile rows of
+(``dispatch_probe``, :func:`rpcompile.planner.device_probe.probe_dispatch`). The rpcompile rows of
 one device (resident and capped) are followed by the same pipeline with the optimizer inside the loop
 (``--optimizer``: rpcompile's AdamW by default): ``pipe.step(opt)`` synchronous, then ``overlap=True`` (the step
 beside the next iteration, one step stale) — each predicted as the plan prices it (pipeline + host step, or the
@@ -70,7 +70,7 @@ from rpcompile.models import load_model
 from rpcompile.models.llama import Llama, LlamaConfig
 from rpcompile.models.registry import lm_loss
 from rpcompile.core.specs import get_spec
-from rpcompile.device_probe import probe_dispatch
+from rpcompile.planner.device_probe import probe_dispatch
 
 GiB = 1 << 30
 SECTIONS = ("link", "resident", "capped", "seqlen")
@@ -309,7 +309,7 @@ def rpcompile_row(spec: Any, devices: list[str], label: str, steps: int, *, sect
     t0 = time.perf_counter()
     with _pass_times(passes):
         # allow_save=True: these rows step no optimizer, so the plan need not leave host memory for AdamW's state
-        # (rpcompile.host_memory); the AdamW rows below check the host themselves
+        # (rpcompile.training.host_memory); the AdamW rows below check the host themselves
         pipe = rpcompile.compile(spec.model, (x,), loss_fn=spec.loss_fn, devices=devices, precision="bf16",
                                  microbatches=microbatches, memory_limit=memory_limit, spec=cost_spec,
                                  example_target=y, allow_save=True)

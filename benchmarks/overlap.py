@@ -53,9 +53,9 @@ from rpcompile.models import load_model
 from rpcompile.passes.lower import _tokens
 from rpcompile.passes.partition import solve
 from rpcompile.passes.timing import iteration_time, stage_costs
-from rpcompile.planning import make_hardware, partition_problem, prepare
-from rpcompile.report import fmt_time
-from rpcompile.scenarios import from_segment_plan, overlapped
+from rpcompile.planner.planning import make_hardware, partition_problem, prepare
+from rpcompile.tools.scenarios import from_segment_plan, overlapped
+from rpcompile.views.report import fmt_time
 
 SPEC, PRECISION, SEQ_LEN = "rtx4090", "bf16", 4096
 MODELS = ("llama-8b", "llama-32b")

@@ -51,7 +51,7 @@ from rpcompile.core.schedule import OVERLAP_ITERATIONS
 from rpcompile.models import Llama, LlamaConfig
 from rpcompile.runtime.executor import Executor
 from rpcompile.runtime.simulator import simulate
-from rpcompile.scenarios import from_plan
+from rpcompile.tools.scenarios import from_plan
 
 from floor import FloorDevice  # benchmarks/
 

@@ -47,9 +47,9 @@ from rpcompile.core.files import write_atomic
 from rpcompile.passes.lower import _tokens
 from rpcompile.models import load_model
 from rpcompile.passes.partition import solve
-from rpcompile.planning import make_hardware, partition_problem, prepare
-from rpcompile.report import fmt_bytes, fmt_time
-from rpcompile.scenarios import (SCHEDULES, from_segment_plan, layer_profile_scenarios, load_layer_profile,
+from rpcompile.planner.planning import make_hardware, partition_problem, prepare
+from rpcompile.views.report import fmt_bytes, fmt_time
+from rpcompile.tools.scenarios import (SCHEDULES, from_segment_plan, layer_profile_scenarios, load_layer_profile,
                                          static_scenarios)
 
 SPEC, PRECISION, SEQ_LEN = "rtx4090", "bf16", 4096

@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rpcompile.core.files import write_atomic
-from rpcompile.seqlen import max_sequence_length
+from rpcompile.planner.seqlen import max_sequence_length
 
 ROUNDPIPE = {"llama-1.7b": ("Qwen3-1.7B", 73_000), "llama-8b": ("Llama-3.1-8B", 49_000),
              "llama-32b": ("Qwen3-32B", 28_000)}

@@ -2,7 +2,7 @@
 
 A LLaMA-shaped decoder is compiled with costs *measured on this machine* (``MeasuredCostModel``, calibrated to a
 whole-graph step, at the intra-op thread count each logical device gets) and trained on 1 and 2 logical CPU
-devices; the executor records every action's start and end, and :func:`rpcompile.simulator_validation.validate` compares
+devices; the executor records every action's start and end, and :func:`rpcompile.tools.simulator_validation.validate` compares
 them with the plan's stage times and with the simulator walking the same action lists. Where CUDA is present the
 same runs on ``cuda:0`` (record those figures in RESULTS.md with the device and date).
 
@@ -26,7 +26,7 @@ from rich.table import Table
 from rpcompile.core.files import write_atomic
 from rpcompile.models import Llama, LlamaConfig
 from rpcompile.models.registry import lm_loss
-from rpcompile.simulator_validation import compile_for_validation, validate
+from rpcompile.tools.simulator_validation import compile_for_validation, validate
 
 RESULTS = Path(__file__).parent / "results" / "simulator.json"
 

@@ -1,6 +1,6 @@
 """Work that runs in a forked child process while the caller goes on: the LM-head splits' solves.
 
-A plan tries the whole LM head and a split one (:func:`rpcompile.plan_options.head_chunk_candidates`); each split's
+A plan tries the whole LM head and a split one (:func:`rpcompile.planner.plan_options.head_chunk_candidates`); each split's
 solve is single-threaded (CP-SAT with one worker, numpy) and independent of the others. :func:`later` starts one in
 a child process — forked, so the child inherits the problem and nothing is pickled on the way in — while the caller
 prepares and solves the next split on another core; :meth:`Later.result` collects it. Only the result crosses

@@ -2,7 +2,7 @@
 
 The graph digest hashes every node's op, name, target and arguments (torch.export's ``_guards_fn`` check left
 out); the parameter digest hashes names, shapes, dtypes and ``requires_grad``. A plan is never run on a graph whose
-fingerprint differs (:mod:`rpcompile.model_match`, :mod:`rpcompile.invariants`).
+fingerprint differs (:mod:`rpcompile.planner.model_match`, :mod:`rpcompile.planner.invariants`).
 """
 
 from __future__ import annotations

@@ -258,7 +258,7 @@ def chunk_loss_head(gm: fx.GraphModule, chunks: int) -> HeadSplit:
     graph.lint()
     gm.recompile()
     gm.meta[HEAD_CHUNKS_META] = chunks  # plans made from this graph record it, so it can be rebuilt
-    if classes is not None:  # the target's labels are checked against it on the host (rpcompile.pipeline)
+    if classes is not None:  # the target's labels are checked against it on the host (rpcompile.training.pipeline)
         gm.meta[HEAD_CLASSES_META] = classes
     return HeadSplit(chunks)
 

@@ -132,7 +132,7 @@ def plan_from_ranges(
 def to_plan(gm: fx.GraphModule, problem: Any, result: Any, *, hardware: Hardware, precision: str,
             facts: dict | None = None) -> Plan:
     """Map a solver's SegmentPlan back to node names. ``facts``: a dict the caller keeps across several plans of
-    the same graph, problem, hardware and precision (:func:`rpcompile.planning.compare`'s): what they share —
+    the same graph, problem, hardware and precision (:func:`rpcompile.planner.planning.compare`'s): what they share —
     the fingerprint, the record of what they were solved from, each node's parameters and module — is worked
     out once."""
     facts = {} if facts is None else facts

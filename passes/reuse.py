@@ -1,6 +1,6 @@
 """What one meta run of a graph leaves for the next run of a graph with mostly the same nodes.
 
-The LM-head splits of one plan (:class:`rpcompile.shared_trace.TraceOnce`) run the shape and cost passes on
+The LM-head splits of one plan (:class:`rpcompile.planner.shared_trace.TraceOnce`) run the shape and cost passes on
 graphs that differ only in the head: each split's graph is a copy of one trace (the same node names, modules and
 weights) that the ``loss_head`` pass rewrote near its output. Both passes run the graph node by node on ``meta``,
 and the body's nodes compute exactly what they computed for the previous split. A :class:`RunMemo` keeps, per

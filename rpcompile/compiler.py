@@ -2,29 +2,29 @@
 
     pipe = rpcompile.compile(model, example_inputs, loss_fn=loss_fn, devices=["cpu", "cpu"])
 
-:func:`compile` is :func:`rpcompile.planning.compile_plan`'s plan plus a :class:`~rpcompile.pipeline.Pipeline` that
-runs it (the pipeline's contracts: :mod:`rpcompile.pipeline`). It checks, in this order, each refused in one line
+:func:`compile` is :func:`rpcompile.planner.planning.compile_plan`'s plan plus a :class:`~rpcompile.training.pipeline.Pipeline` that
+runs it (the pipeline's contracts: :mod:`rpcompile.training.pipeline`). It checks, in this order, each refused in one line
 before anything costly runs:
 
 1. the arguments themselves — model, example inputs, ``loss_fn``, ``devices`` / ``gpus``, ``microbatches``
-   (:func:`~rpcompile.signature.check_compile_arguments`) — and the ``precision`` (fp32, bf16, fp16);
-2. whether this process is one rank of data-parallel training (:func:`~rpcompile.distributed.data_parallel_group`);
+   (:func:`~rpcompile.training.signature.check_compile_arguments`) — and the ``precision`` (fp32, bf16, fp16);
+2. whether this process is one rank of data-parallel training (:func:`~rpcompile.training.distributed.data_parallel_group`);
 3. ``loss_weight``, before any planning;
 4. the devices (every visible GPU, or one logical CPU device, unless named) and the inputs, bound to the example's
-   signature (:class:`~rpcompile.signature.InputSignature`), which a model's own loss needs ``labels`` in.
+   signature (:class:`~rpcompile.training.signature.InputSignature`), which a model's own loss needs ``labels`` in.
 
 **A plan given** (a :class:`~rpcompile.core.plan.Plan` or its file) is not solved again: the graph it was made
-from is rebuilt (its LM head split, its embedding lookups on the host: :func:`~rpcompile.model_match.graph_as_planned`),
-the plan is verified against it (:func:`~rpcompile.invariants.verify_plan`) and must be for as many devices as
+from is rebuilt (its LM head split, its embedding lookups on the host: :func:`~rpcompile.planner.model_match.graph_as_planned`),
+the plan is verified against it (:func:`~rpcompile.planner.invariants.verify_plan`) and must be for as many devices as
 given. **Otherwise it is planned**: on GPUs within their usable memory unless ``memory_limit`` says otherwise
-(:func:`~rpcompile.gpu_memory.gpu_memory_limit`), costed with the intra-op threads each logical CPU device will
+(:func:`~rpcompile.training.gpu_memory.gpu_memory_limit`), costed with the intra-op threads each logical CPU device will
 have, and — unless ``allow_save`` is given — solved again without saved activations when the host could not hold
-them (:func:`~rpcompile.host_memory.fit_host_memory`). Either way the :class:`~rpcompile.pipeline.Pipeline` checks
+them (:func:`~rpcompile.training.host_memory.fit_host_memory`). Either way the :class:`~rpcompile.training.pipeline.Pipeline` checks
 the host memory it needs before it allocates.
 
 **Data-parallel** (a default ``torch.distributed`` process group of several ranks): every rank compiles the same
 plan on its own — rank 0's unless ``plan`` is given — then all compare a digest of what they run in one collective
-and join (:func:`_join`, :mod:`rpcompile.distributed`); a rank that failed or differs stops every rank.
+and join (:func:`_join`, :mod:`rpcompile.training.distributed`); a rank that failed or differs stops every rank.
 """
 
 from __future__ import annotations
@@ -42,15 +42,15 @@ from rpcompile.runtime.devices import make_devices
 
 from .core.errors import ConfigError, PlanVerificationError, RPCompileError
 from .core.plan import Plan
-from .distributed import DataParallel, DistributedError, data_parallel_group, plan_digest
-from .gpu_memory import gpu_memory_limit
-from .host_memory import fit_host_memory, within_host_memory
-from .invariants import plan_violations
-from .loss_weighting import _checked_weight
-from .model_match import graph_as_planned
-from .pipeline import _DTYPES, Pipeline
-from .planning import compile_plan, replanned
-from .signature import InputSignature, check_compile_arguments
+from .planner.invariants import plan_violations
+from .planner.model_match import graph_as_planned
+from .planner.planning import compile_plan, replanned
+from .training.distributed import DataParallel, DistributedError, data_parallel_group, plan_digest
+from .training.gpu_memory import gpu_memory_limit
+from .training.host_memory import fit_host_memory, within_host_memory
+from .training.loss_weighting import _checked_weight
+from .training.pipeline import _DTYPES, Pipeline
+from .training.signature import InputSignature, check_compile_arguments
 
 __all__ = ["compile"]
 
@@ -85,9 +85,9 @@ def compile(
     :class:`~rpcompile.core.specs.DeviceSpec` or preset name) asks for analytic ones — which also makes the plan
     independent of timing noise. On GPUs a plan may use 90% of their memory — with ``spec``, no more than the spec's
     usable memory (:func:`gpu_memory_limit`) — unless ``memory_limit`` says otherwise. ``plan_options`` go to
-    :func:`rpcompile.planning.compile_plan` (``strategy``, ``memory_limit``, ``time_limit_s``, ...): ``compile`` is
+    :func:`rpcompile.planner.planning.compile_plan` (``strategy``, ``memory_limit``, ``time_limit_s``, ...): ``compile`` is
     that plan plus a :class:`Pipeline` that runs it. Building it checks the host memory it needs first
-    (:mod:`rpcompile.host_memory`).
+    (:mod:`rpcompile.training.host_memory`).
 
     ``head_chunks=k`` (with ``example_target``, a target for ``example_inputs``) moves a mean token cross-entropy
     into the graph and splits it with the LM head into ``k`` sequence chunks (:mod:`rpcompile.passes.loss_head`):
@@ -100,9 +100,9 @@ def compile(
     ``False`` keeps every table on the devices, and node names move exactly those lookups.
 
     ``loss_weight`` says what each microbatch's mean loss averages over
-    (:func:`~rpcompile.loss_weighting.loss_weights`): by default real tokens for an integer target (entries that
+    (:func:`~rpcompile.training.loss_weighting.loss_weights`): by default real tokens for an integer target (entries that
     are not -100, so padded batches give eager's whole-batch loss and gradients), rows otherwise;
-    :func:`~rpcompile.loss_weighting.shifted_tokens` for a loss that shifts the labels itself (HF causal LMs).
+    :func:`~rpcompile.training.loss_weighting.shifted_tokens` for a loss that shifts the labels itself (HF causal LMs).
     Inputs are bound to the compile example's signature (:class:`InputSignature`); an HF model is traced with
     ``use_cache=False`` unless ``example_kwargs`` says otherwise, and ``forward_backward(**batch)`` takes an HF
     batch dict, its ``labels`` as the target.
@@ -113,7 +113,7 @@ def compile(
 
     Under ``torch.distributed`` (a default process group of several ranks, e.g. ``torchrun``) every rank runs
     this plan on its own shard of the batch and gradients are summed across the ranks
-    (:mod:`rpcompile.distributed`): rank 0 plans (unless ``plan`` is given) and every rank checks it runs the
+    (:mod:`rpcompile.training.distributed`): rank 0 plans (unless ``plan`` is given) and every rank checks it runs the
     same plan. ``data_parallel=False`` keeps this process on its own; ``True`` requires a process group.
     """
     check_compile_arguments(model, example_inputs, example_kwargs, loss_fn=loss_fn, devices=devices, gpus=gpus,
@@ -139,7 +139,7 @@ def compile(
     if loss_fn is None and "labels" in signature.params and "labels" not in kwargs:
         raise RPCompileError("loss_fn=None uses the model's own loss, which it computes from labels: compile with "
                              "them in the example (example_kwargs={'input_ids': ids, 'labels': labels}) or give loss_fn=")
-    with within_host_memory("compile"):  # the allocator's raw error as one line (rpcompile.host_memory)
+    with within_host_memory("compile"):  # the allocator's raw error as one line (rpcompile.training.host_memory)
         if plan is not None:
             source = "the plan" if isinstance(plan, Plan) else str(plan)
             if not isinstance(plan, Plan):

@@ -8,8 +8,8 @@ saved segments' activations instead of recomputing them (:mod:`.saved`, :mod:`.c
 randomness (:mod:`.rng`), names its host work for the profiler (:mod:`.activity`), steps AdamW on the host writing those copies in the same pass (:mod:`.optim`), and
 simulates the same action lists with a clock (:mod:`.simulator`, :mod:`.sim_result`). The
 schedules themselves are Core data (:mod:`rpcompile.core.schedule`); plans and stage programs come from the passes;
-the drivers that plan and then simulate live in :mod:`rpcompile.scenarios`, timeline pictures in
-:mod:`rpcompile.gantt`.
+the drivers that plan and then simulate live in :mod:`rpcompile.tools.scenarios`, timeline pictures in
+:mod:`rpcompile.views.gantt`.
 """
 
 __all__: list[str] = []

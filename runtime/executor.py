@@ -55,7 +55,7 @@ none: the sink takes back everything the call added (:meth:`~.weights.GradSink.a
 what it was before the call, and the next call starts clean. What stays alive between calls is idle: the
 devices' prefetch and offload threads (pools that outlive calls) wait for work; the call's own threads (workers,
 host, sink) have ended. A Ctrl-C may also come as :attr:`Executor.interrupted` (set from a signal handler, which
-must not raise at an arbitrary instant of the call's own bookkeeping: ``rpcompile.interrupts``); and a call that
+must not raise at an arbitrary instant of the call's own bookkeeping: ``rpcompile.training.interrupts``); and a call that
 a second Ctrl-C left before its threads had stopped is stopped and settled by :meth:`Executor.finish`, at the
 latest when the next call begins.
 """
@@ -566,7 +566,7 @@ class Running:
         self.settled = threading.Event()
         """Set when nothing of the call runs any more: every gradient added and committed, or taken back."""
         self.handed = False
-        """Its gradients belong to an optimizer step submitted since (``rpcompile.overlap``)."""
+        """Its gradients belong to an optimizer step submitted since (``rpcompile.training.overlap``)."""
         self.workers = [_Thread(self._device, (d, acts, after), f"rpcompile-dev{d}")
                         for d, acts in enumerate(schedule)]
         _Thread(self._run, (), "rpcompile-iteration").start()

@@ -21,7 +21,7 @@ the fp32 gradients land:
   ``hold`` mode, as for an overlapped step), so what is reduced is this call's contribution alone and gradient
   accumulation over several calls stays correct; the pipeline installs the reduced sums into ``.grad`` after.
 - **Failure.** :meth:`abort` launches every bucket not launched yet (with whatever it holds) so that the ranks'
-  collective sequences stay aligned and a rank that failed can tell the others (:mod:`rpcompile.distributed`).
+  collective sequences stay aligned and a rank that failed can tell the others (:mod:`rpcompile.training.distributed`).
 
 The reduction is a gloo collective over CPU tensors (the masters' gradients live on the host).
 """

@@ -37,7 +37,7 @@ seed: None in a pipeline state saved before there was one) and ``training`` (Fal
 EVAL_IDENTITY = frozenset({*DROPOUT_FUNCTIONS, "alpha_dropout", "feature_alpha_dropout"})
 
 stream = ""
-"""A process-wide salt of every seed: data-parallel ranks (:mod:`rpcompile.distributed`) set their own, so each
+"""A process-wide salt of every seed: data-parallel ranks (:mod:`rpcompile.training.distributed`) set their own, so each
 rank's batch shard draws its own masks (the same seeds everywhere would give every shard the same dropout)."""
 
 _CPU_LOCK = threading.Lock()

@@ -86,7 +86,7 @@ dispatch is in ``compute_s`` already (:func:`rpcompile.passes.formulate.launch_b
 Each chain position is a :class:`~rpcompile.core.stages.StageCost`, the type the timing model prices; the run
 returns a :class:`~.sim_result.SimResult` (the timeline and its figures). With
 transfers free this is exactly the timing model's recurrence (:func:`rpcompile.passes.timing.pipeline_time`,
-DESIGN.md §3); :mod:`rpcompile.scenarios` builds the action lists and stages for a plan, for the classic static
+DESIGN.md §3); :mod:`rpcompile.tools.scenarios` builds the action lists and stages for a plan, for the classic static
 schedules (GPipe, 1F1B, interleaved 1F1B) and for published layer profiles.
 """
 

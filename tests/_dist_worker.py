@@ -15,9 +15,9 @@ import torch.distributed as dist
 
 import rpcompile
 from rpcompile.core.specs import get_spec
-from rpcompile.distributed import shard
 from rpcompile.models import load_model
 from rpcompile.runtime import reduce
+from rpcompile.training.distributed import shard
 
 FINE_CPU = dataclasses.replace(get_spec("cpu"), name="cpu-fine-stages", stage_overhead_s=30e-6)
 SEQ = 16

@@ -15,7 +15,7 @@ import rpcompile.passes.background as background
 import rpcompile.passes.solve_cache as solve_cache
 from rpcompile.core.errors import InfeasibleError
 from rpcompile.passes.background import later, solve_apart, solving
-from rpcompile.plan_options import fastest
+from rpcompile.planner.plan_options import fastest
 
 from partition_cases import llama_like, tiny_chain
 

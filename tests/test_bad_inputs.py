@@ -2,7 +2,7 @@
 
 Each row is (id, how to call, the error it must raise, the message it must produce). The rows cover a pipeline's
 ``forward_backward`` and ``forward`` inputs (checked against the compiled signature before any stage runs,
-:mod:`rpcompile.signature`), ``rpcompile.compile``'s arguments, plan files (``Plan.load``) and the CLI commands
+:mod:`rpcompile.training.signature`), ``rpcompile.compile``'s arguments, plan files (``Plan.load``) and the CLI commands
 that read them. Every row asserts the exception type, that the message is one line, and its text. Valid batches
 that differ from the compile example only where a real batch may (batch size, a shorter sequence, int32 ids) still
 train as eager does: see the last tests.
@@ -28,7 +28,7 @@ from rpcompile.cli import main
 from rpcompile.core.errors import (ConfigError, InputError, LossFnError, ModelChangedError, PlanFileError,
                                    PlanMismatchError, RPCompileError)
 from rpcompile.core.plan import Plan
-from rpcompile.host_memory import HostMemoryError
+from rpcompile.training.host_memory import HostMemoryError
 
 from _hf import hf_model
 from _hf import token_loss as token_loss_hf
@@ -576,7 +576,7 @@ def test_a_tensor_where_a_constant_was_traced_is_named_in_one_line():
         def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
             return x if mask is None else x * mask
 
-    sig = rpcompile.pipeline.InputSignature(Masked(), (X,), {"mask": None})
+    sig = rpcompile.training.pipeline.InputSignature(Masked(), (X,), {"mask": None})
     with pytest.raises(InputError, match=r"^mask=<float32 tensor \(6, 8\)> but the pipeline was compiled with "
                                          r"mask=None \(traced as a constant\); compile again with mask=<float32 "
                                          r"tensor \(6, 8\)> in example_kwargs=$"):
@@ -644,7 +644,7 @@ def test_trainable_16_bit_parameters_are_warned_about_once_and_a_frozen_16_bit_b
     frozen.b.requires_grad_(True)
     with warnings.catch_warnings():
         warnings.simplefilter("error", rpcompile.PrecisionWarning)
-        rpcompile.signature.check_compile_arguments(frozen, (X,), None, loss_fn=F.mse_loss, devices=["cpu"],
+        rpcompile.training.signature.check_compile_arguments(frozen, (X,), None, loss_fn=F.mse_loss, devices=["cpu"],
                                                     gpus=None, microbatches=None)
 
 

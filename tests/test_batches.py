@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import rpcompile
-from rpcompile.pipeline import IGNORE_INDEX, loss_weights, shifted_tokens
+from rpcompile.training.pipeline import IGNORE_INDEX, loss_weights, shifted_tokens
 
 from _hf import VOCAB, hf_model, token_loss
 from test_runtime import FINE_CPU, TOL, assert_grads_equal, assert_step_matches_eager

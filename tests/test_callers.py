@@ -1,4 +1,4 @@
-"""One caller at a time, and nobody beside an overlapped step in flight (rpcompile/callers.py, rpcompile/overlap.py;
+"""One caller at a time, and nobody beside an overlapped step in flight (rpcompile/training/callers.py, rpcompile/training/overlap.py;
 issue 36).
 
 A pipeline refuses a call from a second thread while a call from another thread runs — in one line, at once,

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-import rpcompile.planning
-import rpcompile.staleness
+import rpcompile.planner.planning
+import rpcompile.tools.staleness
 from rpcompile.cli import main
 from rpcompile.core.plan import Plan
 from rpcompile.passes.plan_inputs import moved_inputs
@@ -32,7 +32,7 @@ def solves(monkeypatch):
         calls = 0
         fail = False
     counter = Counter()
-    real_plan_graph, real_solve = rpcompile.staleness.plan_graph, rpcompile.planning.solve
+    real_plan_graph, real_solve = rpcompile.tools.staleness.plan_graph, rpcompile.planner.planning.solve
 
     def plan_graph(*a, **k):
         counter.calls += 1
@@ -43,8 +43,8 @@ def solves(monkeypatch):
         assert not counter.fail, "check called the solver although nothing moved"
         return real_solve(*a, **k)
 
-    monkeypatch.setattr(rpcompile.staleness, "plan_graph", plan_graph)
-    monkeypatch.setattr(rpcompile.planning, "solve", solve)
+    monkeypatch.setattr(rpcompile.tools.staleness, "plan_graph", plan_graph)
+    monkeypatch.setattr(rpcompile.planner.planning, "solve", solve)
     return counter
 
 

@@ -1,4 +1,4 @@
-"""Exact save and resume (rpcompile/checkpoint.py, ``Pipeline.state_dict``): a run resumed from a checkpoint —
+"""Exact save and resume (rpcompile/training/checkpoint.py, ``Pipeline.state_dict``): a run resumed from a checkpoint —
 in this process or a fresh one after a SIGKILL at a random point, a save included — ends with the weights of an
 uninterrupted run bit for bit (fp32 and bf16, dropout, overlapped steps, fp16 loss scaling); a checkpoint torn or
 corrupted anywhere is detected and the previous one used; a state that cannot continue exactly is refused in one
@@ -27,8 +27,8 @@ import pytest
 import torch
 
 import rpcompile
-from rpcompile.checkpoint import CheckpointWarning, checkpoints, verify
 from rpcompile.core.files import host_name
+from rpcompile.training.checkpoint import CheckpointWarning, checkpoints, verify
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _resume  # noqa: E402
@@ -303,7 +303,7 @@ def test_extra_comes_back_and_one_that_would_not_load_is_refused_when_saving(pla
 # ---------------------------------------------------------------------------------------------- torn files
 def test_every_truncation_and_bit_flip_is_detected(tmp_path):
     """A checkpoint cut at every byte, or with one bit flipped at every byte, fails its header, length or
-    checksum check (:func:`rpcompile.checkpoint.verify`) — before torch.load sees it."""
+    checksum check (:func:`rpcompile.training.checkpoint.verify`) — before torch.load sees it."""
     model = torch.nn.Linear(2, 2)
     pipe = rpcompile.compile(model, (torch.randn(2, 2),), loss_fn=torch.nn.MSELoss(), devices=["cpu"], spec="cpu",
                              time_limit_s=5.0)
@@ -403,7 +403,7 @@ class Run:
 @functools.cache
 def _forkserver() -> Any:
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "rpcompile.pipeline", "rpcompile.checkpoint", "_resume"])
+    context.set_forkserver_preload(["torch", "rpcompile.training.pipeline", "rpcompile.training.checkpoint", "_resume"])
     return context
 
 

@@ -16,7 +16,7 @@ from rpcompile.passes.coarsen import SEGMENT_KEY, coarsen_pass, live_bytes, segm
 from rpcompile.passes.cost import DTYPE_KEY, node_cost
 from rpcompile.passes.shape import shape_pass
 from rpcompile.passes.util import compute_nodes
-from rpcompile.planning import analyze, make_cost_model
+from rpcompile.planner.planning import analyze, make_cost_model
 
 
 class Skip(nn.Module):

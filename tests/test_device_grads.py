@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import rpcompile
-from rpcompile import planning
+from rpcompile.planner import planning
 from rpcompile.core.errors import ConfigError
 from rpcompile.passes.segment_rules import validate_segment_plan
 from rpcompile.passes.stay_search import choose_sums, without_stays

@@ -1,4 +1,4 @@
-"""The GPU a measured plan is for (:mod:`rpcompile.device_probe`): its preset by name, its link and its host's
+"""The GPU a measured plan is for (:mod:`rpcompile.planner.device_probe`): its preset by name, its link and its host's
 dispatch measured. The CUDA parts run under ``-m gpu``; the rest here on the CPU."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
-import rpcompile.plan_options as plan_options
+import rpcompile.planner.plan_options as plan_options
 from rpcompile.core.errors import ConfigError
 from rpcompile.core.specs import get_spec
-from rpcompile.device_probe import DEFAULT_PRESET, device_spec, preset_for, probe_dispatch, probe_link
+from rpcompile.planner.device_probe import DEFAULT_PRESET, device_spec, preset_for, probe_dispatch, probe_link
 
 
 @pytest.mark.parametrize("name,preset", [("NVIDIA H100 80GB HBM3", "h100-sxm"), ("NVIDIA H100 PCIe", "h100-sxm"),

@@ -1,4 +1,4 @@
-"""Data-parallel pipelines over torch.distributed (rpcompile/distributed.py, runtime/reduce.py): 2 and 3 processes
+"""Data-parallel pipelines over torch.distributed (rpcompile/training/distributed.py, runtime/reduce.py): 2 and 3 processes
 on 127.0.0.1 with gloo, each with two logical CPU devices, against one eager process on the concatenated batch.
 
 Each spawn checks several things (a spawn costs ~10-30 s on a loaded 2-core machine): the processes record what

@@ -1,4 +1,4 @@
-"""The operating envelope (rpcompile/envelope.py): a plan bound by the host link warns once, with the tokens per
+"""The operating envelope (rpcompile/planner/envelope.py): a plan bound by the host link warns once, with the tokens per
 microbatch at which it would be compute-bound; a compute-bound plan says nothing."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import rpcompile
 from rpcompile.cli import main
 from rpcompile.core.plan import Plan
 from rpcompile.core.specs import get_spec
-from rpcompile.envelope import LinkBoundWarning, link_bound, microbatch_tokens
 from rpcompile.models import load_model
+from rpcompile.planner.envelope import LinkBoundWarning, link_bound, microbatch_tokens
 
 
 def _plan(*stages: tuple[str, int, float], microbatches: int = 4) -> Plan:

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 import rpcompile
 from rpcompile.models import load_model
-from rpcompile.pipeline import shifted_tokens
 from rpcompile.runtime.executor import PipelineError
+from rpcompile.training.pipeline import shifted_tokens
 
 from _hf import hf_model
 from test_batches import _causal_loss, _padded

@@ -1,4 +1,4 @@
-"""Faults (runtime/executor.py, GradSink in runtime/weights.py, runtime/offload.py, rpcompile/oom.py): a failure
+"""Faults (runtime/executor.py, GradSink in runtime/weights.py, runtime/offload.py, rpcompile/training/oom.py): a failure
 anywhere in a call reaches the caller in bounded time as one line naming stage, device and microbatch; nothing of
 the call is left running; every ``.grad`` is what it was before the call; the next call equals eager. Ctrl-C is
 re-raised as ``KeyboardInterrupt``; an out-of-memory error offers the plan that fits. Leaf functions and leaf
@@ -21,9 +21,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import rpcompile
-from rpcompile.oom import StageOutOfMemoryError
 from rpcompile.runtime import rng
 from rpcompile.runtime.executor import PipelineError
+from rpcompile.training.oom import StageOutOfMemoryError
 from test_runtime import FINE_CPU, TOL
 
 M = 4  # microbatches
@@ -90,9 +90,9 @@ def _pipeline(devices: Any = None, memory: int = 12 * 2**30) -> tuple[Any, nn.Mo
     from rpcompile.passes.coarsen import coarsen_pass, segments_of
     from rpcompile.passes.lower import plan_from_ranges
     from rpcompile.passes.util import compute_nodes
-    from rpcompile.pipeline import Pipeline
-    from rpcompile.planning import make_hardware, prepare
+    from rpcompile.planner.planning import make_hardware, prepare
     from rpcompile.runtime.devices import make_devices
+    from rpcompile.training.pipeline import Pipeline
 
     torch.manual_seed(0)
     model = Net()

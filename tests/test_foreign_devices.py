@@ -23,8 +23,8 @@ import torch
 
 import rpcompile
 from rpcompile.models import load_model
-from rpcompile.pipeline import Pipeline
 from rpcompile.runtime.devices import host_buffer
+from rpcompile.training.pipeline import Pipeline
 
 from _devices import CopyingDevice, MetaDevice, StridedDevice
 from _hf import VOCAB, hf_model, token_loss

@@ -11,7 +11,7 @@ from rpcompile.core.specs import GPU_BACKWARD_DISPATCH_S, GPU_DISPATCH_S, GPU_ST
 from rpcompile.models import load_model
 from rpcompile.passes.coarsen import segments_of
 from rpcompile.passes.formulate import launch_bound
-from rpcompile.planning import make_hardware, partition_problem, prepare
+from rpcompile.planner.planning import make_hardware, partition_problem, prepare
 
 
 def test_a_segment_takes_the_longer_of_its_kernels_and_its_dispatch():

@@ -204,13 +204,13 @@ def test_attention_dropout_replays_its_mask_on_cuda():
 
 
 def test_pinned_weight_copies_take_what_the_host_memory_check_counts():
-    """The host-memory check (rpcompile/host_memory.py) counts each pinned weight copy as PyTorch's pinned allocator
+    """The host-memory check (rpcompile/training/host_memory.py) counts each pinned weight copy as PyTorch's pinned allocator
     hands it out, rounded up to a power of two: the allocator's own active bytes grow by exactly that while the
     pipeline is built (llama-demo's weights include sizes that are not powers of two)."""
     if ON_CPU:
         pytest.skip("pinned memory needs CUDA")
-    from rpcompile.host_memory import activation_bytes
     from rpcompile.runtime.weights import nbytes
+    from rpcompile.training.host_memory import activation_bytes
 
     key = "active_bytes.current"
     if key not in torch.cuda.host_memory_stats():

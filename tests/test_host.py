@@ -67,7 +67,7 @@ def test_a_traced_model_is_checked_as_the_plan_ran_it():
 def test_by_default_a_table_moves_when_it_has_more_rows_than_an_iteration_looks_up(microbatches, moved):
     """llama-demo: 256 rows; a microbatch of 4 sequences of 32 tokens looks up 128 rows: one microbatch gathers
     fewer rows than the table has (moved), three gather more (kept on the devices)."""
-    from rpcompile.planning import prepare
+    from rpcompile.planner.planning import prepare
 
     spec = load_model("llama-demo", batch_size=4 * microbatches)
     gm, _ = prepare(spec.model, spec.example_inputs, gpus=2, spec=FINE_CPU, microbatches=microbatches, progress=False)
@@ -96,7 +96,7 @@ def test_lookups_the_host_cannot_run_stay_on_the_devices():
 # ---- what the planner counts ---------------------------------------------------------------------------------
 
 def test_the_first_stage_receives_rows_instead_of_the_table_and_the_last_sends_their_gradient():
-    from rpcompile.planning import make_hardware, partition_problem, prepare
+    from rpcompile.planner.planning import make_hardware, partition_problem, prepare
 
     spec = load_model("llama-demo", batch_size=1)
     (x,) = spec.example_inputs
@@ -145,8 +145,8 @@ def test_host_rows_after_optimizer_steps_and_a_saved_plan(tmp_path):
     for name, p in spec.model.named_parameters():
         torch.testing.assert_close(p.detach(), ref_params[name].detach(), rtol=1e-5, atol=2e-6,
                                    msg=lambda msg: f"weight {name} after AdamW differs: {msg}")
-    from rpcompile.graphview import rollup
-    from rpcompile.report import plan_table
+    from rpcompile.views.graphview import rollup
+    from rpcompile.views.report import plan_table
 
     drawn = [rollup(pipe.plan, trace(spec.model, (x,))), rollup(pipe.plan)]  # over the model, and the plan alone
     assert [(r.boxes[0].name, r.boxes[0].stage_label) for r in drawn] == [("embed", "host")] * 2

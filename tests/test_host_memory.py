@@ -1,4 +1,4 @@
-"""Host memory (rpcompile/host_memory.py): what a pipeline will allocate, refused in one line when the machine does
+"""Host memory (rpcompile/training/host_memory.py): what a pipeline will allocate, refused in one line when the machine does
 not have it, and the plan's GPU memory when a spec names a smaller card than the one at hand."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ import pytest
 import torch
 
 import rpcompile
-import rpcompile.host_memory as hm
-import rpcompile.planning as planning
+import rpcompile.planner.planning as planning
+import rpcompile.training.host_memory as hm
 from rpcompile.core.specs import get_spec
-from rpcompile.host_memory import HostMemoryError, HostMemoryWarning, activation_bytes
 from rpcompile.passes.cost import cost_pass
 from rpcompile.passes.trace import trace
-from rpcompile.pipeline import gpu_memory_limit
 from rpcompile.runtime.weights import WeightStore, pinned_bytes
+from rpcompile.training.host_memory import HostMemoryError, HostMemoryWarning, activation_bytes
+from rpcompile.training.pipeline import gpu_memory_limit
 
 from test_weights import FINE, Tied, batch, loss_fn
 

@@ -10,8 +10,8 @@ import torch
 from _toy import TiedToy, toy_graph
 from rpcompile.core.errors import PlanVerificationError
 from rpcompile.core.plan import Plan
-from rpcompile.invariants import plan_violations, verify_plan
 from rpcompile.passes.lower import plan_from_ranges
+from rpcompile.planner.invariants import plan_violations, verify_plan
 from test_plan import make_plan
 
 

@@ -1,14 +1,22 @@
-"""Imports point one way down the layers (issue 18): Face → Passes → Core, and the Runtime imports only Core.
+"""Imports point one way down the layers (issues 18 and 37): each room imports its own modules and the rooms below it.
 
-- **Core** (``rpcompile/core/``): the plan schema, device specs, errors, schedule actions: data. Imports only Core.
-- **Runtime** (``runtime/``): runs plans; imports Core and torch, never the passes or the face.
-- **Passes** (``passes/``): model → plan → stage code; import Core (and each other), never the face.
-- **Face**: everything else in ``rpcompile/`` (compile, Pipeline, CLI, views, scenario drivers, demo): anything.
+Bottom to top (README "Architecture", the map of the rooms):
 
-Every import counts, top-level and inside functions. :data:`KNOWN` lists the arrows against the layers that main
-still has (none since issue 18): a new one fails here with its file and line, and a known one that is gone must
-leave the list, so the list only shrinks. No module imports itself through others (no file-level import loop), and
-the README's architecture table names every module, file for file.
+- **Core** (``rpcompile/core/``): the plan schema, device specs, errors, schedule actions, units: data.
+- **Models** (``rpcompile/models/``): the built-in models and the MODEL resolver.
+- **Passes** (``passes/``: model → plan → stage code) ⟂ **Runtime** (``runtime/``: runs plans, imports torch).
+- **Planner** (``rpcompile/planner/``: the pass driver, options, verify, profile, probes) ⟂ **Training**
+  (``rpcompile/training/``: ``Pipeline`` and its session).
+- **Compiler**: ``rpcompile/compiler.py`` (``compile``, the one module that joins planner and training) and the
+  package itself (``rpcompile/__init__.py``, the public surface).
+- **Views** (``rpcompile/views/``), then **Tools** (``rpcompile/tools/``), then the **CLI** (``rpcompile/cli/``,
+  ``rpcompile/__main__.py``).
+
+Rooms on one layer (⟂) never import each other. Every import counts, top-level and in functions. :data:`KNOWN`
+lists the arrows against the layers that main still has (none since issue 18): a new one fails here with its file
+and line, and a known one that is gone must leave the list, so the list only shrinks. No module imports itself
+through others (no file-level import loop), every folder holds at most :data:`CEILING` loose modules (the front
+end's root :data:`ROOT_CEILING`), and the README's architecture table names every module, file for file.
 """
 
 from __future__ import annotations
@@ -21,11 +29,20 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-ALLOWED = {"core": {"core"}, "runtime": {"runtime", "core"}, "passes": {"passes", "core"},
-           "face": {"face", "passes", "runtime", "core"}}
+
+#: The layers, bottom to top; a room imports its own layer's modules only within itself, and every lower layer.
+TIERS: tuple[tuple[str, ...], ...] = (("core",), ("models",), ("passes", "runtime"), ("planner", "training"),
+                                       ("compiler",), ("views",), ("tools",), ("cli",))
+RANK = {room: rank for rank, rooms in enumerate(TIERS) for room in rooms}
+ALLOWED = {room: {room} | {r for r in RANK if RANK[r] < RANK[room]} for room in RANK}
 
 #: (importing file, imported module) arrows against the layers that main still has (none: keep it so).
 KNOWN: set[tuple[str, str]] = set()
+
+#: Loose modules (``*.py`` but ``__init__.py``) a folder may hold; the front end's root holds fewer.
+CEILING, ROOT_CEILING = 20, 8
+#: Folders over :data:`CEILING` until issue 37's phase 2 gives them rooms: each may not grow past its count here.
+OVERFULL = {"passes": 47}
 
 
 def module_name(path: Path) -> str:
@@ -39,10 +56,10 @@ def module_name(path: Path) -> str:
 
 
 def layer(module: str) -> str:
-    for name in ("core", "runtime", "passes"):
-        if module == f"rpcompile.{name}" or module.startswith(f"rpcompile.{name}."):
-            return name
-    return "face"
+    """The room of ``module``: its folder, and for the front end's root modules the compiler's layer (the CLI's for
+    ``rpcompile.__main__``)."""
+    room = module.split(".")[1] if "." in module else "compiler"
+    return room if room in RANK else "cli" if room == "__main__" else "compiler"
 
 
 def imports(source: str, module: str, is_package: bool) -> list[tuple[int, str]]:
@@ -91,21 +108,62 @@ def test_no_new_import_against_the_layers_and_the_known_ones_shrink():
 
 
 @pytest.mark.parametrize("rel,source,bad", [
-    ("runtime/executor.py", "def f():\n    from rpcompile.planning import prepare\n", "rpcompile.planning"),
+    ("runtime/executor.py", "def f():\n    from rpcompile.planner.planning import prepare\n", "rpcompile.planner.planning"),
     ("runtime/devices.py", "from ..passes import cost\n", "rpcompile.passes"),
-    ("passes/ilp.py", "import rpcompile.pipeline\n", "rpcompile.pipeline"),
+    ("passes/ilp.py", "import rpcompile.training.pipeline\n", "rpcompile.training.pipeline"),
     ("rpcompile/core/plan.py", "from ..runtime.executor import Executor\n", "rpcompile.runtime.executor"),
     ("rpcompile/core/schedule.py", "from rpcompile.passes import ilp\n", "rpcompile.passes"),
+    ("rpcompile/core/units.py", "from ..models import load_model\n", "rpcompile.models"),
+    ("rpcompile/models/llama.py", "from rpcompile.passes.trace import trace\n", "rpcompile.passes.trace"),
+    ("rpcompile/training/pipeline.py", "from ..planner.planning import plan\n", "rpcompile.planner.planning"),
+    ("rpcompile/planner/planning.py", "from rpcompile.training.batches import x\n", "rpcompile.training.batches"),
+    ("rpcompile/training/host_memory.py", "from rpcompile.views.report import fmt_params\n",
+     "rpcompile.views.report"),
+    ("rpcompile/planner/probe.py", "from ..views.terminal import SafeTable\n", "rpcompile.views.terminal"),
+    ("rpcompile/planner/seqlen.py", "from .. import compile\n", "rpcompile.compile"),
+    ("rpcompile/training/overlap.py", "import rpcompile\n", "rpcompile"),
+    ("rpcompile/compiler.py", "from .views.report import plan_table\n", "rpcompile.views.report"),
+    ("rpcompile/views/gantt.py", "from ..tools.scenarios import Scenario\n", "rpcompile.tools.scenarios"),
+    ("rpcompile/tools/demo.py", "from rpcompile.cli import main\n", "rpcompile.cli"),
 ])
 def test_an_arrow_against_the_layers_is_caught_with_its_file_and_line(rel, source, bad):
     assert violations({rel: source}) == [(rel, source.count("\n", 0, source.index("import")) + 1, bad)]
 
 
 def test_arrows_down_the_layers_pass():
-    ok = {"rpcompile/pipeline.py": "from rpcompile.runtime.executor import Executor\nfrom .passes import cost\n",
+    ok = {"rpcompile/training/pipeline.py": "from rpcompile.runtime.executor import Executor\nfrom ..passes import cost\n"
+                                              "from .batches import CallBatch\n",
           "runtime/saved.py": "from rpcompile.core.errors import RPCompileError\nfrom .symbolic import Guards\n",
-          "passes/ilp.py": "from rpcompile.core.plan import Plan\nfrom .problem import PartitionProblem\n"}
+          "passes/ilp.py": "from rpcompile.core.plan import Plan\nfrom .problem import PartitionProblem\n",
+          "rpcompile/planner/seqlen.py": "from rpcompile.models import load_model\nfrom ..runtime.devices import x\n",
+          "rpcompile/compiler.py": "from .planner.planning import plan\nfrom .training.pipeline import Pipeline\n",
+          "rpcompile/views/report.py": "from ..planner.profiling import Profile\nfrom rpcompile.core.units import x\n",
+          "rpcompile/tools/demo.py": "import rpcompile\nfrom ..views.report import plan_table\n",
+          "rpcompile/__main__.py": "from rpcompile.cli import main\n",
+          "rpcompile/cli/plan_cmd.py": "from rpcompile.tools.lora import apply_lora\n"}
     assert violations(ok) == []
+
+
+def test_every_room_is_a_layer():
+    """A new folder in the front end takes a place in :data:`TIERS` (it would otherwise count as the root's)."""
+    rooms = {p.parent.name for p in (ROOT / "rpcompile").glob("*/__init__.py")}
+    assert rooms <= set(RANK), f"folders of rpcompile/ with no layer in TIERS: {sorted(rooms - set(RANK))}"
+
+
+def loose_modules() -> dict[str, int]:
+    """Folder (relative to the repository) → how many modules it holds directly (``__init__.py`` not counted)."""
+    folders = [p.parent for top in ("rpcompile", "passes", "runtime") for p in (ROOT / top).rglob("__init__.py")]
+    return {str(f.relative_to(ROOT)): sum(1 for m in f.glob("*.py") if m.name != "__init__.py") for f in folders}
+
+
+def test_no_folder_is_a_warehouse():
+    counts = loose_modules()
+    ceiling = {f: OVERFULL.get(f, ROOT_CEILING if f == "rpcompile" else CEILING) for f in counts}
+    over = {f: n for f, n in counts.items() if n > ceiling[f]}
+    assert not over, (f"folders over their ceiling of loose modules ({CEILING}; the front end's root {ROOT_CEILING}; "
+                      f"OVERFULL: {OVERFULL}): {over} — give the new module a room (a sub-package)")
+    fixed = {f for f in OVERFULL if counts.get(f, 0) <= CEILING}
+    assert not fixed, f"remove from OVERFULL, they are under the ceiling now: {sorted(fixed)}"
 
 
 def _architecture_files(readme: str) -> set[str]:

@@ -18,9 +18,9 @@ import torch
 import rpcompile
 from rpcompile.cli import main
 from rpcompile.core.errors import ConfigError
-from rpcompile.lora import apply_lora, lora_host_memory
 from rpcompile.models import load_model
 from rpcompile.passes.segment_rules import format_bytes
+from rpcompile.tools.lora import apply_lora, lora_host_memory
 
 from _hf import VOCAB, hf_model, token_loss
 from test_batches import _padded
@@ -250,8 +250,8 @@ def test_planning_adapters_equal_pefts_in_parameters_outputs_gradients_and_flops
     ``get_peft_model``'s — and it traces with torch.fx, where PeftModel needs torch.export."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from rpcompile.lora import LoraModel
     from rpcompile.passes.trace import TRACE_META_KEY, trace
+    from rpcompile.tools.lora import LoraModel
 
     spec = load_model("moe-demo")
     ref = apply_lora(copy.deepcopy(spec.model), rank=4, peft=True)

@@ -15,7 +15,7 @@ from rpcompile.core.errors import InfeasibleError, LossHeadError
 from rpcompile.models import load_model
 from rpcompile.passes.loss_head import attach_loss, chunk_loss_head, split_head
 from rpcompile.passes.trace import trace
-from rpcompile.planning import AUTO_HEAD_CHUNKS, fastest, head_chunk_candidates
+from rpcompile.planner.planning import AUTO_HEAD_CHUNKS, fastest, head_chunk_candidates
 
 from test_runtime import FINE_CPU, TOL, assert_grads_equal
 

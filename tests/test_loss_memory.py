@@ -18,8 +18,8 @@ from rpcompile.passes.formulate import partition_problem
 from rpcompile.passes.loss_memory import LOSS_BYTES_KEY, PeakBytes
 from rpcompile.passes.problem import SegmentPlan
 from rpcompile.passes.timing import stage_costs
-from rpcompile.plan_options import make_hardware
-from rpcompile.planning import prepare
+from rpcompile.planner.plan_options import make_hardware
+from rpcompile.planner.planning import prepare
 
 T, V = 16, 256
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import rpcompile.planning as planning
+import rpcompile.planner.planning as planning
 from _hf import hf_model, token_loss
 from rpcompile.models import load_model
 from rpcompile.passes.meta import on_meta
-from rpcompile.planning import compile_plan
+from rpcompile.planner.planning import compile_plan
 
 SHAPE, COST = "rpcompile.shape", "rpcompile.cost"
 

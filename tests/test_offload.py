@@ -150,7 +150,7 @@ def test_the_pipeline_budget_is_what_the_stages_leave_free():
 
     from test_runtime import _saving_pipeline
 
-    from rpcompile.pipeline import offload_budget
+    from rpcompile.training.pipeline import offload_budget
 
     plan = _saving_pipeline("llama-demo", 1)[2].plan
     assert len(plan.stages) == 5  # F0 F1 FB B1 B2: device 0 runs 0, 2, 4 and device 1 runs 1, 3

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import rpcompile
-from rpcompile.checkpoint import checkpoints
 from rpcompile.runtime import rng, stage_call
 from rpcompile.runtime.executor import PipelineError
+from rpcompile.training.checkpoint import checkpoints
 
 from _resume import build, train
 from test_interrupts import _child, _lines

@@ -31,6 +31,17 @@ def test_wheel_claims_only_rpcompile(wheel):
     assert {"rpcompile/passes/cost.py", "rpcompile/passes/partition.py", "rpcompile/runtime/__init__.py"} <= names
 
 
+def test_pyproject_lists_every_package():
+    """Every folder of the source tree is in pyproject's ``packages`` (a new room must be listed there; the wheel
+    above cannot tell, since setuptools builds it over a ``build/`` that keeps what earlier builds copied)."""
+    tomllib = pytest.importorskip("tomllib")
+    packages = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = [p.parent.relative_to(ROOT).parts for top in ("rpcompile", "passes", "runtime")
+               for p in (ROOT / top).rglob("__init__.py")]
+    tree = {".".join(parts if parts[0] == "rpcompile" else ("rpcompile", *parts)) for parts in folders}
+    assert tree == packages, f"missing from pyproject: {sorted(tree - packages)}; not in the tree: {sorted(packages - tree)}"
+
+
 def test_wheel_declares_console_script_and_deps(wheel):
     meta_dir = next(n.split("/")[0] for n in wheel.namelist() if n.endswith(".dist-info/METADATA"))
     entry = wheel.read(f"{meta_dir}/entry_points.txt").decode()

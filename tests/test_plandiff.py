@@ -1,4 +1,4 @@
-"""``rpcompile.plandiff``: what changed between two plans, as exact lines and as JSON.
+"""``rpcompile.tools.plandiff``: what changed between two plans, as exact lines and as JSON.
 
 Real plans come from llama-demo costed once on the analytic ``cpu`` spec and cut by deterministic means (the
 ``uniform`` strategy, or ``plan_from_ranges`` at named segments), so every expected line is known in advance;
@@ -15,12 +15,12 @@ import pytest
 
 from _toy import toy_graph
 from rpcompile.passes.lower import plan_from_ranges
-from rpcompile.model_match import model_differences
+from rpcompile.planner.model_match import model_differences
 from rpcompile.models import load_model
 from rpcompile.passes.coarsen import segments_of
-from rpcompile.plandiff import diff_plans
+from rpcompile.tools.plandiff import diff_plans
 from rpcompile.core.plan import Fingerprint, Hardware, Plan, Prediction, Stage
-from rpcompile.planning import make_hardware, plan_graph, prepare
+from rpcompile.planner.planning import make_hardware, plan_graph, prepare
 from rpcompile.core.specs import get_spec
 
 MIB = 2**20

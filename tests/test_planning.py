@@ -1,4 +1,4 @@
-"""Planning end to end (rpcompile.planning and ``rpcompile plan``): model → costed segments → solver → Plan.
+"""Planning end to end (rpcompile.planner.planning and ``rpcompile plan``): model → costed segments → solver → Plan.
 
 Costs are analytic (``spec="rtx4090"``) wherever a figure is compared, so every run sees the same numbers and the
 solver (deterministic limits) returns the same plan. Models are the tiny built-ins; each test takes well under a
@@ -16,7 +16,6 @@ from rpcompile.core.errors import BatchSplitError
 import torch
 
 import rpcompile
-from rpcompile import planning
 from rpcompile.cli import main
 from rpcompile.core.errors import InfeasibleError
 from rpcompile.models import load_model
@@ -27,11 +26,12 @@ from rpcompile.passes.timing import iteration_time, stage_costs
 from rpcompile.passes.util import compute_nodes, node_params
 from rpcompile.core.plan import Plan
 from rpcompile.core.batch import split_microbatches
-from rpcompile.planning import STRATEGIES, compare, make_hardware, partition_problem, plan, plan_graph, prepare
+from rpcompile.planner import planning
+from rpcompile.planner.planning import STRATEGIES, compare, make_hardware, partition_problem, plan, plan_graph, prepare
 from rpcompile.core.specs import get_spec
-from rpcompile.invariants import plan_violations, verify_plan
-from rpcompile.scenarios import from_plan
-from rpcompile.staleness import stays_of, sums_of
+from rpcompile.planner.invariants import plan_violations, verify_plan
+from rpcompile.tools.scenarios import from_plan
+from rpcompile.tools.staleness import stays_of, sums_of
 
 SPEC = "rtx4090"
 TIME_LIMIT = 2.0
@@ -150,7 +150,7 @@ def test_bad_strategy_and_precision(llama, llama_graph):
         plan(llama.model, llama.example_inputs, gpus=2, spec=SPEC, precision="fp8")
 
 
-# ---- rpcompile.planning.plan ------------------------------------------------------------------------------------
+# ---- rpcompile.planner.planning.plan ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("gpus", [2, 3])
 def test_plan_shape_and_verification(llama, llama_plans, gpus):
     p = llama_plans[gpus]

@@ -24,7 +24,7 @@ from rpcompile.passes.polish import PlanScorer, _neighbours, flip_saves, polish,
 from rpcompile.passes.problem import SegmentPlan
 from rpcompile.passes.tables import RangeTables
 from rpcompile.passes.timing import _total, iteration_time, overlapped_period
-from rpcompile.plan_options import MIN_SHARE_S, split_limit
+from rpcompile.planner.plan_options import MIN_SHARE_S, split_limit
 
 from partition_cases import llama_like, tiny_chain
 
@@ -195,7 +195,7 @@ def test_a_scorer_resuming_from_its_anchor_gives_a_fresh_walks_value(nodes):
 def test_check_and_plan_do_not_import_ortools_until_a_model_is_built():
     """OR-Tools (and pandas behind it) is imported by ``solve_budget`` only: ~0.2 s that ``rpcompile check`` and
     plans whose bounds close the gap first (llama-8b) never pay."""
-    code = ("import sys, rpcompile.cli.plan_cmd, rpcompile.cli.plan_file_cmds, rpcompile.staleness\n"
+    code = ("import sys, rpcompile.cli.plan_cmd, rpcompile.cli.plan_file_cmds, rpcompile.tools.staleness\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('ortools', 'pandas')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
@@ -207,7 +207,7 @@ def test_planning_a_meta_model_does_not_import_dynamo_and_costs_the_same_as_with
     code = (
         "import sys, torch\n"
         "from rpcompile.models import load_model\n"
-        "from rpcompile.planning import prepare\n"
+        "from rpcompile.planner.planning import prepare\n"
         "from rpcompile.passes.meta import _dynamo_skipped\n"
         "ms = load_model('llama-demo', device='meta')\n"
         "def costs():\n"
@@ -232,9 +232,9 @@ def test_the_head_splits_share_the_time_limit_equally():
 def test_compile_plan_solves_the_first_split_in_a_child_and_the_plan_is_the_one_solved_here(monkeypatch, tmp_path):
     """The whole head's solve runs in a forked child while the 8-chunk split is prepared and solved in the caller;
     each gets half the limit, and the plan is the one made with everything in the caller."""
-    import rpcompile.planning as planning
+    import rpcompile.planner.planning as planning
     from rpcompile.models import load_model
-    from rpcompile.plandiff import diff_plans
+    from rpcompile.tools.plandiff import diff_plans
 
     record = tmp_path / "solves"
 
@@ -267,7 +267,7 @@ def test_plans_of_one_graph_sharing_their_facts_are_those_made_alone():
     """``compare`` makes its four plans with one ``facts`` dict (fingerprint, inputs record, node parameters)."""
     from rpcompile.models import load_model
     from rpcompile.passes.lower import to_plan
-    from rpcompile.planning import compare, make_hardware, partition_problem, prepare
+    from rpcompile.planner.planning import compare, make_hardware, partition_problem, prepare
 
     ms = load_model("llama-demo")
     gm, m = prepare(ms.model, ms.example_inputs, gpus=2, spec="rtx4090", loss_fn=ms.loss_fn,

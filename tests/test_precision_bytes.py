@@ -21,7 +21,7 @@ from rpcompile.passes.precision import RUN_DTYPE_KEY, cast_floating, computing_i
 from rpcompile.passes.shape import SHAPE_KEY, shape_pass, storage_key
 from rpcompile.passes.trace import trace
 from rpcompile.passes.util import is_compute
-from rpcompile.planning import prepare
+from rpcompile.planner.planning import prepare
 
 COST_MODELS = {"analytic": dict(spec="rtx4090"), "measured": dict(device="cpu", cache=False)}
 

@@ -1,4 +1,4 @@
-"""The host probe (:mod:`rpcompile.probe`), the host on a plan's hardware, and ``rpcompile probe``."""
+"""The host probe (:mod:`rpcompile.planner.probe`), the host on a plan's hardware, and ``rpcompile probe``."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from rpcompile.core.errors import ConfigError
 from rpcompile.core.plan import Plan
 from rpcompile.core.specs import HostSpec, assumed_host
 from rpcompile.models import load_model
-from rpcompile.probe import host_table, load_host, probe_host
-from rpcompile.profiling import profile
+from rpcompile.planner.probe import load_host, probe_host
+from rpcompile.planner.profiling import profile
+from rpcompile.views.report import host_table
 from test_plan import make_plan
 
 RATES = ("memory_bandwidth", "cast_params_per_s", "accumulate_params_per_s", "optimizer_params_per_s")

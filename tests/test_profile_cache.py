@@ -27,7 +27,7 @@ from rpcompile.passes.fingerprint import fingerprint
 from rpcompile.passes.measured import MeasuredCostModel
 from rpcompile.passes.repeats import block_of, repeat_map
 from rpcompile.passes.util import compute_nodes
-from rpcompile.planning import analyze, compile_plan
+from rpcompile.planner.planning import analyze, compile_plan
 
 
 class _Block(nn.Module):
@@ -226,7 +226,7 @@ def test_a_warm_cache_casts_no_weight(monkeypatch: pytest.MonkeyPatch) -> None:
     """A bf16 plan with measured costs: the warm lookup gives the graph uninitialised storage in bf16 for the
     key's dtypes and never casts the real weights (a Llama-3-8B in CPU memory is 32 GB to read per cast, once
     per LM-head split); the costs are the cold compile's."""
-    import rpcompile.planning as planning
+    import rpcompile.planner.planning as planning
 
     model, inputs = _stack()
     plan = dict(gpus=1, device="cpu", precision="bf16", time_limit_s=1)

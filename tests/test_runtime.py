@@ -479,8 +479,8 @@ def _saving_pipeline(name, parity, k=2, m=3, devices=None, adjust=None):
     from rpcompile.passes.lower import plan_from_ranges
     from rpcompile.passes.coarsen import coarsen_pass, segments_of
     from rpcompile.passes.util import compute_nodes
-    from rpcompile.pipeline import Pipeline
-    from rpcompile.planning import make_hardware, prepare
+    from rpcompile.training.pipeline import Pipeline
+    from rpcompile.planner.planning import make_hardware, prepare
     from rpcompile.runtime.devices import make_devices
 
     spec = load_model(name, batch_size=10) if isinstance(name, str) else name

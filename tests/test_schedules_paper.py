@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from rpcompile.scenarios import layer_profile_scenarios, load_layer_profile
+from rpcompile.tools.scenarios import layer_profile_scenarios, load_layer_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "benchmarks" / "data" / "roundpipe-simulator-inputs.json"

@@ -1,4 +1,4 @@
-"""The longest sequence that fits (rpcompile/seqlen.py, ``rpcompile plan --max-seq-len``), on a tiny model with a
+"""The longest sequence that fits (rpcompile/planner/seqlen.py, ``rpcompile plan --max-seq-len``), on a tiny model with a
 small memory limit: the bisection's answer fits and one granularity more does not, the binding stage is the one
 at the limit, and the command line's output and exit codes."""
 
@@ -10,7 +10,7 @@ import rpcompile
 from rpcompile.cli import main
 from rpcompile.core.errors import InfeasibleError
 from rpcompile.models import load_model
-from rpcompile.seqlen import SeqLenResult, max_sequence_length
+from rpcompile.planner.seqlen import SeqLenResult, max_sequence_length
 
 LIMIT = 16 * 2**20  # llama-demo's activations pass this between 4K and 8K tokens per microbatch
 G = 1024

@@ -1,4 +1,4 @@
-"""One trace for every LM-head split (rpcompile/shared_trace.py): the plans are those of a fresh trace per split."""
+"""One trace for every LM-head split (rpcompile/planner/shared_trace.py): the plans are those of a fresh trace per split."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from typing import Any
 import pytest
 import torch
 
-from rpcompile import planning
 from rpcompile.cli import main
 from rpcompile.cli import plan_cmd
 from rpcompile.core.plan import Plan
@@ -17,7 +16,8 @@ from rpcompile.passes.cost import COST_KEY
 from rpcompile.passes.loss_head import split_head
 from rpcompile.passes.shape import SHAPE_KEY
 from rpcompile.passes.trace import trace
-from rpcompile.shared_trace import TraceOnce, graph_copy
+from rpcompile.planner import planning
+from rpcompile.planner.shared_trace import TraceOnce, graph_copy
 
 from _hf import hf_model, token_loss
 

@@ -14,7 +14,7 @@ from rpcompile.cli import main
 from rpcompile.passes.timing import pipeline_time
 from rpcompile.core.plan import Plan
 from rpcompile.core.stages import HostLoad
-from rpcompile.scenarios import SCHEDULES, from_plan
+from rpcompile.tools.scenarios import SCHEDULES, from_plan
 
 GOLDEN = Path(__file__).parent / "golden" / "llama-demo.json"
 PROFILE = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "roundpipe-simulator-inputs.json"

@@ -15,7 +15,7 @@ from rpcompile.core.errors import SimulationError
 from rpcompile.core.stages import HostLoad, StageCost
 from rpcompile.passes.timing import pipeline_time
 from rpcompile.runtime.simulator import simulate
-from rpcompile.scenarios import layer_profile_scenarios, load_layer_profile
+from rpcompile.tools.scenarios import layer_profile_scenarios, load_layer_profile
 
 
 def kinds(f: int, b: int) -> list[str]:

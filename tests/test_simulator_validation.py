@@ -9,7 +9,7 @@ import torch
 
 from rpcompile.models import Llama, LlamaConfig
 from rpcompile.models.registry import lm_loss
-from rpcompile.simulator_validation import compile_for_validation, validate
+from rpcompile.tools.simulator_validation import compile_for_validation, validate
 
 
 def test_measured_timeline_compares_with_the_simulator():

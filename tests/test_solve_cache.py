@@ -12,7 +12,7 @@ import pytest
 from rpcompile.cli import main
 from rpcompile.models import load_model
 from rpcompile.passes import partition, solve_cache
-from rpcompile.planning import compile_plan
+from rpcompile.planner.planning import compile_plan
 
 
 def compile_gpt(**kw):

@@ -22,7 +22,7 @@ from rpcompile.passes.segment_rules import validate_segment_plan
 from rpcompile.passes.stay_search import choose_stays, without_stays
 from rpcompile.passes.timing import iteration_time, stage_costs
 from rpcompile.runtime.simulator import simulate
-from rpcompile.scenarios import from_plan, from_segment_plan
+from rpcompile.tools.scenarios import from_plan, from_segment_plan
 
 from partition_cases import llama_like, tiny_chain
 

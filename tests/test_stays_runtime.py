@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import rpcompile
-from rpcompile import planning
 from rpcompile.passes.lower import to_plan
 from rpcompile.passes.stay_search import without_stays
 from rpcompile.passes.stays import resident_allowed, stay_candidates
+from rpcompile.planner import planning
 
 from _devices import StridedDevice
 from _hf import VOCAB, hf_model, token_loss

@@ -39,11 +39,11 @@ from rpcompile.cli import main
 from rpcompile.core.errors import RPCompileError
 from rpcompile.core.plan import Plan
 from rpcompile.core.text import printable
-from rpcompile.gantt import timeline_svg
-from rpcompile.graphview import graph_dot, graph_svg
 from rpcompile.passes.codegen import stage_source
-from rpcompile.report import plan_table
-from rpcompile.simulation import plan_scenarios, run_all
+from rpcompile.tools.simulation import plan_scenarios, run_all
+from rpcompile.views.gantt import timeline_svg
+from rpcompile.views.graphview import graph_dot, graph_svg
+from rpcompile.views.report import plan_table
 
 from _toy import TiedToy
 from test_runtime import FINE_CPU

@@ -28,7 +28,7 @@ from rpcompile.passes.timing import (bubble_fraction, equal_time_factor, host_ti
                                      pipeline_time, plan_memory, save_reads, stage_costs, transfer_edges)
 from rpcompile.runtime.simulator import simulate
 from rpcompile.models import load_model
-from rpcompile.scenarios import from_plan, from_segment_plan
+from rpcompile.tools.scenarios import from_plan, from_segment_plan
 
 from partition_cases import llama_like, tiny_chain
 
@@ -332,7 +332,7 @@ def test_one_gpu_keeps_its_hand_offs_off_the_link():
 
 def test_one_gpu_gives_the_lazy_offload_half_the_room():
     """The runtime shares what one GPU's plan leaves free between its kept hand-offs and its saves' backlog (half
-    each, rpcompile.pipeline): a forward stage whose saves exceed its half waits for the link sooner."""
+    each, rpcompile.training.pipeline): a forward stage whose saves exceed its half waits for the link sooner."""
     plan = _plan([(0, 1)], (1, 2), [(0, 1)], (True, False))
     base = max(c.memory_bytes for c in stage_costs(_offload_problem(10**6), plan, lazy_offload=False)[::2])
     roomy = _offload_problem(base + 400)

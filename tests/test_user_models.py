@@ -308,8 +308,8 @@ def test_a_tuple_handed_between_saved_segments_is_recomputed_like_eager():
     from rpcompile.passes.lower import plan_from_ranges
     from rpcompile.passes.coarsen import SEGMENT_KEY
     from rpcompile.passes.util import compute_nodes
-    from rpcompile.pipeline import Pipeline
-    from rpcompile.planning import make_hardware, prepare
+    from rpcompile.training.pipeline import Pipeline
+    from rpcompile.planner.planning import make_hardware, prepare
     from rpcompile.runtime.devices import make_devices
 
     torch.manual_seed(0)

@@ -11,19 +11,19 @@ import pytest
 
 import rpcompile
 from rpcompile.core.errors import ConfigError
-from rpcompile.graphview import graph_dot, graph_svg, rollup, write_graph
+from rpcompile.views.graphview import graph_dot, graph_svg, rollup, write_graph
 from rpcompile.passes.lower import plan_from_ranges
 from rpcompile.models import load_model
 from rpcompile.passes.util import compute_nodes
-from rpcompile.planning import make_hardware
-from rpcompile.gantt import timeline_svg, write_timeline_svg
+from rpcompile.planner.planning import make_hardware
+from rpcompile.views.gantt import timeline_svg, write_timeline_svg
 from rpcompile.runtime.simulator import SimEvent
 
 
 def TimelineBar(device, lane, kind, stage, microbatch, start, end, action=""):  # noqa: N802 - reads like a type
     """A simulator event, written in the order these tests read best."""
     return SimEvent(action, device, lane, kind, stage, microbatch, start, end)
-from rpcompile.svg import esc, stage_color
+from rpcompile.views.svg import esc, stage_color
 
 SVG = "{http://www.w3.org/2000/svg}"
 NAMES = ["F0", "F1", "FB", "B1", "B2"]

@@ -5,11 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from rpcompile.demo import run_demo
 from rpcompile.models import model_summaries
-from rpcompile.probe import host_table
-from rpcompile.profiling import profile as profile_model
-from rpcompile.report import cost_label, models_table, print_table, profile_table
+from rpcompile.planner.profiling import profile as profile_model
+from rpcompile.tools.demo import run_demo
+from rpcompile.views.report import cost_label, host_table, models_table, print_table, profile_table
 
 from .common import bars, step
 from .loading import dtype, load

@@ -19,15 +19,15 @@ from rpcompile.passes.background import solving
 from rpcompile.passes.codegen import write_stages
 from rpcompile.passes.split import split_plan
 from rpcompile.core.specs import HostSpec
-from rpcompile.envelope import link_bound, microbatch_tokens
-from rpcompile.host_memory import host_memory
-from rpcompile.lora import LORA_TARGETS, apply_lora
-from rpcompile.plan_options import model_device, split_limit
-from rpcompile.probe import load_host, probe_host
-from rpcompile.planning import (compare, default_spec, fastest, head_chunk_candidates, infeasible_error,
+from rpcompile.planner.envelope import link_bound, microbatch_tokens
+from rpcompile.training.host_memory import host_memory
+from rpcompile.tools.lora import LORA_TARGETS, apply_lora
+from rpcompile.planner.plan_options import model_device, split_limit
+from rpcompile.planner.probe import load_host, probe_host
+from rpcompile.planner.planning import (compare, default_spec, fastest, head_chunk_candidates, infeasible_error,
                                 make_hardware, partition_problem, prepare, shared_trace)
-from rpcompile.report import compare_table, plan_table, print_table
-from rpcompile.seqlen import max_sequence_length
+from rpcompile.views.report import compare_table, plan_table, print_table
+from rpcompile.planner.seqlen import max_sequence_length
 
 from .common import bars, default_microbatches, directory, step, writable
 from .loading import load_for
@@ -82,7 +82,7 @@ def plan(args: argparse.Namespace) -> int:
 
 
 def _max_seq_len(args: argparse.Namespace) -> int:
-    """``--max-seq-len``: the longest sequence a plan fits (:func:`rpcompile.seqlen.max_sequence_length`)."""
+    """``--max-seq-len``: the longest sequence a plan fits (:func:`rpcompile.planner.seqlen.max_sequence_length`)."""
     if args.seq_len is not None or args.batch_size is not None:
         raise RPCompileError("--max-seq-len searches the sequence length with one sequence per microbatch: "
                              "drop --seq-len and --batch-size")
@@ -113,7 +113,7 @@ def _max_seq_len(args: argparse.Namespace) -> int:
 
 def _with_lora(args: argparse.Namespace, ms: ModelSpec) -> ModelSpec:
     """``--lora RANK``: the model with its base frozen and adapters on the attention projections (laid out as
-    PEFT's; fx-traceable ones on rpcompile's own models: :func:`rpcompile.lora.apply_lora`)."""
+    PEFT's; fx-traceable ones on rpcompile's own models: :func:`rpcompile.tools.lora.apply_lora`)."""
     if not args.lora:
         return ms
     with step(args, f"adding rank-{args.lora} LoRA adapters"):

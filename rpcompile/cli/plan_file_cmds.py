@@ -7,11 +7,11 @@ import json
 
 from rpcompile.core.errors import PlanFileError
 from rpcompile.core.plan import Plan
-from rpcompile.graphview import write_graph
-from rpcompile.model_match import graph_as_planned
-from rpcompile.plandiff import diff_plans
-from rpcompile.report import plan_table, print_table
-from rpcompile.staleness import check_plan
+from rpcompile.planner.model_match import graph_as_planned
+from rpcompile.tools.plandiff import diff_plans
+from rpcompile.tools.staleness import check_plan
+from rpcompile.views.graphview import write_graph
+from rpcompile.views.report import plan_table, print_table
 
 from .common import bars, say, step, stepper
 from .loading import load_for

@@ -1,4 +1,4 @@
-"""``rpcompile probe``: measure this host (:mod:`rpcompile.probe`) and print or save what it found."""
+"""``rpcompile probe``: measure this host (:mod:`rpcompile.planner.probe`) and print or save what it found."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import argparse
 import json
 
 from rpcompile.core.files import write_atomic
-from rpcompile.probe import host_table, probe_host
-from rpcompile.report import print_table
+from rpcompile.planner.probe import probe_host
+from rpcompile.views.report import host_table, print_table
 
 from .common import step, writable
 

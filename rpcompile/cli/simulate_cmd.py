@@ -10,10 +10,10 @@ from typing import Any
 
 from rpcompile.core.errors import ConfigError, RPCompileError
 from rpcompile.core.plan import Plan
-from rpcompile.gantt import write_timeline_svg
-from rpcompile.report import devices_table, host_line, print_table, scaling_table, simulate_table
-from rpcompile.simulation import (model_scenarios, parse_schedules, plan_scenarios, profile_scenarios, run_all,
+from rpcompile.tools.simulation import (model_scenarios, parse_schedules, plan_scenarios, profile_scenarios, run_all,
                                   scaling, skipped)
+from rpcompile.views.gantt import write_timeline_svg
+from rpcompile.views.report import devices_table, host_line, print_table, scaling_table, simulate_table
 
 from .common import bars, default_microbatches, say, step, stepper, writable
 from .loading import load_for

@@ -7,8 +7,9 @@
 - :mod:`~rpcompile.core.specs`: device specs (memory, compute, link bandwidth);
 - :mod:`~rpcompile.core.stages`: one stage's costs, shared by the planner's timing model and the simulator;
 - :mod:`~rpcompile.core.errors`: the :class:`~rpcompile.core.errors.RPCompileError` hierarchy;
-- :mod:`~rpcompile.core.randomness`: which graph nodes draw random numbers.
+- :mod:`~rpcompile.core.randomness`: which graph nodes draw random numbers;
+- :mod:`~rpcompile.core.units`: numbers as people write them (parameter counts).
 
 Core imports nothing else of rpcompile: the passes (model → plan → stage code), the runtime (runs a plan) and
-the face (``compile``, ``Pipeline``, CLI, views) all import it (README "Architecture").
+the front end's rooms (models, planner, training, compiler, views, tools, CLI) all import it (README "Architecture").
 """

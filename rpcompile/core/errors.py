@@ -114,4 +114,4 @@ class LossHeadError(RPCompileError, ValueError):
 
 class ConcurrentCallError(RPCompileError, RuntimeError):
     """A pipeline was called from a second thread while a call from another thread was still running in it: a
-    pipeline runs one call at a time (:mod:`rpcompile.callers`)."""
+    pipeline runs one call at a time (:mod:`rpcompile.training.callers`)."""

@@ -109,7 +109,7 @@ class Hardware:
     """The host's rates (optimizer step, casts, gradient accumulation); ``None`` in plans older than schema 3,
     whose predictions leave host work out. Written only when present."""
     nodes: int = 1
-    """Machines training data-parallel, each with these devices (:mod:`rpcompile.distributed`); the prediction
+    """Machines training data-parallel, each with these devices (:mod:`rpcompile.training.distributed`); the prediction
     includes the all-reduce of every grad stage's gradients between them. Written only when > 1 (schema 4)."""
     network_bytes_per_s: float = 0.0
     """Each machine's network bandwidth per direction (bytes/s) for that all-reduce; 0 on one node."""

@@ -124,7 +124,7 @@ class HostSpec:
     The runtime keeps the fp32 masters and the optimizer on the host. Per iteration the host runs the
     **optimizer step** (``optimizer_params_per_s``), refreshes the pinned **compute-precision copies** the devices
     upload (a cast per trainable parameter, ``cast_params_per_s``) and **adds each grad stage's gradients** into
-    the masters' fp32 ``.grad`` (``accumulate_params_per_s``). Figures come from :func:`rpcompile.probe.probe_host`
+    the masters' fp32 ``.grad`` (``accumulate_params_per_s``). Figures come from :func:`rpcompile.planner.probe.probe_host`
     (``source="probe"``) or are :func:`assumed_host` (``source="assumed"``; ``note`` says from what)."""
 
     memory_bandwidth: float

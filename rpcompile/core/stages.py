@@ -4,7 +4,7 @@ A **stage** here is one chain position of a pipeline schedule: a stage of the ro
 ``FB``, ``B1``, …) or the forward or backward half of a static pipeline's stage. The timing model
 (:mod:`rpcompile.passes.timing`) returns one :class:`StageCost` per stage of a plan; the simulator
 (:mod:`rpcompile.runtime.simulator`) walks the executor's action lists over a list of them; the scenario drivers
-(:mod:`rpcompile.scenarios`) build them for static pipelines and published layer profiles too. Figures are per
+(:mod:`rpcompile.tools.scenarios`) build them for static pipelines and published layer profiles too. Figures are per
 microbatch unless said otherwise, and each field has one meaning wherever it is read.
 
 What crosses a device's host link per microbatch splits four ways: ``input_bytes`` (activations waiting for
@@ -56,7 +56,7 @@ class HostLoad:
     period of overlapped iterations (:func:`rpcompile.passes.recurrence.overlapped_ends`), which the planner
     minimises and the simulator plays over several iterations."""
     nodes: int = 1
-    """Data-parallel machines (:mod:`rpcompile.distributed`), each running this pipeline on its own shard; with
+    """Data-parallel machines (:mod:`rpcompile.training.distributed`), each running this pipeline on its own shard; with
     more than one, each grad stage's gradients are all-reduced over the network once the host has added them."""
     network_bytes_per_s: float = math.inf
     """Each machine's network bandwidth per direction (bytes/s) for that all-reduce."""
@@ -134,7 +134,7 @@ class StageCost:
 
     name: str = ""
     """``F0``, ``FB``, ``B1``…; labels only (the timing model prices stages by segment range and leaves it empty;
-    :func:`rpcompile.scenarios.from_segment_plan` names them)."""
+    :func:`rpcompile.tools.scenarios.from_segment_plan` names them)."""
     kind: StageKind = "forward"
     """``forward``, ``fused`` or ``backward``."""
     compute_s: float

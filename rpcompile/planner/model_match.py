@@ -1,0 +1,79 @@
+"""Which model a :class:`~rpcompile.core.plan.Plan` is for: the graph it ran, and whether two plans share a model.
+
+A plan's fingerprint is that of the graph it was planned from: the model traced, its LM head and loss split into
+``plan.head_chunks`` sequence chunks when the plan did so, and the embedding lookups ``plan.host`` names moved
+to the host. ``compile(plan=)``, ``rpcompile check`` and ``rpcompile show --model`` rebuild that graph from the
+model (:func:`graph_as_planned`, or ``planning.prepare`` with the plan's settings) and compare fingerprints (:mod:`rpcompile.passes.fingerprint`);
+``rpcompile diff``, which has two plans and no model, calls them the same model when their parameters match and
+their graphs match or differ only where the plans split the head or run lookups on the host differently
+(:func:`model_differences`). A plan's own rules are :mod:`rpcompile.planner.invariants`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from rpcompile.passes.fingerprint import fingerprint
+from rpcompile.passes.host import as_planned
+from rpcompile.passes.loss_head import split_head
+from rpcompile.passes.precision import TRACE_DTYPE_KEY, compute_dtype
+from rpcompile.passes.trace import TRACE_META_KEY, trace
+
+from ..core.errors import PlanMismatchError
+from ..core.plan import Plan
+
+__all__ = ["planned_graph", "graph_as_planned", "model_differences"]
+
+
+def planned_graph(plan: Plan, gm: fx.GraphModule, *, source: str = "plan") -> fx.GraphModule:
+    """``gm``, a traced model, as ``plan`` runs it — with the embedding lookups ``plan.host`` names moved to the
+    host (:func:`rpcompile.passes.host.as_planned`) — once the plan's fingerprint says it was made for it; else
+    :class:`PlanMismatchError`."""
+    try:
+        gm = as_planned(gm, plan.host)
+    except ValueError as e:
+        raise PlanMismatchError(f"{source} was made for a different model: {e}") from None
+    plan.check_model(fingerprint(gm), source=source)
+    return gm
+
+
+def graph_as_planned(plan: Plan, model: torch.nn.Module, example_inputs: Any, *, loss_fn: Any = None,
+                     example_kwargs: Any = None, source: str = "plan", precision: str | None = None,
+                     ) -> fx.GraphModule:
+    """``model`` traced into the graph ``plan`` was planned from (the module docstring: its LM head split as the
+    plan's ``head_chunks``, its ``host`` lookups on the host), once the fingerprints agree; else
+    :class:`PlanMismatchError` saying what differs. ``precision``: the one the graph will run in (default the
+    plan's); an exported graph records its casts for it, so it must be the plan's."""
+    precision = precision or plan.precision
+    gm = trace(model, tuple(example_inputs), example_kwargs=example_kwargs, dtype=compute_dtype(precision))
+    if precision != plan.precision and gm.meta.get(TRACE_DTYPE_KEY, None) != compute_dtype(plan.precision) \
+            and gm.meta.get(TRACE_META_KEY) == "export":
+        raise PlanMismatchError(f"{source} was made for precision={plan.precision!r} but this run is in "
+                                f"{precision!r}, and {type(model).__name__}'s exported graph records its dtype casts "
+                                f"for one precision: compile with precision={plan.precision!r} or re-plan")
+    if plan.head_chunks > 1:
+        if loss_fn is None:
+            raise PlanMismatchError(f"{source} splits the LM head and its loss into {plan.head_chunks} chunks: give "
+                                    "the model's loss_fn to rebuild that graph (a model file's factory returns "
+                                    "(model, inputs, loss_fn, target))")
+        try:
+            split_head(gm, loss_fn, plan.head_chunks)
+        except ValueError as e:
+            raise PlanMismatchError(f"{source} was made for a different model: its LM head cannot be split as the "
+                                    f"plan's ({e})") from None
+    return planned_graph(plan, gm, source=source)
+
+
+def model_differences(a: Plan, b: Plan) -> list[str]:
+    """Why plans ``a`` and ``b`` are not for the same model (the module docstring); empty when they are. Graphs
+    that differ only where the plans split the LM head or host lookups differently are the same model."""
+    if a.model == b.model:
+        return []
+    params = a.model.params_digest == b.model.params_digest
+    planned_apart = a.head_chunks != b.head_chunks or tuple(a.host) != tuple(b.host)
+    if params and planned_apart:
+        return []
+    return a.model.differences(b.model) or ["fingerprints differ"]

@@ -1,0 +1,149 @@
+"""What a plan is made for and how the driver chooses (:mod:`rpcompile.planner.planning`): the hardware, the cost model,
+the strategies, the LM-head splits to try and which of their plans wins, and the refusal when nothing fits."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from rpcompile.passes.analytic import AnalyticCostModel
+from rpcompile.passes.measured import MeasuredCostModel
+from rpcompile.passes.problem import PartitionProblem
+from rpcompile.passes.segment_rules import format_bytes
+from rpcompile.passes.tables import min_feasible_memory
+
+from ..core.errors import ConfigError, InfeasibleError, RPCompileError
+from ..core.plan import Hardware
+from ..core.specs import DeviceSpec, HostSpec, assumed_host, get_spec
+from .device_probe import device_spec
+
+__all__ = ["STRATEGIES", "AUTO_HEAD_CHUNKS", "make_cost_model", "make_hardware", "default_spec",
+           "head_chunk_candidates", "fastest", "split_limit", "infeasible_error", "model_device"]
+
+STRATEGIES = ("ilp", "dp", "roundpipe", "uniform")
+#: Sequence chunks ``head_chunks="auto"`` tries for the LM head (besides not splitting it): on the benchmark
+#: models, 8 chunks beat 4 and 16 (benchmarks/RESULTS.md, schedules).
+AUTO_HEAD_CHUNKS = 8
+
+
+def make_cost_model(*, spec: "str | DeviceSpec | None" = None, device: "str | torch.device | None" = None,
+                    dtype: torch.dtype | None = None, model_device: str = "cpu", cache: bool = True) -> Any:
+    """Pick a cost model: analytic for ``spec``, measured on ``device``; by default analytic ``rtx4090`` for a
+    model on the meta device (it cannot run) and measured on the CPU otherwise. ``cache``: measured times are
+    kept on disk and reused (:mod:`rpcompile.passes.profile_cache`)."""
+    if spec is not None and device is not None:
+        raise ConfigError("give either spec= (analytic costs) or device= (measured costs), not both")
+    if spec is None and device is None and model_device == "meta":
+        spec = "rtx4090"
+    if spec is not None:
+        return AnalyticCostModel(spec, dtype=dtype)
+    return MeasuredCostModel(device or "cpu", dtype=dtype, cache=cache)
+
+
+def make_hardware(gpus: int, spec: "str | DeviceSpec", memory_limit: int | None = None, *,
+                  host: HostSpec | None = None, nodes: int = 1, network_bytes_per_s: float = 0.0) -> Hardware:
+    """``gpus`` devices of ``spec`` with ``memory_limit`` usable bytes each (default: the spec's usable memory),
+    in ``host`` (default: the host :func:`~rpcompile.core.specs.assumed_host` assumes for the spec; measure one
+    with :func:`rpcompile.planner.probe.probe_host`); ``nodes`` such machines training data-parallel over a network of
+    ``network_bytes_per_s`` each (:mod:`rpcompile.training.distributed`)."""
+    spec = get_spec(spec)
+    if gpus < 1:
+        raise ConfigError(f"gpus must be >= 1, got {gpus}")
+    memory = int(memory_limit) if memory_limit is not None else spec.usable_memory_bytes
+    return Hardware(device_count=gpus, spec=spec, memory_bytes=memory, link_bytes_per_s=spec.host_link_bandwidth,
+                    host=host if host is not None else assumed_host(spec), nodes=nodes,
+                    network_bytes_per_s=network_bytes_per_s if nodes > 1 else 0.0)
+
+
+def default_spec(spec: "str | DeviceSpec | None", device: "str | torch.device | None",
+                 model_device: str) -> "str | DeviceSpec":
+    """The hardware a plan is for: ``spec`` when given; the CPU when costs are measured there; the GPU itself when
+    they are measured on one (:func:`rpcompile.planner.device_probe.device_spec`: its family's preset with its own memory
+    and measured host link); else an RTX 4090 (also for meta-device models, which can only be costed
+    analytically)."""
+    if spec is not None:
+        return spec
+    if model_device != "meta" and (device is None or torch.device(device).type == "cpu"):
+        return "cpu"
+    if model_device != "meta" and device is not None and torch.device(device).type == "cuda":
+        return device_spec(torch.device(device))
+    return "rtx4090"
+
+
+def head_chunk_candidates(head_chunks: "int | str", loss_fn: Any, example_target: Any) -> tuple[int, ...]:
+    """The LM-head splits to plan for ``head_chunks``: an int is itself; ``"auto"`` is the whole head and
+    :data:`AUTO_HEAD_CHUNKS` sequence chunks when a loss and a ``[batch, sequence]`` target are given (the split
+    needs both), else the whole head only."""
+    if head_chunks == "auto":
+        seq = example_target.shape[1] if isinstance(example_target, torch.Tensor) and example_target.dim() >= 2 else 1
+        return (1, min(AUTO_HEAD_CHUNKS, seq)) if loss_fn is not None and seq > 1 else (1,)
+    if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1:
+        raise ConfigError(f"head_chunks must be a positive integer or 'auto', got {head_chunks!r}")
+    return (head_chunks,)
+
+
+def split_limit(total: float, count: int) -> float:
+    """Each of ``count`` LM-head splits' solves gets this share of the time limit ``total``: an equal one, known
+    before any of them runs, so the splits can be solved at once (:mod:`rpcompile.passes.background`) and each
+    one's plan never depends on how long another took."""
+    return max(total / max(count, 1), MIN_SHARE_S)
+
+
+#: The least limit a split's solve gets: its phases stop at once and it keeps the plans it was seeded with.
+MIN_SHARE_S = 0.05
+
+Made = tuple[float, Any]
+"""What an attempt at one candidate makes: (predicted iteration seconds, payload)."""
+
+
+def fastest(candidates: Sequence[int], attempt: Callable[[int], "Made | Callable[[], Made]"]) -> Any:
+    """Run ``attempt(k)`` for every candidate head split and return the payload of the fastest: ``attempt``
+    returns ``(predicted iteration seconds, payload)`` (the first wins a tie), or a function that returns it once
+    the work it started is done. Every attempt is started, in order, before any is finished, and they finish in
+    reverse order: work an attempt left in the background (:func:`rpcompile.passes.background.later`) runs while
+    the later candidates are prepared and solved, and the last one's is done in the foreground. A split the graph
+    refuses (an error for ``k > 1``) or that has no feasible plan (the whole head may not fit where its chunks
+    do) is skipped while another candidate remains."""
+    outcomes: dict[int, "Made | Exception | Callable[[], Made]"] = {}
+    for k in candidates:
+        try:
+            outcomes[k] = attempt(k)
+        except (ValueError, RPCompileError) as exc:
+            _refused(candidates, k, exc)
+            outcomes[k] = exc
+    for k in reversed(candidates):
+        pending = outcomes[k]
+        if callable(pending):
+            try:
+                outcomes[k] = pending()
+            except (ValueError, RPCompileError) as exc:
+                _refused(candidates, k, exc)
+                outcomes[k] = exc
+    made = [(o, i) for i, o in enumerate(outcomes[k] for k in candidates) if isinstance(o, tuple)]
+    if not made:
+        raise next(o for o in outcomes.values() if isinstance(o, Exception))
+    return min(made, key=lambda m: (m[0][0], m[1]))[0][1]
+
+
+def _refused(candidates: Sequence[int], k: int, exc: Exception) -> None:
+    """Raise ``exc`` unless a split may be skipped for it: another candidate remains, and ``k`` is a split or the
+    whole head is infeasible."""
+    if len(candidates) == 1 or (k == 1 and not isinstance(exc, InfeasibleError)):
+        raise exc
+
+
+def infeasible_error(problem: PartitionProblem, hardware: Hardware) -> InfeasibleError:
+    """The one-line refusal when nothing fits: the least memory per device that would, and what to change."""
+    need, seg = min_feasible_memory(problem)
+    return InfeasibleError(
+        f"no plan fits {format_bytes(hardware.memory_bytes)} per device: segment {seg} ({problem.names[seg]}) needs "
+        f"at least {format_bytes(need)} (its weights, the prefetched next stage, gradients and one microbatch's "
+        f"activations); allow at least {need} bytes per device (memory_limit= / --memory-limit), use more "
+        "microbatches (smaller ones) or a lower precision"
+    )
+
+
+def model_device(model: torch.nn.Module) -> str:
+    """The device type of the model's parameters (``meta`` for a model built without weights); ``cpu`` if none."""
+    return next((p.device.type for p in model.parameters()), "cpu")

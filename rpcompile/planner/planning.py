@@ -1,0 +1,576 @@
+"""The pass driver: model → plan, the compile pipeline listed once, in order (:data:`PASSES`).
+
+Every pass is a function of one shape, ``pass(c: Compilation) -> None``: it reads what earlier passes left in the
+:class:`Compilation` and adds its own result; :func:`run` runs a list of them and logs each one's time (logger
+``rpcompile``, level INFO; also kept in ``Compilation.times``).
+
+    trace → loss_head → shape → cost → host → coarsen → problem → partition → lower
+
+``rpcompile.profile`` runs the front (:data:`FRONT`, to ``cost``), ``prepare`` runs to ``coarsen``, ``plan`` runs
+them all, for each LM-head split ``head_chunks`` asks for, and keeps the fastest plan; ``rpcompile.compile`` is
+:func:`compile_plan` (the plan and the graph it was made from) plus a :class:`~rpcompile.training.pipeline.Pipeline`. The
+options they share (hardware, cost model, head splits, which plan wins) are :mod:`rpcompile.planner.plan_options`.
+
+Microbatches: ``example_inputs`` is one full batch; it is split along dim 0 into ``microbatches`` pieces
+(``torch.tensor_split``: sizes differ by at most one) and the graph is costed on the first (largest) piece, so every
+time and byte in the problem is per microbatch. The default is ``gpus + 1`` microbatches (DESIGN.md §3), and 1 on a
+single device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.fx as fx
+
+from rpcompile.passes.analytic import AnalyticCostModel
+from rpcompile.passes.background import solving
+from rpcompile.passes.coarsen import coarsen_pass
+from rpcompile.passes.cost import cost_from_cache, cost_pass
+from rpcompile.passes.measured import MeasuredCostModel
+from rpcompile.passes.formulate import PRECISION_BYTES, partition_problem
+from rpcompile.passes.host import host_embedding_pass
+from rpcompile.passes.loss_head import TARGET, split_head
+from rpcompile.passes.loss_memory import LOSS_BYTES_KEY, loss_memory
+from rpcompile.passes.lower import to_plan
+from rpcompile.passes.meta import on_meta, without_dynamo_import
+from rpcompile.passes.partition import solve
+from rpcompile.passes.solve_cache import solve as cached_solve
+from rpcompile.passes.problem import PartitionProblem, PartitionResult
+from rpcompile.passes.reuse import RunMemo
+from rpcompile.passes.shape import shape_pass
+from rpcompile.passes.precision import RUN_DTYPE_KEY, TRACE_DTYPE_KEY, cast_floating, compute_dtype, computing_in
+from rpcompile.passes.trace import trace, training_inputs
+
+from ..core.batch import split_microbatches
+from ..core.errors import ConfigError
+from ..core.plan import Hardware, Plan
+from ..core.specs import DeviceSpec
+from .envelope import warn_if_link_bound
+from .plan_options import (AUTO_HEAD_CHUNKS, STRATEGIES, default_spec, fastest, head_chunk_candidates,
+                           infeasible_error, make_cost_model, make_hardware, model_device, split_limit)
+from .shared_trace import TraceOnce
+
+__all__ = [
+    "Compilation",
+    "PASSES",
+    "FRONT",
+    "run",
+    "start",
+    "analyze",
+    "prepare",
+    "shared_trace",
+    "plan",
+    "compile_plan",
+    "replanned",
+    "plan_graph",
+    "partition_problem",
+    "compare",
+    "make_cost_model",
+    "make_hardware",
+    "default_spec",
+    "STRATEGIES",
+    "PRECISION_BYTES",
+    "AUTO_HEAD_CHUNKS",
+    "head_chunk_candidates",
+    "fastest",
+    "infeasible_error",
+]
+
+log = logging.getLogger("rpcompile")
+
+
+
+@dataclass
+class Compilation:
+    """One run of the pass pipeline: its inputs (the example microbatch and the options) and each pass's result."""
+
+    model: torch.nn.Module | None
+    args: tuple[Any, ...]
+    """The example's positional inputs, one microbatch of them."""
+    kwargs: dict[str, Any]
+    cost_model: Any
+    microbatches: int
+    hardware: Hardware | None = None
+    precision: str = "fp32"
+    head_chunks: int = 1
+    loss: tuple[Any, Any] | None = None
+    """``(loss_fn, target of one microbatch)`` when both are given: the loss joins the graph when ``head_chunks > 1``;
+    else it runs after the graph, and the cost pass measures its memory (:mod:`rpcompile.passes.loss_memory`)."""
+    leaf_modules: Sequence[Any] = ()
+    progress: bool | None = None
+    threads: int | None = None
+    """Intra-op threads while measuring costs (a logical CPU device's share of the cores); None: as they are."""
+    host_embedding: "bool | Sequence[str]" = True
+    max_segments: int | None = None
+    segments_per_layer: int = 2
+    strategy: str = "ilp"
+    time_limit_s: float = 10.0
+    allow_save: bool = True
+    allow_stay: bool = True
+    """Weights may stay on their devices between stages where memory allows (:mod:`..passes.stay_search`)."""
+    overlap: bool = False
+    """Plan for overlapped iterations (``pipe.step(optimizer, overlap=True)`` with the devices running on into the
+    next iteration): the objective is the steady-state period (:attr:`HostLoad.overlap_iterations`)."""
+    cache: bool = True
+    """Measured costs and solved partitions kept on disk (:mod:`..passes.profile_cache`, :mod:`..passes.solve_cache`)."""
+
+    gm: fx.GraphModule | None = None
+    """trace: the graph; later passes annotate and rewrite it."""
+    problem: PartitionProblem | None = None
+    """problem: the partition problem (plain numbers)."""
+    result: Any = None
+    """partition: the solver's result."""
+    plan: Plan | None = None
+    """lower: the plan of names."""
+    times: dict[str, float] = field(default_factory=dict)
+    """Seconds each pass took."""
+    memo: RunMemo | None = None
+    """What the shape and cost passes of an earlier compilation of the same trace left for this one (set by
+    :func:`shared_trace`'s pass: the LM-head splits' bodies are shaped and costed once, :mod:`..passes.reuse`)."""
+
+    @property
+    def graph(self) -> fx.GraphModule:
+        if self.gm is None:
+            raise RuntimeError("no graph yet: run the trace pass first")
+        return self.gm
+
+
+# ------------------------------------------------------------------------------------------------- the passes
+def _trace(c: Compilation) -> None:
+    if c.model is None:
+        raise RuntimeError("the trace pass needs a model")
+    # the inputs as traced (an HF model's use_cache=False joins them): the later passes run the graph on them
+    c.args, c.kwargs = training_inputs(c.model, c.args, c.kwargs)
+    # bf16/fp16: an exported graph is recorded in the compute dtype, so the model's own casts stay in it
+    gm = trace(c.model, c.args, example_kwargs=c.kwargs, leaf_modules=c.leaf_modules,
+               dtype=compute_dtype(c.precision))
+    if not isinstance(gm, fx.GraphModule):
+        raise TypeError(f"trace returned {type(gm).__name__}, expected a GraphModule")
+    c.gm = gm
+
+
+def _loss_head(c: Compilation) -> None:
+    """``loss`` given and ``head_chunks > 1``: the loss joins the graph (a last input ``target``) and the LM head and
+    its cross-entropy are split along the sequence (:mod:`rpcompile.passes.loss_head`). With the whole head the loss
+    stays outside the graph (the cost pass measures its memory)."""
+    if c.loss is None or c.head_chunks == 1:
+        if c.loss is None and c.head_chunks > 1:
+            raise ConfigError(f"head_chunks={c.head_chunks} splits the LM head together with its loss: pass "
+                              "loss_fn= and example_target= (a target for one batch), or use head_chunks=1")
+        return
+    loss_fn, target = c.loss
+    if c.head_chunks > 1 and not (isinstance(target, torch.Tensor) and target.dim() >= 2):
+        raise ConfigError(f"head_chunks={c.head_chunks} splits along the sequence: the target must be a "
+                          f"[batch, sequence] tensor, got {getattr(target, 'shape', type(target).__name__)}")
+    split_head(c.graph, loss_fn, c.head_chunks)
+    c.kwargs = {**c.kwargs, TARGET: target}
+
+
+def _run_dtype(c: Compilation) -> torch.dtype | None:
+    """The dtype the graph runs in: the compute dtype (as the runtime uploads the weights; an exported graph traced
+    in one runs only in it), recorded on the graph (:data:`~rpcompile.passes.precision.RUN_DTYPE_KEY`)."""
+    dtype = c.graph.meta.get(TRACE_DTYPE_KEY) or compute_dtype(c.precision)
+    c.graph.meta[RUN_DTYPE_KEY] = dtype
+    return dtype
+
+
+@contextlib.contextmanager
+def _as_traced(c: Compilation) -> Iterator[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """The example inputs, while the graph's weights are in the run dtype (:func:`_run_dtype`): every node then
+    has its run-time dtype, explicit fp32 upcasts included. Casts the real weights: for a real run only."""
+    dtype = _run_dtype(c)
+    with computing_in(c.graph, dtype):
+        yield cast_floating(c.args, dtype), cast_floating(c.kwargs, dtype)
+
+
+def _on_meta(c: Compilation, fn: Callable[[tuple, dict], Any]) -> bool:
+    """``fn`` on meta stand-ins in the run dtype (:func:`~rpcompile.passes.meta.on_meta`): the real weights are
+    neither read nor cast. False when the graph cannot run on meta."""
+    dtype = _run_dtype(c)
+    return on_meta(c.graph, cast_floating(c.args, dtype), cast_floating(c.kwargs, dtype), fn, dtype=dtype)
+
+
+def _from_cache(c: Compilation) -> bool:
+    """Measured costs from a warm profile cache (:func:`~rpcompile.passes.cost.cost_from_cache`): the weights
+    are not cast for it (uninitialised storage in the run dtype: the cache's key reads shapes and dtypes only).
+    False when the cache has no entry for this graph."""
+    dtype = _run_dtype(c)
+    with computing_in(c.graph, dtype, values=False):
+        return cost_from_cache(c.graph, cast_floating(c.args, dtype), cast_floating(c.kwargs, dtype),
+                               cost_model=c.cost_model)
+
+
+def _shape(c: Compilation) -> None:
+    """Shapes need no data: the graph runs on meta stand-ins (:func:`~rpcompile.passes.meta.on_meta`) unless a
+    data-dependent op needs the real values."""
+    if not _on_meta(c, lambda a, k: shape_pass(c.graph, a, k, memo=c.memo)):
+        with _as_traced(c) as (args, kwargs):
+            shape_pass(c.graph, args, kwargs)
+
+
+def _cost(c: Compilation) -> None:
+    """Costs; analytic ones, like shapes, from a run on meta stand-ins. Measured ones run the graph for real."""
+    threads = torch.get_num_threads()
+    if c.threads is not None:
+        torch.set_num_threads(c.threads)
+    try:
+        def cost(a: tuple, k: dict) -> None:
+            cost_pass(c.graph, a, k, cost_model=c.cost_model, progress=c.progress, memo=c.memo)
+
+        if isinstance(c.cost_model, AnalyticCostModel):
+            done = _on_meta(c, cost)
+        else:
+            done = _from_cache(c)
+        if not done:
+            with _as_traced(c) as (args, kwargs):
+                cost(args, kwargs)
+        if c.loss is not None and c.head_chunks == 1:  # the loss runs after the graph: its memory, on meta
+            c.graph.meta[LOSS_BYTES_KEY] = loss_memory(c.graph, *c.loss)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _host(c: Compilation) -> None:
+    """Token embeddings whose tables are larger than an iteration's lookups run on the host
+    (:mod:`rpcompile.passes.host`); ``host_embedding`` False: none; node names: exactly those."""
+    if c.host_embedding:
+        names = None if c.host_embedding is True else tuple(c.host_embedding)
+        host_embedding_pass(c.graph, microbatches=c.microbatches, names=names)
+
+
+def _coarsen(c: Compilation) -> None:
+    coarsen_pass(c.graph, max_segments=c.max_segments, segments_per_layer=c.segments_per_layer)
+
+
+def _problem(c: Compilation) -> None:
+    if c.hardware is None:
+        raise RuntimeError("the problem pass needs the hardware: give Compilation.hardware")
+    c.problem = partition_problem(c.graph, hardware=c.hardware, microbatches=c.microbatches,
+                                  precision=c.precision, allow_save=c.allow_save, allow_stay=c.allow_stay,
+                                  overlap_iterations=c.overlap)
+
+
+def _solve(c: Compilation) -> PartitionResult:
+    """``c``'s problem solved with its strategy, through the solve cache (what :func:`_partition` does)."""
+    if c.strategy not in STRATEGIES:
+        raise ConfigError(f"unknown strategy {c.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    assert c.problem is not None
+    return cached_solve(c.problem, c.strategy, time_limit_s=c.time_limit_s, cache=c.cache)
+
+
+def _partition(c: Compilation) -> None:
+    """Solve with ``strategy`` — unless ``c.result`` already holds that solve (:func:`compile_plan` solves a split
+    in the background); :class:`InfeasibleError` (naming the least memory that fits) if nothing fits."""
+    assert c.problem is not None and c.hardware is not None
+    if c.result is None:
+        c.result = _solve(c)
+    if not c.result.feasible:
+        raise infeasible_error(c.problem, c.hardware)
+
+
+def _lower(c: Compilation) -> None:
+    assert c.hardware is not None
+    c.plan = to_plan(c.graph, c.problem, c.result, hardware=c.hardware, precision=c.precision)
+
+
+Pass = Callable[[Compilation], None]
+
+#: The compile pipeline, in order: (name, pass).
+PASSES: tuple[tuple[str, Pass], ...] = (
+    ("trace", _trace),
+    ("loss_head", _loss_head),
+    ("shape", _shape),
+    ("cost", _cost),
+    ("host", _host),
+    ("coarsen", _coarsen),
+    ("problem", _problem),
+    ("partition", _partition),
+    ("lower", _lower),
+)
+#: The front: a costed graph (what ``rpcompile profile`` reports).
+FRONT = PASSES[:4]
+#: To a coarsened graph (what the solvers' problem is made from).
+PREPARE = PASSES[:6]
+#: Where the solve starts: ``PASSES[:SOLVE]`` make the problem, ``PASSES[SOLVE:]`` solve it and lower the plan.
+SOLVE = [name for name, _ in PASSES].index("partition")
+#: From a coarsened graph to a plan.
+BACK = PASSES[6:]
+
+
+def run(c: Compilation, passes: Sequence[tuple[str, Pass]] = PASSES) -> Compilation:
+    """Run ``passes`` on ``c`` in order, logging each one's time; returns ``c``. Meta kernels run without
+    importing TorchDynamo (:func:`~rpcompile.passes.meta.without_dynamo_import`)."""
+    with without_dynamo_import():
+        for name, fn in passes:
+            t0 = time.perf_counter()
+            fn(c)
+            c.times[name] = time.perf_counter() - t0
+            log.info("%s: %.2f s", name, c.times[name])
+    return c
+
+
+# ------------------------------------------------------------------------------------------------- drivers
+def shared_trace(count: int) -> Pass:
+    """The trace pass for ``count`` compilations of one model on one example, run in turn (the LM-head splits of
+    one plan): the model is traced once, each later compilation starts from a copy of that graph
+    (:class:`~rpcompile.planner.shared_trace.TraceOnce`)."""
+    return TraceOnce(_trace, count)
+
+
+def start(
+    model: torch.nn.Module,
+    example_inputs: Sequence[Any],
+    *,
+    gpus: int,
+    spec: "str | DeviceSpec | None" = None,
+    device: "str | torch.device | None" = None,
+    microbatches: int | None = None,
+    precision: str = "fp32",
+    example_kwargs: Mapping[str, Any] | None = None,
+    loss_fn: Any = None,
+    example_target: Any = None,
+    head_chunks: int = 1,
+    cache: bool = True,
+    **options: Any,
+) -> Compilation:
+    """A :class:`Compilation` for one microbatch of the example batch, before any pass. ``cache=False``: measure
+    costs and solve afresh, and keep nothing on disk. ``options``: the other :class:`Compilation` fields (``hardware``,
+    ``leaf_modules``, ``progress``, ``threads``, ``host_embedding``, ``max_segments``, ``segments_per_layer``,
+    ``strategy``, ``time_limit_s``, ``allow_save``, ``allow_stay``, ``overlap``)."""
+    # DESIGN.md §3: N + 1 is the fewest microbatches without a bubble between stages; one device has no
+    # pipeline to fill, and splitting the batch would only shrink its kernels.
+    m = microbatches or (gpus + 1 if gpus > 1 else 1)
+    args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
+    # the loss joins the graph only to be split with the head; after it, only its memory is costed
+    with_loss = head_chunks > 1 or (loss_fn is not None and example_target is not None)
+    if head_chunks > 1 and (loss_fn is None or example_target is None):  # before the batch split's own errors
+        raise ConfigError(f"head_chunks={head_chunks} splits the LM head together with its loss: pass loss_fn= and "
+                          "example_target= (a target for one batch), or use head_chunks=1")
+    extra = (example_target,) if with_loss else ()
+    piece = split_microbatches((*args, *kwargs.values(), *extra), m)[0]
+    dtype = None if precision == "fp32" else {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    return Compilation(
+        model=model, args=tuple(piece[: len(args)]), kwargs=dict(zip(kwargs, piece[len(args):len(args) + len(kwargs)])),
+        cost_model=make_cost_model(spec=spec, device=device, dtype=dtype, model_device=model_device(model),
+                                   cache=cache),
+        microbatches=m, precision=precision, head_chunks=head_chunks,
+        loss=(loss_fn, piece[-1]) if with_loss else None, cache=cache, **options)
+
+
+def analyze(model: torch.nn.Module, example_inputs: Sequence[Any] = (), *, cost_model: Any,
+            example_kwargs: Mapping[str, Any] | None = None, leaf_modules: Sequence[Any] = (),
+            progress: bool | None = None) -> fx.GraphModule:
+    """Trace ``model`` (exactly these inputs, not split) and cost it: the :data:`FRONT` passes."""
+    c = Compilation(model, tuple(example_inputs), dict(example_kwargs or {}), cost_model, microbatches=1,
+                    leaf_modules=leaf_modules, progress=progress)
+    return run(c, FRONT).graph
+
+
+def prepare(
+    model: torch.nn.Module,
+    example_inputs: Sequence[Any],
+    *,
+    gpus: int,
+    max_segments: int | None = None,
+    leaf_modules: Sequence[Any] = (),
+    progress: bool | None = None,
+    segments_per_layer: int = 2,
+    host_embedding: "bool | Sequence[str]" = True,
+    trace_pass: "Pass | None" = None,
+    **options: Any,
+) -> tuple[fx.GraphModule, int]:
+    """Trace, cost (on one microbatch), move token embeddings to the host and coarsen; returns the graph and the
+    microbatch count. ``options`` as :func:`start`'s (``spec``, ``device``, ``microbatches``, ``precision``,
+    ``example_kwargs``, ``loss_fn``, ``example_target``, ``head_chunks``).
+
+    ``head_chunks > 1`` (which needs ``loss_fn`` and ``example_target``) puts the loss in the graph (its last input
+    is ``target``) and splits the LM head along the sequence (:mod:`rpcompile.passes.loss_head`).
+    ``host_embedding``: ``True`` moves the token embeddings whose tables are larger than what an iteration
+    looks up to the host (:mod:`rpcompile.passes.host`), ``False`` none, node names exactly those (a plan's).
+    ``trace_pass``: the trace pass to run instead of tracing afresh, e.g. :func:`shared_trace`'s (the LM-head splits
+    of one model and example traced once)."""
+    c = start(model, example_inputs, gpus=gpus, max_segments=max_segments, leaf_modules=leaf_modules,
+              progress=progress, segments_per_layer=segments_per_layer, host_embedding=host_embedding, **options)
+    run(c, PREPARE if trace_pass is None else (("trace", trace_pass), *PREPARE[1:]))
+    return c.graph, c.microbatches
+
+
+def plan_graph(
+    gm: fx.GraphModule,
+    *,
+    hardware: Hardware,
+    microbatches: int,
+    strategy: str = "ilp",
+    precision: str = "fp32",
+    time_limit_s: float = 10.0,
+    allow_save: bool = True,
+    cache: bool = True,
+    overlap: bool = False,
+    allow_stay: bool = True,
+) -> Plan:
+    """Partition a costed, coarsened graph with one strategy (the :data:`BACK` passes); raise
+    :class:`InfeasibleError` if nothing fits. ``allow_save=False`` makes every backward stage recompute (no
+    activations kept in host memory); ``cache=False`` solves even when the solve cache holds this problem;
+    ``overlap``: plan for overlapped iterations (the steady-state period); ``allow_stay=False``: no weight stays
+    on a device between stages."""
+    if strategy not in STRATEGIES:  # before the problem is made
+        raise ConfigError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    c = Compilation(None, (), {}, None, microbatches, hardware=hardware, precision=precision,
+                    strategy=strategy, time_limit_s=time_limit_s, allow_save=allow_save, gm=gm, cache=cache,
+                    overlap=overlap, allow_stay=allow_stay)
+    plan = run(c, BACK).plan
+    assert plan is not None
+    return plan
+
+
+def compare(
+    gm: fx.GraphModule, *, hardware: Hardware, microbatches: int, precision: str = "fp32", time_limit_s: float = 10.0,
+    cache: bool = True, allow_save: bool = True, problem: PartitionProblem | None = None, overlap: bool = False,
+    allow_stay: bool = True,
+) -> dict[str, tuple[Any, Plan | None]]:
+    """Every strategy on the same problem: name -> (PartitionResult, Plan or None when infeasible). ``cache``: the
+    ILP's solve through the solve cache (:mod:`rpcompile.passes.solve_cache`); ``allow_save=False``: nothing is
+    saved to host memory (every backward stage recomputes); ``overlap``: every strategy's plan priced for
+    overlapped iterations. ``problem``: ``gm``'s, already made with these arguments."""
+    if problem is None:
+        problem = partition_problem(gm, hardware=hardware, microbatches=microbatches, precision=precision,
+                                    allow_save=allow_save, allow_stay=allow_stay, overlap_iterations=overlap)
+    out = {}
+    baselines: dict[str, Any] = {}  # the ILP's seeds: dp's, roundpipe's and uniform's own results, not solved again
+    facts: dict = {}  # what the plans of one graph share (fingerprint, inputs record, node parameters): made once
+    for name in STRATEGIES:
+        if name in baselines:
+            result = baselines[name]
+        elif name == "ilp":
+            result = cached_solve(problem, "ilp", time_limit_s=time_limit_s, cache=cache, baselines=baselines)
+        else:
+            result = solve(problem, name, time_limit_s=time_limit_s)
+        made = (to_plan(gm, problem, result, hardware=hardware, precision=precision, facts=facts)
+                if result.feasible else None)
+        out[name] = (result, made)
+    return out
+
+
+def compile_plan(
+    model: torch.nn.Module,
+    example_inputs: Sequence[Any],
+    *,
+    gpus: int,
+    spec: "str | DeviceSpec | None" = None,
+    device: "str | torch.device | None" = None,
+    memory_limit: int | None = None,
+    precision: str = "fp32",
+    loss_fn: Any = None,
+    example_target: Any = None,
+    head_chunks: "int | str" = "auto",
+    **options: Any,
+) -> Compilation:
+    """Every pass, once per LM-head split of :func:`head_chunk_candidates` (but the trace: the model is traced
+    once and each split starts from a copy of that graph, :class:`~rpcompile.planner.shared_trace.TraceOnce`); the
+    :class:`Compilation` with the fastest plan (its ``plan`` and the graph ``gm`` it was made from). ``options``:
+    :func:`start`'s; their ``time_limit_s`` (default 10) is shared by the splits' solves, equally
+    (:func:`~rpcompile.planner.plan_options.split_limit`). Every split but the last is solved in a child process while the
+    next one is traced, costed and solved (:mod:`rpcompile.passes.background`); the plans do not depend on it."""
+    if precision not in PRECISION_BYTES:
+        raise ConfigError(f"precision must be one of {sorted(PRECISION_BYTES)}, got {precision!r}")
+    hardware = make_hardware(gpus, default_spec(spec, device, model_device(model)), memory_limit)
+
+    candidates = head_chunk_candidates(head_chunks, loss_fn, example_target)
+    limit = split_limit(float(options.pop("time_limit_s", 10.0)), len(candidates))
+    passes = (("trace", shared_trace(len(candidates))), *PASSES[1:])
+    front, back = passes[:SOLVE], passes[SOLVE:]
+
+    def attempt(k: int) -> Callable[[], tuple[float, Compilation]]:
+        c = run(start(model, example_inputs, gpus=gpus, spec=spec, device=device, precision=precision,
+                      loss_fn=loss_fn, example_target=example_target, head_chunks=k, hardware=hardware,
+                      time_limit_s=limit, **options), front)
+        # every split but the last is solved in a child process while the next split is prepared and solved here
+        assert c.problem is not None
+        solved = solving(functools.partial(_solve, c), c.problem, time_limit_s=limit, strategy=c.strategy,
+                         cache=c.cache, background=k != candidates[-1])
+
+        def finish() -> tuple[float, Compilation]:
+            c.result = solved.result()
+            run(c, back)
+            assert c.plan is not None
+            return c.plan.predicted.iteration_time_s, c
+
+        return finish
+
+    made: Compilation = fastest(candidates, attempt)
+    warn_if_link_bound(made.plan, (*made.args, *made.kwargs.values()))  # the operating envelope, one line
+    return made
+
+
+def replanned(c: Compilation, **changes: Any) -> Compilation:
+    """``c`` planned again with ``changes`` to its options (``allow_save=False``, ``time_limit_s``): only the
+    :data:`BACK` passes, on ``c``'s costed, coarsened graph — nothing is traced or costed again, and the LM-head
+    split stays ``c``'s. ``c`` itself is left as it was."""
+    return run(replace(c, problem=None, result=None, plan=None, times={}, **changes), BACK)
+
+
+def plan(
+    model: torch.nn.Module,
+    example_inputs: Sequence[Any],
+    *,
+    gpus: int,
+    spec: "str | DeviceSpec | None" = None,
+    device: "str | torch.device | None" = None,
+    microbatches: int | None = None,
+    memory_limit: int | None = None,
+    strategy: str = "ilp",
+    precision: str = "fp32",
+    example_kwargs: Mapping[str, Any] | None = None,
+    time_limit_s: float = 10.0,
+    max_segments: int | None = None,
+    leaf_modules: Sequence[Any] = (),
+    progress: bool | None = None,
+    loss_fn: Any = None,
+    example_target: Any = None,
+    head_chunks: "int | str" = "auto",
+    segments_per_layer: int = 2,
+    host_embedding: "bool | Sequence[str]" = True,
+    cache: bool = True,
+    overlap: bool = False,
+    allow_stay: bool = True,
+) -> Plan:
+    """Make a round-robin plan for ``model`` on ``gpus`` devices.
+
+    Costs are analytic for ``spec`` (a :class:`DeviceSpec` or preset name) or measured on ``device``; with neither,
+    measured on the CPU (analytic ``rtx4090`` for a meta-device model). The hardware is ``gpus`` devices of
+    ``spec`` (``cpu`` when measuring on the CPU, else ``rtx4090``) with ``memory_limit`` usable bytes each.
+    ``head_chunks > 1`` (with ``loss_fn`` and ``example_target``) plans the LM head and its cross-entropy as that
+    many sequence chunks (:mod:`rpcompile.passes.loss_head`); ``"auto"`` (the default) plans the whole head and,
+    when a loss and a target are given and the head can be split, :data:`AUTO_HEAD_CHUNKS` chunks too, and keeps
+    the faster plan (the splits' solves share ``time_limit_s`` equally, and run on two cores at once where there
+    are two). ``segments_per_layer`` (default 2: attention and MLP halves) above 2 lets the planner cut and save inside those halves: plans up to ~6% faster on the
+    benchmark models, at two to three times the solve time (which may then overrun ``time_limit_s``).
+    ``host_embedding`` (default on) lets the host run token embeddings whose tables are larger than what an
+    iteration looks up (:mod:`rpcompile.passes.host`); ``False`` none, node names exactly those lookups.
+    ``cache`` (default on) reuses measured costs kept on disk for the same graph, inputs, device and torch
+    (:mod:`rpcompile.passes.profile_cache`) and solved partitions of the same problem
+    (:mod:`rpcompile.passes.solve_cache`); ``False`` measures and solves afresh and keeps nothing.
+    ``overlap`` plans for overlapped iterations — ``pipe.step(optimizer, overlap=True)`` with each device going on
+    to the next iteration's stages while the others drain (one step stale): the planner minimises the
+    steady-state period (no fill or drain per iteration; the optimizer step and the loss the next batch waits for
+    are in it), and the plan's prediction says so (``Prediction.overlap_iterations``).
+    ``allow_stay`` (default on) lets a forward stage's weights stay on its device for the backward stage there
+    that differentiates them, or every weight stay across iterations (a resident plan), wherever memory allows and
+    the plan is not slower (:mod:`rpcompile.passes.stay_search`); ``False``: every stage uploads its weights.
+    """
+    made = compile_plan(model, example_inputs, gpus=gpus, spec=spec, device=device, microbatches=microbatches,
+                        memory_limit=memory_limit, strategy=strategy, precision=precision,
+                        example_kwargs=example_kwargs, time_limit_s=time_limit_s, max_segments=max_segments,
+                        leaf_modules=leaf_modules, progress=progress, loss_fn=loss_fn, example_target=example_target,
+                        head_chunks=head_chunks, segments_per_layer=segments_per_layer, host_embedding=host_embedding,
+                        cache=cache, overlap=overlap, allow_stay=allow_stay)
+    assert made.plan is not None
+    return made.plan

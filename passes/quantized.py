@@ -112,11 +112,11 @@ def traceable(model: nn.Module) -> Iterator[list[str]]:
     """While inside: every quantized layer of ``model`` reads its scales as frozen parameters and dequantizes with
     :func:`~rpcompile.core.quant.dequantize_nf4` (module docstring); yields the layers' names. Refuses a model
     :func:`check_quantized` refuses. Afterwards the model is as it was."""
+    check_quantized(model)
     layers = quantized_layers(model)
     if not layers:
         yield []
         return
-    check_quantized(model)
     codes: list[torch.Tensor] = []
     touched = []
     try:

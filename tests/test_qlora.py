@@ -6,6 +6,7 @@ the stages dequantize it on the device; a quantized model rpcompile cannot train
 from __future__ import annotations
 
 import copy
+import json
 import math
 import re
 from pathlib import Path
@@ -228,3 +229,105 @@ def test_an_unsupported_quantization_scheme_is_refused(tmp_path, options, what):
     with pytest.raises(ConfigError, match=r"^parameter model\.layers\.0\.self_attn\.q_proj\.weight " + what
                        + SUPPORTED):
         rpcompile.compile(model, (ids,), loss_fn=token_loss, devices=["cpu", "cpu"], spec=FINE_CPU)
+
+
+# ------------------------------------------------------------------------------------------ planning (plan --quantize)
+def test_quantize_base_packs_the_frozen_layers_as_bitsandbytes_does():
+    """``quantize_base`` on rpcompile's MoE with LoRA adapters: every frozen linear layer but the output head and
+    every expert weight become packed NF4 parameters (bitsandbytes' values); the adapters and the head stay; the
+    model computes what the same model with bitsandbytes' dequantized weights computes, bit for bit, and it still
+    traces with torch.fx."""
+    from rpcompile.lora import apply_lora
+    from rpcompile.models import load_model
+    from rpcompile.passes.trace import TRACE_META_KEY, trace
+    from rpcompile.qlora import NF4Experts, NF4Linear, quantize_base
+
+    spec = load_model("moe-demo")
+    ref = apply_lora(copy.deepcopy(spec.model), rank=4)
+    model = quantize_base(apply_lora(spec.model, rank=4))
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, (NF4Linear, NF4Experts))}
+    assert len(layers) == 2 * (4 + 1 + 1)  # per layer: q/k/v/o, router, experts
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == \
+        {n for n, p in ref.named_parameters() if p.requires_grad}
+    assert all(not p.is_floating_point() for n, m in layers.items() for p in m.parameters())
+    assert model.base_model.model.lm_head.weight.dtype == torch.float32
+    refs = dict(ref.named_modules())
+    with torch.no_grad():
+        for name, m in layers.items():
+            for attr, shape in ((("weight", m.shape),) if isinstance(m, NF4Linear) else
+                                (("gate_up", m.gate_up_shape), ("down", m.down_shape))):
+                st = bnb.functional.quantize_4bit(getattr(refs[name], attr).detach(), blocksize=64, quant_type="nf4",
+                                                  compress_statistics=True)[1]
+                assert torch.equal(getattr(m, attr + "_absmax"), st.absmax), name
+                getattr(refs[name], attr).copy_(bnb.functional.dequantize_4bit(getattr(m, attr), st))
+                assert tuple(getattr(refs[name], attr).shape) == shape
+    (ids,) = spec.example_inputs
+    torch.testing.assert_close(model(ids), ref(ids), rtol=0, atol=0)
+    assert trace(model, spec.example_inputs).meta[TRACE_META_KEY] == "fx"
+
+
+def test_quantize_base_refuses_what_it_cannot_do(capsys):
+    from rpcompile.cli import main
+    from rpcompile.models import load_model
+    from rpcompile.qlora import quantize_base
+
+    model = load_model("llama-demo", device="meta").model
+    with pytest.raises(ConfigError, match=r"^quantization scheme 'int4' is not supported; supported: nf4 \(4-bit "
+                       r"NormalFloat in blocks of 64 with double-quantized scales, bitsandbytes' layout: QLoRA\)$"):
+        quantize_base(model, "int4")
+    with pytest.raises(ConfigError, match=r"^Llama has no frozen linear layer to quantize: a quantized base is "
+                       r"frozen \(plan --lora --quantize nf4: LoRA adapters on a 4-bit base\)$"):
+        quantize_base(model)
+    assert main(["plan", "llama-demo", "--gpus", "2", "--spec", "rtx4090", "--quantize", "nf4"]) == 2
+    assert "--quantize nf4 quantizes a frozen base: add --lora (QLoRA: adapters train, the 4-bit base does not)" in \
+        capsys.readouterr().err
+
+
+def test_plan_qlora_prices_the_packed_base(capsys):
+    """``rpcompile plan MODEL --lora R --quantize nf4`` (analytic, meta device): the JSON and the text report the
+    host memory with the base at its packed bytes, and every stage uploads and holds less than the bf16 LoRA
+    plan's stages do: its weight bytes are the packed base's (≤ 0.6 bytes a quantized weight beside the
+    adapters and the unquantized rest). The dequantizations are priced: each is a node with time on the GPU."""
+    from rpcompile.cli import main
+
+    outs = {}
+    for quantize in ([], ["--quantize", "nf4"]):
+        argv = ["plan", "moe-demo", "--gpus", "2", "--spec", "rtx4090", "--lora", "4", "--time-limit", "1", *quantize]
+        assert main([*argv, "--json"]) == 0
+        outs[bool(quantize)] = json.loads(capsys.readouterr().out)
+    lora, qlora_ = outs[False]["lora"], outs[True]["lora"]
+    assert qlora_["quantize"] == "nf4" and "quantize" not in lora and "quantized_params" not in lora
+    assert qlora_["frozen_params"] == lora["frozen_params"] and qlora_["trainable_params"] == lora["trainable_params"]
+    unquantized = qlora_["frozen_params"] - qlora_["quantized_params"]
+    maps = 1024 * 2 * 6  # each quantized layer's 256-value map of its nested scales: 1 KiB (q/k/v/o, router, experts)
+    packed = qlora_["frozen_bytes"] - 2 * unquantized - maps  # (on this 64-wide model the maps are a sixth of it)
+    assert packed / qlora_["quantized_params"] <= 0.6
+    weights = {k: sum(s["weight_bytes"] for s in out["stages"]) for k, out in outs.items()}
+    assert weights[True] < 0.6 * weights[False]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"QLoRA \(nf4 base\) rank 4 on q_proj, k_proj, v_proj, o_proj: host memory [\d.]+ [KMG]iB "
+                     r"\(predicted\): frozen base [\d.]+k parameters \([\d.]+k in 4-bit NF4\) × 0\.\d\d B", text), text
+
+
+def test_the_dequantization_is_priced_on_the_gpu():
+    """The analytic cost model prices each ``dequantize_nf4`` node as the memory-bound op it is: reading the
+    packed weight and writing it in the compute precision (bf16 here), at the spec's memory bandwidth."""
+    from rpcompile.core.specs import get_spec
+    from rpcompile.lora import apply_lora
+    from rpcompile.models import load_model
+    from rpcompile.passes.cost import COST_KEY
+    from rpcompile.planning import prepare
+    from rpcompile.qlora import quantize_base
+
+    spec = load_model("llama-demo", device="meta")
+    model = quantize_base(apply_lora(spec.model, rank=4))
+    gm, _ = prepare(model, spec.example_inputs, gpus=2, spec="rtx4090", precision="bf16", loss_fn=spec.loss_fn,
+                    example_target=spec.example_target, head_chunks=1)
+    nodes = [n for n in gm.graph.nodes if "dequantize_nf4" in str(n.target)]
+    assert nodes
+    gpu = get_spec("rtx4090")
+    for n in nodes:
+        cost = n.meta[COST_KEY]
+        out = math.prod(n.args[4]) * 2  # bf16
+        assert cost.fwd_time_s >= out / gpu.memory_bandwidth, n.name

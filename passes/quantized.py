@@ -54,7 +54,7 @@ SUPPORTED = ("a frozen bitsandbytes 4-bit NF4 base (BitsAndBytesConfig(load_in_4
 
 #: Per quantized weight (a ``Params4bit``): the frozen parameters made for it, kept so that every trace of a
 #: model reaches the same objects (one storage however often it is traced).
-_MADE = WeakIdKeyDictionary()
+_MADE: Any = WeakIdKeyDictionary()
 
 
 def _is_bnb(obj: Any) -> bool:
@@ -117,15 +117,16 @@ def traceable(model: nn.Module) -> Iterator[list[str]]:
     if not layers:
         yield []
         return
-    codes: list[torch.Tensor] = []
+    codes: list[nn.Parameter] = []
     touched = []
     try:
         for _, m in layers:
-            made = _scales(m.weight, codes)
+            weight: Any = m.weight  # a Params4bit: its QuantState rides on it
+            made = _scales(weight, codes)
             for attr, t in made.items():
                 m.register_parameter(attr, t)
-            m.forward = types.MethodType(_forward, m)  # type: ignore[method-assign]
-            m.__dict__["_rpcompile_nf4"] = (list(m.weight.quant_state.shape), m.weight.quant_state.blocksize)
+            m.forward = types.MethodType(_forward, m)
+            m.__dict__["_rpcompile_nf4"] = (list(weight.quant_state.shape), weight.quant_state.blocksize)
             touched.append((m, list(made)))
         yield [n for n, _ in layers]
     finally:
@@ -136,11 +137,11 @@ def traceable(model: nn.Module) -> Iterator[list[str]]:
             del m.__dict__["_rpcompile_nf4"]
 
 
-def _scales(weight: torch.Tensor, codes: list[torch.Tensor]) -> dict[str, nn.Parameter]:
+def _scales(weight: Any, codes: list[nn.Parameter]) -> dict[str, nn.Parameter]:
     """The frozen parameters holding ``weight``'s scales, made once per weight (module docstring)."""
     if weight in _MADE:
         return _MADE[weight]
-    state = weight.quant_state  # type: ignore[attr-defined]
+    state = weight.quant_state
 
     def frozen(t: torch.Tensor) -> nn.Parameter:
         return nn.Parameter(t, requires_grad=False)
@@ -163,7 +164,7 @@ def _scales(weight: torch.Tensor, codes: list[torch.Tensor]) -> dict[str, nn.Par
     return made
 
 
-def _forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     """bitsandbytes ``Linear4bit.forward`` in training (``MatMul4Bit``), written as a dequantize and a linear."""
     shape, blocksize = self.__dict__["_rpcompile_nf4"]
     dtype = x.dtype

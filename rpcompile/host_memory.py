@@ -131,6 +131,7 @@ def quantized_weights(model: nn.Module) -> int:
     """How many weights ``model`` holds quantized: a bitsandbytes 4-bit layer's (its ``QuantState`` shape) and
     rpcompile's planning ones' (:mod:`rpcompile.qlora`: their ``weights``)."""
     total = 0
+    m: Any
     for m in model.modules():
         if type(m).__name__ in ("NF4Linear", "NF4Experts"):
             total += int(m.weights)

@@ -60,7 +60,9 @@ def partition_problem(
     shared = []
     for name, segments in users.items():
         p = params[name]
-        size, grad = p.numel() * elt, p.numel() * elt if p.requires_grad else 0
+        # a weight that is not floating (a 4-bit base's packed indices and scales) goes up as it is stored
+        size = p.numel() * (elt if p.is_floating_point() else p.element_size())
+        grad = size if p.requires_grad else 0
         if len(segments) == 1:
             own_bytes[segments[0]] += size
             own_grads[segments[0]] += grad

@@ -42,6 +42,7 @@ from .export_inputs import dynamic_shapes, explicit_signature
 from .inplace import functional_inplace_pass
 from .portable import portable_bodies
 from .precision import TRACE_DTYPE_KEY, cast_floating, computing_in
+from .quantized import traceable as traceable_quantized
 from .trace_failure import Failure, ModuleTracker, failure_message
 
 __all__ = ["trace", "training_inputs", "TRACE_META_KEY", "TRACE_DTYPE_KEY"]
@@ -79,7 +80,8 @@ def trace(
         raise ConfigError(f"method={method!r}; use 'auto', 'fx' or 'export'")
     args, kwargs = training_inputs(model, example_inputs, example_kwargs)
     leaves = _check_leaves(model, tuple(leaf_modules))
-    with _buffers_kept(model):  # fx runs what it cannot trace (``self.calls += 1`` on a buffer) for real
+    # a 4-bit base is reached through its packed weights and scales (:mod:`.quantized`); refused here if it cannot
+    with _buffers_kept(model), traceable_quantized(model):  # fx runs what it cannot trace for real (a buffer's += 1)
         return _trace(model, args, kwargs, leaves, method, dtype)
 
 

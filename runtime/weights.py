@@ -64,6 +64,9 @@ from .activity import span
 
 __all__ = ["HostTraffic", "WeightStore", "GradSink", "nbytes", "pinned_bytes", "ADD_PIECE"]
 
+#: Bytes of one pinned allocation holding many packed (4-bit) frozen weights (:func:`_pin_together`).
+PIN_CHUNK = 1 << 26
+
 #: Elements per piece when a gradient in the compute precision is added into an fp32 ``.grad`` (4 MiB of fp32:
 #: cache-sized, and few enough pieces that the Python loop costs ~1% of the memory traffic).
 ADD_PIECE = 1 << 20
@@ -140,8 +143,13 @@ class WeightStore:
         for name, e in self.entries.items():
             by_id.setdefault(id(e.master), []).append(name)
         self._by_param = by_id
+        packed = [e for name, e in self.entries.items() if name not in self.host_only and _packed(e.master)]
+        if pin and packed:
+            _pin_together([e.master for e in packed])
         for name, e in self.entries.items():
             once = not e.master.requires_grad and not frozen_masters and e.master.is_floating_point()
+            if _packed(e.master):
+                continue  # uploaded as it is: pinned above for GPUs
             if name in self.host_only:
                 if once and _casts(e.master, self.dtype):
                     e.master.data = e.master.data.to(self.dtype)  # a frozen host table: its rows are cast anyway
@@ -176,6 +184,9 @@ class WeightStore:
             if id(master) in seen:
                 continue
             seen.add(id(master))
+            if _packed(master) and name not in host:
+                total += _aligned(master) if pin else 0  # packed into shared pinned chunks (_pin_together)
+                continue
             once = not master.requires_grad and not frozen_masters and master.is_floating_point()
             if name in host:
                 total += master.numel() * _copy_dtype(master, dtype).itemsize if once and _casts(master, dtype) else 0
@@ -348,6 +359,44 @@ class WeightStore:
         self.traffic.add("weight copies", nbytes(e.master) + nbytes(into))
         if stamp:
             e.made_from = _stamp(e.master)
+
+
+def _packed(master: torch.Tensor) -> bool:
+    """A frozen weight that is not floating (a 4-bit base's packed indices and scales): no precision applies to it,
+    so it is uploaded as it is, never copied — on GPUs its storage is pinned in place (:func:`_pin_together`)."""
+    return not master.requires_grad and not master.is_floating_point()
+
+
+def _pin_together(masters: list[torch.Tensor]) -> None:
+    """Move ``masters`` into pinned memory, each ``.data`` a view of a shared pinned allocation: stored once, each
+    uploaded in one DMA. The pinned allocator rounds every allocation up to a power of two — pinned one by one, a
+    packed weight could take up to twice its bytes — so the views are packed into allocations of one power-of-two
+    size (:data:`PIN_CHUNK`, or the largest weight's), largest first, each into the first that has room."""
+    unique = sorted({id(m): m for m in masters}.values(), key=lambda m: -_aligned(m))
+    chunk = max(PIN_CHUNK, pinned_bytes(_aligned(unique[0])))
+    bins: list[list[torch.Tensor]] = []
+    free: list[int] = []
+    for m in unique:
+        k = next((i for i, room in enumerate(free) if room >= _aligned(m)), len(bins))
+        if k == len(bins):
+            bins.append([])
+            free.append(chunk)
+        bins[k].append(m)
+        free[k] -= _aligned(m)
+    with torch.no_grad():
+        for group, room in zip(bins, free):
+            arena = torch.empty(chunk - room if len(bins) == 1 else chunk, dtype=torch.uint8, pin_memory=True)
+            offset = 0
+            for m in group:
+                view = arena[offset:offset + m.numel() * m.element_size()].view(m.dtype).view(m.shape)
+                view.copy_(m)
+                m.data = view
+                offset += _aligned(m)
+
+
+def _aligned(m: torch.Tensor) -> int:
+    """``m``'s bytes rounded up to 64 (every view in a pinned chunk starts aligned for any dtype and vector loads)."""
+    return -(-m.numel() * m.element_size() // 64) * 64
 
 
 def _casts(master: torch.Tensor, dtype: torch.dtype | None) -> bool:

@@ -123,6 +123,10 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lora", type=positive_int, nargs="?", const=16, default=None, metavar="RANK",
                    help="freeze the base and plan LoRA fine-tuning: PEFT adapters of rank RANK (default 16, alpha "
                         "2*RANK) on q/k/v/o_proj; also reports the host memory training needs")
+    p.add_argument("--quantize", choices=["nf4"], default=None,
+                   help="(with --lora) quantize the frozen base: nf4 = QLoRA's 4-bit NormalFloat with double-"
+                        "quantized scales (bitsandbytes' layout; the output head stays in --precision), stored, "
+                        "uploaded and priced packed and dequantized on the GPU")
     p.add_argument("-o", "--output", default=None, help="write the plan JSON here")
     p.add_argument("--emit", default=None, metavar="DIR", help="write each stage's generated Python into DIR")
     p.add_argument("--compare", action="store_true", help="(with --json) report every strategy")

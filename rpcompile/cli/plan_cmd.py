@@ -22,6 +22,7 @@ from rpcompile.core.specs import HostSpec
 from rpcompile.planner.envelope import link_bound, microbatch_tokens
 from rpcompile.training.host_memory import host_memory
 from rpcompile.tools.lora import LORA_TARGETS, apply_lora
+from rpcompile.tools.qlora import quantize_base
 from rpcompile.planner.plan_options import model_device, split_limit
 from rpcompile.planner.probe import load_host, probe_host
 from rpcompile.planner.planning import (compare, default_spec, fastest, head_chunk_candidates, infeasible_error,
@@ -60,7 +61,8 @@ def plan(args: argparse.Namespace) -> int:
         out: dict[str, Any] = ({"strategies": {k: _strategy_json(r, p) for k, (r, p) in rows.items()}}
                                if args.compare else chosen.to_dict())
         if args.lora:
-            out["lora"] = {"rank": args.lora, **host_memory(ms.model, args.precision, chosen).to_dict()}
+            quantize = {"quantize": args.quantize} if args.quantize else {}
+            out["lora"] = {"rank": args.lora, **quantize, **host_memory(ms.model, args.precision, chosen).to_dict()}
         print(json.dumps(out))
         return 0
     head = f", LM head in {chosen.head_chunks} chunks" if chosen.head_chunks > 1 else ""
@@ -114,10 +116,17 @@ def _max_seq_len(args: argparse.Namespace) -> int:
 def _with_lora(args: argparse.Namespace, ms: ModelSpec) -> ModelSpec:
     """``--lora RANK``: the model with its base frozen and adapters on the attention projections (laid out as
     PEFT's; fx-traceable ones on rpcompile's own models: :func:`rpcompile.tools.lora.apply_lora`)."""
+    if args.quantize and not args.lora:
+        raise ConfigError(f"--quantize {args.quantize} quantizes a frozen base: add --lora (QLoRA: adapters train, "
+                          "the 4-bit base does not)")
     if not args.lora:
         return ms
     with step(args, f"adding rank-{args.lora} LoRA adapters"):
-        return replace(ms, model=apply_lora(ms.model, rank=args.lora))
+        ms = replace(ms, model=apply_lora(ms.model, rank=args.lora))
+    if args.quantize:
+        with step(args, f"quantizing the frozen base to {args.quantize}"):
+            ms = replace(ms, model=quantize_base(ms.model, args.quantize))
+    return ms
 
 
 def _lora_lines(args: argparse.Namespace, ms: ModelSpec, chosen: Plan) -> list[str]:
@@ -126,7 +135,8 @@ def _lora_lines(args: argparse.Namespace, ms: ModelSpec, chosen: Plan) -> list[s
     tokens = ids.numel() if isinstance(ids, torch.Tensor) else 0
     p = chosen.predicted
     rate = f"; {tokens / p.iteration_time_s:,.0f} tokens/s ({tokens:,} tokens an iteration)" if tokens else ""
-    return [f"LoRA rank {args.lora} on {', '.join(LORA_TARGETS)}: {host_memory(ms.model, args.precision, chosen).line()}",
+    what = f"QLoRA ({args.quantize} base) rank {args.lora}" if args.quantize else f"LoRA rank {args.lora}"
+    return [f"{what} on {', '.join(LORA_TARGETS)}: {host_memory(ms.model, args.precision, chosen).line()}",
             f"GPU memory: largest stage {max(s.memory_bytes for s in chosen.stages) / 2**30:.2f} GiB of "
             f"{chosen.hardware.memory_bytes / 2**30:.2f} GiB; iteration {p.iteration_time_s:.2f} s{rate} (predicted)"]
 

@@ -34,6 +34,7 @@ allocation up to a power of two; :func:`rpcompile.runtime.weights.pinned_bytes`)
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import traceback
@@ -53,7 +54,7 @@ from rpcompile.runtime.weights import WeightStore
 
 __all__ = ["HostMemory", "HostMemoryError", "HostMemoryWarning", "host_memory", "activation_bytes",
            "activation_room", "fit_host_memory", "available_host_memory", "check_host_memory", "within_host_memory",
-           "ADAM_BYTES"]
+           "ADAM_BYTES", "quantized_weights"]
 
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 ADAM_BYTES = 8
@@ -81,16 +82,19 @@ class HostMemory:
     """Masters, gradients and AdamW state in fp32, plus the upload copy in the compute precision."""
     activation_bytes: int = 0
     """Activations an iteration holds on the host (saved for the backward, hand-offs); 0 without a plan."""
+    quantized_params: int = 0
+    """Frozen parameters stored quantized (4-bit NF4: their packed bytes and scales are in ``frozen_bytes``)."""
 
     @property
     def total_bytes(self) -> int:
         return self.frozen_bytes + self.trainable_bytes + self.activation_bytes
 
     def line(self) -> str:
-        low = self.frozen_bytes // max(self.frozen_params, 1)
+        low = self.frozen_bytes / max(self.frozen_params, 1)
         each = self.trainable_bytes // max(self.trainable_params, 1)
-        parts = [f"frozen base {fmt_params(self.frozen_params)} parameters × {low} B = "
-                 f"{format_bytes(self.frozen_bytes)}"] if self.frozen_params else []
+        nf4 = f" ({fmt_params(self.quantized_params)} in 4-bit NF4)" if self.quantized_params else ""
+        parts = [f"frozen base {fmt_params(self.frozen_params)} parameters{nf4} × {low:.{0 if low.is_integer() else 2}f}"
+                 f" B = {format_bytes(self.frozen_bytes)}"] if self.frozen_params else []
         parts.append(f"trainable {fmt_params(self.trainable_params)} × {each} B (fp32 master, gradient, AdamW "
                      f"moments, upload copy) = {format_bytes(self.trainable_bytes)}")
         if self.activation_bytes:
@@ -99,9 +103,10 @@ class HostMemory:
         return f"host memory {format_bytes(self.total_bytes)} (predicted{note}): {', '.join(parts)}"
 
     def to_dict(self) -> dict[str, int]:
+        quantized = {"quantized_params": self.quantized_params} if self.quantized_params else {}
         return {"frozen_params": self.frozen_params, "trainable_params": self.trainable_params,
                 "frozen_bytes": self.frozen_bytes, "trainable_bytes": self.trainable_bytes,
-                "activation_bytes": self.activation_bytes, "total_bytes": self.total_bytes}
+                "activation_bytes": self.activation_bytes, "total_bytes": self.total_bytes, **quantized}
 
 
 def host_memory(model: nn.Module, precision: str = "bf16", plan: Plan | None = None) -> HostMemory:
@@ -112,10 +117,27 @@ def host_memory(model: nn.Module, precision: str = "bf16", plan: Plan | None = N
     low = _BYTES[precision]
     params = {id(p): p for p in model.parameters()}.values()
     frozen = sum(p.numel() for p in params if not p.requires_grad and p.is_floating_point())
+    # a quantized base (4-bit NF4): stored as it is, packed indices and scales (runtime/weights.py stores a frozen
+    # weight that is not floating once, uncast); counted by its weights, not its bytes
+    packed = sum(p.numel() * p.element_size() for p in params if not p.requires_grad and not p.is_floating_point())
+    quantized = quantized_weights(model)
     trainable = sum(p.numel() for p in params if p.requires_grad)
     copy = low if low != 4 else 0  # fp32 on the devices: the master itself is uploaded
-    return HostMemory(frozen, trainable, frozen * low, trainable * (4 + 4 + ADAM_BYTES + copy),
-                      activation_bytes(plan) if plan is not None else 0)
+    return HostMemory(frozen + quantized, trainable, frozen * low + packed, trainable * (4 + 4 + ADAM_BYTES + copy),
+                      activation_bytes(plan) if plan is not None else 0, quantized_params=quantized)
+
+
+def quantized_weights(model: nn.Module) -> int:
+    """How many weights ``model`` holds quantized: a bitsandbytes 4-bit layer's (its ``QuantState`` shape) and
+    rpcompile's planning ones' (:mod:`rpcompile.tools.qlora`: their ``weights``)."""
+    total = 0
+    m: Any
+    for m in model.modules():
+        if type(m).__name__ in ("NF4Linear", "NF4Experts"):
+            total += int(m.weights)
+        elif type(m.__dict__.get("_parameters", {}).get("weight")).__name__ == "Params4bit":
+            total += math.prod(m.weight.quant_state.shape)
+    return total
 
 
 def activation_bytes(plan: Plan) -> int:

@@ -9,8 +9,8 @@ Bottom to top (README "Architecture", the map of the rooms):
   (``rpcompile/training/``: ``Pipeline`` and its session).
 - **Compiler**: ``rpcompile/compiler.py`` (``compile``, the one module that joins planner and training) and the
   package itself (``rpcompile/__init__.py``, the public surface).
-- **Views** (``rpcompile/views/``), then **Tools** (``rpcompile/tools/``), then the **CLI** (``rpcompile/cli/``,
-  ``rpcompile/__main__.py``).
+- **Views** (``rpcompile/views/``), then **Tools** (``rpcompile/tools/``) ⟂ **Integrations**
+  (``rpcompile/integrations/``: HF Trainer, TRL), then the **CLI** (``rpcompile/cli/``, ``rpcompile/__main__.py``).
 
 Rooms on one layer (⟂) never import each other. Every import counts, top-level and in functions. :data:`KNOWN`
 lists the arrows against the layers that main still has (none since issue 18): a new one fails here with its file
@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: The layers, bottom to top; a room imports its own layer's modules only within itself, and every lower layer.
 TIERS: tuple[tuple[str, ...], ...] = (("core",), ("models",), ("passes", "runtime"), ("planner", "training"),
-                                       ("compiler",), ("views",), ("tools",), ("cli",))
+                                       ("compiler",), ("views",), ("tools", "integrations"), ("cli",))
 RANK = {room: rank for rank, rooms in enumerate(TIERS) for room in rooms}
 ALLOWED = {room: {room} | {r for r in RANK if RANK[r] < RANK[room]} for room in RANK}
 

@@ -1,0 +1,215 @@
+"""HF ``transformers.Trainer`` with the model compiled into an rpcompile pipeline.
+
+Switch with one line — ``from rpcompile.integrations.hf import Trainer`` instead of ``from transformers import
+Trainer`` — and keep the ``TrainingArguments``, datasets, collators, callbacks and loggers as they are. What
+changes underneath:
+
+- the **pipeline** is compiled at the first batch the Trainer hands over (training or evaluation), with that batch
+  as the example (its keys are the compiled signature; with ``labels`` the model's own loss is the loss), and the
+  options of :class:`PipelineOptions` (``pipeline=``). A later batch may have any size and length.
+- a **training step** is one ``pipe.forward_backward(**batch, num_items=...)``: the Trainer's
+  ``num_items_in_batch`` is the denominator of the mean over every batch of the optimizer step (without it, the
+  loss is scaled by ``1 / gradient_accumulation_steps``, as the Trainer does), and the calls before the last of an
+  accumulation run under ``pipe.no_sync()`` (gradients the plan sums on the devices stay there). The loss
+  returned is the one the Trainer logs, as its own ``training_step`` returns it.
+- the gradients land in the model's ``.grad`` on the host, so the Trainer's clipping, its ``grad_norm``, its
+  optimizer and scheduler work unchanged; the model stays in CPU memory (never moved to ``args.device``).
+- **evaluation** runs ``pipe.evaluate`` (the loss) and, when predictions are asked for, ``pipe.forward`` (the
+  logits).
+- **checkpoints**: the Trainer's own (model, optimizer, scheduler, RNG, trainer state) and, beside them,
+  ``rpcompile_plan.json`` (the plan) and ``rpcompile_pipeline.pt`` (``pipe.state_dict()``: the iteration that
+  seeds dropout, loaded with ``weights_only``); ``resume_from_checkpoint`` compiles with that plan and continues
+  bit for bit.
+
+TRL's ``SFTTrainer`` goes the same way: :func:`sft_trainer` returns its subclass with the same mixin
+(:class:`PipelineTrainerMixin`). Its ``compute_loss`` extras (token accuracy, entropy) are not computed: the loss
+is the model's own, inside the pipeline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from rpcompile.compiler import compile as compile_pipeline
+from rpcompile.core.errors import ConfigError
+from rpcompile.core.plan import Plan
+
+try:
+    import transformers
+except ImportError as e:  # pragma: no cover - the extra is missing
+    raise ImportError("rpcompile.integrations.hf needs transformers: pip install 'rpcompile[hf]'") from e
+
+__all__ = ["PipelineOptions", "PipelineTrainerMixin", "Trainer", "sft_trainer", "PLAN_FILE", "STATE_FILE"]
+
+PLAN_FILE = "rpcompile_plan.json"
+"""The plan a Trainer checkpoint was trained with, beside the Trainer's own files."""
+STATE_FILE = "rpcompile_pipeline.pt"
+"""The pipeline's state (``Pipeline.state_dict()``) in a Trainer checkpoint."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PipelineOptions:
+    """How the Trainer's model is compiled (``rpcompile.compile``'s arguments)."""
+
+    gpus: int | None = None
+    """GPUs ``cuda:0..gpus-1``; with neither this nor ``devices``, every visible GPU (or one logical CPU device)."""
+    devices: Sequence[Any] | None = None
+    """Devices by name (``["cpu", "cpu"]``: two logical CPU devices)."""
+    precision: str = "fp32"
+    """Compute precision of the stages (``"bf16"``, ``"fp16"``, ``"fp32"``); the masters stay fp32."""
+    microbatches: int | None = None
+    """Microbatches per batch (default: the planner's choice)."""
+    spec: Any = None
+    """A device spec or preset name for analytic costs (default: measured on the first device)."""
+    plan: Plan | str | os.PathLike | None = None
+    """A plan to run instead of planning (a resumed checkpoint's plan takes precedence)."""
+    time_limit_s: float | None = None
+    """The planner's solve time limit."""
+    max_length: int | None = None
+    """The longest sequence the Trainer will hand over: the pipeline is planned for it (the first batch, padded to
+    it, is the example). Default: TRL's ``args.max_length`` where there is one, else the first batch's length —
+    then a longer batch later is refused in one line."""
+    compile_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """Any other ``rpcompile.compile`` keyword (``memory_limit``, ``host_embedding``, ...)."""
+
+    def __post_init__(self) -> None:
+        if self.max_length is not None and (not isinstance(self.max_length, int) or self.max_length < 1):
+            raise ConfigError(f"PipelineOptions(max_length={self.max_length!r}): give the longest sequence length "
+                              "the Trainer will see (a positive int), or None for the first batch's")
+        if self.precision not in ("fp32", "bf16", "fp16"):
+            raise ConfigError(f"PipelineOptions(precision={self.precision!r}): use 'fp32', 'bf16' or 'fp16'")
+        clash = {"loss_fn", "example_kwargs", "example_target"} & set(self.compile_kwargs)
+        if clash:
+            raise ConfigError(f"PipelineOptions(compile_kwargs=...) sets {sorted(clash)}, which the Trainer sets "
+                              "itself (the model's own loss, the first batch as the example): drop them")
+
+    def kwargs(self) -> dict[str, Any]:
+        """``rpcompile.compile``'s keywords (those given)."""
+        named = {"gpus": self.gpus, "devices": self.devices, "microbatches": self.microbatches, "spec": self.spec,
+                 "plan": self.plan, "time_limit_s": self.time_limit_s}
+        return {"precision": self.precision, **{k: v for k, v in named.items() if v is not None},
+                **self.compile_kwargs}
+
+
+def _host(batch: Mapping[str, Any]) -> dict[str, Any]:
+    """The batch in host memory (the Trainer's dataloader may have moved it to ``args.device``)."""
+    return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def _padded(batch: Mapping[str, Any], length: int | None) -> dict[str, Any]:
+    """``batch`` right-padded along the sequence (the second dimension of ``input_ids``) to ``length``: labels with
+    -100 (ignored), everything else with 0 (a pad token, a masked position)."""
+    ids = batch.get("input_ids")
+    if length is None or not isinstance(ids, torch.Tensor) or ids.dim() < 2 or ids.shape[1] >= length:
+        return dict(batch)
+    seq, out = ids.shape[1], {}
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == seq:
+            pad = torch.full((v.shape[0], length - seq, *v.shape[2:]), -100 if k == "labels" else 0, dtype=v.dtype)
+            v = torch.cat([v, pad], dim=1)
+        out[k] = v
+    return out
+
+
+class PipelineTrainerMixin:
+    """What turns a ``transformers.Trainer`` (or a subclass of it) into one that trains through a pipeline
+    (module docstring). Mixed in before the Trainer class: ``class T(PipelineTrainerMixin, transformers.Trainer)``."""
+
+    pipe: Any
+    """The compiled pipeline (``None`` until the first batch)."""
+    # what the Trainer it is mixed into has
+    args: Any
+    model: Any
+    accelerator: Any
+    current_gradient_accumulation_steps: int
+
+    def __init__(self, *args: Any, pipeline: PipelineOptions | None = None, **kwargs: Any) -> None:
+        if pipeline is not None and not isinstance(pipeline, PipelineOptions):
+            raise ConfigError(f"pipeline= takes a rpcompile.integrations.hf.PipelineOptions, got "
+                              f"{type(pipeline).__name__}")
+        self.pipeline_options = pipeline or PipelineOptions()
+        self.pipe = None
+        self._resume_dir: str | None = None
+        super().__init__(*args, **kwargs)
+
+    # ---- placement: the model stays on the host, the pipeline uploads its stages
+    def _move_model_to_device(self, model: torch.nn.Module, device: Any) -> None:
+        return None
+
+    # ---- the pipeline
+    def _pipeline(self, batch: Mapping[str, Any]) -> Any:
+        if self.pipe is None:
+            options = self.pipeline_options.kwargs()
+            plan_path = os.path.join(self._resume_dir, PLAN_FILE) if self._resume_dir else None
+            if plan_path is not None and os.path.exists(plan_path):
+                options["plan"] = plan_path  # the plan the checkpoint trained with: bit for bit
+            length = self.pipeline_options.max_length or getattr(self.args, "max_length", None)
+            example = _padded(batch, length if isinstance(length, int) else None)
+            self.pipe = compile_pipeline(self.model, (), loss_fn=None, example_kwargs=example, **options)
+            state_path = os.path.join(self._resume_dir, STATE_FILE) if self._resume_dir else None
+            if state_path is not None and os.path.exists(state_path):
+                self.pipe.load_state_dict(torch.load(state_path, weights_only=True))
+        return self.pipe
+
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any],
+                      num_items_in_batch: Any = None) -> torch.Tensor:
+        """One ``forward_backward`` over the batch (module docstring); returns the loss the Trainer logs."""
+        model.train()
+        batch = _host(inputs)
+        pipe = self._pipeline(batch)
+        scale: dict[str, float] = ({"num_items": float(num_items_in_batch)} if num_items_in_batch is not None
+                                   else {"loss_scale": 1.0 / self.current_gradient_accumulation_steps})
+        defer = not self.accelerator.sync_gradients  # not the last call of the accumulation
+        with pipe.no_sync() if defer else contextlib.nullcontext():
+            loss = pipe.forward_backward(**batch, **scale)
+        return loss.detach().as_subclass(torch.Tensor)
+
+    def prediction_step(self, model: torch.nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None) -> tuple[Any, Any, Any]:
+        """The batch's loss (``pipe.evaluate``) and, unless only the loss is asked for, its logits
+        (``pipe.forward``) and labels."""
+        batch = _host(inputs)
+        pipe = self._pipeline(batch)
+        labels = batch.get("labels")
+        loss = pipe.evaluate(**batch).detach().as_subclass(torch.Tensor) if labels is not None else None
+        if prediction_loss_only:
+            return loss, None, None
+        out = pipe.forward(**batch)
+        logits = out.get("logits") if isinstance(out, Mapping) else getattr(out, "logits", out)
+        return loss, logits, labels
+
+    # ---- checkpoints: the pipeline's plan and state beside the Trainer's files
+    def _save_rng_state(self, output_dir: str) -> None:
+        super()._save_rng_state(output_dir)  # type: ignore[misc]
+        if self.pipe is not None:
+            self.pipe.plan.save(os.path.join(output_dir, PLAN_FILE))
+            torch.save(self.pipe.state_dict(), os.path.join(output_dir, STATE_FILE))
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        super()._load_rng_state(checkpoint)  # type: ignore[misc]
+        if checkpoint is not None:
+            if self.pipe is not None:  # compiled already (an evaluation first): continue from the state
+                path = os.path.join(checkpoint, STATE_FILE)
+                if os.path.exists(path):
+                    self.pipe.load_state_dict(torch.load(path, weights_only=True), exact=False)
+            self._resume_dir = checkpoint
+
+
+class Trainer(PipelineTrainerMixin, transformers.Trainer):
+    """``transformers.Trainer`` training through an rpcompile pipeline (module docstring); ``pipeline=`` takes the
+    :class:`PipelineOptions`."""
+
+
+def sft_trainer() -> type:
+    """TRL's ``SFTTrainer`` with :class:`PipelineTrainerMixin` (``trl`` imported here, on first use)."""
+    try:
+        import trl
+    except ImportError as e:
+        raise ConfigError("sft_trainer() needs TRL: pip install trl") from e
+    return type("SFTTrainer", (PipelineTrainerMixin, trl.SFTTrainer), {"__module__": __name__})

@@ -41,6 +41,8 @@ _EXPORTS = {
     "load_checkpoint": "rpcompile.training.checkpoint",
     "checkpoint_plan": "rpcompile.training.checkpoint",
     "Checkpoint": "rpcompile.training.checkpoint",
+    "load_weights": "rpcompile.training.checkpoint",
+    "save_weights": "rpcompile.training.checkpoint",
     "CheckpointError": "rpcompile.training.checkpoint",
     "Profile": "rpcompile.planner.profiling",
     "RPCompileError": "rpcompile.core.errors",

@@ -6,8 +6,16 @@ the bytes go to a *temporary* beside the target, named ``.<name>.<host>.<pid>.<r
 then the file is ``fsync``'d, renamed onto the target (``os.replace``: atomic; a link at the target is replaced,
 not followed) and the directory ``fsync``'d, so the target's name only ever holds a whole file.
 
-A process killed while writing leaves its temporary behind. :func:`sweep_temporaries` removes one only when it is
-provably dead: made on this host by a process id that no longer exists. Another process's or rank's temporary in
+A **directory** of files written as one (:func:`atomic_directory`: a checkpoint) is built the same way: a temporary
+directory of the same unpredictable name, made by ``mkdir`` (exclusive: a link or anything else planted at its name
+is refused and another name drawn), filled (each file through :func:`write_atomic`, or by any writer — a name
+inside a directory nobody else knows yet), every file and the directory ``fsync``'d, then renamed onto the target.
+A directory cannot be renamed onto a non-empty one: an existing target is first renamed aside to a temporary name
+and removed after, so the target's name holds the old directory, nothing (for that instant: a reader takes the
+previous one), or the new one — never a mixture.
+
+A process killed while writing leaves its temporary (file or directory) behind. :func:`sweep_temporaries` removes
+one only when its writer is provably dead: made on this host by a process id that no longer exists. Another process's or rank's temporary in
 flight — or one from another machine sharing the directory — is never touched.
 
 **Reading** (:func:`read_limited`, :func:`parse_json`): a file is read up to a size bound and parsed as strict JSON
@@ -17,17 +25,22 @@ deep. Each problem raises :class:`ValueError` with one line saying what is wrong
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import math
 import os
 import re
 import secrets
+import shutil
 import socket
+import stat
+from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any, Callable, Mapping
+from typing import IO, Any, Callable, Iterator, Mapping, cast
 
-__all__ = ["MAX_INT", "host_name", "write_atomic", "temporary_owner", "sweep_temporaries", "read_limited",
-           "parse_json", "read_json", "json_depth", "jsonable"]
+__all__ = ["MAX_INT", "host_name", "write_atomic", "write_atomic_hashed", "atomic_directory", "fsync_tree", "temporary_owner",
+           "sweep_temporaries", "remove_tree", "remove_atomically", "read_limited", "parse_json", "read_json", "json_depth", "jsonable"]
 
 MAX_INT = 2**63 - 1
 """The largest integer a file may hold (an int64: byte counts, steps); a longer number is refused when parsed."""
@@ -53,17 +66,116 @@ def _fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
+def _temporary_name(path: Path) -> Path:
+    """An unpredictable temporary name beside ``path`` that says who made it (module docstring)."""
+    return path.with_name(f".{path.name[:100]}.{host_name()}.{os.getpid()}.{secrets.token_hex(8)}.tmp")
+
+
 def _create_temporary(path: Path) -> tuple[int, Path]:
     """An exclusive, unpredictable temporary beside ``path`` (never a link): its descriptor and name."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    stem = f".{path.name[:100]}.{host_name()}.{os.getpid()}"
     for _ in range(100):
-        tmp = path.with_name(f"{stem}.{secrets.token_hex(8)}.tmp")
+        tmp = _temporary_name(path)
         try:
             return os.open(tmp, flags, 0o666), tmp
         except FileExistsError:
             continue
     raise FileExistsError(f"no free temporary name beside {path}")
+
+
+def _create_temporary_directory(path: Path) -> Path:
+    """An exclusive, unpredictable temporary directory beside ``path`` (``mkdir`` refuses any name that exists,
+    a planted link included)."""
+    for _ in range(100):
+        tmp = _temporary_name(path)
+        try:
+            os.mkdir(tmp, 0o777)
+            return tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name beside {path}")
+
+
+def fsync_tree(directory: str | os.PathLike) -> None:
+    """``fsync`` every regular file directly in ``directory`` (links are not followed), then the directory."""
+    root = Path(directory)
+    for entry in os.scandir(root):
+        if entry.is_file(follow_symlinks=False):
+            fd = os.open(entry.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    _fsync_directory(root)
+
+
+def remove_tree(path: str | os.PathLike) -> None:
+    """Remove the file or directory ``path`` (a link itself, never what it points to); nothing if it is gone."""
+    path = Path(path)
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(mode):
+        shutil.rmtree(path, ignore_errors=True)  # rmtree never follows a link inside
+    else:
+        path.unlink(missing_ok=True)
+
+
+def remove_atomically(path: str | os.PathLike) -> None:
+    """Remove the file or directory ``path``: renamed to a temporary name first (atomic), then removed, so a
+    process killed midway leaves a temporary that a later sweep removes, never half a directory under its name."""
+    path = Path(path)
+    aside = _temporary_name(path)
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return
+    remove_tree(aside)
+
+
+@contextmanager
+def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
+    """A temporary directory beside ``path`` to fill; when the block ends without an exception every file in it
+    and the directory are ``fsync``'d and it is renamed onto ``path`` (an existing ``path`` is renamed aside
+    first and removed after), then the parent is ``fsync``'d (module docstring). On an exception the temporary
+    is removed and ``path`` left as it was."""
+    path = Path(path)
+    tmp = _create_temporary_directory(path)
+    try:
+        yield tmp
+        fsync_tree(tmp)
+        _rename_directory(tmp, path)
+    except BaseException:
+        remove_tree(tmp)
+        raise
+    _fsync_directory(path.parent)
+
+
+def _rename_directory(tmp: Path, path: Path) -> None:
+    """Rename the directory ``tmp`` onto ``path``; whatever is at ``path`` (a directory, a file, a link — renamed,
+    never followed) is first renamed aside to a temporary name, and removed once ``tmp`` is in place (put back if
+    the rename fails)."""
+    asides: list[Path] = []
+    for _ in range(100):
+        try:
+            os.replace(tmp, path)  # onto nothing or an empty directory
+            break
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+                if asides and not os.path.lexists(path):
+                    os.rename(asides.pop(), path)  # the previous one back in place
+                raise
+        aside = _temporary_name(path)
+        try:
+            os.rename(path, aside)
+            asides.append(aside)
+        except FileNotFoundError:  # another writer moved it first: try again
+            pass
+    else:
+        raise FileExistsError(f"{path} kept reappearing while this writer renamed its own into place")
+    for aside in asides:
+        remove_tree(aside)
 
 
 def write_atomic(path: str | os.PathLike, data: bytes | str | Callable[[IO[bytes]], Any]) -> Path:
@@ -89,6 +201,38 @@ def write_atomic(path: str | os.PathLike, data: bytes | str | Callable[[IO[bytes
     return path
 
 
+class _Hashing:
+    """A write-only binary file that hashes (sha256) and counts what goes through it to ``f``."""
+
+    def __init__(self, f: IO[bytes]):
+        self.f, self.sha, self.length = f, hashlib.sha256(), 0
+
+    def write(self, data: Any) -> int:
+        self.sha.update(data)
+        self.length += len(data) if isinstance(data, bytes) else memoryview(data).nbytes
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def write_atomic_hashed(path: str | os.PathLike, data: bytes | str | Callable[[IO[bytes]], Any]) -> tuple[int, str]:
+    """:func:`write_atomic`, returning the bytes written and their sha256 (hex), hashed on the way (a function
+    given as ``data`` writes into a file object that hashes)."""
+    out: list[tuple[int, str]] = []
+
+    def fill(f: IO[bytes]) -> None:
+        hashing = _Hashing(f)
+        if callable(data):
+            data(cast(IO[bytes], hashing))
+        else:
+            hashing.write(data.encode("utf-8") if isinstance(data, str) else data)
+        out.append((hashing.length, hashing.sha.hexdigest()))
+
+    write_atomic(path, fill)
+    return out[0]
+
+
 def temporary_owner(name: str) -> tuple[str, int] | None:
     """``(host, pid)`` of the process that made the temporary called ``name``, or None if it is not one."""
     m = _TEMP.match(name)
@@ -109,8 +253,8 @@ def _dead(host: str, pid: int) -> bool:
 
 
 def sweep_temporaries(directory: str | os.PathLike, *, target: str = "") -> int:
-    """Remove the temporaries in ``directory`` left by dead processes (module docstring), only those for files
-    named ``target`` when given; the number removed. Never raises for a file it cannot remove."""
+    """Remove the temporaries (files and directories) in ``directory`` left by dead processes (module docstring),
+    only those for files named ``target`` when given; the number removed. Never raises for one it cannot remove."""
     root = Path(directory)
     removed = 0
     try:
@@ -122,7 +266,10 @@ def sweep_temporaries(directory: str | os.PathLike, *, target: str = "") -> int:
         if owner is None or (target and not name.startswith(f".{target[:100]}.")) or not _dead(*owner):
             continue
         try:
-            (root / name).unlink()
+            if os.path.isdir(root / name) and not os.path.islink(root / name):
+                shutil.rmtree(root / name)
+            else:
+                (root / name).unlink()
             removed += 1
         except OSError:
             pass

@@ -5,8 +5,8 @@ two logical CPU devices with the checkpoints' plan (the plan file ``PLAN`` befor
 the newest good checkpoint in ``CKPT_DIR`` if any (printing ``resumed <step>``), trains up to ``STEPS`` steps —
 writing ``save <k>`` before and ``saved <k>`` after each checkpoint to the file ``LOG``, so a test can kill it in
 either phase — and writes the final ``state_dict`` to ``OUT``. :func:`main` runs the same in a forked process.
-``RESUME_SLOW_SAVE=<k>:<seconds>`` makes every ``os.fsync`` of save ``k`` print ``fsync <k>`` and sleep first, so
-a kill soon after that line lands inside the save: its temporary file written, not yet renamed into place.
+``RESUME_SLOW_SAVE=<k>:<seconds>`` makes the first ``os.fsync`` of save ``k`` print ``fsync <k>`` and sleep first, so
+a kill soon after that line lands inside the save: its temporary directory being written, not yet renamed into place.
 """
 
 from __future__ import annotations
@@ -107,6 +107,7 @@ def main(argv: list[str], slow_save: str = "") -> None:
 
         def slow_fsync(fd: int) -> None:
             if SAVING[0] == int(slow):
+                SAVING[0] = -1  # once
                 print(f"fsync {slow}", flush=True)
                 time.sleep(float(delay))
             fsync(fd)

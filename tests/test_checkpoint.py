@@ -1,21 +1,21 @@
-"""Exact save and resume (rpcompile/training/checkpoint.py, ``Pipeline.state_dict``): a run resumed from a checkpoint —
+"""Exact save and resume (rpcompile/training/checkpoint/, ``Pipeline.state_dict``): a run resumed from a checkpoint —
 in this process or a fresh one after a SIGKILL at a random point, a save included — ends with the weights of an
 uninterrupted run bit for bit (fp32 and bf16, dropout, overlapped steps, fp16 loss scaling); a checkpoint torn or
 corrupted anywhere is detected and the previous one used; a state that cannot continue exactly is refused in one
-line."""
+line. The formats themselves (safetensors, HF, background saves, the older ``.ckpt``): tests/test_checkpoint_formats.py."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import hashlib
-import io
+import json
 import multiprocessing
 import os
 import random
 import re
+import shutil
 import signal
-import struct
 import subprocess
 import sys
 import time
@@ -28,7 +28,9 @@ import torch
 
 import rpcompile
 from rpcompile.core.files import host_name
-from rpcompile.training.checkpoint import CheckpointWarning, checkpoints, verify
+from rpcompile.training.checkpoint import CheckpointWarning, checkpoints, verify_path
+from rpcompile.training.checkpoint.layout import MANIFEST, read_manifest
+from rpcompile.training.checkpoint.tensorfile import read_file, write_tensors
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _resume  # noqa: E402
@@ -66,7 +68,7 @@ def keep_up_to(directory: Path, step: int) -> None:
     """Delete the checkpoints after ``step``: the directory as a run killed after saving ``step`` left it."""
     for s, path in checkpoints(directory):
         if s > step:
-            path.unlink()
+            shutil.rmtree(path)
 
 
 # ---------------------------------------------------------------------------------------------- same process
@@ -176,7 +178,7 @@ def test_a_state_that_cannot_continue_exactly_is_refused_in_one_line(plan, tmp_p
                        r"step\(optimizer, overlap=True\): pass load_state_dict\(state, optimizer=optimizer\)"):
         build(plan)[1].load_state_dict(overlapped)
     # a resume that goes backwards would be shadowed by the newer checkpoint
-    with pytest.raises(rpcompile.CheckpointError, match=r"^save_checkpoint: .* already holds ckpt-00000001.ckpt, "
+    with pytest.raises(rpcompile.CheckpointError, match=r"^save_checkpoint: .* already holds ckpt-00000001, "
                        r"newer than step 0: "):
         rpcompile.save_checkpoint(tmp_path, model=model, optimizer=opt, pipeline=pipe, step=0)
 
@@ -216,30 +218,60 @@ def test_an_optimizer_state_that_does_not_fit_changes_nothing(plan, tmp_path):
 
 
 def _rewrite(path: Path, change) -> None:
-    """Change the payload of the checkpoint at ``path`` and write it back with a header and checksum that hold."""
-    raw = path.read_bytes()
-    payload = torch.load(io.BytesIO(raw[48:]), weights_only=True)
-    change(payload)
-    buffer = io.BytesIO()
-    torch.save(payload, buffer)
-    body = buffer.getvalue()
-    path.write_bytes(struct.pack("<8sQ32s", raw[:8], len(body), hashlib.sha256(body).digest()) + body)
+    """Change the checkpoint directory ``path`` — ``change(parts)`` edits ``parts``: ``pipeline`` (pipeline.json
+    as JSON), ``model`` (model.safetensors' tensors), ``optimizer`` (optimizer.pt's object), ``manifest``
+    (checkpoint.json less its digest) — and write it back with sizes, checksums and digest that hold."""
+    parts = {"pipeline": json.loads((path / "pipeline.json").read_text()), "model": read_file(path / "model.safetensors")[1],
+             "optimizer": torch.load(path / "optimizer.pt", weights_only=True),
+             "manifest": {k: v for k, v in json.loads((path / MANIFEST).read_text()).items() if k != "digest"}}
+    change(parts)
+    files = {}
+    if parts["pipeline"] is not None:
+        (path / "pipeline.json").write_text(json.dumps(parts["pipeline"]))
+        files["pipeline.json"] = path / "pipeline.json"
+    else:
+        (path / "pipeline.json").unlink()
+    with open(path / "model.safetensors", "wb") as f:
+        write_tensors(f, parts["model"], {"format": "pt"})
+    torch.save(parts["optimizer"], path / "optimizer.pt")
+    manifest = parts["manifest"]
+    for name in list(manifest["files"]):
+        if (path / name).exists():
+            data = (path / name).read_bytes()
+            manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        else:
+            del manifest["files"][name]
+    digest = hashlib.sha256(json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    (path / MANIFEST).write_text(json.dumps({**manifest, "digest": digest}))
 
 
 MALFORMED = {  # issue 36: valid checksums over these raised raw KeyError, AttributeError, ValueError
-    "no pipeline state": (lambda p: p.pop("pipeline"), r"its content is malformed \(no 'pipeline'\)"),
+    "no pipeline state": (lambda p: p.update(pipeline=None), r"its content is malformed \(no pipeline.json\)"),
     "no fingerprint": (lambda p: p["pipeline"].pop("model"), r"the pipeline state is malformed \(no 'model'\)"),
-    "stale weights a list": (lambda p: p["pipeline"].update(stale_weights=[1]),
-                             r"the pipeline state is malformed \(stale_weights is list"),
+    "stale weights a list of numbers": (lambda p: p["pipeline"].update(stale_weights=[1]),
+                                        r"malformed \(pipeline.json: stale_weights is not a list of names\)"),
     "iteration a string": (lambda p: p["pipeline"].update(iteration="3"), r"malformed \(iteration is str '3'\)"),
-    "step a string": (lambda p: p.update(step="3"), r"its content is malformed \(step is '3'\)"),
+    "the plan malformed": (lambda p: p["pipeline"]["plan"].update(microbatches=-1),
+                           r"malformed \(pipeline.json's plan is corrupt: microbatches: .*\)"),
+    "the seed a number": (lambda p: p["pipeline"].update(dropout_seed=7),
+                          r"malformed \(pipeline.json: dropout_seed is '7', not a 64-bit seed as text\)"),
     "scaler empty": (lambda p: p["pipeline"].update(scaler={}), r"scaler is not a GradScaler state_dict"),
     "a weight of another shape": (lambda p: p["model"].update({"head.bias": torch.zeros(3)}),
                                   r"the model's state does not fit this model \('head\.bias' is \(3,\), this "
                                   r"model's \(32,\)\)"),
+    "a weight of another kind": (lambda p: p["model"].update({"head.bias": torch.zeros(32, dtype=torch.int64)}),
+                                 r"does not fit this model \('head\.bias' is torch.int64, this model's torch.float32\)"),
     "a weight missing": (lambda p: p["model"].pop("norm.weight"), r"does not fit this model \(missing 'norm\.weight'"),
+    "an unexpected weight": (lambda p: p["model"].update(extra=torch.zeros(1)), r"does not fit this model \(unexpected 'extra'"),
     "optimizer state a string": (lambda p: p.update(optimizer="adam"), r"the optimizer's state does not fit this "
                                                                        r"optimizer \(not an optimizer state_dict\)"),
+    "a moment of another shape": (lambda p: p["optimizer"]["state"][0].update(exp_avg=torch.zeros(2)),
+                                  r"the optimizer's state does not fit this optimizer \(parameter 0's exp_avg is "
+                                  r"\(2,\), the parameter is \(32, 16\)"),
+    "a pickled object": (lambda p: p.update(optimizer={"state": {}, "param_groups": [], "x": Net}),
+                         r"optimizer.pt: torch.load\(weights_only=True\) refused it \(UnpicklingError"),
+    "a tied name unknown": (lambda p: p["manifest"].update(tied={"x": "nowhere"}),
+                            r"malformed \(x is tied to nowhere, which no file holds\)"),
 }
 
 
@@ -249,6 +281,7 @@ def test_a_malformed_payload_is_one_line_and_changes_nothing(plan, tmp_path, cha
     train(model, pipe, opt, 0, 1, ckpt=tmp_path)
     (step, path), = checkpoints(tmp_path)
     _rewrite(path, change)
+    verify_path(path)  # whole: sizes and checksums hold
     model, pipe, opt = build(plan)
     before, iteration = _untouched(model, pipe, opt)
     with pytest.raises(rpcompile.CheckpointError, match=message) as info:
@@ -262,11 +295,16 @@ def test_a_save_follows_no_link_planted_where_its_temporary_would_be(plan, tmp_p
     """Issue 36: the temporary's name was predictable (``.<name>.tmp<pid>``) and opened through a planted link."""
     victim = tmp_path / "victim"
     victim.write_bytes(b"precious")
-    for name in (f".ckpt-00000000.ckpt.tmp{os.getpid()}", f".plan.json.tmp{os.getpid()}", "ckpt-00000000.ckpt.tmp"):
+    for name in (f".ckpt-00000000.tmp{os.getpid()}", f".plan.json.tmp{os.getpid()}", "ckpt-00000000.tmp"):
         (tmp_path / name).symlink_to(victim)
+    room = tmp_path / "room"  # a directory planted at the checkpoint's own name, through a link
+    room.mkdir()
+    (room / "model.safetensors").write_bytes(b"precious")
+    (tmp_path / "ckpt-00000000").symlink_to(room)
     model, pipe, opt = build(plan)
     rpcompile.save_checkpoint(tmp_path, model=model, optimizer=opt, pipeline=pipe)
-    assert victim.read_bytes() == b"precious"
+    assert victim.read_bytes() == b"precious" and (room / "model.safetensors").read_bytes() == b"precious"
+    assert (tmp_path / "ckpt-00000000").is_dir() and not (tmp_path / "ckpt-00000000").is_symlink()
     assert rpcompile.load_checkpoint(tmp_path, model=model, optimizer=opt, pipeline=pipe).step == 0
 
 
@@ -276,7 +314,7 @@ def test_a_step_load_checkpoint_would_not_take_is_refused_when_saving(plan, tmp_
     model, pipe, opt = build(plan)
     if step is None:  # the default, pipeline.iteration, is fine
         path = rpcompile.save_checkpoint(tmp_path, model=model, optimizer=opt, pipeline=pipe)
-        assert path.name == "ckpt-00000000.ckpt"
+        assert path.name == "ckpt-00000000"
         return
     with pytest.raises(rpcompile.CheckpointError, match=rf"^save_checkpoint: step={re.escape(repr(step))}; give a "
                                                         r"whole number >= 0 \(load_checkpoint takes the largest\)"):
@@ -302,40 +340,51 @@ def test_extra_comes_back_and_one_that_would_not_load_is_refused_when_saving(pla
 
 # ---------------------------------------------------------------------------------------------- torn files
 def test_every_truncation_and_bit_flip_is_detected(tmp_path):
-    """A checkpoint cut at every byte, or with one bit flipped at every byte, fails its header, length or
-    checksum check (:func:`rpcompile.training.checkpoint.verify`) — before torch.load sees it."""
+    """A checkpoint with any of its files cut at every byte (the manifest's content: it is JSON), or with one bit
+    flipped at every byte, fails its manifest's size, checksum or digest check (:func:`rpcompile.training.checkpoint.verify_path`) — before any
+    file is parsed."""
     model = torch.nn.Linear(2, 2)
     pipe = rpcompile.compile(model, (torch.randn(2, 2),), loss_fn=torch.nn.MSELoss(), devices=["cpu"], spec="cpu",
                              time_limit_s=5.0)
-    path = rpcompile.save_checkpoint(tmp_path, model=model, optimizer=None, pipeline=pipe, step=1)
-    good = path.read_bytes()
-    verify(io.BytesIO(good), len(good))
-    for n in range(len(good)):
-        with pytest.raises(ValueError):
-            verify(io.BytesIO(good[:n]), n)
-    for i in range(len(good)):
-        flipped = bytearray(good)
-        flipped[i] ^= 1 << (i % 8)
-        with pytest.raises(ValueError):
-            verify(io.BytesIO(bytes(flipped)), len(good))
+    path = rpcompile.save_checkpoint(tmp_path, model=model, optimizer=torch.optim.SGD(model.parameters()),
+                                     pipeline=pipe, step=1)
+    verify_path(path)
+    for file in sorted(path.iterdir()):
+        good = file.read_bytes()
+        step = max(1, len(good) // 300)  # pipeline.json holds the plan: every byte of the small files, a sample of it
+        whole = len(good.rstrip()) if file.name == MANIFEST else len(good)  # its final newline is only whitespace
+        for n in range(0, whole, step):
+            file.write_bytes(good[:n])
+            with pytest.raises(ValueError):
+                verify_path(path)
+        for i in range(0, len(good), step):
+            flipped = bytearray(good)
+            flipped[i] ^= 1 << (i % 8)
+            file.write_bytes(bytes(flipped))
+            with pytest.raises(ValueError):
+                verify_path(path)
+        file.write_bytes(good)
+    verify_path(path)
 
 
 def test_a_torn_newest_checkpoint_is_skipped_for_the_previous(plan, tmp_path):
     want = uninterrupted(plan)
     model, pipe, opt = build(plan)
     train(model, pipe, opt, 0, 4, ckpt=tmp_path)  # keeps ckpt 3 and 4
-    newest = tmp_path / "ckpt-00000004.ckpt"
+    newest = tmp_path / "ckpt-00000004" / "model.safetensors"
     newest.write_bytes(newest.read_bytes()[:-100])  # torn: the disk lost its tail
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    killed = tmp_path / f".ckpt-00000005.ckpt.{host_name()}.{int(dead.stdout)}.{'0' * 16}.tmp"
-    in_flight = tmp_path / f".ckpt-00000005.ckpt.{host_name()}.{os.getppid()}.{'1' * 16}.tmp"  # another rank's
-    killed.write_bytes(b"half a save")  # a save killed midway
-    in_flight.write_bytes(b"being written")
+    killed = tmp_path / f".ckpt-00000005.{host_name()}.{int(dead.stdout)}.{'0' * 16}.tmp"
+    in_flight = tmp_path / f".ckpt-00000005.{host_name()}.{os.getppid()}.{'1' * 16}.tmp"  # another rank's
+    killed.mkdir()  # a save killed midway
+    (killed / "model.safetensors").write_bytes(b"half a save")
+    in_flight.mkdir()
     model, pipe, opt = build(plan)
-    with pytest.warns(CheckpointWarning, match=r"^checkpoint .*ckpt-00000004.ckpt is torn or corrupt \(\d+ bytes "
-                      r"where the header says \d+\); moved to ckpt-00000004.ckpt.corrupt, trying the previous one$"):
+    with pytest.warns(CheckpointWarning, match=r"^checkpoint .*ckpt-00000004 is torn or corrupt \(model.safetensors "
+                      r"is [\d,]+ bytes where checkpoint.json says [\d,]+ \(truncated\)\); moved to "
+                      r"ckpt-00000004.corrupt, trying the previous one$"):
         resumed = rpcompile.load_checkpoint(tmp_path, model=model, optimizer=opt, pipeline=pipe)
-    assert resumed.step == 3 and (tmp_path / "ckpt-00000004.ckpt.corrupt").is_file()
+    assert resumed.step == 3 and (tmp_path / "ckpt-00000004.corrupt").is_dir()
     train(model, pipe, opt, 3, STEPS, ckpt=tmp_path)
     assert_bitwise(weights(model), want)
     assert list(tmp_path.glob(".ckpt-*")) == [in_flight], "the next save removes what a killed save left, only"
@@ -348,9 +397,9 @@ def test_no_good_checkpoint_is_one_line_and_none_is_a_fresh_start(plan, tmp_path
     assert rpcompile.checkpoint_plan(tmp_path / "absent") is None
     train(model, pipe, opt, 0, 2, ckpt=tmp_path)
     for _, path in checkpoints(tmp_path):
-        data = bytearray(path.read_bytes())
+        data = bytearray((path / "model.safetensors").read_bytes())
         data[-1] ^= 0xFF
-        path.write_bytes(bytes(data))
+        (path / "model.safetensors").write_bytes(bytes(data))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CheckpointWarning)
         with pytest.raises(rpcompile.CheckpointError, match=r"^no good checkpoint in .*: all 2 are torn, corrupt or "
@@ -424,7 +473,7 @@ def _kill_and_resume(plan_file: Path, want: dict[str, torch.Tensor], root: Path,
     assert code == -signal.SIGKILL or "done" in lines, (code, lines)
     saved = max((int(x.split()[1]) for x in lines if x.startswith("saved ")), default=0)
     if phase == "save":  # the kill tore save k: its temporary file written, not renamed into place
-        assert saved == k - 1 and list(ckpt.glob(".*.tmp*")) and not (ckpt / f"ckpt-{k:08d}.ckpt").exists(), lines
+        assert saved == k - 1 and list(ckpt.glob(".*.tmp*")) and not (ckpt / f"ckpt-{k:08d}").exists(), lines
     resumed = Run(how, [*args, str(root / f"resumed{rep}.log")])
     assert resumed.wait() == 0, resumed.lines()
     start = int(resumed.lines()[0].split()[1])

@@ -7,7 +7,7 @@ under ``--json``, nor when stderr is not a terminal, as in CI).
 
 Modules: :mod:`.parser` (commands and options) with :mod:`.argtypes` (option parsing); one module per group of
 commands (:mod:`.model_cmds`: profile, models, demo; :mod:`.plan_cmd`; :mod:`.simulate_cmd`; :mod:`.plan_file_cmds`:
-check, diff, show; :mod:`.probe_cmd`; :mod:`.cache_cmd`), sharing :mod:`.common` (progress, output paths) and :mod:`.loading` (the MODEL argument).
+check, diff, show; :mod:`.probe_cmd`; :mod:`.cache_cmd`; :mod:`.checkpoint_cmd`), sharing :mod:`.common` (progress, output paths) and :mod:`.loading` (the MODEL argument).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ COMMANDS = {
     "profile": "model_cmds:profile", "models": "model_cmds:models", "demo": "model_cmds:demo",
     "plan": "plan_cmd:plan", "simulate": "simulate_cmd:simulate",
     "check": "plan_file_cmds:check", "diff": "plan_file_cmds:diff", "show": "plan_file_cmds:show",
-    "probe": "probe_cmd:probe", "cache": "cache_cmd:cache",
+    "probe": "probe_cmd:probe", "cache": "cache_cmd:cache", "checkpoint": "checkpoint_cmd:checkpoint",
 }
 """Each command → ``module:function`` (in this package) that runs it and returns the exit status."""
 

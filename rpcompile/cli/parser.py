@@ -39,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_show(sub)
     _add_probe(sub)
     _add_cache(sub)
+    _add_checkpoint(sub)
     sub.add_parser("demo", help="the main job: compile a built-in model and show what rpcompile does").add_argument(
         "--model", default="llama-demo", help="built-in model (default llama-demo)")
     sub.add_parser("models", help="the built-in models: parameters, layers, whether they train here or are meta only")
@@ -144,6 +145,21 @@ def _add_cache(sub: argparse._SubParsersAction) -> None:
     p.add_argument("action", nargs="?", choices=("show", "clear"), default="show",
                    help="show (default): directory, entries, size; clear: remove every entry")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
+
+
+def _add_checkpoint(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("checkpoint", help="a run's checkpoints: verify them; convert an older .ckpt file",
+                       description="rpcompile checkpoint verify ckpt/ | rpcompile checkpoint convert OLD.ckpt NEW/")
+    actions = p.add_subparsers(dest="action", required=True)
+    v = actions.add_parser("verify", help="check each checkpoint whole (sizes, sha256) without loading it; exit 1 if "
+                                          "one is torn or corrupt")
+    v.add_argument("path", help="a run's checkpoint directory, or one checkpoint (a ckpt-<step> directory or .ckpt)")
+    v.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
+    c = actions.add_parser("convert", help="rewrite an older .ckpt file as a checkpoint directory (safetensors "
+                                           "weights, optimizer.pt, pipeline.json) under NEW")
+    c.add_argument("old", help="a .ckpt file, or a directory holding them (its newest good one)")
+    c.add_argument("new", help="the run directory to write ckpt-<step>/ and plan.json into")
+    c.add_argument("--max-shard-size", default="5GB", help="shard weights above this size (default 5GB)")
 
 
 def _add_simulate(sub: argparse._SubParsersAction) -> None:

@@ -10,7 +10,6 @@ from typing import IO, Any, cast
 import torch
 
 from ...core.plan import Plan
-from ...core.text import printable
 from .background import wait_pending
 from .layout import EXTRA_FILE, MANIFEST, newest_good, optimizer_files, read_manifest, verify_directory, verify_path
 from .legacy import read_legacy
@@ -164,9 +163,12 @@ def load_weights(path: str | os.PathLike, model: torch.nn.Module, *, strict: boo
 def describe(path: Path) -> str:
     """One line about the checkpoint ``path`` for people (``rpcompile checkpoint verify``)."""
     if not path.is_dir():
-        return f"{path.name}: older .ckpt format (rpcompile checkpoint convert {path} NEW rewrites it)"
+        return (f"{path.name}: the older .ckpt format; load_checkpoint reads it, rpcompile checkpoint convert "
+                f"{path} NEW rewrites it for safetensors and from_pretrained")
     manifest = read_manifest(path)
     size = sum(n for n, _ in manifest.files.values())
-    return f"{path.name}: step {manifest.step}, {len(manifest.files)} files, {size / 2**20:.1f} MiB" + \
-        (f", {len(manifest.tied)} tied" if manifest.tied else "") + \
-        (f", {printable(', '.join(sorted(manifest.files)), limit=200)}")
+    shards = sum(name.endswith(".safetensors") and name.startswith("model") for name in manifest.files)
+    extras = [f for f in ("config.json", "optimizer.pt", "extra.pt") if f in manifest.files]
+    return (f"{path.name}: step {manifest.step}, {size / 2**20:.1f} MiB in {len(manifest.files)} files, weights in "
+            f"{shards} safetensors file{'s' if shards != 1 else ''}" +
+            (f" ({len(manifest.tied)} tied)" if manifest.tied else "") + (f"; {', '.join(extras)}" if extras else ""))

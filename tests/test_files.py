@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from rpcompile.core import files
-from rpcompile.core.files import (host_name, parse_json, read_limited, sweep_temporaries, temporary_owner,
-                                  write_atomic)
+from rpcompile.core.files import (atomic_directory, host_name, parse_json, read_limited, remove_atomically,
+                                  sweep_temporaries, temporary_owner, write_atomic, write_atomic_hashed)
 from rpcompile.core.plan import Plan
 
 GOLDEN = Path(__file__).parent / "golden" / "cnn-demo.json"
@@ -140,6 +140,47 @@ def test_a_write_sweeps_its_target_s_dead_temporaries_only(tmp_path):
     other.write_text("partial")
     write_atomic(tmp_path / "plan.json", "{}")
     assert not mine.exists() and other.exists()
+
+
+def test_a_directory_appears_whole_or_not_at_all(tmp_path):
+    """:func:`atomic_directory` (a checkpoint): filled under a temporary name, renamed into place; an error while
+    filling leaves neither the target nor a temporary; an existing target (a directory, or a link — replaced,
+    never followed) gives way only once the new one is complete."""
+    target = tmp_path / "ckpt-1"
+    with pytest.raises(RuntimeError):
+        with atomic_directory(target) as tmp:
+            write_atomic(tmp / "a", "half")
+            raise RuntimeError("killed")
+    assert list(tmp_path.iterdir()) == []
+    for content in ("first", "second"):
+        with atomic_directory(target) as tmp:
+            assert not target.exists() or (target / "a").read_text() == "first"  # the old one until the rename
+            assert temporary_owner(tmp.name) == (HOST, os.getpid())
+            write_atomic(tmp / "a", content)
+        assert (target / "a").read_text() == content and [p.name for p in tmp_path.iterdir()] == ["ckpt-1"]
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "a").write_text("precious")
+    remove_atomically(target)
+    target.symlink_to(victim)
+    with atomic_directory(target) as tmp:
+        write_atomic(tmp / "a", "new")
+    assert (victim / "a").read_text() == "precious" and not target.is_symlink() and (target / "a").read_text() == "new"
+    assert write_atomic_hashed(tmp_path / "h", b"abc") == (3, "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad")
+
+
+def test_a_dead_writer_s_temporary_directory_is_swept(tmp_path):
+    dead = tmp_path / f".ckpt-1.{HOST}.{_dead_pid()}.{'a' * 16}.tmp"
+    mine = tmp_path / f".ckpt-2.{HOST}.{os.getpid()}.{'b' * 16}.tmp"
+    for d in (dead, mine):
+        d.mkdir()
+        (d / "model.safetensors").write_text("partial")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("keep")
+    (dead / "link").symlink_to(outside)
+    assert sweep_temporaries(tmp_path) == 1
+    assert not dead.exists() and mine.exists() and (outside / "keep").exists()
 
 
 def test_temporary_names_carry_host_and_pid(tmp_path, monkeypatch):

@@ -29,7 +29,7 @@ import torch
 import rpcompile
 from rpcompile.core.files import host_name
 from rpcompile.training.checkpoint import CheckpointWarning, checkpoints, verify_path
-from rpcompile.training.checkpoint.layout import MANIFEST, read_manifest
+from rpcompile.training.checkpoint.layout import MANIFEST
 from rpcompile.training.checkpoint.tensorfile import read_file, write_tensors
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -340,9 +340,9 @@ def test_extra_comes_back_and_one_that_would_not_load_is_refused_when_saving(pla
 
 # ---------------------------------------------------------------------------------------------- torn files
 def test_every_truncation_and_bit_flip_is_detected(tmp_path):
-    """A checkpoint with any of its files cut at every byte (the manifest's content: it is JSON), or with one bit
-    flipped at every byte, fails its manifest's size, checksum or digest check (:func:`rpcompile.training.checkpoint.verify_path`) — before any
-    file is parsed."""
+    """A checkpoint with any of its files cut at every byte (the manifest: within its JSON), or with one bit
+    flipped at every byte, fails its manifest's size, checksum or digest check
+    (:func:`rpcompile.training.checkpoint.verify_path`) — before any file is parsed (pipeline.json: a sample)."""
     model = torch.nn.Linear(2, 2)
     pipe = rpcompile.compile(model, (torch.randn(2, 2),), loss_fn=torch.nn.MSELoss(), devices=["cpu"], spec="cpu",
                              time_limit_s=5.0)

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-import warnings
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,7 @@ from rpcompile.training.checkpoint import save as saving
 from rpcompile.training.checkpoint.legacy import write_legacy
 
 from _hf import VOCAB, token_loss
-from _resume import Net, batch, build, train
+from _resume import Net, build, train
 from test_runtime import FINE_CPU
 
 STEPS = 5

@@ -69,8 +69,11 @@ def read_pipeline(directory: Path) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise ValueError(f"{PIPELINE_FILE} is a JSON {type(obj).__name__}, not an object")
     state = dict(obj)
+    plan = obj.get("plan")
+    if not isinstance(plan, dict):
+        raise ValueError(f"{PIPELINE_FILE} holds no plan")
     try:
-        state["plan"] = Plan.from_dict(obj.get("plan"), source=f"{PIPELINE_FILE}'s plan").to_json()
+        state["plan"] = Plan.from_dict(plan, source=f"{PIPELINE_FILE}'s plan").to_json()
     except PlanFileError as e:
         raise ValueError(str(e)) from None
     seed = obj.get("dropout_seed")

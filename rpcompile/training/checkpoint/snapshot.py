@@ -13,10 +13,11 @@ is done. :func:`write_snapshot` writes a snapshot as one atomic directory (:mod:
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import IO, Any, Callable, Iterator
 
 import torch
 
@@ -122,6 +123,10 @@ def hash_file(path: Path) -> tuple[int, str]:
     return len(data), hashlib.sha256(data).hexdigest()
 
 
+def _torch_save(obj: Any, f: IO[bytes]) -> None:
+    torch.save(obj, f)
+
+
 def write_snapshot(path: Path, snap: Snapshot, max_shard_bytes: int) -> Manifest:
     """Write ``snap`` as the checkpoint directory ``path``, whole or not at all (module docstring)."""
     with atomic_directory(path) as tmp:
@@ -130,10 +135,10 @@ def write_snapshot(path: Path, snap: Snapshot, max_shard_bytes: int) -> Manifest
             files[name] = hash_file(tmp / name)
         optimizers = snap.optimizers or []
         for name, state in zip(optimizer_files(len(optimizers)), optimizers):
-            files[name] = write_atomic_hashed(tmp / name, lambda f, state=state: torch.save(state, f))
+            files[name] = write_atomic_hashed(tmp / name, functools.partial(_torch_save, state))
         files.update(write_pipeline(tmp, snap.pipeline))
         if snap.extra is not None:
-            files[EXTRA_FILE] = write_atomic_hashed(tmp / EXTRA_FILE, lambda f: torch.save(snap.extra, f))
+            files[EXTRA_FILE] = write_atomic_hashed(tmp / EXTRA_FILE, functools.partial(_torch_save, snap.extra))
         manifest = Manifest(files=files, step=snap.step, tied=snap.tied, optimizers=len(optimizers),
                             extra=snap.extra is not None)
         write_atomic(tmp / MANIFEST, manifest.to_json())

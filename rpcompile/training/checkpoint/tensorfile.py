@@ -83,7 +83,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     flat = t.detach().as_subclass(torch.Tensor).cpu().contiguous().reshape(-1)
     if flat.dtype not in _CODES:
         raise ValueError(f"dtype {flat.dtype} has no safetensors code")
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+    return flat.view(torch.uint8).numpy().data if flat.numel() else memoryview(b"")
 
 
 def _layout(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> tuple[bytes, list[str]]:
@@ -217,7 +217,7 @@ def read_tensors(f: IO[bytes], header: Header, names: Iterable[str] | None = Non
         t = torch.empty(e.shape, dtype=e.dtype)
         if e.end > e.begin:
             f.seek(header.data_start + e.begin)
-            view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+            view = t.reshape(-1).view(torch.uint8).numpy().data
             got = 0
             while got < len(view):
                 n = f.readinto(view[got:])  # type: ignore[attr-defined]  # a binary file

@@ -27,10 +27,11 @@ boolean one must match.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import re
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import IO, Any, Mapping
 
 import torch
 
@@ -118,12 +119,15 @@ def shards(tensors: Mapping[str, torch.Tensor], max_bytes: int) -> list[list[str
     return out
 
 
+def _write_shard(f: IO[bytes], *, tensors: Mapping[str, torch.Tensor]) -> None:
+    write_tensors(f, tensors, _METADATA)
+
+
 def _shard_names(count: int) -> list[str]:
     return [WEIGHTS_NAME] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
 
 
-def write_weights(directory: Path, tensors: Mapping[str, torch.Tensor], max_bytes: int, *,
-                  on_tensor: Callable[[], None] | None = None) -> Written:
+def write_weights(directory: Path, tensors: Mapping[str, torch.Tensor], max_bytes: int) -> Written:
     """Write ``tensors`` (aliases removed: :func:`untie`) into ``directory`` as ``model.safetensors`` or shards
     and their index, each file through :func:`write_atomic`; stale shards of an earlier save there are removed.
     Returns each file's bytes and sha256."""
@@ -132,7 +136,7 @@ def write_weights(directory: Path, tensors: Mapping[str, torch.Tensor], max_byte
     written: Written = {}
     for name, group in zip(names, groups):
         part = {k: tensors[k] for k in group}
-        written[name] = write_atomic_hashed(directory / name, lambda f, part=part: write_tensors(f, part, _METADATA))
+        written[name] = write_atomic_hashed(directory / name, functools.partial(_write_shard, tensors=part))
     if len(names) > 1:
         index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
                  "weight_map": {k: name for name, group in zip(names, groups) for k in group}}

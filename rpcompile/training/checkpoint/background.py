@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -73,6 +74,10 @@ class PendingSave:
         """Set once the snapshot no longer shares memory with training (steps wait for it)."""
         self._done = threading.Event()
         self._error: BaseException | None = None
+        self.copy_s: float | None = None
+        """Seconds the copy took (steps wait for it), once done."""
+        self.write_s: float | None = None
+        """Seconds the write took (training went on meanwhile), once done."""
         self._pid = os.getpid()
         self._hooks: list[Any] = []
         self._thread = threading.Thread(target=self._run, args=(snapshot, write), daemon=False,
@@ -97,6 +102,7 @@ class PendingSave:
             self.copied.wait()
 
     def _run(self, snapshot: Snapshot, write: Callable[[Snapshot], None]) -> None:
+        start = time.perf_counter()
         try:
             try:
                 snapshot.copy()
@@ -105,7 +111,9 @@ class PendingSave:
                     if self in _COPYING:
                         _COPYING.remove(self)
                 self.copied.set()
+                self.copy_s = time.perf_counter() - start
             write(snapshot)
+            self.write_s = time.perf_counter() - start - self.copy_s
         except BaseException as e:  # noqa: BLE001 - kept for wait(), and told now
             self._error = e
             warnings.warn(f"background save of {self.path} failed ({first_line(e)}); the checkpoints before it "

@@ -11,9 +11,10 @@ import torch
 
 from ...core.plan import Plan
 from .background import wait_pending
-from .layout import EXTRA_FILE, MANIFEST, newest_good, optimizer_files, read_manifest, verify_directory, verify_path
+from .layout import (EXTRA_FILE, MANIFEST, Manifest, newest_good, optimizer_files, read_manifest, verify_directory,
+                     verify_path)
 from .legacy import read_legacy
-from .pipeline_file import read_pipeline
+from .pipeline_file import PIPELINE_FILE, PIPELINE_TENSORS, read_pipeline
 from .save import PLAN_FILE
 from .state import Checkpoint, CheckpointError, Contents, Resumable, first_line, optimizer_state_problem
 from .tensorfile import read_file
@@ -50,7 +51,10 @@ def read_checkpoint(path: Path) -> Contents:
         manifest = read_manifest(path)
         if manifest.step is None:
             raise ValueError(f"{MANIFEST} names no step (weights alone, save_weights): load_weights reads it")
-        model = read_weights(path, manifest.tied)
+        model = read_weights(path, manifest.tied, listed=manifest.files)
+        unlisted = next((f for f in _needed(path, manifest) if f not in manifest.files and (path / f).exists()), None)
+        if unlisted is not None:
+            raise ValueError(f"{unlisted} is not among the files {MANIFEST} vouches for")
         pipeline = read_pipeline(path)
         optimizers = [_torch_load(path / f) for f in optimizer_files(manifest.optimizers)] \
             if manifest.optimizers else None
@@ -59,6 +63,12 @@ def read_checkpoint(path: Path) -> Contents:
         raise CheckpointError(f"{path}: its checksums hold but its content is malformed ({e}); {_AGAIN}") from None
     return Contents(path=path, step=manifest.step, pipeline=pipeline, model=model, optimizers=optimizers,
                     extra=extra)
+
+
+def _needed(path: Path, manifest: Manifest) -> list[str]:
+    """The files besides the weights that a checkpoint with ``manifest`` is read from."""
+    return [PIPELINE_FILE, *([PIPELINE_TENSORS] if (path / PIPELINE_TENSORS).exists() else []),
+            *optimizer_files(manifest.optimizers), *([EXTRA_FILE] if manifest.extra else [])]
 
 
 def _optimizer_pairs(path: Path, optimizer: Any, saved: list[Any] | None) -> list[tuple[Any, Any]]:
@@ -131,7 +141,7 @@ def _weights_at(path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
         except ValueError as e:
             raise CheckpointError(f"{path} is torn or corrupt ({e}); copy it again or load an earlier checkpoint "
                                   "(rpcompile checkpoint verify lists them)") from None
-        return path, read_weights(path, manifest.tied)
+        return path, read_weights(path, manifest.tied, listed=manifest.files)
     if (path / WEIGHTS_NAME).is_file() or (path / INDEX_NAME).is_file():
         return path, read_weights(path)
     wait_pending(path)

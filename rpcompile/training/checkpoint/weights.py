@@ -31,7 +31,7 @@ import functools
 import json
 import re
 from pathlib import Path
-from typing import IO, Any, Mapping
+from typing import IO, Any, Iterable, Mapping
 
 import torch
 
@@ -183,7 +183,7 @@ def weight_files(directory: Path) -> dict[str, list[str] | None]:
     index = directory / INDEX_NAME
     if not index.is_file():
         if not (directory / WEIGHTS_NAME).is_file():
-            raise FileNotFoundError(f"neither {WEIGHTS_NAME} nor {INDEX_NAME}")
+            raise ValueError(f"neither {WEIGHTS_NAME} nor {INDEX_NAME}")
         return {WEIGHTS_NAME: None}
     try:
         obj = read_json(index, max_bytes=_MAX_INDEX_BYTES, max_depth=3, what="a safetensors index")
@@ -201,11 +201,20 @@ def weight_files(directory: Path) -> dict[str, list[str] | None]:
     return files
 
 
-def read_weights(directory: Path, tied: Mapping[str, str] | None = None) -> dict[str, torch.Tensor]:
+def read_weights(directory: Path, tied: Mapping[str, str] | None = None,
+                 listed: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
     """The tensors of the weights in ``directory`` (checked: module docstring), dropped aliases filled from
-    ``tied`` (dropped → kept); ValueError (one line, naming the file) for a malformed one."""
+    ``tied`` (dropped → kept); ``listed``: the files a manifest vouches for, outside which nothing is read.
+    ValueError (one line, naming the file) for a malformed one."""
     state: dict[str, torch.Tensor] = {}
-    for file, names in weight_files(directory).items():
+    files = weight_files(directory)
+    if listed is not None:
+        unlisted = next((f for f in [*files, *([INDEX_NAME] if INDEX_NAME not in files and
+                                               (directory / INDEX_NAME).is_file() else [])]
+                         if f not in set(listed)), None)
+        if unlisted is not None:
+            raise ValueError(f"{unlisted} is not among the files checkpoint.json vouches for")
+    for file, names in files.items():
         header, tensors = read_file(directory / file)
         if names is not None and set(names) != set(header.names()):
             odd = sorted(set(names) ^ set(header.names()))[0]

@@ -29,6 +29,7 @@ Writes ``benchmarks/results/checkpoint.json`` (``--out``) and prints a table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -38,7 +39,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from rich.console import Console
@@ -59,7 +60,9 @@ WAITED: list[float] = []
 """Seconds the training thread spent waiting for a background save's copy (the instrumented ``wait_copied``)."""
 
 
-def _timed_wait_copied() -> None:
+@contextlib.contextmanager
+def timed_waits() -> Iterator[None]:
+    """Time every wait for a background save's copy into :data:`WAITED` while the block runs."""
     real = background.PendingSave.wait_copied
 
     def wait_copied(self: background.PendingSave) -> None:
@@ -68,6 +71,10 @@ def _timed_wait_copied() -> None:
         WAITED.append(time.perf_counter() - t0)
 
     background.PendingSave.wait_copied = wait_copied  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        background.PendingSave.wait_copied = real  # type: ignore[method-assign]
 
 
 def run(pipe: Any, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, mode: str, *, steps: int, every: int,
@@ -136,7 +143,6 @@ def main(argv: list[str] | None = None) -> int:
         args.dim, args.layers, args.seq, args.steps, args.every, args.device_s = 128, 2, 64, 4, 2, 0.1
         if args.out == RESULTS:
             args.out = RESULTS.with_name("checkpoint-quick.json")
-    _timed_wait_copied()
     model, x, y = build(args.layers, args.dim, args.seq, args.microbatches)
     params = sum(p.numel() for p in model.parameters())
     pipe = rpcompile.compile(model, (x,), loss_fn=lm_loss, devices=[FloorDevice(0), FloorDevice(1)], spec="rtx4090",
@@ -147,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.dir or tempfile.mkdtemp(prefix="rpcompile-ckpt-bench-", dir=os.environ.get("TMPDIR", "/var/tmp")))
     rows = []
     try:
-        with sleeping(seconds):
+        with sleeping(seconds), timed_waits():
             for mode in MODES:
                 rows.append(run(pipe, model, x, y, mode, steps=args.steps, every=args.every, directory=root / mode))
     finally:

@@ -168,3 +168,23 @@ def test_trl_sft_trainer_trains_like_stock_sft_trainer(tmp_path):
         assert logged(ours, key) == pytest.approx(logged(stock, key), rel=1e-4), key
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_each_training_log_carries_the_pipeline_s_measurements(tmp_path):
+    """Every training log (what TensorBoard or W&B receive) has the calls' tokens/s and bubble since the last log,
+    measured from the pipeline's own record of each call."""
+    model = hf_model("llama")
+    seen = []
+    trainer = hf.Trainer(model=model, args=arguments(tmp_path, max_steps=2), train_dataset=dataset(),
+                         data_collator=collate, pipeline=OPTIONS)
+    trainer.train()
+    trainer.pipe.on_step = seen.append
+    batch = collate(dataset(4, seed=3))
+    trainer.pipe.forward_backward(**batch)
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2
+    for h in logs:
+        assert h["pipeline/tokens_per_second"] > 0 and 0 <= h["pipeline/bubble"] < 1
+    (record,) = seen
+    assert record.tokens == int(batch["attention_mask"].sum()) and record.wall_s > 0
+    assert set(record.stage_s) == {s.name for s in trainer.pipe.plan.stages}

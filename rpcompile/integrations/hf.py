@@ -16,6 +16,9 @@ changes underneath:
   optimizer and scheduler work unchanged; the model stays in CPU memory (never moved to ``args.device``).
 - **evaluation** runs ``pipe.evaluate`` (the loss) and, when predictions are asked for, ``pipe.forward`` (the
   logits).
+- **logs**: each training log also carries ``pipeline/tokens_per_second`` and ``pipeline/bubble``, measured over
+  the calls since the last log (:mod:`rpcompile.training.metrics`), so TensorBoard, W&B or any logger the
+  Trainer reports to shows them.
 - **checkpoints**: the Trainer's own (model, optimizer, scheduler, RNG, trainer state) and, beside them,
   ``rpcompile_plan.json`` (the plan) and ``rpcompile_pipeline.pt`` (``pipe.state_dict()``: the iteration that
   seeds dropout, loaded with ``weights_only``); ``resume_from_checkpoint`` compiles with that plan and continues
@@ -136,6 +139,7 @@ class PipelineTrainerMixin:
         self.pipeline_options = pipeline or PipelineOptions()
         self.pipe = None
         self._resume_dir: str | None = None
+        self._records: list[Any] = []  # the training calls' StepRecords since the last log
         super().__init__(*args, **kwargs)
 
     # ---- placement: the model stays on the host, the pipeline uploads its stages
@@ -168,7 +172,19 @@ class PipelineTrainerMixin:
         defer = not self.accelerator.sync_gradients  # not the last call of the accumulation
         with pipe.no_sync() if defer else contextlib.nullcontext():
             loss = pipe.forward_backward(**batch, **scale)
+        self._records.append(pipe.last_step)
         return loss.detach().as_subclass(torch.Tensor)
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """The Trainer's log, with the pipeline's measurements since the last one on training logs (to every logger
+        the Trainer reports to): ``pipeline/tokens_per_second`` (the calls' tokens over their wall time) and
+        ``pipeline/bubble`` (their devices' mean idle share; :mod:`rpcompile.training.metrics`)."""
+        if self._records and "loss" in logs:
+            wall = sum(r.wall_s for r in self._records)
+            logs = {**logs, "pipeline/tokens_per_second": sum(r.tokens for r in self._records) / wall if wall else 0.0,
+                    "pipeline/bubble": sum(r.bubble for r in self._records) / len(self._records)}
+            self._records.clear()
+        super().log(logs, *args, **kwargs)  # type: ignore[misc]
 
     def prediction_step(self, model: torch.nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None) -> tuple[Any, Any, Any]:

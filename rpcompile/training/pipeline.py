@@ -60,6 +60,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import time
 from concurrent.futures import Future, wait
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, NoReturn, Sequence
@@ -81,6 +82,7 @@ from .checkpoint import CheckpointError, check_pipeline_state, pipeline_state
 from .compiled_model import CompiledModel
 from ..core.batch import joined, split_microbatches
 from ..core.errors import ConfigError, LossFnError, RPCompileError
+from ..core.files import write_atomic
 from ..core.plan import Plan
 from ..core.program import Program
 from ..core.schedule import round_robin
@@ -91,6 +93,7 @@ from .loss_weighting import (IGNORE_INDEX, BatchLoss, _checked_weight, _shifts_l
                              shifted_tokens)
 from .oom import out_of_memory
 from .interrupts import deferred
+from .metrics import StepRecord, batch_tokens, chrome_trace, step_record
 from .overlap import Overlap, optimizers_of, schedulers_of, step_now, wait_for_steps, watch_model
 from .signature import InputSignature, check_call_mode
 
@@ -146,6 +149,11 @@ class Pipeline:
         self._overlap.ended = self.executor.restore_threads  # type: ignore[method-assign]
         watch_model(model, self._overlap, self.synchronize)  # model.state_dict / load_state_dict wait for it
         self._no_sync = False  # inside no_sync(): gradient-accumulation calls keep summed gradients on the devices
+        self.last_step: StepRecord | None = None
+        """The last ``forward_backward`` call, measured (:mod:`rpcompile.training.metrics`)."""
+        self.on_step: Callable[[StepRecord], None] | None = None
+        """Called with each ``forward_backward`` call's :class:`~rpcompile.training.metrics.StepRecord` (a logger's
+        hook); None: nobody listens."""
         self.callers = OneCaller()
         """Which thread is inside a call now: a second thread's call meanwhile is refused (:mod:`.callers`)."""
         self._masters = list(params.values())  # what another pipeline's overlapped step may be writing
@@ -350,6 +358,11 @@ class Pipeline:
         """What the last call ran where and when (:class:`rpcompile.runtime.executor.TimelineEvent`)."""
         return self.executor.timeline
 
+    def export_trace(self, path: str | os.PathLike) -> Path:
+        """The last call's :attr:`timeline` as a Chrome/Perfetto trace (JSON, written atomically): open it in
+        ui.perfetto.dev or chrome://tracing (:func:`rpcompile.training.metrics.chrome_trace`)."""
+        return write_atomic(path, chrome_trace(self.executor.timeline, devices=len(self.devices)))
+
     def _schedule(self, m: int, offset: int = 0) -> list:
         """The round-robin schedule for ``m`` microbatches (the plan's, or fewer for a batch with fewer rows), its
         first stage on device ``offset``."""
@@ -400,10 +413,18 @@ class Pipeline:
         accumulation = checked_accumulation(loss_scale, num_items)
         call = functools.partial(self._forward_backward, inputs, target, kwargs, accumulation)
         self.executor.interrupted = False
+        start = time.perf_counter()
         # a Ctrl-C stops the workers at their next action and is raised once the call is settled, never in the
         # middle of its bookkeeping (rpcompile.training.interrupts)
         with deferred(stop=self._interrupt):
-            return (call() if self._rank is None else self._rank.run(call)).as_subclass(BatchLoss)
+            loss = (call() if self._rank is None else self._rank.run(call)).as_subclass(BatchLoss)
+        self.last_step = step_record(iteration=self.iteration, loss=loss, wall_s=time.perf_counter() - start,
+                                     tokens=batch_tokens(inputs, kwargs), timeline=self.executor.timeline,
+                                     devices=len(self.devices), host_traffic=self.host_traffic,
+                                     no_sync=self.executor.sums.deferring)
+        if self.on_step is not None:
+            self.on_step(self.last_step)
+        return loss
 
     def _interrupt(self) -> None:
         """A Ctrl-C during :meth:`forward_backward` (from the signal handler: a flag, no lock)."""

@@ -47,8 +47,13 @@ def quantized(kind: str, tmp: Path, *, wide: bool = False, **bnb_options) -> tor
     options = {**dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                       bnb_4bit_compute_dtype=torch.float32), **bnb_options}
     config = transformers.BitsAndBytesConfig(**options)
-    return transformers.AutoModelForCausalLM.from_pretrained(tmp / kind, quantization_config=config,
-                                                             device_map={"": "cpu"}, dtype=torch.float32)
+    try:
+        return transformers.AutoModelForCausalLM.from_pretrained(tmp / kind, quantization_config=config,
+                                                                 device_map={"": "cpu"}, dtype=torch.float32)
+    except RuntimeError as e:  # older transformers load bitsandbytes models on accelerators only (make test-compat)
+        if "bitsandbytes" not in str(e):
+            raise
+        pytest.skip(f"transformers {transformers.__version__} loads no bitsandbytes 4-bit model on the CPU")
 
 
 def qlora(kind: str, tmp: Path, *, wide: bool = False, **bnb_options) -> torch.nn.Module:

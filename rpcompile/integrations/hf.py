@@ -19,6 +19,9 @@ changes underneath:
 - **logs**: each training log also carries ``pipeline/tokens_per_second`` and ``pipeline/bubble``, measured over
   the calls since the last log (:mod:`rpcompile.training.metrics`), so TensorBoard, W&B or any logger the
   Trainer reports to shows them.
+- **overlap** (``PipelineOptions(overlap=True)``): the Trainer's ``optimizer.step()`` runs as ``pipe.step(...,
+  overlap=True)`` beside the next iteration (one step stale; the scheduler stepped with it), the last one waited for
+  when ``train`` returns.
 - **checkpoints**: the Trainer's own (model, optimizer, scheduler, RNG, trainer state) and, beside them,
   ``rpcompile_plan.json`` (the plan) and ``rpcompile_pipeline.pt`` (``pipe.state_dict()``: the iteration that
   seeds dropout, loaded with ``weights_only``); ``resume_from_checkpoint`` compiles with that plan and continues
@@ -34,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import types
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -78,6 +82,9 @@ class PipelineOptions:
     """The longest sequence the Trainer will hand over: the pipeline is planned for it (the first batch, padded to
     it, is the example). Default: TRL's ``args.max_length`` where there is one, else the first batch's length —
     then a longer batch later is refused in one line."""
+    overlap: bool = False
+    """The optimizer step (and the scheduler's) on a thread beside the next iteration — ``pipe.step(optimizer,
+    overlap=True)``, one step stale — where the Trainer calls ``optimizer.step()``."""
     compile_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     """Any other ``rpcompile.compile`` keyword (``memory_limit``, ``host_embedding``, ...)."""
 
@@ -131,6 +138,8 @@ class PipelineTrainerMixin:
     model: Any
     accelerator: Any
     current_gradient_accumulation_steps: int
+    optimizer: Any
+    lr_scheduler: Any
 
     def __init__(self, *args: Any, pipeline: PipelineOptions | None = None, **kwargs: Any) -> None:
         if pipeline is not None and not isinstance(pipeline, PipelineOptions):
@@ -140,6 +149,8 @@ class PipelineTrainerMixin:
         self.pipe = None
         self._resume_dir: str | None = None
         self._records: list[Any] = []  # the training calls' StepRecords since the last log
+        self._stepping: Any = None  # the optimizer whose step() runs overlapped (PipelineOptions.overlap)
+        self._lr_before_step: float | None = None  # what the Trainer logs as the step's learning rate
         super().__init__(*args, **kwargs)
 
     # ---- placement: the model stays on the host, the pipeline uploads its stages
@@ -169,11 +180,52 @@ class PipelineTrainerMixin:
         pipe = self._pipeline(batch)
         scale: dict[str, float] = ({"num_items": float(num_items_in_batch)} if num_items_in_batch is not None
                                    else {"loss_scale": 1.0 / self.current_gradient_accumulation_steps})
-        defer = not self.accelerator.sync_gradients  # not the last call of the accumulation
+        self._overlap_steps(pipe)
+        # not the last call of the accumulation (no_sync does not run beside an overlapped step)
+        defer = not self.accelerator.sync_gradients and not self.pipeline_options.overlap
         with pipe.no_sync() if defer else contextlib.nullcontext():
             loss = pipe.forward_backward(**batch, **scale)
         self._records.append(pipe.last_step)
         return loss.detach().as_subclass(torch.Tensor)
+
+    def _overlap_steps(self, pipe: Any) -> None:
+        """With ``PipelineOptions.overlap``: the Trainer's ``optimizer.step()`` becomes ``pipe.step(optimizer,
+        overlap=True, scheduler=...)`` (the scheduler stepped on the step's thread, right after the optimizer, as
+        the overlap requires) and its own ``lr_scheduler.step()`` nothing; the learning rate it logs is the one
+        read before the step was submitted, as the Trainer reads it."""
+        if not self.pipeline_options.overlap or self._stepping is self.optimizer:
+            return
+        if pipe.overlap_iterations and self.args.max_grad_norm:
+            raise ConfigError("PipelineOptions(overlap=True) with a plan made for overlapped iterations cannot clip "
+                              "(the next iteration's gradients still land while the Trainer reads them): set "
+                              "max_grad_norm=0, or plan without overlap=True")
+        optimizer, scheduler = getattr(self.optimizer, "optimizer", self.optimizer), self.lr_scheduler
+        inner = getattr(scheduler, "scheduler", scheduler)
+        # the scheduler's own step, for the step's thread; the Trainer's call to it becomes nothing
+        stepper = types.SimpleNamespace(step=scheduler.step) if scheduler is not None else None
+
+        def step(*args: Any, **kwargs: Any) -> None:
+            self._lr_before_step = float(inner.get_last_lr()[0]) if inner is not None else None
+            pipe.step(optimizer, overlap=True, scheduler=stepper)
+
+        self.optimizer.step = step  # an instance attribute shadows the method: the Trainer's own call lands here
+        if scheduler is not None:
+            scheduler.step = lambda *args, **kwargs: None
+        self._stepping = self.optimizer
+
+    def _get_learning_rate(self) -> float:
+        if self._stepping is not None and self._lr_before_step is not None:
+            return self._lr_before_step
+        return super()._get_learning_rate()  # type: ignore[misc]
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's ``train``; with overlapped steps, the last one waited for before it returns (the model's
+        weights are then the trained ones)."""
+        try:
+            return super().train(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            if self.pipe is not None:
+                self.pipe.synchronize()
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """The Trainer's log, with the pipeline's measurements since the last one on training logs (to every logger

@@ -82,7 +82,32 @@ def trace(
     leaves = _check_leaves(model, tuple(leaf_modules))
     # a 4-bit base is reached through its packed weights and scales (:mod:`.quantized`); refused here if it cannot
     with _buffers_kept(model), traceable_quantized(model):  # fx runs what it cannot trace for real (a buffer's += 1)
-        return _trace(model, args, kwargs, leaves, method, dtype)
+        gm = _trace(model, args, kwargs, leaves, method, dtype)
+    return _called_like_the_model(gm, {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)})
+
+
+def _called_like_the_model(gm: fx.GraphModule, constants: dict[str, Any]) -> fx.GraphModule:
+    """``gm`` callable as the model is: the non-tensor arguments it was specialised for (an HF model's
+    ``use_cache=False``, which the trace adds) are placeholders of the exported graph, filled in here when a call
+    leaves them out. The graph module's class is its own, so only ``gm`` changes (until a pass recompiles it)."""
+    cls = type(gm)
+    inner = cls.forward
+    try:
+        sig = inspect.signature(inner)
+    except (TypeError, ValueError):
+        return gm
+    fill = {k: v for k, v in constants.items() if k in sig.parameters}
+    if not fill:
+        return gm
+
+    def forward(self: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+        bound = sig.bind_partial(self, *args, **kwargs)
+        for k, v in fill.items():
+            bound.arguments.setdefault(k, v)
+        return inner(*bound.args, **bound.kwargs)
+
+    cls.forward = forward
+    return gm
 
 
 def _trace(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: tuple[LeafSpec, ...],

@@ -37,6 +37,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from rpcompile.passes.formulate import PRECISION_BYTES
 from rpcompile.passes.trace import training_inputs
 from rpcompile.runtime.devices import make_devices
 
@@ -61,12 +62,12 @@ def compile(
     model: torch.nn.Module,
     example_inputs: Sequence[Any] = (),
     *,
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     gpus: int | None = None,
     devices: Sequence[str | torch.device] | None = None,
     microbatches: int | None = None,
     plan: Plan | str | os.PathLike | None = None,
-    precision: str = "fp32",
+    precision: str | None = None,
     example_kwargs: Mapping[str, Any] | None = None,
     scaler: Any = None,
     spec: Any = None,
@@ -118,6 +119,10 @@ def compile(
     """
     check_compile_arguments(model, example_inputs, example_kwargs, loss_fn=loss_fn, devices=devices, gpus=gpus,
                             microbatches=microbatches)
+    source = "the plan" if isinstance(plan, Plan) else str(plan)
+    if plan is not None and not isinstance(plan, Plan):
+        plan = Plan.load(plan)
+    precision = _precision(plan, precision)
     if precision not in _DTYPES:
         raise ConfigError(f"precision must be one of {sorted(_DTYPES)}, got {precision!r}")
     dp = data_parallel_group(data_parallel)
@@ -141,9 +146,6 @@ def compile(
                              "them in the example (example_kwargs={'input_ids': ids, 'labels': labels}) or give loss_fn=")
     with within_host_memory("compile"):  # the allocator's raw error as one line (rpcompile.training.host_memory)
         if plan is not None:
-            source = "the plan" if isinstance(plan, Plan) else str(plan)
-            if not isinstance(plan, Plan):
-                plan = Plan.load(plan)
             # the graph the plan was made from: its LM head split, its embedding lookups on the host
             gm = graph_as_planned(plan, model, example_inputs, loss_fn=loss_fn, example_kwargs=example_kwargs,
                                   precision=precision)
@@ -181,6 +183,20 @@ def compile(
                         frozen_masters=frozen_masters)
         log.info("%s: %.2f s", "pipeline", time.perf_counter() - t0)  # stage code, host weight copies (pinned for GPUs)
         return pipe
+
+
+def _precision(plan: Plan | None, precision: str | None) -> str:
+    """The precision to run in: the plan's own (its memory and times assume it) unless ``precision`` says
+    otherwise, and fp32 without a plan. A run wider than its plan (fp32 for a bf16 plan: twice the memory the
+    plan budgeted) is refused in one line; a narrower one fits what the plan counted. (An exported graph records
+    its casts for one precision: that path refuses any other, ``graph_as_planned``.)"""
+    if plan is None or precision is None:
+        return plan.precision if plan is not None else precision or "fp32"
+    if PRECISION_BYTES.get(precision, 0) > PRECISION_BYTES.get(plan.precision, 0):
+        raise ConfigError(f"precision={precision!r} but the plan was made for {plan.precision!r} (its memory and "
+                          f"times assume it): compile with precision={plan.precision!r} or none, or re-plan for "
+                          f"{precision!r}")
+    return precision
 
 
 def _join(dp: DataParallel, local: Callable[..., Pipeline], plan: "Plan | str | os.PathLike | None",

@@ -68,8 +68,9 @@ class PipelineOptions:
     """GPUs ``cuda:0..gpus-1``; with neither this nor ``devices``, every visible GPU (or one logical CPU device)."""
     devices: Sequence[Any] | None = None
     """Devices by name (``["cpu", "cpu"]``: two logical CPU devices)."""
-    precision: str = "fp32"
-    """Compute precision of the stages (``"bf16"``, ``"fp16"``, ``"fp32"``); the masters stay fp32."""
+    precision: str | None = None
+    """Compute precision of the stages (``"bf16"``, ``"fp16"``, ``"fp32"``; default: the plan's, else fp32); the
+    masters stay fp32."""
     microbatches: int | None = None
     """Microbatches per batch (default: the planner's choice)."""
     spec: Any = None
@@ -92,7 +93,7 @@ class PipelineOptions:
         if self.max_length is not None and (not isinstance(self.max_length, int) or self.max_length < 1):
             raise ConfigError(f"PipelineOptions(max_length={self.max_length!r}): give the longest sequence length "
                               "the Trainer will see (a positive int), or None for the first batch's")
-        if self.precision not in ("fp32", "bf16", "fp16"):
+        if self.precision not in (None, "fp32", "bf16", "fp16"):
             raise ConfigError(f"PipelineOptions(precision={self.precision!r}): use 'fp32', 'bf16' or 'fp16'")
         clash = {"loss_fn", "example_kwargs", "example_target"} & set(self.compile_kwargs)
         if clash:
@@ -102,9 +103,8 @@ class PipelineOptions:
     def kwargs(self) -> dict[str, Any]:
         """``rpcompile.compile``'s keywords (those given)."""
         named = {"gpus": self.gpus, "devices": self.devices, "microbatches": self.microbatches, "spec": self.spec,
-                 "plan": self.plan, "time_limit_s": self.time_limit_s}
-        return {"precision": self.precision, **{k: v for k, v in named.items() if v is not None},
-                **self.compile_kwargs}
+                 "plan": self.plan, "time_limit_s": self.time_limit_s, "precision": self.precision}
+        return {**{k: v for k, v in named.items() if v is not None}, **self.compile_kwargs}
 
 
 def _host(batch: Mapping[str, Any]) -> dict[str, Any]:

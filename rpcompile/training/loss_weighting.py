@@ -131,9 +131,13 @@ class MicrobatchLoss:
             loss = self._loss_fn(output, target, j)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            what = "loss_fn returned" if self.where == "outside" else "the model's loss (loss_fn=None) is"
-            raise LossFnError(f"{what} {shape}, not a scalar: reduce it over the batch (reduction="
-                              "'mean' or 'sum')")
+            if self.where != "own":
+                what = "loss_fn returned" if self.where == "outside" else "the loss in the graph is"
+                raise LossFnError(f"{what} {shape}, not a scalar: reduce it over the batch (reduction='mean' or "
+                                  "'sum')")
+            raise LossFnError(f"without a loss_fn the model's output is the loss, but it is {shape}, not a scalar: "
+                              "compile with loss_fn= (e.g. torch.nn.functional.cross_entropy), or have the model "
+                              "return its loss reduced over the batch")
         if self.summed:
             return loss * self.scale if self.scale != 1.0 else loss
         if self.weights[j] == 0:  # nothing to average (all padding): the mean is nan, its gradient zero

@@ -18,7 +18,7 @@ __all__ = ["profile", "models", "demo"]
 
 def profile(args: argparse.Namespace) -> int:
     ms = load(args)
-    prof = profile_model(ms.model, ms.example_inputs, spec=args.spec, device=args.device, dtype=dtype(args.dtype),
+    prof = profile_model(ms.model, ms.example_inputs, spec=args.spec, device=args.device, dtype=dtype(args.precision),
                          depth=args.depth, progress=bars(args), probe_host=args.probe_host, cache=args.cache)
     if args.json:
         print(json.dumps(prof.to_dict(nodes=args.nodes)))

@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -164,10 +165,12 @@ def compile(
             memory_limit = gpu_memory_limit(devs[0].torch_device, spec)
         # costs measured with the intra-op threads each logical CPU device will have
         threads = max(1, torch.get_num_threads() // len(devs)) if on_cpu and len(devs) > 1 else None
+        progress = plan_options.pop("progress", None)  # what compile does, on stderr: on a terminal unless False
         made = compile_plan(
             model, example_inputs, gpus=len(devs), spec=spec,
             device=None if spec is not None else devs[0].torch_device, memory_limit=memory_limit,
-            microbatches=microbatches, precision=precision, example_kwargs=example_kwargs, progress=False,
+            microbatches=microbatches, precision=precision, example_kwargs=example_kwargs,
+            progress=sys.stderr.isatty() if progress is None else bool(progress),
             loss_fn=loss_fn, example_target=example_target, head_chunks=head_chunks, host_embedding=host_embedding,
             threads=threads, **plan_options)
         if "allow_save" not in plan_options:  # saved activations the host may not hold: recomputed instead

@@ -53,3 +53,41 @@ def test_the_timeline_exports_as_a_perfetto_trace(pipe, tmp_path):
         assert e["tid"] == t.device and e["args"]["stage"] == t.stage
         assert e["ts"] == pytest.approx(t.start * 1e6, abs=1e-3) and e["dur"] >= 0
     assert {e["cat"] for e in spans} == {"W", "F", "G"}
+
+
+def test_compile_says_what_it_is_doing_unless_told_not_to(monkeypatch, capsys):
+    """``compile(..., progress=True)`` (the default on a terminal) shows each pass on stderr while it runs — the
+    solve against its time limit; ``progress=False`` shows nothing."""
+    from rpcompile.planner import planning
+
+    shown = []
+
+    class Recording:
+        def __init__(self, *columns, **kwargs):
+            shown.append([getattr(c, "text_format", "") for c in columns])
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def add_task(self, *args, **kwargs):
+            return 0
+
+        task_ids, tasks = [0], [type("T", (), {"total": 1.0})()]
+
+        def update(self, *args, **kwargs):
+            pass
+
+    monkeypatch.setattr(planning, "Progress", Recording)
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    x = torch.randn(6, 8)
+    rpcompile.compile(mlp, (x,), loss_fn=torch.nn.functional.cross_entropy, devices=["cpu"], spec=FINE_CPU,
+                      time_limit_s=1.0, progress=False)
+    assert shown == []
+    rpcompile.compile(mlp, (x,), loss_fn=torch.nn.functional.cross_entropy, devices=["cpu"], spec=FINE_CPU,
+                      time_limit_s=1.0, progress=True)
+    texts = [t for columns in shown for t in columns if t]
+    assert "compile: tracing the model" in texts and "compile: solving the partition" in texts
+    assert "(time limit 1 s)" in texts

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -29,6 +30,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from rpcompile.passes.analytic import AnalyticCostModel
 from rpcompile.passes.background import solving
@@ -61,6 +64,7 @@ from .shared_trace import TraceOnce
 __all__ = [
     "Compilation",
     "PASSES",
+    "DOING",
     "FRONT",
     "run",
     "start",
@@ -305,16 +309,58 @@ SOLVE = [name for name, _ in PASSES].index("partition")
 BACK = PASSES[6:]
 
 
+#: What each pass is doing, as the progress line on stderr says it.
+DOING = {"trace": "tracing the model", "loss_head": "placing the loss", "shape": "propagating shapes",
+         "cost": "costing every node", "host": "moving embedding lookups to the host",
+         "coarsen": "grouping nodes into segments", "problem": "pricing the segments",
+         "partition": "solving the partition", "lower": "writing the plan"}
+
+
 def run(c: Compilation, passes: Sequence[tuple[str, Pass]] = PASSES) -> Compilation:
-    """Run ``passes`` on ``c`` in order, logging each one's time; returns ``c``. Meta kernels run without
-    importing TorchDynamo (:func:`~rpcompile.passes.meta.without_dynamo_import`)."""
+    """Run ``passes`` on ``c`` in order, logging each one's time; returns ``c``. With ``c.progress=True`` each pass
+    shows a line on stderr while it runs — what it does, the time it has taken, and for the solve the time left of
+    its limit (the cost pass draws its own bar; ``rpcompile.compile`` asks for them on a terminal, the CLI draws its
+    own). Meta kernels run without importing TorchDynamo (:func:`~rpcompile.passes.meta.without_dynamo_import`)."""
     with without_dynamo_import():
         for name, fn in passes:
             t0 = time.perf_counter()
-            fn(c)
+            with _showing(c, name):
+                fn(c)
             c.times[name] = time.perf_counter() - t0
             log.info("%s: %.2f s", name, c.times[name])
     return c
+
+
+@contextlib.contextmanager
+def _showing(c: Compilation, name: str) -> Iterator[None]:
+    """A transient progress line on stderr while pass ``name`` runs (:func:`run`)."""
+    if c.progress is not True or name == "cost":
+        yield
+        return
+    limit = c.time_limit_s if name == "partition" else None
+    columns = [SpinnerColumn(), TextColumn(f"compile: {DOING.get(name, name)}"), TimeElapsedColumn()]
+    if limit is not None:
+        columns += [TextColumn(f"(time limit {limit:g} s)"), TimeRemainingColumn()]
+    with Progress(*columns, transient=True, console=Console(stderr=True)) as bar:
+        bar.add_task(name, total=limit)  # the solve's bar runs against its limit (it may end sooner)
+        if limit is None:
+            yield
+            return
+        done = threading.Event()
+        ticker = threading.Thread(target=_tick, args=(bar, done), daemon=True)
+        ticker.start()
+        try:
+            yield
+        finally:
+            done.set()
+            ticker.join()
+
+
+def _tick(bar: Progress, done: threading.Event) -> None:
+    """Advance the solve's bar by the wall time until ``done`` (a bar against the time limit)."""
+    start = time.perf_counter()
+    while not done.wait(0.2):
+        bar.update(bar.task_ids[0], completed=min(time.perf_counter() - start, bar.tasks[0].total or 0.0))
 
 
 # ------------------------------------------------------------------------------------------------- drivers

@@ -7,8 +7,8 @@ planning options and the solver itself — so when none of them moved, a fresh s
 
 The record (plain JSON):
 
-- ``costs``: digest of every compute node's :class:`~.cost.NodeCost` (times, bytes, FLOPs, parameters), in order;
-- ``problem``: digest of the :class:`~.problem.PartitionProblem` (the solvers' whole input, in plain numbers);
+- ``costs``: digest of every compute node's :class:`~.cost.cost.NodeCost` (times, bytes, FLOPs, parameters), in order;
+- ``problem``: digest of the :class:`~.solver.problem.PartitionProblem` (the solvers' whole input, in plain numbers);
 - ``hardware``: digest of the plan's :class:`~rpcompile.core.plan.Hardware` (spec, memory, link, host rates);
 - ``options``: the planning options, readable (``strategy``, ``microbatches``, ``precision``, ``memory_bytes``,
   ``head_chunks``, ``host`` embeddings, ``segments_per_layer``, ``max_segments``, ``allow_save``, ``allow_stay``, and
@@ -32,18 +32,19 @@ import torch.fx as fx
 
 from rpcompile.core.plan import Hardware
 
-from .coarsen import COARSEN_META
-from .cost import COST_KEY
-from .host import host_of
-from .loss_head import HEAD_CHUNKS_META
-from .util import compute_nodes
+from .cost.cost import COST_KEY
+from .graph.util import compute_nodes
+from .rewrite.coarsen import COARSEN_META
+from .rewrite.host import host_of
+from .rewrite.loss_head import HEAD_CHUNKS_META
 
 __all__ = ["SOLVER_MODULES", "solve_inputs", "moved_inputs", "hardware_digest", "solver_digest"]
 
 #: The partitioner's modules: their source is part of what a plan was solved from.
-SOLVER_MODULES = ("partition", "ilp", "polish", "scorer", "greedy", "exact", "lagrange", "balance", "baselines", "bounds",
-                  "tables", "timing", "recurrence", "problem", "formulate", "coarsen", "segment_rules", "stays",
-                  "stay_search")
+SOLVER_MODULES = ("solver.partition", "solver.ilp", "solver.polish", "solver.scorer", "solver.greedy", "solver.exact",
+                  "solver.lagrange", "solver.balance", "solver.baselines", "solver.bounds", "solver.tables",
+                  "solver.timing", "solver.recurrence", "solver.problem", "formulate", "rewrite.coarsen",
+                  "solver.segment_rules", "solver.stays", "solver.stay_search")
 
 
 def _digest(text: str) -> str:

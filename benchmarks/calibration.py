@@ -57,11 +57,11 @@ from rpcompile.core.specs import GiB, get_spec
 from rpcompile.models import load_model
 from rpcompile.models.llama import Llama, LlamaConfig
 from rpcompile.models.registry import lm_loss
-from rpcompile.passes.coarsen import segments_of
 from rpcompile.passes.formulate import launch_bound
-from rpcompile.passes.partition import solve
-from rpcompile.passes.problem import PartitionProblem
-from rpcompile.passes.timing import host_times, iteration_time, stage_costs
+from rpcompile.passes.rewrite.coarsen import segments_of
+from rpcompile.passes.solver.partition import solve
+from rpcompile.passes.solver.problem import PartitionProblem
+from rpcompile.passes.solver.timing import host_times, iteration_time, stage_costs
 from rpcompile.planner.planning import make_hardware, partition_problem, prepare
 
 HERE = Path(__file__).parent

@@ -3,7 +3,7 @@
 Models at published shapes on the meta device (analytic ``rtx4090`` costs in bf16, sequence 4096, one sequence per
 microbatch, 20.12 GiB usable per GPU, PCIe 4.0 links, the host rates assumed for the spec), planned as
 ``rpcompile.plan`` does by default (token embeddings on the host, ``head_chunks="auto"``: the whole LM head and 8
-sequence chunks, the plan predicted faster kept) and simulated (:mod:`rpcompile.runtime.simulator`). Three rows a
+sequence chunks, the plan predicted faster kept) and simulated (:mod:`rpcompile.runtime.sim.simulator`). Three rows a
 model:
 
 - ``synchronous``: the plan made for synchronous training, one iteration: the pipeline, then the optimizer step
@@ -51,8 +51,8 @@ from rich.table import Table
 
 from rpcompile.models import load_model
 from rpcompile.passes.lower import _tokens
-from rpcompile.passes.partition import solve
-from rpcompile.passes.timing import iteration_time, stage_costs
+from rpcompile.passes.solver.partition import solve
+from rpcompile.passes.solver.timing import iteration_time, stage_costs
 from rpcompile.planner.planning import make_hardware, partition_problem, prepare
 from rpcompile.tools.scenarios import from_segment_plan, overlapped
 from rpcompile.views.report import fmt_time

@@ -50,7 +50,7 @@ from rpcompile.core.stages import HostLoad
 from rpcompile.core.schedule import OVERLAP_ITERATIONS
 from rpcompile.models import Llama, LlamaConfig
 from rpcompile.runtime.executor import Executor
-from rpcompile.runtime.simulator import simulate
+from rpcompile.runtime.sim.simulator import simulate
 from rpcompile.tools.scenarios import from_plan
 
 from floor import FloorDevice  # benchmarks/

@@ -2,9 +2,10 @@
 
 Each analysis pass writes one namespaced ``node.meta`` key:
 
-- :func:`~rpcompile.passes.shape.shape_pass` → ``"rpcompile.shape"`` (dtype, shape, bytes of each output);
-- :func:`~rpcompile.passes.cost.cost_pass` → ``"rpcompile.cost"`` (time, bytes, FLOPs per node), with a
-  :class:`~rpcompile.passes.measured.MeasuredCostModel` or an :class:`~rpcompile.passes.analytic.AnalyticCostModel`.
+- :func:`~rpcompile.passes.graph.shape.shape_pass` → ``"rpcompile.shape"`` (dtype, shape, bytes of each output);
+- :func:`~rpcompile.passes.cost.cost.cost_pass` → ``"rpcompile.cost"`` (time, bytes, FLOPs per node), with a
+  :class:`~rpcompile.passes.cost.measured.MeasuredCostModel` or an
+  :class:`~rpcompile.passes.cost.analytic.AnalyticCostModel`.
 
 Imports are lazy so that the torch-free solver modules can be imported without torch.
 """
@@ -15,14 +16,14 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "shape_pass": "shape",
-    "SHAPE_KEY": "shape",
-    "cost_pass": "cost",
-    "COST_KEY": "cost",
-    "NodeCost": "cost",
-    "CostModel": "cost",
-    "MeasuredCostModel": "measured",
-    "AnalyticCostModel": "analytic",
+    "shape_pass": "graph.shape",
+    "SHAPE_KEY": "graph.shape",
+    "cost_pass": "cost.cost",
+    "COST_KEY": "cost.cost",
+    "NodeCost": "cost.cost",
+    "CostModel": "cost.cost",
+    "MeasuredCostModel": "cost.measured",
+    "AnalyticCostModel": "cost.analytic",
 }
 
 __all__ = list(_EXPORTS)

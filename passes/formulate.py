@@ -1,4 +1,4 @@
-"""The problem pass: a costed, coarsened graph → a :class:`~rpcompile.passes.problem.PartitionProblem` of plain
+"""The problem pass: a costed, coarsened graph → a :class:`~rpcompile.passes.solver.problem.PartitionProblem` of plain
 numbers (per segment: times, activation and weight bytes; the hardware; the microbatch count) for the solvers.
 
 **Launch-bound segments.** A GPU runs a stage's kernels as the host issues them, and the host issues one graph
@@ -20,12 +20,12 @@ import torch.fx as fx
 from rpcompile.core.plan import Hardware
 from rpcompile.core.stages import host_load
 
-from .coarsen import segments_of
-from .cost import DTYPE_KEY
-from .host import host_of
-from .loss_memory import LOSS_BYTES_KEY
-from .problem import PartitionProblem, SharedParam
-from .shape import SHAPE_KEY, scaled_nbytes
+from .cost.cost import DTYPE_KEY
+from .cost.loss_memory import LOSS_BYTES_KEY
+from .graph.shape import SHAPE_KEY, scaled_nbytes
+from .rewrite.coarsen import segments_of
+from .rewrite.host import host_of
+from .solver.problem import PartitionProblem, SharedParam
 
 __all__ = ["partition_problem", "launch_bound", "PRECISION_BYTES"]
 
@@ -77,7 +77,7 @@ def partition_problem(
         bwd_s=tuple(launch_bound(s.bwd_s, s.backward_ops, spec.backward_dispatch_s) for s in segs),
         rec_s=fwd,
         # a loss that runs after the graph (the whole LM head) runs in the fused stage, which always holds the last
-        # segment: its peak bytes count there (:mod:`.loss_memory`)
+        # segment: its peak bytes count there (:mod:`.cost.loss_memory`)
         act_bytes=tuple(s.act_bytes + (int(gm.meta.get(LOSS_BYTES_KEY, 0)) if s is segs[-1] else 0) for s in segs),
         peak_bytes=tuple(s.peak_bytes for s in segs),
         transient_bytes=tuple(s.transient_bytes for s in segs),

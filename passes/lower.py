@@ -19,14 +19,14 @@ from rpcompile.core.errors import ConfigError
 from rpcompile.core.plan import Hardware, Plan, Prediction, Stage, StageKind
 from rpcompile.core.schedule import weight_stays
 
-from .coarsen import segments_of
-from .fingerprint import fingerprint
-from .host import host_of
-from .loss_head import HEAD_CHUNKS_META
+from .graph.fingerprint import fingerprint
+from .graph.shape import SHAPE_KEY
+from .graph.util import compute_nodes, module_path, node_params
 from .plan_inputs import solve_inputs
-from .shape import SHAPE_KEY
-from .timing import bubble_fraction, host_times, iteration_time, no_sync_time, stage_costs
-from .util import compute_nodes, module_path, node_params
+from .rewrite.coarsen import segments_of
+from .rewrite.host import host_of
+from .rewrite.loss_head import HEAD_CHUNKS_META
+from .solver.timing import bubble_fraction, host_times, iteration_time, no_sync_time, stage_costs
 
 __all__ = ["plan_from_ranges", "to_plan"]
 

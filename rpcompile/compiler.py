@@ -39,7 +39,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from rpcompile.passes.formulate import PRECISION_BYTES
-from rpcompile.passes.trace import training_inputs
+from rpcompile.passes.graph.trace import training_inputs
 from rpcompile.runtime.devices import make_devices
 
 from .core.errors import ConfigError, PlanVerificationError, RPCompileError
@@ -92,12 +92,13 @@ def compile(
     (:mod:`rpcompile.training.host_memory`).
 
     ``head_chunks=k`` (with ``example_target``, a target for ``example_inputs``) moves a mean token cross-entropy
-    into the graph and splits it with the LM head into ``k`` sequence chunks (:mod:`rpcompile.passes.loss_head`):
+    into the graph and splits it with the LM head into ``k`` sequence chunks
+    (:mod:`rpcompile.passes.rewrite.loss_head`):
     the full logits never exist and the head spreads over stages. ``forward_backward`` is unchanged;
     ``forward(x, target=y)`` then returns the loss. The default ``"auto"`` plans the whole head and — given
     ``example_target`` and a head that can be split — 8 chunks as well, and keeps the faster plan.
     ``host_embedding`` (default on) runs token embeddings whose tables are larger than what an iteration looks
-    up on the host, next to their fp32 masters (:mod:`rpcompile.passes.host`): the first stage receives the
+    up on the host, next to their fp32 masters (:mod:`rpcompile.passes.rewrite.host`): the first stage receives the
     looked-up rows instead of uploading the table, and the rows' gradients go into the table's ``.grad``;
     ``False`` keeps every table on the devices, and node names move exactly those lookups.
 

@@ -7,8 +7,8 @@ the fp32 gradients land:
 
 - **Buckets.** The trainable parameters are grouped into buckets of about ``bucket_bytes`` in the order their
   gradients complete: by the last grad stage (in the schedule's ``FB, B1, B2, …`` order) that computes them; a
-  token-embedding table the host looks rows up in (:mod:`rpcompile.passes.host`) completes when the host thread has
-  added the last microbatch's rows. Frozen parameters are in no bucket; a tied parameter is one ``Parameter`` and
+  token-embedding table the host looks rows up in (:mod:`rpcompile.passes.rewrite.host`) completes when the host thread
+  has added the last microbatch's rows. Frozen parameters are in no bucket; a tied parameter is one ``Parameter`` and
   sits in one bucket, reduced once.
 - **Events.** The gradient sink calls :meth:`landed` with a stage's index once that stage's gradients are all added
   (:class:`~.weights.GradSink`'s ``listener``); the executor's host thread calls it with ``"host"`` once the

@@ -23,9 +23,9 @@ from torch.utils import _pytree as pytree
 from rpcompile.core.program import StageProgram
 
 from .activity import span
-from .capture import HostSaved
 from .devices import Device
 from .offload import Landing
+from .segments.capture import HostSaved
 from .stays import DeviceGrads, DeviceWeights
 from .values import ValueStore
 from .weights import GradSink, WeightStore

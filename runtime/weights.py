@@ -127,7 +127,7 @@ class WeightStore:
     """The tensors devices upload parameters from (module docstring).
 
     ``uploaded``: names of the parameters stages upload; ``host_only``: parameters read on the host only (token
-    embedding tables, :mod:`rpcompile.passes.host`), which need a copy only while overlapping."""
+    embedding tables, :mod:`rpcompile.passes.rewrite.host`), which need a copy only while overlapping."""
 
     def __init__(self, params: dict[str, torch.nn.Parameter], dtype: torch.dtype | None, *, pin: bool,
                  uploaded: Iterable[str], host_only: Iterable[str] = (), frozen_masters: bool = False,

@@ -10,10 +10,10 @@ import torch.fx as fx
 import torch.nn as nn
 
 from _hf import hf_model
-from rpcompile.passes.analytic import AnalyticCostModel
-from rpcompile.passes.cost import COST_KEY, NodeCall, NodeCost, _calibrate, _CostInterpreter, cost_pass, node_cost
-from rpcompile.passes.measured import MeasuredCostModel
-from rpcompile.passes.trace import trace
+from rpcompile.passes.cost.analytic import AnalyticCostModel
+from rpcompile.passes.cost.cost import COST_KEY, NodeCall, NodeCost, _calibrate, _CostInterpreter, cost_pass, node_cost
+from rpcompile.passes.cost.measured import MeasuredCostModel
+from rpcompile.passes.graph.trace import trace
 
 
 class Net(nn.Module):

@@ -1,4 +1,5 @@
-"""``passes/export_inputs.py``: a ``forward(*args, **kwargs)`` exports with symbolic sizes and every input named."""
+"""``passes/graph/export_inputs.py``: a ``forward(*args, **kwargs)`` exports with symbolic sizes and every input
+named."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from rpcompile.passes.export_inputs import dynamic_shapes, explicit_signature
-from rpcompile.passes.trace import TRACE_META_KEY, trace
+from rpcompile.passes.graph.export_inputs import dynamic_shapes, explicit_signature
+from rpcompile.passes.graph.trace import TRACE_META_KEY, trace
 
 
 class Inner(nn.Module):

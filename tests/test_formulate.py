@@ -9,8 +9,8 @@ import pytest
 
 from rpcompile.core.specs import GPU_BACKWARD_DISPATCH_S, GPU_DISPATCH_S, GPU_STAGE_OVERHEAD_S, get_spec
 from rpcompile.models import load_model
-from rpcompile.passes.coarsen import segments_of
 from rpcompile.passes.formulate import launch_bound
+from rpcompile.passes.rewrite.coarsen import segments_of
 from rpcompile.planner.planning import make_hardware, partition_problem, prepare
 
 

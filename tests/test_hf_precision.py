@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import rpcompile
-from rpcompile.passes.precision import TRACE_DTYPE_KEY
-from rpcompile.passes.trace import trace
+from rpcompile.passes.graph.precision import TRACE_DTYPE_KEY
+from rpcompile.passes.graph.trace import trace
 from rpcompile.training.pipeline import shifted_tokens
 
 from _hf import VOCAB, hf_model, token_loss

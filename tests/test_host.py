@@ -1,4 +1,4 @@
-"""Token embeddings on the host (passes/host.py): the graph rewrite, what the planner counts, and the runtime
+"""Token embeddings on the host (passes/rewrite/host.py): the graph rewrite, what the planner counts, and the runtime
 against eager PyTorch."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch.nn as nn
 
 import rpcompile
 from rpcompile.models import load_model
-from rpcompile.passes.host import HOST_KEY, HostEmbedding, host_candidates, host_embedding_pass, host_of
+from rpcompile.passes.rewrite.host import HOST_KEY, HostEmbedding, host_candidates, host_embedding_pass, host_of
 from rpcompile.core.batch import flat_inputs
-from rpcompile.passes.trace import trace
+from rpcompile.passes.graph.trace import trace
 
 from test_runtime import FINE_CPU, TOL, assert_grads_equal
 
@@ -49,7 +49,7 @@ def test_the_pass_turns_the_lookup_into_a_computed_input():
 def test_a_traced_model_is_checked_as_the_plan_ran_it():
     """``as_planned``: a plain traced graph gets the plan's lookups moved on a copy that shares the parameters;
     a graph that already moved others is refused."""
-    from rpcompile.passes.host import as_planned
+    from rpcompile.passes.rewrite.host import as_planned
 
     spec = load_model("llama-demo", batch_size=2)
     x, = spec.example_inputs

@@ -14,8 +14,8 @@ import rpcompile
 import rpcompile.planner.planning as planning
 import rpcompile.training.host_memory as hm
 from rpcompile.core.specs import get_spec
-from rpcompile.passes.cost import cost_pass
-from rpcompile.passes.trace import trace
+from rpcompile.passes.cost.cost import cost_pass
+from rpcompile.passes.graph.trace import trace
 from rpcompile.runtime.weights import WeightStore, pinned_bytes
 from rpcompile.training.host_memory import HostMemoryError, HostMemoryWarning, activation_bytes
 from rpcompile.training.pipeline import gpu_memory_limit
@@ -150,7 +150,7 @@ def test_rpcompile_plan_reports_the_host_memory_of_its_plan(capsys, tmp_path):
     from rpcompile.cli import main
     from rpcompile.core.plan import Plan
     from rpcompile.models import load_model
-    from rpcompile.passes.segment_rules import format_bytes
+    from rpcompile.passes.solver.segment_rules import format_bytes
 
     out = tmp_path / "plan.json"
     assert main(["plan", "llama-demo", "--gpus", "2", "--spec", "rtx4090", "--time-limit", "1", "-o", str(out)]) == 0

@@ -19,7 +19,7 @@ import rpcompile
 from rpcompile.cli import main
 from rpcompile.core.errors import ConfigError
 from rpcompile.models import load_model
-from rpcompile.passes.segment_rules import format_bytes
+from rpcompile.passes.solver.segment_rules import format_bytes
 from rpcompile.tools.lora import apply_lora, lora_host_memory
 
 from _hf import VOCAB, hf_model, token_loss
@@ -182,7 +182,7 @@ def test_lora_dropout_trains_and_recomputation_replays_its_masks():
     graph with the same seeds run eagerly over the microbatches. Without dropout the loss differs (the masks are
     really applied)."""
     from rpcompile.core.batch import split_microbatches
-    from rpcompile.passes.trace import trace
+    from rpcompile.passes.graph.trace import trace
     from rpcompile.runtime import rng
 
     model = lora("llama", dropout=0.5, task_type=None)
@@ -250,7 +250,7 @@ def test_planning_adapters_equal_pefts_in_parameters_outputs_gradients_and_flops
     ``get_peft_model``'s — and it traces with torch.fx, where PeftModel needs torch.export."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from rpcompile.passes.trace import TRACE_META_KEY, trace
+    from rpcompile.passes.graph.trace import TRACE_META_KEY, trace
     from rpcompile.tools.lora import LoraModel
 
     spec = load_model("moe-demo")

@@ -17,7 +17,7 @@ from _toy import toy_graph
 from rpcompile.passes.lower import plan_from_ranges
 from rpcompile.planner.model_match import model_differences
 from rpcompile.models import load_model
-from rpcompile.passes.coarsen import segments_of
+from rpcompile.passes.rewrite.coarsen import segments_of
 from rpcompile.tools.plandiff import diff_plans
 from rpcompile.core.plan import Fingerprint, Hardware, Plan, Prediction, Stage
 from rpcompile.planner.planning import make_hardware, plan_graph, prepare

@@ -19,11 +19,11 @@ import rpcompile
 from rpcompile.cli import main
 from rpcompile.core.errors import InfeasibleError
 from rpcompile.models import load_model
-from rpcompile.passes.coarsen import segments_of
-from rpcompile.passes.problem import SegmentPlan
-from rpcompile.passes.tables import min_feasible_memory
-from rpcompile.passes.timing import iteration_time, stage_costs
-from rpcompile.passes.util import compute_nodes, node_params
+from rpcompile.passes.rewrite.coarsen import segments_of
+from rpcompile.passes.solver.problem import SegmentPlan
+from rpcompile.passes.solver.tables import min_feasible_memory
+from rpcompile.passes.solver.timing import iteration_time, stage_costs
+from rpcompile.passes.graph.util import compute_nodes, node_params
 from rpcompile.core.plan import Plan
 from rpcompile.core.batch import split_microbatches
 from rpcompile.planner import planning

@@ -13,17 +13,17 @@ import numpy as np
 import pytest
 from numpy.lib.stride_tricks import sliding_window_view
 
-import rpcompile.passes.bounds as bounds
-import rpcompile.passes.lagrange as lagrange
+import rpcompile.passes.solver.bounds as bounds
+import rpcompile.passes.solver.lagrange as lagrange
 import rpcompile.passes.background as background
-import rpcompile.passes.partition as partition
+import rpcompile.passes.solver.partition as partition
 from rpcompile.core.stages import HostLoad
-from rpcompile.passes.balance import relaxed_backward_time, relaxed_balance
-from rpcompile.passes.partition import solve
-from rpcompile.passes.polish import PlanScorer, _neighbours, flip_saves, polish, taper
-from rpcompile.passes.problem import SegmentPlan
-from rpcompile.passes.tables import RangeTables
-from rpcompile.passes.timing import _total, iteration_time, overlapped_period
+from rpcompile.passes.solver.balance import relaxed_backward_time, relaxed_balance
+from rpcompile.passes.solver.partition import solve
+from rpcompile.passes.solver.polish import PlanScorer, _neighbours, flip_saves, polish, taper
+from rpcompile.passes.solver.problem import SegmentPlan
+from rpcompile.passes.solver.tables import RangeTables
+from rpcompile.passes.solver.timing import _total, iteration_time, overlapped_period
 from rpcompile.planner.plan_options import MIN_SHARE_S, split_limit
 
 from partition_cases import llama_like, tiny_chain
@@ -208,7 +208,7 @@ def test_planning_a_meta_model_does_not_import_dynamo_and_costs_the_same_as_with
         "import sys, torch\n"
         "from rpcompile.models import load_model\n"
         "from rpcompile.planner.planning import prepare\n"
-        "from rpcompile.passes.meta import _dynamo_skipped\n"
+        "from rpcompile.passes.graph.meta import _dynamo_skipped\n"
         "ms = load_model('llama-demo', device='meta')\n"
         "def costs():\n"
         "    gm, _ = prepare(ms.model, ms.example_inputs, gpus=2, spec='rtx4090', microbatches=2)\n"

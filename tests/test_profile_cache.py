@@ -1,5 +1,6 @@
-"""Fast measured profiling (issue 20): repeated blocks measured once, nodes measured in batches, and the profile
-cache on disk (passes/repeats.py, passes/cost.py, passes/measured.py, passes/profile_cache.py, rpcompile cache).
+"""Fast measured profiling (issue 20): repeated blocks measured once, nodes measured in batches, and the profile cache
+on disk (passes/cost/repeats.py, passes/cost/cost.py, passes/cost/measured.py, passes/cost/profile_cache.py, rpcompile
+cache).
 
 Measured times on this shared 2-core machine vary by more than the differences these tests could see, so the
 shared path is checked by structure (which nodes were measured, which took whose times) and totals only within a
@@ -20,13 +21,13 @@ from torch import nn
 import rpcompile
 from rpcompile.cli import main
 from rpcompile.models import load_model
-from rpcompile.passes import measured, profile_cache
-from rpcompile.passes.analytic import AnalyticCostModel
-from rpcompile.passes.cost import COST_KEY, node_cost
-from rpcompile.passes.fingerprint import fingerprint
-from rpcompile.passes.measured import MeasuredCostModel
-from rpcompile.passes.repeats import block_of, repeat_map
-from rpcompile.passes.util import compute_nodes
+from rpcompile.passes.cost import measured, profile_cache
+from rpcompile.passes.cost.analytic import AnalyticCostModel
+from rpcompile.passes.cost.cost import COST_KEY, node_cost
+from rpcompile.passes.cost.measured import MeasuredCostModel
+from rpcompile.passes.cost.repeats import block_of, repeat_map
+from rpcompile.passes.graph.fingerprint import fingerprint
+from rpcompile.passes.graph.util import compute_nodes
 from rpcompile.planner.planning import analyze, compile_plan
 
 

@@ -16,7 +16,7 @@ import torch
 
 import rpcompile
 from rpcompile.core.errors import ConfigError
-from rpcompile.passes.quantized import quantized_layers
+from rpcompile.passes.graph.quantized import quantized_layers
 
 from _hf import VOCAB, hf_model, token_loss
 from test_batches import _padded
@@ -244,7 +244,7 @@ def test_quantize_base_packs_the_frozen_layers_as_bitsandbytes_does():
     traces with torch.fx."""
     from rpcompile.tools.lora import apply_lora
     from rpcompile.models import load_model
-    from rpcompile.passes.trace import TRACE_META_KEY, trace
+    from rpcompile.passes.graph.trace import TRACE_META_KEY, trace
     from rpcompile.tools.qlora import NF4Experts, NF4Linear, quantize_base
 
     spec = load_model("moe-demo")
@@ -321,7 +321,7 @@ def test_the_dequantization_is_priced_on_the_gpu():
     from rpcompile.core.specs import get_spec
     from rpcompile.tools.lora import apply_lora
     from rpcompile.models import load_model
-    from rpcompile.passes.cost import COST_KEY
+    from rpcompile.passes.cost.cost import COST_KEY
     from rpcompile.planner.planning import prepare
     from rpcompile.tools.qlora import quantize_base
 

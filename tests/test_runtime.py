@@ -53,7 +53,7 @@ def assert_matches_seeded_reference(spec, ref, x, y, m, loss, seed):
     pipeline's dropout ``seed``), run eagerly on one device over the same microbatches (gradient accumulation, no
     recompute); loss, gradients and buffers must match."""
     from rpcompile.runtime import rng
-    from rpcompile.passes.trace import trace
+    from rpcompile.passes.graph.trace import trace
 
     ref_gm = trace(ref, (x,))
     assert rng.seed_random_nodes(ref_gm) >= 1
@@ -210,7 +210,7 @@ def test_attention_dropout_replays_its_mask_in_recompute(allow_save):
     stage and in the backward stage's recompute) and its segment is recomputed, not saved. Reference: the same
     graph with the same per-node seeds run eagerly on one device over the same microbatches."""
     from rpcompile.core.randomness import is_random
-    from rpcompile.passes.trace import trace
+    from rpcompile.passes.graph.trace import trace
 
     model = bert(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.3).train()
     ref = copy.deepcopy(model)
@@ -477,8 +477,8 @@ def _saving_pipeline(name, parity, k=2, m=3, devices=None, adjust=None):
     backward stages cut elsewhere, and every other segment (outside the fused stage) saved, so each backward stage
     mixes saved and recomputed segments. On ``devices`` (default ``["cpu"] * k``)."""
     from rpcompile.passes.lower import plan_from_ranges
-    from rpcompile.passes.coarsen import coarsen_pass, segments_of
-    from rpcompile.passes.util import compute_nodes
+    from rpcompile.passes.rewrite.coarsen import coarsen_pass, segments_of
+    from rpcompile.passes.graph.util import compute_nodes
     from rpcompile.training.pipeline import Pipeline
     from rpcompile.planner.planning import make_hardware, prepare
     from rpcompile.runtime.devices import make_devices
@@ -520,8 +520,8 @@ def _assert_saved_not_recomputed(pipe):
 
 
 def test_a_pipeline_compiled_again_runs_the_same_captures_unless_a_module_setting_differs():
-    """runtime/saved.py shares captures between segments of the same code, module settings and signature: a second
-    pipeline over the same model and plan runs the first one's (no trace) and still equals eager; a model whose
+    """runtime/segments/saved.py shares captures between segments of the same code, module settings and signature: a
+    second pipeline over the same model and plan runs the first one's (no trace) and still equals eager; a model whose
     embedding differs only in a setting (``padding_idx``: same graph code, no gradient for that row) captures
     afresh and equals its own eager. (Segments with a dropout never share: each has its own seed token.)"""
     def padded(spec):
@@ -543,7 +543,7 @@ def test_a_pipeline_compiled_again_runs_the_same_captures_unless_a_module_settin
 
 
 def test_the_segments_of_identical_layers_run_one_capture_unless_a_module_setting_differs():
-    """runtime/saved.py keys a capture by what it computes, not by names: the saved segments of llama-demo's
+    """runtime/segments/saved.py keys a capture by what it computes, not by names: the saved segments of llama-demo's
     identical layers (same code but for ``layers.1.`` / ``layers.2.``, parameters in the same places) run one
     capture, and the pipeline equals eager. With one layer's norm given another ``eps``, that layer's segment
     captures its own and the pipeline equals its own eager (a shared capture would run the other ``eps``)."""

@@ -11,7 +11,8 @@ import pytest
 
 from rpcompile.cli import main
 from rpcompile.models import load_model
-from rpcompile.passes import partition, solve_cache
+from rpcompile.passes import solve_cache
+from rpcompile.passes.solver import partition
 from rpcompile.planner.planning import compile_plan
 
 

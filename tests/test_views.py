@@ -14,10 +14,10 @@ from rpcompile.core.errors import ConfigError
 from rpcompile.views.graphview import graph_dot, graph_svg, rollup, write_graph
 from rpcompile.passes.lower import plan_from_ranges
 from rpcompile.models import load_model
-from rpcompile.passes.util import compute_nodes
+from rpcompile.passes.graph.util import compute_nodes
 from rpcompile.planner.planning import make_hardware
 from rpcompile.views.gantt import timeline_svg, write_timeline_svg
-from rpcompile.runtime.simulator import SimEvent
+from rpcompile.runtime.sim.simulator import SimEvent
 
 
 def TimelineBar(device, lane, kind, stage, microbatch, start, end, action=""):  # noqa: N802 - reads like a type

@@ -1,6 +1,6 @@
-"""``rpcompile cache``: the profile cache of measured costs (:mod:`rpcompile.passes.profile_cache`) — its directory,
-entries and size — and the solved partitions beside it (:mod:`rpcompile.passes.solve_cache`); ``rpcompile cache
-clear`` empties both."""
+"""``rpcompile cache``: the profile cache of measured costs (:mod:`rpcompile.passes.cost.profile_cache`) — its
+directory, entries and size — and the solved partitions beside it (:mod:`rpcompile.passes.solve_cache`); ``rpcompile
+cache clear`` empties both."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import argparse
 import json
 import time
 
-from rpcompile.passes import profile_cache, solve_cache
-from rpcompile.passes.segment_rules import format_bytes
+from rpcompile.passes import solve_cache
+from rpcompile.passes.cost import profile_cache
+from rpcompile.passes.solver.segment_rules import format_bytes
 
 from .common import say
 

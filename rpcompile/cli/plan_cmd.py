@@ -16,8 +16,8 @@ from rpcompile.core.errors import ConfigError, RPCompileError
 from rpcompile.core.plan import Hardware, Plan
 from rpcompile.models import ModelSpec
 from rpcompile.passes.background import solving
-from rpcompile.passes.codegen import write_stages
-from rpcompile.passes.split import split_plan
+from rpcompile.passes.rewrite.codegen import write_stages
+from rpcompile.passes.rewrite.split import split_plan
 from rpcompile.core.specs import HostSpec
 from rpcompile.planner.envelope import link_bound, microbatch_tokens
 from rpcompile.training.host_memory import host_memory

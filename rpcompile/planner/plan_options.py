@@ -7,11 +7,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from rpcompile.passes.analytic import AnalyticCostModel
-from rpcompile.passes.measured import MeasuredCostModel
-from rpcompile.passes.problem import PartitionProblem
-from rpcompile.passes.segment_rules import format_bytes
-from rpcompile.passes.tables import min_feasible_memory
+from rpcompile.passes.cost.analytic import AnalyticCostModel
+from rpcompile.passes.cost.measured import MeasuredCostModel
+from rpcompile.passes.solver.problem import PartitionProblem
+from rpcompile.passes.solver.segment_rules import format_bytes
+from rpcompile.passes.solver.tables import min_feasible_memory
 
 from ..core.errors import ConfigError, InfeasibleError, RPCompileError
 from ..core.plan import Hardware
@@ -31,7 +31,7 @@ def make_cost_model(*, spec: "str | DeviceSpec | None" = None, device: "str | to
                     dtype: torch.dtype | None = None, model_device: str = "cpu", cache: bool = True) -> Any:
     """Pick a cost model: analytic for ``spec``, measured on ``device``; by default analytic ``rtx4090`` for a
     model on the meta device (it cannot run) and measured on the CPU otherwise. ``cache``: measured times are
-    kept on disk and reused (:mod:`rpcompile.passes.profile_cache`)."""
+    kept on disk and reused (:mod:`rpcompile.passes.cost.profile_cache`)."""
     if spec is not None and device is not None:
         raise ConfigError("give either spec= (analytic costs) or device= (measured costs), not both")
     if spec is None and device is None and model_device == "meta":

@@ -3,7 +3,7 @@
 For each probed length ``L`` the model is built on the ``meta`` device with a batch of ``microbatches``
 sequences of ``L`` tokens (one sequence per microbatch), traced, costed analytically for the spec and coarsened
 (:func:`rpcompile.planner.planning.prepare`); the length is feasible when some plan fits the devices' memory, which
-:func:`~rpcompile.passes.tables.min_feasible_memory` decides exactly over all plans without running a solver.
+:func:`~rpcompile.passes.solver.tables.min_feasible_memory` decides exactly over all plans without running a solver.
 The LM-head splits ``head_chunks`` allows are tried most chunks first (the split head needs the least memory:
 the full logits never exist) and the first that fits is kept.
 
@@ -27,8 +27,8 @@ from rpcompile.core.plan import Plan
 from rpcompile.core.specs import DeviceSpec, HostSpec
 from rpcompile.models import ModelSpec, load_model
 from rpcompile.passes.formulate import partition_problem
-from rpcompile.passes.segment_rules import format_bytes
-from rpcompile.passes.tables import min_feasible_memory
+from rpcompile.passes.solver.segment_rules import format_bytes
+from rpcompile.passes.solver.tables import min_feasible_memory
 
 from .plan_options import default_spec, head_chunk_candidates, make_hardware
 from .planning import plan_graph, prepare
@@ -119,7 +119,7 @@ class SeqLenResult:
 
 
 def binding_stage(plan: Plan) -> Binding:
-    """The stage of ``plan`` with the most memory, split into weights (``W + G + P``, :mod:`passes.timing`) and
+    """The stage of ``plan`` with the most memory, split into weights (``W + G + P``, :mod:`passes.solver.timing`) and
     activations (the rest)."""
     prefetch = max((s.weight_bytes for s in plan.stages), default=0)
     s = max(plan.stages, key=lambda s: s.memory_bytes)

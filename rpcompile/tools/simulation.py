@@ -2,7 +2,7 @@
 
 Names (``--schedules``): ``gpipe``, ``1f1b``, ``interleaved-1f1b`` (static binding, weights resident on the
 devices), ``roundpipe`` (the paper's partitioner on our costs) and ``ilp`` (rpcompile's plan), all on one clock
-(:mod:`rpcompile.runtime.simulator`).
+(:mod:`rpcompile.runtime.sim.simulator`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 from rpcompile.core.errors import ConfigError, InfeasibleError
 from rpcompile.passes.background import solving
 from rpcompile.passes.lower import _tokens
-from rpcompile.passes.partition import solve
+from rpcompile.passes.solver.partition import solve
 from rpcompile.tools.scenarios import (SCHEDULES, Scenario, from_plan, from_segment_plan, layer_profile_scenarios,
                                  load_layer_profile, overlapped, static_scenarios)
 
@@ -52,7 +52,7 @@ def model_scenarios(model: Any, example_inputs: Sequence[Any], *, gpus: int, spe
     """Trace and cost ``model`` once, then build every requested schedule on that one problem. ``ilp`` may plan
     a graph with the LM head split as well (``head_chunks``, see :func:`rpcompile.planner.planning.plan`) and keeps the
     faster plan; its notes say which (``head_chunks``). Only ``ilp`` runs token embeddings on the host
-    (``host_embedding``, :mod:`rpcompile.passes.host`): the baselines keep them on the devices, as their
+    (``host_embedding``, :mod:`rpcompile.passes.rewrite.host`): the baselines keep them on the devices, as their
     systems do. ``progress`` is the profiler's bar; ``status(text)``, a context manager, shows each solve (the
     CLI's spinner). ``overlap``: ``roundpipe`` and ``ilp`` run with overlapped iterations (``ilp`` planned for their
     steady-state period, :func:`rpcompile.tools.scenarios.overlapped`); the static schedules stay synchronous."""

@@ -32,15 +32,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from rpcompile.passes.coarsen import segments_of
-from rpcompile.passes.problem import SegmentPlan
-from rpcompile.passes.segment_rules import format_bytes, validate_segment_plan
-from rpcompile.passes.timing import iteration_time, stage_costs
-from rpcompile.passes.util import compute_nodes
+from rpcompile.passes.graph.util import compute_nodes
+from rpcompile.passes.rewrite.coarsen import segments_of
+from rpcompile.passes.solver.problem import SegmentPlan
+from rpcompile.passes.solver.segment_rules import format_bytes, validate_segment_plan
+from rpcompile.passes.solver.timing import iteration_time, stage_costs
 
 from ..core.errors import InfeasibleError, PlanFileError
 from ..core.plan import Plan
-from rpcompile.passes.fingerprint import fingerprint
+from rpcompile.passes.graph.fingerprint import fingerprint
 from rpcompile.passes.plan_inputs import moved_inputs, solve_inputs
 from ..planner.invariants import plan_violations
 from ..planner.planning import partition_problem, plan_graph, prepare

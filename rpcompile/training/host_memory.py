@@ -49,7 +49,7 @@ from torch import nn
 from rpcompile.core.errors import ConfigError, RPCompileError
 from rpcompile.core.plan import Plan
 from rpcompile.core.units import fmt_params
-from rpcompile.passes.segment_rules import format_bytes
+from rpcompile.passes.solver.segment_rules import format_bytes
 from rpcompile.runtime.weights import WeightStore
 
 __all__ = ["HostMemory", "HostMemoryError", "HostMemoryWarning", "host_memory", "activation_bytes",
@@ -273,7 +273,7 @@ def within_host_memory(what: str) -> Iterator[None]:
 
 
 def _where(e: BaseException) -> str:
-    """The innermost frame of rpcompile's own code in ``e``'s traceback, as ``in passes/measured.py (prepare)``."""
+    """The innermost frame of rpcompile's own code in ``e``'s traceback, as ``in passes/cost/measured.py (prepare)``."""
     for frame in reversed(traceback.extract_tb(e.__traceback__)):
         parts = frame.filename.replace(os.sep, "/").split("/")
         for top in ("passes", "runtime", "rpcompile"):

@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 
 from rpcompile.core.plan import Plan
-from rpcompile.passes.segment_rules import format_bytes
+from rpcompile.passes.solver.segment_rules import format_bytes
 from rpcompile.runtime.executor import PipelineError
 
 __all__ = ["StageOutOfMemoryError", "out_of_memory", "fitting_limit"]

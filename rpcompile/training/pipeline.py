@@ -68,9 +68,9 @@ from typing import Any, Callable, Iterator, Mapping, NoReturn, Sequence
 import torch
 import torch.fx as fx
 
-from rpcompile.passes.codegen import write_stages
-from rpcompile.passes.loss_head import HEAD_CLASSES_META, TARGET
-from rpcompile.passes.split import split_plan
+from rpcompile.passes.rewrite.codegen import write_stages
+from rpcompile.passes.rewrite.loss_head import HEAD_CLASSES_META, TARGET
+from rpcompile.passes.rewrite.split import split_plan
 from rpcompile.runtime.bind import bind
 from rpcompile.runtime.executor import Executor, PipelineError
 from rpcompile.runtime.values import ValueStore

@@ -13,7 +13,7 @@ from rich.table import Table
 
 from rpcompile.core.specs import HostSpec
 from rpcompile.core.units import fmt_params
-from rpcompile.passes.segment_rules import format_bytes as fmt_bytes
+from rpcompile.passes.solver.segment_rules import format_bytes as fmt_bytes
 
 from .terminal import SafeTable
 
@@ -134,7 +134,7 @@ def plan_table(plan, *, title: str = "") -> Table:
 
 def stage_weights(stage: Any, resident: bool) -> str:
     """What a stage does with its weights: uploads them all, or keeps some on its device for a later stage, finds
-    some there (weights that stay, :mod:`rpcompile.passes.stays`); and whether it sums gradients there."""
+    some there (weights that stay, :mod:`rpcompile.passes.solver.stays`); and whether it sums gradients there."""
     sums = f"; sums {len(stage.accumulates)} gradients" if stage.accumulates else ""
     if resident:
         return f"resident: {len(stage.params)} stay, {fmt_bytes(stage.weight_bytes)} refreshed{sums}"

@@ -20,7 +20,7 @@ COST_KEY = "rpcompile.cost"
 DTYPE_KEY = "rpcompile.dtype"
 """``gm.meta`` key: the dtype byte counts made from the recorded shapes (the coarsener's live bytes) are scaled to:
 the cost model's when the graph ran as the model is; ``None`` when it ran in the compute dtype
-(:data:`~.precision.RUN_DTYPE_KEY`: every tensor already has its run-time dtype) or in fp32."""
+(:data:`~rpcompile.passes.graph.precision.RUN_DTYPE_KEY`: every tensor already has its run-time dtype) or in fp32."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,13 +105,14 @@ class NodeCall:
     trainable: set[int] = field(default_factory=set)
     """ids of the tensors in args/kwargs/params that need a gradient."""
     as_traced: bool = False
-    """The graph was recorded in the compute dtype (:data:`~.precision.TRACE_DTYPE_KEY`): its tensors already have
-    their run-time dtypes (fp32 islands such as a norm's statistics included), so none is cast."""
+    """The graph was recorded in the compute dtype (:data:`~rpcompile.passes.graph.precision.TRACE_DTYPE_KEY`): its
+    tensors already have their run-time dtypes (fp32 islands such as a norm's statistics included), so none is cast."""
 
     @property
     def inplace(self) -> bool:
         """Whether the node writes its first argument (each autograd run then works on a copy of it): an in-place
-        op, ``inplace=True``, or a module built with it (those :func:`~.inplace.functional_inplace_pass` left)."""
+        op, ``inplace=True``, or a module built with it (those
+        :func:`~rpcompile.passes.graph.inplace.functional_inplace_pass` left)."""
         return _is_inplace(self.node) or getattr(self.fn, "inplace", None) is True or \
             self.kwargs.get("inplace") is True
 

@@ -47,7 +47,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..core.errors import ConfigError
+from ...core.errors import ConfigError
 from .balance import balance_table, bound_values, exact_balance, relaxed_backward_time, relaxed_balance
 from .bounds import saving_bounds
 from .baselines import dp, dp_of_balance, infeasible_result, make_result, roundpipe, uniform

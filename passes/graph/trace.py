@@ -10,11 +10,11 @@ Terms:
 - *FQN*: a fully-qualified attribute name such as ``layers.3.attn.q_proj.weight``. Both paths return a graph module
   whose parameters and buffers are the model's own tensor objects (shared storage, no copies) under their original
   FQNs; a tied weight appears once, under the name ``model.named_parameters()`` gives it.
-- *module path*: the FQN of the innermost module that owns a node (:func:`rpcompile.passes.util.module_path`);
+- *module path*: the FQN of the innermost module that owns a node (:func:`rpcompile.passes.graph.util.module_path`);
   ``""`` is the root.
 
 ``gm.meta["rpcompile.trace"]`` records the path taken: ``"fx"`` or ``"export"``. Both paths make in-place
-computations on the graph's own values out of place (:func:`~rpcompile.passes.inplace.functional_inplace_pass`:
+computations on the graph's own values out of place (:func:`~rpcompile.passes.graph.inplace.functional_inplace_pass`:
 ``nn.ReLU(inplace=True)``, ``out += identity``); fx refuses forwards that switch the grad mode (a statistic updated
 under ``torch.no_grad()``), which it cannot record, and export takes them. When both fail, the
 :class:`~rpcompile.core.errors.TraceError` names the module and source line each failed at

@@ -26,8 +26,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .meta import MetaSafeMode
-from .shape import SHAPE_KEY, storage_key
+from ..graph.meta import MetaSafeMode
+from ..graph.shape import SHAPE_KEY, storage_key
 
 __all__ = ["LOSS_BYTES_KEY", "PeakBytes", "loss_memory"]
 

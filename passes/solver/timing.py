@@ -3,8 +3,8 @@
 **Stage time** (per microbatch) is ``stage_overhead_s + max(compute, upload/link, download/link)``: copies run on
 their own streams and the host link is full duplex, so a stage is as slow as its slowest resource. ``compute`` is
 the sum of its segments' times, each already the longer of its kernels and its host's dispatch
-(:func:`.formulate.launch_bound`); ``stage_overhead_s`` is the runtime's own work per action. On one GPU the
-hand-offs between stages stay in device memory (``problem.resident_handoffs``): only the model inputs and what
+(:func:`rpcompile.passes.formulate.launch_bound`); ``stage_overhead_s`` is the runtime's own work per action. On one GPU
+the hand-offs between stages stay in device memory (``problem.resident_handoffs``): only the model inputs and what
 the host reads cross the link (:meth:`.problem.PartitionProblem.link_in`, ``link_out``). That is the
 solvers' per-stage model (:mod:`.tables` prices every range that way at once); the exact model
 (:func:`stage_costs`, :func:`iteration_time`) refines it for the runtime's **lazy offload**

@@ -3,11 +3,11 @@ finishes (:func:`stage_ends`), when the iteration's gradients are down, added on
 (:func:`pipeline_end`), the host's lanes those use, and consecutive iterations that overlap
 (:func:`overlapped_ends`).
 
-:func:`rpcompile.passes.timing.pipeline_time` documents the recurrence and its transfer edges; the timing model
+:func:`rpcompile.passes.solver.timing.pipeline_time` documents the recurrence and its transfer edges; the timing model
 (:mod:`.timing`) and the local search's scorer (:mod:`.scorer`) walk it here.
 
 **Overlapped iterations** (``pipe.step(optimizer, overlap=True)`` once the devices run on into the next iteration;
-the simulator's ``iterations=K`` plays the same, :mod:`rpcompile.runtime.simulator`). The round-robin pointer
+the simulator's ``iterations=K`` plays the same, :mod:`rpcompile.runtime.sim.simulator`). The round-robin pointer
 carries on across iterations, so the stages of iterations ``0, 1, …`` form one chain ``t·S + k`` in which stage
 ``j`` runs on the device after ``j − 1``'s and waits for stage ``j − N`` on it — the walk goes on over it,
 except that iteration ``t``'s first stage takes its inputs from the host. The one-step-stale step sets the rest:
@@ -165,8 +165,8 @@ def overlapped_ends(stage_times: Sequence[float], devices: int, microbatches: in
                     prefetch_s: Sequence[float] = (), accumulate_s: Sequence[float] = (),
                     reduce_s: Sequence[float] = (), overlap_reduce: bool = True, reduce_host_s: float = 0.0,
                     first: Walk | None = None) -> list[float]:
-    """When each of ``iterations`` overlapped iterations is done (the module docstring): its stages, gradients,
-    host adds and all-reduces, not its optimizer step. Arguments as :func:`rpcompile.passes.timing.pipeline_time`'s,
+    """When each of ``iterations`` overlapped iterations is done (the module docstring): its stages, gradients, host
+    adds and all-reduces, not its optimizer step. Arguments as :func:`rpcompile.passes.solver.timing.pipeline_time`'s,
     for one iteration's stages; ``fused``: the index of the stage that computes the loss; ``step_s``: the host's
     optimizer step and copy refresh. ``first``: the first iteration's walk, already done (the scorer's)."""
     per, m = len(stage_times), microbatches

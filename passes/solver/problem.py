@@ -106,7 +106,7 @@ class PartitionProblem:
     """Bytes of the model inputs (the cut before segment 0)."""
     input_grad_bytes: int = 0
     """Bytes of their gradient, which the stage running segment 0's backward sends down (rows the host looked
-    up in a trainable embedding, :mod:`.host`; token ids have none)."""
+    up in a trainable embedding, :mod:`rpcompile.passes.rewrite.host`; token ids have none)."""
     param_bytes: tuple[int, ...]
     """Bytes of parameters owned by the segment alone, in upload precision."""
     grad_bytes: tuple[int, ...]
@@ -251,7 +251,8 @@ class PartitionResult:
     solve_time_s: float
     stats: dict[str, Any] = field(default_factory=dict)
     cached: bool = False
-    """From the solve cache (:mod:`.solve_cache`), not solved now; ``solve_time_s`` is then the first solve's."""
+    """From the solve cache (:mod:`rpcompile.passes.solve_cache`), not solved now; ``solve_time_s`` is then the first
+    solve's."""
 
     def require_plan(self) -> SegmentPlan:
         """The plan, or :class:`rpcompile.core.errors.InfeasibleError` with the solver's reason when there is none."""

@@ -27,8 +27,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..core.errors import LossHeadError
-from .util import module_path
+from ...core.errors import LossHeadError
+from ..graph.util import module_path
 
 __all__ = ["attach_loss", "chunk_loss_head", "split_head", "HeadSplit", "TARGET", "HEAD_CHUNKS_META",
            "HEAD_CLASSES_META", "CHUNK_META"]

@@ -1,6 +1,6 @@
 """Symbolic shapes for captured segments: one capture serves every batch size and sequence length.
 
-A saved segment (:mod:`rpcompile.runtime.saved`) is captured by AOTAutograd on fake tensors. Made from the real
+A saved segment (:mod:`rpcompile.runtime.segments.saved`) is captured by AOTAutograd on fake tensors. Made from the real
 example with every dimension of the segment's *activation* inputs symbolic (parameters and buffers keep their
 sizes), the fw and bw graphs compute their shapes from their inputs, and one capture runs every shape the trace
 did not have to specialise. What it did specialise is recorded by the fake tensors' :class:`ShapeEnv` as

@@ -31,11 +31,11 @@ from typing import Sequence
 import torch
 import torch.fx as fx
 
-from ..core.errors import ConfigError
-from .cost import DTYPE_KEY, node_cost
+from ...core.errors import ConfigError
+from ..cost.cost import DTYPE_KEY, node_cost
+from ..graph.shape import SHAPE_KEY, scaled_nbytes
+from ..graph.util import compute_nodes, module_path
 from .loss_head import CHUNK_META
-from .shape import SHAPE_KEY, scaled_nbytes
-from .util import compute_nodes, module_path
 
 __all__ = ["COARSEN_META", "SEGMENT_KEY", "SEGMENTS_KEY", "Segment", "coarsen_pass", "live_bytes", "segments_of"]
 

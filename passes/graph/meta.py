@@ -181,7 +181,7 @@ def on_meta(gm: fx.GraphModule, args: tuple, kwargs: dict, fn: Callable[[tuple, 
         fn(args, kwargs)
         return True
     # one stand-in per tensor (a tied weight's names share it), and the id-keyed name cache of
-    # passes/util.py:canonical_names pointed at the stand-ins for the run, then back
+    # passes/graph/util.py:canonical_names pointed at the stand-ins for the run, then back
     real = [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]
     canonical = canonical_names(gm)
     stand_ins = {id(t): _stand_in(t, dtype) for _, t in real}

@@ -81,7 +81,7 @@ class SegmentAOT:
     inputs: tuple[int, ...] = ()
     """Positions of the tensors among the segment's fw arguments (params, buffers, inputs): the fw graph's inputs."""
     guards: Guards | None = None
-    """For a symbolic capture: the shapes it runs (:mod:`rpcompile.runtime.symbolic`)."""
+    """For a symbolic capture: the shapes it runs (:mod:`rpcompile.runtime.segments.symbolic`)."""
 
     def forward(self, values: Sequence[Any]) -> tuple[list[Any], list[torch.Tensor], HostSaved]:
         """``values``: the fw graph's inputs (tensors; and sizes, for a symbolic capture). Returns the segment's
@@ -116,8 +116,8 @@ def capture_segment(fn: Callable[..., tuple], examples: Sequence[torch.Tensor], 
     """Trace ``fn(*examples) -> (*outputs, *updated_buffers)`` with AOTAutograd into a :class:`SegmentAOT`.
 
     ``examples`` carry ``requires_grad`` where a gradient is wanted; ``fn`` runs once forward and backward on them.
-    With ``mode``, the fake mode of ``examples`` (:func:`rpcompile.runtime.symbolic.fake_inputs`), the graphs are
-    traced with its symbolic sizes and take the sizes bw needs as ints.
+    With ``mode``, the fake mode of ``examples`` (:func:`rpcompile.runtime.segments.symbolic.fake_inputs`), the graphs
+    are traced with its symbolic sizes and take the sizes bw needs as ints.
     """
     graphs: dict[str, Any] = {}
 
@@ -257,7 +257,7 @@ def _resolve(args: Any, bindings: dict) -> Any:
 
 def _replay(t: torch.Tensor, ops: Sequence[tuple], bindings: dict) -> torch.Tensor:
     """The view ops on the backward stage's copy of their base, whose strides may differ from the capture's:
-    shape views run as reshapes (as :mod:`rpcompile.passes.portable` rewrites the graphs); sizes of a symbolic
+    shape views run as reshapes (as :mod:`rpcompile.passes.graph.portable` rewrites the graphs); sizes of a symbolic
     capture take this call's values."""
     for op, args, kwargs in ops:
         args, kwargs = _resolve(args, bindings), _resolve(kwargs, bindings)

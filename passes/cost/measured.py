@@ -25,8 +25,8 @@ import torch.fx as fx
 from rpcompile.core.batch import tensor_leaves
 from rpcompile.core.errors import ConfigError
 
+from ..graph.portable import running_on
 from .cost import CostModel, NodeCall, OpEstimate
-from .portable import running_on
 
 __all__ = ["MeasuredCostModel", "CPUINFO", "cpu_model"]
 
@@ -195,7 +195,7 @@ class MeasuredCostModel(CostModel):
         """Forward and backward times of each call, with one device synchronisation for the whole batch."""
         ms = [call.materialize(self.device, dtype=self.dtype) for call in calls]
         # the device as the default device, as the executor runs a stage: a portable submodule (an outlined vmap
-        # region, rpcompile.passes.portable) allocates there
+        # region, rpcompile.passes.graph.portable) allocates there
         with running_on(self.device):
             with torch.no_grad():
                 fwd = [self._samples(m.run) for m in ms]

@@ -17,16 +17,16 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from rpcompile.core.batch import tensor_leaves
 
+from ..graph.kernels import GpuKernels
+from ..graph.meta import MetaSafeMode
+from ..graph.portable import running_on
+from ..graph.precision import recorded_dtype
+from ..graph.reuse import Reuse
+from ..graph.shape import SHAPE_KEY, describe, scaled_nbytes, storage_key
+from ..graph.util import is_compute, node_params
 from .cost_model import CostModel, Materialized, NodeCall, OpEstimate
-from .kernels import GpuKernels
 from .loss_memory import PeakBytes
-from .meta import MetaSafeMode
-from .portable import running_on
-from .precision import recorded_dtype
 from .repeats import block_of
-from .reuse import Reuse
-from .shape import SHAPE_KEY, describe, scaled_nbytes, storage_key
-from .util import is_compute, node_params
 
 __all__: list[str] = []
 
@@ -155,9 +155,9 @@ def _grad_pattern(call: NodeCall) -> tuple[bool, ...]:
 
 @dataclass
 class _Recorded:
-    """What a meta run of the cost pass leaves of one node for a later run (:mod:`.reuse`): its value, whether it
-    needs a gradient and, for a compute node, its shape, grad pattern, profile (saved inputs by name) and fields
-    before :func:`cost_pass` adds the kept output bytes, with the cost model's estimate where it made one."""
+    """What a meta run of the cost pass leaves of one node for a later run (:mod:`rpcompile.passes.graph.reuse`): its
+    value, whether it needs a gradient and, for a compute node, its shape, grad pattern, profile (saved inputs by name)
+    and fields before :func:`cost_pass` adds the kept output bytes, with the cost model's estimate where it made one."""
 
     value: Any
     needs_grad: bool | None
@@ -174,7 +174,8 @@ class _CostInterpreter(fx.Interpreter):
                  drive: torch.device | None = None, reuse: Reuse | None = None, values: Reuse | None = None):
         super().__init__(gm)
         self.reuse = reuse
-        """Nodes the same as in a recorded run take its entries instead of running (:mod:`.reuse`)."""
+        """Nodes the same as in a recorded run take its entries instead of running
+        (:mod:`rpcompile.passes.graph.reuse`)."""
         self.values = values
         """Nodes the same as in the shape pass's recorded run take the value it computed instead of computing it
         again (their costs are still worked out here)."""

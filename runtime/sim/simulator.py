@@ -72,7 +72,7 @@ step thread: ``step_s``, after iteration ``t``'s gradients are all added — and
   ``t`` holds iteration ``t + 1`` up except its loss — the first position waits for the fused position's last
   microbatch (``forward_backward`` returns the loss, then the caller passes the next batch): a device that has
   finished its part of iteration ``t`` goes on with ``t + 1`` while the others drain
-  (:func:`rpcompile.passes.recurrence.overlapped_ends` is the timing model's walk of the same).
+  (:func:`rpcompile.passes.solver.recurrence.overlapped_ends` is the timing model's walk of the same).
 
 :class:`SimResult` then reports the steady-state period (``iteration_time_s``), the bubble over it, and the
 one-off fill and drain of the run (:attr:`SimResult.fill_s`, :attr:`SimResult.drain_s`); the timeline holds every
@@ -85,7 +85,7 @@ dispatch is in ``compute_s`` already (:func:`rpcompile.passes.formulate.launch_b
 
 Each chain position is a :class:`~rpcompile.core.stages.StageCost`, the type the timing model prices; the run
 returns a :class:`~.sim_result.SimResult` (the timeline and its figures). With
-transfers free this is exactly the timing model's recurrence (:func:`rpcompile.passes.timing.pipeline_time`,
+transfers free this is exactly the timing model's recurrence (:func:`rpcompile.passes.solver.timing.pipeline_time`,
 DESIGN.md §3); :mod:`rpcompile.tools.scenarios` builds the action lists and stages for a plan, for the classic static
 schedules (GPipe, 1F1B, interleaved 1F1B) and for published layer profiles.
 """

@@ -8,8 +8,8 @@ path's autograd does 4 (Dao et al., FlashAttention, 2022). ``rms_norm`` becomes 
 way (CUDA's ``_fused_rms_norm``), the shape-only custom ops ``rpcompile::rms_norm[_backward]``; hand-written
 RMSNorms stay unfused, as on a GPU.
 
-Both cost passes count under it: the FLOP and saved-tensor profile of :mod:`.cost` and the roofline of
-:mod:`.analytic`.
+Both cost passes count under it: the FLOP and saved-tensor profile of :mod:`rpcompile.passes.cost.cost` and the roofline
+of :mod:`rpcompile.passes.cost.analytic`.
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 Directory: ``$RPCOMPILE_CACHE``, else ``$XDG_CACHE_HOME/rpcompile``, else ``~/.cache/rpcompile``; one JSON file per
 profile under ``profiles/``, named by a hash of its key. The key is everything the times depend on: the graph's
-fingerprint (:mod:`.fingerprint`: structure, parameter names, shapes and dtypes), the example inputs' shapes and
-dtypes, the cost model's identity (device name, compute dtype, intra-op threads on a CPU, repeats), the torch
-version and :data:`FORMAT_VERSION`. An entry holds each compute node's whole cost (the fields of
+fingerprint (:mod:`rpcompile.passes.graph.fingerprint`: structure, parameter names, shapes and dtypes), the example
+inputs' shapes and dtypes, the cost model's identity (device name, compute dtype, intra-op threads on a CPU, repeats),
+the torch version and :data:`FORMAT_VERSION`. An entry holds each compute node's whole cost (the fields of
 :class:`~.cost.NodeCost`, times raw: before calibration) and the whole-graph calibration times, so a warm entry
 skips the cost pass's graph run too.
 
@@ -31,7 +31,7 @@ import torch.fx as fx
 
 from rpcompile.core.files import read_json, sweep_temporaries, write_atomic
 
-from .fingerprint import fingerprint
+from ..graph.fingerprint import fingerprint
 
 __all__ = ["FORMAT_VERSION", "CacheEntry", "cache_dir", "profile_key", "load", "store", "entries", "clear", "write_entry",
            "remove_entries"]

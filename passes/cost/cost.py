@@ -8,8 +8,8 @@ Terms
   Cost models only ever see NodeCalls, so the same model costs torch.fx graphs (``call_module`` leaves such
   as ``nn.Linear``) and torch.export graphs (aten ops) alike.
 - **CostModel**: turns a NodeCall into an :class:`OpEstimate` (times, optionally FLOPs). Two implement it:
-  :class:`~rpcompile.passes.measured.MeasuredCostModel` times nodes on the device at hand;
-  :class:`~rpcompile.passes.analytic.AnalyticCostModel` predicts them from FLOPs and bytes for a named
+  :class:`~rpcompile.passes.cost.measured.MeasuredCostModel` times nodes on the device at hand;
+  :class:`~rpcompile.passes.cost.analytic.AnalyticCostModel` predicts them from FLOPs and bytes for a named
   :class:`~rpcompile.core.specs.DeviceSpec`.
 
 The driver runs the graph once on the model's own device (``meta`` for shape-only models) to get every node's
@@ -42,15 +42,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from rpcompile.core.batch import flat_inputs
 
+from ..graph.portable import device_of, running_on
+from ..graph.precision import recorded_dtype
+from ..graph.reuse import RunMemo, all_meta
+from ..graph.shape import SHAPE_KEY
+from ..graph.util import is_compute
 from . import profile_cache
 from .cost_interp import _CostInterpreter
 from .cost_model import COST_KEY, DTYPE_KEY, CostModel, Materialized, NodeCall, NodeCost, OpEstimate, node_cost
-from .portable import device_of, running_on
-from .precision import recorded_dtype
 from .repeats import repeat_map
-from .reuse import RunMemo, all_meta
-from .shape import SHAPE_KEY
-from .util import is_compute
 
 __all__ = [
     "COST_KEY",
@@ -94,7 +94,8 @@ def cost_pass(
     the graph (BatchNorm statistics) are restored afterwards. Also fills ``rpcompile.shape`` where missing.
     Counts land in ``gm.meta["rpcompile.profiling"]`` (nodes measured, shared, batches, whether the cache hit).
     ``memo`` (analytic costs on ``meta``): nodes the same as in the run it recorded take their recorded costs
-    instead of running (:mod:`.reuse`; every cost as a full run gives it); a first run records them.
+    instead of running (:mod:`rpcompile.passes.graph.reuse`; every cost as a full run gives it); a first run records
+    them.
     """
     enabled = (sys.stderr.isatty() and not os.environ.get("CI")) if progress is None else progress
     share = getattr(cost_model, "share_repeats", False) if share is None else share

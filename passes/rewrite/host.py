@@ -34,8 +34,8 @@ import torch.nn.functional as F
 from rpcompile.core.errors import ConfigError
 from rpcompile.core.program import HostEmbedding
 
-from .shape import SHAPE_KEY
-from .util import node_params
+from ..graph.shape import SHAPE_KEY
+from ..graph.util import node_params
 
 __all__ = ["HOST_KEY", "HostEmbedding", "host_embedding_pass", "host_candidates", "host_of", "as_planned"]
 

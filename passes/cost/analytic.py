@@ -30,7 +30,8 @@ How one node is costed
 GPU kernels, not meta kernels
 -----------------------------
 Attention and RMSNorm take another path on ``meta`` than on a GPU; the analysis runs under
-:class:`~.kernels.GpuKernels`, which rewrites them to the fused kernels a GPU runs. Device moves are no-ops.
+:class:`~rpcompile.passes.graph.kernels.GpuKernels`, which rewrites them to the fused kernels a GPU runs. Device moves
+are no-ops.
 
 Identical nodes (same target and configuration, input shapes/dtypes/strides, non-tensor arguments, gradient
 requirements) are analysed once: the 32 blocks of a transformer cost one block's analysis.
@@ -51,13 +52,13 @@ from torch.utils.flop_counter import flop_registry
 
 from rpcompile.core.specs import DeviceSpec, get_spec
 
+from ..graph.kernels import GpuKernels
+from ..graph.meta import compute_dtype as _compute_dtype
+from ..graph.meta import is_assert
+from ..graph.meta import packet_name as _packet_name
+from ..graph.meta import run_unifying_dtypes as _run_unifying_dtypes
+from ..graph.meta import stay_on_meta as _stay_on_meta
 from .cost import CostModel, NodeCall, OpEstimate
-from .kernels import GpuKernels
-from .meta import compute_dtype as _compute_dtype
-from .meta import is_assert
-from .meta import packet_name as _packet_name
-from .meta import run_unifying_dtypes as _run_unifying_dtypes
-from .meta import stay_on_meta as _stay_on_meta
 
 __all__ = [
     "AnalyticCostModel", "OpRecord", "CacheInfo", "OP_FLOPS_PER_ELEMENT", "TENSOR_CORE_DTYPES", "op_class",

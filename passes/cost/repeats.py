@@ -1,12 +1,12 @@
 """Repeated blocks of a graph (32 identical decoder layers): which nodes may share one measurement.
 
-A *block* is the run of compute nodes owned by one indexed module (``layers.3``: the module path up to its first
-numeric part, :func:`~.util.module_path`). Names only propose blocks; two blocks are *repeats* when their
+A *block* is the run of compute nodes owned by one indexed module (``layers.3``: the module path up to its first numeric
+part, :func:`~rpcompile.passes.graph.util.module_path`). Names only propose blocks; two blocks are *repeats* when their
 signatures are equal: the block module's type, and node by node the op, the target (a submodule by its type and
-parameter shapes, never its name), every argument (a node inside the block by its position there, one outside by
-its order of first use and its shapes and dtypes, a parameter or buffer by its shape, dtype and kind, constants by
-value) and the output's shapes and dtypes. Each repeat's nodes map to the nodes at the same positions in the first
-block of their signature (its *representative*), which :func:`~.cost.cost_pass` measures alone.
+parameter shapes, never its name), every argument (a node inside the block by its position there, one outside by its
+order of first use and its shapes and dtypes, a parameter or buffer by its shape, dtype and kind, constants by value)
+and the output's shapes and dtypes. Each repeat's nodes map to the nodes at the same positions in the first block of
+their signature (its *representative*), which :func:`~.cost.cost_pass` measures alone.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .fingerprint import _target_name
-from .shape import SHAPE_KEY
-from .util import _fetch, _normalise_path, compute_nodes, module_path
+from ..graph.fingerprint import _target_name
+from ..graph.shape import SHAPE_KEY
+from ..graph.util import _fetch, _normalise_path, compute_nodes, module_path
 
 __all__ = ["block_of", "repeat_map"]
 

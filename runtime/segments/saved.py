@@ -19,7 +19,7 @@ The capture itself, and running it, is :mod:`.capture`; this module decides when
 a call.
 
 Graphs are captured lazily, on the device and in the compute precision, with the sizes of the segment's
-activation inputs symbolic (:mod:`rpcompile.runtime.symbolic`): one capture runs every batch size and sequence
+activation inputs symbolic (:mod:`rpcompile.runtime.segments.symbolic`): one capture runs every batch size and sequence
 length its guards allow (sizes 0 and 1 are specialised, and so is whatever the trace had to know), so a padded
 batch of a new length costs a guard check, not a capture. Where a capture's guards do not hold, or symbolic
 tracing fails, signatures (shapes, strides, dtypes, devices, non-tensor values) are captured one by one: a capture
@@ -29,9 +29,10 @@ of the same code, module settings and signature (:func:`~.sharing.structure`: na
 share one, as does a pipeline compiled again from the same model), or, symbolic, of the same kind of signature
 where its guards hold, :data:`~.sharing.SHARED_CAPTURES` at most: the trace is deterministic, so it would make the
 same graphs.
-Dropout inside a saved segment is rewritten to ``x * seeded_noise(x)`` (:func:`.rng.dropout_to_noise`) where the
-noise op is opaque to tracing and draws the mask with :func:`rpcompile.runtime.rng.seeded_call` (same seed as the recompute path: bit-identical on
-CPU); the mask is then simply a saved tensor. Segments with other random ops are not saveable (recomputed instead).
+Dropout inside a saved segment is rewritten to ``x * seeded_noise(x)`` (:func:`rpcompile.runtime.rng.dropout_to_noise`)
+where the noise op is opaque to tracing and draws the mask with :func:`rpcompile.runtime.rng.seeded_call` (same seed as
+the recompute path: bit-identical on CPU); the mask is then simply a saved tensor. Segments with other random ops are
+not saveable (recomputed instead).
 
 **Leaves** (:func:`opaque_calls`): a segment that calls a leaf function (``torch.fx.wrap``) or a leaf module
 (``leaf_modules=``) is never captured: a capture replays the tensor ops the leaf ran at capture time, not the leaf,
@@ -50,7 +51,7 @@ import torch.fx as fx
 
 from rpcompile.core.program import SegmentSpec
 
-from . import rng
+from .. import rng
 from .capture import Aliased, HostSaved, SegmentAOT, SegmentFunction, capture_segment
 from .sharing import keep, shared_capture, structure
 from .symbolic import Guards, fake_inputs
@@ -148,8 +149,8 @@ class SavedSegment(SegmentSpec):
 
     def _modes(self) -> tuple:
         """What a capture bakes in of the modes: each module's (a batch norm's statistics, a dropout module) and
-        whether the dropouts run (:mod:`.rng`, eval mode after a train-mode trace) — a capture made in train mode
-        must not run in eval mode, nor the reverse."""
+        whether the dropouts run (:mod:`rpcompile.runtime.rng`, eval mode after a train-mode trace) — a capture made in
+        train mode must not run in eval mode, nor the reverse."""
         return bool(getattr(rng.context, "training", True)), tuple(m.training for m in self.gm.modules())
 
     def _find(self, key: tuple, flat: Sequence[Any]) -> SegmentAOT | None:

@@ -1,6 +1,6 @@
 """What a simulation returns: the timeline of every piece of work, and the figures derived from it.
 
-:func:`rpcompile.runtime.simulator.simulate` produces a :class:`SimResult`; ``rpcompile simulate``, the scenario
+:func:`rpcompile.runtime.sim.simulator.simulate` produces a :class:`SimResult`; ``rpcompile simulate``, the scenario
 drivers and the timeline pictures (:mod:`rpcompile.views.gantt`) read it.
 """
 

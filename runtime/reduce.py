@@ -147,12 +147,12 @@ class GradReducer:
     @property
     def bytes_per_call(self) -> int:
         """Bytes each rank contributes to the reduction per call (all buckets)."""
-        return sum(b.numel * torch.empty((), dtype=b.dtype).element_size() for b in self.buckets)
+        return sum(b.numel * torch.empty((), dtype=b.dtype, device="cpu").element_size() for b in self.buckets)
 
     def _launch(self, b: Bucket) -> None:
         parts = []
         for name in b.names:
             g = self.held(name)
-            parts.append(g.reshape(-1) if g is not None else torch.zeros(self.params[name].numel(), dtype=b.dtype))
+            parts.append(g.reshape(-1) if g is not None else torch.zeros(self.params[name].numel(), dtype=b.dtype, device="cpu"))
         b.flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
         b.work = dist.all_reduce(b.flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)

@@ -59,7 +59,7 @@ from rpcompile.passes.solver.stay_search import without_stays
 from rpcompile.passes.solver.timing import host_times, iteration_time, no_sync_time, stage_costs
 from rpcompile.planner.planning import make_hardware, partition_problem, prepare
 from rpcompile.tools.lora import apply_lora
-from rpcompile.views.report import fmt_bytes, fmt_time
+from rpcompile.core.units import fmt_bytes, fmt_time
 
 FINE = dataclasses.replace(get_spec("cpu"), name="cpu-fine-stages", stage_overhead_s=30e-6)
 MIB, GIB = 2**20, 2**30

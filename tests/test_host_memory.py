@@ -150,7 +150,7 @@ def test_rpcompile_plan_reports_the_host_memory_of_its_plan(capsys, tmp_path):
     from rpcompile.cli import main
     from rpcompile.core.plan import Plan
     from rpcompile.models import load_model
-    from rpcompile.passes.solver.segment_rules import format_bytes
+    from rpcompile.core.units import fmt_bytes
 
     out = tmp_path / "plan.json"
     assert main(["plan", "llama-demo", "--gpus", "2", "--spec", "rtx4090", "--time-limit", "1", "-o", str(out)]) == 0
@@ -161,7 +161,7 @@ def test_rpcompile_plan_reports_the_host_memory_of_its_plan(capsys, tmp_path):
     assert (expected.trainable_bytes, expected.activation_bytes) == (18 * params, activation_bytes(Plan.load(out)))
     assert expected.activation_bytes > 0
     assert expected.line() in text.splitlines()
-    assert f", activations on the host {format_bytes(expected.activation_bytes)}" in expected.line()
+    assert f", activations on the host {fmt_bytes(expected.activation_bytes)}" in expected.line()
 
 
 def test_activations_the_host_cannot_keep_are_recomputed_instead(monkeypatch):

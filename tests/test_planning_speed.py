@@ -20,7 +20,8 @@ import rpcompile.passes.solver.partition as partition
 from rpcompile.core.stages import HostLoad
 from rpcompile.passes.solver.balance import relaxed_backward_time, relaxed_balance
 from rpcompile.passes.solver.partition import solve
-from rpcompile.passes.solver.polish import PlanScorer, _neighbours, flip_saves, polish, taper
+from rpcompile.passes.solver.polish import _neighbours, flip_saves, polish, taper
+from rpcompile.passes.solver.scorer import PlanScorer
 from rpcompile.passes.solver.problem import SegmentPlan
 from rpcompile.passes.solver.tables import RangeTables
 from rpcompile.passes.solver.timing import _total, iteration_time, overlapped_period

@@ -28,10 +28,11 @@ from .parser import DEFAULT_MICROBATCHES, build_parser
 __all__ = ["main", "build_parser", "DEFAULT_MICROBATCHES", "COMMANDS"]
 
 COMMANDS = {
-    "profile": "model_cmds:profile", "models": "model_cmds:models", "demo": "model_cmds:demo",
-    "plan": "plan_cmd:plan", "simulate": "simulate_cmd:simulate",
-    "check": "plan_file_cmds:check", "diff": "plan_file_cmds:diff", "show": "plan_file_cmds:show",
-    "probe": "probe_cmd:probe", "cache": "cache_cmd:cache",
+    "profile": "model_cmds:profile_command", "models": "model_cmds:models_command", "demo": "model_cmds:demo_command",
+    "plan": "plan_cmd:plan_command", "simulate": "simulate_cmd:simulate_command",
+    "check": "plan_file_cmds:check_command", "diff": "plan_file_cmds:diff_command",
+    "show": "plan_file_cmds:show_command",
+    "probe": "probe_cmd:probe_command", "cache": "cache_cmd:cache_command",
 }
 """Each command → ``module:function`` (in this package) that runs it and returns the exit status."""
 

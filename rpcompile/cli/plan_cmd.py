@@ -33,10 +33,10 @@ from rpcompile.planner.seqlen import max_sequence_length
 from .common import bars, default_microbatches, directory, step, writable
 from .loading import load_for
 
-__all__ = ["plan"]
+__all__ = ["plan_command"]
 
 
-def plan(args: argparse.Namespace) -> int:
+def plan_command(args: argparse.Namespace) -> int:
     if args.output:  # before the minutes of planning, not after
         writable(args.output, "-o")
     if args.emit:

@@ -22,7 +22,15 @@ __all__ = [
     "SimulationError",
     "LossHeadError",
     "ConcurrentCallError",
+    "LossFnError",
+    "one_line",
 ]
+
+
+def one_line(e: BaseException) -> str:
+    """``Type: first line of the message`` (torch's messages run to several lines)."""
+    text = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 class RPCompileError(Exception):

@@ -30,8 +30,8 @@ from rpcompile.models.gpt import GPT, GPTConfig
 from rpcompile.models.llama import Llama, LlamaConfig
 from rpcompile.models.moe import MoE, MoEConfig
 
-__all__ = ["ModelSpec", "ModelSummary", "LossFn", "load_model", "list_models", "model_summaries", "lm_loss",
-           "classification_loss"]
+__all__ = ["ModelSpec", "ModelSummary", "LossFn", "load_model", "list_models", "model_summaries", "preset_batch_size",
+           "lm_loss", "classification_loss"]
 
 LossFn = Callable[[Any, Any], Tensor]
 """``loss_fn(output, target) -> scalar tensor``."""
@@ -152,6 +152,12 @@ _PRESETS: dict[str, _Preset] = {
                     "1536, vocab 151936",
     ),
 }
+
+
+def preset_batch_size(name: str) -> int | None:
+    """The batch a built-in model comes with (None for a model file)."""
+    preset = _PRESETS.get(name)
+    return None if preset is None else preset.batch_size
 
 
 def list_models() -> list[str]:

@@ -10,7 +10,7 @@ import torch
 from rpcompile.passes.cost.analytic import AnalyticCostModel
 from rpcompile.passes.cost.measured import MeasuredCostModel
 from rpcompile.passes.solver.problem import PartitionProblem
-from rpcompile.passes.solver.segment_rules import format_bytes
+from rpcompile.core.units import fmt_bytes
 from rpcompile.passes.solver.tables import min_feasible_memory
 
 from ..core.errors import ConfigError, InfeasibleError, RPCompileError
@@ -137,8 +137,8 @@ def infeasible_error(problem: PartitionProblem, hardware: Hardware) -> Infeasibl
     """The one-line refusal when nothing fits: the least memory per device that would, and what to change."""
     need, seg = min_feasible_memory(problem)
     return InfeasibleError(
-        f"no plan fits {format_bytes(hardware.memory_bytes)} per device: segment {seg} ({problem.names[seg]}) needs "
-        f"at least {format_bytes(need)} (its weights, the prefetched next stage, gradients and one microbatch's "
+        f"no plan fits {fmt_bytes(hardware.memory_bytes)} per device: segment {seg} ({problem.names[seg]}) needs "
+        f"at least {fmt_bytes(need)} (its weights, the prefetched next stage, gradients and one microbatch's "
         f"activations); allow at least {need} bytes per device (memory_limit= / --memory-limit), use more "
         "microbatches (smaller ones) or a lower precision"
     )

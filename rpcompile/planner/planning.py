@@ -403,7 +403,7 @@ def start(
                           "example_target= (a target for one batch), or use head_chunks=1")
     extra = (example_target,) if with_loss else ()
     piece = split_microbatches((*args, *kwargs.values(), *extra), m)[0]
-    dtype = None if precision == "fp32" else {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    dtype = compute_dtype(precision)
     return Compilation(
         model=model, args=tuple(piece[: len(args)]), kwargs=dict(zip(kwargs, piece[len(args):len(args) + len(kwargs)])),
         cost_model=make_cost_model(spec=spec, device=device, dtype=dtype, model_device=model_device(model),

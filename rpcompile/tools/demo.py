@@ -30,7 +30,8 @@ from rpcompile.models import ModelSpec, load_model
 from rpcompile.planner.planning import AUTO_HEAD_CHUNKS, compare, make_hardware, prepare
 from rpcompile.planner.planning import plan as plan_model
 from rpcompile.planner.profiling import profile_graph
-from rpcompile.views.report import compare_table, fmt_bytes, fmt_ms, plan_table, print_table, profile_table
+from rpcompile.views.report import compare_table, plan_table, print_table, profile_table
+from rpcompile.core.units import fmt_bytes, fmt_ms
 
 __all__ = ["run_demo"]
 

@@ -35,7 +35,8 @@ from typing import Any, Sequence
 from rpcompile.passes.graph.util import compute_nodes
 from rpcompile.passes.rewrite.coarsen import segments_of
 from rpcompile.passes.solver.problem import SegmentPlan
-from rpcompile.passes.solver.segment_rules import format_bytes, validate_segment_plan
+from rpcompile.passes.solver.segment_rules import validate_segment_plan
+from rpcompile.core.units import fmt_bytes
 from rpcompile.passes.solver.timing import iteration_time, stage_costs
 
 from ..core.errors import InfeasibleError, PlanFileError
@@ -173,7 +174,7 @@ def check_plan(path: str | Path, model: Any, example_inputs: Sequence[Any], *, m
     peak = max(c.memory_bytes for c in costs)
     result.figures = {
         "stages": len(plan.stages), "devices": hw.device_count, "spec": hw.spec.name,
-        "peak": format_bytes(peak), "memory": format_bytes(hw.memory_bytes), "peak_memory_bytes": peak,
+        "peak": fmt_bytes(peak), "memory": fmt_bytes(hw.memory_bytes), "peak_memory_bytes": peak,
         "iteration_s": now, "fresh_iteration_s": None, "regression": None,
     }
     strategy = plan.strategy if plan.strategy in ("ilp", "dp", "roundpipe", "uniform") else "ilp"

@@ -16,7 +16,7 @@ import torch
 from ..core.errors import InputError, LossFnError, RPCompileError
 
 __all__ = ["IGNORE_INDEX", "BatchLoss", "MicrobatchLoss", "check_labels", "label_bounds", "output_classes",
-           "shifted_tokens", "loss_weights", "own_loss"]
+           "shifted_tokens", "loss_weights", "own_loss", "checked_weight", "shifts_labels"]
 
 #: The target value a mean loss leaves out (``ignore_index`` of torch's and HF's cross-entropy): padding.
 IGNORE_INDEX = -100
@@ -62,13 +62,14 @@ def own_loss(output: Any) -> torch.Tensor:
     return output
 
 
-def _shifts_labels(model: torch.nn.Module) -> bool:
+def shifts_labels(model: torch.nn.Module) -> bool:
     """Whether the model's own loss predicts token t+1 from position t (HF causal LMs: ``loss_type`` or the class
     naming convention HF's loss registry keys on), so it averages over ``labels[:, 1:]``."""
     return getattr(model, "loss_type", None) == "ForCausalLM" or type(model).__name__.endswith("ForCausalLM")
 
 
-def _checked_weight(loss_weight: Any) -> Any:
+def checked_weight(loss_weight: Any) -> Any:
+    """``loss_weight`` itself once it is one a pipeline takes ('auto', 'rows' or a function); else one line."""
     if not callable(loss_weight) and loss_weight not in ("auto", "rows"):
         raise RPCompileError(f"loss_weight={loss_weight!r}; use 'auto', 'rows' or a function of a microbatch's "
                              "target returning how many items its mean loss averages over")

@@ -43,7 +43,7 @@ from rpcompile.passes.graph.precision import COMPUTE_DTYPES
 from rpcompile.passes.graph.trace import training_inputs
 from rpcompile.runtime.devices import make_devices
 
-from .core.errors import ConfigError, PlanVerificationError, RPCompileError
+from .core.errors import ConfigError, PlanVerificationError, RPCompileError, one_line
 from .core.plan import Plan
 from .planner.invariants import plan_violations
 from .planner.model_match import graph_as_planned
@@ -216,7 +216,7 @@ def _join(dp: DataParallel, local: Callable[..., Pipeline], plan: "Plan | str | 
         pipe = pipe or local(plan=plan)
         digest, error = plan_digest(pipe.plan, devices=len(pipe.devices), precision=precision), ""
     except Exception as e:  # noqa: BLE001 - every rank learns which one failed, then this one raises its own
-        digest, error, failure = None, f"{type(e).__name__}: {e}".splitlines()[0], e
+        digest, error, failure = None, one_line(e), e
     try:
         dp.agree(digest, error)
     except DistributedError:

@@ -11,8 +11,9 @@ import torch.nn as nn
 
 from _hf import hf_model
 from rpcompile.passes.cost.analytic import AnalyticCostModel
-from rpcompile.passes.cost.cost import COST_KEY, NodeCall, NodeCost, _calibrate, cost_pass, node_cost
+from rpcompile.passes.cost.cost import _calibrate, cost_pass
 from rpcompile.passes.cost.cost_interp import CostInterpreter
+from rpcompile.passes.cost.cost_model import COST_KEY, NodeCall, NodeCost, node_cost
 from rpcompile.passes.cost.measured import MeasuredCostModel
 from rpcompile.passes.graph.trace import trace
 

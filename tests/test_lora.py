@@ -18,8 +18,8 @@ import torch
 import rpcompile
 from rpcompile.cli import main
 from rpcompile.core.errors import ConfigError
-from rpcompile.models import load_model
 from rpcompile.core.units import fmt_bytes
+from rpcompile.models.registry import load_model
 from rpcompile.tools.lora import apply_lora, lora_host_memory
 
 from _hf import VOCAB, hf_model, token_loss

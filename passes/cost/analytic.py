@@ -51,6 +51,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from rpcompile.core.specs import DeviceSpec, get_spec
+from .cost_model import CostModel, NodeCall, OpEstimate
 
 from ..graph.kernels import GpuKernels
 from ..graph.meta import op_dtype
@@ -58,11 +59,10 @@ from ..graph.meta import is_assert
 from ..graph.meta import packet_name as _packet_name
 from ..graph.meta import run_unifying_dtypes as _run_unifying_dtypes
 from ..graph.meta import stay_on_meta as _stay_on_meta
-from .cost import CostModel, NodeCall, OpEstimate
 
 __all__ = [
     "AnalyticCostModel", "OpRecord", "CacheInfo", "OP_FLOPS_PER_ELEMENT", "TENSOR_CORE_DTYPES", "op_class",
-    "roofline_time", "GpuKernels",
+    "roofline_time",
 ]
 
 aten = torch.ops.aten

@@ -53,16 +53,8 @@ from .cost_model import COST_KEY, DTYPE_KEY, CostModel, Materialized, NodeCall, 
 from .repeats import repeat_map
 
 __all__ = [
-    "COST_KEY",
-    "NodeCost",
-    "OpEstimate",
-    "NodeCall",
-    "Materialized",
-    "CostModel",
     "cost_pass",
     "cost_from_cache",
-    "node_cost",
-    "DTYPE_KEY",
 ]
 
 
@@ -160,7 +152,8 @@ def _cache_entry(gm: fx.GraphModule, flat: list[Any], cost_model: CostModel, com
                  quiet: bool = False) -> tuple[dict[str, Any], profile_cache.CacheEntry | None]:
     """The profile cache's key for ``gm`` on these inputs and cost model, and its sound entry or None."""
     key = profile_cache.profile_key(gm, flat, cost_model.identity())
-    return key, profile_cache.load(key, {n.name for n in compute}, set(NodeCost.__dataclass_fields__), quiet=quiet)
+    fields = set(NodeCost.__dataclass_fields__)
+    return key, profile_cache.load_profile(key, {n.name for n in compute}, fields, quiet=quiet)
 
 
 def _warm(gm: fx.GraphModule, cost_model: CostModel, entry: profile_cache.CacheEntry,

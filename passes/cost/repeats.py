@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..graph.fingerprint import target_name
+from ..graph.fingerprint import qualified_target
 from ..graph.shape import SHAPE_KEY
 from ..graph.util import fetch_attr, normalise_path, compute_nodes, module_path
 
@@ -89,7 +89,7 @@ def _signature(gm: fx.GraphModule, nodes: list[fx.Node], block: str) -> tuple:
         if n.op == "call_module":
             target = "module:" + _module_sig(gm.get_submodule(str(n.target)))
         else:
-            target = target_name(n)
+            target = qualified_target(n)
         sig.append((n.op, target, arg(n.args), arg(n.kwargs), _shapes(n)))
     return tuple(sig)
 

@@ -31,7 +31,8 @@ import itertools
 import time
 from typing import Iterator, Sequence
 
-from rpcompile.core.stages import StageCost, StageKind
+from rpcompile.core.plan import StageKind
+from rpcompile.core.stages import StageCost
 
 from .problem import PartitionProblem, SegmentPlan
 from .segment_rules import validate_segment_plan

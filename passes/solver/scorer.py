@@ -21,8 +21,9 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+from rpcompile.core.plan import StageKind
 from rpcompile.core.schedule import steady_period
-from rpcompile.core.stages import StageCost, StageKind
+from rpcompile.core.stages import StageCost
 
 from .problem import PartitionProblem
 from .recurrence import Walk, overlapped_ends, pipeline_end, stage_ends

@@ -65,8 +65,9 @@ import dataclasses
 import math
 from typing import Sequence
 
+from rpcompile.core.plan import StageKind
 from rpcompile.core.schedule import steady_period
-from rpcompile.core.stages import StageCost, StageKind
+from rpcompile.core.stages import StageCost
 
 from .problem import PartitionProblem, SegmentPlan, plan_stages
 from .recurrence import overlapped_ends, pipeline_end, stage_ends

@@ -20,12 +20,12 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import cast
 
-from rpcompile.core.errors import RPCompileError
+from rpcompile.core.errors import RPCompileError, first_line
 from rpcompile.core.text import printable
 
-from .parser import DEFAULT_MICROBATCHES, build_parser
+from .parser import build_parser
 
-__all__ = ["main", "build_parser", "DEFAULT_MICROBATCHES", "COMMANDS"]
+__all__ = ["main", "COMMANDS"]
 
 COMMANDS = {
     "profile": "model_cmds:profile_command", "models": "model_cmds:models_command", "demo": "model_cmds:demo_command",
@@ -86,7 +86,7 @@ def _main(argv: Sequence[str] | None, own: bool = False) -> int:
     except Exception as e:  # not anticipated: still one line, the traceback behind -v
         if args.verbose:
             raise
-        text = printable(str(e).strip().splitlines()[0], limit=400) if str(e).strip() else ""
+        text = printable(first_line(e), limit=400)
         print(f"rpcompile: error: {type(e).__name__}{': ' + text if text else ''} (unexpected: rerun with -v for the "
               "traceback, and please report it)", file=sys.stderr)
         return 2

@@ -8,9 +8,9 @@ import argparse
 import json
 import time
 
+from rpcompile.core.units import fmt_bytes
 from rpcompile.passes import solve_cache
 from rpcompile.passes.cost import profile_cache
-from rpcompile.core.units import fmt_bytes
 
 from .common import say
 
@@ -20,16 +20,16 @@ __all__ = ["cache_command"]
 def cache_command(args: argparse.Namespace) -> int:
     root = profile_cache.cache_dir()
     if args.action == "clear":
-        removed, dropped = profile_cache.clear(), solve_cache.clear()
+        removed, dropped = profile_cache.clear_profiles(), solve_cache.clear_solves()
         if args.json:
             print(json.dumps({"directory": str(root), "removed": removed, "removed_solves": dropped}))
         else:
             print(f"profile cache {root}: removed {removed} entr{'y' if removed == 1 else 'ies'} and {dropped} "
                   f"solved partition{'' if dropped == 1 else 's'}")
         return 0
-    rows = profile_cache.entries()
+    rows = profile_cache.profile_entries()
     size = sum(r["bytes"] for r in rows)
-    solves = solve_cache.entries()
+    solves = solve_cache.solve_entries()
     if args.json:
         print(json.dumps({"directory": str(root), "entries": rows, "bytes": size, "solves": len(solves)}))
         return 0

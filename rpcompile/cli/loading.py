@@ -6,8 +6,7 @@ import argparse
 
 import torch
 
-from rpcompile.models import ModelSpec, load_model
-from rpcompile.models.registry import preset_batch_size
+from rpcompile.models.registry import ModelSpec, load_model, preset_batch_size
 
 __all__ = ["load", "load_for", "dtype"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from rpcompile.models import model_summaries
+from rpcompile.models.registry import model_summaries
 from rpcompile.planner.profiling import profile as profile_model
 from rpcompile.tools.demo import run_demo
 from rpcompile.views.report import cost_label, host_table, models_table, print_table, profile_table

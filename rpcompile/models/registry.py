@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rpcompile.core.errors import ModelSpecError
+from rpcompile.core.errors import ModelSpecError, first_line
 from rpcompile.models.cnn import CNNConfig, ConvNet
 from rpcompile.models.gpt import GPT, GPTConfig
 from rpcompile.models.llama import Llama, LlamaConfig
@@ -261,7 +261,7 @@ def _load_file(spec: str) -> ModelSpec:
     try:
         made = factory()
     except Exception as e:  # the user's code: one line naming it, not a traceback
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        first = first_line(e)
         raise ModelSpecError(f"{spec}: {factory_name}() raised {type(e).__name__}{': ' + first if first else ''}; "
                              f"fix {path}, or run it in Python to see the traceback") from e
     return _as_spec(made, spec)

@@ -7,10 +7,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from rpcompile.core.units import fmt_bytes
 from rpcompile.passes.cost.analytic import AnalyticCostModel
 from rpcompile.passes.cost.measured import MeasuredCostModel
 from rpcompile.passes.solver.problem import PartitionProblem
-from rpcompile.core.units import fmt_bytes
 from rpcompile.passes.solver.tables import min_feasible_memory
 
 from ..core.errors import ConfigError, InfeasibleError, RPCompileError
@@ -18,10 +18,11 @@ from ..core.plan import Hardware
 from ..core.specs import DeviceSpec, HostSpec, assumed_host, get_spec
 from .device_probe import device_spec
 
-__all__ = ["STRATEGIES", "AUTO_HEAD_CHUNKS", "make_cost_model", "make_hardware", "default_spec",
+__all__ = ["PLAN_STRATEGIES", "AUTO_HEAD_CHUNKS", "make_cost_model", "make_hardware", "default_spec",
            "head_chunk_candidates", "fastest", "split_limit", "infeasible_error", "model_device"]
 
-STRATEGIES = ("ilp", "dp", "roundpipe", "uniform")
+#: The strategies a plan may name (``--strategy``, ``strategy=``); :data:`.solver.partition.STRATEGIES` runs them.
+PLAN_STRATEGIES = ("ilp", "dp", "roundpipe", "uniform")
 #: Sequence chunks ``head_chunks="auto"`` tries for the LM head (besides not splitting it): on the benchmark
 #: models, 8 chunks beat 4 and 16 (benchmarks/RESULTS.md, schedules).
 AUTO_HEAD_CHUNKS = 8

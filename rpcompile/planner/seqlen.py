@@ -25,9 +25,9 @@ from typing import Any, Callable, Union
 from rpcompile.core.errors import ConfigError, InfeasibleError
 from rpcompile.core.plan import Plan
 from rpcompile.core.specs import DeviceSpec, HostSpec
-from rpcompile.models import ModelSpec, load_model
-from rpcompile.passes.formulate import partition_problem
 from rpcompile.core.units import fmt_bytes
+from rpcompile.models.registry import ModelSpec, load_model
+from rpcompile.passes.formulate import partition_problem
 from rpcompile.passes.solver.tables import min_feasible_memory
 
 from .plan_options import default_spec, head_chunk_candidates, make_hardware

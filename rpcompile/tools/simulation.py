@@ -15,15 +15,16 @@ from typing import Any, Callable, Sequence
 
 from rpcompile.core.errors import ConfigError, InfeasibleError
 from rpcompile.passes.background import solving
+from rpcompile.passes.formulate import partition_problem
 from rpcompile.passes.lower import input_tokens
 from rpcompile.passes.solver.partition import solve
 from rpcompile.tools.scenarios import (SCHEDULES, Scenario, from_plan, from_segment_plan, layer_profile_scenarios,
                                  load_layer_profile, overlapped, static_scenarios)
 
-from ..planner.plan_options import model_device
-from ..planner.planning import default_spec, fastest, head_chunk_candidates, make_hardware, partition_problem, prepare
+from ..planner.plan_options import default_spec, fastest, head_chunk_candidates, make_hardware, model_device
+from ..planner.planning import prepare
 
-__all__ = ["SCHEDULES", "parse_schedules", "model_scenarios", "plan_scenarios", "profile_scenarios", "run_all",
+__all__ = ["parse_schedules", "model_scenarios", "plan_scenarios", "profile_scenarios", "run_all",
            "skipped", "scaling"]
 
 

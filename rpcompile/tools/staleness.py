@@ -32,19 +32,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from rpcompile.core.units import fmt_bytes
+from rpcompile.passes.formulate import partition_problem
+from rpcompile.passes.graph.fingerprint import fingerprint
 from rpcompile.passes.graph.util import compute_nodes
+from rpcompile.passes.plan_inputs import moved_inputs, solve_inputs
 from rpcompile.passes.rewrite.coarsen import segments_of
 from rpcompile.passes.solver.problem import SegmentPlan
 from rpcompile.passes.solver.segment_rules import validate_segment_plan
-from rpcompile.core.units import fmt_bytes
 from rpcompile.passes.solver.timing import iteration_time, stage_costs
 
 from ..core.errors import InfeasibleError, PlanFileError
 from ..core.plan import Plan
-from rpcompile.passes.graph.fingerprint import fingerprint
-from rpcompile.passes.plan_inputs import moved_inputs, solve_inputs
 from ..planner.invariants import plan_violations
-from ..planner.planning import partition_problem, plan_graph, prepare
+from ..planner.planning import plan_graph, prepare
 
 __all__ = ["CheckResult", "check_plan", "rescore", "stays_of", "sums_of"]
 

@@ -15,7 +15,7 @@ import torch
 
 from ..core.errors import InputError, LossFnError, RPCompileError
 
-__all__ = ["IGNORE_INDEX", "BatchLoss", "MicrobatchLoss", "check_labels", "label_bounds", "output_classes",
+__all__ = ["IGNORE_INDEX", "BatchLoss", "MicrobatchLoss", "check_labels", "label_bounds", "scored_classes",
            "shifted_tokens", "loss_weights", "own_loss", "checked_weight", "shifts_labels"]
 
 #: The target value a mean loss leaves out (``ignore_index`` of torch's and HF's cross-entropy): padding.
@@ -127,7 +127,7 @@ class MicrobatchLoss:
         else:
             assert self.loss_fn is not None  # outside: there is a loss_fn
             if j < len(self.bounds):
-                check_labels(self.bounds[j], output_classes(output, target), f"the target of microbatch {j}",
+                check_labels(self.bounds[j], scored_classes(output, target), f"the target of microbatch {j}",
                              LossFnError)
             loss = self._loss_fn(output, target, j)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
@@ -171,7 +171,7 @@ def label_bounds(target: Any) -> tuple[int, int] | None:
     return (int(labels.min()), int(labels.max())) if labels.numel() else None
 
 
-def output_classes(output: Any, target: Any) -> int | None:
+def scored_classes(output: Any, target: Any) -> int | None:
     """How many classes the output scores for each label of ``target``: the last dimension of the output's
     logits — the output itself, its ``logits`` or its first tensor — when it has one dimension more than the
     target (``(batch, seq, vocab)`` for ``(batch, seq)`` labels) and more than one class; None otherwise."""

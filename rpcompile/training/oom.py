@@ -18,7 +18,7 @@ import torch
 
 from rpcompile.core.plan import Plan
 from rpcompile.core.units import fmt_bytes
-from rpcompile.runtime.executor import PipelineError
+from rpcompile.runtime.failures import PipelineError
 
 __all__ = ["StageOutOfMemoryError", "out_of_memory", "fitting_limit"]
 

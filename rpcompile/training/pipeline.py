@@ -73,7 +73,8 @@ from rpcompile.passes.rewrite.codegen import write_stages
 from rpcompile.passes.rewrite.loss_head import HEAD_CLASSES_META, TARGET
 from rpcompile.passes.rewrite.split import split_plan
 from rpcompile.runtime.bind import bind
-from rpcompile.runtime.executor import Executor, PipelineError
+from rpcompile.runtime.executor import Executor
+from rpcompile.runtime.failures import PipelineError
 from rpcompile.runtime.values import ValueStore
 
 from .callers import OneCaller, one_call
@@ -88,19 +89,16 @@ from ..core.plan import Plan
 from ..core.program import Program
 from ..core.schedule import round_robin
 from .distributed import DataParallel, RankCalls
-from .gpu_memory import gpu_memory_limit, offload_budget
+from .gpu_memory import offload_budget
 from .host_memory import check_host_memory
-from .loss_weighting import (IGNORE_INDEX, BatchLoss, checked_weight, shifts_labels, loss_weights, own_loss,
-                             shifted_tokens)
+from .loss_weighting import BatchLoss, checked_weight, shifts_labels, shifted_tokens
 from .oom import out_of_memory
 from .interrupts import deferred
 from .metrics import StepRecord, batch_tokens, chrome_trace, step_record
 from .overlap import Overlap, optimizers_of, schedulers_of, step_now, wait_for_steps, watch_model
 from .signature import InputSignature, check_call_mode
 
-__all__ = ["Pipeline",
-           # re-exported from their modules
-           "IGNORE_INDEX", "shifted_tokens", "loss_weights", "own_loss", "gpu_memory_limit", "offload_budget"]
+__all__ = ["Pipeline"]
 
 
 

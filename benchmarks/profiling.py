@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rpcompile.core.files import write_atomic
-from rpcompile.models import load_model
+from rpcompile.models.registry import load_model
 from rpcompile.passes.cost.measured import MeasuredCostModel
 from rpcompile.planner.planning import FRONT, Compilation, run
 

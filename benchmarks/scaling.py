@@ -29,7 +29,7 @@ from rich.console import Console
 
 from rpcompile.cli.argtypes import network_rates, node_counts
 from rpcompile.core.files import write_atomic
-from rpcompile.models import load_model
+from rpcompile.models.registry import load_model
 from rpcompile.tools.simulation import model_scenarios, scaling
 from rpcompile.views.report import print_table, scaling_table
 

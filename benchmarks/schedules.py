@@ -44,11 +44,13 @@ from rich.console import Console
 from rich.table import Table
 
 from rpcompile.core.files import write_atomic
-from rpcompile.passes.lower import _tokens
-from rpcompile.models import load_model
+from rpcompile.core.units import fmt_bytes, fmt_time
+from rpcompile.models.registry import load_model
+from rpcompile.passes.formulate import partition_problem
+from rpcompile.passes.lower import input_tokens
 from rpcompile.passes.solver.partition import solve
-from rpcompile.planner.planning import make_hardware, partition_problem, prepare
-from rpcompile.views.report import fmt_bytes, fmt_time
+from rpcompile.planner.plan_options import make_hardware
+from rpcompile.planner.planning import prepare
 from rpcompile.tools.scenarios import (SCHEDULES, from_segment_plan, layer_profile_scenarios, load_layer_profile,
                                          static_scenarios)
 
@@ -89,7 +91,7 @@ def model_rows(model: str, gpus: int, time_limit: float) -> tuple[dict[str, dict
     _, pb2 = problem(True, HEAD_CHUNKS)
     _, device2 = problem(False, HEAD_CHUNKS)
     prep = time.perf_counter() - t0
-    tokens = _tokens(gm) * m
+    tokens = input_tokens(gm) * m
     scenarios = static_scenarios(base, chunks=2, precision=PRECISION, tokens_per_iteration=tokens)
     predicted = {}
     for name, problem in (("roundpipe", base), ("ilp-whole-head", pb),

@@ -27,7 +27,7 @@ from rich.table import Table
 
 import rpcompile
 from rpcompile.core.files import write_atomic
-from rpcompile.models import load_model
+from rpcompile.models.registry import load_model
 
 try:  # optional: the Hugging Face row runs only where transformers is installed
     import transformers

@@ -20,7 +20,7 @@ import torch.fx as fx
 from rpcompile.core.plan import Hardware
 from rpcompile.core.stages import host_load
 
-from .cost.cost import DTYPE_KEY
+from rpcompile.passes.cost.cost_model import DTYPE_KEY
 from .cost.loss_memory import LOSS_BYTES_KEY
 from .graph.shape import SHAPE_KEY, scaled_nbytes
 from .rewrite.coarsen import segments_of

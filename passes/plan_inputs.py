@@ -31,9 +31,9 @@ from typing import Any, Mapping
 import torch.fx as fx
 
 from rpcompile.core.plan import Hardware
+from rpcompile.passes.cost.cost_model import COST_KEY
 
 from . import solver
-from .cost.cost import COST_KEY
 from .graph.util import compute_nodes
 from .rewrite.coarsen import COARSEN_META
 from .rewrite.host import host_of

@@ -39,10 +39,11 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from rpcompile.passes.formulate import PRECISION_BYTES
+from rpcompile.passes.graph.precision import COMPUTE_DTYPES
 from rpcompile.passes.graph.trace import training_inputs
 from rpcompile.runtime.devices import make_devices
 
-from .core.errors import ConfigError, PlanVerificationError, RPCompileError
+from .core.errors import ConfigError, PlanVerificationError, RPCompileError, one_line
 from .core.plan import Plan
 from .planner.invariants import plan_violations
 from .planner.model_match import graph_as_planned
@@ -50,8 +51,8 @@ from .planner.planning import compile_plan, replanned
 from .training.distributed import DataParallel, DistributedError, data_parallel_group, plan_digest
 from .training.gpu_memory import gpu_memory_limit
 from .training.host_memory import fit_host_memory, within_host_memory
-from .training.loss_weighting import _checked_weight
-from .training.pipeline import _DTYPES, Pipeline
+from .training.loss_weighting import checked_weight
+from .training.pipeline import Pipeline
 from .training.signature import InputSignature, check_compile_arguments
 
 __all__ = ["compile"]
@@ -125,8 +126,8 @@ def compile(
     if plan is not None and not isinstance(plan, Plan):
         plan = Plan.load(plan)
     precision = _precision(plan, precision)
-    if precision not in _DTYPES:
-        raise ConfigError(f"precision must be one of {sorted(_DTYPES)}, got {precision!r}")
+    if precision not in COMPUTE_DTYPES:
+        raise ConfigError(f"precision must be one of {sorted(COMPUTE_DTYPES)}, got {precision!r}")
     dp = data_parallel_group(data_parallel)
     if dp is not None:  # one pipeline per rank, on one plan (rank 0's unless given), checked alike everywhere
         local = functools.partial(
@@ -135,14 +136,14 @@ def compile(
             example_target=example_target, head_chunks=head_chunks, host_embedding=host_embedding,
             loss_weight=loss_weight, frozen_masters=frozen_masters, data_parallel=False, **plan_options)
         return _join(dp, local, plan, precision)
-    _checked_weight(loss_weight)  # before any planning
+    checked_weight(loss_weight)  # before any planning
     if devices is None and gpus is None:
         devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())] or ["cpu"]
     devs = make_devices(list(devices) if devices is not None else None, gpus)
     args, kwargs = training_inputs(model, example_inputs, example_kwargs)
     example_inputs, example_kwargs = args, kwargs
     signature = InputSignature(model, args, kwargs, devices=[d.torch_device.type for d in devs],
-                               compute_dtype=_DTYPES[precision], target=example_target)
+                               compute_dtype=COMPUTE_DTYPES[precision], target=example_target)
     if loss_fn is None and "labels" in signature.params and "labels" not in kwargs:
         raise RPCompileError("loss_fn=None uses the model's own loss, which it computes from labels: compile with "
                              "them in the example (example_kwargs={'input_ids': ids, 'labels': labels}) or give loss_fn=")
@@ -179,7 +180,7 @@ def compile(
             limit = float(plan_options.get("time_limit_s", 10.0))
             saving = made
             made = fit_host_memory(saving, lambda: replanned(saving, allow_save=False, time_limit_s=limit),
-                                   dtype=_DTYPES[precision], pin=not on_cpu, frozen_masters=frozen_masters)
+                                   dtype=COMPUTE_DTYPES[precision], pin=not on_cpu, frozen_masters=frozen_masters)
         assert made.plan is not None
         t0 = time.perf_counter()
         pipe = Pipeline(model, made.graph, made.plan, devs, loss_fn, precision, scaler,
@@ -215,7 +216,7 @@ def _join(dp: DataParallel, local: Callable[..., Pipeline], plan: "Plan | str | 
         pipe = pipe or local(plan=plan)
         digest, error = plan_digest(pipe.plan, devices=len(pipe.devices), precision=precision), ""
     except Exception as e:  # noqa: BLE001 - every rank learns which one failed, then this one raises its own
-        digest, error, failure = None, f"{type(e).__name__}: {e}".splitlines()[0], e
+        digest, error, failure = None, one_line(e), e
     try:
         dp.agree(digest, error)
     except DistributedError:

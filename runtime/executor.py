@@ -74,6 +74,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
+from rpcompile.core.errors import one_line as _one_line
 from rpcompile.core.program import Program, StageProgram
 from rpcompile.core.schedule import Action
 
@@ -81,7 +82,9 @@ from . import rng, stage_call
 from .activity import span
 from .bind import bind
 from .devices import CpuDevice, Device
-from .failures import PipelineError, _Stopped, _first, _one_line, _without_frames
+from .failures import PipelineError
+# the QLoRA work is editing this module's body: the helpers keep their local names here for now
+from .failures import Stopped as _Stopped, first_failure as _first, without_frames as _without_frames
 from .segments import saved
 from .segments.capture import HostSaved
 from .stage_call import StageState, to_host, upload_tree

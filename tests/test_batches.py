@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import rpcompile
-from rpcompile.training.pipeline import IGNORE_INDEX, loss_weights, shifted_tokens
+from rpcompile.training.loss_weighting import IGNORE_INDEX, loss_weights, shifted_tokens
 
 from _hf import VOCAB, hf_model, token_loss
 from test_runtime import FINE_CPU, TOL, assert_grads_equal, assert_step_matches_eager
@@ -225,7 +225,7 @@ def test_one_hf_pipeline_trains_every_batch_size_and_length_like_eager():
 
 @pytest.mark.parametrize("name", ["llama-demo", pytest.param("gpt-demo", marks=pytest.mark.slow)])
 def test_the_built_in_decoders_train_every_batch_size_and_length_like_eager(name):
-    from rpcompile.models import load_model
+    from rpcompile.models.registry import load_model
 
     spec = load_model(name, batch_size=6, seq_len=16)
     ref = copy.deepcopy(spec.model)

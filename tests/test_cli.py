@@ -19,9 +19,8 @@ import rpcompile.cli.plan_cmd
 from rpcompile import __version__
 from rpcompile.cli import main
 from rpcompile.cli.common import step
+from rpcompile.core.units import fmt_ms, fmt_params
 from rpcompile.tools.demo import CPU_NOTE, run_demo
-from rpcompile.core.units import fmt_params
-from rpcompile.views.report import fmt_ms
 
 PROFILE_FIELDS = {"params", "param_bytes", "fwd_flops", "fwd_time_s", "bwd_time_s", "activation_bytes"}
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 import rpcompile
 from rpcompile.runtime import rng
-from rpcompile.runtime.executor import PipelineError
+from rpcompile.runtime.failures import PipelineError
 from rpcompile.training.oom import StageOutOfMemoryError
 from test_runtime import FINE_CPU, TOL
 
@@ -90,7 +90,8 @@ def _pipeline(devices: Any = None, memory: int = 12 * 2**30) -> tuple[Any, nn.Mo
     from rpcompile.passes.graph.util import compute_nodes
     from rpcompile.passes.lower import plan_from_ranges
     from rpcompile.passes.rewrite.coarsen import coarsen_pass, segments_of
-    from rpcompile.planner.planning import make_hardware, prepare
+    from rpcompile.planner.planning import prepare
+    from rpcompile.planner.plan_options import make_hardware
     from rpcompile.runtime.devices import make_devices
     from rpcompile.training.pipeline import Pipeline
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import rpcompile
-from rpcompile.models import load_model
+from rpcompile.models.registry import load_model
 from rpcompile.runtime.devices import host_buffer
 from rpcompile.training.pipeline import Pipeline
 

@@ -12,7 +12,7 @@ import torch
 import rpcompile
 from rpcompile.passes.graph.precision import TRACE_DTYPE_KEY
 from rpcompile.passes.graph.trace import trace
-from rpcompile.training.pipeline import shifted_tokens
+from rpcompile.training.loss_weighting import shifted_tokens
 
 from _hf import VOCAB, hf_model, token_loss
 from test_batches import _causal_loss, _padded

@@ -98,7 +98,7 @@ def test_resume_from_a_trainer_checkpoint_is_bit_for_bit(tmp_path):
     hf.Trainer(model=first, args=arguments(tmp_path / "cut", max_steps=4, save_strategy="steps", save_steps=2),
                train_dataset=data, data_collator=collate, pipeline=OPTIONS).train()
     checkpoint = tmp_path / "cut" / "checkpoint-2"
-    assert (checkpoint / hf.PLAN_FILE).exists() and (checkpoint / hf.STATE_FILE).exists()
+    assert (checkpoint / hf.TRAINER_PLAN_FILE).exists() and (checkpoint / hf.TRAINER_STATE_FILE).exists()
     resumed = model()
     trainer = hf.Trainer(model=resumed, args=arguments(tmp_path / "cut", max_steps=4), train_dataset=data,
                          data_collator=collate, pipeline=OPTIONS)

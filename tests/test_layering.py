@@ -21,6 +21,11 @@ lists the arrows against the layers that main still has (none since issue 18): a
 and line, and a known one that is gone must leave the list, so the list only shrinks. No module imports itself
 through others (no file-level import loop), every folder holds at most :data:`CEILING` loose modules (the front
 end's root :data:`ROOT_CEILING`), and the README's architecture table names every module, file for file.
+
+One home per name (issue 37 phase 3): a name sits in one module's ``__all__`` (packages re-export nothing; the
+public surface ``rpcompile/__init__.py`` points each public name at its home), and no ``_private`` name is used
+outside its module — in the package and the benchmarks; tests may reach into the module they mirror.
+:data:`KNOWN_TWO_HOMES` and :data:`KNOWN_PRIVATE` only shrink.
 """
 
 from __future__ import annotations
@@ -315,3 +320,156 @@ def test_the_recurrence_is_plain_numbers():
     ours = {n for n in names if n.startswith("rpcompile")}
     assert ours and all(layer(n) == "core" for n in ours), sorted(ours)
     assert names - ours <= {"__future__", "dataclasses", "typing", "math"}, sorted(names - ours)
+
+
+# --- one home per name (issue 37 phase 3) ----------------------------------------------------------------------------
+
+#: The public surface: every public name listed once more here, each pointing at its one home (the table's value).
+SURFACE = "rpcompile"
+
+#: (name, module) pairs of names that still sit in a second module's ``__all__``: the list only shrinks. Left for
+#: the QLoRA work on ``runtime/executor.py`` (its body and ``__all__`` are being edited there): the executor's
+#: re-exports of ``values`` and ``failures``, and the two ``context`` thread-locals (rng's and saved segments'), which
+#: the executor reaches as ``rng.context`` and ``saved.context`` — one of them renamed once that work has landed.
+KNOWN_TWO_HOMES: set[tuple[str, str]] = {
+    ("PipelineError", "rpcompile.runtime.executor"), ("PipelineError", "rpcompile.runtime.failures"),
+    ("TimelineEvent", "rpcompile.runtime.executor"), ("TimelineEvent", "rpcompile.runtime.values"),
+    ("ValueStore", "rpcompile.runtime.executor"), ("ValueStore", "rpcompile.runtime.values"),
+    ("context", "rpcompile.runtime.rng"), ("context", "rpcompile.runtime.segments.saved"),
+}
+
+#: (importing file, imported module, private name) imports of a ``_private`` name across modules: the list only
+#: shrinks.
+KNOWN_PRIVATE: set[tuple[str, str, str]] = set()
+
+
+def exported(source: str) -> list[str]:
+    """The names in a module's ``__all__``: a literal list or tuple, with ``*TABLE`` or ``list(TABLE)`` of a
+    module-level dict literal (the lazy tables of ``rpcompile/__init__.py``) spelled out."""
+    tree = ast.parse(source)
+    tables = {t.id: [k.value for k in n.value.keys if isinstance(k, ast.Constant)] for n in tree.body
+              if isinstance(n, ast.Assign) and isinstance(n.value, ast.Dict) for t in n.targets
+              if isinstance(t, ast.Name)}
+    names: list[str] = []
+    for n in tree.body:
+        if not (isinstance(n, (ast.Assign, ast.AnnAssign, ast.AugAssign))
+                and any(isinstance(t, ast.Name) and t.id == "__all__"
+                        for t in (n.targets if isinstance(n, ast.Assign) else [n.target]))):
+            continue
+        value = n.value
+        if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.args:
+            value = value.args[0]  # list(TABLE), tuple(TABLE), sorted(TABLE)
+        elts = value.elts if isinstance(value, (ast.List, ast.Tuple)) else [value] if value is not None else []
+        for e in elts:
+            e = e.value if isinstance(e, ast.Starred) else e
+            if isinstance(e, ast.Constant) and isinstance(e.value, str):
+                names.append(e.value)
+            elif isinstance(e, ast.Name) and e.id in tables:
+                names += tables[e.id]
+    return names
+
+
+def two_homes(files: dict[str, str]) -> dict[str, list[str]]:
+    """Name → the modules whose ``__all__`` lists it, for each name listed by two or more (the public surface,
+    :data:`SURFACE`, not counted: it points at the homes)."""
+    homes: dict[str, list[str]] = {}
+    for rel, source in files.items():
+        mod = module_name(Path(rel))
+        if mod != SURFACE:
+            for name in dict.fromkeys(exported(source)):
+                homes.setdefault(name, []).append(mod)
+    return {name: mods for name, mods in homes.items() if len(mods) > 1}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_imports(files: dict[str, str], modules: set[str] | None = None) -> list[tuple[str, int, str, str]]:
+    """``(file, line, module, name)`` of each ``_private`` name of an rpcompile module used outside it: imported
+    (``from m import _x``) or reached through an imported module (``from pkg import m`` … ``m._x``). ``modules``:
+    the rpcompile modules that exist (default: those of ``files``)."""
+    modules = modules if modules is not None else {module_name(Path(rel)) for rel in files}
+    out = []
+    for rel, source in files.items():
+        path = Path(rel)
+        mod = module_name(path) if path.parts[0] in ("rpcompile", "passes", "runtime") else ""
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        tree = ast.parse(source)
+        bound: dict[str, str] = {}  # local name → the rpcompile module it is
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = package
+                for _ in range(node.level - 1):
+                    base = base.rpartition(".")[0]
+                target = (f"{base}.{node.module}" if node.module else base) if node.level else (node.module or "")
+                if not (target == "rpcompile" or target.startswith("rpcompile.")) or target == mod:
+                    continue
+                for a in node.names:
+                    if _private(a.name):
+                        out.append((rel, node.lineno, target, a.name))
+                    elif f"{target}.{a.name}" in modules:
+                        bound[a.asname or a.name] = f"{target}.{a.name}"
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name in modules and a.asname:
+                        bound[a.asname] = a.name
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound \
+                    and _private(node.attr):
+                out.append((rel, node.lineno, bound[node.value.id], node.attr))
+    return out
+
+
+def _sources_and_benchmarks() -> dict[str, str]:
+    benchmarks = {str(p.relative_to(ROOT)): p.read_text() for p in sorted((ROOT / "benchmarks").glob("*.py"))}
+    return {**_sources(), **benchmarks}
+
+
+def test_no_name_has_two_homes_and_the_known_ones_shrink():
+    """A name sits in one module's ``__all__``, its home; callers import it from there. The public surface
+    (``rpcompile/__init__.py``) lists each public name once more, pointing at its home — that is not a second home."""
+    found = {(name, m) for name, mods in two_homes(_sources()).items() for m in mods}
+    new = sorted({name for name, m in found - KNOWN_TWO_HOMES})
+    assert not new, "names in two modules' __all__ (give each one home): " + ", ".join(
+        f"{n} {two_homes(_sources())[n]}" for n in new)
+    gone = KNOWN_TWO_HOMES - found
+    assert not gone, f"remove from KNOWN_TWO_HOMES, they are fixed: {sorted(gone)}"
+
+
+def test_the_surface_points_at_each_names_home():
+    """Each name of ``rpcompile/__init__.py``'s table is in the ``__all__`` of the module it points at."""
+    files = _sources()
+    by_module = {module_name(Path(rel)): exported(source) for rel, source in files.items()}
+    table = ast.literal_eval(next(n.value for n in ast.parse(files["rpcompile/__init__.py"]).body
+                                  if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "_EXPORTS"))
+    astray = {name: home for name, home in table.items() if name not in by_module.get(home, [])}
+    assert not astray, f"public names whose table entry is not their home: {astray}"
+
+
+def test_no_private_name_is_used_across_modules_and_the_known_ones_shrink():
+    """A ``_private`` name stays in its module: one that others need is public in its home (no underscore, in
+    ``__all__``, a docstring). Checked in the package and the benchmarks (they use the package as a reader would);
+    not in tests, which may reach into the module they mirror (STYLE 1)."""
+    files = _sources_and_benchmarks()
+    modules = {module_name(Path(rel)) for rel in _sources()}
+    found = private_imports(files, modules)
+    new = sorted({f"{f}:{line} uses {m}.{n}" for f, line, m, n in found if (f, m, n) not in KNOWN_PRIVATE})
+    assert not new, "private names used across modules (make them public in their home):\n" + "\n".join(new)
+    gone = KNOWN_PRIVATE - {(f, m, n) for f, _, m, n in found}
+    assert not gone, f"remove from KNOWN_PRIVATE, they are fixed: {sorted(gone)}"
+
+
+def test_two_homes_and_private_imports_are_caught():
+    files = {"passes/cost/cost.py": "from .cost_model import CostModel\n__all__ = ['CostModel', 'cost_pass']\n",
+             "passes/cost/cost_model.py": "__all__ = ('CostModel',)\n",
+             "rpcompile/__init__.py": "_EXPORTS = {'CostModel': 'rpcompile.passes.cost.cost_model'}\n"
+                                      "__all__ = ['__version__', *_EXPORTS]\n",
+             "passes/solver/scorer.py": "from . import timing\nfrom .timing import _stage\nx = timing._total\n",
+             "passes/solver/timing.py": "_stage = _total = 1\n"}
+    assert two_homes(files) == {"CostModel": ["rpcompile.passes.cost.cost", "rpcompile.passes.cost.cost_model"]}
+    assert exported(files["rpcompile/__init__.py"]) == ["__version__", "CostModel"]
+    assert sorted(private_imports(files)) == [
+        ("passes/solver/scorer.py", 2, "rpcompile.passes.solver.timing", "_stage"),
+        ("passes/solver/scorer.py", 3, "rpcompile.passes.solver.timing", "_total")]
+    assert private_imports({"passes/solver/timing.py": "from .timing import _stage\n"}) == []  # itself

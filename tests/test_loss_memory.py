@@ -11,8 +11,7 @@ import dataclasses
 import pytest
 import torch
 
-from rpcompile.models import load_model
-from rpcompile.models.registry import lm_loss
+from rpcompile.models.registry import lm_loss, load_model
 from rpcompile.passes.cost.loss_memory import LOSS_BYTES_KEY, PeakBytes
 from rpcompile.passes.formulate import partition_problem
 from rpcompile.passes.rewrite.coarsen import segments_of

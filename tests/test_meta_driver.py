@@ -8,7 +8,7 @@ import torch
 
 import rpcompile.planner.planning as planning
 from _hf import hf_model, token_loss
-from rpcompile.models import load_model
+from rpcompile.models.registry import load_model
 from rpcompile.passes.graph.meta import on_meta
 from rpcompile.planner.planning import compile_plan
 

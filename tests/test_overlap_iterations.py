@@ -14,7 +14,7 @@ import torch
 
 import rpcompile
 from rpcompile.runtime import rng, stage_call
-from rpcompile.runtime.executor import PipelineError
+from rpcompile.runtime.failures import PipelineError
 from rpcompile.training.checkpoint import checkpoints
 
 from _resume import build, train

@@ -12,7 +12,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from rpcompile.passes.cost.cost import cost_pass, node_cost
+from rpcompile.passes.cost.cost import cost_pass
+from rpcompile.passes.cost.cost_model import node_cost
 from rpcompile.passes.cost.measured import MeasuredCostModel
 from rpcompile.passes.graph.portable import RESHAPE, default_device, portable_pass
 from rpcompile.passes.graph.trace import trace

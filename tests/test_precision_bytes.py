@@ -12,9 +12,10 @@ import torch.fx as fx
 
 from _hf import hf_model
 from rpcompile.core.batch import tensor_leaves
-from rpcompile.models import load_model
+from rpcompile.models.registry import load_model
 from rpcompile.passes.cost.analytic import AnalyticCostModel
-from rpcompile.passes.cost.cost import DTYPE_KEY, cost_pass, node_cost
+from rpcompile.passes.cost.cost import cost_pass
+from rpcompile.passes.cost.cost_model import DTYPE_KEY, node_cost
 from rpcompile.passes.graph.meta import on_meta
 from rpcompile.passes.graph.precision import RUN_DTYPE_KEY, cast_floating, computing_in
 from rpcompile.passes.graph.shape import SHAPE_KEY, shape_pass, storage_key

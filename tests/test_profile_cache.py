@@ -20,10 +20,10 @@ from torch import nn
 
 import rpcompile
 from rpcompile.cli import main
-from rpcompile.models import load_model
+from rpcompile.models.registry import load_model
 from rpcompile.passes.cost import measured, profile_cache
 from rpcompile.passes.cost.analytic import AnalyticCostModel
-from rpcompile.passes.cost.cost import COST_KEY, node_cost
+from rpcompile.passes.cost.cost_model import COST_KEY, node_cost
 from rpcompile.passes.cost.measured import MeasuredCostModel
 from rpcompile.passes.cost.repeats import block_of, repeat_map
 from rpcompile.passes.graph.fingerprint import fingerprint
@@ -267,7 +267,7 @@ def test_the_key_changes_with_every_part(monkeypatch: pytest.MonkeyPatch) -> Non
         m.setattr(torch, "__version__", "0.0.0-other")
         variants["torch"] = key()
     with monkeypatch.context() as m:
-        m.setattr(profile_cache, "FORMAT_VERSION", profile_cache.FORMAT_VERSION + 1)
+        m.setattr(profile_cache, "PROFILE_FORMAT_VERSION", profile_cache.PROFILE_FORMAT_VERSION + 1)
         variants["format"] = key()
     assert key() == base  # deterministic
     assert len({base, *variants.values()}) == len(variants) + 1, variants

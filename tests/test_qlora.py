@@ -243,7 +243,7 @@ def test_quantize_base_packs_the_frozen_layers_as_bitsandbytes_does():
     model computes what the same model with bitsandbytes' dequantized weights computes, bit for bit, and it still
     traces with torch.fx."""
     from rpcompile.tools.lora import apply_lora
-    from rpcompile.models import load_model
+    from rpcompile.models.registry import load_model
     from rpcompile.passes.graph.trace import TRACE_META_KEY, trace
     from rpcompile.tools.qlora import NF4Experts, NF4Linear, quantize_base
 
@@ -273,7 +273,7 @@ def test_quantize_base_packs_the_frozen_layers_as_bitsandbytes_does():
 
 def test_quantize_base_refuses_what_it_cannot_do(capsys):
     from rpcompile.cli import main
-    from rpcompile.models import load_model
+    from rpcompile.models.registry import load_model
     from rpcompile.tools.qlora import quantize_base
 
     model = load_model("llama-demo", device="meta").model
@@ -320,8 +320,8 @@ def test_the_dequantization_is_priced_on_the_gpu():
     packed weight and writing it in the compute precision (bf16 here), at the spec's memory bandwidth."""
     from rpcompile.core.specs import get_spec
     from rpcompile.tools.lora import apply_lora
-    from rpcompile.models import load_model
-    from rpcompile.passes.cost.cost import COST_KEY
+    from rpcompile.models.registry import load_model
+    from rpcompile.passes.cost.cost_model import COST_KEY
     from rpcompile.planner.planning import prepare
     from rpcompile.tools.qlora import quantize_base
 

@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 
 import rpcompile
-from rpcompile.models import load_model
 from rpcompile.core.batch import split_microbatches
 from rpcompile.core.schedule import Action, format_schedule, parse_action, round_robin
 from rpcompile.core.specs import get_spec
+from rpcompile.models.registry import load_model
 
 # The cpu preset's per-stage overhead (0.4 ms, the executor's real hand-off cost) makes the planner keep tiny
 # demo models in very few stages; these tests want many stages of every kind, so they plan with a GPU-like 30 µs.
@@ -480,7 +480,8 @@ def _saving_pipeline(name, parity, k=2, m=3, devices=None, adjust=None):
     from rpcompile.passes.rewrite.coarsen import coarsen_pass, segments_of
     from rpcompile.passes.graph.util import compute_nodes
     from rpcompile.training.pipeline import Pipeline
-    from rpcompile.planner.planning import make_hardware, prepare
+    from rpcompile.planner.planning import prepare
+    from rpcompile.planner.plan_options import make_hardware
     from rpcompile.runtime.devices import make_devices
 
     spec = load_model(name, batch_size=10) if isinstance(name, str) else name
@@ -668,7 +669,7 @@ def test_saved_segments_batchnorm_and_dropout(parity):
 def test_a_summed_loss_sums_the_microbatches_and_a_loss_per_sample_is_refused():
     import torch.nn.functional as F
 
-    from rpcompile.models import load_model
+    from rpcompile.models.registry import load_model
 
     class TokenCE(torch.nn.Module):
         """A token cross-entropy with torch's ``reduction`` convention."""

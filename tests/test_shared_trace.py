@@ -11,8 +11,8 @@ import torch
 from rpcompile.cli import main
 from rpcompile.cli import plan_cmd
 from rpcompile.core.plan import Plan
-from rpcompile.models import load_model
-from rpcompile.passes.cost.cost import COST_KEY
+from rpcompile.models.registry import load_model
+from rpcompile.passes.cost.cost_model import COST_KEY
 from rpcompile.passes.graph.shape import SHAPE_KEY
 from rpcompile.passes.graph.trace import trace
 from rpcompile.passes.rewrite.loss_head import split_head

@@ -309,7 +309,8 @@ def test_a_tuple_handed_between_saved_segments_is_recomputed_like_eager():
     from rpcompile.passes.rewrite.coarsen import SEGMENT_KEY
     from rpcompile.passes.graph.util import compute_nodes
     from rpcompile.training.pipeline import Pipeline
-    from rpcompile.planner.planning import make_hardware, prepare
+    from rpcompile.planner.planning import prepare
+    from rpcompile.planner.plan_options import make_hardware
     from rpcompile.runtime.devices import make_devices
 
     torch.manual_seed(0)

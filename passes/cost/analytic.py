@@ -51,18 +51,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from rpcompile.core.specs import DeviceSpec, get_spec
+from .cost_model import CostModel, NodeCall, OpEstimate
 
 from ..graph.kernels import GpuKernels
-from ..graph.meta import compute_dtype as _compute_dtype
+from ..graph.meta import op_dtype
 from ..graph.meta import is_assert
 from ..graph.meta import packet_name as _packet_name
 from ..graph.meta import run_unifying_dtypes as _run_unifying_dtypes
 from ..graph.meta import stay_on_meta as _stay_on_meta
-from .cost import CostModel, NodeCall, OpEstimate
 
 __all__ = [
     "AnalyticCostModel", "OpRecord", "CacheInfo", "OP_FLOPS_PER_ELEMENT", "TENSOR_CORE_DTYPES", "op_class",
-    "roofline_time", "GpuKernels",
+    "roofline_time",
 ]
 
 aten = torch.ops.aten
@@ -263,7 +263,7 @@ class _Recorder(TorchDispatchMode):
         flops = _flops(func, cls, args, kwargs, out)
         nbytes = _bytes(_packet_name(func), args, kwargs, out)
         work = flops * _work_fraction(func, cls, args, kwargs)
-        time_s = roofline_time(self.spec, cls, work, nbytes, _compute_dtype(args, kwargs))
+        time_s = roofline_time(self.spec, cls, work, nbytes, op_dtype(args, kwargs))
         return OpRecord(str(func), cls, self.phase, flops, nbytes, time_s)
 
 

@@ -48,21 +48,13 @@ from ..graph.reuse import RunMemo, all_meta
 from ..graph.shape import SHAPE_KEY
 from ..graph.util import is_compute
 from . import profile_cache
-from .cost_interp import _CostInterpreter
+from .cost_interp import CostInterpreter
 from .cost_model import COST_KEY, DTYPE_KEY, CostModel, Materialized, NodeCall, NodeCost, OpEstimate, node_cost
 from .repeats import repeat_map
 
 __all__ = [
-    "COST_KEY",
-    "NodeCost",
-    "OpEstimate",
-    "NodeCall",
-    "Materialized",
-    "CostModel",
     "cost_pass",
     "cost_from_cache",
-    "node_cost",
-    "DTYPE_KEY",
 ]
 
 
@@ -160,7 +152,8 @@ def _cache_entry(gm: fx.GraphModule, flat: list[Any], cost_model: CostModel, com
                  quiet: bool = False) -> tuple[dict[str, Any], profile_cache.CacheEntry | None]:
     """The profile cache's key for ``gm`` on these inputs and cost model, and its sound entry or None."""
     key = profile_cache.profile_key(gm, flat, cost_model.identity())
-    return key, profile_cache.load(key, {n.name for n in compute}, set(NodeCost.__dataclass_fields__), quiet=quiet)
+    fields = set(NodeCost.__dataclass_fields__)
+    return key, profile_cache.load_profile(key, {n.name for n in compute}, fields, quiet=quiet)
 
 
 def _warm(gm: fx.GraphModule, cost_model: CostModel, entry: profile_cache.CacheEntry,
@@ -172,7 +165,7 @@ def _warm(gm: fx.GraphModule, cost_model: CostModel, entry: profile_cache.CacheE
 
 
 def _drive(gm: fx.GraphModule, flat: list[Any], cost_model: CostModel, on_node: Callable[[], None], share: bool,
-           cached: dict[str, dict[str, Any]] | None, memo: RunMemo | None = None) -> _CostInterpreter:
+           cached: dict[str, dict[str, Any]] | None, memo: RunMemo | None = None) -> CostInterpreter:
     """Run the graph node by node, costing each compute node. On the cost model's :meth:`~CostModel.drive_device`
     when it names one; if that device runs out of memory holding the values, again where the graph is.
     ``memo``: used when nothing is measured (no calibration, no cache entry) and every value is on meta."""
@@ -183,7 +176,7 @@ def _drive(gm: fx.GraphModule, flat: list[Any], cost_model: CostModel, on_node: 
     for where in ([drive, None] if drive is not None else [None]):
         reuse = memo.session(gm, "cost", _memo_key(cost_model, gm, share)) if reusable and memo is not None else None
         values = memo.values(gm) if reusable and memo is not None else None
-        interp = _CostInterpreter(gm, cost_model, on_node, share=repeat_map(gm) if share else None, cached=cached,
+        interp = CostInterpreter(gm, cost_model, on_node, share=repeat_map(gm) if share else None, cached=cached,
                                   drive=where, reuse=reuse, values=values)
         try:
             with torch.no_grad(), running_on(where or device_of(gm, flat)):

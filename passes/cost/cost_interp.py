@@ -28,7 +28,7 @@ from .cost_model import CostModel, Materialized, NodeCall, OpEstimate
 from .loss_memory import PeakBytes
 from .repeats import block_of
 
-__all__: list[str] = []
+__all__ = ["CostInterpreter"]
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,9 @@ class _Recorded:
     estimate: OpEstimate | None = None
 
 
-class _CostInterpreter(fx.Interpreter):
+class CostInterpreter(fx.Interpreter):
+    """The cost pass's run of a graph: each node run (or its recorded run reused) and priced by a cost model."""
+
     def __init__(self, gm: fx.GraphModule, cost_model: CostModel, on_node: Callable[[], None], *,
                  share: dict[fx.Node, fx.Node] | None = None, cached: dict[str, dict[str, Any]] | None = None,
                  drive: torch.device | None = None, reuse: Reuse | None = None, values: Reuse | None = None):

@@ -1,4 +1,8 @@
-"""The cost pass's data: :class:`NodeCost` per node, :class:`NodeCall` (one node with concrete inputs) and thefrom .reuse import Reuse, RunMemo:class:`CostModel` interface that turns a call into an :class:`OpEstimate`.Siblings: :mod:`.cost` (the drivers ``cost_pass``/``cost_from_cache``; its docstring has the terms) andfrom .shape import SHAPE_KEY, describe, scaled_nbytes:mod:`.cost_interp` (the interpreter that runs the graph node by node and profiles each node on meta).
+"""The cost pass's data: :class:`NodeCost` per node, :class:`NodeCall` (one node with concrete inputs) and the
+:class:`CostModel` interface that turns a call into an :class:`OpEstimate`.
+
+Siblings: :mod:`.cost` (the drivers ``cost_pass``/``cost_from_cache``; its docstring has the terms) and
+:mod:`.cost_interp` (the interpreter that runs the graph node by node and profiles each node on meta).
 """
 
 from __future__ import annotations

@@ -24,9 +24,9 @@ import torch.fx as fx
 
 from rpcompile.core.batch import tensor_leaves
 from rpcompile.core.errors import ConfigError
+from .cost_model import CostModel, NodeCall, OpEstimate
 
 from ..graph.portable import running_on
-from .cost import CostModel, NodeCall, OpEstimate
 
 __all__ = ["MeasuredCostModel", "CPUINFO", "cpu_model"]
 

@@ -4,7 +4,7 @@ Directory: ``$RPCOMPILE_CACHE``, else ``$XDG_CACHE_HOME/rpcompile``, else ``~/.c
 profile under ``profiles/``, named by a hash of its key. The key is everything the times depend on: the graph's
 fingerprint (:mod:`rpcompile.passes.graph.fingerprint`: structure, parameter names, shapes and dtypes), the example
 inputs' shapes and dtypes, the cost model's identity (device name, compute dtype, intra-op threads on a CPU, repeats),
-the torch version and :data:`FORMAT_VERSION`. An entry holds each compute node's whole cost (the fields of
+the torch version and :data:`PROFILE_FORMAT_VERSION`. An entry holds each compute node's whole cost (the fields of
 :class:`~.cost.NodeCost`, times raw: before calibration) and the whole-graph calibration times, so a warm entry
 skips the cost pass's graph run too.
 
@@ -33,10 +33,10 @@ from rpcompile.core.files import read_json, sweep_temporaries, write_atomic
 
 from ..graph.fingerprint import fingerprint
 
-__all__ = ["FORMAT_VERSION", "CacheEntry", "cache_dir", "profile_key", "load", "store", "entries", "clear", "write_entry",
-           "remove_entries"]
+__all__ = ["PROFILE_FORMAT_VERSION", "CacheEntry", "cache_dir", "profile_key", "load_profile", "store",
+           "profile_entries", "clear_profiles", "write_entry", "remove_entries"]
 
-FORMAT_VERSION = 2
+PROFILE_FORMAT_VERSION = 2
 """The cost format of an entry; bump it when what a node time means changes (the key then changes too)."""
 
 MAX_ENTRY_BYTES = 512 * 2**20
@@ -81,7 +81,7 @@ def profile_key(gm: fx.GraphModule, flat_inputs: Sequence[Any], identity: dict[s
     """The key of ``gm``'s measured times for these inputs on the cost model ``identity`` describes."""
     fp = fingerprint(gm)
     return {
-        "format": FORMAT_VERSION,
+        "format": PROFILE_FORMAT_VERSION,
         "torch": torch.__version__,
         "graph": fp.graph_digest,
         "params": fp.params_digest,
@@ -126,7 +126,8 @@ def _seconds(v: Any, what: str) -> float:
     return float(v)
 
 
-def load(key: dict[str, Any], node_names: set[str], fields: set[str], *, quiet: bool = False) -> CacheEntry | None:
+def load_profile(key: dict[str, Any], node_names: set[str], fields: set[str], *,
+                 quiet: bool = False) -> CacheEntry | None:
     """The entry for ``key`` if one exists and is sound (exactly ``node_names``, each with exactly ``fields``);
     else None (one warning line when an entry exists but is not usable, unless ``quiet``: a first look, before
     the lookup that warns)."""
@@ -142,7 +143,7 @@ def load(key: dict[str, Any], node_names: set[str], fields: set[str], *, quiet: 
         _ignore(path, f"corrupt: {e}", quiet)
         return None
     try:
-        if not isinstance(data, dict) or data.get("format") != FORMAT_VERSION:
+        if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT_VERSION:
             _ignore(path, "not this cache format", quiet)
             return None
         if data.get("key") != json.loads(json.dumps(key)):
@@ -163,7 +164,7 @@ def load(key: dict[str, Any], node_names: set[str], fields: set[str], *, quiet: 
 def store(key: dict[str, Any], entry: CacheEntry) -> Path | None:
     """Write ``entry`` atomically (temporary file, then rename); the path, or None when it could not be written."""
     path = _path(key)
-    data = {"format": FORMAT_VERSION, "key": key, "created": time.time(),
+    data = {"format": PROFILE_FORMAT_VERSION, "key": key, "created": time.time(),
             "nodes": {k: {**v, "params": list(v["params"])} for k, v in entry.nodes.items()},
             "calibration": None if entry.calibration is None else list(entry.calibration)}
     try:
@@ -182,7 +183,7 @@ def write_entry(path: Path, data: Any) -> None:
     write_atomic(path, json.dumps(data, allow_nan=False))
 
 
-def entries() -> list[dict[str, Any]]:
+def profile_entries() -> list[dict[str, Any]]:
     """What the cache holds: one dict per file (``path``, ``bytes``, ``created``, ``device``, ``dtype``, ``nodes``;
     unreadable files with ``device`` "?")."""
     out = []
@@ -199,7 +200,7 @@ def entries() -> list[dict[str, Any]]:
     return out
 
 
-def clear() -> int:
+def clear_profiles() -> int:
     """Remove every entry (and leftover temporary files); the number of files removed."""
     return remove_entries(_profiles())
 

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..graph.fingerprint import _target_name
+from ..graph.fingerprint import qualified_target
 from ..graph.shape import SHAPE_KEY
-from ..graph.util import _fetch, _normalise_path, compute_nodes, module_path
+from ..graph.util import fetch_attr, normalise_path, compute_nodes, module_path
 
 __all__ = ["block_of", "repeat_map"]
 
@@ -58,7 +58,7 @@ def _block_type(nodes: list[fx.Node], block: str) -> str:
     """The block module's type as the trace recorded it (``nn_module_stack``), "" when not recorded."""
     for n in nodes:
         for path, typ in (n.meta.get("nn_module_stack") or {}).values():
-            if _normalise_path(str(path)) == block:
+            if normalise_path(str(path)) == block:
                 return typ if isinstance(typ, str) else f"{typ.__module__}.{typ.__qualname__}"
     return ""
 
@@ -72,7 +72,7 @@ def _signature(gm: fx.GraphModule, nodes: list[fx.Node], block: str) -> tuple:
             if a in pos:
                 return f"#{pos[a]}"
             if a.op == "get_attr":
-                return "attr:" + _tensor_sig(_fetch(gm, str(a.target)))
+                return "attr:" + _tensor_sig(fetch_attr(gm, str(a.target)))
             k = outside.setdefault(a, len(outside))
             return f"in{k}:{_shapes(a)}"
         if isinstance(a, (tuple, list)):
@@ -89,7 +89,7 @@ def _signature(gm: fx.GraphModule, nodes: list[fx.Node], block: str) -> tuple:
         if n.op == "call_module":
             target = "module:" + _module_sig(gm.get_submodule(str(n.target)))
         else:
-            target = _target_name(n)
+            target = qualified_target(n)
         sig.append((n.op, target, arg(n.args), arg(n.kwargs), _shapes(n)))
     return tuple(sig)
 

@@ -15,10 +15,11 @@ import torch.fx as fx
 
 from rpcompile.core.plan import Fingerprint
 
-__all__ = ["fingerprint"]
+__all__ = ["fingerprint", "qualified_target"]
 
 
-def _target_name(node: fx.Node) -> str:
+def qualified_target(node: fx.Node) -> str:
+    """A node's target as text: an attribute path, or a callable's qualified name."""
     if isinstance(node.target, str):
         return node.target
     try:
@@ -48,7 +49,7 @@ def fingerprint(gm: fx.GraphModule) -> Fingerprint:
     for node in gm.graph.nodes:
         if node.op == "call_module" and node.target == "_guards_fn":
             continue
-        g.update(f"{node.op}|{node.name}|{_target_name(node)}|{_arg_repr(node.args)}|{_arg_repr(node.kwargs)}\n".encode())
+        g.update(f"{node.op}|{node.name}|{qualified_target(node)}|{_arg_repr(node.args)}|{_arg_repr(node.kwargs)}\n".encode())
         count += 1
     p = hashlib.sha256()
     params = sorted(gm.named_parameters(remove_duplicate=True))

@@ -27,7 +27,7 @@ from rpcompile.core.batch import tensor_leaves
 from .kernels import GpuKernels
 from .util import CANONICAL_NAMES_KEY, canonical_names
 
-__all__ = ["MetaSafeMode", "packet_name", "compute_dtype", "run_unifying_dtypes", "stay_on_meta", "is_assert",
+__all__ = ["MetaSafeMode", "packet_name", "op_dtype", "run_unifying_dtypes", "stay_on_meta", "is_assert",
            "without_dynamo_import", "on_meta"]
 
 aten = torch.ops.aten
@@ -44,7 +44,7 @@ def is_assert(op: Any) -> bool:
     return packet_name(op).startswith("_assert")
 
 
-def compute_dtype(args: tuple, kwargs: dict) -> torch.dtype:
+def op_dtype(args: tuple, kwargs: dict) -> torch.dtype:
     """The dtype an op computes in: its first floating tensor input's (fp32 if none)."""
     tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     return next((t.dtype for t in tensors if t.is_floating_point()), torch.float32)
@@ -61,7 +61,7 @@ def run_unifying_dtypes(func: torch._ops.OpOverload, args: tuple, kwargs: dict) 
     except RuntimeError as err:
         if "dtype" not in str(err):
             raise
-        dtype = compute_dtype(args, kwargs)
+        dtype = op_dtype(args, kwargs)
         args, kwargs = pytree.tree_map_only(
             torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, (args, kwargs))
         return func(*args, **kwargs)

@@ -45,7 +45,7 @@ from .precision import TRACE_DTYPE_KEY, cast_floating, computing_in
 from .quantized import traceable as traceable_quantized
 from .trace_failure import Failure, ModuleTracker, failure_message
 
-__all__ = ["trace", "training_inputs", "TRACE_META_KEY", "TRACE_DTYPE_KEY"]
+__all__ = ["trace", "training_inputs", "TRACE_META_KEY"]
 
 log = logging.getLogger("rpcompile")
 

@@ -23,6 +23,8 @@ __all__ = [
     "canonical_names",
     "CANONICAL_NAMES_KEY",
     "module_path",
+    "normalise_path",
+    "fetch_attr",
 ]
 
 COMPUTE_OPS = ("call_function", "call_method", "call_module")
@@ -63,12 +65,13 @@ def _attr_values(gm: fx.GraphModule, node: fx.Node, kind: str) -> Iterator[tuple
     for arg in node.all_input_nodes:
         if arg.op == "get_attr":
             assert isinstance(arg.target, str)  # a get_attr node's target is the attribute's qualified name
-            value = _fetch(gm, arg.target)
+            value = fetch_attr(gm, arg.target)
             if isinstance(value, torch.nn.Parameter) == (kind == "param") and isinstance(value, torch.Tensor):
                 yield names.get(id(value), arg.target), value
 
 
-def _fetch(gm: fx.GraphModule, target: str) -> Any:
+def fetch_attr(gm: fx.GraphModule, target: str) -> Any:
+    """The attribute ``target`` (a dotted path such as ``layers.3.attn.weight``) of ``gm``."""
     obj: Any = gm
     for part in target.split("."):
         obj = getattr(obj, part)
@@ -100,10 +103,10 @@ def module_path(node: fx.Node) -> str:
     if not stack:
         return ""
     path, _ = list(stack.values())[-1]
-    return _normalise_path(str(path))
+    return normalise_path(str(path))
 
 
-def _normalise_path(path: str) -> str:
+def normalise_path(path: str) -> str:
     """``L['self'].model.layers[3]._modules['attn']`` (dynamo style) or ``model.layers.3.attn`` -> the latter."""
     path = re.sub(r"^L\['self'\]", "", path)
     path = re.sub(r"\._modules\['([^']*)'\]", r".\1", path)

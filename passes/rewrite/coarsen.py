@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from ...core.errors import ConfigError
-from ..cost.cost import DTYPE_KEY, node_cost
+from rpcompile.passes.cost.cost_model import DTYPE_KEY, node_cost
 from ..graph.shape import SHAPE_KEY, scaled_nbytes
 from ..graph.util import compute_nodes, module_path
 from .loss_head import CHUNK_META

@@ -37,7 +37,7 @@ from rpcompile.core.program import HostEmbedding
 from ..graph.shape import SHAPE_KEY
 from ..graph.util import node_params
 
-__all__ = ["HOST_KEY", "HostEmbedding", "host_embedding_pass", "host_candidates", "host_of", "as_planned"]
+__all__ = ["HOST_KEY", "host_embedding_pass", "host_candidates", "host_of", "as_planned"]
 
 HOST_KEY = "rpcompile.host"
 

@@ -20,7 +20,8 @@ import numpy as np
 
 from .balance import Balance, bound_values, exact_balance
 from .problem import PartitionProblem, PartitionResult, SegmentPlan
-from .segment_rules import format_bytes, validate_segment_plan
+from .segment_rules import validate_segment_plan
+from rpcompile.core.units import fmt_bytes
 from .tables import RangeTables, min_memory
 from .timing import equal_time_factors, iteration_time, stage_costs
 
@@ -70,8 +71,8 @@ def infeasible_result(strategy: str, pb: PartitionProblem, started: float,
                       tables: RangeTables | None = None) -> PartitionResult:
     """No plan fits: say by how much, and which segment is to blame."""
     need, seg = min_memory(tables or RangeTables.build(pb))
-    reason = (f"no partition fits: the best plan needs {format_bytes(need)} per device but memory_bytes is "
-              f"{format_bytes(pb.memory_bytes)}; add memory, lower the micro-batch size or split the segment "
+    reason = (f"no partition fits: the best plan needs {fmt_bytes(need)} per device but memory_bytes is "
+              f"{fmt_bytes(pb.memory_bytes)}; add memory, lower the micro-batch size or split the segment "
               f"(segment: {pb.names[seg]})")
     return PartitionResult(strategy=strategy, feasible=False, plan=None, objective=float("inf"),
                            solve_time_s=time.perf_counter() - started,

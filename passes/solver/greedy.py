@@ -22,7 +22,7 @@ from .balance import BalanceTable
 from .problem import PartitionProblem, SegmentPlan
 from .tables import INF, RangeTables
 
-__all__ = ["greedy_plan", "fewest_stages", "masks_for", "Masks"]
+__all__ = ["greedy_plan", "masks_for", "Masks"]
 
 #: Forward stage costs, backward memory mask and fused times (memory relaxed: ``P`` = the range's own weight).
 Masks = tuple[np.ndarray, np.ndarray, np.ndarray]
@@ -182,7 +182,7 @@ def _backward_driven(pb: PartitionProblem, t: RangeTables, masks: Masks, limit: 
     return count + len(backward) + 1, plan if count < _NONE else None
 
 
-def fewest_stages(pb: PartitionProblem, t: RangeTables, fwd: BalanceTable, masks: Masks, limit: float) -> Attempt:
+def _fewest_stages(pb: PartitionProblem, t: RangeTables, fwd: BalanceTable, masks: Masks, limit: float) -> Attempt:
     """``(stages, plan)``: the heuristic's fewest stages with every stage within ``limit``."""
     f_ok, b_ok, fused = masks
     best: Attempt = (_NONE, None)
@@ -200,12 +200,12 @@ def fewest_stages(pb: PartitionProblem, t: RangeTables, fwd: BalanceTable, masks
 def greedy_plan(pb: PartitionProblem, t: RangeTables, fwd: BalanceTable, masks: Masks, stages: int, lo: float,
                 hi: float) -> SegmentPlan | None:
     """The heuristic plan with at most ``stages`` stages and the least slowest stage in ``[lo, hi]``."""
-    count, plan = fewest_stages(pb, t, fwd, masks, hi)
+    count, plan = _fewest_stages(pb, t, fwd, masks, hi)
     if count > stages:
         return None
     for _ in range(_BISECT_STEPS):
         mid = 0.5 * (lo + hi)
-        c, p = fewest_stages(pb, t, fwd, masks, mid)
+        c, p = _fewest_stages(pb, t, fwd, masks, mid)
         if c <= stages:
             hi, plan = mid, p
         else:

@@ -55,14 +55,15 @@ from .greedy import greedy_plan, masks_for
 from .ilp import solve_budget
 from .exact import fewest_stages
 from .lagrange import StageCountBound
-from .polish import PlanScorer, flip_saves, polish, taper
+from .polish import flip_saves, polish, taper
 from .problem import PartitionProblem, PartitionResult, SegmentPlan
+from .scorer import PlanScorer
 from .segment_rules import validate_segment_plan
 from .stay_search import choose_stays
 from .tables import RangeTables, min_memory
 from .timing import equal_time_factors, iteration_time, stage_costs
 
-__all__ = ["solve", "ilp", "dp", "roundpipe", "uniform", "greedy", "STRATEGIES", "DET_TIME_PER_S"]
+__all__ = ["solve", "ilp", "greedy", "STRATEGIES", "DET_TIME_PER_S"]
 
 #: CP-SAT deterministic-time units granted per second of ``time_limit_s`` (calibrated on a 2-core machine).
 DET_TIME_PER_S = 0.3

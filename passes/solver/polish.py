@@ -31,13 +31,14 @@ import itertools
 import time
 from typing import Iterator, Sequence
 
-from rpcompile.core.stages import StageCost, StageKind
+from rpcompile.core.plan import StageKind
+from rpcompile.core.stages import StageCost
 
 from .problem import PartitionProblem, SegmentPlan
 from .segment_rules import validate_segment_plan
 from .scorer import PlanScorer
 
-__all__ = ["PlanScorer", "flip_saves", "polish", "taper"]
+__all__ = ["flip_saves", "polish", "taper"]
 
 #: ``taper``'s profiles: the first stage's share ``r`` of the side's slowest stage, and the growth ``g`` per stage.
 TAPER_RATIOS = (0.15, 0.25, 0.35, 0.5, 0.7)

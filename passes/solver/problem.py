@@ -30,7 +30,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from rpcompile.core.errors import InfeasibleError, ProblemError
-from rpcompile.core.stages import HostLoad, StageKind
+from rpcompile.core.plan import StageKind
+from rpcompile.core.stages import HostLoad
 
 __all__ = ["SharedParam", "PartitionProblem", "SegmentPlan", "PartitionResult", "plan_stages"]
 

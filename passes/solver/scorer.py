@@ -21,12 +21,13 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+from rpcompile.core.plan import StageKind
 from rpcompile.core.schedule import steady_period
-from rpcompile.core.stages import StageCost, StageKind
+from rpcompile.core.stages import StageCost
 
 from .problem import PartitionProblem
 from .recurrence import Walk, overlapped_ends, pipeline_end, stage_ends
-from .timing import _stage
+from .timing import stage_cost
 
 __all__ = ["PlanScorer"]
 
@@ -113,7 +114,7 @@ class PlanScorer:
     def _key(self, kind: StageKind, a: int, b: int, saved: tuple[bool, ...]) -> tuple[str, int, int, tuple[bool, ...]]:
         key = (kind, a, b, saved[a:b])
         if key not in self.cache:
-            self.cache[key] = cost = _stage(self.pb, kind, a, b, saved, 0)
+            self.cache[key] = cost = stage_cost(self.pb, kind, a, b, saved, 0)
             self.rows[key] = _row(self.pb, cost)
         return key
 

@@ -10,20 +10,13 @@ from __future__ import annotations
 from typing import Sequence
 
 from rpcompile.core.stages import StageCost
+from rpcompile.core.units import fmt_bytes
 
 from .problem import PartitionProblem, SegmentPlan
 from .stays import resident_allowed, stay_candidates, sum_candidates
 from .timing import stage_costs
 
-__all__ = ["validate_segment_plan", "structural_violations", "memory_violations", "format_bytes"]
-
-
-def format_bytes(n: float) -> str:
-    """``1536`` -> ``1.50 KiB``: the unit that keeps the number readable."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
+__all__ = ["validate_segment_plan", "structural_violations", "memory_violations"]
 
 
 def _where(pb: PartitionProblem, i: int) -> str:
@@ -129,8 +122,8 @@ def memory_violations(pb: PartitionProblem, plan: SegmentPlan, costs: Sequence[S
         if c.memory_bytes > pb.memory_bytes:
             worst = max(range(c.start, c.stop), key=lambda i: pb.act_bytes[i] + pb.param_bytes[i]
                         + (pb.transient_bytes[i] if c.kind != "forward" else 0))
-            out.append(f"stage {k} ({c.kind} [{c.start}, {c.stop})) needs {format_bytes(c.memory_bytes)} but the "
-                       f"device has {format_bytes(pb.memory_bytes)}; split the stage or lower the micro-batch size "
+            out.append(f"stage {k} ({c.kind} [{c.start}, {c.stop})) needs {fmt_bytes(c.memory_bytes)} but the "
+                       f"device has {fmt_bytes(pb.memory_bytes)}; split the stage or lower the micro-batch size "
                        f"(segment: {_where(pb, worst)})")
     return out
 

@@ -65,14 +65,16 @@ import dataclasses
 import math
 from typing import Sequence
 
+from rpcompile.core.plan import StageKind
 from rpcompile.core.schedule import steady_period
-from rpcompile.core.stages import StageCost, StageKind
+from rpcompile.core.stages import StageCost
 
 from .problem import PartitionProblem, SegmentPlan, plan_stages
 from .recurrence import overlapped_ends, pipeline_end, stage_ends
 from .stays import NO_STAY, StayFigures, stay_figures
 
 __all__ = [
+    "stage_cost",
     "stage_costs",
     "pipeline_time",
     "transfer_edges",
@@ -89,8 +91,10 @@ __all__ = [
 ]
 
 
-def _stage(pb: PartitionProblem, kind: StageKind, a: int, b: int, saved: Sequence[bool], p: int,
-           stay: StayFigures = NO_STAY, deferred: bool = False) -> StageCost:
+def stage_cost(pb: PartitionProblem, kind: StageKind, a: int, b: int, saved: Sequence[bool], p: int,
+               stay: StayFigures = NO_STAY, deferred: bool = False) -> StageCost:
+    """One stage's costs: segments ``a..b-1`` of ``pb`` run as ``kind`` with ``saved`` flags, ``p`` prefetched,
+    ``stay`` its weights found or kept on the device, ``deferred`` its gradients held back (no_sync)."""
     m, link, seg = pb.microbatches, pb.link_bytes_per_s, range(a, b)
     w, g = pb.weight(a, b) - stay.found, pb.weight(a, b, grads=True)  # w: what its W uploads (.stays)
     sent = g - stay.summed if deferred else g  # what of them goes home (under no_sync: not the summed ones)
@@ -143,7 +147,7 @@ def stage_costs(problem: PartitionProblem, plan: SegmentPlan, *, lazy_offload: b
     stages = plan_stages(plan)
     stays = stay_figures(problem, plan) or [NO_STAY] * len(stages)  # weights that stay on the device (.stays)
     prefetch = max(problem.weight(a, b) - f.found for (_, a, b), f in zip(stages, stays))
-    costs = tuple(_stage(problem, kind, a, b, plan.saved, prefetch, f, deferred)
+    costs = tuple(stage_cost(problem, kind, a, b, plan.saved, prefetch, f, deferred)
                   for (kind, a, b), f in zip(stages, stays))
     return offload_backlog(problem, costs) if lazy_offload else costs
 

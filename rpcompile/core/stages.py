@@ -28,7 +28,7 @@ from .errors import ConfigError
 from .plan import StageKind
 from .specs import HostSpec
 
-__all__ = ["StageKind", "StageCost", "HostLoad", "host_load"]
+__all__ = ["StageCost", "HostLoad", "host_load"]
 
 
 @dataclass(frozen=True, kw_only=True)

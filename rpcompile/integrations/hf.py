@@ -45,6 +45,7 @@ import torch
 
 from rpcompile.compiler import compile as compile_pipeline
 from rpcompile.core.errors import ConfigError
+from rpcompile.core.files import write_atomic
 from rpcompile.core.plan import Plan
 
 try:
@@ -52,11 +53,12 @@ try:
 except ImportError as e:  # pragma: no cover - the extra is missing
     raise ImportError("rpcompile.integrations.hf needs transformers: pip install 'rpcompile[hf]'") from e
 
-__all__ = ["PipelineOptions", "PipelineTrainerMixin", "Trainer", "sft_trainer", "PLAN_FILE", "STATE_FILE"]
+__all__ = ["PipelineOptions", "PipelineTrainerMixin", "Trainer", "sft_trainer", "TRAINER_PLAN_FILE",
+           "TRAINER_STATE_FILE"]
 
-PLAN_FILE = "rpcompile_plan.json"
+TRAINER_PLAN_FILE = "rpcompile_plan.json"
 """The plan a Trainer checkpoint was trained with, beside the Trainer's own files."""
-STATE_FILE = "rpcompile_pipeline.pt"
+TRAINER_STATE_FILE = "rpcompile_pipeline.pt"
 """The pipeline's state (``Pipeline.state_dict()``) in a Trainer checkpoint."""
 
 
@@ -161,13 +163,13 @@ class PipelineTrainerMixin:
     def _pipeline(self, batch: Mapping[str, Any]) -> Any:
         if self.pipe is None:
             options = self.pipeline_options.kwargs()
-            plan_path = os.path.join(self._resume_dir, PLAN_FILE) if self._resume_dir else None
+            plan_path = os.path.join(self._resume_dir, TRAINER_PLAN_FILE) if self._resume_dir else None
             if plan_path is not None and os.path.exists(plan_path):
                 options["plan"] = plan_path  # the plan the checkpoint trained with: bit for bit
             length = self.pipeline_options.max_length or getattr(self.args, "max_length", None)
             example = _padded(batch, length if isinstance(length, int) else None)
             self.pipe = compile_pipeline(self.model, (), loss_fn=None, example_kwargs=example, **options)
-            state_path = os.path.join(self._resume_dir, STATE_FILE) if self._resume_dir else None
+            state_path = os.path.join(self._resume_dir, TRAINER_STATE_FILE) if self._resume_dir else None
             if state_path is not None and os.path.exists(state_path):
                 self.pipe.load_state_dict(torch.load(state_path, weights_only=True))
         return self.pipe
@@ -256,14 +258,15 @@ class PipelineTrainerMixin:
     def _save_rng_state(self, output_dir: str) -> None:
         super()._save_rng_state(output_dir)  # type: ignore[misc]
         if self.pipe is not None:
-            self.pipe.plan.save(os.path.join(output_dir, PLAN_FILE))
-            torch.save(self.pipe.state_dict(), os.path.join(output_dir, STATE_FILE))
+            self.pipe.plan.save(os.path.join(output_dir, TRAINER_PLAN_FILE))
+            state = self.pipe.state_dict()
+            write_atomic(os.path.join(output_dir, TRAINER_STATE_FILE), lambda f: torch.save(state, f))
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         super()._load_rng_state(checkpoint)  # type: ignore[misc]
         if checkpoint is not None:
             if self.pipe is not None:  # compiled already (an evaluation first): continue from the state
-                path = os.path.join(checkpoint, STATE_FILE)
+                path = os.path.join(checkpoint, TRAINER_STATE_FILE)
                 if os.path.exists(path):
                     self.pipe.load_state_dict(torch.load(path, weights_only=True), exact=False)
             self._resume_dir = checkpoint

@@ -33,31 +33,31 @@ import torch.fx as fx
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from rpcompile.passes.cost.analytic import AnalyticCostModel
 from rpcompile.passes.background import solving
-from rpcompile.passes.rewrite.coarsen import coarsen_pass
+from rpcompile.passes.cost.analytic import AnalyticCostModel
 from rpcompile.passes.cost.cost import cost_from_cache, cost_pass
+from rpcompile.passes.cost.loss_memory import LOSS_BYTES_KEY, loss_memory
 from rpcompile.passes.cost.measured import MeasuredCostModel
 from rpcompile.passes.formulate import PRECISION_BYTES, partition_problem
-from rpcompile.passes.rewrite.host import host_embedding_pass
-from rpcompile.passes.rewrite.loss_head import TARGET, split_head
-from rpcompile.passes.cost.loss_memory import LOSS_BYTES_KEY, loss_memory
-from rpcompile.passes.lower import to_plan
 from rpcompile.passes.graph.meta import on_meta, without_dynamo_import
-from rpcompile.passes.solver.partition import solve
-from rpcompile.passes.solve_cache import solve as cached_solve
-from rpcompile.passes.solver.problem import PartitionProblem, PartitionResult
+from rpcompile.passes.graph.precision import RUN_DTYPE_KEY, TRACE_DTYPE_KEY, cast_floating, compute_dtype, computing_in
 from rpcompile.passes.graph.reuse import RunMemo
 from rpcompile.passes.graph.shape import shape_pass
-from rpcompile.passes.graph.precision import RUN_DTYPE_KEY, TRACE_DTYPE_KEY, cast_floating, compute_dtype, computing_in
 from rpcompile.passes.graph.trace import trace, training_inputs
+from rpcompile.passes.lower import to_plan
+from rpcompile.passes.rewrite.coarsen import coarsen_pass
+from rpcompile.passes.rewrite.host import host_embedding_pass
+from rpcompile.passes.rewrite.loss_head import TARGET, split_head
+from rpcompile.passes.solve_cache import cached_solve
+from rpcompile.passes.solver.partition import solve
+from rpcompile.passes.solver.problem import PartitionProblem, PartitionResult
 
 from ..core.batch import split_microbatches
 from ..core.errors import ConfigError
 from ..core.plan import Hardware, Plan
 from ..core.specs import DeviceSpec
 from .envelope import warn_if_link_bound
-from .plan_options import (AUTO_HEAD_CHUNKS, STRATEGIES, default_spec, fastest, head_chunk_candidates,
+from .plan_options import (AUTO_HEAD_CHUNKS, PLAN_STRATEGIES, default_spec, fastest, head_chunk_candidates,
                            infeasible_error, make_cost_model, make_hardware, model_device, split_limit)
 from .shared_trace import TraceOnce
 
@@ -75,17 +75,7 @@ __all__ = [
     "compile_plan",
     "replanned",
     "plan_graph",
-    "partition_problem",
     "compare",
-    "make_cost_model",
-    "make_hardware",
-    "default_spec",
-    "STRATEGIES",
-    "PRECISION_BYTES",
-    "AUTO_HEAD_CHUNKS",
-    "head_chunk_candidates",
-    "fastest",
-    "infeasible_error",
 ]
 
 log = logging.getLogger("rpcompile")
@@ -265,8 +255,8 @@ def _problem(c: Compilation) -> None:
 
 def _solve(c: Compilation) -> PartitionResult:
     """``c``'s problem solved with its strategy, through the solve cache (what :func:`_partition` does)."""
-    if c.strategy not in STRATEGIES:
-        raise ConfigError(f"unknown strategy {c.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    if c.strategy not in PLAN_STRATEGIES:
+        raise ConfigError(f"unknown strategy {c.strategy!r}; choose one of {', '.join(PLAN_STRATEGIES)}")
     assert c.problem is not None
     return cached_solve(c.problem, c.strategy, time_limit_s=c.time_limit_s, cache=c.cache)
 
@@ -403,7 +393,7 @@ def start(
                           "example_target= (a target for one batch), or use head_chunks=1")
     extra = (example_target,) if with_loss else ()
     piece = split_microbatches((*args, *kwargs.values(), *extra), m)[0]
-    dtype = None if precision == "fp32" else {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    dtype = compute_dtype(precision)
     return Compilation(
         model=model, args=tuple(piece[: len(args)]), kwargs=dict(zip(kwargs, piece[len(args):len(args) + len(kwargs)])),
         cost_model=make_cost_model(spec=spec, device=device, dtype=dtype, model_device=model_device(model),
@@ -468,8 +458,8 @@ def plan_graph(
     activations kept in host memory); ``cache=False`` solves even when the solve cache holds this problem;
     ``overlap``: plan for overlapped iterations (the steady-state period); ``allow_stay=False``: no weight stays
     on a device between stages."""
-    if strategy not in STRATEGIES:  # before the problem is made
-        raise ConfigError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    if strategy not in PLAN_STRATEGIES:  # before the problem is made
+        raise ConfigError(f"unknown strategy {strategy!r}; choose one of {', '.join(PLAN_STRATEGIES)}")
     c = Compilation(None, (), {}, None, microbatches, hardware=hardware, precision=precision,
                     strategy=strategy, time_limit_s=time_limit_s, allow_save=allow_save, gm=gm, cache=cache,
                     overlap=overlap, allow_stay=allow_stay)
@@ -493,7 +483,7 @@ def compare(
     out = {}
     baselines: dict[str, Any] = {}  # the ILP's seeds: dp's, roundpipe's and uniform's own results, not solved again
     facts: dict = {}  # what the plans of one graph share (fingerprint, inputs record, node parameters): made once
-    for name in STRATEGIES:
+    for name in PLAN_STRATEGIES:
         if name in baselines:
             result = baselines[name]
         elif name == "ilp":

@@ -14,12 +14,12 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.fx as fx
 
-from rpcompile.passes.cost.cost import node_cost
+from rpcompile.passes.cost.cost_model import node_cost
 from rpcompile.passes.graph.util import compute_nodes, module_path
 
 from ..core.specs import DeviceSpec, HostSpec
-from .plan_options import model_device
-from .planning import analyze, make_cost_model
+from .plan_options import make_cost_model, model_device
+from .planning import analyze
 from .probe import probe_host as measure_host
 
 __all__ = ["profile", "profile_graph", "Profile", "CostRow", "rollup_name"]

@@ -25,9 +25,9 @@ from typing import Any, Callable, Union
 from rpcompile.core.errors import ConfigError, InfeasibleError
 from rpcompile.core.plan import Plan
 from rpcompile.core.specs import DeviceSpec, HostSpec
-from rpcompile.models import ModelSpec, load_model
+from rpcompile.core.units import fmt_bytes
+from rpcompile.models.registry import ModelSpec, load_model
 from rpcompile.passes.formulate import partition_problem
-from rpcompile.passes.solver.segment_rules import format_bytes
 from rpcompile.passes.solver.tables import min_feasible_memory
 
 from .plan_options import default_spec, head_chunk_candidates, make_hardware
@@ -93,12 +93,12 @@ class SeqLenResult:
         out = [f"longest sequence that fits (a prediction of the analytic cost model): {self.seq_len} tokens per "
                f"microbatch of one sequence, {self.microbatches} microbatches{head} (granularity {self.granularity}, "
                f"{len(self.probes)} probes, {self.seconds:.1f} s)",
-               f"binds: stage {b.stage} at {format_bytes(b.memory_bytes)} of {format_bytes(b.limit_bytes)}: "
-               f"activations {format_bytes(b.activation_bytes)}, weights {format_bytes(b.weight_bytes)} "
+               f"binds: stage {b.stage} at {fmt_bytes(b.memory_bytes)} of {fmt_bytes(b.limit_bytes)}: "
+               f"activations {fmt_bytes(b.activation_bytes)}, weights {fmt_bytes(b.weight_bytes)} "
                f"(its own, the prefetched next stage's, gradients): {b.dominated_by} dominate"]
         if self.refused is not None:
             r = self.refused
-            out.append(f"{r.seq_len} tokens do not fit: segment {r.segment} needs at least {format_bytes(r.need_bytes)}")
+            out.append(f"{r.seq_len} tokens do not fit: segment {r.segment} needs at least {fmt_bytes(r.need_bytes)}")
         else:
             out.append("the search stopped at max_seq_len: longer sequences may fit too")
         return out
@@ -168,7 +168,7 @@ def max_sequence_length(
             if progress is not None:
                 p = probes[length]
                 progress(f"{length} tokens: {'fits' if p.feasible else 'does not fit'} "
-                         f"(needs {format_bytes(p.need_bytes)}, {p.segment})")
+                         f"(needs {fmt_bytes(p.need_bytes)}, {p.segment})")
         return probes[length].feasible
 
     def _probe(length: int) -> Probe:

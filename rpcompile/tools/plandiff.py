@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Sequence
 
 from ..core.plan import Plan, Stage
-from ..views.report import fmt_bytes
+from rpcompile.core.units import fmt_bytes
 from ..planner.model_match import model_differences
 
 __all__ = ["diff_plans", "PlanDiff", "Change", "Move", "Nodes", "ActivationChange", "StageChange", "THRESHOLD"]

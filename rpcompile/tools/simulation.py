@@ -15,15 +15,16 @@ from typing import Any, Callable, Sequence
 
 from rpcompile.core.errors import ConfigError, InfeasibleError
 from rpcompile.passes.background import solving
-from rpcompile.passes.lower import _tokens
+from rpcompile.passes.formulate import partition_problem
+from rpcompile.passes.lower import input_tokens
 from rpcompile.passes.solver.partition import solve
 from rpcompile.tools.scenarios import (SCHEDULES, Scenario, from_plan, from_segment_plan, layer_profile_scenarios,
                                  load_layer_profile, overlapped, static_scenarios)
 
-from ..planner.plan_options import model_device
-from ..planner.planning import default_spec, fastest, head_chunk_candidates, make_hardware, partition_problem, prepare
+from ..planner.plan_options import default_spec, fastest, head_chunk_candidates, make_hardware, model_device
+from ..planner.planning import prepare
 
-__all__ = ["SCHEDULES", "parse_schedules", "model_scenarios", "plan_scenarios", "profile_scenarios", "run_all",
+__all__ = ["parse_schedules", "model_scenarios", "plan_scenarios", "profile_scenarios", "run_all",
            "skipped", "scaling"]
 
 
@@ -60,7 +61,7 @@ def model_scenarios(model: Any, example_inputs: Sequence[Any], *, gpus: int, spe
                     precision=precision, progress=progress, segments_per_layer=segments_per_layer, host_embedding=False)
     hardware = make_hardware(gpus, default_spec(spec, device, model_device(model)), memory_limit)
     pb = partition_problem(gm, hardware=hardware, microbatches=m, precision=precision, overlap_iterations=overlap)
-    tokens = _tokens(gm) * m
+    tokens = input_tokens(gm) * m
     out: dict[str, Scenario] = {}
     static = [s for s in schedules if s in ("gpipe", "1f1b", "interleaved-1f1b")]
     if static:

@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 
 from rpcompile.passes.rewrite.loss_head import TARGET
-from rpcompile.runtime.executor import ValueStore
+from rpcompile.runtime.values import ValueStore
 
 from ..core.batch import flat_inputs, split_microbatches, tensor_leaves
 from ..core.errors import ConfigError, RPCompileError

@@ -68,11 +68,13 @@ from typing import Any, Callable, Iterator, Mapping, NoReturn, Sequence
 import torch
 import torch.fx as fx
 
+from rpcompile.passes.graph.precision import compute_dtype
 from rpcompile.passes.rewrite.codegen import write_stages
 from rpcompile.passes.rewrite.loss_head import HEAD_CLASSES_META, TARGET
 from rpcompile.passes.rewrite.split import split_plan
 from rpcompile.runtime.bind import bind
-from rpcompile.runtime.executor import Executor, PipelineError
+from rpcompile.runtime.executor import Executor
+from rpcompile.runtime.failures import PipelineError
 from rpcompile.runtime.values import ValueStore
 
 from .callers import OneCaller, one_call
@@ -87,21 +89,17 @@ from ..core.plan import Plan
 from ..core.program import Program
 from ..core.schedule import round_robin
 from .distributed import DataParallel, RankCalls
-from .gpu_memory import gpu_memory_limit, offload_budget
+from .gpu_memory import offload_budget
 from .host_memory import check_host_memory
-from .loss_weighting import (IGNORE_INDEX, BatchLoss, _checked_weight, _shifts_labels, loss_weights, own_loss,
-                             shifted_tokens)
+from .loss_weighting import BatchLoss, checked_weight, shifts_labels, shifted_tokens
 from .oom import out_of_memory
 from .interrupts import deferred
 from .metrics import StepRecord, batch_tokens, chrome_trace, step_record
 from .overlap import Overlap, optimizers_of, schedulers_of, step_now, wait_for_steps, watch_model
 from .signature import InputSignature, check_call_mode
 
-__all__ = ["Pipeline",
-           # re-exported from their modules
-           "IGNORE_INDEX", "shifted_tokens", "loss_weights", "own_loss", "gpu_memory_limit", "offload_budget"]
+__all__ = ["Pipeline"]
 
-_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class Pipeline:
@@ -118,11 +116,11 @@ class Pipeline:
         self.loss_fn, self.precision, self.scaler = loss_fn, precision, scaler
         self.loss_in_graph = loss_in_graph  # the graph takes the target and returns the loss (split LM head)
         self.signature = signature
-        self.loss_weight = _checked_weight(loss_weight)
+        self.loss_weight = checked_weight(loss_weight)
         self.classes = output_classes(model) or gm.meta.get(HEAD_CLASSES_META)
         """The classes the model's output scores (an HF model's output embeddings, a split head's weight), which
         the labels of a loss inside the stages are checked against on the host; None where unknown."""
-        if loss_fn is None and loss_weight == "auto" and _shifts_labels(model):
+        if loss_fn is None and loss_weight == "auto" and shifts_labels(model):
             self.loss_weight = shifted_tokens  # the model's own causal LM loss averages over labels[:, 1:]
         self.compiled = CompiledModel(model, gm)
         """The model's parameters and modes as compiled: :meth:`check_model` compares every call's with them."""
@@ -135,11 +133,11 @@ class Pipeline:
         buffers = {n: b for n, b in gm.named_buffers()}
         # refused in one line before anything is allocated, not killed by the OS mid-step
         self.host_bytes = check_host_memory(
-            params, plan, dtype=_DTYPES[precision], pin=any(d.torch_device.type == "cuda" for d in self.devices),
+            params, plan, dtype=compute_dtype(precision), pin=any(d.torch_device.type == "cuda" for d in self.devices),
             uploaded=[n for prog in self.program.stages for n in prog.params.values()],
             host_only=[h.weight for h in self.program.host], frozen_masters=frozen_masters)
         """Host bytes building and running this pipeline allocates beyond what existed (:mod:`.host_memory`)."""
-        self.executor = Executor(self.program, self.devices, params, buffers, dtype=_DTYPES[precision],
+        self.executor = Executor(self.program, self.devices, params, buffers, dtype=compute_dtype(precision),
                                  frozen_masters=frozen_masters)
         self.iteration = 0
         self.executor.seed = torch.initial_seed()  # dropout masks follow torch.manual_seed, as eager's do

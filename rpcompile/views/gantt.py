@@ -31,7 +31,7 @@ from typing import Any, Iterable, Sequence
 
 from rpcompile.core.errors import ConfigError
 from rpcompile.core.files import write_atomic
-from rpcompile.runtime.sim.simulator import SimEvent
+from rpcompile.runtime.sim.sim_result import SimEvent
 from rpcompile.views.svg import TRANSFER_COLORS, document, esc, line, num, rect, stage_color, text, text_width
 
 __all__ = ["timeline_svg", "write_timeline_svg", "LANES"]

@@ -104,7 +104,7 @@ from rpcompile.core.stages import HostLoad, StageCost
 
 from .sim_result import SimEvent, SimResult
 
-__all__ = ["SimEvent", "SimResult", "simulate"]
+__all__ = ["simulate"]
 
 _INF = math.inf
 #: Output buffers per device: a compute action waits until the outputs of the one ``OUTPUT_BUFFERS`` before it

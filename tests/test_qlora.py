@@ -175,6 +175,34 @@ def test_the_stages_dequantize_on_the_device(tmp_path):
         assert re.search(rf"torch\.ops\.aten\.linear\.default\(\w+, {out}\)", code), out
 
 
+@pytest.mark.parametrize("allow_save", [False, True], ids=["recompute", "saved"])
+def test_each_stage_dequantizes_once_not_per_microbatch(allow_save, tmp_path, monkeypatch):
+    """A stage dequantizes its quantized layers once — in its prologue, when its weights are up — and holds them
+    for its microbatches: a step of three microbatches calls the dequantize kernel once per quantized layer per
+    stage (forward, fused and backward stages), not three times; its ``forward`` reads the held weight. Still
+    equal to eager, with the backward stages recomputing or reading saved activations."""
+    from rpcompile.core import quant
+
+    model = qlora("llama", tmp_path)
+    ref = copy.deepcopy(model)
+    batch = _padded(6, 16, seed=1)
+    pipe = compile_qlora(model, batch, allow_save=allow_save)
+    held = [len(prog.derived) for prog in pipe.program.stages]
+    assert sum(held) > 0 and all(prog.prologue is not None for prog, n in zip(pipe.program.stages, held) if n)
+    for prog in pipe.program.stages:  # every dequantization moved out of the per-microbatch code
+        assert "dequantize_nf4" not in prog.gm.code and "_dequantized" in prog.gm.code or not prog.derived
+    calls = []
+    ops = quant._bitsandbytes_ops
+    monkeypatch.setattr(quant, "_bitsandbytes_ops", lambda: calls.append(1) or ops())
+    ids, mask, labels = batch
+    loss = pipe.forward_backward(input_ids=ids, attention_mask=mask, labels=labels)
+    assert len(calls) == sum(held), f"{len(calls)} dequantizations for {held} per stage and 3 microbatches"
+    ref_loss = ref(input_ids=ids, attention_mask=mask, labels=labels).loss
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+    assert_grads_equal(model, ref)
+
+
 def test_without_double_quantization(tmp_path):
     """``bnb_4bit_use_double_quant=False``: fp32 scales per block (0.5625 bytes a weight), same equality."""
     model = qlora("llama", tmp_path, bnb_4bit_use_double_quant=False)

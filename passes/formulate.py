@@ -15,15 +15,18 @@ simulator — reads the segment times, so they all price it alike.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch.fx as fx
 
 from rpcompile.core.plan import Hardware
 from rpcompile.core.stages import host_load
 
-from .cost.cost import DTYPE_KEY
+from .cost.cost import COST_KEY, DTYPE_KEY
 from .cost.loss_memory import LOSS_BYTES_KEY
 from .graph.shape import SHAPE_KEY, scaled_nbytes
-from .rewrite.coarsen import segments_of
+from .rewrite.coarsen import Segment, segments_of
+from .rewrite.dequantize import dequantizations, derived_bytes
 from .rewrite.host import host_of
 from .solver.problem import PartitionProblem, SharedParam
 
@@ -69,7 +72,9 @@ def partition_problem(
         else:
             shared.append(SharedParam(name=name, bytes=size, grad_bytes=grad, segments=tuple(segments)))
     spec = hardware.spec
-    fwd = tuple(launch_bound(s.fwd_s, len(s.nodes), spec.dispatch_s) for s in segs)
+    dq_s, dq_bytes = _dequantizations(gm, segs)
+    fwd = tuple(launch_bound(s.fwd_s - d + d / microbatches, len(s.nodes), spec.dispatch_s)
+                for s, d in zip(segs, dq_s))
     return PartitionProblem(
         names=tuple(s.name for s in segs),
         layer=tuple(s.layer for s in segs),
@@ -86,6 +91,7 @@ def partition_problem(
         input_grad_bytes=_host_grad_bytes(gm),
         param_bytes=tuple(own_bytes),
         grad_bytes=tuple(own_grads),
+        derived_bytes=dq_bytes,
         shared=tuple(shared),
         device_count=hardware.device_count,
         memory_bytes=hardware.memory_bytes,
@@ -102,6 +108,20 @@ def partition_problem(
                        host_params=sum(params[h.weight].numel() for h in host_of(gm)
                                        if h.weight not in users and params[h.weight].requires_grad)),
     )
+
+
+def _dequantizations(gm: fx.GraphModule, segs: Sequence[Segment]) -> tuple[tuple[float, ...], tuple[int, ...]]:
+    """Per segment: the time of its dequantizations (one microbatch's, as the cost model priced them) and the bytes
+    of their results (module docstring)."""
+    deq = {n.name: n for n in dequantizations(gm)}
+    if not deq:
+        return (0.0,) * len(segs), (0,) * len(segs)
+    times, held = [], []
+    for s in segs:
+        mine = [deq[n] for n in s.nodes if n in deq]
+        times.append(sum(n.meta[COST_KEY].fwd_time_s for n in mine if COST_KEY in n.meta))
+        held.append(sum(derived_bytes(n) for n in mine))
+    return tuple(times), tuple(held)
 
 
 def launch_bound(kernels_s: float, nodes: int, dispatch_s: float) -> float:

@@ -72,7 +72,7 @@ def partition_problem(
         else:
             shared.append(SharedParam(name=name, bytes=size, grad_bytes=grad, segments=tuple(segments)))
     spec = hardware.spec
-    dq_s, dq_bytes = _dequantizations(gm, segs)
+    dq_s, dq_bytes = _dequantizations(gm, segs, elt)
     fwd = tuple(launch_bound(s.fwd_s - d + d / microbatches, len(s.nodes), spec.dispatch_s)
                 for s, d in zip(segs, dq_s))
     return PartitionProblem(
@@ -110,17 +110,18 @@ def partition_problem(
     )
 
 
-def _dequantizations(gm: fx.GraphModule, segs: Sequence[Segment]) -> tuple[tuple[float, ...], tuple[int, ...]]:
+def _dequantizations(gm: fx.GraphModule, segs: Sequence[Segment],
+                     elt: int) -> tuple[tuple[float, ...], tuple[int, ...]]:
     """Per segment: the time of its dequantizations (one microbatch's, as the cost model priced them) and the bytes
     of their results (module docstring)."""
-    deq = {n.name: n for n in dequantizations(gm)}
+    deq = {n.name: n for n in dequantizations(gm, planning=True)}
     if not deq:
         return (0.0,) * len(segs), (0,) * len(segs)
     times, held = [], []
     for s in segs:
         mine = [deq[n] for n in s.nodes if n in deq]
         times.append(sum(n.meta[COST_KEY].fwd_time_s for n in mine if COST_KEY in n.meta))
-        held.append(sum(derived_bytes(n) for n in mine))
+        held.append(sum(derived_bytes(n, elt) for n in mine))
     return tuple(times), tuple(held)
 
 

@@ -364,3 +364,48 @@ def test_the_dequantization_is_priced_on_the_gpu():
         cost = n.meta[COST_KEY]
         out = math.prod(n.args[4]) * 2  # bf16
         assert cost.fwd_time_s >= out / gpu.memory_bandwidth, n.name
+
+
+def test_the_plan_holds_the_dequantized_weights_and_dequantizes_once_per_stage():
+    """The partition problem of a QLoRA model counts each segment's dequantized weights (2 bytes a weight in bf16)
+    as memory its stages hold, beside the packed weights it uploads, and prices the dequantization once per
+    stage: its time is spread over the microbatches. Every stage's predicted memory is the memory without them
+    plus its segments' dequantized bytes."""
+    import dataclasses
+
+    from rpcompile.models import load_model
+    from rpcompile.passes.cost.cost import COST_KEY
+    from rpcompile.passes.formulate import partition_problem
+    from rpcompile.passes.rewrite.coarsen import segments_of
+    from rpcompile.passes.solver.partition import solve
+    from rpcompile.passes.solver.timing import stage_costs
+    from rpcompile.planner.plan_options import make_hardware
+    from rpcompile.planner.planning import prepare
+    from rpcompile.tools.lora import apply_lora
+    from rpcompile.tools.qlora import quantize_base
+
+    spec = load_model("llama-demo", device="meta")
+    model = quantize_base(apply_lora(spec.model, rank=4))
+    gm, m = prepare(model, spec.example_inputs, gpus=2, spec="rtx4090", precision="bf16", loss_fn=spec.loss_fn,
+                    example_target=spec.example_target, head_chunks=1)
+    deq = {n.name: n for n in gm.graph.nodes if "dequantize_nf4" in str(n.target)}
+    assert deq and m > 1
+    pb = partition_problem(gm, hardware=make_hardware(2, "rtx4090"), microbatches=m, precision="bf16")
+    assert sum(pb.derived_bytes) == sum(math.prod(n.args[4]) * 2 for n in deq.values())
+    for seg, fwd, held in zip(segments_of(gm), pb.fwd_s, pb.derived_bytes):
+        mine = [deq[n] for n in seg.nodes if n in deq]
+        assert held == sum(math.prod(n.args[4]) * 2 for n in mine), seg.name
+        once = sum(n.meta[COST_KEY].fwd_time_s for n in mine)
+        assert fwd == pytest.approx(max(seg.fwd_s - once + once / m, len(seg.nodes) * pb_dispatch(gm))), seg.name
+    result = solve(pb, "dp", time_limit_s=5)
+    assert result.feasible
+    without = dataclasses.replace(pb, derived_bytes=())
+    for c, bare in zip(stage_costs(pb, result.plan), stage_costs(without, result.plan)):
+        assert c.memory_bytes == bare.memory_bytes + sum(pb.derived_bytes[c.start:c.stop]), (c.kind, c.start)
+    assert any(pb.derived_bytes[c.start:c.stop] for c in stage_costs(pb, result.plan))
+
+
+def pb_dispatch(gm) -> float:
+    from rpcompile.core.specs import get_spec
+
+    return get_spec("rtx4090").dispatch_s

@@ -44,10 +44,13 @@ def _weight_only(gm: fx.GraphModule) -> set[fx.Node]:
     return out
 
 
-def dequantizations(gm: fx.GraphModule) -> list[fx.Node]:
-    """``gm``'s weight-only dequantizations (module docstring), in graph order."""
+def dequantizations(gm: fx.GraphModule, *, planning: bool = False) -> list[fx.Node]:
+    """``gm``'s weight-only dequantizations (module docstring), in graph order. ``planning``: also those whose
+    dtype is read off an activation (``x.dtype`` in a planning model's fx trace, :mod:`rpcompile.tools.qlora`):
+    the same for every microbatch of a run, so the runtime would hold them too — the planner prices them so."""
     const = _weight_only(gm)
-    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is DEQUANTIZE and n in const]
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is DEQUANTIZE
+            and (n in const or (planning and all(a in const for a in n.args[:4])))]
 
 
 def _ancestors(nodes: list[fx.Node]) -> list[fx.Node]:
@@ -101,10 +104,13 @@ def hoist_dequantize(gm: fx.GraphModule) -> tuple[fx.GraphModule | None, tuple[s
     return prologue, tuple(attrs)
 
 
-def derived_bytes(node: fx.Node) -> int:
-    """Bytes a dequantization's result holds (its shape in its dtype)."""
+def derived_bytes(node: fx.Node, element_bytes: int) -> int:
+    """Bytes a dequantization's result holds: its shape in its dtype, or ``element_bytes`` each (the compute
+    precision's) when the dtype is read off an activation."""
     shape, dtype = node.args[4], node.args[6]
     count = 1
     for d in shape:  # type: ignore[union-attr]  # dequantize_nf4's signature: a sequence of ints
         count *= int(d)
-    return count * torch.empty((), dtype=dtype).element_size()  # type: ignore[arg-type]
+    if isinstance(dtype, torch.dtype):
+        element_bytes = torch.empty((), dtype=dtype).element_size()
+    return count * element_bytes

@@ -21,6 +21,7 @@ planner prices (:mod:`rpcompile.passes.formulate`: the dequantization's time onc
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -107,9 +108,10 @@ def hoist_dequantize(gm: fx.GraphModule) -> tuple[fx.GraphModule | None, tuple[s
 def derived_bytes(node: fx.Node, element_bytes: int) -> int:
     """Bytes a dequantization's result holds: its shape in its dtype, or ``element_bytes`` each (the compute
     precision's) when the dtype is read off an activation."""
-    shape, dtype = node.args[4], node.args[6]
+    shape: Any = node.args[4]  # dequantize_nf4's signature: a sequence of ints, then the blocksize and the dtype
+    dtype = node.args[6]
     count = 1
-    for d in shape:  # type: ignore[union-attr]  # dequantize_nf4's signature: a sequence of ints
+    for d in shape:
         count *= int(d)
     if isinstance(dtype, torch.dtype):
         element_bytes = torch.empty((), dtype=dtype).element_size()

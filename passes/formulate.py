@@ -73,14 +73,18 @@ def partition_problem(
             shared.append(SharedParam(name=name, bytes=size, grad_bytes=grad, segments=tuple(segments)))
     spec = hardware.spec
     dq_s, dq_bytes = _dequantizations(gm, segs, elt)
-    fwd = tuple(launch_bound(s.fwd_s - d + d / microbatches, len(s.nodes), spec.dispatch_s)
-                for s, d in zip(segs, dq_s))
+    # a stage's dequantizations run once: 1/m of them per microbatch, in the forward and in the backward time (a
+    # backward stage dequantizes whether it recomputes or not), not in the recompute
+    once = tuple(d / microbatches for d in dq_s)
+    fwd = tuple(launch_bound(s.fwd_s - d + o, len(s.nodes), spec.dispatch_s) for s, d, o in zip(segs, dq_s, once))
+    rec = fwd if not any(dq_s) else tuple(launch_bound(s.fwd_s - d, len(s.nodes), spec.dispatch_s)
+                                          for s, d in zip(segs, dq_s))
     return PartitionProblem(
         names=tuple(s.name for s in segs),
         layer=tuple(s.layer for s in segs),
         fwd_s=fwd,
-        bwd_s=tuple(launch_bound(s.bwd_s, s.backward_ops, spec.backward_dispatch_s) for s in segs),
-        rec_s=fwd,
+        bwd_s=tuple(launch_bound(s.bwd_s + o, s.backward_ops, spec.backward_dispatch_s) for s, o in zip(segs, once)),
+        rec_s=rec,
         # a loss that runs after the graph (the whole LM head) runs in the fused stage, which always holds the last
         # segment: its peak bytes count there (:mod:`.cost.loss_memory`)
         act_bytes=tuple(s.act_bytes + (int(gm.meta.get(LOSS_BYTES_KEY, 0)) if s is segs[-1] else 0) for s in segs),

@@ -72,7 +72,7 @@ def partition_problem(
         else:
             shared.append(SharedParam(name=name, bytes=size, grad_bytes=grad, segments=tuple(segments)))
     spec = hardware.spec
-    dq_s, dq_bytes = _dequantizations(gm, segs, elt)
+    dq_s, dq_bytes, dq_kept = _dequantizations(gm, segs, elt)
     # a stage's dequantizations run once: 1/m of them per microbatch, in the forward and in the backward time (a
     # backward stage dequantizes whether it recomputes or not), not in the recompute
     once = tuple(d / microbatches for d in dq_s)
@@ -87,7 +87,9 @@ def partition_problem(
         rec_s=rec,
         # a loss that runs after the graph (the whole LM head) runs in the fused stage, which always holds the last
         # segment: its peak bytes count there (:mod:`.cost.loss_memory`)
-        act_bytes=tuple(s.act_bytes + (int(gm.meta.get(LOSS_BYTES_KEY, 0)) if s is segs[-1] else 0) for s in segs),
+        # less the dequantized weights autograd keeps: held by the stage (derived_bytes), never saved per microbatch
+        act_bytes=tuple(s.act_bytes - kept + (int(gm.meta.get(LOSS_BYTES_KEY, 0)) if s is segs[-1] else 0)
+                        for s, kept in zip(segs, dq_kept)),
         peak_bytes=tuple(s.peak_bytes for s in segs),
         transient_bytes=tuple(s.transient_bytes for s in segs),
         boundary_bytes=tuple(s.boundary_bytes for s in segs),
@@ -115,18 +117,21 @@ def partition_problem(
 
 
 def _dequantizations(gm: fx.GraphModule, segs: Sequence[Segment],
-                     elt: int) -> tuple[tuple[float, ...], tuple[int, ...]]:
-    """Per segment: the time of its dequantizations (one microbatch's, as the cost model priced them) and the bytes
-    of their results (module docstring)."""
+                     elt: int) -> tuple[tuple[float, ...], tuple[int, ...], tuple[int, ...]]:
+    """Per segment: the time of its dequantizations (one microbatch's, as the cost model priced them), the bytes
+    of their results (module docstring) and what of those its ``act_bytes`` counts (autograd keeps a linear
+    layer's weight for its input's gradient: the cost model counts it as the dequantization's kept output)."""
     deq = {n.name: n for n in dequantizations(gm, planning=True)}
     if not deq:
-        return (0.0,) * len(segs), (0,) * len(segs)
-    times, held = [], []
+        return (0.0,) * len(segs), (0,) * len(segs), (0,) * len(segs)
+    times, held, kept = [], [], []
     for s in segs:
         mine = [deq[n] for n in s.nodes if n in deq]
-        times.append(sum(n.meta[COST_KEY].fwd_time_s for n in mine if COST_KEY in n.meta))
+        costs = [n.meta[COST_KEY] for n in mine if COST_KEY in n.meta]
+        times.append(sum(c.fwd_time_s for c in costs))
         held.append(sum(derived_bytes(n, elt) for n in mine))
-    return tuple(times), tuple(held)
+        kept.append(min(s.act_bytes, sum(c.act_bytes for c in costs)))
+    return tuple(times), tuple(held), tuple(kept)
 
 
 def launch_bound(kernels_s: float, nodes: int, dispatch_s: float) -> float:

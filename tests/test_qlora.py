@@ -368,8 +368,9 @@ def test_the_dequantization_is_priced_on_the_gpu():
 
 def test_the_plan_holds_the_dequantized_weights_and_dequantizes_once_per_stage():
     """The partition problem of a QLoRA model counts each segment's dequantized weights (2 bytes a weight in bf16)
-    as memory its stages hold, beside the packed weights it uploads, and prices the dequantization once per
-    stage: its time is spread over the microbatches. Every stage's predicted memory is the memory without them
+    as memory its stages hold, beside the packed weights it uploads, and not as activations (autograd keeps the
+    held tensor, nothing per microbatch), and prices the dequantization once per stage: its time is spread over
+    the microbatches, in forward and backward time, none in the recompute. Every stage's predicted memory is the memory without them
     plus its segments' dequantized bytes."""
     import dataclasses
 
@@ -401,6 +402,10 @@ def test_the_plan_holds_the_dequantized_weights_and_dequantizes_once_per_stage()
         assert pb.fwd_s[i] == pytest.approx(max(seg.fwd_s - once + once / m, len(seg.nodes) * dispatch)), seg.name
         assert pb.rec_s[i] == pytest.approx(max(seg.fwd_s - once, len(seg.nodes) * dispatch)), seg.name
         assert pb.bwd_s[i] >= once / m
+        kept = sum(n.meta[COST_KEY].act_bytes for n in mine)  # a linear layer keeps its weight: the held one
+        assert kept <= pb.derived_bytes[i] and (not mine or kept > 0), seg.name
+        if i < pb.n - 1:  # (the last segment adds the loss's bytes)
+            assert pb.act_bytes[i] == seg.act_bytes - kept, f"{seg.name}: the held weights are no activations"
     result = solve(pb, "dp", time_limit_s=5)
     assert result.feasible
     without = dataclasses.replace(pb, derived_bytes=())

@@ -180,7 +180,8 @@ def test_each_stage_dequantizes_once_not_per_microbatch(allow_save, tmp_path, mo
     """A stage dequantizes its quantized layers once — in its prologue, when its weights are up — and holds them
     for its microbatches: a step of three microbatches calls the dequantize kernel once per quantized layer per
     stage (forward, fused and backward stages), not three times; its ``forward`` reads the held weight. Still
-    equal to eager, with the backward stages recomputing or reading saved activations."""
+    equal to eager, with the backward stages recomputing or reading saved activations — which never include a
+    dequantized weight (a saved segment reads the held one as an input: not shipped)."""
     from rpcompile.core import quant
 
     model = qlora("llama", tmp_path)
@@ -191,12 +192,21 @@ def test_each_stage_dequantizes_once_not_per_microbatch(allow_save, tmp_path, mo
     assert sum(held) > 0 and all(prog.prologue is not None for prog, n in zip(pipe.program.stages, held) if n)
     for prog in pipe.program.stages:  # every dequantization moved out of the per-microbatch code
         assert "dequantize_nf4" not in prog.gm.code and "_dequantized" in prog.gm.code or not prog.derived
+    import bitsandbytes as bnb
+
+    dequantized = [bnb.functional.dequantize_4bit(m.weight, m.weight.quant_state) for _, m in quantized_layers(model)]
+    shipped: list[torch.Tensor] = []  # what forward stages send to the host for saved segments
+    for device in pipe.executor.devices:
+        monkeypatch.setattr(device, "offload", lambda v, priority=None, off=device.offload:
+                            shipped.extend(v.tensors) or off(v, priority=priority))
     calls = []
     ops = quant._bitsandbytes_ops
     monkeypatch.setattr(quant, "_bitsandbytes_ops", lambda: calls.append(1) or ops())
     ids, mask, labels = batch
     loss = pipe.forward_backward(input_ids=ids, attention_mask=mask, labels=labels)
     assert len(calls) == sum(held), f"{len(calls)} dequantizations for {held} per stage and 3 microbatches"
+    assert bool(shipped) == allow_save
+    assert not [t.shape for t in shipped for w in dequantized if t.shape == w.shape and torch.equal(t, w.to(t.dtype))]
     ref_loss = ref(input_ids=ids, attention_mask=mask, labels=labels).loss
     ref_loss.backward()
     torch.testing.assert_close(loss, ref_loss.detach(), **TOL)

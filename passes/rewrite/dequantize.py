@@ -114,5 +114,5 @@ def derived_bytes(node: fx.Node, element_bytes: int) -> int:
     for d in shape:
         count *= int(d)
     if isinstance(dtype, torch.dtype):
-        element_bytes = torch.empty((), dtype=dtype).element_size()
+        element_bytes = dtype.itemsize
     return count * element_bytes

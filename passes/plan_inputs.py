@@ -51,7 +51,10 @@ def costs_digest(gm: fx.GraphModule) -> str:
 
 
 def problem_digest(problem: Any) -> str:
-    return _digest(repr(dataclasses.asdict(problem)))
+    d = dataclasses.asdict(problem)
+    if not any(d.get("derived_bytes", ())):  # none held (no 4-bit base): the digest problems had before the field
+        d.pop("derived_bytes", None)
+    return _digest(repr(d))
 
 
 def hardware_digest(hardware: Hardware) -> str:

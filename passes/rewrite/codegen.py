@@ -46,7 +46,18 @@ def stage_source(prog: StageProgram, plan: Plan, host: Sequence[HostEmbedding] =
         "# model fingerprint: " + printable(plan.model.digest),
         "",
     ]
-    return "\n".join(header) + prog.gm.code.lstrip("\n")
+    return "\n".join(header) + _prologue(prog) + prog.gm.code.lstrip("\n")
+
+
+def _prologue(prog: StageProgram) -> str:
+    """The stage's prologue as code (:mod:`.dequantize`), said to run once per stage: what its ``forward`` reads as
+    ``self.…_dequantized``."""
+    if prog.prologue is None:
+        return ""
+    code = prog.prologue.code.lstrip("\n").replace("def forward(self)", "def prologue(self)", 1)
+    return ("# once per stage, when its weights are up (before its first microbatch, without autograd): the\n"
+            f"# {len(prog.derived)} dequantized weights it returns are held until the stage ends, read by forward as\n"
+            "# self.<packed weight>_dequantized\n" + code + "\n")
 
 
 def _names(xs: Sequence[object]) -> str:

@@ -36,6 +36,7 @@ from ..graph.inplace import written_nodes
 from ..graph.portable import portable_pass, written_values
 from ..graph.util import canonical_names, compute_nodes, node_params
 from .coarsen import SEGMENT_KEY
+from .dequantize import dequantizations, hoist_dequantize
 from .host import host_of
 
 __all__ = ["split_plan"]
@@ -55,10 +56,12 @@ def _needs_grad(gm: fx.GraphModule, inputs: Collection[str] = ()) -> set[str]:
 
 
 def _stage_graph(gm: fx.GraphModule, names: Sequence[str], exports: set[str], fused: bool,
-                 saved: dict[str, SegmentSpec] | None = None, backward: bool = False,
+                 saved: dict[str, SegmentSpec] | None = None, backward: bool = False, first: Collection[str] = (),
                  ) -> tuple[fx.GraphModule, list[str], list[str]]:
     """Extract ``names`` into a GraphModule reading external values as placeholders. Nodes of a saved segment
-    become one call of :func:`~rpcompile.core.program.saved_forward` (``saved_backward`` in a backward stage)."""
+    become one call of :func:`~rpcompile.core.program.saved_forward` (``saved_backward`` in a backward stage).
+    Nodes in ``first`` (the dequantizations, weight-only: :mod:`.dequantize`) come before all others, so that a
+    saved segment that reads one finds it made."""
     wanted = set(names)
     saved = saved or {}
     by_name = {n.name: n for n in gm.graph.nodes}
@@ -82,7 +85,8 @@ def _stage_graph(gm: fx.GraphModule, names: Sequence[str], exports: set[str], fu
         inputs.append(name)
         return g.placeholder(name.replace(":", "_").replace(".", "_"))
 
-    for n in gm.graph.nodes:
+    early = [n for n in gm.graph.nodes if n.name in wanted and n.name in first]
+    for n in [*early, *(n for n in gm.graph.nodes if n.name not in first)]:
         if n.name not in wanted:
             continue
         seg = saved.get(n.name)
@@ -121,15 +125,18 @@ def _stage_graph(gm: fx.GraphModule, names: Sequence[str], exports: set[str], fu
 
 
 def _saved_segments(plan: Plan, gm: fx.GraphModule, needs_grad: set[str], consumers: dict[str, set[str]],
-                    names: dict[int, str]) -> list[SegmentSpec]:
+                    names: dict[int, str], weight_only: Collection[str] = ()) -> list[SegmentSpec]:
     """One :class:`~rpcompile.core.program.SegmentSpec` per whole segment saved by a forward stage and not recomputed by a backward stage.
     Segments that cannot be saved (other random ops than dropout, cut by a stage boundary, or handing on a tuple of
-    tensors) are recomputed."""
+    tensors) are recomputed. The ``weight_only`` nodes (dequantizations) stay out of them: the stage computes
+    those once (:mod:`.dequantize`) and the segment reads them as inputs (not shipped: the backward stage has its
+    own)."""
     saved = {n for s in plan.forward_stages for n in s.saved} & {n for s in plan.backward_stages for n in s.saved}
     written = written_values(gm) | written_nodes(gm)
     groups: dict[Any, list[str]] = {}
     for n in compute_nodes(gm):
-        groups.setdefault(n.meta.get(SEGMENT_KEY), []).append(n.name)
+        if n.name not in weight_only:
+            groups.setdefault(n.meta.get(SEGMENT_KEY), []).append(n.name)
     stage_of = {(s.kind, n): k for k, s in enumerate(plan.stages) for n in s.nodes}
     out = []
     for index, nodes in groups.items():
@@ -206,6 +213,15 @@ def _containers(gm: fx.GraphModule, names: Sequence[str]) -> bool:
     return False
 
 
+def _dequantizing(gm: fx.GraphModule) -> set[str]:
+    """The dequantizations of ``gm`` and the nodes (not attributes) only they read (:mod:`.dequantize`)."""
+    out: set[str] = set()
+    for n in dequantizations(gm):
+        out.add(n.name)
+        out |= {a.name for a in n.all_input_nodes if a.op != "get_attr"}
+    return out
+
+
 def _exports(gm: fx.GraphModule, stage: Stage, stages: Sequence[Stage], consumers: dict[str, set[str]]) -> set[str]:
     """Values a stage must hand on: read by a node outside it, or input to a backward stage."""
     mine = set(stage.nodes)
@@ -227,7 +243,8 @@ def split_plan(plan: Plan, gm: fx.GraphModule, *, input_grads: Collection[str] =
             consumers.setdefault(a.name, set()).add(n.name if n.op != "output" else "<output>")
     names = canonical_names(gm)
     needs_grad = _needs_grad(gm, input_grads)
-    segments = _saved_segments(plan, gm, needs_grad, consumers, names)
+    first = _dequantizing(gm)
+    segments = _saved_segments(plan, gm, needs_grad, consumers, names, first)
     seg_of = {n: seg for seg in segments for n in seg.nodes}
     programs = []
     for k, stage in enumerate(plan.stages):
@@ -236,12 +253,13 @@ def split_plan(plan: Plan, gm: fx.GraphModule, *, input_grads: Collection[str] =
         saved = {n: seg_of[n] for n in stage.nodes if n in seg_of} if not fused else {}
         for seg in set(saved.values()):  # a forward stage ships a saved segment's outputs and saved tensors
             exports |= {*seg.outputs, seg.host_name} if stage.kind == "forward" else set()
-        sub, inputs, outputs = _stage_graph(gm, stage.nodes, exports, fused, saved, stage.kind == "backward")
+        sub, inputs, outputs = _stage_graph(gm, stage.nodes, exports, fused, saved, stage.kind == "backward", first)
         portable_pass(sub)  # any device, any strides: the graph was traced on the CPU or the meta device
+        prologue, derived = hoist_dequantize(sub)  # once per stage, not per microbatch
         params = {n: names.get(id(p), n) for n, p in sub.named_parameters(remove_duplicate=False)}
         buffers = {n: names.get(id(b), n) for n, b in sub.named_buffers(remove_duplicate=False)}
         programs.append(StageProgram(stage, k, sub, tuple(inputs), tuple(outputs), params, buffers,
-                                     gm.graph._codegen if fused else None))
+                                     gm.graph._codegen if fused else None, prologue=prologue, derived=derived))
     host = host_of(gm)
     computed = {h.value for h in host}
     placeholders = tuple(n.name for n in gm.graph.find_nodes(op="placeholder") if n.name not in computed)

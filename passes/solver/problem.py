@@ -112,6 +112,11 @@ class PartitionProblem:
     """Bytes of parameters owned by the segment alone, in upload precision."""
     grad_bytes: tuple[int, ...]
     """Bytes of those parameters' gradients (0 for frozen ones)."""
+    derived_bytes: tuple[int, ...] = ()
+    """Bytes the segment's stages compute from its frozen weights once per stage and hold while they run (a 4-bit
+    base's dequantized weights, :mod:`rpcompile.passes.rewrite.dequantize`): in every stage's memory beside its
+    weights, never on the link (their time is in ``fwd_s``, spread over the microbatches:
+    :func:`rpcompile.passes.formulate.partition_problem`). Empty: none (0 for every segment)."""
     shared: tuple[SharedParam, ...] = ()
     """Parameters read by several segments."""
     device_count: int
@@ -151,7 +156,9 @@ class PartitionProblem:
         for key in ("fwd_s", "bwd_s", "rec_s"):
             set_(key, _times(key, getattr(self, key), n))
         set_("transient_bytes", self.transient_bytes or (0,) * n)
-        for key in ("act_bytes", "peak_bytes", "transient_bytes", "boundary_bytes", "param_bytes", "grad_bytes"):
+        set_("derived_bytes", self.derived_bytes or (0,) * n)
+        for key in ("act_bytes", "peak_bytes", "transient_bytes", "boundary_bytes", "param_bytes", "grad_bytes",
+                    "derived_bytes"):
             set_(key, _ints(key, getattr(self, key), n))
         set_("input_bytes", _ints("input_bytes", (self.input_bytes,))[0])
         set_("input_grad_bytes", _ints("input_grad_bytes", (self.input_grad_bytes,))[0])

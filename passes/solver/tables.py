@@ -87,6 +87,7 @@ class RangeTables:
         n, m, link, ovh = pb.n, pb.microbatches, pb.link_bytes_per_s, pb.stage_overhead_s
         valid = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
         w = _range_sum(_prefix(pb.param_bytes, np.int64)) + _shared_matrix(pb, False)
+        held = _range_sum(_prefix(pb.derived_bytes, np.int64))  # dequantized weights: memory, not the link
         g = _range_sum(_prefix(pb.grad_bytes, np.int64)) + _shared_matrix(pb, True)
         fwd = _range_sum(_prefix(pb.fwd_s, np.float64))
         bwd = _range_sum(_prefix(pb.bwd_s, np.float64)) + _range_sum(_prefix(pb.rec_s, np.float64))
@@ -103,9 +104,9 @@ class RangeTables:
         f_time = ovh + np.maximum(fwd, np.maximum(up_f, outb[None, :]) / link)
         b_time = ovh + np.maximum(bwd, np.maximum(inb[:, None] + outb[None, :] + w / m, down_b) / link)
         fused_time = ovh + np.maximum(fb[:, n], np.maximum(up_f[:, n], down_b[:, n]) / link)
-        f_need = w + in_mem[:, None] + out_mem[None, :] + _running_max(pb.peak_bytes)
+        f_need = w + held + in_mem[:, None] + out_mem[None, :] + _running_max(pb.peak_bytes)
         # + the next microbatch's input, prefetched; + the largest backward transient of a node in the range
-        b_need = w + g + (in_mem + inb)[:, None] + out_mem[None, :] + act + _running_max(pb.transient_bytes)
+        b_need = w + held + g + (in_mem + inb)[:, None] + out_mem[None, :] + act + _running_max(pb.transient_bytes)
 
         def mask(x: np.ndarray, fill: float) -> np.ndarray:
             return np.where(valid, x, fill)

@@ -23,6 +23,9 @@ beside the saved tensors, its inputs' gradients; nodes run backward one at a tim
 as :mod:`.tables` prices it with a running max over the range). Forward stages compute no
 gradients, so their ``G`` is 0 (the only place this model departs from a literal ``W + G + P + working``).
 
+A stage of a 4-bit base also holds its weights dequantized (``derived_bytes``: computed once per stage, held
+while it runs) beside ``W``.
+
 **Weights that stay** (:mod:`.stays`): a stage that finds some of its weights on its device (left there by an
 earlier stage, or resident) uploads only the rest — ``weight_bytes`` and the link time are what it uploads, ``P``
 the largest upload — and every stage a stay spans holds those weights beside its own (``held_bytes``, in its
@@ -103,6 +106,7 @@ def stage_cost(pb: PartitionProblem, kind: StageKind, a: int, b: int, saved: Seq
     link_in, link_out = pb.link_in(a), pb.link_out(b)
     grad_in = link_in if a > 0 else pb.input_grad_bytes
     act = sum(pb.act_bytes[i] for i in seg)
+    held = sum(pb.derived_bytes[i] for i in seg)  # dequantized once per stage, held while it runs
     saved_act = sum(pb.act_bytes[i] for i in seg if saved[i])
     prefetch = offload = buffers = 0
     if kind == "forward":
@@ -133,7 +137,7 @@ def stage_cost(pb: PartitionProblem, kind: StageKind, a: int, b: int, saved: Seq
                      weight_bytes=w, grad_bytes=0 if kind == "forward" else sent, reduce_bytes=reduced,
                      input_bytes=inputs, prefetch_bytes=prefetch, output_bytes=outputs, offload_bytes=offload,
                      working_bytes=working, microbatches=m, time_s=time,
-                     memory_bytes=w + stay.found + g + p + working + buffers + stay.held + stay.sums,
+                     memory_bytes=w + stay.found + g + p + working + buffers + stay.held + stay.sums + held,
                      buffer_bytes=buffers, found_bytes=stay.found, kept_bytes=stay.kept, held_bytes=stay.held,
                      refreshes=stay.refreshes, sum_bytes=stay.sums + (stay.summed if deferred else 0))
 

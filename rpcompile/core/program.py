@@ -122,6 +122,11 @@ class StageProgram:
     """Attribute path inside ``gm`` -> canonical buffer name in the model."""
     out_codegen: Any = None
     """The fused stage: the original graph's codegen, to rebuild the model's output structure."""
+    prologue: fx.GraphModule | None = None
+    """What the stage computes from its frozen weights once, before its first microbatch (a 4-bit base's
+    dequantizations, :mod:`rpcompile.passes.rewrite.dequantize`): no inputs, returns the ``derived`` weights."""
+    derived: tuple[str, ...] = ()
+    """Attribute paths inside ``gm`` the prologue's results are read from, in the order it returns them."""
 
     @property
     def name(self) -> str:

@@ -2,11 +2,11 @@
 
 ``passes/`` and ``runtime/`` install as ``rpcompile.passes`` and ``rpcompile.runtime`` (pyproject's
 ``[tool.setuptools.package-dir]``). mypy's command line cannot say that: given the directories it names
-``passes/ilp.py`` ``passes.ilp``, so ``from ..core.plan import Plan`` there and every ``import rpcompile.passes.x``
-elsewhere would not resolve (with ``ignore_missing_imports`` they silently become ``Any`` and go unchecked). The
-editable install does not help either: it maps the names with an import hook, and mypy finds modules on disk only.
-So this script lets mypy collect the files and read ``[tool.mypy]`` as usual, renames each module to its installed
-name and runs the same build. Extra arguments go to mypy (e.g. ``--no-incremental``).
+``passes/solver/ilp.py`` ``passes.solver.ilp``, so ``from ..core.plan import Plan`` there and every ``import
+rpcompile.passes.x`` elsewhere would not resolve (with ``ignore_missing_imports`` they silently become ``Any`` and go
+unchecked). The editable install does not help either: it maps the names with an import hook, and mypy finds modules on
+disk only. So this script lets mypy collect the files and read ``[tool.mypy]`` as usual, renames each module to its
+installed name and runs the same build. Extra arguments go to mypy (e.g. ``--no-incremental``).
 """
 
 from __future__ import annotations

@@ -54,15 +54,15 @@ from rich.table import Table
 
 from rpcompile.core.files import write_atomic
 from rpcompile.core.specs import GiB, get_spec
-from rpcompile.models import load_model
 from rpcompile.models.llama import Llama, LlamaConfig
-from rpcompile.models.registry import lm_loss
-from rpcompile.passes.coarsen import segments_of
-from rpcompile.passes.formulate import launch_bound
-from rpcompile.passes.partition import solve
-from rpcompile.passes.problem import PartitionProblem
-from rpcompile.passes.timing import host_times, iteration_time, stage_costs
-from rpcompile.planner.planning import make_hardware, partition_problem, prepare
+from rpcompile.models.registry import lm_loss, load_model
+from rpcompile.passes.formulate import launch_bound, partition_problem
+from rpcompile.passes.rewrite.coarsen import segments_of
+from rpcompile.passes.solver.partition import solve
+from rpcompile.passes.solver.problem import PartitionProblem
+from rpcompile.passes.solver.timing import host_times, iteration_time, stage_costs
+from rpcompile.planner.plan_options import make_hardware
+from rpcompile.planner.planning import prepare
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"

@@ -52,7 +52,7 @@ from rich.table import Table
 
 import rpcompile
 from rpcompile.core.files import write_atomic
-from rpcompile.models import load_model
+from rpcompile.models.registry import load_model
 from rpcompile.runtime.activity import ACTIVITIES
 from rpcompile.runtime.devices import Device
 

@@ -65,12 +65,11 @@ import rpcompile
 from rpcompile.core.files import write_atomic
 import roundpipe_peer  # benchmarks/: RoundPipe itself is imported only when --peer roundpipe asks for it
 import trace_table  # benchmarks/
-from rpcompile.runtime.optim import AdamW as MirroringAdamW
-from rpcompile.models import load_model
-from rpcompile.models.llama import Llama, LlamaConfig
-from rpcompile.models.registry import lm_loss
 from rpcompile.core.specs import get_spec
+from rpcompile.models.llama import Llama, LlamaConfig
+from rpcompile.models.registry import lm_loss, load_model
 from rpcompile.planner.device_probe import probe_dispatch
+from rpcompile.runtime.optim import AdamW as MirroringAdamW
 
 GiB = 1 << 30
 SECTIONS = ("link", "resident", "capped", "seqlen")

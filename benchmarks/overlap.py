@@ -3,7 +3,7 @@
 Models at published shapes on the meta device (analytic ``rtx4090`` costs in bf16, sequence 4096, one sequence per
 microbatch, 20.12 GiB usable per GPU, PCIe 4.0 links, the host rates assumed for the spec), planned as
 ``rpcompile.plan`` does by default (token embeddings on the host, ``head_chunks="auto"``: the whole LM head and 8
-sequence chunks, the plan predicted faster kept) and simulated (:mod:`rpcompile.runtime.simulator`). Three rows a
+sequence chunks, the plan predicted faster kept) and simulated (:mod:`rpcompile.runtime.sim.simulator`). Three rows a
 model:
 
 - ``synchronous``: the plan made for synchronous training, one iteration: the pipeline, then the optimizer step
@@ -49,13 +49,15 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from rpcompile.models import load_model
-from rpcompile.passes.lower import _tokens
-from rpcompile.passes.partition import solve
-from rpcompile.passes.timing import iteration_time, stage_costs
-from rpcompile.planner.planning import make_hardware, partition_problem, prepare
+from rpcompile.core.units import fmt_time
+from rpcompile.models.registry import load_model
+from rpcompile.passes.formulate import partition_problem
+from rpcompile.passes.lower import input_tokens
+from rpcompile.passes.solver.partition import solve
+from rpcompile.passes.solver.timing import iteration_time, stage_costs
+from rpcompile.planner.plan_options import make_hardware
+from rpcompile.planner.planning import prepare
 from rpcompile.tools.scenarios import from_segment_plan, overlapped
-from rpcompile.views.report import fmt_time
 
 SPEC, PRECISION, SEQ_LEN = "rtx4090", "bf16", 4096
 MODELS = ("llama-8b", "llama-32b")
@@ -83,7 +85,7 @@ def best_plans(model: str, gpus: int, m: int, time_limit: float) -> dict[str, tu
             res = solve(pb, "ilp", time_limit_s=time_limit)
             if res.feasible:
                 made[mode].append((res.objective, pb, res.plan, k))
-    tokens = _tokens(gm) * m
+    tokens = input_tokens(gm) * m
     out = {mode: min(cands, key=lambda c: c[0])[1:] for mode, cands in made.items() if cands}
     return {mode: (*v, tokens) for mode, v in out.items()}
 

@@ -46,11 +46,11 @@ from rich.table import Table
 
 import rpcompile
 from rpcompile.core.files import write_atomic
-from rpcompile.core.stages import HostLoad
 from rpcompile.core.schedule import OVERLAP_ITERATIONS
-from rpcompile.models import Llama, LlamaConfig
+from rpcompile.core.stages import HostLoad
+from rpcompile.models.llama import Llama, LlamaConfig
 from rpcompile.runtime.executor import Executor
-from rpcompile.runtime.simulator import simulate
+from rpcompile.runtime.sim.simulator import simulate
 from rpcompile.tools.scenarios import from_plan
 
 from floor import FloorDevice  # benchmarks/

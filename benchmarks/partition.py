@@ -33,9 +33,10 @@ from rich.console import Console
 from rich.table import Table
 
 from rpcompile.core.files import write_atomic
-from rpcompile.models import load_model
-from rpcompile.planner.planning import compare, make_hardware, prepare
-from rpcompile.views.report import fmt_bytes, fmt_time
+from rpcompile.core.units import fmt_bytes, fmt_time
+from rpcompile.models.registry import load_model
+from rpcompile.planner.plan_options import make_hardware
+from rpcompile.planner.planning import compare, prepare
 
 SPEC = "rtx4090"
 PRECISION = "bf16"

@@ -35,7 +35,8 @@ from typing import Any
 import torch
 
 from rpcompile.core.files import write_atomic
-from rpcompile.models import Llama, LlamaConfig, lm_loss
+from rpcompile.models.llama import Llama, LlamaConfig
+from rpcompile.models.registry import lm_loss
 
 RESULTS = Path(__file__).parent / "results" / "planning_speed.json"
 HERE = Path(__file__).resolve()

@@ -26,8 +26,8 @@ from rich.console import Console
 from rich.table import Table
 
 from rpcompile.core.files import write_atomic
-from rpcompile.models import load_model
-from rpcompile.passes.measured import MeasuredCostModel
+from rpcompile.models.registry import load_model
+from rpcompile.passes.cost.measured import MeasuredCostModel
 from rpcompile.planner.planning import FRONT, Compilation, run
 
 OUT = Path(__file__).parent / "results" / "profiling.json"

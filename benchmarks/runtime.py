@@ -30,7 +30,7 @@ from rich.table import Table
 
 import rpcompile
 from rpcompile.core.files import write_atomic
-from rpcompile.models import load_model
+from rpcompile.models.registry import load_model
 from rpcompile.runtime.optim import AdamW as MirroringAdamW
 
 #: Host bytes per parameter per iteration before issue 19 (commit 73cf24a, bf16, 2 logical CPU devices, batch 12,

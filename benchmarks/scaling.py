@@ -2,7 +2,7 @@
 
 Llama-3-8B at its published shape (meta device, analytic ``rtx4090`` costs in bf16, sequence 4096, one sequence
 per microbatch, 16 microbatches) is planned once for one machine of 8 RTX 4090s (``ilp``, the LM head split when
-that is faster, token embedding on the host); the simulator (:mod:`rpcompile.runtime.simulator`) then plays that
+that is faster, token embedding on the host); the simulator (:mod:`rpcompile.runtime.sim.simulator`) then plays that
 plan with the machines' gradient all-reduce (:func:`rpcompile.tools.simulation.scaling`): after each grad stage's
 gradients are added on the host, their fp32 sum goes round a ring over each machine's network link — ``2(n−1)/n``
 of 4 bytes per parameter — in stage order, overlapped with the later stages (what the runtime does,
@@ -29,7 +29,7 @@ from rich.console import Console
 
 from rpcompile.cli.argtypes import network_rates, node_counts
 from rpcompile.core.files import write_atomic
-from rpcompile.models import load_model
+from rpcompile.models.registry import load_model
 from rpcompile.tools.simulation import model_scenarios, scaling
 from rpcompile.views.report import print_table, scaling_table
 

@@ -3,15 +3,15 @@
 Part 1 — models at published shapes (meta device, analytic ``rtx4090`` costs in bf16, sequence 4096, one
 sequence per microbatch, m = 2N): LLaMA-shaped 1.7B / 8B / 32B and a Qwen3-30B-A3B-shaped MoE on 4 and 8 GPUs.
 Each (model, N) is traced and costed once; every schedule is built on that one ``PartitionProblem`` and run by
-the simulator (:mod:`rpcompile.runtime.simulator`), which also accounts memory per device: the static schedules
+the simulator (:mod:`rpcompile.runtime.sim.simulator`), which also accounts memory per device: the static schedules
 keep weights, gradients, Adam state and in-flight activations resident and usually do not fit a 24 GB card —
 the table says so rather than hiding them. The baselines keep the token embedding on the devices, as their
-systems do; rpcompile's columns run it on the host (its default, :mod:`rpcompile.passes.host`), and
+systems do; rpcompile's columns run it on the host (its default, :mod:`rpcompile.passes.rewrite.host`), and
 ``ilp-device-embedding`` is the ``ilp`` column's plan made with the table on the devices, to show what that buys.
 ``ilp-recompute`` is the ILP with every activation recomputed (no host-memory saving), to separate partitioning
 from the save/recompute choice. ``ilp-whole-head`` is the ILP on
 the model as traced, ``ilp-split-head`` on the same model traced with its loss and the LM head split into
-``HEAD_CHUNKS`` sequence chunks (:mod:`rpcompile.passes.loss_head`), and ``ilp`` is what rpcompile plans by
+``HEAD_CHUNKS`` sequence chunks (:mod:`rpcompile.passes.rewrite.loss_head`), and ``ilp`` is what rpcompile plans by
 default (``head_chunks="auto"``): of those two, the plan whose *predicted* iteration is shorter.
 
 Part 2 — the RoundPipe paper's own simulator inputs (``benchmarks/data/roundpipe-simulator-inputs.json``:
@@ -44,11 +44,13 @@ from rich.console import Console
 from rich.table import Table
 
 from rpcompile.core.files import write_atomic
-from rpcompile.passes.lower import _tokens
-from rpcompile.models import load_model
-from rpcompile.passes.partition import solve
-from rpcompile.planner.planning import make_hardware, partition_problem, prepare
-from rpcompile.views.report import fmt_bytes, fmt_time
+from rpcompile.core.units import fmt_bytes, fmt_time
+from rpcompile.models.registry import load_model
+from rpcompile.passes.formulate import partition_problem
+from rpcompile.passes.lower import input_tokens
+from rpcompile.passes.solver.partition import solve
+from rpcompile.planner.plan_options import make_hardware
+from rpcompile.planner.planning import prepare
 from rpcompile.tools.scenarios import (SCHEDULES, from_segment_plan, layer_profile_scenarios, load_layer_profile,
                                          static_scenarios)
 
@@ -89,7 +91,7 @@ def model_rows(model: str, gpus: int, time_limit: float) -> tuple[dict[str, dict
     _, pb2 = problem(True, HEAD_CHUNKS)
     _, device2 = problem(False, HEAD_CHUNKS)
     prep = time.perf_counter() - t0
-    tokens = _tokens(gm) * m
+    tokens = input_tokens(gm) * m
     scenarios = static_scenarios(base, chunks=2, precision=PRECISION, tokens_per_iteration=tokens)
     predicted = {}
     for name, problem in (("roundpipe", base), ("ilp-whole-head", pb),

@@ -3,7 +3,7 @@ the second, and the steady step, on logical CPU devices.
 
 One compiled pipeline serves every batch size and every sequence length up to the planned one (symbolic sizes
 through torch.export and fx; nothing is re-traced or re-planned). Saved segments are captured with symbolic sizes
-(rpcompile/runtime/symbolic.py): one capture runs every shape its guards allow; a class they reject (one-row
+(rpcompile/runtime/segments/symbolic.py): one capture runs every shape its guards allow; a class they reject (one-row
 microbatches) is recomputed at its first sighting and captured at its second. The "captures" column counts the
 saved segments' captures after the shape's steps (all segments together).
 
@@ -27,7 +27,7 @@ from rich.table import Table
 
 import rpcompile
 from rpcompile.core.files import write_atomic
-from rpcompile.models import load_model
+from rpcompile.models.registry import load_model
 
 try:  # optional: the Hugging Face row runs only where transformers is installed
     import transformers

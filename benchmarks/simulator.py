@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rpcompile.core.files import write_atomic
-from rpcompile.models import Llama, LlamaConfig
+from rpcompile.models.llama import Llama, LlamaConfig
 from rpcompile.models.registry import lm_loss
 from rpcompile.tools.simulator_validation import compile_for_validation, validate
 

@@ -53,13 +53,15 @@ from rich.table import Table
 
 import rpcompile
 from rpcompile.core.specs import get_spec
-from rpcompile.models import load_model
-from rpcompile.passes.partition import solve
-from rpcompile.passes.stay_search import without_stays
-from rpcompile.passes.timing import host_times, iteration_time, no_sync_time, stage_costs
-from rpcompile.planner.planning import make_hardware, partition_problem, prepare
+from rpcompile.core.units import fmt_bytes, fmt_time
+from rpcompile.models.registry import load_model
+from rpcompile.passes.formulate import partition_problem
+from rpcompile.passes.solver.partition import solve
+from rpcompile.passes.solver.stay_search import without_stays
+from rpcompile.passes.solver.timing import host_times, iteration_time, no_sync_time, stage_costs
+from rpcompile.planner.plan_options import make_hardware
+from rpcompile.planner.planning import prepare
 from rpcompile.tools.lora import apply_lora
-from rpcompile.views.report import fmt_bytes, fmt_time
 
 FINE = dataclasses.replace(get_spec("cpu"), name="cpu-fine-stages", stage_overhead_s=30e-6)
 MIB, GIB = 2**20, 2**30

@@ -38,8 +38,8 @@ from typing import Any, Generic, TypeVar
 
 from rpcompile.core.errors import RPCompileError
 
-from .problem import PartitionProblem
 from .solve_cache import lookup
+from .solver.problem import PartitionProblem
 
 __all__ = ["later", "Later", "solving", "enabled", "solve_apart", "solve_timeout", "fork_cost_s", "ENV"]
 

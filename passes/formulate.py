@@ -1,4 +1,4 @@
-"""The problem pass: a costed, coarsened graph → a :class:`~rpcompile.passes.problem.PartitionProblem` of plain
+"""The problem pass: a costed, coarsened graph → a :class:`~rpcompile.passes.solver.problem.PartitionProblem` of plain
 numbers (per segment: times, activation and weight bytes; the hardware; the microbatch count) for the solvers.
 
 **Launch-bound segments.** A GPU runs a stage's kernels as the host issues them, and the host issues one graph
@@ -15,17 +15,20 @@ simulator — reads the segment times, so they all price it alike.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch.fx as fx
 
 from rpcompile.core.plan import Hardware
 from rpcompile.core.stages import host_load
 
-from .coarsen import segments_of
-from .cost import DTYPE_KEY
-from .host import host_of
-from .loss_memory import LOSS_BYTES_KEY
-from .problem import PartitionProblem, SharedParam
-from .shape import SHAPE_KEY, scaled_nbytes
+from rpcompile.passes.cost.cost_model import COST_KEY, DTYPE_KEY
+from .cost.loss_memory import LOSS_BYTES_KEY
+from .graph.shape import SHAPE_KEY, scaled_nbytes
+from .rewrite.coarsen import Segment, segments_of
+from .rewrite.dequantize import dequantizations, derived_bytes
+from .rewrite.host import host_of
+from .solver.problem import PartitionProblem, SharedParam
 
 __all__ = ["partition_problem", "launch_bound", "PRECISION_BYTES"]
 
@@ -69,16 +72,24 @@ def partition_problem(
         else:
             shared.append(SharedParam(name=name, bytes=size, grad_bytes=grad, segments=tuple(segments)))
     spec = hardware.spec
-    fwd = tuple(launch_bound(s.fwd_s, len(s.nodes), spec.dispatch_s) for s in segs)
+    dq_s, dq_bytes, dq_kept = _dequantizations(gm, segs, elt)
+    # a stage's dequantizations run once: 1/m of them per microbatch, in the forward and in the backward time (a
+    # backward stage dequantizes whether it recomputes or not), not in the recompute
+    once = tuple(d / microbatches for d in dq_s)
+    fwd = tuple(launch_bound(s.fwd_s - d + o, len(s.nodes), spec.dispatch_s) for s, d, o in zip(segs, dq_s, once))
+    rec = fwd if not any(dq_s) else tuple(launch_bound(s.fwd_s - d, len(s.nodes), spec.dispatch_s)
+                                          for s, d in zip(segs, dq_s))
     return PartitionProblem(
         names=tuple(s.name for s in segs),
         layer=tuple(s.layer for s in segs),
         fwd_s=fwd,
-        bwd_s=tuple(launch_bound(s.bwd_s, s.backward_ops, spec.backward_dispatch_s) for s in segs),
-        rec_s=fwd,
+        bwd_s=tuple(launch_bound(s.bwd_s + o, s.backward_ops, spec.backward_dispatch_s) for s, o in zip(segs, once)),
+        rec_s=rec,
         # a loss that runs after the graph (the whole LM head) runs in the fused stage, which always holds the last
-        # segment: its peak bytes count there (:mod:`.loss_memory`)
-        act_bytes=tuple(s.act_bytes + (int(gm.meta.get(LOSS_BYTES_KEY, 0)) if s is segs[-1] else 0) for s in segs),
+        # segment: its peak bytes count there (:mod:`.cost.loss_memory`)
+        # less the dequantized weights autograd keeps: held by the stage (derived_bytes), never saved per microbatch
+        act_bytes=tuple(s.act_bytes - kept + (int(gm.meta.get(LOSS_BYTES_KEY, 0)) if s is segs[-1] else 0)
+                        for s, kept in zip(segs, dq_kept)),
         peak_bytes=tuple(s.peak_bytes for s in segs),
         transient_bytes=tuple(s.transient_bytes for s in segs),
         boundary_bytes=tuple(s.boundary_bytes for s in segs),
@@ -86,6 +97,7 @@ def partition_problem(
         input_grad_bytes=_host_grad_bytes(gm),
         param_bytes=tuple(own_bytes),
         grad_bytes=tuple(own_grads),
+        derived_bytes=dq_bytes,
         shared=tuple(shared),
         device_count=hardware.device_count,
         memory_bytes=hardware.memory_bytes,
@@ -102,6 +114,24 @@ def partition_problem(
                        host_params=sum(params[h.weight].numel() for h in host_of(gm)
                                        if h.weight not in users and params[h.weight].requires_grad)),
     )
+
+
+def _dequantizations(gm: fx.GraphModule, segs: Sequence[Segment],
+                     elt: int) -> tuple[tuple[float, ...], tuple[int, ...], tuple[int, ...]]:
+    """Per segment: the time of its dequantizations (one microbatch's, as the cost model priced them), the bytes
+    of their results (module docstring) and what of those its ``act_bytes`` counts (autograd keeps a linear
+    layer's weight for its input's gradient: the cost model counts it as the dequantization's kept output)."""
+    deq = {n.name: n for n in dequantizations(gm, planning=True)}
+    if not deq:
+        return (0.0,) * len(segs), (0,) * len(segs), (0,) * len(segs)
+    times, held, kept = [], [], []
+    for s in segs:
+        mine = [deq[n] for n in s.nodes if n in deq]
+        costs = [n.meta[COST_KEY] for n in mine if COST_KEY in n.meta]
+        times.append(sum(c.fwd_time_s for c in costs))
+        held.append(sum(derived_bytes(n, elt) for n in mine))
+        kept.append(min(s.act_bytes, sum(c.act_bytes for c in costs)))
+    return tuple(times), tuple(held), tuple(kept)
 
 
 def launch_bound(kernels_s: float, nodes: int, dispatch_s: float) -> float:

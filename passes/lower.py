@@ -19,16 +19,16 @@ from rpcompile.core.errors import ConfigError
 from rpcompile.core.plan import Hardware, Plan, Prediction, Stage, StageKind
 from rpcompile.core.schedule import weight_stays
 
-from .coarsen import segments_of
-from .fingerprint import fingerprint
-from .host import host_of
-from .loss_head import HEAD_CHUNKS_META
+from .graph.fingerprint import fingerprint
+from .graph.shape import SHAPE_KEY
+from .graph.util import compute_nodes, module_path, node_params
 from .plan_inputs import solve_inputs
-from .shape import SHAPE_KEY
-from .timing import bubble_fraction, host_times, iteration_time, no_sync_time, stage_costs
-from .util import compute_nodes, module_path, node_params
+from .rewrite.coarsen import segments_of
+from .rewrite.host import host_of
+from .rewrite.loss_head import HEAD_CHUNKS_META
+from .solver.timing import bubble_fraction, host_times, iteration_time, no_sync_time, stage_costs
 
-__all__ = ["plan_from_ranges", "to_plan"]
+__all__ = ["plan_from_ranges", "to_plan", "input_tokens"]
 
 
 def _modules(nodes: Sequence[fx.Node], paths: dict[fx.Node, str] | None = None) -> tuple[str, ...]:
@@ -43,7 +43,7 @@ def _modules(nodes: Sequence[fx.Node], paths: dict[fx.Node, str] | None = None) 
     return tuple(dict.fromkeys(out))
 
 
-def _tokens(gm: fx.GraphModule) -> int:
+def input_tokens(gm: fx.GraphModule) -> int:
     """Elements of the first integer-typed input (token ids), else the first input's batch size; 0 if unknown."""
     shapes = [t for n in gm.graph.nodes if n.op == "placeholder" and SHAPE_KEY in n.meta for t in n.meta[SHAPE_KEY].tensors]
     for t in shapes:
@@ -124,7 +124,7 @@ def plan_from_ranges(
         strategy=strategy,
         cost_model=cost_model,
         precision=precision,
-        tokens_per_microbatch=_tokens(gm),
+        tokens_per_microbatch=input_tokens(gm),
         stats=stats or {},
     )
 

@@ -7,13 +7,14 @@ planning options and the solver itself — so when none of them moved, a fresh s
 
 The record (plain JSON):
 
-- ``costs``: digest of every compute node's :class:`~.cost.NodeCost` (times, bytes, FLOPs, parameters), in order;
-- ``problem``: digest of the :class:`~.problem.PartitionProblem` (the solvers' whole input, in plain numbers);
+- ``costs``: digest of every compute node's :class:`~.cost.cost.NodeCost` (times, bytes, FLOPs, parameters), in order;
+- ``problem``: digest of the :class:`~.solver.problem.PartitionProblem` (the solvers' whole input, in plain numbers);
 - ``hardware``: digest of the plan's :class:`~rpcompile.core.plan.Hardware` (spec, memory, link, host rates);
 - ``options``: the planning options, readable (``strategy``, ``microbatches``, ``precision``, ``memory_bytes``,
   ``head_chunks``, ``host`` embeddings, ``segments_per_layer``, ``max_segments``, ``allow_save``, ``allow_stay``, and
   ``overlap`` when the plan is for overlapped iterations);
-- ``solver``: digest of the partitioner's source (a new partitioner may find a faster plan from the same inputs).
+- ``solver``: digest of the partitioner's source, every file of ``passes/solver/`` (:func:`solver_digest`; a new
+  partitioner may find a faster plan from the same inputs).
 
 Digests are 16 hex digits of sha256 over an exact ``repr`` (floats round-trip), so analytic costs give the same
 digest on every run; measured costs differ from run to run, and their plans are always re-solved.
@@ -24,26 +25,21 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import importlib
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch.fx as fx
 
 from rpcompile.core.plan import Hardware
+from rpcompile.passes.cost.cost_model import COST_KEY
 
-from .coarsen import COARSEN_META
-from .cost import COST_KEY
-from .host import host_of
-from .loss_head import HEAD_CHUNKS_META
-from .util import compute_nodes
+from . import solver
+from .graph.util import compute_nodes
+from .rewrite.coarsen import COARSEN_META
+from .rewrite.host import host_of
+from .rewrite.loss_head import HEAD_CHUNKS_META
 
-__all__ = ["SOLVER_MODULES", "solve_inputs", "moved_inputs", "hardware_digest", "solver_digest"]
-
-#: The partitioner's modules: their source is part of what a plan was solved from.
-SOLVER_MODULES = ("partition", "ilp", "polish", "scorer", "greedy", "exact", "lagrange", "balance", "baselines", "bounds",
-                  "tables", "timing", "recurrence", "problem", "formulate", "coarsen", "segment_rules", "stays",
-                  "stay_search")
+__all__ = ["solve_inputs", "moved_inputs", "hardware_digest", "solver_digest", "solver_files"]
 
 
 def _digest(text: str) -> str:
@@ -55,7 +51,10 @@ def costs_digest(gm: fx.GraphModule) -> str:
 
 
 def problem_digest(problem: Any) -> str:
-    return _digest(repr(dataclasses.asdict(problem)))
+    d = dataclasses.asdict(problem)
+    if not any(d.get("derived_bytes", ())):  # none held (no 4-bit base): the digest problems had before the field
+        d.pop("derived_bytes", None)
+    return _digest(repr(d))
 
 
 def hardware_digest(hardware: Hardware) -> str:
@@ -65,12 +64,19 @@ def hardware_digest(hardware: Hardware) -> str:
     return _digest(repr(sorted(d.items())))
 
 
+def solver_files() -> list[Path]:
+    """The partitioner's source: every Python file of the solver's folder (:mod:`.solver`), in name order."""
+    root = Path(str(solver.__file__)).parent
+    return sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).as_posix())
+
+
 @functools.lru_cache(maxsize=1)
 def solver_digest() -> str:
+    """Digest of :func:`solver_files`: each file's path in the folder and its bytes, in order."""
     h = hashlib.sha256()
-    for name in SOLVER_MODULES:
-        mod = importlib.import_module(f"{__package__}.{name}")
-        h.update(name.encode() + b"\0" + Path(str(mod.__file__)).read_bytes() + b"\0")
+    root = Path(str(solver.__file__)).parent
+    for path in solver_files():
+        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()[:16]
 
 

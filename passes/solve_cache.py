@@ -1,16 +1,16 @@
 """Solved partitions on disk, so re-running a training script does not solve the same problem again.
 
-A solve is a function of its inputs: the :class:`~.problem.PartitionProblem` (the solvers' whole input, in plain
+A solve is a function of its inputs: the :class:`~.solver.problem.PartitionProblem` (the solvers' whole input, in plain
 numbers: costs, memory, link, microbatches), the strategy, the time limit (every phase of ``ilp`` is bounded by
 counts derived from it, so the same limit gives the same plan) and the partitioner's source
-(:func:`~.plan_inputs.solver_digest`). :func:`solve` keys an entry by all of them; a warm entry returns the stored
-result — its plan re-checked against the problem (:func:`~.segment_rules.validate_segment_plan`) and re-scored
-(:func:`~.timing.iteration_time` must give the stored objective) — and ``solve_time_s`` as first measured.
+(:func:`~.plan_inputs.solver_digest`). :func:`cached_solve` keys an entry by all of them; a warm entry returns the
+stored result — its plan re-checked against the problem (:func:`~.solver.segment_rules.validate_segment_plan`) and
+re-scored (:func:`~.solver.timing.iteration_time` must give the stored objective) — and ``solve_time_s`` as first measured.
 ``PartitionResult.cached`` says where a result came from. A solve may run in a forked child
 (:mod:`.background`): it reads and writes its entry there, as it would in the caller.
 
 Measured costs from a warm profile cache give the same problem, so a second compile of a model on the same GPU
-neither measures nor solves. Directory: ``solves/`` beside the profile cache (:func:`.profile_cache.cache_dir`);
+neither measures nor solves. Directory: ``solves/`` beside the profile cache (:func:`.cost.profile_cache.cache_dir`);
 ``rpcompile cache clear`` empties both and ``--no-cache`` / ``cache=False`` bypasses both. Only feasible results
 are kept. An entry that cannot be read, is not strict JSON (not UTF-8, ``NaN``, numbers out of range, deep
 nesting), is too large, has another key, a malformed plan or one that no longer checks out is ignored with one
@@ -30,16 +30,16 @@ from typing import Any
 
 from rpcompile.core.files import json_depth, jsonable, read_json
 
-from . import partition
+from .cost.profile_cache import cache_dir, remove_entries, write_entry
 from .plan_inputs import problem_digest, solver_digest
-from .problem import PartitionProblem, PartitionResult, SegmentPlan
-from .profile_cache import cache_dir, remove_entries, write_entry
-from .segment_rules import validate_segment_plan
-from .timing import iteration_time
+from .solver import partition
+from .solver.problem import PartitionProblem, PartitionResult, SegmentPlan
+from .solver.segment_rules import validate_segment_plan
+from .solver.timing import iteration_time
 
-__all__ = ["FORMAT_VERSION", "solve", "lookup", "solve_key", "entries", "clear"]
+__all__ = ["SOLVE_FORMAT_VERSION", "cached_solve", "lookup", "solve_key", "solve_entries", "clear_solves"]
 
-FORMAT_VERSION = 1
+SOLVE_FORMAT_VERSION = 1
 _MAX_ENTRY_BYTES = 64 * 2**20
 log = logging.getLogger("rpcompile")
 
@@ -58,10 +58,10 @@ def _path(key: dict[str, Any]) -> Path:
     return _root() / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]}.json"
 
 
-def solve(problem: PartitionProblem, strategy: str = "ilp", *, time_limit_s: float = 10.0, seed: int = 0,
+def cached_solve(problem: PartitionProblem, strategy: str = "ilp", *, time_limit_s: float = 10.0, seed: int = 0,
           cache: bool = True, **options: Any) -> PartitionResult:
-    """:func:`.partition.solve` (``ilp`` with ``options``: :func:`.partition.ilp`'s ``baselines``) through the cache
-    (module docstring); ``cache=False`` solves and keeps nothing."""
+    """:func:`.solver.partition.solve` (``ilp`` with ``options``: :func:`.solver.partition.ilp`'s ``baselines``) through
+    the cache (module docstring); ``cache=False`` solves and keeps nothing."""
     def fresh() -> PartitionResult:
         if strategy == "ilp":
             return partition.ilp(problem, time_limit_s=time_limit_s, seed=seed, **options)
@@ -82,7 +82,7 @@ def solve(problem: PartitionProblem, strategy: str = "ilp", *, time_limit_s: flo
 
 def lookup(problem: PartitionProblem, strategy: str = "ilp", *, time_limit_s: float = 10.0,
            seed: int = 0) -> PartitionResult | None:
-    """The cached result :func:`solve` would return for these arguments, or None (nothing is solved)."""
+    """The cached result :func:`cached_solve` would return for these arguments, or None (nothing is solved)."""
     key = solve_key(problem, strategy, time_limit_s=time_limit_s, seed=seed)
     return _load(_path(key), key, problem)
 
@@ -99,7 +99,7 @@ def _load(path: Path, key: dict[str, Any], problem: PartitionProblem) -> Partiti
         _ignore(path, f"corrupt: {e}")
         return None
     try:
-        if not isinstance(data, dict) or data.get("format") != FORMAT_VERSION or data.get("key") != key:
+        if not isinstance(data, dict) or data.get("format") != SOLVE_FORMAT_VERSION or data.get("key") != key:
             _ignore(path, "another format or problem")
             return None
         plan = _segment_plan(data["plan"], problem.n)
@@ -155,7 +155,7 @@ def _ignore(path: Path, why: str) -> None:
 def _store(path: Path, key: dict[str, Any], result: PartitionResult) -> None:
     assert result.plan is not None
     plan = result.plan
-    data = {"format": FORMAT_VERSION, "key": key, "created": time.time(),
+    data = {"format": SOLVE_FORMAT_VERSION, "key": key, "created": time.time(),
             "plan": {"forward": plan.forward, "fused": plan.fused, "backward": plan.backward, "saved": plan.saved,
                      "stays": plan.stays, "resident": plan.resident, "accumulates": plan.accumulates},
             "objective": result.objective, "solve_time_s": result.solve_time_s,
@@ -167,11 +167,11 @@ def _store(path: Path, key: dict[str, Any], result: PartitionResult) -> None:
                     e.strerror)
 
 
-def entries() -> list[Path]:
+def solve_entries() -> list[Path]:
     """The entries' files."""
     return sorted(_root().glob("*.json")) if _root().is_dir() else []
 
 
-def clear() -> int:
+def clear_solves() -> int:
     """Remove every entry (and leftover temporary files); the number of files removed."""
     return remove_entries(_root())

@@ -15,8 +15,8 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "trace": "rpcompile.passes.trace",
-    "module_path": "rpcompile.passes.util",
+    "trace": "rpcompile.passes.graph.trace",
+    "module_path": "rpcompile.passes.graph.util",
     "Plan": "rpcompile.core.plan",
     "Stage": "rpcompile.core.plan",
     "Hardware": "rpcompile.core.plan",
@@ -24,12 +24,12 @@ _EXPORTS = {
     "Prediction": "rpcompile.core.plan",
     "SCHEMA_VERSION": "rpcompile.core.plan",
     "verify_plan": "rpcompile.planner.invariants",
-    "fingerprint": "rpcompile.passes.fingerprint",
+    "fingerprint": "rpcompile.passes.graph.fingerprint",
     "DeviceSpec": "rpcompile.core.specs",
     "SPECS": "rpcompile.core.specs",
     "get_spec": "rpcompile.core.specs",
-    "load_model": "rpcompile.models",
-    "list_models": "rpcompile.models",
+    "load_model": "rpcompile.models.registry",
+    "list_models": "rpcompile.models.registry",
     "profile": "rpcompile.planner.profiling",
     "plan": "rpcompile.planner.planning",
     "compile": "rpcompile.compiler",

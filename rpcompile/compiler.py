@@ -32,15 +32,18 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 import time
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from rpcompile.passes.trace import training_inputs
+from rpcompile.passes.formulate import PRECISION_BYTES
+from rpcompile.passes.graph.precision import COMPUTE_DTYPES
+from rpcompile.passes.graph.trace import training_inputs
 from rpcompile.runtime.devices import make_devices
 
-from .core.errors import ConfigError, PlanVerificationError, RPCompileError
+from .core.errors import ConfigError, PlanVerificationError, RPCompileError, one_line
 from .core.plan import Plan
 from .planner.invariants import plan_violations
 from .planner.model_match import graph_as_planned
@@ -48,8 +51,8 @@ from .planner.planning import compile_plan, replanned
 from .training.distributed import DataParallel, DistributedError, data_parallel_group, plan_digest
 from .training.gpu_memory import gpu_memory_limit
 from .training.host_memory import fit_host_memory, within_host_memory
-from .training.loss_weighting import _checked_weight
-from .training.pipeline import _DTYPES, Pipeline
+from .training.loss_weighting import checked_weight
+from .training.pipeline import Pipeline
 from .training.signature import InputSignature, check_compile_arguments
 
 __all__ = ["compile"]
@@ -61,12 +64,12 @@ def compile(
     model: torch.nn.Module,
     example_inputs: Sequence[Any] = (),
     *,
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     gpus: int | None = None,
     devices: Sequence[str | torch.device] | None = None,
     microbatches: int | None = None,
     plan: Plan | str | os.PathLike | None = None,
-    precision: str = "fp32",
+    precision: str | None = None,
     example_kwargs: Mapping[str, Any] | None = None,
     scaler: Any = None,
     spec: Any = None,
@@ -90,12 +93,13 @@ def compile(
     (:mod:`rpcompile.training.host_memory`).
 
     ``head_chunks=k`` (with ``example_target``, a target for ``example_inputs``) moves a mean token cross-entropy
-    into the graph and splits it with the LM head into ``k`` sequence chunks (:mod:`rpcompile.passes.loss_head`):
+    into the graph and splits it with the LM head into ``k`` sequence chunks
+    (:mod:`rpcompile.passes.rewrite.loss_head`):
     the full logits never exist and the head spreads over stages. ``forward_backward`` is unchanged;
     ``forward(x, target=y)`` then returns the loss. The default ``"auto"`` plans the whole head and — given
     ``example_target`` and a head that can be split — 8 chunks as well, and keeps the faster plan.
     ``host_embedding`` (default on) runs token embeddings whose tables are larger than what an iteration looks
-    up on the host, next to their fp32 masters (:mod:`rpcompile.passes.host`): the first stage receives the
+    up on the host, next to their fp32 masters (:mod:`rpcompile.passes.rewrite.host`): the first stage receives the
     looked-up rows instead of uploading the table, and the rows' gradients go into the table's ``.grad``;
     ``False`` keeps every table on the devices, and node names move exactly those lookups.
 
@@ -118,8 +122,12 @@ def compile(
     """
     check_compile_arguments(model, example_inputs, example_kwargs, loss_fn=loss_fn, devices=devices, gpus=gpus,
                             microbatches=microbatches)
-    if precision not in _DTYPES:
-        raise ConfigError(f"precision must be one of {sorted(_DTYPES)}, got {precision!r}")
+    source = "the plan" if isinstance(plan, Plan) else str(plan)
+    if plan is not None and not isinstance(plan, Plan):
+        plan = Plan.load(plan)
+    precision = _precision(plan, precision)
+    if precision not in COMPUTE_DTYPES:
+        raise ConfigError(f"precision must be one of {sorted(COMPUTE_DTYPES)}, got {precision!r}")
     dp = data_parallel_group(data_parallel)
     if dp is not None:  # one pipeline per rank, on one plan (rank 0's unless given), checked alike everywhere
         local = functools.partial(
@@ -128,22 +136,19 @@ def compile(
             example_target=example_target, head_chunks=head_chunks, host_embedding=host_embedding,
             loss_weight=loss_weight, frozen_masters=frozen_masters, data_parallel=False, **plan_options)
         return _join(dp, local, plan, precision)
-    _checked_weight(loss_weight)  # before any planning
+    checked_weight(loss_weight)  # before any planning
     if devices is None and gpus is None:
         devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())] or ["cpu"]
     devs = make_devices(list(devices) if devices is not None else None, gpus)
     args, kwargs = training_inputs(model, example_inputs, example_kwargs)
     example_inputs, example_kwargs = args, kwargs
     signature = InputSignature(model, args, kwargs, devices=[d.torch_device.type for d in devs],
-                               compute_dtype=_DTYPES[precision], target=example_target)
+                               compute_dtype=COMPUTE_DTYPES[precision], target=example_target)
     if loss_fn is None and "labels" in signature.params and "labels" not in kwargs:
         raise RPCompileError("loss_fn=None uses the model's own loss, which it computes from labels: compile with "
                              "them in the example (example_kwargs={'input_ids': ids, 'labels': labels}) or give loss_fn=")
     with within_host_memory("compile"):  # the allocator's raw error as one line (rpcompile.training.host_memory)
         if plan is not None:
-            source = "the plan" if isinstance(plan, Plan) else str(plan)
-            if not isinstance(plan, Plan):
-                plan = Plan.load(plan)
             # the graph the plan was made from: its LM head split, its embedding lookups on the host
             gm = graph_as_planned(plan, model, example_inputs, loss_fn=loss_fn, example_kwargs=example_kwargs,
                                   precision=precision)
@@ -162,10 +167,12 @@ def compile(
             memory_limit = gpu_memory_limit(devs[0].torch_device, spec)
         # costs measured with the intra-op threads each logical CPU device will have
         threads = max(1, torch.get_num_threads() // len(devs)) if on_cpu and len(devs) > 1 else None
+        progress = plan_options.pop("progress", None)  # what compile does, on stderr: on a terminal unless False
         made = compile_plan(
             model, example_inputs, gpus=len(devs), spec=spec,
             device=None if spec is not None else devs[0].torch_device, memory_limit=memory_limit,
-            microbatches=microbatches, precision=precision, example_kwargs=example_kwargs, progress=False,
+            microbatches=microbatches, precision=precision, example_kwargs=example_kwargs,
+            progress=sys.stderr.isatty() if progress is None else bool(progress),
             loss_fn=loss_fn, example_target=example_target, head_chunks=head_chunks, host_embedding=host_embedding,
             threads=threads, **plan_options)
         if "allow_save" not in plan_options:  # saved activations the host may not hold: recomputed instead
@@ -173,7 +180,7 @@ def compile(
             limit = float(plan_options.get("time_limit_s", 10.0))
             saving = made
             made = fit_host_memory(saving, lambda: replanned(saving, allow_save=False, time_limit_s=limit),
-                                   dtype=_DTYPES[precision], pin=not on_cpu, frozen_masters=frozen_masters)
+                                   dtype=COMPUTE_DTYPES[precision], pin=not on_cpu, frozen_masters=frozen_masters)
         assert made.plan is not None
         t0 = time.perf_counter()
         pipe = Pipeline(model, made.graph, made.plan, devs, loss_fn, precision, scaler,
@@ -181,6 +188,20 @@ def compile(
                         frozen_masters=frozen_masters)
         log.info("%s: %.2f s", "pipeline", time.perf_counter() - t0)  # stage code, host weight copies (pinned for GPUs)
         return pipe
+
+
+def _precision(plan: Plan | None, precision: str | None) -> str:
+    """The precision to run in: the plan's own (its memory and times assume it) unless ``precision`` says
+    otherwise, and fp32 without a plan. A run wider than its plan (fp32 for a bf16 plan: twice the memory the
+    plan budgeted) is refused in one line; a narrower one fits what the plan counted. (An exported graph records
+    its casts for one precision: that path refuses any other, ``graph_as_planned``.)"""
+    if plan is None or precision is None:
+        return plan.precision if plan is not None else precision or "fp32"
+    if PRECISION_BYTES.get(precision, 0) > PRECISION_BYTES.get(plan.precision, 0):
+        raise ConfigError(f"precision={precision!r} but the plan was made for {plan.precision!r} (its memory and "
+                          f"times assume it): compile with precision={plan.precision!r} or none, or re-plan for "
+                          f"{precision!r}")
+    return precision
 
 
 def _join(dp: DataParallel, local: Callable[..., Pipeline], plan: "Plan | str | os.PathLike | None",
@@ -195,7 +216,7 @@ def _join(dp: DataParallel, local: Callable[..., Pipeline], plan: "Plan | str | 
         pipe = pipe or local(plan=plan)
         digest, error = plan_digest(pipe.plan, devices=len(pipe.devices), precision=precision), ""
     except Exception as e:  # noqa: BLE001 - every rank learns which one failed, then this one raises its own
-        digest, error, failure = None, f"{type(e).__name__}: {e}".splitlines()[0], e
+        digest, error, failure = None, one_line(e), e
     try:
         dp.agree(digest, error)
     except DistributedError:

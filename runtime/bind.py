@@ -4,7 +4,7 @@ The split pass leaves a program as data: a saved segment is called from its stag
 (:func:`~rpcompile.core.program.saved_forward` / :func:`~rpcompile.core.program.saved_backward`) and random nodes
 are plain ops. :func:`bind` makes it runnable, in place and once (binding a bound program changes nothing):
 
-- each :class:`~rpcompile.core.program.SegmentSpec` becomes a :class:`~.saved.SavedSegment`, which captures and
+- each :class:`~rpcompile.core.program.SegmentSpec` becomes a :class:`~.segments.saved.SavedSegment`, which captures and
   runs the segment, and the stage graphs call its ``forward_call`` / ``backward_call``;
 - every random node is seeded from (iteration, node, microbatch) (:func:`~.rng.seed_random_nodes`), so a
   recomputation draws the forward's mask.
@@ -17,7 +17,7 @@ import torch.fx as fx
 from rpcompile.core.program import Program, saved_backward, saved_forward
 
 from .rng import seed_random_nodes
-from .saved import SavedSegment
+from .segments.saved import SavedSegment
 
 __all__ = ["bind"]
 

@@ -126,8 +126,8 @@ class Device:
         return self.handoffs.submit([t], priority=self._handoff_seq, ready=self._computed(), wrap=lambda h: h[0])
 
     def offload(self, value: Any, *, priority: Any) -> Any:
-        """A forward stage's saved activations (:class:`~.capture.HostSaved`) to host memory: now, or through the
-        offloader (a :class:`~.offload.Landing` the backward stage waits on)."""
+        """A forward stage's saved activations (:class:`~.segments.capture.HostSaved`) to host memory: now, or through
+        the offloader (a :class:`~.offload.Landing` the backward stage waits on)."""
         if self.offloader is None:
             return value.map(self.download)
         return self.offloader.submit(value.tensors, priority=priority, ready=self._computed(),

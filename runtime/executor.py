@@ -25,7 +25,7 @@ what the plan sends to host memory). What stays is held until the call ends (a b
 forward's input), so at most :attr:`Executor.resident_budget` bytes of it in a call; beyond that a hand-off goes
 home as it would on several devices.
 
-**Host embeddings** (:mod:`rpcompile.passes.host`): a host thread looks up every microbatch's rows in the fp32
+**Host embeddings** (:mod:`rpcompile.passes.rewrite.host`): a host thread looks up every microbatch's rows in the fp32
 master table, in order, cast to the compute precision; the stages that read them wait for them like for any
 value still on its way. Once every fused or backward stage that reads a microbatch's rows has finished it, the
 same thread adds the rows' gradients (summed over those stages, as for any value) into the table's ``.grad``.
@@ -40,8 +40,8 @@ Stage semantics (DESIGN.md §3):
 - the fused stage runs forward, loss and backward in one go;
 - backward stages recompute their forward from the saved boundary values with autograd on, then run backward with
   the gradients later stages left for their outputs, and leave gradients for their own inputs. Saved segments
-  (:mod:`.saved`) are not recomputed: the forward stage runs their fw graph and ships their saved tensors
-  (:class:`~.capture.HostSaved`); in the backward stage they are one autograd node that runs their bw graph.
+  (:mod:`.segments.saved`) are not recomputed: the forward stage runs their fw graph and ships their saved tensors
+  (:class:`~.segments.capture.HostSaved`); in the backward stage they are one autograd node that runs their bw graph.
 Buffers (BatchNorm statistics) are updated by the real forward only: recomputation runs on copies — of the values
 the forward stage found for that microbatch, where it changed them (a running mean the forward also reads
 recomputes as that microbatch saw it). Randomness (dropout) is replayed per node (:mod:`.rng`), so recomputation
@@ -74,15 +74,19 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
+from rpcompile.core.errors import one_line as _one_line
 from rpcompile.core.program import Program, StageProgram
 from rpcompile.core.schedule import Action
 
-from . import rng, saved, stage_call
+from . import rng, stage_call
 from .activity import span
 from .bind import bind
-from .capture import HostSaved
 from .devices import CpuDevice, Device
-from .failures import PipelineError, _Stopped, _first, _one_line, _without_frames
+from .failures import PipelineError
+# the QLoRA work is editing this module's body: the helpers keep their local names here for now
+from .failures import Stopped as _Stopped, first_failure as _first, without_frames as _without_frames
+from .segments import saved
+from .segments.capture import HostSaved
 from .stage_call import StageState, to_host, upload_tree
 from .stays import DeviceGrads, DeviceWeights
 from .values import TimelineEvent, ValueStore
@@ -661,6 +665,6 @@ def _next_weights(actions: Sequence[Action]) -> dict[int, int]:
 
 def _ambient(device: Device) -> Any:
     """The stage's device as the default device while it runs: fx-traced factory calls without ``device=`` and the
-    portable graphs' ``default_device()`` nodes (:mod:`rpcompile.passes.portable`) allocate there. The CPU is the
+    portable graphs' ``default_device()`` nodes (:mod:`rpcompile.passes.graph.portable`) allocate there. The CPU is the
     default already (and a device context costs a Python call per torch call)."""
     return torch.device(device.torch_device) if device.torch_device.type != "cpu" else contextlib.nullcontext()

@@ -1,8 +1,9 @@
-"""What a failed call raises: :class:`PipelineError`, and the helpers that make its one line and drop its frames.
+"""What a failed call raises: :class:`PipelineError`, and the helpers that stop a call and drop its frames (its one
+line: :func:`rpcompile.core.errors.one_line`).
 
 The executor (:mod:`.executor`, its module docstring's **Failures**) stops a call at the first exception on any of
 its threads and raises one :class:`PipelineError` naming the stage, device and microbatch, or the
-``KeyboardInterrupt`` of a Ctrl-C itself (:func:`_first`).
+``KeyboardInterrupt`` of a Ctrl-C itself (:func:`first_failure`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Sequence
 
 from rpcompile.core.errors import RPCompileError
 
-__all__ = ["PipelineError"]
+__all__ = ["PipelineError", "Stopped", "first_failure", "without_frames"]
 
 
 class PipelineError(RPCompileError, RuntimeError):
@@ -28,22 +29,16 @@ class PipelineError(RPCompileError, RuntimeError):
     """The microbatch it was computing; None for a weight upload or a gradient download."""
 
 
-class _Stopped(Exception):
+class Stopped(Exception):
     """The host thread stopped early: another thread of the call failed first."""
 
 
-def _first(failed: Sequence[BaseException]) -> BaseException:
+def first_failure(failed: Sequence[BaseException]) -> BaseException:
     """What the caller sees: a Ctrl-C itself, else the first failure (later ones are its consequences)."""
     return next((e for e in failed if isinstance(e, KeyboardInterrupt)), failed[0])
 
 
-def _one_line(e: BaseException) -> str:
-    """``Type: first line of the message`` (torch's messages run to several lines; all of it is on ``.details``)."""
-    text = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
-
-
-def _without_frames(e: BaseException) -> BaseException:
+def without_frames(e: BaseException) -> BaseException:
     """``e`` and the exceptions chained to it without their tracebacks: their frames hold the stage's inputs and
     activations (device memory an out-of-memory retry needs back); the text is on ``.details``."""
     seen: set[int] = set()

@@ -7,8 +7,8 @@ chain in reverse, so the latest stage's saves, then microbatches in order (the p
 What has not gone down yet stays in device memory, so the backlog is bounded: a submission that would take it
 past ``budget_bytes`` waits until enough has gone down, and the device starts its next stage only once the
 backlog is within the budget again (:meth:`Offloader.wait_within_budget`): the planner gives the memory the
-device's stages leave free, :func:`rpcompile.passes.timing.offload_backlog`, which models the same policy; so does
-the simulator.
+device's stages leave free, :func:`rpcompile.passes.solver.timing.offload_backlog`, which models the same policy; so
+does the simulator.
 
 A :class:`Landing` stands for the host copy until it exists; the backward stage's worker calls ``wait()``
 before it uploads the tensors.
@@ -116,7 +116,7 @@ class Offloader:
     def wait_within_budget(self) -> None:
         """Block until the backlog is back within the budget: a device starting its next stage. Only the stage that
         saved them may hold more (the planner counts its previous microbatch's saves beside it, double buffering);
-        the next stage's memory leaves only the budget for them (:func:`rpcompile.passes.timing.offload_backlog`:
+        the next stage's memory leaves only the budget for them (:func:`rpcompile.passes.solver.timing.offload_backlog`:
         a forward stage whose saves do not fit takes as long as its link needs to bring the backlog back)."""
         with self._cv:
             while self.pending_bytes > self.budget_bytes and self._error is None and not self._closed:

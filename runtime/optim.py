@@ -256,13 +256,13 @@ class AdamW(torch.optim.Optimizer):
                                   f"it needs dense CPU float32 gradients")
             state = self.state[p]
             if not state:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["step"] = torch.tensor(0.0, dtype=torch.float32, device="cpu")
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 if amsgrad:
                     state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             elif not isinstance(state["step"], torch.Tensor):  # an old state dict's plain number
-                state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
+                state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32, device="cpu")
             if amsgrad and "max_exp_avg_sq" not in state:  # amsgrad switched on after the first step
                 state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             params.append(p)

@@ -7,8 +7,8 @@ the fp32 gradients land:
 
 - **Buckets.** The trainable parameters are grouped into buckets of about ``bucket_bytes`` in the order their
   gradients complete: by the last grad stage (in the schedule's ``FB, B1, B2, …`` order) that computes them; a
-  token-embedding table the host looks rows up in (:mod:`rpcompile.passes.host`) completes when the host thread has
-  added the last microbatch's rows. Frozen parameters are in no bucket; a tied parameter is one ``Parameter`` and
+  token-embedding table the host looks rows up in (:mod:`rpcompile.passes.rewrite.host`) completes when the host thread
+  has added the last microbatch's rows. Frozen parameters are in no bucket; a tied parameter is one ``Parameter`` and
   sits in one bucket, reduced once.
 - **Events.** The gradient sink calls :meth:`landed` with a stage's index once that stage's gradients are all added
   (:class:`~.weights.GradSink`'s ``listener``); the executor's host thread calls it with ``"host"`` once the
@@ -147,12 +147,12 @@ class GradReducer:
     @property
     def bytes_per_call(self) -> int:
         """Bytes each rank contributes to the reduction per call (all buckets)."""
-        return sum(b.numel * torch.empty((), dtype=b.dtype).element_size() for b in self.buckets)
+        return sum(b.numel * torch.empty((), dtype=b.dtype, device="cpu").element_size() for b in self.buckets)
 
     def _launch(self, b: Bucket) -> None:
         parts = []
         for name in b.names:
             g = self.held(name)
-            parts.append(g.reshape(-1) if g is not None else torch.zeros(self.params[name].numel(), dtype=b.dtype))
+            parts.append(g.reshape(-1) if g is not None else torch.zeros(self.params[name].numel(), dtype=b.dtype, device="cpu"))
         b.flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
         b.work = dist.all_reduce(b.flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)

@@ -12,7 +12,9 @@ caches that live as long as it does) comes as arguments.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,16 +25,16 @@ from torch.utils import _pytree as pytree
 from rpcompile.core.program import StageProgram
 
 from .activity import span
-from .capture import HostSaved
 from .devices import Device
 from .offload import Landing
+from .segments.capture import HostSaved
 from .stays import DeviceGrads, DeviceWeights
 from .values import ValueStore
 from .weights import GradSink, WeightStore
 
 __all__ = [
     "StageState", "upload", "writeback_buffers", "download_grads", "inputs", "call", "buffer_copies",
-    "keep_buffers_before", "buffers_before", "output_grads", "to_host", "upload_tree",
+    "keep_buffers_before", "buffers_before", "output_grads", "to_host", "upload_tree", "derive",
 ]
 
 #: Store key of a buffer's value before a forward stage changed it (per microbatch; the backward stage recomputes
@@ -55,6 +57,9 @@ class StageState:
     """What the device's compute waits for before it uses them (:meth:`~.devices.Device.wait_weights`)."""
     uploaded: tuple[float, float] = (0.0, 0.0)
     """When the upload started and ended (seconds since the call started; the timeline's ``W`` event)."""
+    derived: list[torch.Tensor] | None = None
+    """The stage's derived weights (its prologue's results: a 4-bit base dequantized), made at its first call and
+    held until the stage ends, when this state is dropped."""
 
 
 # ------------------------------------------------------------------------------------------ weights
@@ -146,7 +151,50 @@ def call(prog: StageProgram, state: StageState, inputs: list[Any], slot_cache: S
 
     The copies are put straight into the module's parameter and buffer slots for the call and the originals
     put back after it — what ``torch.func.functional_call`` does, without its generic attribute walk, which
-    cost ~0.2 ms per call (a quarter of a CPU stage's hand-off)."""
+    cost ~0.2 ms per call (a quarter of a CPU stage's hand-off). The stage's derived weights (:func:`derive`) are
+    put in their attributes the same way."""
+    if prog.derived:
+        with _derived_in(prog, derive(prog, state)):
+            return _call(prog, state, inputs, slot_cache, copy_buffers=copy_buffers, before=before)
+    return _call(prog, state, inputs, slot_cache, copy_buffers=copy_buffers, before=before)
+
+
+def derive(prog: StageProgram, state: StageState) -> list[torch.Tensor]:
+    """The stage's derived weights on its device: its prologue (:mod:`rpcompile.passes.rewrite.dequantize`) run
+    with the device's copies of the weights at the stage's first call — on the device's compute stream, after the
+    upload it waited for — without autograd (the base is frozen: nothing differentiates them), and kept in
+    ``state`` for its other microbatches."""
+    if state.derived is None:
+        assert prog.prologue is not None  # a program with derived weights has the prologue that makes them
+        mine = {a for a, _ in prog.prologue.named_parameters(remove_duplicate=False)}
+        mine |= {a for a, _ in prog.prologue.named_buffers(remove_duplicate=False)}
+        tensors = {a: state.params[n] for a, n in prog.params.items() if a in mine}
+        tensors.update({a: state.buffers[n] for a, n in prog.buffers.items() if a in mine})
+        with torch.no_grad(), span("dequantize", prog.name):
+            out = torch.func.functional_call(prog.prologue, tensors, (), strict=False, tie_weights=False)
+        state.derived = list(out)
+    return state.derived
+
+
+@contextlib.contextmanager
+def _derived_in(prog: StageProgram, values: list[torch.Tensor]) -> Iterator[None]:
+    """``values`` in the stage module's derived-weight attributes while inside (plain attributes: the stage's
+    modules are its own, and one device runs it at a time)."""
+    owners = []
+    for attr, v in zip(prog.derived, values):
+        path, _, key = attr.rpartition(".")
+        owner = prog.gm.get_submodule(path) if path else prog.gm
+        owners.append((owner, key, owner.__dict__[key]))
+        owner.__dict__[key] = v
+    try:
+        yield
+    finally:
+        for owner, key, old in reversed(owners):
+            owner.__dict__[key] = old
+
+
+def _call(prog: StageProgram, state: StageState, inputs: list[Any], slot_cache: SlotCache, *, copy_buffers: bool,
+          before: dict[str, torch.Tensor] | None = None) -> Any:
     slots = _slots(prog, slot_cache)
     if slots is None:  # an attribute outside _parameters/_buffers: the generic path
         tensors = {attr: state.params[name] for attr, name in prog.params.items()}

@@ -5,7 +5,7 @@ Normally a stage's device copies of its weights go with the stage, and the next 
 uploads it again. A plan may instead keep some of a forward stage's weights on its device for the backward stage
 there that differentiates them (``keeps``; that stage ``finds`` them), or keep every weight on its device across
 iterations (``resident``). Which stage finds and keeps what is :func:`rpcompile.core.schedule.weight_stays`'s
-walk over the stages' parameters, the same walk the planner priced (:mod:`rpcompile.passes.stays`).
+walk over the stages' parameters, the same walk the planner priced (:mod:`rpcompile.passes.solver.stays`).
 
 :class:`DeviceWeights` holds the copies that stay, per device, each with the version of the host copy it was made
 from (:meth:`~.weights.WeightStore.version`). A stage takes the copies it finds (:meth:`DeviceWeights.take`) and

@@ -127,7 +127,7 @@ class WeightStore:
     """The tensors devices upload parameters from (module docstring).
 
     ``uploaded``: names of the parameters stages upload; ``host_only``: parameters read on the host only (token
-    embedding tables, :mod:`rpcompile.passes.host`), which need a copy only while overlapping."""
+    embedding tables, :mod:`rpcompile.passes.rewrite.host`), which need a copy only while overlapping."""
 
     def __init__(self, params: dict[str, torch.nn.Parameter], dtype: torch.dtype | None, *, pin: bool,
                  uploaded: Iterable[str], host_only: Iterable[str] = (), frozen_masters: bool = False,
@@ -267,7 +267,7 @@ class WeightStore:
             elif e.made_from != _stamp(e.master):
                 self._make(e, e.front)
             if e.back is None:
-                e.back = torch.empty(e.front.shape, dtype=e.front.dtype, pin_memory=self.pin)
+                e.back = torch.empty(e.front.shape, dtype=e.front.dtype, device="cpu", pin_memory=self.pin)
             e.written = False
         self.overlapping = True
         if hasattr(optimizer, "mirror"):
@@ -385,7 +385,8 @@ def _pin_together(masters: list[torch.Tensor]) -> None:
         free[k] -= _aligned(m)
     with torch.no_grad():
         for group, room in zip(bins, free):
-            arena = torch.empty(chunk - room if len(bins) == 1 else chunk, dtype=torch.uint8, pin_memory=True)
+            arena = torch.empty(chunk - room if len(bins) == 1 else chunk, dtype=torch.uint8, device="cpu",
+                                pin_memory=True)
             offset = 0
             for m in group:
                 view = arena[offset:offset + m.numel() * m.element_size()].view(m.dtype).view(m.shape)
@@ -606,7 +607,7 @@ class GradSink:
         flat, src = into.view(-1), g.reshape(-1)
         n = flat.numel()
         if self._scratch is None or self._scratch.dtype != into.dtype or self._scratch.numel() < min(n, ADD_PIECE):
-            self._scratch = torch.empty(min(n, ADD_PIECE), dtype=into.dtype)
+            self._scratch = torch.empty(min(n, ADD_PIECE), dtype=into.dtype, device="cpu")
         scratch = self._scratch
         for i in range(0, n, ADD_PIECE):
             piece = scratch[:min(ADD_PIECE, n - i)]

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import rpcompile
 from rpcompile.core.specs import get_spec
-from rpcompile.models import load_model
+from rpcompile.models.registry import load_model
 from rpcompile.runtime import reduce
 from rpcompile.training.distributed import shard
 

@@ -1,7 +1,7 @@
 """Suite-wide:
 
-- the profile cache (rpcompile.passes.profile_cache) lives in a fresh temporary directory per test, so no test reads
-  another's measured costs and the suite never writes into the real ``~/.cache/rpcompile`` (subprocesses inherit
+- the profile cache (rpcompile.passes.cost.profile_cache) lives in a fresh temporary directory per test, so no test
+  reads another's measured costs and the suite never writes into the real ``~/.cache/rpcompile`` (subprocesses inherit
   the variable);
 - under pytest-xdist (``make test``: one worker a core) each worker gets its share of the cores as torch intra-op
   threads, its subprocesses too (``OMP_NUM_THREADS``, unless the environment sets it): two workers of two threads

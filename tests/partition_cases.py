@@ -8,7 +8,7 @@ backward ≈ 2× forward, recompute = forward, PCIe 4.0 (25 GB/s), 24 GB per dev
 
 from __future__ import annotations
 
-from rpcompile.passes.problem import PartitionProblem, SharedParam
+from rpcompile.passes.solver.problem import PartitionProblem, SharedParam
 
 __all__ = ["llama_like", "qwen32b_like", "tiny_chain"]
 

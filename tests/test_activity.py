@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 import rpcompile
-from rpcompile.models import load_model
+from rpcompile.models.registry import load_model
 from rpcompile.runtime import activity
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))

@@ -1,4 +1,4 @@
-"""Tests for :mod:`rpcompile.passes.analytic`: exact FLOPs, bytes and roofline times of known ops."""
+"""Tests for :mod:`rpcompile.passes.cost.analytic`: exact FLOPs, bytes and roofline times of known ops."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from rpcompile.passes.analytic import OP_FLOPS_PER_ELEMENT, AnalyticCostModel, OpRecord, op_class
-from rpcompile.passes.cost import COST_KEY, NodeCall, NodeCost, cost_pass
 from rpcompile.core.specs import get_spec
+from rpcompile.passes.cost.analytic import OP_FLOPS_PER_ELEMENT, AnalyticCostModel, OpRecord, op_class
+from rpcompile.passes.cost.cost import cost_pass
+from rpcompile.passes.cost.cost_model import COST_KEY, NodeCall, NodeCost
 
 aten = torch.ops.aten
 SPEC = get_spec("rtx4090")

@@ -157,7 +157,7 @@ def test_a_solve_goes_to_a_child_only_where_it_pays(monkeypatch):
     monkeypatch.setattr(background, "fork_cost_s", lambda: 2.0)  # a process holding a large model in CPU memory
     assert not solve_apart(big, time_limit_s=5.0)
     monkeypatch.setattr(background, "fork_cost_s", lambda: 0.1)
-    solve_cache.solve(big, "ilp", time_limit_s=0.5)
+    solve_cache.cached_solve(big, "ilp", time_limit_s=0.5)
     assert not solve_apart(big, time_limit_s=0.5)  # cached: the caller looks it up
     assert solve_apart(big, time_limit_s=0.5, cache=False) == FORKS
 

@@ -434,7 +434,7 @@ COMPILE_ROWS: list[Row] = [
      r"train; load its weights first \(model\.to_empty\(device='cpu'\) then load_state_dict\(\.\.\.\), or "
      r"from_pretrained without a meta device_map\) — rpcompile\.plan plans a model on the meta device$"),
     ("host memory runs out while compiling", _c(devices=["cpu"], model=Huge(), head_chunks=1, spec=None),
-     HostMemoryError, r"^compile ran out of host memory: an allocation of [\d.]+ \w+ failed in passes/\w+\.py "
+     HostMemoryError, r"^compile ran out of host memory: an allocation of [\d.]+ \w+ failed in passes/(\w+/)?\w+\.py "
                       r"\(\w+\)(; [\d.]+ \w+ available)?; free host memory, or give compile less to do: an example "
                       r"batch no larger than one step's \(it is run once, node by node, to measure costs\), or "
                       r"spec='rtx4090' \(any GPU spec\) for analytic costs that run nothing$"),

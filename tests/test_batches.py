@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import rpcompile
-from rpcompile.training.pipeline import IGNORE_INDEX, loss_weights, shifted_tokens
+from rpcompile.training.loss_weighting import IGNORE_INDEX, loss_weights, shifted_tokens
 
 from _hf import VOCAB, hf_model, token_loss
 from test_runtime import FINE_CPU, TOL, assert_grads_equal, assert_step_matches_eager
@@ -225,7 +225,7 @@ def test_one_hf_pipeline_trains_every_batch_size_and_length_like_eager():
 
 @pytest.mark.parametrize("name", ["llama-demo", pytest.param("gpt-demo", marks=pytest.mark.slow)])
 def test_the_built_in_decoders_train_every_batch_size_and_length_like_eager(name):
-    from rpcompile.models import load_model
+    from rpcompile.models.registry import load_model
 
     spec = load_model(name, batch_size=6, seq_len=16)
     ref = copy.deepcopy(spec.model)
@@ -341,3 +341,21 @@ def test_a_soft_prompt_gets_eager_s_gradient_through_the_input_it_makes():
     (F.mse_loss(ref(torch.cat([ref_prompt.expand(6, -1), x[:, 4:]], 1)), y) * 0.5).backward()
     torch.testing.assert_close(prompt.grad, ref_prompt.grad, **TOL)
     assert_grads_equal(model, ref)
+
+
+@pytest.mark.hf
+def test_loss_fn_may_be_left_out_for_a_model_with_its_own_loss():
+    """An HF model computes its loss from labels: ``compile`` needs no ``loss_fn`` for it; a model whose output is
+    not a loss gets one line at its first call naming ``loss_fn=``."""
+    model = hf_model("llama")
+    ids, mask, labels = _padded(seed=2)
+    pipe = rpcompile.compile(model, (), example_kwargs={"input_ids": ids, "attention_mask": mask, "labels": labels},
+                             devices=["cpu"], spec=FINE_CPU, time_limit_s=2.0)
+    assert pipe.loss_fn is None and torch.isfinite(pipe.forward_backward(input_ids=ids, attention_mask=mask,
+                                                                         labels=labels))
+    mlp = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    plain = rpcompile.compile(mlp, (torch.randn(2, 4),), devices=["cpu"], spec=FINE_CPU, time_limit_s=1.0)
+    with pytest.raises(rpcompile.RPCompileError, match=r"^without a loss_fn the model's output is the loss, but it "
+                       r"is \(2, 4\), not a scalar: compile with loss_fn= \(e\.g\. torch\.nn\.functional\."
+                       r"cross_entropy\), or have the model return its loss reduced over the batch$"):
+        plain.forward_backward(torch.randn(2, 4))

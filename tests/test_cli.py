@@ -19,9 +19,8 @@ import rpcompile.cli.plan_cmd
 from rpcompile import __version__
 from rpcompile.cli import main
 from rpcompile.cli.common import step
+from rpcompile.core.units import fmt_ms, fmt_params
 from rpcompile.tools.demo import CPU_NOTE, run_demo
-from rpcompile.core.units import fmt_params
-from rpcompile.views.report import fmt_ms
 
 PROFILE_FIELDS = {"params", "param_bytes", "fwd_flops", "fwd_time_s", "bwd_time_s", "activation_bytes"}
 
@@ -233,7 +232,7 @@ def test_profile_nodes_json(capsys):
 
 
 def test_profile_llama8b_analytic_on_meta(capsys):
-    code, out, _ = run(capsys, "profile", "llama-8b", "--spec", "rtx4090", "--dtype", "bf16", "--json")
+    code, out, _ = run(capsys, "profile", "llama-8b", "--spec", "rtx4090", "--precision", "bf16", "--json")
     assert code == 0
     total = json.loads(out)["total"]
     assert abs(total["params"] - 8.03e9) / 8.03e9 < 0.01
@@ -305,3 +304,23 @@ def test_the_demo_trains_the_plan_it_prints():
                      r"costs\); measured: [\d,.]+ ms \(median of steps 1–1\), [\d.e+]+× the prediction\.",
                      " ".join(out.split()))
     assert " ".join(CPU_NOTE.split()) in " ".join(out.split())
+
+
+def test_every_command_explains_itself_with_examples_that_parse(capsys):
+    """``rpcompile COMMAND --help`` has a description and examples, and every example parses as written; no
+    option has two names for one thing (``--dtype`` was ``profile``'s ``--precision``)."""
+    import shlex
+
+    from rpcompile.cli.parser import EXAMPLES, build_parser
+
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    assert set(commands) == set(EXAMPLES)
+    for name, sub in commands.items():
+        text = sub.format_help()
+        assert sub.description and "examples:" in text, name
+        for line in EXAMPLES[name]:
+            assert line in text
+            parser.parse_args(shlex.split(line)[1:])
+        options = [o for a in sub._actions for o in a.option_strings]
+        assert "--dtype" not in options and len(options) == len(set(options)), name

@@ -11,12 +11,13 @@ import torch.nn as nn
 
 from rpcompile.cli import main
 from rpcompile.core.errors import ConfigError
-from rpcompile.models import load_model
-from rpcompile.passes.coarsen import SEGMENT_KEY, coarsen_pass, live_bytes, segments_of
-from rpcompile.passes.cost import DTYPE_KEY, node_cost
-from rpcompile.passes.shape import shape_pass
-from rpcompile.passes.util import compute_nodes
-from rpcompile.planner.planning import analyze, make_cost_model
+from rpcompile.models.registry import load_model
+from rpcompile.passes.cost.cost_model import DTYPE_KEY, node_cost
+from rpcompile.passes.graph.shape import shape_pass
+from rpcompile.passes.graph.util import compute_nodes
+from rpcompile.passes.rewrite.coarsen import SEGMENT_KEY, coarsen_pass, live_bytes, segments_of
+from rpcompile.planner.plan_options import make_cost_model
+from rpcompile.planner.planning import analyze
 
 
 class Skip(nn.Module):

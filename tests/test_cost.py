@@ -10,10 +10,12 @@ import torch.fx as fx
 import torch.nn as nn
 
 from _hf import hf_model
-from rpcompile.passes.analytic import AnalyticCostModel
-from rpcompile.passes.cost import COST_KEY, NodeCall, NodeCost, _calibrate, _CostInterpreter, cost_pass, node_cost
-from rpcompile.passes.measured import MeasuredCostModel
-from rpcompile.passes.trace import trace
+from rpcompile.passes.cost.analytic import AnalyticCostModel
+from rpcompile.passes.cost.cost import _calibrate, cost_pass
+from rpcompile.passes.cost.cost_interp import CostInterpreter
+from rpcompile.passes.cost.cost_model import COST_KEY, NodeCall, NodeCost, node_cost
+from rpcompile.passes.cost.measured import MeasuredCostModel
+from rpcompile.passes.graph.trace import trace
 
 
 class Net(nn.Module):
@@ -219,7 +221,7 @@ def test_measuring_on_another_device_computes_the_values_there(monkeypatch, dtyp
     ran, call_module = [], fx.Interpreter.call_module
 
     def spy(self, target, *args):
-        if isinstance(self, _CostInterpreter):  # the driver (not the warm-up run of the whole graph)
+        if isinstance(self, CostInterpreter):  # the driver (not the warm-up run of the whole graph)
             ran.append(target)
         return call_module(self, target, *args)
 

@@ -16,13 +16,13 @@ import pytest
 import torch
 
 import rpcompile
-from rpcompile.planner import planning
 from rpcompile.core.errors import ConfigError
-from rpcompile.passes.segment_rules import validate_segment_plan
-from rpcompile.passes.stay_search import choose_sums, without_stays
-from rpcompile.passes.timing import iteration_time, no_sync_time, stage_costs
+from rpcompile.passes.solver.segment_rules import validate_segment_plan
+from rpcompile.passes.solver.stay_search import choose_sums, without_stays
+from rpcompile.passes.solver.timing import iteration_time, no_sync_time, stage_costs
+from rpcompile.planner import planning
 from rpcompile.runtime import stage_call
-from rpcompile.runtime.executor import PipelineError
+from rpcompile.runtime.failures import PipelineError
 
 from _devices import StridedDevice
 from _hf import VOCAB, hf_model, token_loss

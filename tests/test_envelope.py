@@ -15,7 +15,7 @@ import rpcompile
 from rpcompile.cli import main
 from rpcompile.core.plan import Plan
 from rpcompile.core.specs import get_spec
-from rpcompile.models import load_model
+from rpcompile.models.registry import load_model
 from rpcompile.planner.envelope import LinkBoundWarning, link_bound, microbatch_tokens
 
 

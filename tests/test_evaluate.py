@@ -12,9 +12,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import rpcompile
-from rpcompile.models import load_model
-from rpcompile.runtime.executor import PipelineError
-from rpcompile.training.pipeline import shifted_tokens
+from rpcompile.models.registry import load_model
+from rpcompile.runtime.failures import PipelineError
+from rpcompile.training.loss_weighting import shifted_tokens
 
 from _hf import hf_model
 from test_batches import _causal_loss, _padded

@@ -1,14 +1,16 @@
-"""``passes/export_inputs.py``: a ``forward(*args, **kwargs)`` exports with symbolic sizes and every input named."""
+"""``passes/graph/export_inputs.py``: a ``forward(*args, **kwargs)`` exports with symbolic sizes and every input
+named."""
 
 from __future__ import annotations
 
 import inspect
 
+import pytest
 import torch
 from torch import nn
 
-from rpcompile.passes.export_inputs import dynamic_shapes, explicit_signature
-from rpcompile.passes.trace import TRACE_META_KEY, trace
+from rpcompile.passes.graph.export_inputs import dynamic_shapes, explicit_signature
+from rpcompile.passes.graph.trace import TRACE_META_KEY, trace
 
 
 class Inner(nn.Module):
@@ -66,3 +68,19 @@ def test_a_var_args_forward_exports_with_symbolic_sizes_and_the_model_s_own_para
     for b, t in [(3, 6), (5, 4), (2, 9)]:
         x, m = torch.randint(0, 16, (b, t)), torch.rand(b, t)
         torch.testing.assert_close(gm(x, mask=m, scale=2.0), model(x, mask=m, scale=2.0))
+
+
+@pytest.mark.hf
+def test_an_exported_hf_model_is_called_like_the_model():
+    """``rpcompile.trace`` of an HF model exports it with ``use_cache=False`` (a placeholder of the graph, specialised):
+    the module it returns takes the model's own call — ``gm(ids)`` — and gives its output, logits equal."""
+    from _hf import VOCAB, hf_model
+
+    import rpcompile
+
+    model = hf_model("llama")
+    ids = torch.randint(0, VOCAB, (2, 8))
+    gm = rpcompile.trace(model, (ids,))
+    out, ref = gm(ids), model(ids, use_cache=False)
+    assert type(out) is type(ref) and torch.equal(out.logits, ref.logits)
+    assert torch.equal(gm(input_ids=ids).logits, ref.logits) and torch.equal(gm(ids, False).logits, ref.logits)

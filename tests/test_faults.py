@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 import rpcompile
 from rpcompile.runtime import rng
-from rpcompile.runtime.executor import PipelineError
+from rpcompile.runtime.failures import PipelineError
 from rpcompile.training.oom import StageOutOfMemoryError
 from test_runtime import FINE_CPU, TOL
 
@@ -87,10 +87,11 @@ def _pipeline(devices: Any = None, memory: int = 12 * 2**30) -> tuple[Any, nn.Mo
     """Net on 4 logical CPU devices, by a hand-made plan of 8 stages (F0-F3, FB, B1-B3: the backward cuts differ
     from the forward ones) in which every other layer is saved — and, calling a leaf, recomputed. Each stage is
     planned at ``memory`` bytes under a 20 GiB limit (the out-of-memory advice reads them)."""
-    from rpcompile.passes.coarsen import coarsen_pass, segments_of
+    from rpcompile.passes.graph.util import compute_nodes
     from rpcompile.passes.lower import plan_from_ranges
-    from rpcompile.passes.util import compute_nodes
-    from rpcompile.planner.planning import make_hardware, prepare
+    from rpcompile.passes.rewrite.coarsen import coarsen_pass, segments_of
+    from rpcompile.planner.planning import prepare
+    from rpcompile.planner.plan_options import make_hardware
     from rpcompile.runtime.devices import make_devices
     from rpcompile.training.pipeline import Pipeline
 
@@ -402,8 +403,8 @@ def test_leaf_functions_and_modules_run_every_step_in_every_plan(allow_save: boo
 
 def test_opaque_calls_name_leaves_only() -> None:
     """torch's functions and modules are pure; a wrapped Python function and a user's leaf module are not."""
-    from rpcompile.passes.trace import trace
-    from rpcompile.runtime.saved import opaque_calls
+    from rpcompile.passes.graph.trace import trace
+    from rpcompile.runtime.segments.saved import opaque_calls
 
     gm = trace(Tapped(n=2), (torch.randn(2, 16),), leaf_modules=[Tap])
     assert opaque_calls(gm) == ["tap", "taps_0", "tap_1", "taps_1"]

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import rpcompile
-from rpcompile.models import load_model
+from rpcompile.models.registry import load_model
 from rpcompile.runtime.devices import host_buffer
 from rpcompile.training.pipeline import Pipeline
 
@@ -30,7 +30,7 @@ from _devices import CopyingDevice, MetaDevice, StridedDevice
 from _hf import VOCAB, hf_model, token_loss
 from test_runtime import FINE_CPU, TOL, _saving_pipeline, assert_grads_equal, assert_step_matches_eager, eager_step
 
-RUNTIME = Path(rpcompile.__file__).resolve().parent / "runtime"
+RUNTIME = Path(rpcompile.runtime.__file__).resolve().parent  # installed as rpcompile.runtime (package-dir)
 _FACTORIES = {"empty", "empty_strided", "zeros", "ones", "full", "arange", "rand", "randn", "randint", "tensor",
               "eye", "linspace"}
 
@@ -39,7 +39,8 @@ def test_every_runtime_allocation_names_its_device():
     """Failure 1: ``torch.empty(..., pin_memory=True)`` without ``device=`` inside the worker's
     ``torch.device(cuda)`` context asked for a pinned buffer on the GPU."""
     offenders = []
-    for path in sorted(RUNTIME.glob("*.py")):
+    assert len(list(RUNTIME.rglob("*.py"))) > 10  # the runtime's files (this test once looked in a folder that is not there)
+    for path in sorted(RUNTIME.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _FACTORIES
                     and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch"

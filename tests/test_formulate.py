@@ -8,10 +8,11 @@ import dataclasses
 import pytest
 
 from rpcompile.core.specs import GPU_BACKWARD_DISPATCH_S, GPU_DISPATCH_S, GPU_STAGE_OVERHEAD_S, get_spec
-from rpcompile.models import load_model
-from rpcompile.passes.coarsen import segments_of
-from rpcompile.passes.formulate import launch_bound
-from rpcompile.planner.planning import make_hardware, partition_problem, prepare
+from rpcompile.models.registry import load_model
+from rpcompile.passes.formulate import launch_bound, partition_problem
+from rpcompile.passes.rewrite.coarsen import segments_of
+from rpcompile.planner.plan_options import make_hardware
+from rpcompile.planner.planning import prepare
 
 
 def test_a_segment_takes_the_longer_of_its_kernels_and_its_dispatch():

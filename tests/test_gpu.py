@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import rpcompile
-from rpcompile.models import load_model
+from rpcompile.models.registry import load_model
 
 from _hf import VOCAB, hf_model, token_loss
 from test_foreign_devices import check_bert

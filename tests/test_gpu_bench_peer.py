@@ -16,8 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import gpu  # noqa: E402  (benchmarks/ is scripts, not a package)
 import roundpipe_peer  # noqa: E402
 
-from rpcompile.models import load_model  # noqa: E402
 from rpcompile.models.llama import Llama, LlamaConfig  # noqa: E402
+from rpcompile.models.registry import load_model  # noqa: E402
 
 
 def _fake_mask(config, inputs_embeds, attention_mask, cache=None, position_ids=None):

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import rpcompile
-from rpcompile.passes.precision import TRACE_DTYPE_KEY
-from rpcompile.passes.trace import trace
-from rpcompile.training.pipeline import shifted_tokens
+from rpcompile.passes.graph.precision import TRACE_DTYPE_KEY
+from rpcompile.passes.graph.trace import trace
+from rpcompile.training.loss_weighting import shifted_tokens
 
 from _hf import VOCAB, hf_model, token_loss
 from test_batches import _causal_loss, _padded
@@ -131,7 +131,21 @@ def test_an_hf_plan_compiled_in_another_precision_is_refused_in_one_line():
     ids = torch.randint(0, VOCAB, (6, 8))
     plan = rpcompile.compile(model, (ids,), loss_fn=token_loss, devices=["cpu", "cpu"], spec=FINE_CPU,
                              precision="bf16", time_limit_s=1.0).plan
-    with pytest.raises(rpcompile.RPCompileError, match=r"^plan was made for precision='bf16' but this run is in "
-                       r"'fp32', and LlamaForCausalLM's exported graph records its dtype casts for one precision: "
-                       r"compile with precision='bf16' or re-plan$"):
+    with pytest.raises(rpcompile.RPCompileError, match=r"^precision='fp32' but the plan was made for 'bf16' \(its "
+                       r"memory and times assume it\): compile with precision='bf16' or none, or re-plan for "
+                       r"'fp32'$"):
         rpcompile.compile(model, (ids,), loss_fn=token_loss, devices=["cpu", "cpu"], precision="fp32", plan=plan)
+
+
+def test_a_plan_runs_in_its_own_precision_on_every_path():
+    """``compile(..., plan=p)`` without ``precision`` runs in the plan's (an fx-traced model ran a bf16 plan in fp32
+    before, needing twice the memory the plan budgeted); one that says another is refused (above)."""
+    ids = torch.randint(0, VOCAB, (6, 8))
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    x = torch.randn(6, 8)
+    for model, inputs, loss in ((hf_model("llama"), (ids,), token_loss),
+                                (mlp, (x,), torch.nn.functional.cross_entropy)):
+        plan = rpcompile.plan(model, inputs, gpus=2, spec=FINE_CPU, precision="bf16", loss_fn=loss,
+                              time_limit_s=1.0)
+        pipe = rpcompile.compile(model, inputs, loss_fn=loss, devices=["cpu", "cpu"], plan=plan)
+        assert pipe.precision == "bf16" and pipe.executor.dtype == torch.bfloat16

@@ -7,10 +7,12 @@ schedule; evaluates like it; and resumes from its own checkpoint bit for bit, dr
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
+import rpcompile
 from _hf import VOCAB, hf_model
 from test_runtime import FINE_CPU
 
@@ -96,7 +98,7 @@ def test_resume_from_a_trainer_checkpoint_is_bit_for_bit(tmp_path):
     hf.Trainer(model=first, args=arguments(tmp_path / "cut", max_steps=4, save_strategy="steps", save_steps=2),
                train_dataset=data, data_collator=collate, pipeline=OPTIONS).train()
     checkpoint = tmp_path / "cut" / "checkpoint-2"
-    assert (checkpoint / hf.PLAN_FILE).exists() and (checkpoint / hf.STATE_FILE).exists()
+    assert (checkpoint / hf.TRAINER_PLAN_FILE).exists() and (checkpoint / hf.TRAINER_STATE_FILE).exists()
     resumed = model()
     trainer = hf.Trainer(model=resumed, args=arguments(tmp_path / "cut", max_steps=4), train_dataset=data,
                          data_collator=collate, pipeline=OPTIONS)
@@ -168,3 +170,60 @@ def test_trl_sft_trainer_trains_like_stock_sft_trainer(tmp_path):
         assert logged(ours, key) == pytest.approx(logged(stock, key), rel=1e-4), key
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_each_training_log_carries_the_pipeline_s_measurements(tmp_path):
+    """Every training log (what TensorBoard or W&B receive) has the calls' tokens/s and bubble since the last log,
+    measured from the pipeline's own record of each call."""
+    model = hf_model("llama")
+    seen = []
+    trainer = hf.Trainer(model=model, args=arguments(tmp_path, max_steps=2), train_dataset=dataset(),
+                         data_collator=collate, pipeline=OPTIONS)
+    trainer.train()
+    trainer.pipe.on_step = seen.append
+    batch = collate(dataset(4, seed=3))
+    trainer.pipe.forward_backward(**batch)
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2
+    for h in logs:
+        assert h["pipeline/tokens_per_second"] > 0 and 0 <= h["pipeline/bubble"] < 1
+    (record,) = seen
+    assert record.tokens == int(batch["attention_mask"].sum()) and record.wall_s > 0
+    assert set(record.stage_s) == {s.name for s in trainer.pipe.plan.stages}
+
+
+def test_overlapped_steps_are_the_pipeline_s_one_step_stale_steps(tmp_path):
+    """``PipelineOptions(overlap=True)``: the Trainer's optimizer and scheduler steps run as ``pipe.step(...,
+    overlap=True)`` — the same weights, bit for bit, as a hand-written loop of ``forward_backward`` (with the
+    Trainer's batches and ``num_items_in_batch``), clipping and ``pipe.step(opt, overlap=True, scheduler=...)``;
+    and not those of synchronous steps (one step stale)."""
+    model = hf_model("llama")
+    initial = copy.deepcopy(model.state_dict())
+    batches = []
+
+    def recording(rows):
+        batches.append(collate(rows))
+        return batches[-1]
+
+    overlapped = dataclasses.replace(OPTIONS, overlap=True)
+    trainer = hf.Trainer(model=model, args=arguments(tmp_path), train_dataset=dataset(), data_collator=recording,
+                         pipeline=overlapped)
+    trainer.train()
+    assert len(batches) == 6 and logged(trainer, "learning_rate")[:2] == [0.0, 5e-3]
+
+    by_hand = hf_model("llama")
+    by_hand.load_state_dict(initial)
+    pipe = rpcompile.compile(by_hand, (), loss_fn=None, example_kwargs=hf._padded(batches[0], 12),
+                             **OPTIONS.kwargs())
+    opt = torch.optim.AdamW(by_hand.parameters(), lr=5e-3, weight_decay=0.0, fused=True)  # the Trainer's default
+    sched = transformers.get_scheduler("cosine", opt, num_warmup_steps=1, num_training_steps=3)
+    for step in range(3):
+        pair = batches[2 * step:2 * step + 2]
+        n = sum(int((b["labels"][:, 1:] != -100).sum()) for b in pair)
+        for b in pair:
+            pipe.forward_backward(**b, num_items=n)
+        torch.nn.utils.clip_grad_norm_(by_hand.parameters(), 0.5)
+        pipe.step(opt, overlap=True, scheduler=sched)
+    pipe.synchronize()
+    for (name, p), q in zip(model.named_parameters(), by_hand.parameters()):
+        assert torch.equal(p, q), name

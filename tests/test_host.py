@@ -1,4 +1,4 @@
-"""Token embeddings on the host (passes/host.py): the graph rewrite, what the planner counts, and the runtime
+"""Token embeddings on the host (passes/rewrite/host.py): the graph rewrite, what the planner counts, and the runtime
 against eager PyTorch."""
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ import torch
 import torch.nn as nn
 
 import rpcompile
-from rpcompile.models import load_model
-from rpcompile.passes.host import HOST_KEY, HostEmbedding, host_candidates, host_embedding_pass, host_of
 from rpcompile.core.batch import flat_inputs
-from rpcompile.passes.trace import trace
+from rpcompile.core.program import HostEmbedding
+from rpcompile.models.registry import load_model
+from rpcompile.passes.graph.trace import trace
+from rpcompile.passes.rewrite.host import HOST_KEY, host_candidates, host_embedding_pass, host_of
 
 from test_runtime import FINE_CPU, TOL, assert_grads_equal
 
@@ -49,7 +50,7 @@ def test_the_pass_turns_the_lookup_into_a_computed_input():
 def test_a_traced_model_is_checked_as_the_plan_ran_it():
     """``as_planned``: a plain traced graph gets the plan's lookups moved on a copy that shares the parameters;
     a graph that already moved others is refused."""
-    from rpcompile.passes.host import as_planned
+    from rpcompile.passes.rewrite.host import as_planned
 
     spec = load_model("llama-demo", batch_size=2)
     x, = spec.example_inputs
@@ -96,7 +97,9 @@ def test_lookups_the_host_cannot_run_stay_on_the_devices():
 # ---- what the planner counts ---------------------------------------------------------------------------------
 
 def test_the_first_stage_receives_rows_instead_of_the_table_and_the_last_sends_their_gradient():
-    from rpcompile.planner.planning import make_hardware, partition_problem, prepare
+    from rpcompile.planner.planning import prepare
+    from rpcompile.planner.plan_options import make_hardware
+    from rpcompile.passes.formulate import partition_problem
 
     spec = load_model("llama-demo", batch_size=1)
     (x,) = spec.example_inputs
@@ -145,7 +148,7 @@ def test_host_rows_after_optimizer_steps_and_a_saved_plan(tmp_path):
     for name, p in spec.model.named_parameters():
         torch.testing.assert_close(p.detach(), ref_params[name].detach(), rtol=1e-5, atol=2e-6,
                                    msg=lambda msg: f"weight {name} after AdamW differs: {msg}")
-    from rpcompile.views.graphview import rollup
+    from rpcompile.views.graph_rollup import rollup
     from rpcompile.views.report import plan_table
 
     drawn = [rollup(pipe.plan, trace(spec.model, (x,))), rollup(pipe.plan)]  # over the model, and the plan alone
@@ -198,7 +201,7 @@ def test_padding_rows_and_frozen_tables_get_no_gradient():
 
 
 def test_a_failed_lookup_fails_the_step_with_the_reason():
-    from rpcompile.runtime.executor import PipelineError
+    from rpcompile.runtime.failures import PipelineError
 
     spec, _, pipe, x, y = _compile("llama-demo")
     bad = x.clone()

@@ -14,11 +14,11 @@ import rpcompile
 import rpcompile.planner.planning as planning
 import rpcompile.training.host_memory as hm
 from rpcompile.core.specs import get_spec
-from rpcompile.passes.cost import cost_pass
-from rpcompile.passes.trace import trace
+from rpcompile.passes.cost.cost import cost_pass
+from rpcompile.passes.graph.trace import trace
 from rpcompile.runtime.weights import WeightStore, pinned_bytes
+from rpcompile.training.gpu_memory import gpu_memory_limit
 from rpcompile.training.host_memory import HostMemoryError, HostMemoryWarning, activation_bytes
-from rpcompile.training.pipeline import gpu_memory_limit
 
 from test_weights import FINE, Tied, batch, loss_fn
 
@@ -149,8 +149,8 @@ def test_rpcompile_plan_reports_the_host_memory_of_its_plan(capsys, tmp_path):
     ``--json`` output stays the plan file itself.)"""
     from rpcompile.cli import main
     from rpcompile.core.plan import Plan
-    from rpcompile.models import load_model
-    from rpcompile.passes.segment_rules import format_bytes
+    from rpcompile.models.registry import load_model
+    from rpcompile.core.units import fmt_bytes
 
     out = tmp_path / "plan.json"
     assert main(["plan", "llama-demo", "--gpus", "2", "--spec", "rtx4090", "--time-limit", "1", "-o", str(out)]) == 0
@@ -161,7 +161,7 @@ def test_rpcompile_plan_reports_the_host_memory_of_its_plan(capsys, tmp_path):
     assert (expected.trainable_bytes, expected.activation_bytes) == (18 * params, activation_bytes(Plan.load(out)))
     assert expected.activation_bytes > 0
     assert expected.line() in text.splitlines()
-    assert f", activations on the host {format_bytes(expected.activation_bytes)}" in expected.line()
+    assert f", activations on the host {fmt_bytes(expected.activation_bytes)}" in expected.line()
 
 
 def test_activations_the_host_cannot_keep_are_recomputed_instead(monkeypatch):

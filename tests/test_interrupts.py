@@ -70,8 +70,8 @@ def test_ctrl_c_during_a_solve_stops_it_with_a_keyboard_interrupt():
         import os, signal, threading, time
         from ortools.sat.python import cp_model
         from partition_cases import llama_like
-        from rpcompile.passes.ilp import solve_budget
-        from rpcompile.passes.tables import RangeTables
+        from rpcompile.passes.solver.ilp import solve_budget
+        from rpcompile.passes.solver.tables import RangeTables
 
         real = cp_model.CpSolver.solve
         def solve(self, *args, **kwargs):  # Ctrl-C half a second into the solve itself

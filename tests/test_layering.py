@@ -5,6 +5,10 @@ Bottom to top (README "Architecture", the map of the rooms):
 - **Core** (``rpcompile/core/``): the plan schema, device specs, errors, schedule actions, units: data.
 - **Models** (``rpcompile/models/``): the built-in models and the MODEL resolver.
 - **Passes** (``passes/``: model → plan → stage code) ⟂ **Runtime** (``runtime/``: runs plans, imports torch).
+  Inside them rooms stack too (:data:`INNER`): in ``passes/``, ``graph/`` < ``cost/`` < ``rewrite/``, the
+  ``solver/`` beside them imports none of them (nor torch: every solver module imports in an interpreter that
+  cannot import torch), and the modules at ``passes/``'s root join both sides; in ``runtime/``, ``sim/`` (the
+  simulator) imports none of the rest.
 - **Planner** (``rpcompile/planner/``: the pass driver, options, verify, profile, probes) ⟂ **Training**
   (``rpcompile/training/``: ``Pipeline`` and its session).
 - **Compiler**: ``rpcompile/compiler.py`` (``compile``, the one module that joins planner and training) and the
@@ -17,6 +21,11 @@ lists the arrows against the layers that main still has (none since issue 18): a
 and line, and a known one that is gone must leave the list, so the list only shrinks. No module imports itself
 through others (no file-level import loop), every folder holds at most :data:`CEILING` loose modules (the front
 end's root :data:`ROOT_CEILING`), and the README's architecture table names every module, file for file.
+
+One home per name (issue 37 phase 3): a name sits in one module's ``__all__`` (packages re-export nothing; the
+public surface ``rpcompile/__init__.py`` points each public name at its home), and no ``_private`` name is used
+outside its module — in the package and the benchmarks; tests may reach into the module they mirror.
+:data:`KNOWN_TWO_HOMES` and :data:`KNOWN_PRIVATE` only shrink.
 """
 
 from __future__ import annotations
@@ -24,6 +33,8 @@ from __future__ import annotations
 import ast
 import graphlib
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -36,17 +47,25 @@ TIERS: tuple[tuple[str, ...], ...] = (("core",), ("models",), ("passes", "runtim
 RANK = {room: rank for rank, rooms in enumerate(TIERS) for room in rooms}
 ALLOWED = {room: {room} | {r for r in RANK if RANK[r] < RANK[room]} for room in RANK}
 
+#: Inside ``passes/`` and ``runtime/``: the rooms each room may import from its own folder ("" is the folder's root
+#: modules, and the package itself).
+INNER: dict[str, dict[str, set[str]]] = {
+    "passes": {"graph": {"graph"}, "cost": {"graph", "cost"}, "rewrite": {"graph", "cost", "rewrite"},
+               "solver": {"solver"}, "": {"graph", "cost", "rewrite", "solver", ""}},
+    "runtime": {"sim": {"sim"}, "segments": {"segments", ""}, "": {"segments", "sim", ""}},
+}
+
 #: (importing file, imported module) arrows against the layers that main still has (none: keep it so).
 KNOWN: set[tuple[str, str]] = set()
 
 #: Loose modules (``*.py`` but ``__init__.py``) a folder may hold; the front end's root holds fewer.
 CEILING, ROOT_CEILING = 20, 8
-#: Folders over :data:`CEILING` until issue 37's phase 2 gives them rooms: each may not grow past its count here.
-OVERFULL = {"passes": 48}
+#: Folders allowed over :data:`CEILING` for now, each no further than its count here (none since issue 37's phase 2).
+OVERFULL: dict[str, int] = {}
 
 
 def module_name(path: Path) -> str:
-    """``passes/cost.py`` → ``rpcompile.passes.cost`` (the installed names)."""
+    """``passes/cost/cost.py`` → ``rpcompile.passes.cost.cost`` (the installed names)."""
     parts = list(path.with_suffix("").parts)
     if parts[0] in ("passes", "runtime"):
         parts.insert(0, "rpcompile")
@@ -60,6 +79,24 @@ def layer(module: str) -> str:
     ``rpcompile.__main__``)."""
     room = module.split(".")[1] if "." in module else "compiler"
     return room if room in RANK else "cli" if room == "__main__" else "compiler"
+
+
+def inner_room(module: str) -> str | None:
+    """The room of ``module`` inside ``passes/`` or ``runtime/`` ("" for the folder's root), None outside them."""
+    parts = module.split(".")
+    if len(parts) < 2 or parts[0] != "rpcompile" or parts[1] not in INNER:
+        return None
+    return parts[2] if len(parts) > 2 and parts[2] in INNER[parts[1]] else ""
+
+
+def against_the_layers(mod: str, target: str) -> bool:
+    """Whether ``mod`` importing ``target`` points up or sideways: between the layers, or between the rooms inside
+    ``passes/`` and ``runtime/``."""
+    if layer(target) not in ALLOWED[layer(mod)]:
+        return True
+    room, other = inner_room(mod), inner_room(target)
+    return room is not None and other is not None and layer(mod) == layer(target) \
+        and mod.split(".")[1] == target.split(".")[1] and other not in INNER[mod.split(".")[1]][room]
 
 
 def imports(source: str, module: str, is_package: bool) -> list[tuple[int, str]]:
@@ -88,7 +125,7 @@ def violations(files: dict[str, str]) -> list[tuple[str, int, str]]:
         path = Path(rel)
         mod = module_name(path)
         for line, target in imports(source, mod, path.name == "__init__.py"):
-            if layer(target) not in ALLOWED[layer(mod)]:
+            if against_the_layers(mod, target):
                 out.append((rel, line, target))
     return out
 
@@ -110,11 +147,11 @@ def test_no_new_import_against_the_layers_and_the_known_ones_shrink():
 @pytest.mark.parametrize("rel,source,bad", [
     ("runtime/executor.py", "def f():\n    from rpcompile.planner.planning import prepare\n", "rpcompile.planner.planning"),
     ("runtime/devices.py", "from ..passes import cost\n", "rpcompile.passes"),
-    ("passes/ilp.py", "import rpcompile.training.pipeline\n", "rpcompile.training.pipeline"),
+    ("passes/solver/ilp.py", "import rpcompile.training.pipeline\n", "rpcompile.training.pipeline"),
     ("rpcompile/core/plan.py", "from ..runtime.executor import Executor\n", "rpcompile.runtime.executor"),
     ("rpcompile/core/schedule.py", "from rpcompile.passes import ilp\n", "rpcompile.passes"),
     ("rpcompile/core/units.py", "from ..models import load_model\n", "rpcompile.models"),
-    ("rpcompile/models/llama.py", "from rpcompile.passes.trace import trace\n", "rpcompile.passes.trace"),
+    ("rpcompile/models/llama.py", "from rpcompile.passes.graph.trace import trace\n", "rpcompile.passes.graph.trace"),
     ("rpcompile/training/pipeline.py", "from ..planner.planning import plan\n", "rpcompile.planner.planning"),
     ("rpcompile/planner/planning.py", "from rpcompile.training.batches import x\n", "rpcompile.training.batches"),
     ("rpcompile/training/host_memory.py", "from rpcompile.views.report import fmt_params\n",
@@ -125,6 +162,14 @@ def test_no_new_import_against_the_layers_and_the_known_ones_shrink():
     ("rpcompile/compiler.py", "from .views.report import plan_table\n", "rpcompile.views.report"),
     ("rpcompile/views/gantt.py", "from ..tools.scenarios import Scenario\n", "rpcompile.tools.scenarios"),
     ("rpcompile/tools/demo.py", "from rpcompile.cli import main\n", "rpcompile.cli"),
+    ("passes/solver/ilp.py", "from ..graph.util import compute_nodes\n", "rpcompile.passes.graph.util"),
+    ("passes/solver/timing.py", "from .. import formulate\n", "rpcompile.passes.formulate"),
+    ("passes/solver/problem.py", "from rpcompile.passes.cost.cost import COST_KEY\n", "rpcompile.passes.cost.cost"),
+    ("passes/graph/shape.py", "from ..cost.cost import COST_KEY\n", "rpcompile.passes.cost.cost"),
+    ("passes/cost/analytic.py", "from ..rewrite.coarsen import segments_of\n", "rpcompile.passes.rewrite.coarsen"),
+    ("passes/rewrite/coarsen.py", "def f():\n    from ..lower import to_plan\n", "rpcompile.passes.lower"),
+    ("passes/graph/util.py", "from ..solver.problem import SegmentPlan\n", "rpcompile.passes.solver.problem"),
+    ("runtime/sim/simulator.py", "from ..weights import nbytes\n", "rpcompile.runtime.weights"),
 ])
 def test_an_arrow_against_the_layers_is_caught_with_its_file_and_line(rel, source, bad):
     assert violations({rel: source}) == [(rel, source.count("\n", 0, source.index("import")) + 1, bad)]
@@ -133,15 +178,57 @@ def test_an_arrow_against_the_layers_is_caught_with_its_file_and_line(rel, sourc
 def test_arrows_down_the_layers_pass():
     ok = {"rpcompile/training/pipeline.py": "from rpcompile.runtime.executor import Executor\nfrom ..passes import cost\n"
                                               "from .batches import CallBatch\n",
-          "runtime/saved.py": "from rpcompile.core.errors import RPCompileError\nfrom .symbolic import Guards\n",
-          "passes/ilp.py": "from rpcompile.core.plan import Plan\nfrom .problem import PartitionProblem\n",
+          "runtime/segments/saved.py": "from rpcompile.core.errors import RPCompileError\n"
+                                       "from .symbolic import Guards\n",
+          "passes/solver/ilp.py": "from rpcompile.core.plan import Plan\nfrom .problem import PartitionProblem\n",
           "rpcompile/planner/seqlen.py": "from rpcompile.models import load_model\nfrom ..runtime.devices import x\n",
           "rpcompile/compiler.py": "from .planner.planning import plan\nfrom .training.pipeline import Pipeline\n",
           "rpcompile/views/report.py": "from ..planner.profiling import Profile\nfrom rpcompile.core.units import x\n",
           "rpcompile/tools/demo.py": "import rpcompile\nfrom ..views.report import plan_table\n",
           "rpcompile/__main__.py": "from rpcompile.cli import main\n",
-          "rpcompile/cli/plan_cmd.py": "from rpcompile.tools.lora import apply_lora\n"}
+          "rpcompile/cli/plan_cmd.py": "from rpcompile.tools.lora import apply_lora\n",
+          "passes/formulate.py": "from .solver.problem import PartitionProblem\nfrom .rewrite.coarsen import x\n",
+          "passes/rewrite/coarsen.py": "from ..cost.cost import node_cost\nfrom ..graph.util import compute_nodes\n",
+          "passes/solver/partition.py": "from ...core.errors import ConfigError\nfrom .ilp import solve_budget\n",
+          "runtime/segments/saved.py": "from .. import rng\nfrom .capture import HostSaved\n",
+          "runtime/executor.py": "from .segments import saved\nfrom .segments.capture import HostSaved\n"}
     assert violations(ok) == []
+
+
+def test_every_room_inside_passes_and_runtime_has_its_rules():
+    """A new folder in ``passes/`` or ``runtime/`` takes a place in :data:`INNER` (it would otherwise count as the
+    folder's root, which may import every room)."""
+    for top, rooms in INNER.items():
+        found = {p.parent.name for p in (ROOT / top).glob("*/__init__.py")}
+        assert found == set(rooms) - {""}, f"{top}/: rooms without rules in INNER {sorted(found - set(rooms))}"
+
+
+def _import_without_torch(modules: list[str]) -> subprocess.CompletedProcess:
+    """Import ``modules`` in a fresh interpreter whose every import of torch fails."""
+    code = ("import importlib, sys\n"
+            "class NoTorch:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'torch' or name.startswith('torch.'):\n"
+            "            raise ImportError(f'torch is not importable here: {name}')\n"
+            "sys.meta_path.insert(0, NoTorch())\n"
+            f"for m in {modules!r}:\n"
+            "    importlib.import_module(m)\n"
+            "assert not [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]\n")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+
+
+def test_every_solver_module_imports_without_torch():
+    """The solver is plain numbers (README "Architecture"): every module of ``passes/solver/`` imports where torch
+    cannot be imported (the digest a plan records is that folder's source, ``plan_inputs.solver_files``)."""
+    modules = sorted(module_name(p.relative_to(ROOT)) for p in (ROOT / "passes" / "solver").rglob("*.py"))
+    assert "rpcompile.passes.solver.partition" in modules
+    done = _import_without_torch(modules)
+    assert done.returncode == 0, f"a solver module imports torch:\n{done.stderr}"
+
+
+def test_a_module_that_imports_torch_is_caught():
+    done = _import_without_torch(["rpcompile.passes.solver.problem", "rpcompile.passes.graph.util"])
+    assert done.returncode != 0 and "torch is not importable here: torch" in done.stderr
 
 
 def test_every_room_is_a_layer():
@@ -214,15 +301,16 @@ def test_no_module_imports_itself_through_others():
 
 
 def test_an_import_cycle_is_found():
-    files = {"passes/cost.py": "from .analytic import A\n", "passes/analytic.py": "from .cost import CostModel\n"}
-    assert sorted(set(import_cycle(files))) == ["rpcompile.passes.analytic", "rpcompile.passes.cost"]
+    files = {"passes/cost/cost.py": "from .analytic import A\n",
+             "passes/cost/analytic.py": "from .cost import CostModel\n"}
+    assert sorted(set(import_cycle(files))) == ["rpcompile.passes.cost.analytic", "rpcompile.passes.cost.cost"]
 
 
 def test_the_recurrence_is_plain_numbers():
-    """``passes/recurrence.py`` — the round-robin recurrence the timing model, the local search's scorer and the
+    """``passes/solver/recurrence.py`` — the round-robin recurrence the timing model, the local search's scorer and the
     overlapped-iterations walk share (issue 35) — imports no torch, no numpy and of rpcompile only Core: plain
     numbers, like the simulator it mirrors."""
-    source = (ROOT / "passes" / "recurrence.py").read_text()
+    source = (ROOT / "passes" / "solver" / "recurrence.py").read_text()
     names = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom):
@@ -232,3 +320,156 @@ def test_the_recurrence_is_plain_numbers():
     ours = {n for n in names if n.startswith("rpcompile")}
     assert ours and all(layer(n) == "core" for n in ours), sorted(ours)
     assert names - ours <= {"__future__", "dataclasses", "typing", "math"}, sorted(names - ours)
+
+
+# --- one home per name (issue 37 phase 3) ----------------------------------------------------------------------------
+
+#: The public surface: every public name listed once more here, each pointing at its one home (the table's value).
+SURFACE = "rpcompile"
+
+#: (name, module) pairs of names that still sit in a second module's ``__all__``: the list only shrinks. Left for
+#: the QLoRA work on ``runtime/executor.py`` (its body and ``__all__`` are being edited there): the executor's
+#: re-exports of ``values`` and ``failures``, and the two ``context`` thread-locals (rng's and saved segments'), which
+#: the executor reaches as ``rng.context`` and ``saved.context`` — one of them renamed once that work has landed.
+KNOWN_TWO_HOMES: set[tuple[str, str]] = {
+    ("PipelineError", "rpcompile.runtime.executor"), ("PipelineError", "rpcompile.runtime.failures"),
+    ("TimelineEvent", "rpcompile.runtime.executor"), ("TimelineEvent", "rpcompile.runtime.values"),
+    ("ValueStore", "rpcompile.runtime.executor"), ("ValueStore", "rpcompile.runtime.values"),
+    ("context", "rpcompile.runtime.rng"), ("context", "rpcompile.runtime.segments.saved"),
+}
+
+#: (importing file, imported module, private name) imports of a ``_private`` name across modules: the list only
+#: shrinks.
+KNOWN_PRIVATE: set[tuple[str, str, str]] = set()
+
+
+def exported(source: str) -> list[str]:
+    """The names in a module's ``__all__``: a literal list or tuple, with ``*TABLE`` or ``list(TABLE)`` of a
+    module-level dict literal (the lazy tables of ``rpcompile/__init__.py``) spelled out."""
+    tree = ast.parse(source)
+    tables = {t.id: [k.value for k in n.value.keys if isinstance(k, ast.Constant)] for n in tree.body
+              if isinstance(n, ast.Assign) and isinstance(n.value, ast.Dict) for t in n.targets
+              if isinstance(t, ast.Name)}
+    names: list[str] = []
+    for n in tree.body:
+        if not (isinstance(n, (ast.Assign, ast.AnnAssign, ast.AugAssign))
+                and any(isinstance(t, ast.Name) and t.id == "__all__"
+                        for t in (n.targets if isinstance(n, ast.Assign) else [n.target]))):
+            continue
+        value = n.value
+        if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.args:
+            value = value.args[0]  # list(TABLE), tuple(TABLE), sorted(TABLE)
+        elts = value.elts if isinstance(value, (ast.List, ast.Tuple)) else [value] if value is not None else []
+        for e in elts:
+            e = e.value if isinstance(e, ast.Starred) else e
+            if isinstance(e, ast.Constant) and isinstance(e.value, str):
+                names.append(e.value)
+            elif isinstance(e, ast.Name) and e.id in tables:
+                names += tables[e.id]
+    return names
+
+
+def two_homes(files: dict[str, str]) -> dict[str, list[str]]:
+    """Name → the modules whose ``__all__`` lists it, for each name listed by two or more (the public surface,
+    :data:`SURFACE`, not counted: it points at the homes)."""
+    homes: dict[str, list[str]] = {}
+    for rel, source in files.items():
+        mod = module_name(Path(rel))
+        if mod != SURFACE:
+            for name in dict.fromkeys(exported(source)):
+                homes.setdefault(name, []).append(mod)
+    return {name: mods for name, mods in homes.items() if len(mods) > 1}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_imports(files: dict[str, str], modules: set[str] | None = None) -> list[tuple[str, int, str, str]]:
+    """``(file, line, module, name)`` of each ``_private`` name of an rpcompile module used outside it: imported
+    (``from m import _x``) or reached through an imported module (``from pkg import m`` … ``m._x``). ``modules``:
+    the rpcompile modules that exist (default: those of ``files``)."""
+    modules = modules if modules is not None else {module_name(Path(rel)) for rel in files}
+    out = []
+    for rel, source in files.items():
+        path = Path(rel)
+        mod = module_name(path) if path.parts[0] in ("rpcompile", "passes", "runtime") else ""
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        tree = ast.parse(source)
+        bound: dict[str, str] = {}  # local name → the rpcompile module it is
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = package
+                for _ in range(node.level - 1):
+                    base = base.rpartition(".")[0]
+                target = (f"{base}.{node.module}" if node.module else base) if node.level else (node.module or "")
+                if not (target == "rpcompile" or target.startswith("rpcompile.")) or target == mod:
+                    continue
+                for a in node.names:
+                    if _private(a.name):
+                        out.append((rel, node.lineno, target, a.name))
+                    elif f"{target}.{a.name}" in modules:
+                        bound[a.asname or a.name] = f"{target}.{a.name}"
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name in modules and a.asname:
+                        bound[a.asname] = a.name
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound \
+                    and _private(node.attr):
+                out.append((rel, node.lineno, bound[node.value.id], node.attr))
+    return out
+
+
+def _sources_and_benchmarks() -> dict[str, str]:
+    benchmarks = {str(p.relative_to(ROOT)): p.read_text() for p in sorted((ROOT / "benchmarks").glob("*.py"))}
+    return {**_sources(), **benchmarks}
+
+
+def test_no_name_has_two_homes_and_the_known_ones_shrink():
+    """A name sits in one module's ``__all__``, its home; callers import it from there. The public surface
+    (``rpcompile/__init__.py``) lists each public name once more, pointing at its home — that is not a second home."""
+    found = {(name, m) for name, mods in two_homes(_sources()).items() for m in mods}
+    new = sorted({name for name, m in found - KNOWN_TWO_HOMES})
+    assert not new, "names in two modules' __all__ (give each one home): " + ", ".join(
+        f"{n} {two_homes(_sources())[n]}" for n in new)
+    gone = KNOWN_TWO_HOMES - found
+    assert not gone, f"remove from KNOWN_TWO_HOMES, they are fixed: {sorted(gone)}"
+
+
+def test_the_surface_points_at_each_names_home():
+    """Each name of ``rpcompile/__init__.py``'s table is in the ``__all__`` of the module it points at."""
+    files = _sources()
+    by_module = {module_name(Path(rel)): exported(source) for rel, source in files.items()}
+    table = ast.literal_eval(next(n.value for n in ast.parse(files["rpcompile/__init__.py"]).body
+                                  if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "_EXPORTS"))
+    astray = {name: home for name, home in table.items() if name not in by_module.get(home, [])}
+    assert not astray, f"public names whose table entry is not their home: {astray}"
+
+
+def test_no_private_name_is_used_across_modules_and_the_known_ones_shrink():
+    """A ``_private`` name stays in its module: one that others need is public in its home (no underscore, in
+    ``__all__``, a docstring). Checked in the package and the benchmarks (they use the package as a reader would);
+    not in tests, which may reach into the module they mirror (STYLE 1)."""
+    files = _sources_and_benchmarks()
+    modules = {module_name(Path(rel)) for rel in _sources()}
+    found = private_imports(files, modules)
+    new = sorted({f"{f}:{line} uses {m}.{n}" for f, line, m, n in found if (f, m, n) not in KNOWN_PRIVATE})
+    assert not new, "private names used across modules (make them public in their home):\n" + "\n".join(new)
+    gone = KNOWN_PRIVATE - {(f, m, n) for f, _, m, n in found}
+    assert not gone, f"remove from KNOWN_PRIVATE, they are fixed: {sorted(gone)}"
+
+
+def test_two_homes_and_private_imports_are_caught():
+    files = {"passes/cost/cost.py": "from .cost_model import CostModel\n__all__ = ['CostModel', 'cost_pass']\n",
+             "passes/cost/cost_model.py": "__all__ = ('CostModel',)\n",
+             "rpcompile/__init__.py": "_EXPORTS = {'CostModel': 'rpcompile.passes.cost.cost_model'}\n"
+                                      "__all__ = ['__version__', *_EXPORTS]\n",
+             "passes/solver/scorer.py": "from . import timing\nfrom .timing import _stage\nx = timing._total\n",
+             "passes/solver/timing.py": "_stage = _total = 1\n"}
+    assert two_homes(files) == {"CostModel": ["rpcompile.passes.cost.cost", "rpcompile.passes.cost.cost_model"]}
+    assert exported(files["rpcompile/__init__.py"]) == ["__version__", "CostModel"]
+    assert sorted(private_imports(files)) == [
+        ("passes/solver/scorer.py", 2, "rpcompile.passes.solver.timing", "_stage"),
+        ("passes/solver/scorer.py", 3, "rpcompile.passes.solver.timing", "_total")]
+    assert private_imports({"passes/solver/timing.py": "from .timing import _stage\n"}) == []  # itself

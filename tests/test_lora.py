@@ -18,8 +18,8 @@ import torch
 import rpcompile
 from rpcompile.cli import main
 from rpcompile.core.errors import ConfigError
-from rpcompile.models import load_model
-from rpcompile.passes.segment_rules import format_bytes
+from rpcompile.core.units import fmt_bytes
+from rpcompile.models.registry import load_model
 from rpcompile.tools.lora import apply_lora, lora_host_memory
 
 from _hf import VOCAB, hf_model, token_loss
@@ -182,7 +182,7 @@ def test_lora_dropout_trains_and_recomputation_replays_its_masks():
     graph with the same seeds run eagerly over the microbatches. Without dropout the loss differs (the masks are
     really applied)."""
     from rpcompile.core.batch import split_microbatches
-    from rpcompile.passes.trace import trace
+    from rpcompile.passes.graph.trace import trace
     from rpcompile.runtime import rng
 
     model = lora("llama", dropout=0.5, task_type=None)
@@ -250,7 +250,7 @@ def test_planning_adapters_equal_pefts_in_parameters_outputs_gradients_and_flops
     ``get_peft_model``'s — and it traces with torch.fx, where PeftModel needs torch.export."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from rpcompile.passes.trace import TRACE_META_KEY, trace
+    from rpcompile.passes.graph.trace import TRACE_META_KEY, trace
     from rpcompile.tools.lora import LoraModel
 
     spec = load_model("moe-demo")
@@ -290,7 +290,7 @@ def test_plan_lora_reports_host_memory_gpu_memory_and_tokens_per_s(capsys):
     assert sum(s["grad_bytes"] for s in out["stages"]) == 2 * expected.trainable_params
     assert main(argv) == 0
     text = capsys.readouterr().out
-    assert (f"LoRA rank 4 on q_proj, k_proj, v_proj, o_proj: host memory {format_bytes(out['lora']['total_bytes'])} "
+    assert (f"LoRA rank 4 on q_proj, k_proj, v_proj, o_proj: host memory {fmt_bytes(out['lora']['total_bytes'])} "
             "(predicted): ") in text
     assert re.search(r"GPU memory: largest stage [\d.]+ GiB of 20.12 GiB; iteration [\d.]+ s; [\d,]+ tokens/s", text)
     assert main(["plan", "moe-demo", "--gpus", "2", "--spec", "rtx4090", "--lora", "--max-seq-len"]) == 2

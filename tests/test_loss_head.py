@@ -1,4 +1,4 @@
-"""The loss in the graph and the LM head split along the sequence (``rpcompile.passes.loss_head``)."""
+"""The loss in the graph and the LM head split along the sequence (``rpcompile.passes.rewrite.loss_head``)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import torch.nn.functional as F
 import rpcompile
 from rpcompile.cli import main
 from rpcompile.core.errors import InfeasibleError, LossHeadError
-from rpcompile.models import load_model
-from rpcompile.passes.loss_head import attach_loss, chunk_loss_head, split_head
-from rpcompile.passes.trace import trace
-from rpcompile.planner.planning import AUTO_HEAD_CHUNKS, fastest, head_chunk_candidates
+from rpcompile.models.registry import load_model
+from rpcompile.passes.graph.trace import trace
+from rpcompile.passes.rewrite.loss_head import attach_loss, chunk_loss_head, split_head
+from rpcompile.planner.plan_options import AUTO_HEAD_CHUNKS, fastest, head_chunk_candidates
 
 from test_runtime import FINE_CPU, TOL, assert_grads_equal
 

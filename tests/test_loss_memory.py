@@ -11,13 +11,12 @@ import dataclasses
 import pytest
 import torch
 
-from rpcompile.models import load_model
-from rpcompile.models.registry import lm_loss
-from rpcompile.passes.coarsen import segments_of
+from rpcompile.models.registry import lm_loss, load_model
+from rpcompile.passes.cost.loss_memory import LOSS_BYTES_KEY, PeakBytes
 from rpcompile.passes.formulate import partition_problem
-from rpcompile.passes.loss_memory import LOSS_BYTES_KEY, PeakBytes
-from rpcompile.passes.problem import SegmentPlan
-from rpcompile.passes.timing import stage_costs
+from rpcompile.passes.rewrite.coarsen import segments_of
+from rpcompile.passes.solver.problem import SegmentPlan
+from rpcompile.passes.solver.timing import stage_costs
 from rpcompile.planner.plan_options import make_hardware
 from rpcompile.planner.planning import prepare
 

@@ -1,4 +1,4 @@
-"""Shapes and analytic costs of a model in CPU memory come from a run on meta stand-ins (passes/meta.py:on_meta):
+"""Shapes and analytic costs of a model in CPU memory come from a run on meta stand-ins (passes/graph/meta.py:on_meta):
 the same costs and plans as running the model for real, without computing anything on the CPU."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 
 import rpcompile.planner.planning as planning
 from _hf import hf_model, token_loss
-from rpcompile.models import load_model
-from rpcompile.passes.meta import on_meta
+from rpcompile.models.registry import load_model
+from rpcompile.passes.graph.meta import on_meta
 from rpcompile.planner.planning import compile_plan
 
 SHAPE, COST = "rpcompile.shape", "rpcompile.cost"
@@ -31,7 +31,7 @@ def _node_facts(c):
                                             ("cnn-demo", "fp32")])
 def test_meta_stand_ins_give_the_real_runs_costs_and_plan(monkeypatch, name, precision):
     """gpt-demo ties its embeddings (one stand-in, one name); llama's attention output is a view only with the
-    GPU kernel's layout (passes/kernels.py), which the meta run takes too."""
+    GPU kernel's layout (passes/graph/kernels.py), which the meta run takes too."""
     ms = load_model(name)
     meta, real = _both_ways(monkeypatch, ms.model, ms.example_inputs, precision=precision, loss_fn=ms.loss_fn,
                             example_target=ms.example_target)

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from rpcompile.core.errors import ConfigError, ModelSpecError
-from rpcompile.models import GPT, GPTConfig, Llama, LlamaConfig, ModelSpec, list_models, load_model
-from rpcompile.models.llama import Attention
+from rpcompile.models.gpt import GPT, GPTConfig
+from rpcompile.models.llama import Attention, Llama, LlamaConfig
+from rpcompile.models.registry import ModelSpec, list_models, load_model
 
 DEMOS = ["llama-demo", "llama-32x64", "gpt-demo", "cnn-demo"]
 OTHER_DEMOS = ["moe-demo"]  # tested in test_moe.py (sequence length 16)
@@ -147,7 +148,7 @@ def _write(tmp_path: Path, body: str) -> Path:
 def test_factory_file_tuple_and_spec(tmp_path: Path) -> None:
     path = _write(tmp_path, """
         import torch
-        from rpcompile.models import ModelSpec
+        from rpcompile.models.registry import ModelSpec
 
         def pair():
             return torch.nn.Linear(3, 2), torch.ones(4, 3)

@@ -16,7 +16,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import rpcompile
 from rpcompile.cli import main
-from rpcompile.models import MoE, MoEConfig, load_model
+from rpcompile.models.moe import MoE, MoEConfig
+from rpcompile.models.registry import load_model
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 QWEN3_30B_A3B_PARAMS = 30_532_122_624  # 48 × 623,120,640 per layer + 2 × 311,164,928 (untied) + 2048 (final norm)

@@ -132,7 +132,7 @@ def test_a_pipeline_with_asynchronous_hand_offs_matches_eager():
 def test_a_failed_hand_off_fails_the_step_with_the_reason():
     from test_runtime import _saving_pipeline
 
-    from rpcompile.runtime.executor import PipelineError
+    from rpcompile.runtime.failures import PipelineError
 
     spec, _, pipe, x, y = _saving_pipeline("llama-demo", 0)
 
@@ -150,7 +150,7 @@ def test_the_pipeline_budget_is_what_the_stages_leave_free():
 
     from test_runtime import _saving_pipeline
 
-    from rpcompile.training.pipeline import offload_budget
+    from rpcompile.training.gpu_memory import offload_budget
 
     plan = _saving_pipeline("llama-demo", 1)[2].plan
     assert len(plan.stages) == 5  # F0 F1 FB B1 B2: device 0 runs 0, 2, 4 and device 1 runs 1, 3
@@ -213,7 +213,7 @@ def test_the_next_stage_s_weights_go_up_while_the_current_stage_runs(k):
 def test_a_failed_weight_upload_fails_the_step_with_the_stage():
     from test_runtime import _saving_pipeline
 
-    from rpcompile.runtime.executor import PipelineError
+    from rpcompile.runtime.failures import PipelineError
 
     spec, _, pipe, x, y = _saving_pipeline("llama-demo", 0)
     calls = []

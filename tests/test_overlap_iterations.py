@@ -15,7 +15,7 @@ import torch
 
 import rpcompile
 from rpcompile.runtime import rng, stage_call
-from rpcompile.runtime.executor import PipelineError
+from rpcompile.runtime.failures import PipelineError
 from rpcompile.training.checkpoint import checkpoints
 
 from _resume import build, train
@@ -110,10 +110,10 @@ def test_a_device_goes_on_into_the_next_iteration_while_the_last_stages_drain(mo
     gate, held = threading.Event(), threading.Event()
     real = stage_call.download_grads
 
-    def download_grads(device, prog, state, sink):
+    def download_grads(device, prog, state, sink, *rest):
         if prog.index == last and held.is_set():
             assert gate.wait(timeout=60), "the test never opened the gate"
-        return real(device, prog, state, sink)
+        return real(device, prog, state, sink, *rest)
 
     monkeypatch.setattr(stage_call, "download_grads", download_grads)
     oa = torch.optim.AdamW(a.parameters(), lr=1e-2)
@@ -150,10 +150,10 @@ def test_a_failure_while_draining_surfaces_at_the_next_call_naming_its_iteration
     last = len(pa.plan.stages) - 1
     real = stage_call.download_grads
 
-    def download_grads(device, prog, state, sink):
+    def download_grads(device, prog, state, sink, *rest):
         if prog.index == last and rng.context.iteration == 2:  # (the worker's: set by the stage's compute)
             raise RuntimeError("link lost")
-        return real(device, prog, state, sink)
+        return real(device, prog, state, sink, *rest)
 
     monkeypatch.setattr(stage_call, "download_grads", download_grads)
     oa = torch.optim.AdamW(a.parameters(), lr=1e-2)

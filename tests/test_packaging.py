@@ -28,7 +28,8 @@ def test_wheel_claims_only_rpcompile(wheel):
     tops = {name.split("/")[0] for name in wheel.namelist()}
     assert {t for t in tops if not t.endswith(".dist-info")} == {"rpcompile"}
     names = set(wheel.namelist())
-    assert {"rpcompile/passes/cost.py", "rpcompile/passes/partition.py", "rpcompile/runtime/__init__.py"} <= names
+    assert {"rpcompile/passes/cost/cost.py", "rpcompile/passes/solver/partition.py",
+            "rpcompile/runtime/__init__.py"} <= names
 
 
 def test_pyproject_lists_every_package():
@@ -54,7 +55,7 @@ def test_wheel_declares_console_script_and_deps(wheel):
 
 def test_solver_modules_do_not_import_torch():
     code = (
-        "import sys, rpcompile.passes.partition, rpcompile.passes.problem, rpcompile.passes.ilp; "
+        "import sys, rpcompile.passes.solver.partition, rpcompile.passes.solver.problem, rpcompile.passes.solver.ilp; "
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

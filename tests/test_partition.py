@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 
 from rpcompile.core.errors import ConfigError, InfeasibleError, ProblemError
-from rpcompile.passes.balance import exact_balance
-from rpcompile.passes.ilp import solve_budget
-from rpcompile.passes.partition import STRATEGIES, solve
-from rpcompile.passes.polish import polish, taper
-from rpcompile.passes.problem import SegmentPlan, SharedParam
-from rpcompile.passes.segment_rules import validate_segment_plan
-from rpcompile.passes.tables import RangeTables, min_feasible_memory
-from rpcompile.passes.timing import iteration_time, stage_costs
+from rpcompile.passes.solver.balance import exact_balance
+from rpcompile.passes.solver.ilp import solve_budget
+from rpcompile.passes.solver.partition import STRATEGIES, solve
+from rpcompile.passes.solver.polish import polish, taper
+from rpcompile.passes.solver.problem import SegmentPlan, SharedParam
+from rpcompile.passes.solver.segment_rules import validate_segment_plan
+from rpcompile.passes.solver.tables import RangeTables, min_feasible_memory
+from rpcompile.passes.solver.timing import iteration_time, stage_costs
 
 from partition_cases import llama_like, tiny_chain
 
@@ -146,8 +146,9 @@ def test_dp_beats_or_matches_layer_baselines_and_ilp_beats_all():
 
 
 def test_solver_modules_do_not_import_torch():
-    code = ("import sys; import rpcompile.passes.partition, rpcompile.passes.ilp, rpcompile.passes.problem, "
-            "rpcompile.passes.timing, rpcompile.passes.segment_rules, rpcompile.passes.tables; "
+    code = ("import sys; import rpcompile.passes.solver.partition, rpcompile.passes.solver.ilp, "
+            "rpcompile.passes.solver.problem, rpcompile.passes.solver.timing, rpcompile.passes.solver.segment_rules, "
+            "rpcompile.passes.solver.tables; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

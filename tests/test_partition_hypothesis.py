@@ -16,17 +16,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rpcompile.passes.balance import exact_balance, relaxed_backward_time, relaxed_balance
-from rpcompile.passes.bounds import saving_bounds
-from rpcompile.passes.ilp import solve_budget
-from rpcompile.passes import lagrange
-from rpcompile.passes.exact import fewest_stages
-from rpcompile.passes.lagrange import StageCountBound
-from rpcompile.passes.partition import solve
-from rpcompile.passes.problem import PartitionProblem, SegmentPlan, SharedParam
-from rpcompile.passes.segment_rules import validate_segment_plan
-from rpcompile.passes.tables import RangeTables, min_feasible_memory
-from rpcompile.passes.timing import equal_time_factors, pipeline_time, stage_costs
+from rpcompile.passes.solver.balance import exact_balance, relaxed_backward_time, relaxed_balance
+from rpcompile.passes.solver.bounds import saving_bounds
+from rpcompile.passes.solver.ilp import solve_budget
+from rpcompile.passes.solver import lagrange
+from rpcompile.passes.solver.exact import fewest_stages
+from rpcompile.passes.solver.lagrange import StageCountBound
+from rpcompile.passes.solver.partition import solve
+from rpcompile.passes.solver.problem import PartitionProblem, SegmentPlan, SharedParam
+from rpcompile.passes.solver.segment_rules import validate_segment_plan
+from rpcompile.passes.solver.tables import RangeTables, min_feasible_memory
+from rpcompile.passes.solver.timing import equal_time_factors, pipeline_time, stage_costs
 
 settings.register_profile("partition", max_examples=15, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])

@@ -13,7 +13,7 @@ from rpcompile.core.errors import PlanFileError, PlanMismatchError
 from rpcompile.passes.lower import plan_from_ranges
 from rpcompile.core.plan import SCHEMA_VERSION, Hardware, Plan, Prediction
 from rpcompile.core.specs import assumed_host, get_spec
-from rpcompile.passes.fingerprint import fingerprint
+from rpcompile.passes.graph.fingerprint import fingerprint
 
 
 def make_plan(gm) -> Plan:

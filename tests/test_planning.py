@@ -17,19 +17,21 @@ import torch
 
 import rpcompile
 from rpcompile.cli import main
-from rpcompile.core.errors import InfeasibleError
-from rpcompile.models import load_model
-from rpcompile.passes.coarsen import segments_of
-from rpcompile.passes.problem import SegmentPlan
-from rpcompile.passes.tables import min_feasible_memory
-from rpcompile.passes.timing import iteration_time, stage_costs
-from rpcompile.passes.util import compute_nodes, node_params
-from rpcompile.core.plan import Plan
 from rpcompile.core.batch import split_microbatches
-from rpcompile.planner import planning
-from rpcompile.planner.planning import STRATEGIES, compare, make_hardware, partition_problem, plan, plan_graph, prepare
+from rpcompile.core.errors import InfeasibleError
+from rpcompile.core.plan import Plan
 from rpcompile.core.specs import get_spec
+from rpcompile.models.registry import load_model
+from rpcompile.passes.formulate import partition_problem
+from rpcompile.passes.graph.util import compute_nodes, node_params
+from rpcompile.passes.rewrite.coarsen import segments_of
+from rpcompile.passes.solver.problem import SegmentPlan
+from rpcompile.passes.solver.tables import min_feasible_memory
+from rpcompile.passes.solver.timing import iteration_time, stage_costs
+from rpcompile.planner import planning
 from rpcompile.planner.invariants import plan_violations, verify_plan
+from rpcompile.planner.plan_options import PLAN_STRATEGIES, make_hardware
+from rpcompile.planner.planning import compare, plan, plan_graph, prepare
 from rpcompile.tools.scenarios import from_plan
 from rpcompile.tools.staleness import stays_of, sums_of
 
@@ -210,7 +212,7 @@ def test_explicit_microbatches(llama):
 def test_every_strategy_verifies_and_ilp_is_never_slower(llama_graph):
     gm, m, hw = llama_graph
     rows = compare(gm, hardware=hw, microbatches=m, time_limit_s=TIME_LIMIT)
-    assert list(rows) == list(STRATEGIES) == ["ilp", "dp", "roundpipe", "uniform"]
+    assert list(rows) == list(PLAN_STRATEGIES) == ["ilp", "dp", "roundpipe", "uniform"]
     for name, (result, p) in rows.items():
         assert result.feasible and p is not None, name
         assert p.strategy == name and [s.name for s in p.stages] == expected_names(p)
@@ -225,7 +227,7 @@ def test_every_strategy_verifies_and_ilp_is_never_slower(llama_graph):
     assert rows["ilp"][1].predicted.bound_s > 0
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", PLAN_STRATEGIES)
 def test_plan_graph_agrees_with_compare(llama_graph, strategy):
     gm, m, hw = llama_graph
     single = plan_graph(gm, hardware=hw, microbatches=m, strategy=strategy, time_limit_s=TIME_LIMIT)
@@ -364,7 +366,7 @@ def test_cli_writes_a_plan_that_verifies_and_prints_every_stage(capsys, tmp_path
     table_stages = [line.split("│")[1].strip() for line in out.splitlines() if line.startswith("│")]
     for s in p.stages:
         assert s.name in table_stages, s.name
-    for name in STRATEGIES:  # the comparison table
+    for name in PLAN_STRATEGIES:  # the comparison table
         assert any(line.split("│")[1].strip() == name for line in out.splitlines() if line.startswith("│"))
     assert f"plan written to {path}" in out
 

@@ -13,17 +13,18 @@ import numpy as np
 import pytest
 from numpy.lib.stride_tricks import sliding_window_view
 
-import rpcompile.passes.bounds as bounds
-import rpcompile.passes.lagrange as lagrange
+import rpcompile.passes.solver.bounds as bounds
+import rpcompile.passes.solver.lagrange as lagrange
 import rpcompile.passes.background as background
-import rpcompile.passes.partition as partition
+import rpcompile.passes.solver.partition as partition
 from rpcompile.core.stages import HostLoad
-from rpcompile.passes.balance import relaxed_backward_time, relaxed_balance
-from rpcompile.passes.partition import solve
-from rpcompile.passes.polish import PlanScorer, _neighbours, flip_saves, polish, taper
-from rpcompile.passes.problem import SegmentPlan
-from rpcompile.passes.tables import RangeTables
-from rpcompile.passes.timing import _total, iteration_time, overlapped_period
+from rpcompile.passes.solver.balance import relaxed_backward_time, relaxed_balance
+from rpcompile.passes.solver.partition import solve
+from rpcompile.passes.solver.polish import _neighbours, flip_saves, polish, taper
+from rpcompile.passes.solver.problem import SegmentPlan
+from rpcompile.passes.solver.scorer import PlanScorer
+from rpcompile.passes.solver.tables import RangeTables
+from rpcompile.passes.solver.timing import _total, iteration_time, overlapped_period
 from rpcompile.planner.plan_options import MIN_SHARE_S, split_limit
 
 from partition_cases import llama_like, tiny_chain
@@ -206,9 +207,9 @@ def test_planning_a_meta_model_does_not_import_dynamo_and_costs_the_same_as_with
     ``without_dynamo_import`` avoids it for the passes, undoes itself, and changes no cost."""
     code = (
         "import sys, torch\n"
-        "from rpcompile.models import load_model\n"
+        "from rpcompile.models.registry import load_model\n"
         "from rpcompile.planner.planning import prepare\n"
-        "from rpcompile.passes.meta import _dynamo_skipped\n"
+        "from rpcompile.passes.graph.meta import _dynamo_skipped\n"
         "ms = load_model('llama-demo', device='meta')\n"
         "def costs():\n"
         "    gm, _ = prepare(ms.model, ms.example_inputs, gpus=2, spec='rtx4090', microbatches=2)\n"
@@ -233,7 +234,7 @@ def test_compile_plan_solves_the_first_split_in_a_child_and_the_plan_is_the_one_
     """The whole head's solve runs in a forked child while the 8-chunk split is prepared and solved in the caller;
     each gets half the limit, and the plan is the one made with everything in the caller."""
     import rpcompile.planner.planning as planning
-    from rpcompile.models import load_model
+    from rpcompile.models.registry import load_model
     from rpcompile.tools.plandiff import diff_plans
 
     record = tmp_path / "solves"
@@ -265,9 +266,11 @@ def test_compile_plan_solves_the_first_split_in_a_child_and_the_plan_is_the_one_
 
 def test_plans_of_one_graph_sharing_their_facts_are_those_made_alone():
     """``compare`` makes its four plans with one ``facts`` dict (fingerprint, inputs record, node parameters)."""
-    from rpcompile.models import load_model
+    from rpcompile.models.registry import load_model
     from rpcompile.passes.lower import to_plan
-    from rpcompile.planner.planning import compare, make_hardware, partition_problem, prepare
+    from rpcompile.planner.planning import compare, prepare
+    from rpcompile.planner.plan_options import make_hardware
+    from rpcompile.passes.formulate import partition_problem
 
     ms = load_model("llama-demo")
     gm, m = prepare(ms.model, ms.example_inputs, gpus=2, spec="rtx4090", loss_fn=ms.loss_fn,

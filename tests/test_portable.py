@@ -1,4 +1,4 @@
-"""passes/portable.py: a graph traced on the CPU runs on any device, with inputs of any strides.
+"""passes/graph/portable.py: a graph traced on the CPU runs on any device, with inputs of any strides.
 
 Each test stands for a failure first seen on a GPU (an H100, main at f5190f2) that no CPU test caught; they run
 without one by using ``meta`` as the foreign device and column-major copies as the foreign strides."""
@@ -12,10 +12,11 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from rpcompile.passes.cost import cost_pass, node_cost
-from rpcompile.passes.measured import MeasuredCostModel
-from rpcompile.passes.portable import RESHAPE, default_device, portable_pass
-from rpcompile.passes.trace import trace
+from rpcompile.passes.cost.cost import cost_pass
+from rpcompile.passes.cost.cost_model import node_cost
+from rpcompile.passes.cost.measured import MeasuredCostModel
+from rpcompile.passes.graph.portable import RESHAPE, default_device, portable_pass
+from rpcompile.passes.graph.trace import trace
 
 from _devices import scrambled
 from _hf import hf_model

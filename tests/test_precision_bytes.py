@@ -1,6 +1,6 @@
 """Bytes under a bf16 plan are those of the bf16 run: explicit fp32 upcasts (``lm_loss``'s ``logits.float()``, the
 cross-entropy's log-softmax, an HF RMSNorm's ``.to(torch.float32)``) count at fp32 size, everything else at bf16
-(:data:`rpcompile.passes.precision.RUN_DTYPE_KEY`); fp32 plans are as they were."""
+(:data:`rpcompile.passes.graph.precision.RUN_DTYPE_KEY`); fp32 plans are as they were."""
 
 from __future__ import annotations
 
@@ -12,15 +12,16 @@ import torch.fx as fx
 
 from _hf import hf_model
 from rpcompile.core.batch import tensor_leaves
-from rpcompile.models import load_model
-from rpcompile.passes.analytic import AnalyticCostModel
-from rpcompile.passes.cost import DTYPE_KEY, cost_pass, node_cost
-from rpcompile.passes.loss_head import CHUNK_META, TARGET
-from rpcompile.passes.meta import on_meta
-from rpcompile.passes.precision import RUN_DTYPE_KEY, cast_floating, computing_in
-from rpcompile.passes.shape import SHAPE_KEY, shape_pass, storage_key
-from rpcompile.passes.trace import trace
-from rpcompile.passes.util import is_compute
+from rpcompile.models.registry import load_model
+from rpcompile.passes.cost.analytic import AnalyticCostModel
+from rpcompile.passes.cost.cost import cost_pass
+from rpcompile.passes.cost.cost_model import DTYPE_KEY, node_cost
+from rpcompile.passes.graph.meta import on_meta
+from rpcompile.passes.graph.precision import RUN_DTYPE_KEY, cast_floating, computing_in
+from rpcompile.passes.graph.shape import SHAPE_KEY, shape_pass, storage_key
+from rpcompile.passes.graph.trace import trace
+from rpcompile.passes.graph.util import is_compute
+from rpcompile.passes.rewrite.loss_head import CHUNK_META, TARGET
 from rpcompile.planner.planning import prepare
 
 COST_MODELS = {"analytic": dict(spec="rtx4090"), "measured": dict(device="cpu", cache=False)}

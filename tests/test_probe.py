@@ -13,7 +13,7 @@ from rpcompile.cli import main
 from rpcompile.core.errors import ConfigError
 from rpcompile.core.plan import Plan
 from rpcompile.core.specs import HostSpec, assumed_host
-from rpcompile.models import load_model
+from rpcompile.models.registry import load_model
 from rpcompile.planner.probe import load_host, probe_host
 from rpcompile.planner.profiling import profile
 from rpcompile.views.report import host_table

@@ -1,5 +1,6 @@
-"""Fast measured profiling (issue 20): repeated blocks measured once, nodes measured in batches, and the profile
-cache on disk (passes/repeats.py, passes/cost.py, passes/measured.py, passes/profile_cache.py, rpcompile cache).
+"""Fast measured profiling (issue 20): repeated blocks measured once, nodes measured in batches, and the profile cache
+on disk (passes/cost/repeats.py, passes/cost/cost.py, passes/cost/measured.py, passes/cost/profile_cache.py, rpcompile
+cache).
 
 Measured times on this shared 2-core machine vary by more than the differences these tests could see, so the
 shared path is checked by structure (which nodes were measured, which took whose times) and totals only within a
@@ -19,14 +20,14 @@ from torch import nn
 
 import rpcompile
 from rpcompile.cli import main
-from rpcompile.models import load_model
-from rpcompile.passes import measured, profile_cache
-from rpcompile.passes.analytic import AnalyticCostModel
-from rpcompile.passes.cost import COST_KEY, node_cost
-from rpcompile.passes.fingerprint import fingerprint
-from rpcompile.passes.measured import MeasuredCostModel
-from rpcompile.passes.repeats import block_of, repeat_map
-from rpcompile.passes.util import compute_nodes
+from rpcompile.models.registry import load_model
+from rpcompile.passes.cost import measured, profile_cache
+from rpcompile.passes.cost.analytic import AnalyticCostModel
+from rpcompile.passes.cost.cost_model import COST_KEY, node_cost
+from rpcompile.passes.cost.measured import MeasuredCostModel
+from rpcompile.passes.cost.repeats import block_of, repeat_map
+from rpcompile.passes.graph.fingerprint import fingerprint
+from rpcompile.passes.graph.util import compute_nodes
 from rpcompile.planner.planning import analyze, compile_plan
 
 
@@ -266,7 +267,7 @@ def test_the_key_changes_with_every_part(monkeypatch: pytest.MonkeyPatch) -> Non
         m.setattr(torch, "__version__", "0.0.0-other")
         variants["torch"] = key()
     with monkeypatch.context() as m:
-        m.setattr(profile_cache, "FORMAT_VERSION", profile_cache.FORMAT_VERSION + 1)
+        m.setattr(profile_cache, "PROFILE_FORMAT_VERSION", profile_cache.PROFILE_FORMAT_VERSION + 1)
         variants["format"] = key()
     assert key() == base  # deterministic
     assert len({base, *variants.values()}) == len(variants) + 1, variants

@@ -39,12 +39,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from rpcompile.cli import build_parser, main
+from rpcompile.cli import main
+from rpcompile.cli.parser import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 BIG_MODELS = ("llama-8b", "llama-1.7b", "llama-32b", "qwen3-30b-a3b", "qwen3-235b-a22b")
-MODEL_FILE = '''from rpcompile.models import load_model
+MODEL_FILE = '''from rpcompile.models.registry import load_model
 
 
 def factory():
@@ -225,7 +226,8 @@ def test_shell_block_runs(start, lines, workdir, capsys):
 def namespace():
     """What the README's Python blocks name: a one-layer LLaMA, a batch of 12 rows (enough for 8 GPUs' 9
     microbatches), a loss and two batches of data."""
-    from rpcompile.models import Llama, LlamaConfig, lm_loss
+    from rpcompile.models.llama import Llama, LlamaConfig
+    from rpcompile.models.registry import lm_loss
 
     torch.manual_seed(0)
     model = Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, max_seq_len=16))

@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 
 import rpcompile
-from rpcompile.models import load_model
 from rpcompile.core.batch import split_microbatches
 from rpcompile.core.schedule import Action, format_schedule, parse_action, round_robin
 from rpcompile.core.specs import get_spec
+from rpcompile.models.registry import load_model
 
 # The cpu preset's per-stage overhead (0.4 ms, the executor's real hand-off cost) makes the planner keep tiny
 # demo models in very few stages; these tests want many stages of every kind, so they plan with a GPU-like 30 µs.
@@ -53,7 +53,7 @@ def assert_matches_seeded_reference(spec, ref, x, y, m, loss, seed):
     pipeline's dropout ``seed``), run eagerly on one device over the same microbatches (gradient accumulation, no
     recompute); loss, gradients and buffers must match."""
     from rpcompile.runtime import rng
-    from rpcompile.passes.trace import trace
+    from rpcompile.passes.graph.trace import trace
 
     ref_gm = trace(ref, (x,))
     assert rng.seed_random_nodes(ref_gm) >= 1
@@ -210,7 +210,7 @@ def test_attention_dropout_replays_its_mask_in_recompute(allow_save):
     stage and in the backward stage's recompute) and its segment is recomputed, not saved. Reference: the same
     graph with the same per-node seeds run eagerly on one device over the same microbatches."""
     from rpcompile.core.randomness import is_random
-    from rpcompile.passes.trace import trace
+    from rpcompile.passes.graph.trace import trace
 
     model = bert(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.3).train()
     ref = copy.deepcopy(model)
@@ -477,10 +477,11 @@ def _saving_pipeline(name, parity, k=2, m=3, devices=None, adjust=None):
     backward stages cut elsewhere, and every other segment (outside the fused stage) saved, so each backward stage
     mixes saved and recomputed segments. On ``devices`` (default ``["cpu"] * k``)."""
     from rpcompile.passes.lower import plan_from_ranges
-    from rpcompile.passes.coarsen import coarsen_pass, segments_of
-    from rpcompile.passes.util import compute_nodes
+    from rpcompile.passes.rewrite.coarsen import coarsen_pass, segments_of
+    from rpcompile.passes.graph.util import compute_nodes
     from rpcompile.training.pipeline import Pipeline
-    from rpcompile.planner.planning import make_hardware, prepare
+    from rpcompile.planner.planning import prepare
+    from rpcompile.planner.plan_options import make_hardware
     from rpcompile.runtime.devices import make_devices
 
     spec = load_model(name, batch_size=10) if isinstance(name, str) else name
@@ -520,8 +521,8 @@ def _assert_saved_not_recomputed(pipe):
 
 
 def test_a_pipeline_compiled_again_runs_the_same_captures_unless_a_module_setting_differs():
-    """runtime/saved.py shares captures between segments of the same code, module settings and signature: a second
-    pipeline over the same model and plan runs the first one's (no trace) and still equals eager; a model whose
+    """runtime/segments/saved.py shares captures between segments of the same code, module settings and signature: a
+    second pipeline over the same model and plan runs the first one's (no trace) and still equals eager; a model whose
     embedding differs only in a setting (``padding_idx``: same graph code, no gradient for that row) captures
     afresh and equals its own eager. (Segments with a dropout never share: each has its own seed token.)"""
     def padded(spec):
@@ -543,7 +544,7 @@ def test_a_pipeline_compiled_again_runs_the_same_captures_unless_a_module_settin
 
 
 def test_the_segments_of_identical_layers_run_one_capture_unless_a_module_setting_differs():
-    """runtime/saved.py keys a capture by what it computes, not by names: the saved segments of llama-demo's
+    """runtime/segments/saved.py keys a capture by what it computes, not by names: the saved segments of llama-demo's
     identical layers (same code but for ``layers.1.`` / ``layers.2.``, parameters in the same places) run one
     capture, and the pipeline equals eager. With one layer's norm given another ``eps``, that layer's segment
     captures its own and the pipeline equals its own eager (a shared capture would run the other ``eps``)."""
@@ -668,7 +669,7 @@ def test_saved_segments_batchnorm_and_dropout(parity):
 def test_a_summed_loss_sums_the_microbatches_and_a_loss_per_sample_is_refused():
     import torch.nn.functional as F
 
-    from rpcompile.models import load_model
+    from rpcompile.models.registry import load_model
 
     class TokenCE(torch.nn.Module):
         """A token cross-entropy with torch's ``reduction`` convention."""

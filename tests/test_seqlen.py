@@ -9,7 +9,7 @@ import pytest
 import rpcompile
 from rpcompile.cli import main
 from rpcompile.core.errors import InfeasibleError
-from rpcompile.models import load_model
+from rpcompile.models.registry import load_model
 from rpcompile.planner.seqlen import SeqLenResult, max_sequence_length
 
 LIMIT = 16 * 2**20  # llama-demo's activations pass this between 4K and 8K tokens per microbatch

@@ -6,7 +6,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from rpcompile.passes.shape import SHAPE_KEY, ShapeInfo, TensorInfo, shape_pass
+from rpcompile.passes.graph.shape import SHAPE_KEY, ShapeInfo, TensorInfo, shape_pass
 
 
 class Views(nn.Module):

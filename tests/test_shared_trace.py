@@ -11,11 +11,11 @@ import torch
 from rpcompile.cli import main
 from rpcompile.cli import plan_cmd
 from rpcompile.core.plan import Plan
-from rpcompile.models import load_model
-from rpcompile.passes.cost import COST_KEY
-from rpcompile.passes.loss_head import split_head
-from rpcompile.passes.shape import SHAPE_KEY
-from rpcompile.passes.trace import trace
+from rpcompile.models.registry import load_model
+from rpcompile.passes.cost.cost_model import COST_KEY
+from rpcompile.passes.graph.shape import SHAPE_KEY
+from rpcompile.passes.graph.trace import trace
+from rpcompile.passes.rewrite.loss_head import split_head
 from rpcompile.planner import planning
 from rpcompile.planner.shared_trace import TraceOnce, graph_copy
 
@@ -155,7 +155,7 @@ def test_llama_8b_plans_as_with_a_trace_per_split(monkeypatch, tmp_path, capsys,
 
 
 def test_a_later_split_takes_the_bodys_shapes_and_costs_from_the_first_and_they_equal_a_fresh_run():
-    """The memo (passes/reuse.py): the 8-chunk split shapes and costs only the head region again."""
+    """The memo (passes/graph/reuse.py): the 8-chunk split shapes and costs only the head region again."""
     ms = load_model("llama-demo")
     kw = dict(gpus=2, spec="rtx4090", loss_fn=ms.loss_fn, example_target=ms.example_target)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rpcompile.cli import main
-from rpcompile.passes.timing import pipeline_time
+from rpcompile.passes.solver.timing import pipeline_time
 from rpcompile.core.plan import Plan
 from rpcompile.core.stages import HostLoad
 from rpcompile.tools.scenarios import SCHEDULES, from_plan

@@ -13,8 +13,8 @@ from rpcompile.core.schedule import (OVERLAP_ITERATIONS, format_schedule, interl
                                      round_robin)
 from rpcompile.core.errors import SimulationError
 from rpcompile.core.stages import HostLoad, StageCost
-from rpcompile.passes.timing import pipeline_time
-from rpcompile.runtime.simulator import simulate
+from rpcompile.passes.solver.timing import pipeline_time
+from rpcompile.runtime.sim.simulator import simulate
 from rpcompile.tools.scenarios import layer_profile_scenarios, load_layer_profile
 
 

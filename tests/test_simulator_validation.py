@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from rpcompile.models import Llama, LlamaConfig
+from rpcompile.models.llama import Llama, LlamaConfig
 from rpcompile.models.registry import lm_loss
 from rpcompile.tools.simulator_validation import compile_for_validation, validate
 

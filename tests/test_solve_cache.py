@@ -10,8 +10,9 @@ import logging
 import pytest
 
 from rpcompile.cli import main
-from rpcompile.models import load_model
-from rpcompile.passes import partition, solve_cache
+from rpcompile.models.registry import load_model
+from rpcompile.passes import solve_cache
+from rpcompile.passes.solver import partition
 from rpcompile.planner.planning import compile_plan
 
 
@@ -31,13 +32,13 @@ def test_a_second_compile_solves_nothing_and_gets_the_same_plan(monkeypatch):
     whole head's solve in a forked child: its entry is written and read there)."""
     first = compile_gpt()
     assert not first.result.cached
-    assert len(solve_cache.entries()) == 2  # the whole head and the 8-chunk split
+    assert len(solve_cache.solve_entries()) == 2  # the whole head and the 8-chunk split
     monkeypatch.setattr(partition, "ilp", lambda *a, **k: pytest.fail("solved although the cache holds it"))
     second = compile_gpt()
     assert second.result.cached
     assert second.result.solve_time_s == first.result.solve_time_s
     assert plan_dict(second) == plan_dict(first)
-    assert len(solve_cache.entries()) == 2
+    assert len(solve_cache.solve_entries()) == 2
 
 
 def test_an_entry_whose_stats_list_the_ilps_budgets_is_a_hit(monkeypatch):
@@ -45,7 +46,7 @@ def test_an_entry_whose_stats_list_the_ilps_budgets_is_a_hit(monkeypatch):
     them was once refused as "wrong schema" (stats nested 3 deep), so every ILP plan that met an infeasible
     budget was solved afresh at every compile."""
     first = compile_gpt(head_chunks=1)
-    (path,) = solve_cache.entries()
+    (path,) = solve_cache.solve_entries()
     data = json.loads(path.read_text())
     data["stats"]["budgets"] = [[6, "INFEASIBLE", 0.011, 192], [7, "OPTIMAL", 0.02, 12]]
     path.write_text(json.dumps(data))
@@ -55,12 +56,12 @@ def test_an_entry_whose_stats_list_the_ilps_budgets_is_a_hit(monkeypatch):
 
 def test_no_cache_solves_and_keeps_nothing():
     compile_gpt(cache=False)
-    assert solve_cache.entries() == []
+    assert solve_cache.solve_entries() == []
 
 
 def test_a_corrupt_or_tampered_entry_is_ignored_with_one_warning_and_replaced(caplog):
     first = compile_gpt(head_chunks=1)
-    (path,) = solve_cache.entries()
+    (path,) = solve_cache.solve_entries()
     data = json.loads(path.read_text())
     data["objective"] *= 0.5  # a plan that does not score as stored
     path.write_text(json.dumps(data))
@@ -100,7 +101,7 @@ def _set(raw: bytes, field: str, text: str) -> bytes:
 
 def test_hostile_entries_are_ignored_with_one_warning_and_solved_afresh(caplog):
     first = compile_gpt(head_chunks=1)
-    (path,) = solve_cache.entries()
+    (path,) = solve_cache.solve_entries()
     good = path.read_bytes()
     for name, (corrupt, why) in HOSTILE.items():
         path.write_bytes(corrupt(good))
@@ -123,8 +124,8 @@ def test_the_cli_reuses_a_solve_and_cache_clear_forgets_it(capsys, monkeypatch):
     assert json.loads(capsys.readouterr().out)["stages"] == first["stages"]
     assert main(["cache", "clear"]) == 0
     assert "and 1 solved partition" in capsys.readouterr().out
-    assert solve_cache.entries() == []
+    assert solve_cache.solve_entries() == []
     calls = []
     monkeypatch.setattr(partition, "ilp", lambda *a, **k: calls.append(1) or real(*a, **k))
     assert main([*argv, "--no-cache"]) == 0
-    assert calls == [1] and solve_cache.entries() == []
+    assert calls == [1] and solve_cache.solve_entries() == []

@@ -1,6 +1,6 @@
 """Weights that stay on their device, planning side: the walk (:func:`rpcompile.core.schedule.weight_stays`), what
-the timing model charges and spares (:mod:`rpcompile.passes.stays`), what the simulator plays, what the solver picks
-(:mod:`rpcompile.passes.stay_search`), and the plan file and ``show`` that carry them. The runtime's side:
+the timing model charges and spares (:mod:`rpcompile.passes.solver.stays`), what the simulator plays, what the solver
+picks (:mod:`rpcompile.passes.solver.stay_search`), and the plan file and ``show`` that carry them. The runtime's side:
 ``tests/test_stays_runtime.py``."""
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from rpcompile.core.errors import PlanFileError
 from rpcompile.core.plan import Plan
 from rpcompile.core.schedule import round_robin, weight_stays
 from rpcompile.core.stages import StageCost
-from rpcompile.passes.partition import solve
-from rpcompile.passes.problem import SegmentPlan
-from rpcompile.passes.segment_rules import validate_segment_plan
-from rpcompile.passes.stay_search import choose_stays, without_stays
-from rpcompile.passes.timing import iteration_time, stage_costs
-from rpcompile.runtime.simulator import simulate
+from rpcompile.passes.solver.partition import solve
+from rpcompile.passes.solver.problem import SegmentPlan
+from rpcompile.passes.solver.segment_rules import validate_segment_plan
+from rpcompile.passes.solver.stay_search import choose_stays, without_stays
+from rpcompile.passes.solver.timing import iteration_time, stage_costs
+from rpcompile.runtime.sim.simulator import simulate
 from rpcompile.tools.scenarios import from_plan, from_segment_plan
 
 from partition_cases import llama_like, tiny_chain

@@ -14,8 +14,8 @@ import torch
 
 import rpcompile
 from rpcompile.passes.lower import to_plan
-from rpcompile.passes.stay_search import without_stays
-from rpcompile.passes.stays import resident_allowed, stay_candidates
+from rpcompile.passes.solver.stay_search import without_stays
+from rpcompile.passes.solver.stays import resident_allowed, stay_candidates
 from rpcompile.planner import planning
 
 from _devices import StridedDevice

@@ -39,7 +39,7 @@ from rpcompile.cli import main
 from rpcompile.core.errors import RPCompileError
 from rpcompile.core.plan import Plan
 from rpcompile.core.text import printable
-from rpcompile.passes.codegen import stage_source
+from rpcompile.passes.rewrite.codegen import stage_source
 from rpcompile.tools.simulation import plan_scenarios, run_all
 from rpcompile.views.gantt import timeline_svg
 from rpcompile.views.graphview import graph_dot, graph_svg

@@ -1,4 +1,5 @@
-"""The timing model (:mod:`rpcompile.passes.timing`): stage costs, the event recurrence, transfer edges, lazy offload.
+"""The timing model (:mod:`rpcompile.passes.solver.timing`): stage costs, the event recurrence, transfer edges, lazy
+offload.
 
 Literal examples worked by hand, the recurrence against a plain event simulation, and the model against the
 simulator, which plays the very same :class:`~rpcompile.core.stages.StageCost` list.
@@ -19,15 +20,16 @@ from rpcompile.core.errors import ConfigError, ProblemError
 from rpcompile.core.schedule import round_robin, steady_period
 from rpcompile.core.specs import HostSpec
 from rpcompile.core.stages import HostLoad, StageCost, host_load
-from rpcompile.passes.problem import PartitionProblem, SegmentPlan, SharedParam
-from rpcompile.passes.segment_rules import validate_segment_plan
-from rpcompile.passes.tables import RangeTables
-from rpcompile.passes.partition import solve
-from rpcompile.passes.recurrence import host_lane_end, overlapped_ends
-from rpcompile.passes.timing import (bubble_fraction, equal_time_factor, host_times, iteration_time, offload_backlog,
-                                     pipeline_time, plan_memory, save_reads, stage_costs, transfer_edges)
-from rpcompile.runtime.simulator import simulate
-from rpcompile.models import load_model
+from rpcompile.models.registry import load_model
+from rpcompile.passes.solver.partition import solve
+from rpcompile.passes.solver.problem import PartitionProblem, SegmentPlan, SharedParam
+from rpcompile.passes.solver.recurrence import host_lane_end, overlapped_ends
+from rpcompile.passes.solver.segment_rules import validate_segment_plan
+from rpcompile.passes.solver.tables import RangeTables
+from rpcompile.passes.solver.timing import (bubble_fraction, equal_time_factor, host_times, iteration_time,
+                                            offload_backlog, pipeline_time, plan_memory, save_reads, stage_costs,
+                                            transfer_edges)
+from rpcompile.runtime.sim.simulator import simulate
 from rpcompile.tools.scenarios import from_plan, from_segment_plan
 
 from partition_cases import llama_like, tiny_chain

@@ -1,4 +1,4 @@
-"""Tracing (passes/trace.py): eager equivalence, original parameter names, shared storage, clear failures."""
+"""Tracing (passes/graph/trace.py): eager equivalence, original parameter names, shared storage, clear failures."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ import torch
 from torch import fx, nn
 
 from rpcompile.core.errors import TraceError
-from rpcompile.models import load_model
 from rpcompile.models.llama import Attention
-from rpcompile.passes.cost import cost_pass
-from rpcompile.passes.measured import MeasuredCostModel
-from rpcompile.passes.portable import portable_pass
-from rpcompile.passes.shape import shape_pass
-from rpcompile.passes.util import module_path
-from rpcompile.passes.trace import TRACE_META_KEY, trace
+from rpcompile.models.registry import load_model
+from rpcompile.passes.cost.cost import cost_pass
+from rpcompile.passes.cost.measured import MeasuredCostModel
+from rpcompile.passes.graph.portable import portable_pass
+from rpcompile.passes.graph.shape import shape_pass
+from rpcompile.passes.graph.trace import TRACE_META_KEY, trace
+from rpcompile.passes.graph.util import module_path
 
 
 def assert_same_state(gm: fx.GraphModule, model: nn.Module) -> None:

@@ -261,8 +261,8 @@ def test_in_place_activations_train_like_eager(make):
 def test_an_in_place_activation_on_a_view_stays_in_place_and_is_costed():
     """An in-place op the graph cannot make out of place (it writes through an ``nn.Identity`` into its input)
     keeps its semantics; profiling runs it on a copy of its leaf input."""
-    from rpcompile.passes.inplace import writes_first_arg
-    from rpcompile.passes.trace import trace
+    from rpcompile.passes.graph.inplace import writes_first_arg
+    from rpcompile.passes.graph.trace import trace
 
     class Through(nn.Module):
         def __init__(self):
@@ -306,10 +306,11 @@ def test_a_tuple_handed_between_saved_segments_is_recomputed_like_eager():
     takes tensors only (the tuple's tensor was a real tensor inside a fake trace), so those segments are recomputed
     and the others saved; loss and gradients equal eager."""
     from rpcompile.passes.lower import plan_from_ranges
-    from rpcompile.passes.coarsen import SEGMENT_KEY
-    from rpcompile.passes.util import compute_nodes
+    from rpcompile.passes.rewrite.coarsen import SEGMENT_KEY
+    from rpcompile.passes.graph.util import compute_nodes
     from rpcompile.training.pipeline import Pipeline
-    from rpcompile.planner.planning import make_hardware, prepare
+    from rpcompile.planner.planning import prepare
+    from rpcompile.planner.plan_options import make_hardware
     from rpcompile.runtime.devices import make_devices
 
     torch.manual_seed(0)

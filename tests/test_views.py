@@ -11,13 +11,14 @@ import pytest
 
 import rpcompile
 from rpcompile.core.errors import ConfigError
-from rpcompile.views.graphview import graph_dot, graph_svg, rollup, write_graph
+from rpcompile.models.registry import load_model
+from rpcompile.passes.graph.util import compute_nodes
 from rpcompile.passes.lower import plan_from_ranges
-from rpcompile.models import load_model
-from rpcompile.passes.util import compute_nodes
-from rpcompile.planner.planning import make_hardware
+from rpcompile.planner.plan_options import make_hardware
+from rpcompile.runtime.sim.sim_result import SimEvent
 from rpcompile.views.gantt import timeline_svg, write_timeline_svg
-from rpcompile.runtime.simulator import SimEvent
+from rpcompile.views.graph_rollup import rollup
+from rpcompile.views.graphview import graph_dot, graph_svg, write_graph
 
 
 def TimelineBar(device, lane, kind, stage, microbatch, start, end, action=""):  # noqa: N802 - reads like a type

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import rpcompile
 from rpcompile.core.specs import get_spec
-from rpcompile.runtime.executor import PipelineError
+from rpcompile.runtime.failures import PipelineError
 from rpcompile.runtime.optim import BACKEND_ENV, AdamW as FusedAdamW
 
 FINE = dataclasses.replace(get_spec("cpu"), name="cpu-fine-stages", stage_overhead_s=30e-6)

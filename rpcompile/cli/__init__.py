@@ -20,18 +20,20 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import cast
 
-from rpcompile.core.errors import RPCompileError
+from rpcompile.core.errors import RPCompileError, first_line
 from rpcompile.core.text import printable
 
-from .parser import DEFAULT_MICROBATCHES, build_parser
+from .parser import build_parser
 
-__all__ = ["main", "build_parser", "DEFAULT_MICROBATCHES", "COMMANDS"]
+__all__ = ["main", "COMMANDS"]
 
 COMMANDS = {
-    "profile": "model_cmds:profile", "models": "model_cmds:models", "demo": "model_cmds:demo",
-    "plan": "plan_cmd:plan", "simulate": "simulate_cmd:simulate",
-    "check": "plan_file_cmds:check", "diff": "plan_file_cmds:diff", "show": "plan_file_cmds:show",
-    "probe": "probe_cmd:probe", "cache": "cache_cmd:cache", "checkpoint": "checkpoint_cmd:checkpoint",
+    "profile": "model_cmds:profile_command", "models": "model_cmds:models_command", "demo": "model_cmds:demo_command",
+    "plan": "plan_cmd:plan_command", "simulate": "simulate_cmd:simulate_command",
+    "check": "plan_file_cmds:check_command", "diff": "plan_file_cmds:diff_command",
+    "show": "plan_file_cmds:show_command",
+    "probe": "probe_cmd:probe_command", "cache": "cache_cmd:cache_command",
+    "checkpoint": "checkpoint_cmd:checkpoint_command",
 }
 """Each command → ``module:function`` (in this package) that runs it and returns the exit status."""
 
@@ -85,7 +87,7 @@ def _main(argv: Sequence[str] | None, own: bool = False) -> int:
     except Exception as e:  # not anticipated: still one line, the traceback behind -v
         if args.verbose:
             raise
-        text = printable(str(e).strip().splitlines()[0], limit=400) if str(e).strip() else ""
+        text = printable(first_line(e), limit=400)
         print(f"rpcompile: error: {type(e).__name__}{': ' + text if text else ''} (unexpected: rerun with -v for the "
               "traceback, and please report it)", file=sys.stderr)
         return 2

@@ -14,10 +14,10 @@ from rpcompile.training.checkpoint.load import describe
 
 from .common import say
 
-__all__ = ["checkpoint"]
+__all__ = ["checkpoint_command"]
 
 
-def checkpoint(args: argparse.Namespace) -> int:
+def checkpoint_command(args: argparse.Namespace) -> int:
     return _convert(args) if args.action == "convert" else _verify(args)
 
 

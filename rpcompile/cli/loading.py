@@ -6,8 +6,7 @@ import argparse
 
 import torch
 
-from rpcompile.models import ModelSpec, load_model
-from rpcompile.models.registry import _PRESETS
+from rpcompile.models.registry import ModelSpec, load_model, preset_batch_size
 
 __all__ = ["load", "load_for", "dtype"]
 
@@ -26,8 +25,8 @@ def load_for(args: argparse.Namespace, microbatches: int) -> ModelSpec:
     """The model with a batch of at least ``microbatches`` (one sample per microbatch at least) unless
     ``--batch-size`` says otherwise: the meta presets come with a batch of one sequence. A built-in model's batch
     is known before it is built, so it is built once (a model file's is not: it ignores ``--batch-size``)."""
-    preset = _PRESETS.get(args.model)
-    if args.batch_size is None and preset is not None and preset.batch_size < microbatches:
+    batch = preset_batch_size(args.model)
+    if args.batch_size is None and batch is not None and batch < microbatches:
         args.batch_size = microbatches
     ms = load(args)
     first = ms.example_inputs[0] if ms.example_inputs else None

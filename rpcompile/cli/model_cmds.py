@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from rpcompile.models import model_summaries
+from rpcompile.models.registry import model_summaries
 from rpcompile.planner.profiling import profile as profile_model
 from rpcompile.tools.demo import run_demo
 from rpcompile.views.report import cost_label, host_table, models_table, print_table, profile_table
@@ -13,12 +13,12 @@ from rpcompile.views.report import cost_label, host_table, models_table, print_t
 from .common import bars, step
 from .loading import dtype, load
 
-__all__ = ["profile", "models", "demo"]
+__all__ = ["profile_command", "models_command", "demo_command"]
 
 
-def profile(args: argparse.Namespace) -> int:
+def profile_command(args: argparse.Namespace) -> int:
     ms = load(args)
-    prof = profile_model(ms.model, ms.example_inputs, spec=args.spec, device=args.device, dtype=dtype(args.dtype),
+    prof = profile_model(ms.model, ms.example_inputs, spec=args.spec, device=args.device, dtype=dtype(args.precision),
                          depth=args.depth, progress=bars(args), probe_host=args.probe_host, cache=args.cache)
     if args.json:
         print(json.dumps(prof.to_dict(nodes=args.nodes)))
@@ -30,12 +30,12 @@ def profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def models(args: argparse.Namespace) -> int:
+def models_command(args: argparse.Namespace) -> int:
     with step(args, "counting parameters on the meta device"):
         rows = model_summaries()
     print_table(models_table(rows))
     return 0
 
 
-def demo(args: argparse.Namespace) -> int:
+def demo_command(args: argparse.Namespace) -> int:
     return run_demo(args.model)

@@ -26,6 +26,31 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
 
 
+#: Per command: an example or two for its ``--help`` (each runs as written: tests/test_cli.py).
+EXAMPLES: dict[str, tuple[str, ...]] = {
+    "profile": ("rpcompile profile llama-demo --spec rtx4090", "rpcompile profile llama-8b --spec rtx4090 --precision bf16"),
+    "plan": ("rpcompile plan llama-demo --gpus 2 --spec rtx4090 -o plan.json",
+             "rpcompile plan llama-8b --gpus 8 --spec rtx4090 --lora 16 --quantize nf4"),
+    "simulate": ("rpcompile simulate plan.json", "rpcompile simulate llama-demo --gpus 4 --spec rtx4090"),
+    "check": ("rpcompile check plan.json llama-demo --max-regression 5%",),
+    "diff": ("rpcompile diff old.json plan.json",),
+    "show": ("rpcompile show plan.json", "rpcompile show plan.json --graph plan.svg --model llama-demo"),
+    "probe": ("rpcompile probe -o host.json",),
+    "cache": ("rpcompile cache", "rpcompile cache clear"),
+    "demo": ("rpcompile demo", "rpcompile demo --model gpt-demo"),
+    "models": ("rpcompile models",),
+    "checkpoint": ("rpcompile checkpoint verify ckpt/", "rpcompile checkpoint convert ckpt/ckpt-00000006.ckpt ckpt-new/"),
+}
+
+
+def _command(sub: argparse._SubParsersAction, name: str, what: str, details: str = "") -> argparse.ArgumentParser:
+    """Subcommand ``name``: ``what`` in the command list and its ``--help`` (with ``details``), then its
+    :data:`EXAMPLES`."""
+    examples = "\n".join(f"  {line}" for line in EXAMPLES[name])
+    return sub.add_parser(name, help=what, description=what[:1].upper() + what[1:] + (f". {details}" if details else "."),
+                          epilog=f"examples:\n{examples}", formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="rpcompile", description=_DESCRIPTION)
     parser.add_argument("-v", "--verbose", action="store_true", help="log pass timings")
@@ -40,9 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_probe(sub)
     _add_cache(sub)
     _add_checkpoint(sub)
-    sub.add_parser("demo", help="the main job: compile a built-in model and show what rpcompile does").add_argument(
-        "--model", default="llama-demo", help="built-in model (default llama-demo)")
-    sub.add_parser("models", help="the built-in models: parameters, layers, whether they train here or are meta only")
+    _command(sub, "demo", "the main job: compile a built-in model and show what rpcompile does",
+             "It costs the model, plans it for the devices at hand (each GPU, or two logical CPU devices) beside "
+             "the baselines, trains that plan a few steps (the loss falling, the step time beside the prediction) "
+             "and plans the real Llama-3-8B shape for 8 × RTX 4090 (predicted)").add_argument(
+        "--model", default="llama-demo", help="built-in model (default llama-demo; see rpcompile models)")
+    _command(sub, "models", "the built-in models: parameters, layers, whether they train here or are meta only")
     return parser
 
 
@@ -52,7 +80,6 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=positive_int, default=None, help="override the example sequence length (decoders)")
     p.add_argument("--model-device", type=device, default=None, help="build the model on this device (default: the model's own)")
     _add_cost_source(p)
-    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None, help="cost compute in this precision")
     p.add_argument("--no-cache", dest="cache", action="store_false",
                    help="measure costs and solve afresh and keep nothing (default: reuse measured costs and solved "
                         "partitions kept in the cache, rpcompile cache)")
@@ -72,8 +99,12 @@ def _add_batch_override(p: argparse.ArgumentParser) -> None:
 
 
 def _add_profile(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("profile", help="cost table of a model, rolled up per module")
+    p = _command(sub, "profile", "cost table of a model, rolled up per module",
+                 "Each graph node's forward and backward time and memory, measured on --device or analytic for "
+                 "--spec, summed per module")
     _add_model_args(p)
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
+                   help="cost the compute in this precision (default: the model's own dtype)")
     p.add_argument("--nodes", action="store_true", help="one row per graph node instead of per module")
     p.add_argument("--depth", type=int, default=None, help="module depth of the roll-up (default: keep layer indices)")
     p.add_argument("--probe-host", action="store_true",
@@ -82,13 +113,17 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("plan", help="partition a model into round-robin stages and compare with the baselines")
+    p = _command(sub, "plan", "partition a model into round-robin stages and compare with the baselines",
+                 "Traces and costs the model, solves the partition (forward and backward cuts, what is saved or "
+                 "recomputed, what stays on the devices) under each device's memory, prints the stage table and "
+                 "the predicted iteration; -o writes the plan file")
     _add_model_args(p)
     p.add_argument("--gpus", type=positive_int, required=True, help="number of devices")
     p.add_argument("--microbatches", type=microbatch_count, default=None,
                    help=f"microbatches per iteration (default {DEFAULT_MICROBATCHES})")
     p.add_argument("--memory-limit", type=parse_bytes, default=None, help="usable memory per device, e.g. 20GiB (default: the spec's)")
-    p.add_argument("--strategy", choices=("ilp", "dp", "roundpipe", "uniform"), default="ilp")
+    p.add_argument("--strategy", choices=("ilp", "dp", "roundpipe", "uniform"), default="ilp",
+                   help="ilp (default): the solver; dp, roundpipe, uniform: the baselines it is compared with")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16", help="compute/upload precision (default bf16)")
     p.add_argument("--time-limit", type=positive_float, default=10.0, help="solver time limit in seconds (default 10)")
     p.add_argument("--max-segments", type=int, default=None, help="coarsening target (default ~2 per layer)")
@@ -135,21 +170,26 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_probe(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("probe", help="measure this host: memory bandwidth, casts, gradient adds, AdamW, host-device copies")
+    p = _command(sub, "probe", "measure this host: memory bandwidth, casts, gradient adds, AdamW, host-device copies",
+                 "The host's rates price the optimizer step, the copy refresh and the gradient accumulation in "
+                 "plans (plan --host FILE)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("-o", "--output", default=None, help="write the host JSON here (for rpcompile plan --host FILE)")
 
 
 def _add_cache(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("cache", help="the profile cache of measured costs: its entries and size; clear empties it")
+    p = _command(sub, "cache", "the profile cache of measured costs: its entries and size; clear empties it",
+                 "Measured costs and solved partitions are kept there and reused by the next plan of the same model")
     p.add_argument("action", nargs="?", choices=("show", "clear"), default="show",
                    help="show (default): directory, entries, size; clear: remove every entry")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
 
 
 def _add_checkpoint(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("checkpoint", help="a run's checkpoints: verify them; convert an older .ckpt file",
-                       description="rpcompile checkpoint verify ckpt/ | rpcompile checkpoint convert OLD.ckpt NEW/")
+    p = _command(sub, "checkpoint", "a run's checkpoints: verify them; convert an older .ckpt file",
+                 "A checkpoint is a directory (safetensors weights in HF's layout, optimizer.pt, pipeline.json, a "
+                 "manifest of sha256s); verify checks each one whole without loading it, convert rewrites a "
+                 "ckpt-<step>.ckpt file of the earlier format as one")
     actions = p.add_subparsers(dest="action", required=True)
     v = actions.add_parser("verify", help="check each checkpoint whole (sizes, sha256) without loading it; exit 1 if "
                                           "one is torn or corrupt")
@@ -163,9 +203,10 @@ def _add_checkpoint(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_simulate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("simulate", help="simulate schedules on one clock: a plan file, a model, or a layer profile",
-                       description="rpcompile simulate plan.json | MODEL --gpus N [--schedules all] | "
-                                   "--layer-profile FILE --model NAME")
+    p = _command(sub, "simulate", "simulate schedules on one clock: a plan file, a model, or a layer profile",
+                 "rpcompile simulate plan.json | MODEL --gpus N [--schedules all] | --layer-profile FILE --model "
+                 "NAME: the executor's own action lists walked with each device's compute and link, against GPipe, "
+                 "1F1B, interleaved 1F1B and RoundPipe")
     p.add_argument("target", nargs="?", default=None, help="a plan .json file, or a built-in model / path/to/file.py:factory")
     _add_batch_override(p)
     _add_cost_source(p)
@@ -203,7 +244,9 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_check(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("check", help="exit 1 when a plan file is stale, invalid, does not fit or has regressed (for CI)")
+    p = _command(sub, "check", "exit 1 when a plan file is stale, invalid, does not fit or has regressed (for CI)",
+                 "The plan is verified against the model as it is now and re-priced; a fresh plan is solved when "
+                 "what the plan was solved from moved (--resolve: always)")
     p.add_argument("plan", help="the plan .json file")
     p.add_argument("model", help="built-in model name or path/to/file.py:factory the plan is for")
     _add_batch_override(p)
@@ -216,14 +259,15 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_diff(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("diff", help="what changed between two plan files (exit 1 when they differ)")
+    p = _command(sub, "diff", "what changed between two plan files (exit 1 when they differ)",
+                 "Cuts by module, stages, saved activations, weights that stay and the prediction")
     p.add_argument("a", help="the old plan .json")
     p.add_argument("b", help="the new plan .json")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
 
 
 def _add_show(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("show", help="a plan file's stage table; --graph draws the model rolled up by module")
+    p = _command(sub, "show", "a plan file's stage table; --graph draws the model rolled up by module")
     p.add_argument("plan", help="the plan .json file")
     p.add_argument("--graph", default=None, metavar="FILE.svg", help="write the rolled-up graph (.svg or .dot)")
     p.add_argument("--model", dest="graph_model", default=None, metavar="MODEL",

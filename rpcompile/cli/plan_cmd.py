@@ -14,29 +14,30 @@ import torch
 
 from rpcompile.core.errors import ConfigError, RPCompileError
 from rpcompile.core.plan import Hardware, Plan
-from rpcompile.models import ModelSpec
-from rpcompile.passes.background import solving
-from rpcompile.passes.codegen import write_stages
-from rpcompile.passes.split import split_plan
 from rpcompile.core.specs import HostSpec
+from rpcompile.models.registry import ModelSpec
+from rpcompile.passes.background import solving
+from rpcompile.passes.formulate import partition_problem
+from rpcompile.passes.rewrite.codegen import write_stages
+from rpcompile.passes.rewrite.split import split_plan
 from rpcompile.planner.envelope import link_bound, microbatch_tokens
-from rpcompile.training.host_memory import host_memory
+from rpcompile.planner.plan_options import (default_spec, fastest, head_chunk_candidates, infeasible_error,
+                                            make_hardware, model_device, split_limit)
+from rpcompile.planner.planning import compare, prepare, shared_trace
+from rpcompile.planner.probe import load_host, probe_host
+from rpcompile.planner.seqlen import max_sequence_length
 from rpcompile.tools.lora import LORA_TARGETS, apply_lora
 from rpcompile.tools.qlora import quantize_base
-from rpcompile.planner.plan_options import model_device, split_limit
-from rpcompile.planner.probe import load_host, probe_host
-from rpcompile.planner.planning import (compare, default_spec, fastest, head_chunk_candidates, infeasible_error,
-                                make_hardware, partition_problem, prepare, shared_trace)
+from rpcompile.training.host_memory import host_memory
 from rpcompile.views.report import compare_table, plan_table, print_table
-from rpcompile.planner.seqlen import max_sequence_length
 
 from .common import bars, default_microbatches, directory, step, writable
 from .loading import load_for
 
-__all__ = ["plan"]
+__all__ = ["plan_command"]
 
 
-def plan(args: argparse.Namespace) -> int:
+def plan_command(args: argparse.Namespace) -> int:
     if args.output:  # before the minutes of planning, not after
         writable(args.output, "-o")
     if args.emit:

@@ -16,10 +16,10 @@ from rpcompile.views.report import plan_table, print_table
 from .common import bars, say, step, stepper
 from .loading import load_for
 
-__all__ = ["check", "diff", "show"]
+__all__ = ["check_command", "diff_command", "show_command"]
 
 
-def check(args: argparse.Namespace) -> int:
+def check_command(args: argparse.Namespace) -> int:
     try:
         microbatches = Plan.load(args.plan).microbatches
     except PlanFileError:
@@ -35,7 +35,7 @@ def check(args: argparse.Namespace) -> int:
     return 0 if res.ok else 1
 
 
-def diff(args: argparse.Namespace) -> int:
+def diff_command(args: argparse.Namespace) -> int:
     d = diff_plans(Plan.load(args.a), Plan.load(args.b), a_name=args.a, b_name=args.b)
     if args.json:
         print(json.dumps(d.to_dict()))
@@ -44,7 +44,7 @@ def diff(args: argparse.Namespace) -> int:
     return 1 if d.changed else 0
 
 
-def show(args: argparse.Namespace) -> int:
+def show_command(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
     hw = plan.hardware
     print_table(plan_table(plan, title=f"{args.plan}: {plan.strategy} plan, {len(plan.stages)} stages on "

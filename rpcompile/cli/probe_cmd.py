@@ -11,10 +11,10 @@ from rpcompile.views.report import host_table, print_table
 
 from .common import step, writable
 
-__all__ = ["probe"]
+__all__ = ["probe_command"]
 
 
-def probe(args: argparse.Namespace) -> int:
+def probe_command(args: argparse.Namespace) -> int:
     if args.output:
         writable(args.output, "-o")
     with step(args, "probing the host"):

@@ -18,10 +18,10 @@ from rpcompile.views.report import devices_table, host_line, print_table, scalin
 from .common import bars, default_microbatches, say, step, stepper, writable
 from .loading import load_for
 
-__all__ = ["simulate"]
+__all__ = ["simulate_command"]
 
 
-def simulate(args: argparse.Namespace) -> int:
+def simulate_command(args: argparse.Namespace) -> int:
     host = args.host_bandwidth or math.inf
     if args.timeline:
         writable(args.timeline, "--timeline")

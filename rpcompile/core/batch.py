@@ -19,7 +19,7 @@ def flat_inputs(gm: fx.GraphModule, args: Sequence[Any], kwargs: Mapping[str, An
 
     Graphs from torch.export take pytree-flattened inputs; graphs from symbolic_trace take one value per
     placeholder (positional first, then keyword by placeholder name, then defaults). Placeholders whose value
-    the host computes (:mod:`rpcompile.passes.host`) are not inputs and have no value here.
+    the host computes (:mod:`rpcompile.passes.rewrite.host`) are not inputs and have no value here.
     """
     kwargs = dict(kwargs or {})
     info = getattr(gm.graph._codegen, "pytree_info", None)
@@ -32,7 +32,7 @@ def flat_inputs(gm: fx.GraphModule, args: Sequence[Any], kwargs: Mapping[str, An
         return pytree.tree_leaves((tuple(args), kwargs))
     values: list[Any] = []
     it = iter(args)
-    computed = {h.value for h in gm.meta.get("rpcompile.host", ())}  # passes/host.py's HOST_KEY
+    computed = {h.value for h in gm.meta.get("rpcompile.host", ())}  # passes/rewrite/host.py's HOST_KEY
     for node in gm.graph.find_nodes(op="placeholder"):
         if node.name in computed:
             continue

@@ -22,7 +22,21 @@ __all__ = [
     "SimulationError",
     "LossHeadError",
     "ConcurrentCallError",
+    "LossFnError",
+    "one_line",
+    "first_line",
 ]
+
+
+def first_line(e: BaseException) -> str:
+    """The first non-blank line of ``e``'s message ("" if it has none)."""
+    return next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+
+
+def one_line(e: BaseException) -> str:
+    """``Type: first line of the message`` (torch's messages run to several lines)."""
+    text = first_line(e)
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 class RPCompileError(Exception):

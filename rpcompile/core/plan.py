@@ -237,7 +237,7 @@ class Prediction:
     overlap_iterations: bool = False
     """The plan was made for overlapped iterations (``rpcompile.plan(..., overlap=True)``): each device goes on to
     the next iteration's stages while the others drain, so ``iteration_time_s`` is the steady-state period and
-    ``bubble_fraction`` the idle time over it (:func:`rpcompile.passes.recurrence.overlapped_ends`);
+    ``bubble_fraction`` the idle time over it (:func:`rpcompile.passes.solver.recurrence.overlapped_ends`);
     ``pipeline_s`` is still one iteration alone. Written to the file only when true."""
     no_sync_s: float = 0.0
     """A gradient-accumulation call under ``pipe.no_sync()`` (its pipeline, like ``pipeline_s``), when stages sum
@@ -266,9 +266,9 @@ class Plan:
     """Tokens (elements of the first integer input; else samples) in one microbatch, for tokens/s; 0 if unknown."""
     head_chunks: int = 1
     """The graph had its loss attached and the LM head split into this many sequence chunks
-    (:mod:`rpcompile.passes.loss_head`); 1: the plain model graph. Written only when > 1."""
+    (:mod:`rpcompile.passes.rewrite.loss_head`); 1: the plain model graph. Written only when > 1."""
     host: tuple[str, ...] = ()
-    """Embedding lookups the host runs (their node names; :mod:`rpcompile.passes.host`): the stages read their
+    """Embedding lookups the host runs (their node names; :mod:`rpcompile.passes.rewrite.host`): the stages read their
     rows. Written only when not empty."""
     stats: Mapping[str, Any] = field(default_factory=dict)
     """Solver statistics (free-form numbers and strings)."""

@@ -12,11 +12,11 @@ Terms
   the runtime binds those calls to the object that captures and runs the segment
   (:func:`rpcompile.runtime.bind.bind`), so a program is plain data until it runs.
 - :class:`HostEmbedding`: an embedding lookup the host runs before the first stage
-  (:mod:`rpcompile.passes.host`).
+  (:mod:`rpcompile.passes.rewrite.host`).
 - :class:`Program`: all of the above for one plan, in execution order.
 
-The passes make these (:mod:`rpcompile.passes.split`) and write them out for people
-(:mod:`rpcompile.passes.codegen`); the runtime runs them (:mod:`rpcompile.runtime.executor`).
+The passes make these (:mod:`rpcompile.passes.rewrite.split`) and write them out for people
+(:mod:`rpcompile.passes.rewrite.codegen`); the runtime runs them (:mod:`rpcompile.runtime.executor`).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class HostEmbedding:
 @dataclass(eq=False)
 class SegmentSpec:
     """A saved segment: one forward stage runs its fw graph and ships what the backward needs to host memory, one
-    backward stage runs its bw graph on that instead of recomputing it (:mod:`rpcompile.runtime.saved`)."""
+    backward stage runs its bw graph on that instead of recomputing it (:mod:`rpcompile.runtime.segments.saved`)."""
 
     name: str
     gm: fx.GraphModule
@@ -122,6 +122,11 @@ class StageProgram:
     """Attribute path inside ``gm`` -> canonical buffer name in the model."""
     out_codegen: Any = None
     """The fused stage: the original graph's codegen, to rebuild the model's output structure."""
+    prologue: fx.GraphModule | None = None
+    """What the stage computes from its frozen weights once, before its first microbatch (a 4-bit base's
+    dequantizations, :mod:`rpcompile.passes.rewrite.dequantize`): no inputs, returns the ``derived`` weights."""
+    derived: tuple[str, ...] = ()
+    """Attribute paths inside ``gm`` the prologue's results are read from, in the order it returns them."""
 
     @property
     def name(self) -> str:
@@ -150,7 +155,7 @@ class Program:
     """Values that depend on a trainable parameter (their gradient is propagated between stages)."""
     saved: tuple[SegmentSpec, ...] = ()
     """Segments run without recomputation: fw graph in the forward stage, bw graph in the backward stage (once
-    bound, the runtime's :class:`~rpcompile.runtime.saved.SavedSegment` objects, which keep their captures)."""
+    bound, the runtime's :class:`~rpcompile.runtime.segments.saved.SavedSegment` objects, which keep their captures)."""
     host: tuple[HostEmbedding, ...] = ()
     """Embedding lookups the host runs before the first stage; their values are inputs of the stages that read
     them, and their gradients come back like any stage input's."""

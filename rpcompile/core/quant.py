@@ -14,11 +14,12 @@ Terms:
   for bit.
 
 :func:`dequantize_nf4` (``torch.ops.rpcompile.dequantize_nf4``) is the op a traced quantized linear layer calls
-(:mod:`rpcompile.passes.quantized` puts it there): its inputs are the packed weight and its scales, all integer
+(:mod:`rpcompile.passes.graph.quantized` puts it there): its inputs are the packed weight and its scales, all integer
 tensors — uint8, or int32 holding fp32 bits, so that a stage computing in bf16 uploads them as they are instead of
 rounding the fp32 scales as it rounds floating weights — and its output is the weight in the compute precision,
-made on the device where the stage runs and freed with the stage's other temporaries. Nothing differentiates it:
-its inputs are frozen. It lives in core because both the passes (tracing, costing on the meta device) and the
+made on the device where the stage runs, once per stage (a stage's prologue,
+:mod:`rpcompile.passes.rewrite.dequantize`), and held until the stage ends. Nothing differentiates it: its inputs
+are frozen. It lives in core because both the passes (tracing, costing on the meta device) and the
 runtime (running the stages) meet it.
 """
 

@@ -14,7 +14,7 @@ microbatch, so a parameter read by a forward stage and by the backward stage tha
 link twice an iteration. A plan may keep some on the device instead, from one use to the next use on the same
 device (``stays``), or keep every weight there across iterations (``resident``): the later stage finds them and
 uploads only the rest. Which weights a stage finds, leaves behind and holds for others is this walk's, the same
-for the timing model (segments' weights, :mod:`rpcompile.passes.stays`) and the runtime (parameters,
+for the timing model (segments' weights, :mod:`rpcompile.passes.solver.stays`) and the runtime (parameters,
 :mod:`rpcompile.runtime.stays`).
 """
 

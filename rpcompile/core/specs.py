@@ -3,7 +3,7 @@
 A :class:`DeviceSpec` is what the analytic cost model and the partitioner need to know about one accelerator:
 peak arithmetic rates, memory bandwidth, memory size and the host link. Figures are public datasheet numbers
 (dense, no sparsity; DESIGN.md §5). Achieved rates are lower than peak, so every op class carries an efficiency
-factor; measured profiles (:class:`rpcompile.passes.measured.MeasuredCostModel`) always beat analytic ones.
+factor; measured profiles (:class:`rpcompile.passes.cost.measured.MeasuredCostModel`) always beat analytic ones.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ __all__ = ["DeviceSpec", "HostSpec", "OP_CLASSES", "SPECS", "get_spec", "assumed
 GB = 10**9
 GiB = 2**30
 
-#: Op classes the analytic model distinguishes (see :mod:`rpcompile.passes.analytic`).
+#: Op classes the analytic model distinguishes (see :mod:`rpcompile.passes.cost.analytic`).
 OP_CLASSES = ("matmul", "conv", "attention", "norm", "elementwise", "reduction", "embedding", "memory")
 
 _DEFAULT_EFFICIENCY = MappingProxyType(

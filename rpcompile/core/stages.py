@@ -2,8 +2,8 @@
 
 A **stage** here is one chain position of a pipeline schedule: a stage of the round-robin schedule (``F0``,
 ``FB``, ``B1``, …) or the forward or backward half of a static pipeline's stage. The timing model
-(:mod:`rpcompile.passes.timing`) returns one :class:`StageCost` per stage of a plan; the simulator
-(:mod:`rpcompile.runtime.simulator`) walks the executor's action lists over a list of them; the scenario drivers
+(:mod:`rpcompile.passes.solver.timing`) returns one :class:`StageCost` per stage of a plan; the simulator
+(:mod:`rpcompile.runtime.sim.simulator`) walks the executor's action lists over a list of them; the scenario drivers
 (:mod:`rpcompile.tools.scenarios`) build them for static pipelines and published layer profiles too. Figures are per
 microbatch unless said otherwise, and each field has one meaning wherever it is read.
 
@@ -28,7 +28,7 @@ from .errors import ConfigError
 from .plan import StageKind
 from .specs import HostSpec
 
-__all__ = ["StageKind", "StageCost", "HostLoad", "host_load"]
+__all__ = ["StageCost", "HostLoad", "host_load"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,7 +53,7 @@ class HostLoad:
     """With ``overlap_step``, the devices run on into the next iteration too: a device that has finished its
     stages of one iteration starts its stages of the next while the others drain (the round-robin pointer
     carries on, DESIGN.md §3; one step stale as ``overlap_step``). An iteration then costs the steady-state
-    period of overlapped iterations (:func:`rpcompile.passes.recurrence.overlapped_ends`), which the planner
+    period of overlapped iterations (:func:`rpcompile.passes.solver.recurrence.overlapped_ends`), which the planner
     minimises and the simulator plays over several iterations."""
     nodes: int = 1
     """Data-parallel machines (:mod:`rpcompile.training.distributed`), each running this pipeline on its own shard; with
@@ -183,8 +183,8 @@ class StageCost:
     held_bytes: float = 0
     """Other stages' weights staying on the device while it runs (in ``memory_bytes``)."""
     sum_bytes: float = 0
-    """Gradient sums on the device while it runs (in ``memory_bytes``; :mod:`rpcompile.passes.stays`); priced for a
-    call under ``no_sync``, also its own gradients that stay (``grad_bytes`` is then what it sends home)."""
+    """Gradient sums on the device while it runs (in ``memory_bytes``; :mod:`rpcompile.passes.solver.stays`); priced for
+    a call under ``no_sync``, also its own gradients that stay (``grad_bytes`` is then what it sends home)."""
     refreshes: bool = False
     """Its ``W`` replaces copies already on the device (a resident plan after the optimizer step): the old copy
     goes when the new one lands. Its device held them before the iteration."""
@@ -197,7 +197,7 @@ class StageCost:
     """Microbatches per iteration, over which ``upload_bytes``/``download_bytes`` amortise weights/gradients."""
     time_s: float = 0.0
     """``overhead + max(compute, upload/link, download/link)``, or the lazy offload's time
-    (:func:`rpcompile.passes.timing.offload_backlog`)."""
+    (:func:`rpcompile.passes.solver.timing.offload_backlog`)."""
     memory_bytes: int = 0
     """``W + G + P + working + buffers`` (whole stage, not per microbatch)."""
     buffer_bytes: int = 0

@@ -16,6 +16,12 @@ changes underneath:
   optimizer and scheduler work unchanged; the model stays in CPU memory (never moved to ``args.device``).
 - **evaluation** runs ``pipe.evaluate`` (the loss) and, when predictions are asked for, ``pipe.forward`` (the
   logits).
+- **logs**: each training log also carries ``pipeline/tokens_per_second`` and ``pipeline/bubble``, measured over
+  the calls since the last log (:mod:`rpcompile.training.metrics`), so TensorBoard, W&B or any logger the
+  Trainer reports to shows them.
+- **overlap** (``PipelineOptions(overlap=True)``): the Trainer's ``optimizer.step()`` runs as ``pipe.step(...,
+  overlap=True)`` beside the next iteration (one step stale; the scheduler stepped with it), the last one waited for
+  when ``train`` returns.
 - **checkpoints**: the Trainer's own (model, optimizer, scheduler, RNG, trainer state) and, beside them,
   ``rpcompile_plan.json`` (the plan) and ``rpcompile_pipeline.pt`` (``pipe.state_dict()``: the iteration that
   seeds dropout, loaded with ``weights_only``); ``resume_from_checkpoint`` compiles with that plan and continues
@@ -31,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import types
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -38,6 +45,7 @@ import torch
 
 from rpcompile.compiler import compile as compile_pipeline
 from rpcompile.core.errors import ConfigError
+from rpcompile.core.files import write_atomic
 from rpcompile.core.plan import Plan
 
 try:
@@ -45,11 +53,12 @@ try:
 except ImportError as e:  # pragma: no cover - the extra is missing
     raise ImportError("rpcompile.integrations.hf needs transformers: pip install 'rpcompile[hf]'") from e
 
-__all__ = ["PipelineOptions", "PipelineTrainerMixin", "Trainer", "sft_trainer", "PLAN_FILE", "STATE_FILE"]
+__all__ = ["PipelineOptions", "PipelineTrainerMixin", "Trainer", "sft_trainer", "TRAINER_PLAN_FILE",
+           "TRAINER_STATE_FILE"]
 
-PLAN_FILE = "rpcompile_plan.json"
+TRAINER_PLAN_FILE = "rpcompile_plan.json"
 """The plan a Trainer checkpoint was trained with, beside the Trainer's own files."""
-STATE_FILE = "rpcompile_pipeline.pt"
+TRAINER_STATE_FILE = "rpcompile_pipeline.pt"
 """The pipeline's state (``Pipeline.state_dict()``) in a Trainer checkpoint."""
 
 
@@ -61,8 +70,9 @@ class PipelineOptions:
     """GPUs ``cuda:0..gpus-1``; with neither this nor ``devices``, every visible GPU (or one logical CPU device)."""
     devices: Sequence[Any] | None = None
     """Devices by name (``["cpu", "cpu"]``: two logical CPU devices)."""
-    precision: str = "fp32"
-    """Compute precision of the stages (``"bf16"``, ``"fp16"``, ``"fp32"``); the masters stay fp32."""
+    precision: str | None = None
+    """Compute precision of the stages (``"bf16"``, ``"fp16"``, ``"fp32"``; default: the plan's, else fp32); the
+    masters stay fp32."""
     microbatches: int | None = None
     """Microbatches per batch (default: the planner's choice)."""
     spec: Any = None
@@ -75,6 +85,9 @@ class PipelineOptions:
     """The longest sequence the Trainer will hand over: the pipeline is planned for it (the first batch, padded to
     it, is the example). Default: TRL's ``args.max_length`` where there is one, else the first batch's length —
     then a longer batch later is refused in one line."""
+    overlap: bool = False
+    """The optimizer step (and the scheduler's) on a thread beside the next iteration — ``pipe.step(optimizer,
+    overlap=True)``, one step stale — where the Trainer calls ``optimizer.step()``."""
     compile_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     """Any other ``rpcompile.compile`` keyword (``memory_limit``, ``host_embedding``, ...)."""
 
@@ -82,7 +95,7 @@ class PipelineOptions:
         if self.max_length is not None and (not isinstance(self.max_length, int) or self.max_length < 1):
             raise ConfigError(f"PipelineOptions(max_length={self.max_length!r}): give the longest sequence length "
                               "the Trainer will see (a positive int), or None for the first batch's")
-        if self.precision not in ("fp32", "bf16", "fp16"):
+        if self.precision not in (None, "fp32", "bf16", "fp16"):
             raise ConfigError(f"PipelineOptions(precision={self.precision!r}): use 'fp32', 'bf16' or 'fp16'")
         clash = {"loss_fn", "example_kwargs", "example_target"} & set(self.compile_kwargs)
         if clash:
@@ -92,9 +105,8 @@ class PipelineOptions:
     def kwargs(self) -> dict[str, Any]:
         """``rpcompile.compile``'s keywords (those given)."""
         named = {"gpus": self.gpus, "devices": self.devices, "microbatches": self.microbatches, "spec": self.spec,
-                 "plan": self.plan, "time_limit_s": self.time_limit_s}
-        return {"precision": self.precision, **{k: v for k, v in named.items() if v is not None},
-                **self.compile_kwargs}
+                 "plan": self.plan, "time_limit_s": self.time_limit_s, "precision": self.precision}
+        return {**{k: v for k, v in named.items() if v is not None}, **self.compile_kwargs}
 
 
 def _host(batch: Mapping[str, Any]) -> dict[str, Any]:
@@ -128,6 +140,8 @@ class PipelineTrainerMixin:
     model: Any
     accelerator: Any
     current_gradient_accumulation_steps: int
+    optimizer: Any
+    lr_scheduler: Any
 
     def __init__(self, *args: Any, pipeline: PipelineOptions | None = None, **kwargs: Any) -> None:
         if pipeline is not None and not isinstance(pipeline, PipelineOptions):
@@ -136,6 +150,9 @@ class PipelineTrainerMixin:
         self.pipeline_options = pipeline or PipelineOptions()
         self.pipe = None
         self._resume_dir: str | None = None
+        self._records: list[Any] = []  # the training calls' StepRecords since the last log
+        self._stepping: Any = None  # the optimizer whose step() runs overlapped (PipelineOptions.overlap)
+        self._lr_before_step: float | None = None  # what the Trainer logs as the step's learning rate
         super().__init__(*args, **kwargs)
 
     # ---- placement: the model stays on the host, the pipeline uploads its stages
@@ -146,13 +163,13 @@ class PipelineTrainerMixin:
     def _pipeline(self, batch: Mapping[str, Any]) -> Any:
         if self.pipe is None:
             options = self.pipeline_options.kwargs()
-            plan_path = os.path.join(self._resume_dir, PLAN_FILE) if self._resume_dir else None
+            plan_path = os.path.join(self._resume_dir, TRAINER_PLAN_FILE) if self._resume_dir else None
             if plan_path is not None and os.path.exists(plan_path):
                 options["plan"] = plan_path  # the plan the checkpoint trained with: bit for bit
             length = self.pipeline_options.max_length or getattr(self.args, "max_length", None)
             example = _padded(batch, length if isinstance(length, int) else None)
             self.pipe = compile_pipeline(self.model, (), loss_fn=None, example_kwargs=example, **options)
-            state_path = os.path.join(self._resume_dir, STATE_FILE) if self._resume_dir else None
+            state_path = os.path.join(self._resume_dir, TRAINER_STATE_FILE) if self._resume_dir else None
             if state_path is not None and os.path.exists(state_path):
                 self.pipe.load_state_dict(torch.load(state_path, weights_only=True))
         return self.pipe
@@ -165,10 +182,63 @@ class PipelineTrainerMixin:
         pipe = self._pipeline(batch)
         scale: dict[str, float] = ({"num_items": float(num_items_in_batch)} if num_items_in_batch is not None
                                    else {"loss_scale": 1.0 / self.current_gradient_accumulation_steps})
-        defer = not self.accelerator.sync_gradients  # not the last call of the accumulation
+        self._overlap_steps(pipe)
+        # not the last call of the accumulation (no_sync does not run beside an overlapped step)
+        defer = not self.accelerator.sync_gradients and not self.pipeline_options.overlap
         with pipe.no_sync() if defer else contextlib.nullcontext():
             loss = pipe.forward_backward(**batch, **scale)
+        self._records.append(pipe.last_step)
         return loss.detach().as_subclass(torch.Tensor)
+
+    def _overlap_steps(self, pipe: Any) -> None:
+        """With ``PipelineOptions.overlap``: the Trainer's ``optimizer.step()`` becomes ``pipe.step(optimizer,
+        overlap=True, scheduler=...)`` (the scheduler stepped on the step's thread, right after the optimizer, as
+        the overlap requires) and its own ``lr_scheduler.step()`` nothing; the learning rate it logs is the one
+        read before the step was submitted, as the Trainer reads it."""
+        if not self.pipeline_options.overlap or self._stepping is self.optimizer:
+            return
+        if pipe.overlap_iterations and self.args.max_grad_norm:
+            raise ConfigError("PipelineOptions(overlap=True) with a plan made for overlapped iterations cannot clip "
+                              "(the next iteration's gradients still land while the Trainer reads them): set "
+                              "max_grad_norm=0, or plan without overlap=True")
+        optimizer, scheduler = getattr(self.optimizer, "optimizer", self.optimizer), self.lr_scheduler
+        inner = getattr(scheduler, "scheduler", scheduler)
+        # the scheduler's own step, for the step's thread; the Trainer's call to it becomes nothing
+        stepper = types.SimpleNamespace(step=scheduler.step) if scheduler is not None else None
+
+        def step(*args: Any, **kwargs: Any) -> None:
+            self._lr_before_step = float(inner.get_last_lr()[0]) if inner is not None else None
+            pipe.step(optimizer, overlap=True, scheduler=stepper)
+
+        self.optimizer.step = step  # an instance attribute shadows the method: the Trainer's own call lands here
+        if scheduler is not None:
+            scheduler.step = lambda *args, **kwargs: None
+        self._stepping = self.optimizer
+
+    def _get_learning_rate(self) -> float:
+        if self._stepping is not None and self._lr_before_step is not None:
+            return self._lr_before_step
+        return super()._get_learning_rate()  # type: ignore[misc]
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's ``train``; with overlapped steps, the last one waited for before it returns (the model's
+        weights are then the trained ones)."""
+        try:
+            return super().train(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            if self.pipe is not None:
+                self.pipe.synchronize()
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """The Trainer's log, with the pipeline's measurements since the last one on training logs (to every logger
+        the Trainer reports to): ``pipeline/tokens_per_second`` (the calls' tokens over their wall time) and
+        ``pipeline/bubble`` (their devices' mean idle share; :mod:`rpcompile.training.metrics`)."""
+        if self._records and "loss" in logs:
+            wall = sum(r.wall_s for r in self._records)
+            logs = {**logs, "pipeline/tokens_per_second": sum(r.tokens for r in self._records) / wall if wall else 0.0,
+                    "pipeline/bubble": sum(r.bubble for r in self._records) / len(self._records)}
+            self._records.clear()
+        super().log(logs, *args, **kwargs)  # type: ignore[misc]
 
     def prediction_step(self, model: torch.nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None) -> tuple[Any, Any, Any]:
@@ -188,14 +258,15 @@ class PipelineTrainerMixin:
     def _save_rng_state(self, output_dir: str) -> None:
         super()._save_rng_state(output_dir)  # type: ignore[misc]
         if self.pipe is not None:
-            self.pipe.plan.save(os.path.join(output_dir, PLAN_FILE))
-            torch.save(self.pipe.state_dict(), os.path.join(output_dir, STATE_FILE))
+            self.pipe.plan.save(os.path.join(output_dir, TRAINER_PLAN_FILE))
+            state = self.pipe.state_dict()
+            write_atomic(os.path.join(output_dir, TRAINER_STATE_FILE), lambda f: torch.save(state, f))
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         super()._load_rng_state(checkpoint)  # type: ignore[misc]
         if checkpoint is not None:
             if self.pipe is not None:  # compiled already (an evaluation first): continue from the state
-                path = os.path.join(checkpoint, STATE_FILE)
+                path = os.path.join(checkpoint, TRAINER_STATE_FILE)
                 if os.path.exists(path):
                     self.pipe.load_state_dict(torch.load(path, weights_only=True), exact=False)
             self._resume_dir = checkpoint

@@ -24,14 +24,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rpcompile.core.errors import ModelSpecError
+from rpcompile.core.errors import ModelSpecError, first_line
 from rpcompile.models.cnn import CNNConfig, ConvNet
 from rpcompile.models.gpt import GPT, GPTConfig
 from rpcompile.models.llama import Llama, LlamaConfig
 from rpcompile.models.moe import MoE, MoEConfig
 
-__all__ = ["ModelSpec", "ModelSummary", "LossFn", "load_model", "list_models", "model_summaries", "lm_loss",
-           "classification_loss"]
+__all__ = ["ModelSpec", "ModelSummary", "LossFn", "load_model", "list_models", "model_summaries", "preset_batch_size",
+           "lm_loss", "classification_loss"]
 
 LossFn = Callable[[Any, Any], Tensor]
 """``loss_fn(output, target) -> scalar tensor``."""
@@ -154,6 +154,12 @@ _PRESETS: dict[str, _Preset] = {
 }
 
 
+def preset_batch_size(name: str) -> int | None:
+    """The batch a built-in model comes with (None for a model file)."""
+    preset = _PRESETS.get(name)
+    return None if preset is None else preset.batch_size
+
+
 def list_models() -> list[str]:
     """Names of the built-in models, sorted."""
     return sorted(_PRESETS)
@@ -255,7 +261,7 @@ def _load_file(spec: str) -> ModelSpec:
     try:
         made = factory()
     except Exception as e:  # the user's code: one line naming it, not a traceback
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        first = first_line(e)
         raise ModelSpecError(f"{spec}: {factory_name}() raised {type(e).__name__}{': ' + first if first else ''}; "
                              f"fix {path}, or run it in Python to see the traceback") from e
     return _as_spec(made, spec)

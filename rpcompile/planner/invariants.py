@@ -13,13 +13,13 @@ from typing import Any
 
 import torch.fx as fx
 
-from rpcompile.passes.host import as_planned
-from rpcompile.passes.util import compute_nodes, node_params
+from rpcompile.passes.graph.util import compute_nodes, node_params
+from rpcompile.passes.rewrite.host import as_planned
 
 from ..core.errors import PlanVerificationError
 from ..core.plan import Plan
 from ..core.schedule import weight_stays
-from rpcompile.passes.fingerprint import fingerprint
+from rpcompile.passes.graph.fingerprint import fingerprint
 
 __all__ = ["verify_plan", "plan_violations"]
 
@@ -64,7 +64,8 @@ def verify_plan(plan: Plan, gm: fx.GraphModule) -> None:
        forward stage that runs it, and the fused stage saves nothing;
     9. every stage's predicted memory fits the hardware's usable memory;
     10. the nodes ``plan.host`` names are embedding lookups of model inputs that the host can run (a plainly
-        traced model is checked with them moved there, as the plan runs it: :func:`rpcompile.passes.host.as_planned`);
+        traced model is checked with them moved there, as the plan runs it:
+        :func:`rpcompile.passes.rewrite.host.as_planned`);
     11. the parameters each stage keeps on its device and finds there are the runtime's walk of the plan's
         ``keeps`` (:func:`rpcompile.core.schedule.weight_stays`): each kept for a later stage on the same device
         that finds it, or every parameter of every stage in a resident plan;

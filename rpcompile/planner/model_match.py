@@ -1,12 +1,12 @@
 """Which model a :class:`~rpcompile.core.plan.Plan` is for: the graph it ran, and whether two plans share a model.
 
 A plan's fingerprint is that of the graph it was planned from: the model traced, its LM head and loss split into
-``plan.head_chunks`` sequence chunks when the plan did so, and the embedding lookups ``plan.host`` names moved
-to the host. ``compile(plan=)``, ``rpcompile check`` and ``rpcompile show --model`` rebuild that graph from the
-model (:func:`graph_as_planned`, or ``planning.prepare`` with the plan's settings) and compare fingerprints (:mod:`rpcompile.passes.fingerprint`);
-``rpcompile diff``, which has two plans and no model, calls them the same model when their parameters match and
-their graphs match or differ only where the plans split the head or run lookups on the host differently
-(:func:`model_differences`). A plan's own rules are :mod:`rpcompile.planner.invariants`.
+``plan.head_chunks`` sequence chunks when the plan did so, and the embedding lookups ``plan.host`` names moved to the
+host. ``compile(plan=)``, ``rpcompile check`` and ``rpcompile show --model`` rebuild that graph from the model
+(:func:`graph_as_planned`, or ``planning.prepare`` with the plan's settings) and compare fingerprints
+(:mod:`rpcompile.passes.graph.fingerprint`); ``rpcompile diff``, which has two plans and no model, calls them the same
+model when their parameters match and their graphs match or differ only where the plans split the head or run lookups on
+the host differently (:func:`model_differences`). A plan's own rules are :mod:`rpcompile.planner.invariants`.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from rpcompile.passes.fingerprint import fingerprint
-from rpcompile.passes.host import as_planned
-from rpcompile.passes.loss_head import split_head
-from rpcompile.passes.precision import TRACE_DTYPE_KEY, compute_dtype
-from rpcompile.passes.trace import TRACE_META_KEY, trace
+from rpcompile.passes.graph.fingerprint import fingerprint
+from rpcompile.passes.graph.precision import TRACE_DTYPE_KEY, compute_dtype
+from rpcompile.passes.graph.trace import TRACE_META_KEY, trace
+from rpcompile.passes.rewrite.host import as_planned
+from rpcompile.passes.rewrite.loss_head import split_head
 
 from ..core.errors import PlanMismatchError
 from ..core.plan import Plan
@@ -30,7 +30,7 @@ __all__ = ["planned_graph", "graph_as_planned", "model_differences"]
 
 def planned_graph(plan: Plan, gm: fx.GraphModule, *, source: str = "plan") -> fx.GraphModule:
     """``gm``, a traced model, as ``plan`` runs it — with the embedding lookups ``plan.host`` names moved to the
-    host (:func:`rpcompile.passes.host.as_planned`) — once the plan's fingerprint says it was made for it; else
+    host (:func:`rpcompile.passes.rewrite.host.as_planned`) — once the plan's fingerprint says it was made for it; else
     :class:`PlanMismatchError`."""
     try:
         gm = as_planned(gm, plan.host)

@@ -7,21 +7,22 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from rpcompile.passes.analytic import AnalyticCostModel
-from rpcompile.passes.measured import MeasuredCostModel
-from rpcompile.passes.problem import PartitionProblem
-from rpcompile.passes.segment_rules import format_bytes
-from rpcompile.passes.tables import min_feasible_memory
+from rpcompile.core.units import fmt_bytes
+from rpcompile.passes.cost.analytic import AnalyticCostModel
+from rpcompile.passes.cost.measured import MeasuredCostModel
+from rpcompile.passes.solver.problem import PartitionProblem
+from rpcompile.passes.solver.tables import min_feasible_memory
 
 from ..core.errors import ConfigError, InfeasibleError, RPCompileError
 from ..core.plan import Hardware
 from ..core.specs import DeviceSpec, HostSpec, assumed_host, get_spec
 from .device_probe import device_spec
 
-__all__ = ["STRATEGIES", "AUTO_HEAD_CHUNKS", "make_cost_model", "make_hardware", "default_spec",
+__all__ = ["PLAN_STRATEGIES", "AUTO_HEAD_CHUNKS", "make_cost_model", "make_hardware", "default_spec",
            "head_chunk_candidates", "fastest", "split_limit", "infeasible_error", "model_device"]
 
-STRATEGIES = ("ilp", "dp", "roundpipe", "uniform")
+#: The strategies a plan may name (``--strategy``, ``strategy=``); :data:`.solver.partition.STRATEGIES` runs them.
+PLAN_STRATEGIES = ("ilp", "dp", "roundpipe", "uniform")
 #: Sequence chunks ``head_chunks="auto"`` tries for the LM head (besides not splitting it): on the benchmark
 #: models, 8 chunks beat 4 and 16 (benchmarks/RESULTS.md, schedules).
 AUTO_HEAD_CHUNKS = 8
@@ -31,7 +32,7 @@ def make_cost_model(*, spec: "str | DeviceSpec | None" = None, device: "str | to
                     dtype: torch.dtype | None = None, model_device: str = "cpu", cache: bool = True) -> Any:
     """Pick a cost model: analytic for ``spec``, measured on ``device``; by default analytic ``rtx4090`` for a
     model on the meta device (it cannot run) and measured on the CPU otherwise. ``cache``: measured times are
-    kept on disk and reused (:mod:`rpcompile.passes.profile_cache`)."""
+    kept on disk and reused (:mod:`rpcompile.passes.cost.profile_cache`)."""
     if spec is not None and device is not None:
         raise ConfigError("give either spec= (analytic costs) or device= (measured costs), not both")
     if spec is None and device is None and model_device == "meta":
@@ -137,8 +138,8 @@ def infeasible_error(problem: PartitionProblem, hardware: Hardware) -> Infeasibl
     """The one-line refusal when nothing fits: the least memory per device that would, and what to change."""
     need, seg = min_feasible_memory(problem)
     return InfeasibleError(
-        f"no plan fits {format_bytes(hardware.memory_bytes)} per device: segment {seg} ({problem.names[seg]}) needs "
-        f"at least {format_bytes(need)} (its weights, the prefetched next stage, gradients and one microbatch's "
+        f"no plan fits {fmt_bytes(hardware.memory_bytes)} per device: segment {seg} ({problem.names[seg]}) needs "
+        f"at least {fmt_bytes(need)} (its weights, the prefetched next stage, gradients and one microbatch's "
         f"activations); allow at least {need} bytes per device (memory_limit= / --memory-limit), use more "
         "microbatches (smaller ones) or a lower precision"
     )

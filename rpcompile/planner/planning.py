@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -29,38 +30,41 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from rpcompile.passes.analytic import AnalyticCostModel
 from rpcompile.passes.background import solving
-from rpcompile.passes.coarsen import coarsen_pass
-from rpcompile.passes.cost import cost_from_cache, cost_pass
-from rpcompile.passes.measured import MeasuredCostModel
+from rpcompile.passes.cost.analytic import AnalyticCostModel
+from rpcompile.passes.cost.cost import cost_from_cache, cost_pass
+from rpcompile.passes.cost.loss_memory import LOSS_BYTES_KEY, loss_memory
+from rpcompile.passes.cost.measured import MeasuredCostModel
 from rpcompile.passes.formulate import PRECISION_BYTES, partition_problem
-from rpcompile.passes.host import host_embedding_pass
-from rpcompile.passes.loss_head import TARGET, split_head
-from rpcompile.passes.loss_memory import LOSS_BYTES_KEY, loss_memory
+from rpcompile.passes.graph.meta import on_meta, without_dynamo_import
+from rpcompile.passes.graph.precision import RUN_DTYPE_KEY, TRACE_DTYPE_KEY, cast_floating, compute_dtype, computing_in
+from rpcompile.passes.graph.reuse import RunMemo
+from rpcompile.passes.graph.shape import shape_pass
+from rpcompile.passes.graph.trace import trace, training_inputs
 from rpcompile.passes.lower import to_plan
-from rpcompile.passes.meta import on_meta, without_dynamo_import
-from rpcompile.passes.partition import solve
-from rpcompile.passes.solve_cache import solve as cached_solve
-from rpcompile.passes.problem import PartitionProblem, PartitionResult
-from rpcompile.passes.reuse import RunMemo
-from rpcompile.passes.shape import shape_pass
-from rpcompile.passes.precision import RUN_DTYPE_KEY, TRACE_DTYPE_KEY, cast_floating, compute_dtype, computing_in
-from rpcompile.passes.trace import trace, training_inputs
+from rpcompile.passes.rewrite.coarsen import coarsen_pass
+from rpcompile.passes.rewrite.host import host_embedding_pass
+from rpcompile.passes.rewrite.loss_head import TARGET, split_head
+from rpcompile.passes.solve_cache import cached_solve
+from rpcompile.passes.solver.partition import solve
+from rpcompile.passes.solver.problem import PartitionProblem, PartitionResult
 
 from ..core.batch import split_microbatches
 from ..core.errors import ConfigError
 from ..core.plan import Hardware, Plan
 from ..core.specs import DeviceSpec
 from .envelope import warn_if_link_bound
-from .plan_options import (AUTO_HEAD_CHUNKS, STRATEGIES, default_spec, fastest, head_chunk_candidates,
+from .plan_options import (AUTO_HEAD_CHUNKS, PLAN_STRATEGIES, default_spec, fastest, head_chunk_candidates,
                            infeasible_error, make_cost_model, make_hardware, model_device, split_limit)
 from .shared_trace import TraceOnce
 
 __all__ = [
     "Compilation",
     "PASSES",
+    "DOING",
     "FRONT",
     "run",
     "start",
@@ -71,17 +75,7 @@ __all__ = [
     "compile_plan",
     "replanned",
     "plan_graph",
-    "partition_problem",
     "compare",
-    "make_cost_model",
-    "make_hardware",
-    "default_spec",
-    "STRATEGIES",
-    "PRECISION_BYTES",
-    "AUTO_HEAD_CHUNKS",
-    "head_chunk_candidates",
-    "fastest",
-    "infeasible_error",
 ]
 
 log = logging.getLogger("rpcompile")
@@ -103,7 +97,7 @@ class Compilation:
     head_chunks: int = 1
     loss: tuple[Any, Any] | None = None
     """``(loss_fn, target of one microbatch)`` when both are given: the loss joins the graph when ``head_chunks > 1``;
-    else it runs after the graph, and the cost pass measures its memory (:mod:`rpcompile.passes.loss_memory`)."""
+    else it runs after the graph, and the cost pass measures its memory (:mod:`rpcompile.passes.cost.loss_memory`)."""
     leaf_modules: Sequence[Any] = ()
     progress: bool | None = None
     threads: int | None = None
@@ -115,12 +109,13 @@ class Compilation:
     time_limit_s: float = 10.0
     allow_save: bool = True
     allow_stay: bool = True
-    """Weights may stay on their devices between stages where memory allows (:mod:`..passes.stay_search`)."""
+    """Weights may stay on their devices between stages where memory allows (:mod:`..passes.solver.stay_search`)."""
     overlap: bool = False
     """Plan for overlapped iterations (``pipe.step(optimizer, overlap=True)`` with the devices running on into the
     next iteration): the objective is the steady-state period (:attr:`HostLoad.overlap_iterations`)."""
     cache: bool = True
-    """Measured costs and solved partitions kept on disk (:mod:`..passes.profile_cache`, :mod:`..passes.solve_cache`)."""
+    """Measured costs and solved partitions kept on disk (:mod:`..passes.cost.profile_cache`,
+    :mod:`..passes.solve_cache`)."""
 
     gm: fx.GraphModule | None = None
     """trace: the graph; later passes annotate and rewrite it."""
@@ -134,7 +129,7 @@ class Compilation:
     """Seconds each pass took."""
     memo: RunMemo | None = None
     """What the shape and cost passes of an earlier compilation of the same trace left for this one (set by
-    :func:`shared_trace`'s pass: the LM-head splits' bodies are shaped and costed once, :mod:`..passes.reuse`)."""
+    :func:`shared_trace`'s pass: the LM-head splits' bodies are shaped and costed once, :mod:`..passes.graph.reuse`)."""
 
     @property
     def graph(self) -> fx.GraphModule:
@@ -159,8 +154,8 @@ def _trace(c: Compilation) -> None:
 
 def _loss_head(c: Compilation) -> None:
     """``loss`` given and ``head_chunks > 1``: the loss joins the graph (a last input ``target``) and the LM head and
-    its cross-entropy are split along the sequence (:mod:`rpcompile.passes.loss_head`). With the whole head the loss
-    stays outside the graph (the cost pass measures its memory)."""
+    its cross-entropy are split along the sequence (:mod:`rpcompile.passes.rewrite.loss_head`). With the whole head the
+    loss stays outside the graph (the cost pass measures its memory)."""
     if c.loss is None or c.head_chunks == 1:
         if c.loss is None and c.head_chunks > 1:
             raise ConfigError(f"head_chunks={c.head_chunks} splits the LM head together with its loss: pass "
@@ -176,7 +171,7 @@ def _loss_head(c: Compilation) -> None:
 
 def _run_dtype(c: Compilation) -> torch.dtype | None:
     """The dtype the graph runs in: the compute dtype (as the runtime uploads the weights; an exported graph traced
-    in one runs only in it), recorded on the graph (:data:`~rpcompile.passes.precision.RUN_DTYPE_KEY`)."""
+    in one runs only in it), recorded on the graph (:data:`~rpcompile.passes.graph.precision.RUN_DTYPE_KEY`)."""
     dtype = c.graph.meta.get(TRACE_DTYPE_KEY) or compute_dtype(c.precision)
     c.graph.meta[RUN_DTYPE_KEY] = dtype
     return dtype
@@ -192,14 +187,14 @@ def _as_traced(c: Compilation) -> Iterator[tuple[tuple[Any, ...], dict[str, Any]
 
 
 def _on_meta(c: Compilation, fn: Callable[[tuple, dict], Any]) -> bool:
-    """``fn`` on meta stand-ins in the run dtype (:func:`~rpcompile.passes.meta.on_meta`): the real weights are
+    """``fn`` on meta stand-ins in the run dtype (:func:`~rpcompile.passes.graph.meta.on_meta`): the real weights are
     neither read nor cast. False when the graph cannot run on meta."""
     dtype = _run_dtype(c)
     return on_meta(c.graph, cast_floating(c.args, dtype), cast_floating(c.kwargs, dtype), fn, dtype=dtype)
 
 
 def _from_cache(c: Compilation) -> bool:
-    """Measured costs from a warm profile cache (:func:`~rpcompile.passes.cost.cost_from_cache`): the weights
+    """Measured costs from a warm profile cache (:func:`~rpcompile.passes.cost.cost.cost_from_cache`): the weights
     are not cast for it (uninitialised storage in the run dtype: the cache's key reads shapes and dtypes only).
     False when the cache has no entry for this graph."""
     dtype = _run_dtype(c)
@@ -209,7 +204,7 @@ def _from_cache(c: Compilation) -> bool:
 
 
 def _shape(c: Compilation) -> None:
-    """Shapes need no data: the graph runs on meta stand-ins (:func:`~rpcompile.passes.meta.on_meta`) unless a
+    """Shapes need no data: the graph runs on meta stand-ins (:func:`~rpcompile.passes.graph.meta.on_meta`) unless a
     data-dependent op needs the real values."""
     if not _on_meta(c, lambda a, k: shape_pass(c.graph, a, k, memo=c.memo)):
         with _as_traced(c) as (args, kwargs):
@@ -240,7 +235,7 @@ def _cost(c: Compilation) -> None:
 
 def _host(c: Compilation) -> None:
     """Token embeddings whose tables are larger than an iteration's lookups run on the host
-    (:mod:`rpcompile.passes.host`); ``host_embedding`` False: none; node names: exactly those."""
+    (:mod:`rpcompile.passes.rewrite.host`); ``host_embedding`` False: none; node names: exactly those."""
     if c.host_embedding:
         names = None if c.host_embedding is True else tuple(c.host_embedding)
         host_embedding_pass(c.graph, microbatches=c.microbatches, names=names)
@@ -260,8 +255,8 @@ def _problem(c: Compilation) -> None:
 
 def _solve(c: Compilation) -> PartitionResult:
     """``c``'s problem solved with its strategy, through the solve cache (what :func:`_partition` does)."""
-    if c.strategy not in STRATEGIES:
-        raise ConfigError(f"unknown strategy {c.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    if c.strategy not in PLAN_STRATEGIES:
+        raise ConfigError(f"unknown strategy {c.strategy!r}; choose one of {', '.join(PLAN_STRATEGIES)}")
     assert c.problem is not None
     return cached_solve(c.problem, c.strategy, time_limit_s=c.time_limit_s, cache=c.cache)
 
@@ -305,16 +300,58 @@ SOLVE = [name for name, _ in PASSES].index("partition")
 BACK = PASSES[6:]
 
 
+#: What each pass is doing, as the progress line on stderr says it.
+DOING = {"trace": "tracing the model", "loss_head": "placing the loss", "shape": "propagating shapes",
+         "cost": "costing every node", "host": "moving embedding lookups to the host",
+         "coarsen": "grouping nodes into segments", "problem": "pricing the segments",
+         "partition": "solving the partition", "lower": "writing the plan"}
+
+
 def run(c: Compilation, passes: Sequence[tuple[str, Pass]] = PASSES) -> Compilation:
-    """Run ``passes`` on ``c`` in order, logging each one's time; returns ``c``. Meta kernels run without
-    importing TorchDynamo (:func:`~rpcompile.passes.meta.without_dynamo_import`)."""
+    """Run ``passes`` on ``c`` in order, logging each one's time; returns ``c``. With ``c.progress=True`` each pass
+    shows a line on stderr while it runs — what it does, the time it has taken, and for the solve the time left of
+    its limit (the cost pass draws its own bar; ``rpcompile.compile`` asks for them on a terminal, the CLI draws its
+    own). Meta kernels run without importing TorchDynamo (:func:`~rpcompile.passes.graph.meta.without_dynamo_import`)."""
     with without_dynamo_import():
         for name, fn in passes:
             t0 = time.perf_counter()
-            fn(c)
+            with _showing(c, name):
+                fn(c)
             c.times[name] = time.perf_counter() - t0
             log.info("%s: %.2f s", name, c.times[name])
     return c
+
+
+@contextlib.contextmanager
+def _showing(c: Compilation, name: str) -> Iterator[None]:
+    """A transient progress line on stderr while pass ``name`` runs (:func:`run`)."""
+    if c.progress is not True or name == "cost":
+        yield
+        return
+    limit = c.time_limit_s if name == "partition" else None
+    columns = [SpinnerColumn(), TextColumn(f"compile: {DOING.get(name, name)}"), TimeElapsedColumn()]
+    if limit is not None:
+        columns += [TextColumn(f"(time limit {limit:g} s)"), TimeRemainingColumn()]
+    with Progress(*columns, transient=True, console=Console(stderr=True)) as bar:
+        bar.add_task(name, total=limit)  # the solve's bar runs against its limit (it may end sooner)
+        if limit is None:
+            yield
+            return
+        done = threading.Event()
+        ticker = threading.Thread(target=_tick, args=(bar, done), daemon=True)
+        ticker.start()
+        try:
+            yield
+        finally:
+            done.set()
+            ticker.join()
+
+
+def _tick(bar: Progress, done: threading.Event) -> None:
+    """Advance the solve's bar by the wall time until ``done`` (a bar against the time limit)."""
+    start = time.perf_counter()
+    while not done.wait(0.2):
+        bar.update(bar.task_ids[0], completed=min(time.perf_counter() - start, bar.tasks[0].total or 0.0))
 
 
 # ------------------------------------------------------------------------------------------------- drivers
@@ -356,7 +393,7 @@ def start(
                           "example_target= (a target for one batch), or use head_chunks=1")
     extra = (example_target,) if with_loss else ()
     piece = split_microbatches((*args, *kwargs.values(), *extra), m)[0]
-    dtype = None if precision == "fp32" else {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    dtype = compute_dtype(precision)
     return Compilation(
         model=model, args=tuple(piece[: len(args)]), kwargs=dict(zip(kwargs, piece[len(args):len(args) + len(kwargs)])),
         cost_model=make_cost_model(spec=spec, device=device, dtype=dtype, model_device=model_device(model),
@@ -392,9 +429,9 @@ def prepare(
     ``example_kwargs``, ``loss_fn``, ``example_target``, ``head_chunks``).
 
     ``head_chunks > 1`` (which needs ``loss_fn`` and ``example_target``) puts the loss in the graph (its last input
-    is ``target``) and splits the LM head along the sequence (:mod:`rpcompile.passes.loss_head`).
+    is ``target``) and splits the LM head along the sequence (:mod:`rpcompile.passes.rewrite.loss_head`).
     ``host_embedding``: ``True`` moves the token embeddings whose tables are larger than what an iteration
-    looks up to the host (:mod:`rpcompile.passes.host`), ``False`` none, node names exactly those (a plan's).
+    looks up to the host (:mod:`rpcompile.passes.rewrite.host`), ``False`` none, node names exactly those (a plan's).
     ``trace_pass``: the trace pass to run instead of tracing afresh, e.g. :func:`shared_trace`'s (the LM-head splits
     of one model and example traced once)."""
     c = start(model, example_inputs, gpus=gpus, max_segments=max_segments, leaf_modules=leaf_modules,
@@ -421,8 +458,8 @@ def plan_graph(
     activations kept in host memory); ``cache=False`` solves even when the solve cache holds this problem;
     ``overlap``: plan for overlapped iterations (the steady-state period); ``allow_stay=False``: no weight stays
     on a device between stages."""
-    if strategy not in STRATEGIES:  # before the problem is made
-        raise ConfigError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    if strategy not in PLAN_STRATEGIES:  # before the problem is made
+        raise ConfigError(f"unknown strategy {strategy!r}; choose one of {', '.join(PLAN_STRATEGIES)}")
     c = Compilation(None, (), {}, None, microbatches, hardware=hardware, precision=precision,
                     strategy=strategy, time_limit_s=time_limit_s, allow_save=allow_save, gm=gm, cache=cache,
                     overlap=overlap, allow_stay=allow_stay)
@@ -446,7 +483,7 @@ def compare(
     out = {}
     baselines: dict[str, Any] = {}  # the ILP's seeds: dp's, roundpipe's and uniform's own results, not solved again
     facts: dict = {}  # what the plans of one graph share (fingerprint, inputs record, node parameters): made once
-    for name in STRATEGIES:
+    for name in PLAN_STRATEGIES:
         if name in baselines:
             result = baselines[name]
         elif name == "ilp":
@@ -548,15 +585,15 @@ def plan(
     measured on the CPU (analytic ``rtx4090`` for a meta-device model). The hardware is ``gpus`` devices of
     ``spec`` (``cpu`` when measuring on the CPU, else ``rtx4090``) with ``memory_limit`` usable bytes each.
     ``head_chunks > 1`` (with ``loss_fn`` and ``example_target``) plans the LM head and its cross-entropy as that
-    many sequence chunks (:mod:`rpcompile.passes.loss_head`); ``"auto"`` (the default) plans the whole head and,
+    many sequence chunks (:mod:`rpcompile.passes.rewrite.loss_head`); ``"auto"`` (the default) plans the whole head and,
     when a loss and a target are given and the head can be split, :data:`AUTO_HEAD_CHUNKS` chunks too, and keeps
     the faster plan (the splits' solves share ``time_limit_s`` equally, and run on two cores at once where there
     are two). ``segments_per_layer`` (default 2: attention and MLP halves) above 2 lets the planner cut and save inside those halves: plans up to ~6% faster on the
     benchmark models, at two to three times the solve time (which may then overrun ``time_limit_s``).
     ``host_embedding`` (default on) lets the host run token embeddings whose tables are larger than what an
-    iteration looks up (:mod:`rpcompile.passes.host`); ``False`` none, node names exactly those lookups.
+    iteration looks up (:mod:`rpcompile.passes.rewrite.host`); ``False`` none, node names exactly those lookups.
     ``cache`` (default on) reuses measured costs kept on disk for the same graph, inputs, device and torch
-    (:mod:`rpcompile.passes.profile_cache`) and solved partitions of the same problem
+    (:mod:`rpcompile.passes.cost.profile_cache`) and solved partitions of the same problem
     (:mod:`rpcompile.passes.solve_cache`); ``False`` measures and solves afresh and keeps nothing.
     ``overlap`` plans for overlapped iterations — ``pipe.step(optimizer, overlap=True)`` with each device going on
     to the next iteration's stages while the others drain (one step stale): the planner minimises the
@@ -564,7 +601,7 @@ def plan(
     are in it), and the plan's prediction says so (``Prediction.overlap_iterations``).
     ``allow_stay`` (default on) lets a forward stage's weights stay on its device for the backward stage there
     that differentiates them, or every weight stay across iterations (a resident plan), wherever memory allows and
-    the plan is not slower (:mod:`rpcompile.passes.stay_search`); ``False``: every stage uploads its weights.
+    the plan is not slower (:mod:`rpcompile.passes.solver.stay_search`); ``False``: every stage uploads its weights.
     """
     made = compile_plan(model, example_inputs, gpus=gpus, spec=spec, device=device, microbatches=microbatches,
                         memory_limit=memory_limit, strategy=strategy, precision=precision,

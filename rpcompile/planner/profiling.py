@@ -14,12 +14,12 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.fx as fx
 
-from rpcompile.passes.cost import node_cost
-from rpcompile.passes.util import compute_nodes, module_path
+from rpcompile.passes.cost.cost_model import node_cost
+from rpcompile.passes.graph.util import compute_nodes, module_path
 
 from ..core.specs import DeviceSpec, HostSpec
-from .plan_options import model_device
-from .planning import analyze, make_cost_model
+from .plan_options import make_cost_model, model_device
+from .planning import analyze
 from .probe import probe_host as measure_host
 
 __all__ = ["profile", "profile_graph", "Profile", "CostRow", "rollup_name"]
@@ -148,7 +148,8 @@ def profile(
 ) -> Profile:
     """Trace and cost ``model``; analytic on ``spec`` or measured on ``device`` (see :func:`make_cost_model`).
     ``probe_host``: also measure this host (about a second; :func:`rpcompile.planner.probe.probe_host`). ``cache``: reuse
-    measured costs kept on disk (:mod:`rpcompile.passes.profile_cache`); ``False`` measures afresh, keeps nothing."""
+    measured costs kept on disk (:mod:`rpcompile.passes.cost.profile_cache`); ``False`` measures afresh, keeps
+    nothing."""
     cost_model = make_cost_model(spec=spec, device=device, dtype=dtype, model_device=model_device(model),
                                  cache=cache)
     gm = analyze(model, example_inputs, example_kwargs=example_kwargs, cost_model=cost_model,

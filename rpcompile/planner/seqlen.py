@@ -3,7 +3,7 @@
 For each probed length ``L`` the model is built on the ``meta`` device with a batch of ``microbatches``
 sequences of ``L`` tokens (one sequence per microbatch), traced, costed analytically for the spec and coarsened
 (:func:`rpcompile.planner.planning.prepare`); the length is feasible when some plan fits the devices' memory, which
-:func:`~rpcompile.passes.tables.min_feasible_memory` decides exactly over all plans without running a solver.
+:func:`~rpcompile.passes.solver.tables.min_feasible_memory` decides exactly over all plans without running a solver.
 The LM-head splits ``head_chunks`` allows are tried most chunks first (the split head needs the least memory:
 the full logits never exist) and the first that fits is kept.
 
@@ -25,10 +25,10 @@ from typing import Any, Callable, Union
 from rpcompile.core.errors import ConfigError, InfeasibleError
 from rpcompile.core.plan import Plan
 from rpcompile.core.specs import DeviceSpec, HostSpec
-from rpcompile.models import ModelSpec, load_model
+from rpcompile.core.units import fmt_bytes
+from rpcompile.models.registry import ModelSpec, load_model
 from rpcompile.passes.formulate import partition_problem
-from rpcompile.passes.segment_rules import format_bytes
-from rpcompile.passes.tables import min_feasible_memory
+from rpcompile.passes.solver.tables import min_feasible_memory
 
 from .plan_options import default_spec, head_chunk_candidates, make_hardware
 from .planning import plan_graph, prepare
@@ -93,12 +93,12 @@ class SeqLenResult:
         out = [f"longest sequence that fits (a prediction of the analytic cost model): {self.seq_len} tokens per "
                f"microbatch of one sequence, {self.microbatches} microbatches{head} (granularity {self.granularity}, "
                f"{len(self.probes)} probes, {self.seconds:.1f} s)",
-               f"binds: stage {b.stage} at {format_bytes(b.memory_bytes)} of {format_bytes(b.limit_bytes)}: "
-               f"activations {format_bytes(b.activation_bytes)}, weights {format_bytes(b.weight_bytes)} "
+               f"binds: stage {b.stage} at {fmt_bytes(b.memory_bytes)} of {fmt_bytes(b.limit_bytes)}: "
+               f"activations {fmt_bytes(b.activation_bytes)}, weights {fmt_bytes(b.weight_bytes)} "
                f"(its own, the prefetched next stage's, gradients): {b.dominated_by} dominate"]
         if self.refused is not None:
             r = self.refused
-            out.append(f"{r.seq_len} tokens do not fit: segment {r.segment} needs at least {format_bytes(r.need_bytes)}")
+            out.append(f"{r.seq_len} tokens do not fit: segment {r.segment} needs at least {fmt_bytes(r.need_bytes)}")
         else:
             out.append("the search stopped at max_seq_len: longer sequences may fit too")
         return out
@@ -119,7 +119,7 @@ class SeqLenResult:
 
 
 def binding_stage(plan: Plan) -> Binding:
-    """The stage of ``plan`` with the most memory, split into weights (``W + G + P``, :mod:`passes.timing`) and
+    """The stage of ``plan`` with the most memory, split into weights (``W + G + P``, :mod:`passes.solver.timing`) and
     activations (the rest)."""
     prefetch = max((s.weight_bytes for s in plan.stages), default=0)
     s = max(plan.stages, key=lambda s: s.memory_bytes)
@@ -168,7 +168,7 @@ def max_sequence_length(
             if progress is not None:
                 p = probes[length]
                 progress(f"{length} tokens: {'fits' if p.feasible else 'does not fit'} "
-                         f"(needs {format_bytes(p.need_bytes)}, {p.segment})")
+                         f"(needs {fmt_bytes(p.need_bytes)}, {p.segment})")
         return probes[length].feasible
 
     def _probe(length: int) -> Probe:

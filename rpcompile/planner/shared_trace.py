@@ -4,8 +4,8 @@ The splits' compilations start alike: the same model traced on the same microbat
 differ only from the ``loss_head`` pass on (which attaches the loss and splits the head in place). So the model is
 traced once (~1.2 s at 128 layers, a third of a split's front) and each later split starts from a copy of that
 graph taken before any pass rewrote it: its own nodes (same names, each node's ``meta`` copied), the same modules
-and parameters, as :func:`rpcompile.passes.host.as_planned` copies a graph. Every compilation also gets one
-:class:`~rpcompile.passes.reuse.RunMemo` (``c.memo``): the shape and cost passes of a later split take the
+and parameters, as :func:`rpcompile.passes.rewrite.host.as_planned` copies a graph. Every compilation also gets one
+:class:`~rpcompile.passes.graph.reuse.RunMemo` (``c.memo``): the shape and cost passes of a later split take the
 body's shapes and costs from the first split's runs and run only the region the ``loss_head`` pass rewrote.
 """
 
@@ -17,8 +17,8 @@ from typing import Any, Callable
 
 import torch.fx as fx
 
-from rpcompile.passes.reuse import RunMemo
-from rpcompile.passes.trace import training_inputs
+from rpcompile.passes.graph.reuse import RunMemo
+from rpcompile.passes.graph.trace import training_inputs
 
 __all__ = ["graph_copy", "TraceOnce"]
 

@@ -26,11 +26,13 @@ from rich.console import Console
 from rpcompile import compiler
 from rpcompile.core.errors import InfeasibleError
 from rpcompile.core.plan import Plan
-from rpcompile.models import ModelSpec, load_model
-from rpcompile.planner.planning import AUTO_HEAD_CHUNKS, compare, make_hardware, prepare
+from rpcompile.core.units import fmt_bytes, fmt_ms
+from rpcompile.models.registry import ModelSpec, load_model
+from rpcompile.planner.plan_options import AUTO_HEAD_CHUNKS, make_hardware
+from rpcompile.planner.planning import compare, prepare
 from rpcompile.planner.planning import plan as plan_model
 from rpcompile.planner.profiling import profile_graph
-from rpcompile.views.report import compare_table, fmt_bytes, fmt_ms, plan_table, print_table, profile_table
+from rpcompile.views.report import compare_table, plan_table, print_table, profile_table
 
 __all__ = ["run_demo"]
 

@@ -29,7 +29,7 @@ from rpcompile.core.errors import ConfigError
 from rpcompile.models.llama import Llama
 from rpcompile.training.host_memory import HostMemory, host_memory
 
-__all__ = ["LORA_TARGETS", "LORA_RANK", "apply_lora", "LoraLinear", "LoraModel", "HostMemory", "lora_host_memory"]
+__all__ = ["LORA_TARGETS", "LORA_RANK", "apply_lora", "LoraLinear", "LoraModel", "lora_host_memory"]
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 """The attention projections: module names of rpcompile's and HF's decoders alike."""

@@ -20,7 +20,7 @@ changed, in this order —
 
 Granularity. A plan keeps node names and each stage's source modules (``Stage.modules``, innermost module paths)
 but not which node came from which module, so placement is computed from ``Stage.modules`` and rolled up to the
-partitioner's *groups* (``rpcompile.passes.coarsen``): one level below the model's first module list
+partitioner's *groups* (``rpcompile.passes.rewrite.coarsen``): one level below the model's first module list
 (``layers.7.attn``, ``layers.7.mlp_norm``, ``layers.7`` for the block's own ops such as residual adds) or a
 top-level module (``embed``, ``lm_head``, ``(root)``). A block whose groups all moved alike is reported as the
 block (``layers.7``), and consecutive modules that moved alike share a line (``layers.8–11: F3 → F4``). A block's
@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Sequence
 
 from ..core.plan import Plan, Stage
-from ..views.report import fmt_bytes
+from rpcompile.core.units import fmt_bytes
 from ..planner.model_match import model_differences
 
 __all__ = ["diff_plans", "PlanDiff", "Change", "Move", "Nodes", "ActivationChange", "StageChange", "THRESHOLD"]

@@ -10,8 +10,8 @@ Terms:
   ``torch.ops.rpcompile.dequantize_nf4`` and then compute as before, so they trace with ``torch.fx`` and run on
   the ``meta`` device (published shapes). The output head stays in the compute precision (transformers' 4-bit
   loading skips ``lm_head`` too); an HF model loaded with ``BitsAndBytesConfig`` needs none of this
-  (:mod:`rpcompile.passes.quantized`). Unlike transformers' integration, rpcompile's experts are quantized: a MoE's
-  experts are most of its weights.
+  (:mod:`rpcompile.passes.graph.quantized`). Unlike transformers' integration, rpcompile's experts are quantized: a
+  MoE's experts are most of its weights.
 - *what the planner sees*: the packed weights are parameters like any other, so a stage's weight bytes — its
   upload, its memory, the link time — are their bytes (:func:`rpcompile.passes.formulate.partition_problem`
   prices a non-floating weight at its own size), and each layer's dequantization is a graph node the cost model

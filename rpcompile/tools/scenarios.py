@@ -15,7 +15,7 @@
   ``ilp`` (rpcompile's partitioner on the same layer costs, layer granularity, no memory limit, full recompute
   like the paper's round-robin).
 
-Every scenario runs on :func:`~rpcompile.runtime.simulator.simulate`, so all comparisons share one clock, and
+Every scenario runs on :func:`~rpcompile.runtime.sim.simulator.simulate`, so all comparisons share one clock, and
 describes its chain positions with the timing model's own :class:`~rpcompile.core.stages.StageCost`.
 """
 
@@ -29,14 +29,16 @@ from typing import Any, Mapping, Sequence
 
 from rpcompile.core.errors import RPCompileError, SimulationError
 from rpcompile.core.files import read_json
+from rpcompile.core.plan import StageKind
 from rpcompile.core.planfile import MAX_MICROBATCHES
 from rpcompile.core.schedule import Action, gpipe, interleaved_one_f_one_b, one_f_one_b, round_robin
-from rpcompile.core.stages import HostLoad, StageCost, StageKind, host_load
-from rpcompile.passes.baselines import layer_ranges
-from rpcompile.passes.partition import solve
-from rpcompile.passes.problem import PartitionProblem
-from rpcompile.passes.timing import save_reads, stage_costs
-from rpcompile.runtime.simulator import SimResult, simulate
+from rpcompile.core.stages import HostLoad, StageCost, host_load
+from rpcompile.passes.solver.baselines import layer_ranges
+from rpcompile.passes.solver.partition import solve
+from rpcompile.passes.solver.problem import PartitionProblem
+from rpcompile.passes.solver.timing import save_reads, stage_costs
+from rpcompile.runtime.sim.sim_result import SimResult
+from rpcompile.runtime.sim.simulator import simulate
 
 __all__ = [
     "Scenario",

@@ -2,7 +2,7 @@
 
 Names (``--schedules``): ``gpipe``, ``1f1b``, ``interleaved-1f1b`` (static binding, weights resident on the
 devices), ``roundpipe`` (the paper's partitioner on our costs) and ``ilp`` (rpcompile's plan), all on one clock
-(:mod:`rpcompile.runtime.simulator`).
+(:mod:`rpcompile.runtime.sim.simulator`).
 """
 
 from __future__ import annotations
@@ -15,15 +15,16 @@ from typing import Any, Callable, Sequence
 
 from rpcompile.core.errors import ConfigError, InfeasibleError
 from rpcompile.passes.background import solving
-from rpcompile.passes.lower import _tokens
-from rpcompile.passes.partition import solve
+from rpcompile.passes.formulate import partition_problem
+from rpcompile.passes.lower import input_tokens
+from rpcompile.passes.solver.partition import solve
 from rpcompile.tools.scenarios import (SCHEDULES, Scenario, from_plan, from_segment_plan, layer_profile_scenarios,
                                  load_layer_profile, overlapped, static_scenarios)
 
-from ..planner.plan_options import model_device
-from ..planner.planning import default_spec, fastest, head_chunk_candidates, make_hardware, partition_problem, prepare
+from ..planner.plan_options import default_spec, fastest, head_chunk_candidates, make_hardware, model_device
+from ..planner.planning import prepare
 
-__all__ = ["SCHEDULES", "parse_schedules", "model_scenarios", "plan_scenarios", "profile_scenarios", "run_all",
+__all__ = ["parse_schedules", "model_scenarios", "plan_scenarios", "profile_scenarios", "run_all",
            "skipped", "scaling"]
 
 
@@ -52,7 +53,7 @@ def model_scenarios(model: Any, example_inputs: Sequence[Any], *, gpus: int, spe
     """Trace and cost ``model`` once, then build every requested schedule on that one problem. ``ilp`` may plan
     a graph with the LM head split as well (``head_chunks``, see :func:`rpcompile.planner.planning.plan`) and keeps the
     faster plan; its notes say which (``head_chunks``). Only ``ilp`` runs token embeddings on the host
-    (``host_embedding``, :mod:`rpcompile.passes.host`): the baselines keep them on the devices, as their
+    (``host_embedding``, :mod:`rpcompile.passes.rewrite.host`): the baselines keep them on the devices, as their
     systems do. ``progress`` is the profiler's bar; ``status(text)``, a context manager, shows each solve (the
     CLI's spinner). ``overlap``: ``roundpipe`` and ``ilp`` run with overlapped iterations (``ilp`` planned for their
     steady-state period, :func:`rpcompile.tools.scenarios.overlapped`); the static schedules stay synchronous."""
@@ -60,7 +61,7 @@ def model_scenarios(model: Any, example_inputs: Sequence[Any], *, gpus: int, spe
                     precision=precision, progress=progress, segments_per_layer=segments_per_layer, host_embedding=False)
     hardware = make_hardware(gpus, default_spec(spec, device, model_device(model)), memory_limit)
     pb = partition_problem(gm, hardware=hardware, microbatches=m, precision=precision, overlap_iterations=overlap)
-    tokens = _tokens(gm) * m
+    tokens = input_tokens(gm) * m
     out: dict[str, Scenario] = {}
     static = [s for s in schedules if s in ("gpipe", "1f1b", "interleaved-1f1b")]
     if static:

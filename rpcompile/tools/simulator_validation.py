@@ -23,7 +23,7 @@ import torch
 from rpcompile.core.errors import ConfigError
 from rpcompile.core.schedule import parse_action
 from rpcompile.core.stages import StageCost
-from rpcompile.runtime.simulator import simulate
+from rpcompile.runtime.sim.simulator import simulate
 
 from ..compiler import compile as compile_pipeline
 

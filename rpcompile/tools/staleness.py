@@ -32,18 +32,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from rpcompile.passes.coarsen import segments_of
-from rpcompile.passes.problem import SegmentPlan
-from rpcompile.passes.segment_rules import format_bytes, validate_segment_plan
-from rpcompile.passes.timing import iteration_time, stage_costs
-from rpcompile.passes.util import compute_nodes
+from rpcompile.core.units import fmt_bytes
+from rpcompile.passes.formulate import partition_problem
+from rpcompile.passes.graph.fingerprint import fingerprint
+from rpcompile.passes.graph.util import compute_nodes
+from rpcompile.passes.plan_inputs import moved_inputs, solve_inputs
+from rpcompile.passes.rewrite.coarsen import segments_of
+from rpcompile.passes.solver.problem import SegmentPlan
+from rpcompile.passes.solver.segment_rules import validate_segment_plan
+from rpcompile.passes.solver.timing import iteration_time, stage_costs
 
 from ..core.errors import InfeasibleError, PlanFileError
 from ..core.plan import Plan
-from rpcompile.passes.fingerprint import fingerprint
-from rpcompile.passes.plan_inputs import moved_inputs, solve_inputs
 from ..planner.invariants import plan_violations
-from ..planner.planning import partition_problem, plan_graph, prepare
+from ..planner.planning import plan_graph, prepare
 
 __all__ = ["CheckResult", "check_plan", "rescore", "stays_of", "sums_of"]
 
@@ -173,7 +175,7 @@ def check_plan(path: str | Path, model: Any, example_inputs: Sequence[Any], *, m
     peak = max(c.memory_bytes for c in costs)
     result.figures = {
         "stages": len(plan.stages), "devices": hw.device_count, "spec": hw.spec.name,
-        "peak": format_bytes(peak), "memory": format_bytes(hw.memory_bytes), "peak_memory_bytes": peak,
+        "peak": fmt_bytes(peak), "memory": fmt_bytes(hw.memory_bytes), "peak_memory_bytes": peak,
         "iteration_s": now, "fresh_iteration_s": None, "regression": None,
     }
     strategy = plan.strategy if plan.strategy in ("ilp", "dp", "roundpipe", "uniform") else "ilp"

@@ -26,8 +26,8 @@ from typing import Any, Callable, Mapping, NamedTuple, Protocol, Sequence
 import torch
 import torch.fx as fx
 
-from rpcompile.passes.loss_head import TARGET
-from rpcompile.runtime.executor import ValueStore
+from rpcompile.passes.rewrite.loss_head import TARGET
+from rpcompile.runtime.values import ValueStore
 
 from ..core.batch import flat_inputs, split_microbatches, tensor_leaves
 from ..core.errors import ConfigError, RPCompileError

@@ -40,7 +40,7 @@ from rpcompile.runtime import rng
 from rpcompile.runtime.reduce import GradReducer
 from rpcompile.runtime.weights import GradSink
 
-from ..core.errors import ConfigError, RPCompileError
+from ..core.errors import ConfigError, RPCompileError, first_line, one_line
 from ..core.plan import Plan
 from ..core.program import Program
 
@@ -94,7 +94,7 @@ class DataParallel:
                 made = make()
                 box = [{"plan": made.plan.to_dict()}]
             except Exception as e:  # noqa: BLE001 - sent to the other ranks, then raised here as it was
-                box = [{"error": f"{type(e).__name__}: {e}".splitlines()[0]}]
+                box = [{"error": one_line(e)}]
                 self._collective("sending rank 0's plan", dist.broadcast_object_list, box, src=0, group=self.group)
                 raise
         self._collective("sending rank 0's plan", dist.broadcast_object_list, box, src=0, group=self.group)
@@ -181,7 +181,7 @@ class DataParallel:
             raise self._failed(what, e) from e
 
     def _failed(self, what: str, e: BaseException) -> DistributedError:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e) or type(e).__name__
         return DistributedError(f"rank {self.rank}: {what} failed ({first}): another rank stopped or hangs (its own "
                                 "error says why), or the network failed; every rank stops")
 

@@ -30,6 +30,6 @@ def gpu_memory_limit(device: torch.device, spec: Any = None) -> int:
 
 def offload_budget(plan: Plan, device: int, devices: int) -> int:
     """Saved activations that may wait on ``device`` to go down: the memory its stages leave free (the lazy
-    offload policy of :func:`rpcompile.passes.timing.offload_backlog`)."""
+    offload policy of :func:`rpcompile.passes.solver.timing.offload_backlog`)."""
     mine = [s.memory_bytes for k, s in enumerate(plan.stages) if k % devices == device]
     return max(0, plan.hardware.memory_bytes - max(mine, default=0))

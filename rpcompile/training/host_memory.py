@@ -48,8 +48,7 @@ from torch import nn
 
 from rpcompile.core.errors import ConfigError, RPCompileError
 from rpcompile.core.plan import Plan
-from rpcompile.core.units import fmt_params
-from rpcompile.passes.segment_rules import format_bytes
+from rpcompile.core.units import fmt_bytes, fmt_params
 from rpcompile.runtime.weights import WeightStore
 
 __all__ = ["HostMemory", "HostMemoryError", "HostMemoryWarning", "host_memory", "activation_bytes",
@@ -94,13 +93,13 @@ class HostMemory:
         each = self.trainable_bytes // max(self.trainable_params, 1)
         nf4 = f" ({fmt_params(self.quantized_params)} in 4-bit NF4)" if self.quantized_params else ""
         parts = [f"frozen base {fmt_params(self.frozen_params)} parameters{nf4} × {low:.{0 if low.is_integer() else 2}f}"
-                 f" B = {format_bytes(self.frozen_bytes)}"] if self.frozen_params else []
+                 f" B = {fmt_bytes(self.frozen_bytes)}"] if self.frozen_params else []
         parts.append(f"trainable {fmt_params(self.trainable_params)} × {each} B (fp32 master, gradient, AdamW "
-                     f"moments, upload copy) = {format_bytes(self.trainable_bytes)}")
+                     f"moments, upload copy) = {fmt_bytes(self.trainable_bytes)}")
         if self.activation_bytes:
-            parts.append(f"activations on the host {format_bytes(self.activation_bytes)}")
+            parts.append(f"activations on the host {fmt_bytes(self.activation_bytes)}")
         note = "" if self.activation_bytes else "; saved activations not included"
-        return f"host memory {format_bytes(self.total_bytes)} (predicted{note}): {', '.join(parts)}"
+        return f"host memory {fmt_bytes(self.total_bytes)} (predicted{note}): {', '.join(parts)}"
 
     def to_dict(self) -> dict[str, int]:
         quantized = {"quantized_params": self.quantized_params} if self.quantized_params else {}
@@ -191,8 +190,8 @@ def check_host_memory(params: dict[str, nn.Parameter], plan: Plan, *, dtype: tor
     have = _available(available)
     if have is None:
         return need
-    parts = (f"upload copies {format_bytes(copies)}, gradients {format_bytes(grads)}, activations on the host "
-             f"{format_bytes(acts)} at {plan.microbatches} microbatches")
+    parts = (f"upload copies {fmt_bytes(copies)}, gradients {fmt_bytes(grads)}, activations on the host "
+             f"{fmt_bytes(acts)} at {plan.microbatches} microbatches")
     if need > have:
         if acts <= copies + grads:
             fix = f"freeze the base and train adapters (LoRA: it is kept once, in {dtype_name(dtype)})"
@@ -202,12 +201,12 @@ def check_host_memory(params: dict[str, nn.Parameter], plan: Plan, *, dtype: tor
         else:
             fix = "use smaller batches (the activations handed between stages wait on the host for the backward)"
         raise HostMemoryError(
-            f"host memory: this pipeline needs {format_bytes(need)} more ({parts}; predicted) but "
-            f"{format_bytes(have)} are available; free host memory, {fix}, or set {ENV}=ignore to try anyway")
+            f"host memory: this pipeline needs {fmt_bytes(need)} more ({parts}; predicted) but "
+            f"{fmt_bytes(have)} are available; free host memory, {fix}, or set {ENV}=ignore to try anyway")
     if need + adam > have:
         warnings.warn(
-            f"host memory: the pipeline takes {format_bytes(need)} ({parts}; predicted) of {format_bytes(have)} "
-            f"available, which leaves no room for an AdamW optimizer's {format_bytes(adam)} of state (two fp32 "
+            f"host memory: the pipeline takes {fmt_bytes(need)} ({parts}; predicted) of {fmt_bytes(have)} "
+            f"available, which leaves no room for an AdamW optimizer's {fmt_bytes(adam)} of state (two fp32 "
             "moments a trainable parameter); use a lighter optimizer or train fewer parameters", HostMemoryWarning,
             stacklevel=4)
     return need
@@ -240,7 +239,7 @@ def fit_host_memory(made: Any, replan: Callable[[], Any], *, dtype: torch.dtype 
         return made
     again = replan()
     warnings.warn(
-        f"host memory: the plan kept {format_bytes(kept)} of activations on the host but {format_bytes(max(room, 0))} "
+        f"host memory: the plan kept {fmt_bytes(kept)} of activations on the host but {fmt_bytes(max(room, 0))} "
         f"are left beside the weights' copies, gradients and an AdamW optimizer's state; re-planned to recompute "
         f"them instead (allow_save=False): iteration {plan.predicted.iteration_time_s:.4g} s -> "
         f"{again.plan.predicted.iteration_time_s:.4g} s (predicted); allow_save=True keeps the saving plan",
@@ -263,9 +262,9 @@ def within_host_memory(what: str) -> Iterator[None]:
         found = _ALLOCATOR.search(str(e)) if isinstance(e, RuntimeError) else None
         if isinstance(e, RuntimeError) and found is None:
             raise
-        asked = f"an allocation of {format_bytes(int(found.group(1)))}" if found and found.group(1) else "memory"
+        asked = f"an allocation of {fmt_bytes(int(found.group(1)))}" if found and found.group(1) else "memory"
         have = _available(None)
-        available = f"; {format_bytes(have)} available" if have is not None else ""
+        available = f"; {fmt_bytes(have)} available" if have is not None else ""
         raise HostMemoryError(
             f"{what} ran out of host memory: {asked} failed {_where(e)}{available}; free host memory, or give "
             f"{what} less to do: an example batch no larger than one step's (it is run once, node by node, to "
@@ -273,7 +272,7 @@ def within_host_memory(what: str) -> Iterator[None]:
 
 
 def _where(e: BaseException) -> str:
-    """The innermost frame of rpcompile's own code in ``e``'s traceback, as ``in passes/measured.py (prepare)``."""
+    """The innermost frame of rpcompile's own code in ``e``'s traceback, as ``in passes/cost/measured.py (prepare)``."""
     for frame in reversed(traceback.extract_tb(e.__traceback__)):
         parts = frame.filename.replace(os.sep, "/").split("/")
         for top in ("passes", "runtime", "rpcompile"):

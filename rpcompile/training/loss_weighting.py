@@ -15,8 +15,8 @@ import torch
 
 from ..core.errors import InputError, LossFnError, RPCompileError
 
-__all__ = ["IGNORE_INDEX", "BatchLoss", "MicrobatchLoss", "check_labels", "label_bounds", "output_classes",
-           "shifted_tokens", "loss_weights", "own_loss"]
+__all__ = ["IGNORE_INDEX", "BatchLoss", "MicrobatchLoss", "check_labels", "label_bounds", "scored_classes",
+           "shifted_tokens", "loss_weights", "own_loss", "checked_weight", "shifts_labels"]
 
 #: The target value a mean loss leaves out (``ignore_index`` of torch's and HF's cross-entropy): padding.
 IGNORE_INDEX = -100
@@ -62,13 +62,14 @@ def own_loss(output: Any) -> torch.Tensor:
     return output
 
 
-def _shifts_labels(model: torch.nn.Module) -> bool:
+def shifts_labels(model: torch.nn.Module) -> bool:
     """Whether the model's own loss predicts token t+1 from position t (HF causal LMs: ``loss_type`` or the class
     naming convention HF's loss registry keys on), so it averages over ``labels[:, 1:]``."""
     return getattr(model, "loss_type", None) == "ForCausalLM" or type(model).__name__.endswith("ForCausalLM")
 
 
-def _checked_weight(loss_weight: Any) -> Any:
+def checked_weight(loss_weight: Any) -> Any:
+    """``loss_weight`` itself once it is one a pipeline takes ('auto', 'rows' or a function); else one line."""
     if not callable(loss_weight) and loss_weight not in ("auto", "rows"):
         raise RPCompileError(f"loss_weight={loss_weight!r}; use 'auto', 'rows' or a function of a microbatch's "
                              "target returning how many items its mean loss averages over")
@@ -126,14 +127,18 @@ class MicrobatchLoss:
         else:
             assert self.loss_fn is not None  # outside: there is a loss_fn
             if j < len(self.bounds):
-                check_labels(self.bounds[j], output_classes(output, target), f"the target of microbatch {j}",
+                check_labels(self.bounds[j], scored_classes(output, target), f"the target of microbatch {j}",
                              LossFnError)
             loss = self._loss_fn(output, target, j)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            what = "loss_fn returned" if self.where == "outside" else "the model's loss (loss_fn=None) is"
-            raise LossFnError(f"{what} {shape}, not a scalar: reduce it over the batch (reduction="
-                              "'mean' or 'sum')")
+            if self.where != "own":
+                what = "loss_fn returned" if self.where == "outside" else "the loss in the graph is"
+                raise LossFnError(f"{what} {shape}, not a scalar: reduce it over the batch (reduction='mean' or "
+                                  "'sum')")
+            raise LossFnError(f"without a loss_fn the model's output is the loss, but it is {shape}, not a scalar: "
+                              "compile with loss_fn= (e.g. torch.nn.functional.cross_entropy), or have the model "
+                              "return its loss reduced over the batch")
         if self.summed:
             return loss * self.scale if self.scale != 1.0 else loss
         if self.weights[j] == 0:  # nothing to average (all padding): the mean is nan, its gradient zero
@@ -166,7 +171,7 @@ def label_bounds(target: Any) -> tuple[int, int] | None:
     return (int(labels.min()), int(labels.max())) if labels.numel() else None
 
 
-def output_classes(output: Any, target: Any) -> int | None:
+def scored_classes(output: Any, target: Any) -> int | None:
     """How many classes the output scores for each label of ``target``: the last dimension of the output's
     logits — the output itself, its ``logits`` or its first tensor — when it has one dimension more than the
     target (``(batch, seq, vocab)`` for ``(batch, seq)`` labels) and more than one class; None otherwise."""

@@ -17,8 +17,8 @@ from typing import Sequence
 import torch
 
 from rpcompile.core.plan import Plan
-from rpcompile.passes.segment_rules import format_bytes
-from rpcompile.runtime.executor import PipelineError
+from rpcompile.core.units import fmt_bytes
+from rpcompile.runtime.failures import PipelineError
 
 __all__ = ["StageOutOfMemoryError", "out_of_memory", "fitting_limit"]
 
@@ -79,10 +79,10 @@ def out_of_memory(err: PipelineError, plan: Plan, devices: Sequence[str]) -> Sta
     limit = fitting_limit(stage.memory_bytes, plan.hardware.memory_bytes, sizes)
     where = f"device {err.device} ({devices[err.device]})" if err.device is not None else "its device"
     at = f" at microbatch {err.microbatch}" if err.microbatch is not None else ""
-    planned = f"planned at {format_bytes(stage.memory_bytes)} under a {format_bytes(plan.hardware.memory_bytes)} limit"
+    planned = f"planned at {fmt_bytes(stage.memory_bytes)} under a {fmt_bytes(plan.hardware.memory_bytes)} limit"
     if sizes is not None:
         needed = sizes[1] - sizes[2] + sizes[0]
-        planned += f", it needed about {format_bytes(needed)} of the device's {format_bytes(sizes[1])}"
+        planned += f", it needed about {fmt_bytes(needed)} of the device's {fmt_bytes(sizes[1])}"
     new = StageOutOfMemoryError(f"stage {err.stage} ran out of memory on {where}{at} ({planned}); plan for less "
                                 f"memory: {_plan_command(plan, limit, devices)} (or compile(..., memory_limit={limit}))")
     new.stage, new.device, new.microbatch, new.details = err.stage, err.device, err.microbatch, err.details

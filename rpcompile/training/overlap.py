@@ -59,7 +59,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from rpcompile.runtime.executor import PipelineError, Running
+from rpcompile.runtime.executor import Running
+from rpcompile.runtime.failures import PipelineError
 from rpcompile.runtime.weights import GradSink, WeightStore
 
 from ..core.errors import ConfigError

@@ -60,6 +60,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import time
 from concurrent.futures import Future, wait
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, NoReturn, Sequence
@@ -67,11 +68,13 @@ from typing import Any, Callable, Iterator, Mapping, NoReturn, Sequence
 import torch
 import torch.fx as fx
 
-from rpcompile.passes.codegen import write_stages
-from rpcompile.passes.loss_head import HEAD_CLASSES_META, TARGET
-from rpcompile.passes.split import split_plan
+from rpcompile.passes.graph.precision import compute_dtype
+from rpcompile.passes.rewrite.codegen import write_stages
+from rpcompile.passes.rewrite.loss_head import HEAD_CLASSES_META, TARGET
+from rpcompile.passes.rewrite.split import split_plan
 from rpcompile.runtime.bind import bind
-from rpcompile.runtime.executor import Executor, PipelineError
+from rpcompile.runtime.executor import Executor
+from rpcompile.runtime.failures import PipelineError
 from rpcompile.runtime.values import ValueStore
 
 from .callers import OneCaller, one_call
@@ -81,24 +84,22 @@ from .checkpoint import CheckpointError, check_pipeline_state, pipeline_state
 from .compiled_model import CompiledModel
 from ..core.batch import joined, split_microbatches
 from ..core.errors import ConfigError, LossFnError, RPCompileError
+from ..core.files import write_atomic
 from ..core.plan import Plan
 from ..core.program import Program
 from ..core.schedule import round_robin
 from .distributed import DataParallel, RankCalls
-from .gpu_memory import gpu_memory_limit, offload_budget
+from .gpu_memory import offload_budget
 from .host_memory import check_host_memory
-from .loss_weighting import (IGNORE_INDEX, BatchLoss, _checked_weight, _shifts_labels, loss_weights, own_loss,
-                             shifted_tokens)
+from .loss_weighting import BatchLoss, checked_weight, shifts_labels, shifted_tokens
 from .oom import out_of_memory
 from .interrupts import deferred
+from .metrics import StepRecord, batch_tokens, chrome_trace, step_record
 from .overlap import Overlap, optimizers_of, schedulers_of, step_now, wait_for_steps, watch_model
 from .signature import InputSignature, check_call_mode
 
-__all__ = ["Pipeline",
-           # re-exported from their modules
-           "IGNORE_INDEX", "shifted_tokens", "loss_weights", "own_loss", "gpu_memory_limit", "offload_budget"]
+__all__ = ["Pipeline"]
 
-_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class Pipeline:
@@ -115,11 +116,11 @@ class Pipeline:
         self.loss_fn, self.precision, self.scaler = loss_fn, precision, scaler
         self.loss_in_graph = loss_in_graph  # the graph takes the target and returns the loss (split LM head)
         self.signature = signature
-        self.loss_weight = _checked_weight(loss_weight)
+        self.loss_weight = checked_weight(loss_weight)
         self.classes = output_classes(model) or gm.meta.get(HEAD_CLASSES_META)
         """The classes the model's output scores (an HF model's output embeddings, a split head's weight), which
         the labels of a loss inside the stages are checked against on the host; None where unknown."""
-        if loss_fn is None and loss_weight == "auto" and _shifts_labels(model):
+        if loss_fn is None and loss_weight == "auto" and shifts_labels(model):
             self.loss_weight = shifted_tokens  # the model's own causal LM loss averages over labels[:, 1:]
         self.compiled = CompiledModel(model, gm)
         """The model's parameters and modes as compiled: :meth:`check_model` compares every call's with them."""
@@ -132,11 +133,11 @@ class Pipeline:
         buffers = {n: b for n, b in gm.named_buffers()}
         # refused in one line before anything is allocated, not killed by the OS mid-step
         self.host_bytes = check_host_memory(
-            params, plan, dtype=_DTYPES[precision], pin=any(d.torch_device.type == "cuda" for d in self.devices),
+            params, plan, dtype=compute_dtype(precision), pin=any(d.torch_device.type == "cuda" for d in self.devices),
             uploaded=[n for prog in self.program.stages for n in prog.params.values()],
             host_only=[h.weight for h in self.program.host], frozen_masters=frozen_masters)
         """Host bytes building and running this pipeline allocates beyond what existed (:mod:`.host_memory`)."""
-        self.executor = Executor(self.program, self.devices, params, buffers, dtype=_DTYPES[precision],
+        self.executor = Executor(self.program, self.devices, params, buffers, dtype=compute_dtype(precision),
                                  frozen_masters=frozen_masters)
         self.iteration = 0
         self.executor.seed = torch.initial_seed()  # dropout masks follow torch.manual_seed, as eager's do
@@ -146,6 +147,11 @@ class Pipeline:
         self._overlap.ended = self.executor.restore_threads  # type: ignore[method-assign]
         watch_model(model, self._overlap, self.synchronize)  # model.state_dict / load_state_dict wait for it
         self._no_sync = False  # inside no_sync(): gradient-accumulation calls keep summed gradients on the devices
+        self.last_step: StepRecord | None = None
+        """The last ``forward_backward`` call, measured (:mod:`rpcompile.training.metrics`)."""
+        self.on_step: Callable[[StepRecord], None] | None = None
+        """Called with each ``forward_backward`` call's :class:`~rpcompile.training.metrics.StepRecord` (a logger's
+        hook); None: nobody listens."""
         self.callers = OneCaller()
         """Which thread is inside a call now: a second thread's call meanwhile is refused (:mod:`.callers`)."""
         self._masters = list(params.values())  # what another pipeline's overlapped step may be writing
@@ -350,6 +356,11 @@ class Pipeline:
         """What the last call ran where and when (:class:`rpcompile.runtime.executor.TimelineEvent`)."""
         return self.executor.timeline
 
+    def export_trace(self, path: str | os.PathLike) -> Path:
+        """The last call's :attr:`timeline` as a Chrome/Perfetto trace (JSON, written atomically): open it in
+        ui.perfetto.dev or chrome://tracing (:func:`rpcompile.training.metrics.chrome_trace`)."""
+        return write_atomic(path, chrome_trace(self.executor.timeline, devices=len(self.devices)))
+
     def _schedule(self, m: int, offset: int = 0) -> list:
         """The round-robin schedule for ``m`` microbatches (the plan's, or fewer for a batch with fewer rows), its
         first stage on device ``offset``."""
@@ -400,10 +411,18 @@ class Pipeline:
         accumulation = checked_accumulation(loss_scale, num_items)
         call = functools.partial(self._forward_backward, inputs, target, kwargs, accumulation)
         self.executor.interrupted = False
+        start = time.perf_counter()
         # a Ctrl-C stops the workers at their next action and is raised once the call is settled, never in the
         # middle of its bookkeeping (rpcompile.training.interrupts)
         with deferred(stop=self._interrupt):
-            return (call() if self._rank is None else self._rank.run(call)).as_subclass(BatchLoss)
+            loss = (call() if self._rank is None else self._rank.run(call)).as_subclass(BatchLoss)
+        self.last_step = step_record(iteration=self.iteration, loss=loss, wall_s=time.perf_counter() - start,
+                                     tokens=batch_tokens(inputs, kwargs), timeline=self.executor.timeline,
+                                     devices=len(self.devices), host_traffic=self.host_traffic,
+                                     no_sync=self.executor.sums.deferring)
+        if self.on_step is not None:
+            self.on_step(self.last_step)
+        return loss
 
     def _interrupt(self) -> None:
         """A Ctrl-C during :meth:`forward_backward` (from the signal handler: a flag, no lock)."""

@@ -8,7 +8,7 @@ and its device — and :meth:`InputSignature.bind` checks each call against it.
 
 Terms. A tensor's **dynamic** dimensions are those a real batch may change: dim 0 (the batch) of every tensor,
 dim 1 (the sequence) of integer tensors of two or more dimensions — exactly the ones the export path traces
-symbolically (:func:`rpcompile.passes.trace._dynamic_shapes`; an fx graph is shape-generic) — and, in floating
+symbolically (:func:`rpcompile.passes.graph.trace._dynamic_shapes`; an fx graph is shape-generic) — and, in floating
 inputs, a dimension as long as the example's sequence (a 4-D mask, ``inputs_embeds``), which may be shorter.
 Every other dimension is **static**: it must equal the example's. A sequence longer than the example's is refused
 (the memory plan holds up to it).

@@ -3,8 +3,9 @@
 Terms:
 - *bar*: one timed action on one device — a stage computing one microbatch (``3F1``), a weight upload (``3W``),
   activations going up or down, a gradient download (``3G``). Anything with the attributes of
-  :class:`~rpcompile.runtime.simulator.SimEvent` can be drawn (the executor's measured events too); an event that has only
-  ``action``, ``device``, ``lane``, ``start`` and ``end`` gets its stage, microbatch and kind from the action text.
+  :class:`~rpcompile.runtime.sim.simulator.SimEvent` can be drawn (the executor's measured events too); an event that
+  has only ``action``, ``device``, ``lane``, ``start`` and ``end`` gets its stage, microbatch and kind from the action
+  text.
 - *lane*: each device has three — ``compute`` (tall), ``upload`` and ``download`` (thin). Bars that overlap in
   time on one lane (weights and activations share the upload link) are stacked into *sub-rows*, so none hides
   another; a lane is as tall as its sub-rows.
@@ -30,7 +31,7 @@ from typing import Any, Iterable, Sequence
 
 from rpcompile.core.errors import ConfigError
 from rpcompile.core.files import write_atomic
-from rpcompile.runtime.simulator import SimEvent
+from rpcompile.runtime.sim.sim_result import SimEvent
 from rpcompile.views.svg import TRANSFER_COLORS, document, esc, line, num, rect, stage_color, text, text_width
 
 __all__ = ["timeline_svg", "write_timeline_svg", "LANES"]

@@ -3,7 +3,7 @@
 
 Terms:
 - *box*: one rolled-up module (``embed``, ``layers.7.attn``, ``layers.7.mlp``, ``lm_head``): every compute node
-  whose module path (:func:`rpcompile.passes.util.module_path`) starts with the box's name, cut to ``depth``
+  whose module path (:func:`rpcompile.passes.graph.util.module_path`) starts with the box's name, cut to ``depth``
   components as ``rpcompile profile`` does (:func:`rpcompile.planner.profiling.rollup_name`).
 - *folding*: nodes owned by a module that also has boxes below it — a block's residual adds (``layers.7``), the
   root's own glue (``(root)``) — join the box just before them when that box lies inside their module (the
@@ -36,7 +36,7 @@ from typing import Any, Iterable, Sequence
 
 from ..core.errors import ConfigError
 from ..core.plan import Plan
-from ..passes.util import is_compute, module_path
+from ..passes.graph.util import is_compute, module_path
 
 __all__ = ["MAX_BOXES", "HOST", "ROOT", "ModuleBox", "Rollup", "rollup"]
 

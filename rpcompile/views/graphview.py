@@ -18,10 +18,10 @@ from ..core.errors import ConfigError
 from ..core.files import write_atomic
 from ..core.text import printable
 from ..core.plan import Plan
-from .graph_rollup import MAX_BOXES, ModuleBox, Rollup, rollup
+from .graph_rollup import ModuleBox, Rollup, rollup
 from .svg import document, esc, line, num, path, rect, stage_color, text, text_width, title
 
-__all__ = ["MAX_BOXES", "ROWS_PER_COLUMN", "ModuleBox", "Rollup", "rollup", "graph_dot", "graph_svg", "write_graph"]
+__all__ = ["ROWS_PER_COLUMN", "graph_dot", "graph_svg", "write_graph"]
 
 ROWS_PER_COLUMN = 25
 """Boxes per column of the SVG layout, at most."""

@@ -12,40 +12,21 @@ from rich.console import Console, JustifyMethod
 from rich.table import Table
 
 from rpcompile.core.specs import HostSpec
-from rpcompile.core.units import fmt_params
-from rpcompile.passes.segment_rules import format_bytes as fmt_bytes
+from rpcompile.core.units import fmt_bytes, fmt_count, fmt_ms, fmt_params, fmt_time
 
 from .terminal import SafeTable
 
 if TYPE_CHECKING:  # annotations only: importing rpcompile.planner.profiling imports torch (3.3 s), which a plan table never needs
     from ..planner.profiling import CostRow, Profile
 
-__all__ = ["scaling_table", "fmt_bytes", "fmt_time", "fmt_ms", "fmt_count", "models_table", "bound_note", "host_note", "host_line", "cost_label", "profile_table",
+__all__ = ["scaling_table", "models_table", "bound_note", "host_note", "host_line", "cost_label", "profile_table",
            "plan_table", "compare_table", "stage_range", "print_table", "simulate_table", "devices_table", "host_table"]
 
 
-def fmt_time(s: float) -> str:
-    if s >= 1:
-        return f"{s:.3f} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.3f} ms"
-    return f"{s * 1e6:.1f} µs"
 
 
-def fmt_ms(s: float) -> str:
-    """Seconds in milliseconds with about three significant digits: ``2,621 ms``, ``38.6 ms``, ``5.76 ms``,
-    ``0.978 ms`` (below a microsecond: ``0 ms``)."""
-    v = s * 1e3
-    digits = 0 if abs(v) >= 100 else 1 if abs(v) >= 10 else 2 if abs(v) >= 1 else 3
-    text = f"{v:,.{digits}f}"
-    return f"{'0' if float(text.replace(',', '')) == 0 else text} ms"
 
 
-def fmt_count(n: float) -> str:
-    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f}{unit}"
-    return f"{int(n)}"
 
 
 def _row(r: CostRow) -> list[str]:
@@ -134,7 +115,7 @@ def plan_table(plan, *, title: str = "") -> Table:
 
 def stage_weights(stage: Any, resident: bool) -> str:
     """What a stage does with its weights: uploads them all, or keeps some on its device for a later stage, finds
-    some there (weights that stay, :mod:`rpcompile.passes.stays`); and whether it sums gradients there."""
+    some there (weights that stay, :mod:`rpcompile.passes.solver.stays`); and whether it sums gradients there."""
     sums = f"; sums {len(stage.accumulates)} gradients" if stage.accumulates else ""
     if resident:
         return f"resident: {len(stage.params)} stay, {fmt_bytes(stage.weight_bytes)} refreshed{sums}"

@@ -47,7 +47,8 @@ from rich.table import Table
 
 import rpcompile
 from rpcompile.core.files import write_atomic
-from rpcompile.training.checkpoint import background, checkpoints
+from rpcompile.training.checkpoint import background
+from rpcompile.training.checkpoint.layout import checkpoints
 
 from floor import FloorDevice  # benchmarks/
 from overlap_run import build, lm_loss, sleeping

@@ -28,8 +28,8 @@ import torch
 
 import rpcompile
 from rpcompile.core.files import host_name
-from rpcompile.training.checkpoint import CheckpointWarning, checkpoints, verify_path
-from rpcompile.training.checkpoint.layout import MANIFEST
+from rpcompile.training.checkpoint.layout import MANIFEST, checkpoints, verify_path
+from rpcompile.training.checkpoint.state import CheckpointWarning
 from rpcompile.training.checkpoint.tensorfile import read_file, write_tensors
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -452,7 +452,7 @@ class Run:
 @functools.cache
 def _forkserver() -> Any:
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "rpcompile.training.pipeline", "rpcompile.training.checkpoint", "_resume"])
+    context.set_forkserver_preload(["torch", "rpcompile.training.pipeline", "rpcompile.training.checkpoint.load", "_resume"])
     return context
 
 

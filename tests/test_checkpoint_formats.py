@@ -18,8 +18,10 @@ import torch
 
 import rpcompile
 from rpcompile.cli import main
-from rpcompile.training.checkpoint import CheckpointWarning, background, checkpoints, snapshot
+from rpcompile.training.checkpoint import background, snapshot
 from rpcompile.training.checkpoint import save as saving
+from rpcompile.training.checkpoint.layout import checkpoints
+from rpcompile.training.checkpoint.state import CheckpointWarning
 from rpcompile.training.checkpoint.legacy import write_legacy
 
 from _hf import VOCAB, token_loss

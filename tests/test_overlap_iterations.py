@@ -16,7 +16,7 @@ import torch
 import rpcompile
 from rpcompile.runtime import rng, stage_call
 from rpcompile.runtime.failures import PipelineError
-from rpcompile.training.checkpoint import checkpoints
+from rpcompile.training.checkpoint.layout import checkpoints
 
 from _resume import build, train
 from test_interrupts import _child, _lines

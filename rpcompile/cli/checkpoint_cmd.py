@@ -9,8 +9,9 @@ import json
 from pathlib import Path
 
 from rpcompile.core.errors import ConfigError
-from rpcompile.training.checkpoint import checkpoints, convert, verify_path
+from rpcompile.training.checkpoint.layout import checkpoints, verify_path
 from rpcompile.training.checkpoint.load import describe
+from rpcompile.training.checkpoint.save import convert
 
 from .common import say
 

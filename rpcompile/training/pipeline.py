@@ -80,7 +80,7 @@ from rpcompile.runtime.values import ValueStore
 from .callers import OneCaller, one_call
 from .batches import (call_batch, checked_accumulation, microbatch_store, microbatch_weights, microbatches_of,
                       output_classes)
-from .checkpoint import CheckpointError, check_pipeline_state, pipeline_state
+from .checkpoint.state import CheckpointError, check_pipeline_state, pipeline_state
 from .compiled_model import CompiledModel
 from ..core.batch import joined, split_microbatches
 from ..core.errors import ConfigError, LossFnError, RPCompileError

@@ -33,19 +33,9 @@ plan may cut otherwise). ``save_checkpoint(..., background=True)`` writes on a t
 (:mod:`.background`: a copy of the weights and optimizer state, which steps wait for, then the write). The earlier
 single-file format (``ckpt-<step>.ckpt``) still loads; ``rpcompile checkpoint convert OLD NEW`` rewrites it
 (:mod:`.legacy`).
+
+Each name has one home: :mod:`.save` (``save_checkpoint``, ``save_weights``, ``convert``), :mod:`.load`
+(``load_checkpoint``, ``checkpoint_plan``, ``load_weights``), :mod:`.state` (``Checkpoint``, ``CheckpointError``,
+the pipeline's state), :mod:`.background` (``PendingSave``), :mod:`.layout` (``checkpoints``, ``verify_path``);
+the public ones are also ``rpcompile.<name>``.
 """
-
-from __future__ import annotations
-
-from .background import PendingSave
-from .layout import checkpoints, verify_path
-from .legacy import verify
-from .load import checkpoint_plan, load_checkpoint, load_weights, read_checkpoint
-from .save import PLAN_FILE, convert, save_checkpoint, save_weights
-from .state import (STATE_VERSION, Checkpoint, CheckpointError, CheckpointWarning, Resumable, check_pipeline_state,
-                    pipeline_state, plan_cuts)
-
-__all__ = ["STATE_VERSION", "PLAN_FILE", "Resumable", "Checkpoint", "CheckpointError", "CheckpointWarning",
-           "PendingSave", "save_checkpoint", "load_checkpoint", "checkpoint_plan", "save_weights", "load_weights",
-           "read_checkpoint", "convert", "checkpoints", "verify", "verify_path", "pipeline_state",
-           "check_pipeline_state", "plan_cuts"]

@@ -40,11 +40,13 @@ from typing import Any, Callable
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ...core.errors import one_line
+
 from ..overlap import Hook
 from .snapshot import Snapshot
-from .state import CheckpointError, CheckpointWarning, first_line
+from .state import CheckpointError, CheckpointWarning
 
-__all__ = ["PendingSave", "start", "wait_pending", "available_memory"]
+__all__ = ["PendingSave", "start_background", "wait_pending", "available_memory"]
 
 _LOCK = threading.Lock()
 _PENDING: dict[Path, "PendingSave"] = {}
@@ -116,7 +118,7 @@ class PendingSave:
             self.write_s = time.perf_counter() - start - self.copy_s
         except BaseException as e:  # noqa: BLE001 - kept for wait(), and told now
             self._error = e
-            warnings.warn(f"background save of {self.path} failed ({first_line(e)}); the checkpoints before it "
+            warnings.warn(f"background save of {self.path} failed ({one_line(e)}); the checkpoints before it "
                           "are intact", CheckpointWarning, stacklevel=1)
         finally:
             self._done.set()
@@ -137,7 +139,7 @@ class PendingSave:
         if self._error is not None:
             if isinstance(self._error, CheckpointError):
                 raise CheckpointError(str(self._error)) from None
-            raise CheckpointError(f"the background save of {self.path} failed ({first_line(self._error)}); the "
+            raise CheckpointError(f"the background save of {self.path} failed ({one_line(self._error)}); the "
                                   "checkpoints before it are intact: free the disk or fix the directory and save "
                                   "again") from None
         return self.path
@@ -174,7 +176,7 @@ def available_memory() -> int | None:
     return None
 
 
-def start(root: Path, path: Path, snapshot: Snapshot, write: Callable[[Snapshot], None], *,
+def start_background(root: Path, path: Path, snapshot: Snapshot, write: Callable[[Snapshot], None], *,
           model: torch.nn.Module, optimizers: list[Any]) -> PendingSave:
     """Check the host can hold the snapshot's copy, then start writing it on a thread (module docstring)."""
     need, free = snapshot.shared_bytes(), available_memory()

@@ -22,8 +22,9 @@ from typing import IO, Any, Mapping, cast
 
 import torch
 
+from ...core.errors import one_line
 from ...core.files import write_atomic
-from .state import CheckpointError, Contents, first_line
+from .state import CheckpointError, Contents
 
 __all__ = ["FILE_FORMAT", "verify", "read_legacy", "payload_problem", "write_legacy"]
 
@@ -102,7 +103,7 @@ def read_legacy(path: Path) -> Contents:
             payload = torch.load(cast(IO[bytes], _Payload(f)), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - its checksum holds: what it holds cannot be loaded safely
         raise CheckpointError(f"{path}: its checksum holds but torch.load(weights_only=True) refused it "
-                              f"({first_line(e)}); load it with the rpcompile that saved it") from None
+                              f"({one_line(e)}); load it with the rpcompile that saved it") from None
     if not isinstance(payload, dict) or payload.get("format") != FILE_FORMAT:
         raise CheckpointError(f"{path} holds no rpcompile checkpoint (format {FILE_FORMAT!r} missing)")
     problem = payload_problem(payload)

@@ -9,6 +9,7 @@ from typing import IO, Any, cast
 
 import torch
 
+from ...core.errors import one_line
 from ...core.plan import Plan
 from .background import wait_pending
 from .layout import (EXTRA_FILE, MANIFEST, Manifest, newest_good, optimizer_files, read_manifest, verify_directory,
@@ -16,7 +17,7 @@ from .layout import (EXTRA_FILE, MANIFEST, Manifest, newest_good, optimizer_file
 from .legacy import read_legacy
 from .pipeline_file import PIPELINE_FILE, PIPELINE_TENSORS, read_pipeline
 from .save import PLAN_FILE
-from .state import Checkpoint, CheckpointError, Contents, Resumable, first_line, optimizer_state_problem
+from .state import Checkpoint, CheckpointError, Contents, Resumable, optimizer_state_problem
 from .tensorfile import read_file
 from .weights import INDEX_NAME, WEIGHTS_NAME, apply_weights, fill_aliases, read_weights, weights_problem
 
@@ -39,7 +40,7 @@ def _torch_load(path: Path) -> Any:
         with os.fdopen(os.open(path, flags), "rb") as f:
             return torch.load(cast(IO[bytes], f), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - whatever torch refuses (weights_only, a malformed archive)
-        raise ValueError(f"{path.name}: torch.load(weights_only=True) refused it ({first_line(e)})") from None
+        raise ValueError(f"{path.name}: torch.load(weights_only=True) refused it ({one_line(e)})") from None
 
 
 def read_checkpoint(path: Path) -> Contents:
@@ -111,12 +112,12 @@ def load_checkpoint(directory: str | os.PathLike, *, model: torch.nn.Module, opt
         try:
             o.load_state_dict(state)
         except (ValueError, KeyError) as e:
-            raise CheckpointError(f"{path}: the optimizer's state does not fit this optimizer ({first_line(e)}); "
+            raise CheckpointError(f"{path}: the optimizer's state does not fit this optimizer ({one_line(e)}); "
                                   "make it as for the run that saved it (same parameters, same groups)") from None
     try:
         model.load_state_dict(contents.model)
     except RuntimeError as e:  # checked above: not expected
-        raise CheckpointError(f"{path}: the model's state does not fit this model ({first_line(e)}); load it into "
+        raise CheckpointError(f"{path}: the model's state does not fit this model ({one_line(e)}); load it into "
                               "the model it was saved from") from None
     pipeline.load_state_dict(contents.pipeline, optimizer=optimizer, exact=exact)
     return Checkpoint(path=path, step=contents.step, extra=contents.extra)

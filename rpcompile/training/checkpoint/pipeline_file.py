@@ -24,9 +24,9 @@ from typing import Any, Mapping
 
 import torch
 
+from ...core.errors import PlanFileError
 from ...core.files import read_json, write_atomic_hashed
 from ...core.plan import MAX_PLAN_BYTES, Plan
-from ...core.errors import PlanFileError
 from .tensorfile import read_file, write_tensors
 
 __all__ = ["PIPELINE_FILE", "PIPELINE_TENSORS", "write_pipeline", "read_pipeline"]

@@ -10,12 +10,13 @@ from typing import Any, Literal, overload
 
 import torch
 
+from ...core.errors import one_line
 from ...core.files import remove_atomically, sweep_temporaries, write_atomic
-from .background import PendingSave, start, wait_pending
+from .background import PendingSave, start_background, wait_pending
 from .layout import MANIFEST, Manifest, checkpoint_name, checkpoints, newest_good, verify_path
 from .legacy import read_legacy
 from .snapshot import Snapshot, config_writer, hash_file, take_snapshot, write_snapshot
-from .state import STATE_FORMAT, CheckpointError, Resumable, first_line, pipeline_state_problem
+from .state import STATE_FORMAT, CheckpointError, Resumable, pipeline_state_problem
 from .weights import DEFAULT_SHARD_SIZE, parse_size, untie, write_weights
 
 __all__ = ["PLAN_FILE", "save_checkpoint", "save_weights", "convert"]
@@ -78,7 +79,7 @@ def save_checkpoint(directory: str | os.PathLike, *, model: torch.nn.Module, opt
     if background:
         optimizers = [] if optimizer is None else list(optimizer) if isinstance(optimizer, (list, tuple)) \
             else [optimizer]
-        return start(root, path, snap, write, model=model, optimizers=optimizers)
+        return start_background(root, path, snap, write, model=model, optimizers=optimizers)
     write(snap)
     return path
 
@@ -95,7 +96,7 @@ def _copy_extra(extra: Any) -> Any:
         return torch.load(buffer, weights_only=True)
     except Exception as e:  # noqa: BLE001 - whatever torch refuses, the one-line reason
         raise CheckpointError(f"save_checkpoint: extra= would not load back with torch.load(weights_only=True) "
-                              f"({first_line(e)}); keep it to tensors, numbers, strings and lists, tuples and "
+                              f"({one_line(e)}); keep it to tensors, numbers, strings and lists, tuples and "
                               "dicts of them (e.g. scheduler.state_dict())") from None
 
 

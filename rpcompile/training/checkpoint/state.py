@@ -43,7 +43,7 @@ from ...core.errors import RPCompileError
 from ...core.plan import Plan
 
 __all__ = ["STATE_VERSION", "STATE_FORMAT", "CheckpointError", "CheckpointWarning", "Resumable", "Checkpoint",
-           "Contents", "first_line", "plan_cuts", "pipeline_state", "check_pipeline_state", "pipeline_state_problem", "optimizer_state_problem"]
+           "Contents", "plan_cuts", "pipeline_state", "check_pipeline_state", "pipeline_state_problem", "optimizer_state_problem"]
 
 STATE_VERSION = 2
 """Version of the pipeline state's layout (:func:`pipeline_state`); a newer one is refused."""
@@ -101,12 +101,6 @@ class Contents:
     optimizers: list[Any] | None
     """Each optimizer's ``state_dict``; None: none was saved."""
     extra: Any = None
-
-
-def first_line(e: BaseException) -> str:
-    """An exception as one short line: its type and the first two lines of its text."""
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    return f"{type(e).__name__}: {' '.join(lines[:2])}"[:240] if lines else type(e).__name__
 
 
 def plan_cuts(plan: Plan) -> str:

@@ -26,8 +26,9 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 def assert_grads_equal(model, ref, scale: float = 1.0, *, tol: dict | None = None, what: str = ""):
     """Every parameter's gradient equals eager's. ``scale``: how much larger than a mean loss's the gradients are
     (a summed loss): float32 summation order then shifts them by as much more in absolute terms. ``tol``: other
-    tolerances (a GPU's kernels); ``what`` prefixes the message."""
-    tol = tol or dict(rtol=TOL["rtol"], atol=TOL["atol"] * scale)
+    tolerances (a GPU's kernels); ``what`` prefixes the message. The absolute tolerance also grows with the
+    largest of eager's gradients in the tensor: float32 sums of terms that large cancel to elements carrying their
+    rounding (gradients of 60 differ by 3e-6 where the summation order differs, as threads split work under load)."""
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         r = ref_params[name]
@@ -35,7 +36,9 @@ def assert_grads_equal(model, ref, scale: float = 1.0, *, tol: dict | None = Non
             assert p.grad is None, f"{what}{name}: got a gradient, eager has none"
             continue
         assert p.grad is not None, f"{what}{name}: no gradient, eager has one"
-        torch.testing.assert_close(p.grad, r.grad, **tol, msg=lambda m: f"{what}gradient of {name} differs: {m}")
+        magnitude = max(1.0, r.grad.detach().abs().max().item())
+        each = tol or dict(rtol=TOL["rtol"], atol=TOL["atol"] * scale * magnitude)
+        torch.testing.assert_close(p.grad, r.grad, **each, msg=lambda m: f"{what}gradient of {name} differs: {m}")
 
 
 def assert_step_matches_eager(pipe, model, ref, loss_fn, *args, target, what: str = "", **kwargs):

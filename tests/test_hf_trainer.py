@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
+import shutil
 
 import pytest
 import torch
@@ -15,6 +17,8 @@ import torch
 import rpcompile
 from _hf import VOCAB, hf_model
 from test_runtime import FINE_CPU
+
+from rpcompile.training.checkpoint.pipeline_file import read_pipeline
 
 transformers = pytest.importorskip("transformers")
 try:  # an older transformers beside this environment's newer datasets/hub (make test-compat) has no Trainer
@@ -98,13 +102,30 @@ def test_resume_from_a_trainer_checkpoint_is_bit_for_bit(tmp_path):
     hf.Trainer(model=first, args=arguments(tmp_path / "cut", max_steps=4, save_strategy="steps", save_steps=2),
                train_dataset=data, data_collator=collate, pipeline=OPTIONS).train()
     checkpoint = tmp_path / "cut" / "checkpoint-2"
-    assert (checkpoint / hf.TRAINER_PLAN_FILE).exists() and (checkpoint / hf.TRAINER_STATE_FILE).exists()
-    resumed = model()
-    trainer = hf.Trainer(model=resumed, args=arguments(tmp_path / "cut", max_steps=4), train_dataset=data,
+    ours = checkpoint / hf.TRAINER_FOLDER
+    assert sorted(f.name for f in ours.iterdir()) == ["pipeline.json", hf.TRAINER_PLAN_FILE]
+    assert json.loads((ours / "pipeline.json").read_text())["iteration"] == 4  # readable text: 2 steps of 2 calls
+    # the same checkpoint as an earlier version laid it out (plan and torch.save'd state beside the Trainer's files)
+    old = tmp_path / "old" / "checkpoint-2"
+    shutil.copytree(checkpoint, old)
+    shutil.move(old / hf.TRAINER_FOLDER / hf.TRAINER_PLAN_FILE, old / "rpcompile_plan.json")
+    torch.save(read_pipeline(ours), old / "rpcompile_pipeline.pt")
+    shutil.rmtree(old / hf.TRAINER_FOLDER)
+    for start in (checkpoint, old):
+        resumed = model()
+        trainer = hf.Trainer(model=resumed, args=arguments(start.parent, max_steps=4), train_dataset=data,
+                             data_collator=collate, pipeline=OPTIONS)
+        trainer.train(resume_from_checkpoint=str(start))
+        for (name, p), q in zip(whole.named_parameters(), resumed.parameters()):
+            assert torch.equal(p, q), f"{start.parent.name}: {name}"
+    # a damaged state is refused in one line that says what to do
+    (ours / "pipeline.json").write_text('{"format": ')
+    trainer = hf.Trainer(model=model(), args=arguments(tmp_path / "cut", max_steps=4), train_dataset=data,
                          data_collator=collate, pipeline=OPTIONS)
-    trainer.train(resume_from_checkpoint=str(checkpoint))
-    for (name, p), q in zip(whole.named_parameters(), resumed.parameters()):
-        assert torch.equal(p, q), name
+    with pytest.raises(rpcompile.ConfigError, match=r"^the pipeline state in .*checkpoint-2 cannot be read "
+                       r"\(pipeline.json is corrupt .*\): resume from another checkpoint, or delete its rpcompile "
+                       r"folder to resume without it \(dropout then draws other masks\)$"):
+        trainer.train(resume_from_checkpoint=str(checkpoint))
 
 
 def test_bad_options_are_refused_in_one_line():

@@ -23,9 +23,10 @@ changes underneath:
   overlap=True)`` beside the next iteration (one step stale; the scheduler stepped with it), the last one waited for
   when ``train`` returns.
 - **checkpoints**: the Trainer's own (model, optimizer, scheduler, RNG, trainer state) and, beside them,
-  ``rpcompile_plan.json`` (the plan) and ``rpcompile_pipeline.pt`` (``pipe.state_dict()``: the iteration that
-  seeds dropout, loaded with ``weights_only``); ``resume_from_checkpoint`` compiles with that plan and continues
-  bit for bit.
+  a folder ``rpcompile/`` with ``plan.json`` (the plan) and the pipeline's state as a checkpoint directory holds it
+  (``pipeline.json``: the iteration that seeds dropout and the plan, readable text; ``pipeline.safetensors`` for
+  the weight copies an overlapped step left); ``resume_from_checkpoint`` compiles with that plan and continues bit
+  for bit. Checkpoints of earlier versions (``rpcompile_plan.json``, ``rpcompile_pipeline.pt``) still resume.
 
 TRL's ``SFTTrainer`` goes the same way: :func:`sft_trainer` returns its subclass with the same mixin
 (:class:`PipelineTrainerMixin`). Its ``compute_loss`` extras (token accuracy, entropy) are not computed: the loss
@@ -38,14 +39,15 @@ import contextlib
 import dataclasses
 import os
 import types
+from pathlib import Path
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from rpcompile.compiler import compile as compile_pipeline
-from rpcompile.core.errors import ConfigError
-from rpcompile.core.files import write_atomic
+from rpcompile.core.errors import ConfigError, first_line
+from rpcompile.training.checkpoint.pipeline_file import PIPELINE_FILE, read_pipeline, write_pipeline
 from rpcompile.core.plan import Plan
 
 try:
@@ -53,13 +55,13 @@ try:
 except ImportError as e:  # pragma: no cover - the extra is missing
     raise ImportError("rpcompile.integrations.hf needs transformers: pip install 'rpcompile[hf]'") from e
 
-__all__ = ["PipelineOptions", "PipelineTrainerMixin", "Trainer", "sft_trainer", "TRAINER_PLAN_FILE",
-           "TRAINER_STATE_FILE"]
+__all__ = ["PipelineOptions", "PipelineTrainerMixin", "Trainer", "sft_trainer", "TRAINER_FOLDER", "TRAINER_PLAN_FILE"]
 
-TRAINER_PLAN_FILE = "rpcompile_plan.json"
-"""The plan a Trainer checkpoint was trained with, beside the Trainer's own files."""
-TRAINER_STATE_FILE = "rpcompile_pipeline.pt"
-"""The pipeline's state (``Pipeline.state_dict()``) in a Trainer checkpoint."""
+TRAINER_FOLDER = "rpcompile"
+"""The folder of a Trainer checkpoint that holds the pipeline's plan and state, beside the Trainer's own files."""
+TRAINER_PLAN_FILE = "plan.json"
+"""The plan the checkpoint was trained with, in :data:`TRAINER_FOLDER`."""
+_OLD_PLAN, _OLD_STATE = "rpcompile_plan.json", "rpcompile_pipeline.pt"  # how earlier versions kept them
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -163,15 +165,15 @@ class PipelineTrainerMixin:
     def _pipeline(self, batch: Mapping[str, Any]) -> Any:
         if self.pipe is None:
             options = self.pipeline_options.kwargs()
-            plan_path = os.path.join(self._resume_dir, TRAINER_PLAN_FILE) if self._resume_dir else None
-            if plan_path is not None and os.path.exists(plan_path):
+            plan_path = _plan_file(self._resume_dir) if self._resume_dir else None
+            if plan_path is not None:
                 options["plan"] = plan_path  # the plan the checkpoint trained with: bit for bit
             length = self.pipeline_options.max_length or getattr(self.args, "max_length", None)
             example = _padded(batch, length if isinstance(length, int) else None)
             self.pipe = compile_pipeline(self.model, (), loss_fn=None, example_kwargs=example, **options)
-            state_path = os.path.join(self._resume_dir, TRAINER_STATE_FILE) if self._resume_dir else None
-            if state_path is not None and os.path.exists(state_path):
-                self.pipe.load_state_dict(torch.load(state_path, weights_only=True))
+            state = _pipeline_state(self._resume_dir) if self._resume_dir else None
+            if state is not None:
+                self.pipe.load_state_dict(state)
         return self.pipe
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any],
@@ -258,18 +260,41 @@ class PipelineTrainerMixin:
     def _save_rng_state(self, output_dir: str) -> None:
         super()._save_rng_state(output_dir)  # type: ignore[misc]
         if self.pipe is not None:
-            self.pipe.plan.save(os.path.join(output_dir, TRAINER_PLAN_FILE))
-            state = self.pipe.state_dict()
-            write_atomic(os.path.join(output_dir, TRAINER_STATE_FILE), lambda f: torch.save(state, f))
+            folder = Path(output_dir, TRAINER_FOLDER)
+            folder.mkdir(exist_ok=True)
+            self.pipe.plan.save(folder / TRAINER_PLAN_FILE)
+            write_pipeline(folder, self.pipe.state_dict())
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         super()._load_rng_state(checkpoint)  # type: ignore[misc]
         if checkpoint is not None:
             if self.pipe is not None:  # compiled already (an evaluation first): continue from the state
-                path = os.path.join(checkpoint, TRAINER_STATE_FILE)
-                if os.path.exists(path):
-                    self.pipe.load_state_dict(torch.load(path, weights_only=True), exact=False)
+                state = _pipeline_state(checkpoint)
+                if state is not None:
+                    self.pipe.load_state_dict(state, exact=False)
             self._resume_dir = checkpoint
+
+
+def _plan_file(checkpoint: str) -> str | None:
+    """The plan file a Trainer checkpoint holds (this version's place, then an earlier version's), or None."""
+    for path in (os.path.join(checkpoint, TRAINER_FOLDER, TRAINER_PLAN_FILE), os.path.join(checkpoint, _OLD_PLAN)):
+        if os.path.exists(path):
+            return path
+    return None
+
+
+def _pipeline_state(checkpoint: str) -> dict[str, Any] | None:
+    """The pipeline state a Trainer checkpoint holds, or None; a damaged one refused in one line naming it."""
+    folder = Path(checkpoint, TRAINER_FOLDER)
+    try:
+        if (folder / PIPELINE_FILE).exists():
+            return read_pipeline(folder)
+        old = Path(checkpoint, _OLD_STATE)
+        return torch.load(old, weights_only=True) if old.exists() else None
+    except (ValueError, RuntimeError, OSError) as e:
+        raise ConfigError(f"the pipeline state in {checkpoint} cannot be read ({first_line(e)}): resume from "
+                          "another checkpoint, or delete its rpcompile folder to resume without it "
+                          "(dropout then draws other masks)") from None
 
 
 class Trainer(PipelineTrainerMixin, transformers.Trainer):

@@ -111,6 +111,9 @@ def compile(
     ``use_cache=False`` unless ``example_kwargs`` says otherwise, and ``forward_backward(**batch)`` takes an HF
     batch dict, its ``labels`` as the target.
 
+    ``progress`` (default: when stderr is a terminal) shows on stderr what compile is doing and, later, a call's
+    saved-segment captures (:mod:`rpcompile.training.capture_progress`); ``False`` is silent.
+
     Frozen parameters (``requires_grad=False``) are then kept only in the compute precision — their ``.data``
     becomes the pipeline's (pinned) copy, so a bf16 LoRA base costs 2 bytes a parameter of host memory —
     unless ``frozen_masters=True`` keeps their fp32 masters too.
@@ -137,6 +140,8 @@ def compile(
             loss_weight=loss_weight, frozen_masters=frozen_masters, data_parallel=False, **plan_options)
         return _join(dp, local, plan, precision)
     checked_weight(loss_weight)  # before any planning
+    progress = plan_options.pop("progress", None)  # what compile does, on stderr: on a terminal unless False
+    show = sys.stderr.isatty() if progress is None else bool(progress)
     if devices is None and gpus is None:
         devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())] or ["cpu"]
     devs = make_devices(list(devices) if devices is not None else None, gpus)
@@ -159,20 +164,21 @@ def compile(
             if plan.hardware.device_count != len(devs):
                 raise RPCompileError(f"the plan is for {plan.hardware.device_count} devices but {len(devs)} were "
                                      "given; re-plan for these devices or pass matching devices=")
-            return Pipeline(model, gm, plan, devs, loss_fn, precision, scaler, loss_in_graph=head_chunks > 1,
+            pipe = Pipeline(model, gm, plan, devs, loss_fn, precision, scaler, loss_in_graph=head_chunks > 1,
                             signature=signature, loss_weight=loss_weight, frozen_masters=frozen_masters)
+            pipe.progress = show  # the first calls' captures (rpcompile.training.capture_progress)
+            return pipe
         on_cpu = devs[0].torch_device.type == "cpu"
         memory_limit = plan_options.pop("memory_limit", None)
         if memory_limit is None and not on_cpu:
             memory_limit = gpu_memory_limit(devs[0].torch_device, spec)
         # costs measured with the intra-op threads each logical CPU device will have
         threads = max(1, torch.get_num_threads() // len(devs)) if on_cpu and len(devs) > 1 else None
-        progress = plan_options.pop("progress", None)  # what compile does, on stderr: on a terminal unless False
         made = compile_plan(
             model, example_inputs, gpus=len(devs), spec=spec,
             device=None if spec is not None else devs[0].torch_device, memory_limit=memory_limit,
             microbatches=microbatches, precision=precision, example_kwargs=example_kwargs,
-            progress=sys.stderr.isatty() if progress is None else bool(progress),
+            progress=show,
             loss_fn=loss_fn, example_target=example_target, head_chunks=head_chunks, host_embedding=host_embedding,
             threads=threads, **plan_options)
         if "allow_save" not in plan_options:  # saved activations the host may not hold: recomputed instead
@@ -187,6 +193,7 @@ def compile(
                         loss_in_graph=made.plan.head_chunks > 1, signature=signature, loss_weight=loss_weight,
                         frozen_masters=frozen_masters)
         log.info("%s: %.2f s", "pipeline", time.perf_counter() - t0)  # stage code, host weight copies (pinned for GPUs)
+        pipe.progress = show
         return pipe
 
 

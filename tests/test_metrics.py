@@ -91,3 +91,52 @@ def test_compile_says_what_it_is_doing_unless_told_not_to(monkeypatch, capsys):
     texts = [t for columns in shown for t in columns if t]
     assert "compile: tracing the model" in texts and "compile: solving the partition" in texts
     assert "(time limit 1 s)" in texts
+
+
+def test_the_first_calls_captures_show_progress_unless_told_not_to(monkeypatch):
+    """A call that captures saved segments shows them on stderr: on the first call one per saved segment against
+    that count (hence a time left), at a new shape the captures it makes (one-row microbatches: sizes 0 and 1 are
+    specialised; captured at their second sighting), at a shape already captured nothing; ``compile(progress=False)`` shows nothing at all."""
+    from rpcompile.training import capture_progress
+
+    shown = []
+
+    class Recording:  # rich's Progress as the display sees it
+        def __init__(self, *columns, **kwargs):
+            self.task = type("Task", (), {"id": 0, "completed": 0, "total": None})()
+            self.tasks = [self.task]
+            shown.append(self.task)
+
+        def add_task(self, text, total=None):
+            self.task.total = total
+
+        def update(self, task_id, advance=0, total=None):
+            self.task.completed += advance
+            self.task.total = total
+
+        def start(self):
+            pass
+
+        def stop(self):
+            self.task.stopped = True
+
+    monkeypatch.setattr(capture_progress, "Progress", Recording)
+    ids = torch.randint(0, VOCAB, (4, 8))
+    for progress in (False, True):
+        shown.clear()
+        pipe = rpcompile.compile(hf_model("llama"), (ids,), loss_fn=token_loss, devices=["cpu", "cpu"],
+                                 microbatches=2, spec=FINE_CPU, time_limit_s=2.0, progress=progress)
+        saved = pipe.program.saved
+        assert saved
+        pipe.forward_backward(ids, target=ids)
+        first = [(t.completed, t.total, t.stopped) for t in shown]
+        pipe.forward_backward(ids[:, :6], target=ids[:, :6])  # a new length, the same symbolic capture
+        again = len(shown)
+        for _ in range(2):  # one-row microbatches: recomputed when first seen, captured when seen again
+            pipe.forward_backward(ids[:1], target=ids[:1])
+        if not progress:
+            assert shown == []
+            continue
+        assert first == [(len(saved), len(saved), True)]
+        assert again == 1 and len(shown) == 2 and shown[1].total is None and shown[1].stopped
+        assert shown[1].completed == sum(s.n_captures for s in saved) - len(saved) > 0

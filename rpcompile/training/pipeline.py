@@ -60,6 +60,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 import time
 from concurrent.futures import Future, wait
 from pathlib import Path
@@ -78,6 +79,7 @@ from rpcompile.runtime.failures import PipelineError
 from rpcompile.runtime.values import ValueStore
 
 from .callers import OneCaller, one_call
+from .capture_progress import CaptureProgress
 from .batches import (call_batch, checked_accumulation, microbatch_store, microbatch_weights, microbatches_of,
                       output_classes)
 from .checkpoint.state import CheckpointError, check_pipeline_state, pipeline_state
@@ -150,6 +152,8 @@ class Pipeline:
         self.last_step: StepRecord | None = None
         """The last ``forward_backward`` call, measured (:mod:`rpcompile.training.metrics`)."""
         self.on_step: Callable[[StepRecord], None] | None = None
+        self.progress = sys.stderr.isatty()
+        """Show a call's saved-segment captures on stderr (:mod:`.capture_progress`); ``compile(progress=)`` sets it."""
         """Called with each ``forward_backward`` call's :class:`~rpcompile.training.metrics.StepRecord` (a logger's
         hook); None: nobody listens."""
         self.callers = OneCaller()
@@ -464,11 +468,12 @@ class Pipeline:
         overlapped = self._iterations_overlap
         self._defer_gradients()
         try:
-            if overlapped:
-                losses = self._overlapped(store, m, loss_of, targets, wait_all=bool(wanted))
-            else:
-                losses = self.executor.run(self._schedule(m), store, iteration=self.iteration, loss_fn=loss_of,
-                                           targets=targets, grad_scale=scale)
+            with CaptureProgress(self.executor.program.saved, show=self.progress):
+                if overlapped:
+                    losses = self._overlapped(store, m, loss_of, targets, wait_all=bool(wanted))
+                else:
+                    losses = self.executor.run(self._schedule(m), store, iteration=self.iteration,
+                                               loss_fn=loss_of, targets=targets, grad_scale=scale)
         except BaseException as e:  # .grad is as before the call; an overlapped step in flight finishes (not taken)
             self.executor.finish()  # (a call a Ctrl-C left running: stopped, its gradients taken back)
             if self._step is not None:

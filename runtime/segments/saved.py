@@ -122,6 +122,8 @@ class SavedSegment(SegmentSpec):
         self.calls = {"forward": 0, "backward": 0, "recomputed": 0}
         self.leaves = opaque_calls(self.gm)
         """Nodes calling a leaf function or module: never captured, recomputed every step (module docstring)."""
+        self.on_capture: Callable[[], None] | None = None
+        """Called (on the stage's worker thread) after each capture this segment makes: a progress display's hook."""
 
     def __repr__(self) -> str:  # shows up in generated stage code
         return f"SavedSegment({self.name!r})"
@@ -170,6 +172,8 @@ class SavedSegment(SegmentSpec):
         except Exception:  # noqa: BLE001 - a trace symbolic sizes cannot take (data-dependent shapes, ...)
             aot = self._trace(flat, symbolic=False)
         self.n_captures += 1
+        if self.on_capture is not None:
+            self.on_capture()
         if aot.guards is not None:  # made from this example: they hold for it
             self.symbolic.setdefault(self._kind(flat), []).append(aot)
         self.captures[key] = aot

@@ -74,7 +74,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
-from rpcompile.core.errors import one_line as _one_line
+from rpcompile.core.errors import one_line
 from rpcompile.core.program import Program, StageProgram
 from rpcompile.core.schedule import Action
 
@@ -82,9 +82,7 @@ from . import rng, stage_call
 from .activity import span
 from .bind import bind
 from .devices import CpuDevice, Device
-from .failures import PipelineError
-# the QLoRA work is editing this module's body: the helpers keep their local names here for now
-from .failures import Stopped as _Stopped, first_failure as _first, without_frames as _without_frames
+from .failures import PipelineError, Stopped, first_failure, without_frames
 from .segments import saved
 from .segments.capture import HostSaved
 from .stage_call import StageState, to_host, upload_tree
@@ -92,7 +90,7 @@ from .stays import DeviceGrads, DeviceWeights
 from .values import TimelineEvent, ValueStore
 from .weights import GradSink, HostTraffic, WeightStore
 
-__all__ = ["ValueStore", "Executor", "Running", "TimelineEvent", "PipelineError"]
+__all__ = ["Executor", "Running"]
 
 class Executor:
     """Runs one iteration of a schedule (see module docstring)."""
@@ -192,7 +190,7 @@ class Executor:
         if self.failed:
             self._settle()
             self._open = False
-            raise _first(self.failed)
+            raise first_failure(self.failed)
         self.grads.commit()
         self.sums.commit(self.grads)
         self._open = False
@@ -264,7 +262,7 @@ class Executor:
         does this first; the pipeline does it as soon as a call raises."""
         if not self._open:
             return
-        self._fail(_Stopped())
+        self._fail(Stopped())
         self._join(self._threads)
         self._settle()
         self._open = False
@@ -335,11 +333,11 @@ class Executor:
         stage = self.program.stages[act.stage].name if act is not None else None
         what = f"stage {stage} ({act})" if act is not None else "a worker"
         at = f" at microbatch {act.microbatch}" if act is not None and act.kind == "F" else ""
-        err = PipelineError(f"{what} failed on device {d} ({device.torch_device}){at}: {_one_line(e)}")
+        err = PipelineError(f"{what} failed on device {d} ({device.torch_device}){at}: {one_line(e)}")
         err.stage, err.device = stage, d
         err.microbatch = act.microbatch if act is not None and act.kind == "F" else None
         err.details = traceback.format_exc()
-        err.__cause__ = _without_frames(e)  # its frames would keep the stage's activations alive
+        err.__cause__ = without_frames(e)  # its frames would keep the stage's activations alive
         return err
 
     def _host(self, store: ValueStore, pending: dict[tuple[str, int], Future]) -> None:
@@ -349,7 +347,7 @@ class Executor:
             for j in range(m):
                 for h in host:
                     if self._stopping():
-                        raise _Stopped()
+                        raise Stopped()
                     with torch.no_grad():
                         rows = h.forward(store.get(h.index, j), self.weights.host_table(h.weight))
                     pending[(h.value, j)].set_result(rows.to(self.dtype) if self.dtype is not None else rows)
@@ -369,10 +367,10 @@ class Executor:
             self.grads.notify("host")  # every row's gradient is in (data-parallel reduction)
         except BaseException as e:  # noqa: BLE001 - reported to the caller; the stages waiting for rows stop
             err: BaseException = e
-            if not isinstance(e, (KeyboardInterrupt, _Stopped)):
-                err = PipelineError(f"the host's embedding lookup failed: {_one_line(e)}")
+            if not isinstance(e, (KeyboardInterrupt, Stopped)):
+                err = PipelineError(f"the host's embedding lookup failed: {one_line(e)}")
                 err.details = traceback.format_exc()
-                err.__cause__ = _without_frames(e)
+                err.__cause__ = without_frames(e)
                 self._fail(err)
             elif isinstance(e, KeyboardInterrupt):
                 self._fail(e)
@@ -436,7 +434,7 @@ class Executor:
         to the store; the fused stage's output comes home, or its loss does."""
         rng.context.iteration, rng.context.microbatch, rng.context.device = self.iteration, j, device.torch_device
         rng.context.training, rng.context.seed = self.training, self.seed
-        saved.context.save = False  # evaluation keeps nothing for a backward pass
+        saved.forward_mode.save = False  # evaluation keeps nothing for a backward pass
         with torch.no_grad(), _ambient(device), device.compute():
             outs = stage_call.call(prog, state, self._inputs(device, prog, j, leaves=False), self._slot_cache,
                                    copy_buffers=False)
@@ -513,7 +511,7 @@ class Executor:
         rng.context.training, rng.context.seed = self.training, self.seed
         what = f"{prog.name} mb{mb}"  # the profiler spans' detail (.activity)
         if prog.kind == "forward":
-            saved.context.save = True  # saved segments keep their activations for the backward stage
+            saved.forward_mode.save = True  # saved segments keep their activations for the backward stage
             with torch.no_grad():
                 with span("inputs", what):
                     inputs = self._inputs(device, prog, mb, leaves=False)
@@ -610,7 +608,7 @@ class Running:
             try:
                 c._settle()
             finally:
-                self.error = _first(c.failed)
+                self.error = first_failure(c.failed)
         else:
             c.grads.commit()
         self.settled.set()

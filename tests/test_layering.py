@@ -327,16 +327,8 @@ def test_the_recurrence_is_plain_numbers():
 #: The public surface: every public name listed once more here, each pointing at its one home (the table's value).
 SURFACE = "rpcompile"
 
-#: (name, module) pairs of names that still sit in a second module's ``__all__``: the list only shrinks. Left for
-#: the QLoRA work on ``runtime/executor.py`` (its body and ``__all__`` are being edited there): the executor's
-#: re-exports of ``values`` and ``failures``, and the two ``context`` thread-locals (rng's and saved segments'), which
-#: the executor reaches as ``rng.context`` and ``saved.context`` — one of them renamed once that work has landed.
-KNOWN_TWO_HOMES: set[tuple[str, str]] = {
-    ("PipelineError", "rpcompile.runtime.executor"), ("PipelineError", "rpcompile.runtime.failures"),
-    ("TimelineEvent", "rpcompile.runtime.executor"), ("TimelineEvent", "rpcompile.runtime.values"),
-    ("ValueStore", "rpcompile.runtime.executor"), ("ValueStore", "rpcompile.runtime.values"),
-    ("context", "rpcompile.runtime.rng"), ("context", "rpcompile.runtime.segments.saved"),
-}
+#: (name, module) pairs of names that still sit in a second module's ``__all__``: the list only shrinks.
+KNOWN_TWO_HOMES: set[tuple[str, str]] = set()
 
 #: (importing file, imported module, private name) imports of a ``_private`` name across modules: the list only
 #: shrinks.

@@ -95,6 +95,9 @@ LAGRANGE_WALL_SHARE = 0.7
 WALL_SHARE = 0.85
 #: Share of ``time_limit_s`` after which the final local search stops where it is (a guard; counts stop it).
 FINISH_WALL_SHARE = 1.0
+#: Rounds of the winner's checkpointing flips, each followed by cut moves, while a round changes the plan: the cuts
+#: that settle after flips can make other flips pay (llama-8b overlapped on 8 GPUs: a second round 0.7% faster).
+FLIP_ROUNDS = 4
 
 
 class _Pool:
@@ -342,8 +345,10 @@ def _finish(pb: PartitionProblem, pool: _Pool, lb: np.ndarray, started: float, s
     scorer = PlanScorer(pb)  # the searches meet the same stages and plans: score each once
     polished = [polish(pb, p, max_evaluations=k, deadline=deadline, scorer=scorer) for p, k in zip(ranked, shares)]
     best = min(polished, key=lambda p: (iteration_time(pb, p), p.stage_count))
-    flipped = flip_saves(pb, best, deadline=deadline, scorer=scorer)  # the winner's checkpointing choices on its settled cuts, then its cuts again
-    if flipped != best:
+    for _ in range(FLIP_ROUNDS):  # the winner's checkpointing choices on its settled cuts, then its cuts again
+        flipped = flip_saves(pb, best, deadline=deadline, scorer=scorer)
+        if flipped == best:
+            break
         best = polish(pb, flipped, max_evaluations=POLISH_EVALUATIONS // POLISH_STARTS, deadline=deadline,
                       scorer=scorer)
     tapered = taper(pb, best, scorer=scorer) if time.perf_counter() <= deadline else best  # a jump out of the climbs' optimum: stages that grow from both ends, climbed again

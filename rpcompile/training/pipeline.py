@@ -357,7 +357,7 @@ class Pipeline:
 
     @property
     def timeline(self) -> list:
-        """What the last call ran where and when (:class:`rpcompile.runtime.executor.TimelineEvent`)."""
+        """What the last call ran where and when (:class:`rpcompile.runtime.values.TimelineEvent`)."""
         return self.executor.timeline
 
     def export_trace(self, path: str | os.PathLike) -> Path:

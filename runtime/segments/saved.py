@@ -56,12 +56,12 @@ from .capture import Aliased, HostSaved, SegmentAOT, SegmentFunction, capture_se
 from .sharing import keep, shared_capture, structure
 from .symbolic import Guards, fake_inputs
 
-__all__ = ["SavedSegment", "context", "opaque_calls"]
+__all__ = ["SavedSegment", "forward_mode", "opaque_calls"]
 
 #: Captures kept per segment; further new shapes are recomputed.
 MAX_CAPTURES = 16
 
-context = threading.local()
+forward_mode = threading.local()
 """Per worker thread: ``save`` (bool) — a training forward stage keeps activations; otherwise segments run plainly."""
 
 _CAPTURE_LOCK = threading.Lock()  # AOT tracing is not meant to run concurrently
@@ -246,7 +246,7 @@ class SavedSegment(SegmentSpec):
 
     def forward_call(self, *flat: Any) -> tuple:
         """Forward stage: ``(*outputs, HostSaved)``; updates the buffers in place (the real forward)."""
-        if not getattr(context, "save", False):
+        if not getattr(forward_mode, "save", False):
             outs, _ = self._run(flat, False)
             return (*outs, None)
         self.calls["forward"] += 1

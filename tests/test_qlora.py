@@ -118,6 +118,28 @@ def test_qlora_trains_like_eager_bitsandbytes_on_padded_batches(kind, tmp_path):
                                    ref_merged(input_ids=ids, attention_mask=mask).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_bf16_qlora_trains_like_eager_bitsandbytes_in_bf16(tmp_path):
+    """The usual QLoRA setup: bitsandbytes computing in bf16 and the pipeline compiled with ``precision="bf16"``
+    (adapters as fp32 masters): loss and every adapter gradient as eager bitsandbytes + PEFT with its weights in
+    bf16, to bf16's rounding (test_lora's standard: loss to 1e-3 relative, gradients normwise within 3e-2)."""
+    model = qlora("llama", tmp_path, bnb_4bit_compute_dtype=torch.bfloat16)
+    ref = copy.deepcopy(model)
+    for t in [*ref.parameters(), *ref.buffers()]:
+        if t.is_floating_point():  # the adapters, norms and embeddings; the packed base is not floating
+            t.data = t.data.to(torch.bfloat16)
+    ids, mask, labels = _padded(6, 16, seed=1)
+    pipe = compile_qlora(model, (ids, mask, labels), precision="bf16")
+    loss = pipe.forward_backward(input_ids=ids, attention_mask=mask, labels=labels)
+    ref_loss = ref(input_ids=ids, attention_mask=mask, labels=labels).loss
+    ref_loss.backward()
+    assert abs(loss.item() - ref_loss.item()) < 1e-3 * abs(ref_loss.item())
+    ref_params = dict(ref.named_parameters())
+    for name, p in adapters(model).items():
+        assert p.dtype == torch.float32 and p.grad.dtype == torch.float32, name
+        g, r = p.grad, ref_params[name].grad.float()
+        assert float((g - r).norm() / r.norm()) < 3e-2, name
+
+
 def test_the_packed_base_lives_on_the_host_once_and_goes_up_packed(tmp_path):
     """Host: the packed indices and every scale of the quantized layers, counted from their storages (each counted
     once: the nested map is shared), take at most 0.6 bytes a weight, and no floating copy of any quantized

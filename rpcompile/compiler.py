@@ -34,17 +34,23 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 import torch
+import torch.fx as fx
 
 from rpcompile.passes.formulate import PRECISION_BYTES
-from rpcompile.passes.graph.precision import COMPUTE_DTYPES
 from rpcompile.passes.graph.trace import training_inputs
+from rpcompile.passes.rewrite.codegen import write_stages
+from rpcompile.passes.rewrite.split import split_plan
 from rpcompile.runtime.devices import make_devices
 
 from .core.errors import ConfigError, PlanVerificationError, RPCompileError, one_line
 from .core.plan import Plan
+from .core.precision import COMPUTE_DTYPES
+from .core.program import Program
 from .planner.invariants import plan_violations
 from .planner.model_match import graph_as_planned
 from .planner.planning import compile_plan, replanned
@@ -55,7 +61,7 @@ from .training.loss_weighting import checked_weight
 from .training.pipeline import Pipeline
 from .training.signature import InputSignature, check_compile_arguments
 
-__all__ = ["compile"]
+__all__ = ["compile", "pipeline", "PlanLowering"]
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +165,7 @@ def compile(
             if plan.hardware.device_count != len(devs):
                 raise RPCompileError(f"the plan is for {plan.hardware.device_count} devices but {len(devs)} were "
                                      "given; re-plan for these devices or pass matching devices=")
-            return Pipeline(model, gm, plan, devs, loss_fn, precision, scaler, loss_in_graph=head_chunks > 1,
+            return pipeline(model, gm, plan, devs, loss_fn, precision, scaler, loss_in_graph=head_chunks > 1,
                             signature=signature, loss_weight=loss_weight, frozen_masters=frozen_masters)
         on_cpu = devs[0].torch_device.type == "cpu"
         memory_limit = plan_options.pop("memory_limit", None)
@@ -183,11 +189,39 @@ def compile(
                                    dtype=COMPUTE_DTYPES[precision], pin=not on_cpu, frozen_masters=frozen_masters)
         assert made.plan is not None
         t0 = time.perf_counter()
-        pipe = Pipeline(model, made.graph, made.plan, devs, loss_fn, precision, scaler,
+        pipe = pipeline(model, made.graph, made.plan, devs, loss_fn, precision, scaler,
                         loss_in_graph=made.plan.head_chunks > 1, signature=signature, loss_weight=loss_weight,
                         frozen_masters=frozen_masters)
         log.info("%s: %.2f s", "pipeline", time.perf_counter() - t0)  # stage code, host weight copies (pinned for GPUs)
         return pipe
+
+
+@dataclass(frozen=True)
+class PlanLowering:
+    """A plan lowered over the graph it was made from (a :class:`~rpcompile.core.program.Lowering`): its stage
+    programs (:func:`~rpcompile.passes.rewrite.split.split_plan`) and their code written out
+    (:func:`~rpcompile.passes.rewrite.codegen.write_stages`). The compiler lowers; the training session receives the
+    programs."""
+
+    plan: Plan
+    gm: fx.GraphModule
+
+    def program(self, input_grads: Collection[str] = ()) -> Program:
+        return split_plan(self.plan, self.gm, input_grads=input_grads)
+
+    def write(self, program: Program, directory: str | os.PathLike) -> list[Path]:
+        return write_stages(program, self.plan, directory)
+
+
+def pipeline(model: torch.nn.Module, gm: fx.GraphModule, plan: Plan, devices: Sequence[Any],
+             loss_fn: Callable[[Any, Any], torch.Tensor] | None, precision: str, scaler: Any = None,
+             **options: Any) -> Pipeline:
+    """A :class:`Pipeline` running ``plan`` over ``gm`` (the graph it was made from): the plan lowered into stage
+    programs here (:class:`PlanLowering`) and handed to the training session as data. ``options``: the pipeline's
+    own (``loss_in_graph``, ``signature``, ``loss_weight``, ``frozen_masters``)."""
+    lowering = PlanLowering(plan, gm)
+    return Pipeline(model, gm, plan, devices, loss_fn, precision, scaler, program=lowering.program(),
+                    lowering=lowering, **options)
 
 
 def _precision(plan: Plan | None, precision: str | None) -> str:

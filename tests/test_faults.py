@@ -93,7 +93,7 @@ def _pipeline(devices: Any = None, memory: int = 12 * 2**30) -> tuple[Any, nn.Mo
     from rpcompile.planner.planning import prepare
     from rpcompile.planner.plan_options import make_hardware
     from rpcompile.runtime.devices import make_devices
-    from rpcompile.training.pipeline import Pipeline
+    from rpcompile.compiler import pipeline
 
     torch.manual_seed(0)
     model = Net()
@@ -105,7 +105,7 @@ def _pipeline(devices: Any = None, memory: int = 12 * 2**30) -> tuple[Any, nn.Mo
     plan = plan_from_ranges(gm, forward=[(0, 2), (2, 4), (4, 6), (6, 8)], fused=(8, len(compute_nodes(gm))),
                             backward=[(5, 8), (2, 5), (0, 2)], hardware=make_hardware(4, "rtx4090", 20 * 2**30),
                             microbatches=m, saved=saved, stage_memory=[memory] * 8)
-    pipe = Pipeline(model, gm, plan, make_devices(devices or ["cpu"] * 4, None), F.cross_entropy, "fp32")
+    pipe = pipeline(model, gm, plan, make_devices(devices or ["cpu"] * 4, None), F.cross_entropy, "fp32")
     assert len(pipe.program.saved) >= 3 and all(s.leaves for s in pipe.program.saved)
     return pipe, ref, x, y
 

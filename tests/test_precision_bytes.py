@@ -21,7 +21,8 @@ from rpcompile.passes.graph.precision import RUN_DTYPE_KEY, cast_floating, compu
 from rpcompile.passes.graph.shape import SHAPE_KEY, shape_pass, storage_key
 from rpcompile.passes.graph.trace import trace
 from rpcompile.passes.graph.util import is_compute
-from rpcompile.passes.rewrite.loss_head import CHUNK_META, TARGET
+from rpcompile.core.batch import TARGET
+from rpcompile.passes.rewrite.loss_head import CHUNK_META
 from rpcompile.planner.planning import prepare
 
 COST_MODELS = {"analytic": dict(spec="rtx4090"), "measured": dict(device="cpu", cache=False)}

@@ -482,7 +482,7 @@ def _saving_pipeline(name, parity, k=2, m=3, devices=None, adjust=None):
     from rpcompile.passes.lower import plan_from_ranges
     from rpcompile.passes.rewrite.coarsen import coarsen_pass, segments_of
     from rpcompile.passes.graph.util import compute_nodes
-    from rpcompile.training.pipeline import Pipeline
+    from rpcompile.compiler import pipeline
     from rpcompile.planner.planning import prepare
     from rpcompile.planner.plan_options import make_hardware
     from rpcompile.runtime.devices import make_devices
@@ -504,7 +504,7 @@ def _saving_pipeline(name, parity, k=2, m=3, devices=None, adjust=None):
                             microbatches=m, saved=saved)
     assert plan.saved
     rpcompile.verify_plan(plan, gm)
-    pipe = Pipeline(spec.model, gm, plan, make_devices(devices or ["cpu"] * k, None), spec.loss_fn, "fp32")
+    pipe = pipeline(spec.model, gm, plan, make_devices(devices or ["cpu"] * k, None), spec.loss_fn, "fp32")
     return spec, ref, pipe, x, spec.example_target
 
 

@@ -308,7 +308,7 @@ def test_a_tuple_handed_between_saved_segments_is_recomputed_like_eager():
     from rpcompile.passes.lower import plan_from_ranges
     from rpcompile.passes.rewrite.coarsen import SEGMENT_KEY
     from rpcompile.passes.graph.util import compute_nodes
-    from rpcompile.training.pipeline import Pipeline
+    from rpcompile.compiler import pipeline
     from rpcompile.planner.planning import prepare
     from rpcompile.planner.plan_options import make_hardware
     from rpcompile.runtime.devices import make_devices
@@ -325,7 +325,7 @@ def test_a_tuple_handed_between_saved_segments_is_recomputed_like_eager():
     plan = plan_from_ranges(gm, forward=[(0, n // 2), (n // 2, n - 2)], fused=(n - 2, n),
                             backward=[(n // 3, n - 2), (0, n // 3)], hardware=make_hardware(2, "cpu"),
                             microbatches=m, saved=[nd.name for nd in nodes[:n - 2]])
-    pipe = Pipeline(model, gm, plan, make_devices(["cpu", "cpu"], None), F.cross_entropy, "fp32")
+    pipe = pipeline(model, gm, plan, make_devices(["cpu", "cpu"], None), F.cross_entropy, "fp32")
     seg_nodes = {nd for seg in pipe.program.saved for nd in seg.nodes}
     attn = [nd.name for nd in gm.graph.nodes if nd.op == "call_module" and str(nd.target).endswith("attn")]
     assert attn and not seg_nodes & set(attn) and pipe.program.saved  # the attention is recomputed, others saved

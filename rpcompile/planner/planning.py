@@ -40,21 +40,22 @@ from rpcompile.passes.cost.loss_memory import LOSS_BYTES_KEY, loss_memory
 from rpcompile.passes.cost.measured import MeasuredCostModel
 from rpcompile.passes.formulate import PRECISION_BYTES, partition_problem
 from rpcompile.passes.graph.meta import on_meta, without_dynamo_import
-from rpcompile.passes.graph.precision import RUN_DTYPE_KEY, TRACE_DTYPE_KEY, cast_floating, compute_dtype, computing_in
+from rpcompile.passes.graph.precision import RUN_DTYPE_KEY, TRACE_DTYPE_KEY, cast_floating, computing_in
 from rpcompile.passes.graph.reuse import RunMemo
 from rpcompile.passes.graph.shape import shape_pass
 from rpcompile.passes.graph.trace import trace, training_inputs
 from rpcompile.passes.lower import to_plan
 from rpcompile.passes.rewrite.coarsen import coarsen_pass
 from rpcompile.passes.rewrite.host import host_embedding_pass
-from rpcompile.passes.rewrite.loss_head import TARGET, split_head
+from rpcompile.passes.rewrite.loss_head import split_head
 from rpcompile.passes.solve_cache import cached_solve
 from rpcompile.passes.solver.partition import solve
 from rpcompile.passes.solver.problem import PartitionProblem, PartitionResult
 
-from ..core.batch import split_microbatches
+from ..core.batch import TARGET, split_microbatches
 from ..core.errors import ConfigError
 from ..core.plan import Hardware, Plan
+from ..core.precision import compute_dtype
 from ..core.specs import DeviceSpec
 from .envelope import warn_if_link_bound
 from .plan_options import (AUTO_HEAD_CHUNKS, PLAN_STRATEGIES, default_spec, fastest, head_chunk_candidates,

@@ -68,10 +68,6 @@ from typing import Any, Callable, Iterator, Mapping, NoReturn, Sequence
 import torch
 import torch.fx as fx
 
-from rpcompile.passes.graph.precision import compute_dtype
-from rpcompile.passes.rewrite.codegen import write_stages
-from rpcompile.passes.rewrite.loss_head import HEAD_CLASSES_META, TARGET
-from rpcompile.passes.rewrite.split import split_plan
 from rpcompile.runtime.bind import bind
 from rpcompile.runtime.executor import Executor
 from rpcompile.runtime.failures import PipelineError
@@ -82,11 +78,12 @@ from .batches import (call_batch, checked_accumulation, microbatch_store, microb
                       output_classes)
 from .checkpoint.state import CheckpointError, check_pipeline_state, pipeline_state
 from .compiled_model import CompiledModel
-from ..core.batch import joined, split_microbatches
+from ..core.batch import TARGET, joined, split_microbatches
 from ..core.errors import ConfigError, LossFnError, RPCompileError
 from ..core.files import write_atomic
 from ..core.plan import Plan
-from ..core.program import Program
+from ..core.precision import compute_dtype
+from ..core.program import HEAD_CLASSES_META, Lowering, Program
 from ..core.schedule import round_robin
 from .distributed import DataParallel, RankCalls
 from .gpu_memory import offload_budget
@@ -108,7 +105,11 @@ class Pipeline:
     def __init__(self, model: torch.nn.Module, gm: fx.GraphModule, plan: Plan, devices: Sequence[Any],
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None, precision: str, scaler: Any = None,
                  loss_in_graph: bool = False, signature: InputSignature | None = None,
-                 loss_weight: "str | Callable[[Any], float]" = "auto", frozen_masters: bool = False):
+                 loss_weight: "str | Callable[[Any], float]" = "auto", frozen_masters: bool = False, *,
+                 program: Program, lowering: Lowering):
+        """``program``: ``plan`` lowered over ``gm`` into the stages' programs (data); ``lowering``: what lowered
+        it, asked again only for the programs of inputs that require grad and for the stage code written out
+        (:meth:`codegen`). The compiler makes both (:func:`rpcompile.compiler.pipeline`)."""
         self.data_parallel: DataParallel | None = None
         """Set by :meth:`join`: this pipeline is one rank of data-parallel training (:mod:`rpcompile.training.distributed`)."""
         self._rank: RankCalls | None = None  # a data-parallel call's collectives and held gradients (join)
@@ -125,7 +126,8 @@ class Pipeline:
         self.compiled = CompiledModel(model, gm)
         """The model's parameters and modes as compiled: :meth:`check_model` compares every call's with them."""
         self.microbatches = plan.microbatches
-        self.program = split_plan(plan, gm)
+        self.lowering = lowering
+        self.program = program
         self._input_grad_programs: dict[frozenset[str], Program] = {}  # by the inputs whose gradients they send home
         self.schedule = round_robin([s.kind for s in plan.stages], len(self.devices), self.microbatches)
         self._schedules: dict[tuple[int, int], list] = {(self.microbatches, 0): self.schedule}
@@ -442,7 +444,7 @@ class Pipeline:
         """The plan split again so that the gradients of these inputs (placeholders) come home too — made, and
         bound, the first time a call's inputs require grad."""
         if inputs not in self._input_grad_programs:
-            program = bind(split_plan(self.plan, self.gm, input_grads=inputs))
+            program = bind(self.lowering.program(inputs))
             self.compiled.follow([prog.gm for prog in program.stages] + [seg.gm for seg in program.saved])
             self._input_grad_programs[inputs] = program
         return self._input_grad_programs[inputs]
@@ -592,7 +594,7 @@ class Pipeline:
 
     def codegen(self, directory: str | os.PathLike) -> list[Path]:
         """Write each stage's generated Python into ``directory``; returns the files."""
-        return write_stages(self.program, self.plan, directory)
+        return self.lowering.write(self.program, directory)
 
 
 def _input_gradients(store: ValueStore, m: int, inputs: Mapping[str, torch.Tensor]) -> None:

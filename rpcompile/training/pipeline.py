@@ -88,7 +88,8 @@ from ..core.schedule import round_robin
 from .distributed import DataParallel, RankCalls
 from .gpu_memory import offload_budget
 from .host_memory import check_host_memory
-from .loss_weighting import BatchLoss, checked_weight, shifts_labels, shifted_tokens
+from .loss_weighting import BatchLoss, shifts_labels, shifted_tokens
+from .options import TrainOptions
 from .oom import out_of_memory
 from .interrupts import deferred
 from .metrics import StepRecord, batch_tokens, chrome_trace, step_record
@@ -103,21 +104,22 @@ class Pipeline:
     """A compiled model: runs training iterations of a plan on its devices (see module docstring)."""
 
     def __init__(self, model: torch.nn.Module, gm: fx.GraphModule, plan: Plan, devices: Sequence[Any],
-                 loss_fn: Callable[[Any, Any], torch.Tensor] | None, precision: str, scaler: Any = None,
-                 loss_in_graph: bool = False, signature: InputSignature | None = None,
-                 loss_weight: "str | Callable[[Any], float]" = "auto", frozen_masters: bool = False, *,
-                 program: Program, lowering: Lowering):
-        """``program``: ``plan`` lowered over ``gm`` into the stages' programs (data); ``lowering``: what lowered
-        it, asked again only for the programs of inputs that require grad and for the stage code written out
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None, options: TrainOptions, *, program: Program,
+                 lowering: Lowering, loss_in_graph: bool = False, signature: InputSignature | None = None):
+        """``options``: the pipeline's own (precision, scaler, loss weighting, frozen masters; checked when made).
+        ``program``: ``plan`` lowered over ``gm`` into the stages' programs (data); ``lowering``: what lowered it,
+        asked again only for the programs of inputs that require grad and for the stage code written out
         (:meth:`codegen`). The compiler makes both (:func:`rpcompile.compiler.pipeline`)."""
+        precision, loss_weight, frozen_masters = options.precision, options.loss_weight, options.frozen_masters
+        self.options = options
         self.data_parallel: DataParallel | None = None
         """Set by :meth:`join`: this pipeline is one rank of data-parallel training (:mod:`rpcompile.training.distributed`)."""
         self._rank: RankCalls | None = None  # a data-parallel call's collectives and held gradients (join)
         self.model, self.gm, self.plan, self.devices = model, gm, plan, list(devices)
-        self.loss_fn, self.precision, self.scaler = loss_fn, precision, scaler
+        self.loss_fn, self.precision, self.scaler = loss_fn, precision, options.scaler
         self.loss_in_graph = loss_in_graph  # the graph takes the target and returns the loss (split LM head)
         self.signature = signature
-        self.loss_weight = checked_weight(loss_weight)
+        self.loss_weight = loss_weight
         self.classes = output_classes(model) or gm.meta.get(HEAD_CLASSES_META)
         """The classes the model's output scores (an HF model's output embeddings, a split head's weight), which
         the labels of a loss inside the stages are checked against on the host; None where unknown."""

@@ -28,7 +28,7 @@ from rpcompile.core.errors import InfeasibleError
 from rpcompile.core.plan import Plan
 from rpcompile.core.units import fmt_bytes, fmt_ms
 from rpcompile.models.registry import ModelSpec, load_model
-from rpcompile.planner.plan_options import PlanOptions, AUTO_HEAD_CHUNKS, make_hardware
+from rpcompile.planner.plan_options import AUTO_HEAD_CHUNKS, PlanOptions, make_hardware
 from rpcompile.planner.planning import compare, prepare
 from rpcompile.planner.planning import plan as plan_model
 from rpcompile.planner.profiling import profile_graph

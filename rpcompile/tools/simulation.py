@@ -18,11 +18,11 @@ from rpcompile.passes.background import solving
 from rpcompile.passes.formulate import partition_problem
 from rpcompile.passes.lower import input_tokens
 from rpcompile.passes.solver.partition import solve
-from rpcompile.planner.plan_options import PlanOptions
 from rpcompile.tools.scenarios import (SCHEDULES, Scenario, from_plan, from_segment_plan, layer_profile_scenarios,
                                  load_layer_profile, overlapped, static_scenarios)
 
-from ..planner.plan_options import default_spec, fastest, head_chunk_candidates, make_hardware, model_device
+from ..planner.plan_options import (PlanOptions, default_spec, fastest, head_chunk_candidates, make_hardware,
+                                    model_device)
 from ..planner.planning import prepare
 
 __all__ = ["parse_schedules", "model_scenarios", "plan_scenarios", "profile_scenarios", "run_all",

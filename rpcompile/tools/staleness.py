@@ -41,11 +41,11 @@ from rpcompile.passes.rewrite.coarsen import segments_of
 from rpcompile.passes.solver.problem import SegmentPlan
 from rpcompile.passes.solver.segment_rules import validate_segment_plan
 from rpcompile.passes.solver.timing import iteration_time, stage_costs
-from rpcompile.planner.plan_options import PlanOptions
 
 from ..core.errors import InfeasibleError, PlanFileError
 from ..core.plan import Plan
 from ..planner.invariants import plan_violations
+from ..planner.plan_options import PlanOptions
 from ..planner.planning import plan_graph, prepare
 
 __all__ = ["CheckResult", "check_plan", "rescore", "stays_of", "sums_of"]

@@ -61,7 +61,7 @@ from rpcompile.passes.rewrite.coarsen import segments_of
 from rpcompile.passes.solver.partition import solve
 from rpcompile.passes.solver.problem import PartitionProblem
 from rpcompile.passes.solver.timing import host_times, iteration_time, stage_costs
-from rpcompile.planner.plan_options import make_hardware
+from rpcompile.planner.plan_options import PlanOptions, make_hardware
 from rpcompile.planner.planning import prepare
 
 HERE = Path(__file__).parent
@@ -177,8 +177,8 @@ def graph(model: str, batch: int, seq: int, layers: int, devices: int, microbatc
     else:
         spec = load_model(model, device="meta", batch_size=batch, seq_len=seq)
         net, inputs, loss, target = spec.model, spec.example_inputs, spec.loss_fn, spec.example_target
-    gm, _ = prepare(net, inputs, gpus=devices, spec=cost_spec, microbatches=microbatches, precision="bf16",
-                    loss_fn=loss, example_target=target, head_chunks=head_chunks, progress=False)
+    gm, _ = prepare(net, inputs, PlanOptions(gpus=devices, spec=cost_spec, microbatches=microbatches,
+                    precision="bf16", head_chunks=head_chunks, progress=False), loss_fn=loss, example_target=target)
     return gm
 
 

@@ -55,7 +55,7 @@ from rpcompile.passes.formulate import partition_problem
 from rpcompile.passes.lower import input_tokens
 from rpcompile.passes.solver.partition import solve
 from rpcompile.passes.solver.timing import iteration_time, stage_costs
-from rpcompile.planner.plan_options import make_hardware
+from rpcompile.planner.plan_options import PlanOptions, make_hardware
 from rpcompile.planner.planning import prepare
 from rpcompile.tools.scenarios import from_segment_plan, overlapped
 
@@ -77,8 +77,8 @@ def best_plans(model: str, gpus: int, m: int, time_limit: float) -> dict[str, tu
                                                           "overlapped, recompute": []}
     for k in HEAD_CHUNKS:
         extra = dict(loss_fn=ms.loss_fn, example_target=ms.example_target) if k > 1 else {}
-        gm, _ = prepare(ms.model, ms.example_inputs, gpus=gpus, spec=SPEC, microbatches=m, precision=PRECISION,
-                        progress=False, head_chunks=k, **extra)
+        gm, _ = prepare(ms.model, ms.example_inputs, PlanOptions(gpus=gpus, spec=SPEC, microbatches=m,
+                        precision=PRECISION, progress=False, head_chunks=k), **extra)
         for mode in made:
             pb = partition_problem(gm, hardware=hw, microbatches=m, precision=PRECISION,
                                    overlap_iterations=mode != "synchronous", allow_save=mode != "overlapped, recompute")

@@ -35,7 +35,7 @@ from rich.table import Table
 from rpcompile.core.files import write_atomic
 from rpcompile.core.units import fmt_bytes, fmt_time
 from rpcompile.models.registry import load_model
-from rpcompile.planner.plan_options import make_hardware
+from rpcompile.planner.plan_options import PlanOptions, make_hardware
 from rpcompile.planner.planning import compare, prepare
 
 SPEC = "rtx4090"
@@ -80,8 +80,8 @@ def run_config(model: str, gpus: int, time_limit_s: float) -> list[dict[str, Any
     m = 2 * gpus
     t0 = time.perf_counter()
     ms = load_model(model, batch_size=m, seq_len=SEQ_LEN)  # one 4096-token sequence per microbatch
-    gm, m = prepare(ms.model, ms.example_inputs, gpus=gpus, spec=SPEC, microbatches=m, precision=PRECISION,
-                    progress=False)
+    gm, m = prepare(ms.model, ms.example_inputs, PlanOptions(gpus=gpus, spec=SPEC, microbatches=m,
+                    precision=PRECISION, progress=False))
     prep_s = time.perf_counter() - t0
     hardware = make_hardware(gpus, SPEC)
     results = compare(gm, hardware=hardware, microbatches=m, precision=PRECISION, time_limit_s=time_limit_s)

@@ -49,7 +49,7 @@ from rpcompile.models.registry import load_model
 from rpcompile.passes.formulate import partition_problem
 from rpcompile.passes.lower import input_tokens
 from rpcompile.passes.solver.partition import solve
-from rpcompile.planner.plan_options import make_hardware
+from rpcompile.planner.plan_options import PlanOptions, make_hardware
 from rpcompile.planner.planning import prepare
 from rpcompile.tools.scenarios import (SCHEDULES, from_segment_plan, layer_profile_scenarios, load_layer_profile,
                                          static_scenarios)
@@ -82,8 +82,8 @@ def model_rows(model: str, gpus: int, time_limit: float) -> tuple[dict[str, dict
 
     def problem(host_embedding: bool, head_chunks: int = 1) -> tuple[Any, Any]:
         extra = dict(loss_fn=ms.loss_fn, example_target=ms.example_target) if head_chunks > 1 else {}
-        gm, _ = prepare(ms.model, ms.example_inputs, gpus=gpus, spec=SPEC, microbatches=m, precision=PRECISION,
-                        progress=False, head_chunks=head_chunks, host_embedding=host_embedding, **extra)
+        gm, _ = prepare(ms.model, ms.example_inputs, PlanOptions(gpus=gpus, spec=SPEC, microbatches=m,
+                        precision=PRECISION, progress=False, head_chunks=head_chunks, host_embedding=host_embedding,), **extra)
         return gm, partition_problem(gm, hardware=hw, microbatches=m, precision=PRECISION)
 
     gm, base = problem(False)  # the baselines' graph: the embedding on the devices

@@ -59,7 +59,7 @@ from rpcompile.passes.formulate import partition_problem
 from rpcompile.passes.solver.partition import solve
 from rpcompile.passes.solver.stay_search import without_stays
 from rpcompile.passes.solver.timing import host_times, iteration_time, no_sync_time, stage_costs
-from rpcompile.planner.plan_options import make_hardware
+from rpcompile.planner.plan_options import PlanOptions, make_hardware
 from rpcompile.planner.planning import prepare
 from rpcompile.tools.lora import apply_lora
 
@@ -140,8 +140,8 @@ def measured(label: str, devices: int, memory: int | None, rank: int, spec_: Any
 def predicted(label: str, model: str, batch: int, seq: int, gpus: int, spec: str, memory: int | None,
               m: int | None, time_limit: float) -> dict[str, Any]:
     ms = load_model(model, batch_size=batch, seq_len=seq)
-    gm, m = prepare(ms.model, ms.example_inputs, gpus=gpus, spec=spec, microbatches=m, precision="bf16",
-                    progress=False)
+    gm, m = prepare(ms.model, ms.example_inputs, PlanOptions(gpus=gpus, spec=spec, microbatches=m, precision="bf16",
+                    progress=False))
     pb = partition_problem(gm, hardware=make_hardware(gpus, spec, memory), microbatches=m, precision="bf16")
     plan = solve(pb, "ilp", time_limit_s=time_limit).plan
     assert plan is not None

@@ -34,28 +34,35 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 import torch
+import torch.fx as fx
 
 from rpcompile.passes.formulate import PRECISION_BYTES
-from rpcompile.passes.graph.precision import COMPUTE_DTYPES
 from rpcompile.passes.graph.trace import training_inputs
+from rpcompile.passes.rewrite.codegen import write_stages
+from rpcompile.passes.rewrite.split import split_plan
 from rpcompile.runtime.devices import make_devices
 
 from .core.errors import ConfigError, PlanVerificationError, RPCompileError, one_line
 from .core.plan import Plan
+from .core.precision import COMPUTE_DTYPES
+from .core.program import Program
 from .planner.invariants import plan_violations
 from .planner.model_match import graph_as_planned
+from .planner.plan_options import PlanOptions
 from .planner.planning import compile_plan, replanned
 from .training.distributed import DataParallel, DistributedError, data_parallel_group, plan_digest
 from .training.gpu_memory import gpu_memory_limit
 from .training.host_memory import fit_host_memory, within_host_memory
-from .training.loss_weighting import checked_weight
+from .training.options import TrainOptions
 from .training.pipeline import Pipeline
 from .training.signature import InputSignature, check_compile_arguments
 
-__all__ = ["compile"]
+__all__ = ["compile", "pipeline", "PlanLowering"]
 
 log = logging.getLogger(__name__)
 
@@ -87,9 +94,10 @@ def compile(
     visible GPU, or one logical CPU device. Costs are measured on the first device unless ``spec`` (a
     :class:`~rpcompile.core.specs.DeviceSpec` or preset name) asks for analytic ones — which also makes the plan
     independent of timing noise. On GPUs a plan may use 90% of their memory — with ``spec``, no more than the spec's
-    usable memory (:func:`gpu_memory_limit`) — unless ``memory_limit`` says otherwise. ``plan_options`` go to
-    :func:`rpcompile.planner.planning.compile_plan` (``strategy``, ``memory_limit``, ``time_limit_s``, ...): ``compile`` is
-    that plan plus a :class:`Pipeline` that runs it. Building it checks the host memory it needs first
+    usable memory (:func:`gpu_memory_limit`) — unless ``memory_limit`` says otherwise. ``plan_options`` are the
+    other fields of :class:`~rpcompile.planner.plan_options.PlanOptions` (``strategy``, ``memory_limit``,
+    ``time_limit_s``, ...), made into one object with these keywords and passed whole to
+    :func:`rpcompile.planner.planning.compile_plan`: ``compile`` is that plan plus a :class:`Pipeline` that runs it. Building it checks the host memory it needs first
     (:mod:`rpcompile.training.host_memory`).
 
     ``head_chunks=k`` (with ``example_target``, a target for ``example_inputs``) moves a mean token cross-entropy
@@ -139,7 +147,8 @@ def compile(
             example_target=example_target, head_chunks=head_chunks, host_embedding=host_embedding,
             loss_weight=loss_weight, frozen_masters=frozen_masters, data_parallel=False, **plan_options)
         return _join(dp, local, plan, precision)
-    checked_weight(loss_weight)  # before any planning
+    train = TrainOptions(precision=precision, scaler=scaler, loss_weight=loss_weight,  # checked before any planning
+                         frozen_masters=frozen_masters)
     progress = plan_options.pop("progress", None)  # what compile does, on stderr: on a terminal unless False
     show = sys.stderr.isatty() if progress is None else bool(progress)
     if devices is None and gpus is None:
@@ -164,8 +173,7 @@ def compile(
             if plan.hardware.device_count != len(devs):
                 raise RPCompileError(f"the plan is for {plan.hardware.device_count} devices but {len(devs)} were "
                                      "given; re-plan for these devices or pass matching devices=")
-            pipe = Pipeline(model, gm, plan, devs, loss_fn, precision, scaler, loss_in_graph=head_chunks > 1,
-                            signature=signature, loss_weight=loss_weight, frozen_masters=frozen_masters)
+            pipe = pipeline(model, gm, plan, devs, loss_fn, train, loss_in_graph=head_chunks > 1, signature=signature)
             pipe.progress = show  # the first calls' captures (rpcompile.training.capture_progress)
             return pipe
         on_cpu = devs[0].torch_device.type == "cpu"
@@ -174,27 +182,54 @@ def compile(
             memory_limit = gpu_memory_limit(devs[0].torch_device, spec)
         # costs measured with the intra-op threads each logical CPU device will have
         threads = max(1, torch.get_num_threads() // len(devs)) if on_cpu and len(devs) > 1 else None
-        made = compile_plan(
-            model, example_inputs, gpus=len(devs), spec=spec,
-            device=None if spec is not None else devs[0].torch_device, memory_limit=memory_limit,
-            microbatches=microbatches, precision=precision, example_kwargs=example_kwargs,
-            progress=show,
-            loss_fn=loss_fn, example_target=example_target, head_chunks=head_chunks, host_embedding=host_embedding,
-            threads=threads, **plan_options)
+        options = PlanOptions(  # the planner's options, made and checked once, passed down whole
+            gpus=len(devs), spec=spec, device=None if spec is not None else devs[0].torch_device,
+            memory_limit=memory_limit, microbatches=microbatches, precision=precision, progress=show,
+            head_chunks=head_chunks, host_embedding=host_embedding, threads=threads, **plan_options)
+        made = compile_plan(model, example_inputs, options, example_kwargs=example_kwargs, loss_fn=loss_fn,
+                            example_target=example_target)
         if "allow_save" not in plan_options:  # saved activations the host may not hold: recomputed instead
             # the same graph solved again (one solve, the whole time limit): it is not traced or costed again
-            limit = float(plan_options.get("time_limit_s", 10.0))
+            limit = float(options.time_limit_s)
             saving = made
             made = fit_host_memory(saving, lambda: replanned(saving, allow_save=False, time_limit_s=limit),
                                    dtype=COMPUTE_DTYPES[precision], pin=not on_cpu, frozen_masters=frozen_masters)
         assert made.plan is not None
         t0 = time.perf_counter()
-        pipe = Pipeline(model, made.graph, made.plan, devs, loss_fn, precision, scaler,
-                        loss_in_graph=made.plan.head_chunks > 1, signature=signature, loss_weight=loss_weight,
-                        frozen_masters=frozen_masters)
+        pipe = pipeline(model, made.graph, made.plan, devs, loss_fn, train, loss_in_graph=made.plan.head_chunks > 1,
+                        signature=signature)
         log.info("%s: %.2f s", "pipeline", time.perf_counter() - t0)  # stage code, host weight copies (pinned for GPUs)
         pipe.progress = show
         return pipe
+
+
+@dataclass(frozen=True)
+class PlanLowering:
+    """A plan lowered over the graph it was made from (a :class:`~rpcompile.core.program.Lowering`): its stage
+    programs (:func:`~rpcompile.passes.rewrite.split.split_plan`) and their code written out
+    (:func:`~rpcompile.passes.rewrite.codegen.write_stages`). The compiler lowers; the training session receives the
+    programs."""
+
+    plan: Plan
+    gm: fx.GraphModule
+
+    def program(self, input_grads: Collection[str] = ()) -> Program:
+        return split_plan(self.plan, self.gm, input_grads=input_grads)
+
+    def write(self, program: Program, directory: str | os.PathLike) -> list[Path]:
+        return write_stages(program, self.plan, directory)
+
+
+def pipeline(model: torch.nn.Module, gm: fx.GraphModule, plan: Plan, devices: Sequence[Any],
+             loss_fn: Callable[[Any, Any], torch.Tensor] | None, options: TrainOptions, *,
+             loss_in_graph: bool = False, signature: InputSignature | None = None) -> Pipeline:
+    """A :class:`Pipeline` running ``plan`` over ``gm`` (the graph it was made from) with ``options``: the plan
+    lowered into stage programs here (:class:`PlanLowering`) and handed to the training session as data.
+    ``loss_in_graph``: the graph takes the target and returns the loss (a split LM head); ``signature``: the inputs
+    compiled for (:class:`InputSignature`)."""
+    lowering = PlanLowering(plan, gm)
+    return Pipeline(model, gm, plan, devices, loss_fn, options, program=lowering.program(), lowering=lowering,
+                    loss_in_graph=loss_in_graph, signature=signature)
 
 
 def _precision(plan: Plan | None, precision: str | None) -> str:

@@ -15,6 +15,7 @@ import re
 import pytest
 import torch
 
+from rpcompile.planner.plan_options import PlanOptions
 import rpcompile
 from rpcompile.core.errors import ConfigError
 from rpcompile.passes.solver.segment_rules import validate_segment_plan
@@ -239,8 +240,8 @@ def test_the_planner_sums_where_memory_allows_and_prices_it():
     device) and leave a call outside ``no_sync`` no slower; a call under it is predicted faster (its summed
     gradients stay); on a roomy device every grad stage sums."""
     model = hf_model("llama")
-    c = planning.compile_plan(model, (padded(0, 6)[0],), gpus=2, spec=FINE_CPU, loss_fn=token_loss,
-                              host_embedding=False, time_limit_s=2.0, head_chunks=1, memory_limit=200_000)
+    c = planning.compile_plan(model, (padded(0, 6)[0],), PlanOptions(gpus=2, spec=FINE_CPU, host_embedding=False,
+                              time_limit_s=2.0, head_chunks=1, memory_limit=200_000), loss_fn=token_loss)
     base = without_stays(c.result.plan)
     for memory in (200_000, 10**9):
         pb = dataclasses.replace(c.problem, memory_bytes=memory)

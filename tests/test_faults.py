@@ -20,6 +20,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from rpcompile.planner.plan_options import PlanOptions
 import rpcompile
 from rpcompile.runtime import rng
 from rpcompile.runtime.failures import PipelineError
@@ -93,19 +94,21 @@ def _pipeline(devices: Any = None, memory: int = 12 * 2**30) -> tuple[Any, nn.Mo
     from rpcompile.planner.planning import prepare
     from rpcompile.planner.plan_options import make_hardware
     from rpcompile.runtime.devices import make_devices
-    from rpcompile.training.pipeline import Pipeline
+    from rpcompile.compiler import pipeline
+    from rpcompile.training.options import TrainOptions
 
     torch.manual_seed(0)
     model = Net()
     ref = copy.deepcopy(model)
     x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
-    gm, m = prepare(model, (x,), gpus=4, microbatches=M, progress=False, spec=FINE_CPU)
+    gm, m = prepare(model, (x,), PlanOptions(gpus=4, microbatches=M, progress=False, spec=FINE_CPU))
     segs = segments_of(coarsen_pass(gm, max_segments=len(compute_nodes(gm))))
     saved = [n for s in segs[:8] if s.start % 2 == 0 for n in s.nodes]
     plan = plan_from_ranges(gm, forward=[(0, 2), (2, 4), (4, 6), (6, 8)], fused=(8, len(compute_nodes(gm))),
                             backward=[(5, 8), (2, 5), (0, 2)], hardware=make_hardware(4, "rtx4090", 20 * 2**30),
                             microbatches=m, saved=saved, stage_memory=[memory] * 8)
-    pipe = Pipeline(model, gm, plan, make_devices(devices or ["cpu"] * 4, None), F.cross_entropy, "fp32")
+    pipe = pipeline(model, gm, plan, make_devices(devices or ["cpu"] * 4, None), F.cross_entropy,
+                    TrainOptions(precision="fp32"))
     assert len(pipe.program.saved) >= 3 and all(s.leaves for s in pipe.program.saved)
     return pipe, ref, x, y
 

@@ -24,7 +24,8 @@ import torch
 import rpcompile
 from rpcompile.models.registry import load_model
 from rpcompile.runtime.devices import host_buffer
-from rpcompile.training.pipeline import Pipeline
+from rpcompile.compiler import pipeline
+from rpcompile.training.options import TrainOptions
 
 from _devices import CopyingDevice, MetaDevice, StridedDevice
 from _hf import VOCAB, hf_model, token_loss
@@ -67,7 +68,8 @@ def _meta_pipeline(name="llama-demo", *, parity=None, host=True):
     for d in devices:  # the GPU's asynchronous copies, on their offloader threads
         d.enable_offload(1 << 30)
         d.enable_async_handoff()
-    return spec, None, Pipeline(spec.model, pipe.gm, pipe.plan, devices, spec.loss_fn, "bf16"), x, y
+    again = pipeline(spec.model, pipe.gm, pipe.plan, devices, spec.loss_fn, TrainOptions(precision="bf16"))
+    return spec, None, again, x, y
 
 
 @pytest.mark.parametrize("case", ["plain", "host-embedding", "saved-segments"])

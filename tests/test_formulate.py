@@ -11,7 +11,7 @@ from rpcompile.core.specs import GPU_BACKWARD_DISPATCH_S, GPU_DISPATCH_S, GPU_ST
 from rpcompile.models.registry import load_model
 from rpcompile.passes.formulate import launch_bound, partition_problem
 from rpcompile.passes.rewrite.coarsen import segments_of
-from rpcompile.planner.plan_options import make_hardware
+from rpcompile.planner.plan_options import PlanOptions, make_hardware
 from rpcompile.planner.planning import prepare
 
 
@@ -24,7 +24,8 @@ def test_a_segment_takes_the_longer_of_its_kernels_and_its_dispatch():
 @pytest.fixture(scope="module")
 def demo_graph():
     spec = load_model("llama-demo", batch_size=2)
-    gm, _ = prepare(spec.model, spec.example_inputs, gpus=1, spec="rtx4090", microbatches=1, progress=False)
+    gm, _ = prepare(spec.model, spec.example_inputs, PlanOptions(gpus=1, spec="rtx4090", microbatches=1,
+                    progress=False))
     return gm
 
 

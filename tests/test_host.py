@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from rpcompile.planner.plan_options import PlanOptions
 import rpcompile
 from rpcompile.core.batch import flat_inputs
 from rpcompile.core.program import HostEmbedding
@@ -71,10 +72,11 @@ def test_by_default_a_table_moves_when_it_has_more_rows_than_an_iteration_looks_
     from rpcompile.planner.planning import prepare
 
     spec = load_model("llama-demo", batch_size=4 * microbatches)
-    gm, _ = prepare(spec.model, spec.example_inputs, gpus=2, spec=FINE_CPU, microbatches=microbatches, progress=False)
+    gm, _ = prepare(spec.model, spec.example_inputs, PlanOptions(gpus=2, spec=FINE_CPU, microbatches=microbatches,
+                    progress=False))
     assert [h.node for h in host_of(gm)] == (["embed"] if moved else [])
-    gm, _ = prepare(spec.model, spec.example_inputs, gpus=2, spec=FINE_CPU, microbatches=microbatches,
-                    progress=False, host_embedding=False)
+    gm, _ = prepare(spec.model, spec.example_inputs, PlanOptions(gpus=2, spec=FINE_CPU, microbatches=microbatches,
+                    progress=False, host_embedding=False))
     assert host_of(gm) == () and HOST_KEY not in gm.meta
 
 
@@ -103,8 +105,9 @@ def test_the_first_stage_receives_rows_instead_of_the_table_and_the_last_sends_t
 
     spec = load_model("llama-demo", batch_size=1)
     (x,) = spec.example_inputs
-    kept, _ = prepare(spec.model, (x,), gpus=2, spec=FINE_CPU, microbatches=1, progress=False, host_embedding=False)
-    moved, _ = prepare(spec.model, (x,), gpus=2, spec=FINE_CPU, microbatches=1, progress=False)
+    kept, _ = prepare(spec.model, (x,), PlanOptions(gpus=2, spec=FINE_CPU, microbatches=1, progress=False,
+                      host_embedding=False))
+    moved, _ = prepare(spec.model, (x,), PlanOptions(gpus=2, spec=FINE_CPU, microbatches=1, progress=False))
     hw = make_hardware(2, FINE_CPU)
     a, b = (partition_problem(g, hardware=hw, microbatches=1) for g in (kept, moved))
     table, rows = 256 * 64 * 4, 32 * 64 * 4  # fp32 (the precision planned), one sequence of 32 tokens

@@ -17,7 +17,7 @@ from rpcompile.passes.formulate import partition_problem
 from rpcompile.passes.rewrite.coarsen import segments_of
 from rpcompile.passes.solver.problem import SegmentPlan
 from rpcompile.passes.solver.timing import stage_costs
-from rpcompile.planner.plan_options import make_hardware
+from rpcompile.planner.plan_options import PlanOptions, make_hardware
 from rpcompile.planner.planning import prepare
 
 T, V = 16, 256
@@ -40,8 +40,8 @@ def _whole_head(precision: str, with_loss: bool):
     ms = load_model("llama-demo")
     x, y = ms.example_inputs[0][:1], ms.example_target[:1]
     loss = dict(loss_fn=ms.loss_fn, example_target=y) if with_loss else {}
-    gm, _ = prepare(ms.model, (x,), gpus=2, spec="rtx4090", precision=precision, microbatches=1, head_chunks=1,
-                    **loss)
+    gm, _ = prepare(ms.model, (x,), PlanOptions(gpus=2, spec="rtx4090", precision=precision, microbatches=1,
+                    head_chunks=1), **loss)
     assert x.shape == (1, 32) and ms.model.lm_head.out_features == 256
     return gm, partition_problem(gm, hardware=make_hardware(2, "rtx4090", None), microbatches=1, precision=precision)
 
@@ -66,8 +66,8 @@ def test_a_split_head_chunk_s_cross_entropy_gradients_count_in_its_stage(precisi
     that much more than a model blind to backward transients (the largest of its segments': they do not add)."""
     ms = load_model("llama-demo")
     x, y = ms.example_inputs[0][:1], ms.example_target[:1]
-    gm, _ = prepare(ms.model, (x,), gpus=2, spec="rtx4090", precision=precision, microbatches=1, head_chunks=2,
-                    loss_fn=ms.loss_fn, example_target=y)
+    gm, _ = prepare(ms.model, (x,), PlanOptions(gpus=2, spec="rtx4090", precision=precision, microbatches=1,
+                    head_chunks=2), loss_fn=ms.loss_fn, example_target=y)
     pb = partition_problem(gm, hardware=make_hardware(2, "rtx4090", None), microbatches=1, precision=precision)
     chunks = [i for i, name in enumerate(pb.names) if name.startswith("lm_head.chunk")]
     assert len(chunks) == 2 and all(pb.transient_bytes[i] == 16 * V * 8 for i in chunks)

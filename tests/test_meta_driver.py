@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rpcompile.planner.plan_options import PlanOptions
 import rpcompile.planner.planning as planning
 from _hf import hf_model, token_loss
 from rpcompile.models.registry import load_model
@@ -15,11 +16,13 @@ from rpcompile.planner.planning import compile_plan
 SHAPE, COST = "rpcompile.shape", "rpcompile.cost"
 
 
-def _both_ways(monkeypatch, model, inputs, **options):
+def _both_ways(monkeypatch, model, inputs, example_kwargs=None, loss_fn=None, example_target=None, **options):
     """compile_plan on meta stand-ins, then with every graph run on the real values."""
-    made = [compile_plan(model, inputs, gpus=2, spec="rtx4090", time_limit_s=2, **options)]
+    opts = PlanOptions(gpus=2, spec="rtx4090", time_limit_s=2, **options)
+    example = dict(example_kwargs=example_kwargs, loss_fn=loss_fn, example_target=example_target)
+    made = [compile_plan(model, inputs, opts, **example)]
     monkeypatch.setattr(planning, "on_meta", lambda *a, **k: False)
-    made.append(compile_plan(model, inputs, gpus=2, spec="rtx4090", time_limit_s=2, **options))
+    made.append(compile_plan(model, inputs, opts, **example))
     return made
 
 
@@ -56,7 +59,7 @@ def test_the_model_computes_nothing_on_the_cpu():
     seen = []
     hooks = [m.register_forward_hook(lambda m, i, o: seen.append(o.device.type))
              for m in ms.model.modules() if isinstance(m, torch.nn.Linear)]
-    compile_plan(ms.model, ms.example_inputs, gpus=2, spec="rtx4090", time_limit_s=2)
+    compile_plan(ms.model, ms.example_inputs, PlanOptions(gpus=2, spec="rtx4090", time_limit_s=2))
     for h in hooks:
         h.remove()
     assert seen and set(seen) == {"meta"}
@@ -71,13 +74,14 @@ def test_the_weights_are_not_cast_to_the_compute_precision(monkeypatch):
     cast = planning.computing_in
     monkeypatch.setattr(planning, "computing_in", lambda m, dtype, **k: casts.append(dtype) or cast(m, dtype, **k))
     ms = load_model("llama-demo")
-    c = compile_plan(ms.model, ms.example_inputs, gpus=2, spec="rtx4090", precision="bf16", time_limit_s=2)
+    c = compile_plan(ms.model, ms.example_inputs, PlanOptions(gpus=2, spec="rtx4090", precision="bf16",
+                     time_limit_s=2))
     assert casts == []
     proj = next(n for n in c.graph.graph.nodes if n.name == "layers_0_attn_q_proj")
     assert proj.meta[SHAPE].tensors[0].dtype == "bfloat16"
     assert all(p.dtype == torch.float32 for p in ms.model.parameters())
     monkeypatch.setattr(planning, "on_meta", lambda *a, **k: False)  # a graph that cannot run on meta: cast
-    compile_plan(ms.model, ms.example_inputs, gpus=2, spec="rtx4090", precision="bf16", time_limit_s=2)
+    compile_plan(ms.model, ms.example_inputs, PlanOptions(gpus=2, spec="rtx4090", precision="bf16", time_limit_s=2))
     assert casts and set(casts) == {torch.bfloat16}
 
 

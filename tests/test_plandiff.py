@@ -20,7 +20,7 @@ from rpcompile.models.registry import load_model
 from rpcompile.passes.lower import plan_from_ranges
 from rpcompile.passes.rewrite.coarsen import segments_of
 from rpcompile.planner.model_match import model_differences
-from rpcompile.planner.plan_options import make_hardware
+from rpcompile.planner.plan_options import PlanOptions, make_hardware
 from rpcompile.planner.planning import plan_graph, prepare
 from rpcompile.tools.plandiff import diff_plans
 
@@ -33,7 +33,7 @@ def graph():
     """llama-demo costed for 3 devices (4 microbatches) on the analytic cpu spec, and its segments by name (the
     embedding on the devices, so that every module is in some stage)."""
     ms = load_model("llama-demo", seed=0)
-    gm, m = prepare(ms.model, ms.example_inputs, gpus=3, spec="cpu", host_embedding=False)
+    gm, m = prepare(ms.model, ms.example_inputs, PlanOptions(gpus=3, spec="cpu", host_embedding=False))
     return gm, m, {s.name: s for s in segments_of(gm)}
 
 

@@ -30,7 +30,7 @@ from rpcompile.passes.solver.tables import min_feasible_memory
 from rpcompile.passes.solver.timing import iteration_time, stage_costs
 from rpcompile.planner import planning
 from rpcompile.planner.invariants import plan_violations, verify_plan
-from rpcompile.planner.plan_options import PLAN_STRATEGIES, make_hardware
+from rpcompile.planner.plan_options import PlanOptions, PLAN_STRATEGIES, make_hardware
 from rpcompile.planner.planning import compare, plan, plan_graph, prepare
 from rpcompile.tools.scenarios import from_plan
 from rpcompile.tools.staleness import stays_of, sums_of
@@ -98,7 +98,7 @@ def llama_plans(llama):
 @pytest.fixture(scope="module")
 def llama_graph(llama):
     """llama-demo costed and coarsened for 3 devices (4 microbatches), with its hardware."""
-    gm, m = prepare(llama.model, llama.example_inputs, gpus=3, spec=SPEC)
+    gm, m = prepare(llama.model, llama.example_inputs, PlanOptions(gpus=3, spec=SPEC))
     return gm, m, make_hardware(3, SPEC)
 
 
@@ -178,7 +178,7 @@ def test_plan_shape_and_verification(llama, llama_plans, gpus):
 def test_prediction_matches_the_timing_model(llama, llama_plans, gpus):
     """The plan's figures are exactly the shared timing model's on the rebuilt segment plan."""
     p = llama_plans[gpus]
-    gm, m = prepare(llama.model, llama.example_inputs, gpus=gpus, spec=SPEC)
+    gm, m = prepare(llama.model, llama.example_inputs, PlanOptions(gpus=gpus, spec=SPEC))
     problem = partition_problem(gm, hardware=p.hardware, microbatches=m)
     sp = segment_plan_of(p, gm)
     assert p.predicted.iteration_time_s == pytest.approx(iteration_time(problem, sp), rel=1e-12)
@@ -297,8 +297,8 @@ def test_tied_embedding_is_listed_by_every_stage_reading_it():
     # the embedding (first forward stage, last backward stage) and the tied LM head (fused stage)
     assert {"F0", "FB", p.backward_stages[-1].name} <= set(listing)
     assert "lm_head.weight" not in dict(gm.named_parameters())  # one parameter, not two copies
-    problem = partition_problem(gm_costed := prepare(ms.model, ms.example_inputs, gpus=2, spec=SPEC,
-                                                     host_embedding=False)[0],
+    problem = partition_problem(gm_costed := prepare(ms.model, ms.example_inputs, PlanOptions(gpus=2, spec=SPEC,
+                                                     host_embedding=False))[0],
                                 hardware=p.hardware, microbatches=p.microbatches)
     shared = {sp.name: sp.segments for sp in problem.shared}
     assert set(shared) == {"wte.weight"}

@@ -25,7 +25,7 @@ from rpcompile.passes.solver.problem import SegmentPlan
 from rpcompile.passes.solver.scorer import PlanScorer
 from rpcompile.passes.solver.tables import RangeTables
 from rpcompile.passes.solver.timing import _total, iteration_time, overlapped_period
-from rpcompile.planner.plan_options import MIN_SHARE_S, split_limit
+from rpcompile.planner.plan_options import PlanOptions, MIN_SHARE_S, split_limit
 
 from partition_cases import llama_like, tiny_chain
 
@@ -208,11 +208,12 @@ def test_planning_a_meta_model_does_not_import_dynamo_and_costs_the_same_as_with
     code = (
         "import sys, torch\n"
         "from rpcompile.models.registry import load_model\n"
+        "from rpcompile.planner.plan_options import PlanOptions\n"
         "from rpcompile.planner.planning import prepare\n"
         "from rpcompile.passes.graph.meta import _dynamo_skipped\n"
         "ms = load_model('llama-demo', device='meta')\n"
         "def costs():\n"
-        "    gm, _ = prepare(ms.model, ms.example_inputs, gpus=2, spec='rtx4090', microbatches=2)\n"
+        "    gm, _ = prepare(ms.model, ms.example_inputs, PlanOptions(gpus=2, spec='rtx4090', microbatches=2))\n"
         "    return [(n.name, n.meta.get('rpcompile.cost'), n.meta.get('rpcompile.shape')) for n in gm.graph.nodes]\n"
         "first = costs()\n"
         "print('dynamo', 'torch._dynamo' in sys.modules, len(_dynamo_skipped()) > 10,\n"
@@ -249,8 +250,8 @@ def test_compile_plan_solves_the_first_split_in_a_child_and_the_plan_is_the_one_
     ms = load_model("llama-demo")
 
     def made():
-        return planning.compile_plan(ms.model, ms.example_inputs, gpus=2, spec="rtx4090", loss_fn=ms.loss_fn,
-                                     example_target=ms.example_target, time_limit_s=4.0).plan
+        return planning.compile_plan(ms.model, ms.example_inputs, PlanOptions(gpus=2, spec="rtx4090",
+                                     time_limit_s=4.0), loss_fn=ms.loss_fn, example_target=ms.example_target).plan
 
     forked = made()
     solves = [line.split() for line in record.read_text().splitlines()]
@@ -273,8 +274,8 @@ def test_plans_of_one_graph_sharing_their_facts_are_those_made_alone():
     from rpcompile.passes.formulate import partition_problem
 
     ms = load_model("llama-demo")
-    gm, m = prepare(ms.model, ms.example_inputs, gpus=2, spec="rtx4090", loss_fn=ms.loss_fn,
-                    example_target=ms.example_target, head_chunks=1)
+    gm, m = prepare(ms.model, ms.example_inputs, PlanOptions(gpus=2, spec="rtx4090", head_chunks=1),
+                    loss_fn=ms.loss_fn, example_target=ms.example_target)
     hw = make_hardware(2, "rtx4090", None)
     problem = partition_problem(gm, hardware=hw, microbatches=m)
     rows = compare(gm, hardware=hw, microbatches=m, time_limit_s=2)

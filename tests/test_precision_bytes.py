@@ -21,7 +21,9 @@ from rpcompile.passes.graph.precision import RUN_DTYPE_KEY, cast_floating, compu
 from rpcompile.passes.graph.shape import SHAPE_KEY, shape_pass, storage_key
 from rpcompile.passes.graph.trace import trace
 from rpcompile.passes.graph.util import is_compute
-from rpcompile.passes.rewrite.loss_head import CHUNK_META, TARGET
+from rpcompile.core.batch import TARGET
+from rpcompile.passes.rewrite.loss_head import CHUNK_META
+from rpcompile.planner.plan_options import PlanOptions
 from rpcompile.planner.planning import prepare
 
 COST_MODELS = {"analytic": dict(spec="rtx4090"), "measured": dict(device="cpu", cache=False)}
@@ -31,8 +33,8 @@ def _demo(precision: str, **cost: object) -> tuple[fx.GraphModule, torch.Tensor,
     """llama-demo, one sequence, the loss in the graph with the LM head in 2 chunks, prepared for ``precision``."""
     ms = load_model("llama-demo")
     x, y = ms.example_inputs[0][:1], ms.example_target[:1]
-    gm, _ = prepare(ms.model, (x,), gpus=1, precision=precision, microbatches=1, host_embedding=False,
-                    loss_fn=ms.loss_fn, example_target=y, head_chunks=2, **cost)
+    gm, _ = prepare(ms.model, (x,), PlanOptions(gpus=1, precision=precision, microbatches=1, host_embedding=False,
+                    head_chunks=2, **cost), loss_fn=ms.loss_fn, example_target=y)
     return gm, x, y
 
 
@@ -107,7 +109,8 @@ def test_hf_llama_fp32_islands_count_at_fp32_in_a_bf16_plan():
     the node costs (they were scaled to bf16)."""
     model = hf_model("llama")
     ids = torch.randint(0, 64, (1, 8))
-    gm, _ = prepare(model, (ids,), gpus=1, spec="rtx4090", precision="bf16", microbatches=1, host_embedding=False)
+    gm, _ = prepare(model, (ids,), PlanOptions(gpus=1, spec="rtx4090", precision="bf16", microbatches=1,
+                    host_embedding=False))
     islands = [n for n in gm.graph.nodes if is_compute(n) and n.meta[SHAPE_KEY].tensors
                and all(t.dtype == "float32" and not t.is_alias for t in n.meta[SHAPE_KEY].tensors)]
     assert len(islands) >= 4  # at least the upcast of each of the 5 norms' inputs, fp32 arithmetic after it
@@ -120,8 +123,8 @@ def test_fp32_plans_are_costed_as_the_model_is():
     gm, x, y = _demo("fp32", spec="rtx4090")
     assert gm.meta[RUN_DTYPE_KEY] is None and gm.meta[DTYPE_KEY] is None
     ms = load_model("llama-demo")
-    ref, _ = prepare(ms.model, (x,), gpus=1, spec="rtx4090", precision="fp32", microbatches=1, host_embedding=False,
-                     loss_fn=ms.loss_fn, example_target=y, head_chunks=2)
+    ref, _ = prepare(ms.model, (x,), PlanOptions(gpus=1, spec="rtx4090", precision="fp32", microbatches=1,
+                     host_embedding=False, head_chunks=2), loss_fn=ms.loss_fn, example_target=y)
     for n in ref.graph.nodes:  # re-costed by the bare passes on meta stand-ins (as planning runs them), uncast
         n.meta.pop(SHAPE_KEY, None)
     assert on_meta(ref, (x,), {TARGET: y}, lambda a, k: shape_pass(ref, a, k))

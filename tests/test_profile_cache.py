@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from rpcompile.planner.plan_options import PlanOptions
 import rpcompile
 from rpcompile.cli import main
 from rpcompile.models.registry import load_model
@@ -153,8 +154,8 @@ def test_sharing_changes_no_analytic_cost_and_no_plan(name: str, monkeypatch: py
 
     def made(share: bool) -> tuple[fx.GraphModule, dict]:
         monkeypatch.setattr(AnalyticCostModel, "share_repeats", share)
-        c = compile_plan(ms.model, ms.example_inputs, gpus=2, spec="rtx4090", strategy="dp", head_chunks=1,
-                         loss_fn=ms.loss_fn, example_target=ms.example_target)
+        c = compile_plan(ms.model, ms.example_inputs, PlanOptions(gpus=2, spec="rtx4090", strategy="dp",
+                         head_chunks=1), loss_fn=ms.loss_fn, example_target=ms.example_target)
         assert c.plan is not None
         d = c.plan.to_dict()
         d["stats"] = {k: v for k, v in d["stats"].items() if "time" not in k}  # the solver's wall time
@@ -231,14 +232,14 @@ def test_a_warm_cache_casts_no_weight(monkeypatch: pytest.MonkeyPatch) -> None:
 
     model, inputs = _stack()
     plan = dict(gpus=1, device="cpu", precision="bf16", time_limit_s=1)
-    cold = compile_plan(model, inputs, **plan)
+    cold = compile_plan(model, inputs, PlanOptions(**plan))
     assert not cold.graph.meta["rpcompile.profiling"]["cache_hit"]
     values = []
     cast = planning.computing_in
     monkeypatch.setattr(planning, "computing_in",
                         lambda m, dtype, **k: values.append(k.get("values", True)) or cast(m, dtype, **k))
     _no_measuring(monkeypatch)
-    warm = compile_plan(model, inputs, **plan)
+    warm = compile_plan(model, inputs, PlanOptions(**plan))
     assert values == [False] and warm.graph.meta["rpcompile.profiling"]["cache_hit"]
     assert [n.meta[COST_KEY] for n in compute_nodes(warm.graph)] == [n.meta[COST_KEY] for n in compute_nodes(cold.graph)]
     assert all(p.dtype == torch.float32 for p in model.parameters())

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rpcompile.planner.plan_options import PlanOptions
 import rpcompile
 from rpcompile.core.errors import ConfigError
 from rpcompile.passes.graph.quantized import quantized_layers
@@ -387,8 +388,8 @@ def test_the_dequantization_is_priced_on_the_gpu():
 
     spec = load_model("llama-demo", device="meta")
     model = quantize_base(apply_lora(spec.model, rank=4))
-    gm, _ = prepare(model, spec.example_inputs, gpus=2, spec="rtx4090", precision="bf16", loss_fn=spec.loss_fn,
-                    example_target=spec.example_target, head_chunks=1)
+    gm, _ = prepare(model, spec.example_inputs, PlanOptions(gpus=2, spec="rtx4090", precision="bf16", head_chunks=1),
+                    loss_fn=spec.loss_fn, example_target=spec.example_target)
     nodes = [n for n in gm.graph.nodes if "dequantize_nf4" in str(n.target)]
     assert nodes
     gpu = get_spec("rtx4090")
@@ -420,8 +421,8 @@ def test_the_plan_holds_the_dequantized_weights_and_dequantizes_once_per_stage()
 
     spec = load_model("llama-demo", device="meta")
     model = quantize_base(apply_lora(spec.model, rank=4))
-    gm, m = prepare(model, spec.example_inputs, gpus=2, spec="rtx4090", precision="bf16", loss_fn=spec.loss_fn,
-                    example_target=spec.example_target, head_chunks=1)
+    gm, m = prepare(model, spec.example_inputs, PlanOptions(gpus=2, spec="rtx4090", precision="bf16", head_chunks=1),
+                    loss_fn=spec.loss_fn, example_target=spec.example_target)
     deq = {n.name: n for n in gm.graph.nodes if "dequantize_nf4" in str(n.target)}
     assert deq and m > 1
     pb = partition_problem(gm, hardware=make_hardware(2, "rtx4090"), microbatches=m, precision="bf16")

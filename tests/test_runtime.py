@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from rpcompile.planner.plan_options import PlanOptions
 import rpcompile
 from rpcompile.core.batch import split_microbatches
 from rpcompile.core.schedule import Action, format_schedule, parse_action, round_robin
@@ -482,7 +483,8 @@ def _saving_pipeline(name, parity, k=2, m=3, devices=None, adjust=None):
     from rpcompile.passes.lower import plan_from_ranges
     from rpcompile.passes.rewrite.coarsen import coarsen_pass, segments_of
     from rpcompile.passes.graph.util import compute_nodes
-    from rpcompile.training.pipeline import Pipeline
+    from rpcompile.compiler import pipeline
+    from rpcompile.training.options import TrainOptions
     from rpcompile.planner.planning import prepare
     from rpcompile.planner.plan_options import make_hardware
     from rpcompile.runtime.devices import make_devices
@@ -494,7 +496,7 @@ def _saving_pipeline(name, parity, k=2, m=3, devices=None, adjust=None):
     x, = spec.example_inputs
     # analytic costs: the segments must not depend on how busy the machine is (measured costs on a loaded machine
     # once collapsed the coarsening to two segments, and the cuts below assume several)
-    gm, m = prepare(spec.model, (x,), gpus=k, microbatches=m, progress=False, spec=FINE_CPU)
+    gm, m = prepare(spec.model, (x,), PlanOptions(gpus=k, microbatches=m, progress=False, spec=FINE_CPU))
     segs = segments_of(coarsen_pass(gm, max_segments=len(compute_nodes(gm))))  # finest: one per module group
     assert len(segs) >= 6, [s.name for s in segs]
     n, c = len(segs), [s.start for s in segs]
@@ -504,7 +506,8 @@ def _saving_pipeline(name, parity, k=2, m=3, devices=None, adjust=None):
                             microbatches=m, saved=saved)
     assert plan.saved
     rpcompile.verify_plan(plan, gm)
-    pipe = Pipeline(spec.model, gm, plan, make_devices(devices or ["cpu"] * k, None), spec.loss_fn, "fp32")
+    pipe = pipeline(spec.model, gm, plan, make_devices(devices or ["cpu"] * k, None), spec.loss_fn,
+                    TrainOptions(precision="fp32"))
     return spec, ref, pipe, x, spec.example_target
 
 

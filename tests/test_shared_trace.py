@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from rpcompile.passes.graph.shape import SHAPE_KEY
 from rpcompile.passes.graph.trace import trace
 from rpcompile.passes.rewrite.loss_head import split_head
 from rpcompile.planner import planning
+from rpcompile.planner.plan_options import PlanOptions
 from rpcompile.planner.shared_trace import TraceOnce, graph_copy
 
 from _hf import hf_model, token_loss
@@ -94,8 +96,8 @@ def test_compile_plan_makes_the_plans_of_a_trace_per_split(monkeypatch, name, he
 
     def made(m: pytest.MonkeyPatch) -> Any:
         runs = _recording(m)
-        c = planning.compile_plan(ms.model, ms.example_inputs, gpus=2, spec="rtx4090", loss_fn=ms.loss_fn,
-                                  example_target=ms.example_target, head_chunks=head_chunks)
+        c = planning.compile_plan(ms.model, ms.example_inputs, PlanOptions(gpus=2, spec="rtx4090",
+                                  head_chunks=head_chunks), loss_fn=ms.loss_fn, example_target=ms.example_target)
         return _plan_data(c.plan), c.head_chunks, c.gm.code, runs
 
     with monkeypatch.context() as m:
@@ -157,16 +159,17 @@ def test_llama_8b_plans_as_with_a_trace_per_split(monkeypatch, tmp_path, capsys,
 def test_a_later_split_takes_the_bodys_shapes_and_costs_from_the_first_and_they_equal_a_fresh_run():
     """The memo (passes/graph/reuse.py): the 8-chunk split shapes and costs only the head region again."""
     ms = load_model("llama-demo")
-    kw = dict(gpus=2, spec="rtx4090", loss_fn=ms.loss_fn, example_target=ms.example_target)
+    kw = dict(loss_fn=ms.loss_fn, example_target=ms.example_target)
+    opts = PlanOptions(gpus=2, spec="rtx4090")
 
     def nodes(gm: Any) -> dict[str, tuple]:
         return {n.name: (n.meta.get(SHAPE_KEY), n.meta.get(COST_KEY)) for n in gm.graph.nodes}
 
     traced = planning.shared_trace(2)
-    planning.prepare(ms.model, ms.example_inputs, head_chunks=1, trace_pass=traced, **kw)
+    planning.prepare(ms.model, ms.example_inputs, replace(opts, head_chunks=1), trace_pass=traced, **kw)
     assert traced.memo is not None and traced.memo.reused == {"shape": 0, "cost": 0}  # the first run records
-    gm, _ = planning.prepare(ms.model, ms.example_inputs, head_chunks=8, trace_pass=traced, **kw)
+    gm, _ = planning.prepare(ms.model, ms.example_inputs, replace(opts, head_chunks=8), trace_pass=traced, **kw)
     compute = sum(1 for n in gm.graph.nodes if n.op.startswith("call"))
     assert traced.memo.reused["shape"] > compute // 2 and traced.memo.reused["cost"] > compute // 2
-    fresh, _ = planning.prepare(ms.model, ms.example_inputs, head_chunks=8, **kw)
+    fresh, _ = planning.prepare(ms.model, ms.example_inputs, replace(opts, head_chunks=8), **kw)
     assert nodes(gm) == nodes(fresh)

@@ -13,13 +13,14 @@ from rpcompile.cli import main
 from rpcompile.models.registry import load_model
 from rpcompile.passes import solve_cache
 from rpcompile.passes.solver import partition
+from rpcompile.planner.plan_options import PlanOptions
 from rpcompile.planner.planning import compile_plan
 
 
 def compile_gpt(**kw):
     spec = load_model("gpt-demo")
-    return compile_plan(spec.model, spec.example_inputs, gpus=2, spec="rtx4090", loss_fn=spec.loss,
-                        example_target=spec.example_target, time_limit_s=2.0, **kw)
+    return compile_plan(spec.model, spec.example_inputs, PlanOptions(gpus=2, spec="rtx4090", time_limit_s=2.0, **kw),
+                        loss_fn=spec.loss, example_target=spec.example_target)
 
 
 def plan_dict(c) -> dict:

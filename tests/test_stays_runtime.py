@@ -12,6 +12,7 @@ import dataclasses
 import pytest
 import torch
 
+from rpcompile.planner.plan_options import PlanOptions
 import rpcompile
 from rpcompile.passes.lower import to_plan
 from rpcompile.passes.solver.stay_search import without_stays
@@ -41,8 +42,9 @@ def solved():
     out = {}
     for gpus in (1, 2):
         model = hf_model("llama")
-        out[gpus] = planning.compile_plan(model, (batch(0)[0],), gpus=gpus, spec=FINE_CPU, loss_fn=token_loss,
-                                          host_embedding=False, time_limit_s=2.0, head_chunks=1, memory_limit=TIGHT)
+        out[gpus] = planning.compile_plan(model, (batch(0)[0],), PlanOptions(gpus=gpus, spec=FINE_CPU,
+                                          host_embedding=False, time_limit_s=2.0, head_chunks=1, memory_limit=TIGHT),
+                                          loss_fn=token_loss)
     return out
 
 
@@ -58,7 +60,7 @@ def variant(c, kind: str) -> rpcompile.Plan:
             pytest.skip(f"{sp.stage_count} stages on {pb.device_count} devices: a stage would change device")
         sp = dataclasses.replace(sp, resident=True)
     return to_plan(c.graph, pb, dataclasses.replace(c.result, plan=sp),
-                   hardware=dataclasses.replace(c.hardware, memory_bytes=ROOMY), precision=c.precision)
+                   hardware=dataclasses.replace(c.hardware, memory_bytes=ROOMY), precision=c.options.precision)
 
 
 def pipeline(solved, gpus: int, kind: str, *, strided: bool = True, freeze: str = ""):
@@ -144,8 +146,8 @@ def test_a_resident_plan_uploads_every_weight_once_and_then_only_what_the_step_c
 def test_frozen_weights_of_a_resident_plan_go_up_once(solved):
     model = hf_model("llama")
     model.model.layers[0].requires_grad_(False)  # a frozen block (as a LoRA base)
-    c = planning.compile_plan(model, (batch(0)[0],), gpus=1, spec=FINE_CPU, loss_fn=token_loss,
-                              host_embedding=False, time_limit_s=2.0, head_chunks=1, memory_limit=TIGHT)
+    c = planning.compile_plan(model, (batch(0)[0],), PlanOptions(gpus=1, spec=FINE_CPU, host_embedding=False,
+                              time_limit_s=2.0, head_chunks=1, memory_limit=TIGHT), loss_fn=token_loss)
     ref = copy.deepcopy(model)
     pipe = rpcompile.compile(model, (batch(0)[0],), loss_fn=token_loss, devices=[StridedDevice(0)],
                              plan=variant(c, "resident"), host_embedding=False)

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from rpcompile.planner.plan_options import PlanOptions
 import rpcompile
 from rpcompile.core.batch import split_microbatches
 
@@ -308,7 +309,8 @@ def test_a_tuple_handed_between_saved_segments_is_recomputed_like_eager():
     from rpcompile.passes.lower import plan_from_ranges
     from rpcompile.passes.rewrite.coarsen import SEGMENT_KEY
     from rpcompile.passes.graph.util import compute_nodes
-    from rpcompile.training.pipeline import Pipeline
+    from rpcompile.compiler import pipeline
+    from rpcompile.training.options import TrainOptions
     from rpcompile.planner.planning import prepare
     from rpcompile.planner.plan_options import make_hardware
     from rpcompile.runtime.devices import make_devices
@@ -317,7 +319,7 @@ def test_a_tuple_handed_between_saved_segments_is_recomputed_like_eager():
     model = TinyViT()
     ref = copy.deepcopy(model)
     (x,), y = _images(6, 1)
-    gm, m = prepare(model, (x,), gpus=2, microbatches=3, progress=False, spec=FINE_CPU)
+    gm, m = prepare(model, (x,), PlanOptions(gpus=2, microbatches=3, progress=False, spec=FINE_CPU))
     nodes = compute_nodes(gm)
     for i, nd in enumerate(nodes):  # one segment per node: a cut after every attention
         nd.meta[SEGMENT_KEY] = i
@@ -325,7 +327,8 @@ def test_a_tuple_handed_between_saved_segments_is_recomputed_like_eager():
     plan = plan_from_ranges(gm, forward=[(0, n // 2), (n // 2, n - 2)], fused=(n - 2, n),
                             backward=[(n // 3, n - 2), (0, n // 3)], hardware=make_hardware(2, "cpu"),
                             microbatches=m, saved=[nd.name for nd in nodes[:n - 2]])
-    pipe = Pipeline(model, gm, plan, make_devices(["cpu", "cpu"], None), F.cross_entropy, "fp32")
+    pipe = pipeline(model, gm, plan, make_devices(["cpu", "cpu"], None), F.cross_entropy,
+                    TrainOptions(precision="fp32"))
     seg_nodes = {nd for seg in pipe.program.saved for nd in seg.nodes}
     attn = [nd.name for nd in gm.graph.nodes if nd.op == "call_module" and str(nd.target).endswith("attn")]
     assert attn and not seg_nodes & set(attn) and pipe.program.saved  # the attention is recomputed, others saved

@@ -22,8 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-__all__ = ["computing_in", "cast_floating", "COMPUTE_DTYPES", "compute_dtype", "recorded_dtype", "TRACE_DTYPE_KEY",
-           "RUN_DTYPE_KEY"]
+__all__ = ["computing_in", "cast_floating", "recorded_dtype", "TRACE_DTYPE_KEY", "RUN_DTYPE_KEY"]
 
 TRACE_DTYPE_KEY = "rpcompile.trace_dtype"
 """``gm.meta`` key: the compute dtype an exported graph was recorded in (its casts are baked in for it: run and
@@ -37,15 +36,6 @@ an explicit upcast (``logits.float()`` before a cross-entropy, a norm's ``.to(to
 everything else is in the compute dtype. Bytes then count as recorded and nodes are costed as they are. ``None``
 or absent: the graph ran as the model is, and byte counts are scaled to the cost model's dtype (a guess that
 counts every upcast at half its size under bf16)."""
-
-#: Each precision a plan runs in → its compute dtype (``None`` for fp32: as the model is).
-COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def compute_dtype(precision: str) -> torch.dtype | None:
-    """The compute dtype of ``precision`` (``None`` for fp32: as the model is)."""
-    return COMPUTE_DTYPES[precision]
-
 
 def recorded_dtype(meta: dict[str, Any]) -> torch.dtype | None:
     """The compute dtype a graph's shapes were recorded in (``gm.meta``: :data:`RUN_DTYPE_KEY`, or the dtype an

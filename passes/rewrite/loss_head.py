@@ -27,18 +27,15 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from ...core.batch import TARGET
 from ...core.errors import LossHeadError
+from ...core.program import HEAD_CLASSES_META
 from ..graph.util import module_path
 
-__all__ = ["attach_loss", "chunk_loss_head", "split_head", "HeadSplit", "TARGET", "HEAD_CHUNKS_META",
-           "HEAD_CLASSES_META", "CHUNK_META"]
+__all__ = ["attach_loss", "chunk_loss_head", "split_head", "HeadSplit", "HEAD_CHUNKS_META", "CHUNK_META"]
 
-#: Name of the placeholder :func:`attach_loss` adds.
-TARGET = "target"
 #: ``gm.meta`` key under which :func:`chunk_loss_head` records its chunk count.
 HEAD_CHUNKS_META = "rpcompile.head_chunks"
-HEAD_CLASSES_META = "rpcompile.head_classes"
-"""``gm.meta`` key: the classes the split LM head scores (its weight's rows), for the host's label check."""
 #: ``node.meta`` key naming the chunk a node computes (``lm_head.chunk2``): the coarsener groups by it, so the
 #: chunks become segments of their own with readable names.
 CHUNK_META = "rpcompile.head_chunk"

@@ -21,7 +21,7 @@ from rpcompile.passes.formulate import partition_problem
 from rpcompile.passes.rewrite.codegen import write_stages
 from rpcompile.passes.rewrite.split import split_plan
 from rpcompile.planner.envelope import link_bound, microbatch_tokens
-from rpcompile.planner.plan_options import (default_spec, fastest, head_chunk_candidates, infeasible_error,
+from rpcompile.planner.plan_options import (PlanOptions, default_spec, fastest, head_chunk_candidates, infeasible_error,
                                             make_hardware, model_device, split_limit)
 from rpcompile.planner.planning import compare, prepare, shared_trace
 from rpcompile.planner.probe import load_host, probe_host
@@ -34,7 +34,7 @@ from rpcompile.views.report import compare_table, plan_table, print_table
 from .common import bars, default_microbatches, directory, step, writable
 from .loading import load_for
 
-__all__ = ["plan_command"]
+__all__ = ["plan_command", "plan_options"]
 
 
 def plan_command(args: argparse.Namespace) -> int:
@@ -156,31 +156,28 @@ def _plan_fastest(args: argparse.Namespace, ms: ModelSpec, hardware: Hardware) -
     """Every strategy on each LM-head split ``--head-chunks`` asks for; the split whose ``--strategy`` plan is
     fastest: (that plan, its graph, microbatches, {strategy: (result, plan)})."""
 
-    candidates = head_chunk_candidates(args.head_chunks, ms.loss_fn, ms.example_target)
-    limit = split_limit(args.time_limit, len(candidates))
+    options = plan_options(args)  # the same object rpcompile.plan builds from its keywords
+    candidates = head_chunk_candidates(options.head_chunks, ms.loss_fn, ms.example_target)
+    limit = split_limit(options.time_limit_s, len(candidates))
     traced = shared_trace(len(candidates))  # one trace for every split
 
     def attempt(k: int) -> Callable[[], tuple[float, tuple]]:
-        gm, m = prepare(ms.model, ms.example_inputs, gpus=args.gpus, spec=args.spec, device=args.device,
-                        microbatches=args.microbatches, precision=args.precision, max_segments=args.max_segments,
-                        progress=bars(args), loss_fn=ms.loss_fn, example_target=ms.example_target,
-                        head_chunks=k, segments_per_layer=args.segments_per_layer, host_embedding=args.host_embedding,
-                        cache=args.cache, trace_pass=traced)
+        gm, m = prepare(ms.model, ms.example_inputs, replace(options, head_chunks=k), loss_fn=ms.loss_fn,
+                        example_target=ms.example_target, trace_pass=traced)
         # every split but the last is solved in a child process while the next one is prepared and solved here
-        problem = partition_problem(gm, hardware=hardware, microbatches=m, precision=args.precision,
-                                    allow_save=args.allow_save, allow_stay=args.allow_stay,
-                                    overlap_iterations=args.overlap)
-        solved = solving(functools.partial(compare, gm, hardware=hardware, microbatches=m, precision=args.precision,
-                                           time_limit_s=limit, cache=args.cache, allow_save=args.allow_save,
-                                           allow_stay=args.allow_stay,
-                                           problem=problem, overlap=args.overlap),
-                         problem, time_limit_s=limit, cache=args.cache, background=k != candidates[-1])
+        problem = partition_problem(gm, hardware=hardware, microbatches=m, precision=options.precision,
+                                    allow_save=options.allow_save, allow_stay=options.allow_stay,
+                                    overlap_iterations=options.overlap)
+        solved = solving(functools.partial(compare, gm, hardware=hardware, microbatches=m, precision=options.precision,
+                                           time_limit_s=limit, cache=options.cache, allow_save=options.allow_save,
+                                           allow_stay=options.allow_stay, problem=problem, overlap=options.overlap),
+                         problem, time_limit_s=limit, cache=options.cache, background=k != candidates[-1])
         head = f"LM head in {k} chunks" if k > 1 else "whole LM head"
 
         def finish() -> tuple[float, tuple]:
             with step(args, f"solving ({head}): ilp ≤ {limit:.3g} s, dp, roundpipe, uniform"):
                 rows = solved.result()
-            chosen = rows[args.strategy][1]
+            chosen = rows[options.strategy][1]
             if chosen is None:
                 raise infeasible_error(problem, hardware)
             return chosen.predicted.iteration_time_s, (chosen, gm, m, rows)
@@ -191,6 +188,17 @@ def _plan_fastest(args: argparse.Namespace, ms: ModelSpec, hardware: Hardware) -
         return fastest(candidates, attempt)
     except ValueError as e:  # e.g. a head that cannot be split as asked: one line, not a traceback
         raise RPCompileError(str(e)) from None
+
+
+def plan_options(args: argparse.Namespace) -> PlanOptions:
+    """The planner's options from ``rpcompile plan``'s flags: the object ``rpcompile.plan`` builds from its
+    keywords (checked the same way, :class:`~rpcompile.planner.plan_options.PlanOptions`)."""
+    return PlanOptions(gpus=args.gpus, spec=args.spec, device=args.device, microbatches=args.microbatches,
+                       memory_limit=args.memory_limit, strategy=args.strategy, precision=args.precision,
+                       time_limit_s=args.time_limit, max_segments=args.max_segments, progress=bars(args),
+                       head_chunks=args.head_chunks, segments_per_layer=args.segments_per_layer,
+                       host_embedding=args.host_embedding, cache=args.cache, overlap=args.overlap,
+                       allow_save=args.allow_save, allow_stay=args.allow_stay)
 
 
 def _strategy_json(result: Any, plan: Plan | None) -> dict:

@@ -11,7 +11,11 @@ from torch.utils import _pytree as pytree
 
 from .errors import BatchSplitError, InputError
 
-__all__ = ["flat_inputs", "joined", "split_microbatches", "tensor_leaves"]
+__all__ = ["TARGET", "flat_inputs", "joined", "split_microbatches", "tensor_leaves"]
+
+#: Name of the graph input a loss inside the graph reads its target from (the placeholder
+#: :func:`rpcompile.passes.rewrite.loss_head.attach_loss` adds; a call's target binds to it).
+TARGET = "target"
 
 
 def flat_inputs(gm: fx.GraphModule, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> list[Any]:

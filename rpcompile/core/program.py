@@ -21,8 +21,10 @@ The passes make these (:mod:`rpcompile.passes.rewrite.split`) and write them out
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Collection, Protocol
 
 import torch
 import torch.fx as fx
@@ -31,7 +33,12 @@ import torch.nn.functional as F
 from .errors import RPCompileError
 from .plan import Stage
 
-__all__ = ["HostEmbedding", "SegmentSpec", "StageProgram", "Program", "saved_forward", "saved_backward"]
+__all__ = ["HostEmbedding", "SegmentSpec", "StageProgram", "Program", "Lowering", "saved_forward", "saved_backward",
+           "HEAD_CLASSES_META"]
+
+HEAD_CLASSES_META = "rpcompile.head_classes"
+"""``gm.meta`` key: the classes the split LM head scores (its weight's rows), for the host's label check
+(written by :mod:`rpcompile.passes.rewrite.loss_head`, read by the training session)."""
 
 
 @dataclass(frozen=True)
@@ -166,3 +173,17 @@ class Program:
     @property
     def fused(self) -> StageProgram:
         return next(s for s in self.stages if s.kind == "fused")
+
+
+class Lowering(Protocol):
+    """What the training session asks of the compiler that lowered its plan into a :class:`Program`
+    (:mod:`rpcompile.compiler`, with :mod:`rpcompile.passes.rewrite.split` and :mod:`~rpcompile.passes.rewrite.codegen`):
+    the session receives the program as data and never imports the passes."""
+
+    def program(self, input_grads: Collection[str] = ()) -> Program:
+        """The plan's program, split so that the gradients of these graph inputs (placeholders) come home too."""
+        ...
+
+    def write(self, program: Program, directory: str | os.PathLike) -> list[Path]:
+        """Each of ``program``'s stages written out as Python for people, in ``directory``; returns the files."""
+        ...

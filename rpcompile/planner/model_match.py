@@ -17,7 +17,8 @@ import torch
 import torch.fx as fx
 
 from rpcompile.passes.graph.fingerprint import fingerprint
-from rpcompile.passes.graph.precision import TRACE_DTYPE_KEY, compute_dtype
+from rpcompile.core.precision import compute_dtype
+from rpcompile.passes.graph.precision import TRACE_DTYPE_KEY
 from rpcompile.passes.graph.trace import TRACE_META_KEY, trace
 from rpcompile.passes.rewrite.host import as_planned
 from rpcompile.passes.rewrite.loss_head import split_head

@@ -1,8 +1,10 @@
-"""What a plan is made for and how the driver chooses (:mod:`rpcompile.planner.planning`): the hardware, the cost model,
-the strategies, the LM-head splits to try and which of their plans wins, and the refusal when nothing fits."""
+"""What a plan is made for and how the driver chooses (:mod:`rpcompile.planner.planning`): the options of one plan
+(:class:`PlanOptions`, checked once when made and passed down whole), the hardware, the cost model, the strategies,
+the LM-head splits to try and which of their plans wins, and the refusal when nothing fits."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -10,6 +12,7 @@ import torch
 from rpcompile.core.units import fmt_bytes
 from rpcompile.passes.cost.analytic import AnalyticCostModel
 from rpcompile.passes.cost.measured import MeasuredCostModel
+from rpcompile.passes.formulate import PRECISION_BYTES
 from rpcompile.passes.solver.problem import PartitionProblem
 from rpcompile.passes.solver.tables import min_feasible_memory
 
@@ -18,7 +21,7 @@ from ..core.plan import Hardware
 from ..core.specs import DeviceSpec, HostSpec, assumed_host, get_spec
 from .device_probe import device_spec
 
-__all__ = ["PLAN_STRATEGIES", "AUTO_HEAD_CHUNKS", "make_cost_model", "make_hardware", "default_spec",
+__all__ = ["PlanOptions", "PLAN_STRATEGIES", "AUTO_HEAD_CHUNKS", "make_cost_model", "make_hardware", "default_spec",
            "head_chunk_candidates", "fastest", "split_limit", "infeasible_error", "model_device"]
 
 #: The strategies a plan may name (``--strategy``, ``strategy=``); :data:`.solver.partition.STRATEGIES` runs them.
@@ -26,6 +29,69 @@ PLAN_STRATEGIES = ("ilp", "dp", "roundpipe", "uniform")
 #: Sequence chunks ``head_chunks="auto"`` tries for the LM head (besides not splitting it): on the benchmark
 #: models, 8 chunks beat 4 and 16 (benchmarks/RESULTS.md, schedules).
 AUTO_HEAD_CHUNKS = 8
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanOptions:
+    """Everything the planner is told about one plan besides the model and its example (``rpcompile.plan``'s and
+    ``rpcompile.compile``'s keywords, the CLI's flags): made once, checked here (one line each), and passed whole
+    through the pass driver (:func:`~rpcompile.planner.planning.start`, ``prepare``, ``compile_plan``)."""
+
+    gpus: int
+    """Devices the plan is for (each a pipeline stage's home)."""
+    spec: "str | DeviceSpec | None" = None
+    """The device spec or preset (``rtx4090``, ``a100-80g``, ``cpu``, ...) to cost analytically; None: measure."""
+    device: "str | torch.device | None" = None
+    """Where to measure costs (with ``spec`` None); None: the CPU (analytic ``rtx4090`` for a meta-device model)."""
+    microbatches: int | None = None
+    """Microbatches per iteration; None: ``gpus + 1`` (1 on a single device)."""
+    memory_limit: int | None = None
+    """Usable bytes per device; None: the spec's usable memory."""
+    strategy: str = "ilp"
+    """The partitioner (:data:`PLAN_STRATEGIES`)."""
+    precision: str = "fp32"
+    """The compute precision (fp32, bf16, fp16)."""
+    time_limit_s: float = 10.0
+    """The solve's wall-time limit, shared equally by the LM-head splits' solves (:func:`split_limit`)."""
+    max_segments: int | None = None
+    """At most this many segments for the partitioner (:mod:`rpcompile.passes.rewrite.coarsen`); None: its own."""
+    segments_per_layer: int = 2
+    """Segments per layer the coarsener keeps (2: attention and MLP halves)."""
+    leaf_modules: Sequence[Any] = ()
+    """Modules the trace keeps whole (:func:`rpcompile.passes.graph.trace.trace`)."""
+    progress: bool | None = None
+    """A progress line per pass on stderr (True), none (False); None: the cost pass's own choice."""
+    threads: int | None = None
+    """Intra-op threads while measuring costs (a logical CPU device's share of the cores); None: as they are."""
+    head_chunks: "int | str" = "auto"
+    """Sequence chunks of the LM head and its loss (1: the whole head); ``"auto"``: the whole head and
+    :data:`AUTO_HEAD_CHUNKS`, the faster plan kept."""
+    host_embedding: "bool | Sequence[str]" = True
+    """Token embeddings on the host (:mod:`rpcompile.passes.rewrite.host`): True where it pays, False none, or
+    exactly these node names."""
+    allow_save: bool = True
+    """Backward stages may use activations saved in host memory; False: every backward stage recomputes."""
+    allow_stay: bool = True
+    """Weights may stay on their devices between stages where memory allows (:mod:`..passes.solver.stay_search`)."""
+    overlap: bool = False
+    """Plan for overlapped iterations (``pipe.step(optimizer, overlap=True)``): the objective is the steady-state
+    period (:attr:`HostLoad.overlap_iterations`)."""
+    cache: bool = True
+    """Measured costs and solved partitions kept on disk (:mod:`..passes.cost.profile_cache`,
+    :mod:`..passes.solve_cache`); False: measured and solved afresh, nothing kept."""
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISION_BYTES:
+            raise ConfigError(f"precision must be one of {sorted(PRECISION_BYTES)}, got {self.precision!r}")
+        if self.gpus < 1:
+            raise ConfigError(f"gpus must be >= 1, got {self.gpus}")
+        if self.strategy not in PLAN_STRATEGIES:
+            raise ConfigError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(PLAN_STRATEGIES)}")
+        if self.spec is not None and self.device is not None:
+            raise ConfigError("give either spec= (analytic costs) or device= (measured costs), not both")
+        head = self.head_chunks
+        if head != "auto" and (isinstance(head, bool) or not isinstance(head, int) or head < 1):
+            raise ConfigError(f"head_chunks must be a positive integer or 'auto', got {head!r}")
 
 
 def make_cost_model(*, spec: "str | DeviceSpec | None" = None, device: "str | torch.device | None" = None,

@@ -38,27 +38,29 @@ from rpcompile.passes.cost.analytic import AnalyticCostModel
 from rpcompile.passes.cost.cost import cost_from_cache, cost_pass
 from rpcompile.passes.cost.loss_memory import LOSS_BYTES_KEY, loss_memory
 from rpcompile.passes.cost.measured import MeasuredCostModel
-from rpcompile.passes.formulate import PRECISION_BYTES, partition_problem
+from rpcompile.passes.formulate import partition_problem
 from rpcompile.passes.graph.meta import on_meta, without_dynamo_import
-from rpcompile.passes.graph.precision import RUN_DTYPE_KEY, TRACE_DTYPE_KEY, cast_floating, compute_dtype, computing_in
+from rpcompile.passes.graph.precision import RUN_DTYPE_KEY, TRACE_DTYPE_KEY, cast_floating, computing_in
 from rpcompile.passes.graph.reuse import RunMemo
 from rpcompile.passes.graph.shape import shape_pass
 from rpcompile.passes.graph.trace import trace, training_inputs
 from rpcompile.passes.lower import to_plan
 from rpcompile.passes.rewrite.coarsen import coarsen_pass
 from rpcompile.passes.rewrite.host import host_embedding_pass
-from rpcompile.passes.rewrite.loss_head import TARGET, split_head
+from rpcompile.passes.rewrite.loss_head import split_head
 from rpcompile.passes.solve_cache import cached_solve
 from rpcompile.passes.solver.partition import solve
 from rpcompile.passes.solver.problem import PartitionProblem, PartitionResult
 
-from ..core.batch import split_microbatches
+from ..core.batch import TARGET, split_microbatches
 from ..core.errors import ConfigError
 from ..core.plan import Hardware, Plan
+from ..core.precision import compute_dtype
 from ..core.specs import DeviceSpec
 from .envelope import warn_if_link_bound
-from .plan_options import (AUTO_HEAD_CHUNKS, PLAN_STRATEGIES, default_spec, fastest, head_chunk_candidates,
-                           infeasible_error, make_cost_model, make_hardware, model_device, split_limit)
+from .plan_options import (AUTO_HEAD_CHUNKS, PLAN_STRATEGIES, PlanOptions, default_spec, fastest,
+                           head_chunk_candidates, infeasible_error, make_cost_model, make_hardware, model_device,
+                           split_limit)
 from .shared_trace import TraceOnce
 
 __all__ = [
@@ -92,30 +94,16 @@ class Compilation:
     kwargs: dict[str, Any]
     cost_model: Any
     microbatches: int
+    """Microbatches per iteration (``options.microbatches`` resolved: :func:`start`)."""
+    options: PlanOptions = field(default_factory=lambda: PlanOptions(gpus=1))
+    """What the plan is for and how it is made, as given (checked when made); the resolved values are the fields
+    here (``microbatches``, ``head_chunks``, ``hardware``, ``cost_model``)."""
     hardware: Hardware | None = None
-    precision: str = "fp32"
     head_chunks: int = 1
+    """The LM-head split this compilation plans (one of ``options.head_chunks``' candidates)."""
     loss: tuple[Any, Any] | None = None
     """``(loss_fn, target of one microbatch)`` when both are given: the loss joins the graph when ``head_chunks > 1``;
     else it runs after the graph, and the cost pass measures its memory (:mod:`rpcompile.passes.cost.loss_memory`)."""
-    leaf_modules: Sequence[Any] = ()
-    progress: bool | None = None
-    threads: int | None = None
-    """Intra-op threads while measuring costs (a logical CPU device's share of the cores); None: as they are."""
-    host_embedding: "bool | Sequence[str]" = True
-    max_segments: int | None = None
-    segments_per_layer: int = 2
-    strategy: str = "ilp"
-    time_limit_s: float = 10.0
-    allow_save: bool = True
-    allow_stay: bool = True
-    """Weights may stay on their devices between stages where memory allows (:mod:`..passes.solver.stay_search`)."""
-    overlap: bool = False
-    """Plan for overlapped iterations (``pipe.step(optimizer, overlap=True)`` with the devices running on into the
-    next iteration): the objective is the steady-state period (:attr:`HostLoad.overlap_iterations`)."""
-    cache: bool = True
-    """Measured costs and solved partitions kept on disk (:mod:`..passes.cost.profile_cache`,
-    :mod:`..passes.solve_cache`)."""
 
     gm: fx.GraphModule | None = None
     """trace: the graph; later passes annotate and rewrite it."""
@@ -142,11 +130,10 @@ class Compilation:
 def _trace(c: Compilation) -> None:
     if c.model is None:
         raise RuntimeError("the trace pass needs a model")
-    # the inputs as traced (an HF model's use_cache=False joins them): the later passes run the graph on them
-    c.args, c.kwargs = training_inputs(c.model, c.args, c.kwargs)
-    # bf16/fp16: an exported graph is recorded in the compute dtype, so the model's own casts stay in it
-    gm = trace(c.model, c.args, example_kwargs=c.kwargs, leaf_modules=c.leaf_modules,
-               dtype=compute_dtype(c.precision))
+    # the inputs are as traced already (an HF model's use_cache=False joined them in start): the later passes run
+    # the graph on them; bf16/fp16: an exported graph is recorded in the compute dtype, so the model's own casts stay in it
+    gm = trace(c.model, c.args, example_kwargs=c.kwargs, leaf_modules=c.options.leaf_modules,
+               dtype=compute_dtype(c.options.precision))
     if not isinstance(gm, fx.GraphModule):
         raise TypeError(f"trace returned {type(gm).__name__}, expected a GraphModule")
     c.gm = gm
@@ -172,7 +159,7 @@ def _loss_head(c: Compilation) -> None:
 def _run_dtype(c: Compilation) -> torch.dtype | None:
     """The dtype the graph runs in: the compute dtype (as the runtime uploads the weights; an exported graph traced
     in one runs only in it), recorded on the graph (:data:`~rpcompile.passes.graph.precision.RUN_DTYPE_KEY`)."""
-    dtype = c.graph.meta.get(TRACE_DTYPE_KEY) or compute_dtype(c.precision)
+    dtype = c.graph.meta.get(TRACE_DTYPE_KEY) or compute_dtype(c.options.precision)
     c.graph.meta[RUN_DTYPE_KEY] = dtype
     return dtype
 
@@ -214,11 +201,11 @@ def _shape(c: Compilation) -> None:
 def _cost(c: Compilation) -> None:
     """Costs; analytic ones, like shapes, from a run on meta stand-ins. Measured ones run the graph for real."""
     threads = torch.get_num_threads()
-    if c.threads is not None:
-        torch.set_num_threads(c.threads)
+    if c.options.threads is not None:
+        torch.set_num_threads(c.options.threads)
     try:
         def cost(a: tuple, k: dict) -> None:
-            cost_pass(c.graph, a, k, cost_model=c.cost_model, progress=c.progress, memo=c.memo)
+            cost_pass(c.graph, a, k, cost_model=c.cost_model, progress=c.options.progress, memo=c.memo)
 
         if isinstance(c.cost_model, AnalyticCostModel):
             done = _on_meta(c, cost)
@@ -236,29 +223,29 @@ def _cost(c: Compilation) -> None:
 def _host(c: Compilation) -> None:
     """Token embeddings whose tables are larger than an iteration's lookups run on the host
     (:mod:`rpcompile.passes.rewrite.host`); ``host_embedding`` False: none; node names: exactly those."""
-    if c.host_embedding:
-        names = None if c.host_embedding is True else tuple(c.host_embedding)
+    host = c.options.host_embedding
+    if host:
+        names = None if host is True else tuple(host)
         host_embedding_pass(c.graph, microbatches=c.microbatches, names=names)
 
 
 def _coarsen(c: Compilation) -> None:
-    coarsen_pass(c.graph, max_segments=c.max_segments, segments_per_layer=c.segments_per_layer)
+    coarsen_pass(c.graph, max_segments=c.options.max_segments, segments_per_layer=c.options.segments_per_layer)
 
 
 def _problem(c: Compilation) -> None:
     if c.hardware is None:
         raise RuntimeError("the problem pass needs the hardware: give Compilation.hardware")
-    c.problem = partition_problem(c.graph, hardware=c.hardware, microbatches=c.microbatches,
-                                  precision=c.precision, allow_save=c.allow_save, allow_stay=c.allow_stay,
-                                  overlap_iterations=c.overlap)
+    o = c.options
+    c.problem = partition_problem(c.graph, hardware=c.hardware, microbatches=c.microbatches, precision=o.precision,
+                                  allow_save=o.allow_save, allow_stay=o.allow_stay, overlap_iterations=o.overlap)
 
 
 def _solve(c: Compilation) -> PartitionResult:
-    """``c``'s problem solved with its strategy, through the solve cache (what :func:`_partition` does)."""
-    if c.strategy not in PLAN_STRATEGIES:
-        raise ConfigError(f"unknown strategy {c.strategy!r}; choose one of {', '.join(PLAN_STRATEGIES)}")
+    """``c``'s problem solved with its strategy (checked with the options), through the solve cache (what
+    :func:`_partition` does)."""
     assert c.problem is not None
-    return cached_solve(c.problem, c.strategy, time_limit_s=c.time_limit_s, cache=c.cache)
+    return cached_solve(c.problem, c.options.strategy, time_limit_s=c.options.time_limit_s, cache=c.options.cache)
 
 
 def _partition(c: Compilation) -> None:
@@ -273,7 +260,7 @@ def _partition(c: Compilation) -> None:
 
 def _lower(c: Compilation) -> None:
     assert c.hardware is not None
-    c.plan = to_plan(c.graph, c.problem, c.result, hardware=c.hardware, precision=c.precision)
+    c.plan = to_plan(c.graph, c.problem, c.result, hardware=c.hardware, precision=c.options.precision)
 
 
 Pass = Callable[[Compilation], None]
@@ -325,10 +312,10 @@ def run(c: Compilation, passes: Sequence[tuple[str, Pass]] = PASSES) -> Compilat
 @contextlib.contextmanager
 def _showing(c: Compilation, name: str) -> Iterator[None]:
     """A transient progress line on stderr while pass ``name`` runs (:func:`run`)."""
-    if c.progress is not True or name == "cost":
+    if c.options.progress is not True or name == "cost":
         yield
         return
-    limit = c.time_limit_s if name == "partition" else None
+    limit = c.options.time_limit_s if name == "partition" else None
     columns = [SpinnerColumn(), TextColumn(f"compile: {DOING.get(name, name)}"), TimeElapsedColumn()]
     if limit is not None:
         columns += [TextColumn(f"(time limit {limit:g} s)"), TimeRemainingColumn()]
@@ -362,80 +349,62 @@ def shared_trace(count: int) -> Pass:
     return TraceOnce(_trace, count)
 
 
-def start(
-    model: torch.nn.Module,
-    example_inputs: Sequence[Any],
-    *,
-    gpus: int,
-    spec: "str | DeviceSpec | None" = None,
-    device: "str | torch.device | None" = None,
-    microbatches: int | None = None,
-    precision: str = "fp32",
-    example_kwargs: Mapping[str, Any] | None = None,
-    loss_fn: Any = None,
-    example_target: Any = None,
-    head_chunks: int = 1,
-    cache: bool = True,
-    **options: Any,
-) -> Compilation:
-    """A :class:`Compilation` for one microbatch of the example batch, before any pass. ``cache=False``: measure
-    costs and solve afresh, and keep nothing on disk. ``options``: the other :class:`Compilation` fields (``hardware``,
-    ``leaf_modules``, ``progress``, ``threads``, ``host_embedding``, ``max_segments``, ``segments_per_layer``,
-    ``strategy``, ``time_limit_s``, ``allow_save``, ``allow_stay``, ``overlap``)."""
+def start(model: torch.nn.Module, example_inputs: Sequence[Any], options: PlanOptions, *,
+          example_kwargs: Mapping[str, Any] | None = None, loss_fn: Any = None, example_target: Any = None,
+          head_chunks: int | None = None, hardware: Hardware | None = None) -> Compilation:
+    """A :class:`Compilation` for one microbatch of the example batch, before any pass: the inputs as they are
+    traced (:func:`~rpcompile.passes.graph.trace.training_inputs`: an HF model's ``use_cache=False`` joins them, here
+    and nowhere else in the planner), split into ``options.microbatches`` (by default ``gpus + 1``, 1 on one device),
+    and the cost model of ``options`` (``cache=False``: measure costs and solve afresh, and keep nothing on disk).
+    ``head_chunks``: the LM-head split to plan (default: ``options.head_chunks`` when it is a number, else the whole
+    head); ``hardware``: what the problem pass prices (:func:`compile_plan` makes it)."""
     # DESIGN.md §3: N + 1 is the fewest microbatches without a bubble between stages; one device has no
     # pipeline to fill, and splitting the batch would only shrink its kernels.
-    m = microbatches or (gpus + 1 if gpus > 1 else 1)
-    args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
+    gpus = options.gpus
+    m = options.microbatches or (gpus + 1 if gpus > 1 else 1)
+    k = head_chunks if head_chunks is not None else options.head_chunks if isinstance(options.head_chunks, int) else 1
+    args, kwargs = training_inputs(model, example_inputs, example_kwargs)
     # the loss joins the graph only to be split with the head; after it, only its memory is costed
-    with_loss = head_chunks > 1 or (loss_fn is not None and example_target is not None)
-    if head_chunks > 1 and (loss_fn is None or example_target is None):  # before the batch split's own errors
-        raise ConfigError(f"head_chunks={head_chunks} splits the LM head together with its loss: pass loss_fn= and "
+    with_loss = k > 1 or (loss_fn is not None and example_target is not None)
+    if k > 1 and (loss_fn is None or example_target is None):  # before the batch split's own errors
+        raise ConfigError(f"head_chunks={k} splits the LM head together with its loss: pass loss_fn= and "
                           "example_target= (a target for one batch), or use head_chunks=1")
     extra = (example_target,) if with_loss else ()
     piece = split_microbatches((*args, *kwargs.values(), *extra), m)[0]
-    dtype = compute_dtype(precision)
+    dtype = compute_dtype(options.precision)
     return Compilation(
         model=model, args=tuple(piece[: len(args)]), kwargs=dict(zip(kwargs, piece[len(args):len(args) + len(kwargs)])),
-        cost_model=make_cost_model(spec=spec, device=device, dtype=dtype, model_device=model_device(model),
-                                   cache=cache),
-        microbatches=m, precision=precision, head_chunks=head_chunks,
-        loss=(loss_fn, piece[-1]) if with_loss else None, cache=cache, **options)
+        cost_model=make_cost_model(spec=options.spec, device=options.device, dtype=dtype,
+                                   model_device=model_device(model), cache=options.cache),
+        microbatches=m, options=options, hardware=hardware, head_chunks=k,
+        loss=(loss_fn, piece[-1]) if with_loss else None)
 
 
 def analyze(model: torch.nn.Module, example_inputs: Sequence[Any] = (), *, cost_model: Any,
             example_kwargs: Mapping[str, Any] | None = None, leaf_modules: Sequence[Any] = (),
             progress: bool | None = None) -> fx.GraphModule:
-    """Trace ``model`` (exactly these inputs, not split) and cost it: the :data:`FRONT` passes."""
-    c = Compilation(model, tuple(example_inputs), dict(example_kwargs or {}), cost_model, microbatches=1,
-                    leaf_modules=leaf_modules, progress=progress)
+    """Trace ``model`` (exactly these inputs, not split; an HF model's ``use_cache=False`` joins them) and cost it:
+    the :data:`FRONT` passes."""
+    args, kwargs = training_inputs(model, example_inputs, example_kwargs)
+    c = Compilation(model, args, kwargs, cost_model, microbatches=1,
+                    options=PlanOptions(gpus=1, leaf_modules=leaf_modules, progress=progress))
     return run(c, FRONT).graph
 
 
-def prepare(
-    model: torch.nn.Module,
-    example_inputs: Sequence[Any],
-    *,
-    gpus: int,
-    max_segments: int | None = None,
-    leaf_modules: Sequence[Any] = (),
-    progress: bool | None = None,
-    segments_per_layer: int = 2,
-    host_embedding: "bool | Sequence[str]" = True,
-    trace_pass: "Pass | None" = None,
-    **options: Any,
-) -> tuple[fx.GraphModule, int]:
+def prepare(model: torch.nn.Module, example_inputs: Sequence[Any], options: PlanOptions, *,
+            example_kwargs: Mapping[str, Any] | None = None, loss_fn: Any = None, example_target: Any = None,
+            trace_pass: "Pass | None" = None) -> tuple[fx.GraphModule, int]:
     """Trace, cost (on one microbatch), move token embeddings to the host and coarsen; returns the graph and the
-    microbatch count. ``options`` as :func:`start`'s (``spec``, ``device``, ``microbatches``, ``precision``,
-    ``example_kwargs``, ``loss_fn``, ``example_target``, ``head_chunks``).
+    microbatch count (:func:`start`'s arguments).
 
-    ``head_chunks > 1`` (which needs ``loss_fn`` and ``example_target``) puts the loss in the graph (its last input
-    is ``target``) and splits the LM head along the sequence (:mod:`rpcompile.passes.rewrite.loss_head`).
-    ``host_embedding``: ``True`` moves the token embeddings whose tables are larger than what an iteration
-    looks up to the host (:mod:`rpcompile.passes.rewrite.host`), ``False`` none, node names exactly those (a plan's).
-    ``trace_pass``: the trace pass to run instead of tracing afresh, e.g. :func:`shared_trace`'s (the LM-head splits
-    of one model and example traced once)."""
-    c = start(model, example_inputs, gpus=gpus, max_segments=max_segments, leaf_modules=leaf_modules,
-              progress=progress, segments_per_layer=segments_per_layer, host_embedding=host_embedding, **options)
+    ``options.head_chunks > 1`` (which needs ``loss_fn`` and ``example_target``) puts the loss in the graph (its last
+    input is ``target``) and splits the LM head along the sequence (:mod:`rpcompile.passes.rewrite.loss_head`);
+    ``"auto"`` here is the whole head. ``options.host_embedding``: ``True`` moves the token embeddings whose tables
+    are larger than what an iteration looks up to the host (:mod:`rpcompile.passes.rewrite.host`), ``False`` none,
+    node names exactly those (a plan's). ``trace_pass``: the trace pass to run instead of tracing afresh, e.g.
+    :func:`shared_trace`'s (the LM-head splits of one model and example traced once)."""
+    c = start(model, example_inputs, options, example_kwargs=example_kwargs, loss_fn=loss_fn,
+              example_target=example_target)
     run(c, PREPARE if trace_pass is None else (("trace", trace_pass), *PREPARE[1:]))
     return c.graph, c.microbatches
 
@@ -458,11 +427,10 @@ def plan_graph(
     activations kept in host memory); ``cache=False`` solves even when the solve cache holds this problem;
     ``overlap``: plan for overlapped iterations (the steady-state period); ``allow_stay=False``: no weight stays
     on a device between stages."""
-    if strategy not in PLAN_STRATEGIES:  # before the problem is made
-        raise ConfigError(f"unknown strategy {strategy!r}; choose one of {', '.join(PLAN_STRATEGIES)}")
-    c = Compilation(None, (), {}, None, microbatches, hardware=hardware, precision=precision,
-                    strategy=strategy, time_limit_s=time_limit_s, allow_save=allow_save, gm=gm, cache=cache,
-                    overlap=overlap, allow_stay=allow_stay)
+    options = PlanOptions(gpus=hardware.device_count, strategy=strategy, precision=precision,  # checked first
+                          time_limit_s=time_limit_s, allow_save=allow_save, cache=cache, overlap=overlap,
+                          allow_stay=allow_stay)
+    c = Compilation(None, (), {}, None, microbatches, options=options, hardware=hardware, gm=gm)
     plan = run(c, BACK).plan
     assert plan is not None
     return plan
@@ -496,43 +464,31 @@ def compare(
     return out
 
 
-def compile_plan(
-    model: torch.nn.Module,
-    example_inputs: Sequence[Any],
-    *,
-    gpus: int,
-    spec: "str | DeviceSpec | None" = None,
-    device: "str | torch.device | None" = None,
-    memory_limit: int | None = None,
-    precision: str = "fp32",
-    loss_fn: Any = None,
-    example_target: Any = None,
-    head_chunks: "int | str" = "auto",
-    **options: Any,
-) -> Compilation:
+def compile_plan(model: torch.nn.Module, example_inputs: Sequence[Any], options: PlanOptions, *,
+                 example_kwargs: Mapping[str, Any] | None = None, loss_fn: Any = None,
+                 example_target: Any = None) -> Compilation:
     """Every pass, once per LM-head split of :func:`head_chunk_candidates` (but the trace: the model is traced
     once and each split starts from a copy of that graph, :class:`~rpcompile.planner.shared_trace.TraceOnce`); the
-    :class:`Compilation` with the fastest plan (its ``plan`` and the graph ``gm`` it was made from). ``options``:
-    :func:`start`'s; their ``time_limit_s`` (default 10) is shared by the splits' solves, equally
-    (:func:`~rpcompile.planner.plan_options.split_limit`). Every split but the last is solved in a child process while the
-    next one is traced, costed and solved (:mod:`rpcompile.passes.background`); the plans do not depend on it."""
-    if precision not in PRECISION_BYTES:
-        raise ConfigError(f"precision must be one of {sorted(PRECISION_BYTES)}, got {precision!r}")
-    hardware = make_hardware(gpus, default_spec(spec, device, model_device(model)), memory_limit)
+    :class:`Compilation` with the fastest plan (its ``plan`` and the graph ``gm`` it was made from). The splits'
+    solves share ``options.time_limit_s`` equally (:func:`~rpcompile.planner.plan_options.split_limit`). Every split
+    but the last is solved in a child process while the next one is traced, costed and solved
+    (:mod:`rpcompile.passes.background`); the plans do not depend on it."""
+    hardware = make_hardware(options.gpus, default_spec(options.spec, options.device, model_device(model)),
+                             options.memory_limit)
 
-    candidates = head_chunk_candidates(head_chunks, loss_fn, example_target)
-    limit = split_limit(float(options.pop("time_limit_s", 10.0)), len(candidates))
+    candidates = head_chunk_candidates(options.head_chunks, loss_fn, example_target)
+    limit = split_limit(float(options.time_limit_s), len(candidates))
+    each = replace(options, time_limit_s=limit)
     passes = (("trace", shared_trace(len(candidates))), *PASSES[1:])
     front, back = passes[:SOLVE], passes[SOLVE:]
 
     def attempt(k: int) -> Callable[[], tuple[float, Compilation]]:
-        c = run(start(model, example_inputs, gpus=gpus, spec=spec, device=device, precision=precision,
-                      loss_fn=loss_fn, example_target=example_target, head_chunks=k, hardware=hardware,
-                      time_limit_s=limit, **options), front)
+        c = run(start(model, example_inputs, each, example_kwargs=example_kwargs, loss_fn=loss_fn,
+                      example_target=example_target, head_chunks=k, hardware=hardware), front)
         # every split but the last is solved in a child process while the next split is prepared and solved here
         assert c.problem is not None
-        solved = solving(functools.partial(_solve, c), c.problem, time_limit_s=limit, strategy=c.strategy,
-                         cache=c.cache, background=k != candidates[-1])
+        solved = solving(functools.partial(_solve, c), c.problem, time_limit_s=limit, strategy=each.strategy,
+                         cache=each.cache, background=k != candidates[-1])
 
         def finish() -> tuple[float, Compilation]:
             c.result = solved.result()
@@ -548,10 +504,10 @@ def compile_plan(
 
 
 def replanned(c: Compilation, **changes: Any) -> Compilation:
-    """``c`` planned again with ``changes`` to its options (``allow_save=False``, ``time_limit_s``): only the
-    :data:`BACK` passes, on ``c``'s costed, coarsened graph — nothing is traced or costed again, and the LM-head
-    split stays ``c``'s. ``c`` itself is left as it was."""
-    return run(replace(c, problem=None, result=None, plan=None, times={}, **changes), BACK)
+    """``c`` planned again with ``changes`` to its options (``allow_save=False``, ``time_limit_s``: fields of
+    :class:`PlanOptions`): only the :data:`BACK` passes, on ``c``'s costed, coarsened graph — nothing is traced or
+    costed again, and the LM-head split stays ``c``'s. ``c`` itself is left as it was."""
+    return run(replace(c, options=replace(c.options, **changes), problem=None, result=None, plan=None, times={}), BACK)
 
 
 def plan(
@@ -603,11 +559,12 @@ def plan(
     that differentiates them, or every weight stay across iterations (a resident plan), wherever memory allows and
     the plan is not slower (:mod:`rpcompile.passes.solver.stay_search`); ``False``: every stage uploads its weights.
     """
-    made = compile_plan(model, example_inputs, gpus=gpus, spec=spec, device=device, microbatches=microbatches,
-                        memory_limit=memory_limit, strategy=strategy, precision=precision,
-                        example_kwargs=example_kwargs, time_limit_s=time_limit_s, max_segments=max_segments,
-                        leaf_modules=leaf_modules, progress=progress, loss_fn=loss_fn, example_target=example_target,
-                        head_chunks=head_chunks, segments_per_layer=segments_per_layer, host_embedding=host_embedding,
-                        cache=cache, overlap=overlap, allow_stay=allow_stay)
+    options = PlanOptions(gpus=gpus, spec=spec, device=device, microbatches=microbatches, memory_limit=memory_limit,
+                          strategy=strategy, precision=precision, time_limit_s=time_limit_s,
+                          max_segments=max_segments, leaf_modules=leaf_modules, progress=progress,
+                          head_chunks=head_chunks, segments_per_layer=segments_per_layer,
+                          host_embedding=host_embedding, cache=cache, overlap=overlap, allow_stay=allow_stay)
+    made = compile_plan(model, example_inputs, options, example_kwargs=example_kwargs, loss_fn=loss_fn,
+                        example_target=example_target)
     assert made.plan is not None
     return made.plan

@@ -30,7 +30,7 @@ from rpcompile.models.registry import ModelSpec, load_model
 from rpcompile.passes.formulate import partition_problem
 from rpcompile.passes.solver.tables import min_feasible_memory
 
-from .plan_options import default_spec, head_chunk_candidates, make_hardware
+from .plan_options import PlanOptions, default_spec, head_chunk_candidates, make_hardware
 from .planning import plan_graph, prepare
 
 __all__ = ["max_sequence_length", "SeqLenResult", "Probe", "Binding"]
@@ -179,9 +179,10 @@ def max_sequence_length(
                               "--max-seq-len needs a built-in language model or a build(seq_len, batch_size)")
         best: tuple[int, str, int] | None = None
         for k in sorted(head_chunk_candidates(head_chunks, ms.loss_fn, ms.example_target), reverse=True):
-            gm, _ = prepare(ms.model, ms.example_inputs, gpus=gpus, spec=spec, microbatches=m, precision=precision,
-                            loss_fn=ms.loss_fn, example_target=ms.example_target, head_chunks=k,
-                            segments_per_layer=segments_per_layer, host_embedding=host_embedding, progress=False)
+            gm, _ = prepare(ms.model, ms.example_inputs, PlanOptions(gpus=gpus, spec=spec, microbatches=m,
+                            precision=precision, head_chunks=k, segments_per_layer=segments_per_layer,
+                            host_embedding=host_embedding, progress=False), loss_fn=ms.loss_fn,
+                            example_target=ms.example_target)
             problem = partition_problem(gm, hardware=hardware, microbatches=m, precision=precision)
             need, seg = min_feasible_memory(problem)
             if best is None or need < best[0]:

@@ -18,7 +18,6 @@ from typing import Any, Callable
 import torch.fx as fx
 
 from rpcompile.passes.graph.reuse import RunMemo
-from rpcompile.passes.graph.trace import training_inputs
 
 __all__ = ["graph_copy", "TraceOnce"]
 
@@ -53,8 +52,6 @@ class TraceOnce:
             if self.left > 0:
                 self.kept = graph_copy(c.gm)
             return
-        # the inputs as the trace pass leaves them (an HF model's use_cache=False joins them)
-        c.args, c.kwargs = training_inputs(c.model, c.args, c.kwargs)
         if self.left > 0:
             c.gm = graph_copy(self.kept)
         else:

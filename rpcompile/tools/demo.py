@@ -28,7 +28,7 @@ from rpcompile.core.errors import InfeasibleError
 from rpcompile.core.plan import Plan
 from rpcompile.core.units import fmt_bytes, fmt_ms
 from rpcompile.models.registry import ModelSpec, load_model
-from rpcompile.planner.plan_options import AUTO_HEAD_CHUNKS, make_hardware
+from rpcompile.planner.plan_options import AUTO_HEAD_CHUNKS, PlanOptions, make_hardware
 from rpcompile.planner.planning import compare, prepare
 from rpcompile.planner.planning import plan as plan_model
 from rpcompile.planner.profiling import profile_graph
@@ -69,8 +69,8 @@ def _plan_here(console: Console, ms: ModelSpec, name: str, n_dev: int, where: st
     console.rule(f"[bold]1. {name}: trace and cost ({costs})")
     t0 = time.perf_counter()
     precision = "fp32" if on_cpu else "bf16"
-    gm, m = prepare(ms.model, ms.example_inputs, gpus=n_dev, spec="cpu" if on_cpu else None,
-                    device=None if on_cpu else device, precision=precision)
+    gm, m = prepare(ms.model, ms.example_inputs, PlanOptions(gpus=n_dev, spec="cpu" if on_cpu else None,
+                    device=None if on_cpu else device, precision=precision))
     prof = profile_graph(gm)
     print_table(profile_table(prof, title=f"{name}: one microbatch, {costs} (traced with {prof.trace})"), console)
     console.print(f"traced, profiled and coarsened {prof.total.nodes} nodes in {time.perf_counter() - t0:.1f} s")
@@ -137,8 +137,8 @@ def _plan_big(console: Console, big_model: str, big_gpus: int) -> None:
     t0 = time.perf_counter()
     big = load_model(big_model, batch_size=m8)
     with console.status(f"costing {big_model} and solving (ilp up to 10 s)"):
-        gm8, m8 = prepare(big.model, big.example_inputs, gpus=big_gpus, spec="rtx4090", microbatches=m8,
-                          precision="bf16", progress=False)
+        gm8, m8 = prepare(big.model, big.example_inputs, PlanOptions(gpus=big_gpus, spec="rtx4090", microbatches=m8,
+                          precision="bf16", progress=False))
         rows8 = compare(gm8, hardware=make_hardware(big_gpus, "rtx4090"), microbatches=m8, precision="bf16",
                         time_limit_s=10.0)
     print_table(compare_table(rows8), console)

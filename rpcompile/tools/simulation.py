@@ -21,7 +21,8 @@ from rpcompile.passes.solver.partition import solve
 from rpcompile.tools.scenarios import (SCHEDULES, Scenario, from_plan, from_segment_plan, layer_profile_scenarios,
                                  load_layer_profile, overlapped, static_scenarios)
 
-from ..planner.plan_options import default_spec, fastest, head_chunk_candidates, make_hardware, model_device
+from ..planner.plan_options import (PlanOptions, default_spec, fastest, head_chunk_candidates, make_hardware,
+                                    model_device)
 from ..planner.planning import prepare
 
 __all__ = ["parse_schedules", "model_scenarios", "plan_scenarios", "profile_scenarios", "run_all",
@@ -57,8 +58,9 @@ def model_scenarios(model: Any, example_inputs: Sequence[Any], *, gpus: int, spe
     systems do. ``progress`` is the profiler's bar; ``status(text)``, a context manager, shows each solve (the
     CLI's spinner). ``overlap``: ``roundpipe`` and ``ilp`` run with overlapped iterations (``ilp`` planned for their
     steady-state period, :func:`rpcompile.tools.scenarios.overlapped`); the static schedules stay synchronous."""
-    gm, m = prepare(model, example_inputs, gpus=gpus, spec=spec, device=device, microbatches=microbatches,
-                    precision=precision, progress=progress, segments_per_layer=segments_per_layer, host_embedding=False)
+    gm, m = prepare(model, example_inputs, PlanOptions(gpus=gpus, spec=spec, device=device, microbatches=microbatches,
+                    precision=precision, progress=progress, segments_per_layer=segments_per_layer,
+                    host_embedding=False))
     hardware = make_hardware(gpus, default_spec(spec, device, model_device(model)), memory_limit)
     pb = partition_problem(gm, hardware=hardware, microbatches=m, precision=precision, overlap_iterations=overlap)
     tokens = input_tokens(gm) * m
@@ -70,10 +72,10 @@ def model_scenarios(model: Any, example_inputs: Sequence[Any], *, gpus: int, spe
     def attempt(name: str, ks: tuple[int, ...], k: int) -> Callable[[], tuple[float, tuple]]:
         problem = pb
         if k > 1 or (name == "ilp" and host_embedding):
-            own, _ = prepare(model, example_inputs, gpus=gpus, spec=spec, device=device, microbatches=microbatches,
-                             precision=precision, progress=progress, loss_fn=loss_fn, example_target=example_target,
-                             head_chunks=k, segments_per_layer=segments_per_layer,
-                             host_embedding=host_embedding and name == "ilp")
+            own, _ = prepare(model, example_inputs, PlanOptions(gpus=gpus, spec=spec, device=device,
+                             microbatches=microbatches, precision=precision, progress=progress, head_chunks=k,
+                             segments_per_layer=segments_per_layer, host_embedding=host_embedding and name == "ilp"),
+                             loss_fn=loss_fn, example_target=example_target)
             problem = partition_problem(own, hardware=hardware, microbatches=m, precision=precision,
                                         overlap_iterations=overlap)
         # every split but the last is solved in a child process while the next is prepared and solved here

@@ -45,6 +45,7 @@ from rpcompile.passes.solver.timing import iteration_time, stage_costs
 from ..core.errors import InfeasibleError, PlanFileError
 from ..core.plan import Plan
 from ..planner.invariants import plan_violations
+from ..planner.plan_options import PlanOptions
 from ..planner.planning import plan_graph, prepare
 
 __all__ = ["CheckResult", "check_plan", "rescore", "stays_of", "sums_of"]
@@ -140,11 +141,11 @@ def check_plan(path: str | Path, model: Any, example_inputs: Sequence[Any], *, m
     overlap = plan.predicted.overlap_iterations  # priced and re-solved for the mode it was made for
 
     def graph(host: Any) -> tuple[Any, int]:
-        return prepare(model, example_inputs, gpus=hw.device_count, spec=spec, device=device,
-                       microbatches=plan.microbatches, precision=plan.precision, progress=progress, loss_fn=loss_fn,
-                       example_target=example_target, head_chunks=plan.head_chunks, host_embedding=host,
+        return prepare(model, example_inputs, PlanOptions(gpus=hw.device_count, spec=spec, device=device,
+                       microbatches=plan.microbatches, precision=plan.precision, progress=progress,
+                       head_chunks=plan.head_chunks, host_embedding=host,
                        segments_per_layer=int(options.get("segments_per_layer", 2)),
-                       max_segments=options.get("max_segments"))
+                       max_segments=options.get("max_segments")), loss_fn=loss_fn, example_target=example_target)
 
     try:
         gm, m = graph(plan.host or False)

@@ -26,10 +26,9 @@ from typing import Any, Callable, Mapping, NamedTuple, Protocol, Sequence
 import torch
 import torch.fx as fx
 
-from rpcompile.passes.rewrite.loss_head import TARGET
 from rpcompile.runtime.values import ValueStore
 
-from ..core.batch import flat_inputs, split_microbatches, tensor_leaves
+from ..core.batch import TARGET, flat_inputs, split_microbatches, tensor_leaves
 from ..core.errors import ConfigError, RPCompileError
 from ..core.program import Program
 from .loss_weighting import MicrobatchLoss, check_labels, label_bounds, loss_weights

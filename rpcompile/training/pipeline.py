@@ -69,10 +69,6 @@ from typing import Any, Callable, Iterator, Mapping, NoReturn, Sequence
 import torch
 import torch.fx as fx
 
-from rpcompile.passes.graph.precision import compute_dtype
-from rpcompile.passes.rewrite.codegen import write_stages
-from rpcompile.passes.rewrite.loss_head import HEAD_CLASSES_META, TARGET
-from rpcompile.passes.rewrite.split import split_plan
 from rpcompile.runtime.bind import bind
 from rpcompile.runtime.executor import Executor
 from rpcompile.runtime.failures import PipelineError
@@ -84,16 +80,18 @@ from .batches import (call_batch, checked_accumulation, microbatch_store, microb
                       output_classes)
 from .checkpoint.state import CheckpointError, check_pipeline_state, pipeline_state
 from .compiled_model import CompiledModel
-from ..core.batch import joined, split_microbatches
+from ..core.batch import TARGET, joined, split_microbatches
 from ..core.errors import ConfigError, LossFnError, RPCompileError
 from ..core.files import write_atomic
 from ..core.plan import Plan
-from ..core.program import Program
+from ..core.precision import compute_dtype
+from ..core.program import HEAD_CLASSES_META, Lowering, Program
 from ..core.schedule import round_robin
 from .distributed import DataParallel, RankCalls
 from .gpu_memory import offload_budget
 from .host_memory import check_host_memory
-from .loss_weighting import BatchLoss, checked_weight, shifts_labels, shifted_tokens
+from .loss_weighting import BatchLoss, shifts_labels, shifted_tokens
+from .options import TrainOptions
 from .oom import out_of_memory
 from .interrupts import deferred
 from .metrics import StepRecord, batch_tokens, chrome_trace, step_record
@@ -108,17 +106,22 @@ class Pipeline:
     """A compiled model: runs training iterations of a plan on its devices (see module docstring)."""
 
     def __init__(self, model: torch.nn.Module, gm: fx.GraphModule, plan: Plan, devices: Sequence[Any],
-                 loss_fn: Callable[[Any, Any], torch.Tensor] | None, precision: str, scaler: Any = None,
-                 loss_in_graph: bool = False, signature: InputSignature | None = None,
-                 loss_weight: "str | Callable[[Any], float]" = "auto", frozen_masters: bool = False):
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None, options: TrainOptions, *, program: Program,
+                 lowering: Lowering, loss_in_graph: bool = False, signature: InputSignature | None = None):
+        """``options``: the pipeline's own (precision, scaler, loss weighting, frozen masters; checked when made).
+        ``program``: ``plan`` lowered over ``gm`` into the stages' programs (data); ``lowering``: what lowered it,
+        asked again only for the programs of inputs that require grad and for the stage code written out
+        (:meth:`codegen`). The compiler makes both (:func:`rpcompile.compiler.pipeline`)."""
+        precision, loss_weight, frozen_masters = options.precision, options.loss_weight, options.frozen_masters
+        self.options = options
         self.data_parallel: DataParallel | None = None
         """Set by :meth:`join`: this pipeline is one rank of data-parallel training (:mod:`rpcompile.training.distributed`)."""
         self._rank: RankCalls | None = None  # a data-parallel call's collectives and held gradients (join)
         self.model, self.gm, self.plan, self.devices = model, gm, plan, list(devices)
-        self.loss_fn, self.precision, self.scaler = loss_fn, precision, scaler
+        self.loss_fn, self.precision, self.scaler = loss_fn, precision, options.scaler
         self.loss_in_graph = loss_in_graph  # the graph takes the target and returns the loss (split LM head)
         self.signature = signature
-        self.loss_weight = checked_weight(loss_weight)
+        self.loss_weight = loss_weight
         self.classes = output_classes(model) or gm.meta.get(HEAD_CLASSES_META)
         """The classes the model's output scores (an HF model's output embeddings, a split head's weight), which
         the labels of a loss inside the stages are checked against on the host; None where unknown."""
@@ -127,7 +130,8 @@ class Pipeline:
         self.compiled = CompiledModel(model, gm)
         """The model's parameters and modes as compiled: :meth:`check_model` compares every call's with them."""
         self.microbatches = plan.microbatches
-        self.program = split_plan(plan, gm)
+        self.lowering = lowering
+        self.program = program
         self._input_grad_programs: dict[frozenset[str], Program] = {}  # by the inputs whose gradients they send home
         self.schedule = round_robin([s.kind for s in plan.stages], len(self.devices), self.microbatches)
         self._schedules: dict[tuple[int, int], list] = {(self.microbatches, 0): self.schedule}
@@ -446,7 +450,7 @@ class Pipeline:
         """The plan split again so that the gradients of these inputs (placeholders) come home too — made, and
         bound, the first time a call's inputs require grad."""
         if inputs not in self._input_grad_programs:
-            program = bind(split_plan(self.plan, self.gm, input_grads=inputs))
+            program = bind(self.lowering.program(inputs))
             self.compiled.follow([prog.gm for prog in program.stages] + [seg.gm for seg in program.saved])
             self._input_grad_programs[inputs] = program
         return self._input_grad_programs[inputs]
@@ -597,7 +601,7 @@ class Pipeline:
 
     def codegen(self, directory: str | os.PathLike) -> list[Path]:
         """Write each stage's generated Python into ``directory``; returns the files."""
-        return write_stages(self.program, self.plan, directory)
+        return self.lowering.write(self.program, directory)
 
 
 def _input_gradients(store: ValueStore, m: int, inputs: Mapping[str, torch.Tensor]) -> None:

@@ -31,9 +31,11 @@ __all__ = ["StageFigures", "stage_figures", "Walked", "lazy_times", "transfer_ti
            "walk"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StageFigures:
-    """One stage's figures that do not depend on the plan around it (plain floats)."""
+    """One stage's figures that do not depend on the plan around it (plain floats; the memory figures whole bytes,
+    so their sums are exact in any order). Not frozen, as it is made per stage for every timing-model call (a
+    frozen dataclass sets each field through ``object.__setattr__``); nothing changes one once made."""
 
     cost: StageCost
     time: float
@@ -41,11 +43,9 @@ class StageFigures:
     overhead: float
     offload: float
     weight: float
-    base: float
-    """``W + found + G`` before the plan's prefetch ``P`` joins (the lazy offload's memory is ``W + found + G + P +
-    working + buffers + held + sums``, summed in that order)."""
-    tail: tuple[float, float, float, float]
-    """``(working, buffers, held, sums)``, added after ``P``."""
+    base: int
+    """``W + found + G + working + buffers + held + sums``: the stage's memory before the plan's prefetch ``P`` joins
+    (whole bytes, so the sum is exact in any order)."""
     up_link: float
     """``upload_bytes / link``."""
     own: float
@@ -70,8 +70,9 @@ def stage_figures(pb: PartitionProblem, c: StageCost) -> StageFigures:
     up, down = c.upload_bytes, c.download_bytes
     return StageFigures(
         cost=c, time=c.time_s, compute=c.compute_s, overhead=c.overhead_s, offload=c.offload_bytes,
-        weight=c.weight_bytes, base=c.weight_bytes + c.found_bytes + c.grad_bytes,
-        tail=(c.working_bytes, c.buffer_bytes, c.held_bytes, c.sum_bytes), up_link=up / link,
+        weight=c.weight_bytes,
+        base=c.weight_bytes + c.found_bytes + c.grad_bytes + c.working_bytes + c.buffer_bytes + c.held_bytes
+        + c.sum_bytes, up_link=up / link,
         own=down - c.offload_bytes, one_way=c.handoff_bytes / link, weight_link=c.weight_bytes / link,
         busy=max(0.0, up - c.weight_bytes / m), grad_s=c.grad_bytes / link, acc=pb.host.accumulate_s(c.grad_bytes),
         reduce=pb.host.reduce_s(c.reduced_bytes), out_s=(down - c.offload_bytes) / link,
@@ -79,18 +80,19 @@ def stage_figures(pb: PartitionProblem, c: StageCost) -> StageFigures:
 
 
 def lazy_times(pb: PartitionProblem, rows: Sequence[StageFigures], *, backlog: bool = False,
-               ) -> tuple[list[float], list[float]]:
+               offloading: Sequence[int] | None = None) -> tuple[list[float], list[float]]:
     """Per stage its time under the lazy offload (:func:`.timing.offload_backlog` documents the walk) and, with
     ``backlog``, the backlog it holds at most (else ``[]``: the walk stops after the last stage that saves, as the
-    backlog changes no time after it)."""
+    backlog changes no time after it). ``offloading``: the stages that save, when the caller knows them."""
     n_dev, m, link = pb.device_count, pb.microbatches, pb.link_bytes_per_s
     times = [r.time for r in rows]
     held_at = [0.0] * len(rows) if backlog else []
-    offloading = [k for k, r in enumerate(rows) if r.offload]
+    if offloading is None:
+        offloading = [k for k, r in enumerate(rows) if r.offload]
     if not offloading:
         return times, held_at
     prefetch = max(r.weight for r in rows)
-    base = [r.base + prefetch + r.tail[0] + r.tail[1] + r.tail[2] + r.tail[3] for r in rows]
+    base = [r.base + prefetch for r in rows]
     for d in range(n_dev):
         mine = range(d, len(rows), n_dev)
         room = max(0, pb.memory_bytes - max((base[k] for k in mine), default=0))
@@ -179,8 +181,8 @@ def walk(pb: PartitionProblem, rows: list[StageFigures], count: Sequence[int], *
     walk met. ``count``: :func:`saved_counts` of the plan's flags; ``anchor``: an earlier walk whose first stages
     this one takes where they are the same (the same figures and times)."""
     n_dev, m = pb.device_count, pb.microbatches
-    times = lazy_times(pb, rows)[0]
-    offloads = any(r.offload for r in rows)
+    offloading = [k for k, r in enumerate(rows) if r.offload]
+    times = lazy_times(pb, rows, offloading=offloading)[0]
     first = 0
     if anchor is not None:
         same, known, known_t = min(len(rows), len(anchor.rows)), anchor.rows, anchor.times
@@ -192,7 +194,7 @@ def walk(pb: PartitionProblem, rows: list[StageFigures], count: Sequence[int], *
     out_s: list[float] = []
     save_s: list[float] = []
     prefetch_s: list[float] = []
-    if offloads:  # a stage reads savers before it: the first stages read what they read in the anchor
+    if offloading:  # a stage reads savers before it: the first stages read what they read in the anchor
         head = [] if anchor is None else anchor.reads[:first] if anchor.reads is not None else [()] * first
         reads = head + reads_of([r.cost for r in rows], count, first)
         out_s, save_s = [r.out_s for r in rows], [r.save_s for r in rows]

@@ -43,7 +43,7 @@ class StageFigures:
     overhead: float
     offload: float
     weight: float
-    base: int
+    base: float
     """``W + found + G + working + buffers + held + sums``: the stage's memory before the plan's prefetch ``P`` joins
     (whole bytes, so the sum is exact in any order)."""
     up_link: float

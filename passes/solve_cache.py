@@ -20,17 +20,15 @@ Writes go to a temporary file renamed into place.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import logging
 import math
 import time
 from pathlib import Path
 from typing import Any
 
-from rpcompile.core.files import json_depth, jsonable, read_json
+from rpcompile.core.files import json_depth, jsonable
+from rpcompile.core.jsoncache import JsonCache
 
-from .cost.profile_cache import cache_dir, remove_entries, write_entry
+from .cost.profile_cache import cache_dir
 from .plan_inputs import problem_digest, solver_digest
 from .solver import partition
 from .solver.problem import PartitionProblem, PartitionResult, SegmentPlan
@@ -41,11 +39,13 @@ __all__ = ["SOLVE_FORMAT_VERSION", "cached_solve", "lookup", "solve_key", "solve
 
 SOLVE_FORMAT_VERSION = 1
 _MAX_ENTRY_BYTES = 64 * 2**20
-log = logging.getLogger("rpcompile")
 
 
 def _root() -> Path:
     return cache_dir() / "solves"
+
+
+_CACHE = JsonCache(root=_root, name="solve cache", afresh="solving afresh", max_bytes=_MAX_ENTRY_BYTES)
 
 
 def solve_key(problem: PartitionProblem, strategy: str, *, time_limit_s: float, seed: int = 0) -> dict[str, Any]:
@@ -55,7 +55,7 @@ def solve_key(problem: PartitionProblem, strategy: str, *, time_limit_s: float, 
 
 
 def _path(key: dict[str, Any]) -> Path:
-    return _root() / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]}.json"
+    return _CACHE.path(key)
 
 
 def cached_solve(problem: PartitionProblem, strategy: str = "ilp", *, time_limit_s: float = 10.0, seed: int = 0,
@@ -88,15 +88,8 @@ def lookup(problem: PartitionProblem, strategy: str = "ilp", *, time_limit_s: fl
 
 
 def _load(path: Path, key: dict[str, Any], problem: PartitionProblem) -> PartitionResult | None:
-    try:
-        data = read_json(path, max_bytes=_MAX_ENTRY_BYTES, max_depth=6)
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        _ignore(path, f"unreadable: {e.strerror}")
-        return None
-    except ValueError as e:  # not UTF-8, not JSON, NaN/Infinity, a number out of range, too deep or too large
-        _ignore(path, f"corrupt: {e}")
+    data = _CACHE.read(path)
+    if data is None:  # none, or warned about
         return None
     try:
         if not isinstance(data, dict) or data.get("format") != SOLVE_FORMAT_VERSION or data.get("key") != key:
@@ -149,7 +142,7 @@ def _number(v: Any) -> float:
 
 
 def _ignore(path: Path, why: str) -> None:
-    log.warning("ignoring solve cache entry %s (%s); solving afresh", path, why)
+    _CACHE.ignore(path, why)
 
 
 def _store(path: Path, key: dict[str, Any], result: PartitionResult) -> None:
@@ -160,18 +153,14 @@ def _store(path: Path, key: dict[str, Any], result: PartitionResult) -> None:
                      "stays": plan.stays, "resident": plan.resident, "accumulates": plan.accumulates},
             "objective": result.objective, "solve_time_s": result.solve_time_s,
             "stats": jsonable(result.stats)}
-    try:
-        write_entry(path, data)
-    except OSError as e:
-        log.warning("cannot write the solve cache %s (%s); the plan was solved but not kept", path.parent,
-                    e.strerror)
+    _CACHE.write(path, data, lost="the plan was solved but not kept")
 
 
 def solve_entries() -> list[Path]:
     """The entries' files."""
-    return sorted(_root().glob("*.json")) if _root().is_dir() else []
+    return _CACHE.files()
 
 
 def clear_solves() -> int:
     """Remove every entry (and leftover temporary files); the number of files removed."""
-    return remove_entries(_root())
+    return _CACHE.clear()

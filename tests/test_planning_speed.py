@@ -140,8 +140,9 @@ def test_subset_sums_are_the_subset_matrix_product():
 @pytest.mark.parametrize("nodes,overlap,resident", [(1, False, False), (4, False, False), (1, True, False),
                                                     (1, False, True)])
 def test_the_scorer_is_the_timing_model_bit_for_bit(nodes, overlap, resident):
-    """PlanScorer.total walks only what depends on the plan, from per-stage figures it keeps: the same value as
-    timing._total for every plan a local search meets (saved activations, lazy offload and all; on 4 data-parallel
+    """PlanScorer.total walks only what depends on the plan, from per-stage figures it keeps and resuming from its
+    anchor (the one walk of passes/solver/figures.py, which timing._total runs on figures made afresh): the same value
+    as timing._total for every plan a local search meets (saved activations, lazy offload and all; on 4 data-parallel
     nodes, each grad stage's all-reduce too); with overlapped iterations, timing.overlapped_period's; on one GPU
     whose hand-offs stay in its memory (and whose lazy offload gets half the room), the same."""
     pb = llama_like(8)

@@ -17,9 +17,7 @@ a reader never sees half an entry; a cache that cannot be written is warned abou
 
 from __future__ import annotations
 
-import hashlib
 import json
-import logging
 import os
 import time
 from dataclasses import dataclass
@@ -29,12 +27,13 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
-from rpcompile.core.files import read_json, sweep_temporaries, write_atomic
+from rpcompile.core.files import read_json
+from rpcompile.core.jsoncache import JsonCache
 
 from ..graph.fingerprint import fingerprint
 
 __all__ = ["PROFILE_FORMAT_VERSION", "CacheEntry", "cache_dir", "profile_key", "load_profile", "store",
-           "profile_entries", "clear_profiles", "write_entry", "remove_entries"]
+           "profile_entries", "clear_profiles"]
 
 PROFILE_FORMAT_VERSION = 2
 """The cost format of an entry; bump it when what a node time means changes (the key then changes too)."""
@@ -42,7 +41,6 @@ PROFILE_FORMAT_VERSION = 2
 MAX_ENTRY_BYTES = 512 * 2**20
 """The largest entry read (a 235B MoE's measured profile is tens of MB); a larger one is ignored."""
 _MAX_SECONDS, _MAX_COUNT = 1e9, 2**53
-log = logging.getLogger("rpcompile")
 
 
 @dataclass(frozen=True)
@@ -65,6 +63,9 @@ def cache_dir() -> Path:
 
 def _profiles() -> Path:
     return cache_dir() / "profiles"
+
+
+_CACHE = JsonCache(root=_profiles, name="profile cache", afresh="measuring afresh", max_bytes=MAX_ENTRY_BYTES)
 
 
 def _input_sig(value: Any) -> Any:
@@ -91,13 +92,11 @@ def profile_key(gm: fx.GraphModule, flat_inputs: Sequence[Any], identity: dict[s
 
 
 def _path(key: dict[str, Any]) -> Path:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
-    return _profiles() / f"{digest}.json"
+    return _CACHE.path(key)
 
 
 def _ignore(path: Path, why: str, quiet: bool = False) -> None:
-    if not quiet:
-        log.warning("ignoring profile cache entry %s (%s); measuring afresh", path, why)
+    _CACHE.ignore(path, why, quiet)
 
 
 def _node(value: Any, fields: set[str]) -> dict[str, Any]:
@@ -132,15 +131,8 @@ def load_profile(key: dict[str, Any], node_names: set[str], fields: set[str], *,
     else None (one warning line when an entry exists but is not usable, unless ``quiet``: a first look, before
     the lookup that warns)."""
     path = _path(key)
-    try:
-        data = read_json(path, max_bytes=MAX_ENTRY_BYTES, max_depth=6)
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        _ignore(path, f"unreadable: {e.strerror}", quiet)
-        return None
-    except ValueError as e:  # not UTF-8, not JSON, NaN/Infinity, a number out of range, too deep or too large
-        _ignore(path, f"corrupt: {e}", quiet)
+    data = _CACHE.read(path, quiet=quiet)
+    if data is None:  # none, or warned about
         return None
     try:
         if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT_VERSION:
@@ -167,27 +159,14 @@ def store(key: dict[str, Any], entry: CacheEntry) -> Path | None:
     data = {"format": PROFILE_FORMAT_VERSION, "key": key, "created": time.time(),
             "nodes": {k: {**v, "params": list(v["params"])} for k, v in entry.nodes.items()},
             "calibration": None if entry.calibration is None else list(entry.calibration)}
-    try:
-        write_entry(path, data)
-        return path
-    except OSError as e:
-        log.warning("cannot write the profile cache %s (%s); costs were measured but not kept",
-                    path.parent, e.strerror)
-        return None
-
-
-def write_entry(path: Path, data: Any) -> None:
-    """``data`` as JSON at ``path``, atomically (:func:`~rpcompile.core.files.write_atomic`: a reader never sees
-    half an entry). Raises OSError, leaving no temporary file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps(data, allow_nan=False))
+    return path if _CACHE.write(path, data, lost="costs were measured but not kept") else None
 
 
 def profile_entries() -> list[dict[str, Any]]:
     """What the cache holds: one dict per file (``path``, ``bytes``, ``created``, ``device``, ``dtype``, ``nodes``;
     unreadable files with ``device`` "?")."""
     out = []
-    for p in sorted(_profiles().glob("*.json")) if _profiles().is_dir() else []:
+    for p in _CACHE.files():
         row: dict[str, Any] = {"path": str(p), "bytes": p.stat().st_size, "created": None, "device": "?",
                                "dtype": "?", "nodes": 0}
         try:
@@ -202,16 +181,4 @@ def profile_entries() -> list[dict[str, Any]]:
 
 def clear_profiles() -> int:
     """Remove every entry (and leftover temporary files); the number of files removed."""
-    return remove_entries(_profiles())
-
-
-def remove_entries(root: Path) -> int:
-    """Remove the entries under ``root`` (and temporary files of writers that are gone; one in flight is left to
-    its writer); the number of files removed."""
-    if not root.is_dir():
-        return 0
-    removed = 0
-    for p in root.glob("*.json"):
-        p.unlink(missing_ok=True)
-        removed += 1
-    return removed + sweep_temporaries(root)
+    return _CACHE.clear()

@@ -69,11 +69,11 @@ import math
 from typing import Sequence
 
 from rpcompile.core.plan import StageKind
-from rpcompile.core.schedule import steady_period
 from rpcompile.core.stages import StageCost
 
 from .problem import PartitionProblem, SegmentPlan, plan_stages
-from .recurrence import overlapped_ends, pipeline_end, stage_ends
+from .figures import lazy_times, reads_of, saved_counts, stage_figures, transfer_times, walk
+from .recurrence import pipeline_end, stage_ends
 from .stays import NO_STAY, StayFigures, stay_figures
 
 __all__ = [
@@ -176,41 +176,12 @@ def offload_backlog(problem: PartitionProblem, costs: Sequence[StageCost]) -> tu
     host memory, and the backward stages that wait for them, are :func:`pipeline_time`'s landing edges
     (:func:`transfer_edges` given the plan's ``saved`` flags)."""
     out = list(costs)
-    for k, (time, held) in enumerate(zip(*_lazy_offload(problem, costs))):
+    times, held = lazy_times(problem, [stage_figures(problem, c) for c in costs], backlog=True)
+    for k, (time, most) in enumerate(zip(times, held)):
         c = costs[k]
-        if time != c.time_s or held or c.backlog_bytes:
-            out[k] = dataclasses.replace(c, time_s=time, backlog_bytes=int(math.ceil(held)))
+        if time != c.time_s or most or c.backlog_bytes:
+            out[k] = dataclasses.replace(c, time_s=time, backlog_bytes=int(math.ceil(most)))
     return tuple(out)
-
-
-def _lazy_offload(problem: PartitionProblem, costs: Sequence[StageCost]) -> tuple[list[float], list[float]]:
-    """:func:`offload_backlog`'s walk as plain numbers: per stage its time and the backlog it holds at most (the
-    local search calls this thousands of times: no objects)."""
-    n_dev, m, link = problem.device_count, problem.microbatches, problem.link_bytes_per_s
-    times = [c.time_s for c in costs]
-    if not any(c.offload_bytes for c in costs):
-        return times, [0.0] * len(costs)
-    prefetch = max(c.weight_bytes for c in costs)
-    base = [c.weight_bytes + c.found_bytes + c.grad_bytes + prefetch + c.working_bytes + c.buffer_bytes
-            + c.held_bytes + c.sum_bytes for c in costs]
-    held_at = [0.0] * len(costs)
-    for d in range(n_dev):
-        mine = range(d, len(costs), n_dev)
-        room = max(0, problem.memory_bytes - max((base[k] for k in mine), default=0))
-        if problem.resident_handoffs:  # one GPU: the hand-offs kept there have the other half
-            room -= room // 2
-        backlog = 0.0
-        for k in mine:
-            c = costs[k]
-            own = c.download_bytes - c.offload_bytes  # what the stage waits for itself, per microbatch
-            start = backlog
-            if c.offload_bytes:
-                need = start + m * c.offload_bytes - room  # bytes the stage must move to keep the backlog in room
-                times[k] = c.overhead_s + max(c.compute_s, c.upload_bytes / link, (max(need / m, 0.0) + own) / link)
-            moved = m * max(0.0, (times[k] - c.overhead_s) * link - own)
-            backlog = max(0.0, start + m * c.offload_bytes - moved)
-            held_at[k] = max(start, backlog)
-    return times, held_at
 
 
 def pipeline_time(stage_times: Sequence[float], devices: int, microbatches: int, *,
@@ -261,86 +232,43 @@ def equal_time_factors(max_stages: int, devices: int, microbatches: int) -> list
 
 def transfer_edges(problem: PartitionProblem, costs: Sequence[StageCost], times: Sequence[float] | None = None,
                    saved: Sequence[bool] | None = None) -> dict[str, list]:
-    """:func:`pipeline_time`'s transfer edges for these stages: each stage's whole weight upload
-    (:func:`_weight_time`) and gradient download, and each microbatch's hand-off (down from the previous device,
-    up to this one), at the link rate; with the plan's ``saved`` flags also when saved activations land in host
-    memory and who waits for them. ``times``: the stages' times when they differ from ``time_s``."""
-    link = problem.link_bytes_per_s
-    times = [c.time_s for c in costs] if times is None else times
-    handoff = []
-    for k, c in enumerate(costs):
-        one_way = c.handoff_bytes / link
-        # a predecessor slower than its compute is bound by its copies: its time already covers the way down
-        prev = costs[k - 1]
-        slack = times[k - 1] - prev.compute_s - prev.overhead_s if k else 0.0
-        handoff.append(2 * one_way - min(one_way, max(slack, 0.0)))
-    weight_s = [_weight_time(problem, costs, times, k) for k in range(len(costs))]
-    edges: dict[str, list] = dict(weight_s=weight_s, grad_s=[c.grad_bytes / link for c in costs],
-                                  handoff_s=handoff)
+    """:func:`pipeline_time`'s transfer edges for these stages: each stage's whole weight upload and gradient
+    download, and each microbatch's hand-off (down from the previous device, up to this one), at the link rate
+    (:func:`.figures.transfer_times`: a stage's weights go up from the start of the device's previous stage ``k − N``,
+    behind its activation copies — the runtime's priority, :meth:`rpcompile.runtime.devices.Device.upload_weights`
+    — at the rate those leave free, ``link − a/t`` for a stage uploading ``a`` activation bytes per microbatch of
+    time ``t``, for its ``m·t``, then at the full rate; a device's first stage from the start of the iteration);
+    with the plan's ``saved`` flags also when saved activations land in host memory and who waits for them.
+    ``times``: the stages' times when they differ from ``time_s``."""
+    rows = [stage_figures(problem, c) for c in costs]
+    handoff, weight_s = transfer_times(problem, rows, [r.time for r in rows] if times is None else times)
+    edges: dict[str, list] = dict(weight_s=weight_s, grad_s=[r.grad_s for r in rows], handoff_s=handoff)
     if saved is not None and any(c.offload_bytes for c in costs):
-        edges.update(out_s=[(c.download_bytes - c.offload_bytes) / link for c in costs],
-                     save_s=[c.offload_bytes / link for c in costs], reads=save_reads(costs, saved),
-                     prefetch_s=[c.prefetch_bytes / link for c in costs])
+        edges.update(out_s=[r.out_s for r in rows], save_s=[r.save_s for r in rows], reads=save_reads(costs, saved),
+                     prefetch_s=[r.prefetch_s for r in rows])
     return edges
-
-
-def _weight_time(problem: PartitionProblem, costs: Sequence[StageCost], times: Sequence[float], k: int) -> float:
-    """How long stage ``k``'s weights take to go up, from the start of the device's previous stage ``k − N`` (from
-    the start of the iteration, at the link rate, for a device's first stage). They go up behind that stage's
-    activation copies (the runtime's priority, :meth:`rpcompile.runtime.devices.Device.upload_weights`): at the
-    rate those leave free, ``link − a/t`` for a stage uploading ``a`` activation bytes per microbatch of time ``t``,
-    for its ``m·t``, then at the full rate. A stage bound by its uploads leaves nothing: its successor on the
-    device waits for its whole weight upload after it."""
-    link, m, w = problem.link_bytes_per_s, problem.microbatches, costs[k].weight_bytes
-    if k < problem.device_count or w == 0:
-        return w / link
-    prev, t = costs[k - problem.device_count], times[k - problem.device_count]
-    busy = max(0.0, prev.upload_bytes - prev.weight_bytes / m) / max(t - prev.overhead_s, 1e-12)
-    free, span = max(0.0, link - busy), m * t
-    return w / free if free * span >= w else span + (w - free * span) / link
 
 
 def save_reads(costs: Sequence[StageCost], saved: Sequence[bool]) -> list[tuple[int, ...]]:
     """Per stage, the forward stages whose saved activations it reads (backward stages; ``()`` for the others)."""
-    count = [0]  # saved segments before each index
-    for flag in saved:
-        count.append(count[-1] + flag)
-    savers = [(f, c.start, c.stop) for f, c in enumerate(costs) if c.kind == "forward" and c.offload_bytes]
-    out: list[tuple[int, ...]] = []
-    for c in costs:
-        if c.kind != "backward":
-            out.append(())
-            continue
-        out.append(tuple(f for f, a, b in savers
-                         if a < c.stop and c.start < b and count[min(b, c.stop)] > count[max(a, c.start)]))
-    return out
+    return reads_of(costs, saved_counts(saved))
 
 
-def _walk_inputs(problem: PartitionProblem, costs: Sequence[StageCost], saved: Sequence[bool],
-                 ) -> tuple[list[float], dict]:
-    """The stages' times after the lazy offload and the rest of :func:`pipeline_time`'s arguments for them."""
-    times = _lazy_offload(problem, costs)[0]
-    h = problem.host
-    acc = [h.accumulate_s(c.grad_bytes) for c in costs] if math.isfinite(h.accumulate_bytes_per_s) else []
-    return times, dict(**transfer_edges(problem, costs, times, saved), accumulate_s=acc,
-                       reduce_s=[h.reduce_s(c.reduced_bytes) for c in costs], overlap_reduce=h.overlap_reduce,
-                       reduce_host_s=h.reduce_s(h.host_grad_bytes))
+def _walked(problem: PartitionProblem, costs: Sequence[StageCost], saved: Sequence[bool], overlapped: bool) -> float:
+    """:func:`.figures.walk` of these stages (costed on their own, or already through :func:`offload_backlog`: the
+    walk gives the same times either way)."""
+    return walk(problem, [stage_figures(problem, c) for c in costs], saved_counts(saved), overlapped=overlapped)[0]
 
 
 def _total(problem: PartitionProblem, costs: Sequence[StageCost], saved: Sequence[bool]) -> float:
-    """Exact iteration time of the stages (costed on their own, or already through :func:`offload_backlog`: the
-    walk gives the same times either way) with their transfer edges; the local search calls it on cached stages."""
-    times, edges = _walk_inputs(problem, costs, saved)
-    return pipeline_time(times, problem.device_count, problem.microbatches, **edges)
+    """Exact iteration time of the stages with their transfer edges (:func:`pipeline_time` after the lazy offload)."""
+    return _walked(problem, costs, saved, False)
 
 
 def overlapped_period(problem: PartitionProblem, costs: Sequence[StageCost], saved: Sequence[bool]) -> float:
     """The steady-state period of overlapped iterations of these stages (:func:`.recurrence.overlapped_ends`; the
     optimizer step's waits included)."""
-    times, edges = _walk_inputs(problem, costs, saved)
-    fused = next((k for k, c in enumerate(costs) if c.kind == "fused"), len(costs) - 1)
-    return steady_period(overlapped_ends(times, problem.device_count, problem.microbatches, fused=fused,
-                                         step_s=problem.host.step_s, **edges))
+    return _walked(problem, costs, saved, True)
 
 
 def _objective(problem: PartitionProblem, costs: Sequence[StageCost], saved: Sequence[bool]) -> float:

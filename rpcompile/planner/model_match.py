@@ -3,7 +3,8 @@
 A plan's fingerprint is that of the graph it was planned from: the model traced, its LM head and loss split into
 ``plan.head_chunks`` sequence chunks when the plan did so, and the embedding lookups ``plan.host`` names moved to the
 host. ``compile(plan=)``, ``rpcompile check`` and ``rpcompile show --model`` rebuild that graph from the model
-(:func:`graph_as_planned`, or ``planning.prepare`` with the plan's settings) and compare fingerprints
+(:func:`graph_as_planned`: the pass driver's :data:`~rpcompile.planner.planning.GRAPH` passes with the plan's settings,
+or ``planning.prepare`` with them) and compare fingerprints
 (:mod:`rpcompile.passes.graph.fingerprint`); ``rpcompile diff``, which has two plans and no model, calls them the same
 model when their parameters match and their graphs match or differ only where the plans split the head or run lookups on
 the host differently (:func:`model_differences`). A plan's own rules are :mod:`rpcompile.planner.invariants`.
@@ -19,12 +20,12 @@ import torch.fx as fx
 from rpcompile.passes.graph.fingerprint import fingerprint
 from rpcompile.core.precision import compute_dtype
 from rpcompile.passes.graph.precision import TRACE_DTYPE_KEY
-from rpcompile.passes.graph.trace import TRACE_META_KEY, trace
+from rpcompile.passes.graph.trace import TRACE_META_KEY
 from rpcompile.passes.rewrite.host import as_planned
-from rpcompile.passes.rewrite.loss_head import split_head
 
 from ..core.errors import PlanMismatchError
 from ..core.plan import Plan
+from .planning import GRAPH, planned, run
 
 __all__ = ["planned_graph", "graph_as_planned", "model_differences"]
 
@@ -49,23 +50,35 @@ def graph_as_planned(plan: Plan, model: torch.nn.Module, example_inputs: Any, *,
     :class:`PlanMismatchError` saying what differs. ``precision``: the one the graph will run in (default the
     plan's); an exported graph records its casts for it, so it must be the plan's."""
     precision = precision or plan.precision
-    gm = trace(model, tuple(example_inputs), example_kwargs=example_kwargs, dtype=compute_dtype(precision))
+    if plan.head_chunks > 1 and loss_fn is None:
+        raise PlanMismatchError(f"{source} splits the LM head and its loss into {plan.head_chunks} chunks: give "
+                                "the model's loss_fn to rebuild that graph (a model file's factory returns "
+                                "(model, inputs, loss_fn, target))")
+    c = planned(plan, model, example_inputs, loss_fn=loss_fn if plan.head_chunks > 1 else None,
+                example_kwargs=example_kwargs, precision=precision)
+    try:
+        run(c, GRAPH)
+    except ValueError as e:
+        if "trace" not in c.times:
+            raise
+        _same_precision(plan, c.graph, model, precision, source)  # what the trace shows is said first
+        if "loss_head" not in c.times:
+            raise PlanMismatchError(f"{source} was made for a different model: its LM head cannot be split as the "
+                                    f"plan's ({e})") from None
+        raise PlanMismatchError(f"{source} was made for a different model: {e}") from None
+    _same_precision(plan, c.graph, model, precision, source)
+    plan.check_model(fingerprint(c.graph), source=source)
+    return c.graph
+
+
+def _same_precision(plan: Plan, gm: fx.GraphModule, model: torch.nn.Module, precision: str, source: str) -> None:
+    """:class:`PlanMismatchError` when ``gm``, exported, records its casts for the plan's precision and the run is in
+    another."""
     if precision != plan.precision and gm.meta.get(TRACE_DTYPE_KEY, None) != compute_dtype(plan.precision) \
             and gm.meta.get(TRACE_META_KEY) == "export":
         raise PlanMismatchError(f"{source} was made for precision={plan.precision!r} but this run is in "
                                 f"{precision!r}, and {type(model).__name__}'s exported graph records its dtype casts "
                                 f"for one precision: compile with precision={plan.precision!r} or re-plan")
-    if plan.head_chunks > 1:
-        if loss_fn is None:
-            raise PlanMismatchError(f"{source} splits the LM head and its loss into {plan.head_chunks} chunks: give "
-                                    "the model's loss_fn to rebuild that graph (a model file's factory returns "
-                                    "(model, inputs, loss_fn, target))")
-        try:
-            split_head(gm, loss_fn, plan.head_chunks)
-        except ValueError as e:
-            raise PlanMismatchError(f"{source} was made for a different model: its LM head cannot be split as the "
-                                    f"plan's ({e})") from None
-    return planned_graph(plan, gm, source=source)
 
 
 def model_differences(a: Plan, b: Plan) -> list[str]:

@@ -68,7 +68,9 @@ __all__ = [
     "PASSES",
     "DOING",
     "FRONT",
+    "GRAPH",
     "run",
+    "planned",
     "start",
     "analyze",
     "prepare",
@@ -149,6 +151,9 @@ def _loss_head(c: Compilation) -> None:
                               "loss_fn= and example_target= (a target for one batch), or use head_chunks=1")
         return
     loss_fn, target = c.loss
+    if target is None:  # a plan's graph rebuilt (:func:`planned`): no batch to run it on
+        split_head(c.graph, loss_fn, c.head_chunks)
+        return
     if c.head_chunks > 1 and not (isinstance(target, torch.Tensor) and target.dim() >= 2):
         raise ConfigError(f"head_chunks={c.head_chunks} splits along the sequence: the target must be a "
                           f"[batch, sequence] tensor, got {getattr(target, 'shape', type(target).__name__)}")
@@ -285,6 +290,9 @@ PREPARE = PASSES[:6]
 SOLVE = [name for name, _ in PASSES].index("partition")
 #: From a coarsened graph to a plan.
 BACK = PASSES[6:]
+#: The passes that rewrite the graph before its costs are known: run with a plan's settings (:func:`planned`) they
+#: rebuild the graph that plan was made from.
+GRAPH = tuple((name, fn) for name, fn in PASSES if name in ("trace", "loss_head", "host"))
 
 
 #: What each pass is doing, as the progress line on stderr says it.
@@ -378,6 +386,19 @@ def start(model: torch.nn.Module, example_inputs: Sequence[Any], options: PlanOp
                                    model_device=model_device(model), cache=options.cache),
         microbatches=m, options=options, hardware=hardware, head_chunks=k,
         loss=(loss_fn, piece[-1]) if with_loss else None)
+
+
+def planned(plan: Plan, model: torch.nn.Module, example_inputs: Sequence[Any], *, loss_fn: Any = None,
+            example_kwargs: Mapping[str, Any] | None = None, precision: str | None = None) -> Compilation:
+    """A :class:`Compilation` with ``plan``'s settings (its ``head_chunks``, the lookups its ``host`` names,
+    ``precision`` or its own) for one microbatch of ``example_inputs``, before any pass: :data:`GRAPH` run on it
+    rebuilds the graph the plan was made from (:func:`rpcompile.planner.model_match.graph_as_planned`). No target:
+    ``loss_fn`` joins the graph only when the plan split the LM head with it."""
+    options = PlanOptions(gpus=plan.hardware.device_count, precision=precision or plan.precision,
+                          head_chunks=plan.head_chunks, host_embedding=tuple(plan.host), progress=False)
+    args, kwargs = training_inputs(model, example_inputs, example_kwargs)  # as start() gives them to the trace
+    return Compilation(model, args, kwargs, None, plan.microbatches, options=options, head_chunks=plan.head_chunks,
+                       loss=None if loss_fn is None else (loss_fn, None))
 
 
 def analyze(model: torch.nn.Module, example_inputs: Sequence[Any] = (), *, cost_model: Any,

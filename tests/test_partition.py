@@ -216,12 +216,12 @@ def test_the_winner_s_checkpointing_is_settled_after_its_cuts_settle():
     from rpcompile.models.registry import load_model
     from rpcompile.passes.formulate import partition_problem
     from rpcompile.passes.solver.polish import flip_saves
-    from rpcompile.planner.plan_options import make_hardware
+    from rpcompile.planner.plan_options import PlanOptions, make_hardware
     from rpcompile.planner.planning import prepare
 
     ms = load_model("llama-8b", batch_size=16, seq_len=4096)
-    gm, _ = prepare(ms.model, ms.example_inputs, gpus=8, spec="rtx4090", microbatches=16, precision="bf16",
-                    progress=False, head_chunks=1)
+    gm, _ = prepare(ms.model, ms.example_inputs, PlanOptions(gpus=8, spec="rtx4090", microbatches=16,
+                                                             precision="bf16", progress=False, head_chunks=1))
     pb = partition_problem(gm, hardware=make_hardware(8, "rtx4090"), microbatches=16, precision="bf16",
                            overlap_iterations=True)
     plan = solve(pb, "ilp", time_limit_s=30.0).plan  # counts stop it (~5 s), not the wall-clock guard

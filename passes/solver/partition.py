@@ -130,7 +130,7 @@ class _Pool:
 def _seed(pb: PartitionProblem, pool: _Pool, tables: RangeTables,
           baselines: dict[str, PartitionResult] | None = None) -> dict[str, float]:
     """Baselines and the no-save DP's plans near the optimum go into the pool; ``baselines`` (given) gets the
-    baselines' results, each what its own strategy returns (:func:`~rpcompile.planning.compare` reuses them)."""
+    baselines' results, each what its own strategy returns (:func:`~rpcompile.planner.planning.compare` reuses them)."""
     seeds = {}
     started = time.perf_counter()
     bal = exact_balance(pb, tables)  # dp's balance too: solved once
@@ -362,6 +362,7 @@ def _finish(pb: PartitionProblem, pool: _Pool, lb: np.ndarray, started: float, s
                        candidates_tried=len(log), budgets=log, greedy_budgets=greedy_tried, **(lagrange or {}))
 
 
+#: Each strategy's name and its solver (every one returns a :class:`~rpcompile.passes.solver.problem.PartitionResult`).
 STRATEGIES: dict[str, Callable[..., PartitionResult]] = {
     "ilp": ilp, "dp": dp, "roundpipe": roundpipe, "uniform": uniform, "greedy": greedy,
 }

@@ -395,7 +395,7 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Plan":
-        """Read a plan file. Raises :class:`PlanFileError` (one line: what is wrong, what to do)."""
+        """Read a plan file. Raises :class:`~rpcompile.PlanFileError` (one line: what is wrong, what to do)."""
         path = Path(path)
         try:
             data = read_json(path, max_bytes=MAX_PLAN_BYTES, max_depth=_MAX_DEPTH, what="a plan")
@@ -406,7 +406,7 @@ class Plan:
         return cls.from_dict(data, source=str(path))
 
     def check_model(self, fingerprint: Fingerprint, *, source: str = "plan") -> None:
-        """Raise :class:`PlanMismatchError` unless the plan was made for a model with ``fingerprint``."""
+        """Raise :class:`~rpcompile.PlanMismatchError` unless the plan was made for a model with ``fingerprint``."""
         diffs = self.model.differences(fingerprint)
         if diffs:
             raise PlanMismatchError(

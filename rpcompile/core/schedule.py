@@ -67,6 +67,7 @@ def round_robin(kinds: Sequence[str], devices: int, microbatches: int, *, offset
     return lists
 
 
+#: A hashable item (a stage, a parameter name).
 H = TypeVar("H", bound=Hashable)
 
 

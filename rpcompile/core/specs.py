@@ -58,7 +58,7 @@ class DeviceSpec:
     kernel_overhead_s: float = 5e-6
     """Fixed cost of one kernel launch (s)."""
     efficiency: Mapping[str, float] = field(default_factory=lambda: dict(_DEFAULT_EFFICIENCY))
-    """Achieved fraction of peak per op class (keys from :data:`OP_CLASSES`)."""
+    """Achieved fraction of peak per op class (keys from :data:`~rpcompile.core.specs.OP_CLASSES`)."""
     usable_memory_fraction: float = 0.9
     """Share of ``memory_bytes`` the planner may fill (the rest: CUDA context, allocator slack)."""
     stage_overhead_s: float = 30e-6

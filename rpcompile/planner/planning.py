@@ -109,13 +109,13 @@ class Compilation:
     time_limit_s: float = 10.0
     allow_save: bool = True
     allow_stay: bool = True
-    """Weights may stay on their devices between stages where memory allows (:mod:`..passes.solver.stay_search`)."""
+    """Weights may stay on their devices between stages where memory allows (:mod:`rpcompile.passes.solver.stay_search`)."""
     overlap: bool = False
     """Plan for overlapped iterations (``pipe.step(optimizer, overlap=True)`` with the devices running on into the
-    next iteration): the objective is the steady-state period (:attr:`HostLoad.overlap_iterations`)."""
+    next iteration): the objective is the steady-state period (:attr:`HostLoad.overlap_iterations <rpcompile.core.stages.HostLoad.overlap_iterations>`)."""
     cache: bool = True
-    """Measured costs and solved partitions kept on disk (:mod:`..passes.cost.profile_cache`,
-    :mod:`..passes.solve_cache`)."""
+    """Measured costs and solved partitions kept on disk (:mod:`rpcompile.passes.cost.profile_cache`,
+    :mod:`rpcompile.passes.solve_cache`)."""
 
     gm: fx.GraphModule | None = None
     """trace: the graph; later passes annotate and rewrite it."""
@@ -129,7 +129,7 @@ class Compilation:
     """Seconds each pass took."""
     memo: RunMemo | None = None
     """What the shape and cost passes of an earlier compilation of the same trace left for this one (set by
-    :func:`shared_trace`'s pass: the LM-head splits' bodies are shaped and costed once, :mod:`..passes.graph.reuse`)."""
+    :func:`shared_trace`'s pass: the LM-head splits' bodies are shaped and costed once, :mod:`rpcompile.passes.graph.reuse`)."""
 
     @property
     def graph(self) -> fx.GraphModule:
@@ -263,7 +263,7 @@ def _solve(c: Compilation) -> PartitionResult:
 
 def _partition(c: Compilation) -> None:
     """Solve with ``strategy`` — unless ``c.result`` already holds that solve (:func:`compile_plan` solves a split
-    in the background); :class:`InfeasibleError` (naming the least memory that fits) if nothing fits."""
+    in the background); :class:`~rpcompile.InfeasibleError` (naming the least memory that fits) if nothing fits."""
     assert c.problem is not None and c.hardware is not None
     if c.result is None:
         c.result = _solve(c)
@@ -454,7 +454,7 @@ def plan_graph(
     allow_stay: bool = True,
 ) -> Plan:
     """Partition a costed, coarsened graph with one strategy (the :data:`BACK` passes); raise
-    :class:`InfeasibleError` if nothing fits. ``allow_save=False`` makes every backward stage recompute (no
+    :class:`~rpcompile.InfeasibleError` if nothing fits. ``allow_save=False`` makes every backward stage recompute (no
     activations kept in host memory); ``cache=False`` solves even when the solve cache holds this problem;
     ``overlap``: plan for overlapped iterations (the steady-state period); ``allow_stay=False``: no weight stays
     on a device between stages."""
@@ -510,7 +510,7 @@ def compile_plan(
     head_chunks: "int | str" = "auto",
     **options: Any,
 ) -> Compilation:
-    """Every pass, once per LM-head split of :func:`head_chunk_candidates` (but the trace: the model is traced
+    """Every pass, once per LM-head split of :func:`~rpcompile.planner.plan_options.head_chunk_candidates` (but the trace: the model is traced
     once and each split starts from a copy of that graph, :class:`~rpcompile.planner.shared_trace.TraceOnce`); the
     :class:`Compilation` with the fastest plan (its ``plan`` and the graph ``gm`` it was made from). ``options``:
     :func:`start`'s; their ``time_limit_s`` (default 10) is shared by the splits' solves, equally
@@ -581,12 +581,12 @@ def plan(
 ) -> Plan:
     """Make a round-robin plan for ``model`` on ``gpus`` devices.
 
-    Costs are analytic for ``spec`` (a :class:`DeviceSpec` or preset name) or measured on ``device``; with neither,
+    Costs are analytic for ``spec`` (a :class:`~rpcompile.DeviceSpec` or preset name) or measured on ``device``; with neither,
     measured on the CPU (analytic ``rtx4090`` for a meta-device model). The hardware is ``gpus`` devices of
     ``spec`` (``cpu`` when measuring on the CPU, else ``rtx4090``) with ``memory_limit`` usable bytes each.
     ``head_chunks > 1`` (with ``loss_fn`` and ``example_target``) plans the LM head and its cross-entropy as that
     many sequence chunks (:mod:`rpcompile.passes.rewrite.loss_head`); ``"auto"`` (the default) plans the whole head and,
-    when a loss and a target are given and the head can be split, :data:`AUTO_HEAD_CHUNKS` chunks too, and keeps
+    when a loss and a target are given and the head can be split, :data:`~rpcompile.planner.plan_options.AUTO_HEAD_CHUNKS` chunks too, and keeps
     the faster plan (the splits' solves share ``time_limit_s`` equally, and run on two cores at once where there
     are two). ``segments_per_layer`` (default 2: attention and MLP halves) above 2 lets the planner cut and save inside those halves: plans up to ~6% faster on the
     benchmark models, at two to three times the solve time (which may then overrun ``time_limit_s``).

@@ -7,7 +7,7 @@ A :class:`~rpcompile.training.pipeline.Pipeline` call (``forward_backward``, ``e
 1. takes an HF batch dict's ``labels`` as the target (unless the model takes them itself) and binds the inputs to
    the compiled signature (:class:`~rpcompile.training.signature.InputSignature`), refusing a missing or unused target;
 2. splits the batch along dim 0 into the plan's microbatches — fewer for a batch with fewer rows
-   (:func:`microbatches_of`) — into a :class:`~rpcompile.runtime.executor.ValueStore` (:func:`microbatch_store`);
+   (:func:`microbatches_of`) — into a :class:`~rpcompile.runtime.values.ValueStore` (:func:`microbatch_store`);
 3. checks integer labels against the classes the model scores (:func:`output_classes`, or a split LM head's) on
    the host, not at a device-side assert on a GPU;
 4. weights each microbatch's mean loss by what it averages over (:func:`microbatch_weights`: real tokens or rows)

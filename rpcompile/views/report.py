@@ -50,7 +50,7 @@ def _add_columns(table: Table, columns: Sequence[tuple[str, JustifyMethod]]) -> 
 
 
 def models_table(summaries: Sequence[Any]) -> Table:
-    """``rpcompile models``: one row per built-in model (:class:`rpcompile.models.ModelSummary`)."""
+    """``rpcompile models``: one row per built-in model (:class:`rpcompile.models.registry.ModelSummary`)."""
     table = SafeTable(title="built-in models (rpcompile profile|plan|simulate NAME)")
     _add_columns(table, (("model", "left"), ("params", "right"), ("layers", "right"), ("runs", "left"),
                          ("shape", "left")))

@@ -1,7 +1,7 @@
 """A small device layer: what the executor needs from a device, for CUDA and for logical CPU devices.
 
 There are no logical CPU devices in torch (``cpu:1`` tensors report ``cpu``; CPU streams and events are stubs), so
-the runtime defines its own (DESIGN.md §7). A :class:`Device` moves tensors to and from the host and knows its
+the runtime defines its own (docs/architecture.md §7). A :class:`Device` moves tensors to and from the host and knows its
 ``torch.device``:
 
 - :class:`CpuDevice`: a logical device on the CPU. Moving is free (tensors stay where they are); each logical

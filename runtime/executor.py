@@ -35,7 +35,7 @@ same thread adds the rows' gradients (summed over those stages, as for any value
 store and the sink's locks), so the caller gets its losses while its last stages drain; the next iteration's list
 for a device starts once that device has finished its list of the one before.
 
-Stage semantics (DESIGN.md §3):
+Stage semantics (docs/architecture.md §3):
 
 - forward stages run without autograd and hand on the values later stages need;
 - the fused stage runs forward, loss and backward in one go;

@@ -4,7 +4,7 @@ Strategies (all ``(problem, *, time_limit_s, seed) -> PartitionResult``, infeasi
 
 - ``ilp``: :func:`ilp` below — CP-SAT over cuts, stage count and per-segment saving (:mod:`.ilp`);
 - ``dp``: exact pure balance, nothing saved (:mod:`.balance`);
-- ``roundpipe``: RoundPipe's greedy at layer granularity (arXiv 2604.27085, DESIGN §4);
+- ``roundpipe``: RoundPipe's greedy at layer granularity (arXiv 2604.27085, docs/architecture.md §4);
 - ``uniform``: ``N`` equal layer groups, the static-pipeline baseline.
 
 - ``greedy``: the ILP's preparation below without CP-SAT (and its stays, step 7).

@@ -1,6 +1,6 @@
 """The partition problem as plain numbers, and the plan and result the solvers return.
 
-Terms (DESIGN.md §3; RoundPipe, Luo et al., arXiv 2604.27085):
+Terms (docs/architecture.md §3; RoundPipe, Luo et al., arXiv 2604.27085):
 
 - A **segment** is a run of graph nodes between cheap cut points; the model is a *chain* of ``n`` segments
   (the coarsener linearises DAGs: tensors live across a cut, e.g. skip connections, are in ``boundary_bytes``).

@@ -1,4 +1,4 @@
-"""The round-robin schedule's event recurrence (DESIGN.md §3), on plain numbers: when every stage of an iteration
+"""The round-robin schedule's event recurrence (docs/architecture.md §3), on plain numbers: when every stage of an iteration
 finishes (:func:`stage_ends`), when the iteration's gradients are down, added on the host and all-reduced
 (:func:`pipeline_end`), the host's lanes those use, and consecutive iterations that overlap
 (:func:`overlapped_ends`).

@@ -33,7 +33,7 @@ memory and out of the room the lazy offload may use). Gradient sums kept on a de
 hold memory the same way (``sum_bytes``); in a call under ``no_sync`` the summed gradients are not sent home.
 
 **Iteration time** is the exact event recurrence of :func:`pipeline_time` — with equal stage times it reduces to
-DESIGN §3's ``(⌊(S−1)/N⌋·m + (S−1) mod N + m)·T`` for ``m ≥ N`` — with the transfers that compute may not
+docs/architecture.md §3's ``(⌊(S−1)/N⌋·m + (S−1) mod N + m)·T`` for ``m ≥ N`` — with the transfers that compute may not
 hide (:func:`transfer_edges`): a stage starts only once its weights are up — prefetched while the device runs its
 previous stage, with what bandwidth that stage's activation copies leave, so a short or upload-bound stage before
 a heavy one exposes the rest of the copy, and from the start of the
@@ -219,7 +219,7 @@ def pipeline_time(stage_times: Sequence[float], devices: int, microbatches: int,
                   reads: Sequence[Sequence[int]] = (), prefetch_s: Sequence[float] = (),
                   accumulate_s: Sequence[float] = (), reduce_s: Sequence[float] = (),
                   overlap_reduce: bool = True, reduce_host_s: float = 0.0) -> float:
-    """Iteration time of the round-robin schedule (DESIGN §3) by the exact event recurrence.
+    """Iteration time of the round-robin schedule (docs/architecture.md §3) by the exact event recurrence.
 
     Microbatch ``j`` of stage ``k`` starts at ``max(e(k, j-1), e(k-1, j), e(k-N, m-1))`` (0 for negative
     indices) and ends ``t_k`` later. Along ``j`` this is a max-plus scan, so each stage is one vectorised step:

@@ -13,7 +13,7 @@ options they share (hardware, cost model, head splits, which plan wins) are :mod
 
 Microbatches: ``example_inputs`` is one full batch; it is split along dim 0 into ``microbatches`` pieces
 (``torch.tensor_split``: sizes differ by at most one) and the graph is costed on the first (largest) piece, so every
-time and byte in the problem is per microbatch. The default is ``gpus + 1`` microbatches (DESIGN.md §3), and 1 on a
+time and byte in the problem is per microbatch. The default is ``gpus + 1`` microbatches (docs/architecture.md §3), and 1 on a
 single device.
 """
 
@@ -382,7 +382,7 @@ def start(
     costs and solve afresh, and keep nothing on disk. ``options``: the other :class:`Compilation` fields (``hardware``,
     ``leaf_modules``, ``progress``, ``threads``, ``host_embedding``, ``max_segments``, ``segments_per_layer``,
     ``strategy``, ``time_limit_s``, ``allow_save``, ``allow_stay``, ``overlap``)."""
-    # DESIGN.md §3: N + 1 is the fewest microbatches without a bubble between stages; one device has no
+    # docs/architecture.md §3: N + 1 is the fewest microbatches without a bubble between stages; one device has no
     # pipeline to fill, and splitting the batch would only shrink its kernels.
     m = microbatches or (gpus + 1 if gpus > 1 else 1)
     args, kwargs = tuple(example_inputs), dict(example_kwargs or {})

@@ -186,7 +186,7 @@ def host_line(name: str, result: Any) -> str:
 
 def bound_note(plan: Any) -> str:
     """The solver's proven bound, said so that nobody reads it as a bound on the iteration time: it bounds the
-    ILP's own objective, stage-count factor × slowest stage (DESIGN.md §3), which the exact iteration time of
+    ILP's own objective, stage-count factor × slowest stage (docs/architecture.md §3), which the exact iteration time of
     an unequal plan can beat."""
     gap = plan.stats.get("gap", 0.0)  # free-form stats: an infinite gap is saved as null
     gap_text = f"{gap:.1%}" if isinstance(gap, (int, float)) and not isinstance(gap, bool) else "unknown"

@@ -56,7 +56,7 @@ reported in ``SimResult.host_timeline``, apart from the devices' lanes.
 **Consecutive iterations** (``iterations=K > 1``; round-robin lists only): the lists and stages describe one
 iteration, and the run plays ``K`` of them. Position ``k`` of iteration ``t`` is global position ``t·S + k``
 (``S`` positions an iteration) on the device after the one that ran ``t·S + k − 1``: the round-robin pointer
-carries on across iterations (DESIGN.md §3), so a device runs the next iteration's stage as soon as it is done
+carries on across iterations (docs/architecture.md §3), so a device runs the next iteration's stage as soon as it is done
 with its stages of this one, in its list's order. Iteration ``t + 1``'s first position takes its inputs from the
 host, not from iteration ``t``'s last position. The optimizer step of iteration ``t`` (``stepT``, on the host's
 step thread: ``step_s``, after iteration ``t``'s gradients are all added — and all-reduced — and after step
@@ -86,7 +86,7 @@ dispatch is in ``compute_s`` already (:func:`rpcompile.passes.formulate.launch_b
 Each chain position is a :class:`~rpcompile.core.stages.StageCost`, the type the timing model prices; the run
 returns a :class:`~.sim_result.SimResult` (the timeline and its figures). With
 transfers free this is exactly the timing model's recurrence (:func:`rpcompile.passes.solver.timing.pipeline_time`,
-DESIGN.md §3); :mod:`rpcompile.tools.scenarios` builds the action lists and stages for a plan, for the classic static
+docs/architecture.md §3); :mod:`rpcompile.tools.scenarios` builds the action lists and stages for a plan, for the classic static
 schedules (GPipe, 1F1B, interleaved 1F1B) and for published layer profiles.
 """
 

@@ -3,7 +3,8 @@
 #   make test   - the test suite
 # Both create .venv (with --system-site-packages, so a torch you already have — e.g. a CUDA build — is kept)
 # and install the CPU build of torch into it only when no torch is importable.
-# make typecheck runs mypy on the package (CI runs it after make test).
+# make typecheck runs mypy on the package (CI runs it after make test); make docs builds docs/ into build/docs
+# (warnings and unresolved references are errors).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -19,7 +20,7 @@ PYTEST_WORKERS ?= 2
 # transformers versions the HF tests also run against (pyproject allows >=4.50): each installs into .tf/VERSION
 TRANSFORMERS_VERSIONS ?= 4.50.3 4.57.6 5.17.0
 
-.PHONY: demo test test-slow test-compat typecheck setup clean adamw
+.PHONY: demo test test-slow test-compat typecheck docs setup clean adamw
 
 demo: $(STAMP)
 	$(VENV)/bin/rpcompile demo
@@ -39,6 +40,11 @@ test-slow: $(STAMP)
 # mypy with pyproject's [tool.mypy], through .ci/typecheck.py so passes/ and runtime/ get their installed names
 typecheck: $(STAMP)
 	$(PY) .ci/typecheck.py
+
+# the user guide and API reference (docs/): -W -n, so a warning or a reference to a moved or removed name fails
+docs: $(STAMP)
+	$(PY) -c "import sphinx, myst_parser" 2>/dev/null || $(PY) -m pip install -q -e ".[docs]"
+	$(PY) -m sphinx -W -n --keep-going -q -b html docs build/docs
 
 test-compat: $(STAMP)
 	for v in $(TRANSFORMERS_VERSIONS); do \

@@ -43,6 +43,7 @@ from .solver.problem import PartitionProblem
 
 __all__ = ["later", "Later", "solving", "enabled", "solve_apart", "solve_timeout", "fork_cost_s", "ENV"]
 
+#: What the work returns.
 T = TypeVar("T")
 log = logging.getLogger("rpcompile")
 

@@ -48,10 +48,10 @@ def partition_problem(
     overlap_iterations: bool = False,
 ) -> PartitionProblem:
     """Lower a coarsened graph to plain numbers. Parameters read by several segments (tied embeddings) become
-    :class:`SharedParam`s: every stage that uses one receives it, and its gradient is summed over them. The host's
+    :class:`~rpcompile.passes.solver.problem.SharedParam` objects: every stage that uses one receives it, and its gradient is summed over them. The host's
     work (:func:`~rpcompile.core.stages.host_load`) is priced for every trainable parameter on ``hardware.host``;
     ``overlap_step``: the optimizer step runs beside the next iteration; ``overlap_iterations``: the devices run on
-    into it too, and the plan is priced by the steady-state period (:attr:`HostLoad.overlap_iterations`)."""
+    into it too, and the plan is priced by the steady-state period (:attr:`HostLoad.overlap_iterations <rpcompile.core.stages.HostLoad.overlap_iterations>`)."""
     segs = segments_of(gm)
     elt = PRECISION_BYTES[precision]
     params = dict(gm.named_parameters())

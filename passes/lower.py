@@ -74,7 +74,7 @@ def plan_from_ranges(
     """Build a Plan whose stages are ``forward`` (F0.. ascending), ``fused`` and ``backward`` (B1.. descending)
     node-index ranges of ``gm``'s compute nodes. ``saved`` names nodes whose activations are saved to host;
     ``stage_times``/``stage_memory`` are per stage in execution order, and so are ``stage_figures`` (extra
-    :class:`Stage` fields such as ``compute_s`` and ``weight_bytes``). ``facts``: a dict kept across plans of
+    :class:`~rpcompile.Stage` fields such as ``compute_s`` and ``weight_bytes``). ``facts``: a dict kept across plans of
     the same graph (:func:`to_plan`'s), holding what they share: the fingerprint, each node's parameters and
     module."""
     facts = {} if facts is None else facts
@@ -185,7 +185,7 @@ def to_plan(gm: fx.GraphModule, problem: Any, result: Any, *, hardware: Hardware
 
 
 def _with_stays(plan: Plan, segs: Sequence[Any], sp: Any, trainable: set[str]) -> Plan:
-    """The parameters each stage keeps on its device and finds there (:func:`weight_stays` over parameter names,
+    """The parameters each stage keeps on its device and finds there (:func:`~rpcompile.core.schedule.weight_stays` over parameter names,
     as the runtime walks them): a stayed segment's own parameters (those no other segment reads), or with
     ``resident`` all of them; and those whose gradients a grad stage sums on its device (a flagged segment's own
     trainable parameters)."""

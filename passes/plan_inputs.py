@@ -7,7 +7,7 @@ planning options and the solver itself — so when none of them moved, a fresh s
 
 The record (plain JSON):
 
-- ``costs``: digest of every compute node's :class:`~.cost.cost.NodeCost` (times, bytes, FLOPs, parameters), in order;
+- ``costs``: digest of every compute node's :class:`~rpcompile.passes.cost.cost_model.NodeCost` (times, bytes, FLOPs, parameters), in order;
 - ``problem``: digest of the :class:`~.solver.problem.PartitionProblem` (the solvers' whole input, in plain numbers);
 - ``hardware``: digest of the plan's :class:`~rpcompile.core.plan.Hardware` (spec, memory, link, host rates);
 - ``options``: the planning options, readable (``strategy``, ``microbatches``, ``precision``, ``memory_bytes``,

@@ -7,7 +7,7 @@ counts derived from it, so the same limit gives the same plan) and the partition
 stored result — its plan re-checked against the problem (:func:`~.solver.segment_rules.validate_segment_plan`) and
 re-scored (:func:`~.solver.timing.iteration_time` must give the stored objective) — and ``solve_time_s`` as first measured.
 ``PartitionResult.cached`` says where a result came from. A solve may run in a forked child
-(:mod:`.background`): it reads and writes its entry there, as it would in the caller.
+(:mod:`~rpcompile.passes.background`): it reads and writes its entry there, as it would in the caller.
 
 Measured costs from a warm profile cache give the same problem, so a second compile of a model on the same GPU
 neither measures nor solves. Directory: ``solves/`` beside the profile cache (:func:`.cost.profile_cache.cache_dir`);

@@ -1,4 +1,4 @@
-"""``rpcompile.compile``: a model traced, planned (or its plan loaded and checked) and made a :class:`Pipeline`.
+"""``rpcompile.compile``: a model traced, planned (or its plan loaded and checked) and made a :class:`~rpcompile.Pipeline`.
 
     pipe = rpcompile.compile(model, example_inputs, loss_fn=loss_fn, devices=["cpu", "cpu"])
 
@@ -88,16 +88,16 @@ def compile(
     data_parallel: bool | None = None,
     **plan_options: Any,
 ) -> Pipeline:
-    """Trace ``model``, plan it (or load/check ``plan``) and return a :class:`Pipeline` on its devices.
+    """Trace ``model``, plan it (or load/check ``plan``) and return a :class:`~rpcompile.Pipeline` on its devices.
 
     ``devices=["cpu"] * k`` runs k logical devices on the CPU; ``gpus=k`` uses ``cuda:0..k-1``; with neither, every
     visible GPU, or one logical CPU device. Costs are measured on the first device unless ``spec`` (a
     :class:`~rpcompile.core.specs.DeviceSpec` or preset name) asks for analytic ones — which also makes the plan
     independent of timing noise. On GPUs a plan may use 90% of their memory — with ``spec``, no more than the spec's
-    usable memory (:func:`gpu_memory_limit`) — unless ``memory_limit`` says otherwise. ``plan_options`` are the
+    usable memory (:func:`~rpcompile.training.gpu_memory.gpu_memory_limit`) — unless ``memory_limit`` says otherwise. ``plan_options`` are the
     other fields of :class:`~rpcompile.planner.plan_options.PlanOptions` (``strategy``, ``memory_limit``,
     ``time_limit_s``, ...), made into one object with these keywords and passed whole to
-    :func:`rpcompile.planner.planning.compile_plan`: ``compile`` is that plan plus a :class:`Pipeline` that runs it. Building it checks the host memory it needs first
+    :func:`rpcompile.planner.planning.compile_plan`: ``compile`` is that plan plus a :class:`~rpcompile.Pipeline` that runs it. Building it checks the host memory it needs first
     (:mod:`rpcompile.training.host_memory`).
 
     ``head_chunks=k`` (with ``example_target``, a target for ``example_inputs``) moves a mean token cross-entropy
@@ -115,7 +115,7 @@ def compile(
     (:func:`~rpcompile.training.loss_weighting.loss_weights`): by default real tokens for an integer target (entries that
     are not -100, so padded batches give eager's whole-batch loss and gradients), rows otherwise;
     :func:`~rpcompile.training.loss_weighting.shifted_tokens` for a loss that shifts the labels itself (HF causal LMs).
-    Inputs are bound to the compile example's signature (:class:`InputSignature`); an HF model is traced with
+    Inputs are bound to the compile example's signature (:class:`~rpcompile.training.signature.InputSignature`); an HF model is traced with
     ``use_cache=False`` unless ``example_kwargs`` says otherwise, and ``forward_backward(**batch)`` takes an HF
     batch dict, its ``labels`` as the target.
 
@@ -249,7 +249,7 @@ def _precision(plan: Plan | None, precision: str | None) -> str:
 def _join(dp: DataParallel, local: Callable[..., Pipeline], plan: "Plan | str | os.PathLike | None",
           precision: str) -> Pipeline:
     """This rank's pipeline of data-parallel training: rank 0 plans when no ``plan`` is given and sends it to the
-    others; each compiles it locally; all compare what they run (:meth:`DataParallel.agree`) and then join."""
+    others; each compiles it locally; all compare what they run (:meth:`DataParallel.agree <rpcompile.training.distributed.DataParallel.agree>`) and then join."""
     pipe: Pipeline | None = None
     failure: Exception | None = None
     if plan is None:

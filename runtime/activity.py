@@ -29,6 +29,7 @@ import torch
 __all__ = ["ACTIVITIES", "PREFIX", "span"]
 
 PREFIX = "rpcompile::"
+#: The runtime's host work, each a profiler span named ``rpcompile::<activity>``.
 ACTIVITIES = ("wait", "inputs", "compute", "outputs", "grads out", "weights up", "copy out", "grad sink",
               "weights refresh")
 

@@ -1,7 +1,7 @@
 """A small device layer: what the executor needs from a device, for CUDA and for logical CPU devices.
 
 There are no logical CPU devices in torch (``cpu:1`` tensors report ``cpu``; CPU streams and events are stubs), so
-the runtime defines its own (DESIGN.md §7). A :class:`Device` moves tensors to and from the host and knows its
+the runtime defines its own (docs/architecture.md §7). A :class:`Device` moves tensors to and from the host and knows its
 ``torch.device``:
 
 - :class:`CpuDevice`: a logical device on the CPU. Moving is free (tensors stay where they are); each logical
@@ -68,9 +68,9 @@ class Device:
     def upload_weights(self, tensors: Sequence[torch.Tensor],
                        dtype: torch.dtype | None = None) -> tuple[list[torch.Tensor], Any]:
         """A stage's weights and buffers to the device (floating ones cast to ``dtype``: the weights come in it
-        already, :mod:`.weights`); returns the copies and a marker to pass to :meth:`wait_weights` before
+        already, :mod:`~rpcompile.runtime.weights`); returns the copies and a marker to pass to :meth:`wait_weights` before
         computing with them. The executor calls this from the device's prefetch thread while the device runs its
-        previous stage. Host work (a cast) is counted in :attr:`traffic`."""
+        previous stage. Host work (a cast) is counted in :attr:`~rpcompile.runtime.devices.Device.traffic`."""
         outs = []
         for t in tensors:
             out = self.upload(t, dtype)
@@ -191,8 +191,8 @@ class CudaDevice(Device):
         on the copy stream are done, two in flight (the next queued behind the current, so the link never idles
         while the host issues it). The activations a microbatch waits for thus wait for at most two pieces —
         the priority the simulator gives weight uploads (they take what the link has left). Weights come as
-        pinned copies in the compute precision (:mod:`.weights`) and go up by DMA straight from them; anything
-        else (buffers) is first cast into pinned memory on the host (counted in :attr:`traffic`), so what crosses the
+        pinned copies in the compute precision (:mod:`~rpcompile.runtime.weights`) and go up by DMA straight from them; anything
+        else (buffers) is first cast into pinned memory on the host (counted in :attr:`~rpcompile.runtime.devices.Device.traffic`), so what crosses the
         link is what the planner counted."""
         outs: list[torch.Tensor] = []
         in_flight: collections.deque[torch.cuda.Event] = collections.deque()  # pieces issued, at most two

@@ -1,7 +1,7 @@
 """The round-robin executor: a small interpreter of per-device action lists (:mod:`.schedule`).
 
 One worker thread per device runs its list in order. ``kW`` makes the device's copy of stage k's weights (from the
-host copies in the compute precision, :mod:`.weights`), ``kFj`` runs stage k on microbatch j once stage k−1 has
+host copies in the compute precision, :mod:`~rpcompile.runtime.weights`), ``kFj`` runs stage k on microbatch j once stage k−1 has
 finished microbatch j, ``kG`` sends the stage's gradients home, where the gradient sink's thread adds them into
 the masters' ``.grad`` while the device goes on. Values between stages live in
 host memory (:class:`~.values.ValueStore`), keyed by (value name, microbatch). A stage's own steps (its weights
@@ -12,7 +12,7 @@ starts a stage's first microbatch it hands the next ``W`` of its list to the dev
 ``W`` only collects the result (the simulator's rule: a ``W`` may start once the device started the stage before
 it; at most two stages' weights are resident, the planner's ``P`` term). A forward stage's weights are dropped
 after its last microbatch, a fused or backward stage's after its gradients went home — except the copies the plan
-keeps on the device for a later stage there, or keeps for good (weights that stay, :mod:`.stays`: a stage uploads
+keeps on the device for a later stage there, or keeps for good (weights that stay, :mod:`~rpcompile.runtime.stays`: a stage uploads
 only what it does not find). On a GPU the copies run on a stream of their own, behind the activation uploads
 (:meth:`~.devices.Device.upload_weights`).
 
@@ -35,13 +35,15 @@ same thread adds the rows' gradients (summed over those stages, as for any value
 store and the sink's locks), so the caller gets its losses while its last stages drain; the next iteration's list
 for a device starts once that device has finished its list of the one before.
 
-Stage semantics (DESIGN.md §3):
+Stage semantics (docs/architecture.md §3):
+
 - forward stages run without autograd and hand on the values later stages need;
 - the fused stage runs forward, loss and backward in one go;
 - backward stages recompute their forward from the saved boundary values with autograd on, then run backward with
   the gradients later stages left for their outputs, and leave gradients for their own inputs. Saved segments
   (:mod:`.segments.saved`) are not recomputed: the forward stage runs their fw graph and ships their saved tensors
   (:class:`~.segments.capture.HostSaved`); in the backward stage they are one autograd node that runs their bw graph.
+
 Buffers (BatchNorm statistics) are updated by the real forward only: recomputation runs on copies — of the values
 the forward stage found for that microbatch, where it changed them (a running mean the forward also reads
 recomputes as that microbatch saw it). Randomness (dropout) is replayed per node (:mod:`.rng`), so recomputation
@@ -49,7 +51,7 @@ draws the forward's masks.
 
 **Failures.** An exception in any thread of the call (a worker, the host thread, the gradient sink, a copy going
 down) stops the call: the other workers stop before their next action (or wait), in-flight uploads, saves and
-hand-offs land, and the caller gets one :class:`PipelineError` naming the stage, device and microbatch — or, for a
+hand-offs land, and the caller gets one :class:`~rpcompile.runtime.failures.PipelineError` naming the stage, device and microbatch — or, for a
 Ctrl-C (a ``KeyboardInterrupt`` on any of its threads), the ``KeyboardInterrupt`` itself. Gradients are all or
 none: the sink takes back everything the call added (:meth:`~.weights.GradSink.abort`), so every ``.grad`` is
 what it was before the call, and the next call starts clean. What stays alive between calls is idle: the
@@ -108,7 +110,7 @@ class Executor:
         self.program, self.devices = bind(program), list(devices)
         self.params, self.buffers, self.dtype = params, buffers, dtype
         self.traffic = HostTraffic()
-        """Host bytes in parameter-sized work since the last :meth:`HostTraffic.reset` (:mod:`.weights`)."""
+        """Host bytes in parameter-sized work since the last :meth:`HostTraffic.reset <rpcompile.runtime.weights.HostTraffic.reset>` (:mod:`~rpcompile.runtime.weights`)."""
         uploaded = [n for prog in self.program.stages for n in prog.params.values()]
         self.weights = WeightStore(params, dtype, pin=any(d.torch_device.type == "cuda" for d in self.devices),
                                    uploaded=uploaded, host_only=[h.weight for h in self.program.host],
@@ -155,7 +157,7 @@ class Executor:
 
         The fused stage calls ``loss_fn(output, target, j)`` for microbatch j with ``targets[j]`` uploaded to its
         device (every tensor in it, dtypes kept; None without ``targets``). A failure anywhere stops the call as
-        the module docstring's **Failures** says: :class:`PipelineError` (or the ``KeyboardInterrupt`` itself)
+        the module docstring's **Failures** says: :class:`~rpcompile.runtime.failures.PipelineError` (or the ``KeyboardInterrupt`` itself)
         once nothing of the call runs any more, every ``.grad`` as it was before the call."""
         self.finish()  # a call left behind by a Ctrl-C that escaped: stopped before this one takes its place
         self._begin(schedule, store, iteration, loss_fn, targets, grad_scale)
@@ -229,8 +231,8 @@ class Executor:
               after: "Running | None" = None) -> "Running":
         """One iteration of overlapped iterations, run in the background (:class:`Running`): each device's list
         starts once the device has finished its list of ``after`` (the iteration before, which may still be
-        draining), with the weights the store's front copies hold now (:meth:`WeightStore.pinned`), its gradients
-        added into ``held`` (a generation's buffers, :meth:`GradSink.fork`). A Ctrl-C (:attr:`interrupted`)
+        draining), with the weights the store's front copies hold now (:meth:`WeightStore.pinned <rpcompile.runtime.weights.WeightStore.pinned>`), its gradients
+        added into ``held`` (a generation's buffers, :meth:`GradSink.fork <rpcompile.runtime.weights.GradSink.fork>`). A Ctrl-C (:attr:`interrupted`)
         stops it until :meth:`Running.losses` has returned; from then on it runs to its end."""
         cpu_workers = sum(1 for d in self.devices if d.torch_device.type == "cpu")
         if cpu_workers > 1 and self._threads_before is None:  # as run() does, for as long as iterations overlap
@@ -258,7 +260,7 @@ class Executor:
     def finish(self) -> None:
         """Leave no call behind: one that a Ctrl-C left before it had stopped its threads (a second Ctrl-C, or one
         at an instant the call could not catch it) is stopped now — its threads end at their next action and are
-        waited for — and the gradients it added are taken back (:meth:`GradSink.abort`). The next :meth:`run`
+        waited for — and the gradients it added are taken back (:meth:`GradSink.abort <rpcompile.runtime.weights.GradSink.abort>`). The next :meth:`run`
         does this first; the pipeline does it as soon as a call raises."""
         if not self._open:
             return
@@ -298,7 +300,7 @@ class Executor:
     def _settle(self) -> None:
         """After a failure: nothing of the call left in flight — saves and hand-offs still going down land (and a
         failed copy's error is cleared for the next call), the devices' queues drain — and every gradient the
-        call added is taken back (:meth:`GradSink.abort`)."""
+        call added is taken back (:meth:`GradSink.abort <rpcompile.runtime.weights.GradSink.abort>`)."""
         try:
             for device in self.devices:
                 for offloader in (device.offloader, device.handoffs):
@@ -388,7 +390,7 @@ class Executor:
         too. Returns per
         microbatch the model's output on the host, or, with ``loss_fn``, ``loss_fn(output, targets[j], j)``
         computed on the fused stage's device (the output never comes home). A failure raises one
-        :class:`PipelineError` naming the stage, device and microbatch, as :meth:`run` does."""
+        :class:`~rpcompile.runtime.failures.PipelineError` naming the stage, device and microbatch, as :meth:`run` does."""
         self.store, self.iteration, self.t0 = store, iteration, time.perf_counter()
         for h in self.program.host:
             for j in range(microbatches):
@@ -632,7 +634,7 @@ class Running:
 
 
 class _Thread(threading.Thread):
-    """A daemon thread of a call that says when it has ended (:attr:`ended`). Waited for with the event, never
+    """A daemon thread of a call that says when it has ended (``ended``). Waited for with the event, never
     ``join``: a ``join`` that a Ctrl-C interrupts marks the thread as ended while it still runs (CPython's
     ``_wait_for_tstate_lock``), and the call would settle beside a worker still at work."""
 

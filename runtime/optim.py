@@ -186,7 +186,7 @@ class AdamW(torch.optim.Optimizer):
 
     @property
     def backend(self) -> str:
-        """``"cpp"`` (one pass, the C++ extension) or ``"torch"`` (fused AdamW, then copy_); resolved on first use."""
+        """``"cpp"`` (one pass, the C++ extension) or ``"torch"`` (fused AdamW, then ``copy_``); resolved on first use."""
         if self._backend is None:
             self._backend = _resolve_backend()
         return self._backend

@@ -10,17 +10,17 @@ the fp32 gradients land:
   token-embedding table the host looks rows up in (:mod:`rpcompile.passes.rewrite.host`) completes when the host thread
   has added the last microbatch's rows. Frozen parameters are in no bucket; a tied parameter is one ``Parameter`` and
   sits in one bucket, reduced once.
-- **Events.** The gradient sink calls :meth:`landed` with a stage's index once that stage's gradients are all added
+- **Events.** The gradient sink calls :meth:`~GradReducer.landed` with a stage's index once that stage's gradients are all added
   (:class:`~.weights.GradSink`'s ``listener``); the executor's host thread calls it with ``"host"`` once the
   embedding rows are in. A bucket is complete when every stage it waits for has landed.
 - **Order.** Every rank must issue the same collectives in the same order, whatever order its devices happen to
   finish in: buckets are launched strictly by index (a complete bucket waits for the ones before it), each as one
   flattened ``all_reduce(SUM, async_op=True)`` so the network works while the later backward stages run.
-  :meth:`finish` waits for them and hands each parameter its reduced slice.
+  :meth:`~GradReducer.finish` waits for them and hands each parameter its reduced slice.
 - **Only this call's gradients.** The sink holds the call's gradients apart from ``.grad`` while it runs (its
   ``hold`` mode, as for an overlapped step), so what is reduced is this call's contribution alone and gradient
   accumulation over several calls stays correct; the pipeline installs the reduced sums into ``.grad`` after.
-- **Failure.** :meth:`abort` launches every bucket not launched yet (with whatever it holds) so that the ranks'
+- **Failure.** :meth:`~GradReducer.abort` launches every bucket not launched yet (with whatever it holds) so that the ranks'
   collective sequences stay aligned and a rank that failed can tell the others (:mod:`rpcompile.training.distributed`).
 
 The reduction is a gloo collective over CPU tensors (the masters' gradients live on the host).

@@ -49,7 +49,7 @@ _TOKENS = itertools.count()
 def _without_dropout(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
     """``fn(*args, **kwargs)`` as eval mode runs it: a dropout passes its input through, an attention kernel
     runs with ``dropout_p=0``, anything else (a module follows its own mode; a random draw that is no dropout)
-    as it is. :data:`NotImplemented` where nothing changes."""
+    as it is. ``NotImplemented`` where nothing changes."""
     name = op_name(fn)
     if name in EVAL_IDENTITY:
         return args[0]

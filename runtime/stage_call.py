@@ -68,7 +68,7 @@ def upload(device: Device, prog: StageProgram, weights: WeightStore, masters: di
            stays: DeviceWeights | None = None) -> StageState:
     """The device's copies of a stage's parameters and buffers (like ``model.to(dtype)``: floating buffers
     too), on the worker or on the device's prefetch thread. ``stays``: the copies that stay on the devices
-    (:mod:`.stays`): those the stage finds there are not uploaded, those it keeps are left there."""
+    (:mod:`~rpcompile.runtime.stays`): those the stage finds there are not uploaded, those it keeps are left there."""
     grads = prog.kind != "forward"
     params = list(dict.fromkeys(prog.params.values()))
     buffers = list(dict.fromkeys(prog.buffers.values()))

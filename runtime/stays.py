@@ -27,7 +27,7 @@ succeeded they join that device's sums (in the masters' dtype, as ``.grad``). Th
 sends each sum home with that call's gradient added (one download per accumulation cycle instead of one per call)
 and the sums go. The sums join only once the call has succeeded, so a failed call leaves them as they were — as
 the gradient sink leaves ``.grad``. Meanwhile each summed parameter's ``.grad`` holds what it held before the
-first deferred call (zeros if nothing: :meth:`GradSink.accumulate`), and a change to it by someone else —
+first deferred call (zeros if nothing: :meth:`GradSink.accumulate <rpcompile.runtime.weights.GradSink.accumulate>`), and a change to it by someone else —
 ``optimizer.zero_grad()``, to None or to zeros — means the accumulation was dropped: the sums of that parameter go
 too (:meth:`DeviceGrads.check`). An optimizer step over a parameter whose gradient is still on a device is
 refused in one line (its ``.grad`` is not whole yet); ``pipe.step`` and ``pipe.sync_gradients()`` send the sums
@@ -100,7 +100,7 @@ class DeviceWeights:
             return sum(nbytes(t) for t, _ in self._copies[device].values())
 
     def leave(self, device: int, stage: int, uploaded: dict[str, torch.Tensor], weights: WeightStore) -> None:
-        """After stage ``stage`` uploaded ``uploaded`` to ``device`` (from :meth:`WeightStore.source`): count them,
+        """After stage ``stage`` uploaded ``uploaded`` to ``device`` (from :meth:`WeightStore.source <rpcompile.runtime.weights.WeightStore.source>`): count them,
         and keep those it leaves there, with the version of the host copy they came from."""
         with self._lock:
             self.uploaded[device] += sum(nbytes(t) for t in uploaded.values())

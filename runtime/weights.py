@@ -214,7 +214,7 @@ class WeightStore:
 
     def version(self, name: str) -> Hashable:
         """What :meth:`source` gives for ``name`` now, as a token: a device copy made from it is current while the
-        token stays the same (weights that stay on a device, :mod:`.stays`). None when the host copy is stale (the
+        token stays the same (weights that stay on a device, :mod:`~rpcompile.runtime.stays`). None when the host copy is stale (the
         next :meth:`source` remakes it), which no copy was made from."""
         e = self.entries[name]
         if e.front is None:  # (refresh: edits through p.data, which no version counter sees)
@@ -238,7 +238,7 @@ class WeightStore:
         view = copy.copy(self)
         fronts = {n: e.front for n, e in self.entries.items() if e.master.requires_grad and e.front is not None}
         # a device copy made from a pinned front stays that front's version after the swap (weights that stay,
-        # :mod:`.stays`): the next iteration, reading the next front, must not find it current
+        # :mod:`~rpcompile.runtime.stays`): the next iteration, reading the next front, must not find it current
         tokens = {n: self.version(n) for n in fronts}
         view.source = lambda name: fronts[name] if name in fronts else self.source(name)  # type: ignore[method-assign]
         view.host_table = view.source  # type: ignore[method-assign]

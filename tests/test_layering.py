@@ -1,6 +1,6 @@
 """Imports point one way down the layers (issues 18 and 37): each room imports its own modules and the rooms below it.
 
-Bottom to top (README "Architecture", the map of the rooms):
+Bottom to top (the map of the rooms: README "Where the code lives", docs/architecture.md §8):
 
 - **Core** (``rpcompile/core/``): the plan schema, device specs, errors, schedule actions, units: data.
 - **Models** (``rpcompile/models/``): the built-in models and the MODEL resolver.
@@ -21,7 +21,8 @@ Rooms on one layer (⟂) never import each other. Every import counts, top-level
 lists the arrows against the layers that main still has (none since issue 18): a new one fails here with its file
 and line, and a known one that is gone must leave the list, so the list only shrinks. No module imports itself
 through others (no file-level import loop), every folder holds at most :data:`CEILING` loose modules (the front
-end's root :data:`ROOT_CEILING`), and the README's architecture table names every module, file for file.
+end's root :data:`ROOT_CEILING`), and the architecture page's table (docs/architecture.md §8) names every module,
+file for file.
 
 One home per name (issue 37 phase 3): a name sits in one module's ``__all__`` (packages re-export nothing; the
 public surface ``rpcompile/__init__.py`` points each public name at its home), and no ``_private`` name is used
@@ -231,7 +232,7 @@ def _import_without_torch(modules: list[str]) -> subprocess.CompletedProcess:
 
 
 def test_every_solver_module_imports_without_torch():
-    """The solver is plain numbers (README "Architecture"): every module of ``passes/solver/`` imports where torch
+    """The solver is plain numbers (docs/architecture.md §8): every module of ``passes/solver/`` imports where torch
     cannot be imported (the digest a plan records is that folder's source, ``plan_inputs.solver_files``)."""
     modules = sorted(module_name(p.relative_to(ROOT)) for p in (ROOT / "passes" / "solver").rglob("*.py"))
     assert "rpcompile.passes.solver.partition" in modules
@@ -266,9 +267,14 @@ def test_no_folder_is_a_warehouse():
     assert not fixed, f"remove from OVERFULL, they are under the ceiling now: {sorted(fixed)}"
 
 
-def _architecture_files(readme: str) -> set[str]:
-    """Files the README's architecture table names: a row's first path gives the folder of the bare names after it."""
-    section = readme.split("## Architecture", 1)[1].split("\n## ", 1)[0]
+#: The page whose table maps every module (the README links to it).
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+ARCHITECTURE_SECTION = "## 8. Where the code lives"
+
+
+def _architecture_files(page: str) -> set[str]:
+    """Files the architecture page's table names: a row's first path gives the folder of the bare names after it."""
+    section = page.split(ARCHITECTURE_SECTION, 1)[1].split("\n## ", 1)[0]
     named = set()
     for row in (line for line in section.splitlines() if line.startswith("| ")):
         folder = ""
@@ -281,13 +287,13 @@ def _architecture_files(readme: str) -> set[str]:
     return named
 
 
-def test_the_readme_architecture_names_every_module_file_for_file():
-    named = _architecture_files((ROOT / "README.md").read_text())
+def test_the_architecture_page_names_every_module_file_for_file():
+    named = _architecture_files(ARCHITECTURE.read_text())
     # a package's __init__ that only describes or re-exports needs no row; one that defines functions does
     modules = {rel for rel, source in _sources().items() if not rel.endswith("__init__.py")
                or any(isinstance(n, ast.FunctionDef) for n in ast.parse(source).body)}
-    assert not modules - named, f"modules the README's architecture table does not name: {sorted(modules - named)}"
-    assert not named - modules, f"the README's architecture table names files that do not exist: {sorted(named - modules)}"
+    assert not modules - named, f"modules the architecture table (docs/architecture.md §8) does not name: {sorted(modules - named)}"
+    assert not named - modules, f"the architecture table (docs/architecture.md §8) names files that do not exist: {sorted(named - modules)}"
 
 
 def import_cycle(files: dict[str, str]) -> list[str]:

@@ -156,7 +156,7 @@ def test_bad_strategy_and_precision(llama, llama_graph):
 @pytest.mark.parametrize("gpus", [2, 3])
 def test_plan_shape_and_verification(llama, llama_plans, gpus):
     p = llama_plans[gpus]
-    assert p.microbatches == gpus + 1  # DESIGN §3 default
+    assert p.microbatches == gpus + 1  # docs/architecture.md §3 default
     assert p.strategy == "ilp" and p.precision == "fp32" and p.cost_model
     assert p.hardware.device_count == gpus and p.hardware.spec.name == SPEC
     assert p.hardware.memory_bytes == get_spec(SPEC).usable_memory_bytes
@@ -391,7 +391,7 @@ def test_cli_infeasible_budget_is_one_line(capsys):
 
 @pytest.mark.hf
 def test_the_readme_s_planning_calls_take_an_hf_model_as_it_comes():
-    """``rpcompile.plan`` and ``rpcompile.profile`` on an HF causal LM with just its ids (README, "Planning and
+    """``rpcompile.plan`` and ``rpcompile.profile`` on an HF causal LM with just its ids (docs/plans-and-cli.md, "Planning and
     costing"): the trace adds ``use_cache=False``, and the shape and cost passes run the graph on those same inputs
     (they once missed it: "Expected positional argument for parameter use_cache")."""
     from _hf import VOCAB, hf_model

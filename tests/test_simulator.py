@@ -27,7 +27,7 @@ def test_equal_stages_match_the_closed_form(stages, devices, m):
     lists = round_robin(kinds(stages // 2, stages - stages // 2 - 1), devices, m)
     t = 0.01
     res = simulate(lists, [t] * stages)
-    expected = ((stages - 1) // devices * m + (stages - 1) % devices + m) * t  # DESIGN.md §3
+    expected = ((stages - 1) // devices * m + (stages - 1) % devices + m) * t  # docs/architecture.md §3
     assert res.iteration_time_s == pytest.approx(expected)
     assert res.bubble_fraction == pytest.approx(1 - stages * m * t / (devices * expected))
 
@@ -254,7 +254,7 @@ def paper_results():
 
 
 def test_paper_profiles_reproduce_the_bubble_ordering(paper_results):
-    """RoundPipe reports 1F1B/GPipe 31–42%, interleaved 6–31%, its round-robin 3–19% (DESIGN.md §3)."""
+    """RoundPipe reports 1F1B/GPipe 31–42%, interleaved 6–31%, its round-robin 3–19% (docs/architecture.md §3)."""
     for model, r in paper_results.items():
         b = {k: v.bubble_fraction for k, v in r.items()}
         assert b["1f1b"] > b["interleaved-1f1b"] > b["roundpipe"], (model, b)
@@ -277,7 +277,7 @@ def test_per_device_traffic_adds_up():
 
 def test_idle_time_splits_into_fill_drain_and_waits():
     # 16 equal stages on 8 devices, 16 microbatches: device d starts d·T late and finishes (7 − d)·T early, and
-    # nothing waits in between (DESIGN.md §3's fill/drain bubble, 7 of 39 T)
+    # nothing waits in between (docs/architecture.md §3's fill/drain bubble, 7 of 39 T)
     t = 0.01
     res = simulate(round_robin(kinds(8, 7), 8, 16), [t] * 16)
     for d, idle in enumerate(res.idle_s()):
@@ -375,7 +375,7 @@ OVERLAPPED = HostLoad(overlap_step=True, overlap_iterations=True)
 
 
 def _three_stages(step_s: float = 0.0) -> tuple[list, list[StageCost]]:
-    """F0, FB, B1 of 1 s a microbatch on 2 devices, 2 microbatches: one iteration takes 4 s (DESIGN §3)."""
+    """F0, FB, B1 of 1 s a microbatch on 2 devices, 2 microbatches: one iteration takes 4 s (docs/architecture.md §3)."""
     names = ["forward", "fused", "backward"]
     return round_robin(names, devices=2, microbatches=2), [StageCost(kind=k, compute_s=1.0) for k in names]
 

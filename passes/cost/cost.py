@@ -1,13 +1,14 @@
 """``cost_pass``: forward/backward time, bytes and FLOPs for every node.from rpcompile.core.batch import flat_inputs
 Terms
 -----
+
 - **NodeCost** (``node.meta["rpcompile.cost"]``): what the partitioner needs about one compute node —
   forward and backward time per call, the bytes its output allocates, the bytes autograd keeps for its
   backward (*activation bytes*), the bytes of the parameters it reads and of their gradients, and FLOPs.
 - **NodeCall**: one node with concrete input values, able to run itself on any device (``materialize``).
   Cost models only ever see NodeCalls, so the same model costs torch.fx graphs (``call_module`` leaves such
   as ``nn.Linear``) and torch.export graphs (aten ops) alike.
-- **CostModel**: turns a NodeCall into an :class:`OpEstimate` (times, optionally FLOPs). Two implement it:
+- **CostModel**: turns a NodeCall into an :class:`~rpcompile.passes.cost.cost_model.OpEstimate` (times, optionally FLOPs). Two implement it:
   :class:`~rpcompile.passes.cost.measured.MeasuredCostModel` times nodes on the device at hand;
   :class:`~rpcompile.passes.cost.analytic.AnalyticCostModel` predicts them from FLOPs and bytes for a named
   :class:`~rpcompile.core.specs.DeviceSpec`.
@@ -17,7 +18,7 @@ inputs. Independently of the cost model it runs each node once more on ``meta`` 
 FLOPs (``FlopCounterMode``, exact for matmul/conv/attention) and to see which tensors autograd saves
 (``saved_tensors_hooks``): a saved tensor is attributed to the node that produced it, parameters excluded.
 
-Measuring is batched and shared: nodes go to the cost model a block at a time (:meth:`CostModel.estimate_batch`:
+Measuring is batched and shared: nodes go to the cost model a block at a time (:meth:`CostModel.estimate_batch <rpcompile.passes.cost.cost_model.CostModel.estimate_batch>`:
 one device synchronisation per batch on CUDA), and a cost model with ``share_repeats`` measures each repeated block
 (:mod:`.repeats`: same module type, parameter shapes and node sequence) once, its repeats taking the
 representative's times. A cost model with ``cache`` keeps its times on disk (:mod:`.profile_cache`) and a warm
@@ -78,7 +79,7 @@ def cost_pass(
     cache: bool | None = None,
     memo: RunMemo | None = None,
 ) -> fx.GraphModule:
-    """Write a :class:`NodeCost` into ``node.meta["rpcompile.cost"]`` for every compute node of ``gm``.
+    """Write a :class:`~rpcompile.passes.cost.cost_model.NodeCost` into ``node.meta["rpcompile.cost"]`` for every compute node of ``gm``.
 
     ``progress`` shows a progress bar with an estimate of the time left (default: when stderr is a terminal and
     not under CI). ``share`` measures each repeated block once (default: the cost model's ``share_repeats``);
@@ -133,7 +134,7 @@ def cost_pass(
 
 def cost_from_cache(gm: fx.GraphModule, example_inputs: Sequence[Any] = (),
                     example_kwargs: Mapping[str, Any] | None = None, *, cost_model: CostModel) -> bool:
-    """:func:`cost_pass` from a warm profile cache only: every compute node's :class:`NodeCost` written from the
+    """:func:`cost_pass` from a warm profile cache only: every compute node's :class:`~rpcompile.passes.cost.cost_model.NodeCost` written from the
     cache's entry, without running the graph or reading its weights (they may be uninitialised storage in the
     compute dtype: a Llama-3-8B in CPU memory is not cast for a lookup). False, and nothing written, when the cost
     model keeps no cache, a node has no shape yet, or there is no sound entry (:func:`cost_pass` then measures,
@@ -166,7 +167,7 @@ def _warm(gm: fx.GraphModule, cost_model: CostModel, entry: profile_cache.CacheE
 
 def _drive(gm: fx.GraphModule, flat: list[Any], cost_model: CostModel, on_node: Callable[[], None], share: bool,
            cached: dict[str, dict[str, Any]] | None, memo: RunMemo | None = None) -> CostInterpreter:
-    """Run the graph node by node, costing each compute node. On the cost model's :meth:`~CostModel.drive_device`
+    """Run the graph node by node, costing each compute node. On the cost model's :meth:`CostModel.drive_device <rpcompile.passes.cost.cost_model.CostModel.drive_device>`
     when it names one; if that device runs out of memory holding the values, again where the graph is.
     ``memo``: used when nothing is measured (no calibration, no cache entry) and every value is on meta."""
     drive = cost_model.drive_device(gm, flat)
@@ -206,7 +207,7 @@ def _memo_key(cost_model: CostModel, gm: fx.GraphModule, share: bool) -> tuple:
 
 def _write(gm: fx.GraphModule, cost_model: CostModel, partial: dict[fx.Node, dict[str, Any]],
            totals: tuple[float, float] | None) -> fx.GraphModule:
-    """Calibrate the times to the whole-graph ``totals`` and write every node's :class:`NodeCost`."""
+    """Calibrate the times to the whole-graph ``totals`` and write every node's :class:`~rpcompile.passes.cost.cost_model.NodeCost`."""
     if totals is not None:
         _calibrate(gm, partial, *totals)
     for n, fields in partial.items():

@@ -1,6 +1,6 @@
 """The cost pass's interpreter: runs the graph node by node, profiles each compute node on meta (FLOPs, savedfrom typing import Any, Callable, Mapping, Sequenceand transient bytes) and hands batches of :class:`~.cost_model.NodeCall` to the cost model, sharing repeated blocks.
 
-Siblings: :mod:`.cost_model` (the data and the CostModel interface) and :mod:`.cost` (the drivers that run it).
+Siblings: :mod:`.cost_model` (the data and the CostModel interface) and :mod:`~rpcompile.passes.cost.cost` (the drivers that run it).
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ def _grad_pattern(call: NodeCall) -> tuple[bool, ...]:
 class _Recorded:
     """What a meta run of the cost pass leaves of one node for a later run (:mod:`rpcompile.passes.graph.reuse`): its
     value, whether it needs a gradient and, for a compute node, its shape, grad pattern, profile (saved inputs by name)
-    and fields before :func:`cost_pass` adds the kept output bytes, with the cost model's estimate where it made one."""
+    and fields before :func:`~rpcompile.passes.cost.cost.cost_pass` adds the kept output bytes, with the cost model's estimate where it made one."""
 
     value: Any
     needs_grad: bool | None

@@ -1,7 +1,7 @@
 """The cost pass's data: :class:`NodeCost` per node, :class:`NodeCall` (one node with concrete inputs) and the
 :class:`CostModel` interface that turns a call into an :class:`OpEstimate`.
 
-Siblings: :mod:`.cost` (the drivers ``cost_pass``/``cost_from_cache``; its docstring has the terms) and
+Siblings: :mod:`~rpcompile.passes.cost.cost` (the drivers ``cost_pass``/``cost_from_cache``; its docstring has the terms) and
 :mod:`.cost_interp` (the interpreter that runs the graph node by node and profiles each node on meta).
 """
 
@@ -188,7 +188,7 @@ class CostModel(abc.ABC):
         return {"cost_model": self.name, "dtype": str(self.dtype)}
 
     def drive_device(self, gm: fx.GraphModule, flat_args: list[Any]) -> torch.device | None:
-        """Where :func:`cost_pass` computes the graph's values node by node: ``None`` where the graph is (the
+        """Where :func:`~rpcompile.passes.cost.cost.cost_pass` computes the graph's values node by node: ``None`` where the graph is (the
         default); a measuring model on a GPU names it for a graph in CPU memory (:mod:`.measured`)."""
         return None
 

@@ -1,6 +1,7 @@
 """The device memory of a loss that runs after the graph (the whole LM head, ``head_chunks=1``).
 
 Terms:
+
 - *outside loss*: with ``head_chunks=1`` the loss is no node of the graph; the runtime calls ``loss_fn(output,
   target)`` on the fused stage's device after the graph's last node and runs its backward there. For ``lm_loss``
   that is an fp32 copy of the bf16 logits, the fp32 log-softmax kept for backward and, in backward, the fp32

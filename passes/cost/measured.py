@@ -1,6 +1,6 @@
-"""``MeasuredCostModel``: time every node on the device at hand (a :class:`~.cost.CostModel`).
+"""``MeasuredCostModel``: time every node on the device at hand (a :class:`~rpcompile.passes.cost.cost_model.CostModel`).
 
-Each node runs on its own with concrete inputs (:class:`~.cost.NodeCall`): ``warmup`` untimed runs, then the
+Each node runs on its own with concrete inputs (:class:`~rpcompile.passes.cost.cost_model.NodeCall`): ``warmup`` untimed runs, then the
 fastest of ``repeats``. Timing nodes one by one misses what a whole step pays (autograd's bookkeeping, cold
 caches), so :meth:`MeasuredCostModel.calibration` also times the whole graph once and :func:`~.cost.cost_pass`
 scales the node times to it.
@@ -143,7 +143,7 @@ class MeasuredCostModel(CostModel):
         None when the graph cannot run whole here (model on another device or in another dtype).
 
         Node-by-node timings run each op with its inputs hot in cache and leave out autograd's bookkeeping, so
-        their sum underestimates a real step (1.3–1.6× on this machine's CPU); :func:`cost_pass` scales the
+        their sum underestimates a real step (1.3–1.6× on this machine's CPU); :func:`~rpcompile.passes.cost.cost.cost_pass` scales the
         node times to these totals."""
         if self.dtype is not None or not self._holds(gm, flat_args):
             return None

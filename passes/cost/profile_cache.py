@@ -5,7 +5,7 @@ profile under ``profiles/``, named by a hash of its key. The key is everything t
 fingerprint (:mod:`rpcompile.passes.graph.fingerprint`: structure, parameter names, shapes and dtypes), the example
 inputs' shapes and dtypes, the cost model's identity (device name, compute dtype, intra-op threads on a CPU, repeats),
 the torch version and :data:`PROFILE_FORMAT_VERSION`. An entry holds each compute node's whole cost (the fields of
-:class:`~.cost.NodeCost`, times raw: before calibration) and the whole-graph calibration times, so a warm entry
+:class:`~rpcompile.passes.cost.cost_model.NodeCost`, times raw: before calibration) and the whole-graph calibration times, so a warm entry
 skips the cost pass's graph run too.
 
 An entry that cannot be read, is larger than :data:`MAX_ENTRY_BYTES`, is not strict JSON (bytes that are not UTF-8,
@@ -46,7 +46,7 @@ _MAX_SECONDS, _MAX_COUNT = 1e9, 2**53
 @dataclass(frozen=True)
 class CacheEntry:
     nodes: dict[str, dict[str, Any]]
-    """Compute node name → its :class:`~.cost.NodeCost` fields (``params`` a tuple), times raw (before
+    """Compute node name → its :class:`~rpcompile.passes.cost.cost_model.NodeCost` fields (``params`` a tuple), times raw (before
     calibration)."""
     calibration: tuple[float, float] | None
     """Whole-graph (forward s, step s), or None when the graph could not run whole."""

@@ -1,6 +1,7 @@
 """How ``torch.export`` sees a model's inputs: symbolic sizes, and a signature that names every input.
 
 Terms:
+
 - *dynamic-shapes spec*: export's ``dynamic_shapes``, one entry per argument of ``forward`` as
   ``inspect.signature(model.forward).bind(*args, **kwargs)`` binds the inputs.
 - *explicit signature*: for a ``forward(*args, **kwargs)`` (PEFT's ``PeftModel``, wrappers in general) a signature

@@ -43,7 +43,7 @@ def _arg_repr(arg: Any) -> str:
 
 
 def fingerprint(gm: fx.GraphModule) -> Fingerprint:
-    """The :class:`Fingerprint` of a traced model: graph structure plus parameter names, shapes and dtypes."""
+    """The :class:`~rpcompile.Fingerprint` of a traced model: graph structure plus parameter names, shapes and dtypes."""
     g = hashlib.sha256()
     count = 0
     for node in gm.graph.nodes:

@@ -121,7 +121,7 @@ def make_functional(gm: fx.GraphModule, node: fx.Node) -> None:
 
 def _own_module(gm: fx.GraphModule, target: str) -> bool:
     """Whether the module at ``target`` sits in a container of the graph's own (fx copies the module hierarchy
-    above a leaf into plain ``nn.Module``s), so that replacing it leaves the model alone."""
+    above a leaf into plain ``nn.Module`` objects), so that replacing it leaves the model alone."""
     path = str(target).rpartition(".")[0]
     parent = gm.get_submodule(path) if path else gm
     return parent is gm or type(parent) is torch.nn.Module

@@ -1,6 +1,7 @@
 """Tracing and analysing an exported graph in the compute precision (``precision="bf16"``/``"fp16"``).
 
 Terms:
+
 - *compute dtype*: the dtype the stages compute in — the runtime uploads floating parameters and buffers cast to it
   (like ``model.to(dtype)``) while the fp32 masters stay on the host.
 - *dtype-baked graph*: ``torch.export`` records concrete dtypes. A model that computes a step in fp32 and casts back

@@ -1,6 +1,7 @@
 """A 4-bit frozen base (QLoRA) traced so that its weights stay packed until a stage dequantizes them on its device.
 
 Terms:
+
 - *quantized layer*: a bitsandbytes ``Linear4bit`` whose weight is NF4 (``BitsAndBytesConfig(load_in_4bit=True,
   bnb_4bit_quant_type="nf4")`` in ``from_pretrained``, the way PEFT's and TRL's QLoRA guides load a base), with or
   without double quantization of its scales (``bnb_4bit_use_double_quant``); ``peft`` wraps it in its
@@ -110,7 +111,7 @@ def _problem(name: str, p: torch.Tensor, model: nn.Module) -> str | None:
 @contextlib.contextmanager
 def traceable(model: nn.Module) -> Iterator[list[str]]:
     """While inside: every quantized layer of ``model`` reads its scales as frozen parameters and dequantizes with
-    :func:`~rpcompile.core.quant.dequantize_nf4` (module docstring); yields the layers' names. Refuses a model
+    ``torch.ops.rpcompile.dequantize_nf4`` (:mod:`rpcompile.core.quant`) (module docstring); yields the layers' names. Refuses a model
     :func:`check_quantized` refuses. Afterwards the model is as it was."""
     check_quantized(model)
     layers = quantized_layers(model)

@@ -3,7 +3,7 @@
 Writes ``node.meta["rpcompile.shape"]`` (a :class:`ShapeInfo`) on every node. ``nbytes`` counts only *new*
 memory: an output that is a view of one of the node's own inputs (``view``, ``transpose``, ``getitem`` of a
 tuple, …) allocates nothing and counts 0. Aliasing is detected against the node's own inputs, never by
-deduplicating pointers across the graph (the allocator reuses freed blocks; DESIGN.md §7).
+deduplicating pointers across the graph (the allocator reuses freed blocks; docs/architecture.md §7).
 
 Runs on whatever device the inputs live on, including ``meta`` (shape-only models that are too big to allocate).
 """

@@ -1,6 +1,7 @@
 """Capture a model as a ``torch.fx.GraphModule`` whose parameters are the model's own.
 
 Terms:
+
 - *fx path*: ``torch.fx`` symbolic tracing. Runs ``forward`` on Proxy objects; ``torch.nn`` modules (and any in
   ``leaf_modules``) stay as single ``call_module`` nodes. Fast, but fails on data-dependent Python control flow and
   on forwards it cannot introspect (HuggingFace transformers 5.x: ``co_varnames is too small``).
@@ -70,7 +71,7 @@ def trace(
     ``example_inputs`` are the positional arguments (a dict is taken as keyword arguments); the model is traced in
     its current train/eval mode. Non-tensor keyword arguments (``use_cache=False``) skip fx and are specialised by
     export. ``leaf_modules`` only affects fx (export records every op). ``method`` forces one path. Raises
-    :class:`TraceError` naming the failing module and source line of each path tried when all fail; its
+    :class:`~rpcompile.TraceError` naming the failing module and source line of each path tried when all fail; its
     ``failures`` attribute keeps the originals.
 
     The exported graph module is called like the model (same arguments, same output structure, e.g. a HuggingFace

@@ -23,7 +23,7 @@ _KIND_TEXT = {
 
 def stage_source(prog: StageProgram, plan: Plan, host: Sequence[HostEmbedding] = ()) -> str:
     """The generated Python of one stage, headed by a comment block (stage, kind, device, nodes, modules; inputs
-    the host looks up, :mod:`rpcompile.passes.rewrite.host`). Every name in the header is :func:`printable` (one line
+    the host looks up, :mod:`rpcompile.passes.rewrite.host`). Every name in the header is :func:`~rpcompile.core.text.printable` (one line
     whatever the plan says: nothing from a plan file becomes code)."""
     s = prog.stage
     n = plan.hardware.device_count

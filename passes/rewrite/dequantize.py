@@ -1,6 +1,7 @@
 """Dequantizing a 4-bit base once per stage: a stage's dequantizations moved out of its per-microbatch code.
 
 Terms:
+
 - *weight-only node*: a node computed from the stage's frozen weights alone — a get_attr, or an op all of whose
   inputs are weight-only (no placeholder, nothing random): its value is the same for every microbatch.
 - *dequantization*: a weight-only ``torch.ops.rpcompile.dequantize_nf4`` node (:mod:`rpcompile.core.quant`; a

@@ -10,7 +10,7 @@ master's ``.grad``: the first stage receives the gathered rows (``tokens × dim`
 that runs the backward of its users sends their gradient down like any stage's input gradient.
 
 The pass rewrites the graph: each moved embedding node becomes a placeholder (the value the device stages read;
-fx names it after the node) and ``gm.meta[HOST_KEY]`` records a :class:`HostEmbedding` per moved node, which is
+fx names it after the node) and ``gm.meta[HOST_KEY]`` records a :class:`~rpcompile.core.program.HostEmbedding` per moved node, which is
 all the runtime needs (:mod:`rpcompile.runtime.executor`). A placeholder's value is computed, never passed in:
 :func:`~rpcompile.core.batch.flat_inputs` skips it.
 

@@ -2,6 +2,7 @@
 
 Terms
 -----
+
 - **Value**: the output of a graph node (or a model input), named by the node's name.
 - **StageProgram**: one stage as a pure-ish function ``gm(*inputs) -> outputs``: ``inputs`` are the values it reads
   that other stages (or the model's inputs) produce; ``outputs`` are the values it produces that anybody else
@@ -9,7 +10,7 @@ Terms
   the values* (forward and backward cuts differ, so a forward stage exports what the backward stages will
   recompute from). The stage's parameters and buffers stay attributes of ``gm`` under their original names and
   are swapped for device copies with ``torch.func.functional_call``.
-- The fused stage's ``gm`` returns the model's flat outputs; :meth:`StageProgram.model_output` rebuilds the
+- The fused stage's ``gm`` returns the model's flat outputs; :meth:`StageProgram.model_output <rpcompile.core.program.StageProgram.model_output>` rebuilds the
   structure the model returns (a tensor, a tuple, a HuggingFace ``ModelOutput``).
 
 This is the mechanism; the plan is the decision (the split follows ``plan.stages`` exactly). The result is data
@@ -177,6 +178,7 @@ _CAPTURABLE_HOPS = {"wrap_with_set_grad_enabled", "wrap_with_autocast"}
 def _capturable(sub: fx.GraphModule, nodes: Sequence[str], written: set[str]) -> bool:
     """Whether AOTAutograd can capture the segment with fake tensors and its saves stay valid. Not so, and the
     segment is recomputed, when it holds
+
     - a custom op (HF transformers 5.17's ``transformers::grouped_mm_fallback`` for MoE experts reads its offsets
       with ``.tolist()`` in backward) or a read of a tensor's value (``.item()``): no fake path;
     - a vmap region or a higher-order op other than a grad-mode or autocast block (transformers 4.5x builds its
@@ -234,7 +236,7 @@ def _exports(gm: fx.GraphModule, stage: Stage, stages: Sequence[Stage], consumer
 
 
 def split_plan(plan: Plan, gm: fx.GraphModule, *, input_grads: Collection[str] = ()) -> Program:
-    """Build one :class:`StageProgram` per stage of ``plan`` over the traced graph ``gm``. ``input_grads``:
+    """Build one :class:`~rpcompile.core.program.StageProgram` per stage of ``plan`` over the traced graph ``gm``. ``input_grads``:
     placeholders whose gradient is wanted too (inputs that require grad) — they and what depends on them carry
     gradients between stages (``Program.needs_grad``) and into saved segments' captures."""
     consumers: dict[str, set[str]] = {}

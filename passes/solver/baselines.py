@@ -5,7 +5,7 @@ timing model (:func:`.timing.iteration_time`), whatever model the strategy used 
 
 - ``uniform``: the classic static pipeline — ``N`` groups of (nearly) equal layer counts, forward stages on the
   first ``N−1``, the last group fused, backward stages mirroring the forward ranges; full recompute.
-- ``roundpipe``: RoundPipe's greedy (Luo et al., arXiv 2604.27085; DESIGN.md §4) at layer granularity.
+- ``roundpipe``: RoundPipe's greedy (Luo et al., arXiv 2604.27085; docs/architecture.md §4) at layer granularity.
 - ``dp``: exact min-max balance at segment granularity for every stage count (:mod:`.balance`), nothing saved;
   then the stage count with the best iteration time among those whose bound ``c(S)·T*(S)`` is within 10% of the
   best bound (``stats["model_optimum_s"]`` is the proven least ``c(S)·T`` over plans that save nothing).

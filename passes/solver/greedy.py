@@ -10,7 +10,7 @@ For a target slowest-stage time ``T`` and a fused start ``a``:
 A second, *backward-driven* pass does the opposite: backward stages first, each saving just enough (least link
 time) to fit ``T``, then the fewest forward stages that can download those saves. The better of the two counts,
 over every feasible fused start, is the heuristic's fewest stages for ``T``; bisection on ``T`` then fits a stage
-budget. DESIGN §7 measured a similar greedy within 0.5% of the optimum on pure balance; with saving it lands
+budget. docs/architecture.md §7 measured a similar greedy within 0.5% of the optimum on pure balance; with saving it lands
 within a few percent, which the CP-SAT model then closes.
 """
 

@@ -1,9 +1,9 @@
 """Joint partition and checkpointing as a CP-SAT model (OR-Tools), one model per stage budget.
 
 **What is optimised.** A plan with ``S`` stages whose slowest stage takes ``T`` finishes an iteration within
-``c(S)·T`` (:func:`.timing.equal_time_factors`; DESIGN §3: about ``(⌈S/N⌉·m + N − 1)·T``), so finer stages
+``c(S)·T`` (:func:`.timing.equal_time_factors`; docs/architecture.md §3: about ``(⌈S/N⌉·m + N − 1)·T``), so finer stages
 shrink the fill/drain bubble while per-stage transfers and overheads push back. For a *stage budget* ``S`` the model
-minimises ``T`` over plans with at most ``S`` stages; :func:`ilp` walks budgets in order of their lower bound
+minimises ``T`` over plans with at most ``S`` stages; :func:`~rpcompile.passes.solver.partition.ilp` walks budgets in order of their lower bound
 ``c(S)·LB(S)`` and stops when none can beat the incumbent. Enumerating budgets keeps every model linear (the
 product ``c(S)·T`` never appears) and lets each one start from a strong hint.
 

@@ -4,7 +4,7 @@ Strategies (all ``(problem, *, time_limit_s, seed) -> PartitionResult``, infeasi
 
 - ``ilp``: :func:`ilp` below — CP-SAT over cuts, stage count and per-segment saving (:mod:`.ilp`);
 - ``dp``: exact pure balance, nothing saved (:mod:`.balance`);
-- ``roundpipe``: RoundPipe's greedy at layer granularity (arXiv 2604.27085, DESIGN §4);
+- ``roundpipe``: RoundPipe's greedy at layer granularity (arXiv 2604.27085, docs/architecture.md §4);
 - ``uniform``: ``N`` equal layer groups, the static-pipeline baseline.
 
 - ``greedy``: the ILP's preparation below without CP-SAT (and its stays, step 7).
@@ -133,7 +133,7 @@ class _Pool:
 def _seed(pb: PartitionProblem, pool: _Pool, tables: RangeTables,
           baselines: dict[str, PartitionResult] | None = None) -> dict[str, float]:
     """Baselines and the no-save DP's plans near the optimum go into the pool; ``baselines`` (given) gets the
-    baselines' results, each what its own strategy returns (:func:`~rpcompile.planning.compare` reuses them)."""
+    baselines' results, each what its own strategy returns (:func:`~rpcompile.planner.planning.compare` reuses them)."""
     seeds = {}
     started = time.perf_counter()
     bal = exact_balance(pb, tables)  # dp's balance too: solved once
@@ -367,6 +367,7 @@ def _finish(pb: PartitionProblem, pool: _Pool, lb: np.ndarray, started: float, s
                        candidates_tried=len(log), budgets=log, greedy_budgets=greedy_tried, **(lagrange or {}))
 
 
+#: Each strategy's name and its solver (every one returns a :class:`~rpcompile.passes.solver.problem.PartitionResult`).
 STRATEGIES: dict[str, Callable[..., PartitionResult]] = {
     "ilp": ilp, "dp": dp, "roundpipe": roundpipe, "uniform": uniform, "greedy": greedy,
 }

@@ -2,7 +2,7 @@
 
 The ILP and the balance DP minimise ``c(S)·T`` — the stage-count factor times the slowest stage — which is the
 iteration time only when every stage takes ``T``. When one stage is the bottleneck (an LM head, a fused stage),
-many partitions share that objective while their exact times (:func:`pipeline_time`) differ: finer forward
+many partitions share that objective while their exact times (:func:`~rpcompile.passes.solver.timing.pipeline_time`) differ: finer forward
 stages fill the pipeline sooner. ``polish`` hill-climbs from the solver's plan with three moves on the forward
 and on the backward cuts — split a stage, merge two neighbours, shift a cut by one segment — and one macro move, re-cutting a whole side into
 ``f−2 … f+3`` time-balanced stages, keeping a move when

@@ -1,6 +1,6 @@
 """The partition problem as plain numbers, and the plan and result the solvers return.
 
-Terms (DESIGN.md §3; RoundPipe, Luo et al., arXiv 2604.27085):
+Terms (docs/architecture.md §3; RoundPipe, Luo et al., arXiv 2604.27085):
 
 - A **segment** is a run of graph nodes between cheap cut points; the model is a *chain* of ``n`` segments
   (the coarsener linearises DAGs: tensors live across a cut, e.g. skip connections, are in ``boundary_bytes``).
@@ -13,8 +13,8 @@ Terms (DESIGN.md §3; RoundPipe, Luo et al., arXiv 2604.27085):
 - ``stays[i]`` says whether segment ``i``'s own parameters stay on the device from its forward stage's upload
   until its backward stage, which then uploads only the rest (both stages on one device); ``resident``: every
   weight stays on its device across iterations (:func:`rpcompile.core.schedule.weight_stays`). Chosen on the
-  solved cuts by :mod:`.stays`. ``accumulates[i]``: segment ``i``'s gradients stay on the device of its grad
-  stage during gradient-accumulation calls, summed there (:mod:`.stays`).
+  solved cuts by :mod:`~rpcompile.passes.solver.stays`. ``accumulates[i]``: segment ``i``'s gradients stay on the device of its grad
+  stage during gradient-accumulation calls, summed there (:mod:`~rpcompile.passes.solver.stays`).
 - Stage ``k`` of ``[F0.., FB, B1..]`` (:func:`plan_stages`) runs on device ``k mod N`` for every microbatch in turn.
 - Every strategy returns a :class:`PartitionResult`; an infeasible problem is a result, not an exception.
 

@@ -1,4 +1,4 @@
-"""The round-robin schedule's event recurrence (DESIGN.md §3), on plain numbers: when every stage of an iteration
+"""The round-robin schedule's event recurrence (docs/architecture.md §3), on plain numbers: when every stage of an iteration
 finishes (:func:`stage_ends`), when the iteration's gradients are down, added on the host and all-reduced
 (:func:`pipeline_end`), the host's lanes those use, and consecutive iterations that overlap
 (:func:`overlapped_ends`).
@@ -106,7 +106,7 @@ def stage_ends(stage_times: Sequence[float], devices: int, m: int, weight_s: Seq
     ``resume`` stages have the inputs of ``base``'s takes their results from it (``record``: this walk's).
 
     ``gate = (inputs, weights)``: stage ``resume`` begins the next iteration of an overlapped run
-    (:mod:`.overlapped`): its microbatches come from the host at ``inputs`` instead of from stage ``resume − 1``,
+    (:func:`overlapped_ends`): its microbatches come from the host at ``inputs`` instead of from stage ``resume − 1``,
     and the weights of the next ``devices`` stages (the first on each device) go up from ``weights`` on."""
     first = resume if gate is not None else -1
     if base is not None and resume > 0:

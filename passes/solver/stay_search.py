@@ -1,4 +1,4 @@
-"""``choose_stays``: which weights stay on their device (:mod:`.stays`), chosen on a solved plan's cuts.
+"""``choose_stays``: which weights stay on their device (:mod:`~rpcompile.passes.solver.stays`), chosen on a solved plan's cuts.
 
 A stay trades device memory for link time: segment ``i``'s own parameters held on the device from its forward
 stage to its backward stage spare the backward stage their upload, while every stage of that device in between

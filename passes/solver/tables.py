@@ -67,11 +67,11 @@ class RangeTables:
     grad: np.ndarray
     """``G`` of ``[a, b)`` (bytes)."""
     in_bytes: np.ndarray
-    """Bytes entering a stage that starts at ``a`` over the link (length n+1; :meth:`PartitionProblem.link_in`:
+    """Bytes entering a stage that starts at ``a`` over the link (length n+1; :meth:`PartitionProblem.link_in <rpcompile.passes.solver.problem.PartitionProblem.link_in>`:
     hand-offs that stay on one GPU's memory cross none)."""
     out_bytes: np.ndarray
     """Bytes leaving a stage that stops at ``b`` over the link (length n+1; ``out_bytes[0] = 0``;
-    :meth:`PartitionProblem.link_out`)."""
+    :meth:`PartitionProblem.link_out <rpcompile.passes.solver.problem.PartitionProblem.link_out>`)."""
     fwd_time: np.ndarray
     bwd_time: np.ndarray
     fused_time: np.ndarray

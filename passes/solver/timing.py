@@ -26,14 +26,14 @@ gradients, so their ``G`` is 0 (the only place this model departs from a literal
 A stage of a 4-bit base also holds its weights dequantized (``derived_bytes``: computed once per stage, held
 while it runs) beside ``W``.
 
-**Weights that stay** (:mod:`.stays`): a stage that finds some of its weights on its device (left there by an
+**Weights that stay** (:mod:`~rpcompile.passes.solver.stays`): a stage that finds some of its weights on its device (left there by an
 earlier stage, or resident) uploads only the rest — ``weight_bytes`` and the link time are what it uploads, ``P``
 the largest upload — and every stage a stay spans holds those weights beside its own (``held_bytes``, in its
 memory and out of the room the lazy offload may use). Gradient sums kept on a device across accumulation calls
 hold memory the same way (``sum_bytes``); in a call under ``no_sync`` the summed gradients are not sent home.
 
 **Iteration time** is the exact event recurrence of :func:`pipeline_time` — with equal stage times it reduces to
-DESIGN §3's ``(⌊(S−1)/N⌋·m + (S−1) mod N + m)·T`` for ``m ≥ N`` — with the transfers that compute may not
+docs/architecture.md §3's ``(⌊(S−1)/N⌋·m + (S−1) mod N + m)·T`` for ``m ≥ N`` — with the transfers that compute may not
 hide (:func:`transfer_edges`): a stage starts only once its weights are up — prefetched while the device runs its
 previous stage, with what bandwidth that stage's activation copies leave, so a short or upload-bound stage before
 a heavy one exposes the rest of the copy, and from the start of the
@@ -53,7 +53,7 @@ that every device's stages share, and it never slows a device. Between iteration
 refreshes the compute-precision copies, a constant per iteration (``HostLoad.step_s``) that the solvers need not
 see: :func:`iteration_time` adds it (synchronous) or takes ``max(pipeline, step)`` (``overlap_step``).
 
-**Data parallelism** (``HostLoad.nodes > 1``, :mod:`rpcompile.distributed`): once the host has added a grad
+**Data parallelism** (``HostLoad.nodes > 1``, :mod:`rpcompile.training.distributed`): once the host has added a grad
 stage's gradients, their fp32 sum is all-reduced across the machines — a ring, ``2(n−1)/n`` of the bytes through
 each machine's network link (``HostLoad.reduce_s``) — one stage after the other in stage order on that one link,
 beside the later stages (``overlap_reduce``, as the runtime's buckets do) or all after the pipeline; the
@@ -147,7 +147,7 @@ def stage_costs(problem: PartitionProblem, plan: SegmentPlan, *, lazy_offload: b
     """Cost of every stage of a structurally valid plan, in execution order. ``lazy_offload=False``: each stage
     on its own, its saved activations copied out while it runs (the solvers' per-stage model, which
     :func:`offload_backlog` refines). ``deferred``: a call under ``pipe.no_sync()``, whose summed gradients
-    stay on the devices (:mod:`.stays`)."""
+    stay on the devices (:mod:`~rpcompile.passes.solver.stays`)."""
     stages = plan_stages(plan)
     stays = stay_figures(problem, plan) or [NO_STAY] * len(stages)  # weights that stay on the device (.stays)
     prefetch = max(problem.weight(a, b) - f.found for (_, a, b), f in zip(stages, stays))
@@ -190,7 +190,7 @@ def pipeline_time(stage_times: Sequence[float], devices: int, microbatches: int,
                   reads: Sequence[Sequence[int]] = (), prefetch_s: Sequence[float] = (),
                   accumulate_s: Sequence[float] = (), reduce_s: Sequence[float] = (),
                   overlap_reduce: bool = True, reduce_host_s: float = 0.0) -> float:
-    """Iteration time of the round-robin schedule (DESIGN §3) by the exact event recurrence.
+    """Iteration time of the round-robin schedule (docs/architecture.md §3) by the exact event recurrence.
 
     Microbatch ``j`` of stage ``k`` starts at ``max(e(k, j-1), e(k-1, j), e(k-N, m-1))`` (0 for negative
     indices) and ends ``t_k`` later. Along ``j`` this is a max-plus scan, so each stage is one vectorised step:
@@ -288,7 +288,7 @@ def iteration_time(problem: PartitionProblem, plan: SegmentPlan) -> float:
 
 
 def no_sync_time(problem: PartitionProblem, plan: SegmentPlan) -> float:
-    """Predicted pipeline of a call under ``pipe.no_sync()`` (s): the summed gradients go nowhere (:mod:`.stays`),
+    """Predicted pipeline of a call under ``pipe.no_sync()`` (s): the summed gradients go nowhere (:mod:`~rpcompile.passes.solver.stays`),
     the host adds only the others; as ``host_times``' ``pipeline_s``, the step apart."""
     return _total(problem, stage_costs(problem, plan, lazy_offload=False, deferred=True), plan.saved)
 

@@ -13,7 +13,7 @@ from .argtypes import (SPEC_NAMES, device, head_chunks, network_rate, network_ra
 __all__ = ["build_parser", "DEFAULT_MICROBATCHES"]
 
 DEFAULT_MICROBATCHES = "gpus + 1 (1 on one device), as rpcompile.compile"
-"""What ``--microbatches`` defaults to in ``plan`` and ``simulate`` (DESIGN.md §3: the fewest without a bubble
+"""What ``--microbatches`` defaults to in ``plan`` and ``simulate`` (docs/architecture.md §3: the fewest without a bubble
 between stages); planning.prepare applies it."""
 
 _DESCRIPTION = "The rpcompile command line: profile (cost table of a model), plan, simulate, demo (the main job)."

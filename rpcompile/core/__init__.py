@@ -11,5 +11,5 @@
 - :mod:`~rpcompile.core.units`: numbers as people write them (parameter counts).
 
 Core imports nothing else of rpcompile: the passes (model → plan → stage code), the runtime (runs a plan) and
-the front end's rooms (models, planner, training, compiler, views, tools, CLI) all import it (README "Architecture").
+the front end's rooms (models, planner, training, compiler, views, tools, CLI) all import it (README "Where the code lives").
 """

@@ -7,7 +7,7 @@ into a repository, diffed and verified in CI. It holds
   it was not made for;
 - the **hardware** (device count and :class:`~rpcompile.core.specs.DeviceSpec`, usable memory per device, and
   the :class:`~rpcompile.core.specs.HostSpec` the optimizer step and gradient accumulation run on);
-- the **stages** in execution order ``[F0, …, F(f-1), FB, B1, …, B(b-1)]`` (DESIGN.md §3): forward stages
+- the **stages** in execution order ``[F0, …, F(f-1), FB, B1, …, B(b-1)]`` (docs/architecture.md §3): forward stages
   (ascending node ranges, run without autograd), one fused stage (the last nodes: forward, loss and backward in
   one go) and backward stages (descending ranges, recomputing what was not saved). Each stage lists its compute
   nodes in topological order, the parameters it reads, and which nodes' activations are *saved* (to host memory
@@ -219,7 +219,7 @@ class Prediction:
     peak_memory_bytes: int
     bound_s: float = 0.0
     """ILP strategies: a proven lower bound on the solver's objective, ``c(S)·T`` (stage-count factor times the
-    slowest stage, DESIGN.md §3), which bounds the iteration time of equal stages; the exact iteration time of an
+    slowest stage, docs/architecture.md §3), which bounds the iteration time of equal stages; the exact iteration time of an
     unequal plan can be lower. 0 when unknown."""
     pipeline_s: float = 0.0
     """The devices' part of ``iteration_time_s``: the pipeline with its transfers and the gradient accumulation
@@ -314,7 +314,7 @@ class Plan:
         return tuple(n for s in self.backward_stages for n in s.recomputed)
 
     def device_of(self, stage_index: int, offset: int = 0) -> int:
-        """Device that runs stage ``stage_index`` (round-robin, DESIGN.md §3)."""
+        """Device that runs stage ``stage_index`` (round-robin, docs/architecture.md §3)."""
         return (stage_index + offset) % self.hardware.device_count
 
     # ---- serialisation --------------------------------------------------------------------------------
@@ -395,7 +395,7 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Plan":
-        """Read a plan file. Raises :class:`PlanFileError` (one line: what is wrong, what to do)."""
+        """Read a plan file. Raises :class:`~rpcompile.PlanFileError` (one line: what is wrong, what to do)."""
         path = Path(path)
         try:
             data = read_json(path, max_bytes=MAX_PLAN_BYTES, max_depth=_MAX_DEPTH, what="a plan")
@@ -406,7 +406,7 @@ class Plan:
         return cls.from_dict(data, source=str(path))
 
     def check_model(self, fingerprint: Fingerprint, *, source: str = "plan") -> None:
-        """Raise :class:`PlanMismatchError` unless the plan was made for a model with ``fingerprint``."""
+        """Raise :class:`~rpcompile.PlanMismatchError` unless the plan was made for a model with ``fingerprint``."""
         diffs = self.model.differences(fingerprint)
         if diffs:
             raise PlanMismatchError(

@@ -14,7 +14,7 @@ Rules, beyond each field's type:
    a simulator or the runtime allocates by are bounded (:data:`SIZE_LIMITS`; stages × microbatches at most
    :data:`MAX_STAGE_RUNS`);
 3. ``predicted.bubble_fraction`` lies in [0, 1];
-4. stage kinds run forward stages, then exactly one fused stage, then backward stages (DESIGN.md §3), and stage
+4. stage kinds run forward stages, then exactly one fused stage, then backward stages (docs/architecture.md §3), and stage
    names are unique;
 5. text is what it claims to be (:data:`TEXT_RULES`: stage names ``F<i>``/``FB``/``B<i>``, graph node names are
    identifiers, parameter and module names dotted words, digests hexadecimal), and every string — free-form ones

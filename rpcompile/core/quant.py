@@ -1,6 +1,7 @@
 """A 4-bit NF4 frozen base as the stages see it: one graph op that dequantizes a packed weight on the device.
 
 Terms:
+
 - *NF4* (Dettmers et al., "QLoRA: Efficient Finetuning of Quantized LLMs", 2023): each block of ``blocksize``
   (64) consecutive weights is stored as 4-bit indices into a fixed 16-value codebook of normal-distribution
   quantiles, two to a byte (*packed*), and one scale per block (*absmax*).
@@ -13,7 +14,7 @@ Terms:
   ``dequantize_4bit``: C++ on the CPU, CUDA on a GPU), so a stage computes what eager bitsandbytes computes, bit
   for bit.
 
-:func:`dequantize_nf4` (``torch.ops.rpcompile.dequantize_nf4``) is the op a traced quantized linear layer calls
+``dequantize_nf4`` (``torch.ops.rpcompile.dequantize_nf4``) is the op a traced quantized linear layer calls
 (:mod:`rpcompile.passes.graph.quantized` puts it there): its inputs are the packed weight and its scales, all integer
 tensors — uint8, or int32 holding fp32 bits, so that a stage computing in bf16 uploads them as they are instead of
 rounding the fp32 scales as it rounds floating weights — and its output is the weight in the compute precision,

@@ -1,4 +1,4 @@
-"""The round-robin schedule as data (DESIGN.md §3).
+"""The round-robin schedule as data (docs/architecture.md §3).
 
 An :class:`Action` is one unit of work on one device and prints as ``<stage><kind><microbatch>``:
 ``3F1`` runs stage 3 on microbatch 1; ``3W`` uploads stage 3's weights, ``3G`` sends its gradients home. A
@@ -67,6 +67,7 @@ def round_robin(kinds: Sequence[str], devices: int, microbatches: int, *, offset
     return lists
 
 
+#: A hashable item (a stage, a parameter name).
 H = TypeVar("H", bound=Hashable)
 
 

@@ -2,7 +2,7 @@
 
 A :class:`DeviceSpec` is what the analytic cost model and the partitioner need to know about one accelerator:
 peak arithmetic rates, memory bandwidth, memory size and the host link. Figures are public datasheet numbers
-(dense, no sparsity; DESIGN.md §5). Achieved rates are lower than peak, so every op class carries an efficiency
+(dense, no sparsity; docs/architecture.md §5). Achieved rates are lower than peak, so every op class carries an efficiency
 factor; measured profiles (:class:`rpcompile.passes.cost.measured.MeasuredCostModel`) always beat analytic ones.
 """
 
@@ -58,7 +58,7 @@ class DeviceSpec:
     kernel_overhead_s: float = 5e-6
     """Fixed cost of one kernel launch (s)."""
     efficiency: Mapping[str, float] = field(default_factory=lambda: dict(_DEFAULT_EFFICIENCY))
-    """Achieved fraction of peak per op class (keys from :data:`OP_CLASSES`)."""
+    """Achieved fraction of peak per op class (keys from :data:`~rpcompile.core.specs.OP_CLASSES`)."""
     usable_memory_fraction: float = 0.9
     """Share of ``memory_bytes`` the planner may fill (the rest: CUDA context, allocator slack)."""
     stage_overhead_s: float = 30e-6
@@ -119,7 +119,7 @@ _LINKS = ("pinned_h2d", "pinned_d2h", "pageable_h2d", "pageable_d2h")
 
 @dataclass(frozen=True, kw_only=True)
 class HostSpec:
-    """The host beside the devices: what its CPU does per iteration (DESIGN.md §3) and how fast.
+    """The host beside the devices: what its CPU does per iteration (docs/architecture.md §3) and how fast.
 
     The runtime keeps the fp32 masters and the optimizer on the host. Per iteration the host runs the
     **optimizer step** (``optimizer_params_per_s``), refreshes the pinned **compute-precision copies** the devices
@@ -224,7 +224,7 @@ def _gpu(name: str, tflops: float, fp32_tflops: float, gbps: float, mem_gb: floa
     )
 
 
-#: Named presets (DESIGN.md §5). fp32 rates are the non-tensor-core datasheet figures.
+#: Named presets (docs/architecture.md §5). fp32 rates are the non-tensor-core datasheet figures.
 SPECS: Mapping[str, DeviceSpec] = MappingProxyType(
     {
         "rtx4090": _gpu("rtx4090", 165, 82.6, 1008, 24, 25),

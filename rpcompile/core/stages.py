@@ -52,7 +52,7 @@ class HostLoad:
     overlap_iterations: bool = False
     """With ``overlap_step``, the devices run on into the next iteration too: a device that has finished its
     stages of one iteration starts its stages of the next while the others drain (the round-robin pointer
-    carries on, DESIGN.md §3; one step stale as ``overlap_step``). An iteration then costs the steady-state
+    carries on, docs/architecture.md §3; one step stale as ``overlap_step``). An iteration then costs the steady-state
     period of overlapped iterations (:func:`rpcompile.passes.solver.recurrence.overlapped_ends`), which the planner
     minimises and the simulator plays over several iterations."""
     nodes: int = 1

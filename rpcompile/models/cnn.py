@@ -1,6 +1,7 @@
 """A small convolutional image classifier, traceable by ``torch.fx.symbolic_trace``.
 
 Terms:
+
 - *conv block*: ``Conv2d(3x3, padding 1) -> BatchNorm2d -> ReLU -> MaxPool2d(2)`` (the pool is optional); each
   block halves the image side when pooling.
 - *head*: ``Dropout -> Linear`` over the flattened feature map of the last block.

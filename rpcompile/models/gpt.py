@@ -1,6 +1,7 @@
 """A GPT-2-style decoder-only transformer (Radford et al., 2019), traceable by ``torch.fx.symbolic_trace``.
 
 Terms:
+
 - *learned positions*: ``wpe`` is an embedding table indexed by position, added to the token embedding ``wte``.
 - *tied embeddings*: ``lm_head.weight`` IS ``wte.weight`` (one Parameter object, counted and updated once).
 - *block*: pre-LayerNorm residual layer, ``x + attn(ln_1(x))`` then ``x + mlp(ln_2(x))``; attention computes

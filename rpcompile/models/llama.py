@@ -1,6 +1,7 @@
 """A LLaMA / Qwen3-style decoder-only transformer, written to be traced by ``torch.fx.symbolic_trace``.
 
 Terms:
+
 - *block*: one transformer layer, ``x + attn(attn_norm(x))`` then ``x + mlp(mlp_norm(x))`` (pre-norm residual).
 - *GQA* (grouped-query attention): ``n_kv_heads`` key/value heads are shared by ``n_heads // n_kv_heads`` query
   heads each (Ainslie et al., 2023). ``n_kv_heads == n_heads`` is plain multi-head attention.

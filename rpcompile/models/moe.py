@@ -1,6 +1,7 @@
 """A Qwen3-MoE-style decoder: LLaMA/Qwen3 attention and a mixture-of-experts feed-forward in every layer.
 
 Terms:
+
 - *expert*: a SwiGLU MLP of width ``moe_intermediate_size``. The ``num_experts`` experts of a layer are stored
   stacked, ``experts.gate_up [E, H, 2I]`` and ``experts.down [E, I, H]``, and run as two batched matmuls.
 - *router*: ``Linear(H, E, bias=False)``; its softmax over experts is each token's affinity to each expert.
@@ -38,7 +39,7 @@ __all__ = ["MoEConfig", "MoE", "SparseMoE", "Experts"]
 
 @dataclass(frozen=True, kw_only=True)
 class MoEConfig(LlamaConfig):
-    """Shape of a :class:`MoE` model: a :class:`LlamaConfig` (``ffn_dim`` unused) plus the experts."""
+    """Shape of a :class:`MoE` model: a :class:`~rpcompile.models.llama.LlamaConfig` (``ffn_dim`` unused) plus the experts."""
 
     num_experts: int = 8
     """Experts per layer."""
@@ -90,7 +91,7 @@ class SparseMoE(nn.Module):
 
 class MoE(Llama):
     """Decoder-only MoE language model: ``input_ids [B, T]`` (int64) -> ``logits [B, T, vocab_size]``; a
-    :class:`Llama` whose feed-forwards are :class:`SparseMoE`."""
+    :class:`~rpcompile.models.llama.Llama` whose feed-forwards are :class:`SparseMoE`."""
 
     def make_mlp(self, cfg: LlamaConfig) -> nn.Module:
         assert isinstance(cfg, MoEConfig), f"an MoE is built from an MoEConfig, got {type(cfg).__name__}"

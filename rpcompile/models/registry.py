@@ -1,8 +1,9 @@
-"""Named models and user model files: turn a MODEL argument into a :class:`ModelSpec`.
+"""Named models and user model files: turn a MODEL argument into a :class:`~rpcompile.models.registry.ModelSpec`.
 
 Terms:
+
 - *model spec string*: either a built-in name (see :func:`list_models`) or ``path/to/file.py:factory``, where
-  ``factory()`` returns a :class:`ModelSpec`, ``(model, example_inputs)``, ``(model, example_inputs, loss_fn)`` or
+  ``factory()`` returns a :class:`~rpcompile.models.registry.ModelSpec`, ``(model, example_inputs)``, ``(model, example_inputs, loss_fn)`` or
   ``(model, example_inputs, loss_fn, example_target)``.
 - *demo* models are tiny and train on a CPU in milliseconds per step; *published shapes* (``llama-1.7b``,
   ``llama-8b``, ``llama-32b``, ``qwen3-30b-a3b``, ``qwen3-235b-a22b``) are built on the ``meta`` device by default: every tensor has a
@@ -201,7 +202,7 @@ def load_model(
     seq_len: int | None = None,
     seed: int = 0,
 ) -> ModelSpec:
-    """Resolve a model spec string (a built-in name or ``file.py:factory``) into a :class:`ModelSpec`.
+    """Resolve a model spec string (a built-in name or ``file.py:factory``) into a :class:`~rpcompile.models.registry.ModelSpec`.
 
     ``device=None`` means the preset's default: ``cpu`` for demos, ``meta`` for published shapes (and ``cpu`` for
     model files). ``batch_size``/``seq_len`` override the preset's (image models ignore ``seq_len``; model files

@@ -47,7 +47,7 @@ def plan_violations(plan: Plan, gm: fx.GraphModule) -> list[str]:
 
 
 def verify_plan(plan: Plan, gm: fx.GraphModule) -> None:
-    """Check ``plan`` against the traced graph ``gm``; raise one :class:`PlanVerificationError` listing every
+    """Check ``plan`` against the traced graph ``gm``; raise one :class:`~rpcompile.PlanVerificationError` listing every
     violation. The rules:
 
     1. the plan's fingerprint matches ``gm`` (same graph structure and parameters);

@@ -33,7 +33,7 @@ __all__ = ["planned_graph", "graph_as_planned", "model_differences"]
 def planned_graph(plan: Plan, gm: fx.GraphModule, *, source: str = "plan") -> fx.GraphModule:
     """``gm``, a traced model, as ``plan`` runs it — with the embedding lookups ``plan.host`` names moved to the
     host (:func:`rpcompile.passes.rewrite.host.as_planned`) — once the plan's fingerprint says it was made for it; else
-    :class:`PlanMismatchError`."""
+    :class:`~rpcompile.PlanMismatchError`."""
     try:
         gm = as_planned(gm, plan.host)
     except ValueError as e:
@@ -47,7 +47,7 @@ def graph_as_planned(plan: Plan, model: torch.nn.Module, example_inputs: Any, *,
                      ) -> fx.GraphModule:
     """``model`` traced into the graph ``plan`` was planned from (the module docstring: its LM head split as the
     plan's ``head_chunks``, its ``host`` lookups on the host), once the fingerprints agree; else
-    :class:`PlanMismatchError` saying what differs. ``precision``: the one the graph will run in (default the
+    :class:`~rpcompile.PlanMismatchError` saying what differs. ``precision``: the one the graph will run in (default the
     plan's); an exported graph records its casts for it, so it must be the plan's."""
     precision = precision or plan.precision
     if plan.head_chunks > 1 and loss_fn is None:

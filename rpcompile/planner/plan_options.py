@@ -24,7 +24,7 @@ from .device_probe import device_spec
 __all__ = ["PlanOptions", "PLAN_STRATEGIES", "AUTO_HEAD_CHUNKS", "make_cost_model", "make_hardware", "default_spec",
            "head_chunk_candidates", "fastest", "split_limit", "infeasible_error", "model_device"]
 
-#: The strategies a plan may name (``--strategy``, ``strategy=``); :data:`.solver.partition.STRATEGIES` runs them.
+#: The strategies a plan may name (``--strategy``, ``strategy=``); :data:`rpcompile.passes.solver.partition.STRATEGIES` runs them.
 PLAN_STRATEGIES = ("ilp", "dp", "roundpipe", "uniform")
 #: Sequence chunks ``head_chunks="auto"`` tries for the LM head (besides not splitting it): on the benchmark
 #: models, 8 chunks beat 4 and 16 (benchmarks/RESULTS.md, schedules).

@@ -13,7 +13,7 @@ options they share (hardware, cost model, head splits, which plan wins) are :mod
 
 Microbatches: ``example_inputs`` is one full batch; it is split along dim 0 into ``microbatches`` pieces
 (``torch.tensor_split``: sizes differ by at most one) and the graph is costed on the first (largest) piece, so every
-time and byte in the problem is per microbatch. The default is ``gpus + 1`` microbatches (DESIGN.md §3), and 1 on a
+time and byte in the problem is per microbatch. The default is ``gpus + 1`` microbatches (docs/architecture.md §3), and 1 on a
 single device.
 """
 
@@ -119,7 +119,7 @@ class Compilation:
     """Seconds each pass took."""
     memo: RunMemo | None = None
     """What the shape and cost passes of an earlier compilation of the same trace left for this one (set by
-    :func:`shared_trace`'s pass: the LM-head splits' bodies are shaped and costed once, :mod:`..passes.graph.reuse`)."""
+    :func:`shared_trace`'s pass: the LM-head splits' bodies are shaped and costed once, :mod:`rpcompile.passes.graph.reuse`)."""
 
     @property
     def graph(self) -> fx.GraphModule:
@@ -255,7 +255,7 @@ def _solve(c: Compilation) -> PartitionResult:
 
 def _partition(c: Compilation) -> None:
     """Solve with ``strategy`` — unless ``c.result`` already holds that solve (:func:`compile_plan` solves a split
-    in the background); :class:`InfeasibleError` (naming the least memory that fits) if nothing fits."""
+    in the background); :class:`~rpcompile.InfeasibleError` (naming the least memory that fits) if nothing fits."""
     assert c.problem is not None and c.hardware is not None
     if c.result is None:
         c.result = _solve(c)
@@ -366,7 +366,7 @@ def start(model: torch.nn.Module, example_inputs: Sequence[Any], options: PlanOp
     and the cost model of ``options`` (``cache=False``: measure costs and solve afresh, and keep nothing on disk).
     ``head_chunks``: the LM-head split to plan (default: ``options.head_chunks`` when it is a number, else the whole
     head); ``hardware``: what the problem pass prices (:func:`compile_plan` makes it)."""
-    # DESIGN.md §3: N + 1 is the fewest microbatches without a bubble between stages; one device has no
+    # docs/architecture.md §3: N + 1 is the fewest microbatches without a bubble between stages; one device has no
     # pipeline to fill, and splitting the batch would only shrink its kernels.
     gpus = options.gpus
     m = options.microbatches or (gpus + 1 if gpus > 1 else 1)
@@ -444,7 +444,7 @@ def plan_graph(
     allow_stay: bool = True,
 ) -> Plan:
     """Partition a costed, coarsened graph with one strategy (the :data:`BACK` passes); raise
-    :class:`InfeasibleError` if nothing fits. ``allow_save=False`` makes every backward stage recompute (no
+    :class:`~rpcompile.InfeasibleError` if nothing fits. ``allow_save=False`` makes every backward stage recompute (no
     activations kept in host memory); ``cache=False`` solves even when the solve cache holds this problem;
     ``overlap``: plan for overlapped iterations (the steady-state period); ``allow_stay=False``: no weight stays
     on a device between stages."""
@@ -488,7 +488,7 @@ def compare(
 def compile_plan(model: torch.nn.Module, example_inputs: Sequence[Any], options: PlanOptions, *,
                  example_kwargs: Mapping[str, Any] | None = None, loss_fn: Any = None,
                  example_target: Any = None) -> Compilation:
-    """Every pass, once per LM-head split of :func:`head_chunk_candidates` (but the trace: the model is traced
+    """Every pass, once per LM-head split of :func:`~rpcompile.planner.plan_options.head_chunk_candidates` (but the trace: the model is traced
     once and each split starts from a copy of that graph, :class:`~rpcompile.planner.shared_trace.TraceOnce`); the
     :class:`Compilation` with the fastest plan (its ``plan`` and the graph ``gm`` it was made from). The splits'
     solves share ``options.time_limit_s`` equally (:func:`~rpcompile.planner.plan_options.split_limit`). Every split
@@ -558,12 +558,12 @@ def plan(
 ) -> Plan:
     """Make a round-robin plan for ``model`` on ``gpus`` devices.
 
-    Costs are analytic for ``spec`` (a :class:`DeviceSpec` or preset name) or measured on ``device``; with neither,
+    Costs are analytic for ``spec`` (a :class:`~rpcompile.DeviceSpec` or preset name) or measured on ``device``; with neither,
     measured on the CPU (analytic ``rtx4090`` for a meta-device model). The hardware is ``gpus`` devices of
     ``spec`` (``cpu`` when measuring on the CPU, else ``rtx4090``) with ``memory_limit`` usable bytes each.
     ``head_chunks > 1`` (with ``loss_fn`` and ``example_target``) plans the LM head and its cross-entropy as that
     many sequence chunks (:mod:`rpcompile.passes.rewrite.loss_head`); ``"auto"`` (the default) plans the whole head and,
-    when a loss and a target are given and the head can be split, :data:`AUTO_HEAD_CHUNKS` chunks too, and keeps
+    when a loss and a target are given and the head can be split, :data:`~rpcompile.planner.plan_options.AUTO_HEAD_CHUNKS` chunks too, and keeps
     the faster plan (the splits' solves share ``time_limit_s`` equally, and run on two cores at once where there
     are two). ``segments_per_layer`` (default 2: attention and MLP halves) above 2 lets the planner cut and save inside those halves: plans up to ~6% faster on the
     benchmark models, at two to three times the solve time (which may then overrun ``time_limit_s``).

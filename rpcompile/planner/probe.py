@@ -1,6 +1,6 @@
 """``rpcompile probe``: measure the host the optimizer step and the gradient accumulation run on.
 
-The runtime keeps the fp32 masters and the optimizer on the host (DESIGN.md §3), so an iteration also costs the
+The runtime keeps the fp32 masters and the optimizer on the host (docs/architecture.md §3), so an iteration also costs the
 host's work: the optimizer step, the refresh of the compute-precision copies the devices upload, and the gradient
 accumulation after each grad stage (:class:`~rpcompile.core.stages.HostLoad`). :func:`probe_host` measures the
 rates the timing model needs, each the best of a few short repeats on buffers large enough to leave the caches:

@@ -146,7 +146,7 @@ def profile(
     probe_host: bool = False,
     cache: bool = True,
 ) -> Profile:
-    """Trace and cost ``model``; analytic on ``spec`` or measured on ``device`` (see :func:`make_cost_model`).
+    """Trace and cost ``model``; analytic on ``spec`` or measured on ``device`` (see :func:`~rpcompile.planner.plan_options.make_cost_model`).
     ``probe_host``: also measure this host (about a second; :func:`rpcompile.planner.probe.probe_host`). ``cache``: reuse
     measured costs kept on disk (:mod:`rpcompile.passes.cost.profile_cache`); ``False`` measures afresh, keeps
     nothing."""

@@ -119,7 +119,7 @@ class SeqLenResult:
 
 
 def binding_stage(plan: Plan) -> Binding:
-    """The stage of ``plan`` with the most memory, split into weights (``W + G + P``, :mod:`passes.solver.timing`) and
+    """The stage of ``plan`` with the most memory, split into weights (``W + G + P``, :mod:`rpcompile.passes.solver.timing`) and
     activations (the rest)."""
     prefetch = max((s.weight_bytes for s in plan.stages), default=0)
     s = max(plan.stages, key=lambda s: s.memory_bytes)
@@ -150,7 +150,7 @@ def max_sequence_length(
     """The longest sequence (per microbatch of one sequence, a multiple of ``granularity``) for which a plan fits
     ``gpus`` devices of ``spec`` (default ``rtx4090``; ``memory_limit`` usable bytes each), predicted by the
     analytic cost model; see the module docstring. ``model``: a built-in name or ``file.py:factory`` whose
-    sequence length can be set, or ``build(seq_len, batch_size) -> ModelSpec``. Raises :class:`InfeasibleError`
+    sequence length can be set, or ``build(seq_len, batch_size) -> ModelSpec``. Raises :class:`~rpcompile.InfeasibleError`
     when not even ``granularity`` tokens fit."""
     if granularity < 1 or max_seq_len < granularity:
         raise ConfigError(f"granularity must be >= 1 and <= max_seq_len, got {granularity} and {max_seq_len}")

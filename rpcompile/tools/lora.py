@@ -1,6 +1,7 @@
 """LoRA at planning scale: adapters on a model's attention projections, and the host memory that training needs.
 
 Terms:
+
 - *LoRA* (Hu et al., 2021): each target ``nn.Linear`` ``W`` gets a rank-``r`` update ``scaling * B @ A``
   (``A: [r, in]``, ``B: [out, r]``, ``scaling = alpha / r``); only ``A`` and ``B`` train. Built on whatever device
   the model lives on — on ``meta`` for published shapes.
@@ -42,7 +43,7 @@ def apply_lora(model: nn.Module, *, rank: int = LORA_RANK, targets: Sequence[str
     """``model`` with its base frozen and LoRA adapters of ``rank`` (``alpha = 2 * rank``, no dropout) on every
     ``nn.Linear`` named by ``targets``. ``peft``: PEFT's adapters (``get_peft_model``) or the planning adapters
     (:class:`LoraModel`, same layout and compute, fx-traceable); ``None``: the planning adapters for rpcompile's own
-    models, PEFT's for any other. Raises :class:`ConfigError` without targets, or without ``peft`` installed when
+    models, PEFT's for any other. Raises :class:`~rpcompile.ConfigError` without targets, or without ``peft`` installed when
     PEFT's are asked for."""
     if rank < 1:
         raise ConfigError(f"LoRA rank {rank} must be at least 1")

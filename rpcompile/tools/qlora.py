@@ -1,6 +1,7 @@
 """QLoRA at planning scale: a frozen base quantized to 4-bit NF4, priced as the runtime stores, sends and runs it.
 
 Terms:
+
 - *quantize the base* (:func:`quantize_base`): every frozen ``nn.Linear`` of the model (the LoRA adapters' base
   layers, the feed-forwards) except the output head, and every frozen stacked-expert weight of rpcompile's MoE,
   becomes packed NF4 as bitsandbytes lays it out — half a byte of index a weight, an 8-bit absmax per 64 weights,
@@ -17,7 +18,7 @@ Terms:
   prices a non-floating weight at its own size), and each layer's dequantization is a graph node the cost model
   prices like any op (analytic: memory-bound, reading the packed bytes and writing the weight in the compute
   precision; measured: bitsandbytes' kernel timed). Host memory counts their storage
-  (:func:`rpcompile.host_memory.host_memory`).
+  (:func:`rpcompile.training.host_memory.host_memory`).
 
 Off the ``meta`` device the weights are quantized with bitsandbytes (``quantize_4bit``), as ``from_pretrained``
 quantizes them: the same values a bitsandbytes model would hold.
@@ -46,7 +47,7 @@ SKIP = ("lm_head",)
 
 def quantize_base(model: nn.Module, scheme: str = "nf4", *, skip: Sequence[str] = SKIP) -> nn.Module:
     """``model`` with its frozen linear layers (not ``skip``) and frozen experts in packed NF4 (module docstring),
-    changed in place and returned. Raises :class:`ConfigError` for another scheme, or when nothing is frozen
+    changed in place and returned. Raises :class:`~rpcompile.ConfigError` for another scheme, or when nothing is frozen
     (quantize the base of a LoRA model: its trainable weights stay as they are)."""
     if scheme not in QUANT_SCHEMES:
         raise ConfigError(f"quantization scheme {scheme!r} is not supported; supported: nf4 (4-bit NormalFloat in "

@@ -1,7 +1,7 @@
 """What to simulate: action lists and per-position costs for every schedule, from one cost model.
 
 - :func:`from_plan` — a saved :class:`~rpcompile.core.plan.Plan` on its own hardware (round-robin);
-- :func:`from_segment_plan` — a partitioner result (``ilp``, ``roundpipe``, …) on a :class:`PartitionProblem`;
+- :func:`from_segment_plan` — a partitioner result (``ilp``, ``roundpipe``, …) on a :class:`~rpcompile.passes.solver.problem.PartitionProblem`;
 - :func:`static_scenarios` — the classic static-binding pipelines on the same problem: GPipe and 1F1B with one
   stage per device, interleaved 1F1B with ``chunks`` stages per device. They keep weights, gradients, optimizer
   state and every in-flight microbatch's activations on the device (no streaming, no recompute), hand
@@ -121,7 +121,7 @@ def from_plan(plan: Any, *, host_bytes_per_s: float = math.inf) -> Scenario:
 
 def from_segment_plan(problem: Any, plan: Any, *, name: str, tokens_per_iteration: int = 0,
                       host_bytes_per_s: float = math.inf, handoff_s: float | None = None) -> Scenario:
-    """The round-robin schedule of a partitioner's :class:`SegmentPlan` (stage figures from ``stage_costs``).
+    """The round-robin schedule of a partitioner's :class:`~rpcompile.passes.solver.problem.SegmentPlan` (stage figures from ``stage_costs``).
     ``handoff_s``: a fixed activation hand-off time per microbatch into every stage but the first, instead of
     the byte model (published profiles give it that way)."""
     m, link = problem.microbatches, problem.link_bytes_per_s
@@ -141,7 +141,7 @@ def from_segment_plan(problem: Any, plan: Any, *, name: str, tokens_per_iteratio
 
 
 def overlapped(scenario: Scenario) -> Scenario:
-    """``scenario`` with overlapped iterations (:attr:`HostLoad.overlap_iterations`, one step stale): its run plays
+    """``scenario`` with overlapped iterations (:attr:`HostLoad.overlap_iterations <rpcompile.core.stages.HostLoad.overlap_iterations>`, one step stale): its run plays
     several iterations and reports the steady-state period. A static schedule (stages resident on their devices,
     no pointer to carry on) is returned as it is."""
     if any(s.releases >= 0 or s.resident_bytes or s.stash_bytes for s in scenario.stages):
@@ -239,7 +239,7 @@ _PROFILE_TIMES = ("fwd_ms_per_layer", "bwd_ms_per_layer", "head_fwd_ms", "head_b
 
 def load_layer_profile(path: str | Path, model: str) -> tuple[dict[str, Any], int, int]:
     """``(entry, gpus, microbatches)`` for ``model`` from a RoundPipe-style simulator input file (milliseconds).
-    Raises :class:`RPCompileError` naming the models the file has, or the field that is missing."""
+    Raises :class:`~rpcompile.RPCompileError` naming the models the file has, or the field that is missing."""
     try:
         data = read_json(path, max_bytes=64 << 20, max_depth=8)
     except OSError as e:
@@ -345,7 +345,7 @@ def layer_profile_scenarios(entry: Mapping[str, Any], *, devices: int, microbatc
 
 
 def layer_profile_problem(entry: Mapping[str, Any], *, devices: int, microbatches: int) -> Any:
-    """The profile as a :class:`PartitionProblem`: one segment per layer plus the LM head, no bytes, no memory
+    """The profile as a :class:`~rpcompile.passes.solver.problem.PartitionProblem`: one segment per layer plus the LM head, no bytes, no memory
     limit, and full recompute (``allow_save=False``), so partitions compete on the paper's own terms."""
     ms, L = 1e-3, int(entry["num_layers"])
     f, b = entry["fwd_ms_per_layer"] * ms, entry["bwd_ms_per_layer"] * ms

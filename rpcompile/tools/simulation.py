@@ -34,7 +34,7 @@ def _quiet(text: str) -> Any:
 
 
 def parse_schedules(text: str) -> list[str]:
-    """``all`` or a comma list of schedule names; unknown names raise :class:`ConfigError` listing the known ones."""
+    """``all`` or a comma list of schedule names; unknown names raise :class:`~rpcompile.ConfigError` listing the known ones."""
     if text.strip() == "all":
         return list(SCHEDULES)
     names = [s.strip() for s in text.split(",") if s.strip()]

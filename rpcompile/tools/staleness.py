@@ -82,7 +82,7 @@ def _quiet(text: str) -> Any:
 
 
 def rescore(plan: Any, gm: Any) -> tuple[Any, list[str]]:
-    """The plan as a :class:`SegmentPlan` over today's segments of ``gm``, or ``None`` and the
+    """The plan as a :class:`~rpcompile.passes.solver.problem.SegmentPlan` over today's segments of ``gm``, or ``None`` and the
     stage boundaries that are no longer cut points."""
     order = {n.name: i for i, n in enumerate(compute_nodes(gm))}
     segs = segments_of(gm)

@@ -58,6 +58,7 @@ __all__ = ["HostMemory", "HostMemoryError", "HostMemoryWarning", "host_memory", 
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 ADAM_BYTES = 8
 """Bytes of optimizer state per trainable fp32 parameter with AdamW (two moments)."""
+#: The environment variable that turns the host-memory check off (``ignore``).
 ENV = "RPCOMPILE_HOST_MEMORY"
 
 

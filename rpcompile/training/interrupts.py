@@ -45,7 +45,7 @@ class _Guard:
 
     def __init__(self) -> None:
         self.previous: Any = None
-        """The handler replaced (while :attr:`installed`), to which every Ctrl-C is handed on."""
+        """The handler replaced (while ``installed``), to which every Ctrl-C is handed on."""
         self.installed = False
         self.depth = 0
         """:class:`deferred` blocks open on the main thread."""

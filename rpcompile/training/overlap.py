@@ -16,7 +16,7 @@ are shadowed by an instance attribute (:class:`ZeroGradShadow`) that records the
 with the real method — once the step is done and before the held gradients are installed: exactly "clear the
 gradients before the next backward". A change of the settings a scheduler sets (:data:`SCHEDULED`) while the
 step is in flight races too: it is refused when the step is collected (``scheduler=`` steps it on the thread).
-A step that raises is collected as a :class:`PipelineError`; the overlap ends, the copies are remade from the
+A step that raises is collected as a :class:`~rpcompile.runtime.failures.PipelineError`; the overlap ends, the copies are remade from the
 masters as the step left them, and the recorded ``zero_grad`` calls are dropped (``.grad`` keeps what the failed
 step was given).
 
@@ -31,7 +31,7 @@ with the weights from before step t−1 (each iteration keeps the front copies i
 ``pipe.step`` makes when it collects step t−1), and its gradients go into buffers of that generation
 (:meth:`GradSink.fork <rpcompile.runtime.weights.GradSink.fork>`) that the step's thread puts into ``.grad``
 once they have all drained, right before step t. So ``.grad`` is the step's throughout: read gradients (clip,
-log) after :meth:`Pipeline.synchronize`. Iteration t+1 needs only step t−1, which ``pipe.step`` collected
+log) after :meth:`Pipeline.synchronize <rpcompile.Pipeline.synchronize>`. Iteration t+1 needs only step t−1, which ``pipe.step`` collected
 before submitting step t. A failure in a draining stage is raised, naming its iteration, by the next call that
 finds it (``forward_backward``, ``pipe.step``, ``synchronize``): the step waiting for it is not taken and the
 overlap ends as for a failed step. A Ctrl-C stops the iteration being called, never one that already returned its
@@ -249,7 +249,7 @@ class Overlap:
         """The storage of the parameters the step in flight writes (:func:`wait_for_steps`)."""
         self._hooks: list[Any] = []  # on the stepping optimizers' state_dict and load_state_dict
         self.iterations = False
-        """Iterations overlap too (a plan made for them): :meth:`Pipeline.forward_backward` returns once its loss
+        """Iterations overlap too (a plan made for them): :meth:`Pipeline.forward_backward <rpcompile.Pipeline.forward_backward>` returns once its loss
         is known and the devices go on into the next iteration while the last stages drain (module docstring)."""
         self.running: list[Running] = []
         """The overlapped iterations not yet handed to a collected step: still draining, or done."""
@@ -353,7 +353,7 @@ class Overlap:
 
     def stale_copies(self) -> dict[str, torch.Tensor]:
         """The copies the next iteration computes with, while a step no iteration has run beside is in flight
-        (``Pipeline.state_dict``): collected first if it failed (raising its :class:`PipelineError`)."""
+        (``Pipeline.state_dict``): collected first if it failed (raising its :class:`~rpcompile.runtime.failures.PipelineError`)."""
         if self.future is None:
             return {}
         if self.future.exception() is not None:
@@ -364,7 +364,7 @@ class Overlap:
     def collect(self) -> None:
         """Wait for the step in flight, if any: its weights become the ones the devices upload and the
         ``zero_grad`` calls made meanwhile run. A step that raised, or raced with a settings change, raises a
-        :class:`PipelineError` after ending the overlap (module docstring)."""
+        :class:`~rpcompile.runtime.failures.PipelineError` after ending the overlap (module docstring)."""
         future = self.future
         if future is None:
             return
@@ -416,7 +416,7 @@ class Overlap:
                 self._end(failed=False)
 
     def check_drains(self) -> None:
-        """Raise, as a :class:`PipelineError` naming its iteration, the failure of an overlapped iteration that
+        """Raise, as a :class:`~rpcompile.runtime.failures.PipelineError` naming its iteration, the failure of an overlapped iteration that
         failed after its loss was returned — once every iteration in flight has settled and the step has
         finished (not taken), the overlap ended as a failed step ends it: back to synchronous steps, the
         iterations' gradients dropped."""
@@ -455,7 +455,7 @@ class Overlap:
         self._end(failed=True)
 
     def began(self, run: Running) -> None:
-        """An overlapped iteration started (:meth:`Pipeline.forward_backward`)."""
+        """An overlapped iteration started (:meth:`Pipeline.forward_backward <rpcompile.Pipeline.forward_backward>`)."""
         self.running = [r for r in self.running if not r.settled.is_set() or r.error is not None] + [run]
         self.last = run
 
@@ -466,7 +466,7 @@ class Overlap:
         self.ended()
 
     def ended(self) -> None:
-        """Told when the overlap ends (the pipeline: the executor's threads as before, :meth:`Executor.start`)."""
+        """Told when the overlap ends (the pipeline: the executor's threads as before, :meth:`Executor.start <rpcompile.runtime.executor.Executor.start>`)."""
 
 
 def _drain_failed(run: Running, error: BaseException) -> str:

@@ -1,4 +1,4 @@
-"""``Pipeline``: the public face of the runtime — what :func:`rpcompile.compile` (:mod:`rpcompile.compiler`) returns.
+"""``Pipeline``: the public face of the runtime — what :func:`rpcompile.compile` (:mod:`rpcompile.compiler`) returns::
 
     pipe = rpcompile.compile(model, example_inputs, loss_fn=loss_fn, devices=["cpu", "cpu"])
     optimizer = torch.optim.AdamW(model.parameters())
@@ -207,7 +207,7 @@ class Pipeline:
         ``pipe.step([o1, o2])`` is ``o1.step(); o2.step()`` — ``scaler.step(o)`` for each, then one
         ``scaler.update()`` — then their ``zero_grad()``, then the schedulers (``scheduler=`` one or a list);
         overlapped, all of it on the one thread. A second ``step(..., overlap=True)`` before the next
-        :meth:`forward_backward` is refused (a :class:`ConfigError`): step them together.
+        :meth:`forward_backward` is refused (a :class:`~rpcompile.ConfigError`): step them together.
 
         **zero_grad during an overlapped step.** The step reads ``.grad`` on its thread, then zeroes it; the next
         iteration's gradients are held aside and land in ``.grad`` when it ends. ``optimizer.zero_grad()`` and
@@ -220,7 +220,7 @@ class Pipeline:
         **The optimizer's settings during an overlapped step.** The step reads them (``lr``, ``weight_decay``, ...)
         on its thread: a change made before the next :meth:`forward_backward` returns — ``scheduler.step()`` after
         ``pipe.step(optimizer, overlap=True)``, as in a plain loop — races with it, so the step may use either
-        value. Such a change is refused there (a :class:`PipelineError`, as a failed step): pass the scheduler
+        value. Such a change is refused there (a :class:`~rpcompile.runtime.failures.PipelineError`, as a failed step): pass the scheduler
         as ``scheduler=``, which steps it right after the optimizer, on the same thread.
 
         **What overlap computes.** The iteration that runs beside step t reads the weights from *before* step t
@@ -230,7 +230,7 @@ class Pipeline:
         result equals ``optimizer.step(); optimizer.zero_grad()`` bitwise. Between an overlapped step and the next
         iteration's end the masters are being written: read them (save a checkpoint, evaluate on the masters)
         after :meth:`synchronize`. A ``GradScaler`` is refused with overlap (its scale would change mid-iteration).
-        A step that raises surfaces at the end of the next :meth:`forward_backward` as a :class:`PipelineError`;
+        A step that raises surfaces at the end of the next :meth:`forward_backward` as a :class:`~rpcompile.runtime.failures.PipelineError`;
         that iteration's gradients are dropped (and the ``zero_grad`` calls recorded meanwhile) and the pipeline
         is back to synchronous steps, its copies remade from the masters as the failed step left them.
 
@@ -317,7 +317,7 @@ class Pipeline:
         return pipeline_state(self, self._overlap.stale_copies())
 
     def check_state_dict(self, state: Any, *, optimizer: Any = None, exact: bool = True) -> None:
-        """Raise a one-line :class:`~rpcompile.training.checkpoint.CheckpointError` unless :meth:`load_state_dict` can
+        """Raise a one-line :class:`~rpcompile.training.checkpoint.state.CheckpointError` unless :meth:`load_state_dict` can
         continue ``state`` here — bit for bit where ``exact``: the same graph fingerprint, microbatches,
         precision, plan cuts and scaler."""
         weights = self.executor.weights  # an overlapped step keeps copies of the trainable weights, as uploaded
@@ -437,7 +437,7 @@ class Pipeline:
         self.executor.interrupted = True
 
     def check_model(self) -> bool:
-        """Refuse (:class:`ModelChangedError`, one line) a model whose parameters are no longer the ones compiled
+        """Refuse (:class:`~rpcompile.ModelChangedError`, one line) a model whose parameters are no longer the ones compiled
         or whose mode the stages cannot run; returns the mode they run in (:mod:`rpcompile.training.compiled_model`: a
         model traced in train mode and then put in eval mode runs its dropouts switched off). Calls check first."""
         training = self.compiled.check()
@@ -538,7 +538,7 @@ class Pipeline:
     def _reraise(self, e: BaseException) -> NoReturn:
         """A failed call's error as the caller sees it: a stage out of device memory as
         :class:`~.oom.StageOutOfMemoryError`, a ``loss_fn`` that failed on its target as that
-        :class:`LossFnError` itself (the stage ran), anything else as it is."""
+        :class:`~rpcompile.LossFnError` itself (the stage ran), anything else as it is."""
         if isinstance(e, PipelineError):
             oom = out_of_memory(e, self.plan, [str(d.torch_device) for d in self.devices])
             if oom is not None:
@@ -553,7 +553,7 @@ class Pipeline:
         """Evaluation: the model's output for the whole batch, computed as :meth:`forward_backward` splits it —
         the plan's microbatches, each stage's weights uploaded once and its microbatches run in turn, so a stage
         never holds more than the plan allows — and joined on the host: every tensor with a batch dimension
-        concatenated along it, a scalar (the model's own loss) the batch's mean (:func:`joined`). In train mode a
+        concatenated along it, a scalar (the model's own loss) the batch's mean (:func:`~rpcompile.core.batch.joined`). In train mode a
         batch norm normalises each microbatch by its own statistics, as in :meth:`forward_backward`; in eval mode
         (``model.eval()``, the usual way to evaluate) it uses its running statistics, as eager does."""
         check_call_mode("forward", self.precision)

@@ -8,7 +8,7 @@ and its device — and :meth:`InputSignature.bind` checks each call against it.
 
 Terms. A tensor's **dynamic** dimensions are those a real batch may change: dim 0 (the batch) of every tensor,
 dim 1 (the sequence) of integer tensors of two or more dimensions — exactly the ones the export path traces
-symbolically (:func:`rpcompile.passes.graph.trace._dynamic_shapes`; an fx graph is shape-generic) — and, in floating
+symbolically (:func:`rpcompile.passes.graph.export_inputs.dynamic_shapes`; an fx graph is shape-generic) — and, in floating
 inputs, a dimension as long as the example's sequence (a 4-D mask, ``inputs_embeds``), which may be shorter.
 Every other dimension is **static**: it must equal the example's. A sequence longer than the example's is refused
 (the memory plan holds up to it).
@@ -17,7 +17,7 @@ Dtypes are compared as eager PyTorch would run them: a float64 batch for a float
 refused here with the cast to make, not cast silently. ``int32`` and ``int64`` ids are interchangeable (embeddings
 take either), and a floating input may come in the pipeline's compute precision (``bf16``).
 
-:func:`check_compile_arguments` does the same for ``rpcompile.compile``'s own arguments, and
+:func:`~rpcompile.training.signature.check_compile_arguments` does the same for ``rpcompile.compile``'s own arguments, and
 :func:`check_call_mode` for the modes a call is made under (autocast, inference mode).
 """
 
@@ -42,7 +42,7 @@ __all__ = ["InputSignature", "LeafSpec", "PrecisionWarning", "check_call_mode", 
 
 class PrecisionWarning(UserWarning):
     """The model's trainable parameters are in a 16-bit dtype: they are the masters the optimizer updates, in that
-    dtype (:func:`check_compile_arguments`)."""
+    dtype (:func:`~rpcompile.training.signature.check_compile_arguments`)."""
 
 _IDS = {torch.int32, torch.int64}
 _ARRAYS = (list, tuple)
@@ -121,7 +121,7 @@ class InputSignature:
 
     def bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """``(args, kwargs)`` in the compiled form: keywords naming a positional parameter move into place and
-        specialised constants are filled in; anything else is refused with one line (:class:`InputError`)."""
+        specialised constants are filled in; anything else is refused with one line (:class:`~rpcompile.InputError`)."""
         args, kwargs = list(args), dict(kwargs)
         for name in self.params[len(args):self.n_args]:
             if name in kwargs:
@@ -258,7 +258,7 @@ _PRECISIONS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp
 
 
 def check_call_mode(call: str, precision: str) -> None:
-    """Refuse (:class:`InputError`, one line) a ``call`` (``forward_backward``, ``forward``) made under a mode the
+    """Refuse (:class:`~rpcompile.InputError`, one line) a ``call`` (``forward_backward``, ``forward``) made under a mode the
     stages do not run in. ``torch.autocast``: it holds on the calling thread only — the stages run there would
     compute in another dtype than the devices' worker threads, and a saved segment would capture that dtype for
     every later call — while the pipeline computes in its own ``precision`` everywhere. ``torch.inference_mode``:

@@ -1,9 +1,10 @@
 """A Gantt chart of a pipeline timeline (simulated or measured), as plain SVG text.
 
 Terms:
+
 - *bar*: one timed action on one device — a stage computing one microbatch (``3F1``), a weight upload (``3W``),
   activations going up or down, a gradient download (``3G``). Anything with the attributes of
-  :class:`~rpcompile.runtime.sim.simulator.SimEvent` can be drawn (the executor's measured events too); an event that
+  :class:`~rpcompile.runtime.sim.sim_result.SimEvent` can be drawn (the executor's measured events too); an event that
   has only ``action``, ``device``, ``lane``, ``start`` and ``end`` gets its stage, microbatch and kind from the action
   text.
 - *lane*: each device has three — ``compute`` (tall), ``upload`` and ``download`` (thin). Bars that overlap in

@@ -2,6 +2,7 @@
 (drawn by :mod:`rpcompile.views.graphview`).
 
 Terms:
+
 - *box*: one rolled-up module (``embed``, ``layers.7.attn``, ``layers.7.mlp``, ``lm_head``): every compute node
   whose module path (:func:`rpcompile.passes.graph.util.module_path`) starts with the box's name, cut to ``depth``
   components as ``rpcompile profile`` does (:func:`rpcompile.planner.profiling.rollup_name`).

@@ -50,7 +50,7 @@ def _add_columns(table: Table, columns: Sequence[tuple[str, JustifyMethod]]) -> 
 
 
 def models_table(summaries: Sequence[Any]) -> Table:
-    """``rpcompile models``: one row per built-in model (:class:`rpcompile.models.ModelSummary`)."""
+    """``rpcompile models``: one row per built-in model (:class:`rpcompile.models.registry.ModelSummary`)."""
     table = SafeTable(title="built-in models (rpcompile profile|plan|simulate NAME)")
     _add_columns(table, (("model", "left"), ("params", "right"), ("layers", "right"), ("runs", "left"),
                          ("shape", "left")))
@@ -186,7 +186,7 @@ def host_line(name: str, result: Any) -> str:
 
 def bound_note(plan: Any) -> str:
     """The solver's proven bound, said so that nobody reads it as a bound on the iteration time: it bounds the
-    ILP's own objective, stage-count factor × slowest stage (DESIGN.md §3), which the exact iteration time of
+    ILP's own objective, stage-count factor × slowest stage (docs/architecture.md §3), which the exact iteration time of
     an unequal plan can beat."""
     gap = plan.stats.get("gap", 0.0)  # free-form stats: an infinite gap is saved as null
     gap_text = f"{gap:.1%}" if isinstance(gap, (int, float)) and not isinstance(gap, bool) else "unknown"

@@ -4,6 +4,7 @@ The pictures are plain SVG 1.1 text: no Graphviz, no matplotlib. Every emitter r
 (without indentation or newline); callers indent and join them, so the output stays readable and diffable.
 
 Terms:
+
 - *stage colour*: :func:`stage_color` gives stage ``k`` a colour that differs clearly from stages ``k ± 1`` for
   a hundred stages and more — hues step by the golden angle (so neighbours are ~137° apart and no two of the first
   dozen are close) and the lightness alternates between two levels. Both pictures use it, so stage ``F3`` has

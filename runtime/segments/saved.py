@@ -13,7 +13,7 @@ Terms
   parameters on its device and receives inputs and outputs anyway, and replays the view ops on its own copy (on a
   GPU a shipped weight view would cross the link twice per microbatch, and the planner counts activations only).
 - **Host saved**: the remaining saved tensors; the forward stage sends them to host memory as one
-  :class:`HostSaved` value per (segment, microbatch), tagged with the capture they belong to.
+  :class:`~rpcompile.runtime.segments.capture.HostSaved` value per (segment, microbatch), tagged with the capture they belong to.
 
 The capture itself, and running it, is :mod:`.capture`; this module decides when to capture and which capture runs
 a call.

@@ -3,7 +3,7 @@
 A saved segment (:mod:`rpcompile.runtime.segments.saved`) is captured by AOTAutograd on fake tensors. Made from the real
 example with every dimension of the segment's *activation* inputs symbolic (parameters and buffers keep their
 sizes), the fw and bw graphs compute their shapes from their inputs, and one capture runs every shape the trace
-did not have to specialise. What it did specialise is recorded by the fake tensors' :class:`ShapeEnv` as
+did not have to specialise. What it did specialise is recorded by the fake tensors' ``ShapeEnv`` as
 **guards** (``t6.size()[2] == 32``, ``2 <= t6.size()[0]``, ``t7.size()[0] == t6.size()[0]``); a capture is used
 for a call only when its guards hold for the call's tensors (:meth:`Guards.hold`), exactly as ``torch.compile``
 guards its graphs. Sizes 0 and 1 are specialised (a one-row microbatch gets a capture of its own).

@@ -36,8 +36,8 @@ until compute frees memory (a prefetcher that respects the allocator), and a com
 waits while copies out of its device are draining — so a plan whose overlap does not fit loses time instead of
 memory. Only when nothing else can run does work overfill a device, and the peak shows it.
 Memory per device is accounted from the same events: weights from the start of their upload until the stage's
-last microbatch ends — those that stay on the device (:attr:`StageCost.kept_bytes`) until the end of the stage
-that finds them there (:attr:`StageCost.found_bytes`), a resident plan's from before the run; gradients from the first microbatch until the ``G`` copy ends; input buffers, working
+last microbatch ends — those that stay on the device (:attr:`StageCost.kept_bytes <rpcompile.core.stages.StageCost.kept_bytes>`) until the end of the stage
+that finds them there (:attr:`StageCost.found_bytes <rpcompile.core.stages.StageCost.found_bytes>`), a resident plan's from before the run; gradients from the first microbatch until the ``G`` copy ends; input buffers, working
 activations and output buffers around each microbatch; ``resident_bytes`` for the whole iteration (static
 schedules keep weights, gradients and optimizer state on the device) and ``stash_bytes`` from a forward
 microbatch until the backward position named by ``releases`` ends it (activations kept for the backward pass).
@@ -56,7 +56,7 @@ reported in ``SimResult.host_timeline``, apart from the devices' lanes.
 **Consecutive iterations** (``iterations=K > 1``; round-robin lists only): the lists and stages describe one
 iteration, and the run plays ``K`` of them. Position ``k`` of iteration ``t`` is global position ``t·S + k``
 (``S`` positions an iteration) on the device after the one that ran ``t·S + k − 1``: the round-robin pointer
-carries on across iterations (DESIGN.md §3), so a device runs the next iteration's stage as soon as it is done
+carries on across iterations (docs/architecture.md §3), so a device runs the next iteration's stage as soon as it is done
 with its stages of this one, in its list's order. Iteration ``t + 1``'s first position takes its inputs from the
 host, not from iteration ``t``'s last position. The optimizer step of iteration ``t`` (``stepT``, on the host's
 step thread: ``step_s``, after iteration ``t``'s gradients are all added — and all-reduced — and after step
@@ -74,8 +74,8 @@ step thread: ``step_s``, after iteration ``t``'s gradients are all added — and
   finished its part of iteration ``t`` goes on with ``t + 1`` while the others drain
   (:func:`rpcompile.passes.solver.recurrence.overlapped_ends` is the timing model's walk of the same).
 
-:class:`SimResult` then reports the steady-state period (``iteration_time_s``), the bubble over it, and the
-one-off fill and drain of the run (:attr:`SimResult.fill_s`, :attr:`SimResult.drain_s`); the timeline holds every
+:class:`~rpcompile.runtime.sim.sim_result.SimResult` then reports the steady-state period (``iteration_time_s``), the bubble over it, and the
+one-off fill and drain of the run (:attr:`SimResult.fill_s <rpcompile.runtime.sim.sim_result.SimResult.fill_s>`, :attr:`SimResult.drain_s <rpcompile.runtime.sim.sim_result.SimResult.drain_s>`); the timeline holds every
 iteration (``SimEvent.iteration``).
 
 A one-GPU plan's hand-offs stay in device memory (the timing model's ``resident_handoffs``): its stage costs carry
@@ -86,7 +86,7 @@ dispatch is in ``compute_s`` already (:func:`rpcompile.passes.formulate.launch_b
 Each chain position is a :class:`~rpcompile.core.stages.StageCost`, the type the timing model prices; the run
 returns a :class:`~.sim_result.SimResult` (the timeline and its figures). With
 transfers free this is exactly the timing model's recurrence (:func:`rpcompile.passes.solver.timing.pipeline_time`,
-DESIGN.md §3); :mod:`rpcompile.tools.scenarios` builds the action lists and stages for a plan, for the classic static
+docs/architecture.md §3); :mod:`rpcompile.tools.scenarios` builds the action lists and stages for a plan, for the classic static
 schedules (GPipe, 1F1B, interleaved 1F1B) and for published layer profiles.
 """
 
@@ -186,7 +186,7 @@ def simulate(
 ) -> SimResult:
     """Run the per-device action lists with a clock.
 
-    ``stages[k]`` describes chain position k (a bare number is a :class:`StageCost` with only ``compute_s``).
+    ``stages[k]`` describes chain position k (a bare number is a :class:`~rpcompile.core.stages.StageCost` with only ``compute_s``).
     Bandwidths are bytes/s; infinite bandwidth makes byte transfers free. ``copies_wait_for_memory=False``
     admits copies regardless of ``memory_limit_bytes`` (static schedules, which do not stream and are only
     checked against the limit). ``host``: the host's own work (see the module docstring); none by default.

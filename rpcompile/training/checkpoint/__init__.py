@@ -14,7 +14,7 @@ what you need in ``extra=``, e.g. the batches consumed and an lr scheduler's ``s
 - the weights as **safetensors**, laid out as HF ``save_pretrained`` lays them out (``model.safetensors``, or
   shards and ``model.safetensors.index.json``; tied weights once; an HF model's ``config.json``): read by
   ``safetensors.torch.load_file``, ``AutoModelForCausalLM.from_pretrained(directory)`` and, into any model with
-  no pipeline, :func:`load_weights` (:mod:`.weights`, :mod:`.tensorfile`);
+  no pipeline, :func:`~rpcompile.load_weights` (:mod:`~rpcompile.training.checkpoint.weights`, :mod:`.tensorfile`);
 - each **optimizer's state** as a plain ``optimizer.state_dict()`` saved with ``torch.save`` (``optimizer.pt``),
   which ``optimizer.load_state_dict(torch.load(path, weights_only=True))`` restores anywhere. Chosen over
   ``torch.distributed.checkpoint`` because that format's ``.metadata`` is read with a full ``pickle.load`` (files
@@ -28,14 +28,14 @@ It is written whole or not at all (a temporary directory beside it, every file `
 :func:`rpcompile.core.files.atomic_directory`), checked whole before anything loads (sizes and checksums, then
 every header and field parsed as bounded data: nothing is unpickled beyond ``torch.load(weights_only=True)``), and
 a torn or corrupt one is moved aside with a one-line warning while the previous one is used. The plan goes beside
-the checkpoints once, as ``plan.json`` (:func:`checkpoint_plan`: compile the resumed run with it, since a fresh
+the checkpoints once, as ``plan.json`` (:func:`~rpcompile.checkpoint_plan`: compile the resumed run with it, since a fresh
 plan may cut otherwise). ``save_checkpoint(..., background=True)`` writes on a thread while training goes on
-(:mod:`.background`: a copy of the weights and optimizer state, which steps wait for, then the write). The earlier
+(:mod:`~rpcompile.training.checkpoint.background`: a copy of the weights and optimizer state, which steps wait for, then the write). The earlier
 single-file format (``ckpt-<step>.ckpt``) still loads; ``rpcompile checkpoint convert OLD NEW`` rewrites it
 (:mod:`.legacy`).
 
 Each name has one home: :mod:`.save` (``save_checkpoint``, ``save_weights``, ``convert``), :mod:`.load`
 (``load_checkpoint``, ``checkpoint_plan``, ``load_weights``), :mod:`.state` (``Checkpoint``, ``CheckpointError``,
-the pipeline's state), :mod:`.background` (``PendingSave``), :mod:`.layout` (``checkpoints``, ``verify_path``);
+the pipeline's state), :mod:`~rpcompile.training.checkpoint.background` (``PendingSave``), :mod:`.layout` (``checkpoints``, ``verify_path``);
 the public ones are also ``rpcompile.<name>``.
 """

@@ -90,7 +90,7 @@ def load_checkpoint(directory: str | os.PathLike, *, model: torch.nn.Module, opt
     as for the run that saved it: the same model compiled with :func:`checkpoint_plan`'s plan, an optimizer of
     the same kind over its parameters; returns what was loaded, or None when the directory holds no checkpoint
     (a fresh start). Every check passes before anything changes (all or nothing). ``exact=False``:
-    :meth:`Pipeline.load_state_dict`'s."""
+    :meth:`Pipeline.load_state_dict <rpcompile.Pipeline.load_state_dict>`'s."""
     root = Path(directory)
     wait_pending(root)
     path = newest_good(root)

@@ -46,7 +46,7 @@ def save_checkpoint(directory: str | os.PathLike, *, model: torch.nn.Module, opt
     after the optimizer step (gradients are not saved); an overlapped step in flight is waited for.
     ``optimizer=None`` saves none; a list of optimizers (``pipe.step([o1, o2])``) saves each, and loads into a
     list in the same order. ``background=True`` returns a :class:`~.background.PendingSave` at once and writes on
-    a thread (:mod:`.background`: what it copies, what waits for it). Weights above ``max_shard_size`` (bytes or
+    a thread (:mod:`~rpcompile.training.checkpoint.background`: what it copies, what waits for it). Weights above ``max_shard_size`` (bytes or
     ``"5GB"``) are sharded as HF shards them."""
     if keep < 1:
         raise CheckpointError(f"save_checkpoint: keep={keep}; keep at least the checkpoint just written (keep >= 1)")

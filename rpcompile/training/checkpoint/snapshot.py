@@ -6,7 +6,7 @@ A :class:`Snapshot` is the model's weights (aliases once, :func:`.weights.untie`
 BatchNorm's running statistics) — and the containers the optimizer would mutate (its per-parameter state dicts,
 the parameter groups a scheduler sets); the parameters and the optimizer's state tensors are referenced. They
 change only in an optimizer step: a synchronous save writes them before returning, and a background save
-(:mod:`.background`) first copies them (:meth:`Snapshot.copy`), with every optimizer step waiting until that copy
+(:mod:`~rpcompile.training.checkpoint.background`) first copies them (:meth:`Snapshot.copy`), with every optimizer step waiting until that copy
 is done. :func:`write_snapshot` writes a snapshot as one atomic directory (:mod:`.layout`).
 """
 

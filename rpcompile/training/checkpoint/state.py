@@ -11,7 +11,7 @@ The **pipeline's state** (:func:`pipeline_state`, what :meth:`Pipeline.state_dic
   state, saved before there was one, resumes with the masks it was drawing);
 - ``scaler``: the ``GradScaler``'s state (scale, growth tracker) when the pipeline holds one (fp16);
 - ``stale_weights``: after ``pipe.step(optimizer, overlap=True)``, the copies of the weights from *before* that
-  step, which the next iteration computes with (one step stale, :meth:`Pipeline.step`). The step itself is waited
+  step, which the next iteration computes with (one step stale, :meth:`Pipeline.step <rpcompile.Pipeline.step>`). The step itself is waited
   for, so the masters in the model's ``state_dict`` are the stepped ones; saving never changes what training
   computes, and a resumed run goes on one step stale where the saved one would have;
 - what the state was computed with, checked on load: a version, the plan's model fingerprint
@@ -79,7 +79,7 @@ class Resumable(Protocol):
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """What :func:`load_checkpoint` loaded."""
+    """What :func:`~rpcompile.load_checkpoint` loaded."""
 
     path: Path
     step: int

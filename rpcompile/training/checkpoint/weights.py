@@ -14,9 +14,9 @@ set as ``save_pretrained`` sets them — and ``generation_config.json`` when it 
 safetensors holds no aliases, so each is written once, as HF does: the names a module declares tied
 (``_tied_weights_keys``, matched as HF matches them) are dropped in favour of the one they are tied to; other
 aliases keep their first name in ``state_dict`` order. What was dropped is listed (``tied``: dropped → kept), and
-:func:`load_weights` fills a dropped name from the one kept — as does ``from_pretrained``, which ties them again.
+:func:`~rpcompile.load_weights` fills a dropped name from the one kept — as does ``from_pretrained``, which ties them again.
 
-**Reading** (:func:`load_weights`, :func:`read_weights`): a directory that rpcompile wrote (its manifest's
+**Reading** (:func:`~rpcompile.load_weights`, :func:`read_weights`): a directory that rpcompile wrote (its manifest's
 checksums are checked first, :mod:`.layout`), the newest good checkpoint of a run's directory, or any directory
 ``save_pretrained`` wrote; every header is checked (:mod:`.tensorfile`), the index against the shards' headers,
 and the names, shapes and dtypes against the model before anything is copied into it (all or nothing). A float
@@ -129,7 +129,7 @@ def _shard_names(count: int) -> list[str]:
 
 def write_weights(directory: Path, tensors: Mapping[str, torch.Tensor], max_bytes: int) -> Written:
     """Write ``tensors`` (aliases removed: :func:`untie`) into ``directory`` as ``model.safetensors`` or shards
-    and their index, each file through :func:`write_atomic`; stale shards of an earlier save there are removed.
+    and their index, each file through :func:`~rpcompile.core.files.write_atomic`; stale shards of an earlier save there are removed.
     Returns each file's bytes and sha256."""
     groups = shards(tensors, max_bytes)
     names = _shard_names(len(groups))

@@ -223,10 +223,10 @@ class PlanLowering:
 def pipeline(model: torch.nn.Module, gm: fx.GraphModule, plan: Plan, devices: Sequence[Any],
              loss_fn: Callable[[Any, Any], torch.Tensor] | None, options: TrainOptions, *,
              loss_in_graph: bool = False, signature: InputSignature | None = None) -> Pipeline:
-    """A :class:`Pipeline` running ``plan`` over ``gm`` (the graph it was made from) with ``options``: the plan
+    """A :class:`~rpcompile.training.pipeline.Pipeline` running ``plan`` over ``gm`` (the graph it was made from) with ``options``: the plan
     lowered into stage programs here (:class:`PlanLowering`) and handed to the training session as data.
     ``loss_in_graph``: the graph takes the target and returns the loss (a split LM head); ``signature``: the inputs
-    compiled for (:class:`InputSignature`)."""
+    compiled for (:class:`~rpcompile.training.signature.InputSignature`)."""
     lowering = PlanLowering(plan, gm)
     return Pipeline(model, gm, plan, devices, loss_fn, options, program=lowering.program(), lowering=lowering,
                     loss_in_graph=loss_in_graph, signature=signature)

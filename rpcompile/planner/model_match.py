@@ -72,7 +72,7 @@ def graph_as_planned(plan: Plan, model: torch.nn.Module, example_inputs: Any, *,
 
 
 def _same_precision(plan: Plan, gm: fx.GraphModule, model: torch.nn.Module, precision: str, source: str) -> None:
-    """:class:`PlanMismatchError` when ``gm``, exported, records its casts for the plan's precision and the run is in
+    """:class:`~rpcompile.core.errors.PlanMismatchError` when ``gm``, exported, records its casts for the plan's precision and the run is in
     another."""
     if precision != plan.precision and gm.meta.get(TRACE_DTYPE_KEY, None) != compute_dtype(plan.precision) \
             and gm.meta.get(TRACE_META_KEY) == "export":

@@ -72,13 +72,13 @@ class PlanOptions:
     allow_save: bool = True
     """Backward stages may use activations saved in host memory; False: every backward stage recomputes."""
     allow_stay: bool = True
-    """Weights may stay on their devices between stages where memory allows (:mod:`..passes.solver.stay_search`)."""
+    """Weights may stay on their devices between stages where memory allows (:mod:`rpcompile.passes.solver.stay_search`)."""
     overlap: bool = False
     """Plan for overlapped iterations (``pipe.step(optimizer, overlap=True)``): the objective is the steady-state
-    period (:attr:`HostLoad.overlap_iterations`)."""
+    period (:attr:`HostLoad.overlap_iterations <rpcompile.core.stages.HostLoad.overlap_iterations>`)."""
     cache: bool = True
-    """Measured costs and solved partitions kept on disk (:mod:`..passes.cost.profile_cache`,
-    :mod:`..passes.solve_cache`); False: measured and solved afresh, nothing kept."""
+    """Measured costs and solved partitions kept on disk (:mod:`rpcompile.passes.cost.profile_cache`,
+    :mod:`rpcompile.passes.solve_cache`); False: measured and solved afresh, nothing kept."""
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISION_BYTES:

@@ -526,7 +526,7 @@ def compile_plan(model: torch.nn.Module, example_inputs: Sequence[Any], options:
 
 def replanned(c: Compilation, **changes: Any) -> Compilation:
     """``c`` planned again with ``changes`` to its options (``allow_save=False``, ``time_limit_s``: fields of
-    :class:`PlanOptions`): only the :data:`BACK` passes, on ``c``'s costed, coarsened graph — nothing is traced or
+    :class:`~rpcompile.planner.plan_options.PlanOptions`): only the :data:`BACK` passes, on ``c``'s costed, coarsened graph — nothing is traced or
     costed again, and the LM-head split stays ``c``'s. ``c`` itself is left as it was."""
     return run(replace(c, options=replace(c.options, **changes), problem=None, result=None, plan=None, times={}), BACK)
 

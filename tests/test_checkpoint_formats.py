@@ -26,19 +26,10 @@ from rpcompile.training.checkpoint.legacy import write_legacy
 
 from _hf import VOCAB, token_loss
 from _resume import Net, build, train
+from test_checkpoint import assert_bitwise, weights
 from test_runtime import FINE_CPU
 
 STEPS = 5
-
-
-def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def assert_bitwise(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert got.keys() == want.keys()
-    for k in want:
-        assert torch.equal(got[k], want[k]), f"{k} differs by {(got[k].float() - want[k].float()).abs().max():.3g}"
 
 
 def optimizer_tensors(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:

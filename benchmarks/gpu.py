@@ -70,6 +70,7 @@ from rpcompile.models.llama import Llama, LlamaConfig
 from rpcompile.models.registry import lm_loss, load_model
 from rpcompile.planner.device_probe import probe_dispatch
 from rpcompile.runtime.optim import AdamW as MirroringAdamW
+from rpcompile.training.host_memory import release_pinned_cache
 
 GiB = 1 << 30
 SECTIONS = ("link", "resident", "capped", "seqlen")
@@ -295,11 +296,12 @@ def optimizer_rows(pipe: Any, spec: Any, base: dict, steps: int, device: str, op
 
 def rpcompile_row(spec: Any, devices: list[str], label: str, steps: int, *, section: str, microbatches: int | None,
                   memory_limit: int | None, cost_spec: str | None, profile: Path | None,
-                  optimizer: str | None = None, recompile: bool = False, plans: Path | None = None) -> list[dict]:
+                  optimizer: str | None = None, recompile: bool = False, plans: Path | None = None,
+                  save: Callable[[list[dict]], None] | None = None) -> list[dict]:
     """rpcompile's row (forward+backward per step), then — given ``optimizer`` — :func:`optimizer_rows`.
     ``recompile``: compile the same model again once the steps ran, and record its time (``recompile_s``: with
     measured costs, the profile cache is warm then). ``plans``: where the row's plan file goes
-    (:func:`calibration_record`)."""
+    (:func:`calibration_record`). ``save(rows)``: called with the measured rows before the warm compile."""
     (x,), y = spec.example_inputs, spec.example_target
     device = devices[0]
     _peak_reset(device)
@@ -348,23 +350,31 @@ def rpcompile_row(spec: Any, devices: list[str], label: str, steps: int, *, sect
         row["predicted_over_measured"] = row["predicted_s"] / row["step_s"]
         calibration_record(pipe, row, plans)
     row["loss"] = losses[0] if losses else None
-    if recompile:
-        _say(f"{section}: compiling again (warm cache)")
-        warm: dict[str, Any] = {}
-        t0 = time.perf_counter()
-        with _pass_times(warm):
-            again = rpcompile.compile(spec.model, (x,), loss_fn=spec.loss_fn, devices=devices, precision="bf16",
-                                      microbatches=microbatches, memory_limit=memory_limit, spec=cost_spec,
-                                      example_target=y, allow_save=True)
-        row["recompile_s"] = time.perf_counter() - t0
-        row["recompile_passes"] = warm["compile_passes"]
-        row["same_plan_again"] = again.plan.to_dict()["stages"] == pipe.plan.to_dict()["stages"]
-        del again
     rows = [row]
     if optimizer is not None and row["error"] is None:
         rows += optimizer_rows(pipe, spec, row, steps, device, optimizer)
-    del pipe
+    stages = pipe.plan.to_dict()["stages"]
+    del pipe  # before the warm compile: two pipelines of a large model do not fit the host together
     gc.collect()
+    if recompile:
+        if save is not None:
+            save(rows)
+        _say(f"{section}: compiling again (warm cache)")
+        release_pinned_cache()
+        warm: dict[str, Any] = {}
+        t0 = time.perf_counter()
+        try:
+            with _pass_times(warm):
+                again = rpcompile.compile(spec.model, (x,), loss_fn=spec.loss_fn, devices=devices, precision="bf16",
+                                          microbatches=microbatches, memory_limit=memory_limit, spec=cost_spec,
+                                          example_target=y, allow_save=True)
+            row["recompile_s"] = time.perf_counter() - t0
+            row["recompile_passes"] = warm["compile_passes"]
+            row["same_plan_again"] = again.plan.to_dict()["stages"] == stages
+            del again
+        except Exception as e:  # noqa: BLE001 - the measured rows above must survive a failing warm compile
+            row["recompile_error"] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+        gc.collect()
     return rows
 
 
@@ -432,7 +442,8 @@ def capped_rows(args: argparse.Namespace, device: str,
         rows = rpcompile_row(spec, [device], f"bf16, 1 device, capped at {args.cap_gib:g} GiB", args.steps,
                              section="capped", microbatches=args.capped_batch, memory_limit=int(cap * 0.9),
                              cost_spec=args.spec, profile=args.profile, optimizer=args.optimizer, recompile=True,
-                             plans=_plans(args))
+                             plans=_plans(args), save=None if save is None else
+                             lambda rows: save([{**r, "model": args.capped_model} for r in rows]))
         if args.peer == "roundpipe":
             spec.model.zero_grad(set_to_none=True)
             if save is not None:

@@ -12,7 +12,8 @@ import torch
 import rpcompile.planner.plan_options as plan_options
 from rpcompile.core.errors import ConfigError
 from rpcompile.core.specs import get_spec
-from rpcompile.planner.device_probe import DEFAULT_PRESET, device_spec, preset_for, probe_dispatch, probe_link
+from rpcompile.planner.device_probe import (DEFAULT_PRESET, _autograd_nodes, _probe_model, device_spec, preset_for,
+                                            probe_dispatch, probe_link)
 
 
 @pytest.mark.parametrize("name,preset", [("NVIDIA H100 80GB HBM3", "h100-sxm"), ("NVIDIA H100 PCIe", "h100-sxm"),
@@ -60,3 +61,24 @@ def test_a_cuda_device_s_spec_is_measured():
     assert spec.memory_bytes == torch.cuda.get_device_properties(0).total_memory
     fwd, bwd = probe_dispatch("cuda:0")
     assert 0 < fwd < 1e-3 and 0 < bwd < 1e-3
+
+
+class _Wrapper:
+    """An autograd node as Python sees it: a fresh wrapper at each access, freed when dropped (so CPython may give
+    the next one a freed one's address, and id())."""
+
+    def __init__(self, depth: int):
+        self.depth = depth
+
+    @property
+    def next_functions(self):
+        return ((_Wrapper(self.depth - 1), 0),) if self.depth > 1 else ()
+
+
+def test_the_backward_probe_counts_every_autograd_node_though_python_reuses_their_ids():
+    """A GPU machine's probe counted 2 of the probe model's 211 autograd nodes (so 2.2 ms "a node"): the walk keyed
+    nodes by id() of wrappers it let go, and a new wrapper took a dropped one's id."""
+    root = type("Root", (), {"grad_fn": _Wrapper(200)})()
+    assert _autograd_nodes(root) == 200
+    gm = torch.fx.symbolic_trace(_probe_model())
+    assert _autograd_nodes(gm(torch.randint(0, 64, (2, 16))).float().sum()) == 211

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -53,3 +55,41 @@ def test_the_smoke_run_writes_every_row(tmp_path, capsys, monkeypatch):
     assert rows[6]["predicted_s"] is None and rows[6]["predicted_over_measured"] is None
     assert result["markdown"].count("\n") == len(rows) + 1
     assert "| llama-demo | rpcompile | bf16, 1 device |" in capsys.readouterr().out
+
+
+def test_the_warm_compile_runs_after_the_measured_pipeline_is_released_and_cannot_lose_its_rows(monkeypatch):
+    """The capped rows compile the model a second time (a warm compile's time). Two pipelines of the 8B shape do not
+    fit the host together (an H200 session lost both side-by-side rows to it): the first is released before the
+    second compile, the measured rows are saved before it, and a failing warm compile is a field of the row."""
+    from rpcompile.models.registry import load_model
+
+    spec = load_model("llama-demo")
+    alive = []
+    real = rpcompile.compile
+
+    def compile(*args, **kwargs):
+        if kwargs.get("devices") == ["cpu"] and len(alive) == 1 and alive[0]() is not None:
+            raise AssertionError("the warm compile ran while the measured pipeline was alive")
+        pipe = real(*args, **kwargs)
+        alive.append(weakref.ref(pipe))
+        return pipe
+
+    monkeypatch.setattr(rpcompile, "compile", compile)
+    saved = []
+    options = dict(section="capped", microbatches=2, memory_limit=None, cost_spec="cpu", profile=None, recompile=True)
+    rows = gpu.rpcompile_row(spec, ["cpu"], "bf16, 1 device", 1, save=lambda r: saved.append(copy.deepcopy(r)),
+                             **options)
+    assert [r["error"] for r in rows] == [None] and rows[0]["step_s"] > 0
+    assert "recompile_s" not in saved[0][0] and saved[0][0]["step_s"] == rows[0]["step_s"]
+    assert rows[0]["recompile_s"] > 0 and rows[0]["same_plan_again"] is True
+
+    def refuse(*args, **kwargs):
+        if alive:
+            raise MemoryError("host memory: this pipeline needs more\nsecond line")
+        alive.append(lambda: None)
+        return real(*args, **kwargs)
+
+    alive.clear()
+    monkeypatch.setattr(rpcompile, "compile", refuse)
+    rows = gpu.rpcompile_row(spec, ["cpu"], "bf16, 1 device", 1, **options)
+    assert rows[0]["step_s"] > 0 and rows[0]["recompile_error"] == "MemoryError: host memory: this pipeline needs more"

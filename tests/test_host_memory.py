@@ -210,3 +210,31 @@ def test_rpcompile_plan_no_save_keeps_no_activations_on_the_host(capsys):
     assert activation_bytes(recompute) == recompute.microbatches * sum(
         s.download_bytes for s in recompute.stages if s.kind == "forward")
     assert activation_bytes(recompute) < activation_bytes(saving)
+
+
+def test_pinned_memory_a_deleted_pipeline_left_cached_is_handed_back_before_a_refusal(plan, monkeypatch):
+    """A second pipeline in one process (a notebook, a re-plan): the first one's pinned buffers, freed, stay in
+    PyTorch's pinned cache, which the system counts as taken. The check hands them back and measures again before
+    it refuses — and only when short (handing back costs the next pipeline its re-pinning)."""
+    need = build(plan).host_bytes
+    cached = {"bytes": 10**6 + 1}  # what the pinned cache holds and the system does not count: 1 B short
+    released = []
+
+    def release():
+        released.append(cached["bytes"])
+        cached["bytes"] = 0
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "empty_host_cache", release, raising=False)
+    monkeypatch.setattr(hm, "available_host_memory", lambda: need + 10**6 - cached["bytes"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", HostMemoryWarning)
+        assert build(plan).host_bytes == need
+    assert released == [10**6 + 1]
+    assert build(plan).host_bytes == need and released == [10**6 + 1]  # not short: nothing handed back
+    cached["bytes"] = 2 * need  # short even after handing it back: still refused, in one line
+    monkeypatch.setattr(hm, "available_host_memory", lambda: need - 1 - cached["bytes"])
+    with pytest.raises(HostMemoryError, match=r"^host memory: this pipeline needs .* but .* are available"):
+        build(plan)
+    assert released == [10**6 + 1, 2 * need]

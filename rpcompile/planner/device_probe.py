@@ -20,6 +20,7 @@ on every GPU row, so the next GPU session says how the two relate on its machine
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -80,13 +81,16 @@ def _probe_model() -> torch.nn.Module:
 
 def _autograd_nodes(root: torch.Tensor) -> int:
     """The autograd graph's nodes behind ``root`` (what a backward dispatches)."""
-    seen: set[int] = set()
+    # keyed by id() but holding each node: autograd hands out a fresh Python wrapper per access and frees it when
+    # dropped, so an id seen earlier could come back as another node's (the walk then stopped after 2 of 211 nodes
+    # on a GPU machine's Python)
+    seen: dict[int, Any] = {}
     stack = [root.grad_fn]
     while stack:
         fn = stack.pop()
         if fn is None or id(fn) in seen:
             continue
-        seen.add(id(fn))
+        seen[id(fn)] = fn
         stack.extend(next_fn for next_fn, _ in fn.next_functions)
     return len(seen)
 

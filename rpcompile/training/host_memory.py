@@ -12,7 +12,8 @@ our users train, host memory — not the GPUs' — is often what binds: the Llam
 - :func:`check_host_memory` runs when a :class:`~rpcompile.training.pipeline.Pipeline` is built, before it allocates
   anything: what the pipeline will still allocate (upload copies as the pinned allocator rounds them, gradients
   that do not exist yet, saved activations and hand-offs at the plan's microbatches) against what the operating
-  system reports available (``MemAvailable``). More than that is refused in one line (:class:`HostMemoryError`);
+  system reports available (``MemAvailable``; PyTorch's cached pinned memory that nothing uses is first handed back,
+  :func:`release_pinned_cache`). More than that is refused in one line (:class:`HostMemoryError`);
   fitting without room for an AdamW optimizer's two fp32 moments issues one :class:`HostMemoryWarning`.
   ``RPCOMPILE_HOST_MEMORY=ignore`` skips the check;
 - the planner itself does not bound host memory: a plan may keep every microbatch's saved activations on the host
@@ -52,7 +53,7 @@ from rpcompile.core.units import fmt_bytes, fmt_params
 from rpcompile.runtime.weights import WeightStore
 
 __all__ = ["HostMemory", "HostMemoryError", "HostMemoryWarning", "host_memory", "activation_bytes",
-           "activation_room", "fit_host_memory", "available_host_memory", "check_host_memory", "within_host_memory",
+           "release_pinned_cache", "activation_room", "fit_host_memory", "available_host_memory", "check_host_memory", "within_host_memory",
            "ADAM_BYTES", "quantized_weights"]
 
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -171,6 +172,20 @@ def _state_bytes(params: dict[str, nn.Parameter], *, dtype: torch.dtype | None, 
     return copies, grads, adam
 
 
+def release_pinned_cache() -> bool:
+    """Hand PyTorch's cached pinned host memory that nothing uses back to the system; False where there is none to
+    hand back (CUDA never used). A freed pinned buffer (a pipeline deleted) stays in PyTorch's cache, which
+    ``MemAvailable`` counts as taken, so a second pipeline in the same process would be refused without this."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return False
+    empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) \
+        or getattr(torch._C, "_host_emptyCache", None)  # torch < 2.9 has only the private one
+    if empty is None:
+        return False
+    empty()
+    return True
+
+
 def _available(available: int | None) -> int | None:
     """``available``, else what the OS reports; None when unknown or the check is off (:data:`ENV`)."""
     if os.environ.get(ENV, "").lower() == "ignore":
@@ -193,6 +208,8 @@ def check_host_memory(params: dict[str, nn.Parameter], plan: Plan, *, dtype: tor
         return need
     parts = (f"upload copies {fmt_bytes(copies)}, gradients {fmt_bytes(grads)}, activations on the host "
              f"{fmt_bytes(acts)} at {plan.microbatches} microbatches")
+    if need > have and available is None and release_pinned_cache():
+        have = available_host_memory() or have
     if need > have:
         if acts <= copies + grads:
             fix = f"freeze the base and train adapters (LoRA: it is kept once, in {dtype_name(dtype)})"
@@ -236,6 +253,9 @@ def fit_host_memory(made: Any, replan: Callable[[], Any], *, dtype: torch.dtype 
     kept = activation_bytes(plan)
     room = activation_room(dict(made.graph.named_parameters()), plan, dtype=dtype, pin=pin,
                            frozen_masters=frozen_masters)
+    if room is not None and kept > room and release_pinned_cache():
+        room = activation_room(dict(made.graph.named_parameters()), plan, dtype=dtype, pin=pin,
+                               frozen_masters=frozen_masters)
     if room is None or kept <= room:
         return made
     again = replan()

@@ -3,7 +3,8 @@
 #   BUDGET_S=540 bash benchmarks/gpu_session.sh peer8b,peer17b,tests    # RoundPipe side by side + profiler traces
 #   BUDGET_S=540 bash benchmarks/gpu_session.sh seqlen,tests,resident
 #   BUDGET_S=420 bash benchmarks/gpu_session.sh capped
-# Every step has its own time limit and writes under $OUT as it goes, so a call cut short keeps what it measured.
+# Every step has its own time limit and writes under its own folder as it goes, packed into $OUT/STEP.tgz when it
+# ends (the device tool brings back at most 8 files: one archive a step), so a call cut short keeps what it measured.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 RPCOMPILE_CACHE=${RPCOMPILE_CACHE:-/tmp/rpcompile-cache}
@@ -26,31 +27,38 @@ slim() {
       >"${t%.json}.table.txt" 2>&1 && rm -f "$t" || gzip -f "$t"
   done
 }
+# pack STEP DIR: the files step STEP wrote (its folder DIR) as one archive $OUT/STEP.tgz; the folder goes
+pack() {
+  [ -n "$(ls -A "$2" 2>/dev/null)" ] && tar czf "$OUT/$1.tgz" -C "$2" . && rm -rf "$2"
+}
+WORK=${WORK:-/tmp/gpu-work}
 for step in ${1//,/ }; do
   start=$(date +%s)
+  W=$WORK/$step; mkdir -p "$W"
   case $step in
-    tests) timeout $(lim 220) python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 >"$OUT/pytest-gpu.txt" 2>&1
-           echo "pytest -m gpu rc=$?"; tail -25 "$OUT/pytest-gpu.txt" ;;
-    retest) timeout $(lim 90) python3 -m pytest -q -m gpu -p no:cacheprovider -k "trains_like_eager" >"$OUT/pytest-retest.txt" 2>&1
-            echo "pytest -m gpu -k trains_like_eager rc=$?"; tail -5 "$OUT/pytest-retest.txt" ;;
-    resident) timeout $(lim 240) python3 benchmarks/gpu.py --sections link,resident --out "$OUT/gpu-resident.json" \
-                >"$OUT/gpu-resident.txt" 2>&1; echo "resident rc=$?"; tail -30 "$OUT/gpu-resident.txt" ;;
-    seqlen) timeout $(lim 110) python3 benchmarks/gpu.py --sections seqlen --out "$OUT/gpu-seqlen.json" \
-              >"$OUT/gpu-seqlen.txt" 2>&1; echo "seqlen rc=$?"; tail -15 "$OUT/gpu-seqlen.txt" ;;
+    tests) timeout $(lim 220) python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 >"$W/pytest-gpu.txt" 2>&1
+           echo "pytest -m gpu rc=$?"; tail -25 "$W/pytest-gpu.txt" ;;
+    retest) timeout $(lim 90) python3 -m pytest -q -m gpu -p no:cacheprovider -k "trains_like_eager" >"$W/pytest-retest.txt" 2>&1
+            echo "pytest -m gpu -k trains_like_eager rc=$?"; tail -5 "$W/pytest-retest.txt" ;;
+    resident) timeout $(lim 240) python3 benchmarks/gpu.py --sections link,resident --out "$W/gpu-resident.json" \
+                >"$W/gpu-resident.txt" 2>&1; echo "resident rc=$?"; tail -30 "$W/gpu-resident.txt" ;;
+    seqlen) timeout $(lim 110) python3 benchmarks/gpu.py --sections seqlen --out "$W/gpu-seqlen.json" \
+              >"$W/gpu-seqlen.txt" 2>&1; echo "seqlen rc=$?"; tail -15 "$W/gpu-seqlen.txt" ;;
     # rpcompile and the real RoundPipe side by side under the 20 GiB cap, one process a shape, with a profiler trace
     # of one steady rpcompile step (gzipped: the trace directory comes home)
     peer8b) timeout $(lim 330) python3 benchmarks/gpu.py --sections capped --peer roundpipe --steps 3 \
-              --profile "$OUT/traces-8b" --out "$OUT/gpu-peer-8b.json" >"$OUT/gpu-peer-8b.txt" 2>&1
-            echo "peer8b rc=$?"; slim "$OUT/traces-8b"; tail -20 "$OUT/gpu-peer-8b.txt" ;;
+              --profile "$W/traces-8b" --out "$W/gpu-peer-8b.json" >"$W/gpu-peer-8b.txt" 2>&1
+            echo "peer8b rc=$?"; slim "$W/traces-8b"; tail -20 "$W/gpu-peer-8b.txt" ;;
     peer17b) timeout $(lim 200) python3 benchmarks/gpu.py --sections capped --peer roundpipe --steps 3 \
                --capped-model llama-1.7b --capped-batch 8 --capped-seq 2048 \
-               --profile "$OUT/traces-1.7b" --out "$OUT/gpu-peer-1.7b.json" >"$OUT/gpu-peer-1.7b.txt" 2>&1
-             echo "peer17b rc=$?"; slim "$OUT/traces-1.7b"; tail -20 "$OUT/gpu-peer-1.7b.txt" ;;
+               --profile "$W/traces-1.7b" --out "$W/gpu-peer-1.7b.json" >"$W/gpu-peer-1.7b.txt" 2>&1
+             echo "peer17b rc=$?"; slim "$W/traces-1.7b"; tail -20 "$W/gpu-peer-1.7b.txt" ;;
     trace8b) timeout $(lim 300) python3 benchmarks/gpu.py --sections capped --steps 1 --optimizer none \
-               --profile "$OUT/traces-8b" --out "$OUT/gpu-trace-8b.json" >"$OUT/gpu-trace-8b.txt" 2>&1
-             echo "trace8b rc=$?"; slim "$OUT/traces-8b"; tail -6 "$OUT/gpu-trace-8b.txt" ;;
-    capped) timeout $(lim 420) python3 benchmarks/gpu.py --sections capped --steps 2 --out "$OUT/gpu-capped.json" \
-              >"$OUT/gpu-capped.txt" 2>&1; echo "capped rc=$?"; tail -20 "$OUT/gpu-capped.txt" ;;
+               --profile "$W/traces-8b" --out "$W/gpu-trace-8b.json" >"$W/gpu-trace-8b.txt" 2>&1
+             echo "trace8b rc=$?"; slim "$W/traces-8b"; tail -6 "$W/gpu-trace-8b.txt" ;;
+    capped) timeout $(lim 420) python3 benchmarks/gpu.py --sections capped --steps 2 --out "$W/gpu-capped.json" \
+              >"$W/gpu-capped.txt" 2>&1; echo "capped rc=$?"; tail -20 "$W/gpu-capped.txt" ;;
   esac
+  pack "$step" "$W"
   echo "step $step: $(( $(date +%s) - start )) s"
 done

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -111,3 +112,27 @@ def test_the_gpu_session_script_parses_and_slims_its_traces(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "cpu.json.gz", "cpu.table.txt", "gpu.slim.json.gz", "gpu.table.json", "gpu.table.txt"]
     assert json.loads((tmp_path / "gpu.table.json").read_text())["gaps"]["count"] == 2
+
+
+def test_the_gpu_session_script_brings_each_step_home_as_one_archive(tmp_path):
+    """The device tool brings back at most 8 files (an H200 session lost its 8B trace to that limit): each step's
+    folder — results, plans, logs, traces, however many — becomes one archive $OUT/STEP.tgz and the folder goes;
+    a step that wrote nothing leaves no archive."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_session.sh"
+    fn = re.search(r"^pack\(\) \{.*?^\}", script.read_text(), re.S | re.M).group(0)
+    work, out = tmp_path / "work" / "peer8b", tmp_path / "out"
+    (work / "traces-8b").mkdir(parents=True)
+    (work / "plans").mkdir()
+    out.mkdir()
+    for name in ("gpu-peer-8b.json", "gpu-peer-8b.txt", "traces-8b/a.slim.json.gz", "traces-8b/a.table.json",
+                 "traces-8b/a.table.txt", "plans/capped.json"):
+        (work / name).write_text(name)
+    (tmp_path / "work" / "tests").mkdir()
+    subprocess.run(["bash", "-c", f'{fn}\nOUT={out}\npack peer8b {work}\npack tests {tmp_path / "work" / "tests"}\n'
+                    "true"], check=True)
+    assert [p.name for p in out.iterdir()] == ["peer8b.tgz"] and not work.exists()
+    with tarfile.open(out / "peer8b.tgz") as tar:
+        names = sorted(m.name for m in tar.getmembers() if m.isfile())
+        assert names == ["./gpu-peer-8b.json", "./gpu-peer-8b.txt", "./plans/capped.json", "./traces-8b/a.slim.json.gz",
+                         "./traces-8b/a.table.json", "./traces-8b/a.table.txt"]
+        assert tar.extractfile("./plans/capped.json").read() == b"plans/capped.json"

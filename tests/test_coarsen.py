@@ -35,15 +35,17 @@ def test_live_bytes_by_hand():
     gm = fx.symbolic_trace(Skip())
     shape_pass(gm, (torch.ones(4, 4),))
     assert [n.name for n in compute_nodes(gm)] == ["mul", "add", "view", "view_1", "mul_1", "sum_1"]
-    inputs, live = live_bytes(gm)
+    inputs, live, last_read = live_bytes(gm)
     assert inputs == 64  # x, until mul reads it
     # after mul: a; after add: a, b; after view: a, b (via the view); after view_1: a, b; after mul_1: d; after sum: out
     assert live == [64, 128, 128, 128, 64, 4]
+    # read for the last time (live while the node runs): x by mul; a and b (through their views) by mul_1; d by sum
+    assert last_read == [64, 0, 0, 0, 128, 64]
 
 
 def test_live_bytes_count_in_the_precision_the_model_runs_in():
     """The same fp32 graph planned for bf16 (``gm.meta["rpcompile.dtype"]``, set by the cost pass): every
-    floating tensor live across a cut takes half the bytes; an integer input keeps its size."""
+    floating tensor live across a cut or read takes half the bytes; an integer input keeps its size."""
     class Lookup(nn.Module):
         def __init__(self):
             super().__init__()
@@ -56,8 +58,9 @@ def test_live_bytes_count_in_the_precision_the_model_runs_in():
     shape_pass(gm, (torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 4, 4)))
     fp32 = live_bytes(gm)
     gm.meta[DTYPE_KEY] = torch.bfloat16
-    assert fp32 == (64 + 128, [128 + 128, 128, 128, 4])  # int64 ids and fp32 x; emb; emb·x; ·2; the sum
-    assert live_bytes(gm) == (64 + 64, [64 + 64, 64, 64, 2])
+    # int64 ids and fp32 x; emb; emb·x; ·2; the sum — then what each node reads for the last time
+    assert fp32 == (64 + 128, [128 + 128, 128, 128, 4], [64, 128 + 128, 128, 128])
+    assert live_bytes(gm) == (64 + 64, [64 + 64, 64, 64, 2], [64, 64 + 64, 64, 64])
 
 
 @pytest.fixture(scope="module")
@@ -129,3 +132,30 @@ def test_cli_segments_per_layer(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "llama-demo", "--gpus", "2", "--segments-per-layer", "0"])
     assert "argument --segments-per-layer: expected a positive integer, got '0'" in capsys.readouterr().err
+
+
+def test_a_segment_s_forward_peak_is_what_its_nodes_hold_while_they_run():
+    """A forward's peak is not what lives across the cuts between nodes: while a cross-entropy runs it holds the
+    logits and targets it reads for the last time and makes an fp32 log-softmax of the logits' size (at a long
+    sequence's LM head this was 5 GiB an H200 run needed and the plan did not count)."""
+    from rpcompile.passes.cost.analytic import AnalyticCostModel
+    from rpcompile.passes.cost.cost import cost_pass
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 1000)
+
+        def forward(self, x, y):
+            return nn.functional.cross_entropy(self.lin(x), y)
+
+    gm = fx.symbolic_trace(Head())
+    x, y = torch.randn(64, 16), torch.randint(0, 1000, (64,))
+    shape_pass(gm, (x, y))
+    cost_pass(gm, (x, y), cost_model=AnalyticCostModel("rtx4090"), progress=False)
+    coarsen_pass(gm, max_segments=2)
+    last = segments_of(gm)[-1]
+    assert "cross_entropy" in last.nodes
+    # the loss (4 B) after it; logits (64 × 1,000 fp32) and targets (64 int64) read for the last time; the
+    # log-softmax and nll_loss's total weight made on the way
+    assert last.peak_bytes == 4 + (256_000 + 512) + (256_000 + 4)

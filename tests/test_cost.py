@@ -103,6 +103,10 @@ def test_backward_transient_bytes_are_the_input_gradients_and_what_leads_to_them
     assert node_cost(next(n for n in gm.graph.nodes if n.name == "cross_entropy")).bwd_transient_bytes == 64 * 1000 * 8
     assert node_cost(next(n for n in gm.graph.nodes if n.name == "lin")).bwd_transient_bytes == 64 * 16 * 4
     assert node_cost(next(n for n in gm.graph.nodes if n.name == "up")).bwd_transient_bytes == 0  # x needs none
+    # the forward: a cross-entropy makes its fp32 log-softmax (and nll_loss's total weight, one fp32) on the way to
+    # a scalar; a linear makes only its output
+    assert [node_cost(next(n for n in gm.graph.nodes if n.name == name)).fwd_transient_bytes
+            for name in ("cross_entropy", "lin", "up")] == [64 * 1000 * 4 + 4, 0, 0]
 
 
 class _ReadsItsGradient(torch.autograd.Function):

@@ -75,9 +75,9 @@ def _scaled_nbytes(info: Any, dtype: torch.dtype | None) -> int:
 
 def _autograd_profile(
     call: NodeCall, producers: dict[int, fx.Node], dtype: torch.dtype | None = None
-) -> tuple[int, int, set[fx.Node], int, int]:
+) -> tuple[int, int, set[fx.Node], int, int, int]:
     """Run ``call`` on meta with autograd: (fwd FLOPs, bwd FLOPs, input nodes whose value it saves, own saved bytes,
-    backward transient bytes)."""
+    backward transient bytes, forward transient bytes)."""
     m = call.materialize("meta", dtype=dtype)
     saved_keys: list[torch.Tensor] = []
 
@@ -85,10 +85,11 @@ def _autograd_profile(
         saved_keys.append(t)
         return t
 
-    # attention as a GPU (or the CPU) runs it: flash, not meta's math path
+    # attention as a GPU (or the CPU) runs it: flash, not meta's math path; ``peak``: what the forward allocates
+    peak = PeakBytes(list(m.memo.values()))
     with FlopCounterMode(display=False) as fwd_counter, MetaSafeMode(), GpuKernels(), \
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out, backward = m.forward_backward()
+        out, backward = m.forward_backward(watch=peak)
     bwd_flops = 0
     if backward is not None:
         try:
@@ -121,7 +122,9 @@ def _autograd_profile(
         else:
             saved_inputs.add(call.node)
     transient = _backward_transient(m, out, saved_keys, param_keys) if backward is not None else 0
-    return fwd_counter.get_total_flops(), bwd_flops, saved_inputs, own, transient
+    made = {storage_key(t): t.untyped_storage().nbytes() for t in tensor_leaves(out) if storage_key(t) not in input_keys
+            and storage_key(t) not in param_keys}
+    return fwd_counter.get_total_flops(), bwd_flops, saved_inputs, own, transient, max(0, peak.peak - sum(made.values()))
 
 
 def _backward_transient(m: Materialized, out: Any, saved: list[torch.Tensor], param_keys: set[int]) -> int:
@@ -163,7 +166,7 @@ class _Recorded:
     needs_grad: bool | None
     shape: Any = None
     pattern: tuple[bool, ...] = ()
-    profile: tuple[int, int, frozenset[str], int, int] | None = None
+    profile: tuple[int, int, frozenset[str], int, int, int] | None = None
     fields: dict[str, Any] | None = None
     estimate: OpEstimate | None = None
 
@@ -197,7 +200,7 @@ class CostInterpreter(fx.Interpreter):
         self.cached = cached
         """node name → its cached cost fields: nothing is measured."""
         self.patterns: dict[fx.Node, tuple[bool, ...]] = {}
-        self.profiles: dict[fx.Node, tuple[int, int, set[fx.Node], int, int]] = {}
+        self.profiles: dict[fx.Node, tuple[int, int, set[fx.Node], int, int, int]] = {}
         """Each node's meta profile (:func:`_autograd_profile`), for its repeats to take."""
         self.shared: dict[fx.Node, fx.Node] = {}
         """Nodes that took their representative's times (filled in by :meth:`finish`)."""
@@ -226,10 +229,10 @@ class CostInterpreter(fx.Interpreter):
         if rec.fields is None or rec.profile is None:
             return rec.value
         nodes = self._names()
-        fwd_flops, bwd_flops, saved_names, own, transient = rec.profile
+        fwd_flops, bwd_flops, saved_names, own, transient, held = rec.profile
         saved = {nodes[s] for s in saved_names}
         self.patterns[n] = rec.pattern
-        self.profiles[n] = (fwd_flops, bwd_flops, saved, own, transient)
+        self.profiles[n] = (fwd_flops, bwd_flops, saved, own, transient, held)
         if self.needs_grad[n]:
             self.kept |= saved
         if n.meta.get(SHAPE_KEY) is None:
@@ -251,11 +254,11 @@ class CostInterpreter(fx.Interpreter):
             return
         for n, fields in self.partial.items():
             rec = self.reuse.entries[n.name][1]
-            fwd_flops, bwd_flops, saved, own, transient = self.profiles[n]
+            fwd_flops, bwd_flops, saved, own, transient, held = self.profiles[n]
             rec.shape, rec.pattern, rec.fields, rec.estimate = \
                 n.meta.get(SHAPE_KEY), self.patterns[n], dict(fields), self.estimates.get(n)
             rec.needs_grad = self.needs_grad[n]
-            rec.profile = (fwd_flops, bwd_flops, frozenset(s.name for s in saved), own, transient)
+            rec.profile = (fwd_flops, bwd_flops, frozenset(s.name for s in saved), own, transient, held)
 
     def _run_node(self, n: fx.Node) -> Any:
         args, kwargs = self.fetch_args_kwargs_from_env(n)
@@ -288,7 +291,7 @@ class CostInterpreter(fx.Interpreter):
             producers = {id(t): a for a in n.all_input_nodes if a in self.env for t in tensor_leaves(self.env[a])}
             profile = _autograd_profile(call, producers, self.dtype)
         self.profiles[n] = profile
-        fwd_flops, bwd_flops, saved_inputs, own, transient = profile
+        fwd_flops, bwd_flops, saved_inputs, own, transient, held = profile
         if not self.needs_grad[n]:
             saved_inputs, own, bwd_flops, transient = set(), 0, 0, 0
         self.kept |= saved_inputs
@@ -299,6 +302,7 @@ class CostInterpreter(fx.Interpreter):
             bwd_time_s=0.0,
             output_bytes=_scaled_nbytes(n.meta[SHAPE_KEY], self.scale),
             act_bytes=own,
+            fwd_transient_bytes=held,
             bwd_transient_bytes=transient,
             param_bytes=sum(p.numel() * p.element_size() for p in params.values()),
             grad_bytes=sum(p.numel() * p.element_size() for p in params.values() if p.requires_grad),
@@ -314,18 +318,18 @@ class CostInterpreter(fx.Interpreter):
         rep = self.share.get(n)
         return rep if rep is not None and self.patterns.get(rep) == self.patterns[n] else None
 
-    def _shared_profile(self, n: fx.Node) -> tuple[int, int, set[fx.Node], int, int] | None:
+    def _shared_profile(self, n: fx.Node) -> tuple[int, int, set[fx.Node], int, int, int] | None:
         """The representative's meta profile (FLOPs, saved inputs, own saved bytes) carried over to ``n``: a saved
         input maps to the input at the same position of ``n`` (the block signatures match argument by argument)."""
         rep = self._rep(n)
         if rep is None or rep not in self.profiles or len(rep.all_input_nodes) != len(n.all_input_nodes):
             return None
-        fwd_flops, bwd_flops, saved, own, transient = self.profiles[rep]
+        fwd_flops, bwd_flops, saved, own, transient, held = self.profiles[rep]
         where = {a: i for i, a in enumerate(rep.all_input_nodes)}
         if any(s is not rep and s not in where for s in saved):
             return None
         mapped = {n if s is rep else n.all_input_nodes[where[s]] for s in saved}
-        return fwd_flops, bwd_flops, {s for s in mapped if s is n or is_compute(s)}, own, transient
+        return fwd_flops, bwd_flops, {s for s in mapped if s is n or is_compute(s)}, own, transient, held
 
     def _time(self, n: fx.Node, call: NodeCall) -> None:
         """Times from the cache, from the representative (later, in :meth:`finish`) or measured in a batch."""

@@ -8,6 +8,7 @@ Siblings: :mod:`~rpcompile.passes.cost.cost` (the drivers ``cost_pass``/``cost_f
 from __future__ import annotations
 
 import abc
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, cast
 
@@ -38,6 +39,10 @@ class NodeCost:
     act_bytes: int = 0
     """Bytes autograd keeps for backward that this node produced (its output if a consumer saves it, plus
     internal tensors such as an attention's log-sum-exp)."""
+    fwd_transient_bytes: int = 0
+    """The most bytes its forward holds at once beyond its inputs and its output: what it makes on the way (a
+    cross-entropy's fp32 log-softmax, 4 bytes a logit). Counted while the node runs, beside its inputs, even when
+    autograd keeps some of it for backward (then it is also in ``act_bytes``: an upper bound)."""
     bwd_transient_bytes: int = 0
     """The most bytes its backward allocates at once beyond its saved tensors and its output's gradient (its
     inputs' gradients and what it makes on the way to them: a cross-entropy's log-softmax and logits gradients,
@@ -71,10 +76,11 @@ class Materialized:
     memo: dict[int, torch.Tensor]
     """id(original tensor) -> its copy, to map inputs back to the nodes that produced them."""
 
-    def forward_backward(self) -> tuple[Any, Callable[[], Any] | None]:
+    def forward_backward(self, *, watch: Any = None) -> tuple[Any, Callable[[], Any] | None]:
         """Run forward with autograd on; return the output and a thunk that runs its backward
-        (None when nothing differentiable came out)."""
-        with torch.enable_grad():
+        (None when nothing differentiable came out). ``watch``: a context (a dispatch mode) around the forward
+        alone."""
+        with torch.enable_grad(), watch if watch is not None else contextlib.nullcontext():
             out = self.run()
         outs = [t for t in tensor_leaves(out) if t.requires_grad]
         if not outs or not self.leaves:

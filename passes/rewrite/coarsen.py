@@ -62,7 +62,8 @@ class Segment:
     act_bytes: int
     """Bytes autograd keeps for this segment's backward."""
     peak_bytes: int
-    """Largest live set inside the segment when run forward without autograd."""
+    """The most bytes its forward holds while one of its nodes runs, without autograd: what is live across that
+    node, what it reads for the last time and its forward transient (``fwd_transient_bytes``)."""
     boundary_bytes: int
     """Bytes live across the cut after this segment."""
     params: tuple[str, ...]
@@ -87,8 +88,9 @@ def _is_alias(node: fx.Node) -> bool:
     return info is not None and bool(info.tensors) and all(t.is_alias for t in info.tensors)
 
 
-def live_bytes(gm: fx.GraphModule) -> tuple[int, list[int]]:
-    """(bytes of model inputs live before position 0, bytes live across the cut after each position).
+def live_bytes(gm: fx.GraphModule) -> tuple[int, list[int], list[int]]:
+    """(bytes of model inputs live before position 0, bytes live across the cut after each position, bytes each
+    position reads for the last time — live while it runs, freed after it).
 
     A view keeps its base alive, so uses of an alias node count as uses of what it aliases."""
     nodes = compute_nodes(gm)
@@ -105,6 +107,7 @@ def live_bytes(gm: fx.GraphModule) -> tuple[int, list[int]]:
             for inp in node.all_input_nodes:
                 last_use[inp] = max(last_use.get(inp, -1), last)
     diff = [0] * (n + 1)
+    last_read = [0] * n
     inputs = 0
     dtype = gm.meta.get(DTYPE_KEY)
     for node, last in last_use.items():
@@ -119,11 +122,13 @@ def live_bytes(gm: fx.GraphModule) -> tuple[int, list[int]]:
         else:
             diff[start] += size
         diff[min(last, n)] -= size
+        if last < n:
+            last_read[last] += size
     live, acc = [], 0
     for i in range(n):
         acc += diff[i]
         live.append(acc)
-    return inputs, live
+    return inputs, live, last_read
 
 
 def _group_keys(nodes: Sequence[fx.Node], deeper: int = 1) -> tuple[list[str], list[str]]:
@@ -182,7 +187,10 @@ def coarsen_pass(gm: fx.GraphModule, *, max_segments: int | None = None, segment
     if not nodes:
         raise ConfigError("coarsen_pass: the graph has no compute nodes, so there is nothing to partition; give a model "
                           "whose forward computes something")
-    inputs, live = live_bytes(gm)
+    inputs, live, last_read = live_bytes(gm)
+    # what each node holds while it runs: what stays live past it, what it reads for the last time, and what it
+    # makes on the way (the forward's peak, which the cuts alone do not see: a cross-entropy's log-softmax)
+    running = [live[i] + last_read[i] + node_cost(node).fwd_transient_bytes for i, node in enumerate(nodes)]
     groups, layer_keys = _group_keys(nodes, deeper=2 if segments_per_layer > 2 else 1)
     runs = _runs(groups)
     n_layers = sum(1 for a, _ in _runs(layer_keys) if _NUMERIC.match(layer_keys[a].rsplit(".", 1)[-1]))
@@ -195,7 +203,7 @@ def coarsen_pass(gm: fx.GraphModule, *, max_segments: int | None = None, segment
     for a, _ in bounds:
         layer_index.append(len(layer_index) and layer_index[-1] + (layer_keys[a] != previous))
         previous = layer_keys[a]
-    segments = tuple(_segment(i, nodes, a, b, groups, live, layer_index[i]) for i, (a, b) in enumerate(bounds))
+    segments = tuple(_segment(i, nodes, a, b, groups, live, running, layer_index[i]) for i, (a, b) in enumerate(bounds))
     for seg in segments:
         for n in nodes[seg.start:seg.stop]:
             n.meta[SEGMENT_KEY] = seg.index
@@ -205,7 +213,8 @@ def coarsen_pass(gm: fx.GraphModule, *, max_segments: int | None = None, segment
     return gm
 
 
-def _segment(i: int, nodes: Sequence[fx.Node], a: int, b: int, groups: Sequence[str], live: Sequence[int], layer: int) -> Segment:
+def _segment(i: int, nodes: Sequence[fx.Node], a: int, b: int, groups: Sequence[str], live: Sequence[int],
+             running: Sequence[int], layer: int) -> Segment:
     costs = [node_cost(n) for n in nodes[a:b]]
     weight: dict[str, float] = {}
     for g, c in zip(groups[a:b], costs):
@@ -223,7 +232,7 @@ def _segment(i: int, nodes: Sequence[fx.Node], a: int, b: int, groups: Sequence[
         fwd_s=sum(c.fwd_time_s for c in costs),
         bwd_s=sum(c.bwd_time_s for c in costs),
         act_bytes=sum(c.act_bytes for c in costs),
-        peak_bytes=max(live[a:b]),
+        peak_bytes=max(running[a:b]),
         boundary_bytes=live[b - 1],
         params=tuple(params),
         transient_bytes=max(c.bwd_transient_bytes for c in costs),

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch.fx as fx
 
 from rpcompile.core.plan import Hardware
+from rpcompile.core.precision import PRECISION_BYTES
 from rpcompile.core.stages import host_load
 
 from rpcompile.passes.cost.cost_model import COST_KEY, DTYPE_KEY
@@ -30,9 +31,7 @@ from .rewrite.dequantize import dequantizations, derived_bytes
 from .rewrite.host import host_of
 from .solver.problem import PartitionProblem, SharedParam
 
-__all__ = ["partition_problem", "launch_bound", "PRECISION_BYTES"]
-
-PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+__all__ = ["partition_problem", "launch_bound"]
 
 
 def partition_problem(

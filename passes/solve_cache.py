@@ -59,7 +59,7 @@ def _path(key: dict[str, Any]) -> Path:
 
 
 def cached_solve(problem: PartitionProblem, strategy: str = "ilp", *, time_limit_s: float = 10.0, seed: int = 0,
-          cache: bool = True, **options: Any) -> PartitionResult:
+                 cache: bool = True, **options: Any) -> PartitionResult:
     """:func:`.solver.partition.solve` (``ilp`` with ``options``: :func:`.solver.partition.ilp`'s ``baselines``) through
     the cache (module docstring); ``cache=False`` solves and keeps nothing."""
     def fresh() -> PartitionResult:

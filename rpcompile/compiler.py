@@ -41,7 +41,7 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 import torch
 import torch.fx as fx
 
-from rpcompile.passes.formulate import PRECISION_BYTES
+from rpcompile.core.precision import PRECISION_BYTES
 from rpcompile.passes.graph.trace import training_inputs
 from rpcompile.passes.rewrite.codegen import write_stages
 from rpcompile.passes.rewrite.split import split_plan

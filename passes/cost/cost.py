@@ -178,7 +178,7 @@ def _drive(gm: fx.GraphModule, flat: list[Any], cost_model: CostModel, on_node: 
         reuse = memo.session(gm, "cost", _memo_key(cost_model, gm, share)) if reusable and memo is not None else None
         values = memo.values(gm) if reusable and memo is not None else None
         interp = CostInterpreter(gm, cost_model, on_node, share=repeat_map(gm) if share else None, cached=cached,
-                                  drive=where, reuse=reuse, values=values)
+                                 drive=where, reuse=reuse, values=values)
         try:
             with torch.no_grad(), running_on(where or device_of(gm, flat)):
                 interp.run(*flat, enable_io_processing=False)

@@ -115,7 +115,7 @@ def host_embedding_pass(gm: fx.GraphModule, *, microbatches: int = 1,
             node = by_name.get(name)
             if node is None or _lookup(gm, node) is None:
                 raise ConfigError(f"node {name!r} is not an embedding lookup of a model input that the host can run "
-                                 "(a plan made for another graph?); re-plan for this model")
+                                  "(a plan made for another graph?); re-plan for this model")
             chosen.append(node)
     graph = gm.graph
     for node in chosen:
@@ -148,7 +148,7 @@ def as_planned(gm: fx.GraphModule, names: Sequence[str]) -> fx.GraphModule:
         return gm
     if host_of(gm):
         raise ConfigError(f"the graph runs {[h.node for h in host_of(gm)]} on the host, the plan {list(names)}; "
-                         "re-plan for this graph")
+                          "re-plan for this graph")
     out = fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
     out.meta = dict(gm.meta)
     return host_embedding_pass(out, names=names)

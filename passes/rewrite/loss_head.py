@@ -80,7 +80,7 @@ def _attach(gm: fx.GraphModule, loss_fn: Callable[[Any, Any], torch.Tensor]) -> 
         loss_gm = fx.GraphModule(root, _LossTracer().trace(root))
     except Exception as exc:  # noqa: BLE001 - any tracing failure means the same thing here
         raise LossHeadError(f"loss_fn could not be traced with torch.fx ({type(exc).__name__}: {exc}); pass a loss "
-                         "built from torch functions, or keep it outside the graph (no head split)") from exc
+                            "built from torch functions, or keep it outside the graph (no head split)") from exc
     out = graph.output_node()
     (value,) = out.args
     if not isinstance(value, fx.Node):

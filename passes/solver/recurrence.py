@@ -32,7 +32,7 @@ __all__ = ["Walk", "stage_ends", "pipeline_end", "lane_ends", "reduce_times", "h
 
 
 def pipeline_end(ends: Sequence[float], grad_s: Sequence[float], accumulate_s: Sequence[float],
-                  reduce_s: Sequence[float], overlap_reduce: bool, reduce_host_s: float) -> float:
+                 reduce_s: Sequence[float], overlap_reduce: bool, reduce_host_s: float) -> float:
     """:func:`.timing.pipeline_time` after the walk: each stage's last microbatch ``ends``, its gradients down, added on
     the host, all-reduced."""
     landed = [e + (grad_s[k] if k < len(grad_s) else 0.0) for k, e in enumerate(ends)]

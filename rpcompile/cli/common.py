@@ -55,7 +55,7 @@ def writable(path: str, flag: str) -> None:
         raise ConfigError(f"{flag} {path} is a directory; give a file name such as {target / 'plan.json'}")
     if not parent.is_dir():
         raise ConfigError(f"{flag} {path}: directory {parent} does not exist; create it (mkdir -p {parent}) "
-                             "or write elsewhere")
+                          "or write elsewhere")
     if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
         raise ConfigError(f"{flag} {path}: not writable here; pick a path you can write")
 

@@ -11,7 +11,7 @@ from typing import Any
 from rpcompile.core.errors import ConfigError, RPCompileError
 from rpcompile.core.plan import Plan
 from rpcompile.tools.simulation import (model_scenarios, parse_schedules, plan_scenarios, profile_scenarios, run_all,
-                                  scaling, skipped)
+                                        scaling, skipped)
 from rpcompile.views.gantt import write_timeline_svg
 from rpcompile.views.report import devices_table, host_line, print_table, scaling_table, simulate_table
 

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["COMPUTE_DTYPES", "compute_dtype"]
+__all__ = ["COMPUTE_DTYPES", "PRECISION_BYTES", "compute_dtype"]
 
 #: Each precision a plan runs in → its compute dtype (``None`` for fp32: as the model is).
 COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+#: Each precision → the bytes of one element in it (what the planner prices a weight or activation at).
+PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def compute_dtype(precision: str) -> torch.dtype | None:

@@ -188,7 +188,7 @@ def interleaved_one_f_one_b(devices: int, microbatches: int, chunks: int) -> lis
         raise ConfigError(f"need devices, microbatches and chunks >= 1, got {n}, {m}, {v}")
     if m % n:
         raise ConfigError(f"interleaved 1F1B needs microbatches to be a multiple of devices ({m} is not a multiple "
-                         f"of {n}); use {m + n - m % n} microbatches")
+                          f"of {n}); use {m + n - m % n} microbatches")
     positions, total = n * v, m * v
 
     def step(i: int, d: int, forward: bool) -> Action:

@@ -73,10 +73,10 @@ class HostLoad:
     def __post_init__(self) -> None:
         if not self.accumulate_bytes_per_s > 0 or not self.accumulate_traffic > 0:
             raise ConfigError(f"HostLoad: accumulate_bytes_per_s and accumulate_traffic must be > 0, got "
-                             f"{self.accumulate_bytes_per_s} and {self.accumulate_traffic}")
+                              f"{self.accumulate_bytes_per_s} and {self.accumulate_traffic}")
         if not (self.optimizer_s >= 0 and self.refresh_s >= 0 and math.isfinite(self.optimizer_s + self.refresh_s)):
             raise ConfigError(f"HostLoad: optimizer_s and refresh_s must be finite times >= 0, got "
-                             f"{self.optimizer_s} and {self.refresh_s}")
+                              f"{self.optimizer_s} and {self.refresh_s}")
         if self.overlap_iterations and not self.overlap_step:
             raise ConfigError("HostLoad: overlap_iterations needs overlap_step=True (iterations overlap only when the "
                               "optimizer step runs beside the next one); set both")

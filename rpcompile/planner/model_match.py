@@ -21,25 +21,12 @@ from rpcompile.passes.graph.fingerprint import fingerprint
 from rpcompile.core.precision import compute_dtype
 from rpcompile.passes.graph.precision import TRACE_DTYPE_KEY
 from rpcompile.passes.graph.trace import TRACE_META_KEY
-from rpcompile.passes.rewrite.host import as_planned
 
 from ..core.errors import PlanMismatchError
 from ..core.plan import Plan
 from .planning import GRAPH, planned, run
 
-__all__ = ["planned_graph", "graph_as_planned", "model_differences"]
-
-
-def planned_graph(plan: Plan, gm: fx.GraphModule, *, source: str = "plan") -> fx.GraphModule:
-    """``gm``, a traced model, as ``plan`` runs it — with the embedding lookups ``plan.host`` names moved to the
-    host (:func:`rpcompile.passes.rewrite.host.as_planned`) — once the plan's fingerprint says it was made for it; else
-    :class:`~rpcompile.PlanMismatchError`."""
-    try:
-        gm = as_planned(gm, plan.host)
-    except ValueError as e:
-        raise PlanMismatchError(f"{source} was made for a different model: {e}") from None
-    plan.check_model(fingerprint(gm), source=source)
-    return gm
+__all__ = ["graph_as_planned", "model_differences"]
 
 
 def graph_as_planned(plan: Plan, model: torch.nn.Module, example_inputs: Any, *, loss_fn: Any = None,

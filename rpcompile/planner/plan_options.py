@@ -12,7 +12,7 @@ import torch
 from rpcompile.core.units import fmt_bytes
 from rpcompile.passes.cost.analytic import AnalyticCostModel
 from rpcompile.passes.cost.measured import MeasuredCostModel
-from rpcompile.passes.formulate import PRECISION_BYTES
+from rpcompile.core.precision import PRECISION_BYTES
 from rpcompile.passes.solver.problem import PartitionProblem
 from rpcompile.passes.solver.tables import min_feasible_memory
 

@@ -84,7 +84,7 @@ def _plan_here(console: Console, ms: ModelSpec, name: str, n_dev: int, where: st
         raise InfeasibleError(f"{name}: the ilp found no plan for {where} in 5 s; run rpcompile plan {name} --gpus {n_dev} "
                               "for the details")
     print_table(plan_table(chosen, title=f"{name}: the ilp plan, {len(chosen.stages)} stages on {where}, {m} microbatches "
-                                       "(trained in section 3)"), console)
+                           "(trained in section 3)"), console)
     print_table(compare_table(rows), console)
     return chosen, m
 
@@ -95,7 +95,7 @@ def _train(console: Console, ms: ModelSpec, plan: Plan, name: str, n_dev: int, w
     console.rule(f"[bold]3. {name}: train the plan above for {steps} steps on {where}")
     devices = [f"cuda:{i}" for i in range(n_dev)] if device != "cpu" else ["cpu"] * n_dev
     pipe = compiler.compile(ms.model, ms.example_inputs, loss_fn=ms.loss_fn, devices=devices, plan=plan,
-                             precision=plan.precision)
+                            precision=plan.precision)
     optimizer = torch.optim.AdamW(ms.model.parameters(), lr=3e-3, fused=True)  # the README's advice
     x, = ms.example_inputs
     took: list[float] = []
@@ -145,8 +145,8 @@ def _plan_big(console: Console, big_model: str, big_gpus: int) -> None:
     whole = rows8["ilp"][1]
     with console.status(f"planning {big_model} with its LM head split into {AUTO_HEAD_CHUNKS} chunks as well"):
         split = plan_model(big.model, big.example_inputs, gpus=big_gpus, spec="rtx4090", microbatches=m8,
-                     precision="bf16", time_limit_s=10.0, progress=False, loss_fn=big.loss_fn,
-                     example_target=big.example_target, head_chunks=AUTO_HEAD_CHUNKS)
+                           precision="bf16", time_limit_s=10.0, progress=False, loss_fn=big.loss_fn,
+                           example_target=big.example_target, head_chunks=AUTO_HEAD_CHUNKS)
     if whole is not None:
         console.print(f"predicted: ilp with the LM head and its loss in {split.head_chunks} sequence chunks "
                       f"{fmt_ms(split.predicted.iteration_time_s)} per iteration (whole head "

@@ -303,7 +303,7 @@ def layer_profile_scenarios(entry: Mapping[str, Any], *, devices: int, microbatc
             for s, c in enumerate(counts):  # forward positions; the last virtual stage holds the LM head
                 head = s == V - 1
                 stages.append(StageCost(name=f"F{s}", compute_s=c * f + (hf if head else 0.0),
-                                       upload_s=comm if s > 0 and devices > 1 else None))
+                                        upload_s=comm if s > 0 and devices > 1 else None))
             for s in reversed(range(V)):
                 head = s == V - 1
                 per_layer = b + (f if static_recompute else 0.0)  # the paper's simulator: recompute, then backward
@@ -339,7 +339,7 @@ def layer_profile_scenarios(entry: Mapping[str, Any], *, devices: int, microbatc
             res = solve(pb, name, time_limit_s=time_limit_s)
             sc = from_segment_plan(pb, res.require_plan(), name=name, handoff_s=comm if devices > 1 else None)
             out[name] = Scenario(name, sc.lists, sc.stages, notes={"partition": _describe(res.plan, L),
-                                                                  "solve_time_s": res.solve_time_s})
+                                                                   "solve_time_s": res.solve_time_s})
             out[name] = overlapped(out[name]) if overlap else out[name]
     return out
 

@@ -19,7 +19,7 @@ from rpcompile.passes.formulate import partition_problem
 from rpcompile.passes.lower import input_tokens
 from rpcompile.passes.solver.partition import solve
 from rpcompile.tools.scenarios import (SCHEDULES, Scenario, from_plan, from_segment_plan, layer_profile_scenarios,
-                                 load_layer_profile, overlapped, static_scenarios)
+                                       load_layer_profile, overlapped, static_scenarios)
 
 from ..planner.plan_options import (PlanOptions, default_spec, fastest, head_chunk_candidates, make_hardware,
                                     model_device)

@@ -55,7 +55,7 @@ def own_loss(output: Any) -> torch.Tensor:
     if isinstance(output, Mapping):
         if "loss" not in output or output["loss"] is None:
             raise LossFnError(f"loss_fn=None but the model's output ({type(output).__name__}) has no loss: pass "
-                                 "the batch's labels= (the model computes its loss from them) or give loss_fn=")
+                              "the batch's labels= (the model computes its loss from them) or give loss_fn=")
         return output["loss"]
     if isinstance(output, (tuple, list)) and output:
         return output[0]

@@ -358,7 +358,7 @@ def _warn_16_bit_masters(model: torch.nn.Module) -> None:
     step of that dtype are lost, where rpcompile's design keeps fp32 masters on the host for the devices' 16-bit
     compute (``precision=``). A frozen 16-bit base (LoRA) is fine and not warned about."""
     low = [(n, p.dtype) for n, p in model.named_parameters() if p.requires_grad and p.dtype in (torch.bfloat16,
-                                                                                                  torch.float16)]
+                                                                                                torch.float16)]
     if low:
         name, dtype = low[0]
         warnings.warn(f"{len(low)} trainable parameter(s) are {_name(dtype)} (e.g. {name}): the optimizer updates them "

@@ -274,7 +274,7 @@ def scaling_table(rows: Sequence[dict], *, title: str = "") -> Table:
     """Data-parallel scaling (:func:`rpcompile.tools.simulation.scaling`): one row per machine count, network and
     whether the gradient all-reduce overlaps the later stages."""
     t = SafeTable(title=title, caption="simulated: every machine runs the pipeline on its own batch; the all-reduce is "
-                                   "a ring over each machine's network link, not measured")
+                  "a ring over each machine's network link, not measured")
     for col in ("nodes", "network", "all-reduce", "iteration", "tokens/s (all nodes)", "efficiency", "reduce",
                 "of it exposed"):
         t.add_column(col, justify="right")

@@ -177,7 +177,7 @@ def available_memory() -> int | None:
 
 
 def start_background(root: Path, path: Path, snapshot: Snapshot, write: Callable[[Snapshot], None], *,
-          model: torch.nn.Module, optimizers: list[Any]) -> PendingSave:
+                     model: torch.nn.Module, optimizers: list[Any]) -> PendingSave:
     """Check the host can hold the snapshot's copy, then start writing it on a thread (module docstring)."""
     need, free = snapshot.shared_bytes(), available_memory()
     if free is not None and need > free:

@@ -130,8 +130,8 @@ def read_header(f: IO[bytes], size: int) -> Header:
     (n,) = struct.unpack("<Q", head)
     if n > MAX_HEADER_BYTES or 8 + n > size:
         raise ValueError(f"a header of {n:,} bytes in a file of {size:,}" + (" (more than the format allows)"
-                                                                               if n > MAX_HEADER_BYTES else
-                                                                               ": truncated, or not safetensors"))
+                                                                             if n > MAX_HEADER_BYTES else
+                                                                             ": truncated, or not safetensors"))
     raw = f.read(n)
     if len(raw) < n:
         raise ValueError(f"the header ends after {len(raw):,} of its {n:,} bytes: truncated")

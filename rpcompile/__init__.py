@@ -32,6 +32,7 @@ _EXPORTS = {
     "list_models": "rpcompile.models.registry",
     "profile": "rpcompile.planner.profiling",
     "plan": "rpcompile.planner.planning",
+    "PlanOptions": "rpcompile.planner.plan_options",
     "compile": "rpcompile.compiler",
     "max_sequence_length": "rpcompile.planner.seqlen",
     "LinkBoundWarning": "rpcompile.planner.envelope",

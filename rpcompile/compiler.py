@@ -29,6 +29,7 @@ and join (:func:`_join`, :mod:`rpcompile.training.distributed`); a rank that fai
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -53,7 +54,7 @@ from .core.precision import COMPUTE_DTYPES
 from .core.program import Program
 from .planner.invariants import plan_violations
 from .planner.model_match import graph_as_planned
-from .planner.plan_options import PlanOptions
+from .planner.plan_options import PlanOptions, options_or_keywords
 from .planner.planning import compile_plan, replanned
 from .training.distributed import DataParallel, DistributedError, data_parallel_group, plan_digest
 from .training.gpu_memory import gpu_memory_limit
@@ -86,6 +87,7 @@ def compile(
     loss_weight: "str | Callable[[Any], float]" = "auto",
     frozen_masters: bool = False,
     data_parallel: bool | None = None,
+    options: PlanOptions | None = None,
     **plan_options: Any,
 ) -> Pipeline:
     """Trace ``model``, plan it (or load/check ``plan``) and return a :class:`~rpcompile.Pipeline` on its devices.
@@ -98,7 +100,11 @@ def compile(
     other fields of :class:`~rpcompile.planner.plan_options.PlanOptions` (``strategy``, ``memory_limit``,
     ``time_limit_s``, ...), made into one object with these keywords and passed whole to
     :func:`rpcompile.planner.planning.compile_plan`: ``compile`` is that plan plus a :class:`~rpcompile.Pipeline` that runs it. Building it checks the host memory it needs first
-    (:mod:`rpcompile.training.host_memory`).
+    (:mod:`rpcompile.training.host_memory`). ``options``: a :class:`~rpcompile.PlanOptions` holding the planner's
+    options at once instead of those keywords (``gpus``, ``microbatches``, ``precision``, ``spec``,
+    ``head_chunks``, ``host_embedding`` and ``plan_options``; a keyword given beside it is refused); compile
+    chooses where costs are measured, so its ``device`` and ``threads`` stay None. Its ``allow_save`` left True
+    lets compile re-plan without saved activations when the host cannot hold them, as the keyword left out does.
 
     ``head_chunks=k`` (with ``example_target``, a target for ``example_inputs``) moves a mean token cross-entropy
     into the graph and splits it with the LM head into ``k`` sequence chunks
@@ -131,6 +137,26 @@ def compile(
     (:mod:`rpcompile.training.distributed`): rank 0 plans (unless ``plan`` is given) and every rank checks it runs the
     same plan. ``data_parallel=False`` keeps this process on its own; ``True`` requires a process group.
     """
+    if options is not None:  # the planner's options in one object: the planner keywords are left out
+        if plan is not None:
+            raise ConfigError("options= plans the model and plan= runs a plan made already: give one of them")
+        if options.device is not None or options.threads is not None:
+            raise ConfigError("compile measures costs on its first device with that device's share of the cores: "
+                              "leave options.device and options.threads None (or plan with rpcompile.plan(options=...) "
+                              "and compile(plan=...))")
+        keywords = dict(gpus=gpus if devices is None else None, microbatches=microbatches, spec=spec,
+                        head_chunks=head_chunks, host_embedding=host_embedding, **plan_options)
+        if precision is not None and precision != options.precision:
+            keywords["precision"] = precision  # (compile's own default: the plan's or fp32)
+        given = options_or_keywords(options, keywords, where="compile")
+        if devices is not None and len(devices) != options.gpus:
+            raise ConfigError(f"options.gpus is {options.gpus} but {len(devices)} devices were given; make them agree")
+        gpus = options.gpus if devices is None else None
+        microbatches, spec, head_chunks, host_embedding, precision = (
+            given.pop(k) for k in ("microbatches", "spec", "head_chunks", "host_embedding", "precision"))
+        defaults = {f.name: f.default for f in dataclasses.fields(PlanOptions)}
+        plan_options = {k: v for k, v in given.items()
+                        if k not in ("gpus", "device", "threads") and v != defaults[k]}
     check_compile_arguments(model, example_inputs, example_kwargs, loss_fn=loss_fn, devices=devices, gpus=gpus,
                             microbatches=microbatches)
     source = "the plan" if isinstance(plan, Plan) else str(plan)

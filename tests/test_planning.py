@@ -405,3 +405,33 @@ def test_the_readme_s_planning_calls_take_an_hf_model_as_it_comes():
     prof = rpcompile.profile(model, (ids,), spec="rtx4090")
     assert prof.total.fwd_time_s > 0 and prof.total.params == sum(p.numel() for p in model.parameters())
     assert model.config.use_cache is True
+
+
+def test_one_plan_options_object_plans_and_compiles_as_the_keywords_do():
+    """``rpcompile.PlanOptions`` holds the planner's options at once (one set for several models or calls):
+    ``plan(options=)`` makes the plan the keywords make, ``compile(options=)`` runs it, and a planner keyword given
+    beside it — or what compile chooses itself — is refused in one line."""
+    spec = load_model("gpt-demo")
+    (x,), y = spec.example_inputs, spec.example_target
+    options = rpcompile.PlanOptions(gpus=2, spec="cpu", microbatches=2, time_limit_s=2.0, head_chunks=1)
+    keywords = dict(gpus=2, spec="cpu", microbatches=2, time_limit_s=2.0, head_chunks=1)
+    by_options = rpcompile.plan(spec.model, (x,), options=options)
+    assert by_options.to_dict()["stages"] == rpcompile.plan(spec.model, (x,), **keywords).to_dict()["stages"]
+    pipe = rpcompile.compile(spec.model, (x,), loss_fn=spec.loss_fn, devices=["cpu", "cpu"], options=options)
+    assert pipe.plan.to_dict()["stages"] == by_options.to_dict()["stages"] and pipe.microbatches == 2
+    assert torch.isfinite(pipe.forward_backward(x, target=y))
+    with pytest.raises(rpcompile.ConfigError) as e:
+        rpcompile.plan(spec.model, (x,), options=options, microbatches=4, strategy="dp")
+    assert str(e.value) == ("plan: microbatches, strategy given beside options=; give the planner's options either "
+                            "as keywords or in options=PlanOptions(...), not both")
+    with pytest.raises(rpcompile.ConfigError, match=r"^compile: precision given beside options="):
+        rpcompile.compile(spec.model, (x,), loss_fn=spec.loss_fn, devices=["cpu", "cpu"], options=options,
+                          precision="bf16")
+    with pytest.raises(rpcompile.ConfigError, match=r"^options.gpus is 2 but 3 devices were given"):
+        rpcompile.compile(spec.model, (x,), loss_fn=spec.loss_fn, devices=["cpu"] * 3, options=options)
+    with pytest.raises(rpcompile.ConfigError, match=r"^compile measures costs on its first device"):
+        rpcompile.compile(spec.model, (x,), loss_fn=spec.loss_fn, options=rpcompile.PlanOptions(gpus=1, threads=1))
+    with pytest.raises(rpcompile.ConfigError, match=r"^options= plans the model and plan= runs a plan"):
+        rpcompile.compile(spec.model, (x,), loss_fn=spec.loss_fn, options=options, plan=by_options)
+    with pytest.raises(rpcompile.ConfigError, match=r"^plan needs the number of devices: gpus=N"):
+        rpcompile.plan(spec.model, (x,))

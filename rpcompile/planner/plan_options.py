@@ -4,6 +4,7 @@ the LM-head splits to try and which of their plans wins, and the refusal when no
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -21,7 +22,7 @@ from ..core.plan import Hardware
 from ..core.specs import DeviceSpec, HostSpec, assumed_host, get_spec
 from .device_probe import device_spec
 
-__all__ = ["PlanOptions", "PLAN_STRATEGIES", "AUTO_HEAD_CHUNKS", "make_cost_model", "make_hardware", "default_spec",
+__all__ = ["PlanOptions", "options_or_keywords", "PLAN_STRATEGIES", "AUTO_HEAD_CHUNKS", "make_cost_model", "make_hardware", "default_spec",
            "head_chunk_candidates", "fastest", "split_limit", "infeasible_error", "model_device"]
 
 #: The strategies a plan may name (``--strategy``, ``strategy=``); :data:`rpcompile.passes.solver.partition.STRATEGIES` runs them.
@@ -92,6 +93,27 @@ class PlanOptions:
         head = self.head_chunks
         if head != "auto" and (isinstance(head, bool) or not isinstance(head, int) or head < 1):
             raise ConfigError(f"head_chunks must be a positive integer or 'auto', got {head!r}")
+
+
+def options_or_keywords(options: "PlanOptions | None", keywords: dict[str, Any], *, where: str) -> dict[str, Any]:
+    """The planner's options as keywords: ``keywords`` (a call's planner keywords, :class:`PlanOptions` field
+    names) when ``options`` is None, else ``options``' fields — refused in one line when a keyword also left its
+    default (``gpus``: unless it equals ``options.gpus``). ``where`` names the call in the message."""
+    if options is None:
+        return keywords
+    if not isinstance(options, PlanOptions):
+        raise ConfigError(f"{where}(options=...) takes a rpcompile.PlanOptions, got {type(options).__name__}")
+    defaults = {f.name: f.default for f in dataclasses.fields(PlanOptions)}
+    def given(name: str, value: Any) -> bool:
+        if name == "gpus":
+            return value is not None and value != options.gpus
+        return value is not defaults[name] and value != defaults[name]
+
+    clash = [k for k, v in keywords.items() if given(k, v)]
+    if clash:
+        raise ConfigError(f"{where}: {', '.join(clash)} given beside options=; give the planner's options either "
+                          f"as keywords or in options=PlanOptions(...), not both")
+    return {f.name: getattr(options, f.name) for f in dataclasses.fields(PlanOptions)}
 
 
 def make_cost_model(*, spec: "str | DeviceSpec | None" = None, device: "str | torch.device | None" = None,

@@ -60,7 +60,7 @@ from ..core.specs import DeviceSpec
 from .envelope import warn_if_link_bound
 from .plan_options import (AUTO_HEAD_CHUNKS, PLAN_STRATEGIES, PlanOptions, default_spec, fastest,
                            head_chunk_candidates, infeasible_error, make_cost_model, make_hardware, model_device,
-                           split_limit)
+                           options_or_keywords, split_limit)
 from .shared_trace import TraceOnce
 
 __all__ = [
@@ -535,7 +535,7 @@ def plan(
     model: torch.nn.Module,
     example_inputs: Sequence[Any],
     *,
-    gpus: int,
+    gpus: int | None = None,
     spec: "str | DeviceSpec | None" = None,
     device: "str | torch.device | None" = None,
     microbatches: int | None = None,
@@ -555,8 +555,12 @@ def plan(
     cache: bool = True,
     overlap: bool = False,
     allow_stay: bool = True,
+    options: PlanOptions | None = None,
 ) -> Plan:
     """Make a round-robin plan for ``model`` on ``gpus`` devices.
+
+    ``options``: a :class:`~rpcompile.PlanOptions` holding every planner keyword below (and ``gpus``) at once — to
+    keep one set of options for several models or calls; the keywords are then left out.
 
     Costs are analytic for ``spec`` (a :class:`~rpcompile.DeviceSpec` or preset name) or measured on ``device``; with neither,
     measured on the CPU (analytic ``rtx4090`` for a meta-device model). The hardware is ``gpus`` devices of
@@ -580,11 +584,17 @@ def plan(
     that differentiates them, or every weight stay across iterations (a resident plan), wherever memory allows and
     the plan is not slower (:mod:`rpcompile.passes.solver.stay_search`); ``False``: every stage uploads its weights.
     """
-    options = PlanOptions(gpus=gpus, spec=spec, device=device, microbatches=microbatches, memory_limit=memory_limit,
-                          strategy=strategy, precision=precision, time_limit_s=time_limit_s,
-                          max_segments=max_segments, leaf_modules=leaf_modules, progress=progress,
-                          head_chunks=head_chunks, segments_per_layer=segments_per_layer,
-                          host_embedding=host_embedding, cache=cache, overlap=overlap, allow_stay=allow_stay)
+    keywords: dict[str, Any] = dict(
+        gpus=gpus, spec=spec, device=device, microbatches=microbatches, memory_limit=memory_limit, strategy=strategy,
+        precision=precision, time_limit_s=time_limit_s, max_segments=max_segments, leaf_modules=leaf_modules,
+        progress=progress, head_chunks=head_chunks, segments_per_layer=segments_per_layer,
+        host_embedding=host_embedding, cache=cache, overlap=overlap, allow_stay=allow_stay)
+    if options is not None:
+        options_or_keywords(options, keywords, where="plan")  # a keyword beside options= is refused
+    elif gpus is None:
+        raise ConfigError("plan needs the number of devices: gpus=N (or options=PlanOptions(gpus=N, ...))")
+    else:
+        options = PlanOptions(**keywords)
     made = compile_plan(model, example_inputs, options, example_kwargs=example_kwargs, loss_fn=loss_fn,
                         example_target=example_target)
     assert made.plan is not None

@@ -12,14 +12,13 @@ from typing import Any
 
 import torch
 
+from rpcompile.compiler import PlanLowering
 from rpcompile.core.errors import ConfigError, RPCompileError
 from rpcompile.core.plan import Hardware, Plan
 from rpcompile.core.specs import HostSpec
 from rpcompile.models.registry import ModelSpec
 from rpcompile.passes.background import solving
 from rpcompile.passes.formulate import partition_problem
-from rpcompile.passes.rewrite.codegen import write_stages
-from rpcompile.passes.rewrite.split import split_plan
 from rpcompile.planner.envelope import link_bound, microbatch_tokens
 from rpcompile.planner.plan_options import (PlanOptions, default_spec, fastest, head_chunk_candidates, infeasible_error,
                                             make_hardware, model_device, split_limit)
@@ -54,7 +53,8 @@ def plan_command(args: argparse.Namespace) -> int:
     if args.output:
         chosen.save(args.output)
     if args.emit:
-        write_stages(split_plan(chosen, gm), chosen, args.emit)
+        lowering = PlanLowering(chosen, gm)  # as compile lowers it
+        lowering.write(lowering.program(), args.emit)
     envelope = link_bound(chosen, *microbatch_tokens(ms.example_inputs, m))
     if envelope is not None:  # the operating envelope: one line, on stderr (stdout may be --json)
         print(f"rpcompile: warning: {envelope.message()}", file=sys.stderr)

@@ -80,3 +80,19 @@ def test_cli_errors(capsys):
     assert err.strip() == ("rpcompile: error: not even 4096 tokens per microbatch fit: lower granularity, add devices "
                            "or memory")
 
+
+
+def test_the_search_takes_the_planner_s_options_as_one_object(found):
+    """``options=rpcompile.PlanOptions(...)`` instead of the planner keywords: the same search, the same answer;
+    a planner keyword beside it, or a device to measure on (the search is analytic), refused in one line."""
+    options = rpcompile.PlanOptions(gpus=2, spec="rtx4090", memory_limit=LIMIT, precision="bf16", head_chunks=8,
+                                    time_limit_s=1.0)
+    again = max_sequence_length("llama-demo", granularity=G, options=options)
+    assert (again.seq_len, again.head_chunks, again.microbatches) == (found.seq_len, found.head_chunks,
+                                                                      found.microbatches)
+    assert [(p.seq_len, p.feasible, p.need_bytes) for p in again.probes] == \
+        [(p.seq_len, p.feasible, p.need_bytes) for p in found.probes]
+    with pytest.raises(rpcompile.ConfigError, match=r"^max_sequence_length: gpus given beside options="):
+        max_sequence_length("llama-demo", gpus=4, options=options)
+    with pytest.raises(rpcompile.ConfigError, match=r"^max_sequence_length predicts with analytic costs"):
+        max_sequence_length("llama-demo", options=rpcompile.PlanOptions(gpus=2, device="cpu"))

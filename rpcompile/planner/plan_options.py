@@ -95,15 +95,17 @@ class PlanOptions:
             raise ConfigError(f"head_chunks must be a positive integer or 'auto', got {head!r}")
 
 
-def options_or_keywords(options: "PlanOptions | None", keywords: dict[str, Any], *, where: str) -> dict[str, Any]:
+def options_or_keywords(options: "PlanOptions | None", keywords: dict[str, Any], *, where: str,
+                        defaults: dict[str, Any] | None = None) -> dict[str, Any]:
     """The planner's options as keywords: ``keywords`` (a call's planner keywords, :class:`PlanOptions` field
     names) when ``options`` is None, else ``options``' fields — refused in one line when a keyword also left its
-    default (``gpus``: unless it equals ``options.gpus``). ``where`` names the call in the message."""
+    default (``defaults``: the call's own where they are not :class:`PlanOptions`'; ``gpus``: unless it equals
+    ``options.gpus``). ``where`` names the call in the message."""
     if options is None:
         return keywords
     if not isinstance(options, PlanOptions):
         raise ConfigError(f"{where}(options=...) takes a rpcompile.PlanOptions, got {type(options).__name__}")
-    defaults = {f.name: f.default for f in dataclasses.fields(PlanOptions)}
+    defaults = {**{f.name: f.default for f in dataclasses.fields(PlanOptions)}, **(defaults or {})}
     def given(name: str, value: Any) -> bool:
         if name == "gpus":
             return value is not None and value != options.gpus

@@ -30,7 +30,7 @@ from rpcompile.models.registry import ModelSpec, load_model
 from rpcompile.passes.formulate import partition_problem
 from rpcompile.passes.solver.tables import min_feasible_memory
 
-from .plan_options import PlanOptions, default_spec, head_chunk_candidates, make_hardware
+from .plan_options import PlanOptions, default_spec, head_chunk_candidates, make_hardware, options_or_keywords
 from .planning import plan_graph, prepare
 
 __all__ = ["max_sequence_length", "SeqLenResult", "Probe", "Binding"]
@@ -131,7 +131,7 @@ def binding_stage(plan: Plan) -> Binding:
 def max_sequence_length(
     model: ModelSource,
     *,
-    gpus: int,
+    gpus: int | None = None,
     spec: "str | DeviceSpec | None" = None,
     precision: str = "bf16",
     memory_limit: int | None = None,
@@ -146,12 +146,28 @@ def max_sequence_length(
     host_embedding: bool = True,
     host: HostSpec | None = None,
     progress: Callable[[str], None] | None = None,
+    options: PlanOptions | None = None,
 ) -> SeqLenResult:
     """The longest sequence (per microbatch of one sequence, a multiple of ``granularity``) for which a plan fits
     ``gpus`` devices of ``spec`` (default ``rtx4090``; ``memory_limit`` usable bytes each), predicted by the
     analytic cost model; see the module docstring. ``model``: a built-in name or ``file.py:factory`` whose
     sequence length can be set, or ``build(seq_len, batch_size) -> ModelSpec``. Raises :class:`~rpcompile.InfeasibleError`
-    when not even ``granularity`` tokens fit."""
+    when not even ``granularity`` tokens fit. ``options``: a :class:`~rpcompile.PlanOptions` holding the planner's
+    keywords (``gpus``, ``spec``, ``precision``, ``memory_limit``, ``microbatches``, ``head_chunks``,
+    ``strategy``, ``time_limit_s``, ``segments_per_layer``, ``host_embedding``) at once instead; the search's own
+    (``granularity``, ``start``, ``max_seq_len``, ``host``, ``progress``) stay keywords."""
+    keywords = options_or_keywords(options, dict(
+        gpus=gpus, spec=spec, precision=precision, memory_limit=memory_limit, microbatches=microbatches,
+        head_chunks=head_chunks, strategy=strategy, time_limit_s=time_limit_s, segments_per_layer=segments_per_layer,
+        host_embedding=host_embedding), where="max_sequence_length", defaults=dict(precision="bf16", time_limit_s=2.0))
+    if options is not None and options.device is not None:
+        raise ConfigError("max_sequence_length predicts with analytic costs: leave options.device None and name a spec")
+    if keywords["gpus"] is None:
+        raise ConfigError("max_sequence_length needs the number of devices: gpus=N (or options=PlanOptions(gpus=N, ...))")
+    gpus, spec, precision, memory_limit, microbatches, head_chunks, strategy, time_limit_s, segments_per_layer, \
+        host_embedding = (keywords[k] for k in ("gpus", "spec", "precision", "memory_limit", "microbatches",
+                                                "head_chunks", "strategy", "time_limit_s", "segments_per_layer",
+                                                "host_embedding"))
     if granularity < 1 or max_seq_len < granularity:
         raise ConfigError(f"granularity must be >= 1 and <= max_seq_len, got {granularity} and {max_seq_len}")
     m = microbatches or (gpus + 1 if gpus > 1 else 1)

@@ -241,3 +241,21 @@ def test_overlapped_iterations_are_simulated_and_planned_for(capsys, tmp_path):
     r = next(iter(json.loads(out)["schedules"].values()))
     assert r["iterations"] == 15
     assert r["iteration_time_s"] == pytest.approx(Plan.load(path).predicted.iteration_time_s, rel=0.02)
+
+
+def test_the_model_form_takes_the_planner_s_options_as_one_object():
+    """``model_scenarios(options=PlanOptions(...))`` (what ``rpcompile simulate MODEL`` passes): every schedule on
+    one problem as the keywords give it; a planner keyword beside it refused in one line."""
+    from rpcompile import ConfigError, PlanOptions, load_model
+    from rpcompile.tools.simulation import model_scenarios
+
+    ms = load_model("llama-demo", device="meta")
+    options = PlanOptions(gpus=2, spec="rtx4090", microbatches=3, precision="bf16", time_limit_s=1.0, head_chunks=1)
+    got = model_scenarios(ms.model, ms.example_inputs, options=options, schedules=("gpipe", "roundpipe"))
+    same = model_scenarios(ms.model, ms.example_inputs, gpus=2, spec="rtx4090", microbatches=3, time_limit_s=1.0,
+                           head_chunks=1, schedules=("gpipe", "roundpipe"))
+    assert sorted(got) == ["gpipe", "roundpipe"]
+    assert {k: (s.stages, s.tokens_per_iteration) for k, s in got.items()} == \
+        {k: (s.stages, s.tokens_per_iteration) for k, s in same.items()}
+    with pytest.raises(ConfigError, match=r"^model_scenarios: microbatches given beside options="):
+        model_scenarios(ms.model, ms.example_inputs, options=options, microbatches=4)

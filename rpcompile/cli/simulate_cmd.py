@@ -10,6 +10,7 @@ from typing import Any
 
 from rpcompile.core.errors import ConfigError, RPCompileError
 from rpcompile.core.plan import Plan
+from rpcompile.planner.plan_options import PlanOptions
 from rpcompile.tools.simulation import (model_scenarios, parse_schedules, plan_scenarios, profile_scenarios, run_all,
                                         scaling, skipped)
 from rpcompile.views.gantt import write_timeline_svg
@@ -99,13 +100,14 @@ def _model_scenarios(args: argparse.Namespace, schedules: list[str], host: float
     ms = load_for(args, m)
     title = f"{args.target} on {args.gpus} × {args.spec or args.device or 'default spec'}, {m} microbatches"
     try:
-        scenarios = model_scenarios(ms.model, ms.example_inputs, gpus=args.gpus, spec=args.spec, device=args.device,
-                                    microbatches=m, memory_limit=args.memory_limit, precision=args.precision,
-                                    schedules=schedules, chunks=args.chunks, host_bytes_per_s=host,
-                                    time_limit_s=args.time_limit, progress=bars(args), status=stepper(args),
-                                    loss_fn=ms.loss_fn, example_target=ms.example_target,
-                                    head_chunks=args.head_chunks, segments_per_layer=args.segments_per_layer,
-                                    host_embedding=args.host_embedding, overlap=args.overlap)
+        options = PlanOptions(gpus=args.gpus, spec=args.spec, device=args.device, microbatches=m,
+                              memory_limit=args.memory_limit, precision=args.precision, time_limit_s=args.time_limit,
+                              progress=bars(args), head_chunks=args.head_chunks,
+                              segments_per_layer=args.segments_per_layer, host_embedding=args.host_embedding,
+                              overlap=args.overlap)
+        scenarios = model_scenarios(ms.model, ms.example_inputs, options=options, schedules=schedules,
+                                    chunks=args.chunks, host_bytes_per_s=host, status=stepper(args),
+                                    loss_fn=ms.loss_fn, example_target=ms.example_target)
     except ValueError as e:  # e.g. more stages than layers (scenarios.py still raises it bare): one line
         raise RPCompileError(str(e)) from None
     return title, scenarios, skipped(schedules, scenarios, gpus=args.gpus, microbatches=m, chunks=args.chunks), m

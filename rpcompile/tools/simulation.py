@@ -22,7 +22,7 @@ from rpcompile.tools.scenarios import (SCHEDULES, Scenario, from_plan, from_segm
                                        load_layer_profile, overlapped, static_scenarios)
 
 from ..planner.plan_options import (PlanOptions, default_spec, fastest, head_chunk_candidates, make_hardware,
-                                    model_device)
+                                    model_device, options_or_keywords)
 from ..planner.planning import prepare
 
 __all__ = ["parse_schedules", "model_scenarios", "plan_scenarios", "profile_scenarios", "run_all",
@@ -44,20 +44,34 @@ def parse_schedules(text: str) -> list[str]:
     return names
 
 
-def model_scenarios(model: Any, example_inputs: Sequence[Any], *, gpus: int, spec: Any = None, device: Any = None,
+def model_scenarios(model: Any, example_inputs: Sequence[Any], *, gpus: int | None = None, spec: Any = None,
+                    device: Any = None,
                     microbatches: int | None = None, memory_limit: int | None = None, precision: str = "bf16",
                     schedules: Sequence[str] = SCHEDULES, chunks: int = 2, host_bytes_per_s: float = math.inf,
                     time_limit_s: float = 10.0, progress: Any = None, loss_fn: Any = None,
                     example_target: Any = None, head_chunks: "int | str" = "auto",
                     segments_per_layer: int = 2, host_embedding: bool = True,
-                    status: Any = None, overlap: bool = False) -> dict[str, Scenario]:
+                    status: Any = None, overlap: bool = False,
+                    options: PlanOptions | None = None) -> dict[str, Scenario]:
     """Trace and cost ``model`` once, then build every requested schedule on that one problem. ``ilp`` may plan
     a graph with the LM head split as well (``head_chunks``, see :func:`rpcompile.planner.planning.plan`) and keeps the
     faster plan; its notes say which (``head_chunks``). Only ``ilp`` runs token embeddings on the host
     (``host_embedding``, :mod:`rpcompile.passes.rewrite.host`): the baselines keep them on the devices, as their
     systems do. ``progress`` is the profiler's bar; ``status(text)``, a context manager, shows each solve (the
     CLI's spinner). ``overlap``: ``roundpipe`` and ``ilp`` run with overlapped iterations (``ilp`` planned for their
-    steady-state period, :func:`rpcompile.tools.scenarios.overlapped`); the static schedules stay synchronous."""
+    steady-state period, :func:`rpcompile.tools.scenarios.overlapped`); the static schedules stay synchronous.
+    ``options``: a :class:`~rpcompile.PlanOptions` holding the planner keywords at once instead (the schedules'
+    own — ``schedules``, ``chunks``, ``host_bytes_per_s``, ``status`` — and the loss stay keywords)."""
+    given = options_or_keywords(options, dict(
+        gpus=gpus, spec=spec, device=device, microbatches=microbatches, memory_limit=memory_limit, precision=precision,
+        time_limit_s=time_limit_s, progress=progress, head_chunks=head_chunks, segments_per_layer=segments_per_layer,
+        host_embedding=host_embedding, overlap=overlap), where="model_scenarios", defaults=dict(precision="bf16"))
+    if given["gpus"] is None:
+        raise ConfigError("model_scenarios needs the number of devices: gpus=N (or options=PlanOptions(gpus=N, ...))")
+    gpus, spec, device, microbatches, memory_limit, precision, time_limit_s, progress, head_chunks, \
+        segments_per_layer, host_embedding, overlap = (given[k] for k in (
+            "gpus", "spec", "device", "microbatches", "memory_limit", "precision", "time_limit_s", "progress",
+            "head_chunks", "segments_per_layer", "host_embedding", "overlap"))
     gm, m = prepare(model, example_inputs, PlanOptions(gpus=gpus, spec=spec, device=device, microbatches=microbatches,
                     precision=precision, progress=progress, segments_per_layer=segments_per_layer,
                     host_embedding=False))

@@ -271,7 +271,8 @@ def test_pinned_weight_copies_take_what_the_host_memory_check_counts():
     fronts = [e.front for e in pipe.executor.weights.entries.values() if e.front is not None]
     assert all(f.is_pinned() and f.dtype == torch.bfloat16 for f in fronts)
     assert sum(pinned_bytes(nbytes(f)) for f in fronts) == copies > sum(nbytes(f) for f in fronts)
-    assert release_pinned_cache()
+    if not release_pinned_cache():
+        pytest.skip("this torch cannot empty its pinned cache (torch.accelerator.empty_host_cache)")
     before = torch.cuda.host_memory_stats()[key]
     again = [torch.empty_like(f, pin_memory=True) for f in fronts]
     assert torch.cuda.host_memory_stats()[key] - before == copies, len(again)

@@ -22,8 +22,9 @@ from ..core.plan import Hardware
 from ..core.specs import DeviceSpec, HostSpec, assumed_host, get_spec
 from .device_probe import device_spec
 
-__all__ = ["PlanOptions", "options_or_keywords", "PLAN_STRATEGIES", "AUTO_HEAD_CHUNKS", "make_cost_model", "make_hardware", "default_spec",
-           "head_chunk_candidates", "fastest", "split_limit", "infeasible_error", "model_device"]
+__all__ = ["PlanOptions", "options_or_keywords", "PLAN_STRATEGIES", "AUTO_HEAD_CHUNKS", "make_cost_model",
+           "make_hardware", "default_spec", "head_chunk_candidates", "fastest", "split_limit", "infeasible_error",
+           "model_device"]
 
 #: The strategies a plan may name (``--strategy``, ``strategy=``); :data:`rpcompile.passes.solver.partition.STRATEGIES` runs them.
 PLAN_STRATEGIES = ("ilp", "dp", "roundpipe", "uniform")
@@ -49,11 +50,12 @@ class PlanOptions:
     memory_limit: int | None = None
     """Usable bytes per device; None: the spec's usable memory."""
     strategy: str = "ilp"
-    """The partitioner (:data:`PLAN_STRATEGIES`)."""
+    """The partitioner (:data:`~rpcompile.planner.plan_options.PLAN_STRATEGIES`)."""
     precision: str = "fp32"
     """The compute precision (fp32, bf16, fp16)."""
     time_limit_s: float = 10.0
-    """The solve's wall-time limit, shared equally by the LM-head splits' solves (:func:`split_limit`)."""
+    """The solve's wall-time limit, shared equally by the LM-head splits' solves
+    (:func:`~rpcompile.planner.plan_options.split_limit`)."""
     max_segments: int | None = None
     """At most this many segments for the partitioner (:mod:`rpcompile.passes.rewrite.coarsen`); None: its own."""
     segments_per_layer: int = 2
@@ -66,7 +68,7 @@ class PlanOptions:
     """Intra-op threads while measuring costs (a logical CPU device's share of the cores); None: as they are."""
     head_chunks: "int | str" = "auto"
     """Sequence chunks of the LM head and its loss (1: the whole head); ``"auto"``: the whole head and
-    :data:`AUTO_HEAD_CHUNKS`, the faster plan kept."""
+    :data:`~rpcompile.planner.plan_options.AUTO_HEAD_CHUNKS`, the faster plan kept."""
     host_embedding: "bool | Sequence[str]" = True
     """Token embeddings on the host (:mod:`rpcompile.passes.rewrite.host`): True where it pays, False none, or
     exactly these node names."""

@@ -122,9 +122,10 @@ def _autograd_profile(
         else:
             saved_inputs.add(call.node)
     transient = _backward_transient(m, out, saved_keys, param_keys) if backward is not None else 0
-    made = {storage_key(t): t.untyped_storage().nbytes() for t in tensor_leaves(out) if storage_key(t) not in input_keys
-            and storage_key(t) not in param_keys}
-    return fwd_counter.get_total_flops(), bwd_flops, saved_inputs, own, transient, max(0, peak.peak - sum(made.values()))
+    made = {storage_key(t): t.untyped_storage().nbytes() for t in tensor_leaves(out)
+            if storage_key(t) not in input_keys and storage_key(t) not in param_keys}  # its output's new storage
+    held = max(0, peak.peak - sum(made.values()))
+    return fwd_counter.get_total_flops(), bwd_flops, saved_inputs, own, transient, held
 
 
 def _backward_transient(m: Materialized, out: Any, saved: list[torch.Tensor], param_keys: set[int]) -> int:

@@ -163,7 +163,8 @@ def max_sequence_length(
     if options is not None and options.device is not None:
         raise ConfigError("max_sequence_length predicts with analytic costs: leave options.device None and name a spec")
     if keywords["gpus"] is None:
-        raise ConfigError("max_sequence_length needs the number of devices: gpus=N (or options=PlanOptions(gpus=N, ...))")
+        raise ConfigError("max_sequence_length needs the number of devices: gpus=N "
+                          "(or options=PlanOptions(gpus=N, ...))")
     gpus, spec, precision, memory_limit, microbatches, head_chunks, strategy, time_limit_s, segments_per_layer, \
         host_embedding = (keywords[k] for k in ("gpus", "spec", "precision", "memory_limit", "microbatches",
                                                 "head_chunks", "strategy", "time_limit_s", "segments_per_layer",

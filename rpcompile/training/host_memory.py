@@ -53,8 +53,8 @@ from rpcompile.core.units import fmt_bytes, fmt_params
 from rpcompile.runtime.weights import WeightStore
 
 __all__ = ["HostMemory", "HostMemoryError", "HostMemoryWarning", "host_memory", "activation_bytes",
-           "release_pinned_cache", "activation_room", "fit_host_memory", "available_host_memory", "check_host_memory", "within_host_memory",
-           "ADAM_BYTES", "quantized_weights"]
+           "release_pinned_cache", "activation_room", "fit_host_memory", "available_host_memory", "check_host_memory",
+           "within_host_memory", "ADAM_BYTES", "quantized_weights"]
 
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 ADAM_BYTES = 8

@@ -29,7 +29,6 @@ and join (:func:`_join`, :mod:`rpcompile.training.distributed`); a rank that fai
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
@@ -54,7 +53,7 @@ from .core.precision import COMPUTE_DTYPES
 from .core.program import Program
 from .planner.invariants import plan_violations
 from .planner.model_match import graph_as_planned
-from .planner.plan_options import PlanOptions, options_or_keywords
+from .planner.plan_options import PLAN_DEFAULTS, PlanOptions, options_or_keywords
 from .planner.planning import compile_plan, replanned
 from .training.distributed import DataParallel, DistributedError, data_parallel_group, plan_digest
 from .training.gpu_memory import gpu_memory_limit
@@ -154,9 +153,8 @@ def compile(
         gpus = options.gpus if devices is None else None
         microbatches, spec, head_chunks, host_embedding, precision = (
             given.pop(k) for k in ("microbatches", "spec", "head_chunks", "host_embedding", "precision"))
-        defaults = {f.name: f.default for f in dataclasses.fields(PlanOptions)}
         plan_options = {k: v for k, v in given.items()
-                        if k not in ("gpus", "device", "threads") and v != defaults[k]}
+                        if k not in ("gpus", "device", "threads") and v != PLAN_DEFAULTS[k]}
     check_compile_arguments(model, example_inputs, example_kwargs, loss_fn=loss_fn, devices=devices, gpus=gpus,
                             microbatches=microbatches)
     source = "the plan" if isinstance(plan, Plan) else str(plan)

@@ -65,6 +65,9 @@ INNER: dict[str, dict[str, set[str]]] = {
 #: (importing file, imported module) arrows against the layers that main still has (none: keep it so).
 KNOWN: set[tuple[str, str]] = set()
 
+#: The most modules one chain of imports may pass through, top to bottom (:func:`longest_chain`); only comes down.
+CHAIN_CEILING = 17
+
 #: Loose modules (``*.py`` but ``__init__.py``) a folder may hold; the front end's root holds fewer.
 CEILING, ROOT_CEILING = 20, 8
 #: Folders allowed over :data:`CEILING` for now, each no further than its count here (none since issue 37's phase 2).
@@ -106,8 +109,9 @@ def against_the_layers(mod: str, target: str) -> bool:
         and mod.split(".")[1] == target.split(".")[1] and other not in INNER[mod.split(".")[1]][room]
 
 
-def imports(source: str, module: str, is_package: bool) -> list[tuple[int, str]]:
-    """``(line, module)`` of every rpcompile import in ``source`` (relative ones resolved)."""
+def imports(source: str, module: str, is_package: bool, submodules: bool = False) -> list[tuple[int, str]]:
+    """``(line, module)`` of every rpcompile import in ``source`` (relative ones resolved); ``submodules``: each
+    ``from pkg import name`` also as ``pkg.name`` (a module, when ``name`` is one)."""
     package = module if is_package else module.rpartition(".")[0]
     out = []
     for node in ast.walk(ast.parse(source)):
@@ -117,6 +121,8 @@ def imports(source: str, module: str, is_package: bool) -> list[tuple[int, str]]
                 base = base.rpartition(".")[0]
             target = (f"{base}.{node.module}" if node.module else base) if node.level else (node.module or "")
             names = [target] if node.module or not node.level else [f"{base}.{a.name}" for a in node.names]
+            if submodules and node.module:
+                names += [f"{target}.{a.name}" for a in node.names]
         elif isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         else:
@@ -296,23 +302,37 @@ def test_the_architecture_page_names_every_module_file_for_file():
     assert not named - modules, f"the architecture table (docs/architecture.md §8) names files that do not exist: {sorted(named - modules)}"
 
 
-def import_cycle(files: dict[str, str]) -> list[str]:
-    """One cycle of module imports among ``files`` (path → source), or [] if there is none."""
+def module_graph(files: dict[str, str]) -> dict[str, set[str]]:
+    """Module → the modules of ``files`` (path → source) it imports, top-level and in functions."""
     modules = {module_name(Path(rel)) for rel in files}
     graph: dict[str, set[str]] = {}
     for rel, source in files.items():
         mod = module_name(Path(rel))
         graph[mod] = set()
-        for _, target in imports(source, mod, rel.endswith("__init__.py")):
+        for _, target in imports(source, mod, rel.endswith("__init__.py"), submodules=True):
             while target and target not in modules:  # ``from pkg.mod import name`` → pkg.mod
                 target = target.rpartition(".")[0]
             if target and target != mod:
                 graph[mod].add(target)
+    return graph
+
+
+def import_cycle(files: dict[str, str]) -> list[str]:
+    """One cycle of module imports among ``files`` (path → source), or [] if there is none."""
     try:
-        tuple(graphlib.TopologicalSorter(graph).static_order())
+        tuple(graphlib.TopologicalSorter(module_graph(files)).static_order())
     except graphlib.CycleError as e:
         return list(e.args[1])
     return []
+
+
+def longest_chain(files: dict[str, str]) -> list[str]:
+    """The longest chain of imports among ``files`` (an acyclic graph: :func:`import_cycle`), top module first."""
+    graph = module_graph(files)
+    below: dict[str, list[str]] = {}
+    for mod in graphlib.TopologicalSorter(graph).static_order():  # a module after everything it imports
+        below[mod] = [mod, *max((below[t] for t in graph[mod]), key=len, default=[])]
+    return max(below.values(), key=len)
 
 
 def test_no_module_imports_itself_through_others():
@@ -323,6 +343,21 @@ def test_an_import_cycle_is_found():
     files = {"passes/cost/cost.py": "from .analytic import A\n",
              "passes/cost/analytic.py": "from .cost import CostModel\n"}
     assert sorted(set(import_cycle(files))) == ["rpcompile.passes.cost.analytic", "rpcompile.passes.cost.cost"]
+
+
+def test_the_longest_import_chain_does_not_grow():
+    """Issue 37 measured 19 modules from the CLI down to Core; the rooms brought it to :data:`CHAIN_CEILING`. The
+    ceiling only comes down (issue 37's goal is ~8)."""
+    chain = longest_chain(_sources())
+    assert len(chain) <= CHAIN_CEILING, f"an import chain of {len(chain)} modules: " + " → ".join(chain)
+
+
+def test_the_longest_chain_is_found():
+    files = {"rpcompile/cli/main.py": "from ..tools import demo\nfrom ..core.units import fmt\n",
+             "rpcompile/tools/demo.py": "from rpcompile.core.plan import Plan\n",
+             "rpcompile/core/plan.py": "from .units import fmt\n", "rpcompile/core/units.py": ""}
+    assert longest_chain(files) == ["rpcompile.cli.main", "rpcompile.tools.demo", "rpcompile.core.plan",
+                                    "rpcompile.core.units"]
 
 
 def test_the_recurrence_is_plain_numbers():

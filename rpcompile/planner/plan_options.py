@@ -22,7 +22,7 @@ from ..core.plan import Hardware
 from ..core.specs import DeviceSpec, HostSpec, assumed_host, get_spec
 from .device_probe import device_spec
 
-__all__ = ["PlanOptions", "options_or_keywords", "PLAN_STRATEGIES", "AUTO_HEAD_CHUNKS", "make_cost_model",
+__all__ = ["PlanOptions", "PLAN_DEFAULTS", "options_or_keywords", "PLAN_STRATEGIES", "AUTO_HEAD_CHUNKS", "make_cost_model",
            "make_hardware", "default_spec", "head_chunk_candidates", "fastest", "split_limit", "infeasible_error",
            "model_device"]
 
@@ -97,6 +97,10 @@ class PlanOptions:
             raise ConfigError(f"head_chunks must be a positive integer or 'auto', got {head!r}")
 
 
+#: Each :class:`PlanOptions` field's default, by name.
+PLAN_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(PlanOptions)}
+
+
 def options_or_keywords(options: "PlanOptions | None", keywords: dict[str, Any], *, where: str,
                         defaults: dict[str, Any] | None = None) -> dict[str, Any]:
     """The planner's options as keywords: ``keywords`` (a call's planner keywords, :class:`PlanOptions` field
@@ -107,7 +111,7 @@ def options_or_keywords(options: "PlanOptions | None", keywords: dict[str, Any],
         return keywords
     if not isinstance(options, PlanOptions):
         raise ConfigError(f"{where}(options=...) takes a rpcompile.PlanOptions, got {type(options).__name__}")
-    defaults = {**{f.name: f.default for f in dataclasses.fields(PlanOptions)}, **(defaults or {})}
+    defaults = {**PLAN_DEFAULTS, **(defaults or {})}
     def given(name: str, value: Any) -> bool:
         if name == "gpus":
             return value is not None and value != options.gpus

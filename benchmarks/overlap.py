@@ -40,6 +40,7 @@ import argparse
 import dataclasses
 import datetime as dt
 import json
+import math
 import platform
 import time
 from pathlib import Path
@@ -140,6 +141,9 @@ def model_rows(model: str, gpus: int, m: int, time_limit: float) -> tuple[dict[s
         row |= {"link_bound_fraction": link, "other_idle_fraction": r.bubble_fraction - link,
                 "period_free_step_s": free_step.iteration_time_s, "host_step_s": sc.host.step_s}
         rows["overlapped"] = row
+        # RoundPipe's simulator models no transfers (DESIGN.md §4): the same plan with free links is its view
+        free = dataclasses.replace(sc, link_bytes_per_s=math.inf, host_bytes_per_s=math.inf)
+        rows["overlapped, links free"] = _row(free.run(), sc, k, tokens)
         if r.bubble_fraction > TARGET_BUBBLE and link > TARGET_BUBBLE / 2:
             trimmed = fewer_saves(pb, plan, TARGET_BUBBLE / 2)
             sc = from_segment_plan(pb, trimmed, name="ilp", tokens_per_iteration=tokens)
@@ -197,6 +201,11 @@ def main() -> None:
                        f"≤ {TARGET_BUBBLE:.0%}", r["bubble_fraction"] <= TARGET_BUBBLE))
         checks.append((f"{model}: timing model's period {r['predicted_s']:.3f} s within 2% of the simulator's "
                        f"{r['iteration_time_s']:.3f} s", abs(r["predicted_s"] / r["iteration_time_s"] - 1) <= 0.02))
+        free = rows.get("overlapped, links free")
+        if free:
+            checks.append((f"{model}: overlapped bubble with transfers not modelled, as RoundPipe's simulator counts "
+                           f"its 1–4%: {free['bubble_fraction']:.1%} ≤ {TARGET_BUBBLE:.0%}",
+                           free["bubble_fraction"] <= TARGET_BUBBLE))
         fewer = rows.get("overlapped, fewer saves")
         if fewer:
             checks.append((f"{model}: with fewer saves, bubble {fewer['bubble_fraction']:.1%} ≤ {TARGET_BUBBLE:.0%} "

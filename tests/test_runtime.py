@@ -659,6 +659,37 @@ def test_one_symbolic_capture_runs_every_new_shape_and_a_rejected_one_is_capture
     assert {s.name: s.n_captures for s in segs} == {k: v + 1 for k, v in captured.items()}
 
 
+def test_a_symbolic_capture_evaluates_its_sizes_once_per_batch_shape(monkeypatch):
+    """A symbolic capture's layouts and view sizes are sympy expressions: they are evaluated once per batch shape
+    and kept (:class:`~rpcompile.runtime.segments.capture.Bound`; sympy on every call was ~0.6 ms of host time a
+    segment's backward), at most ``BOUND_CACHE`` shapes a capture, the oldest dropped. Every call equals eager."""
+    from rpcompile.runtime.segments import capture, symbolic
+
+    evaluated = []
+    monkeypatch.setattr(capture, "concrete_layout", lambda *a: evaluated.append(1) or symbolic.concrete_layout(*a))
+    monkeypatch.setattr(capture, "BOUND_CACHE", 2)
+
+    spec, ref, pipe, x, y = _saving_pipeline("llama-demo", 1)
+    pipe.forward_backward(x, target=y)  # captured (or found: captures are shared across pipelines)
+    ref.zero_grad(set_to_none=True)
+    captures = {id(a): a for seg in pipe.program.saved for a in seg.captures.values()}
+    assert captures
+    for a in captures.values():
+        a._bound.clear()  # what earlier pipelines of the same model evaluated
+    counts = []
+    for b, t in ((7, 20), (7, 20), (6, 9), (10, 32), (7, 20)):  # microbatches of 3, 2, 2 / 2, 2, 2 / 4, 3, 3 rows
+        for p in (*spec.model.parameters(), *ref.parameters()):
+            p.grad = None
+        evaluated.clear()
+        loss = pipe.forward_backward(x[:b, :t], target=y[:b, :t])
+        torch.testing.assert_close(loss, eager_step(ref, spec.loss_fn, x[:b, :t], y[:b, :t], 3), **TOL)
+        assert_grads_equal(spec.model, ref, what=f"{b}x{t}: ")
+        counts.append(len(evaluated))
+    assert counts[0] > 0 and counts[1] == 0, counts  # the same shape again: nothing evaluated
+    assert counts[4] > 0, counts  # (7, 20) was dropped: two shapes came after it
+    assert all(len(a._bound) <= 2 for a in captures.values())
+
+
 @pytest.mark.parametrize("parity", [0, 1])
 def test_saved_segments_batchnorm_and_dropout(parity):
     """Saved BatchNorm updates the statistics once per microbatch (fw graph's buffer outputs); a saved dropout's

@@ -10,7 +10,8 @@ backward stage's graph.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
@@ -21,7 +22,7 @@ from torch._functorch.partitioners import default_partition
 
 from .symbolic import Guards, bind_sizes, concrete, concrete_layout, concrete_value
 
-__all__ = ["HostSaved", "SegmentAOT", "SegmentFunction", "capture_segment", "Aliased"]
+__all__ = ["HostSaved", "SegmentAOT", "Bound", "Layout", "BOUND_CACHE", "SegmentFunction", "capture_segment", "Aliased"]
 
 
 class HostSaved(NamedTuple):
@@ -37,24 +38,55 @@ class HostSaved(NamedTuple):
         return HostSaved(self.key, tuple(fn(t) for t in self.tensors), self.sizes)
 
 
-def _like(t: torch.Tensor, meta: Any, bindings: dict) -> torch.Tensor:
-    """``t`` with the dtype and strides the graph was traced with (host round trips make tensors contiguous);
-    a symbolic graph's strides are evaluated with the call's ``bindings``."""
+#: A bw input's layout in one call: ``(dtype, shape, stride)``; shape and stride None where a size is not bound
+#: (dtype only); None for an input that is not a tensor.
+Layout = tuple[torch.dtype, tuple[int, ...] | None, tuple[int, ...] | None] | None
+
+
+def _layout(meta: Any, bindings: dict) -> Layout:
+    """The layout the graph traced ``meta`` with, its symbolic sizes evaluated with the call's ``bindings``."""
     if not isinstance(meta, torch.Tensor):
-        return t
+        return None
     layout = concrete_layout(meta, bindings)
     if layout is None:  # a stride of a size this call does not bind: dtype only
-        return t.to(meta.dtype)
-    shape, stride = layout
-    if t.dtype == meta.dtype and t.stride() == tuple(stride):
+        return meta.dtype, None, None
+    return meta.dtype, tuple(layout[0]), tuple(layout[1])
+
+
+def _like(t: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """``t`` with the dtype and strides the graph was traced with (host round trips make tensors contiguous)."""
+    if layout is None:
+        return t
+    dtype, shape, stride = layout
+    if shape is None or stride is None:
+        return t.to(dtype)
+    if t.dtype == dtype and t.stride() == stride:
         return t
     broadcast = [d for d, (n, s) in enumerate(zip(shape, stride)) if s == 0 and n > 1]
     if broadcast:  # an expanded tensor (a mask): one copy of its values, expanded again as the graph had it
         for d in broadcast:
             t = t.narrow(d, 0, 1)
-        return t.to(meta.dtype).expand(shape)
-    out = torch.empty_strided(shape, stride, dtype=meta.dtype, device=t.device)
+        return t.to(dtype).expand(shape)
+    out = torch.empty_strided(shape, stride, dtype=dtype, device=t.device)
     return out.copy_(t)
+
+
+#: The symbol values (batch sizes, sequence lengths) a capture keeps its sizes evaluated for; past them the
+#: oldest goes (:meth:`SegmentAOT.bound`).
+BOUND_CACHE = 64
+
+
+@dataclass
+class Bound:
+    """A capture's sizes evaluated for one call's symbol values: sympy runs once per batch shape, not per call
+    (it took ~0.6 ms of host time a segment's backward call, on the autograd thread)."""
+
+    layouts: list[Layout]
+    """Per bw input (:data:`Layout`)."""
+    views: dict[int, list[tuple]]
+    """Per ``view`` slot of :attr:`SegmentAOT.saved`: its view ops with their sizes evaluated."""
+    constants: tuple[Any, ...] | None = None
+    """The segment's non-tensor outputs evaluated (made by the first forward call that needs them)."""
 
 
 @dataclass
@@ -82,6 +114,31 @@ class SegmentAOT:
     """Positions of the tensors among the segment's fw arguments (params, buffers, inputs): the fw graph's inputs."""
     guards: Guards | None = None
     """For a symbolic capture: the shapes it runs (:mod:`rpcompile.runtime.segments.symbolic`)."""
+    _bound: dict[frozenset, Bound] = field(default_factory=dict, compare=False, repr=False)
+    _metas: tuple[list[Any], list[Any]] | None = field(default=None, compare=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
+
+    def bound(self, values: Sequence[Any]) -> tuple[Bound, dict]:
+        """The capture's sizes evaluated for a call whose fw inputs are ``values`` (every symbol of a symbolic
+        capture is a size of an activation input: they bind them all), and the symbols' values. Kept per symbol
+        values: captures are shared by identical segments and several devices' threads, hence the lock."""
+        with self._lock:
+            if self._metas is None:  # the graphs' placeholders' example values
+                self._metas = ([p.meta.get("val") for p in self.fw.graph.find_nodes(op="placeholder")],
+                               [p.meta.get("val") for p in self.bw.graph.find_nodes(op="placeholder")]
+                               if self.bw is not None else [])
+            fw_metas, bw_metas = self._metas
+            bindings = bind_sizes(fw_metas, values) if self.guards is not None else {}
+            key = frozenset(bindings.items())
+            hit = self._bound.get(key)
+            if hit is None:
+                views = {k: [(op, _resolve(a, bindings), _resolve(kw, bindings)) for op, a, kw in i[2]]
+                         for k, (kind, i) in enumerate(self.saved) if kind == "view"}
+                hit = Bound([_layout(m, bindings) for m in bw_metas], views)
+                if len(self._bound) >= BOUND_CACHE:
+                    del self._bound[next(iter(self._bound))]
+                self._bound[key] = hit
+            return hit, bindings
 
     def forward(self, values: Sequence[Any]) -> tuple[list[Any], list[torch.Tensor], HostSaved]:
         """``values``: the fw graph's inputs (tensors; and sizes, for a symbolic capture). Returns the segment's
@@ -91,8 +148,10 @@ class SegmentAOT:
         host = HostSaved(self, tuple(res[i] for i in self.host), tuple(int(res[i]) for i in self.sizes))
         constants = self.constants
         if self.guards is not None:
-            bindings = bind_sizes([p.meta.get("val") for p in self.fw.graph.find_nodes(op="placeholder")], values)
-            constants = concrete(constants, bindings)
+            bound, bindings = self.bound(values)
+            if bound.constants is None:
+                bound.constants = concrete(constants, bindings)
+            constants = bound.constants
         it = iter(res[:n])
         return [next(it) if c is None else c for c in constants], list(res[n:n + self.n_buffers]), host
 
@@ -100,14 +159,12 @@ class SegmentAOT:
                  grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
         if self.bw is None:
             return [None] * len(inputs)
-        # every symbol of a symbolic capture is a size of an activation input: the inputs bind them all
-        bindings = bind_sizes([p.meta.get("val") for p in self.fw.graph.find_nodes(op="placeholder")], inputs)
+        bound, _ = self.bound(inputs)
         pool = {"input": inputs, "output": outputs, "host": host.tensors, "size": host.sizes}
-        args = [pool[kind][i] if kind != "view" else _replay(pool[i[0]][i[1]], i[2], bindings)
-                for kind, i in self.saved]
+        args = [pool[kind][i] if kind != "view" else _replay(pool[i[0]][i[1]], bound.views[k])
+                for k, (kind, i) in enumerate(self.saved)]
         args += [grads[i] for i in self.tangents]
-        metas = [p.meta.get("val") for p in self.bw.graph.find_nodes(op="placeholder")]
-        res = self.bw(*[_like(a, m, bindings) if isinstance(a, torch.Tensor) else a for a, m in zip(args, metas)])
+        res = self.bw(*[_like(a, lay) if isinstance(a, torch.Tensor) else a for a, lay in zip(args, bound.layouts)])
         return list(res)
 
 
@@ -255,12 +312,11 @@ def _resolve(args: Any, bindings: dict) -> Any:
     return args
 
 
-def _replay(t: torch.Tensor, ops: Sequence[tuple], bindings: dict) -> torch.Tensor:
+def _replay(t: torch.Tensor, ops: Sequence[tuple]) -> torch.Tensor:
     """The view ops on the backward stage's copy of their base, whose strides may differ from the capture's:
-    shape views run as reshapes (as :mod:`rpcompile.passes.graph.portable` rewrites the graphs); sizes of a symbolic
-    capture take this call's values."""
+    shape views run as reshapes (as :mod:`rpcompile.passes.graph.portable` rewrites the graphs); the sizes of a
+    symbolic capture's ops are this call's (:attr:`Bound.views`)."""
     for op, args, kwargs in ops:
-        args, kwargs = _resolve(args, bindings), _resolve(kwargs, bindings)
         if op in _VIEW_OPS or op is torch.ops.aten.view.default:
             op = torch.ops.aten.reshape.default
         t = op(t, *args, **kwargs)

@@ -2,7 +2,7 @@
 
 Terms:
 
-- **compute queue** and **copy queues**: each device has one compute queue and four copy queues — weights up,
+- **compute queue** and **copy queues**: each device has one compute queue and copy queues — weights up,
   activations up (inputs that wait for the previous stage; saved activations already in host memory), activations
   down (outputs the next stage waits for; saved activations), gradients down.
 - **upload link** and **download link**: the two physical links a device's copy queues share, each

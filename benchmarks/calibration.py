@@ -1,34 +1,23 @@
 """Every recorded GPU row re-predicted on the CPU: the timing model before and after issue 35 item 6.
 
-The GPU rows of ``results/gpu-*.json`` each hold a measured step and the prediction ``compile`` printed then.
-This script rebuilds each row's plan on the CPU — the model at its published shape on ``meta``, planned as
-``gpu.py`` planned it (devices, microbatches, memory limit, bf16, the LM-head split the row recorded) — and prices
-it twice:
+**These are re-predictions of past measurements, made on a CPU, not new GPU measurements.** Each GPU row of
+``results/gpu-*.json`` (a measured step and the prediction ``compile`` printed then) is re-planned on the CPU as
+``gpu.py`` planned it — the model at its published shape on ``meta``, bf16, the row's devices, microbatches, memory
+limit and LM-head split — with the analytic ``h100-sxm`` costs standing in for the costs measured on the GPU
+(where the 2026-11-28 trace covers a row, its kernel time replaces the stand-in's). The old plan's cuts are priced by
+both models, so the columns differ only by the model:
 
-- **old**: the model as it was (no dispatch, 30 µs per action, hand-offs through host memory, and the link the
-  rows' plans took: the RTX 4090 preset's 25 GB/s, ``compile`` having no spec for the GPU it measured on);
-- **new**: the model now (:mod:`rpcompile.passes.formulate`'s launch bound with the preset's dispatch per graph
-  node, 0.6 ms per action) on the link as the runtime's copies ran (51.5 GB/s: the 2026-11-28 trace's four copy
-  streams, 50.6–52.8 GB/s in 8 MiB pieces) — for the runtime **then** (hand-offs through host memory, as every
-  recorded row ran: that is the column to hold against the measurement) and **now** (one GPU's hand-offs kept
-  in its memory, 232d209: what the next GPU session should measure for these cuts).
-
-The runtime then also paid host work since removed: every gradient went into fresh memory, faulted in page by
-page (4 bytes a parameter a step; ``floor.py``: the 1.7B sink 4.97 → 0.41 s of CPU on the 2-core machine). The
-"then" column prices that sink at :data:`THEN_SINK_PARAMS_PER_S` (fitted: see there); the "now" column at the
-host's assumed rate, as ``compile`` does.
-
-**These are re-predictions of past measurements, made on a CPU, not new GPU measurements.** The rows planned
-with costs measured on the GPU are re-planned with the analytic cost of the ``h100-sxm`` spec in their place (a
-stand-in: the 2026-11-28 trace's kernels took 549.5 ms where the stand-in's kernels for the same step take
-:func:`trace_check`'s figure), so the re-planned plan is not the plan that ran, and the old column is not the
-recorded prediction (both are shown). Where the trace covers a row, its kernel time replaces the stand-in's
-(the segment kernel times scaled to it). The old plan's cuts are priced by both models, so the two columns
-differ only by the model; ``new plan`` is what the new planner would choose and predict for the next run.
+- **old**: the model as it was: no dispatch, :data:`OLD_TERMS`, the link the rows' plans took (:data:`OLD_LINK`);
+- **new**: the model now (:mod:`rpcompile.passes.formulate`'s launch bound, the preset's dispatch per graph node and
+  per action) on the link as the runtime's copies ran (:data:`H100_LINK`), for the runtime **then** (hand-offs
+  through host memory and the gradient sink at :data:`THEN_SINK_PARAMS_PER_S`, as every recorded row ran: the
+  column to hold against the measurement) and **now** (one GPU's hand-offs kept in its memory, the host's assumed
+  sink rate, as ``compile`` does: what the next GPU session should measure for these cuts);
+- **new plan**: what the new planner would choose and predict for the next run.
 
 Rows the model cannot describe are shown and left out of the verdict: two logical devices sharing one GPU (the
-model gives each its own compute and link) and the optimizer rows' overlapped step, which contended with the
-pipeline's host work (measured slower than the synchronous step).
+model gives each its own compute and link) and the optimizer rows' overlapped step (it contended with the
+pipeline's host work).
 
     python benchmarks/calibration.py [--time-limit 5] [--only capped-1.7b,...]
 

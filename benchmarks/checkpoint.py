@@ -2,23 +2,18 @@
 
 The runtime runs for real on two :class:`floor.FloorDevice`\\ s whose stage microbatches *sleep* for their share of
 ``--device-s`` per step (GPU-like compute that leaves the host's cores free, as ``overlap_run.py`` emulates it),
-while the host's work is real: the AdamW step over the fp32 masters and the saves — the snapshot, the copy, the
-safetensors and ``torch.save`` writes, their sha256, every ``fsync`` — into a directory on this machine's disk.
-A LLaMA-shaped decoder (``--dim``, ``--layers``, 32k vocabulary; constant values: nothing meaningful is computed)
-trains ``--steps`` steps three ways:
+while the host's work is real: the AdamW step over the fp32 masters and the saves into a directory on this
+machine's disk. A LLaMA-shaped decoder (``--dim``, ``--layers``, 32k vocabulary; constant values) trains
+``--steps`` steps three ways:
 
 - ``no saves``: the baseline;
 - ``synchronous``: ``save_checkpoint(...)`` every ``--every`` steps — training waits for each write;
 - ``background``: ``save_checkpoint(..., background=True)`` at the same steps — training goes on while it writes
   (the next optimizer step waits only for the copy), and the run ends once the last save is written.
 
-Per mode: the wall time (to the last checkpoint on disk), the median step, how long training waits per save (the
-``save_checkpoint`` call, and in the background the next steps' wait for the copy — timed where it happens, so the
-machine's noise does not enter), how long a save takes (background: its copy and its write), how many steps ran
-while a save was writing and their median time (the write competes for the host), and the share of the
-synchronous save's wait that saving in the background hid. CPU
-figures on whatever machine runs it (its load average is recorded): the disk and the host's memory bandwidth are
-real, the device compute is a sleep.
+Per mode: wall time, median step, how long training waits per save, how long a save takes, the steps that ran
+during a write, and the share of the synchronous wait that saving in the background hid (:func:`main` gives each
+figure). CPU figures on whatever machine runs it (its load average is recorded).
 
     python benchmarks/checkpoint.py [--dim 512] [--layers 8] [--steps 14] [--every 4] [--device-s 1.0]
     python benchmarks/checkpoint.py --quick   # checks the script (CI); its figures mean little
@@ -127,6 +122,18 @@ def run(pipe: Any, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, mod
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The figures per mode, in full.
+
+    Per mode: the wall time (to the last checkpoint on disk), the median step, how long training waits per save (the
+    ``save_checkpoint`` call, and in the background the next steps' wait for the copy — timed where it happens, so the
+    machine's noise does not enter), how long a save takes (background: its copy and its write), how many steps ran
+    while a save was writing and their median time (the write competes for the host), and the share of the synchronous
+    save's wait that saving in the background hid. CPU figures on whatever machine runs it (its load average is
+    recorded): the disk and the host's memory bandwidth are real, the device compute is a sleep.
+
+    The host's work in a save: the snapshot, the copy, the safetensors and ``torch.save`` writes, their sha256, every
+    ``fsync``.
+    """
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)

@@ -1,30 +1,16 @@
 """The runtime's own floor, without a GPU: rpcompile's real host machinery at a real parameter count, with compute
 that costs nothing.
 
-A training step under rpcompile is the GPU's work plus the host's: dispatching every stage's operators, the weights'
-bf16 copies (made once, remade after an optimizer step), uploads and downloads issued from their threads, the
-gradient sink (each stage's gradients added into the fp32 ``.grad``), saved activations and hand-offs on the
-offloader threads. Here the device is a :class:`FloorDevice`: its kernels run on ``meta`` (shapes only: no
-arithmetic), uploads are free and a download is a fresh host buffer (a DMA costs the host nothing but the
-buffer), so what is left of the step is the host's part alone. **That wall time is the least any GPU can take under
-this runtime**; the 2026-11-28 H100 trace showed the GPU idle half its step waiting for this host work
-(``RESULTS.md``).
+- **host's part**: a training step under rpcompile is the GPU's work plus the host's: dispatching every stage's
+  operators, the weights' bf16 copies, uploads and downloads issued from their threads, the gradient sink, saved
+  activations and hand-offs on the offloader threads.
+- **floor**: the step's wall time on a :class:`FloorDevice` (kernels on ``meta``, copies free to the host), which
+  leaves the host's part alone — the least any GPU can take under this runtime.
 
-Reported per step (median of ``--steps`` after a warm-up step):
-
-- **wall** and **host CPU** seconds (all threads: ``time.process_time``), each also per billion parameters, so
-  machines and models compare;
-- **by activity**: the host threads' outermost torch operators in one profiled step, by name (the stages'
-  forward and backward operators, copies, gradient accumulation, the optimizer);
-- **stage launch**: the device thread's time per action (one stage on one microbatch) — the median, and per
-  graph node of the stage, the cost of dispatching one operator.
-
-Rows: ``forward_backward`` alone, then with a synchronous ``pipe.step`` of plain SGD (no state: it fits this
-host's memory at 1.7B parameters, and makes the runtime remake every weight's bf16 copy, as any optimizer does).
-
-The model is built on ``meta`` and given host storage of a constant value (its values cannot matter: nothing is
-computed), planned with analytic costs for ``--spec`` under ``--cap-gib``, as ``gpu.py``'s capped section plans
-for the GPU.
+Reported per step (median of ``--steps`` after a warm-up step): wall and host CPU seconds (each also per billion
+parameters), the host threads' time by activity, and the stage launch (the device thread's time per action and per
+graph node). Rows: ``forward_backward`` alone, then with a synchronous ``pipe.step`` of plain SGD. :func:`main`
+says how the model is built and planned.
 
     python benchmarks/floor.py [--model llama-1.7b] [--batch 8] [--seq 2048] [--steps 3] [--spec h100-sxm]
     python benchmarks/floor.py --quick      # llama-demo: checks the script (CI), figures mean nothing
@@ -159,6 +145,24 @@ def measure(pipe: Any, spec: Any, params: int, *, label: str, optimizer: Any, st
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The rows, what each reports, and the model.
+
+    Reported per step (median of ``--steps`` after a warm-up step):
+
+    - **wall** and **host CPU** seconds (all threads: ``time.process_time``), each also per billion parameters, so
+      machines and models compare;
+    - **by activity**: the host threads' outermost torch operators in one profiled step, by name (the stages' forward
+      and backward operators, copies, gradient accumulation, the optimizer);
+    - **stage launch**: the device thread's time per action (one stage on one microbatch) — the median, and per graph
+      node of the stage, the cost of dispatching one operator.
+
+    Rows: ``forward_backward`` alone, then with a synchronous ``pipe.step`` of plain SGD (no state: it fits this host's
+    memory at 1.7B parameters, and makes the runtime remake every weight's bf16 copy, as any optimizer does).
+
+    The model is built on ``meta`` and given host storage of a constant value (its values cannot matter: nothing is
+    computed), planned with analytic costs for ``--spec`` under ``--cap-gib``, as ``gpu.py``'s capped section plans for
+    the GPU.
+    """
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-1.7b")
     ap.add_argument("--batch", type=int, default=8)

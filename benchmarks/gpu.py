@@ -3,31 +3,14 @@
 Sections (each a table; all rows also in the JSON):
 
 - **link** — host link bandwidth: pinned and pageable memory, host-to-device, device-to-host, and both at once.
-- **resident** — a model that fits the GPU (default: the Qwen3-1.7B shape, 4 × 1024 tokens), one forward+backward
-  per step: eager with the whole model on the GPU (fp32 weights + bf16 autocast; the same with per-layer
-  activation checkpointing; bf16 weights with per-layer checkpointing) against rpcompile (``precision="bf16"``,
-  weights in CPU memory) on one device and on two logical devices sharing the GPU.
-- **capped** — beyond memory: the GPU capped at ``--cap-gib`` (20 GiB: the usable memory of an RTX 4090) with
-  ``torch.cuda.set_per_process_memory_fraction``; rpcompile trains the Llama-3-8B shape, 8 sequences of 2048 tokens
-  in 8 microbatches (eager cannot hold it). With ``--peer roundpipe`` the real RoundPipe (PyPI ``roundpipe``
-  0.1.1) then trains an HF ``LlamaForCausalLM`` of the same shape with the same weights, the same tokens and
-  microbatches under the same cap, in the same process (``roundpipe_peer.py``); both rows get ``vs_peer``, their
-  tokens/s over RoundPipe's.
+- **resident** — a model that fits the GPU (default: the Qwen3-1.7B shape, 4 × 1024 tokens): eager PyTorch with the
+  whole model on the GPU against rpcompile (``precision="bf16"``, weights in CPU memory).
+- **capped** — the GPU capped at ``--cap-gib`` (20 GiB: the usable memory of an RTX 4090); rpcompile trains the
+  Llama-3-8B shape, which eager cannot hold; ``--peer roundpipe`` adds the real RoundPipe on the same model.
 
-Per row: tokens/s, step time (median of ``--steps`` after a warm-up step), peak GPU memory, compile time, and for
-rpcompile rows the plan's predicted iteration next to the measured one (predicted/measured), with what a later
-calibration needs (issue 35 item 6, ``calibration.py``): the plan itself (``plan_file``, beside ``--out``), the
-hardware it was priced on (``priced_on``: link, dispatch per node, cost per action) and per stage the prediction
-beside the last step's measured host time of its actions (``stages``; on a GPU the worker's time to issue them and
-what it waited for). The header holds the host's bare dispatch per graph node on the device
-(``dispatch_probe``, :func:`rpcompile.planner.device_probe.probe_dispatch`). The rpcompile rows of
-one device (resident and capped) are followed by the same pipeline with the optimizer inside the loop
-(``--optimizer``: rpcompile's AdamW by default): ``pipe.step(opt)`` synchronous, then ``overlap=True`` (the step
-beside the next iteration, one step stale) — each predicted as the plan prices it (pipeline + host step, or the
-longer of the two). A model whose masters, gradients, Adam moments and copies would not fit the host's memory gets
-the reason in its row instead. Only GPU rows are
-measurements of the product; ``--smoke`` runs the same code on the CPU with a tiny model (CI checks the script; its
-times mean nothing).
+Per row: tokens/s, step time, peak GPU memory, compile time, and for rpcompile rows the plan's predicted iteration
+beside the measured one (:func:`main` says what else each row records). Only GPU rows are measurements of the
+product; ``--smoke`` runs the same code on the CPU with a tiny model (CI checks the script; its times mean nothing).
 
     python benchmarks/gpu.py                       # on a GPU machine: every section
     python benchmarks/gpu.py --sections resident --model llama-1.7b --batch 16 --seq 2048
@@ -589,6 +572,30 @@ def print_tables(rows: list[dict], header: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """The rows of each section, and what each row records.
+
+    **resident**: one forward+backward per step; eager with the whole model on the GPU (fp32 weights + bf16 autocast;
+    the same with per-layer activation checkpointing; bf16 weights with per-layer checkpointing) against rpcompile
+    (``precision="bf16"``, weights in CPU memory) on one device and on two logical devices sharing the GPU.
+
+    **capped**: the cap is set with ``torch.cuda.set_per_process_memory_fraction``; rpcompile trains the Llama-3-8B
+    shape, 8 sequences of 2048 tokens in 8 microbatches. With ``--peer roundpipe`` the real RoundPipe (PyPI
+    ``roundpipe`` 0.1.1) then trains an HF ``LlamaForCausalLM`` of the same shape with the same weights, the same tokens
+    and microbatches under the same cap, in the same process (``roundpipe_peer.py``); both rows get ``vs_peer``, their
+    tokens/s over RoundPipe's.
+
+    Per row: tokens/s, step time (median of ``--steps`` after a warm-up step), peak GPU memory, compile time, and for
+    rpcompile rows the plan's predicted iteration next to the measured one (predicted/measured), with what a later
+    calibration needs (issue 35 item 6, ``calibration.py``): the plan itself (``plan_file``, beside ``--out``), the
+    hardware it was priced on (``priced_on``: link, dispatch per node, cost per action) and per stage the prediction
+    beside the last step's measured host time of its actions (``stages``; on a GPU the worker's time to issue them and
+    what it waited for). The header holds the host's bare dispatch per graph node on the device (``dispatch_probe``,
+    :func:`rpcompile.planner.device_probe.probe_dispatch`). The rpcompile rows of one device (resident and capped) are
+    followed by the same pipeline with the optimizer inside the loop (``--optimizer``: rpcompile's AdamW by default):
+    ``pipe.step(opt)`` synchronous, then ``overlap=True`` (the step beside the next iteration, one step stale) — each
+    predicted as the plan prices it (pipeline + host step, or the longer of the two). A model whose masters, gradients,
+    Adam moments and copies would not fit the host's memory gets the reason in its row instead.
+    """
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
     ap.add_argument("--model", default="llama-1.7b")

@@ -1,33 +1,19 @@
 """Overlapped iterations on one clock (issue 35, item 4): synchronous against overlapped, rpcompile's best plan.
 
 Models at published shapes on the meta device (analytic ``rtx4090`` costs in bf16, sequence 4096, one sequence per
-microbatch, 20.12 GiB usable per GPU, PCIe 4.0 links, the host rates assumed for the spec), planned as
-``rpcompile.plan`` does by default (token embeddings on the host, ``head_chunks="auto"``: the whole LM head and 8
-sequence chunks, the plan predicted faster kept) and simulated (:mod:`rpcompile.runtime.sim.simulator`). Three rows a
-model:
+microbatch, 20.12 GiB usable per GPU, PCIe 4.0 links), planned as ``rpcompile.plan`` does by default and simulated
+(:mod:`rpcompile.runtime.sim.simulator`). Every figure is a prediction (planning + simulation, no GPU). Rows a model:
 
-- ``synchronous``: the plan made for synchronous training, one iteration: the pipeline, then the optimizer step
-  and copy refresh (added); the bubble is over the pipeline (the step apart), as ``schedules.py`` reports it;
-- ``step overlapped``: that plan under today's ``pipe.step(optimizer, overlap=True)``: the step beside the next
-  iteration, whose ``forward_backward`` still waits for the whole pipeline (the longer of the two);
-- ``sync plan, overlapped``: that same plan run with overlapped iterations (``pipe.step(optimizer, overlap=True)``
-  with each device going on to the next iteration while the others drain, one step stale): the simulator plays
-  15 iterations and reports the steady-state period and the bubble over it;
-- ``overlapped``: the plan made for overlapped iterations (``rpcompile.plan(..., overlap=True)``: the planner
-  minimises the period), run the same way; beside it the timing model's predicted period and what the idle time
-  is — the share of the period the stages' own PCIe copies take beyond their compute (a stage bound by its link:
-  the timing model counts it as work, the simulator's bubble as idle compute), the rest (hand-offs, imbalance,
-  the loss and the step the next iterations wait for), and how much shorter the period would be with a free step;
-- ``overlapped, fewer saves`` (only where the ``overlapped`` plan's link-bound part keeps its bubble above the
-  target): that plan with saved segments turned back into recomputed ones, one at a time — each time the one
-  whose change lengthens the predicted period least among those that shrink the link-bound part — until that part
-  is under half the target (a benchmark-side experiment, not what the planner does: it minimises the period);
-- ``overlapped, recompute``: the same planned with nothing saved in host memory (every backward stage recomputes):
-  what the bubble is when no stage waits for its saves to go down, and what that costs in period.
+- ``synchronous``: the plan for synchronous training: the pipeline, then the optimizer step and copy refresh;
+- ``step overlapped``: that plan under ``pipe.step(optimizer, overlap=True)`` (the step beside the next iteration);
+- ``sync plan, overlapped``: that plan with overlapped iterations (each device goes on to the next iteration while
+  the others drain, one step stale): the steady-state period and the bubble over it;
+- ``overlapped``: the plan made for overlapped iterations (``rpcompile.plan(..., overlap=True)``), run the same way;
+- ``overlapped, fewer saves``: that plan with saved segments recomputed, one at a time (:func:`fewer_saves`; a
+  benchmark-side experiment, not what the planner does);
+- ``overlapped, recompute``: planned with nothing saved in host memory (every backward stage recomputes).
 
-Every figure is a prediction (planning + simulation, no GPU). Each overlapped run also pays, once, the first
-iteration's fill and the last one's drain (``fill`` / ``drain``: mean idle a device before its first and after its
-last compute).
+:func:`main` gives the details of each row.
 
     python benchmarks/overlap.py [--models llama-8b,llama-32b] [--gpus 8] [--microbatches 16] [--quick]
 
@@ -100,7 +86,7 @@ def link_bound(pb: Any, plan: Any) -> float:
 
 
 def fewer_saves(pb: Any, plan: Any, share: float) -> Any:
-    """``plan`` with saved segments recomputed instead, greedily (the module docstring), until its link-bound part
+    """``plan`` with saved segments recomputed instead, greedily (:func:`main`'s ``overlapped, fewer saves``), until its link-bound part
     is under ``share``."""
     while link_bound(pb, plan) >= share:
         now = link_bound(pb, plan)
@@ -158,6 +144,37 @@ def model_rows(model: str, gpus: int, m: int, time_limit: float) -> tuple[dict[s
 
 
 def main() -> None:
+    """The rows, in full.
+
+    Models at published shapes on the meta device (analytic ``rtx4090`` costs in bf16, sequence 4096, one sequence per
+    microbatch, 20.12 GiB usable per GPU, PCIe 4.0 links, the host rates assumed for the spec), planned as
+    ``rpcompile.plan`` does by default (token embeddings on the host, ``head_chunks="auto"``: the whole LM head and 8
+    sequence chunks, the plan predicted faster kept) and simulated (:mod:`rpcompile.runtime.sim.simulator`). Rows a
+    model:
+
+    - ``synchronous``: the plan made for synchronous training, one iteration: the pipeline, then the optimizer step and
+      copy refresh (added); the bubble is over the pipeline (the step apart), as ``schedules.py`` reports it;
+    - ``step overlapped``: that plan under today's ``pipe.step(optimizer, overlap=True)``: the step beside the next
+      iteration, whose ``forward_backward`` still waits for the whole pipeline (the longer of the two);
+    - ``sync plan, overlapped``: that same plan run with overlapped iterations (``pipe.step(optimizer, overlap=True)``
+      with each device going on to the next iteration while the others drain, one step stale): the simulator plays 15
+      iterations and reports the steady-state period and the bubble over it;
+    - ``overlapped``: the plan made for overlapped iterations (``rpcompile.plan(..., overlap=True)``: the planner
+      minimises the period), run the same way; beside it the timing model's predicted period and what the idle time is —
+      the share of the period the stages' own PCIe copies take beyond their compute (a stage bound by its link: the
+      timing model counts it as work, the simulator's bubble as idle compute), the rest (hand-offs, imbalance, the loss
+      and the step the next iterations wait for), and how much shorter the period would be with a free step;
+    - ``overlapped, fewer saves`` (only where the ``overlapped`` plan's link-bound part keeps its bubble above the
+      target): that plan with saved segments turned back into recomputed ones, one at a time — each time the one whose
+      change lengthens the predicted period least among those that shrink the link-bound part — until that part is under
+      half the target (a benchmark-side experiment, not what the planner does: it minimises the period);
+    - ``overlapped, recompute``: the same planned with nothing saved in host memory (every backward stage recomputes):
+      what the bubble is when no stage waits for its saves to go down, and what that costs in period.
+
+    Every figure is a prediction (planning + simulation, no GPU). Each overlapped run also pays, once, the first
+    iteration's fill and the last one's drain (``fill`` / ``drain``: mean idle a device before its first and after its
+    last compute).
+    """
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--gpus", type=int, default=8)

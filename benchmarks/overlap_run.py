@@ -1,23 +1,13 @@
 """Overlapped iterations as the runtime runs them, without a GPU: measured period beside the simulator's.
 
-The runtime — executor, threads, weight copies, gradient sink, optimizer step — runs for real on N devices whose
-kernels cost nothing (:class:`floor.FloorDevice`: compute on ``meta``, copies free as DMA), and each stage's
-microbatch then *sleeps* until its planned compute time has passed since its dispatch began: ``time.sleep``
-releases the GIL, so a device's worker is busy while the host's threads go on, as a GPU computes while the host
-waits for it, and a microbatch takes the longer of its compute and its dispatch, as on a GPU. The optimizer step sleeps too
-(a fixed time, leaving the weights alone: no copy to remake). What is measured is then the schedule the runtime
-keeps around GPU-like compute, set beside what the simulator predicts for the same plan, stage times and step:
+- **sleeping devices**: the runtime (executor, threads, weight copies, gradient sink, optimizer step) runs for real
+  on N :class:`floor.FloorDevice`\\ s, and each stage's microbatch *sleeps* until its planned compute time has
+  passed since its dispatch began — as a GPU computes while the host waits for it. The optimizer step sleeps too.
+- **period**: the median time between the starts of consecutive steps over ``--steps`` steps after two warm-up
+  steps, as the simulator's period is the steady state of consecutive iterations.
 
-- ``synchronous``: ``pipe.step(optimizer)``: every iteration pays the pipeline's fill and drain, then the step;
-- ``step overlapped``: ``pipe.step(optimizer, overlap=True)``: the step beside the next iteration, whose
-  ``forward_backward`` still waits for the whole pipeline;
-- ``iterations overlapped``: the same with ``pipe.overlap_iterations = True``: each call returns at its loss and the
-  devices go on into the next iteration while the last stages drain.
-
-Period: the median time between the starts of consecutive steps over ``--steps`` steps after two warm-up steps,
-as the simulator's period is the steady state of consecutive iterations (the run's one-off fill and drain apart). The model: a LLaMA-shaped decoder (host storage, constant values: nothing is computed), planned with
-analytic costs for ``--spec`` (compute times scaled by ``--slow``: a slower GPU, so that the host work of this
-2-core machine hides behind compute as a real host's does behind a real GPU's).
+Modes: ``synchronous`` (``pipe.step(optimizer)``), ``step overlapped`` (``overlap=True``) and ``iterations
+overlapped`` (``pipe.overlap_iterations = True`` too); :func:`main` gives them and the model in full.
 
     python benchmarks/overlap_run.py [--gpus 8] [--layers 8] [--dim 1024] [--microbatches 8] [--slow 60] [--steps 6]
     python benchmarks/overlap_run.py --quick   # checks the script (CI); its figures mean nothing
@@ -84,7 +74,8 @@ def sleeping(seconds: dict[int, float]) -> Iterator[None]:
     def compute(self: Executor, device: Any, prog: Any, state: Any, mb: int) -> None:
         t0 = time.perf_counter()
         real(self, device, prog, state, mb)
-        # a GPU runs the kernels while the host launches them: the microbatch takes the longer of the two
+        # a GPU runs the kernels while the host launches them: the microbatch takes the longer of the two;
+        # time.sleep releases the GIL, so the host's threads go on meanwhile, as they do beside a GPU
         time.sleep(max(0.0, seconds[prog.index] - (time.perf_counter() - t0)))
 
     Executor._compute = compute  # type: ignore[method-assign]
@@ -139,6 +130,28 @@ def measure(pipe: Any, x: torch.Tensor, y: torch.Tensor, optimizer: SleepStep, s
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The modes and the model in full.
+
+    The runtime — executor, threads, weight copies, gradient sink, optimizer step — runs for real on N devices whose
+    kernels cost nothing (:class:`floor.FloorDevice`: compute on ``meta``, copies free as DMA), and each stage's
+    microbatch then *sleeps* until its planned compute time has passed since its dispatch began: ``time.sleep`` releases
+    the GIL, so a device's worker is busy while the host's threads go on, as a GPU computes while the host waits for it,
+    and a microbatch takes the longer of its compute and its dispatch, as on a GPU. The optimizer step sleeps too (a
+    fixed time, leaving the weights alone: no copy to remake). What is measured is then the schedule the runtime keeps
+    around GPU-like compute, set beside what the simulator predicts for the same plan, stage times and step:
+
+    - ``synchronous``: ``pipe.step(optimizer)``: every iteration pays the pipeline's fill and drain, then the step;
+    - ``step overlapped``: ``pipe.step(optimizer, overlap=True)``: the step beside the next iteration, whose
+      ``forward_backward`` still waits for the whole pipeline;
+    - ``iterations overlapped``: the same with ``pipe.overlap_iterations = True``: each call returns at its loss and the
+      devices go on into the next iteration while the last stages drain.
+
+    Period: the median time between the starts of consecutive steps over ``--steps`` steps after two warm-up steps, as
+    the simulator's period is the steady state of consecutive iterations (the run's one-off fill and drain apart). The
+    model: a LLaMA-shaped decoder (host storage, constant values: nothing is computed), planned with analytic costs for
+    ``--spec`` (compute times scaled by ``--slow``: a slower GPU, so that the host work of this 2-core machine hides
+    behind compute as a real host's does behind a real GPU's).
+    """
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpus", type=int, default=8)
     ap.add_argument("--layers", type=int, default=8)

@@ -1,25 +1,14 @@
 """Every schedule on one clock: GPipe, 1F1B, interleaved 1F1B, RoundPipe's partition and rpcompile's ILP.
 
-Part 1 — models at published shapes (meta device, analytic ``rtx4090`` costs in bf16, sequence 4096, one
-sequence per microbatch, m = 2N): LLaMA-shaped 1.7B / 8B / 32B and a Qwen3-30B-A3B-shaped MoE on 4 and 8 GPUs.
-Each (model, N) is traced and costed once; every schedule is built on that one ``PartitionProblem`` and run by
-the simulator (:mod:`rpcompile.runtime.sim.simulator`), which also accounts memory per device: the static schedules
-keep weights, gradients, Adam state and in-flight activations resident and usually do not fit a 24 GB card —
-the table says so rather than hiding them. The baselines keep the token embedding on the devices, as their
-systems do; rpcompile's columns run it on the host (its default, :mod:`rpcompile.passes.rewrite.host`), and
-``ilp-device-embedding`` is the ``ilp`` column's plan made with the table on the devices, to show what that buys.
-``ilp-recompute`` is the ILP with every activation recomputed (no host-memory saving), to separate partitioning
-from the save/recompute choice. ``ilp-whole-head`` is the ILP on
-the model as traced, ``ilp-split-head`` on the same model traced with its loss and the LM head split into
-``HEAD_CHUNKS`` sequence chunks (:mod:`rpcompile.passes.rewrite.loss_head`), and ``ilp`` is what rpcompile plans by
-default (``head_chunks="auto"``): of those two, the plan whose *predicted* iteration is shorter.
-
-Part 2 — the RoundPipe paper's own simulator inputs (``benchmarks/data/roundpipe-simulator-inputs.json``:
-per-layer times measured on an RTX 4090, 8 GPUs, 16 microbatches) with the paper's partitions, plus ``ilp`` on
-the same layer costs. The static schedules run twice: keeping activations (our baseline) and as
-``<name>-recompute``, recomputing every layer's forward in its backward as the paper's simulator does; a third
-table sets both against the makespans the paper's simulator printed for the same inputs (``reported_makespan_ms``
-in the file).
+- **Part 1** — models at published shapes (meta device, analytic ``rtx4090`` costs in bf16, sequence 4096, one
+  sequence per microbatch, m = 2N): LLaMA-shaped 1.7B / 8B / 32B and a Qwen3-30B-A3B-shaped MoE on 4 and 8 GPUs,
+  every schedule built on one ``PartitionProblem`` per (model, N) and run by the simulator
+  (:mod:`rpcompile.runtime.sim.simulator`), which also accounts memory per device.
+- **Part 2** — the RoundPipe paper's own simulator inputs (``benchmarks/data/roundpipe-simulator-inputs.json``:
+  per-layer times measured on an RTX 4090, 8 GPUs, 16 microbatches) with the paper's partitions, plus ``ilp`` on
+  the same layer costs, set against the makespans the paper's simulator printed (``reported_makespan_ms``).
+- **columns**: ``ilp`` is what rpcompile plans by default; ``ilp-device-embedding``, ``ilp-recompute``,
+  ``ilp-whole-head`` and ``ilp-split-head`` each change one of its choices (:func:`main` says which).
 
     python benchmarks/schedules.py [--models llama-1.7b,llama-8b,llama-32b,qwen3-30b-a3b] [--gpus 4,8] [--quick]
 
@@ -169,6 +158,28 @@ def paper_checks(paper: dict[str, dict[str, dict]]) -> list[tuple[str, bool]]:
 
 
 def main() -> None:
+    """The two parts and their columns in full.
+
+    Part 1 — models at published shapes (meta device, analytic ``rtx4090`` costs in bf16, sequence 4096, one sequence
+    per microbatch, m = 2N): LLaMA-shaped 1.7B / 8B / 32B and a Qwen3-30B-A3B-shaped MoE on 4 and 8 GPUs. Each (model,
+    N) is traced and costed once; every schedule is built on that one ``PartitionProblem`` and run by the simulator
+    (:mod:`rpcompile.runtime.sim.simulator`), which also accounts memory per device: the static schedules keep weights,
+    gradients, Adam state and in-flight activations resident and usually do not fit a 24 GB card — the table says so
+    rather than hiding them. The baselines keep the token embedding on the devices, as their systems do; rpcompile's
+    columns run it on the host (its default, :mod:`rpcompile.passes.rewrite.host`), and ``ilp-device-embedding`` is the
+    ``ilp`` column's plan made with the table on the devices, to show what that buys. ``ilp-recompute`` is the ILP with
+    every activation recomputed (no host-memory saving), to separate partitioning from the save/recompute choice.
+    ``ilp-whole-head`` is the ILP on the model as traced, ``ilp-split-head`` on the same model traced with its loss and
+    the LM head split into ``HEAD_CHUNKS`` sequence chunks (:mod:`rpcompile.passes.rewrite.loss_head`), and ``ilp`` is
+    what rpcompile plans by default (``head_chunks="auto"``): of those two, the plan whose *predicted* iteration is
+    shorter.
+
+    Part 2 — the RoundPipe paper's own simulator inputs (``benchmarks/data/roundpipe-simulator-inputs.json``: per-layer
+    times measured on an RTX 4090, 8 GPUs, 16 microbatches) with the paper's partitions, plus ``ilp`` on the same layer
+    costs. The static schedules run twice: keeping activations (our baseline) and as ``<name>-recompute``, recomputing
+    every layer's forward in its backward as the paper's simulator does; a third table sets both against the makespans
+    the paper's simulator printed for the same inputs (``reported_makespan_ms`` in the file).
+    """
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--gpus", default=",".join(map(str, GPUS)))

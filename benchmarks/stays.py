@@ -1,33 +1,18 @@
 """Weights that stay on their device (issue 35, item 5): today's round robin against stays, side by side.
 
-**Measured** on logical CPU devices (this machine): a model trained with torch's fused AdamW, one step at a time —
-eager PyTorch (``loss.backward(); opt.step(); opt.zero_grad()``) against rpcompile with today's plan (every stage
-uploads its weights: ``allow_stay=False``) and with weights that stay (the default), planned on the same cuts
-(stays are chosen on the solved cuts, so the two plans differ only in them). Per setup: median step time, its
-ratio to eager (the median of each round's ratio: the machine's load moves the times, less their ratio), and the
-weight bytes uploaded per step — counted by the runtime (``pipe.executor.stays.uploaded``,
-after a warm-up step) and as the plan predicts (the stages' ``weight_bytes``). On logical CPU devices an upload
-moves nothing (a stage reads the host copy), so the step times show what stays cost the runtime, and the bytes
-what they spare a GPU's link. Setups (llama-demo, fp32, batch 12, analytic ``cpu`` costs — with a 30 µs stage
-overhead instead of the preset's 0.4 ms where said, so that the planner cuts the model into stages of every kind):
+- **Measured** on logical CPU devices (this machine; llama-demo, fp32, batch 12, torch's fused AdamW): eager
+  PyTorch against rpcompile with every stage uploading its weights (``allow_stay=False``) and with weights that
+  stay (the default), on the same cuts. Per setup (``1 device, fits``, ``1 device, 4 MiB``, ``2 devices``,
+  ``1 device, LoRA``): median step time, its ratio to eager, and the weight bytes uploaded per step, counted and
+  as the plan predicts. On logical CPU devices an upload moves nothing, so the times show what stays cost the
+  runtime and the bytes what they spare a GPU's link.
+- **Predicted** (analytic ``h100-sxm`` costs, bf16): the Llama shapes of ``gpu.py`` on one GPU, uncapped and capped
+  at 20 GiB, and the Llama-3-8B shape on 8 × rtx4090 (m = 16): stays, uploaded bytes, the predicted iteration with
+  and without them, peak device memory, and the gradient sums under ``no_sync``.
 
-- ``1 device, fits``: one device with room for everything: the resident plan (each weight uploaded once, then
-  only what the optimizer step changed), as the ``cpu`` preset plans it, and with fine stages;
-- ``1 device, 4 MiB``: one device under a 4 MiB limit: seven stages, the forward stages' weights staying only
-  where they fit;
-- ``2 devices``: two devices (default memory): forward stages keep their weights for the backward stages on
-  their device;
-- ``1 device, LoRA``: rank-4 adapters on a frozen base, one device with room: the frozen base goes up once.
-
-**Predicted** (analytic ``h100-sxm`` costs, bf16; what the issue's GPU target is about): the Llama shapes of the GPU
-benchmark (``gpu.py``) on one GPU, uncapped and capped at 20 GiB, and the Llama-3-8B shape on 8 × rtx4090
-(m = 16): per row the plan's stays, the weight bytes uploaded per step and the predicted iteration with and
-without them, and the peak device memory.
+:func:`main` gives the setups and the rows in full.
 
     python benchmarks/stays.py [--steps 10] [--quick]
-
-Per predicted row also the gradient sums (``no_sync``): the grad stages that sum on their devices, the gradient
-bytes a call sends home with and without ``no_sync``, and a call under it.
 
 Writes ``benchmarks/results/stays.json`` (``--quick``: ``stays-quick.json``, one short measured setup and no
 predictions; ignored by git).
@@ -199,6 +184,35 @@ def _predicted_table(rows: list[dict]) -> Table:
 
 
 def main() -> None:
+    """The setups and rows in full.
+
+    **Measured** on logical CPU devices (this machine): a model trained with torch's fused AdamW, one step at a time —
+    eager PyTorch (``loss.backward(); opt.step(); opt.zero_grad()``) against rpcompile with today's plan (every stage
+    uploads its weights: ``allow_stay=False``) and with weights that stay (the default), planned on the same cuts (stays
+    are chosen on the solved cuts, so the two plans differ only in them). Per setup: median step time, its ratio to
+    eager (the median of each round's ratio: the machine's load moves the times, less their ratio), and the weight bytes
+    uploaded per step — counted by the runtime (``pipe.executor.stays.uploaded``, after a warm-up step) and as the plan
+    predicts (the stages' ``weight_bytes``). On logical CPU devices an upload moves nothing (a stage reads the host
+    copy), so the step times show what stays cost the runtime, and the bytes what they spare a GPU's link. Setups
+    (llama-demo, fp32, batch 12, analytic ``cpu`` costs — with a 30 µs stage overhead instead of the preset's 0.4 ms
+    where said, so that the planner cuts the model into stages of every kind):
+
+    - ``1 device, fits``: one device with room for everything: the resident plan (each weight uploaded once, then only
+      what the optimizer step changed), as the ``cpu`` preset plans it, and with fine stages;
+    - ``1 device, 4 MiB``: one device under a 4 MiB limit: seven stages, the forward stages' weights staying only where
+      they fit;
+    - ``2 devices``: two devices (default memory): forward stages keep their weights for the backward stages on their
+      device;
+    - ``1 device, LoRA``: rank-4 adapters on a frozen base, one device with room: the frozen base goes up once.
+
+    **Predicted** (analytic ``h100-sxm`` costs, bf16; what the issue's GPU target is about): the Llama shapes of the GPU
+    benchmark (``gpu.py``) on one GPU, uncapped and capped at 20 GiB, and the Llama-3-8B shape on 8 × rtx4090 (m = 16):
+    per row the plan's stays, the weight bytes uploaded per step and the predicted iteration with and without them, and
+    the peak device memory.
+
+    Per predicted row also the gradient sums (``no_sync``): the grad stages that sum on their devices, the gradient
+    bytes a call sends home with and without ``no_sync``, and a call under it.
+    """
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=10, help="timed steps per pipeline and setup")
     ap.add_argument("--time-limit", type=float, default=10.0, help="the predicted rows' solve time limit")

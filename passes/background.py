@@ -1,27 +1,19 @@
 """Work that runs in a forked child process while the caller goes on: the LM-head splits' solves.
 
-A plan tries the whole LM head and a split one (:func:`rpcompile.planner.plan_options.head_chunk_candidates`); each split's
-solve is single-threaded (CP-SAT with one worker, numpy) and independent of the others. :func:`later` starts one in
-a child process — forked, so the child inherits the problem and nothing is pickled on the way in — while the caller
-prepares and solves the next split on another core; :meth:`Later.result` collects it. Only the result crosses
-back, pickled through a pipe.
+Terms:
 
-The answer never depends on where the work ran: every phase of a solve is bounded by counts, not by the clock.
-So anything that goes wrong with the child makes :meth:`Later.result` run the work in the caller instead (the
-same answer, only later): the child dies, its result cannot be pickled, it is silent past ``timeout_s``, or the
-work fails there with anything but one of rpcompile's own errors (a fork may be the cause: CUDA cannot be used in
-a forked child). An :class:`~rpcompile.core.errors.RPCompileError` the work raises in the child (a plan that
-does not fit) is raised by :meth:`Later.result`, as if the work had run in the caller.
+- **background work** (:func:`later`, :class:`Later`): a function run in a child process — forked, so the child
+  inherits the problem and nothing is pickled on the way in — while the caller goes on; only the result crosses
+  back, pickled through a pipe. :meth:`Later.result` collects it.
+- **in the caller**: the fallback — the same work run at :meth:`Later.result`, with the same answer (every phase of
+  a solve is bounded by counts, not by the clock), used whenever the child fails or forking is not safe here
+  (:func:`enabled`).
+- **pays**: a solve goes to a child only when it is expected to take :data:`FORK_PAYS` times what the fork costs
+  (:func:`solve_apart`).
 
-A fork costs time: the page tables of the whole process are copied (0.28 s for 8 GiB of tensors here), and the
-parent's later writes copy pages. So a solve goes to a child only where it pays (:func:`solve_apart`): not for a
-problem the solve cache holds, nor for one expected to take less than three times the fork — a small problem, or a
-process holding a large model in CPU memory, solves in the caller as before.
-
-The child must not touch CUDA nor run torch kernels (a fork inherits neither a usable CUDA context nor OpenMP's
-threads); a solve uses neither. Work runs in the caller, at :meth:`Later.result`, where a fork does not pay or is
-not safe: one usable CPU, no ``fork`` start method or not Linux (macOS's frameworks are not fork-safe), or
-``RPCOMPILE_BACKGROUND=off``.
+A plan tries the whole LM head and a split one (:func:`rpcompile.planner.plan_options.head_chunk_candidates`); each
+split's solve is single-threaded (CP-SAT with one worker, numpy) and independent of the others, so one runs in a
+child while the caller prepares and solves the next split on another core (:func:`solving`).
 """
 
 from __future__ import annotations
@@ -52,7 +44,13 @@ ENV = "RPCOMPILE_BACKGROUND"
 
 
 def enabled() -> bool:
-    """Whether :func:`later` forks here (module docstring)."""
+    """Whether :func:`later` forks here.
+
+    The child must not touch CUDA nor run torch kernels (a fork inherits neither a usable CUDA context nor OpenMP's
+    threads); a solve uses neither. Work runs in the caller, at :meth:`Later.result`, where a fork does not pay or is
+    not safe: one usable CPU, no ``fork`` start method or not Linux (macOS's frameworks are not fork-safe), or
+    ``RPCOMPILE_BACKGROUND=off``.
+    """
     if os.environ.get(ENV, "").strip().lower() in ("off", "0", "false", "no"):
         return False
     if not sys.platform.startswith("linux") or "fork" not in multiprocessing.get_all_start_methods():
@@ -85,7 +83,7 @@ def solve_apart(problem: PartitionProblem, *, time_limit_s: float, strategy: str
     """Whether solving ``problem`` is worth a child process: not in the solve cache (a lookup is quicker than a
     fork) and expected to take :data:`FORK_PAYS` times what the fork costs — not so for a small problem, nor in a
     process holding a large model in CPU memory (a fork copies its page tables: about a second for 25 GiB in 4 KiB
-    pages)."""
+    pages), and the parent's later writes copy pages."""
     if not enabled():
         return False
     if cache and lookup(problem, strategy, time_limit_s=time_limit_s) is not None:
@@ -108,7 +106,15 @@ def solving(fn: Callable[[], T], problem: PartitionProblem, *, time_limit_s: flo
 
 
 class Later(Generic[T]):
-    """``fn()``, started in a child process (or not: :func:`enabled`); :meth:`result` returns what it returned."""
+    """``fn()``, started in a child process (or not: :func:`enabled`); :meth:`result` returns what it returned.
+
+    The answer never depends on where the work ran: every phase of a solve is bounded by counts, not by the clock. So
+    anything that goes wrong with the child makes :meth:`Later.result` run the work in the caller instead (the same
+    answer, only later): the child dies, its result cannot be pickled, it is silent past ``timeout_s``, or the work
+    fails there with anything but one of rpcompile's own errors (a fork may be the cause: CUDA cannot be used in a
+    forked child). An :class:`~rpcompile.core.errors.RPCompileError` the work raises in the child (a plan that does not
+    fit) is raised by :meth:`Later.result`, as if the work had run in the caller.
+    """
 
     def __init__(self, fn: Callable[[], T], *, background: bool = True, timeout_s: float = 120.0):
         self._fn, self._timeout_s = fn, timeout_s

@@ -1,65 +1,22 @@
 """The round-robin executor: a small interpreter of per-device action lists (:mod:`.schedule`).
 
-One worker thread per device runs its list in order. ``kW`` makes the device's copy of stage k's weights (from the
-host copies in the compute precision, :mod:`~rpcompile.runtime.weights`), ``kFj`` runs stage k on microbatch j once stage k−1 has
-finished microbatch j, ``kG`` sends the stage's gradients home, where the gradient sink's thread adds them into
-the masters' ``.grad`` while the device goes on. Values between stages live in
-host memory (:class:`~.values.ValueStore`), keyed by (value name, microbatch). A stage's own steps (its weights
-and inputs up, the call, its buffers and gradients home) are :mod:`.stage_call`'s functions.
+Terms:
 
-**Weight prefetch.** A device's weights for its next stage go up while it runs the current one: when the worker
-starts a stage's first microbatch it hands the next ``W`` of its list to the device's prefetch thread, and that
-``W`` only collects the result (the simulator's rule: a ``W`` may start once the device started the stage before
-it; at most two stages' weights are resident, the planner's ``P`` term). A forward stage's weights are dropped
-after its last microbatch, a fused or backward stage's after its gradients went home — except the copies the plan
-keeps on the device for a later stage there, or keeps for good (weights that stay, :mod:`~rpcompile.runtime.stays`: a stage uploads
-only what it does not find). On a GPU the copies run on a stream of their own, behind the activation uploads
-(:meth:`~.devices.Device.upload_weights`).
+- **worker**: one thread per device that runs its list in order. ``kW`` makes the device's copy of stage k's weights
+  (from the host copies in the compute precision, :mod:`~rpcompile.runtime.weights`), ``kFj`` runs stage k on
+  microbatch j once stage k−1 has finished microbatch j, ``kG`` sends the stage's gradients home, where the gradient
+  sink's thread adds them into the masters' ``.grad`` while the device goes on.
+- **value**: what one stage hands to another, kept in host memory (:class:`~.values.ValueStore`), keyed by (value
+  name, microbatch). A stage's own steps (its weights and inputs up, the call, its buffers and gradients home) are
+  :mod:`.stage_call`'s functions.
+- **hand-off**: a value one stage hands to the next (or a gradient a backward stage leaves for an earlier one); on
+  one GPU it stays in device memory (:attr:`Executor.resident_budget`).
+- **Failures**: an exception in any thread of a call stops the call; the caller gets one
+  :class:`~rpcompile.runtime.failures.PipelineError` naming the stage, device and microbatch (or a Ctrl-C's
+  ``KeyboardInterrupt``), and every ``.grad`` is what it was before the call.
 
-**Hand-offs on one device.** With a single device that is not a logical CPU device (one GPU), every stage runs
-there, so a value one stage hands to the next (and the gradient a backward stage leaves for an earlier one) stays in
-device memory instead of a round trip through host memory — on the H100 the 1.7B shape's step moved 8 MiB pieces
-down and straight back up for every stage and microbatch. Only what the host reads comes home: the gradients of a
-host embedding's rows, the losses, the model's output in evaluation. Saved activations still go down (they are
-what the plan sends to host memory). What stays is held until the call ends (a backward stage recomputes from its
-forward's input), so at most :attr:`Executor.resident_budget` bytes of it in a call; beyond that a hand-off goes
-home as it would on several devices.
-
-**Host embeddings** (:mod:`rpcompile.passes.rewrite.host`): a host thread looks up every microbatch's rows in the fp32
-master table, in order, cast to the compute precision; the stages that read them wait for them like for any
-value still on its way. Once every fused or backward stage that reads a microbatch's rows has finished it, the
-same thread adds the rows' gradients (summed over those stages, as for any value) into the table's ``.grad``.
-
-**Overlapped iterations** (:meth:`Executor.start`): one iteration runs in the background on threads of its own
-(:class:`Running`, all its per-call state on a shallow copy of the executor that shares the devices, the weight
-store and the sink's locks), so the caller gets its losses while its last stages drain; the next iteration's list
-for a device starts once that device has finished its list of the one before.
-
-Stage semantics (docs/architecture.md §3):
-
-- forward stages run without autograd and hand on the values later stages need;
-- the fused stage runs forward, loss and backward in one go;
-- backward stages recompute their forward from the saved boundary values with autograd on, then run backward with
-  the gradients later stages left for their outputs, and leave gradients for their own inputs. Saved segments
-  (:mod:`.segments.saved`) are not recomputed: the forward stage runs their fw graph and ships their saved tensors
-  (:class:`~.segments.capture.HostSaved`); in the backward stage they are one autograd node that runs their bw graph.
-
-Buffers (BatchNorm statistics) are updated by the real forward only: recomputation runs on copies — of the values
-the forward stage found for that microbatch, where it changed them (a running mean the forward also reads
-recomputes as that microbatch saw it). Randomness (dropout) is replayed per node (:mod:`.rng`), so recomputation
-draws the forward's masks.
-
-**Failures.** An exception in any thread of the call (a worker, the host thread, the gradient sink, a copy going
-down) stops the call: the other workers stop before their next action (or wait), in-flight uploads, saves and
-hand-offs land, and the caller gets one :class:`~rpcompile.runtime.failures.PipelineError` naming the stage, device and microbatch — or, for a
-Ctrl-C (a ``KeyboardInterrupt`` on any of its threads), the ``KeyboardInterrupt`` itself. Gradients are all or
-none: the sink takes back everything the call added (:meth:`~.weights.GradSink.abort`), so every ``.grad`` is
-what it was before the call, and the next call starts clean. What stays alive between calls is idle: the
-devices' prefetch and offload threads (pools that outlive calls) wait for work; the call's own threads (workers,
-host, sink) have ended. A Ctrl-C may also come as :attr:`Executor.interrupted` (set from a signal handler, which
-must not raise at an arbitrary instant of the call's own bookkeeping: ``rpcompile.training.interrupts``); and a call that
-a second Ctrl-C left before its threads had stopped is stopped and settled by :meth:`Executor.finish`, at the
-latest when the next call begins.
+:class:`Executor` runs one iteration (its docstring says how weights, hand-offs, host embeddings, overlapped
+iterations, the stage kinds and failures are handled); the pipeline owns one.
 """
 
 from __future__ import annotations
@@ -95,7 +52,62 @@ from .weights import GradSink, HostTraffic, WeightStore
 __all__ = ["Executor", "Running"]
 
 class Executor:
-    """Runs one iteration of a schedule (see module docstring)."""
+    """Runs one iteration of a schedule (the module docstring's terms).
+
+    **Weight prefetch.** A device's weights for its next stage go up while it runs the current one: when the worker
+    starts a stage's first microbatch it hands the next ``W`` of its list to the device's prefetch thread, and that
+    ``W`` only collects the result (the simulator's rule: a ``W`` may start once the device started the stage before it;
+    at most two stages' weights are resident, the planner's ``P`` term). A forward stage's weights are dropped after its
+    last microbatch, a fused or backward stage's after its gradients went home — except the copies the plan keeps on the
+    device for a later stage there, or keeps for good (weights that stay, :mod:`~rpcompile.runtime.stays`: a stage
+    uploads only what it does not find). On a GPU the copies run on a stream of their own, behind the activation uploads
+    (:meth:`~.devices.Device.upload_weights`).
+
+    **Hand-offs on one device.** With a single device that is not a logical CPU device (one GPU), every stage runs
+    there, so a value one stage hands to the next (and the gradient a backward stage leaves for an earlier one) stays in
+    device memory instead of a round trip through host memory. Only what the host reads comes home: the gradients of a
+    host embedding's rows, the losses, the model's output in evaluation. Saved activations still go down (they are what
+    the plan sends to host memory). What stays is held until the call ends (a backward stage recomputes from its
+    forward's input), so at most :attr:`Executor.resident_budget` bytes of it in a call; beyond that a hand-off goes
+    home as it would on several devices.
+
+    **Host embeddings** (:mod:`rpcompile.passes.rewrite.host`): a host thread looks up every microbatch's rows in the
+    fp32 master table, in order, cast to the compute precision; the stages that read them wait for them like for any
+    value still on its way. Once every fused or backward stage that reads a microbatch's rows has finished it, the same
+    thread adds the rows' gradients (summed over those stages, as for any value) into the table's ``.grad``.
+
+    **Overlapped iterations** (:meth:`Executor.start`): one iteration runs in the background on threads of its own
+    (:class:`Running`, all its per-call state on a shallow copy of the executor that shares the devices, the weight
+    store and the sink's locks), so the caller gets its losses while its last stages drain; the next iteration's list
+    for a device starts once that device has finished its list of the one before.
+
+    Stage semantics (docs/architecture.md §3):
+
+    - forward stages run without autograd and hand on the values later stages need;
+    - the fused stage runs forward, loss and backward in one go;
+    - backward stages recompute their forward from the saved boundary values with autograd on, then run backward with
+      the gradients later stages left for their outputs, and leave gradients for their own inputs. Saved segments
+      (:mod:`.segments.saved`) are not recomputed: the forward stage runs their fw graph and ships their saved tensors
+      (:class:`~.segments.capture.HostSaved`); in the backward stage they are one autograd node that runs their bw
+      graph.
+
+    Buffers (BatchNorm statistics) are updated by the real forward only: recomputation runs on copies — of the values
+    the forward stage found for that microbatch, where it changed them (a running mean the forward also reads recomputes
+    as that microbatch saw it). Randomness (dropout) is replayed per node (:mod:`.rng`), so recomputation draws the
+    forward's masks.
+
+    **Failures.** An exception in any thread of the call (a worker, the host thread, the gradient sink, a copy going
+    down) stops the call: the other workers stop before their next action (or wait), in-flight uploads, saves and
+    hand-offs land, and the caller gets one :class:`~rpcompile.runtime.failures.PipelineError` naming the stage, device
+    and microbatch — or, for a Ctrl-C (a ``KeyboardInterrupt`` on any of its threads), the ``KeyboardInterrupt`` itself.
+    Gradients are all or none: the sink takes back everything the call added (:meth:`~.weights.GradSink.abort`), so
+    every ``.grad`` is what it was before the call, and the next call starts clean. What stays alive between calls is
+    idle: the devices' prefetch and offload threads (pools that outlive calls) wait for work; the call's own threads
+    (workers, host, sink) have ended. A Ctrl-C may also come as :attr:`Executor.interrupted` (set from a signal handler,
+    which must not raise at an arbitrary instant of the call's own bookkeeping: ``rpcompile.training.interrupts``); and
+    a call that a second Ctrl-C left before its threads had stopped is stopped and settled by :meth:`Executor.finish`,
+    at the latest when the next call begins.
+    """
 
     def __init__(
         self,
@@ -119,7 +131,7 @@ class Executor:
         self.stays = DeviceWeights(self.program, len(self.devices))  # weights that stay on a device (runtime/stays.py)
         self.sums = DeviceGrads(self.program, self.devices, params)  # gradients summed there (no_sync)
         self.resident_handoffs = len(self.devices) == 1 and not isinstance(self.devices[0], CpuDevice)
-        """Hand-offs between stages stay on the device (module docstring); the host's values still come home."""
+        """Hand-offs between stages stay on the device (class docstring); the host's values still come home."""
         self.resident_budget: float = math.inf
         """Bytes of hand-offs a call may keep on the device (the pipeline gives a GPU part of what its plan leaves
         free); the rest go home."""
@@ -157,7 +169,7 @@ class Executor:
 
         The fused stage calls ``loss_fn(output, target, j)`` for microbatch j with ``targets[j]`` uploaded to its
         device (every tensor in it, dtypes kept; None without ``targets``). A failure anywhere stops the call as
-        the module docstring's **Failures** says: :class:`~rpcompile.runtime.failures.PipelineError` (or the ``KeyboardInterrupt`` itself)
+        the class docstring's **Failures** says: :class:`~rpcompile.runtime.failures.PipelineError` (or the ``KeyboardInterrupt`` itself)
         once nothing of the call runs any more, every ``.grad`` as it was before the call."""
         self.finish()  # a call left behind by a Ctrl-C that escaped: stopped before this one takes its place
         self._begin(schedule, store, iteration, loss_fn, targets, grad_scale)
@@ -343,7 +355,7 @@ class Executor:
         return err
 
     def _host(self, store: ValueStore, pending: dict[tuple[str, int], Future]) -> None:
-        """The host thread of an iteration (module docstring): every microbatch's lookups, then their gradients."""
+        """The host thread of an iteration (class docstring): every microbatch's lookups, then their gradients."""
         m, host = self.microbatches, self.program.host
         try:
             for j in range(m):
@@ -498,7 +510,7 @@ class Executor:
         return stage_call.inputs(device, prog, mb, self.store, self.dtype, self.program.needs_grad, leaves=leaves)
 
     def _stays(self, t: torch.Tensor) -> bool:
-        """Whether hand-off ``t`` stays on the device (module docstring), counted against the budget if so."""
+        """Whether hand-off ``t`` stays on the device (class docstring), counted against the budget if so."""
         if not self.resident_handoffs:
             return False
         size = t.untyped_storage().nbytes()

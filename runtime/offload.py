@@ -1,26 +1,16 @@
 """Lazy offload: a forward stage's saved activations go down to host memory behind the compute, not in its way.
 
-Nobody in the forward pass waits for saved activations — only a backward stage, much later — so a forward stage
-hands them to its device's :class:`Offloader` and goes on with the next microbatch. The offloader copies them
-out on its own thread, one submission at a time, **the ones needed first first**: the backward pass runs the
-chain in reverse, so the latest stage's saves, then microbatches in order (the priority the executor gives).
-What has not gone down yet stays in device memory, so the backlog is bounded: a submission that would take it
-past ``budget_bytes`` waits until enough has gone down, and the device starts its next stage only once the
-backlog is within the budget again (:meth:`Offloader.wait_within_budget`): the planner gives the memory the
-device's stages leave free, :func:`rpcompile.passes.solver.timing.offload_backlog`, which models the same policy; so
-does the simulator.
+Terms:
 
-A :class:`Landing` stands for the host copy until it exists; the backward stage's worker calls ``wait()``
-before it uploads the tensors.
+- **offloader** (:class:`Offloader`): one device's copies to host memory, on a thread of their own, one submission
+  at a time — for saved activations the ones needed first first, for a GPU's hand-offs first in first out.
+- **backlog**: what was submitted and has not gone down yet; it stays in device memory, bounded by
+  ``budget_bytes`` (:meth:`Offloader.wait_within_budget`).
+- **landing** (:class:`Landing`): stands for the host copy until it exists; the backward stage's worker calls
+  ``wait()`` before it uploads the tensors.
 
-The same machinery sends a GPU's **hand-offs** down (a stage's outputs, a backward stage's input gradients) on a
-second offloader, first in first out, at most two microbatches' worth pending (double buffering, as the
-simulator's ``OUTPUT_BUFFERS``): the worker queues the next microbatch's kernels while the copy runs, and the
-next stage's worker waits on the landing instead of the producing worker waiting on the copy.
-
-A copy that fails makes every later ``wait()`` and ``submit()`` raise instead of hanging the pipeline, until
-:meth:`Offloader.settle` (the executor's, after a failed call) clears it for the next call; so does a submission
-still queued when the offloader is closed or settled.
+The planner models the same policy (:func:`rpcompile.passes.solver.timing.offload_backlog`), and so does the
+simulator; :class:`Offloader`'s docstring gives the rules.
 """
 
 from __future__ import annotations
@@ -63,11 +53,31 @@ class Landing:
 
 
 class Offloader:
-    """One device's saved-activation copies, on a thread of their own (see the module docstring).
+    """One device's saved-activation copies, on a thread of their own (the module docstring's terms).
 
     ``copy(tensors, ready)`` runs on the offloader's thread and returns host copies of ``tensors``; ``ready`` is
     what the submitter passed (a CUDA event recorded after the tensors were computed, which the copy stream waits
-    for). ``wrap(host_tensors)`` builds the value a :class:`Landing` resolves to."""
+    for). ``wrap(host_tensors)`` builds the value a :class:`Landing` resolves to.
+
+    Nobody in the forward pass waits for saved activations — only a backward stage, much later — so a forward stage
+    hands them to its device's :class:`Offloader` and goes on with the next microbatch. The offloader copies them out on
+    its own thread, one submission at a time, **the ones needed first first**: the backward pass runs the chain in
+    reverse, so the latest stage's saves, then microbatches in order (the priority the executor gives). What has not
+    gone down yet stays in device memory, so the backlog is bounded: a submission that would take it past
+    ``budget_bytes`` waits until enough has gone down, and the device starts its next stage only once the backlog is
+    within the budget again (:meth:`Offloader.wait_within_budget`): the planner gives the memory the device's stages
+    leave free, :func:`rpcompile.passes.solver.timing.offload_backlog`, which models the same policy; so does the
+    simulator.
+
+    The same machinery sends a GPU's **hand-offs** down (a stage's outputs, a backward stage's input gradients) on a
+    second offloader, first in first out, at most two microbatches' worth pending (double buffering, as the simulator's
+    ``OUTPUT_BUFFERS``): the worker queues the next microbatch's kernels while the copy runs, and the next stage's
+    worker waits on the landing instead of the producing worker waiting on the copy.
+
+    A copy that fails makes every later ``wait()`` and ``submit()`` raise instead of hanging the pipeline, until
+    :meth:`Offloader.settle` (the executor's, after a failed call) clears it for the next call; so does a submission
+    still queued when the offloader is closed or settled.
+    """
 
     def __init__(self, copy: Callable[[Sequence[torch.Tensor], Any], Sequence[torch.Tensor]], *,
                  budget_bytes: float = math.inf, max_pending: int | None = None, name: str = "offload",

@@ -1,45 +1,18 @@
 """A CPU AdamW over the fp32 masters that also refreshes each parameter's compute-precision copy in the same pass.
 
-rpcompile trains with fp32 master weights (and the Adam moments) in host memory; the pipeline uploads a bf16 or
-fp16 copy of each trainable parameter, which must equal ``param.to(copy.dtype)`` after every optimizer step. With
-``torch.optim.AdamW(fused=True)`` that refresh is a second pass over the parameters (``copy.copy_(param)``);
-:class:`AdamW` here updates the parameter, its two moments and writes the copy in one loop (a C++ extension built
-on first use), so the masters stream through memory once per step. Register a copy with :meth:`AdamW.mirror`.
+Terms:
 
-Two backends, ``opt.backend`` says which one runs:
+- **master**: a trainable parameter's fp32 tensor in host memory; the Adam moments live there too.
+- **mirror**: the bf16 or fp16 copy of a master that the pipeline uploads; it must equal ``param.to(copy.dtype)``
+  after every optimizer step. Mirrors are runtime buffers, not optimizer state. Register one with
+  :meth:`AdamW.mirror`.
+- **backend** (``opt.backend``): ``"cpp"`` (a C++ extension, ``runtime/csrc/adamw.cpp``, built on first use) or
+  ``"torch"`` (torch's fused AdamW then a ``copy_`` into each mirror).
 
-- ``"cpp"``: ``runtime/csrc/adamw.cpp``, compiled with ``torch.utils.cpp_extension.load`` into torch's extension
-  cache on first use (about a minute once on a 2-core machine; needs a C++ compiler and ninja), threads over chunks
-  of 16K elements with ``at::parallel_for``. On x86 an AVX2 build of the loop is picked at run time; it writes the
-  mirror per 256-element block from L1 with non-temporal stores (nothing on the CPU reads the mirror before the
-  GPUs upload it), which saves the read of every mirror line a plain store costs.
-- ``"torch"``: ``torch.optim.adamw.adamw(fused=True)`` and then ``copy_`` into each mirror (two passes). Used when
-  the extension does not build (with one warning saying why) or when ``RPCOMPILE_ADAMW_BACKEND=torch``;
-  ``RPCOMPILE_ADAMW_BACKEND=cpp`` makes a failed build an error instead.
-
-Numerics: the update is torch.optim.AdamW's (decoupled weight decay), per element and in this order, in fp32 with
-the scalars computed in double per tensor and rounded to fp32 once (as torch's fused CPU kernel does)::
-
-    g = -grad if maximize else grad
-    p = p * (1 - lr * weight_decay)
-    m = lerp(m, g, 1 - beta1)                       # torch's lerp: m + w (g - m) for w < 0.5, else g - (g - m)(1 - w)
-    v = v * beta2 + (1 - beta2) * g * g
-    v_max = max(v_max, v)                           # amsgrad: the denominator uses v_max
-    p = p + (-lr / (1 - beta1**step)) * m / (sqrt(v) / sqrt(1 - beta2**step) + eps)
-    mirror = p.to(mirror.dtype)                     # round to nearest even (c10::BFloat16 / c10::Half), as torch
-
-with ``step`` the parameter's own count after the increment. The scalars (``1 - lr * weight_decay``, the step size
-``-lr / (1 - beta1**step)``, ``sqrt(1 - beta2**step)``, ``1 - beta1``, ``1 - beta2``) are Python/C++ doubles rounded
-to fp32 once, as in both of torch's CPU paths; the square root of the bias correction is ``math.sqrt`` as in torch's
-fused kernel (its for-loop takes ``** 0.5``). The differences: torch's vectorised kernels fuse some multiply-adds
-(FMA on AVX2, in lerp and addcmul), while the C++ loop rounds every operation (``-ffp-contract=off``, so its SSE2 and
-AVX2 builds agree bit for bit), so the two differ by a few fp32 ulps per step; the torch backend is torch's own
-fused kernel. The mirror equals ``param.to(dtype)`` bit for bit on both backends (a NaN stays a NaN, though its bit
-pattern may differ from the one torch's cast writes).
-
-State keys and param-group keys are torch's (``step`` as a float32 tensor, ``exp_avg``, ``exp_avg_sq``,
-``max_exp_avg_sq``), so ``state_dict`` moves between this class and ``torch.optim.AdamW`` both ways, and lr
-schedulers drive ``group["lr"]`` as usual. Mirrors are runtime buffers, not state: ``state_dict`` leaves them out.
+With ``torch.optim.AdamW(fused=True)`` the mirror refresh is a second pass over the parameters; :class:`AdamW`
+updates the parameter, its two moments and writes the mirror in one loop, so the masters stream through memory once
+per step. Its docstring gives the backends, the exact update and the state keys (``state_dict`` moves between it and
+``torch.optim.AdamW`` both ways).
 """
 
 from __future__ import annotations
@@ -138,7 +111,42 @@ class AdamW(torch.optim.Optimizer):
     Takes torch's arguments ``lr`` (float or one-element tensor), ``betas``, ``eps``, ``weight_decay``, ``amsgrad``
     and ``maximize``; torch's other ones (``foreach``, ``fused``, ``capturable``, ``differentiable``) only at
     their defaults, since this step is always one fused CPU pass. Parameters must be contiguous CPU float32
-    tensors and their gradients float32. See the module docstring for the exact update and the backends.
+    tensors and their gradients float32.
+
+    Two backends, ``opt.backend`` says which one runs:
+
+    - ``"cpp"``: ``runtime/csrc/adamw.cpp``, compiled with ``torch.utils.cpp_extension.load`` into torch's extension
+      cache on first use (once; needs a C++ compiler and ninja), threads over chunks of 16K elements with
+      ``at::parallel_for``. On x86 an AVX2 build of the loop is picked at run time; it writes the mirror per 256-element
+      block from L1 with non-temporal stores (nothing on the CPU reads the mirror before the GPUs upload it), which
+      saves the read of every mirror line a plain store costs.
+    - ``"torch"``: ``torch.optim.adamw.adamw(fused=True)`` and then ``copy_`` into each mirror (two passes). Used when
+      the extension does not build (with one warning saying why) or when ``RPCOMPILE_ADAMW_BACKEND=torch``;
+      ``RPCOMPILE_ADAMW_BACKEND=cpp`` makes a failed build an error instead.
+
+    Numerics: the update is torch.optim.AdamW's (decoupled weight decay), per element and in this order, in fp32 with
+    the scalars computed in double per tensor and rounded to fp32 once (as torch's fused CPU kernel does)::
+
+        g = -grad if maximize else grad
+        p = p * (1 - lr * weight_decay)
+        m = lerp(m, g, 1 - beta1)                   # torch's lerp: m + w (g - m) for w < 0.5, else g - (g - m)(1 - w)
+        v = v * beta2 + (1 - beta2) * g * g
+        v_max = max(v_max, v)                       # amsgrad: the denominator uses v_max
+        p = p + (-lr / (1 - beta1**step)) * m / (sqrt(v) / sqrt(1 - beta2**step) + eps)
+        mirror = p.to(mirror.dtype)                 # round to nearest even (c10::BFloat16 / c10::Half), as torch
+
+    with ``step`` the parameter's own count after the increment. The scalars (``1 - lr * weight_decay``, the step size
+    ``-lr / (1 - beta1**step)``, ``sqrt(1 - beta2**step)``, ``1 - beta1``, ``1 - beta2``) are Python/C++ doubles rounded
+    to fp32 once, as in both of torch's CPU paths; the square root of the bias correction is ``math.sqrt`` as in torch's
+    fused kernel (its for-loop takes ``** 0.5``). The differences: torch's vectorised kernels fuse some multiply-adds
+    (FMA on AVX2, in lerp and addcmul), while the C++ loop rounds every operation (``-ffp-contract=off``, so its SSE2
+    and AVX2 builds agree bit for bit), so the two differ by a few fp32 ulps per step; the torch backend is torch's own
+    fused kernel. The mirror equals ``param.to(dtype)`` bit for bit on both backends (a NaN stays a NaN, though its bit
+    pattern may differ from the one torch's cast writes).
+
+    State keys and param-group keys are torch's (``step`` as a float32 tensor, ``exp_avg``, ``exp_avg_sq``,
+    ``max_exp_avg_sq``), so ``state_dict`` moves between this class and ``torch.optim.AdamW`` both ways, and lr
+    schedulers drive ``group["lr"]`` as usual. Mirrors are runtime buffers, not state: ``state_dict`` leaves them out.
     """
 
     def __init__(self, params: Iterable[Any], lr: float | torch.Tensor = 1e-3,

@@ -1,29 +1,20 @@
 """Data-parallel gradient reduction: each rank's gradients summed across ranks while its backward still runs.
 
 Under ``torch.distributed`` every rank runs the same plan on its own shard of the batch; the gradients of one
-``forward_backward`` must then be summed over the ranks (each rank's losses are already weighted by the global
-batch's total, so the sum is the whole batch's mean gradient). A :class:`GradReducer` does that on the host, where
-the fp32 gradients land:
+``forward_backward`` are summed over the ranks (each rank's losses are already weighted by the global batch's
+total, so the sum is the whole batch's mean gradient). The reduction is a gloo collective over CPU tensors (the
+masters' gradients live on the host).
 
-- **Buckets.** The trainable parameters are grouped into buckets of about ``bucket_bytes`` in the order their
-  gradients complete: by the last grad stage (in the schedule's ``FB, B1, B2, …`` order) that computes them; a
-  token-embedding table the host looks rows up in (:mod:`rpcompile.passes.rewrite.host`) completes when the host thread
-  has added the last microbatch's rows. Frozen parameters are in no bucket; a tied parameter is one ``Parameter`` and
-  sits in one bucket, reduced once.
-- **Events.** The gradient sink calls :meth:`~GradReducer.landed` with a stage's index once that stage's gradients are all added
-  (:class:`~.weights.GradSink`'s ``listener``); the executor's host thread calls it with ``"host"`` once the
-  embedding rows are in. A bucket is complete when every stage it waits for has landed.
-- **Order.** Every rank must issue the same collectives in the same order, whatever order its devices happen to
-  finish in: buckets are launched strictly by index (a complete bucket waits for the ones before it), each as one
-  flattened ``all_reduce(SUM, async_op=True)`` so the network works while the later backward stages run.
-  :meth:`~GradReducer.finish` waits for them and hands each parameter its reduced slice.
-- **Only this call's gradients.** The sink holds the call's gradients apart from ``.grad`` while it runs (its
-  ``hold`` mode, as for an overlapped step), so what is reduced is this call's contribution alone and gradient
-  accumulation over several calls stays correct; the pipeline installs the reduced sums into ``.grad`` after.
-- **Failure.** :meth:`~GradReducer.abort` launches every bucket not launched yet (with whatever it holds) so that the ranks'
-  collective sequences stay aligned and a rank that failed can tell the others (:mod:`rpcompile.training.distributed`).
+Terms:
 
-The reduction is a gloo collective over CPU tensors (the masters' gradients live on the host).
+- **bucket** (:func:`buckets`): trainable parameters grouped, about ``bucket_bytes`` each, in the order their
+  gradients complete; reduced as one flattened ``all_reduce``.
+- **landed**: a stage's gradients are all added on the host (:meth:`~GradReducer.landed`); a bucket is complete
+  when every stage it waits for has landed.
+- **launch order**: buckets are launched strictly by index, so every rank issues the same collectives in the same
+  order.
+
+:class:`GradReducer` does the reduction for one call; its docstring gives the rules.
 """
 
 from __future__ import annotations
@@ -60,7 +51,7 @@ class Bucket:
 
 def buckets(program: Program, params: dict[str, torch.nn.Parameter], *, bucket_bytes: int | None = None,
             ) -> list[Bucket]:
-    """The buckets of ``program``'s trainable parameters, in the order their gradients complete (module docstring);
+    """The buckets of ``program``'s trainable parameters, in the order their gradients complete (:class:`GradReducer`);
     ``bucket_bytes`` defaults to :data:`BUCKET_BYTES`."""
     bucket_bytes = BUCKET_BYTES if bucket_bytes is None else bucket_bytes
     events: dict[str, set[Any]] = {}
@@ -92,10 +83,30 @@ def buckets(program: Program, params: dict[str, torch.nn.Parameter], *, bucket_b
 
 
 class GradReducer:
-    """Sums one call's gradients across the ranks of ``group`` bucket by bucket (module docstring).
+    """Sums one call's gradients across the ranks of ``group`` bucket by bucket (the module docstring's terms).
 
     ``held(name)`` gives the call's gradient of a parameter (None if it got none here); ``put(name, g)`` stores
-    its reduced sum in its place. ``on_error(what, exc)`` turns a failed collective into the caller's error."""
+    its reduced sum in its place. ``on_error(what, exc)`` turns a failed collective into the caller's error.
+
+    - **Buckets.** The trainable parameters are grouped into buckets of about ``bucket_bytes`` in the order their
+      gradients complete: by the last grad stage (in the schedule's ``FB, B1, B2, …`` order) that computes them; a
+      token-embedding table the host looks rows up in (:mod:`rpcompile.passes.rewrite.host`) completes when the host
+      thread has added the last microbatch's rows. Frozen parameters are in no bucket; a tied parameter is one
+      ``Parameter`` and sits in one bucket, reduced once.
+    - **Events.** The gradient sink calls :meth:`~GradReducer.landed` with a stage's index once that stage's gradients
+      are all added (:class:`~.weights.GradSink`'s ``listener``); the executor's host thread calls it with ``"host"``
+      once the embedding rows are in. A bucket is complete when every stage it waits for has landed.
+    - **Order.** Every rank must issue the same collectives in the same order, whatever order its devices happen to
+      finish in: buckets are launched strictly by index (a complete bucket waits for the ones before it), each as one
+      flattened ``all_reduce(SUM, async_op=True)`` so the network works while the later backward stages run.
+      :meth:`~GradReducer.finish` waits for them and hands each parameter its reduced slice.
+    - **Only this call's gradients.** The sink holds the call's gradients apart from ``.grad`` while it runs (its
+      ``hold`` mode, as for an overlapped step), so what is reduced is this call's contribution alone and gradient
+      accumulation over several calls stays correct; the pipeline installs the reduced sums into ``.grad`` after.
+    - **Failure.** :meth:`~GradReducer.abort` launches every bucket not launched yet (with whatever it holds) so that
+      the ranks' collective sequences stay aligned and a rank that failed can tell the others
+      (:mod:`rpcompile.training.distributed`).
+    """
 
     def __init__(self, program: Program, params: dict[str, torch.nn.Parameter], group: Any, *,
                  held: Callable[[str], torch.Tensor | None], put: Callable[[str, torch.Tensor], None],

@@ -1,37 +1,20 @@
 """Weights and gradients that stay on a device: the runtime's side of ``Stage.keeps``, ``Plan.resident`` and
 ``Stage.accumulates``.
 
-Normally a stage's device copies of its weights go with the stage, and the next stage that reads a parameter
-uploads it again. A plan may instead keep some of a forward stage's weights on its device for the backward stage
-there that differentiates them (``keeps``; that stage ``finds`` them), or keep every weight on its device across
-iterations (``resident``). Which stage finds and keeps what is :func:`rpcompile.core.schedule.weight_stays`'s
-walk over the stages' parameters, the same walk the planner priced (:mod:`rpcompile.passes.solver.stays`).
+Terms:
 
-:class:`DeviceWeights` holds the copies that stay, per device, each with the version of the host copy it was made
-from (:meth:`~.weights.WeightStore.version`). A stage takes the copies it finds (:meth:`DeviceWeights.take`) and
-uploads only the rest; it leaves the copies it keeps (:meth:`DeviceWeights.leave`). A copy whose host copy
-changed since — after an optimizer step, a ``load_state_dict``, ``pipe.refresh_weights()`` — is not current and
-is uploaded again: a resident plan refreshes its trainable weights once per step this way, at their first use in
-the iteration, and never uploads a frozen one twice; gradient-accumulation calls between steps upload nothing.
-So a stay never serves a stale weight, whatever the plan says; a plan that keeps what nobody finds only holds
-memory, which its figures count.
+- **keeps** / **finds**: a forward stage may keep some of its weights on its device for the backward stage there
+  that differentiates them (``keeps``); that stage ``finds`` them and uploads only the rest. Otherwise a stage's
+  device copies go with the stage, and the next stage that reads a parameter uploads it again.
+- **resident**: a plan that keeps every weight on its device across iterations (``Plan.resident``).
+- **current**: a copy that stays is current while the host copy it was made from has not changed since
+  (:meth:`~.weights.WeightStore.version`); one that is not is uploaded again, so a stay never serves a stale weight.
+- **gradient sums** (``accumulates``): under ``pipe.no_sync()``, a stage's gradients of some parameters summed on
+  its device instead of sent home, one download per accumulation cycle.
 
-Device memory: a copy that stays is referenced here from the upload of the stage that keeps it until the stage
-that finds it takes it (and, while it runs, by that stage's state) — what the planner counts as ``held_bytes`` of
-the stages in between. Each device's copies are touched by its worker and its prefetch thread, one stage at a time
-in list order, so the upload that keeps one ends before the upload that finds it starts.
-
-**Gradient sums** (:class:`DeviceGrads`). During a call under ``pipe.no_sync()`` (``deferring``), a stage that
-``accumulates`` leaves those parameters' gradients on its device instead of sending them home; when the call has
-succeeded they join that device's sums (in the masters' dtype, as ``.grad``). The next call outside ``no_sync``
-sends each sum home with that call's gradient added (one download per accumulation cycle instead of one per call)
-and the sums go. The sums join only once the call has succeeded, so a failed call leaves them as they were — as
-the gradient sink leaves ``.grad``. Meanwhile each summed parameter's ``.grad`` holds what it held before the
-first deferred call (zeros if nothing: :meth:`GradSink.accumulate <rpcompile.runtime.weights.GradSink.accumulate>`), and a change to it by someone else —
-``optimizer.zero_grad()``, to None or to zeros — means the accumulation was dropped: the sums of that parameter go
-too (:meth:`DeviceGrads.check`). An optimizer step over a parameter whose gradient is still on a device is
-refused in one line (its ``.grad`` is not whole yet); ``pipe.step`` and ``pipe.sync_gradients()`` send the sums
-home first (:meth:`DeviceGrads.flush`).
+Which stage finds and keeps what is :func:`rpcompile.core.schedule.weight_stays`'s walk over the stages'
+parameters, the same walk the planner priced (:mod:`rpcompile.passes.solver.stays`). :class:`DeviceWeights` holds
+the copies that stay and :class:`DeviceGrads` the sums; their docstrings give the rules.
 """
 
 from __future__ import annotations
@@ -55,7 +38,21 @@ __all__ = ["DeviceWeights", "DeviceGrads"]
 
 class DeviceWeights:
     """The weight copies that stay on each of ``devices`` devices for ``program`` (module docstring), and the
-    weight bytes each device uploaded and found since it was made (:attr:`uploaded`, :attr:`found`)."""
+    weight bytes each device uploaded and found since it was made (:attr:`uploaded`, :attr:`found`).
+
+    It holds the copies that stay, per device, each with the version of the host copy it was made from
+    (:meth:`~.weights.WeightStore.version`). A stage takes the copies it finds (:meth:`DeviceWeights.take`) and uploads
+    only the rest; it leaves the copies it keeps (:meth:`DeviceWeights.leave`). A copy whose host copy changed since —
+    after an optimizer step, a ``load_state_dict``, ``pipe.refresh_weights()`` — is not current and is uploaded again: a
+    resident plan refreshes its trainable weights once per step this way, at their first use in the iteration, and never
+    uploads a frozen one twice; gradient-accumulation calls between steps upload nothing. So a stay never serves a stale
+    weight, whatever the plan says; a plan that keeps what nobody finds only holds memory, which its figures count.
+
+    Device memory: a copy that stays is referenced here from the upload of the stage that keeps it until the stage that
+    finds it takes it (and, while it runs, by that stage's state) — what the planner counts as ``held_bytes`` of the
+    stages in between. Each device's copies are touched by its worker and its prefetch thread, one stage at a time in
+    list order, so the upload that keeps one ends before the upload that finds it starts.
+    """
 
     def __init__(self, program: Program, devices: int) -> None:
         uses = [list(dict.fromkeys(p.params.values())) for p in program.stages]
@@ -111,7 +108,20 @@ class DeviceWeights:
 
 class DeviceGrads:
     """The gradient sums each device keeps across calls under ``no_sync`` (module docstring), and the gradient
-    bytes the stages left there instead of sending them home (:attr:`kept`)."""
+    bytes the stages left there instead of sending them home (:attr:`kept`).
+
+    During a call under ``pipe.no_sync()`` (``deferring``), a stage that ``accumulates`` leaves those parameters'
+    gradients on its device instead of sending them home; when the call has succeeded they join that device's sums (in
+    the masters' dtype, as ``.grad``). The next call outside ``no_sync`` sends each sum home with that call's gradient
+    added (one download per accumulation cycle instead of one per call) and the sums go. The sums join only once the
+    call has succeeded, so a failed call leaves them as they were — as the gradient sink leaves ``.grad``. Meanwhile
+    each summed parameter's ``.grad`` holds what it held before the first deferred call (zeros if nothing:
+    :meth:`GradSink.accumulate <rpcompile.runtime.weights.GradSink.accumulate>`), and a change to it by someone else —
+    ``optimizer.zero_grad()``, to None or to zeros — means the accumulation was dropped: the sums of that parameter go
+    too (:meth:`DeviceGrads.check`). An optimizer step over a parameter whose gradient is still on a device is refused
+    in one line (its ``.grad`` is not whole yet); ``pipe.step`` and ``pipe.sync_gradients()`` send the sums home first
+    (:meth:`DeviceGrads.flush`).
+    """
 
     def __init__(self, program: Program, devices: Sequence[Device], params: dict[str, torch.nn.Parameter]):
         self.names = [frozenset(p.stage.accumulates) for p in program.stages]
@@ -185,7 +195,7 @@ class DeviceGrads:
         self._call.clear()
 
     def check(self) -> None:
-        """Drop the sums of every parameter whose ``.grad`` someone changed since they began (module docstring)."""
+        """Drop the sums of every parameter whose ``.grad`` someone changed since they began (class docstring)."""
         for name, (ref, version) in list(self._marks.items()):
             g = self._params[name].grad
             if g is None or ref() is not g or g._version != version:

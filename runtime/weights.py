@@ -1,50 +1,21 @@
 """Host memory for what crosses the link every iteration: the weight copies the devices upload from, and the
 gradients they send home.
 
-**Upload copies** (:class:`WeightStore`). A device never uploads the fp32 master itself when it computes in
-another precision or is a GPU: it uploads a copy in the compute precision — pinned when any device is a GPU, so
-the upload is one DMA straight from it — made once per optimizer step, not at every upload (a cast of every
-weight at every upload was 2.5 s of host time per iteration on the H100 machine, with the GPU idle 88% of it).
-The first copy is made by the first upload that needs it (the pipeline allocates them, fills none), so building a
-pipeline casts no weight. When the copy is refreshed:
+Terms:
 
-- after any ``torch.optim`` optimizer's ``step()`` over one of its parameters (a global step post-hook, so a plain
-  ``optimizer.step()`` loop needs nothing more): the copy is marked stale and refreshed by the next upload that
-  needs it — on the device's prefetch thread, beside the previous stage's compute;
-- an optimizer that writes the copies itself in its own pass (:class:`rpcompile.runtime.optim.AdamW`: it has
-  ``mirror(param, copy)``) is handed them after its first step, and from then on nothing is recast;
-- a master changed in place outside an optimizer (``load_state_dict``, ``with torch.no_grad(): p.mul_(2)``) is
-  seen by its version counter, a master replaced (``p.data = t``) by its storage; edits through ``p.data`` are
-  invisible to both — call :meth:`WeightStore.refresh` (``pipe.refresh_weights()``) after them.
+- **master**: a parameter's fp32 tensor, which the optimizer steps.
+- **upload copy** (:class:`WeightStore`): the copy of a master in the compute precision that a device uploads —
+  pinned when any device is a GPU — made once per optimizer step; where it would equal the master (fp32 on logical
+  CPU devices) the master itself is uploaded. **Frozen** parameters (LoRA's base) are kept only as the copy.
+- **overlap**: the optimizer step runs beside the next iteration (one step stale); every trainable copy is then
+  double-buffered (front read by the iteration, back written by the step, :meth:`WeightStore.swap`).
+- **gradient sink** (:class:`GradSink`): the thread that adds a stage's gradients into ``.grad`` while the device
+  goes on; **all or none**: a failed call leaves ``.grad`` as it found it (:meth:`GradSink.abort`).
+- **host traffic** (:class:`HostTraffic`): every byte the host's threads read or write in parameter-sized work —
+  casts, staging copies, gradient accumulation, zero-filled gradients — counted where it happens (not DMA: the
+  copy engines move pinned memory without the CPU). Deterministic, so the CPU measures it for the GPU.
 
-Where a copy would equal the master (fp32 on logical CPU devices) the master itself is uploaded: no copy.
-**Frozen** parameters (``requires_grad=False``, LoRA's base) are kept only in the compute precision: their
-``.data`` becomes the copy, so they are stored once (2 bytes a parameter in bf16), unless ``frozen_masters=True``;
-a frozen token-embedding table looked up on the host is cast likewise (its rows are cast to that precision anyway).
-
-**Overlap** (:meth:`WeightStore.begin_overlap`, used by ``pipe.step(optimizer, overlap=True)``): the optimizer step
-runs on a thread beside the next iteration, which therefore reads the weights from before that step (one step
-stale). Every trainable copy is then double-buffered — the iteration reads the front buffer while the step writes
-the back one — and :meth:`WeightStore.swap` makes the back the front once the step is done.
-
-**Gradients** (:class:`GradSink`): a stage's gradients are added into ``.grad`` in place (in its dtype, the
-compute-precision gradient converted on the fly: one pass, no intermediate copy) by the sink's own thread, so the
-device's worker goes on with its next stage; :meth:`GradSink.drain` waits for them at the end of the iteration.
-With overlap they go into the sink's own buffers instead (the optimizer is still reading ``.grad``) and
-:meth:`GradSink.install` moves them over once the step is done.
-
-**All or none.** A call's gradients land while it runs, yet a failed call must leave ``.grad`` as it found it. The
-sink keeps an undo record per call (:meth:`GradSink.begin` … :meth:`GradSink.commit` or :meth:`GradSink.abort`),
-written when a parameter's gradient is first touched: a gradient the call creates (``.grad`` was None: the usual
-case after ``zero_grad()``) is undone by setting it back to None, at no cost; a gradient that already held
-something (accumulation across calls) is copied first, on the sink's thread beside the compute (one extra fp32
-copy of those gradients while the call runs, freed at its end), and copied back on failure. Staging every
-gradient apart and adding it at the end instead would cost the same memory and put a pass over all of them on the
-critical path after the last stage.
-
-**Host traffic** (:class:`HostTraffic`): every byte the host's threads read or write in parameter-sized work —
-casts, staging copies, gradient accumulation, zero-filled gradients — counted where it happens (not DMA: the
-copy engines move pinned memory without the CPU). Deterministic, so the CPU measures it for the GPU.
+The executor owns one store and one sink; the class docstrings say when a copy is refreshed and how the undo works.
 """
 
 from __future__ import annotations
@@ -124,7 +95,32 @@ class _Entry:
 
 
 class WeightStore:
-    """The tensors devices upload parameters from (module docstring).
+    """The tensors devices upload parameters from (the module docstring's upload copies).
+
+    A device never uploads the fp32 master itself when it computes in another precision or is a GPU: it uploads a copy
+    in the compute precision — pinned when any device is a GPU, so the upload is one DMA straight from it — made once
+    per optimizer step, not at every upload (a cast of every weight at every upload is host time the GPU waits for:
+    the H100 figure is in benchmarks/RESULTS.md). The first copy is made by the first upload that needs it (the
+    pipeline allocates them, fills none), so building a pipeline casts no weight. When the copy is refreshed:
+
+    - after any ``torch.optim`` optimizer's ``step()`` over one of its parameters (a global step post-hook, so a plain
+      ``optimizer.step()`` loop needs nothing more): the copy is marked stale and refreshed by the next upload that
+      needs it — on the device's prefetch thread, beside the previous stage's compute;
+    - an optimizer that writes the copies itself in its own pass (:class:`rpcompile.runtime.optim.AdamW`: it has
+      ``mirror(param, copy)``) is handed them after its first step, and from then on nothing is recast;
+    - a master changed in place outside an optimizer (``load_state_dict``, ``with torch.no_grad(): p.mul_(2)``) is seen
+      by its version counter, a master replaced (``p.data = t``) by its storage; edits through ``p.data`` are invisible
+      to both — call :meth:`WeightStore.refresh` (``pipe.refresh_weights()``) after them.
+
+    Where a copy would equal the master (fp32 on logical CPU devices) the master itself is uploaded: no copy. **Frozen**
+    parameters (``requires_grad=False``, LoRA's base) are kept only in the compute precision: their ``.data`` becomes
+    the copy, so they are stored once (2 bytes a parameter in bf16), unless ``frozen_masters=True``; a frozen
+    token-embedding table looked up on the host is cast likewise (its rows are cast to that precision anyway).
+
+    **Overlap** (:meth:`WeightStore.begin_overlap`, used by ``pipe.step(optimizer, overlap=True)``): the optimizer step
+    runs on a thread beside the next iteration, which therefore reads the weights from before that step (one step
+    stale). Every trainable copy is then double-buffered — the iteration reads the front buffer while the step writes
+    the back one — and :meth:`WeightStore.swap` makes the back the front once the step is done.
 
     ``uploaded``: names of the parameters stages upload; ``host_only``: parameters read on the host only (token
     embedding tables, :mod:`rpcompile.passes.rewrite.host`), which need a copy only while overlapping."""
@@ -430,8 +426,23 @@ def _after_step(store: "weakref.ref[WeightStore]", optimizer: Any) -> None:
 
 class GradSink:
     """Adds stage gradients into the parameters' ``.grad`` (or, while overlapping, into its own buffers) on a
-    thread of its own, started by the first submission of an iteration and stopped by :meth:`drain` (module
-    docstring)."""
+    thread of its own, started by the first submission of an iteration and stopped by :meth:`drain`.
+
+    A stage's gradients are added into ``.grad`` in place (in its dtype, the compute-precision gradient converted on the
+    fly: one pass, no intermediate copy) by the sink's own thread, so the device's worker goes on with its next stage;
+    :meth:`GradSink.drain` waits for them at the end of the iteration. With overlap they go into the sink's own buffers
+    instead (the optimizer is still reading ``.grad``) and :meth:`GradSink.install` moves them over once the step is
+    done.
+
+    **All or none.** A call's gradients land while it runs, yet a failed call must leave ``.grad`` as it found it. The
+    sink keeps an undo record per call (:meth:`GradSink.begin` … :meth:`GradSink.commit` or :meth:`GradSink.abort`),
+    written when a parameter's gradient is first touched: a gradient the call creates (``.grad`` was None: the usual
+    case after ``zero_grad()``) is undone by setting it back to None, at no cost; a gradient that already held something
+    (accumulation across calls) is copied first, on the sink's thread beside the compute (one extra fp32 copy of those
+    gradients while the call runs, freed at its end), and copied back on failure. Staging every gradient apart and
+    adding it at the end instead would cost the same memory and put a pass over all of them on the critical path after
+    the last stage.
+    """
 
     def __init__(self, params: dict[str, torch.nn.Parameter], traffic: HostTraffic | None = None):
         self.params = params
@@ -494,7 +505,7 @@ class GradSink:
             raise err
 
     def begin(self) -> None:
-        """A call starts: from here on the sink records how to undo what it adds (module docstring)."""
+        """A call starts: from here on the sink records how to undo what it adds (class docstring)."""
         self._undo = {}
 
     def commit(self) -> None:

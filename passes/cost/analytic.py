@@ -1,40 +1,19 @@
 """``AnalyticCostModel``: predict a node's forward and backward time on a named GPU without running it.
 
-How one node is costed
-----------------------
-1. The node runs on the ``meta`` device (shapes only), forward then backward, under a ``TorchDispatchMode``
-   that sees every **aten op** it dispatches, with its input and output tensors.
-2. Each op gets an **op class** (:func:`op_class`) — ``matmul``, ``conv``, ``attention``, ``norm``,
-   ``elementwise``, ``reduction``, ``embedding``, ``memory`` — or None: a **free op** (a view such as
-   ``view``/``t``/``expand``/``detach``, or an allocation such as ``empty``) launches no kernel and costs 0.
-3. **FLOPs**: matmul, conv and attention use torch's formulas (``torch.utils.flop_counter``'s registry, so
-   they equal ``FlopCounterMode``; an ``addmm`` counts only its matmul, the bias add rides in the epilogue).
-   Other classes charge :data:`OP_FLOPS_PER_ELEMENT` per element of the largest output (elementwise) or
-   input (norms, reductions), counting one FLOP per arithmetic operation *and* per special-function call
-   (exp, erf, tanh, rsqrt: one SFU instruction each): ``silu`` = sigmoid (neg, exp, add, reciprocal) + mul
-   = 5, softmax (max, subtract, exp, sum, divide) = 5. Memory ops and the embedding gather do 0 FLOPs.
-4. **Bytes** = every distinct tensor input + every output, by the memory each spans (a broadcast, stride-0
-   dimension is read once). Fills and ``*_like`` factories only write; ``copy_`` does not read its
-   destination; a gather (embedding, ``index_select``…) reads the rows it writes, not its whole source.
-5. **Roofline** per op (Williams et al., CACM 2009)::
+Terms:
 
-       time = max(flops / (peak · eff[class]), bytes / (memory_bandwidth · eff_mem)) + kernel_overhead_s
+- **op class** (:func:`op_class`): ``matmul``, ``conv``, ``attention``, ``norm``, ``elementwise``, ``reduction``,
+  ``embedding``, ``memory`` — or None: a **free op** (a view such as ``view``/``t``/``expand``/``detach``, or an
+  allocation such as ``empty``), which launches no kernel and costs 0.
+- **roofline** (:func:`roofline_time`, Williams et al., CACM 2009): an op's time is the longer of its FLOPs at the
+  class's achieved compute rate and its bytes at the achieved memory bandwidth, plus a kernel overhead.
+- **node time**: the sum of its aten ops' roofline times, forward then backward, found by running the node on the
+  ``meta`` device under a dispatch mode that sees every op (:class:`AnalyticCostModel` gives the steps).
 
-   ``peak`` is ``tensor_flops`` for matmul/conv/attention in fp16/bf16/fp8, else ``fp32_flops`` (torch
-   leaves TF32 off for matmuls; pointwise kernels compute in fp32 even on bf16 data). ``eff_mem`` is
-   ``eff["memory"]`` for those three classes (memory-bound GEMMs stream like copies) and ``eff[class]`` for
-   the others, whose factor *is* their achieved share of bandwidth. A causal attention kernel skips masked
-   blocks: its compute term uses the unmasked fraction (≈ half) of the FLOPs it reports (torch's dense count).
-6. Node time = Σ of its ops' times; node FLOPs = Σ over all classes.
-
-GPU kernels, not meta kernels
------------------------------
-Attention and RMSNorm take another path on ``meta`` than on a GPU; the analysis runs under
-:class:`~rpcompile.passes.graph.kernels.GpuKernels`, which rewrites them to the fused kernels a GPU runs. Device moves
-are no-ops.
-
-Identical nodes (same target and configuration, input shapes/dtypes/strides, non-tensor arguments, gradient
-requirements) are analysed once: the 32 blocks of a transformer cost one block's analysis.
+The analysis runs under :class:`~rpcompile.passes.graph.kernels.GpuKernels`, which rewrites attention and RMSNorm
+(another path on ``meta`` than on a GPU) to the fused kernels a GPU runs; device moves are no-ops. Identical nodes
+(same target and configuration, input shapes/dtypes/strides, non-tensor arguments, gradient requirements) are
+analysed once: the 32 blocks of a transformer cost one block's analysis.
 """
 
 from __future__ import annotations
@@ -67,7 +46,7 @@ __all__ = [
 
 aten = torch.ops.aten
 
-#: FLOPs charged per element (see module docstring, step 3). Ops not listed: 1 for elementwise and reductions,
+#: FLOPs charged per element (:class:`AnalyticCostModel`, step 3). Ops not listed: 1 for elementwise and reductions,
 #: 0 for memory and embedding.
 OP_FLOPS_PER_ELEMENT: Mapping[str, int] = MappingProxyType(
     {
@@ -193,7 +172,7 @@ def _span_bytes(t: torch.Tensor) -> int:
 
 
 def _bytes(name: str, args: tuple, kwargs: dict, out: Any) -> int:
-    """Bytes an op moves (module docstring, step 4). A gather reads only the rows it writes, not its whole
+    """Bytes an op moves (:class:`AnalyticCostModel`, step 4). A gather reads only the rows it writes, not its whole
     source (an embedding lookup does not stream the table); ``copy_`` does not read its destination."""
     written = sum(_span_bytes(t) for t in _tensors(out))
     if name in _WRITE_ONLY:
@@ -231,7 +210,7 @@ def _work_fraction(func: torch._ops.OpOverload, cls: str | None, args: tuple, kw
 
 
 def roofline_time(spec: DeviceSpec, cls: str | None, flops: float, nbytes: int, dtype: torch.dtype) -> float:
-    """Roofline time of one kernel of class ``cls`` (see module docstring, step 5); 0 for free ops."""
+    """Roofline time of one kernel of class ``cls`` (:class:`AnalyticCostModel`, step 5); 0 for free ops."""
     if cls is None:
         return 0.0
     eff = spec.efficiency
@@ -295,7 +274,7 @@ def _module_config(mod: torch.nn.Module) -> tuple:
 
 
 def _signature(call: NodeCall) -> tuple:
-    """Everything the analysis of ``call`` depends on (see module docstring)."""
+    """Everything the analysis of ``call`` depends on (the module docstring's identical nodes)."""
     node = call.node
     if node.op == "call_module":
         target: Any = ("module", _module_config(cast(torch.nn.Module, call.fn)))  # a module call's fn is the module
@@ -315,7 +294,32 @@ def _signature(call: NodeCall) -> tuple:
 # ---------------------------------------------------------------------------------------------- the model
 class AnalyticCostModel(CostModel):
     """Roofline cost model for the GPU described by ``spec`` (a :class:`~rpcompile.core.specs.DeviceSpec` or a
-    preset name such as ``"rtx4090"``); see the module docstring for the method.
+    preset name such as ``"rtx4090"``). How one node is costed:
+
+    1. The node runs on the ``meta`` device (shapes only), forward then backward, under a ``TorchDispatchMode``
+       that sees every **aten op** it dispatches, with its input and output tensors.
+    2. Each op gets an **op class** (:func:`op_class`) — ``matmul``, ``conv``, ``attention``, ``norm``,
+       ``elementwise``, ``reduction``, ``embedding``, ``memory`` — or None: a **free op** (a view such as
+       ``view``/``t``/``expand``/``detach``, or an allocation such as ``empty``) launches no kernel and costs 0.
+    3. **FLOPs**: matmul, conv and attention use torch's formulas (``torch.utils.flop_counter``'s registry, so
+       they equal ``FlopCounterMode``; an ``addmm`` counts only its matmul, the bias add rides in the epilogue).
+       Other classes charge :data:`OP_FLOPS_PER_ELEMENT` per element of the largest output (elementwise) or
+       input (norms, reductions), counting one FLOP per arithmetic operation *and* per special-function call
+       (exp, erf, tanh, rsqrt: one SFU instruction each): ``silu`` = sigmoid (neg, exp, add, reciprocal) + mul
+       = 5, softmax (max, subtract, exp, sum, divide) = 5. Memory ops and the embedding gather do 0 FLOPs.
+    4. **Bytes** = every distinct tensor input + every output, by the memory each spans (a broadcast, stride-0
+       dimension is read once). Fills and ``*_like`` factories only write; ``copy_`` does not read its
+       destination; a gather (embedding, ``index_select``…) reads the rows it writes, not its whole source.
+    5. **Roofline** per op (Williams et al., CACM 2009)::
+
+           time = max(flops / (peak · eff[class]), bytes / (memory_bandwidth · eff_mem)) + kernel_overhead_s
+
+       ``peak`` is ``tensor_flops`` for matmul/conv/attention in fp16/bf16/fp8, else ``fp32_flops`` (torch
+       leaves TF32 off for matmuls; pointwise kernels compute in fp32 even on bf16 data). ``eff_mem`` is
+       ``eff["memory"]`` for those three classes (memory-bound GEMMs stream like copies) and ``eff[class]`` for
+       the others, whose factor *is* their achieved share of bandwidth. A causal attention kernel skips masked
+       blocks: its compute term uses the unmasked fraction (≈ half) of the FLOPs it reports (torch's dense count).
+    6. Node time = Σ of its ops' times; node FLOPs = Σ over all classes.
 
     ``dtype`` casts floating inputs before analysis, e.g. ``torch.bfloat16`` to plan a mixed-precision run
     from an fp32 model. Works on models built on the ``meta`` device.

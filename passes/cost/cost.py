@@ -1,6 +1,6 @@
-"""``cost_pass``: forward/backward time, bytes and FLOPs for every node.from rpcompile.core.batch import flat_inputs
-Terms
------
+"""``cost_pass``: forward/backward time, bytes and FLOPs for every node.
+
+Terms:
 
 - **NodeCost** (``node.meta["rpcompile.cost"]``): what the partitioner needs about one compute node —
   forward and backward time per call, the bytes its output allocates, the bytes autograd keeps for its
@@ -8,23 +8,13 @@ Terms
 - **NodeCall**: one node with concrete input values, able to run itself on any device (``materialize``).
   Cost models only ever see NodeCalls, so the same model costs torch.fx graphs (``call_module`` leaves such
   as ``nn.Linear``) and torch.export graphs (aten ops) alike.
-- **CostModel**: turns a NodeCall into an :class:`~rpcompile.passes.cost.cost_model.OpEstimate` (times, optionally FLOPs). Two implement it:
-  :class:`~rpcompile.passes.cost.measured.MeasuredCostModel` times nodes on the device at hand;
-  :class:`~rpcompile.passes.cost.analytic.AnalyticCostModel` predicts them from FLOPs and bytes for a named
+- **CostModel**: turns a NodeCall into an :class:`~rpcompile.passes.cost.cost_model.OpEstimate` (times, optionally
+  FLOPs). Two implement it: :class:`~rpcompile.passes.cost.measured.MeasuredCostModel` times nodes on the device
+  at hand; :class:`~rpcompile.passes.cost.analytic.AnalyticCostModel` predicts them from FLOPs and bytes for a named
   :class:`~rpcompile.core.specs.DeviceSpec`.
 
-The driver runs the graph once on the model's own device (``meta`` for shape-only models) to get every node's
-inputs. Independently of the cost model it runs each node once more on ``meta`` with autograd on, to count
-FLOPs (``FlopCounterMode``, exact for matmul/conv/attention) and to see which tensors autograd saves
-(``saved_tensors_hooks``): a saved tensor is attributed to the node that produced it, parameters excluded.
-
-Measuring is batched and shared: nodes go to the cost model a block at a time (:meth:`CostModel.estimate_batch <rpcompile.passes.cost.cost_model.CostModel.estimate_batch>`:
-one device synchronisation per batch on CUDA), and a cost model with ``share_repeats`` measures each repeated block
-(:mod:`.repeats`: same module type, parameter shapes and node sequence) once, its repeats taking the
-representative's times. A cost model with ``cache`` keeps its times on disk (:mod:`.profile_cache`) and a warm
-entry skips measuring altogether.
-
-Moved: the data types and the CostModel interface (NodeCost, OpEstimate, NodeCall, Materialized, CostModel,
+:func:`cost_pass` drives a cost model over a graph (its docstring says how nodes are run, batched, shared and
+cached). The data types and the CostModel interface (NodeCost, OpEstimate, NodeCall, Materialized, CostModel,
 COST_KEY, DTYPE_KEY, node_cost) live in :mod:`.cost_model`, the node-by-node interpreter in :mod:`.cost_interp`;
 the public names are re-exported here.
 """
@@ -89,6 +79,17 @@ def cost_pass(
     ``memo`` (analytic costs on ``meta``): nodes the same as in the run it recorded take their recorded costs
     instead of running (:mod:`rpcompile.passes.graph.reuse`; every cost as a full run gives it); a first run records
     them.
+
+    The driver runs the graph once on the model's own device (``meta`` for shape-only models) to get every node's
+    inputs. Independently of the cost model it runs each node once more on ``meta`` with autograd on, to count FLOPs
+    (``FlopCounterMode``, exact for matmul/conv/attention) and to see which tensors autograd saves
+    (``saved_tensors_hooks``): a saved tensor is attributed to the node that produced it, parameters excluded.
+
+    Measuring is batched and shared: nodes go to the cost model a block at a time (:meth:`CostModel.estimate_batch
+    <rpcompile.passes.cost.cost_model.CostModel.estimate_batch>`: one device synchronisation per batch on CUDA), and a
+    cost model with ``share_repeats`` measures each repeated block (:mod:`.repeats`: same module type, parameter shapes
+    and node sequence) once, its repeats taking the representative's times. A cost model with ``cache`` keeps its times
+    on disk (:mod:`.profile_cache`) and a warm entry skips measuring altogether.
     """
     enabled = (sys.stderr.isatty() and not os.environ.get("CI")) if progress is None else progress
     share = getattr(cost_model, "share_repeats", False) if share is None else share

@@ -5,31 +5,14 @@ Terms:
 - *quantized layer*: a bitsandbytes ``Linear4bit`` whose weight is NF4 (``BitsAndBytesConfig(load_in_4bit=True,
   bnb_4bit_quant_type="nf4")`` in ``from_pretrained``, the way PEFT's and TRL's QLoRA guides load a base), with or
   without double quantization of its scales (``bnb_4bit_use_double_quant``); ``peft`` wraps it in its
-  ``lora.bnb.Linear4bit``. Its weight is a ``Params4bit``: a frozen uint8 parameter of packed 4-bit indices whose
-  scales hang off it as a ``QuantState`` — plain attributes, which no trace sees.
-- *why bitsandbytes* (issue 39): it is what ``transformers`` and ``peft`` quantize a base with, it runs on the CPU at
-  this torch version (its C++ kernels: the tests run), and it is maintained (0.50, 2026); torchao's NF4 tensor is a
-  tensor subclass that export has to unwrap into dozens of aten ops per layer, and ``transformers`` loads no NF4
-  base through it. What bitsandbytes does not do is trace: under ``torch.export`` its ``forward`` loses the
-  ``QuantState`` (the fake parameter has none) and fails, and its ``MatMul4Bit`` is an ``autograd.Function``
-  around a fused op that has no derivative of its own.
+  ``lora.bnb.Linear4bit``.
+- *packed weight*: the layer's ``Params4bit``, a frozen uint8 parameter of packed 4-bit indices whose scales hang
+  off it as a ``QuantState`` — plain attributes, which no trace sees.
 
-:func:`traceable` therefore changes, for the trace only, how each quantized layer is reached: its scales become
-frozen parameters beside the weight (``weight_absmax``; with double quantization ``weight_scales``, the fp32 offset
-and nested absmax, and ``weight_code``, the 256-value map, one tensor shared by every layer whose map is the same),
-sharing storage with the ``QuantState`` (nothing is copied but the few nested scales), integer-typed so that no
-precision casts them; and its forward becomes what ``MatMul4Bit`` computes, written as ``w =
-torch.ops.rpcompile.dequantize_nf4(weight, absmax, scales, code, shape, blocksize, dtype)`` then ``F.linear(x, w,
-bias)``: one node that dequantizes (:mod:`rpcompile.core.quant`), and a linear layer that autograd differentiates
-for the input. The trace (and the plan) thus holds the packed weight and its scales as the stage's parameters: the
-host stores them once, as bitsandbytes made them (0.52 bytes a weight), the link carries them packed, and the
-generated stage code shows the call. The model is left as it was: the parameters and the forward are taken off
-again after the trace (the graph module holds the scales).
-
-:func:`check_quantized` refuses what cannot train this way, in one line naming what is supported: a quantized
-weight that requires grad, bitsandbytes' FP4 or 8-bit schemes, a ``Params4bit`` stored in another dtype, one packed
-for the CPU's inference kernel (``packing_format_for_cpu``, after an eval-mode call on the CPU), and tensor-subclass
-weights (torchao's ``NF4Tensor`` and other ``torchao`` quantized tensors).
+bitsandbytes is what ``transformers`` and ``peft`` quantize a base with (issue 39; benchmarks/RESULTS.md, QLoRA,
+says why it over torchao), but it does not trace. :func:`traceable` makes each quantized layer traceable for the
+trace only, so the plan holds the packed weight and its scales as the stage's parameters;
+:func:`check_quantized` refuses, in one line, what cannot train this way.
 """
 
 from __future__ import annotations
@@ -74,7 +57,10 @@ def is_quantized_param(p: torch.Tensor) -> bool:
 
 
 def check_quantized(model: nn.Module) -> None:
-    """Refuse, in one line, a quantized model rpcompile cannot train (module docstring)."""
+    """Refuse, in one line naming what is supported, a quantized model rpcompile cannot train: a quantized weight
+    that requires grad, bitsandbytes' FP4 or 8-bit schemes, a ``Params4bit`` stored in another dtype, one packed for
+    the CPU's inference kernel (``packing_format_for_cpu``, after an eval-mode call on the CPU), and tensor-subclass
+    weights (torchao's ``NF4Tensor`` and other ``torchao`` quantized tensors)."""
     for name, p in model.named_parameters():
         problem = _problem(name, p, model)
         if problem:
@@ -111,8 +97,23 @@ def _problem(name: str, p: torch.Tensor, model: nn.Module) -> str | None:
 @contextlib.contextmanager
 def traceable(model: nn.Module) -> Iterator[list[str]]:
     """While inside: every quantized layer of ``model`` reads its scales as frozen parameters and dequantizes with
-    ``torch.ops.rpcompile.dequantize_nf4`` (:mod:`rpcompile.core.quant`) (module docstring); yields the layers' names. Refuses a model
-    :func:`check_quantized` refuses. Afterwards the model is as it was."""
+    ``torch.ops.rpcompile.dequantize_nf4`` (:mod:`rpcompile.core.quant`); yields the layers' names. Refuses a model
+    :func:`check_quantized` refuses. Afterwards the model is as it was.
+
+    Why: under ``torch.export`` bitsandbytes' ``forward`` loses the ``QuantState`` (the fake parameter has none) and
+    fails, and its ``MatMul4Bit`` is an ``autograd.Function`` around a fused op that has no derivative of its own.
+
+    For the trace only, each quantized layer is reached differently: its scales become frozen parameters beside the
+    weight (``weight_absmax``; with double quantization ``weight_scales``, the fp32 offset and nested absmax, and
+    ``weight_code``, the 256-value map, one tensor shared by every layer whose map is the same), sharing storage with
+    the ``QuantState`` (nothing is copied but the few nested scales), integer-typed so that no precision casts them; and
+    its forward becomes what ``MatMul4Bit`` computes, written as ``w = torch.ops.rpcompile.dequantize_nf4(weight,
+    absmax, scales, code, shape, blocksize, dtype)`` then ``F.linear(x, w, bias)``: one node that dequantizes
+    (:mod:`rpcompile.core.quant`), and a linear layer that autograd differentiates for the input. The trace (and the
+    plan) thus holds the packed weight and its scales as the stage's parameters: the host stores them once, as
+    bitsandbytes made them, the link carries them packed, and the generated stage code shows the call. The model is left
+    as it was: the parameters and the forward are taken off again after the trace (the graph module holds the scales).
+    """
     check_quantized(model)
     layers = quantized_layers(model)
     if not layers:

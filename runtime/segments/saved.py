@@ -1,7 +1,7 @@
 """Saved segments: run a segment's backward from activations kept in host memory instead of recomputing it.
 
-Terms
------
+Terms:
+
 - **Saved segment**: a segment (the coarsener's unit, ``node.meta["rpcompile.segment"]``) whose nodes the plan
   lists in ``Stage.saved``. It lies inside one forward stage and one backward stage.
 - **fw / bw graph**: AOTAutograd (``aot_function`` with recording compilers) splits the segment into two aten FX
@@ -13,31 +13,11 @@ Terms
   parameters on its device and receives inputs and outputs anyway, and replays the view ops on its own copy (on a
   GPU a shipped weight view would cross the link twice per microbatch, and the planner counts activations only).
 - **Host saved**: the remaining saved tensors; the forward stage sends them to host memory as one
-  :class:`~rpcompile.runtime.segments.capture.HostSaved` value per (segment, microbatch), tagged with the capture they belong to.
+  :class:`~rpcompile.runtime.segments.capture.HostSaved` value per (segment, microbatch), tagged with its capture.
+- **Leaf call** (:func:`opaque_calls`): a call of a leaf function or module; a segment with one is never captured.
 
-The capture itself, and running it, is :mod:`.capture`; this module decides when to capture and which capture runs
-a call.
-
-Graphs are captured lazily, on the device and in the compute precision, with the sizes of the segment's
-activation inputs symbolic (:mod:`rpcompile.runtime.segments.symbolic`): one capture runs every batch size and sequence
-length its guards allow (sizes 0 and 1 are specialised, and so is whatever the trace had to know), so a padded
-batch of a new length costs a guard check, not a capture. Where a capture's guards do not hold, or symbolic
-tracing fails, signatures (shapes, strides, dtypes, devices, non-tensor values) are captured one by one: a capture
-costs tens of forward passes, so only the first are captured at sight; a later new one is recomputed by the
-backward stage until it comes again (:meth:`SavedSegment._worth_capturing`). A capture is kept for a later segment
-of the same code, module settings and signature (:func:`~.sharing.structure`: names aside, so identical layers
-share one, as does a pipeline compiled again from the same model), or, symbolic, of the same kind of signature
-where its guards hold, :data:`~.sharing.SHARED_CAPTURES` at most: the trace is deterministic, so it would make the
-same graphs.
-Dropout inside a saved segment is rewritten to ``x * seeded_noise(x)`` (:func:`rpcompile.runtime.rng.dropout_to_noise`)
-where the noise op is opaque to tracing and draws the mask with :func:`rpcompile.runtime.rng.seeded_call` (same seed as
-the recompute path: bit-identical on CPU); the mask is then simply a saved tensor. Segments with other random ops are
-not saveable (recomputed instead).
-
-**Leaves** (:func:`opaque_calls`): a segment that calls a leaf function (``torch.fx.wrap``) or a leaf module
-(``leaf_modules=``) is never captured: a capture replays the tensor ops the leaf ran at capture time, not the leaf,
-so a side effect (a counter, a log, a hook) would happen once and never again. Such a segment runs plainly in its
-forward stage and is recomputed by its backward stage, every step, as in a plan that saves nothing.
+The capture itself, and running it, is :mod:`.capture`; this module (:class:`SavedSegment`) decides when to capture
+and which capture runs a call.
 """
 
 from __future__ import annotations
@@ -77,7 +57,13 @@ def _pure(owner: str | None) -> bool:
 def opaque_calls(gm: fx.GraphModule) -> list[str]:
     """The nodes of ``gm`` that call a leaf: a Python function from outside torch (``torch.fx.wrap``, an fx
     ``autowrap`` function) or a module whose class is not torch's (``leaf_modules=``). Capturing them would keep
-    only their tensor ops (module docstring)."""
+    only their tensor ops.
+
+    A segment that calls a leaf function (``torch.fx.wrap``) or a leaf module (``leaf_modules=``) is never captured: a
+    capture replays the tensor ops the leaf ran at capture time, not the leaf, so a side effect (a counter, a log, a
+    hook) would happen once and never again. Such a segment runs plainly in its forward stage and is recomputed by its
+    backward stage, every step, as in a plan that saves nothing.
+    """
     out = []
     for n in gm.graph.nodes:
         if n.op == "call_function" and inspect.isfunction(n.target) and not _pure(n.target.__module__):
@@ -103,7 +89,23 @@ def _constant(v: Any) -> tuple:
 class SavedSegment(SegmentSpec):
     """One saved segment of a plan (its :class:`~rpcompile.core.program.SegmentSpec` and what it has captured),
     shared by its forward stage (:meth:`forward_call`) and its backward stage (:meth:`backward_call`), which call
-    it from their graphs with parameters and buffers as ``get_attr`` values."""
+    it from their graphs with parameters and buffers as ``get_attr`` values.
+
+    Graphs are captured lazily, on the device and in the compute precision, with the sizes of the segment's activation
+    inputs symbolic (:mod:`rpcompile.runtime.segments.symbolic`): one capture runs every batch size and sequence length
+    its guards allow (sizes 0 and 1 are specialised, and so is whatever the trace had to know), so a padded batch of a
+    new length costs a guard check, not a capture. Where a capture's guards do not hold, or symbolic tracing fails,
+    signatures (shapes, strides, dtypes, devices, non-tensor values) are captured one by one: a capture costs tens of
+    forward passes, so only the first are captured at sight; a later new one is recomputed by the backward stage until
+    it comes again (:meth:`SavedSegment._worth_capturing`). A capture is kept for a later segment of the same code,
+    module settings and signature (:func:`~.sharing.structure`: names aside, so identical layers share one, as does a
+    pipeline compiled again from the same model), or, symbolic, of the same kind of signature where its guards hold,
+    :data:`~.sharing.SHARED_CAPTURES` at most: the trace is deterministic, so it would make the same graphs. Dropout
+    inside a saved segment is rewritten to ``x * seeded_noise(x)`` (:func:`rpcompile.runtime.rng.dropout_to_noise`)
+    where the noise op is opaque to tracing and draws the mask with :func:`rpcompile.runtime.rng.seeded_call` (same seed
+    as the recompute path: bit-identical on CPU); the mask is then simply a saved tensor. Segments with other random ops
+    are not saveable (recomputed instead).
+    """
 
     def __init__(self, spec: SegmentSpec):
         super().__init__(spec.name, spec.gm, [tuple(p) for p in spec.params], list(spec.buffers), list(spec.inputs),
@@ -121,7 +123,7 @@ class SavedSegment(SegmentSpec):
         self.first_iteration: int | None = None
         self.calls = {"forward": 0, "backward": 0, "recomputed": 0}
         self.leaves = opaque_calls(self.gm)
-        """Nodes calling a leaf function or module: never captured, recomputed every step (module docstring)."""
+        """Nodes calling a leaf function or module: never captured, recomputed every step (:func:`opaque_calls`)."""
         self.on_capture: Callable[[], None] | None = None
         """Called (on the stage's worker thread) after each capture this segment makes: a progress display's hook."""
 

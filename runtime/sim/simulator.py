@@ -1,93 +1,23 @@
 """The simulator: walk the executor's own per-device action lists with a clock instead of devices.
 
-Every device has one **compute queue** and copy queues — weights up, activations up (inputs that wait for the
-previous stage; saved activations already in host memory), activations down (outputs the next stage waits for;
-saved activations), gradients down — that share two physical links: the device's **upload link** and its
-**download link**, each ``link_bytes_per_s`` and full duplex. All links share the host's memory bandwidth
-(``host_bytes_per_s``). Transfers running at the same time split the bandwidth max-min fairly (a fluid model:
-each gets an equal share of its tightest resource), so eight GPUs streaming weights at once are as slow as the
-host allows, not eight times a single link.
+Terms:
 
-What an action list turns into (``kW``/``kFj``/``kG``, see :mod:`.schedule`):
+- **compute queue** and **copy queues**: each device has one compute queue and copy queues — weights up,
+  activations up (inputs that wait for the previous stage; saved activations already in host memory), activations
+  down (outputs the next stage waits for; saved activations), gradients down.
+- **upload link** and **download link**: the two physical links a device's copy queues share, each
+  ``link_bytes_per_s`` and full duplex. All links share the host's memory bandwidth (``host_bytes_per_s``).
+- **fluid model**: transfers running at the same time split the bandwidth max-min fairly (each gets an equal share
+  of its tightest resource), so eight GPUs streaming weights at once are as slow as the host allows, not eight
+  times a single link.
+- **chain position**: one :class:`~rpcompile.core.stages.StageCost`, the type the timing model prices.
 
-- ``kW`` uploads stage k's weights. It may start once the device has *started* the stage before k in its list
-  (the weight prefetch: at most the running stage and the next one are resident), and it takes only what
-  bandwidth the activation copies leave on the upload link (the executor copies weights in small pieces behind
-  them, so a microbatch's inputs never queue behind a whole stage's weights).
-- ``kFj`` first brings microbatch j's inputs in — ``prefetch_bytes`` (in host memory already) and
-  ``input_bytes`` (once chain position k−1's output for j reached host memory); both may start once the device
-  began its previous compute action, a double buffer — then computes (``compute_s + overhead_s``) once the
-  compute queue is free and k's weights are in and the outputs of its compute action two before have drained
-  (double buffering); then sends ``output_bytes`` down (the next position waits for them) and, on their own
-  queue, ``offload_bytes`` (saved activations, which only the backward pass reads).
-- ``kG`` sends the gradients down after k's last microbatch.
-
-**Saved activations go down lazily.** Nobody in the forward pass waits for them, so their copies do not hold the
-compute back (the output double buffer counts only the copies a later position waits for); they yield the
-download link to those copies (strict priority: they get what the hand-offs and gradients leave), and among
-themselves the ones needed first go first — the latest position's, since the backward pass runs the chain in
-reverse — microbatches in order. What has not gone down yet stays in device memory, so the memory limit is what
-bounds the backlog: a compute that would overfill its device waits for the copies out of it. A backward position
-prefetches saved activations only once the forward positions that saved them (``saved_by``) have them in host
-memory for that microbatch.
-
-Work is admitted only while it fits: with ``memory_limit_bytes`` a copy that would overfill its device waits
-until compute frees memory (a prefetcher that respects the allocator), and a compute action that would overfill
-waits while copies out of its device are draining — so a plan whose overlap does not fit loses time instead of
-memory. Only when nothing else can run does work overfill a device, and the peak shows it.
-Memory per device is accounted from the same events: weights from the start of their upload until the stage's
-last microbatch ends — those that stay on the device (:attr:`StageCost.kept_bytes <rpcompile.core.stages.StageCost.kept_bytes>`) until the end of the stage
-that finds them there (:attr:`StageCost.found_bytes <rpcompile.core.stages.StageCost.found_bytes>`), a resident plan's from before the run; gradients from the first microbatch until the ``G`` copy ends; input buffers, working
-activations and output buffers around each microbatch; ``resident_bytes`` for the whole iteration (static
-schedules keep weights, gradients and optimizer state on the device) and ``stash_bytes`` from a forward
-microbatch until the backward position named by ``releases`` ends it (activations kept for the backward pass).
-
-**The host's own work** (``host``, a :class:`~rpcompile.core.stages.HostLoad`): after each ``kG`` a ``kA`` on the
-host's one accumulation lane adds the gradients into the fp32 ``.grad`` — taken in the order the gradients land,
-at the host thread's rate, and moving ``accumulate_traffic`` host-memory bytes per gradient byte through the
-host's memory bandwidth, which it shares with the links' copies (so when that bandwidth is tight it slows them).
-The optimizer step and the copy refresh (``step_s``) follow the iteration (synchronous: they add to it) or run
-from its start beside it (``overlap_step``: the iteration takes the longer of the two). Data-parallel machines
-(``host.nodes > 1``): after each ``kA`` a ``kR`` on the host's network lane all-reduces the stage's gradients
-(``HostLoad.reduce_s``, a ring over the machines' links), strictly in stage order as the runtime launches its
-buckets, beside the later stages — or, with ``overlap_reduce=False``, all after everything else. Host work is
-reported in ``SimResult.host_timeline``, apart from the devices' lanes.
-
-**Consecutive iterations** (``iterations=K > 1``; round-robin lists only): the lists and stages describe one
-iteration, and the run plays ``K`` of them. Position ``k`` of iteration ``t`` is global position ``t·S + k``
-(``S`` positions an iteration) on the device after the one that ran ``t·S + k − 1``: the round-robin pointer
-carries on across iterations (docs/architecture.md §3), so a device runs the next iteration's stage as soon as it is done
-with its stages of this one, in its list's order. Iteration ``t + 1``'s first position takes its inputs from the
-host, not from iteration ``t``'s last position. The optimizer step of iteration ``t`` (``stepT``, on the host's
-step thread: ``step_s``, after iteration ``t``'s gradients are all added — and all-reduced — and after step
-``t − 1``) decides the rest:
-
-- synchronous (``host.overlap_step`` False): iteration ``t + 1`` starts once step ``t`` is done — every
-  iteration pays the fill, the drain and the step, as one iteration does;
-- the step overlapped (``host.overlap_step``; today's ``pipe.step(optimizer, overlap=True)``, one step stale):
-  iteration ``t + 1`` starts once iteration ``t``'s work is done (``forward_backward`` is a barrier) and
-  computes with the weights from before step ``t``, which step ``t − 1`` made (double-buffered copies), so its
-  weight uploads and its first position (host-side lookups read those weights too) wait for step ``t − 1``;
-- iterations overlapped (``host.overlap_iterations`` too): as the step overlapped, but nothing of iteration
-  ``t`` holds iteration ``t + 1`` up except its loss — the first position waits for the fused position's last
-  microbatch (``forward_backward`` returns the loss, then the caller passes the next batch): a device that has
-  finished its part of iteration ``t`` goes on with ``t + 1`` while the others drain
-  (:func:`rpcompile.passes.solver.recurrence.overlapped_ends` is the timing model's walk of the same).
-
-:class:`~rpcompile.runtime.sim.sim_result.SimResult` then reports the steady-state period (``iteration_time_s``), the bubble over it, and the
-one-off fill and drain of the run (:attr:`SimResult.fill_s <rpcompile.runtime.sim.sim_result.SimResult.fill_s>`, :attr:`SimResult.drain_s <rpcompile.runtime.sim.sim_result.SimResult.drain_s>`); the timeline holds every
-iteration (``SimEvent.iteration``).
-
-A one-GPU plan's hand-offs stay in device memory (the timing model's ``resident_handoffs``): its stage costs carry
-no hand-off bytes, so none cross a link here either; the memory they hold and the half of the lazy offload's room
-the runtime gives them are not played (the timing model halves that room). A segment bound by its host's
-dispatch is in ``compute_s`` already (:func:`rpcompile.passes.formulate.launch_bound`).
-
-Each chain position is a :class:`~rpcompile.core.stages.StageCost`, the type the timing model prices; the run
-returns a :class:`~.sim_result.SimResult` (the timeline and its figures). With
-transfers free this is exactly the timing model's recurrence (:func:`rpcompile.passes.solver.timing.pipeline_time`,
-docs/architecture.md §3); :mod:`rpcompile.tools.scenarios` builds the action lists and stages for a plan, for the classic static
-schedules (GPipe, 1F1B, interleaved 1F1B) and for published layer profiles.
+:func:`simulate` plays the lists (``kW``/``kFj``/``kG``, see :mod:`.schedule`; its docstring says what each action
+turns into, and how memory, the host's work and consecutive iterations are played) and returns a
+:class:`~.sim_result.SimResult` (the timeline and its figures). With transfers free this is exactly the timing
+model's recurrence (:func:`rpcompile.passes.solver.timing.pipeline_time`, docs/architecture.md §3);
+:mod:`rpcompile.tools.scenarios` builds the action lists and stages for a plan, for the classic static schedules
+(GPipe, 1F1B, interleaved 1F1B) and for published layer profiles.
 """
 
 from __future__ import annotations
@@ -189,10 +119,88 @@ def simulate(
     ``stages[k]`` describes chain position k (a bare number is a :class:`~rpcompile.core.stages.StageCost` with only ``compute_s``).
     Bandwidths are bytes/s; infinite bandwidth makes byte transfers free. ``copies_wait_for_memory=False``
     admits copies regardless of ``memory_limit_bytes`` (static schedules, which do not stream and are only
-    checked against the limit). ``host``: the host's own work (see the module docstring); none by default.
-    ``iterations``: how many consecutive iterations of these lists to play (the module docstring; round-robin
+    checked against the limit). ``host``: the host's own work (below); none by default.
+    ``iterations``: how many consecutive iterations of these lists to play (below; round-robin
     lists only); by default one, or :data:`~rpcompile.core.schedule.OVERLAP_ITERATIONS` when
-    ``host.overlap_iterations``."""
+    ``host.overlap_iterations``.
+
+    What an action list turns into (``kW``/``kFj``/``kG``, see :mod:`.schedule`):
+
+    - ``kW`` uploads stage k's weights. It may start once the device has *started* the stage before k in its list (the
+      weight prefetch: at most the running stage and the next one are resident), and it takes only what bandwidth the
+      activation copies leave on the upload link (the executor copies weights in small pieces behind them, so a
+      microbatch's inputs never queue behind a whole stage's weights).
+    - ``kFj`` first brings microbatch j's inputs in — ``prefetch_bytes`` (in host memory already) and ``input_bytes``
+      (once chain position k−1's output for j reached host memory); both may start once the device began its previous
+      compute action, a double buffer — then computes (``compute_s + overhead_s``) once the compute queue is free and
+      k's weights are in and the outputs of its compute action two before have drained (double buffering); then sends
+      ``output_bytes`` down (the next position waits for them) and, on their own queue, ``offload_bytes`` (saved
+      activations, which only the backward pass reads).
+    - ``kG`` sends the gradients down after k's last microbatch.
+
+    **Saved activations go down lazily.** Nobody in the forward pass waits for them, so their copies do not hold the
+    compute back (the output double buffer counts only the copies a later position waits for); they yield the download
+    link to those copies (strict priority: they get what the hand-offs and gradients leave), and among themselves the
+    ones needed first go first — the latest position's, since the backward pass runs the chain in reverse — microbatches
+    in order. What has not gone down yet stays in device memory, so the memory limit is what bounds the backlog: a
+    compute that would overfill its device waits for the copies out of it. A backward position prefetches saved
+    activations only once the forward positions that saved them (``saved_by``) have them in host memory for that
+    microbatch.
+
+    Work is admitted only while it fits: with ``memory_limit_bytes`` a copy that would overfill its device waits until
+    compute frees memory (a prefetcher that respects the allocator), and a compute action that would overfill waits
+    while copies out of its device are draining — so a plan whose overlap does not fit loses time instead of memory.
+    Only when nothing else can run does work overfill a device, and the peak shows it. Memory per device is accounted
+    from the same events: weights from the start of their upload until the stage's last microbatch ends — those that
+    stay on the device (:attr:`StageCost.kept_bytes <rpcompile.core.stages.StageCost.kept_bytes>`) until the end of the
+    stage that finds them there (:attr:`StageCost.found_bytes <rpcompile.core.stages.StageCost.found_bytes>`), a
+    resident plan's from before the run; gradients from the first microbatch until the ``G`` copy ends; input buffers,
+    working activations and output buffers around each microbatch; ``resident_bytes`` for the whole iteration (static
+    schedules keep weights, gradients and optimizer state on the device) and ``stash_bytes`` from a forward microbatch
+    until the backward position named by ``releases`` ends it (activations kept for the backward pass).
+
+    **The host's own work** (``host``, a :class:`~rpcompile.core.stages.HostLoad`): after each ``kG`` a ``kA`` on the
+    host's one accumulation lane adds the gradients into the fp32 ``.grad`` — taken in the order the gradients land, at
+    the host thread's rate, and moving ``accumulate_traffic`` host-memory bytes per gradient byte through the host's
+    memory bandwidth, which it shares with the links' copies (so when that bandwidth is tight it slows them). The
+    optimizer step and the copy refresh (``step_s``) follow the iteration (synchronous: they add to it) or run from its
+    start beside it (``overlap_step``: the iteration takes the longer of the two). Data-parallel machines (``host.nodes
+    > 1``): after each ``kA`` a ``kR`` on the host's network lane all-reduces the stage's gradients
+    (``HostLoad.reduce_s``, a ring over the machines' links), strictly in stage order as the runtime launches its
+    buckets, beside the later stages — or, with ``overlap_reduce=False``, all after everything else. Host work is
+    reported in ``SimResult.host_timeline``, apart from the devices' lanes.
+
+    **Consecutive iterations** (``iterations=K > 1``; round-robin lists only): the lists and stages describe one
+    iteration, and the run plays ``K`` of them. Position ``k`` of iteration ``t`` is global position ``t·S + k`` (``S``
+    positions an iteration) on the device after the one that ran ``t·S + k − 1``: the round-robin pointer carries on
+    across iterations (docs/architecture.md §3), so a device runs the next iteration's stage as soon as it is done with
+    its stages of this one, in its list's order. Iteration ``t + 1``'s first position takes its inputs from the host,
+    not from iteration ``t``'s last position. The optimizer step of iteration ``t`` (``stepT``, on the host's step
+    thread: ``step_s``, after iteration ``t``'s gradients are all added — and all-reduced — and after step ``t − 1``)
+    decides the rest:
+
+    - synchronous (``host.overlap_step`` False): iteration ``t + 1`` starts once step ``t`` is done — every iteration
+      pays the fill, the drain and the step, as one iteration does;
+    - the step overlapped (``host.overlap_step``; today's ``pipe.step(optimizer, overlap=True)``, one step stale):
+      iteration ``t + 1`` starts once iteration ``t``'s work is done (``forward_backward`` is a barrier) and computes
+      with the weights from before step ``t``, which step ``t − 1`` made (double-buffered copies), so its weight uploads
+      and its first position (host-side lookups read those weights too) wait for step ``t − 1``;
+    - iterations overlapped (``host.overlap_iterations`` too): as the step overlapped, but nothing of iteration ``t``
+      holds iteration ``t + 1`` up except its loss — the first position waits for the fused position's last microbatch
+      (``forward_backward`` returns the loss, then the caller passes the next batch): a device that has finished its
+      part of iteration ``t`` goes on with ``t + 1`` while the others drain
+      (:func:`rpcompile.passes.solver.recurrence.overlapped_ends` is the timing model's walk of the same).
+
+    :class:`~rpcompile.runtime.sim.sim_result.SimResult` then reports the steady-state period (``iteration_time_s``),
+    the bubble over it, and the one-off fill and drain of the run (:attr:`SimResult.fill_s
+    <rpcompile.runtime.sim.sim_result.SimResult.fill_s>`, :attr:`SimResult.drain_s
+    <rpcompile.runtime.sim.sim_result.SimResult.drain_s>`); the timeline holds every iteration (``SimEvent.iteration``).
+
+    A one-GPU plan's hand-offs stay in device memory (the timing model's ``resident_handoffs``): its stage costs carry
+    no hand-off bytes, so none cross a link here either; the memory they hold and the half of the lazy offload's room
+    the runtime gives them are not played (the timing model halves that room). A segment bound by its host's dispatch is
+    in ``compute_s`` already (:func:`rpcompile.passes.formulate.launch_bound`).
+    """
     sts = [s if isinstance(s, StageCost) else StageCost(name=str(k), compute_s=float(s)) for k, s in enumerate(stages)]
     host = host or HostLoad()
     if iterations is None:

@@ -9,6 +9,8 @@ microbatch, 20.12 GiB usable per GPU, PCIe 4.0 links), planned as ``rpcompile.pl
 - ``sync plan, overlapped``: that plan with overlapped iterations (each device goes on to the next iteration while
   the others drain, one step stale): the steady-state period and the bubble over it;
 - ``overlapped``: the plan made for overlapped iterations (``rpcompile.plan(..., overlap=True)``), run the same way;
+- ``overlapped, links free``: that plan with links and host bandwidth unbounded — RoundPipe's simulator models no
+  transfers, so this bubble is the one its published 1–4% compares with;
 - ``overlapped, fewer saves``: that plan with saved segments recomputed, one at a time (:func:`fewer_saves`; a
   benchmark-side experiment, not what the planner does);
 - ``overlapped, recompute``: planned with nothing saved in host memory (every backward stage recomputes).

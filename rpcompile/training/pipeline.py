@@ -156,10 +156,10 @@ class Pipeline:
         self.last_step: StepRecord | None = None
         """The last ``forward_backward`` call, measured (:mod:`rpcompile.training.metrics`)."""
         self.on_step: Callable[[StepRecord], None] | None = None
-        self.progress = sys.stderr.isatty()
-        """Show a call's saved-segment captures on stderr (:mod:`.capture_progress`); ``compile(progress=)`` sets it."""
         """Called with each ``forward_backward`` call's :class:`~rpcompile.training.metrics.StepRecord` (a logger's
         hook); None: nobody listens."""
+        self.progress = sys.stderr.isatty()
+        """Show a call's saved-segment captures on stderr (:mod:`.capture_progress`); ``compile(progress=)`` sets it."""
         self.callers = OneCaller()
         """Which thread is inside a call now: a second thread's call meanwhile is refused (:mod:`.callers`)."""
         self._masters = list(params.values())  # what another pipeline's overlapped step may be writing

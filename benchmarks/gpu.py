@@ -87,14 +87,17 @@ def _peak(device: str) -> float | None:
 def _pass_times(row: dict) -> Any:
     """``row["compile_passes"]``: seconds per compile pass (trace, shape, cost, partition, ...; summed over the
     LM-head splits) from the ``rpcompile`` logger, and ``"other"``: what ``compile`` spent outside them. A compile
-    that misses its time target then says where the time went."""
+    that misses its time target then says where the time went. Parts of a pass (``pipeline.executor``: a dotted
+    name) go to ``row["compile_parts"]``, apart from the passes they are part of."""
     times: dict[str, float] = {}
+    parts: dict[str, float] = {}
 
     class Collect(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             if record.msg == "%s: %.2f s" and len(record.args or ()) == 2:
                 name, seconds = record.args  # type: ignore[misc]
-                times[str(name)] = times.get(str(name), 0.0) + float(seconds)
+                into = parts if "." in str(name) else times
+                into[str(name)] = into.get(str(name), 0.0) + float(seconds)
 
     logger, handler = logging.getLogger("rpcompile"), Collect(logging.INFO)
     level = logger.level
@@ -108,6 +111,7 @@ def _pass_times(row: dict) -> Any:
         logger.setLevel(level)
         times["other"] = max(0.0, time.perf_counter() - t0 - sum(times.values()))
         row["compile_passes"] = {k: round(v, 3) for k, v in times.items()}
+        row["compile_parts"] = {k: round(v, 3) for k, v in parts.items()}
 
 
 def _timed(step: Callable[[], Any], steps: int, device: str) -> float:

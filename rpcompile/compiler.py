@@ -216,8 +216,10 @@ def compile(
             # the same graph solved again (one solve, the whole time limit): it is not traced or costed again
             limit = float(options.time_limit_s)
             saving = made
+            t0 = time.perf_counter()
             made = fit_host_memory(saving, lambda: replanned(saving, allow_save=False, time_limit_s=limit),
                                    dtype=COMPUTE_DTYPES[precision], pin=not on_cpu, frozen_masters=frozen_masters)
+            log.info("%s: %.2f s", "host memory fit", time.perf_counter() - t0)  # a re-plan when saves do not fit
         assert made.plan is not None
         t0 = time.perf_counter()
         pipe = pipeline(model, made.graph, made.plan, devs, loss_fn, train, loss_in_graph=made.plan.head_chunks > 1,
@@ -252,7 +254,10 @@ def pipeline(model: torch.nn.Module, gm: fx.GraphModule, plan: Plan, devices: Se
     ``loss_in_graph``: the graph takes the target and returns the loss (a split LM head); ``signature``: the inputs
     compiled for (:class:`~rpcompile.training.signature.InputSignature`)."""
     lowering = PlanLowering(plan, gm)
-    return Pipeline(model, gm, plan, devices, loss_fn, options, program=lowering.program(), lowering=lowering,
+    t0 = time.perf_counter()
+    program = lowering.program()
+    log.info("%s: %.2f s", "pipeline.lower", time.perf_counter() - t0)  # the stages' programs (split_plan)
+    return Pipeline(model, gm, plan, devices, loss_fn, options, program=program, lowering=lowering,
                     loss_in_graph=loss_in_graph, signature=signature)
 
 

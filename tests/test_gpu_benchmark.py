@@ -48,6 +48,9 @@ def test_the_smoke_run_writes_every_row(tmp_path, capsys, monkeypatch):
         passes = r["compile_passes"]  # where compile's time went, pass by pass
         assert {"trace", "shape", "cost", "partition", "lower", "pipeline", "other"} <= passes.keys(), passes
         assert sum(passes.values()) == pytest.approx(r["setup_s"], rel=0.05, abs=0.05)
+        parts = r["compile_parts"]  # the pipeline's build, part by part: within its pass
+        assert {"pipeline.lower", "pipeline.host memory check", "pipeline.executor"} <= parts.keys(), parts
+        assert sum(v for k, v in parts.items() if k.startswith("pipeline.")) <= passes["pipeline"] + 0.01
     plain, synchronous, overlapped = rows[3:6]
     host = synchronous["predicted_s"] - plain["predicted_s"]
     assert host > 0, "the synchronous step's prediction adds the host's optimizer step and copy refresh"

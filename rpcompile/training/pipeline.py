@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import sys
 import time
@@ -100,6 +101,8 @@ from .signature import InputSignature, check_call_mode
 
 __all__ = ["Pipeline"]
 
+log = logging.getLogger(__name__)
+
 
 
 class Pipeline:
@@ -138,13 +141,18 @@ class Pipeline:
         params = {n: p for n, p in gm.named_parameters()}
         buffers = {n: b for n, b in gm.named_buffers()}
         # refused in one line before anything is allocated, not killed by the OS mid-step
+        t0 = time.perf_counter()
         self.host_bytes = check_host_memory(
             params, plan, dtype=compute_dtype(precision), pin=any(d.torch_device.type == "cuda" for d in self.devices),
             uploaded=[n for prog in self.program.stages for n in prog.params.values()],
             host_only=[h.weight for h in self.program.host], frozen_masters=frozen_masters)
         """Host bytes building and running this pipeline allocates beyond what existed (:mod:`.host_memory`)."""
+        t1 = time.perf_counter()
+        log.info("%s: %.2f s", "pipeline.host memory check", t1 - t0)
         self.executor = Executor(self.program, self.devices, params, buffers, dtype=compute_dtype(precision),
                                  frozen_masters=frozen_masters)
+        # the weight store (host copies: pinned for GPUs) and the gradient sink
+        log.info("%s: %.2f s", "pipeline.executor", time.perf_counter() - t1)
         self.iteration = 0
         self.executor.seed = torch.initial_seed()  # dropout masks follow torch.manual_seed, as eager's do
         self._overlap = Overlap(self.executor.weights, self.executor.grads)

@@ -83,6 +83,9 @@ def checkpoint_name(step: int) -> str:
 
 def optimizer_files(count: int) -> list[str]:
     """The files of ``count`` optimizer states: ``optimizer.pt`` for one, ``optimizer-<i>.pt`` for several."""
+    # plain torch.save of state_dict(), not torch.distributed.checkpoint: that format's .metadata is read with a full
+    # pickle.load (files would be code), needs its own API to read, and its resharding buys nothing here (the
+    # optimizer's state lives whole in each process's host memory)
     return ["optimizer.pt"] if count == 1 else [f"optimizer-{i}.pt" for i in range(count)]
 
 

@@ -3,9 +3,8 @@
 training state
     Three ``state_dict``\\ s: the model's (fp32 masters, buffers), the optimizer's, and the **pipeline's**
     (:meth:`Pipeline.state_dict <rpcompile.training.pipeline.Pipeline.state_dict>`: iteration, dropout seed,
-    scaler, an overlapped step's weights; :mod:`.state`). Not saved, by design: gradients (checkpoint after the
-    optimizer step), weight copies and captures (remade from the masters), the user's random state and the data
-    loader's position (pass what you need in ``extra=``).
+    scaler, an overlapped step's weights; :mod:`.state`). Not saved: gradients, weight copies and captures
+    (remade from the masters), the user's random state and the data position (pass them in ``extra=``).
 checkpoint
     A directory (:mod:`.layout`) other tools open without rpcompile: the weights as safetensors laid out as HF
     ``save_pretrained`` lays them out (:mod:`~rpcompile.training.checkpoint.weights`, :mod:`.tensorfile`), each

@@ -183,7 +183,7 @@ class PipelineTrainerMixin:
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any],
                       num_items_in_batch: Any = None) -> torch.Tensor:
-        """One ``forward_backward`` over the batch (module docstring); returns the loss the Trainer logs."""
+        """One ``forward_backward`` over the batch (class docstring); returns the loss the Trainer logs."""
         model.train()
         batch = _host(inputs)
         pipe = self._pipeline(batch)

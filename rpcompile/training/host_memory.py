@@ -60,7 +60,7 @@ class HostMemoryWarning(UserWarning):
 
 @dataclass(frozen=True)
 class HostMemory:
-    """Host memory to train a model whose frozen parameters are stored once (module docstring), in bytes."""
+    """Host memory to train a model whose frozen parameters are stored once (in the compute precision), in bytes."""
 
     frozen_params: int
     trainable_params: int

@@ -196,7 +196,7 @@ class Pipeline:
     @one_call
     def refresh_weights(self) -> None:
         """Remake the devices' copies of every weight from the masters — needed only after edits through
-        ``p.data``, which no version counter sees (module docstring)."""
+        ``p.data``, which no version counter sees (class docstring, **Weights**)."""
         self.synchronize()
         self.executor.weights.refresh()
 

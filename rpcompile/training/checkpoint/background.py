@@ -164,7 +164,7 @@ def _forget(pending: PendingSave) -> None:
 
 
 def wait_pending(root: Path) -> None:
-    """Wait for the pending save into ``root``, if any, raising its failure (module docstring)."""
+    """Wait for the pending save into ``root``, if any, raising its failure (:class:`PendingSave`)."""
     with _LOCK:
         pending = _PENDING.get(root.resolve())
     if pending is not None:
@@ -185,7 +185,7 @@ def available_memory() -> int | None:
 
 def start_background(root: Path, path: Path, snapshot: Snapshot, write: Callable[[Snapshot], None], *,
                      model: torch.nn.Module, optimizers: list[Any]) -> PendingSave:
-    """Check the host can hold the snapshot's copy, then start writing it on a thread (module docstring)."""
+    """Check the host can hold the snapshot's copy, then start writing it on a thread (:class:`PendingSave`)."""
     need, free = snapshot.shared_bytes(), available_memory()
     if free is not None and need > free:
         raise CheckpointError(f"save_checkpoint(background=True) copies {need / 2**30:.1f} GiB of weights and "

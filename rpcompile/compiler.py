@@ -2,29 +2,21 @@
 
     pipe = rpcompile.compile(model, example_inputs, loss_fn=loss_fn, devices=["cpu", "cpu"])
 
-:func:`compile` is :func:`rpcompile.planner.planning.compile_plan`'s plan plus a :class:`~rpcompile.training.pipeline.Pipeline` that
-runs it (the pipeline's contracts: :mod:`rpcompile.training.pipeline`). It checks, in this order, each refused in one line
-before anything costly runs:
+:func:`compile` is :func:`rpcompile.planner.planning.compile_plan`'s plan plus a
+:class:`~rpcompile.training.pipeline.Pipeline` that runs it. Arguments, precision, ``loss_weight``, devices and
+inputs are each checked, and refused in one line, before anything costly runs.
 
-1. the arguments themselves — model, example inputs, ``loss_fn``, ``devices`` / ``gpus``, ``microbatches``
-   (:func:`~rpcompile.training.signature.check_compile_arguments`) — and the ``precision`` (fp32, bf16, fp16);
-2. whether this process is one rank of data-parallel training (:func:`~rpcompile.training.distributed.data_parallel_group`);
-3. ``loss_weight``, before any planning;
-4. the devices (every visible GPU, or one logical CPU device, unless named) and the inputs, bound to the example's
-   signature (:class:`~rpcompile.training.signature.InputSignature`), which a model's own loss needs ``labels`` in.
-
-**A plan given** (a :class:`~rpcompile.core.plan.Plan` or its file) is not solved again: the graph it was made
-from is rebuilt (its LM head split, its embedding lookups on the host: :func:`~rpcompile.planner.model_match.graph_as_planned`),
-the plan is verified against it (:func:`~rpcompile.planner.invariants.verify_plan`) and must be for as many devices as
-given. **Otherwise it is planned**: on GPUs within their usable memory unless ``memory_limit`` says otherwise
-(:func:`~rpcompile.training.gpu_memory.gpu_memory_limit`), costed with the intra-op threads each logical CPU device will
-have, and — unless ``allow_save`` is given — solved again without saved activations when the host could not hold
-them (:func:`~rpcompile.training.host_memory.fit_host_memory`). Either way the :class:`~rpcompile.training.pipeline.Pipeline` checks
-the host memory it needs before it allocates.
-
-**Data-parallel** (a default ``torch.distributed`` process group of several ranks): every rank compiles the same
-plan on its own — rank 0's unless ``plan`` is given — then all compare a digest of what they run in one collective
-and join (:func:`_join`, :mod:`rpcompile.training.distributed`); a rank that failed or differs stops every rank.
+a plan given
+    A :class:`~rpcompile.core.plan.Plan` or its file: not solved again; the graph it was made from is rebuilt
+    (:func:`~rpcompile.planner.model_match.graph_as_planned`) and the plan verified against it
+    (:func:`~rpcompile.planner.invariants.verify_plan`).
+planned
+    Otherwise: within the GPUs' usable memory (:func:`~rpcompile.training.gpu_memory.gpu_memory_limit`), and
+    solved again without saved activations when the host could not hold them
+    (:func:`~rpcompile.training.host_memory.fit_host_memory`).
+data-parallel
+    Under a default ``torch.distributed`` group of several ranks: every rank compiles rank 0's plan (or the one
+    given) and all check they run the same one (:func:`_join`, :mod:`rpcompile.training.distributed`).
 """
 
 from __future__ import annotations
@@ -155,6 +147,8 @@ def compile(
             given.pop(k) for k in ("microbatches", "spec", "head_chunks", "host_embedding", "precision"))
         plan_options = {k: v for k, v in given.items()
                         if k not in ("gpus", "device", "threads") and v != PLAN_DEFAULTS[k]}
+    # checked in this order, each refused in one line before anything costly: the arguments, the precision,
+    # data-parallel or not, loss_weight (TrainOptions), then the devices and the inputs (the example's signature)
     check_compile_arguments(model, example_inputs, example_kwargs, loss_fn=loss_fn, devices=devices, gpus=gpus,
                             microbatches=microbatches)
     source = "the plan" if isinstance(plan, Plan) else str(plan)

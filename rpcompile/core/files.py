@@ -1,26 +1,15 @@
-"""Files written whole or not at all, and files read back as bounded data (issue 36).
+"""Files written whole or not at all, and files read back as bounded data.
 
-**Writing** (:func:`write_atomic`, every file rpcompile writes: plans, checkpoints, caches, pictures, stage code):
-the bytes go to a *temporary* beside the target, named ``.<name>.<host>.<pid>.<random>.tmp`` and created with
-``O_CREAT | O_EXCL | O_NOFOLLOW`` — unpredictable, exclusive, never through a symbolic link planted at its name —
-then the file is ``fsync``'d, renamed onto the target (``os.replace``: atomic; a link at the target is replaced,
-not followed) and the directory ``fsync``'d, so the target's name only ever holds a whole file.
-
-A **directory** of files written as one (:func:`atomic_directory`: a checkpoint) is built the same way: a temporary
-directory of the same unpredictable name, made by ``mkdir`` (exclusive: a link or anything else planted at its name
-is refused and another name drawn), filled (each file through :func:`write_atomic`, or by any writer — a name
-inside a directory nobody else knows yet), every file and the directory ``fsync``'d, then renamed onto the target.
-A directory cannot be renamed onto a non-empty one: an existing target is first renamed aside to a temporary name
-and removed after, so the target's name holds the old directory, nothing (for that instant: a reader takes the
-previous one), or the new one — never a mixture.
-
-A process killed while writing leaves its temporary (file or directory) behind. :func:`sweep_temporaries` removes
-one only when its writer is provably dead: made on this host by a process id that no longer exists. Another process's or rank's temporary in
-flight — or one from another machine sharing the directory — is never touched.
-
-**Reading** (:func:`read_limited`, :func:`parse_json`): a file is read up to a size bound and parsed as strict JSON
-— UTF-8, no ``NaN``/``Infinity``, no number beyond :data:`MAX_INT` or float's range, nesting at most ``max_depth``
-deep. Each problem raises :class:`ValueError` with one line saying what is wrong; callers add the file and the fix.
+temporary
+    A file or directory beside its target, named ``.<name>.<host>.<pid>.<random>.tmp`` and created exclusively
+    (never through a planted link), filled, ``fsync``'d and renamed onto the target, so the target's name only ever
+    holds a whole file or directory: :func:`write_atomic` (every file rpcompile writes), :func:`atomic_directory`
+    (a checkpoint). A killed writer's temporary is removed only once its writer is provably dead
+    (:func:`sweep_temporaries`).
+bounded data
+    :func:`read_limited` and :func:`parse_json`: a file read up to a size bound and parsed as strict JSON — UTF-8,
+    no ``NaN``/``Infinity``, no number beyond :data:`MAX_INT` or float's range, nesting at most ``max_depth`` deep.
+    Each problem raises :class:`ValueError` with one line saying what is wrong; callers add the file and the fix.
 """
 
 from __future__ import annotations
@@ -138,8 +127,17 @@ def remove_atomically(path: str | os.PathLike) -> None:
 def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
     """A temporary directory beside ``path`` to fill; when the block ends without an exception every file in it
     and the directory are ``fsync``'d and it is renamed onto ``path`` (an existing ``path`` is renamed aside
-    first and removed after), then the parent is ``fsync``'d (module docstring). On an exception the temporary
-    is removed and ``path`` left as it was."""
+    first and removed after), then the parent is ``fsync``'d. On an exception the temporary is removed and
+    ``path`` left as it was.
+
+    A **directory** of files written as one (:func:`atomic_directory`: a checkpoint) is built the same way: a temporary
+    directory of the same unpredictable name, made by ``mkdir`` (exclusive: a link or anything else planted at its name
+    is refused and another name drawn), filled (each file through :func:`write_atomic`, or by any writer — a name inside
+    a directory nobody else knows yet), every file and the directory ``fsync``'d, then renamed onto the target. A
+    directory cannot be renamed onto a non-empty one: an existing target is first renamed aside to a temporary name and
+    removed after, so the target's name holds the old directory, nothing (for that instant: a reader takes the previous
+    one), or the new one — never a mixture.
+    """
     path = Path(path)
     tmp = _create_temporary_directory(path)
     try:
@@ -180,8 +178,14 @@ def _rename_directory(tmp: Path, path: Path) -> None:
 
 def write_atomic(path: str | os.PathLike, data: bytes | str | Callable[[IO[bytes]], Any]) -> Path:
     """Write ``data`` (bytes, text as UTF-8, or a function that writes into the open binary file) to ``path``
-    atomically and durably (module docstring); returns the path. The temporary is removed on any failure; dead
-    processes' temporaries for ``path`` are swept after."""
+    atomically and durably; returns the path. The temporary is removed on any failure; dead processes'
+    temporaries for ``path`` are swept after.
+
+    The bytes go to a *temporary* beside the target, named ``.<name>.<host>.<pid>.<random>.tmp`` and created with
+    ``O_CREAT | O_EXCL | O_NOFOLLOW`` — unpredictable, exclusive, never through a symbolic link planted at its name —
+    then the file is ``fsync``'d, renamed onto the target (``os.replace``: atomic; a link at the target is replaced, not
+    followed) and the directory ``fsync``'d, so the target's name only ever holds a whole file.
+    """
     path = Path(path)
     fd, tmp = _create_temporary(path)
     try:
@@ -253,8 +257,13 @@ def _dead(host: str, pid: int) -> bool:
 
 
 def sweep_temporaries(directory: str | os.PathLike, *, target: str = "") -> int:
-    """Remove the temporaries (files and directories) in ``directory`` left by dead processes (module docstring),
-    only those for files named ``target`` when given; the number removed. Never raises for one it cannot remove."""
+    """Remove the temporaries (files and directories) in ``directory`` left by dead processes, only those for
+    files named ``target`` when given; the number removed. Never raises for one it cannot remove.
+
+    A process killed while writing leaves its temporary (file or directory) behind. :func:`sweep_temporaries` removes
+    one only when its writer is provably dead: made on this host by a process id that no longer exists. Another
+    process's or rank's temporary in flight — or one from another machine sharing the directory — is never touched.
+    """
     root = Path(directory)
     removed = 0
     try:

@@ -3,20 +3,13 @@
 A :class:`Plan` is a frozen tree of names and numbers — no fx objects — so it can be saved as JSON, checked
 into a repository, diffed and verified in CI. It holds
 
-- the **model fingerprint** (graph structure, parameter names/shapes/dtypes) so a plan is never run on a model
-  it was not made for;
-- the **hardware** (device count and :class:`~rpcompile.core.specs.DeviceSpec`, usable memory per device, and
-  the :class:`~rpcompile.core.specs.HostSpec` the optimizer step and gradient accumulation run on);
-- the **stages** in execution order ``[F0, …, F(f-1), FB, B1, …, B(b-1)]`` (docs/architecture.md §3): forward stages
-  (ascending node ranges, run without autograd), one fused stage (the last nodes: forward, loss and backward in
-  one go) and backward stages (descending ranges, recomputing what was not saved). Each stage lists its compute
-  nodes in topological order, the parameters it reads, and which nodes' activations are *saved* (to host memory
-  in the forward pass, so the backward pass need not recompute them), and which parameters it leaves on its
-  device for a later stage (``keeps``) or finds there (``finds``) instead of uploading them (weights that
-  *stay*; a *resident* plan keeps every weight on its device across iterations), and whose gradients it sums
-  on its device across gradient-accumulation calls (``accumulates``);
-- the **prediction**: per-stage time and memory and the iteration time of the round-robin schedule, its host
-  part (optimizer step, copy refresh) reported separately.
+- the **model fingerprint** (:class:`Fingerprint`), so a plan is never run on a model it was not made for;
+- the **hardware** (:class:`Hardware`: device count and spec, usable memory, the host);
+- the **stages** (:class:`Stage`) in execution order ``[F0, …, F(f-1), FB, B1, …, B(b-1)]`` (docs/architecture.md
+  §3): forward stages (ascending node ranges, run without autograd), one fused stage (the last nodes: forward, loss
+  and backward in one go) and backward stages (descending ranges, recomputing what was not saved);
+- the **prediction** (:class:`Prediction`): per-stage time and memory and the iteration time of the round-robin
+  schedule, its host part (optimizer step, copy refresh) reported separately.
 
 The JSON carries ``schema_version``; a newer file than this rpcompile understands is refused with a clear error,
 as is a corrupt file. Never pickle a plan.
@@ -133,7 +126,12 @@ class Hardware:
 
 @dataclass(frozen=True, kw_only=True)
 class Stage:
-    """One stage of the round-robin schedule."""
+    """One stage of the round-robin schedule. It lists its compute nodes in topological order, the parameters it reads,
+    and which nodes' activations are *saved* (to host memory in the forward pass, so the backward pass need not
+    recompute them), and which parameters it leaves on its device for a later stage (``keeps``) or finds there
+    (``finds``) instead of uploading them (weights that *stay*; a *resident* plan keeps every weight on its device
+    across iterations), and whose gradients it sums on its device across gradient-accumulation calls (``accumulates``).
+    """
 
     name: str
     """``F<i>``, ``FB`` or ``B<i>``."""

@@ -4,25 +4,8 @@ A plan file is read by people's tools and edited by hand, and a disk or a copy c
 wrong with one — bytes that are not UTF-8, text that is not JSON, a missing or unknown field, a value of the wrong
 type, a negative, NaN or infinite number, stages out of order — :func:`plan_file_problem` names the first problem
 by its field path (``stages[2].time_s``), so ``Plan.load`` can refuse the file in one line. Field types come from
-the dataclasses' own annotations: a new field is checked with no change here.
-
-Rules, beyond each field's type:
-
-1. every number is finite and not negative (counts, bytes, seconds, rates), integers at most 2**53 and other
-   numbers at most 1e18;
-2. ``microbatches``, ``head_chunks``, ``hardware.device_count`` and ``schema_version`` are at least 1; sizes that
-   a simulator or the runtime allocates by are bounded (:data:`SIZE_LIMITS`; stages × microbatches at most
-   :data:`MAX_STAGE_RUNS`);
-3. ``predicted.bubble_fraction`` lies in [0, 1];
-4. stage kinds run forward stages, then exactly one fused stage, then backward stages (docs/architecture.md §3), and stage
-   names are unique;
-5. text is what it claims to be (:data:`TEXT_RULES`: stage names ``F<i>``/``FB``/``B<i>``, graph node names are
-   identifiers, parameter and module names dotted words, digests hexadecimal), and every string — free-form ones
-   included — is printable (no control, format or line-separator characters) and at most 4096 characters long.
-   Nothing in a plan becomes code or markup; this rule refuses a file that tries;
-6. parameters that stay on a device (``keeps``, ``finds``) are the stage's own, and where the runtime's walk puts
-   them (:func:`_stays_problem`); gradients summed on a device (``accumulates``) are those of a grad stage's own
-   parameters, each summed by one stage.
+the dataclasses' own annotations: a new field is checked with no change here; the rules beyond each field's type
+are :func:`plan_file_problem`'s.
 
 A flip inside a number or a name can leave a well-formed plan that says something else (a time of 0.3 s
 instead of 0.2 s, ``F1`` renamed ``F3``): such a plan loads, and ``rpcompile check`` (which verifies the plan
@@ -81,7 +64,25 @@ _TEXT = {k: (re.compile(p), what) for k, (p, what) in TEXT_RULES.items()}
 
 
 def plan_file_problem(plan_cls: type, d: Any) -> str | None:
-    """The first problem of ``d`` as the JSON of a ``plan_cls`` (``field.path: what``), or ``None``."""
+    """The first problem of ``d`` as the JSON of a ``plan_cls`` (``field.path: what``), or ``None``. Rules, beyond
+    each field's type:
+
+    1. every number is finite and not negative (counts, bytes, seconds, rates), integers at most 2**53 and other numbers
+       at most 1e18;
+    2. ``microbatches``, ``head_chunks``, ``hardware.device_count`` and ``schema_version`` are at least 1; sizes that a
+       simulator or the runtime allocates by are bounded (:data:`SIZE_LIMITS`; stages × microbatches at most
+       :data:`MAX_STAGE_RUNS`);
+    3. ``predicted.bubble_fraction`` lies in [0, 1];
+    4. stage kinds run forward stages, then exactly one fused stage, then backward stages (docs/architecture.md §3), and
+       stage names are unique;
+    5. text is what it claims to be (:data:`TEXT_RULES`: stage names ``F<i>``/``FB``/``B<i>``, graph node names are
+       identifiers, parameter and module names dotted words, digests hexadecimal), and every string — free-form ones
+       included — is printable (no control, format or line-separator characters) and at most 4096 characters long.
+       Nothing in a plan becomes code or markup; this rule refuses a file that tries;
+    6. parameters that stay on a device (``keeps``, ``finds``) are the stage's own, and where the runtime's walk puts
+       them (:func:`_stays_problem`); gradients summed on a device (``accumulates``) are those of a grad stage's own
+       parameters, each summed by one stage.
+    """
     if not isinstance(d, Mapping):
         return f"expected a JSON object, found {_kind(d)}"
     problem = dataclass_problem(plan_cls, d, "")
@@ -92,7 +93,8 @@ def plan_file_problem(plan_cls: type, d: Any) -> str | None:
 
 
 def dataclass_problem(cls: type, d: Any, where: str) -> str | None:
-    """The first problem of ``d`` as the JSON of dataclass ``cls`` at path ``where`` (the rules above), or None."""
+    """The first problem of ``d`` as the JSON of dataclass ``cls`` at path ``where`` (:func:`plan_file_problem`'s
+    rules), or None."""
     if not isinstance(d, Mapping):
         return f"{where or 'plan'}: expected a JSON object, found {_kind(d)}"
     hints = typing.get_type_hints(cls)

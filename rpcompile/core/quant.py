@@ -1,27 +1,19 @@
 """A 4-bit NF4 frozen base as the stages see it: one graph op that dequantizes a packed weight on the device.
 
-Terms:
+NF4
+    Dettmers et al., "QLoRA: Efficient Finetuning of Quantized LLMs", 2023: each block of ``blocksize`` (64)
+    weights is stored as 4-bit indices into a 16-value codebook of normal quantiles, two to a byte (*packed*), and
+    one scale per block (*absmax*).
+double quantization
+    The fp32 absmax of every block itself stored as 8 bits — an index into bitsandbytes' 256-value map (*code*),
+    scaled per 256 blocks by an fp32 *nested absmax* and shifted by one fp32 *offset*: 0.516 bytes a weight in all.
+bitsandbytes' weights
+    Kept as ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")`` made them and dequantized with
+    bitsandbytes' own kernels, so a stage computes what eager bitsandbytes computes, bit for bit.
 
-- *NF4* (Dettmers et al., "QLoRA: Efficient Finetuning of Quantized LLMs", 2023): each block of ``blocksize``
-  (64) consecutive weights is stored as 4-bit indices into a fixed 16-value codebook of normal-distribution
-  quantiles, two to a byte (*packed*), and one scale per block (*absmax*).
-- *double quantization*: the fp32 absmax of every block is itself stored as 8 bits — an index into bitsandbytes'
-  256-value dynamic map (*code*), scaled per 256 blocks by an fp32 *nested absmax* and shifted by one fp32
-  *offset* — so the scales cost 8 + 32/256 bits per 64 weights instead of 32: 0.516 bytes a weight in all.
-- The weights are bitsandbytes' own (``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")``): the
-  library users load QLoRA bases with and the one ``peft`` wraps. rpcompile keeps them as bitsandbytes made them
-  and dequantizes them with bitsandbytes' own kernels (``torch.ops.bitsandbytes.dequantize_blockwise`` and
-  ``dequantize_4bit``: C++ on the CPU, CUDA on a GPU), so a stage computes what eager bitsandbytes computes, bit
-  for bit.
-
-``dequantize_nf4`` (``torch.ops.rpcompile.dequantize_nf4``) is the op a traced quantized linear layer calls
-(:mod:`rpcompile.passes.graph.quantized` puts it there): its inputs are the packed weight and its scales, all integer
-tensors — uint8, or int32 holding fp32 bits, so that a stage computing in bf16 uploads them as they are instead of
-rounding the fp32 scales as it rounds floating weights — and its output is the weight in the compute precision,
-made on the device where the stage runs, once per stage (a stage's prologue,
-:mod:`rpcompile.passes.rewrite.dequantize`), and held until the stage ends. Nothing differentiates it: its inputs
-are frozen. It lives in core because both the passes (tracing, costing on the meta device) and the
-runtime (running the stages) meet it.
+``dequantize_nf4`` (``torch.ops.rpcompile.dequantize_nf4``) is the op a traced quantized linear layer calls. It
+lives in core because both the passes (tracing, costing on the meta device) and the runtime (running the stages)
+meet it.
 """
 
 from __future__ import annotations
@@ -60,7 +52,16 @@ def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, scales: torch.Ten
     ``absmax``: uint8 per block under double quantization, then ``scales`` holds the fp32 bits (as int32) of the
     offset followed by the nested absmax and ``code`` those of the 256-value map; without double quantization
     ``absmax`` holds the blocks' fp32 bits and ``scales`` and ``code`` are empty. Computed as bitsandbytes'
-    ``MatMul4Bit`` does: the absmax first (fp32), then the weight."""
+    ``MatMul4Bit`` does: the absmax first (fp32), then the weight.
+
+    ``dequantize_nf4`` (``torch.ops.rpcompile.dequantize_nf4``) is the op a traced quantized linear layer calls
+    (:mod:`rpcompile.passes.graph.quantized` puts it there): its inputs are the packed weight and its scales, all
+    integer tensors — uint8, or int32 holding fp32 bits, so that a stage computing in bf16 uploads them as they are
+    instead of rounding the fp32 scales as it rounds floating weights — and its output is the weight in the compute
+    precision, made on the device where the stage runs, once per stage (a stage's prologue,
+    :mod:`rpcompile.passes.rewrite.dequantize`), and held until the stage ends. Nothing differentiates it: its inputs
+    are frozen.
+    """
     ops: object = _bitsandbytes_ops()
     if absmax.dtype == torch.uint8:
         s = scales.view(torch.float32)

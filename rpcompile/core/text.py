@@ -1,4 +1,4 @@
-"""Text from files, made safe to show (issue 36).
+"""Text from files, made safe to show.
 
 Names and notes in a plan, a cache or a profile come from files that pull requests and CI artefacts carry. Shown
 as they are, a line break ends a comment in generated code, an escape sequence (ESC, CSI, OSC, the C1 controls)

@@ -1,36 +1,15 @@
 """HF ``transformers.Trainer`` with the model compiled into an rpcompile pipeline.
 
 Switch with one line — ``from rpcompile.integrations.hf import Trainer`` instead of ``from transformers import
-Trainer`` — and keep the ``TrainingArguments``, datasets, collators, callbacks and loggers as they are. What
-changes underneath:
+Trainer`` — and keep the ``TrainingArguments``, datasets, collators, callbacks and loggers as they are. The
+pipeline is compiled at the first batch the Trainer hands over, with the options of :class:`PipelineOptions`
+(``pipeline=``); a training step is one ``pipe.forward_backward``, and the gradients land in the model's ``.grad``
+on the host, so the Trainer's clipping, optimizer and scheduler work unchanged. :class:`PipelineTrainerMixin` says
+what else changes underneath (evaluation, logs, overlap, checkpoints).
 
-- the **pipeline** is compiled at the first batch the Trainer hands over (training or evaluation), with that batch
-  as the example (its keys are the compiled signature; with ``labels`` the model's own loss is the loss), and the
-  options of :class:`PipelineOptions` (``pipeline=``). A later batch may have any size and length.
-- a **training step** is one ``pipe.forward_backward(**batch, num_items=...)``: the Trainer's
-  ``num_items_in_batch`` is the denominator of the mean over every batch of the optimizer step (without it, the
-  loss is scaled by ``1 / gradient_accumulation_steps``, as the Trainer does), and the calls before the last of an
-  accumulation run under ``pipe.no_sync()`` (gradients the plan sums on the devices stay there). The loss
-  returned is the one the Trainer logs, as its own ``training_step`` returns it.
-- the gradients land in the model's ``.grad`` on the host, so the Trainer's clipping, its ``grad_norm``, its
-  optimizer and scheduler work unchanged; the model stays in CPU memory (never moved to ``args.device``).
-- **evaluation** runs ``pipe.evaluate`` (the loss) and, when predictions are asked for, ``pipe.forward`` (the
-  logits).
-- **logs**: each training log also carries ``pipeline/tokens_per_second`` and ``pipeline/bubble``, measured over
-  the calls since the last log (:mod:`rpcompile.training.metrics`), so TensorBoard, W&B or any logger the
-  Trainer reports to shows them.
-- **overlap** (``PipelineOptions(overlap=True)``): the Trainer's ``optimizer.step()`` runs as ``pipe.step(...,
-  overlap=True)`` beside the next iteration (one step stale; the scheduler stepped with it), the last one waited for
-  when ``train`` returns.
-- **checkpoints**: the Trainer's own (model, optimizer, scheduler, RNG, trainer state) and, beside them,
-  a folder ``rpcompile/`` with ``plan.json`` (the plan) and the pipeline's state as a checkpoint directory holds it
-  (``pipeline.json``: the iteration that seeds dropout and the plan, readable text; ``pipeline.safetensors`` for
-  the weight copies an overlapped step left); ``resume_from_checkpoint`` compiles with that plan and continues bit
-  for bit. Checkpoints of earlier versions (``rpcompile_plan.json``, ``rpcompile_pipeline.pt``) still resume.
-
-TRL's ``SFTTrainer`` goes the same way: :func:`sft_trainer` returns its subclass with the same mixin
-(:class:`PipelineTrainerMixin`). Its ``compute_loss`` extras (token accuracy, entropy) are not computed: the loss
-is the model's own, inside the pipeline.
+TRL's ``SFTTrainer`` goes the same way: :func:`sft_trainer` returns its subclass with the same mixin. Its
+``compute_loss`` extras (token accuracy, entropy) are not computed: the loss is the model's own, inside the
+pipeline.
 """
 
 from __future__ import annotations
@@ -132,8 +111,34 @@ def _padded(batch: Mapping[str, Any], length: int | None) -> dict[str, Any]:
 
 
 class PipelineTrainerMixin:
-    """What turns a ``transformers.Trainer`` (or a subclass of it) into one that trains through a pipeline
-    (module docstring). Mixed in before the Trainer class: ``class T(PipelineTrainerMixin, transformers.Trainer)``."""
+    """What turns a ``transformers.Trainer`` (or a subclass of it) into one that trains through a pipeline.
+    Mixed in before the Trainer class: ``class T(PipelineTrainerMixin, transformers.Trainer)``. What changes
+    underneath:
+
+    - the **pipeline** is compiled at the first batch the Trainer hands over (training or evaluation), with that batch
+      as the example (its keys are the compiled signature; with ``labels`` the model's own loss is the loss), and the
+      options of :class:`PipelineOptions` (``pipeline=``). A later batch may have any size and length.
+    - a **training step** is one ``pipe.forward_backward(**batch, num_items=...)``: the Trainer's ``num_items_in_batch``
+      is the denominator of the mean over every batch of the optimizer step (without it, the loss is scaled by ``1 /
+      gradient_accumulation_steps``, as the Trainer does), and the calls before the last of an accumulation run under
+      ``pipe.no_sync()`` (gradients the plan sums on the devices stay there). The loss returned is the one the Trainer
+      logs, as its own ``training_step`` returns it.
+    - the gradients land in the model's ``.grad`` on the host, so the Trainer's clipping, its ``grad_norm``, its
+      optimizer and scheduler work unchanged; the model stays in CPU memory (never moved to ``args.device``).
+    - **evaluation** runs ``pipe.evaluate`` (the loss) and, when predictions are asked for, ``pipe.forward`` (the
+      logits).
+    - **logs**: each training log also carries ``pipeline/tokens_per_second`` and ``pipeline/bubble``, measured over the
+      calls since the last log (:mod:`rpcompile.training.metrics`), so TensorBoard, W&B or any logger the Trainer
+      reports to shows them.
+    - **overlap** (``PipelineOptions(overlap=True)``): the Trainer's ``optimizer.step()`` runs as ``pipe.step(...,
+      overlap=True)`` beside the next iteration (one step stale; the scheduler stepped with it), the last one waited for
+      when ``train`` returns.
+    - **checkpoints**: the Trainer's own (model, optimizer, scheduler, RNG, trainer state) and, beside them, a folder
+      ``rpcompile/`` with ``plan.json`` (the plan) and the pipeline's state as a checkpoint directory holds it
+      (``pipeline.json``: the iteration that seeds dropout and the plan, readable text; ``pipeline.safetensors`` for the
+      weight copies an overlapped step left); ``resume_from_checkpoint`` compiles with that plan and continues bit for
+      bit. Checkpoints of earlier versions (``rpcompile_plan.json``, ``rpcompile_pipeline.pt``) still resume.
+    """
 
     pipe: Any
     """The compiled pipeline (``None`` until the first batch)."""
@@ -178,7 +183,7 @@ class PipelineTrainerMixin:
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any],
                       num_items_in_batch: Any = None) -> torch.Tensor:
-        """One ``forward_backward`` over the batch (module docstring); returns the loss the Trainer logs."""
+        """One ``forward_backward`` over the batch (class docstring); returns the loss the Trainer logs."""
         model.train()
         batch = _host(inputs)
         pipe = self._pipeline(batch)

@@ -1,23 +1,15 @@
 """A Qwen3-MoE-style decoder: LLaMA/Qwen3 attention and a mixture-of-experts feed-forward in every layer.
 
-Terms:
-
-- *expert*: a SwiGLU MLP of width ``moe_intermediate_size``. The ``num_experts`` experts of a layer are stored
-  stacked, ``experts.gate_up [E, H, 2I]`` and ``experts.down [E, I, H]``, and run as two batched matmuls.
-- *router*: ``Linear(H, E, bias=False)``; its softmax over experts is each token's affinity to each expert.
-- *expert-choice routing* (Zhou et al., 2022): instead of every token picking its top-k experts, every expert
-  picks its top-``C`` tokens by affinity, with capacity ``C = ceil(T * experts_per_token / num_experts)``. The
-  chosen tokens are gathered, run through their expert, weighted by their affinity and scatter-added back;
-  a token may be chosen by any number of experts (zero included: it then passes on the residual alone).
-
-Why expert choice: every shape is static, so the model traces with plain ``torch.fx.symbolic_trace`` and runs on
-the ``meta`` device (the cost model's only input), where token choice needs data-dependent sizes (``nonzero``,
-boolean masks) or a capacity-padded dispatch. The compute equals top-k token choice at capacity factor 1:
-``E * C ≈ T * k`` token-expert pairs, so FLOPs, weights and activation sizes are those of the published model.
-Routing is *per sequence* (``topk`` over the sequence dimension of each batch row), so a sample's output does not
-depend on the other samples of its batch: splitting a batch into microbatches, as the pipeline does, gives
-exactly the eager result. Not modelled: Qwen3's renormalisation of each token's top-k weights and its
-load-balancing auxiliary loss (expert choice is balanced by construction).
+expert
+    A SwiGLU MLP of width ``moe_intermediate_size``; a layer's ``num_experts`` experts are stored stacked,
+    ``experts.gate_up [E, H, 2I]`` and ``experts.down [E, I, H]``, and run as two batched matmuls.
+router
+    ``Linear(H, E, bias=False)``; its softmax over experts is each token's affinity to each expert.
+expert-choice routing
+    Zhou et al., 2022: every expert picks its top-``C`` tokens by affinity, with capacity
+    ``C = ceil(T * experts_per_token / num_experts)``; the chosen tokens are gathered, run through their expert,
+    weighted by their affinity and scatter-added back (a token chosen by none passes on the residual alone). Why
+    expert choice, and what is not modelled: :class:`SparseMoE`.
 
 Module names follow :mod:`rpcompile.models.llama` (``layers.3.attn``, ``layers.3.mlp``), with
 ``layers.3.mlp.router`` and ``layers.3.mlp.experts`` inside the MoE feed-forward.
@@ -69,7 +61,17 @@ class Experts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """Mixture-of-experts feed-forward with per-sequence expert-choice routing (see the module docstring)."""
+    """Mixture-of-experts feed-forward with per-sequence expert-choice routing (module docstring).
+
+    Why expert choice: every shape is static, so the model traces with plain ``torch.fx.symbolic_trace`` and runs on the
+    ``meta`` device (the cost model's only input), where token choice needs data-dependent sizes (``nonzero``, boolean
+    masks) or a capacity-padded dispatch. The compute equals top-k token choice at capacity factor 1: ``E * C ≈ T * k``
+    token-expert pairs, so FLOPs, weights and activation sizes are those of the published model. Routing is *per
+    sequence* (``topk`` over the sequence dimension of each batch row), so a sample's output does not depend on the
+    other samples of its batch: splitting a batch into microbatches, as the pipeline does, gives exactly the eager
+    result. Not modelled: Qwen3's renormalisation of each token's top-k weights and its load-balancing auxiliary loss
+    (expert choice is balanced by construction).
+    """
 
     def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
@@ -81,6 +83,7 @@ class SparseMoE(nn.Module):
         batch, seq_len = x.size(0), x.size(1)
         capacity = (seq_len * self.top_k + self.num_experts - 1) // self.num_experts  # ceil(T·k/E) <= T
         affinity = F.softmax(self.router(x), dim=-1, dtype=torch.float32).to(x.dtype)  # [B, T, E]
+        # per sequence (over each row's tokens): a sample's output does not depend on the rest of its batch
         weight, token = torch.topk(affinity.transpose(1, 2), capacity, dim=-1)      # [B, E, C] each
         index = token.flatten(1).unsqueeze(-1).expand(-1, -1, self.dim)             # [B, E·C, H]
         picked = torch.gather(x, 1, index).unflatten(1, (self.num_experts, -1))     # [B, E, C, H]

@@ -1,20 +1,17 @@
 """The GPU a plan with measured costs is made for, measured when the plan is made.
 
 A plan whose node costs are measured on a GPU (``compile`` without ``spec=``, ``plan --device cuda``) prices that
-GPU, not the RTX 4090 preset it took before (the 2026-11-28 H100 plans priced the 4090's 25 GB/s link where the
-runtime's copies ran at 51–53 GB/s): :func:`device_spec` starts from the preset of the same GPU family
-(:func:`preset_for`; an unknown GPU starts from ``rtx4090``) and replaces
+GPU: :func:`device_spec` starts from the preset of the same GPU family (:func:`preset_for`; an unknown GPU starts
+from ``rtx4090``) and replaces
 
 - ``memory_bytes``: the device's own;
 - ``host_link_bandwidth``: pinned host ↔ device copies in the pieces the runtime copies in
-  (:data:`rpcompile.runtime.devices.WEIGHT_CHUNK_BYTES`), the slower direction (:func:`probe_link`; well under a
-  second).
+  (:data:`rpcompile.runtime.devices.WEIGHT_CHUNK_BYTES`), the slower direction (:func:`probe_link`).
 
-The host's dispatch per graph node (``dispatch_s``, ``backward_dispatch_s``) stays the preset's, which was taken
-from the runtime itself on the H100 machine (:data:`rpcompile.core.specs.GPU_DISPATCH_S`): what the runtime pays
-per node there was about ten times a bare traced model's dispatch on this repository's CPU (:func:`probe_dispatch`:
-3.6 µs a node, 5.5 µs an autograd node), so a bare probe would not measure it. ``benchmarks/gpu.py`` records both
-on every GPU row, so the next GPU session says how the two relate on its machine.
+The host's dispatch per graph node (``dispatch_s``, ``backward_dispatch_s``) stays the preset's, taken from the
+runtime itself (:data:`rpcompile.core.specs.GPU_DISPATCH_S`): a bare traced model's dispatch
+(:func:`probe_dispatch`) is a fraction of what the runtime pays per node, so a bare probe would not measure it.
+``benchmarks/gpu.py`` records both on every GPU row.
 """
 
 from __future__ import annotations
@@ -135,7 +132,7 @@ def probe_dispatch(device: "torch.device | str", *, repeats: int = 5, calls: int
 
 
 def device_spec(device: "torch.device | str") -> DeviceSpec:
-    """The spec of CUDA ``device`` as this machine has it (module docstring): its family's preset with its own
+    """The spec of CUDA ``device`` as this machine has it: its family's preset with its own
     memory and host link."""
     device = torch.device(device)
     if device.type != "cuda":

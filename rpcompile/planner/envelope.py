@@ -9,9 +9,7 @@ Compute grows with the tokens per microbatch and the upload does not, so the pla
 
 tokens per microbatch (the largest over the link-bound stages; compute taken as linear in the tokens, the fixed
 per-stage overhead left out). That is an estimate: at very small microbatches kernel launch overheads make the
-compute per token look dearer than it is at the threshold, so the true figure is higher (Qwen3-1.7B's shape on
-2 × rtx4090, 3 microbatches: estimated 123 tokens from a 16-token plan, 856 from 128, 927 from 512; plans at
-1024 tokens are compute-bound).
+compute per token look dearer than it is at the threshold, so the true figure is higher.
 
 :func:`link_bound` applies the rule to a plan; :func:`warn_if_link_bound` issues one
 :class:`LinkBoundWarning` (``rpcompile.compile`` and ``rpcompile.plan`` call it; ``rpcompile plan`` prints the

@@ -1,12 +1,12 @@
 """One trace for every LM-head split :func:`rpcompile.planner.planning.compile_plan` tries.
 
-The splits' compilations start alike: the same model traced on the same microbatch, in the same precision; they
-differ only from the ``loss_head`` pass on (which attaches the loss and splits the head in place). So the model is
-traced once (~1.2 s at 128 layers, a third of a split's front) and each later split starts from a copy of that
-graph taken before any pass rewrote it: its own nodes (same names, each node's ``meta`` copied), the same modules
-and parameters, as :func:`rpcompile.passes.rewrite.host.as_planned` copies a graph. Every compilation also gets one
-:class:`~rpcompile.passes.graph.reuse.RunMemo` (``c.memo``): the shape and cost passes of a later split take the
-body's shapes and costs from the first split's runs and run only the region the ``loss_head`` pass rewrote.
+The splits' compilations start alike: the same model traced on the same microbatch, in the same precision; they differ
+only from the ``loss_head`` pass on (which attaches the loss and splits the head in place). So the model is traced once
+and each later split starts from a copy of that graph taken before any pass rewrote it: its own nodes (same names, each
+node's ``meta`` copied), the same modules and parameters, as :func:`rpcompile.passes.rewrite.host.as_planned` copies a
+graph. Every compilation also gets one :class:`~rpcompile.passes.graph.reuse.RunMemo` (``c.memo``): the shape and cost
+passes of a later split take the body's shapes and costs from the first split's runs and run only the region the
+``loss_head`` pass rewrote.
 """
 
 from __future__ import annotations

@@ -1,34 +1,13 @@
 """What changed between two plans (``rpcompile diff a.json b.json``), as plain data and as lines for people.
 
 :func:`diff_plans` compares two :class:`~rpcompile.core.plan.Plan`\\ s and returns a :class:`PlanDiff`: only what
-changed, in this order —
+changed, section by section (model, header, stage counts, placement per module, activations, prediction).
 
-- **model**: plans for different models (said first, in capitals). "The same model" is
-  :func:`rpcompile.planner.model_match.model_differences`: the same parameters, and the same graph unless the plans split
-  the LM head (``head_chunks``) or host embedding lookups differently — which the header then reports;
-- **header**: hardware (device count, spec, memory, host link), microbatches, strategy, precision, cost model,
-  tokens per microbatch, the embedding lookups the host runs, the LM head's chunks, resident weights;
-- **stage counts**: forward stages ``F0..`` and backward stages ``B1..`` (the fused stage ``FB`` is always one);
-- **placement, per module**, forward and backward separately: which stages hold each module. The forward
-  placement looks at the forward stages and ``FB``, the backward placement at ``FB`` and the backward stages; a
-  module in two stages reads ``F3+F4``;
-- **activations**: nodes whose backward treatment changed — ``saved`` (uploaded from host memory), ``recomputed``
-  or ``fused`` (run in ``FB``: neither);
-- **prediction**: iteration time, bubble fraction, peak memory and the weight bytes uploaded per iteration (less
-  where weights stay on their device), then each stage's time per microbatch and memory (stages in both plans),
-  each where it changed by more than 0.5 %.
-
-Granularity. A plan keeps node names and each stage's source modules (``Stage.modules``, innermost module paths)
-but not which node came from which module, so placement is computed from ``Stage.modules`` and rolled up to the
-partitioner's *groups* (``rpcompile.passes.rewrite.coarsen``): one level below the model's first module list
-(``layers.7.attn``, ``layers.7.mlp_norm``, ``layers.7`` for the block's own ops such as residual adds) or a
-top-level module (``embed``, ``lm_head``, ``(root)``). A block whose groups all moved alike is reported as the
-block (``layers.7``), and consecutive modules that moved alike share a line (``layers.8–11: F3 → F4``). A block's
-own ops are left out when other parts of the same block moved (they follow their neighbours). Nodes stay the
-ground truth: each placement section counts the nodes that changed stage, and lists them when no module moved;
-activation changes are listed per node, as runs in topological order (``a … b``). When the models differ only
-the module placement is compared, since node names then mean different things. Solver statistics, the solver's
-bound and the per-stage transfer figures are not compared.
+group
+    The partitioner's unit that placement is rolled up to (``rpcompile.passes.rewrite.coarsen``): one level below
+    the model's first module list (``layers.7.attn``, ``layers.7`` for the block's own ops) or a top-level module
+    (``embed``, ``lm_head``). A plan keeps each stage's modules but not which node came from which module, so
+    placement is computed per group; nodes stay the ground truth (:func:`diff_plans`).
 """
 
 from __future__ import annotations
@@ -104,7 +83,23 @@ class StageChange:
 
 @dataclass(frozen=True)
 class PlanDiff:
-    """The differences between plan ``a`` and plan ``b`` (see the module docstring); empty sections: no change."""
+    """The differences between plan ``a`` and plan ``b``; empty sections: no change. In this order:
+
+    - **model**: plans for different models (said first, in capitals). "The same model" is
+      :func:`rpcompile.planner.model_match.model_differences`: the same parameters, and the same graph unless the plans
+      split the LM head (``head_chunks``) or host embedding lookups differently — which the header then reports;
+    - **header**: hardware (device count, spec, memory, host link), microbatches, strategy, precision, cost model,
+      tokens per microbatch, the embedding lookups the host runs, the LM head's chunks, resident weights;
+    - **stage counts**: forward stages ``F0..`` and backward stages ``B1..`` (the fused stage ``FB`` is always one);
+    - **placement, per module**, forward and backward separately: which stages hold each module. The forward placement
+      looks at the forward stages and ``FB``, the backward placement at ``FB`` and the backward stages; a module in two
+      stages reads ``F3+F4``;
+    - **activations**: nodes whose backward treatment changed — ``saved`` (uploaded from host memory), ``recomputed`` or
+      ``fused`` (run in ``FB``: neither);
+    - **prediction**: iteration time, bubble fraction, peak memory and the weight bytes uploaded per iteration (less
+      where weights stay on their device), then each stage's time per microbatch and memory (stages in both plans), each
+      where it changed by more than 0.5 %.
+    """
 
     a_name: str
     b_name: str
@@ -180,7 +175,20 @@ class PlanDiff:
 # ---- comparing -------------------------------------------------------------------------------------------------
 def diff_plans(a: Plan, b: Plan, *, a_name: str = "a", b_name: str = "b") -> PlanDiff:
     """Compare plan ``a`` (before) with plan ``b`` (after); ``a_name`` and ``b_name`` (file names, say) head the
-    lines."""
+    lines.
+
+    Granularity. A plan keeps node names and each stage's source modules (``Stage.modules``, innermost module paths) but
+    not which node came from which module, so placement is computed from ``Stage.modules`` and rolled up to the
+    partitioner's *groups* (``rpcompile.passes.rewrite.coarsen``): one level below the model's first module list
+    (``layers.7.attn``, ``layers.7.mlp_norm``, ``layers.7`` for the block's own ops such as residual adds) or a
+    top-level module (``embed``, ``lm_head``, ``(root)``). A block whose groups all moved alike is reported as the block
+    (``layers.7``), and consecutive modules that moved alike share a line (``layers.8–11: F3 → F4``). A block's own ops
+    are left out when other parts of the same block moved (they follow their neighbours). Nodes stay the ground truth:
+    each placement section counts the nodes that changed stage, and lists them when no module moved; activation changes
+    are listed per node, as runs in topological order (``a … b``). When the models differ only the module placement is
+    compared, since node names then mean different things. Solver statistics, the solver's bound and the per-stage
+    transfer figures are not compared.
+    """
     why = model_differences(a, b)
     same_model = not why
     depth = _list_depth(m for p in (a, b) for s in p.stages for m in s.modules)

@@ -1,27 +1,15 @@
 """QLoRA at planning scale: a frozen base quantized to 4-bit NF4, priced as the runtime stores, sends and runs it.
 
-Terms:
-
-- *quantize the base* (:func:`quantize_base`): every frozen ``nn.Linear`` of the model (the LoRA adapters' base
-  layers, the feed-forwards) except the output head, and every frozen stacked-expert weight of rpcompile's MoE,
-  becomes packed NF4 as bitsandbytes lays it out — half a byte of index a weight, an 8-bit absmax per 64 weights,
-  an fp32 nested absmax per 256 of those, the offset and the 256-value map (:mod:`rpcompile.core.quant`) — held as
-  frozen integer parameters named as the traced HF path names them (``weight``, ``weight_absmax``,
-  ``weight_scales``, ``weight_code``; ``gate_up_absmax`` … for experts). The layers' forwards call
-  ``torch.ops.rpcompile.dequantize_nf4`` and then compute as before, so they trace with ``torch.fx`` and run on
-  the ``meta`` device (published shapes). The output head stays in the compute precision (transformers' 4-bit
-  loading skips ``lm_head`` too); an HF model loaded with ``BitsAndBytesConfig`` needs none of this
-  (:mod:`rpcompile.passes.graph.quantized`). Unlike transformers' integration, rpcompile's experts are quantized: a
-  MoE's experts are most of its weights.
-- *what the planner sees*: the packed weights are parameters like any other, so a stage's weight bytes — its
-  upload, its memory, the link time — are their bytes (:func:`rpcompile.passes.formulate.partition_problem`
-  prices a non-floating weight at its own size), and each layer's dequantization is a graph node the cost model
-  prices like any op (analytic: memory-bound, reading the packed bytes and writing the weight in the compute
-  precision; measured: bitsandbytes' kernel timed). Host memory counts their storage
-  (:func:`rpcompile.training.host_memory.host_memory`).
-
-Off the ``meta`` device the weights are quantized with bitsandbytes (``quantize_4bit``), as ``from_pretrained``
-quantizes them: the same values a bitsandbytes model would hold.
+quantize the base
+    :func:`quantize_base`: every frozen ``nn.Linear`` but the output head, and every frozen stacked-expert weight
+    of rpcompile's MoE, becomes packed NF4 as bitsandbytes lays it out (:mod:`rpcompile.core.quant`), held as
+    frozen integer parameters whose layers dequantize (``torch.ops.rpcompile.dequantize_nf4``) and then compute as
+    before — so they trace with ``torch.fx`` and run on the ``meta`` device.
+what the planner sees
+    The packed weights are parameters like any other, so a stage's weight bytes — its upload, its memory, the link
+    time — are their bytes (:func:`rpcompile.passes.formulate.partition_problem`), and each layer's dequantization
+    is a graph node the cost model prices like any op (analytic: memory-bound; measured: bitsandbytes' kernel
+    timed). Host memory counts their storage (:func:`rpcompile.training.host_memory.host_memory`).
 """
 
 from __future__ import annotations
@@ -46,9 +34,24 @@ SKIP = ("lm_head",)
 
 
 def quantize_base(model: nn.Module, scheme: str = "nf4", *, skip: Sequence[str] = SKIP) -> nn.Module:
-    """``model`` with its frozen linear layers (not ``skip``) and frozen experts in packed NF4 (module docstring),
-    changed in place and returned. Raises :class:`~rpcompile.ConfigError` for another scheme, or when nothing is frozen
-    (quantize the base of a LoRA model: its trainable weights stay as they are)."""
+    """``model`` with its frozen linear layers (not ``skip``) and frozen experts in packed NF4, changed in place and
+    returned. Raises :class:`~rpcompile.ConfigError` for another scheme, or when nothing is frozen (quantize the base
+    of a LoRA model: its trainable weights stay as they are).
+
+    Quantized: every frozen ``nn.Linear`` of the model (the LoRA adapters' base layers, the feed-forwards) except the
+    output head, and every frozen stacked-expert weight of rpcompile's MoE, becomes packed NF4 as bitsandbytes lays it
+    out — half a byte of index a weight, an 8-bit absmax per 64 weights, an fp32 nested absmax per 256 of those, the
+    offset and the 256-value map (:mod:`rpcompile.core.quant`) — held as frozen integer parameters named as the traced
+    HF path names them (``weight``, ``weight_absmax``, ``weight_scales``, ``weight_code``; ``gate_up_absmax`` … for
+    experts). The layers' forwards call ``torch.ops.rpcompile.dequantize_nf4`` and then compute as before, so they trace
+    with ``torch.fx`` and run on the ``meta`` device (published shapes). The output head stays in the compute precision
+    (transformers' 4-bit loading skips ``lm_head`` too); an HF model loaded with ``BitsAndBytesConfig`` needs none of
+    this (:mod:`rpcompile.passes.graph.quantized`). Unlike transformers' integration, rpcompile's experts are quantized:
+    a MoE's experts are most of its weights.
+
+    Off the ``meta`` device the weights are quantized with bitsandbytes (``quantize_4bit``), as ``from_pretrained``
+    quantizes them: the same values a bitsandbytes model would hold.
+    """
     if scheme not in QUANT_SCHEMES:
         raise ConfigError(f"quantization scheme {scheme!r} is not supported; supported: nf4 (4-bit NormalFloat in "
                           "blocks of 64 with double-quantized scales, bitsandbytes' layout: QLoRA)")

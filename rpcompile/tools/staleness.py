@@ -1,12 +1,7 @@
 """``rpcompile check``: is a checked-in plan stale, no longer right for its model?
 
-A plan goes stale when the model changes (its fingerprint no longer matches), when rpcompile's cost model or
-partitioner change (its predictions are out of date, its stages no longer fit, or a fresh plan would be
-faster), or when someone edits it by hand (``verify_plan`` fails). :func:`check_plan` traces and costs the
-model with the plan's own cost model, hardware, precision and microbatch count, re-scores the plan's stages
-under today's costs and plans afresh with the plan's strategy, and reports one line per problem.
-
-Problems (each a line starting with its kind):
+A plan goes stale when the model changes, when rpcompile's cost model or partitioner change, or when someone
+edits it by hand. :func:`check_plan` reports one line per problem, starting with its kind:
 
 - ``corrupt`` — the file is not a readable plan;
 - ``stale model`` — the fingerprint differs (nothing else is checked);
@@ -16,12 +11,6 @@ Problems (each a line starting with its kind):
 - ``stale prediction`` — (analytic cost models) the predicted iteration time in the file differs from today's
   by more than the margin;
 - ``regressed`` — a fresh plan is more than the margin faster.
-
-A fresh plan is solved only when something the plan was solved from moved (:mod:`rpcompile.passes.plan_inputs`:
-the node costs, the partition problem, the hardware, the planning options or rpcompile's partitioner), when the
-plan records none of it (older plans, hand-made ones), or when asked (``resolve=True``, ``check --resolve``):
-otherwise a fresh solve would find the same plan. The result says which, and why (``figures["resolved"]``,
-``figures["resolve_reason"]``).
 """
 
 from __future__ import annotations
@@ -120,10 +109,21 @@ def stays_of(plan: Any, segs: Sequence[Any], fused_start: int) -> tuple[bool, ..
 def check_plan(path: str | Path, model: Any, example_inputs: Sequence[Any], *, max_regression: float = 0.02,
                time_limit_s: float = 10.0, progress: bool | None = False, loss_fn: Any = None,
                example_target: Any = None, status: Any = None, resolve: bool = False) -> CheckResult:
-    """Check the plan file at ``path`` against ``model`` (see the module docstring). A plan made with a split LM
+    """Check the plan file at ``path`` against ``model`` (the problems: module docstring). A plan made with a split LM
     head (``head_chunks > 1``) needs ``loss_fn`` and ``example_target`` to rebuild its graph. ``progress`` is the
     profiler's bar; ``status(text)``, a context manager, shows the fresh plan's solve (the CLI's spinner).
-    ``resolve``: solve a fresh plan even when none of the plan's inputs moved."""
+    ``resolve``: solve a fresh plan even when none of the plan's inputs moved.
+
+    :func:`check_plan` traces and costs the model with the plan's own cost model, hardware, precision and microbatch
+    count, re-scores the plan's stages under today's costs and plans afresh with the plan's strategy, and reports one
+    line per problem.
+
+    A fresh plan is solved only when something the plan was solved from moved (:mod:`rpcompile.passes.plan_inputs`: the
+    node costs, the partition problem, the hardware, the planning options or rpcompile's partitioner), when the plan
+    records none of it (older plans, hand-made ones), or when asked (``resolve=True``, ``check --resolve``): otherwise a
+    fresh solve would find the same plan. The result says which, and why (``figures["resolved"]``,
+    ``figures["resolve_reason"]``).
+    """
     result = CheckResult(str(path))
     try:
         plan = Plan.load(path)

@@ -2,29 +2,17 @@
 
 Launch one process per machine (``torchrun --nnodes N --nproc-per-node 1 train.py``), each driving that machine's
 GPUs; once the script has called ``torch.distributed.init_process_group``, :func:`rpcompile.compile` makes every
-process (a *rank*) run the same plan on its own shard of the batch (``data_parallel=False`` opts out):
+process run the same plan on its own shard of the batch (``data_parallel=False`` opts out).
 
-- **One plan.** Rank 0 plans and hands the plan to the others (measured costs differ from machine to machine, and
-  the solver's time limits make even analytic plans differ on a loaded machine); a plan given to ``compile`` is
-  checked instead. Either way every rank then compares a digest of the plan it runs (and of what it runs it
-  with: devices, precision) in one collective, and a rank that differs, or failed to get that far, stops every
-  rank with one line naming it.
-- **One loss.** Each microbatch's mean loss is weighted by what it averages over (real tokens of a padded
-  target) divided by the *whole* batch's count — summed across ranks first, one small collective — so the
-  ranks' gradients add up to those of one process on the concatenated batch, and ``forward_backward`` returns
-  that whole batch's loss on every rank.
-- **Gradients** are summed by :class:`rpcompile.runtime.reduce.GradReducer`: buckets launched as soon as the
-  backward stages that compute them have landed, overlapping the stages still running; frozen parameters never,
-  tied ones once. The optimizer step is the user's, on identical gradients, so the weights stay identical.
-- **Dropout** masks are seeded per (iteration, node, microbatch) as on one machine, salted with the rank
-  (:data:`rpcompile.runtime.rng.stream`), so each shard draws its own; rank 0 draws what one process would.
-- **Failures.** A rank whose iteration raises still takes part in the remaining collectives and reports its
-  failure in the last one, so every rank raises one line naming it rather than waiting. A rank that dies or
-  hangs is caught by the process group's timeout (``init_process_group(timeout=...)``); the survivors raise
-  :class:`DistributedError`.
+rank
+    One such process; rank 0 plans and hands the plan to the others, and every rank checks it runs the same one.
+one loss
+    Each microbatch's loss weighted by the *whole* batch's count (summed across ranks), so the ranks' gradients
+    add up to one process's on the concatenated batch.
 
 Collectives run over gloo on CPU tensors (the gradients live in the host's memory); under an NCCL default group a
-gloo group over the same ranks is made for them.
+gloo group over the same ranks is made for them. :class:`DataParallel` states the contracts (plan, loss,
+gradients, dropout, failures).
 """
 
 from __future__ import annotations
@@ -76,7 +64,27 @@ def plan_digest(plan: Plan, *, devices: int, precision: str) -> str:
 
 
 class DataParallel:
-    """This process's part in data-parallel training over ``group`` (module docstring)."""
+    """This process's part in data-parallel training over ``group``. The contracts:
+
+    - **One plan.** Rank 0 plans and hands the plan to the others (measured costs differ from machine to machine, and
+      the solver's time limits make even analytic plans differ on a loaded machine); a plan given to ``compile`` is
+      checked instead. Either way every rank then compares a digest of the plan it runs (and of what it runs it with:
+      devices, precision) in one collective, and a rank that differs, or failed to get that far, stops every rank with
+      one line naming it.
+    - **One loss.** Each microbatch's mean loss is weighted by what it averages over (real tokens of a padded target)
+      divided by the *whole* batch's count — summed across ranks first, one small collective — so the ranks' gradients
+      add up to those of one process on the concatenated batch, and ``forward_backward`` returns that whole batch's loss
+      on every rank.
+    - **Gradients** are summed by :class:`rpcompile.runtime.reduce.GradReducer`: buckets launched as soon as the
+      backward stages that compute them have landed, overlapping the stages still running; frozen parameters never, tied
+      ones once. The optimizer step is the user's, on identical gradients, so the weights stay identical.
+    - **Dropout** masks are seeded per (iteration, node, microbatch) as on one machine, salted with the rank
+      (:data:`rpcompile.runtime.rng.stream`), so each shard draws its own; rank 0 draws what one process would.
+    - **Failures.** A rank whose iteration raises still takes part in the remaining collectives and reports its failure
+      in the last one, so every rank raises one line naming it rather than waiting. A rank that dies or hangs is caught
+      by the process group's timeout (``init_process_group(timeout=...)``); the survivors raise
+      :class:`DistributedError`.
+    """
 
     def __init__(self, group: Any):
         self.group = group

@@ -1,35 +1,22 @@
 """Host memory: what training keeps in CPU memory, predicted, and the check a pipeline makes before it allocates.
 
-rpcompile keeps the fp32 masters, their gradients and the optimizer's state in host memory, beside an upload copy
-of each weight in the compute precision and the activations the forward pass saves there for the backward
-(the module docstrings of :mod:`rpcompile.runtime.weights` and :mod:`rpcompile.runtime.offload`). For the models
-our users train, host memory — not the GPUs' — is often what binds: the Llama-3-8B shape with AdamW needs about
-135 GiB before activations. A run that outgrows it is killed by the operating system mid-step, with no message; so:
+host footprint
+    The fp32 masters, their gradients and the optimizer's state, an upload copy of each weight in the compute
+    precision (:mod:`rpcompile.runtime.weights`) and the activations saved on the host
+    (:mod:`rpcompile.runtime.offload`). Host memory, not the GPUs', is often what binds, and a run that outgrows it
+    is killed mid-step with no message.
 
-- :func:`host_memory` predicts a model's whole footprint (:class:`HostMemory`): the frozen base stored once in the
-  compute precision, each trainable parameter's master, gradient, AdamW moments and upload copy, and — given a
-  plan — the activations an iteration holds on the host;
-- :func:`check_host_memory` runs when a :class:`~rpcompile.training.pipeline.Pipeline` is built, before it allocates
-  anything: what the pipeline will still allocate (upload copies as the pinned allocator rounds them, gradients
-  that do not exist yet, saved activations and hand-offs at the plan's microbatches) against what the operating
-  system reports available (``MemAvailable``; PyTorch's cached pinned memory that nothing uses is first handed back,
-  :func:`release_pinned_cache`). More than that is refused in one line (:class:`HostMemoryError`);
-  fitting without room for an AdamW optimizer's two fp32 moments issues one :class:`HostMemoryWarning`.
-  ``RPCOMPILE_HOST_MEMORY=ignore`` skips the check;
-- the planner itself does not bound host memory: a plan may keep every microbatch's saved activations on the host
-  (the Llama-3-8B shape, 9 microbatches of 4,096 tokens: 140 GiB). ``rpcompile.compile`` therefore compares them
-  with :func:`activation_room` (what is left beside the copies, gradients and AdamW's state) and, when they do
-  not fit, re-plans with ``allow_save=False`` — the backward recomputes instead — with one
-  :class:`HostMemoryWarning` giving both plans' predicted iteration times (unless ``allow_save`` is given:
-  ``allow_save=True`` keeps the saving plan);
-- what ``compile`` itself allocates — a measured cost pass runs the example batch node by node, a plan for bf16
-  holds a compute-precision copy of the weights — is not predicted: running out of host memory there is turned
-  from the allocator's raw error into one :class:`HostMemoryError` line naming where and what to do
+- :func:`host_memory` predicts a model's whole footprint (:class:`HostMemory`);
+- :func:`check_host_memory` runs before a :class:`~rpcompile.training.pipeline.Pipeline` allocates: more than the
+  OS reports available is refused (:class:`HostMemoryError`), no room for AdamW's moments warns
+  (:class:`HostMemoryWarning`); ``RPCOMPILE_HOST_MEMORY=ignore`` skips it;
+- the planner does not bound host memory: ``rpcompile.compile`` compares the plan's saved activations with
+  :func:`activation_room` and, when they do not fit, re-plans with ``allow_save=False`` (:func:`fit_host_memory`);
+- what ``compile`` itself allocates is not predicted: running out there is one :class:`HostMemoryError` line
   (:func:`within_host_memory`).
 
-Predictions, not measurements: the optimizer's own temporaries, Python, the CUDA context and the data loader are
-not counted, and pinned activation buffers may take up to twice their bytes (PyTorch rounds each pinned
-allocation up to a power of two; :func:`rpcompile.runtime.weights.pinned_bytes`).
+Predictions, not measurements: the optimizer's temporaries, Python, the CUDA context and the data loader are not
+counted, and pinned buffers may take up to twice their bytes (:func:`rpcompile.runtime.weights.pinned_bytes`).
 """
 
 from __future__ import annotations
@@ -73,7 +60,7 @@ class HostMemoryWarning(UserWarning):
 
 @dataclass(frozen=True)
 class HostMemory:
-    """Host memory to train a model whose frozen parameters are stored once (module docstring), in bytes."""
+    """Host memory to train a model whose frozen parameters are stored once (in the compute precision), in bytes."""
 
     frozen_params: int
     trainable_params: int
@@ -198,7 +185,10 @@ def check_host_memory(params: dict[str, nn.Parameter], plan: Plan, *, dtype: tor
                       available: int | None = None) -> int:
     """Before a pipeline allocates: refuse (:class:`HostMemoryError`) when what it will allocate exceeds the host
     memory ``available`` (default :func:`available_host_memory`), warn (:class:`HostMemoryWarning`) when AdamW's state
-    would not fit on top (module docstring). Returns the bytes it will allocate."""
+    would not fit on top. Counted: upload copies as the pinned allocator rounds them, gradients that do not exist
+    yet, saved activations and hand-offs at the plan's microbatches; against ``MemAvailable``, after PyTorch's
+    cached pinned memory that nothing uses is handed back (:func:`release_pinned_cache`). Returns the bytes it will
+    allocate."""
     copies, grads, adam = _state_bytes(params, dtype=dtype, pin=pin, uploaded=uploaded, host_only=host_only,
                                        frozen_masters=frozen_masters)
     acts = activation_bytes(plan)
@@ -246,7 +236,8 @@ def fit_host_memory(made: Any, replan: Callable[[], Any], *, dtype: torch.dtype 
     """``made`` (a :class:`~rpcompile.planner.planning.Compilation`), or — when its plan keeps more activations on the host
     than :func:`activation_room` leaves — ``replan()`` (``rpcompile.compile``: the same graph solved again with
     ``allow_save=False``, :func:`~rpcompile.planner.planning.replanned`), with one
-    :class:`HostMemoryWarning` (module docstring)."""
+    :class:`HostMemoryWarning` giving both plans' predicted iteration times. Not called when ``allow_save`` is
+    given (``allow_save=True`` keeps the saving plan)."""
     plan = made.plan
     if not any(s.offload_bytes for s in plan.stages):
         return made

@@ -4,28 +4,16 @@ are either stepped or not.
 Python raises ``KeyboardInterrupt`` on the main thread between any two of its instructions. Two stretches of a
 training loop must not be cut there:
 
-- **rpcompile's own bookkeeping**: an overlapped step being started or collected, a synchronous ``pipe.step``
-  (the optimizer's ``step()``, ``zero_grad()``, the schedulers), a training call's threads being started, stopped
-  and settled, the held gradients going into ``.grad``. Cut in the middle, the pipeline is left half switched
-  (double buffers begun for some weights, ``zero_grad`` shadowed for good, a worker left running into the next
-  call) or the masters half stepped. :class:`deferred` runs such a stretch with the ``KeyboardInterrupt`` held
-  back until it ends, and raises it then; a training call is told at once (``stop``) and stops at its workers'
-  next action.
-- **an overlapped step running on its own thread** (:mod:`rpcompile.training.overlap`), which a Ctrl-C does not stop: raised
-  at once, the interrupt reaches the loop's ``except`` or ``finally`` — where a checkpoint is saved — while the step
-  is still writing the masters. :func:`finish_first` registers the step until it is collected; a Ctrl-C meanwhile
-  waits for it to end — a step is bounded (about a second for billions of parameters) — and is raised then,
-  wherever the main thread is: in rpcompile or in the loop's own code.
+rpcompile's own bookkeeping
+    Starting or collecting an overlapped step, a synchronous ``pipe.step``, a training call's threads being
+    started and settled, held gradients going into ``.grad``: run inside :class:`deferred`, which holds the
+    ``KeyboardInterrupt`` back until the block ends.
+an overlapped step on its own thread
+    Which a Ctrl-C does not stop (:mod:`rpcompile.training.overlap`): :func:`finish_first` makes a Ctrl-C wait for
+    it to end before it is raised, wherever the main thread is.
 
 A second Ctrl-C while the first is held back or waits is raised at once, as the executor's is
 (:mod:`rpcompile.runtime.executor`): the way out of a step that hangs.
-
-**How.** While either is in use, a handler of rpcompile's takes SIGINT's place — on the main thread only (Python
-runs signal handlers there, and only there can they be set) and only over a handler set from Python (the default
-one raises ``KeyboardInterrupt``; ``SIG_IGN`` and ``SIG_DFL`` are left alone). It hands every Ctrl-C on to the
-handler it replaced — at once inside a :class:`deferred` block, holding back what that raises; after the steps
-in flight outside one — so a handler of the user's still decides what a Ctrl-C does, and gives SIGINT back to it
-as soon as nothing needs it any more (unless the user has set another one meanwhile).
 """
 
 from __future__ import annotations
@@ -41,7 +29,15 @@ __all__ = ["deferred", "finish_first", "finished"]
 
 
 class _Guard:
-    """The process's one SIGINT handler of rpcompile's and what it holds back (module docstring)."""
+    """The process's one SIGINT handler of rpcompile's and what it holds back.
+
+    **How.** While either is in use, a handler of rpcompile's takes SIGINT's place — on the main thread only (Python
+    runs signal handlers there, and only there can they be set) and only over a handler set from Python (the default one
+    raises ``KeyboardInterrupt``; ``SIG_IGN`` and ``SIG_DFL`` are left alone). It hands every Ctrl-C on to the handler
+    it replaced — at once inside a :class:`deferred` block, holding back what that raises; after the steps in flight
+    outside one — so a handler of the user's still decides what a Ctrl-C does, and gives SIGINT back to it as soon as
+    nothing needs it any more (unless the user has set another one meanwhile).
+    """
 
     def __init__(self) -> None:
         self.previous: Any = None
@@ -120,11 +116,17 @@ _GUARD = _Guard()
 
 class deferred:
     """``with deferred(): ...`` — the handler a Ctrl-C inside would have run runs at once, but what it raises
-    (``KeyboardInterrupt``) is raised when the block ends (module docstring); on a thread other than the main one,
+    (``KeyboardInterrupt``) is raised when the block ends; on a thread other than the main one,
     where no Ctrl-C arrives, it does nothing. Blocks nest: the outermost one raises. ``stop`` (called from the
     signal handler: it must take no lock — set a flag) is told of a Ctrl-C the block holds, so that work the block
     runs can stop early (a training call's workers); a block that ends with a ``KeyboardInterrupt`` of its own
-    (that work stopped) raises nothing more."""
+    (that work stopped) raises nothing more.
+
+    Such blocks are rpcompile's bookkeeping: an overlapped step being started or collected, a synchronous
+    ``pipe.step`` (the optimizer's ``step()``, ``zero_grad()``, the schedulers), a training call's threads being
+    started, stopped and settled, the held gradients going into ``.grad``. Cut in the middle, the pipeline is left
+    half switched (double buffers begun for some weights, ``zero_grad`` shadowed for good, a worker left running
+    into the next call) or the masters half stepped."""
 
     def __init__(self, stop: Callable[[], None] | None = None) -> None:
         self._stop = stop
@@ -154,7 +156,10 @@ class deferred:
 
 
 def finish_first(step: Future[Any]) -> None:
-    """An overlapped step is in flight: until :func:`finished`, a Ctrl-C waits for it to end first."""
+    """An overlapped step is in flight: until :func:`finished`, a Ctrl-C waits for it to end first. Raised at once,
+    the interrupt would reach the loop's ``except`` or ``finally`` — where a checkpoint is saved — while the step is
+    still writing the masters; a step is bounded, so the wait is too, and the interrupt is then raised wherever the
+    main thread is: in rpcompile or in the loop's own code."""
     _GUARD.steps.add(step)
     _GUARD.install()
 

@@ -1,5 +1,5 @@
 """Loss weighting: what each microbatch's mean loss averages over, so that :class:`~rpcompile.training.pipeline.Pipeline`'s
-weighted sum of them is the whole batch's mean (the module docstring of :mod:`rpcompile.training.pipeline`, **Loss**).
+weighted sum of them is the whole batch's mean (:class:`rpcompile.training.pipeline.Pipeline`'s contracts, **Loss**).
 
 An integer target counts its real tokens (entries that are not :data:`IGNORE_INDEX`), any other target its rows;
 :func:`shifted_tokens` counts the labels a causal LM's own loss averages over; :func:`own_loss` finds the loss a

@@ -1,53 +1,18 @@
 """Overlapped optimizer steps: ``pipe.step(optimizer, overlap=True)`` runs the step on a thread of its own beside
 the next ``forward_backward``.
 
-**What it computes.** The iteration that runs beside step t reads the weights from *before* step t — every
-trainable weight copy is double-buffered (:meth:`rpcompile.runtime.weights.WeightStore.begin_overlap`): the step
-writes the back buffer, the iteration uploads the front one, and the two swap once the step is collected — so its
-gradients are one step stale: with w₀ the initial weights, w_{t+1} = step(w_t, ∇L_t(w_{t-1})), w_{-1} = w₀
-(RoundPipe's ``is_async=True``). Meanwhile ``.grad`` belongs to the step (it reads them, then zeroes them): the
-iteration's gradients are held aside (:meth:`rpcompile.runtime.weights.GradSink.hold`) and installed into ``.grad``
-when it ends, after the step is collected. Several optimizers (``pipe.step([o1, o2], overlap=True)``) step one
-after the other on the one thread, each with its parameters double-buffered.
+overlapped step
+    An optimizer step run on the step thread while the next iteration computes; it is *collected* (waited for,
+    its failure raised, the weight buffers swapped) by the next ``pipe.step`` or ``pipe.synchronize()``.
+one step stale
+    The iteration beside step t computes with the weights from before step t: with w₀ the initial weights,
+    w_{t+1} = step(w_t, ∇L_t(w_{t-1})), w_{-1} = w₀ (RoundPipe's ``is_async=True``).
+overlapped iterations
+    A plan made for them (``compile(..., overlap=True)``): ``forward_backward`` returns once its loss is known
+    and its last backward stages drain in the background.
 
-**What the user may do meanwhile.** ``optimizer.zero_grad()`` (or the model's ``zero_grad()``) while the step is
-in flight would race with its reading of ``.grad``: from :meth:`Overlap.start` until the step is collected both
-are shadowed by an instance attribute (:class:`ZeroGradShadow`) that records the call, and the call is replayed —
-with the real method — once the step is done and before the held gradients are installed: exactly "clear the
-gradients before the next backward". A change of the settings a scheduler sets (:data:`SCHEDULED`) while the
-step is in flight races too: it is refused when the step is collected (``scheduler=`` steps it on the thread).
-A step that raises is collected as a :class:`~rpcompile.runtime.failures.PipelineError`; the overlap ends, the copies are remade from the
-masters as the step left them, and the recorded ``zero_grad`` calls are dropped (``.grad`` keeps what the failed
-step was given).
-
-**Overlapped iterations** (a plan made for them, ``compile(..., overlap=True)``, or
-``pipe.overlap_iterations = True``): ``forward_backward`` returns once the fused stage has computed every
-microbatch's loss, and its last backward stages drain in the background (:meth:`Executor.start
-<rpcompile.runtime.executor.Executor.start>`) while the caller steps and passes the next batch; each device goes
-on into the next iteration as soon as it has finished its stages of this one, the round-robin pointer carrying
-on. The semantics stay exactly one step stale — no more: every iteration between step t−1 and step t computes
-with the weights from before step t−1 (each iteration keeps the front copies it started with,
-:meth:`WeightStore.pinned <rpcompile.runtime.weights.WeightStore.pinned>`, through the swap that the next
-``pipe.step`` makes when it collects step t−1), and its gradients go into buffers of that generation
-(:meth:`GradSink.fork <rpcompile.runtime.weights.GradSink.fork>`) that the step's thread puts into ``.grad``
-once they have all drained, right before step t. So ``.grad`` is the step's throughout: read gradients (clip,
-log) after :meth:`Pipeline.synchronize <rpcompile.Pipeline.synchronize>`. Iteration t+1 needs only step t−1, which ``pipe.step`` collected
-before submitting step t. A failure in a draining stage is raised, naming its iteration, by the next call that
-finds it (``forward_backward``, ``pipe.step``, ``synchronize``): the step waiting for it is not taken and the
-overlap ends as for a failed step. A Ctrl-C stops the iteration being called, never one that already returned its
-loss. Not data-parallel (refused in one line).
-
-**Who else waits for the step.** The step writes the masters (and the optimizer's state) on its thread until it
-is collected; whatever reads or writes them meanwhile waits for it first — or would see, or be overwritten by, a
-half-done step. ``model.state_dict()`` (so ``rpcompile.save_checkpoint`` and ``torch.save(model.state_dict())``)
-and ``optimizer.state_dict()`` wait for it; ``model.load_state_dict()`` and ``optimizer.load_state_dict()`` wait
-for it and, for the model, end the overlap as ``pipe.synchronize()`` does, so the loaded weights are the ones the
-next iteration computes with (the pipeline's hooks on the compiled model and, while the step runs, on its
-optimizers: :func:`watch_model`; copies of the model, pickled or deep-copied, carry hooks that do nothing). A run
-of another pipeline over the same parameters — ``forward_backward``, ``evaluate``, ``forward`` — waits for every
-step in flight over them (:func:`wait_for_steps`, keyed by the parameters' storage), so it never computes with
-half-stepped weights. A Ctrl-C waits for the step too (:mod:`rpcompile.training.interrupts`): the weights are stepped or
-not, never half, when the ``KeyboardInterrupt`` arrives; starting and collecting a step are never cut in half.
+:class:`Overlap` says what is computed and how iterations overlap; :class:`ZeroGradShadow` what the user may do
+while a step is in flight; :func:`watch_model` and :func:`wait_for_steps` who else waits for it.
 """
 
 from __future__ import annotations
@@ -132,8 +97,19 @@ def step_now(optimizers: Sequence[Any], schedulers: Sequence[Any], scaler: Any =
 
 class ZeroGradShadow:
     """``zero_grad`` of some owners (optimizers, a module) shadowed by an instance attribute that records the call
-    instead of running it, while an overlapped step reads ``.grad`` (module docstring); :meth:`restore` puts back
-    exactly what each owner had and, with ``replay``, runs the recorded calls with the real methods, in order."""
+    instead of running it, while an overlapped step reads ``.grad``; :meth:`restore` puts back
+    exactly what each owner had and, with ``replay``, runs the recorded calls with the real methods, in order.
+
+    **What the user may do meanwhile.** ``optimizer.zero_grad()`` (or the model's ``zero_grad()``) while the step is in
+    flight would race with its reading of ``.grad``: from :meth:`Overlap.start` until the step is collected both are
+    shadowed by an instance attribute (:class:`ZeroGradShadow`) that records the call, and the call is replayed — with
+    the real method — once the step is done and before the held gradients are installed: exactly "clear the gradients
+    before the next backward". A change of the settings a scheduler sets (:data:`SCHEDULED`) while the step is in flight
+    races too: it is refused when the step is collected (``scheduler=`` steps it on the thread). A step that raises is
+    collected as a :class:`~rpcompile.runtime.failures.PipelineError`; the overlap ends, the copies are remade from the
+    masters as the step left them, and the recorded ``zero_grad`` calls are dropped (``.grad`` keeps what the failed
+    step was given).
+    """
 
     def __init__(self, owners: Sequence[Any]):
         self.saved: list[tuple[Any, bool, Any]] = []
@@ -206,9 +182,22 @@ class Hook:
 
 
 def watch_model(model: torch.nn.Module, overlap: Overlap, synchronize: Callable[[], None]) -> None:
-    """Hooks on the compiled ``model`` (module docstring): its ``state_dict()`` waits for ``overlap``'s step in
+    """Hooks on the compiled ``model``: its ``state_dict()`` waits for ``overlap``'s step in
     flight; its ``load_state_dict()`` calls ``synchronize`` first (the pipeline's ``synchronize``, held weakly),
-    which waits for the step and ends the overlap. They go when ``overlap`` (its pipeline) does."""
+    which waits for the step and ends the overlap. They go when ``overlap`` (its pipeline) does.
+
+    **Who else waits for the step.** The step writes the masters (and the optimizer's state) on its thread until it is
+    collected; whatever reads or writes them meanwhile waits for it first — or would see, or be overwritten by, a
+    half-done step. ``model.state_dict()`` (so ``rpcompile.save_checkpoint`` and ``torch.save(model.state_dict())``) and
+    ``optimizer.state_dict()`` wait for it; ``model.load_state_dict()`` and ``optimizer.load_state_dict()`` wait for it
+    and, for the model, end the overlap as ``pipe.synchronize()`` does, so the loaded weights are the ones the next
+    iteration computes with (the pipeline's hooks on the compiled model and, while the step runs, on its optimizers:
+    :func:`watch_model`; copies of the model, pickled or deep-copied, carry hooks that do nothing). A run of another
+    pipeline over the same parameters — ``forward_backward``, ``evaluate``, ``forward`` — waits for every step in flight
+    over them (:func:`wait_for_steps`, keyed by the parameters' storage), so it never computes with half-stepped
+    weights. A Ctrl-C waits for the step too (:mod:`rpcompile.training.interrupts`): the weights are stepped or not,
+    never half, when the ``KeyboardInterrupt`` arrives; starting and collecting a step are never cut in half.
+    """
     compiled, own, sync = weakref.ref(model), weakref.ref(overlap), weakref.WeakMethod(synchronize)
 
     def before_save(module: torch.nn.Module, *args: Any) -> None:
@@ -234,7 +223,33 @@ def _remove(handles: Sequence[Any]) -> None:
 class Overlap:
     """The overlapped step in flight (:attr:`future`) and the overlap it began, which lasts until :meth:`end`
     (``pipe.synchronize()``): the optimizers stepped overlapped since it began, the settings the step in flight
-    was given, the ``zero_grad`` methods shadowed meanwhile."""
+    was given, the ``zero_grad`` methods shadowed meanwhile.
+
+    **What it computes.** The iteration that runs beside step t reads the weights from *before* step t — every trainable
+    weight copy is double-buffered (:meth:`rpcompile.runtime.weights.WeightStore.begin_overlap`): the step writes the
+    back buffer, the iteration uploads the front one, and the two swap once the step is collected — so its gradients are
+    one step stale: with w₀ the initial weights, w_{t+1} = step(w_t, ∇L_t(w_{t-1})), w_{-1} = w₀ (RoundPipe's
+    ``is_async=True``). Meanwhile ``.grad`` belongs to the step (it reads them, then zeroes them): the iteration's
+    gradients are held aside (:meth:`rpcompile.runtime.weights.GradSink.hold`) and installed into ``.grad`` when it
+    ends, after the step is collected. Several optimizers (``pipe.step([o1, o2], overlap=True)``) step one after the
+    other on the one thread, each with its parameters double-buffered.
+
+    **Overlapped iterations** (a plan made for them, ``compile(..., overlap=True)``, or ``pipe.overlap_iterations =
+    True``): ``forward_backward`` returns once the fused stage has computed every microbatch's loss, and its last
+    backward stages drain in the background (:meth:`Executor.start <rpcompile.runtime.executor.Executor.start>`) while
+    the caller steps and passes the next batch; each device goes on into the next iteration as soon as it has finished
+    its stages of this one, the round-robin pointer carrying on. The semantics stay exactly one step stale — no more:
+    every iteration between step t−1 and step t computes with the weights from before step t−1 (each iteration keeps the
+    front copies it started with, :meth:`WeightStore.pinned <rpcompile.runtime.weights.WeightStore.pinned>`, through the
+    swap that the next ``pipe.step`` makes when it collects step t−1), and its gradients go into buffers of that
+    generation (:meth:`GradSink.fork <rpcompile.runtime.weights.GradSink.fork>`) that the step's thread puts into
+    ``.grad`` once they have all drained, right before step t. So ``.grad`` is the step's throughout: read gradients
+    (clip, log) after :meth:`Pipeline.synchronize <rpcompile.Pipeline.synchronize>`. Iteration t+1 needs only step t−1,
+    which ``pipe.step`` collected before submitting step t. A failure in a draining stage is raised, naming its
+    iteration, by the next call that finds it (``forward_backward``, ``pipe.step``, ``synchronize``): the step waiting
+    for it is not taken and the overlap ends as for a failed step. A Ctrl-C stops the iteration being called, never one
+    that already returned its loss. Not data-parallel (refused in one line).
+    """
 
     def __init__(self, weights: WeightStore, grads: GradSink):
         self.weights, self.grads = weights, grads
@@ -250,7 +265,7 @@ class Overlap:
         self._hooks: list[Any] = []  # on the stepping optimizers' state_dict and load_state_dict
         self.iterations = False
         """Iterations overlap too (a plan made for them): :meth:`Pipeline.forward_backward <rpcompile.Pipeline.forward_backward>` returns once its loss
-        is known and the devices go on into the next iteration while the last stages drain (module docstring)."""
+        is known and the devices go on into the next iteration while the last stages drain (:class:`Overlap`)."""
         self.running: list[Running] = []
         """The overlapped iterations not yet handed to a collected step: still draining, or done."""
         self.held: dict[str, torch.Tensor] = {}
@@ -336,7 +351,7 @@ class Overlap:
             self._shadow.restore(replay=False)
             self._shadow = None
             raise
-        # whoever reads or writes what the step writes waits for it (module docstring)
+        # whoever reads or writes what the step writes waits for it (watch_model)
         self.keys = _keys(p for o in optimizers for g in o.param_groups for p in g["params"])
         _IN_FLIGHT.add(self)
         finish_first(future)
@@ -364,7 +379,7 @@ class Overlap:
     def collect(self) -> None:
         """Wait for the step in flight, if any: its weights become the ones the devices upload and the
         ``zero_grad`` calls made meanwhile run. A step that raised, or raced with a settings change, raises a
-        :class:`~rpcompile.runtime.failures.PipelineError` after ending the overlap (module docstring)."""
+        :class:`~rpcompile.runtime.failures.PipelineError` after ending the overlap (:class:`ZeroGradShadow`)."""
         future = self.future
         if future is None:
             return

@@ -8,51 +8,8 @@
 
 What a call's batch becomes — microbatches, their targets and the weighted loss each fused stage computes — is
 :mod:`rpcompile.training.batches`; a data-parallel rank's calls are :class:`rpcompile.training.distributed.RankCalls`.
-
-Contracts
----------
-- **Loss.** ``loss_fn(output, target)`` returns the *mean* loss of the microbatch it is given. The batch is split
-  along dim 0 into ``microbatches`` pieces (``torch.tensor_split``); microbatch j's loss is weighted by its share of
-  what the batch's mean averages over — real tokens of an integer target (entries that are not -100: padding),
-  rows otherwise (``loss_weight=``) — so ``forward_backward`` returns — and differentiates — the batch mean,
-  exactly what eager ``loss_fn(model(x), y).backward()`` computes for mean-reduced losses, padded batches
-  included. With ``loss_fn=None`` the model computes its own (mean) loss — its output, or the output's ``loss``
-  (HF models given ``labels=``), each microbatch weighted by its labels (shifted ones for a causal LM).
-- **Gradients** accumulate into the original parameters' ``.grad`` (fp32, CPU) across calls, as eager PyTorch does;
-  frozen parameters (``requires_grad=False``) get none and are never sent back. A parameter used by several stages
-  (tied embeddings) receives the sum. An input that requires grad gets eager's gradient: the stages run a program
-  split with it among the values that carry gradients (made once per set of such inputs), its microbatches'
-  gradients come home and go on through the caller's autograd graph (``x.grad`` of a leaf, a soft prompt's
-  parameter); data-parallel, each rank's inputs get their own.
-- **Weights.** The fp32 masters stay in the model on the CPU; the devices upload copies in the compute precision
-  (pinned for GPUs), made once per optimizer step (:mod:`rpcompile.runtime.weights`): any ``torch.optim``
-  optimizer's ``step()`` marks its parameters' copies stale (a global step hook), as does an in-place change of a
-  master seen by its version counter (``load_state_dict``, ``with torch.no_grad(): p.add_(...)``). Edits through
-  ``p.data`` are invisible: call :meth:`Pipeline.refresh_weights` after them. Frozen parameters are kept only in
-  the compute precision (their ``.data`` becomes the copy) unless ``frozen_masters=True``.
-- **Optimizer step.** ``optimizer.step(); optimizer.zero_grad()`` as in eager PyTorch, or
-  :meth:`Pipeline.step` — which with ``overlap=True`` runs the step beside the next ``forward_backward``: that
-  iteration then computes with the weights from before the step (one step stale, as RoundPipe's
-  ``is_async=True``; ``zero_grad()`` in the loop stays safe), see :meth:`Pipeline.step` and :mod:`.overlap`.
-- **Buffers** a forward writes (BatchNorm statistics, a counter or running mean updated under ``torch.no_grad()``)
-  are updated once per microbatch by the real forward pass — of ``forward_backward``, ``evaluate`` and
-  ``forward`` alike — never by recomputation: the pipeline equals eager over the same microbatches one after the
-  other (gradient accumulation), so a counter of forward calls counts microbatches. Compiling writes none
-  (:func:`rpcompile.trace` puts back what fx ran on them), and a buffer no forward writes keeps its own bits.
-- **Randomness** (dropout) is seeded per (iteration, node, microbatch): recomputation replays the forward's masks
-  (saved segments keep them), and results do not depend on the number of devices.
-- **fp16** uses loss scaling through ``torch.amp.GradScaler("cpu")`` (pass ``scaler=``): the loss is multiplied by
-  the scaler's scale, master gradients arrive scaled, and ``scaler.step(optimizer)`` / ``scaler.update()`` skip the
-  step and lower the scale on overflow, raising it after a run of good steps — the standard torch contract.
-- **Callers.** One call at a time: a call from a second thread while another thread's runs is refused in one line
-  (:class:`~rpcompile.core.errors.ConcurrentCallError`, :mod:`rpcompile.training.callers`); an overlapped step in flight is
-  waited for by whatever reads or writes what it writes (the model's and the optimizer's ``state_dict`` and
-  ``load_state_dict``, another pipeline's runs over the same parameters; :mod:`rpcompile.training.overlap`); a Ctrl-C never
-  leaves a step half done (:mod:`rpcompile.training.interrupts`).
-- **Checkpoints.** :meth:`Pipeline.state_dict` holds what the pipeline adds to the model's and the optimizer's
-  state — the iteration that seeds dropout, the scaler's state, an overlapped step's stale copies — so a run
-  resumed from all three (:func:`rpcompile.save_checkpoint` / :func:`rpcompile.load_checkpoint`, atomic and
-  checksummed) equals the uninterrupted one bit for bit, given the same plan (:mod:`rpcompile.training.checkpoint`).
+The pipeline's contracts with its caller (loss, gradients, weights, optimizer step, buffers, randomness, fp16,
+callers, checkpoints) are :class:`Pipeline`'s docstring.
 """
 
 from __future__ import annotations
@@ -106,7 +63,54 @@ log = logging.getLogger(__name__)
 
 
 class Pipeline:
-    """A compiled model: runs training iterations of a plan on its devices (see module docstring)."""
+    """A compiled model: runs training iterations of a plan on its devices.
+
+    Contracts with the caller:
+
+    - **Loss.** ``loss_fn(output, target)`` returns the *mean* loss of the microbatch it is given. The batch is split
+      along dim 0 into ``microbatches`` pieces (``torch.tensor_split``); microbatch j's loss is weighted by its share of
+      what the batch's mean averages over — real tokens of an integer target (entries that are not -100: padding),
+      rows otherwise (``loss_weight=``) — so ``forward_backward`` returns — and differentiates — the batch mean,
+      exactly what eager ``loss_fn(model(x), y).backward()`` computes for mean-reduced losses, padded batches
+      included. With ``loss_fn=None`` the model computes its own (mean) loss — its output, or the output's ``loss``
+      (HF models given ``labels=``), each microbatch weighted by its labels (shifted ones for a causal LM).
+    - **Gradients** accumulate into the original parameters' ``.grad`` (fp32, CPU) across calls, as eager PyTorch does;
+      frozen parameters (``requires_grad=False``) get none and are never sent back. A parameter used by several stages
+      (tied embeddings) receives the sum. An input that requires grad gets eager's gradient: the stages run a program
+      split with it among the values that carry gradients (made once per set of such inputs), its microbatches'
+      gradients come home and go on through the caller's autograd graph (``x.grad`` of a leaf, a soft prompt's
+      parameter); data-parallel, each rank's inputs get their own.
+    - **Weights.** The fp32 masters stay in the model on the CPU; the devices upload copies in the compute precision
+      (pinned for GPUs), made once per optimizer step (:mod:`rpcompile.runtime.weights`): any ``torch.optim``
+      optimizer's ``step()`` marks its parameters' copies stale (a global step hook), as does an in-place change of a
+      master seen by its version counter (``load_state_dict``, ``with torch.no_grad(): p.add_(...)``). Edits through
+      ``p.data`` are invisible: call :meth:`Pipeline.refresh_weights` after them. Frozen parameters are kept only in
+      the compute precision (their ``.data`` becomes the copy) unless ``frozen_masters=True``.
+    - **Optimizer step.** ``optimizer.step(); optimizer.zero_grad()`` as in eager PyTorch, or
+      :meth:`Pipeline.step` — which with ``overlap=True`` runs the step beside the next ``forward_backward``: that
+      iteration then computes with the weights from before the step (one step stale, as RoundPipe's
+      ``is_async=True``; ``zero_grad()`` in the loop stays safe), see :meth:`Pipeline.step` and :mod:`.overlap`.
+    - **Buffers** a forward writes (BatchNorm statistics, a counter or running mean updated under ``torch.no_grad()``)
+      are updated once per microbatch by the real forward pass — of ``forward_backward``, ``evaluate`` and
+      ``forward`` alike — never by recomputation: the pipeline equals eager over the same microbatches one after the
+      other (gradient accumulation), so a counter of forward calls counts microbatches. Compiling writes none
+      (:func:`rpcompile.trace` puts back what fx ran on them), and a buffer no forward writes keeps its own bits.
+    - **Randomness** (dropout) is seeded per (iteration, node, microbatch): recomputation replays the forward's masks
+      (saved segments keep them), and results do not depend on the number of devices.
+    - **fp16** uses loss scaling through ``torch.amp.GradScaler("cpu")`` (pass ``scaler=``): the loss is multiplied by
+      the scaler's scale, master gradients arrive scaled, and ``scaler.step(optimizer)`` / ``scaler.update()`` skip the
+      step and lower the scale on overflow, raising it after a run of good steps — the standard torch contract.
+    - **Callers.** One call at a time: a call from a second thread while another thread's runs is refused in one line
+      (:class:`~rpcompile.core.errors.ConcurrentCallError`, :mod:`rpcompile.training.callers`); an overlapped step
+      in flight is waited for by whatever reads or writes what it writes (the model's and the optimizer's
+      ``state_dict`` and ``load_state_dict``, another pipeline's runs over the same parameters;
+      :mod:`rpcompile.training.overlap`); a Ctrl-C never leaves a step half done (:mod:`rpcompile.training.interrupts`).
+    - **Checkpoints.** :meth:`Pipeline.state_dict` holds what the pipeline adds to the model's and the optimizer's
+      state — the iteration that seeds dropout, the scaler's state, an overlapped step's stale copies — so a run
+      resumed from all three (:func:`rpcompile.save_checkpoint` / :func:`rpcompile.load_checkpoint`, atomic and
+      checksummed) equals the uninterrupted one bit for bit, given the same plan
+      (:mod:`rpcompile.training.checkpoint`).
+    """
 
     def __init__(self, model: torch.nn.Module, gm: fx.GraphModule, plan: Plan, devices: Sequence[Any],
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None, options: TrainOptions, *, program: Program,
@@ -200,7 +204,7 @@ class Pipeline:
     @one_call
     def refresh_weights(self) -> None:
         """Remake the devices' copies of every weight from the masters — needed only after edits through
-        ``p.data``, which no version counter sees (module docstring)."""
+        ``p.data``, which no version counter sees (class docstring, **Weights**)."""
         self.synchronize()
         self.executor.weights.refresh()
 

@@ -1,24 +1,19 @@
 """What a pipeline was compiled for, and the one-line refusal of anything else — before any stage runs.
 
-A stage that receives an input it was not traced for fails deep inside generated code (``mat1 and mat2 shapes
-cannot be multiplied``, ``'NoneType' object has no attribute 'size'``) or, worse, broadcasts to a silently wrong
-loss. :class:`InputSignature` records the compile example — how many positional inputs, which keywords, the
-non-tensor keywords the trace specialised, and for every tensor (also inside a batch dict) its dtype, its shape
-and its device — and :meth:`InputSignature.bind` checks each call against it.
+A stage that receives an input it was not traced for fails deep inside generated code or, worse, broadcasts to a
+silently wrong loss. :class:`InputSignature` records the compile example (positional inputs, keywords, specialised
+constants, each tensor's dtype, shape and device) and :meth:`InputSignature.bind` checks each call against it.
 
-Terms. A tensor's **dynamic** dimensions are those a real batch may change: dim 0 (the batch) of every tensor,
-dim 1 (the sequence) of integer tensors of two or more dimensions — exactly the ones the export path traces
-symbolically (:func:`rpcompile.passes.graph.export_inputs.dynamic_shapes`; an fx graph is shape-generic) — and, in floating
-inputs, a dimension as long as the example's sequence (a 4-D mask, ``inputs_embeds``), which may be shorter.
-Every other dimension is **static**: it must equal the example's. A sequence longer than the example's is refused
-(the memory plan holds up to it).
+dynamic dimension
+    One a real batch may change: dim 0 of every tensor, dim 1 of integer tensors of two or more dimensions — the
+    ones the export path traces symbolically (:func:`rpcompile.passes.graph.export_inputs.dynamic_shapes`) — and,
+    in floating inputs, a dimension as long as the example's sequence (a 4-D mask, ``inputs_embeds``). It may be
+    shorter than the example's, never longer (the memory plan holds up to it).
+static dimension
+    Every other one: it must equal the example's.
 
-Dtypes are compared as eager PyTorch would run them: a float64 batch for a float32 model fails in eager, so it is
-refused here with the cast to make, not cast silently. ``int32`` and ``int64`` ids are interchangeable (embeddings
-take either), and a floating input may come in the pipeline's compute precision (``bf16``).
-
-:func:`~rpcompile.training.signature.check_compile_arguments` does the same for ``rpcompile.compile``'s own arguments, and
-:func:`check_call_mode` for the modes a call is made under (autocast, inference mode).
+:func:`~rpcompile.training.signature.check_compile_arguments` does the same for ``rpcompile.compile``'s own
+arguments, and :func:`check_call_mode` for the modes a call is made under (autocast, inference mode).
 """
 
 from __future__ import annotations
@@ -78,6 +73,9 @@ class LeafSpec:
 
 
 def _dtype_ok(expected: torch.dtype, actual: torch.dtype, compute: torch.dtype | None) -> bool:
+    """As eager PyTorch would run it: a float64 batch for a float32 model fails in eager, so it is refused (with the
+    cast to make), not cast silently. ``int32`` and ``int64`` ids are interchangeable (embeddings take either), and
+    a floating input may come in the pipeline's compute precision (``bf16``)."""
     if actual == expected or (expected in _IDS and actual in _IDS):
         return True
     return expected.is_floating_point and actual == compute

@@ -1,25 +1,17 @@
 """A Gantt chart of a pipeline timeline (simulated or measured), as plain SVG text.
 
-Terms:
+bar
+    One timed action on one device — a stage computing one microbatch (``3F1``), a weight upload (``3W``),
+    activations going up or down, a gradient download (``3G``). Anything with the attributes of
+    :class:`~rpcompile.runtime.sim.sim_result.SimEvent` can be drawn (the executor's measured events too); an event
+    with only ``action``, ``device``, ``lane``, ``start`` and ``end`` gets the rest from the action text.
+lane
+    Each device has three — ``compute`` (tall), ``upload`` and ``download`` (thin). Bars that overlap in time on one
+    lane are stacked into *sub-rows*, so none hides another.
+idle
+    The compute lane's background is hatched, so every gap between compute bars reads as idle time.
 
-- *bar*: one timed action on one device — a stage computing one microbatch (``3F1``), a weight upload (``3W``),
-  activations going up or down, a gradient download (``3G``). Anything with the attributes of
-  :class:`~rpcompile.runtime.sim.sim_result.SimEvent` can be drawn (the executor's measured events too); an event that
-  has only ``action``, ``device``, ``lane``, ``start`` and ``end`` gets its stage, microbatch and kind from the action
-  text.
-- *lane*: each device has three — ``compute`` (tall), ``upload`` and ``download`` (thin). Bars that overlap in
-  time on one lane (weights and activations share the upload link) are stacked into *sub-rows*, so none hides
-  another; a lane is as tall as its sub-rows.
-- *idle*: the compute lane's background is hatched, so every gap between compute bars reads as idle time.
-
-Compute bars are coloured by stage (:func:`rpcompile.views.svg.stage_color`, the same colours as the plan graph); a
-forward stage has no border, a backward stage a dark border and the fused stage a dashed one, and bars wide enough
-carry the stage name (``F3``, ``B11``, ``FB``). Transfer bars are coloured by what they carry (key in the header).
-Every bar has a ``<title>`` tooltip: stage name, microbatch, start and end in ms.
-
-The time axis starts at 0 when the first bar starts near 0 (a simulated iteration), else at the first bar (a
-measured timeline with absolute clock readings); its ticks are 1, 2, 2.5 or 5 × 10^k in µs, ms or s, and the
-last tick is at or after the last bar's end.
+:func:`timeline_svg` describes how bars are coloured and labelled and how the time axis is laid out.
 """
 
 from __future__ import annotations
@@ -265,11 +257,21 @@ def _axis(chart: _Chart, top: float, bottom: float) -> list[str]:
 
 def timeline_svg(events: Iterable[Any], *, devices: int, title: str = "",
                  stage_names: Sequence[str] | None = None) -> str:
-    """SVG text of a Gantt chart of ``events`` on ``devices`` devices (see the module docstring).
+    """SVG text of a Gantt chart of ``events`` on ``devices`` devices (the terms: module docstring).
 
     ``stage_names[k]`` names stage ``k`` (``F0``, ``FB``, ``B3``…; from ``plan.stages``); without them stages are
     shown as ``S<k>``. Raises :class:`~rpcompile.core.errors.ConfigError` for an event on a device outside
-    ``0..devices-1`` or on an unknown lane."""
+    ``0..devices-1`` or on an unknown lane.
+
+    Compute bars are coloured by stage (:func:`rpcompile.views.svg.stage_color`, the same colours as the plan graph); a
+    forward stage has no border, a backward stage a dark border and the fused stage a dashed one, and bars wide enough
+    carry the stage name (``F3``, ``B11``, ``FB``). Transfer bars are coloured by what they carry (key in the header).
+    Every bar has a ``<title>`` tooltip: stage name, microbatch, start and end in ms.
+
+    The time axis starts at 0 when the first bar starts near 0 (a simulated iteration), else at the first bar (a
+    measured timeline with absolute clock readings); its ticks are 1, 2, 2.5 or 5 × 10^k in µs, ms or s, and the last
+    tick is at or after the last bar's end.
+    """
     if devices < 1:
         raise ConfigError(f"timeline_svg: devices must be >= 1, got {devices}")
     bars = [_as_bar(e) for e in events]

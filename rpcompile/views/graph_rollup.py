@@ -1,32 +1,20 @@
 """A plan over the model: the traced graph rolled up by module into boxes, each labelled with its stages
 (drawn by :mod:`rpcompile.views.graphview`).
 
-Terms:
+box
+    One rolled-up module (``embed``, ``layers.7.attn``, ``lm_head``): every compute node whose module path
+    (:func:`rpcompile.passes.graph.util.module_path`) starts with the box's name, cut to ``depth`` components
+    (:func:`rpcompile.planner.profiling.rollup_name`). An embedding the host looks up is a box of its own, ``host``.
+folding
+    Nodes of a module that also has boxes below it (a block's residual adds) join a neighbouring box (:func:`_fold`).
+depth
+    Automatic by default: one level below the model's first module list (the partitioner's groups), made
+    shallower while there would be more than :data:`MAX_BOXES` boxes.
+forward / backward stages
+    The stages that run a box's nodes and their backward (``F3 | B11``; ``FB`` when the fused stage does both); a
+    box is *saved* when a forward stage saves one of its nodes' activations to host memory.
 
-- *box*: one rolled-up module (``embed``, ``layers.7.attn``, ``layers.7.mlp``, ``lm_head``): every compute node
-  whose module path (:func:`rpcompile.passes.graph.util.module_path`) starts with the box's name, cut to ``depth``
-  components as ``rpcompile profile`` does (:func:`rpcompile.planner.profiling.rollup_name`).
-- *folding*: nodes owned by a module that also has boxes below it — a block's residual adds (``layers.7``), the
-  root's own glue (``(root)``) — join the box just before them when that box lies inside their module (the
-  residual add closes the attention or MLP half it follows, as in the partitioner's segments), else the next one;
-  so a 32-layer LLaMA gives 4 boxes per layer instead of 5. A module with no box below it keeps its own.
-- *depth* (automatic by default): one level below the model's first module list (``layers.7.attn``), or the
-  top-level children for a model without one — the partitioner's groups — made shallower while there would be
-  more than :data:`MAX_BOXES` boxes.
-- a box's *forward stages* are the forward or fused stages that run its nodes, its *backward stages* the backward
-  or fused stages that run their backward (usually one each: ``F3 | B11``; ``FB`` when the fused stage does
-  both); it is *saved* when a forward stage saves one of its nodes' activations to host memory. An embedding the
-  host looks up (``Plan.host``) is a box of its own, first, labelled ``host``.
-
-Node → module mapping. With the traced graph (``graph``: a ``torch.fx.GraphModule`` or ``Graph``, e.g. from
-:func:`rpcompile.trace` or :func:`rpcompile.planner.planning.prepare`) every compute node is placed by its
-``nn_module_stack`` meta, edges between boxes are the graph's data edges, and saved activations are placed on
-the boxes exactly. A :class:`~rpcompile.core.plan.Plan` alone stores node *names* and, per stage, the module paths
-its nodes come from (``Stage.modules``, written by :mod:`rpcompile.passes.lower`) but not which node belongs to which
-module — so without a graph the boxes come from ``Stage.modules`` (forward stages in order, then the backward
-stages from the last), they are chained in that order, and saved modules come from ``Stage.saved_modules``
-(plans older than that field leave the saved marker out: each stage's saved
-count goes in the box tooltip instead).
+:func:`rollup` places nodes from the traced graph when given, else from the plan's ``Stage.modules``.
 """
 
 from __future__ import annotations
@@ -93,7 +81,11 @@ def _under(child: str, parent: str) -> bool:
 
 
 def _fold(keys: Sequence[str]) -> list[str]:
-    """Each key's box after folding (see the module docstring)."""
+    """Each key's box after folding: nodes owned by a module that also has boxes below it — a block's residual adds
+    (``layers.7``), the root's own glue (``(root)``) — join the box just before them when that box lies inside their
+    module (the residual add closes the attention or MLP half it follows, as in the partitioner's segments), else the
+    next one; so a 32-layer LLaMA gives 4 boxes per layer instead of 5. A module with no box below it keeps its own.
+    """
     ancestors = {".".join(k.split(".")[:i]) for k in keys if k for i in range(len(k.split(".")))}
     out: list[str | None] = []
     for k in keys:
@@ -220,7 +212,17 @@ def _rollup_plan(plan: Plan, depth: int | None) -> Rollup:
 
 def rollup(plan: Plan, graph: Any = None, *, depth: int | None = None) -> Rollup:
     """The boxes of ``plan`` rolled up to ``depth`` module-path components (automatic when ``None``), from the
-    traced ``graph`` when given, else from the plan's stage modules (see the module docstring)."""
+    traced ``graph`` when given, else from the plan's stage modules.
+
+    Node → module mapping. With the traced graph (``graph``: a ``torch.fx.GraphModule`` or ``Graph``, e.g. from
+    :func:`rpcompile.trace` or :func:`rpcompile.planner.planning.prepare`) every compute node is placed by its
+    ``nn_module_stack`` meta, edges between boxes are the graph's data edges, and saved activations are placed on the
+    boxes exactly. A :class:`~rpcompile.core.plan.Plan` alone stores node *names* and, per stage, the module paths its
+    nodes come from (``Stage.modules``, written by :mod:`rpcompile.passes.lower`) but not which node belongs to which
+    module — so without a graph the boxes come from ``Stage.modules`` (forward stages in order, then the backward stages
+    from the last), they are chained in that order, and saved modules come from ``Stage.saved_modules`` (plans older
+    than that field leave the saved marker out: each stage's saved count goes in the box tooltip instead).
+    """
     if depth is not None and depth < 1:
         raise ConfigError(f"depth must be >= 1, got {depth}; or leave it out for an automatic depth")
     return _rollup_graph(plan, graph, depth) if graph is not None else _rollup_plan(plan, depth)

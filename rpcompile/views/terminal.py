@@ -1,4 +1,4 @@
-"""Text for the terminal: tables that show what they are given as written (issue 36).
+"""Text for the terminal: tables that show what they are given as written.
 
 Names in a plan or a cache file reach the CLI's tables. Rich reads a plain string as markup (``[bold]`` styles the
 rest, brackets vanish) and emoji codes, and passes control characters (ESC, CSI, OSC, C1) to the terminal.

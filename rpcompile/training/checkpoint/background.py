@@ -1,31 +1,19 @@
 """Saving on a thread of its own, so that a large save does not stall training (``save_checkpoint(...,
 background=True)``).
 
-**What stays consistent.** ``save_checkpoint`` takes the snapshot at the save point on the caller's thread
-(:func:`.snapshot.take_snapshot`: the pipeline's state, the buffers and ``extra`` copied; the parameters and the
-optimizer's state referenced) and returns a :class:`PendingSave`. The thread then
+snapshot
+    What ``save_checkpoint`` takes at the save point on the caller's thread (:func:`.snapshot.take_snapshot`: the
+    pipeline's state, the buffers and ``extra`` copied; the parameters and the optimizer's state referenced); it
+    returns a :class:`PendingSave`.
+copy
+    The thread's first step: the parameters and optimizer state copied (:meth:`Snapshot.copy
+    <.snapshot.Snapshot.copy>`) beside the next ``forward_backward``; until it is done every optimizer step and
+    ``load_state_dict`` waits for it, so nothing changes what is being saved.
+write
+    The thread's second step: the copy written as a checkpoint directory, atomic and checksummed as a synchronous
+    save (:func:`.snapshot.write_snapshot`), then the checkpoints beyond ``keep`` removed.
 
-1. **copies** the parameters and optimizer state (:meth:`Snapshot.copy <.snapshot.Snapshot.copy>`, a memory copy
-   beside the next ``forward_backward``, which only reads them), and
-2. **writes** the copy as a checkpoint directory — atomic and checksummed as a synchronous save
-   (:func:`.snapshot.write_snapshot`) — then removes the checkpoints beyond ``keep``.
-
-Until step 1 is done, every optimizer step in this process — ``pipe.step``, an overlapped step on its thread, an
-HF Trainer's ``optimizer.step()`` — waits for it (a global ``torch.optim`` step pre-hook), and so do
-``model.load_state_dict`` and ``optimizer.load_state_dict``: nothing changes what is being saved. In-place
-writes to the weights by other means (``p.data.mul_()``) are not watched: :meth:`PendingSave.wait` first.
-
-**What it costs.** Host memory: a second copy of the parameters and of the optimizer's state (fp32 masters and
-AdamW's two moments: 12 bytes per trainable parameter) until the write ends — refused in one line when the host
-has less available (``/proc/meminfo``), so the caller can save synchronously instead. Time: the caller pays the
-snapshot (the buffers, the pipeline state), the first step after the save may wait for the rest of the copy (a
-memory copy, seconds for billions of parameters), and the write's disk time overlaps training.
-
-**Order and failure.** Saves into one directory run one at a time: a new ``save_checkpoint`` or
-``load_checkpoint`` there waits for the pending one and raises its failure (one line), as does
-:meth:`PendingSave.wait`; a failure also warns (:class:`.state.CheckpointWarning`) when it happens. The thread is
-not a daemon: the interpreter waits for a pending save before it exits (a ``KeyboardInterrupt`` in the training
-loop does not lose it). A process killed mid-write leaves only a temporary directory, swept by a later save.
+:class:`PendingSave` says what a background save costs and how saves are ordered and fail.
 """
 
 from __future__ import annotations
@@ -66,7 +54,24 @@ def _before_step(*args: Any, **kwargs: Any) -> None:
 
 
 class PendingSave:
-    """A checkpoint being written in the background (module docstring)."""
+    """A checkpoint being written in the background.
+
+    Until step 1 is done, every optimizer step in this process — ``pipe.step``, an overlapped step on its thread, an HF
+    Trainer's ``optimizer.step()`` — waits for it (a global ``torch.optim`` step pre-hook), and so do
+    ``model.load_state_dict`` and ``optimizer.load_state_dict``: nothing changes what is being saved. In-place writes to
+    the weights by other means (``p.data.mul_()``) are not watched: :meth:`PendingSave.wait` first.
+
+    **What it costs.** Host memory: a second copy of the parameters and of the optimizer's state (fp32 masters and
+    AdamW's two moments: 12 bytes per trainable parameter) until the write ends — refused in one line when the host
+    has less available (:func:`available_memory`), so the caller can save synchronously instead. Time: the caller
+    pays the snapshot (the buffers, the pipeline state), the first step after the save may wait for the rest of the
+    copy (a memory copy), and the write's disk time overlaps training.
+
+    **Order and failure.** Saves into one directory run one at a time: a new ``save_checkpoint`` or
+    ``load_checkpoint`` there waits for the pending one and raises its failure (one line), as does :meth:`wait`; a
+    failure also warns (:class:`.state.CheckpointWarning`) when it happens. A process killed mid-write leaves only a
+    temporary directory, swept by a later save.
+    """
 
     def __init__(self, path: Path, snapshot: Snapshot, write: Callable[[Snapshot], None]) -> None:
         self.path = path
@@ -82,6 +87,8 @@ class PendingSave:
         """Seconds the write took (training went on meanwhile), once done."""
         self._pid = os.getpid()
         self._hooks: list[Any] = []
+        # not a daemon: the interpreter waits for a pending save before it exits (a KeyboardInterrupt in the
+        # training loop does not lose it)
         self._thread = threading.Thread(target=self._run, args=(snapshot, write), daemon=False,
                                         name=f"rpcompile-save-{snapshot.step}")
 
@@ -157,7 +164,7 @@ def _forget(pending: PendingSave) -> None:
 
 
 def wait_pending(root: Path) -> None:
-    """Wait for the pending save into ``root``, if any, raising its failure (module docstring)."""
+    """Wait for the pending save into ``root``, if any, raising its failure (:class:`PendingSave`)."""
     with _LOCK:
         pending = _PENDING.get(root.resolve())
     if pending is not None:
@@ -178,7 +185,7 @@ def available_memory() -> int | None:
 
 def start_background(root: Path, path: Path, snapshot: Snapshot, write: Callable[[Snapshot], None], *,
                      model: torch.nn.Module, optimizers: list[Any]) -> PendingSave:
-    """Check the host can hold the snapshot's copy, then start writing it on a thread (module docstring)."""
+    """Check the host can hold the snapshot's copy, then start writing it on a thread (:class:`PendingSave`)."""
     need, free = snapshot.shared_bytes(), available_memory()
     if free is not None and need > free:
         raise CheckpointError(f"save_checkpoint(background=True) copies {need / 2**30:.1f} GiB of weights and "

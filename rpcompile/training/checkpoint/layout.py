@@ -11,14 +11,9 @@ beside the plan and older checkpoints of the earlier format (single files ``ckpt
                        extra.pt                   extra= (the data position, a scheduler's state)
                        checkpoint.json            the manifest, written last
 
-The **manifest** ``checkpoint.json`` names every file with its size and sha256, the step, the tied weights
-(dropped name → kept name), how many optimizer states and whether ``extra`` was saved, and ends with a sha256 of
-itself (``digest``: of the rest as canonical JSON), so a flipped bit anywhere is caught. :func:`verify_directory`
-reads it (strict, bounded JSON; every field checked) and checks each file — a regular file (no link followed),
-its size, its checksum — before anything is parsed. The directory is written whole or not at all
-(:func:`rpcompile.core.files.atomic_directory`), so a checkpoint's name only ever holds a whole checkpoint;
-:func:`newest_good` takes the newest one that verifies, moving a bad one aside (``<name>.corrupt``) with a
-one-line warning.
+The **manifest** ``checkpoint.json`` (:class:`Manifest`) names every file with its size and sha256 and is
+written last; :func:`verify_directory` checks it and every file before anything is parsed, and :func:`newest_good`
+takes the newest checkpoint that verifies.
 """
 
 from __future__ import annotations
@@ -55,7 +50,17 @@ _CHUNK = 1 << 22
 
 @dataclass(frozen=True)
 class Manifest:
-    """What ``checkpoint.json`` says (module docstring)."""
+    """What ``checkpoint.json`` says.
+
+    The **manifest** ``checkpoint.json`` names every file with its size and sha256, the step, the tied weights (dropped
+    name → kept name), how many optimizer states and whether ``extra`` was saved, and ends with a sha256 of itself
+    (``digest``: of the rest as canonical JSON), so a flipped bit anywhere is caught. :func:`verify_directory` reads it
+    (strict, bounded JSON; every field checked) and checks each file — a regular file (no link followed), its size, its
+    checksum — before anything is parsed. The directory is written whole or not at all
+    (:func:`rpcompile.core.files.atomic_directory`), so a checkpoint's name only ever holds a whole checkpoint;
+    :func:`newest_good` takes the newest one that verifies, moving a bad one aside (``<name>.corrupt``) with a one-line
+    warning.
+    """
 
     files: dict[str, tuple[int, str]]
     """Each file → (bytes, sha256 hex)."""
@@ -83,6 +88,9 @@ def checkpoint_name(step: int) -> str:
 
 def optimizer_files(count: int) -> list[str]:
     """The files of ``count`` optimizer states: ``optimizer.pt`` for one, ``optimizer-<i>.pt`` for several."""
+    # plain torch.save of state_dict(), not torch.distributed.checkpoint: that format's .metadata is read with a full
+    # pickle.load (files would be code), needs its own API to read, and its resharding buys nothing here (the
+    # optimizer's state lives whole in each process's host memory)
     return ["optimizer.pt"] if count == 1 else [f"optimizer-{i}.pt" for i in range(count)]
 
 

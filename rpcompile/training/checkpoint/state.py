@@ -1,32 +1,16 @@
-"""What a checkpoint holds, and the checks it must pass before anything loads from it (issue 36: all or nothing).
+"""What a checkpoint holds, and the checks it must pass before anything loads from it (all or nothing).
 
-The **pipeline's state** (:func:`pipeline_state`, what :meth:`Pipeline.state_dict
-<rpcompile.training.pipeline.Pipeline.state_dict>` returns):
-
-- ``iteration``: the number of ``forward_backward`` calls so far, which seeds every dropout mask (with the node
-  and the microbatch, :mod:`rpcompile.runtime.rng`) — a fresh pipeline starts at 0 and would draw the first
-  iteration's masks again;
-- ``dropout_seed``: the seed every dropout mask is drawn from beside them (``torch.initial_seed()`` when the
-  pipeline was made; a resumed run draws the saved run's masks whatever the new process's seed is; a version-1
-  state, saved before there was one, resumes with the masks it was drawing);
-- ``scaler``: the ``GradScaler``'s state (scale, growth tracker) when the pipeline holds one (fp16);
-- ``stale_weights``: after ``pipe.step(optimizer, overlap=True)``, the copies of the weights from *before* that
-  step, which the next iteration computes with (one step stale, :meth:`Pipeline.step <rpcompile.Pipeline.step>`). The step itself is waited
-  for, so the masters in the model's ``state_dict`` are the stepped ones; saving never changes what training
-  computes, and a resumed run goes on one step stale where the saved one would have;
-- what the state was computed with, checked on load: a version, the plan's model fingerprint
-  (:class:`rpcompile.core.plan.Fingerprint`: the traced graph, whose node names key the dropout seeds, and the
-  parameters), the microbatch count, the precision and the plan's cuts (:func:`plan_cuts`: each stage's nodes and
-  saved nodes — a fused stage and a forward/backward pair round differently in the last bit), and the plan
-  itself. The devices are not part of it: the same cuts on other devices continue bit for bit. A state that
-  differs is refused in one line; ``exact=False`` loads it anyway (the iteration, the dropout seed and the scaler
-  carry over).
-
-**Checks before loading.** :func:`rpcompile.load_checkpoint` changes the model, the optimizers and the pipeline
-only once every check here has passed: the pipeline state's fields and types (:func:`pipeline_state_problem`),
-the model's keys and shapes (``load_state_dict`` copies what fits before it refuses the rest) and each optimizer's
-groups and per-parameter state (:func:`optimizer_state_problem`; torch's own load checks no shapes). Each
-``*_problem`` function returns the first problem in a few words, or None; the caller says where and what to do.
+pipeline state
+    What :meth:`Pipeline.state_dict <rpcompile.training.pipeline.Pipeline.state_dict>` returns
+    (:func:`pipeline_state`): the iteration and dropout seed that seed every mask, the scaler's state, an
+    overlapped step's stale weights, and what they were computed with (version, model fingerprint, microbatches,
+    precision, the plan's cuts, :func:`plan_cuts`), which :func:`check_pipeline_state` checks on load.
+checks before loading
+    :func:`rpcompile.load_checkpoint` changes the model, the optimizers and the pipeline only once every check here
+    has passed: the pipeline state's fields and types (:func:`pipeline_state_problem`), the model's keys and shapes
+    (``load_state_dict`` copies what fits before it refuses the rest) and each optimizer's groups and
+    per-parameter state (:func:`optimizer_state_problem`; torch's own load checks no shapes). Each ``*_problem``
+    function returns the first problem in a few words, or None; the caller says where and what to do.
 """
 
 from __future__ import annotations
@@ -112,8 +96,27 @@ def plan_cuts(plan: Plan) -> str:
 
 
 def pipeline_state(pipe: Resumable, stale_weights: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    """The pipeline's state (module docstring); ``stale_weights``: the copies the next iteration computes with
-    when an overlapped step is done but no iteration has run beside it yet (else empty)."""
+    """The pipeline's state; ``stale_weights``: the copies the next iteration computes with when an overlapped
+    step is done but no iteration has run beside it yet (else empty). Its fields:
+
+    - ``iteration``: the number of ``forward_backward`` calls so far, which seeds every dropout mask (with the node and
+      the microbatch, :mod:`rpcompile.runtime.rng`) — a fresh pipeline starts at 0 and would draw the first iteration's
+      masks again;
+    - ``dropout_seed``: the seed every dropout mask is drawn from beside them (``torch.initial_seed()`` when the
+      pipeline was made; a resumed run draws the saved run's masks whatever the new process's seed is; a version-1
+      state, saved before there was one, resumes with the masks it was drawing);
+    - ``scaler``: the ``GradScaler``'s state (scale, growth tracker) when the pipeline holds one (fp16);
+    - ``stale_weights``: after ``pipe.step(optimizer, overlap=True)``, the copies of the weights from *before* that
+      step, which the next iteration computes with (one step stale, :meth:`Pipeline.step <rpcompile.Pipeline.step>`).
+      The step itself is waited for, so the masters in the model's ``state_dict`` are the stepped ones; saving never
+      changes what training computes, and a resumed run goes on one step stale where the saved one would have;
+    - what the state was computed with, checked on load: a version, the plan's model fingerprint
+      (:class:`rpcompile.core.plan.Fingerprint`: the traced graph, whose node names key the dropout seeds, and the
+      parameters), the microbatch count, the precision and the plan's cuts (:func:`plan_cuts`: each stage's nodes and
+      saved nodes — a fused stage and a forward/backward pair round differently in the last bit), and the plan itself.
+      The devices are not part of it: the same cuts on other devices continue bit for bit. A state that differs is
+      refused in one line; ``exact=False`` loads it anyway (the iteration, the dropout seed and the scaler carry over).
+    """
     scaler = pipe.scaler
     return {"format": STATE_FORMAT, "version": STATE_VERSION, "model": pipe.plan.model.digest,
             "cuts": plan_cuts(pipe.plan), "plan": pipe.plan.to_json(), "microbatches": pipe.microbatches,

@@ -1,24 +1,14 @@
 """The safetensors format, written and read as data (no pickle, every field bounded and checked).
 
-A safetensors file (https://github.com/huggingface/safetensors, the format ``safetensors.torch.load_file`` and
-HF ``from_pretrained`` read) is
+safetensors file
+    The format ``safetensors.torch.load_file`` and HF ``from_pretrained`` read
+    (https://github.com/huggingface/safetensors): the header's length, the **header** (JSON: each tensor's dtype,
+    shape and data offsets, and ``"__metadata__"``), then the **data**, which the tensors tile exactly
+    (:func:`read_header`).
 
-- 8 bytes: the header's length ``N``, an unsigned little-endian integer;
-- ``N`` bytes: the **header**, a JSON object — for each tensor ``name: {"dtype": "F32", "shape": [4, 8],
-  "data_offsets": [begin, end]}``, and ``"__metadata__"``: text keys to text values (HF writes
-  ``{"format": "pt"}``) — padded with spaces to a multiple of 8 bytes;
-- the **data**: each tensor's elements, row-major and little-endian, at ``[begin, end)`` from the data's start.
-  The tensors tile the data exactly: no gap, no overlap, no byte beyond.
-
-rpcompile writes the format itself (:func:`write_tensors`) rather than through the ``safetensors`` package: the
-bytes stream from the tensors into a file that :func:`rpcompile.core.files.write_atomic` opened (exclusive,
-unpredictable, never through a link; the package's ``save_file`` opens a path of its own), hashed on the way for
-the checkpoint's manifest, with no copy of the whole file in memory (``safetensors.torch.save`` returns one). Tensors go in by element size, largest first, so each
-one starts at a multiple of its own (what readers that map the file want). Reading (:func:`read_header`,
-:func:`read_tensors`) parses the header as strict bounded JSON (at most :data:`MAX_HEADER_BYTES`, as the
-``safetensors`` package allows) and checks every entry — a dtype this torch has, a shape of whole numbers whose
-bytes are its offsets' span, the tiling, the file's length — before a byte of data is read. Each problem is a
-:class:`ValueError` of one line; the caller names the file and the fix.
+rpcompile writes the format itself (:func:`write_tensors`) rather than through the ``safetensors`` package, and
+reads it (:func:`read_header`, :func:`read_tensors`) checking every header entry before a byte of data is read.
+Each problem is a :class:`ValueError` of one line; the caller names the file and the fix.
 """
 
 from __future__ import annotations
@@ -88,6 +78,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 def _layout(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> tuple[bytes, list[str]]:
     """The padded header for ``tensors`` and the order their data goes in (largest element size first)."""
+    # by element size, largest first: each tensor starts at a multiple of its own (what readers that map the file want)
     order = sorted(tensors, key=lambda n: -tensors[n].element_size())
     head: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
@@ -104,7 +95,13 @@ def _layout(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) ->
 
 def write_tensors(f: IO[bytes], tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
                   ) -> None:
-    """Write ``tensors`` (names unique) in the safetensors format to the open binary file ``f``."""
+    """Write ``tensors`` (names unique) in the safetensors format to the open binary file ``f``.
+
+    rpcompile writes the format itself (:func:`write_tensors`) rather than through the ``safetensors`` package: the
+    bytes stream from the tensors into a file that :func:`rpcompile.core.files.write_atomic` opened (exclusive,
+    unpredictable, never through a link; the package's ``save_file`` opens a path of its own), hashed on the way for the
+    checkpoint's manifest, with no copy of the whole file in memory (``safetensors.torch.save`` returns one).
+    """
     if sys.byteorder != "little":
         raise ValueError("safetensors stores little-endian data; this machine is big-endian")
     header, order = _layout(tensors, metadata or {})
@@ -122,8 +119,21 @@ def _pieces(header: bytes, order: list[str], tensors: Mapping[str, torch.Tensor]
 
 
 def read_header(f: IO[bytes], size: int) -> Header:
-    """The checked header of the open safetensors file ``f`` of ``size`` bytes (module docstring); ValueError (one
-    line) naming the first problem."""
+    """The checked header of the open safetensors file ``f`` of ``size`` bytes; ValueError (one line) naming the
+    first problem. The layout:
+
+    - 8 bytes: the header's length ``N``, an unsigned little-endian integer;
+    - ``N`` bytes: the **header**, a JSON object — for each tensor
+      ``name: {"dtype": "F32", "shape": [4, 8], "data_offsets": [begin, end]}``, and ``"__metadata__"``: text keys to
+      text values (HF writes ``{"format": "pt"}``) — padded with spaces to a multiple of 8 bytes;
+    - the **data**: each tensor's elements, row-major and little-endian, at ``[begin, end)`` from the data's start. The
+      tensors tile the data exactly: no gap, no overlap, no byte beyond.
+
+    Reading parses the header as strict bounded JSON (at most :data:`MAX_HEADER_BYTES`, as the ``safetensors`` package
+    allows) and checks every entry — a dtype this torch has, a shape of whole numbers whose bytes are its offsets' span,
+    the tiling, the file's length — before a byte of data is read. Each problem is a :class:`ValueError` of one line;
+    the caller names the file and the fix.
+    """
     head = f.read(8)
     if len(head) < 8:
         raise ValueError(f"{size} bytes, shorter than the 8 that give the header's length")

@@ -1,27 +1,15 @@
 """A model's weights as HF ``save_pretrained`` lays them out, read back into any model without a pipeline.
 
-**Files.** The model's ``state_dict`` (fp32 masters, buffers; frozen parameters in the dtype they are kept in) as
-safetensors (:mod:`.tensorfile`, metadata ``{"format": "pt"}``): one ``model.safetensors``, or — above
-``max_shard_size`` (default ``"5GB"``, as ``huggingface_hub`` splits) — shards ``model-00001-of-00003.safetensors``
-filled in the ``state_dict``'s order (a tensor larger than the limit alone in its shard) and
-``model.safetensors.index.json``: ``{"metadata": {"total_size": bytes}, "weight_map": {name: shard}}``, each
-tensor's shard, written as HF writes it. An HF model (one whose ``config`` has ``save_pretrained``) also gets its
-``config.json`` — written by its own ``config.save_pretrained``, with ``architectures`` and the weights' dtype
-set as ``save_pretrained`` sets them — and ``generation_config.json`` when it generates, so
-``AutoModelForCausalLM.from_pretrained(directory)`` builds it.
-
-**Tied weights** (one tensor under several names, e.g. ``lm_head.weight`` and ``model.embed_tokens.weight``):
-safetensors holds no aliases, so each is written once, as HF does: the names a module declares tied
-(``_tied_weights_keys``, matched as HF matches them) are dropped in favour of the one they are tied to; other
-aliases keep their first name in ``state_dict`` order. What was dropped is listed (``tied``: dropped → kept), and
-:func:`~rpcompile.load_weights` fills a dropped name from the one kept — as does ``from_pretrained``, which ties them again.
-
-**Reading** (:func:`~rpcompile.load_weights`, :func:`read_weights`): a directory that rpcompile wrote (its manifest's
-checksums are checked first, :mod:`.layout`), the newest good checkpoint of a run's directory, or any directory
-``save_pretrained`` wrote; every header is checked (:mod:`.tensorfile`), the index against the shards' headers,
-and the names, shapes and dtypes against the model before anything is copied into it (all or nothing). A float
-weight loads into a float parameter of another float dtype cast, as ``load_state_dict`` casts; an integer or
-boolean one must match.
+weight files
+    The model's ``state_dict`` as safetensors (:mod:`.tensorfile`): one ``model.safetensors``, or shards and
+    ``model.safetensors.index.json`` above ``max_shard_size`` (:func:`write_weights`); an HF model also gets its
+    ``config.json`` (:func:`write_config`), so ``AutoModelForCausalLM.from_pretrained(directory)`` builds it.
+tied weights
+    One tensor under several names (``lm_head.weight`` and ``model.embed_tokens.weight``): written once, as HF
+    does, the dropped names listed in ``tied`` (dropped → kept; :func:`untie`).
+reading
+    :func:`~rpcompile.load_weights` and :func:`read_weights` read a directory rpcompile or ``save_pretrained``
+    wrote, checking everything against the model before anything is copied into it (all or nothing).
 """
 
 from __future__ import annotations
@@ -84,7 +72,15 @@ def _tied_patterns(model: torch.nn.Module | None) -> list[str]:
 def untie(state: Mapping[str, Any], model: torch.nn.Module | None = None
           ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """``state`` with each alias (the same tensor under several names) once, and ``tied``: dropped name → kept
-    name (module docstring). Refuses a non-tensor entry (a module's ``_extra_state``) in one line."""
+    name. Refuses a non-tensor entry (a module's ``_extra_state``) in one line.
+
+    **Tied weights** (one tensor under several names, e.g. ``lm_head.weight`` and ``model.embed_tokens.weight``):
+    safetensors holds no aliases, so each is written once, as HF does: the names a module declares tied
+    (``_tied_weights_keys``, matched as HF matches them) are dropped in favour of the one they are tied to; other
+    aliases keep their first name in ``state_dict`` order. What was dropped is listed (``tied``: dropped → kept), and
+    :func:`~rpcompile.load_weights` fills a dropped name from the one kept — as does ``from_pretrained``, which ties
+    them again.
+    """
     bad = next((k for k, v in state.items() if not isinstance(v, torch.Tensor)), None)
     if bad is not None:
         raise CheckpointError(f"the model's state_dict holds {printable(bad, limit=80)!r}, a "
@@ -130,7 +126,14 @@ def _shard_names(count: int) -> list[str]:
 def write_weights(directory: Path, tensors: Mapping[str, torch.Tensor], max_bytes: int) -> Written:
     """Write ``tensors`` (aliases removed: :func:`untie`) into ``directory`` as ``model.safetensors`` or shards
     and their index, each file through :func:`~rpcompile.core.files.write_atomic`; stale shards of an earlier save there are removed.
-    Returns each file's bytes and sha256."""
+    Returns each file's bytes and sha256.
+
+    The model's ``state_dict`` (fp32 masters, buffers; frozen parameters in the dtype they are kept in) as safetensors
+    (:mod:`.tensorfile`, metadata ``{"format": "pt"}``): one ``model.safetensors``, or — above ``max_shard_size``
+    (default ``"5GB"``, as ``huggingface_hub`` splits) — shards ``model-00001-of-00003.safetensors`` filled in the
+    ``state_dict``'s order (a tensor larger than the limit alone in its shard) and ``model.safetensors.index.json``:
+    ``{"metadata": {"total_size": bytes}, "weight_map": {name: shard}}``, each tensor's shard, written as HF writes it.
+    """
     groups = shards(tensors, max_bytes)
     names = _shard_names(len(groups))
     written: Written = {}
@@ -164,8 +167,12 @@ def hf_config(model: torch.nn.Module) -> tuple[Any, Any] | None:
 
 
 def write_config(directory: Path, config: Any, generation_config: Any, dtype: torch.dtype | None) -> list[str]:
-    """An HF model's ``config.json`` (and ``generation_config.json``) in ``directory`` (:func:`hf_config`'s
-    copies), as ``save_pretrained`` writes them (module docstring); the files written."""
+    """An HF model's ``config.json`` (and ``generation_config.json``) in ``directory`` (:func:`hf_config`'s copies), as
+    ``save_pretrained`` writes them; the files written. An HF model (one whose ``config`` has ``save_pretrained``) also
+    gets its ``config.json`` — written by its own ``config.save_pretrained``, with ``architectures`` and the weights'
+    dtype set as ``save_pretrained`` sets them — and ``generation_config.json`` when it generates, so
+    ``AutoModelForCausalLM.from_pretrained(directory)`` builds it.
+    """
     if dtype is not None:
         setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype", str(dtype).split(".")[1])
     config.save_pretrained(str(directory))
@@ -203,9 +210,15 @@ def weight_files(directory: Path) -> dict[str, list[str] | None]:
 
 def read_weights(directory: Path, tied: Mapping[str, str] | None = None,
                  listed: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
-    """The tensors of the weights in ``directory`` (checked: module docstring), dropped aliases filled from
+    """The tensors of the weights in ``directory`` (checked), dropped aliases filled from
     ``tied`` (dropped → kept); ``listed``: the files a manifest vouches for, outside which nothing is read.
-    ValueError (one line, naming the file) for a malformed one."""
+    ValueError (one line, naming the file) for a malformed one.
+
+    Reads a directory that rpcompile wrote (its manifest's checksums are checked first, :mod:`.layout`), the newest good
+    checkpoint of a run's directory, or any directory ``save_pretrained`` wrote; every header is checked
+    (:mod:`.tensorfile`), the index against the shards' headers, and the names, shapes and dtypes against the model
+    before anything is copied into it (all or nothing).
+    """
     state: dict[str, torch.Tensor] = {}
     files = weight_files(directory)
     if listed is not None:
@@ -236,8 +249,10 @@ def _kind(dtype: torch.dtype) -> str:
 
 
 def weights_problem(model: torch.nn.Module, state: Mapping[str, torch.Tensor], *, strict: bool = True) -> str | None:
-    """What does not fit ``model`` in ``state`` — a name missing or unexpected (where ``strict``), a shape, a
-    dtype that does not cast (module docstring) — in a few words, or None."""
+    """What does not fit ``model`` in ``state`` — a name missing or unexpected (where ``strict``), a shape, a dtype that
+    does not cast — in a few words, or None. A float weight loads into a float parameter of another float dtype cast, as
+    ``load_state_dict`` casts; an integer or boolean one must match.
+    """
     mine = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
     if strict:
         missing, unexpected = [k for k in mine if k not in state], [k for k in state if k not in mine]

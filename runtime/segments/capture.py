@@ -20,7 +20,7 @@ from functorch.compile import make_boxed_func
 from torch._functorch.aot_autograd import aot_function
 from torch._functorch.partitioners import default_partition
 
-from .symbolic import Guards, bind_sizes, concrete, concrete_layout, concrete_value
+from .symbolic import Binder, Guards, bind_sizes, concrete, concrete_layout, concrete_value, size_binders
 
 __all__ = ["HostSaved", "SegmentAOT", "Bound", "Layout", "BOUND_CACHE", "SegmentFunction", "capture_segment", "Aliased"]
 
@@ -115,7 +115,7 @@ class SegmentAOT:
     guards: Guards | None = None
     """For a symbolic capture: the shapes it runs (:mod:`rpcompile.runtime.segments.symbolic`)."""
     _bound: dict[frozenset, Bound] = field(default_factory=dict, compare=False, repr=False)
-    _metas: tuple[list[Any], list[Any]] | None = field(default=None, compare=False, repr=False)
+    _metas: tuple[list[Binder], list[Any]] | None = field(default=None, compare=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
 
     def bound(self, values: Sequence[Any]) -> tuple[Bound, dict]:
@@ -123,12 +123,12 @@ class SegmentAOT:
         capture is a size of an activation input: they bind them all), and the symbols' values. Kept per symbol
         values: captures are shared by identical segments and several devices' threads, hence the lock."""
         with self._lock:
-            if self._metas is None:  # the graphs' placeholders' example values
-                self._metas = ([p.meta.get("val") for p in self.fw.graph.find_nodes(op="placeholder")],
+            if self._metas is None:  # where the fw inputs bind the symbols; the bw inputs' example values
+                self._metas = (size_binders([p.meta.get("val") for p in self.fw.graph.find_nodes(op="placeholder")]),
                                [p.meta.get("val") for p in self.bw.graph.find_nodes(op="placeholder")]
                                if self.bw is not None else [])
-            fw_metas, bw_metas = self._metas
-            bindings = bind_sizes(fw_metas, values) if self.guards is not None else {}
+            binders, bw_metas = self._metas
+            bindings = bind_sizes(binders, values) if self.guards is not None else {}
             key = frozenset(bindings.items())
             hit = self._bound.get(key)
             if hit is None:

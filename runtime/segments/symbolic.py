@@ -14,7 +14,7 @@ the symbols of one capture take in one call (read off its tensors' sizes and the
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Sequence, cast
+from typing import Any, Mapping, Sequence, cast
 
 import sympy
 import torch
@@ -23,7 +23,7 @@ from torch._dynamo.source import LocalSource
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP, DimDynamic, ShapeEnv, StatelessSymbolicContext
 
-__all__ = ["Guards", "fake_inputs", "bind_sizes", "concrete", "concrete_layout", "concrete_value"]
+__all__ = ["Guards", "fake_inputs", "Binder", "size_binders", "bind_sizes", "concrete", "concrete_layout", "concrete_value"]
 
 
 def fake_inputs(examples: Sequence[Any], dynamic: Sequence[bool]) -> tuple[FakeTensorMode, list[Any]]:
@@ -75,22 +75,27 @@ def _expr(v: Any) -> Any:
     return v.node.expr if isinstance(v, torch.SymInt) else v
 
 
-def bind_sizes(metas: Sequence[Any], values: Sequence[Any]) -> dict[sympy.Symbol, int]:
-    """The symbols' values in one call: a meta size (or a saved SymInt) that is a bare symbol takes the value the
-    call's tensor (or int) has in its place."""
-    out: dict[sympy.Symbol, int] = {}
-    for meta, value in zip(metas, values):
-        pairs: Iterable[tuple[Any, int]]
-        if isinstance(meta, torch.Tensor) and isinstance(value, torch.Tensor):
-            pairs = zip(meta.shape, value.shape)
-        elif isinstance(meta, torch.SymInt) and isinstance(value, int):
-            pairs = [(meta, value)]
-        else:
-            continue
-        for m, v in pairs:
-            if isinstance(_expr(m), sympy.Symbol):
-                out[_expr(m)] = int(v)
+#: Where a call's value of a symbol is: ``(input, dim, symbol)`` — dim ``dim`` of tensor input ``input``, or the
+#: int input itself where ``dim`` is None (:func:`size_binders`).
+Binder = tuple[int, "int | None", sympy.Symbol]
+
+
+def size_binders(metas: Sequence[Any]) -> list[Binder]:
+    """Where each symbol of a graph's inputs (their example values ``metas``) is bound in a call: a meta size (or a
+    SymInt input) that is a bare symbol takes the value the call's tensor (or int) has in its place. Worked out
+    once per graph; :func:`bind_sizes` reads a call's values off it."""
+    out: list[Binder] = []
+    for i, meta in enumerate(metas):
+        if isinstance(meta, torch.Tensor):
+            out += [(i, d, _expr(m)) for d, m in enumerate(meta.shape) if isinstance(_expr(m), sympy.Symbol)]
+        elif isinstance(meta, torch.SymInt) and isinstance(_expr(meta), sympy.Symbol):
+            out.append((i, None, _expr(meta)))
     return out
+
+
+def bind_sizes(binders: Sequence[Binder], values: Sequence[Any]) -> dict[sympy.Symbol, int]:
+    """The symbols' values in one call whose inputs are ``values`` (:func:`size_binders`)."""
+    return {sym: int(values[i] if d is None else values[i].shape[d]) for i, d, sym in binders}
 
 
 def concrete_value(v: Any, bindings: Mapping[sympy.Symbol, int]) -> int | None:

@@ -1,23 +1,17 @@
 """What a plan was solved from: the record ``rpcompile check`` compares instead of solving again.
 
-A plan is a function of its inputs — the node costs, the partition problem made from them, the hardware, the
-planning options and the solver itself — so when none of them moved, a fresh solve would find the same plan and
-``check`` need not run one (a solve takes seconds to minutes). :func:`solve_inputs` makes the record
-(``Plan.inputs``), :func:`moved_inputs` names what differs between two records.
+A plan is a function of its inputs, so when none of them moved a fresh solve would find the same plan and
+``check`` need not run one. :func:`solve_inputs` makes the record (``Plan.inputs``, plain JSON),
+:func:`moved_inputs` names what differs between two records:
 
-The record (plain JSON):
-
-- ``costs``: digest of every compute node's :class:`~rpcompile.passes.cost.cost_model.NodeCost` (times, bytes, FLOPs, parameters), in order;
+- ``costs``: digest of every compute node's :class:`~rpcompile.passes.cost.cost_model.NodeCost` (times, bytes,
+  FLOPs, parameters), in order;
 - ``problem``: digest of the :class:`~.solver.problem.PartitionProblem` (the solvers' whole input, in plain numbers);
 - ``hardware``: digest of the plan's :class:`~rpcompile.core.plan.Hardware` (spec, memory, link, host rates);
-- ``options``: the planning options, readable (``strategy``, ``microbatches``, ``precision``, ``memory_bytes``,
-  ``head_chunks``, ``host`` embeddings, ``segments_per_layer``, ``max_segments``, ``allow_save``, ``allow_stay``, and
-  ``overlap`` when the plan is for overlapped iterations);
-- ``solver``: digest of the partitioner's source, every file of ``passes/solver/`` (:func:`solver_digest`; a new
-  partitioner may find a faster plan from the same inputs).
+- ``options``: the planning options, readable (listed at :func:`solve_inputs`);
+- ``solver``: digest of the partitioner's source, every file of ``passes/solver/`` (:func:`solver_digest`).
 
-Digests are 16 hex digits of sha256 over an exact ``repr`` (floats round-trip), so analytic costs give the same
-digest on every run; measured costs differ from run to run, and their plans are always re-solved.
+What a digest is, and why measured costs are always re-solved: :func:`_digest`.
 """
 
 from __future__ import annotations
@@ -43,6 +37,8 @@ __all__ = ["solve_inputs", "moved_inputs", "hardware_digest", "solver_digest", "
 
 
 def _digest(text: str) -> str:
+    """16 hex digits of sha256 over an exact ``repr`` (floats round-trip), so analytic costs give the same digest on
+    every run; measured costs differ from run to run, and their plans are always re-solved."""
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -82,7 +78,13 @@ def solver_digest() -> str:
 
 def solve_inputs(gm: fx.GraphModule, problem: Any, hardware: Hardware, *, strategy: str,
                  precision: str) -> dict[str, Any]:
-    """The record of what a plan of ``gm`` was solved from (see the module docstring)."""
+    """The record of what a plan of ``gm`` was solved from (its fields: module docstring).
+
+    ``options`` holds the planning options, readable: ``strategy``, ``microbatches``, ``precision``,
+    ``memory_bytes``, ``head_chunks``, ``host`` embeddings, ``segments_per_layer``, ``max_segments``,
+    ``allow_save``, ``allow_stay``, and ``overlap`` when the plan is for overlapped iterations. ``solver`` changes
+    with the partitioner's source: a new partitioner may find a faster plan from the same inputs. A plan is a
+    function of these inputs; a solve takes seconds to minutes, which ``check`` spares when none of them moved."""
     coarsen = gm.meta.get(COARSEN_META, {})
     options = {
         "strategy": strategy, "microbatches": problem.microbatches, "precision": precision,

@@ -2,24 +2,16 @@
 
 Terms:
 
-- *fx path*: ``torch.fx`` symbolic tracing. Runs ``forward`` on Proxy objects; ``torch.nn`` modules (and any in
-  ``leaf_modules``) stay as single ``call_module`` nodes. Fast, but fails on data-dependent Python control flow and
-  on forwards it cannot introspect (HuggingFace transformers 5.x: ``co_varnames is too small``).
-- *export path*: ``torch.export.export(..., strict=False)``. Runs the real Python with fake tensors and records
-  aten-level ops; every compute node carries ``meta["nn_module_stack"]``. The graph is specialised to the example
-  input shapes and to non-tensor arguments (e.g. ``use_cache=False``).
+- *fx path*: ``torch.fx`` symbolic tracing (:func:`_trace_fx`); *export path*: non-strict ``torch.export``
+  (:func:`_trace_export`). :func:`trace` tries fx first, and ``gm.meta["rpcompile.trace"]`` records the path taken.
 - *FQN*: a fully-qualified attribute name such as ``layers.3.attn.q_proj.weight``. Both paths return a graph module
   whose parameters and buffers are the model's own tensor objects (shared storage, no copies) under their original
-  FQNs; a tied weight appears once, under the name ``model.named_parameters()`` gives it.
+  FQNs; a tied weight appears once, under the name ``model.named_parameters()`` gives it (export:
+  :func:`_rebind_attributes`).
 - *module path*: the FQN of the innermost module that owns a node (:func:`rpcompile.passes.graph.util.module_path`);
   ``""`` is the root.
 
-``gm.meta["rpcompile.trace"]`` records the path taken: ``"fx"`` or ``"export"``. Both paths make in-place
-computations on the graph's own values out of place (:func:`~rpcompile.passes.graph.inplace.functional_inplace_pass`:
-``nn.ReLU(inplace=True)``, ``out += identity``); fx refuses forwards that switch the grad mode (a statistic updated
-under ``torch.no_grad()``), which it cannot record, and export takes them. When both fail, the
-:class:`~rpcompile.core.errors.TraceError` names the module and source line each failed at
-(:mod:`.trace_failure`).
+What each path can and cannot trace, and what :func:`trace` raises when both fail: :func:`trace`.
 """
 
 from __future__ import annotations
@@ -76,6 +68,14 @@ def trace(
 
     The exported graph module is called like the model (same arguments, same output structure, e.g. a HuggingFace
     ``ModelOutput``): its placeholders and output node are flat and a pytree codegen (un)flattens around them.
+
+    ``gm.meta["rpcompile.trace"]`` records the path taken: ``"fx"`` or ``"export"``. Both paths make in-place
+    computations on the graph's own values out of place
+    (:func:`~rpcompile.passes.graph.inplace.functional_inplace_pass`: ``nn.ReLU(inplace=True)``,
+    ``out += identity``); fx refuses forwards that switch the grad mode (a statistic updated under
+    ``torch.no_grad()``), which it cannot record, and export takes them. When both fail, the
+    :class:`~rpcompile.core.errors.TraceError` names the module and source line each failed at
+    (:mod:`.trace_failure`).
     """
     if method not in ("auto", "fx", "export"):
         raise ConfigError(f"method={method!r}; use 'auto', 'fx' or 'export'")
@@ -247,6 +247,9 @@ class _Tracer(fx.Tracer):
 
 def _trace_fx(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: tuple[LeafSpec, ...],
               ) -> fx.GraphModule:
+    """The fx path: ``torch.fx`` symbolic tracing. Runs ``forward`` on Proxy objects; ``torch.nn`` modules (and any
+    in ``leaf_modules``) stay as single ``call_module`` nodes. Fast, but fails on data-dependent Python control flow
+    and on forwards it cannot introspect (HuggingFace transformers 5.x: ``co_varnames is too small``)."""
     constants = [k for k, v in kwargs.items() if not isinstance(v, Tensor)]
     if constants:
         # fx would bake them in with an assert and rename the placeholder; export specialises them cleanly.
@@ -284,6 +287,9 @@ def _type_name(t: Any) -> str:
 
 def _trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                   dtype: torch.dtype | None = None) -> fx.GraphModule:
+    """The export path: ``torch.export.export(..., strict=False)``. Runs the real Python with fake tensors and
+    records aten-level ops; every compute node carries ``meta["nn_module_stack"]``. The graph is specialised to the
+    example input shapes and to non-tensor arguments (e.g. ``use_cache=False``)."""
     args, kwargs = cast_floating(args, dtype), cast_floating(kwargs, dtype)
     # On failure torch.export prints the partial graph to stderr (pages); keep it only when export succeeds.
     captured = io.StringIO()

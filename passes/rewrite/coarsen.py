@@ -3,19 +3,11 @@
 Terms
 -----
 - **Position**: the index of a compute node in topological order. A **cut after position i** separates nodes
-  ``≤ i`` from nodes ``> i``; any position can be a cut. Its **cost** is the bytes of every tensor *live across
-  it* — produced at or before ``i`` (or a model input) and used after it — because a stage boundary there must
-  ship all of them (activations through host memory, gradients back); floating tensors count in the precision
-  the model runs in (``gm.meta["rpcompile.dtype"]``, the cost model's: an fp32 model planned for bf16 ships bf16).
-- **Group**: a maximal run of consecutive nodes from the same source module at one level below the model's first
-  module list (``layers.3.attn``, ``layers.3.mlp``, ``embed``…); for a model without a module list, the top-level
-  children. With ``segments_per_layer > 2`` one level deeper (``layers.3.mlp.gate_proj``…), so a block can be
-  cut, and its activations saved, in smaller pieces.
-- **Segment**: a run of groups. Coarsening starts from groups and repeatedly merges the cheapest segment
-  (forward + backward time) into the neighbour across the *more expensive* cut, so cheap norms and residual adds
-  join the half-block whose boundary is narrower, until at most ``max_segments`` remain: attention and MLP halves
-  of a transformer block by default (torchgpipe's block partition works on the same idea of fixed candidate cuts);
-  ``segments_per_layer`` asks for more (finer saves, a larger problem for the solver).
+  ``≤ i`` from nodes ``> i``; its **cost** is the bytes of every tensor live across it (:func:`live_bytes`).
+- **Group**: a maximal run of consecutive nodes from the same source module one level below the model's first
+  module list (``layers.3.attn``, ``layers.3.mlp``, ``embed``…; :func:`_group_keys`).
+- **Segment**: a run of groups, merged until at most ``max_segments`` remain — attention and MLP halves of a
+  transformer block by default (how they merge: :func:`coarsen_pass`).
 - **Layer**: a run of segments from the same top-level unit (``layers.3``); baselines cut only between layers.
 
 Outputs: ``node.meta["rpcompile.segment"]`` (segment index) and ``gm.meta["rpcompile.segments"]``: a tuple of
@@ -92,7 +84,11 @@ def live_bytes(gm: fx.GraphModule) -> tuple[int, list[int], list[int]]:
     """(bytes of model inputs live before position 0, bytes live across the cut after each position, bytes each
     position reads for the last time — live while it runs, freed after it).
 
-    A view keeps its base alive, so uses of an alias node count as uses of what it aliases."""
+    A tensor is live across the cut after position ``i`` when it is produced at or before ``i`` (or is a model
+    input) and used after it: a stage boundary there must ship all of them (activations through host memory,
+    gradients back), so any position can be a cut and its bytes are its cost. Floating tensors count in the
+    precision the model runs in (``gm.meta["rpcompile.dtype"]``, the cost model's: an fp32 model planned for bf16
+    ships bf16). A view keeps its base alive, so uses of an alias node count as uses of what it aliases."""
     nodes = compute_nodes(gm)
     pos = {n: i for i, n in enumerate(nodes)}
     n = len(nodes)
@@ -132,7 +128,11 @@ def live_bytes(gm: fx.GraphModule) -> tuple[int, list[int], list[int]]:
 
 
 def _group_keys(nodes: Sequence[fx.Node], deeper: int = 1) -> tuple[list[str], list[str]]:
-    """(group key, layer key) per node; a group is the module path ``deeper`` levels below the layer."""
+    """(group key, layer key) per node; a group is the module path ``deeper`` levels below the layer.
+
+    The layer is the model's first module list (``layers.3``); for a model without a module list, groups are the
+    top-level children. With ``segments_per_layer > 2`` the groups lie one level deeper (``deeper=2``:
+    ``layers.3.mlp.gate_proj``…), so a block can be cut, and its activations saved, in smaller pieces."""
     paths = [module_path(n) for n in nodes]
     depths = [i + 1 for p in paths for i, part in enumerate(p.split(".")) if _NUMERIC.match(part)]
     d = min(depths) if depths else 1
@@ -179,7 +179,13 @@ def default_max_segments(n_layers: int, per_layer: int = 2) -> int:
 
 
 def coarsen_pass(gm: fx.GraphModule, *, max_segments: int | None = None, segments_per_layer: int = 2) -> fx.GraphModule:
-    """Group the compute nodes of a costed graph into segments (see module docstring)."""
+    """Group the compute nodes of a costed graph into segments (terms: module docstring).
+
+    Coarsening starts from groups and repeatedly merges the cheapest segment (forward + backward time) into the
+    neighbour across the *more expensive* cut (:func:`_merge`), so cheap norms and residual adds join the
+    half-block whose boundary is narrower, until at most ``max_segments`` remain: attention and MLP halves of a
+    transformer block by default (torchgpipe's block partition works on the same idea of fixed candidate cuts);
+    ``segments_per_layer`` asks for more (finer saves, a larger problem for the solver)."""
     if isinstance(segments_per_layer, bool) or not isinstance(segments_per_layer, int) or segments_per_layer < 1:
         raise ConfigError(f"segments_per_layer must be a positive integer, got {segments_per_layer!r}; use 2 (the default) "
                           "or 4")

@@ -1,24 +1,12 @@
 """``host_embedding_pass``: token embeddings run on the host, next to their fp32 master.
 
-A token embedding (``nn.Embedding``, ``F.embedding`` or ``aten.embedding`` whose indices are a model input) is a
-gather: almost no compute and a large table — Llama-3-8B's is 128,256 × 4,096, 1 GB in bf16. On a GPU of the
-round-robin pipeline the first stage must upload the whole table before its first microbatch, every iteration
-and on the fill's critical path (every later stage waits for it), and the last backward stage must send the
-whole table's gradient home after its last microbatch, on the drain's. On the host, where the master lives, the
-same lookup gathers just the microbatch's rows, and its backward adds just those rows' gradients into the
-master's ``.grad``: the first stage receives the gathered rows (``tokens × dim``) as its input, and the stage
-that runs the backward of its users sends their gradient down like any stage's input gradient.
+- *token embedding*: an ``nn.Embedding``, ``F.embedding`` or ``aten.embedding`` whose indices are a model input
+  (:func:`host_candidates`) — a gather: almost no compute and a large table;
+- *moved* embedding: its node becomes a placeholder the device stages read, and ``gm.meta[HOST_KEY]`` records a
+  :class:`~rpcompile.core.program.HostEmbedding` for it, all the runtime needs (:mod:`rpcompile.runtime.executor`).
 
-The pass rewrites the graph: each moved embedding node becomes a placeholder (the value the device stages read;
-fx names it after the node) and ``gm.meta[HOST_KEY]`` records a :class:`~rpcompile.core.program.HostEmbedding` per moved node, which is
-all the runtime needs (:mod:`rpcompile.runtime.executor`). A placeholder's value is computed, never passed in:
-:func:`~rpcompile.core.batch.flat_inputs` skips it.
-
-By default an embedding moves when that moves fewer bytes: when its table has more rows than an iteration
-gathers (``vocab > microbatches × indices per microbatch``) — the link then carries less, the host does less
-(gathering rows instead of casting the table for its upload, adding rows instead of the table's gradient) and
-the pipeline's first and last stages no longer wait for the table. Never moved: ``max_norm`` (it renormalises
-the table in place), ``scale_grad_by_freq`` and ``sparse`` lookups.
+Why a moved embedding saves the link and the pipeline's fill and drain, and the graph rewrite:
+:func:`host_embedding_pass`; which embeddings move by default: :func:`_pays`.
 """
 
 from __future__ import annotations
@@ -84,12 +72,18 @@ def _lookup(gm: fx.GraphModule, node: fx.Node) -> tuple[fx.Node, torch.nn.Parame
 
 
 def host_candidates(gm: fx.GraphModule) -> list[fx.Node]:
-    """Embedding nodes the host could run (see module docstring), in graph order."""
+    """Embedding nodes the host could run (token embeddings: module docstring), in graph order. Never a
+    ``max_norm`` lookup (it renormalises the table in place), nor ``scale_grad_by_freq`` and ``sparse`` ones."""
     return [n for n in gm.graph.nodes if _lookup(gm, n) is not None]
 
 
 def _pays(node: fx.Node, table: torch.Tensor, microbatches: int) -> bool:
-    """The table has more rows than an iteration's lookups gather."""
+    """The table has more rows than an iteration's lookups gather.
+
+    By default an embedding moves when that moves fewer bytes: when its table has more rows than an iteration
+    gathers (``vocab > microbatches × indices per microbatch``) — the link then carries less, the host does less
+    (gathering rows instead of casting the table for its upload, adding rows instead of the table's gradient) and
+    the pipeline's first and last stages no longer wait for the table."""
     info = node.meta.get(SHAPE_KEY)
     if info is None or not info.tensors:
         return False
@@ -99,8 +93,22 @@ def _pays(node: fx.Node, table: torch.Tensor, microbatches: int) -> bool:
 
 def host_embedding_pass(gm: fx.GraphModule, *, microbatches: int = 1,
                         names: Sequence[str] | None = None) -> fx.GraphModule:
-    """Move token embeddings to the host (see module docstring): the ones that pay (``names=None``) or exactly the
-    nodes ``names`` (a plan's choice; ValueError naming a node that is not such an embedding)."""
+    """Move token embeddings to the host: the ones that pay (``names=None``, :func:`_pays`) or exactly the nodes
+    ``names`` (a plan's choice; ValueError naming a node that is not such an embedding).
+
+    A token embedding's table is large — Llama-3-8B's is 128,256 × 4,096, 1 GB in bf16. On a GPU of the
+    round-robin pipeline the first stage must upload the whole table before its first microbatch, every iteration
+    and on the fill's critical path (every later stage waits for it), and the last backward stage must send the
+    whole table's gradient home after its last microbatch, on the drain's. On the host, where the master lives,
+    the same lookup gathers just the microbatch's rows, and its backward adds just those rows' gradients into the
+    master's ``.grad``: the first stage receives the gathered rows (``tokens × dim``) as its input, and the stage
+    that runs the backward of its users sends their gradient down like any stage's input gradient.
+
+    The pass rewrites the graph: each moved embedding node becomes a placeholder (the value the device stages
+    read; fx names it after the node) and ``gm.meta[HOST_KEY]`` records a
+    :class:`~rpcompile.core.program.HostEmbedding` per moved node, which is all the runtime needs
+    (:mod:`rpcompile.runtime.executor`). A placeholder's value is computed, never passed in:
+    :func:`~rpcompile.core.batch.flat_inputs` skips it."""
     moved = list(gm.meta.get(HOST_KEY, ()))
     if names is None:
         chosen = []

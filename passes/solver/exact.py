@@ -4,26 +4,12 @@
 couples the forward and backward stagings, each segment's saved flag. This module closes the gap from the other
 side: it *finds* a plan with that few stages, or proves there is none.
 
-It walks the chain once, left to right. A state at position ``i`` is the start ``p`` of the open forward stage,
-the start ``q`` of the open backward stage, the number ``c`` of stages already closed and what the flags chosen so
-far put in the open stages — saved bytes on each side (``SF``, ``SB``: link and memory) and recompute the backward
-stage no longer runs (``RS``). At each position either open stage may close (if it meets ``T`` with its flags:
-:class:`.lagrange.StageCountBound`'s per-range capacities and the recompute it must shed), then segment ``i`` is
-saved or not. Two rules keep the walk small, and both are exact:
+- *state*: at a position of the chain, the open forward and backward stages' starts, the stages closed and what
+  the flags chosen so far put in the open stages;
+- *work*: dominance comparisons, counted instead of timed, so the same input gives the same answer.
 
-- *dominance*: among states with the same ``(p, q)``, one with no more stages, bytes and no less shed recompute
-  than another can finish any way the other can;
-- *Lagrangian pruning*: with the multipliers ``λ`` of the relaxation, the stages any completion still needs are at
-  least the priced shortest paths from ``p`` and ``q`` to a common fused start (the open stages' first ranges
-  ending no earlier than ``i``), plus the prices of the flags only one open stage holds. A state whose bound
-  exceeds the budget is dropped. With ``λ`` from the ascent this bound is tight at the root, so the search stays
-  near the relaxation's optimum.
-
-Once a plan within the budget is met the budget tightens to one stage fewer, so a completed walk returns the
-least count; :func:`fewest_stages` walks budgets upwards from ``L(λ)`` (iterative deepening), each with the
-tightest pruning it allows. The memory prefetch term ``P`` is relaxed as in :mod:`.lagrange` (the caller
-validates the plan); "none" is a proof either way. Its work is counted (dominance comparisons), not timed, so
-the same input gives the same answer.
+:func:`fewest_stages` (the walk, its two pruning rules and its iterative deepening) is step 4 of
+:func:`~rpcompile.passes.solver.partition.ilp`; :class:`Search` is what it returns.
 """
 
 from __future__ import annotations
@@ -85,11 +71,31 @@ class _OpenPaths:
 
 def fewest_stages(relax: StageCountBound, lam: np.ndarray, budget: int, work_limit: int, *,
                   lower: float = 0.0) -> Search:
-    """The fewest non-fused stages (at most ``budget``) of any plan whose every stage meets ``relax``'s ``T``
-    (module docstring); ``lam`` are the relaxation's multipliers (any ``λ`` is exact, a good one is fast).
+    """The fewest non-fused stages (at most ``budget``) of any plan whose every stage meets ``relax``'s ``T``;
+    ``lam`` are the relaxation's multipliers (any ``λ`` is exact, a good one is fast).
 
     Iterative deepening from ``lower`` (a known lower bound such as ``L(λ)``): each budget is searched with the
-    tightest pruning it allows, and the first one that holds a plan is the least count."""
+    tightest pruning it allows, and the first one that holds a plan is the least count.
+
+    Each budget's search walks the chain once, left to right. A state at position ``i`` is the start ``p`` of the
+    open forward stage, the start ``q`` of the open backward stage, the number ``c`` of stages already closed and
+    what the flags chosen so far put in the open stages — saved bytes on each side (``SF``, ``SB``: link and
+    memory) and recompute the backward stage no longer runs (``RS``). At each position either open stage may close
+    (if it meets ``T`` with its flags: :class:`.lagrange.StageCountBound`'s per-range capacities and the recompute
+    it must shed), then segment ``i`` is saved or not. Two rules keep the walk small, and both are exact:
+
+    - *dominance*: among states with the same ``(p, q)``, one with no more stages, bytes and no less shed
+      recompute than another can finish any way the other can;
+    - *Lagrangian pruning*: with the multipliers ``λ`` of the relaxation, the stages any completion still needs
+      are at least the priced shortest paths from ``p`` and ``q`` to a common fused start (the open stages' first
+      ranges ending no earlier than ``i``), plus the prices of the flags only one open stage holds. A state whose
+      bound exceeds the budget is dropped. With ``λ`` from the ascent this bound is tight at the root, so the
+      search stays near the relaxation's optimum.
+
+    Once a plan within the budget is met the budget tightens to one stage fewer, so a completed walk returns the
+    least count. The memory prefetch term ``P`` is relaxed as in :mod:`.lagrange` (the caller validates the plan);
+    "none" is a proof either way. Its work is counted (dominance comparisons), not timed, so the same input gives
+    the same answer."""
     work = 0
     if not np.isfinite(lower):  # the relaxation already shows that no plan meets T
         return Search("none", None, None, 0)

@@ -1,44 +1,14 @@
 """Joint partition and checkpointing as a CP-SAT model (OR-Tools), one model per stage budget.
 
-**What is optimised.** A plan with ``S`` stages whose slowest stage takes ``T`` finishes an iteration within
-``c(S)·T`` (:func:`.timing.equal_time_factors`; docs/architecture.md §3: about ``(⌈S/N⌉·m + N − 1)·T``), so finer stages
-shrink the fill/drain bubble while per-stage transfers and overheads push back. For a *stage budget* ``S`` the model
-minimises ``T`` over plans with at most ``S`` stages; :func:`~rpcompile.passes.solver.partition.ilp` walks budgets in order of their lower bound
-``c(S)·LB(S)`` and stops when none can beat the incumbent. Enumerating budgets keeps every model linear (the
-product ``c(S)·T`` never appears) and lets each one start from a strong hint.
+- *stage budget* ``S``: the most stages a plan may have; :func:`solve_budget` builds and solves the model of one
+  budget, which minimises ``T`` over the plans within it;
+- ``T``: the slowest stage minus the per-stage overhead, in integer time units (:data:`TIME_UNITS` per upper
+  bound);
+- *range*: a half-open segment range ``[a, b)``, a candidate forward, backward or fused stage.
 
-**Variables** (per budget; ranges are half-open segment ranges, kept only if they can meet the current ``T``
-upper bound and fit memory):
-
-- ``xf[a, b]``, ``xb[a, b]``: forward / backward stage ``[a, b)`` is used; ``z[a]``: the fused stage is ``[a, n)``;
-- ``s[i]``: segment ``i`` is saved to host in forward (else recomputed in backward) — Checkmate's choice
-  (Jain et al., MLSys 2020) at segment grain, under RoundPipe's round-robin execution (arXiv 2604.27085);
-- ``T``: the slowest stage minus the per-stage overhead, in integer time units; ``P``: the prefetch bytes.
-
-**Constraint families** (each in its own ``_add_*`` helper):
-
-- *flow*: forward ranges form a path from 0 to the fused start, backward ranges another; one fused start;
-- *budget*: ``Σ xf + Σ xb + 1 <= S``;
-- *saved*: no saving inside the fused range (or anywhere when ``allow_save=False``);
-- *time*: per used range, compute, upload and download each ``<= T`` (saving moves a segment's activations onto
-  the forward download and backward upload and removes its recompute from the backward compute);
-- *memory*: ``P >= W`` of every used range and ``need + P <= memory`` (exact bytes; saved activations add to
-  the need: twice on a forward range, which produces one microbatch's while the last one's go down, once on a
-  backward range, which prefetches the next microbatch's);
-- *aggregate cuts*: per side, total compute and link time ``<= count·T`` (McCormick-linearised), redundant
-  sums that tighten the relaxation (:mod:`.bounds` derives the same sums as a fast lower bound).
-
-Time constants are scaled to integers (``TIME_UNITS`` per upper bound) with lower-bound-safe rounding (constants
-down, subtracted terms up), so the proven bound is valid in seconds; plans are re-scored with the exact float model
-(:mod:`.partition` keeps every plan met and returns the best by :func:`.timing.iteration_time`, which can be well
-below ``c(S)·T`` when stages are unequal, e.g. around a slow LM-head stage). Search is deterministic: one worker
-(on 2 cores it found better plans per second than two interleaved workers), a fixed seed and a
-``max_deterministic_time`` budget; ``workers > 1`` switches to CP-SAT's deterministic ``interleave_search``.
-
-**Ctrl-C.** A solve leaves the process's signal handling as it found it, and a Ctrl-C during one is a
-``KeyboardInterrupt`` like anywhere else (:func:`_solve`): CP-SAT's own SIGINT handling, on by default, leaves
-SIGINT at the default action after ``Solve()`` — the next Ctrl-C would kill the process with no
-``KeyboardInterrupt`` and no ``finally`` — and swallows a Ctrl-C during the solve as if its time limit had come.
+:func:`~rpcompile.passes.solver.partition.ilp` walks the budgets and re-scores every plan met with the exact
+:func:`.timing.iteration_time`. What is optimised, the variables, the constraint families (each in its own
+``_add_*`` helper) and the search's determinism: :func:`solve_budget`; a Ctrl-C during a solve: :func:`_solve`.
 """
 
 from __future__ import annotations
@@ -275,6 +245,43 @@ def solve_budget(pb: PartitionProblem, t: RangeTables, b_relaxed: np.ndarray, st
 
     ``b_relaxed`` (from :func:`.balance.relaxed_backward_time`) prunes backward ranges that cannot meet ``ub``
     even when saving; ``lb`` is a known lower bound on the answer.
+
+    **What is optimised.** A plan with ``S`` stages whose slowest stage takes ``T`` finishes an iteration within
+    ``c(S)·T`` (:func:`.timing.equal_time_factors`; docs/architecture.md §3: about ``(⌈S/N⌉·m + N − 1)·T``), so
+    finer stages shrink the fill/drain bubble while per-stage transfers and overheads push back. For a *stage
+    budget* ``S`` the model minimises ``T`` over plans with at most ``S`` stages;
+    :func:`~rpcompile.passes.solver.partition.ilp` walks budgets in order of their lower bound ``c(S)·LB(S)`` and
+    stops when none can beat the incumbent. Enumerating budgets keeps every model linear (the product ``c(S)·T``
+    never appears) and lets each one start from a strong hint.
+
+    **Variables** (per budget; ranges are half-open segment ranges, kept only if they can meet the current ``T``
+    upper bound and fit memory):
+
+    - ``xf[a, b]``, ``xb[a, b]``: forward / backward stage ``[a, b)`` is used; ``z[a]``: the fused stage is
+      ``[a, n)``;
+    - ``s[i]``: segment ``i`` is saved to host in forward (else recomputed in backward) — Checkmate's choice
+      (Jain et al., MLSys 2020) at segment grain, under RoundPipe's round-robin execution (arXiv 2604.27085);
+    - ``T``: the slowest stage minus the per-stage overhead, in integer time units; ``P``: the prefetch bytes.
+
+    **Constraint families** (each in its own ``_add_*`` helper):
+
+    - *flow*: forward ranges form a path from 0 to the fused start, backward ranges another; one fused start;
+    - *budget*: ``Σ xf + Σ xb + 1 <= S``;
+    - *saved*: no saving inside the fused range (or anywhere when ``allow_save=False``);
+    - *time*: per used range, compute, upload and download each ``<= T`` (saving moves a segment's activations
+      onto the forward download and backward upload and removes its recompute from the backward compute);
+    - *memory*: ``P >= W`` of every used range and ``need + P <= memory`` (exact bytes; saved activations add to
+      the need: twice on a forward range, which produces one microbatch's while the last one's go down, once on a
+      backward range, which prefetches the next microbatch's);
+    - *aggregate cuts*: per side, total compute and link time ``<= count·T`` (McCormick-linearised), redundant
+      sums that tighten the relaxation (:mod:`.bounds` derives the same sums as a fast lower bound).
+
+    Time constants are scaled to integers (``TIME_UNITS`` per upper bound) with lower-bound-safe rounding
+    (constants down, subtracted terms up), so the proven bound is valid in seconds; plans are re-scored with the
+    exact float model (:mod:`.partition` keeps every plan met and returns the best by
+    :func:`.timing.iteration_time`, which can be well below ``c(S)·T`` when stages are unequal, e.g. around a slow
+    LM-head stage). Search is deterministic: one worker, a fixed seed and a ``max_deterministic_time`` budget;
+    ``workers > 1`` switches to CP-SAT's deterministic ``interleave_search``.
     """
     # Lazy: OR-Tools (and the pandas it imports) takes ~0.2 s to import on the 2-core reference machine, and many
     # runs never build a model — `rpcompile check` without a re-solve, and plans whose Lagrangian bounds close the
@@ -297,6 +304,7 @@ def solve_budget(pb: PartitionProblem, t: RangeTables, b_relaxed: np.ndarray, st
         _hint(md, hint)
     solver = cp_model.CpSolver()
     prm = solver.parameters
+    # one worker by default: on 2 cores it found better plans per second than two interleaved workers
     prm.random_seed, prm.num_workers = seed, workers
     prm.interleave_search = workers > 1  # deterministic whatever the thread timing
     prm.interleave_batch_size = 2 * workers  # small batches keep max_deterministic_time honest
@@ -318,11 +326,15 @@ def solve_budget(pb: PartitionProblem, t: RangeTables, b_relaxed: np.ndarray, st
 
 def _solve(solver: cp_model.CpSolver, model: cp_model.CpModel) -> Any:
     """``solver.solve(model)``, the process's SIGINT handling left as found and a Ctrl-C during the solve raised as
-    ``KeyboardInterrupt`` (module docstring). CP-SAT's own handling (``catch_sigint_signal``) is off; on the main
-    thread — the only one Python delivers signals to — the solve runs on a helper thread (CP-SAT releases the GIL)
-    while this one waits, interruptibly: a Ctrl-C stops the search (``stop_search``), waits for the helper to
-    return and is raised; a second Ctrl-C meanwhile leaves at once. The handler found is put back afterwards in
-    any case, so no native code run by the solve can leave another one behind."""
+    ``KeyboardInterrupt`` like anywhere else.
+
+    CP-SAT's own SIGINT handling, on by default, leaves SIGINT at the default action after ``Solve()`` — the next
+    Ctrl-C would kill the process with no ``KeyboardInterrupt`` and no ``finally`` — and swallows a Ctrl-C during
+    the solve as if its time limit had come. So it (``catch_sigint_signal``) is off; on the main thread — the only
+    one Python delivers signals to — the solve runs on a helper thread (CP-SAT releases the GIL) while this one
+    waits, interruptibly: a Ctrl-C stops the search (``stop_search``), waits for the helper to return and is
+    raised; a second Ctrl-C meanwhile leaves at once. The handler found is put back afterwards in any case, so no
+    native code run by the solve can leave another one behind."""
     solver.parameters.catch_sigint_signal = False
     if threading.current_thread() is not threading.main_thread():
         return solver.solve(model)

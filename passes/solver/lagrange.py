@@ -1,26 +1,14 @@
 """Lagrangian lower bounds on the stage count a slowest-stage time ``T`` needs, saving allowed.
 
-The ILP's LP relaxation (and the aggregates of :mod:`.bounds`) treat stages as a fluid: they can say "51 stages of
-0.167 s hold all the work" when whole segments cannot be packed that way. This module keeps the packing integral.
-For a fixed ``T`` the least number of stages is a shortest path over cut positions on each side, except that the
-saved flag ``s_i`` of a segment is shared by the forward stage that ships its activations to host and the backward
-stage that fetches them instead of recomputing. Give each side its own copy (``sF``, ``sB``) and price the
-disagreement with a multiplier ``λ_i`` per segment (Lagrangian relaxation of ``sF = sB``):
+- ``sF``, ``sB``: each side's own copy of the segments' saved flags (the forward stage that ships a segment's
+  activations to host, the backward stage that fetches them instead of recomputing);
+- ``λ``: one multiplier per segment, the price of ``sF`` and ``sB`` disagreeing;
+- ``L(λ)``: the least priced stage count over both sides' stagings, a lower bound on the non-fused stage count of
+  any plan whose slowest stage is at most ``T``.
 
-    L(λ) = min_a [ F_a(λ) + B_a(λ) ],   F_a(λ) = min over forward stagings of [0, a) of Σ_stages (1 + Σ λ_i sF_i)
-                                         B_a(λ) = min over backward stagings of [0, a) of Σ_stages (1 − Σ λ_i sB_i)
-
-where every stage must meet ``T`` on compute, upload, download and memory with its own saved subset (the inner
-minimum is exact by enumerating the subsets of ranges up to ``MAX_ENUMERATED`` segments; longer ranges take the
-fractional knapsack their link and memory allow and drop the recompute they must remove, which only lowers
-``L``). Every ``L(λ)`` is a lower bound on the non-fused stage count of any plan
-whose slowest stage is at most ``T``; a subgradient ascent on ``λ`` raises it. Since the least stage count can only
-fall as ``T`` grows, ``L(λ) > S − 1`` at ``T`` proves that no plan with at most ``S`` stages is that fast.
-
-The memory prefetch term ``P`` (the plan's largest stage weight) is relaxed to ``max(own weight, heaviest
-segment)``. Plain numpy; a few ms per ``L(λ)`` at ``n = 130``.
-
-:meth:`StageCountBound.plan_for` turns the saved flags met along the way into real plans (fewest stages meeting ``T`` once the flags are fixed): the search's primal side.
+:class:`StageCountBound` defines ``L(λ)`` exactly, raises it by subgradient ascent and repairs the flags it meets
+into plans; :mod:`.exact` and :func:`~rpcompile.passes.solver.partition.ilp` (step 4) use it to prove that a stage
+budget cannot be that fast.
 """
 
 from __future__ import annotations
@@ -72,7 +60,28 @@ def _subset_sums(x: np.ndarray, k: int, starts: np.ndarray) -> np.ndarray:
 
 
 class StageCountBound:
-    """Lower bounds on ``f + b`` (non-fused stages) for plans whose every stage takes at most ``T``."""
+    """Lower bounds on ``f + b`` (non-fused stages) for plans whose every stage takes at most ``T``.
+
+    The ILP's LP relaxation (and the aggregates of :mod:`.bounds`) treat stages as a fluid: they can say "51 stages
+    of 0.167 s hold all the work" when whole segments cannot be packed that way. This keeps the packing integral.
+    For a fixed ``T`` the least number of stages is a shortest path over cut positions on each side, except that
+    the saved flag ``s_i`` of a segment is shared by the forward stage that ships its activations to host and the
+    backward stage that fetches them instead of recomputing. Give each side its own copy (``sF``, ``sB``) and
+    price the disagreement with a multiplier ``λ_i`` per segment (Lagrangian relaxation of ``sF = sB``):
+
+        L(λ) = min_a [ F_a(λ) + B_a(λ) ],   F_a(λ) = min over forward stagings of [0, a) of Σ_stages (1 + Σ λ_i sF_i)
+                                             B_a(λ) = min over backward stagings of [0, a) of Σ_stages (1 − Σ λ_i sB_i)
+
+    where every stage must meet ``T`` on compute, upload, download and memory with its own saved subset (the inner
+    minimum is exact by enumerating the subsets of ranges up to ``MAX_ENUMERATED`` segments; longer ranges take the
+    fractional knapsack their link and memory allow and drop the recompute they must remove, which only lowers
+    ``L``). Every ``L(λ)`` is a lower bound on the non-fused stage count of any plan whose slowest stage is at most
+    ``T``; a subgradient ascent on ``λ`` (:meth:`maximise`) raises it. Since the least stage count can only fall as
+    ``T`` grows, ``L(λ) > S − 1`` at ``T`` proves that no plan with at most ``S`` stages is that fast.
+
+    The memory prefetch term ``P`` (the plan's largest stage weight) is relaxed to ``max(own weight, heaviest
+    segment)``. Plain numpy. :meth:`plan_for` turns the saved flags met along the way into real plans (fewest
+    stages meeting ``T`` once the flags are fixed): the search's primal side."""
 
     def __init__(self, pb: PartitionProblem, t: RangeTables, T: float) -> None:
         self.evaluations = 0  # of L(λ) by the last maximise

@@ -5,39 +5,11 @@ Strategies (all ``(problem, *, time_limit_s, seed) -> PartitionResult``, infeasi
 - ``ilp``: :func:`ilp` below — CP-SAT over cuts, stage count and per-segment saving (:mod:`.ilp`);
 - ``dp``: exact pure balance, nothing saved (:mod:`.balance`);
 - ``roundpipe``: RoundPipe's greedy at layer granularity (arXiv 2604.27085, docs/architecture.md §4);
-- ``uniform``: ``N`` equal layer groups, the static-pipeline baseline.
+- ``uniform``: ``N`` equal layer groups, the static-pipeline baseline;
+- ``greedy``: the ILP's preparation without CP-SAT (:func:`greedy`).
 
-- ``greedy``: the ILP's preparation below without CP-SAT (and its stays, step 7).
-
-**The ILP search.** What is minimised is the bound ``c(S)·T`` of a plan with ``S`` stages whose slowest stage
-takes ``T`` (:mod:`.ilp`); every plan met is finally re-scored by the exact :func:`.timing.iteration_time` (the
-recurrence over unequal stages plus the weight and gradient copies compute cannot hide, which ``c(S)·T`` leaves
-out) and the best one returned. In order:
-
-1. *seeds*: ``dp``, ``roundpipe``, ``uniform`` and the no-save optima of the best stage counts form the pool and
-   the incumbent — ``ilp`` is never worse than a baseline by construction;
-2. *bounds*: ``LB(S)`` per stage count from the balance DP with a relaxed backward cost
-   (:func:`.balance.relaxed_backward_time`) and the link/compute aggregates of :mod:`.bounds`;
-3. *greedy*: save-aware heuristic plans (:mod:`.greedy`) for the ``GREEDY_BUDGETS`` most promising budgets;
-4. *Lagrangian + exact*: per promising budget, a stage-count proof that it cannot beat the incumbent, else a
-   bisection on ``T`` (:mod:`.lagrange`: the aggregates above pack stages like a fluid, this keeps whole
-   segments). Where the relaxation proves nothing, the exact search of :mod:`.exact` (branch and bound over the
-   saved flags, pruned by the same multipliers) finds the fewest stages ``T`` allows, or proves there is no plan
-   within the budget; so within its work limit the bisection converges on the budget's true optimum. Every plan
-   met goes into the pool;
-5. *CP-SAT*: budgets in increasing order of ``c(S)·LB(S)``, each with ``T <= incumbent / c(S)``, the best known
-   plan as hint, and a share of the deterministic time ``time_limit_s · DET_TIME_PER_S``; a solve raises
-   ``LB`` for every smaller budget. It stops when no budget's bound is more than ``CPSAT_GAP`` (0.1%) below
-   the incumbent (``status`` ``OPTIMAL`` when none is below it at all) or the time is spent (``FEASIBLE``);
-6. *local search* on the exact time (:mod:`.polish`): climbs from the best plans of the best few stage counts,
-   the winner's save/recompute flips, then a climb from the winner re-cut into stages that grow from both ends
-   of the pipeline (``taper``), the faster of the two kept;
-7. *stays* on the winner's cuts (:mod:`.stay_search`): which weights stay on their device between a forward
-   and a backward stage (or all of them, across iterations), where memory allows and the exact time gains.
-
-``stats["bound_s"] = min(incumbent, min_S c(S)·LB(S))`` is a proven lower bound on ``c(S)·T`` over all plans;
-``stats["gap"] = model_best_s / bound_s − 1``; ``objective_gap`` is ``objective / bound_s − 1`` (the exact
-time against the same bound: below ``gap`` when stages are unequal, above it when the plan's copies are exposed). Same input, same plan: every limit is deterministic (the wall clock only guards overruns).
+The ILP search's seven steps, its ``stats`` (``bound_s``, ``gap``, ``objective_gap``) and why the same input
+gives the same plan: :func:`ilp`.
 """
 
 from __future__ import annotations
@@ -217,11 +189,42 @@ def greedy(pb: PartitionProblem, *, time_limit_s: float = 10.0, seed: int = 0) -
 
 def ilp(pb: PartitionProblem, *, time_limit_s: float = 10.0, seed: int = 0,
         baselines: dict[str, PartitionResult] | None = None) -> PartitionResult:
-    """Joint partition + checkpointing by CP-SAT (see the module docstring and :mod:`.ilp`). Counts bound each
+    """Joint partition + checkpointing by CP-SAT (the steps below, the model :mod:`.ilp`). Counts bound each
     phase (the result does not depend on the machine's load); ``time_limit_s`` holds end to end as a guard — the
     greedy phase, the Lagrangian bisections, CP-SAT and the local search each stop at their share of it — apart
     from the tables, baselines and bounds every strategy computes first (1–2 s at 128 layers on 2 cores).
-    ``baselines`` (given): filled with the results of ``dp``, ``roundpipe`` and ``uniform`` it seeds with."""
+    ``baselines`` (given): filled with the results of ``dp``, ``roundpipe`` and ``uniform`` it seeds with.
+
+    What is minimised is the bound ``c(S)·T`` of a plan with ``S`` stages whose slowest stage takes ``T``
+    (:mod:`.ilp`); every plan met is finally re-scored by the exact :func:`.timing.iteration_time` (the recurrence
+    over unequal stages plus the weight and gradient copies compute cannot hide, which ``c(S)·T`` leaves out) and
+    the best one returned. In order:
+
+    1. *seeds*: ``dp``, ``roundpipe``, ``uniform`` and the no-save optima of the best stage counts form the pool
+       and the incumbent — ``ilp`` is never worse than a baseline by construction;
+    2. *bounds*: ``LB(S)`` per stage count from the balance DP with a relaxed backward cost
+       (:func:`.balance.relaxed_backward_time`) and the link/compute aggregates of :mod:`.bounds`;
+    3. *greedy*: save-aware heuristic plans (:mod:`.greedy`) for the ``GREEDY_BUDGETS`` most promising budgets;
+    4. *Lagrangian + exact*: per promising budget, a stage-count proof that it cannot beat the incumbent, else a
+       bisection on ``T`` (:mod:`.lagrange`: the aggregates above pack stages like a fluid, this keeps whole
+       segments). Where the relaxation proves nothing, the exact search of :mod:`.exact` (branch and bound over
+       the saved flags, pruned by the same multipliers) finds the fewest stages ``T`` allows, or proves there is
+       no plan within the budget; so within its work limit the bisection converges on the budget's true optimum.
+       Every plan met goes into the pool;
+    5. *CP-SAT*: budgets in increasing order of ``c(S)·LB(S)``, each with ``T <= incumbent / c(S)``, the best
+       known plan as hint, and a share of the deterministic time ``time_limit_s · DET_TIME_PER_S``; a solve raises
+       ``LB`` for every smaller budget. It stops when no budget's bound is more than ``CPSAT_GAP`` (0.1%) below
+       the incumbent (``status`` ``OPTIMAL`` when none is below it at all) or the time is spent (``FEASIBLE``);
+    6. *local search* on the exact time (:mod:`.polish`): climbs from the best plans of the best few stage counts,
+       the winner's save/recompute flips, then a climb from the winner re-cut into stages that grow from both
+       ends of the pipeline (``taper``), the faster of the two kept;
+    7. *stays* on the winner's cuts (:mod:`.stay_search`): which weights stay on their device between a forward
+       and a backward stage (or all of them, across iterations), where memory allows and the exact time gains.
+
+    ``stats["bound_s"] = min(incumbent, min_S c(S)·LB(S))`` is a proven lower bound on ``c(S)·T`` over all plans;
+    ``stats["gap"] = model_best_s / bound_s − 1``; ``objective_gap`` is ``objective / bound_s − 1`` (the exact
+    time against the same bound: below ``gap`` when stages are unequal, above it when the plan's copies are
+    exposed). Same input, same plan: every limit is deterministic (the wall clock only guards overruns)."""
     started = time.perf_counter()
     prep = _prepare(pb, "ilp", started, greedy_deadline=started + GREEDY_WALL_SHARE * time_limit_s,
                     baselines=baselines)
@@ -351,7 +354,8 @@ def _finish(pb: PartitionProblem, pool: _Pool, lb: np.ndarray, started: float, s
             break
         best = polish(pb, flipped, max_evaluations=POLISH_EVALUATIONS // POLISH_STARTS, deadline=deadline,
                       scorer=scorer)
-    tapered = taper(pb, best, scorer=scorer) if time.perf_counter() <= deadline else best  # a jump out of the climbs' optimum: stages that grow from both ends, climbed again
+    # a jump out of the climbs' optimum: stages that grow from both ends, climbed again
+    tapered = taper(pb, best, scorer=scorer) if time.perf_counter() <= deadline else best
     if tapered != best:
         tapered = flip_saves(pb, polish(pb, tapered, max_evaluations=POLISH_EVALUATIONS, deadline=deadline,
                                         scorer=scorer), deadline=deadline, scorer=scorer)

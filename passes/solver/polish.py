@@ -1,28 +1,14 @@
 """``polish``: local search on the exact iteration time, after the solvers.
 
-The ILP and the balance DP minimise ``c(S)·T`` — the stage-count factor times the slowest stage — which is the
-iteration time only when every stage takes ``T``. When one stage is the bottleneck (an LM head, a fused stage),
-many partitions share that objective while their exact times (:func:`~rpcompile.passes.solver.timing.pipeline_time`) differ: finer forward
-stages fill the pipeline sooner. ``polish`` hill-climbs from the solver's plan with three moves on the forward
-and on the backward cuts — split a stage, merge two neighbours, shift a cut by one segment — and one macro move, re-cutting a whole side into
-``f−2 … f+3`` time-balanced stages, keeping a move when
-the exact iteration time drops and every stage still fits in memory. Once no cut move helps, it flips one
-segment's checkpointing choice (save ↔ recompute): the solvers price saving per stage under the slowest-stage
-bound, so a stage that is not the bottleneck may save activations whose PCIe copies only lengthen the fill or
-the drain, or recompute what saving would hide. Deterministic: moves are tried in a fixed order and the first
-improvement is taken.
+- :func:`polish`: hill-climbs the forward and backward cuts (split, merge, shift by one segment, re-cut a side),
+  then flips single segments' save/recompute choices;
+- :func:`flip_saves`: sweeps of such flips only, on a plan's fixed cuts;
+- :func:`taper`: a jump out of the climbs' local optimum, re-cutting a side so that its stages grow from the
+  pipeline's ends inwards.
 
-The climbs usually spend their evaluation budget on cut moves before they settle, so the solver ends with
-``flip_saves`` on the winner: sweeps of flips only, on its fixed cuts, each one cheap (two stages change). On the
-partition benchmark, dropping that pass left llama-1.7b/8 4.9% and llama-32b/8 0.1% slower.
-
-``taper`` is a jump out of the climbs' local optimum that no sequence of one-segment moves makes: it re-cuts a
-side so that its stages grow from the pipeline's end inwards. The fill waits for the first stages' first
-microbatch and the drain for the last stages' last one, so short stages there shorten both; but a short stage
-after a longer one only waits for it (it runs at its predecessor's pace), so the stages must *grow* from each end
-— geometrically, ``T·min(1, r·g^i)`` for the ``i``-th stage from the end, ``T`` the side's slowest stage. The
-solver tapers its winner, climbs again from there and keeps the faster plan (the MoE on 8 GPUs with its head
-split: 3.0% faster predicted, 4.1% simulated).
+A move is kept when the exact iteration time (:func:`~rpcompile.passes.solver.timing.pipeline_time`) drops and
+every stage still fits in memory. :func:`~rpcompile.passes.solver.partition.ilp` runs all three on its best plans
+(step 6 of its search); why each exists is in its docstring.
 """
 
 from __future__ import annotations
@@ -121,12 +107,24 @@ def _packed_once(scorer: PlanScorer, side: StageKind, lo: int, hi: int, parts: i
 
 def polish(pb: PartitionProblem, plan: SegmentPlan, *, max_evaluations: int = 3000,
            deadline: float = float("inf"), scorer: PlanScorer | None = None) -> SegmentPlan:
-    """A plan at least as fast as ``plan`` by exact iteration time (see the module docstring). First-improvement
-    climbs depend on the order of moves, so two climbs run — local moves only, and re-cuts first — and the
-    faster result wins. Each climb stops at a local optimum or after ``max_evaluations`` candidate plans (a
-    count, not a clock, so the result never depends on the machine's load; a 32-layer model converges in
-    ~1,500, under a second). ``deadline`` (a ``time.perf_counter()`` value) only guards overruns: a climb that
-    passes it stops where it is (the solver's time limit holds on a loaded machine)."""
+    """A plan at least as fast as ``plan`` by exact iteration time. First-improvement climbs depend on the order
+    of moves, so two climbs run — local moves only, and re-cuts first — and the faster result wins. Each climb
+    stops at a local optimum or after ``max_evaluations`` candidate plans (a count, not a clock, so the result
+    never depends on the machine's load; a 32-layer model converges in ~1,500, under a second). ``deadline`` (a
+    ``time.perf_counter()`` value) only guards overruns: a climb that passes it stops where it is (the solver's
+    time limit holds on a loaded machine).
+
+    Why: the ILP and the balance DP minimise ``c(S)·T`` — the stage-count factor times the slowest stage — which
+    is the iteration time only when every stage takes ``T``. When one stage is the bottleneck (an LM head, a fused
+    stage), many partitions share that objective while their exact times
+    (:func:`~rpcompile.passes.solver.timing.pipeline_time`) differ: finer forward stages fill the pipeline sooner.
+    ``polish`` hill-climbs from the solver's plan with three moves on the forward and on the backward cuts — split
+    a stage, merge two neighbours, shift a cut by one segment — and one macro move, re-cutting a whole side into
+    ``f−2 … f+3`` time-balanced stages, keeping a move when the exact iteration time drops and every stage still
+    fits in memory. Once no cut move helps, it flips one segment's checkpointing choice (save ↔ recompute): the
+    solvers price saving per stage under the slowest-stage bound, so a stage that is not the bottleneck may save
+    activations whose PCIe copies only lengthen the fill or the drain, or recompute what saving would hide.
+    Deterministic: moves are tried in a fixed order and the first improvement is taken."""
     scorer = scorer or PlanScorer(pb)
     (t1, p1), (t2, p2) = (_climb(pb, plan, max_evaluations, macro, deadline, scorer) for macro in (False, True))
     return p1 if t1 <= t2 else p2
@@ -196,7 +194,11 @@ def flip_saves(pb: PartitionProblem, plan: SegmentPlan, *, max_sweeps: int = 3,
                deadline: float = float("inf"), scorer: PlanScorer | None = None) -> SegmentPlan:
     """A plan with the same cuts, at least as fast as ``plan`` by exact iteration time: segments before the fused
     stage are flipped one at a time in index order, a flip kept when the time drops and every stage still fits;
-    sweeps repeat while one gains (at most ``max_sweeps``; none begins after ``deadline``)."""
+    sweeps repeat while one gains (at most ``max_sweeps``; none begins after ``deadline``).
+
+    The climbs of :func:`polish` usually spend their evaluation budget on cut moves before they settle, so the
+    solver ends with ``flip_saves`` on the winner: sweeps of flips only, on its fixed cuts, each one cheap (two
+    stages change)."""
     costs = scorer or PlanScorer(pb)
 
     def total(saved: tuple[bool, ...]) -> float:
@@ -224,10 +226,16 @@ def flip_saves(pb: PartitionProblem, plan: SegmentPlan, *, max_sweeps: int = 3,
 
 
 def taper(pb: PartitionProblem, plan: SegmentPlan, *, scorer: PlanScorer | None = None) -> SegmentPlan:
-    """``plan`` with its forward side, then its backward side, re-cut to the tapered profile (module docstring)
-    that gives the shortest exact iteration time, if one beats the plan's own cuts and fits; the same saved
-    flags. Forward stages grow from segment 0 (the first stages of the iteration), backward stages too (its
-    last)."""
+    """``plan`` with its forward side, then its backward side, re-cut to the tapered profile (below) that gives
+    the shortest exact iteration time, if one beats the plan's own cuts and fits; the same saved flags. Forward
+    stages grow from segment 0 (the first stages of the iteration), backward stages too (its last).
+
+    A jump out of the climbs' local optimum that no sequence of one-segment moves makes: it re-cuts a side so
+    that its stages grow from the pipeline's end inwards. The fill waits for the first stages' first microbatch
+    and the drain for the last stages' last one, so short stages there shorten both; but a short stage after a
+    longer one only waits for it (it runs at its predecessor's pace), so the stages must *grow* from each end —
+    geometrically, ``T·min(1, r·g^i)`` for the ``i``-th stage from the end, ``T`` the side's slowest stage. The
+    solver tapers its winner, climbs again from there and keeps the faster plan."""
     saved, top = plan.saved, plan.fused[0]
     costs = scorer or PlanScorer(pb)
 

@@ -10,11 +10,8 @@ Terms (docs/architecture.md §3; RoundPipe, Luo et al., arXiv 2604.27085):
   are independent. ``saved[i]`` says whether segment ``i``'s activations go to host memory in the forward pass
   (``True``) or are recomputed by its backward stage (``False``) — the checkpointing choice of Checkmate
   (Jain et al., MLSys 2020), made per segment.
-- ``stays[i]`` says whether segment ``i``'s own parameters stay on the device from its forward stage's upload
-  until its backward stage, which then uploads only the rest (both stages on one device); ``resident``: every
-  weight stays on its device across iterations (:func:`rpcompile.core.schedule.weight_stays`). Chosen on the
-  solved cuts by :mod:`~rpcompile.passes.solver.stays`. ``accumulates[i]``: segment ``i``'s gradients stay on the device of its grad
-  stage during gradient-accumulation calls, summed there (:mod:`~rpcompile.passes.solver.stays`).
+- ``stays[i]``, ``resident`` and ``accumulates[i]``: weights that stay on their device and gradients summed there
+  (terms: :mod:`~rpcompile.passes.solver.stays`), chosen on the solved cuts by :mod:`.stay_search`.
 - Stage ``k`` of ``[F0.., FB, B1..]`` (:func:`plan_stages`) runs on device ``k mod N`` for every microbatch in turn.
 - Every strategy returns a :class:`PartitionResult`; an infeasible problem is a result, not an exception.
 

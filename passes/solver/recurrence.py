@@ -1,24 +1,13 @@
-"""The round-robin schedule's event recurrence (docs/architecture.md §3), on plain numbers: when every stage of an iteration
-finishes (:func:`stage_ends`), when the iteration's gradients are down, added on the host and all-reduced
-(:func:`pipeline_end`), the host's lanes those use, and consecutive iterations that overlap
-(:func:`overlapped_ends`).
+"""The round-robin schedule's event recurrence (docs/architecture.md §3), on plain numbers.
 
-:func:`rpcompile.passes.solver.timing.pipeline_time` documents the recurrence and its transfer edges; the timing model
-(:mod:`.timing`) and the local search's scorer (:mod:`.scorer`) walk it here.
+- :func:`stage_ends`: when every stage of an iteration finishes;
+- :func:`pipeline_end`: when the iteration's gradients are down, added on the host (:func:`lane_ends`, one host
+  thread) and all-reduced (:func:`reduce_times`, one network link);
+- *overlapped iterations*: consecutive iterations whose stages run on as one chain while the host steps the
+  optimizer one step stale (:func:`overlapped_ends`, which describes the chain and its waits).
 
-**Overlapped iterations** (``pipe.step(optimizer, overlap=True)`` once the devices run on into the next iteration;
-the simulator's ``iterations=K`` plays the same, :mod:`rpcompile.runtime.sim.simulator`). The round-robin pointer
-carries on across iterations, so the stages of iterations ``0, 1, …`` form one chain ``t·S + k`` in which stage
-``j`` runs on the device after ``j − 1``'s and waits for stage ``j − N`` on it — the walk goes on over it,
-except that iteration ``t``'s first stage takes its inputs from the host. The one-step-stale step sets the rest:
-iteration ``t`` computes with the weights step ``t − 2`` made (double-buffered copies; step ``t − 1`` runs beside
-it, writing the other buffer), so its weight uploads, and its first stage's inputs (the host's lookups read those
-weights), wait for step ``t − 2``; and its first stage waits for iteration ``t − 1``'s loss (the fused stage's
-last microbatch: ``forward_backward`` returns it, then the caller passes the next batch). Step ``t`` starts once
-iteration ``t`` is done (its gradients down, added, all-reduced) and step ``t − 1`` too, and takes ``step_s``.
-Iterations are alike but for which device runs which stage, and devices are alike, so once the start is behind
-the iterations repeat, one by one or in a short cycle: the steady-state period is their mean duration once the
-start is behind (:func:`rpcompile.core.schedule.steady_period`).
+:func:`rpcompile.passes.solver.timing.pipeline_time` documents the recurrence and its transfer edges; the timing
+model (:mod:`.timing`) and the local search's scorer (:mod:`.scorer`) walk it here.
 """
 
 from __future__ import annotations
@@ -165,10 +154,25 @@ def overlapped_ends(stage_times: Sequence[float], devices: int, microbatches: in
                     prefetch_s: Sequence[float] = (), accumulate_s: Sequence[float] = (),
                     reduce_s: Sequence[float] = (), overlap_reduce: bool = True, reduce_host_s: float = 0.0,
                     first: Walk | None = None) -> list[float]:
-    """When each of ``iterations`` overlapped iterations is done (the module docstring): its stages, gradients, host
-    adds and all-reduces, not its optimizer step. Arguments as :func:`rpcompile.passes.solver.timing.pipeline_time`'s,
-    for one iteration's stages; ``fused``: the index of the stage that computes the loss; ``step_s``: the host's
-    optimizer step and copy refresh. ``first``: the first iteration's walk, already done (the scorer's)."""
+    """When each of ``iterations`` overlapped iterations is done (below): its stages, gradients, host adds and
+    all-reduces, not its optimizer step. Arguments as :func:`rpcompile.passes.solver.timing.pipeline_time`'s, for
+    one iteration's stages; ``fused``: the index of the stage that computes the loss; ``step_s``: the host's
+    optimizer step and copy refresh. ``first``: the first iteration's walk, already done (the scorer's).
+
+    **Overlapped iterations** (``pipe.step(optimizer, overlap=True)`` once the devices run on into the next
+    iteration; the simulator's ``iterations=K`` plays the same, :mod:`rpcompile.runtime.sim.simulator`). The
+    round-robin pointer carries on across iterations, so the stages of iterations ``0, 1, …`` form one chain
+    ``t·S + k`` in which stage ``j`` runs on the device after ``j − 1``'s and waits for stage ``j − N`` on it — the
+    walk goes on over it, except that iteration ``t``'s first stage takes its inputs from the host. The
+    one-step-stale step sets the rest: iteration ``t`` computes with the weights step ``t − 2`` made
+    (double-buffered copies; step ``t − 1`` runs beside it, writing the other buffer), so its weight uploads, and
+    its first stage's inputs (the host's lookups read those weights), wait for step ``t − 2``; and its first stage
+    waits for iteration ``t − 1``'s loss (the fused stage's last microbatch: ``forward_backward`` returns it, then
+    the caller passes the next batch). Step ``t`` starts once iteration ``t`` is done (its gradients down, added,
+    all-reduced) and step ``t − 1`` too, and takes ``step_s``. Iterations are alike but for which device runs which
+    stage, and devices are alike, so once the start is behind the iterations repeat, one by one or in a short
+    cycle: the steady-state period is their mean duration once the start is behind
+    (:func:`rpcompile.core.schedule.steady_period`)."""
     per, m = len(stage_times), microbatches
     one = [[v[k] if k < len(v) else 0.0 for k in range(per)]
            for v in (stage_times, weight_s, handoff_s, out_s, save_s, prefetch_s)]

@@ -1,28 +1,14 @@
-"""``choose_stays``: which weights stay on their device (:mod:`~rpcompile.passes.solver.stays`), chosen on a solved plan's cuts.
+"""``choose_stays``: which weights stay on their device (:mod:`~rpcompile.passes.solver.stays`), chosen on a solved
+plan's cuts.
 
-A stay trades device memory for link time: segment ``i``'s own parameters held on the device from its forward
-stage to its backward stage spare the backward stage their upload, while every stage of that device in between
-holds them. Whether that pays is the exact timing model's to say (:func:`.timing.iteration_time`: the shorter
-upload may or may not be on the critical path, and the memory it holds is room the lazy offload loses), and
-whether it fits is the memory rule's (:func:`.segment_rules.validate_segment_plan`). The search, on the cuts and
-saved flags the solver settled (the range model of the ILP does not know which device a stage lands on, and a
-stay's memory spans stages):
+- *stay*: segment ``i``'s own parameters held on the device from its forward stage to its backward stage, sparing
+  the backward stage their upload while every stage of that device in between holds them;
+- *resident* plan: every weight stays, across iterations;
+- *gradient sums*: a grad stage's gradients summed on its device across accumulation calls (``no_sync``).
 
-1. a **resident** plan, when every stage returns to its device each iteration (:func:`.stays.resident_allowed`):
-   every weight stays, uploaded once and refreshed after optimizer steps only — the degenerate plan when the whole
-   model fits, eager training on one device with its weights on the CPU;
-2. every segment that can stay (:func:`.stays.stay_candidates`);
-3. otherwise one segment at a time, those held for the fewest stages first (the last forward stages': the least
-   memory for the same saving), keeping each that fits and is not slower.
-
-The first of 1 and 2 that fits and is not slower than the plan without stays is taken (1 before 2 when they tie:
-a resident plan also spares the uploads of weights no step changed, frozen ones and those of gradient
-accumulation steps); else 3. A stay never makes the plan slower: nothing stays when nothing fits.
-
-Then the **gradient sums** (:func:`choose_sums`): on the stays chosen, every grad stage whose gradients can be
-summed on its device across accumulation calls, then (if that does not fit) one stage at a time, the largest
-gradients first, keeping each that fits and leaves a call outside ``no_sync`` no slower (the sums take room the
-lazy offload would use). A call under ``no_sync`` only gains from them: it sends those gradients nowhere.
+Whether one pays is the exact timing model's to say (:func:`.timing.iteration_time`), whether it fits the memory
+rule's (:func:`.segment_rules.validate_segment_plan`). Step 7 of :func:`~rpcompile.passes.solver.partition.ilp`;
+the search for stays: :func:`choose_stays`, for gradient sums: :func:`choose_sums`.
 """
 
 from __future__ import annotations
@@ -48,7 +34,24 @@ def without_stays(plan: SegmentPlan) -> SegmentPlan:
 
 
 def choose_stays(pb: PartitionProblem, plan: SegmentPlan) -> SegmentPlan:
-    """``plan`` with the weights that stay and the gradient sums chosen (module docstring)."""
+    """``plan`` with the weights that stay and the gradient sums (:func:`choose_sums`) chosen.
+
+    A stay trades device memory for link time. Whether that pays is the exact timing model's to say
+    (:func:`.timing.iteration_time`: the shorter upload may or may not be on the critical path, and the memory it
+    holds is room the lazy offload loses), and whether it fits is the memory rule's
+    (:func:`.segment_rules.validate_segment_plan`). The search, on the cuts and saved flags the solver settled (the
+    range model of the ILP does not know which device a stage lands on, and a stay's memory spans stages):
+
+    1. a **resident** plan, when every stage returns to its device each iteration (:func:`.stays.resident_allowed`):
+       every weight stays, uploaded once and refreshed after optimizer steps only — the degenerate plan when the
+       whole model fits, eager training on one device with its weights on the CPU;
+    2. every segment that can stay (:func:`.stays.stay_candidates`);
+    3. otherwise one segment at a time, those held for the fewest stages first (the last forward stages': the least
+       memory for the same saving), keeping each that fits and is not slower.
+
+    The first of 1 and 2 that fits and is not slower than the plan without stays is taken (1 before 2 when they
+    tie: a resident plan also spares the uploads of weights no step changed, frozen ones and those of gradient
+    accumulation steps); else 3. A stay never makes the plan slower: nothing stays when nothing fits."""
     base = without_stays(plan)
     if not pb.allow_stay:
         return base
@@ -56,7 +59,7 @@ def choose_stays(pb: PartitionProblem, plan: SegmentPlan) -> SegmentPlan:
 
 
 def _weights(pb: PartitionProblem, base: SegmentPlan) -> SegmentPlan:
-    """``base`` with the weights that stay chosen (module docstring, 1–3)."""
+    """``base`` with the weights that stay chosen (:func:`choose_stays`, 1–3)."""
     limit = iteration_time(pb, base) * (1 + SLOWER)
 
     def time_if_valid(p: SegmentPlan) -> float | None:
@@ -90,7 +93,12 @@ def _weights(pb: PartitionProblem, base: SegmentPlan) -> SegmentPlan:
 
 
 def choose_sums(pb: PartitionProblem, plan: SegmentPlan) -> SegmentPlan:
-    """``plan`` with the grad stages whose gradients are summed on their devices chosen (module docstring)."""
+    """``plan`` with the grad stages whose gradients are summed on their devices chosen.
+
+    On the stays chosen, every grad stage whose gradients can be summed on its device across accumulation calls,
+    then (if that does not fit) one stage at a time, the largest gradients first, keeping each that fits and
+    leaves a call outside ``no_sync`` no slower (the sums take room the lazy offload would use). A call under
+    ``no_sync`` only gains from them: it sends those gradients nowhere."""
     candidates = set(sum_candidates(pb, plan))
     if not candidates:
         return plan

@@ -1,26 +1,17 @@
 """What weights that stay on their device cost and save, per stage of a :class:`~.problem.SegmentPlan`.
 
-Terms (:func:`rpcompile.core.schedule.weight_stays` walks them): a stage's weights are its segments' own
-parameters and the shared parameters its segments read (counted once per stage, as :meth:`.problem.PartitionProblem.weight`
-counts them). Segment ``i``'s own parameters may **stay** on the device from its forward stage's upload until its
-backward stage (``SegmentPlan.stays[i]``) when both stages run on one device: the backward stage finds them there
-and uploads only the rest, and every stage that runs on that device in between holds them beside its own memory.
-A **resident** plan keeps every weight on its device across iterations: each stage finds its weights, and only the
-trainable ones an optimizer step changed are uploaded again, by the first stage of the iteration on the device
-that reads them (frozen weights — a LoRA base — never again); the device holds all of its stages' weights all the
-time. The timing model (:func:`.timing.stage_costs`) prices both with these figures: the upload a stay saves
-(link time, :attr:`~rpcompile.core.stages.StageCost.weight_bytes`) against the memory it holds
-(:attr:`~rpcompile.core.stages.StageCost.held_bytes`); :mod:`.stay_search` chooses them.
+- a stage's *weights*: its segments' own parameters and the shared parameters its segments read (counted once
+  per stage, as :meth:`.problem.PartitionProblem.weight` counts them);
+- *stay* (``SegmentPlan.stays[i]``): segment ``i``'s own parameters kept on the device from its forward stage's
+  upload until its backward stage, when both stages run on one device;
+- *resident* plan (``SegmentPlan.resident``): every weight kept on its device across iterations;
+- *gradient sums* (``SegmentPlan.accumulates``): a segment's gradients summed on the device of the stage that
+  computes them during gradient-accumulation calls (``pipe.no_sync()``) and sent home once, by the next call
+  outside it.
 
-**Gradient sums** (``SegmentPlan.accumulates``): during gradient-accumulation calls (``pipe.no_sync()``) a
-segment's gradients may stay on the device of the stage that computes them, summed there in the masters' dtype (as
-``.grad``: ``host.reduce_bytes_per_grad_byte`` bytes per gradient byte) and sent home once, by the next call
-outside it: such a call downloads nothing of them and the host adds nothing. Every stage of that device holds the
-sums all the time, and during a call the gradients its earlier stages computed too (they join the sums when the
-call ends, so a failed call leaves the sums as they were). The plan's figures are a call outside ``no_sync``;
-:func:`.timing.stage_costs` with ``deferred`` prices one under it.
-
-Figures are for an iteration in the steady state: a resident plan's first iteration uploads its frozen weights too.
+:func:`stay_figures` gives each stage's figures (what a stay or a resident plan costs and saves there; gradient
+sums: :func:`_sums`), which the timing model (:func:`.timing.stage_costs`) prices; :mod:`.stay_search` chooses
+them.
 """
 
 from __future__ import annotations
@@ -41,7 +32,8 @@ _Item = tuple[str, int]
 
 @dataclass(frozen=True)
 class StayFigures:
-    """One stage's part in the plan's stays (bytes in upload precision; see :class:`~rpcompile.core.stages.StageCost`)."""
+    """One stage's part in the plan's stays (bytes in upload precision; see
+    :class:`~rpcompile.core.stages.StageCost`)."""
 
     found: int = 0
     """Its own weights it does not upload: already on the device."""
@@ -52,7 +44,7 @@ class StayFigures:
     refreshes: bool = False
     """Its upload replaces copies already on the device (a resident plan's trainable weights after the step)."""
     sums: int = 0
-    """Gradient sums on the device while it runs (its own and its device's other stages'; module docstring)."""
+    """Gradient sums on the device while it runs (its own and its device's other stages'; :func:`_sums`)."""
     summed: int = 0
     """Its own gradient bytes (compute precision) that stay on the device in a call under ``no_sync``."""
 
@@ -76,7 +68,19 @@ def _sizes(pb: PartitionProblem, item: _Item) -> tuple[int, int]:
 
 
 def stay_figures(pb: PartitionProblem, plan: SegmentPlan) -> list[StayFigures] | None:
-    """Per stage of ``plan`` in execution order, its figures; None when nothing stays."""
+    """Per stage of ``plan`` in execution order, its figures; None when nothing stays.
+
+    :func:`rpcompile.core.schedule.weight_stays` walks the stages. A segment's own parameters that stay are found
+    on the device by its backward stage, which uploads only the rest, and every stage that runs on that device in
+    between holds them beside its own memory. In a resident plan each stage finds its weights, and only the
+    trainable ones an optimizer step changed are uploaded again, by the first stage of the iteration on the device
+    that reads them (frozen weights — a LoRA base — never again); the device holds all of its stages' weights all
+    the time. The timing model (:func:`.timing.stage_costs`) prices both with these figures: the upload a stay
+    saves (link time, :attr:`~rpcompile.core.stages.StageCost.weight_bytes`) against the memory it holds
+    (:attr:`~rpcompile.core.stages.StageCost.held_bytes`).
+
+    Figures are for an iteration in the steady state: a resident plan's first iteration uploads its frozen weights
+    too."""
     if not plan.stays and not plan.resident and not plan.accumulates:
         return None
     stages = plan_stages(plan)
@@ -99,8 +103,15 @@ def stay_figures(pb: PartitionProblem, plan: SegmentPlan) -> list[StayFigures] |
 
 def _sums(pb: PartitionProblem, plan: SegmentPlan,
           stages: Sequence[tuple[str, int, int]]) -> tuple[list[int], list[int]]:
-    """Per stage: the gradient-sum bytes on its device while it runs, and its own gradient bytes that stay
-    (module docstring)."""
+    """Per stage: the gradient-sum bytes on its device while it runs, and its own gradient bytes that stay.
+
+    During gradient-accumulation calls (``pipe.no_sync()``) a segment's gradients may stay on the device of the
+    stage that computes them, summed there in the masters' dtype (as ``.grad``: ``host.reduce_bytes_per_grad_byte``
+    bytes per gradient byte) and sent home once, by the next call outside it: such a call downloads nothing of them
+    and the host adds nothing. Every stage of that device holds the sums all the time, and during a call the
+    gradients its earlier stages computed too (they join the sums when the call ends, so a failed call leaves the
+    sums as they were). The plan's figures are a call outside ``no_sync``; :func:`.timing.stage_costs` with
+    ``deferred`` prices one under it."""
     sums, summed = [0] * len(stages), [0] * len(stages)
     if not plan.accumulates:
         return sums, summed
@@ -115,7 +126,7 @@ def _sums(pb: PartitionProblem, plan: SegmentPlan,
 
 
 def sum_candidates(pb: PartitionProblem, plan: SegmentPlan) -> list[int]:
-    """Segments whose gradients may be summed on their device (module docstring): those with trainable parameters
+    """Segments whose gradients may be summed on their device (:func:`_sums`): those with trainable parameters
     of their own, when every call starts its stages on device 0 — not with overlapped iterations (the
     round-robin pointer carries on) nor data-parallel (each call's gradients are reduced as they land)."""
     if pb.host.overlap_iterations or pb.host.nodes > 1:

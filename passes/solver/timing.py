@@ -1,65 +1,15 @@
 """The timing model: what a :class:`~.problem.SegmentPlan` costs, stage by stage and per iteration.
 
-**Stage time** (per microbatch) is ``stage_overhead_s + max(compute, upload/link, download/link)``: copies run on
-their own streams and the host link is full duplex, so a stage is as slow as its slowest resource. ``compute`` is
-the sum of its segments' times, each already the longer of its kernels and its host's dispatch
-(:func:`rpcompile.passes.formulate.launch_bound`); ``stage_overhead_s`` is the runtime's own work per action. On one GPU
-the hand-offs between stages stay in device memory (``problem.resident_handoffs``): only the model inputs and what
-the host reads cross the link (:meth:`.problem.PartitionProblem.link_in`, ``link_out``). That is the
-solvers' per-stage model (:mod:`.tables` prices every range that way at once); the exact model
-(:func:`stage_costs`, :func:`iteration_time`) refines it for the runtime's **lazy offload**
-(:func:`offload_backlog`): a forward stage's saved activations, which nobody in the forward pass waits for, go
-down while the device runs its later stages, within the memory its stages leave free, so a forward stage waits
-only for the copies of its outputs.
+- *stage time*: one microbatch on a stage, ``stage_overhead_s + max(compute, upload/link, download/link)``;
+  *stage memory*: ``W + G + P + working`` (both :func:`stage_cost`, with the weights that stay);
+- *lazy offload*: a forward stage's saved activations going down while its device runs later stages
+  (:func:`offload_backlog`), which the solvers' per-stage model (:mod:`.tables`) leaves out;
+- *iteration time*: the exact event recurrence over the stages (:func:`pipeline_time`: the host's accumulation
+  and the data-parallel all-reduce too) with the transfers compute may not hide (:func:`transfer_edges`), then the
+  optimizer step (:func:`iteration_time`).
 
-**Stage memory** is ``W + G + P + working`` with ``W``/``G`` the stage's weight/gradient bytes (a shared parameter
-counts once per stage using it), ``P`` the largest ``W`` of any stage in the plan (the next stage's weights are
-prefetched during this one; conservative), ``working`` one microbatch's live tensors (for a forward stage also
-the activations it saves, held until they are copied to the host) and ``buffers`` what double buffering keeps
-beside them so that copies overlap compute: a forward stage's previous saved activations still going down, a
-backward stage's next input and saved activations already coming up. A fused or backward stage's ``working``
-also holds the largest backward transient of its segments (``transient_bytes``: what one node's backward allocates
-beside the saved tensors, its inputs' gradients; nodes run backward one at a time, so only the largest counts,
-as :mod:`.tables` prices it with a running max over the range). Forward stages compute no
-gradients, so their ``G`` is 0 (the only place this model departs from a literal ``W + G + P + working``).
-
-A stage of a 4-bit base also holds its weights dequantized (``derived_bytes``: computed once per stage, held
-while it runs) beside ``W``.
-
-**Weights that stay** (:mod:`~rpcompile.passes.solver.stays`): a stage that finds some of its weights on its device (left there by an
-earlier stage, or resident) uploads only the rest — ``weight_bytes`` and the link time are what it uploads, ``P``
-the largest upload — and every stage a stay spans holds those weights beside its own (``held_bytes``, in its
-memory and out of the room the lazy offload may use). Gradient sums kept on a device across accumulation calls
-hold memory the same way (``sum_bytes``); in a call under ``no_sync`` the summed gradients are not sent home.
-
-**Iteration time** is the exact event recurrence of :func:`pipeline_time` — with equal stage times it reduces to
-docs/architecture.md §3's ``(⌊(S−1)/N⌋·m + (S−1) mod N + m)·T`` for ``m ≥ N`` — with the transfers that compute may not
-hide (:func:`transfer_edges`): a stage starts only once its weights are up — prefetched while the device runs its
-previous stage, with what bandwidth that stage's activation copies leave, so a short or upload-bound stage before
-a heavy one exposes the rest of the copy, and from the start of the
-iteration for the first stage of each device (the optimizer step between iterations changes the weights) — and
-the iteration ends only once every stage's gradients are down. Without them the model was up to 9% (llama-1.7b)
-and 17% (the MoE, whose ILP plans put short stages before heavy ones) shorter than the simulator. And a
-microbatch reaches the next stage only after its hand-off through host memory — the tensors it waits for go down
-from one device and up to the next (``handoff_bytes``, both links' time): one hand-off per stage lies on the
-fill's and the drain's critical path, so a cut across a wide tensor (inside an MLP) lengthens both.
-
-**Host work** (:class:`~rpcompile.core.stages.HostLoad`, the problem's ``host``). After a grad stage's gradients
-are down, one host thread adds them into the fp32 masters' ``.grad`` (``accumulate_s``, :func:`pipeline_time`): the
-accumulations queue on that thread in the order the gradients land and run beside the later stages, so they show
-only when the thread falls behind — the iteration ends when the last one is done. That is a term of the iteration
-recurrence, not of a stage's per-microbatch price (the solvers' :mod:`.tables`): the host thread is one resource
-that every device's stages share, and it never slows a device. Between iterations the host steps the optimizer and
-refreshes the compute-precision copies, a constant per iteration (``HostLoad.step_s``) that the solvers need not
-see: :func:`iteration_time` adds it (synchronous) or takes ``max(pipeline, step)`` (``overlap_step``).
-
-**Data parallelism** (``HostLoad.nodes > 1``, :mod:`rpcompile.training.distributed`): once the host has added a grad
-stage's gradients, their fp32 sum is all-reduced across the machines — a ring, ``2(n−1)/n`` of the bytes through
-each machine's network link (``HostLoad.reduce_s``) — one stage after the other in stage order on that one link,
-beside the later stages (``overlap_reduce``, as the runtime's buckets do) or all after the pipeline; the
-iteration waits for the last. The local search sees it, so a plan for several nodes may cut otherwise.
-
-Each stage is a :class:`~rpcompile.core.stages.StageCost`, the type the simulator plays too.
+Each stage is a :class:`~rpcompile.core.stages.StageCost`, the type the simulator plays too. The solvers re-score
+every plan they meet by :func:`iteration_time`; lowering reads :func:`stage_costs` and :func:`host_times`.
 """
 
 from __future__ import annotations
@@ -97,7 +47,39 @@ __all__ = [
 def stage_cost(pb: PartitionProblem, kind: StageKind, a: int, b: int, saved: Sequence[bool], p: int,
                stay: StayFigures = NO_STAY, deferred: bool = False) -> StageCost:
     """One stage's costs: segments ``a..b-1`` of ``pb`` run as ``kind`` with ``saved`` flags, ``p`` prefetched,
-    ``stay`` its weights found or kept on the device, ``deferred`` its gradients held back (no_sync)."""
+    ``stay`` its weights found or kept on the device, ``deferred`` its gradients held back (no_sync).
+
+    **Stage time** (per microbatch) is ``stage_overhead_s + max(compute, upload/link, download/link)``: copies run
+    on their own streams and the host link is full duplex, so a stage is as slow as its slowest resource.
+    ``compute`` is the sum of its segments' times, each already the longer of its kernels and its host's dispatch
+    (:func:`rpcompile.passes.formulate.launch_bound`); ``stage_overhead_s`` is the runtime's own work per action.
+    On one GPU the hand-offs between stages stay in device memory (``problem.resident_handoffs``): only the model
+    inputs and what the host reads cross the link (:meth:`.problem.PartitionProblem.link_in`, ``link_out``). That
+    is the solvers' per-stage model (:mod:`.tables` prices every range that way at once); the exact model
+    (:func:`stage_costs`, :func:`iteration_time`) refines it for the runtime's **lazy offload**
+    (:func:`offload_backlog`): a forward stage's saved activations, which nobody in the forward pass waits for, go
+    down while the device runs its later stages, within the memory its stages leave free, so a forward stage waits
+    only for the copies of its outputs.
+
+    **Stage memory** is ``W + G + P + working`` with ``W``/``G`` the stage's weight/gradient bytes (a shared
+    parameter counts once per stage using it), ``P`` the largest ``W`` of any stage in the plan (the next stage's
+    weights are prefetched during this one; conservative), ``working`` one microbatch's live tensors (for a
+    forward stage also the activations it saves, held until they are copied to the host) and ``buffers`` what
+    double buffering keeps beside them so that copies overlap compute: a forward stage's previous saved
+    activations still going down, a backward stage's next input and saved activations already coming up. A fused
+    or backward stage's ``working`` also holds the largest backward transient of its segments
+    (``transient_bytes``: what one node's backward allocates beside the saved tensors, its inputs' gradients;
+    nodes run backward one at a time, so only the largest counts, as :mod:`.tables` prices it with a running max
+    over the range). Forward stages compute no gradients, so their ``G`` is 0 (the only place this model departs
+    from a literal ``W + G + P + working``). A stage of a 4-bit base also holds its weights dequantized
+    (``derived_bytes``: computed once per stage, held while it runs) beside ``W``.
+
+    **Weights that stay** (:mod:`~rpcompile.passes.solver.stays`): a stage that finds some of its weights on its
+    device (left there by an earlier stage, or resident) uploads only the rest — ``weight_bytes`` and the link
+    time are what it uploads, ``P`` the largest upload — and every stage a stay spans holds those weights beside
+    its own (``held_bytes``, in its memory and out of the room the lazy offload may use). Gradient sums kept on a
+    device across accumulation calls hold memory the same way (``sum_bytes``); in a call under ``no_sync`` the
+    summed gradients are not sent home."""
     m, link, seg = pb.microbatches, pb.link_bytes_per_s, range(a, b)
     w, g = pb.weight(a, b) - stay.found, pb.weight(a, b, grads=True)  # w: what its W uploads (.stays)
     sent = g - stay.summed if deferred else g  # what of them goes home (under no_sync: not the summed ones)
@@ -208,13 +190,19 @@ def pipeline_time(stage_times: Sequence[float], devices: int, microbatches: int,
     (the latest stage's saves go first, so older backlog does not delay them); a stage that ``reads`` them
     starts ``j`` no earlier than ``l(f, j) + prefetch_s[k]`` (it uploads them before it computes).
 
-    Host accumulation: ``accumulate_s[k]``, the host thread's time to add stage ``k``'s gradients into ``.grad``
-    once they have landed (``e(k, m−1) + grad_s[k]``); one thread takes them in the order they land, and the
-    iteration waits for the last.
+    Host accumulation (:class:`~rpcompile.core.stages.HostLoad`, the problem's ``host``): ``accumulate_s[k]``, the
+    host thread's time to add stage ``k``'s gradients into the fp32 masters' ``.grad`` once they have landed
+    (``e(k, m−1) + grad_s[k]``); one thread takes them in the order they land and runs them beside the later
+    stages, so they show only when the thread falls behind, and the iteration waits for the last. That is a term
+    of the iteration recurrence, not of a stage's per-microbatch price (the solvers' :mod:`.tables`): the host
+    thread is one resource that every device's stages share, and it never slows a device.
 
-    Data-parallel reduction: ``reduce_s[k]``, the all-reduce of stage ``k``'s gradients once the host has added
-    them, on one network link in stage order (:func:`.recurrence.reduce_times`), then ``reduce_host_s`` (the tables only the
-    host reads); the iteration waits for the last.
+    Data-parallel reduction (``HostLoad.nodes > 1``, :mod:`rpcompile.training.distributed`): ``reduce_s[k]``, the
+    all-reduce of stage ``k``'s fp32 gradient sum across the machines once the host has added it — a ring,
+    ``2(n−1)/n`` of the bytes through each machine's network link (``HostLoad.reduce_s``) — on that one link in
+    stage order (:func:`.recurrence.reduce_times`), beside the later stages (``overlap_reduce``, as the runtime's
+    buckets do) or all after the pipeline, then ``reduce_host_s`` (the tables only the host reads); the iteration
+    waits for the last. The local search sees it, so a plan for several nodes may cut otherwise.
     """
     ends = stage_ends(stage_times, devices, microbatches, weight_s, handoff_s, out_s, save_s, reads, prefetch_s)
     return pipeline_end(ends, grad_s, accumulate_s, reduce_s, overlap_reduce, reduce_host_s)
@@ -283,13 +271,29 @@ def iteration_time(problem: PartitionProblem, plan: SegmentPlan) -> float:
     """Predicted time of one training iteration (s): the pipeline plus its exposed fill and drain transfers and
     the host accumulation it could not hide, then the optimizer step and copy refresh (added, or overlapped:
     ``HostLoad.iteration_s``); with ``host.overlap_iterations``, the steady-state period of overlapped iterations
-    (:func:`overlapped_period`)."""
+    (:func:`overlapped_period`).
+
+    **Iteration time** is the exact event recurrence of :func:`pipeline_time` — with equal stage times it reduces
+    to docs/architecture.md §3's ``(⌊(S−1)/N⌋·m + (S−1) mod N + m)·T`` for ``m ≥ N`` — with the transfers that
+    compute may not hide (:func:`transfer_edges`): a stage starts only once its weights are up — prefetched while
+    the device runs its previous stage, with what bandwidth that stage's activation copies leave, so a short or
+    upload-bound stage before a heavy one exposes the rest of the copy, and from the start of the iteration for
+    the first stage of each device (the optimizer step between iterations changes the weights) — and the
+    iteration ends only once every stage's gradients are down. And a microbatch reaches the next stage only after
+    its hand-off through host memory — the tensors it waits for go down from one device and up to the next
+    (``handoff_bytes``, both links' time): one hand-off per stage lies on the fill's and the drain's critical
+    path, so a cut across a wide tensor (inside an MLP) lengthens both.
+
+    Between iterations the host steps the optimizer and refreshes the compute-precision copies, a constant per
+    iteration (``HostLoad.step_s``, :class:`~rpcompile.core.stages.HostLoad`) that the solvers need not see: this
+    adds it (synchronous) or takes ``max(pipeline, step)`` (``overlap_step``)."""
     return _objective(problem, stage_costs(problem, plan, lazy_offload=False), plan.saved)
 
 
 def no_sync_time(problem: PartitionProblem, plan: SegmentPlan) -> float:
-    """Predicted pipeline of a call under ``pipe.no_sync()`` (s): the summed gradients go nowhere (:mod:`~rpcompile.passes.solver.stays`),
-    the host adds only the others; as ``host_times``' ``pipeline_s``, the step apart."""
+    """Predicted pipeline of a call under ``pipe.no_sync()`` (s): the summed gradients go nowhere
+    (:mod:`~rpcompile.passes.solver.stays`), the host adds only the others; as ``host_times``' ``pipeline_s``, the
+    step apart."""
     return _total(problem, stage_costs(problem, plan, lazy_offload=False, deferred=True), plan.saved)
 
 

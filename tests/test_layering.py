@@ -24,6 +24,8 @@ through others (no file-level import loop), every folder holds at most :data:`CE
 end's root :data:`ROOT_CEILING`), and the architecture page's table (docs/architecture.md §8) names every module,
 file for file.
 
+Module docstrings stay short (:data:`DOCSTRING_CEILING` lines, issue 37 phase 7).
+
 One home per name (issue 37 phase 3): a name sits in one module's ``__all__`` (packages re-export nothing; the
 public surface ``rpcompile/__init__.py`` points each public name at its home), and no ``_private`` name is used
 outside its module — in the package and the benchmarks; tests may reach into the module they mirror.
@@ -358,6 +360,18 @@ def test_the_longest_chain_is_found():
              "rpcompile/core/plan.py": "from .units import fmt\n", "rpcompile/core/units.py": ""}
     assert longest_chain(files) == ["rpcompile.cli.main", "rpcompile.tools.demo", "rpcompile.core.plan",
                                     "rpcompile.core.units"]
+
+
+#: The most lines a module docstring may take (issue 37 phase 7): what the module is and its terms; the details in
+#: the docstrings of what they describe, measurements and history in benchmarks/RESULTS.md.
+DOCSTRING_CEILING = 25
+
+
+def test_module_docstrings_are_short():
+    long = {rel: n for rel, source in _sources().items()
+            if (n := (ast.get_docstring(ast.parse(source), clean=False) or "").count("\n") + 1) > DOCSTRING_CEILING}
+    assert not long, (f"module docstrings over {DOCSTRING_CEILING} lines (move the details to the docstrings of what "
+                      f"they describe, figures and history to benchmarks/RESULTS.md): {long}")
 
 
 def test_the_recurrence_is_plain_numbers():

@@ -6,6 +6,8 @@
 - **rows**: eager (the same two microbatches, backward after each), rpcompile on two logical CPU devices saving
   activations (the plan's default on ``rtx4090`` costs: ``saved nodes`` in its forward stages) and recomputing
   them (``allow_save=False``).
+- **host CPU**: every thread's CPU time a step (``time.process_time``), which a shared machine's load and the
+  threads' waits for the interpreter lock disturb less than the wall time.
 - **segment backward**: a saved segment's backward call (``SegmentFunctionBackward``), its own host time per
   call without the operators it runs (the profiler's self time): the runtime's overhead around the captured graph.
 
@@ -56,17 +58,18 @@ def measure(steps: int) -> dict[str, Any]:
         for rows in (slice(0, 2), slice(2, 4)):
             loss_fn(model(ids[rows], use_cache=False), target[rows]).backward()
 
-    def timed(step: Any) -> float:
+    def timed(step: Any) -> dict[str, float]:
         for _ in range(3):
             step()
-        walls = []
+        walls, cpus = [], []
         for _ in range(steps):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             step()
             walls.append(time.perf_counter() - t0)
-        return statistics.median(walls)
+            cpus.append(time.process_time() - c0)
+        return {"step_s": statistics.median(walls), "cpu_s": statistics.median(cpus)}
 
-    rows: dict[str, Any] = {"eager": {"step_s": timed(eager)}}
+    rows: dict[str, Any] = {"eager": timed(eager)}
     for label, allow_save in (("rpcompile saving", True), ("rpcompile recomputing", False)):
         pipe = rpcompile.compile(model, (ids,), loss_fn=loss_fn, devices=["cpu", "cpu"], microbatches=2,
                                  spec="rtx4090", allow_save=allow_save, progress=False)
@@ -75,7 +78,7 @@ def measure(steps: int) -> dict[str, Any]:
             model.zero_grad(set_to_none=True)
             pipe.forward_backward(ids, target=target)
 
-        row = {"step_s": timed(step), "stages": len(pipe.plan.stages),
+        row = {**timed(step), "stages": len(pipe.plan.stages),
                "saved_nodes": sum(len(s.saved) for s in pipe.plan.stages if s.kind == "forward")}
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             step()
@@ -115,11 +118,11 @@ def main() -> None:
 
     sides = [("after", None)] + ([("before", args.baseline)] if args.baseline else [])
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in sides}
-    for _ in range(args.repeats):  # interleaved: a shared machine's load falls on both sides alike
-        for name, path in sides:
+    for r in range(args.repeats):  # interleaved, the order alternating: a shared machine's load falls on both alike
+        for name, path in (sides if r % 2 == 0 else sides[::-1]):
             runs[name].append(_side(path, args.steps))
     table = Table(title="host cost per step at tiny shapes (CPU; medians over repeats)")
-    for col in ("side", "row", "step", "× eager", "stages", "saved nodes", "segment backward (self)"):
+    for col in ("side", "row", "step", "× eager", "host CPU", "stages", "saved nodes", "segment backward (self)"):
         table.add_column(col, justify="left" if col in ("side", "row") else "right")
     summary: dict[str, Any] = {}
     for name, _ in sides:
@@ -131,6 +134,7 @@ def main() -> None:
             summary[name][label] = med
             seg = med.get("segment_backward_self_us")
             table.add_row(name, label, f"{med['step_s'] * 1e3:.2f} ms", f"{med['over_eager']:.2f}",
+                          f"{med['cpu_s'] * 1e3:.2f} ms",
                           str(int(med.get("stages", 0))) if "stages" in med else "—",
                           str(int(med.get("saved_nodes", 0))) if "stages" in med else "—",
                           f"{seg:.0f} µs" if seg is not None else "—")

@@ -19,3 +19,7 @@ def test_the_rows_are_measured_and_the_saving_plan_runs_saved_segments():
     assert saving["saved_nodes"] > 0 and saving["segment_backward_calls"] > 0
     assert saving["segment_backward_self_us"] > 0
     assert recomputing["saved_nodes"] == 0 and "segment_backward_calls" not in recomputing
+
+
+def test_threads_dispatching_at_once_are_measured():
+    assert dispatch.threads_rate(1, calls=5) > 0 and dispatch.threads_rate(2, calls=5) > 0

@@ -88,7 +88,8 @@ def link_bound(pb: Any, plan: Any) -> float:
 
 
 def fewer_saves(pb: Any, plan: Any, share: float) -> Any:
-    """``plan`` with saved segments recomputed instead, greedily (:func:`main`'s ``overlapped, fewer saves``), until its link-bound part
+    """``plan`` with saved segments recomputed instead, greedily
+    (:func:`main`'s ``overlapped, fewer saves``), until its link-bound part
     is under ``share``."""
     while link_bound(pb, plan) >= share:
         now = link_bound(pb, plan)

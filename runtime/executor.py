@@ -169,8 +169,9 @@ class Executor:
 
         The fused stage calls ``loss_fn(output, target, j)`` for microbatch j with ``targets[j]`` uploaded to its
         device (every tensor in it, dtypes kept; None without ``targets``). A failure anywhere stops the call as
-        the class docstring's **Failures** says: :class:`~rpcompile.runtime.failures.PipelineError` (or the ``KeyboardInterrupt`` itself)
-        once nothing of the call runs any more, every ``.grad`` as it was before the call."""
+        the class docstring's **Failures** says: :class:`~rpcompile.runtime.failures.PipelineError` (or the
+        ``KeyboardInterrupt`` itself) once nothing of the call runs any more, every ``.grad`` as it was before the
+        call."""
         self.finish()  # a call left behind by a Ctrl-C that escaped: stopped before this one takes its place
         self._begin(schedule, store, iteration, loss_fn, targets, grad_scale)
         # Device 0 runs on the calling thread: a fresh thread would start its own OpenMP team while the caller's

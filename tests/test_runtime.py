@@ -661,8 +661,8 @@ def test_one_symbolic_capture_runs_every_new_shape_and_a_rejected_one_is_capture
 
 def test_a_symbolic_capture_evaluates_its_sizes_once_per_batch_shape(monkeypatch):
     """A symbolic capture's layouts and view sizes are sympy expressions: they are evaluated once per batch shape
-    and kept (:class:`~rpcompile.runtime.segments.capture.Bound`; sympy on every call was ~0.6 ms of host time a
-    segment's backward), at most ``BOUND_CACHE`` shapes a capture, the oldest dropped. Every call equals eager."""
+    and kept (:class:`~rpcompile.runtime.segments.capture.Bound`), at most ``BOUND_CACHE`` shapes a capture, the
+    oldest dropped. Every call equals eager."""
     from rpcompile.runtime.segments import capture, symbolic
 
     evaluated = []

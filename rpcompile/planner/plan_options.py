@@ -22,9 +22,9 @@ from ..core.plan import Hardware
 from ..core.specs import DeviceSpec, HostSpec, assumed_host, get_spec
 from .device_probe import device_spec
 
-__all__ = ["PlanOptions", "PLAN_DEFAULTS", "options_or_keywords", "PLAN_STRATEGIES", "AUTO_HEAD_CHUNKS", "make_cost_model",
-           "make_hardware", "default_spec", "head_chunk_candidates", "fastest", "split_limit", "infeasible_error",
-           "model_device"]
+__all__ = ["PlanOptions", "PLAN_DEFAULTS", "options_or_keywords", "PLAN_STRATEGIES", "AUTO_HEAD_CHUNKS",
+           "make_cost_model", "make_hardware", "default_spec", "head_chunk_candidates", "fastest", "split_limit",
+           "infeasible_error", "model_device"]
 
 #: The strategies a plan may name (``--strategy``, ``strategy=``); :data:`rpcompile.passes.solver.partition.STRATEGIES` runs them.
 PLAN_STRATEGIES = ("ilp", "dp", "roundpipe", "uniform")

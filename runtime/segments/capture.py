@@ -78,8 +78,8 @@ BOUND_CACHE = 64
 
 @dataclass
 class Bound:
-    """A capture's sizes evaluated for one call's symbol values: sympy runs once per batch shape, not per call
-    (it took ~0.6 ms of host time a segment's backward call, on the autograd thread)."""
+    """A capture's sizes evaluated for one call's symbol values: sympy runs once per batch shape, not on every call
+    (on the autograd thread, it was half a saved segment's backward overhead: benchmarks/RESULTS.md, dispatch)."""
 
     layouts: list[Layout]
     """Per bw input (:data:`Layout`)."""

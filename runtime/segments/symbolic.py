@@ -23,7 +23,8 @@ from torch._dynamo.source import LocalSource
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP, DimDynamic, ShapeEnv, StatelessSymbolicContext
 
-__all__ = ["Guards", "fake_inputs", "Binder", "size_binders", "bind_sizes", "concrete", "concrete_layout", "concrete_value"]
+__all__ = ["Guards", "fake_inputs", "Binder", "size_binders", "bind_sizes",
+           "concrete", "concrete_layout", "concrete_value"]
 
 
 def fake_inputs(examples: Sequence[Any], dynamic: Sequence[bool]) -> tuple[FakeTensorMode, list[Any]]:

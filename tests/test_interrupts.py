@@ -25,8 +25,10 @@ def _child(code: str, *, timeout: float = 120.0) -> subprocess.CompletedProcess[
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
            "RPCOMPILE_BACKGROUND": "off", "RPCOMPILE_CACHE": os.environ.get("RPCOMPILE_CACHE", "")}
     env = {k: v for k, v in env.items() if v != ""}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    # Python's own SIGINT handler, even where the suite runs with SIGINT ignored (``nohup``, ``&`` in a script,
+    # some CI runners): a child inheriting SIG_IGN would never raise KeyboardInterrupt
+    code = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n" + textwrap.dedent(code)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def _lines(out: subprocess.CompletedProcess[str]) -> list[str]:

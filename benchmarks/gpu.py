@@ -87,8 +87,9 @@ def _peak(device: str) -> float | None:
 def _pass_times(row: dict) -> Any:
     """``row["compile_passes"]``: seconds per compile pass (trace, shape, cost, partition, ...; summed over the
     LM-head splits) from the ``rpcompile`` logger, and ``"other"``: what ``compile`` spent outside them. A compile
-    that misses its time target then says where the time went. Parts of a pass (``pipeline.executor``: a dotted
-    name) go to ``row["compile_parts"]``, apart from the passes they are part of."""
+    that misses its time target then says where the time went. Parts (a dotted name: ``pipeline.executor`` of a
+    pass, ``compile.host memory fit`` of compile, which holds a re-plan's passes) go to ``row["compile_parts"]``:
+    they overlap the passes, so they are kept apart from them."""
     times: dict[str, float] = {}
     parts: dict[str, float] = {}
 

@@ -213,7 +213,8 @@ def compile(
             t0 = time.perf_counter()
             made = fit_host_memory(saving, lambda: replanned(saving, allow_save=False, time_limit_s=limit),
                                    dtype=COMPUTE_DTYPES[precision], pin=not on_cpu, frozen_masters=frozen_masters)
-            log.info("%s: %.2f s", "host memory fit", time.perf_counter() - t0)  # a re-plan when saves do not fit
+            # dotted: a part of compile that contains its re-plan's passes, each logged on its own (not to add up)
+            log.info("%s: %.2f s", "compile.host memory fit", time.perf_counter() - t0)
         assert made.plan is not None
         t0 = time.perf_counter()
         pipe = pipeline(model, made.graph, made.plan, devs, loss_fn, train, loss_in_graph=made.plan.head_chunks > 1,

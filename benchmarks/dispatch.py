@@ -31,21 +31,24 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
+
+import torch
+import torch.nn.functional as F
+import transformers
+from rich.console import Console
+from rich.table import Table
+
+import rpcompile
 
 RESULTS = Path(__file__).resolve().parent / "results" / "dispatch.json"
 
 
 def measure(steps: int) -> dict[str, Any]:
-    """One side's rows, in this process (the ``--child`` mode)."""
-    import torch
-    import torch.nn.functional as F
-    import transformers
-
-    import rpcompile
-
+    """One side's rows, in this process (the ``--child`` mode: ``rpcompile`` is the side's, from ``PYTHONPATH``)."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
@@ -96,10 +99,6 @@ def measure(steps: int) -> dict[str, Any]:
 def threads_rate(threads: int, calls: int = 300) -> float:
     """Graph nodes a second that ``threads`` threads run together, each calling the same exported graph of tiny
     operators (50 linear layers of width 8): how dispatch from several Python threads at once scales."""
-    import threading
-
-    import torch
-
     torch.set_num_threads(1)
     layers = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()) for _ in range(50)])
     x = torch.randn(4, 8)
@@ -146,9 +145,6 @@ def main() -> None:
         return
     # several threads dispatching at once, in this process (the package plays no part): best of three each
     rates = {k: max(threads_rate(k) for _ in range(3)) for k in (1, 2)}
-    from rich.console import Console
-    from rich.table import Table
-
     sides = [("after", None)] + ([("before", args.baseline)] if args.baseline else [])
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in sides}
     for r in range(args.repeats):  # interleaved, the order alternating: a shared machine's load falls on both alike

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip("transformers")  # the benchmark's model
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import dispatch  # noqa: E402  (benchmarks/ is scripts, not a package)
 
 
 def test_the_rows_are_measured_and_the_saving_plan_runs_saved_segments():
-    pytest.importorskip("transformers")
     rows = dispatch.measure(steps=1)
     assert list(rows) == ["eager", "rpcompile saving", "rpcompile recomputing"]
     assert all(r["step_s"] > 0 for r in rows.values())

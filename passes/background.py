@@ -1,19 +1,15 @@
-"""Work that runs in a forked child process while the caller goes on: the LM-head splits' solves.
+"""Work that runs in a forked child process while the caller goes on (the LM-head splits' solves).
 
 Terms:
 
 - **background work** (:func:`later`, :class:`Later`): a function run in a child process — forked, so the child
-  inherits the problem and nothing is pickled on the way in — while the caller goes on; only the result crosses
+  inherits its inputs and nothing is pickled on the way in — while the caller goes on; only the result crosses
   back, pickled through a pipe. :meth:`Later.result` collects it.
-- **in the caller**: the fallback — the same work run at :meth:`Later.result`, with the same answer (every phase of
-  a solve is bounded by counts, not by the clock), used whenever the child fails or forking is not safe here
-  (:func:`enabled`).
-- **pays**: a solve goes to a child only when it is expected to take :data:`FORK_PAYS` times what the fork costs
-  (:func:`solve_apart`).
-
-A plan tries the whole LM head and a split one (:func:`rpcompile.planner.plan_options.head_chunk_candidates`); each
-split's solve is single-threaded (CP-SAT with one worker, numpy) and independent of the others, so one runs in a
-child while the caller prepares and solves the next split on another core (:func:`solving`).
+- **in the caller**: the fallback — the same work run at :meth:`Later.result`, with the same answer (the work must
+  not depend on where it runs: every phase of a solve is bounded by counts, not by the clock), used whenever the
+  child fails or forking is not safe here (:func:`enabled`).
+- **pays**: work goes to a child only when it is expected to take :data:`FORK_PAYS` times what the fork costs
+  (:func:`fork_cost_s`); the solves decide so in :func:`rpcompile.passes.solve_cache.solve_apart`.
 """
 
 from __future__ import annotations
@@ -30,10 +26,7 @@ from typing import Any, Generic, TypeVar
 
 from rpcompile.core.errors import RPCompileError
 
-from .solve_cache import lookup
-from .solver.problem import PartitionProblem
-
-__all__ = ["later", "Later", "solving", "enabled", "solve_apart", "solve_timeout", "fork_cost_s", "ENV"]
+__all__ = ["later", "Later", "enabled", "fork_cost_s", "FORK_PAYS", "ENV"]
 
 #: What the work returns.
 T = TypeVar("T")
@@ -65,8 +58,6 @@ FORK_S = 0.012
 FORK_S_PER_PAGE_TABLE_MIB = 0.016
 #: A piece of work goes to a child only when it is expected to take this many times what the fork costs.
 FORK_PAYS = 3.0
-#: A solve's time per segment of its problem, one core (measured: 24–30 ms on llama-8b, gpt-demo, llama-demo).
-SOLVE_S_PER_SEGMENT = 0.025
 
 
 def fork_cost_s() -> float:
@@ -77,32 +68,6 @@ def fork_cost_s() -> float:
     except (OSError, ValueError, IndexError, StopIteration):
         kib = 0
     return FORK_S + FORK_S_PER_PAGE_TABLE_MIB * kib / 1024
-
-
-def solve_apart(problem: PartitionProblem, *, time_limit_s: float, strategy: str = "ilp", cache: bool = True) -> bool:
-    """Whether solving ``problem`` is worth a child process: not in the solve cache (a lookup is quicker than a
-    fork) and expected to take :data:`FORK_PAYS` times what the fork costs — not so for a small problem, nor in a
-    process holding a large model in CPU memory (a fork copies its page tables: about a second for 25 GiB in 4 KiB
-    pages), and the parent's later writes copy pages."""
-    if not enabled():
-        return False
-    if cache and lookup(problem, strategy, time_limit_s=time_limit_s) is not None:
-        return False
-    return min(time_limit_s, SOLVE_S_PER_SEGMENT * problem.n) >= FORK_PAYS * fork_cost_s()
-
-
-def solve_timeout(limit: float) -> float:
-    """How long a solve with time limit ``limit`` may stay silent in a child before the caller gives up on it and
-    solves it itself: the limit guards the phases, not the tables and bounds before them."""
-    return 60.0 + 4.0 * limit
-
-
-def solving(fn: Callable[[], T], problem: PartitionProblem, *, time_limit_s: float, strategy: str = "ilp",
-            cache: bool = True, background: bool = True) -> Later[T]:
-    """``fn()`` — work whose bulk is solving ``problem`` — in a child where that pays (``background`` and
-    :func:`solve_apart`), else in the caller when its result is asked for."""
-    apart = background and solve_apart(problem, time_limit_s=time_limit_s, strategy=strategy, cache=cache)
-    return Later(fn, background=apart, timeout_s=solve_timeout(time_limit_s))
 
 
 class Later(Generic[T]):

@@ -15,13 +15,16 @@ simulator — reads the segment times, so they all price it alike.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Sequence
 
 import torch.fx as fx
 
 from rpcompile.core.plan import Hardware
 from rpcompile.core.precision import PRECISION_BYTES
-from rpcompile.core.stages import host_load
+from rpcompile.core.specs import HostSpec
+from rpcompile.core.stages import HostLoad
 
 from rpcompile.passes.cost.cost_model import COST_KEY, DTYPE_KEY
 from .cost.loss_memory import LOSS_BYTES_KEY
@@ -31,7 +34,7 @@ from .rewrite.dequantize import dequantizations, derived_bytes
 from .rewrite.host import host_of
 from .solver.problem import PartitionProblem, SharedParam
 
-__all__ = ["partition_problem", "launch_bound"]
+__all__ = ["partition_problem", "host_load", "launch_bound"]
 
 
 def partition_problem(
@@ -48,7 +51,7 @@ def partition_problem(
 ) -> PartitionProblem:
     """Lower a coarsened graph to plain numbers. Parameters read by several segments (tied embeddings) become
     :class:`~rpcompile.passes.solver.problem.SharedParam` objects: every stage that uses one receives it, and its gradient is summed over them. The host's
-    work (:func:`~rpcompile.core.stages.host_load`) is priced for every trainable parameter on ``hardware.host``;
+    work (:func:`host_load`) is priced for every trainable parameter on ``hardware.host``;
     ``overlap_step``: the optimizer step runs beside the next iteration; ``overlap_iterations``: the devices run on
     into it too, and the plan is priced by the steady-state period (:attr:`HostLoad.overlap_iterations <rpcompile.core.stages.HostLoad.overlap_iterations>`)."""
     segs = segments_of(gm)
@@ -131,6 +134,29 @@ def _dequantizations(gm: fx.GraphModule, segs: Sequence[Segment],
         held.append(sum(derived_bytes(n, elt) for n in mine))
         kept.append(min(s.act_bytes, sum(c.act_bytes for c in costs)))
     return tuple(times), tuple(held), tuple(kept)
+
+
+def host_load(host: HostSpec | None, *, trainable_params: int, precision: str,
+              overlap_step: bool = False, nodes: int = 1, network_bytes_per_s: float = 0.0,
+              host_params: int = 0, overlap_iterations: bool = False) -> HostLoad:
+    """What ``host`` spends on ``trainable_params`` fp32 masters per iteration (none when ``host`` is unknown).
+
+    The step is torch's AdamW (``optimizer_params_per_s``); the refresh casts every trainable master into its
+    pinned compute-precision copy (``cast_params_per_s``; fp32 plans copy 4 B read + 4 B written at the memory
+    bandwidth). Gradients arrive in compute precision and are added into fp32 ``.grad``. ``nodes`` machines
+    (``network_bytes_per_s`` each; 0: unknown, free) all-reduce those fp32 gradients, ``host_params`` of them
+    from tables only the host reads. ``overlap_iterations``: the devices run on into the next iteration (implies
+    ``overlap_step``)."""
+    elt = 4 if precision == "fp32" else 2
+    net = HostLoad(overlap_step=overlap_step or overlap_iterations, overlap_iterations=overlap_iterations, nodes=nodes, network_bytes_per_s=network_bytes_per_s or math.inf,
+                   reduce_bytes_per_grad_byte=4 / elt, host_grad_bytes=host_params * elt)
+    if host is None:
+        return net
+    n = max(0, int(trainable_params))
+    refresh = n * 8 / host.memory_bandwidth if elt == 4 else n / host.cast_params_per_s
+    return dataclasses.replace(net, accumulate_bytes_per_s=host.accumulate_params_per_s * elt,
+                               accumulate_traffic=(2 * 4 + elt) / elt, optimizer_s=n / host.optimizer_params_per_s,
+                               refresh_s=refresh)
 
 
 def launch_bound(kernels_s: float, nodes: int, dispatch_s: float) -> float:

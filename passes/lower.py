@@ -16,8 +16,9 @@ from typing import Any, Sequence
 import torch.fx as fx
 
 from rpcompile.core.errors import ConfigError
-from rpcompile.core.plan import Hardware, Plan, Prediction, Stage, StageKind
+from rpcompile.core.plan import Hardware, Plan, Prediction, Stage
 from rpcompile.core.schedule import weight_stays
+from rpcompile.core.stages import StageKind
 
 from .graph.fingerprint import fingerprint
 from .graph.shape import SHAPE_KEY

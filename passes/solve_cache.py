@@ -1,13 +1,15 @@
-"""Solved partitions on disk, so re-running a training script does not solve the same problem again.
+"""Solved partitions on disk, so re-running a training script does not solve the same problem again; and where a
+solve runs (here, or in a forked child while the caller goes on).
 
 A solve is a function of its inputs: the :class:`~.solver.problem.PartitionProblem` (the solvers' whole input, in plain
 numbers: costs, memory, link, microbatches), the strategy, the time limit (every phase of ``ilp`` is bounded by
 counts derived from it, so the same limit gives the same plan) and the partitioner's source
-(:func:`~.plan_inputs.solver_digest`). :func:`cached_solve` keys an entry by all of them; a warm entry returns the
-stored result — its plan re-checked against the problem (:func:`~.solver.segment_rules.validate_segment_plan`) and
-re-scored (:func:`~.solver.timing.iteration_time` must give the stored objective) — and ``solve_time_s`` as first measured.
-``PartitionResult.cached`` says where a result came from. A solve may run in a forked child
-(:mod:`~rpcompile.passes.background`): it reads and writes its entry there, as it would in the caller.
+(:func:`~.plan_inputs.solver_digest`). :func:`solve_key` keys an entry by all of them; :func:`lookup` returns a
+warm entry's result — its plan re-checked against the problem (:func:`~.solver.segment_rules.validate_segment_plan`)
+and re-scored (:func:`~.solver.timing.iteration_time` must give the stored objective) — and ``solve_time_s`` as
+first measured; :func:`remember` keeps a fresh one. The pass driver solves through them
+(:func:`rpcompile.planner.planning.cached_solve`). ``PartitionResult.cached`` says where a result came from. A solve
+may run in a forked child (:func:`solving`): it reads and writes its entry there, as it would in the caller.
 
 Measured costs from a warm profile cache give the same problem, so a second compile of a model on the same GPU
 neither measures nor solves. Directory: ``solves/`` beside the profile cache (:func:`.cost.profile_cache.cache_dir`);
@@ -23,19 +25,23 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from rpcompile.core.files import json_depth, jsonable
 from rpcompile.core.jsoncache import JsonCache
 
+from .background import FORK_PAYS, Later, enabled, fork_cost_s
 from .cost.profile_cache import cache_dir
 from .plan_inputs import problem_digest, solver_digest
-from .solver import partition
 from .solver.problem import PartitionProblem, PartitionResult, SegmentPlan
 from .solver.segment_rules import validate_segment_plan
 from .solver.timing import iteration_time
 
-__all__ = ["SOLVE_FORMAT_VERSION", "cached_solve", "lookup", "solve_key", "solve_entries", "clear_solves"]
+__all__ = ["SOLVE_FORMAT_VERSION", "lookup", "remember", "solve_key", "solve_entries", "clear_solves", "solving",
+           "solve_apart", "solve_timeout", "SOLVE_S_PER_SEGMENT"]
+
+#: What a solve's work returns.
+T = TypeVar("T")
 
 SOLVE_FORMAT_VERSION = 1
 _MAX_ENTRY_BYTES = 64 * 2**20
@@ -58,31 +64,9 @@ def _path(key: dict[str, Any]) -> Path:
     return _CACHE.path(key)
 
 
-def cached_solve(problem: PartitionProblem, strategy: str = "ilp", *, time_limit_s: float = 10.0, seed: int = 0,
-                 cache: bool = True, **options: Any) -> PartitionResult:
-    """:func:`.solver.partition.solve` (``ilp`` with ``options``: :func:`.solver.partition.ilp`'s ``baselines``) through
-    the cache (module docstring); ``cache=False`` solves and keeps nothing."""
-    def fresh() -> PartitionResult:
-        if strategy == "ilp":
-            return partition.ilp(problem, time_limit_s=time_limit_s, seed=seed, **options)
-        return partition.solve(problem, strategy, time_limit_s=time_limit_s, seed=seed)
-
-    if not cache:
-        return fresh()
-    key = solve_key(problem, strategy, time_limit_s=time_limit_s, seed=seed)
-    path = _path(key)
-    found = _load(path, key, problem)
-    if found is not None:
-        return found
-    result = fresh()
-    if result.feasible and result.plan is not None:
-        _store(path, key, result)
-    return result
-
-
 def lookup(problem: PartitionProblem, strategy: str = "ilp", *, time_limit_s: float = 10.0,
            seed: int = 0) -> PartitionResult | None:
-    """The cached result :func:`cached_solve` would return for these arguments, or None (nothing is solved)."""
+    """The stored result of solving ``problem`` with these arguments, or None (nothing is solved)."""
     key = solve_key(problem, strategy, time_limit_s=time_limit_s, seed=seed)
     return _load(_path(key), key, problem)
 
@@ -145,15 +129,20 @@ def _ignore(path: Path, why: str) -> None:
     _CACHE.ignore(path, why)
 
 
-def _store(path: Path, key: dict[str, Any], result: PartitionResult) -> None:
-    assert result.plan is not None
+def remember(problem: PartitionProblem, strategy: str, result: PartitionResult, *, time_limit_s: float,
+          seed: int = 0) -> None:
+    """Keep ``result`` of solving ``problem`` with these arguments, where :func:`lookup` finds it (only a feasible
+    one: an infeasible result is not kept)."""
+    if not result.feasible or result.plan is None:
+        return
+    key = solve_key(problem, strategy, time_limit_s=time_limit_s, seed=seed)
     plan = result.plan
     data = {"format": SOLVE_FORMAT_VERSION, "key": key, "created": time.time(),
             "plan": {"forward": plan.forward, "fused": plan.fused, "backward": plan.backward, "saved": plan.saved,
                      "stays": plan.stays, "resident": plan.resident, "accumulates": plan.accumulates},
             "objective": result.objective, "solve_time_s": result.solve_time_s,
             "stats": jsonable(result.stats)}
-    _CACHE.write(path, data, lost="the plan was solved but not kept")
+    _CACHE.write(_path(key), data, lost="the plan was solved but not kept")
 
 
 def solve_entries() -> list[Path]:
@@ -164,3 +153,33 @@ def solve_entries() -> list[Path]:
 def clear_solves() -> int:
     """Remove every entry (and leftover temporary files); the number of files removed."""
     return _CACHE.clear()
+
+
+#: A solve's time per segment of its problem, one core (measured: 24–30 ms on llama-8b, gpt-demo, llama-demo).
+SOLVE_S_PER_SEGMENT = 0.025
+
+
+def solve_apart(problem: PartitionProblem, *, time_limit_s: float, strategy: str = "ilp", cache: bool = True) -> bool:
+    """Whether solving ``problem`` is worth a child process: not in the solve cache (a lookup is quicker than a
+    fork) and expected to take :data:`FORK_PAYS` times what the fork costs — not so for a small problem, nor in a
+    process holding a large model in CPU memory (a fork copies its page tables: about a second for 25 GiB in 4 KiB
+    pages), and the parent's later writes copy pages."""
+    if not enabled():
+        return False
+    if cache and lookup(problem, strategy, time_limit_s=time_limit_s) is not None:
+        return False
+    return min(time_limit_s, SOLVE_S_PER_SEGMENT * problem.n) >= FORK_PAYS * fork_cost_s()
+
+
+def solve_timeout(limit: float) -> float:
+    """How long a solve with time limit ``limit`` may stay silent in a child before the caller gives up on it and
+    solves it itself: the limit guards the phases, not the tables and bounds before them."""
+    return 60.0 + 4.0 * limit
+
+
+def solving(fn: Callable[[], T], problem: PartitionProblem, *, time_limit_s: float, strategy: str = "ilp",
+            cache: bool = True, background: bool = True) -> Later[T]:
+    """``fn()`` — work whose bulk is solving ``problem`` — in a child where that pays (``background`` and
+    :func:`solve_apart`), else in the caller when its result is asked for."""
+    apart = background and solve_apart(problem, time_limit_s=time_limit_s, strategy=strategy, cache=cache)
+    return Later(fn, background=apart, timeout_s=solve_timeout(time_limit_s))

@@ -14,7 +14,9 @@ import torch
 import rpcompile.passes.background as background
 import rpcompile.passes.solve_cache as solve_cache
 from rpcompile.core.errors import InfeasibleError
-from rpcompile.passes.background import later, solve_apart, solving
+from rpcompile.passes.background import later
+from rpcompile.passes.solve_cache import solve_apart, solving
+from rpcompile.planner.planning import cached_solve
 from rpcompile.planner.plan_options import fastest
 
 from partition_cases import llama_like, tiny_chain
@@ -147,17 +149,17 @@ def test_fastest_skips_a_split_whose_deferred_work_fails_and_keeps_the_first_of_
 def test_a_solve_goes_to_a_child_only_where_it_pays(monkeypatch):
     """Not a small problem, nor one the solve cache holds, nor in a process whose fork costs more than the solve."""
     big, small = llama_like(8), tiny_chain(6)  # 18 and 6 segments: about 0.45 and 0.15 s to solve
-    monkeypatch.setattr(background, "fork_cost_s", lambda: 0.1)
+    monkeypatch.setattr(solve_cache, "fork_cost_s", lambda: 0.1)
     assert solve_apart(big, time_limit_s=5.0) == FORKS
     assert solving(lambda: "solved", big, time_limit_s=5.0).forked == FORKS
     last = solving(lambda: "solved", big, time_limit_s=5.0, background=False)  # the last split: solved here
     assert not last.forked and last.result() == "solved"
     assert not solve_apart(small, time_limit_s=5.0)
     assert not solve_apart(big, time_limit_s=0.2)  # its limit keeps it short
-    monkeypatch.setattr(background, "fork_cost_s", lambda: 2.0)  # a process holding a large model in CPU memory
+    monkeypatch.setattr(solve_cache, "fork_cost_s", lambda: 2.0)  # a process holding a large model in CPU memory
     assert not solve_apart(big, time_limit_s=5.0)
-    monkeypatch.setattr(background, "fork_cost_s", lambda: 0.1)
-    solve_cache.cached_solve(big, "ilp", time_limit_s=0.5)
+    monkeypatch.setattr(solve_cache, "fork_cost_s", lambda: 0.1)
+    cached_solve(big, "ilp", time_limit_s=0.5)
     assert not solve_apart(big, time_limit_s=0.5)  # cached: the caller looks it up
     assert solve_apart(big, time_limit_s=0.5, cache=False) == FORKS
 

@@ -26,7 +26,8 @@ from rpcompile.passes.solver.partition import solve
 from rpcompile.passes.solver.problem import PartitionProblem, SegmentPlan, SharedParam
 from rpcompile.passes.solver.segment_rules import validate_segment_plan
 from rpcompile.passes.solver.tables import RangeTables, min_feasible_memory
-from rpcompile.passes.solver.timing import equal_time_factors, pipeline_time, stage_costs
+from rpcompile.passes.solver.recurrence import equal_time_factors
+from rpcompile.passes.solver.timing import pipeline_time, stage_costs
 
 settings.register_profile("partition", max_examples=15, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])

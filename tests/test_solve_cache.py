@@ -12,7 +12,7 @@ import pytest
 from rpcompile.cli import main
 from rpcompile.models.registry import load_model
 from rpcompile.passes import solve_cache
-from rpcompile.passes.solver import partition
+from rpcompile.planner import planning
 from rpcompile.planner.plan_options import PlanOptions
 from rpcompile.planner.planning import compile_plan
 
@@ -34,7 +34,7 @@ def test_a_second_compile_solves_nothing_and_gets_the_same_plan(monkeypatch):
     first = compile_gpt()
     assert not first.result.cached
     assert len(solve_cache.solve_entries()) == 2  # the whole head and the 8-chunk split
-    monkeypatch.setattr(partition, "ilp", lambda *a, **k: pytest.fail("solved although the cache holds it"))
+    monkeypatch.setattr(planning, "ilp", lambda *a, **k: pytest.fail("solved although the cache holds it"))
     second = compile_gpt()
     assert second.result.cached
     assert second.result.solve_time_s == first.result.solve_time_s
@@ -51,7 +51,7 @@ def test_an_entry_whose_stats_list_the_ilps_budgets_is_a_hit(monkeypatch):
     data = json.loads(path.read_text())
     data["stats"]["budgets"] = [[6, "INFEASIBLE", 0.011, 192], [7, "OPTIMAL", 0.02, 12]]
     path.write_text(json.dumps(data))
-    monkeypatch.setattr(partition, "ilp", lambda *a, **k: pytest.fail("solved although the cache holds it"))
+    monkeypatch.setattr(planning, "ilp", lambda *a, **k: pytest.fail("solved although the cache holds it"))
     assert compile_gpt(head_chunks=1).result.cached and plan_dict(compile_gpt(head_chunks=1)) == plan_dict(first)
 
 
@@ -119,14 +119,14 @@ def test_the_cli_reuses_a_solve_and_cache_clear_forgets_it(capsys, monkeypatch):
             "--json"]
     assert main(argv) == 0
     first = json.loads(capsys.readouterr().out)
-    real = partition.ilp
-    monkeypatch.setattr(partition, "ilp", lambda *a, **k: pytest.fail("solved although the cache holds it"))
+    real = planning.ilp
+    monkeypatch.setattr(planning, "ilp", lambda *a, **k: pytest.fail("solved although the cache holds it"))
     assert main(argv) == 0
     assert json.loads(capsys.readouterr().out)["stages"] == first["stages"]
     assert main(["cache", "clear"]) == 0
     assert "and 1 solved partition" in capsys.readouterr().out
     assert solve_cache.solve_entries() == []
     calls = []
-    monkeypatch.setattr(partition, "ilp", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(planning, "ilp", lambda *a, **k: calls.append(1) or real(*a, **k))
     assert main([*argv, "--no-cache"]) == 0
     assert calls == [1] and solve_cache.solve_entries() == []

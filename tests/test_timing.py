@@ -19,14 +19,15 @@ import rpcompile
 from rpcompile.core.errors import ConfigError, ProblemError
 from rpcompile.core.schedule import round_robin, steady_period
 from rpcompile.core.specs import HostSpec
-from rpcompile.core.stages import HostLoad, StageCost, host_load
+from rpcompile.core.stages import HostLoad, StageCost
+from rpcompile.passes.formulate import host_load
 from rpcompile.models.registry import load_model
 from rpcompile.passes.solver.partition import solve
 from rpcompile.passes.solver.problem import PartitionProblem, SegmentPlan, SharedParam
-from rpcompile.passes.solver.recurrence import host_lane_end, overlapped_ends
+from rpcompile.passes.solver.recurrence import equal_time_factor, host_lane_end, overlapped_ends
 from rpcompile.passes.solver.segment_rules import validate_segment_plan
 from rpcompile.passes.solver.tables import RangeTables
-from rpcompile.passes.solver.timing import (bubble_fraction, equal_time_factor, host_times, iteration_time,
+from rpcompile.passes.solver.timing import (bubble_fraction, host_times, iteration_time,
                                             offload_backlog, pipeline_time, plan_memory, save_reads, stage_costs,
                                             transfer_edges)
 from rpcompile.runtime.sim.simulator import simulate

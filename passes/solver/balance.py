@@ -1,7 +1,7 @@
 """Exact min-max balance for every stage count: the engine of the ``dp`` strategy and of the ILP's bounds.
 
 For a plan with ``S`` stages whose slowest stage takes ``T``, the iteration takes at most ``c(S)·T`` (the event
-recurrence is monotone in every stage time; :func:`.timing.equal_time_factors`). Forward cuts, backward cuts and
+recurrence is monotone in every stage time; :func:`.recurrence.equal_time_factors`). Forward cuts, backward cuts and
 the fused start are independent choices once the fused start is fixed, so with per-range stage times from
 :class:`.tables.RangeTables`:
 
@@ -25,7 +25,7 @@ import numpy as np
 
 from .problem import PartitionProblem, SegmentPlan
 from .tables import INF, RangeTables
-from .timing import equal_time_factors
+from .recurrence import equal_time_factors
 
 __all__ = ["Balance", "BalanceTable", "balance_table", "bound_values", "exact_balance", "relaxed_balance",
            "relaxed_backward_time"]

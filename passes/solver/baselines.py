@@ -20,10 +20,11 @@ import numpy as np
 
 from .balance import Balance, bound_values, exact_balance
 from .problem import PartitionProblem, PartitionResult, SegmentPlan
+from .recurrence import equal_time_factors
 from .segment_rules import validate_segment_plan
 from rpcompile.core.units import fmt_bytes
 from .tables import RangeTables, min_memory
-from .timing import equal_time_factors, iteration_time, stage_costs
+from .timing import iteration_time, stage_costs
 
 __all__ = ["uniform", "roundpipe", "dp", "dp_of_balance", "layer_ranges", "make_result", "infeasible_result", "model_objective"]
 

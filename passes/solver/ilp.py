@@ -247,7 +247,7 @@ def solve_budget(pb: PartitionProblem, t: RangeTables, b_relaxed: np.ndarray, st
     even when saving; ``lb`` is a known lower bound on the answer.
 
     **What is optimised.** A plan with ``S`` stages whose slowest stage takes ``T`` finishes an iteration within
-    ``c(S)·T`` (:func:`.timing.equal_time_factors`; docs/architecture.md §3: about ``(⌈S/N⌉·m + N − 1)·T``), so
+    ``c(S)·T`` (:func:`.recurrence.equal_time_factors`; docs/architecture.md §3: about ``(⌈S/N⌉·m + N − 1)·T``), so
     finer stages shrink the fill/drain bubble while per-stage transfers and overheads push back. For a *stage
     budget* ``S`` the model minimises ``T`` over plans with at most ``S`` stages;
     :func:`~rpcompile.passes.solver.partition.ilp` walks budgets in order of their lower bound ``c(S)·LB(S)`` and

@@ -29,11 +29,12 @@ from .exact import fewest_stages
 from .lagrange import StageCountBound
 from .polish import flip_saves, polish, taper
 from .problem import PartitionProblem, PartitionResult, SegmentPlan
+from .recurrence import equal_time_factors
 from .scorer import PlanScorer
 from .segment_rules import validate_segment_plan
 from .stay_search import choose_stays
 from .tables import RangeTables, min_memory
-from .timing import equal_time_factors, iteration_time, stage_costs
+from .timing import iteration_time, stage_costs
 
 __all__ = ["solve", "ilp", "greedy", "STRATEGIES", "DET_TIME_PER_S"]
 

@@ -17,8 +17,7 @@ import itertools
 import time
 from typing import Iterator, Sequence
 
-from rpcompile.core.plan import StageKind
-from rpcompile.core.stages import StageCost
+from rpcompile.core.stages import StageCost, StageKind
 
 from .problem import PartitionProblem, SegmentPlan
 from .segment_rules import validate_segment_plan

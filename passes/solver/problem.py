@@ -27,8 +27,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from rpcompile.core.errors import InfeasibleError, ProblemError
-from rpcompile.core.plan import StageKind
-from rpcompile.core.stages import HostLoad
+from rpcompile.core.stages import HostLoad, StageKind
 
 __all__ = ["SharedParam", "PartitionProblem", "SegmentPlan", "PartitionResult", "plan_stages"]
 

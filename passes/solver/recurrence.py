@@ -17,7 +17,8 @@ from typing import Sequence
 
 from rpcompile.core.schedule import OVERLAP_ITERATIONS
 
-__all__ = ["Walk", "stage_ends", "pipeline_end", "lane_ends", "reduce_times", "host_lane_end", "overlapped_ends"]
+__all__ = ["Walk", "stage_ends", "pipeline_end", "lane_ends", "reduce_times", "host_lane_end", "overlapped_ends", "equal_time_factor",
+           "equal_time_factors"]
 
 
 def pipeline_end(ends: Sequence[float], grad_s: Sequence[float], accumulate_s: Sequence[float],
@@ -145,6 +146,16 @@ def stage_ends(stage_times: Sequence[float], devices: int, m: int, weight_s: Seq
     if record is not None:
         record.ends, record.last, record.began, record.landed = every, last, began, landed
     return last
+
+
+def equal_time_factor(stages: int, devices: int, microbatches: int) -> int:
+    """``c(S)``: iteration time in units of ``T`` when all ``S`` stages take ``T`` (non-decreasing in ``S``)."""
+    return equal_time_factors(stages, devices, microbatches)[stages]
+
+
+def equal_time_factors(max_stages: int, devices: int, microbatches: int) -> list[int]:
+    """``[c(0), c(1), ..., c(max_stages)]`` in one pass (``c(0) = 0``)."""
+    return [0] + [round(e) for e in stage_ends([1.0] * max_stages, devices, microbatches)]
 
 
 def overlapped_ends(stage_times: Sequence[float], devices: int, microbatches: int, *, fused: int, step_s: float,

@@ -18,8 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from rpcompile.core.plan import StageKind
-from rpcompile.core.stages import StageCost
+from rpcompile.core.stages import StageCost, StageKind
 
 from .figures import StageFigures, Walked, saved_counts, stage_figures, walk
 from .problem import PartitionProblem

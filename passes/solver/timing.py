@@ -18,8 +18,7 @@ import dataclasses
 import math
 from typing import Sequence
 
-from rpcompile.core.plan import StageKind
-from rpcompile.core.stages import StageCost
+from rpcompile.core.stages import StageCost, StageKind
 
 from .problem import PartitionProblem, SegmentPlan, plan_stages
 from .figures import lazy_times, reads_of, saved_counts, stage_figures, transfer_times, walk
@@ -33,8 +32,6 @@ __all__ = [
     "transfer_edges",
     "offload_backlog",
     "save_reads",
-    "equal_time_factor",
-    "equal_time_factors",
     "iteration_time",
     "plan_memory",
     "bubble_fraction",
@@ -206,16 +203,6 @@ def pipeline_time(stage_times: Sequence[float], devices: int, microbatches: int,
     """
     ends = stage_ends(stage_times, devices, microbatches, weight_s, handoff_s, out_s, save_s, reads, prefetch_s)
     return pipeline_end(ends, grad_s, accumulate_s, reduce_s, overlap_reduce, reduce_host_s)
-
-
-def equal_time_factor(stages: int, devices: int, microbatches: int) -> int:
-    """``c(S)``: iteration time in units of ``T`` when all ``S`` stages take ``T`` (non-decreasing in ``S``)."""
-    return equal_time_factors(stages, devices, microbatches)[stages]
-
-
-def equal_time_factors(max_stages: int, devices: int, microbatches: int) -> list[int]:
-    """``[c(0), c(1), ..., c(max_stages)]`` in one pass (``c(0) = 0``)."""
-    return [0] + [round(e) for e in stage_ends([1.0] * max_stages, devices, microbatches)]
 
 
 def transfer_edges(problem: PartitionProblem, costs: Sequence[StageCost], times: Sequence[float] | None = None,

@@ -17,8 +17,8 @@ from rpcompile.core.errors import ConfigError, RPCompileError
 from rpcompile.core.plan import Hardware, Plan
 from rpcompile.core.specs import HostSpec
 from rpcompile.models.registry import ModelSpec
-from rpcompile.passes.background import solving
 from rpcompile.passes.formulate import partition_problem
+from rpcompile.passes.solve_cache import solving
 from rpcompile.planner.envelope import link_bound, microbatch_tokens
 from rpcompile.planner.plan_options import (PlanOptions, default_spec, fastest, head_chunk_candidates, infeasible_error,
                                             make_hardware, model_device, split_limit)

@@ -29,8 +29,9 @@ from .errors import ConfigError, PlanFileError, PlanMismatchError
 from .files import jsonable, read_json, write_atomic
 from .planfile import MAX_MICROBATCHES, plan_file_problem, size_problem
 from .specs import DeviceSpec, HostSpec
+from .stages import StageKind
 
-__all__ = ["SCHEMA_VERSION", "Fingerprint", "Hardware", "Stage", "Prediction", "Plan", "StageKind"]
+__all__ = ["SCHEMA_VERSION", "Fingerprint", "Hardware", "Stage", "Prediction", "Plan"]
 
 SCHEMA_VERSION = 8
 """2 added the per-stage transfer figures (``compute_s``, ``weight_bytes``, …) and ``tokens_per_microbatch``;
@@ -50,7 +51,6 @@ gradients summed on the device across accumulation calls (per stage ``accumulate
 MAX_PLAN_BYTES = 256 * 2**20
 """The largest plan file :meth:`Plan.load` reads (an 8B model's plan is about 1 MB)."""
 _MAX_DEPTH = 8
-StageKind = Literal["forward", "fused", "backward"]
 _KINDS = ("forward", "fused", "backward")
 _WRITTEN_IF_SET = ("keeps", "finds", "found_bytes", "kept_bytes", "held_bytes", "accumulates", "sum_bytes")
 """Stage fields of weights and gradient sums that stay, written only when set (most stages of most plans have

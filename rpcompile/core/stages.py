@@ -20,15 +20,17 @@ steps and the compute-precision copies are refreshed.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 from .errors import ConfigError
-from .plan import StageKind
-from .specs import HostSpec
 
-__all__ = ["StageCost", "HostLoad", "host_load"]
+__all__ = ["StageKind", "StageCost", "HostLoad"]
+
+#: A stage's part of the round-robin schedule: forward stages, the fused stage (last forward, first backward), backward
+#: stages.
+StageKind = Literal["forward", "fused", "backward"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,29 +105,6 @@ class HostLoad:
     def iteration_s(self, pipeline_s: float) -> float:
         """An iteration with the step: ``pipeline + step``, or ``max(pipeline, step)`` when it overlaps."""
         return max(pipeline_s, self.step_s) if self.overlap_step else pipeline_s + self.step_s
-
-
-def host_load(host: HostSpec | None, *, trainable_params: int, precision: str,
-              overlap_step: bool = False, nodes: int = 1, network_bytes_per_s: float = 0.0,
-              host_params: int = 0, overlap_iterations: bool = False) -> HostLoad:
-    """What ``host`` spends on ``trainable_params`` fp32 masters per iteration (none when ``host`` is unknown).
-
-    The step is torch's AdamW (``optimizer_params_per_s``); the refresh casts every trainable master into its
-    pinned compute-precision copy (``cast_params_per_s``; fp32 plans copy 4 B read + 4 B written at the memory
-    bandwidth). Gradients arrive in compute precision and are added into fp32 ``.grad``. ``nodes`` machines
-    (``network_bytes_per_s`` each; 0: unknown, free) all-reduce those fp32 gradients, ``host_params`` of them
-    from tables only the host reads. ``overlap_iterations``: the devices run on into the next iteration (implies
-    ``overlap_step``)."""
-    elt = 4 if precision == "fp32" else 2
-    net = HostLoad(overlap_step=overlap_step or overlap_iterations, overlap_iterations=overlap_iterations, nodes=nodes, network_bytes_per_s=network_bytes_per_s or math.inf,
-                   reduce_bytes_per_grad_byte=4 / elt, host_grad_bytes=host_params * elt)
-    if host is None:
-        return net
-    n = max(0, int(trainable_params))
-    refresh = n * 8 / host.memory_bandwidth if elt == 4 else n / host.cast_params_per_s
-    return dataclasses.replace(net, accumulate_bytes_per_s=host.accumulate_params_per_s * elt,
-                               accumulate_traffic=(2 * 4 + elt) / elt, optimizer_s=n / host.optimizer_params_per_s,
-                               refresh_s=refresh)
 
 
 @dataclass(frozen=True, kw_only=True)

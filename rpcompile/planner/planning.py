@@ -33,7 +33,6 @@ import torch.fx as fx
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from rpcompile.passes.background import solving
 from rpcompile.passes.cost.analytic import AnalyticCostModel
 from rpcompile.passes.cost.cost import cost_from_cache, cost_pass
 from rpcompile.passes.cost.loss_memory import LOSS_BYTES_KEY, loss_memory
@@ -48,8 +47,8 @@ from rpcompile.passes.lower import to_plan
 from rpcompile.passes.rewrite.coarsen import coarsen_pass
 from rpcompile.passes.rewrite.host import host_embedding_pass
 from rpcompile.passes.rewrite.loss_head import split_head
-from rpcompile.passes.solve_cache import cached_solve
-from rpcompile.passes.solver.partition import solve
+from rpcompile.passes.solve_cache import lookup, remember, solving
+from rpcompile.passes.solver.partition import ilp, solve
 from rpcompile.passes.solver.problem import PartitionProblem, PartitionResult
 
 from ..core.batch import TARGET, split_microbatches
@@ -77,6 +76,7 @@ __all__ = [
     "shared_trace",
     "plan",
     "compile_plan",
+    "cached_solve",
     "replanned",
     "plan_graph",
     "compare",
@@ -244,6 +244,24 @@ def _problem(c: Compilation) -> None:
     o = c.options
     c.problem = partition_problem(c.graph, hardware=c.hardware, microbatches=c.microbatches, precision=o.precision,
                                   allow_save=o.allow_save, allow_stay=o.allow_stay, overlap_iterations=o.overlap)
+
+
+def cached_solve(problem: PartitionProblem, strategy: str = "ilp", *, time_limit_s: float = 10.0, seed: int = 0,
+                 cache: bool = True, **options: Any) -> PartitionResult:
+    """:func:`~rpcompile.passes.solver.partition.solve` (``ilp`` with ``options``:
+    :func:`~rpcompile.passes.solver.partition.ilp`'s ``baselines``) through the solve cache
+    (:mod:`rpcompile.passes.solve_cache`): a stored result if there is one, else a fresh one, then kept;
+    ``cache=False`` solves and keeps nothing."""
+    found = lookup(problem, strategy, time_limit_s=time_limit_s, seed=seed) if cache else None
+    if found is not None:
+        return found
+    if strategy == "ilp":
+        result = ilp(problem, time_limit_s=time_limit_s, seed=seed, **options)
+    else:
+        result = solve(problem, strategy, time_limit_s=time_limit_s, seed=seed)
+    if cache:
+        remember(problem, strategy, result, time_limit_s=time_limit_s, seed=seed)
+    return result
 
 
 def _solve(c: Compilation) -> PartitionResult:

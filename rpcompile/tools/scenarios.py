@@ -29,10 +29,10 @@ from typing import Any, Mapping, Sequence
 
 from rpcompile.core.errors import RPCompileError, SimulationError
 from rpcompile.core.files import read_json
-from rpcompile.core.plan import StageKind
 from rpcompile.core.planfile import MAX_MICROBATCHES
 from rpcompile.core.schedule import Action, gpipe, interleaved_one_f_one_b, one_f_one_b, round_robin
-from rpcompile.core.stages import HostLoad, StageCost, host_load
+from rpcompile.core.stages import HostLoad, StageCost, StageKind
+from rpcompile.passes.formulate import host_load
 from rpcompile.passes.solver.baselines import layer_ranges
 from rpcompile.passes.solver.partition import solve
 from rpcompile.passes.solver.problem import PartitionProblem

@@ -14,9 +14,9 @@ from contextlib import nullcontext
 from typing import Any, Callable, Sequence
 
 from rpcompile.core.errors import ConfigError, InfeasibleError
-from rpcompile.passes.background import solving
 from rpcompile.passes.formulate import partition_problem
 from rpcompile.passes.lower import input_tokens
+from rpcompile.passes.solve_cache import solving
 from rpcompile.passes.solver.partition import solve
 from rpcompile.tools.scenarios import (SCHEDULES, Scenario, from_plan, from_segment_plan, layer_profile_scenarios,
                                        load_layer_profile, overlapped, static_scenarios)

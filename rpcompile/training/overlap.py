@@ -29,10 +29,11 @@ from rpcompile.runtime.failures import PipelineError
 from rpcompile.runtime.weights import GradSink, WeightStore
 
 from ..core.errors import ConfigError
+from .hooks import Hook
 from .interrupts import deferred, finish_first, finished
 
 __all__ = ["SCHEDULED", "settings", "changed_setting", "optimizers_of", "schedulers_of", "step_now",
-           "ZeroGradShadow", "Overlap", "wait_for_steps", "watch_model", "Hook"]
+           "ZeroGradShadow", "Overlap", "wait_for_steps", "watch_model"]
 
 #: The settings of a parameter group that lr schedulers set (``OneCycleLR`` and ``CyclicLR`` cycle the momentum
 #: too). Others are left out: some optimizers keep their own running values there (Prodigy's ``d``).
@@ -160,25 +161,6 @@ def wait_for_steps(tensors: Iterable[torch.Tensor], *, besides: Overlap | None =
         return
     keys = _keys(tensors)
     wait([f for o in others if o.keys & keys and (f := o.future) is not None])
-
-
-def _nothing(*args: Any, **kwargs: Any) -> None:
-    return None
-
-
-class Hook:
-    """A hook rpcompile sets on a user's model or optimizer: ``fn``, called as the hook; pickled or deep-copied
-    (``torch.save(model)``, ``copy.deepcopy(model)``), a hook that does nothing — the copy belongs to no pipeline,
-    and ``fn`` (a closure) would not pickle."""
-
-    def __init__(self, fn: Callable[..., None]) -> None:
-        self.fn = fn
-
-    def __call__(self, *args: Any, **kwargs: Any) -> None:
-        self.fn(*args, **kwargs)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (Hook, (_nothing,))
 
 
 def watch_model(model: torch.nn.Module, overlap: Overlap, synchronize: Callable[[], None]) -> None:

@@ -30,7 +30,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ...core.errors import one_line
 
-from ..overlap import Hook
+from ..hooks import Hook
 from .snapshot import Snapshot
 from .state import CheckpointError, CheckpointWarning
 

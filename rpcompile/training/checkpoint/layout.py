@@ -33,13 +33,16 @@ from .legacy import verify
 from .state import CheckpointError, CheckpointWarning
 
 __all__ = ["MANIFEST", "FORMAT", "VERSION", "Manifest", "checkpoint_name", "checkpoints", "read_manifest",
-           "verify_directory", "verify_path", "newest_good", "optimizer_files", "EXTRA_FILE"]
+           "verify_directory", "verify_path", "newest_good", "optimizer_files", "EXTRA_FILE",
+           "PLAN_FILE"]
 
 MANIFEST = "checkpoint.json"
 FORMAT = "rpcompile.checkpoint"
 VERSION = 1
 """The manifest's layout version; a newer one is refused."""
 EXTRA_FILE = "extra.pt"
+PLAN_FILE = "plan.json"
+"""The plan :func:`~.save.save_checkpoint` keeps beside the checkpoints (:func:`~.load.checkpoint_plan`)."""
 _DIR = re.compile(r"^ckpt-(\d{1,19})$")
 _LEGACY = re.compile(r"^ckpt-(\d{1,19})\.ckpt$")
 _FILE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")

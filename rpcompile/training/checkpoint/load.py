@@ -12,11 +12,10 @@ import torch
 from ...core.errors import one_line
 from ...core.plan import Plan
 from .background import wait_pending
-from .layout import (EXTRA_FILE, MANIFEST, Manifest, newest_good, optimizer_files, read_manifest, verify_directory,
-                     verify_path)
+from .layout import (EXTRA_FILE, MANIFEST, PLAN_FILE, Manifest, newest_good, optimizer_files, read_manifest,
+                     verify_directory, verify_path)
 from .legacy import read_legacy
 from .pipeline_file import PIPELINE_FILE, PIPELINE_TENSORS, read_pipeline
-from .save import PLAN_FILE
 from .state import Checkpoint, CheckpointError, Contents, Resumable, optimizer_state_problem
 from .tensorfile import read_file
 from .weights import INDEX_NAME, WEIGHTS_NAME, apply_weights, fill_aliases, read_weights, weights_problem

@@ -13,16 +13,14 @@ import torch
 from ...core.errors import one_line
 from ...core.files import remove_atomically, sweep_temporaries, write_atomic
 from .background import PendingSave, start_background, wait_pending
-from .layout import MANIFEST, Manifest, checkpoint_name, checkpoints, newest_good, verify_path
+from .layout import MANIFEST, PLAN_FILE, Manifest, checkpoint_name, checkpoints, newest_good, verify_path
 from .legacy import read_legacy
 from .snapshot import Snapshot, config_writer, hash_file, take_snapshot, write_snapshot
 from .state import STATE_FORMAT, CheckpointError, Resumable, pipeline_state_problem
 from .weights import DEFAULT_SHARD_SIZE, parse_size, untie, write_weights
 
-__all__ = ["PLAN_FILE", "save_checkpoint", "save_weights", "convert"]
+__all__ = ["save_checkpoint", "save_weights", "convert"]
 
-PLAN_FILE = "plan.json"
-"""The plan :func:`save_checkpoint` keeps beside the checkpoints (:func:`~.load.checkpoint_plan`)."""
 
 
 @overload

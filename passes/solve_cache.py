@@ -161,9 +161,9 @@ SOLVE_S_PER_SEGMENT = 0.025
 
 def solve_apart(problem: PartitionProblem, *, time_limit_s: float, strategy: str = "ilp", cache: bool = True) -> bool:
     """Whether solving ``problem`` is worth a child process: not in the solve cache (a lookup is quicker than a
-    fork) and expected to take :data:`FORK_PAYS` times what the fork costs — not so for a small problem, nor in a
-    process holding a large model in CPU memory (a fork copies its page tables: about a second for 25 GiB in 4 KiB
-    pages), and the parent's later writes copy pages."""
+    fork) and expected to take :data:`~.background.FORK_PAYS` times what the fork costs — not so for a small problem,
+    nor in a process holding a large model in CPU memory (a fork copies its page tables: about a second for 25 GiB in
+    4 KiB pages), and the parent's later writes copy pages."""
     if not enabled():
         return False
     if cache and lookup(problem, strategy, time_limit_s=time_limit_s) is not None:

@@ -363,6 +363,43 @@ def test_the_longest_chain_is_found():
                                     "rpcompile.core.units"]
 
 
+#: The most rooms one chain of imports may pass through (issue 37's "import chain from the CLI to core of ~8",
+#: counted in rooms: the passes' and the runtime's rooms each one, a room's own modules one).
+ROOM_CHAIN_CEILING = 8
+
+
+def room_of(module: str) -> str:
+    """The room of ``module``: ``passes.solver``, ``runtime.segments``, ``passes`` (its root) …, or its layer."""
+    inner = inner_room(module)
+    return layer(module) if inner is None else ".".join(filter(None, module.split(".")[1:2] + [inner]))
+
+
+def room_chain(files: dict[str, str]) -> list[str]:
+    """The rooms of the chain of imports among ``files`` that passes through the most rooms, top room first."""
+    graph = module_graph(files)
+    below: dict[str, list[str]] = {}
+    for mod in graphlib.TopologicalSorter(graph).static_order():
+        here = room_of(mod)
+        below[mod] = max(([here, *below[t]] if below[t][0] != here else below[t] for t in graph[mod]), key=len,
+                         default=[here])
+    return max(below.values(), key=len)
+
+
+def test_an_import_chain_passes_through_few_rooms():
+    rooms = room_chain(_sources())
+    assert len(rooms) <= ROOM_CHAIN_CEILING, f"an import chain through {len(rooms)} rooms: " + " → ".join(rooms)
+
+
+def test_the_rooms_of_a_chain_are_counted_once_each():
+    files = {"rpcompile/cli/main.py": "from ..tools import demo\n",
+             "rpcompile/tools/demo.py": "from . import util\nfrom ..passes.solver import partition\n",
+             "rpcompile/tools/util.py": "from rpcompile.core.plan import Plan\n",
+             "passes/solver/partition.py": "from .timing import t\n",
+             "passes/solver/timing.py": "from rpcompile.core import plan\n",
+             "rpcompile/core/plan.py": ""}
+    assert room_chain(files) == ["cli", "tools", "passes.solver", "core"]
+
+
 #: The most lines a module docstring may take (issue 37 phase 7): what the module is and its terms; the details in
 #: the docstrings of what they describe, measurements and history in benchmarks/RESULTS.md.
 DOCSTRING_CEILING = 25

@@ -9,7 +9,8 @@ A plan is a function of its inputs, so when none of them moved a fresh solve wou
 - ``problem``: digest of the :class:`~.solver.problem.PartitionProblem` (the solvers' whole input, in plain numbers);
 - ``hardware``: digest of the plan's :class:`~rpcompile.core.plan.Hardware` (spec, memory, link, host rates);
 - ``options``: the planning options, readable (listed at :func:`solve_inputs`);
-- ``solver``: digest of the partitioner's source, every file of ``passes/solver/`` (:func:`solver_digest`).
+- ``solver``: digest of the partitioner's source, every file of ``passes/solver/``
+  (:func:`~.solver.source.solver_digest`).
 
 What a digest is, and why measured costs are always re-solved: :func:`_digest`.
 """
@@ -17,9 +18,7 @@ What a digest is, and why measured costs are always re-solved: :func:`_digest`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
-from pathlib import Path
 from typing import Any, Mapping
 
 import torch.fx as fx
@@ -27,13 +26,14 @@ import torch.fx as fx
 from rpcompile.core.plan import Hardware
 from rpcompile.passes.cost.cost_model import COST_KEY
 
-from . import solver
 from .graph.util import compute_nodes
 from .rewrite.coarsen import COARSEN_META
 from .rewrite.host import host_of
 from .rewrite.loss_head import HEAD_CHUNKS_META
+from .solver.problem import PartitionProblem
+from .solver.source import solver_digest
 
-__all__ = ["solve_inputs", "moved_inputs", "hardware_digest", "solver_digest", "solver_files"]
+__all__ = ["solve_inputs", "moved_inputs", "hardware_digest"]
 
 
 def _digest(text: str) -> str:
@@ -46,13 +46,6 @@ def costs_digest(gm: fx.GraphModule) -> str:
     return _digest("\n".join(f"{n.name}|{n.meta.get(COST_KEY)!r}" for n in compute_nodes(gm)))
 
 
-def problem_digest(problem: Any) -> str:
-    d = dataclasses.asdict(problem)
-    if not any(d.get("derived_bytes", ())):  # none held (no 4-bit base): the digest problems had before the field
-        d.pop("derived_bytes", None)
-    return _digest(repr(d))
-
-
 def hardware_digest(hardware: Hardware) -> str:
     d = dataclasses.asdict(hardware)
     d["spec"] = hardware.spec.to_dict()
@@ -60,23 +53,7 @@ def hardware_digest(hardware: Hardware) -> str:
     return _digest(repr(sorted(d.items())))
 
 
-def solver_files() -> list[Path]:
-    """The partitioner's source: every Python file of the solver's folder (:mod:`.solver`), in name order."""
-    root = Path(str(solver.__file__)).parent
-    return sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).as_posix())
-
-
-@functools.lru_cache(maxsize=1)
-def solver_digest() -> str:
-    """Digest of :func:`solver_files`: each file's path in the folder and its bytes, in order."""
-    h = hashlib.sha256()
-    root = Path(str(solver.__file__)).parent
-    for path in solver_files():
-        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
-    return h.hexdigest()[:16]
-
-
-def solve_inputs(gm: fx.GraphModule, problem: Any, hardware: Hardware, *, strategy: str,
+def solve_inputs(gm: fx.GraphModule, problem: PartitionProblem, hardware: Hardware, *, strategy: str,
                  precision: str) -> dict[str, Any]:
     """The record of what a plan of ``gm`` was solved from (its fields: module docstring).
 
@@ -93,7 +70,7 @@ def solve_inputs(gm: fx.GraphModule, problem: Any, hardware: Hardware, *, strate
         "max_segments": coarsen.get("max_segments"), "allow_save": bool(problem.allow_save),
         "allow_stay": bool(problem.allow_stay),
     } | ({"overlap": True} if problem.host.overlap_iterations else {})  # recorded only when set: older plans match
-    return {"costs": costs_digest(gm), "problem": problem_digest(problem), "hardware": hardware_digest(hardware),
+    return {"costs": costs_digest(gm), "problem": problem.digest(), "hardware": hardware_digest(hardware),
             "options": options, "solver": solver_digest()}
 
 

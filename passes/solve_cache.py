@@ -4,7 +4,7 @@ solve runs (here, or in a forked child while the caller goes on).
 A solve is a function of its inputs: the :class:`~.solver.problem.PartitionProblem` (the solvers' whole input, in plain
 numbers: costs, memory, link, microbatches), the strategy, the time limit (every phase of ``ilp`` is bounded by
 counts derived from it, so the same limit gives the same plan) and the partitioner's source
-(:func:`~.plan_inputs.solver_digest`). :func:`solve_key` keys an entry by all of them; :func:`lookup` returns a
+(:func:`~.solver.source.solver_digest`). :func:`solve_key` keys an entry by all of them; :func:`lookup` returns a
 warm entry's result — its plan re-checked against the problem (:func:`~.solver.segment_rules.validate_segment_plan`)
 and re-scored (:func:`~.solver.timing.iteration_time` must give the stored objective) — and ``solve_time_s`` as
 first measured; :func:`remember` keeps a fresh one. The pass driver solves through them
@@ -32,9 +32,9 @@ from rpcompile.core.jsoncache import JsonCache
 
 from .background import FORK_PAYS, Later, enabled, fork_cost_s
 from .cost.profile_cache import cache_dir
-from .plan_inputs import problem_digest, solver_digest
 from .solver.problem import PartitionProblem, PartitionResult, SegmentPlan
 from .solver.segment_rules import validate_segment_plan
+from .solver.source import solver_digest
 from .solver.timing import iteration_time
 
 __all__ = ["SOLVE_FORMAT_VERSION", "lookup", "remember", "solve_key", "solve_entries", "clear_solves", "solving",
@@ -56,7 +56,7 @@ _CACHE = JsonCache(root=_root, name="solve cache", afresh="solving afresh", max_
 
 def solve_key(problem: PartitionProblem, strategy: str, *, time_limit_s: float, seed: int = 0) -> dict[str, Any]:
     """Everything a solve's result depends on (module docstring)."""
-    return {"problem": problem_digest(problem), "strategy": strategy, "time_limit_s": repr(float(time_limit_s)),
+    return {"problem": problem.digest(), "strategy": strategy, "time_limit_s": repr(float(time_limit_s)),
             "seed": seed, "solver": solver_digest()}
 
 

@@ -45,7 +45,7 @@ _EXPORTS = {
     "load_weights": "rpcompile.training.checkpoint.load",
     "save_weights": "rpcompile.training.checkpoint.save",
     "CheckpointError": "rpcompile.training.checkpoint.state",
-    "Profile": "rpcompile.planner.profiling",
+    "Profile": "rpcompile.core.profile",
     "RPCompileError": "rpcompile.core.errors",
     "TraceError": "rpcompile.core.errors",
     "PlanError": "rpcompile.core.errors",

@@ -8,7 +8,7 @@ inputs are each checked, and refused in one line, before anything costly runs.
 
 a plan given
     A :class:`~rpcompile.core.plan.Plan` or its file: not solved again; the graph it was made from is rebuilt
-    (:func:`~rpcompile.planner.model_match.graph_as_planned`) and the plan verified against it
+    (:func:`~rpcompile.planner.planning.graph_as_planned`) and the plan verified against it
     (:func:`~rpcompile.planner.invariants.verify_plan`).
 planned
     Otherwise: within the GPUs' usable memory (:func:`~rpcompile.training.gpu_memory.gpu_memory_limit`), and
@@ -44,9 +44,8 @@ from .core.plan import Plan
 from .core.precision import COMPUTE_DTYPES
 from .core.program import Program
 from .planner.invariants import plan_violations
-from .planner.model_match import graph_as_planned
 from .planner.plan_options import PLAN_DEFAULTS, PlanOptions, options_or_keywords
-from .planner.planning import compile_plan, replanned
+from .planner.planning import compile_plan, graph_as_planned, replanned
 from .training.distributed import DataParallel, DistributedError, data_parallel_group, plan_digest
 from .training.gpu_memory import gpu_memory_limit
 from .training.host_memory import fit_host_memory, within_host_memory

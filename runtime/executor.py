@@ -39,7 +39,6 @@ from rpcompile.core.schedule import Action
 
 from . import rng, stage_call
 from .activity import span
-from .bind import bind
 from .devices import CpuDevice, Device
 from .failures import PipelineError, Stopped, first_failure, without_frames
 from .segments import saved
@@ -119,7 +118,7 @@ class Executor:
         dtype: torch.dtype | None = None,
         frozen_masters: bool = False,
     ):
-        self.program, self.devices = bind(program), list(devices)
+        self.program, self.devices = program, list(devices)  # bound by the caller (.bind), as every program it runs
         self.params, self.buffers, self.dtype = params, buffers, dtype
         self.traffic = HostTraffic()
         """Host bytes in parameter-sized work since the last :meth:`HostTraffic.reset <rpcompile.runtime.weights.HostTraffic.reset>` (:mod:`~rpcompile.runtime.weights`)."""

@@ -2,7 +2,7 @@
 
 The graph digest hashes every node's op, name, target and arguments (torch.export's ``_guards_fn`` check left
 out); the parameter digest hashes names, shapes, dtypes and ``requires_grad``. A plan is never run on a graph whose
-fingerprint differs (:mod:`rpcompile.planner.model_match`, :mod:`rpcompile.planner.invariants`).
+fingerprint differs (:func:`rpcompile.planner.planning.graph_as_planned`, :mod:`rpcompile.planner.invariants`).
 """
 
 from __future__ import annotations

@@ -6,5 +6,5 @@ CP-SAT ILP :mod:`.ilp`; heuristics and bounds :mod:`.greedy`, :mod:`.exact`, :mo
 :mod:`.bounds`; the baselines :mod:`.baselines`; local search :mod:`.polish` and its scorer :mod:`.scorer`).
 
 It imports no torch, and of rpcompile only core (``tests/test_layering.py``). A plan records a digest of this
-folder's source, every module of it (:func:`rpcompile.passes.plan_inputs.solver_digest`).
+folder's source, every module of it (:func:`~.source.solver_digest`).
 """

@@ -20,6 +20,8 @@ The timing model that prices a plan is :mod:`.timing`; the rules a plan must obe
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -178,6 +180,14 @@ class PartitionProblem:
     def n(self) -> int:
         """Number of segments."""
         return len(self.names)
+
+    def digest(self) -> str:
+        """16 hex digits of sha256 over the exact ``repr`` of every field (floats round-trip): the problem a plan and a
+        solve cache entry record."""
+        d = dataclasses.asdict(self)
+        if not any(d.get("derived_bytes", ())):  # none held (no 4-bit base): the digest problems had before the field
+            d.pop("derived_bytes", None)
+        return hashlib.sha256(repr(d).encode()).hexdigest()[:16]
 
     def in_bytes(self, a: int) -> int:
         """Bytes entering a stage that starts at segment ``a``."""

@@ -7,7 +7,7 @@ import json
 
 from rpcompile.core.errors import PlanFileError
 from rpcompile.core.plan import Plan
-from rpcompile.planner.model_match import graph_as_planned
+from rpcompile.planner.planning import graph_as_planned
 from rpcompile.tools.plandiff import diff_plans
 from rpcompile.tools.staleness import check_plan
 from rpcompile.views.graphview import write_graph

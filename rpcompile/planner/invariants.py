@@ -2,8 +2,9 @@
 
 :func:`plan_violations` lists every rule a plan breaks, one message each; :func:`verify_plan` raises one
 :class:`~rpcompile.core.errors.PlanVerificationError` listing them all. Rule 1 is the model's fingerprint
-(:mod:`rpcompile.planner.model_match`); the others are the plan's own invariants: stage kinds and names, every compute
-node covered once per pass, contiguous stages, parameters, saved activations, memory and host lookups.
+(:func:`rpcompile.planner.planning.graph_as_planned`); the others are the plan's own invariants: stage kinds and
+names, every compute node covered once per pass, contiguous stages, parameters, saved activations, memory and host
+lookups.
 """
 
 from __future__ import annotations

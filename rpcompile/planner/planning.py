@@ -38,11 +38,12 @@ from rpcompile.passes.cost.cost import cost_from_cache, cost_pass
 from rpcompile.passes.cost.loss_memory import LOSS_BYTES_KEY, loss_memory
 from rpcompile.passes.cost.measured import MeasuredCostModel
 from rpcompile.passes.formulate import partition_problem
+from rpcompile.passes.graph.fingerprint import fingerprint
 from rpcompile.passes.graph.meta import on_meta, without_dynamo_import
 from rpcompile.passes.graph.precision import RUN_DTYPE_KEY, TRACE_DTYPE_KEY, cast_floating, computing_in
 from rpcompile.passes.graph.reuse import RunMemo
 from rpcompile.passes.graph.shape import shape_pass
-from rpcompile.passes.graph.trace import trace, training_inputs
+from rpcompile.passes.graph.trace import TRACE_META_KEY, trace, training_inputs
 from rpcompile.passes.lower import to_plan
 from rpcompile.passes.rewrite.coarsen import coarsen_pass
 from rpcompile.passes.rewrite.host import host_embedding_pass
@@ -52,7 +53,7 @@ from rpcompile.passes.solver.partition import ilp, solve
 from rpcompile.passes.solver.problem import PartitionProblem, PartitionResult
 
 from ..core.batch import TARGET, split_microbatches
-from ..core.errors import ConfigError
+from ..core.errors import ConfigError, PlanMismatchError
 from ..core.plan import Hardware, Plan
 from ..core.precision import compute_dtype
 from ..core.specs import DeviceSpec
@@ -76,6 +77,7 @@ __all__ = [
     "shared_trace",
     "plan",
     "compile_plan",
+    "graph_as_planned",
     "cached_solve",
     "replanned",
     "plan_graph",
@@ -410,13 +412,52 @@ def planned(plan: Plan, model: torch.nn.Module, example_inputs: Sequence[Any], *
             example_kwargs: Mapping[str, Any] | None = None, precision: str | None = None) -> Compilation:
     """A :class:`Compilation` with ``plan``'s settings (its ``head_chunks``, the lookups its ``host`` names,
     ``precision`` or its own) for one microbatch of ``example_inputs``, before any pass: :data:`GRAPH` run on it
-    rebuilds the graph the plan was made from (:func:`rpcompile.planner.model_match.graph_as_planned`). No target:
+    rebuilds the graph the plan was made from (:func:`graph_as_planned`). No target:
     ``loss_fn`` joins the graph only when the plan split the LM head with it."""
     options = PlanOptions(gpus=plan.hardware.device_count, precision=precision or plan.precision,
                           head_chunks=plan.head_chunks, host_embedding=tuple(plan.host), progress=False)
     args, kwargs = training_inputs(model, example_inputs, example_kwargs)  # as start() gives them to the trace
     return Compilation(model, args, kwargs, None, plan.microbatches, options=options, head_chunks=plan.head_chunks,
                        loss=None if loss_fn is None else (loss_fn, None))
+
+
+def graph_as_planned(plan: Plan, model: torch.nn.Module, example_inputs: Any, *, loss_fn: Any = None,
+                     example_kwargs: Any = None, source: str = "plan", precision: str | None = None,
+                     ) -> fx.GraphModule:
+    """``model`` traced into the graph ``plan`` was planned from (its LM head and loss split as the plan's
+    ``head_chunks``, its ``host`` lookups on the host: the graph whose fingerprint the plan records), once the fingerprints agree; else
+    :class:`~rpcompile.PlanMismatchError` saying what differs. ``precision``: the one the graph will run in (default the
+    plan's); an exported graph records its casts for it, so it must be the plan's."""
+    precision = precision or plan.precision
+    if plan.head_chunks > 1 and loss_fn is None:
+        raise PlanMismatchError(f"{source} splits the LM head and its loss into {plan.head_chunks} chunks: give "
+                                "the model's loss_fn to rebuild that graph (a model file's factory returns "
+                                "(model, inputs, loss_fn, target))")
+    c = planned(plan, model, example_inputs, loss_fn=loss_fn if plan.head_chunks > 1 else None,
+                example_kwargs=example_kwargs, precision=precision)
+    try:
+        run(c, GRAPH)
+    except ValueError as e:
+        if "trace" not in c.times:
+            raise
+        _same_precision(plan, c.graph, model, precision, source)  # what the trace shows is said first
+        if "loss_head" not in c.times:
+            raise PlanMismatchError(f"{source} was made for a different model: its LM head cannot be split as the "
+                                    f"plan's ({e})") from None
+        raise PlanMismatchError(f"{source} was made for a different model: {e}") from None
+    _same_precision(plan, c.graph, model, precision, source)
+    plan.check_model(fingerprint(c.graph), source=source)
+    return c.graph
+
+
+def _same_precision(plan: Plan, gm: fx.GraphModule, model: torch.nn.Module, precision: str, source: str) -> None:
+    """:class:`~rpcompile.core.errors.PlanMismatchError` when ``gm``, exported, records its casts for the plan's precision and the run is in
+    another."""
+    if precision != plan.precision and gm.meta.get(TRACE_DTYPE_KEY, None) != compute_dtype(plan.precision) \
+            and gm.meta.get(TRACE_META_KEY) == "export":
+        raise PlanMismatchError(f"{source} was made for precision={plan.precision!r} but this run is in "
+                                f"{precision!r}, and {type(model).__name__}'s exported graph records its dtype casts "
+                                f"for one precision: compile with precision={plan.precision!r} or re-plan")
 
 
 def analyze(model: torch.nn.Module, example_inputs: Sequence[Any] = (), *, cost_model: Any,

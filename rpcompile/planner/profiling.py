@@ -1,14 +1,13 @@
 """The cost report: the front of the pass pipeline (trace → shape → cost, :func:`rpcompile.planner.planning.analyze`)
-rolled up by source module (``layers.3``, ``lm_head``, …) into a :class:`Profile` — the table behind
-``rpcompile profile`` and its ``--json`` form — and, with ``probe_host=True``, the host the optimizer step and the
-gradient accumulation will run on (:func:`rpcompile.planner.probe.probe_host`).
+rolled up by source module (``layers.3``, ``lm_head``, …) into a :class:`~rpcompile.core.profile.Profile` — the
+table behind ``rpcompile profile`` and its ``--json`` form — and, with ``probe_host=True``, the host the optimizer
+step and the gradient accumulation will run on (:func:`rpcompile.planner.probe.probe_host`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -17,55 +16,13 @@ import torch.fx as fx
 from rpcompile.passes.cost.cost_model import node_cost
 from rpcompile.passes.graph.util import compute_nodes, module_path
 
-from ..core.specs import DeviceSpec, HostSpec
+from ..core.profile import CostRow, Profile
+from ..core.specs import DeviceSpec
 from .plan_options import make_cost_model, model_device
 from .planning import analyze
 from .probe import probe_host as measure_host
 
-__all__ = ["profile", "profile_graph", "Profile", "CostRow", "rollup_name"]
-
-
-@dataclass(frozen=True)
-class CostRow:
-    """Costs rolled up over a module (or one node, or the whole model)."""
-
-    name: str
-    params: int
-    param_bytes: int
-    fwd_flops: int
-    fwd_time_s: float
-    bwd_time_s: float
-    activation_bytes: int
-    nodes: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class Profile:
-    """The cost table of one model: totals, per-module rows in graph order, and per-node rows."""
-
-    total: CostRow
-    modules: tuple[CostRow, ...]
-    nodes: tuple[CostRow, ...]
-    cost_model: str
-    trace: str
-    host: HostSpec | None = None
-    """The host, when profiling probed it (``probe_host=True``)."""
-
-    def to_dict(self, *, nodes: bool = False) -> dict[str, Any]:
-        d: dict[str, Any] = {
-            "cost_model": self.cost_model,
-            "trace": self.trace,
-            "total": {k: v for k, v in self.total.to_dict().items() if k != "name"},
-            "modules": [r.to_dict() for r in self.modules],
-        }
-        if nodes:
-            d["nodes"] = [r.to_dict() for r in self.nodes]
-        if self.host is not None:
-            d["host"] = self.host.to_dict()
-        return d
+__all__ = ["profile", "profile_graph", "rollup_name"]
 
 
 _NUMERIC = re.compile(r"^\d+$")

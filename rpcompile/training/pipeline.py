@@ -138,7 +138,7 @@ class Pipeline:
         """The model's parameters and modes as compiled: :meth:`check_model` compares every call's with them."""
         self.microbatches = plan.microbatches
         self.lowering = lowering
-        self.program = program
+        self.program = bind(program)  # runnable: the executor runs bound programs (this one and _program_for's)
         self._input_grad_programs: dict[frozenset[str], Program] = {}  # by the inputs whose gradients they send home
         self.schedule = round_robin([s.kind for s in plan.stages], len(self.devices), self.microbatches)
         self._schedules: dict[tuple[int, int], list] = {(self.microbatches, 0): self.schedule}

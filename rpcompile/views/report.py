@@ -6,18 +6,17 @@ the timing model or the simulator are labelled *predicted* / *simulated*; measur
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 from rich.console import Console, JustifyMethod
 from rich.table import Table
 
+from rpcompile.core.profile import CostRow, Profile
 from rpcompile.core.specs import HostSpec
 from rpcompile.core.units import fmt_bytes, fmt_count, fmt_ms, fmt_params, fmt_time
 
 from .terminal import SafeTable
 
-if TYPE_CHECKING:  # annotations only: importing rpcompile.planner.profiling imports torch (3.3 s), which a plan table never needs
-    from ..planner.profiling import CostRow, Profile
 
 __all__ = ["scaling_table", "models_table", "bound_note", "host_note", "host_line", "cost_label", "profile_table",
            "plan_table", "compare_table", "stage_range", "print_table", "simulate_table", "devices_table", "host_table"]

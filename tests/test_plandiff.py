@@ -19,10 +19,9 @@ from rpcompile.core.specs import get_spec
 from rpcompile.models.registry import load_model
 from rpcompile.passes.lower import plan_from_ranges
 from rpcompile.passes.rewrite.coarsen import segments_of
-from rpcompile.planner.model_match import model_differences
 from rpcompile.planner.plan_options import PlanOptions, make_hardware
 from rpcompile.planner.planning import plan_graph, prepare
-from rpcompile.tools.plandiff import diff_plans
+from rpcompile.tools.plandiff import diff_plans, model_differences
 
 MIB = 2**20
 
@@ -311,7 +310,7 @@ def test_alike_stages_share_a_row():
 
 # ---- the same model ------------------------------------------------------------------------------------------
 def test_the_same_model_is_the_parameters_and_the_graph_as_planned(graph):
-    """model_match.model_differences, which diff shares with show and check: plans whose graphs differ only where they
+    """plandiff.model_differences, which diff uses: plans whose graphs differ only where they
     split the LM head or run lookups on the host are for the same model; other parameters are another model."""
     a = manual(graph, "layers.2.attn", [], [1e-3] * 5, [MIB] * 5)
     other_graph = dataclasses.replace(a.model, graph_digest="0" * 64)

@@ -18,9 +18,8 @@ from typing import Any, Iterable, Sequence
 
 from ..core.plan import Plan, Stage
 from rpcompile.core.units import fmt_bytes
-from ..planner.model_match import model_differences
 
-__all__ = ["diff_plans", "PlanDiff", "Change", "Move", "Nodes", "ActivationChange", "StageChange", "THRESHOLD"]
+__all__ = ["diff_plans", "model_differences", "PlanDiff", "Change", "Move", "Nodes", "ActivationChange", "StageChange", "THRESHOLD"]
 
 THRESHOLD = 0.005
 """A predicted figure (iteration time, bubble, peak memory, a stage's time or memory) is reported when it changed
@@ -86,7 +85,7 @@ class PlanDiff:
     """The differences between plan ``a`` and plan ``b``; empty sections: no change. In this order:
 
     - **model**: plans for different models (said first, in capitals). "The same model" is
-      :func:`rpcompile.planner.model_match.model_differences`: the same parameters, and the same graph unless the plans
+      :func:`model_differences`: the same parameters, and the same graph unless the plans
       split the LM head (``head_chunks``) or host embedding lookups differently — which the header then reports;
     - **header**: hardware (device count, spec, memory, host link), microbatches, strategy, precision, cost model,
       tokens per microbatch, the embedding lookups the host runs, the LM head's chunks, resident weights;
@@ -173,6 +172,20 @@ class PlanDiff:
 
 
 # ---- comparing -------------------------------------------------------------------------------------------------
+def model_differences(a: Plan, b: Plan) -> list[str]:
+    """Why plans ``a`` and ``b`` are not for the same model; empty when they are. A plan's fingerprint is that of the
+    graph it was planned from (its LM head split as ``head_chunks``, its ``host`` lookups on the host), so two plans
+    are for the same model when their parameters match and their graphs match or differ only where the plans split
+    the LM head or host lookups differently."""
+    if a.model == b.model:
+        return []
+    params = a.model.params_digest == b.model.params_digest
+    planned_apart = a.head_chunks != b.head_chunks or tuple(a.host) != tuple(b.host)
+    if params and planned_apart:
+        return []
+    return a.model.differences(b.model) or ["fingerprints differ"]
+
+
 def diff_plans(a: Plan, b: Plan, *, a_name: str = "a", b_name: str = "b") -> PlanDiff:
     """Compare plan ``a`` (before) with plan ``b`` (after); ``a_name`` and ``b_name`` (file names, say) head the
     lines.

@@ -148,8 +148,9 @@ def host_load(host: HostSpec | None, *, trainable_params: int, precision: str,
     from tables only the host reads. ``overlap_iterations``: the devices run on into the next iteration (implies
     ``overlap_step``)."""
     elt = 4 if precision == "fp32" else 2
-    net = HostLoad(overlap_step=overlap_step or overlap_iterations, overlap_iterations=overlap_iterations, nodes=nodes, network_bytes_per_s=network_bytes_per_s or math.inf,
-                   reduce_bytes_per_grad_byte=4 / elt, host_grad_bytes=host_params * elt)
+    net = HostLoad(overlap_step=overlap_step or overlap_iterations, overlap_iterations=overlap_iterations, nodes=nodes,
+                   network_bytes_per_s=network_bytes_per_s or math.inf, reduce_bytes_per_grad_byte=4 / elt,
+                   host_grad_bytes=host_params * elt)
     if host is None:
         return net
     n = max(0, int(trainable_params))

@@ -17,8 +17,8 @@ from typing import Sequence
 
 from rpcompile.core.schedule import OVERLAP_ITERATIONS
 
-__all__ = ["Walk", "stage_ends", "pipeline_end", "lane_ends", "reduce_times", "host_lane_end", "overlapped_ends", "equal_time_factor",
-           "equal_time_factors"]
+__all__ = ["Walk", "stage_ends", "pipeline_end", "lane_ends", "reduce_times", "host_lane_end", "overlapped_ends",
+           "equal_time_factor", "equal_time_factors"]
 
 
 def pipeline_end(ends: Sequence[float], grad_s: Sequence[float], accumulate_s: Sequence[float],

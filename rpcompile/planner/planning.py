@@ -425,9 +425,9 @@ def graph_as_planned(plan: Plan, model: torch.nn.Module, example_inputs: Any, *,
                      example_kwargs: Any = None, source: str = "plan", precision: str | None = None,
                      ) -> fx.GraphModule:
     """``model`` traced into the graph ``plan`` was planned from (its LM head and loss split as the plan's
-    ``head_chunks``, its ``host`` lookups on the host: the graph whose fingerprint the plan records), once the fingerprints agree; else
-    :class:`~rpcompile.PlanMismatchError` saying what differs. ``precision``: the one the graph will run in (default the
-    plan's); an exported graph records its casts for it, so it must be the plan's."""
+    ``head_chunks``, its ``host`` lookups on the host: the graph whose fingerprint the plan records), once the
+    fingerprints agree; else :class:`~rpcompile.PlanMismatchError` saying what differs. ``precision``: the one the
+    graph will run in (default the plan's); an exported graph records its casts for it, so it must be the plan's."""
     precision = precision or plan.precision
     if plan.head_chunks > 1 and loss_fn is None:
         raise PlanMismatchError(f"{source} splits the LM head and its loss into {plan.head_chunks} chunks: give "
@@ -451,8 +451,8 @@ def graph_as_planned(plan: Plan, model: torch.nn.Module, example_inputs: Any, *,
 
 
 def _same_precision(plan: Plan, gm: fx.GraphModule, model: torch.nn.Module, precision: str, source: str) -> None:
-    """:class:`~rpcompile.core.errors.PlanMismatchError` when ``gm``, exported, records its casts for the plan's precision and the run is in
-    another."""
+    """:class:`~rpcompile.core.errors.PlanMismatchError` when ``gm``, exported, records its casts for the plan's
+    precision and the run is in another."""
     if precision != plan.precision and gm.meta.get(TRACE_DTYPE_KEY, None) != compute_dtype(plan.precision) \
             and gm.meta.get(TRACE_META_KEY) == "export":
         raise PlanMismatchError(f"{source} was made for precision={plan.precision!r} but this run is in "

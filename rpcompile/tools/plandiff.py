@@ -19,7 +19,8 @@ from typing import Any, Iterable, Sequence
 from ..core.plan import Plan, Stage
 from rpcompile.core.units import fmt_bytes
 
-__all__ = ["diff_plans", "model_differences", "PlanDiff", "Change", "Move", "Nodes", "ActivationChange", "StageChange", "THRESHOLD"]
+__all__ = ["diff_plans", "model_differences", "PlanDiff", "Change", "Move", "Nodes", "ActivationChange", "StageChange",
+           "THRESHOLD"]
 
 THRESHOLD = 0.005
 """A predicted figure (iteration time, bubble, peak memory, a stage's time or memory) is reported when it changed

@@ -12,17 +12,18 @@ A plan is a function of its inputs, so when none of them moved a fresh solve wou
 - ``solver``: digest of the partitioner's source, every file of ``passes/solver/``
   (:func:`~.solver.source.solver_digest`).
 
-What a digest is, and why measured costs are always re-solved: :func:`_digest`.
+Each digest is a :func:`~rpcompile.core.digest.short_digest` of an exact ``repr`` (floats round-trip), so analytic
+costs give the same digest on every run; measured costs differ from run to run, and their plans are always re-solved.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from typing import Any, Mapping
 
 import torch.fx as fx
 
+from rpcompile.core.digest import short_digest
 from rpcompile.core.plan import Hardware
 from rpcompile.passes.cost.cost_model import COST_KEY
 
@@ -36,21 +37,15 @@ from .solver.source import solver_digest
 __all__ = ["solve_inputs", "moved_inputs", "hardware_digest"]
 
 
-def _digest(text: str) -> str:
-    """16 hex digits of sha256 over an exact ``repr`` (floats round-trip), so analytic costs give the same digest on
-    every run; measured costs differ from run to run, and their plans are always re-solved."""
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
 def costs_digest(gm: fx.GraphModule) -> str:
-    return _digest("\n".join(f"{n.name}|{n.meta.get(COST_KEY)!r}" for n in compute_nodes(gm)))
+    return short_digest("\n".join(f"{n.name}|{n.meta.get(COST_KEY)!r}" for n in compute_nodes(gm)))
 
 
 def hardware_digest(hardware: Hardware) -> str:
     d = dataclasses.asdict(hardware)
     d["spec"] = hardware.spec.to_dict()
     d["host"] = hardware.host.to_dict() if hardware.host is not None else None
-    return _digest(repr(sorted(d.items())))
+    return short_digest(repr(sorted(d.items())))
 
 
 def solve_inputs(gm: fx.GraphModule, problem: PartitionProblem, hardware: Hardware, *, strategy: str,

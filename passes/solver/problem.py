@@ -21,13 +21,13 @@ The timing model that prices a plan is :mod:`.timing`; the rules a plan must obe
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
 
+from rpcompile.core.digest import short_digest
 from rpcompile.core.errors import InfeasibleError, ProblemError
 from rpcompile.core.stages import HostLoad, StageKind
 
@@ -187,7 +187,7 @@ class PartitionProblem:
         d = dataclasses.asdict(self)
         if not any(d.get("derived_bytes", ())):  # none held (no 4-bit base): the digest problems had before the field
             d.pop("derived_bytes", None)
-        return hashlib.sha256(repr(d).encode()).hexdigest()[:16]
+        return short_digest(repr(d))
 
     def in_bytes(self, a: int) -> int:
         """Bytes entering a stage that starts at segment ``a``."""

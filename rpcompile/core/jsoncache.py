@@ -11,13 +11,13 @@ line (logger ``rpcompile``), and so is a cache that cannot be written.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from .digest import short_digest
 from .files import read_json, sweep_temporaries, write_atomic
 
 __all__ = ["JsonCache"]
@@ -42,7 +42,7 @@ class JsonCache:
 
     def path(self, key: dict[str, Any]) -> Path:
         """The file of ``key``'s entry."""
-        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+        digest = short_digest(json.dumps(key, sort_keys=True), 32)
         return self.root() / f"{digest}.json"
 
     def ignore(self, path: Path, why: str, quiet: bool = False) -> None:

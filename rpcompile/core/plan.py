@@ -18,13 +18,13 @@ as is a corrupt file. Never pickle a plan.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
+from .digest import short_digest
 from .errors import ConfigError, PlanFileError, PlanMismatchError
 from .files import jsonable, read_json, write_atomic
 from .planfile import MAX_MICROBATCHES, plan_file_problem, size_problem
@@ -73,7 +73,7 @@ class Fingerprint:
 
     @property
     def digest(self) -> str:
-        return hashlib.sha256((self.graph_digest + self.params_digest).encode()).hexdigest()[:16]
+        return short_digest(self.graph_digest + self.params_digest)
 
     def differences(self, other: "Fingerprint") -> list[str]:
         """Human-readable differences between two fingerprints (empty when they match)."""

@@ -17,7 +17,6 @@ gradients, dropout, failures).
 
 from __future__ import annotations
 
-import hashlib
 import json
 from typing import Any, Callable
 
@@ -28,6 +27,7 @@ from rpcompile.runtime import rng
 from rpcompile.runtime.reduce import GradReducer
 from rpcompile.runtime.weights import GradSink
 
+from ..core.digest import short_digest
 from ..core.errors import ConfigError, RPCompileError, first_line, one_line
 from ..core.plan import Plan
 from ..core.program import Program
@@ -60,7 +60,7 @@ def plan_digest(plan: Plan, *, devices: int, precision: str) -> str:
     d = plan.to_dict()
     keep = {k: d.get(k) for k in ("model", "hardware", "microbatches", "stages", "precision", "head_chunks", "host")}
     keep["run"] = {"devices": devices, "precision": precision}
-    return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:12]
+    return short_digest(json.dumps(keep, sort_keys=True), 12)
 
 
 class DataParallel:

@@ -15,7 +15,6 @@ checks before loading
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any, Mapping, Protocol
 
 import torch
 
+from ...core.digest import short_digest
 from ...core.errors import RPCompileError
 from ...core.plan import Plan
 
@@ -92,7 +92,7 @@ def plan_cuts(plan: Plan) -> str:
     microbatch count, the split head and the host's lookups (not the devices, times or memory)."""
     cuts = [[s.kind, list(s.nodes), list(s.saved)] for s in plan.stages]
     text = json.dumps([cuts, plan.microbatches, plan.head_chunks, list(plan.host)])
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return short_digest(text)
 
 
 def pipeline_state(pipe: Resumable, stale_weights: Mapping[str, torch.Tensor]) -> dict[str, Any]:

@@ -98,6 +98,7 @@ class DeviceSpec:
 
     @property
     def usable_memory_bytes(self) -> int:
+        # rounded down: never more than the fraction allows
         return int(self.memory_bytes * self.usable_memory_fraction)
 
     def with_memory(self, memory_bytes: int) -> "DeviceSpec":
@@ -110,6 +111,7 @@ class DeviceSpec:
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "DeviceSpec":
+        # an unknown key raises TypeError, which Plan.from_dict reports as a corrupt file in one line
         return cls(**dict(d))
 
 
@@ -164,6 +166,7 @@ class HostSpec:
         return dataclasses.asdict(self)
 
     @classmethod
+    # an unknown key raises TypeError, which Plan.from_dict reports as a corrupt file in one line
     def from_dict(cls, d: Mapping) -> "HostSpec":
         return cls(**dict(d))
 

@@ -260,8 +260,8 @@ def ilp(pb: PartitionProblem, *, time_limit_s: float = 10.0, seed: int = 0,
         hint_t, hint = pool.hint(s)
         # a plan at this budget must beat the incumbent's c(S)·T, and the fastest known plan within it
         ub = min(pool.incumbent() / pool.c[s], hint_t)
+        # a hint slower than ub breaks the model's T bound: leave it out
         res = solve_budget(pb, tables, b_relaxed, s, ub=ub, lb=float(lb[s]),
-                           # a hint slower than ub breaks the model's T bound: leave it out
                            hint=hint if hint_t <= ub else None, det_time=max(share, MIN_SOLVE_DET),
                            wall_time=max(deadline - time.perf_counter(), 0.2), seed=seed)
         det_left -= res.det_time

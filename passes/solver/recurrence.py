@@ -25,7 +25,7 @@ def pipeline_end(ends: Sequence[float], grad_s: Sequence[float], accumulate_s: S
                  reduce_s: Sequence[float], overlap_reduce: bool, reduce_host_s: float) -> float:
     """:func:`.timing.pipeline_time` after the walk: each stage's last microbatch ``ends``, its gradients down, added on
     the host, all-reduced."""
-    # a stage's gradients go down once, after its last microbatch (forward stages and short edge lists: none)
+    # a stage's gradients go down once, after its last microbatch (a stage past the edge list's end: none to wait for)
     landed = [e + (grad_s[k] if k < len(grad_s) else 0.0) for k, e in enumerate(ends)]
     added = lane_ends(landed, accumulate_s)
     # the iteration waits for every gradient down and for the host thread's last add
@@ -148,8 +148,7 @@ def stage_ends(stage_times: Sequence[float], devices: int, m: int, weight_s: Seq
         if k < n_save and save_s[k] > 0:
             out, save, land, lands = (out_s[k] if k < len(out_s) else 0.0), save_s[k], 0.0, []
             for e in ends:
-                # on its link, each microbatch's outputs go down first,
-                # then its saves, behind the previous microbatch's saves
+                # on its link each microbatch's outputs go down first, then its saves, behind the earlier saves
                 e += out
                 land = (land if land > e else e) + save
                 lands.append(land)
@@ -225,9 +224,8 @@ def overlapped_ends(stage_times: Sequence[float], devices: int, microbatches: in
             # iteration t − 1's loss: its fused stage's last microbatch
             loss = walk.last[(t - 1) * per + fused]
             walk, base = Walk(), walk
+            # the first stage's inputs wait for that loss and for those weights (the host's lookups read them)
             stage_ends(times, devices, m, weights, handoff, outs, saves, shifted, pre, resume=t * per, base=base,
-                       # the first stage's inputs wait for that loss and
-                       # for those weights (the host's lookups read them)
                        record=walk, gate=(max(loss, done), done))
         ends.append(pipeline_end(walk.last[t * per:], grad_s, accumulate_s, reduce_s, overlap_reduce,
                                  reduce_host_s))

@@ -67,8 +67,8 @@ def _chain_violations(pb: PartitionProblem, plan: SegmentPlan, kind: str) -> lis
 def _saved_violations(pb: PartitionProblem, plan: SegmentPlan) -> list[str]:
     if len(plan.saved) != pb.n:
         return [f"saved has {len(plan.saved)} flags but there are {pb.n} segments; give one per segment"]
+    # this rule runs even when rule 1 failed: a negative fused start must not index from the end
     out = [f"segment {i} ({_where(pb, i)}) is in the fused stage and cannot be saved; set saved[{i}] = False"
-           # this rule runs even when rule 1 failed: a negative fused start must not index from the end
            for i in range(max(plan.fused[0], 0), pb.n) if plan.saved[i]]
     if not pb.allow_save and any(plan.saved):
         out.append(f"the problem forbids saving (allow_save=False) but segments "

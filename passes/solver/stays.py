@@ -145,8 +145,8 @@ def stay_candidates(pb: PartitionProblem, plan: SegmentPlan) -> list[int]:
     fwd = {i: k for k, (kind, a, b) in enumerate(stages) if kind == "forward" for i in range(a, b)}
     bwd = {i: k for k, (kind, a, b) in enumerate(stages) if kind == "backward" for i in range(a, b)}
     n = pb.device_count
+    # a stay needs both stages on one device: stage k runs on device k mod N
     return [i for i in range(plan.fused[0]) if pb.param_bytes[i] and i in fwd and i in bwd
-            # a stay needs both stages on one device: stage k runs on device k mod N
             and fwd[i] % n == bwd[i] % n]
 
 

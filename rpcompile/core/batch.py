@@ -76,9 +76,8 @@ def split_microbatches(values: Sequence[Any], microbatches: int) -> list[tuple[A
             f"a batch of {batch} cannot be split into {microbatches} microbatches; "
             f"use microbatches between 1 and {batch} (--microbatches) or a larger batch (--batch-size)"
         )
+    # tensor_split allows uneven pieces (the first ones one row longer); scalars and non-tensors go to every microbatch
     pieces = [
-        # tensor_split allows uneven pieces (the first ones one row
-        # longer); scalars and non-tensors go to every microbatch
         torch.tensor_split(v, microbatches, dim=0) if isinstance(v, torch.Tensor) and v.dim() > 0 else [v] * microbatches
         for v in values
     ]

@@ -36,7 +36,7 @@ def _chains(cost: np.ndarray, max_stages: int) -> tuple[np.ndarray, np.ndarray]:
     n1 = cost.shape[0]
     best = np.full((max_stages + 1, n1), INF)
     arg = np.zeros((max_stages + 1, n1), dtype=np.int64)
-    # no stage covers only the empty prefix
+    # zero stages cover the empty prefix [0, 0), at no cost
     best[0, 0] = 0.0
     for k in range(1, max_stages + 1):
         # cand[a, p]: k − 1 stages over [0, a), then the stage [a, p)
@@ -105,7 +105,7 @@ def balance_table(f_cost: np.ndarray, b_cost: np.ndarray, fused: np.ndarray) -> 
         better = cand < h[f:f + kb]
         h[f:f + kb] = np.where(better, cand, h[f:f + kb])
         split[f:f + kb] = np.where(better, f, split[f:f + kb])
-    # the fused stage starting at p must meet the same slowest-stage time
+    # the fused stage starting at p counts in the slowest stage too
     total = np.maximum(h, fused[None, :])
     fused_start = np.argmin(total, axis=1)
     # H counts the non-fused stages: t_star[S] is row S − 1 (S = 0: no plan)

@@ -106,7 +106,7 @@ def saving_bounds(pb: PartitionProblem, t: RangeTables, relaxed: BalanceTable, c
     base = relaxed.t_star[: size]
     lb[: len(base)] = base
     with np.errstate(divide="ignore", invalid="ignore"):
-        # c(0) = 0: no plan has no stages
+        # c(0) = 0 is the count no plan has: no cap there
         keep = np.where(c > 0, incumbent / c, INF)
     hopeful = np.flatnonzero(np.isfinite(lb) & (lb < keep))  # stage counts that might still beat the incumbent
     if hopeful.size == 0:

@@ -57,7 +57,7 @@ def _fewest(cost: np.ndarray, limit: float, stop: int) -> tuple[int, list[tuple[
 
 def _ratio_rank(pb: PartitionProblem) -> list[int]:
     """Position of each segment when sorted by recompute removed per byte saved, best first."""
-    # negated so that an ascending sort puts the best first; a segment of no bytes ranks first
+    # negated so that an ascending sort puts the best first; a segment of no bytes with recompute ranks first
     ratio = [-r / max(a, 1e-30) for r, a in zip(pb.rec_s, pb.act_bytes)]
     order = sorted(range(pb.n), key=ratio.__getitem__)
     rank = [0] * pb.n

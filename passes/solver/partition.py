@@ -258,7 +258,7 @@ def ilp(pb: PartitionProblem, *, time_limit_s: float = 10.0, seed: int = 0,
         # the deterministic time left is shared by this budget and at most two more still open
         share = det_left / min(_open_budgets(pool, lb, tried) + 1, 3)
         hint_t, hint = pool.hint(s)
-        # a plan at this budget must beat the incumbent's c(S)·T, and the fastest known plan within it
+        # the T worth finding at this budget: below incumbent / c(S), and no slower than the best known plan within it
         ub = min(pool.incumbent() / pool.c[s], hint_t)
         # a hint slower than ub breaks the model's T bound: leave it out
         res = solve_budget(pb, tables, b_relaxed, s, ub=ub, lb=float(lb[s]),

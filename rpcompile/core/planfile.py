@@ -31,7 +31,7 @@ _AT_LEAST_ONE = {"microbatches", "head_chunks", "device_count", "schema_version"
 _FREE_FORM = {"stats", "inputs"}
 """Fields whose content is free-form (solver statistics, digests of what a plan was solved from): their type (a
 JSON object), their strings (rule 5), numbers (finite) and nesting are checked."""
-# 2**53: the largest integer a double (and so any JSON reader) holds exactly
+# 2**53: the largest integer a double holds exactly, so a reader that parses numbers as doubles keeps it
 _MAX_INT, _MAX_FLOAT, _MAX_TEXT, _FREE_DEPTH = 2**53, 1e18, 4096, 4
 MAX_MICROBATCHES = 1 << 12
 """The most microbatches a plan (and ``compile``, ``--microbatches``) may have."""

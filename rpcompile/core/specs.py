@@ -111,7 +111,6 @@ class DeviceSpec:
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "DeviceSpec":
-        # an unknown key raises TypeError, which Plan.from_dict reports as a corrupt file in one line
         return cls(**dict(d))
 
 
@@ -166,7 +165,6 @@ class HostSpec:
         return dataclasses.asdict(self)
 
     @classmethod
-    # an unknown key raises TypeError, which Plan.from_dict reports as a corrupt file in one line
     def from_dict(cls, d: Mapping) -> "HostSpec":
         return cls(**dict(d))
 

@@ -143,7 +143,7 @@ def transfer_times(pb: PartitionProblem, rows: Sequence[StageFigures], times: Se
             weight_s.append(r.weight_link)
             continue
         before, t = rows[k - n_dev], times[k - n_dev]
-        # the link rate the previous stage k−N's activation uploads take, per second of its compute
+        # the link rate (bytes/s) the previous stage k−N's activation uploads take while it runs
         busy = before.busy / max(t - before.overhead, 1e-12)
         free, span = max(0.0, link - busy), m * t
         # what fits in the bandwidth they leave during k−N's m

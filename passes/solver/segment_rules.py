@@ -124,7 +124,7 @@ def memory_violations(pb: PartitionProblem, plan: SegmentPlan, costs: Sequence[S
     out = []
     for k, c in enumerate(costs):
         if c.memory_bytes > pb.memory_bytes:
-            # name the segment most likely to blow the stage: its activations and
+            # name the segment most likely to break the limit: its activations and
             # weights, and its backward transient where the stage runs a backward
             worst = max(range(c.start, c.stop), key=lambda i: pb.act_bytes[i] + pb.param_bytes[i]
                         + (pb.transient_bytes[i] if c.kind != "forward" else 0))

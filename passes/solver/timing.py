@@ -166,7 +166,7 @@ def offload_backlog(problem: PartitionProblem, costs: Sequence[StageCost]) -> tu
     times, held = lazy_times(problem, [stage_figures(problem, c) for c in costs], backlog=True)
     for k, (time, most) in enumerate(zip(times, held)):
         c = costs[k]
-        # a stage the lazy offload leaves as it was keeps its StageCost
+        # a stage the lazy offload does not change keeps its StageCost
         if time != c.time_s or most or c.backlog_bytes:
             # whole bytes, rounded up so that the backlog is never understated
             out[k] = dataclasses.replace(c, time_s=time, backlog_bytes=int(math.ceil(most)))

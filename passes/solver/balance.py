@@ -36,11 +36,14 @@ def _chains(cost: np.ndarray, max_stages: int) -> tuple[np.ndarray, np.ndarray]:
     n1 = cost.shape[0]
     best = np.full((max_stages + 1, n1), INF)
     arg = np.zeros((max_stages + 1, n1), dtype=np.int64)
+    # zero stages cover the empty prefix [0, 0), at no cost
     best[0, 0] = 0.0
     for k in range(1, max_stages + 1):
+        # cand[a, p]: k − 1 stages over [0, a), then the stage [a, p)
         cand = np.maximum(best[k - 1][:, None], cost)
         arg[k] = np.argmin(cand, axis=0)
         best[k] = cand[arg[k], np.arange(n1)]
+        # no prefix can be covered by k stages, so none by more: stop growing the table
         if not np.isfinite(best[k]).any():
             return best[:k], arg[:k]
     return best, arg
@@ -68,6 +71,7 @@ class BalanceTable:
     def plan(self, stages: int) -> SegmentPlan:
         """The min-max plan with exactly ``stages`` stages (nothing saved)."""
         a = int(self._fused_start[stages])
+        # the forward stage count of the best split at S − 1 non-fused stages
         f = int(self._split[stages - 1, a])
         fwd = _walk(self._fwd_arg, f, a)
         bwd = _walk(self._bwd_arg, stages - 1 - f, a)
@@ -88,18 +92,23 @@ def _walk(arg: np.ndarray, k: int, p: int) -> list[tuple[int, int]]:
 def balance_table(f_cost: np.ndarray, b_cost: np.ndarray, fused: np.ndarray) -> BalanceTable:
     """Min-max balance for every stage count given masked per-range stage times (``inf`` = not allowed)."""
     n = fused.shape[0] - 1
+    # at most n − 1 stages per side: the last segment is always fused
     fwd, fwd_arg = _chains(f_cost, max(n - 1, 0))
     bwd, bwd_arg = _chains(b_cost, max(n - 1, 0))
     kf, kb = fwd.shape[0], bwd.shape[0]
+    # h[s]: s = f + b non-fused stages
     h = np.full((kf + kb - 1, n + 1), INF)
     split = np.zeros(h.shape, dtype=np.int64)
     for f in range(kf):
+        # max(F[f][p], B[b][p]) for every b at once
         cand = np.maximum(fwd[f][None, :], bwd)
         better = cand < h[f:f + kb]
         h[f:f + kb] = np.where(better, cand, h[f:f + kb])
         split[f:f + kb] = np.where(better, f, split[f:f + kb])
+    # the fused stage starting at p counts in the slowest stage too
     total = np.maximum(h, fused[None, :])
     fused_start = np.argmin(total, axis=1)
+    # H counts the non-fused stages: t_star[S] is row S − 1 (S = 0: no plan)
     t_star = np.concatenate([[INF], total[np.arange(h.shape[0]), fused_start]])
     return BalanceTable(n=n, t_star=t_star, fwd_best=fwd, bwd_best=bwd, _fwd_arg=fwd_arg, _bwd_arg=bwd_arg,
                         _split=split, _fused_start=np.concatenate([[0], fused_start]))
@@ -108,6 +117,7 @@ def balance_table(f_cost: np.ndarray, b_cost: np.ndarray, fused: np.ndarray) -> 
 def _masked(t: RangeTables, b_time: np.ndarray, limit: int,
             cap: float | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Stage times with ranges that cannot fit set to ``inf``. ``cap=None``: each range with ``P = its own W``."""
+    # cap None: the relaxation, each range's P its own weight and no weight limit
     p = t.weight if cap is None else cap
     p_fused = t.fused_weight if cap is None else cap
     ok_w = t.weight <= (INF if cap is None else cap)
@@ -120,6 +130,7 @@ def _masked(t: RangeTables, b_time: np.ndarray, limit: int,
 def _fits(pb: PartitionProblem, t: RangeTables, plan: SegmentPlan) -> bool:
     stages = [(a, b, t.fwd_need[a, b]) for a, b in plan.forward] + [(a, b, t.bwd_need[a, b]) for a, b in plan.backward]
     a0 = plan.fused[0]
+    # the real P: the plan's largest stage weight, the fused stage's included
     p = max([t.weight[a, b] for a, b, _ in stages] + [t.fused_weight[a0]])
     return all(need + p <= pb.memory_bytes for *_, need in stages) and t.fused_need[a0] + p <= pb.memory_bytes
 
@@ -131,6 +142,7 @@ def _cover_bound(f_cost: np.ndarray, b_cost: np.ndarray, fused: np.ndarray) -> f
         tail = np.minimum.accumulate(cost[:, ::-1], axis=1)[:, ::-1]  # tail[a, j] = min_{b >= j} cost[a, b]
         cover = np.minimum.accumulate(tail[:, 1:], axis=0)  # cover[a', i] = min_{a <= a', b > i} cost[a, b]
         per_seg = np.diagonal(cover)  # segment i: ranges with a <= i < b
+        # a fused start at p needs every segment below p covered: the worst segment's cheapest cover so far
         return np.concatenate([[0.0], np.maximum.accumulate(per_seg)])
     need = np.maximum(np.maximum(cheapest_cover(f_cost), cheapest_cover(b_cost)), fused)
     return float(need.min())
@@ -175,18 +187,24 @@ def exact_balance(pb: PartitionProblem, t: RangeTables, b_time: np.ndarray | Non
     """
     b_time = t.bwd_time if b_time is None else b_time
     relaxed = balance_table(*_masked(t, b_time, pb.memory_bytes, None))
+    # stage counts up to 2(n − 1) + 1
     size = 2 * pb.n + 1
     lower = _pad(relaxed.t_star, size)
     c = np.asarray(equal_time_factors(size - 1, pb.device_count, pb.microbatches), dtype=float)
+    # a relaxed plan that fits the real limit is exact for its stage count
     fits = np.asarray([np.isfinite(lower[s]) and _fits(pb, t, relaxed.plan(s)) for s in range(size)])
     t_star = np.where(fits, lower, INF)
     tables, pick = [relaxed], np.zeros(size, dtype=np.int64)
+    # best: the best c(S)·T*(S) among the counts already exact; every_count keeps every count open
     best = INF if every_count else float(np.min(bound_values(c, t_star)))
+    # counts still open: their relaxed plan does not fit and their bound could still beat best
     open_ = [s for s in range(1, size) if not fits[s] and c[s] * lower[s] < best]
+    # every stage weight a plan may have: its possible values of P (as tables.min_memory)
     caps = np.unique(np.concatenate([t.weight[t.valid], t.fused_weight[:-1]]))
     for cap in caps[caps >= t.min_weight()] if open_ else ():
         masked = _masked(t, b_time, pb.memory_bytes, float(cap))
         quick = _cover_bound(*masked)
+        # a cap whose quick bound helps no open count is not worth a table
         if all(c[s] * max(quick, lower[s]) >= best for s in open_):
             continue
         table = balance_table(*masked)
@@ -195,6 +213,7 @@ def exact_balance(pb: PartitionProblem, t: RangeTables, b_time: np.ndarray | Non
         t_star, pick = np.where(better, cand, t_star), np.where(better, len(tables), pick)
         tables.append(table)
         best = best if every_count else min(best, float(np.min(bound_values(c, t_star))))
+        # a better best closes more counts
         open_ = [s for s in open_ if c[s] * lower[s] < best]
     return Balance(t_star=t_star, lower=lower, tables=tables, pick=pick)
 
@@ -223,10 +242,12 @@ def relaxed_backward_time(pb: PartitionProblem, t: RangeTables, cutoff: float) -
     for a in range(n):
         for b in range(a + 1, n):  # backward ranges stop before the last segment (it is always fused)
             floor = bwd[a:b].sum()
+            # backward compute cannot be saved away, only recompute: longer ranges only add to it
             if ovh + floor > cutoff:
                 break  # longer ranges only get slower
             up0 = (t.in_bytes[a] + t.out_bytes[b] + t.weight[a, b] / m) / link
             down = (grad_in[a] + t.grad[a, b] / m) / link
+            # the link alone misses the cutoff: left inf
             if ovh + max(up0, down) <= cutoff:
                 out[a, b] = ovh + max(_fractional(floor + rec[a:b].sum(), up0, rec[a:b], act[a:b]), down)
     return out
@@ -234,15 +255,19 @@ def relaxed_backward_time(pb: PartitionProblem, t: RangeTables, cutoff: float) -
 
 def _fractional(compute: float, upload: float, rec: np.ndarray, act: np.ndarray) -> float:
     """``min max(compute − Σ x·rec, upload + Σ x·act)`` over ``x ∈ [0, 1]^k``."""
+    # saving a segment with no activation bytes costs no upload: always taken
     free = act <= 0
     compute -= rec[free].sum()
+    # by recompute removed per second of upload added, best first
     order = np.argsort(-(rec[~free] / act[~free]), kind="stable")
     for r, a in zip(rec[~free][order], act[~free][order]):
+        # upload-bound already: a further save only lengthens the upload
         if compute <= upload:
             break
         if compute - r >= upload + a:
             compute, upload = compute - r, upload + a
         else:
+            # the share of this segment's save that makes compute and upload equal
             x = (compute - upload) / (r + a)
             return compute - x * r
     return max(compute, upload)

@@ -34,6 +34,7 @@ DP_RESCORE_WINDOW = 1.10
 
 def layer_ranges(pb: PartitionProblem) -> list[tuple[int, int]]:
     """Segment range of each layer, in order."""
+    # a layer starts wherever the layer id changes
     starts = [0] + [i for i in range(1, pb.n) if pb.layer[i] != pb.layer[i - 1]]
     return list(zip(starts, starts[1:] + [pb.n]))
 
@@ -51,6 +52,7 @@ def make_result(strategy: str, pb: PartitionProblem, plan: SegmentPlan, started:
                 **stats: Any) -> PartitionResult:
     """A scored result; ``feasible=False`` (with the violations in ``stats``) when the plan breaks a rule."""
     problems = validate_segment_plan(pb, plan)
+    # a plan that only breaks the memory limit ("needs") can still be costed; a broken chain cannot
     costs = stage_costs(pb, plan) if not problems or all("needs" in p for p in problems) else ()
     stats = {
         "stages_forward": len(plan.forward), "stages_backward": len(plan.backward), "stage_count": plan.stage_count,
@@ -91,19 +93,23 @@ def uniform(pb: PartitionProblem, *, time_limit_s: float = 10.0, seed: int = 0) 
     group per layer when there are fewer layers than devices)."""
     started = time.perf_counter()
     layers = layer_ranges(pb)
+    # the first groups one layer longer when uneven; fewer groups than devices when there are fewer layers
     groups = [g for g in np.array_split(np.arange(len(layers)), min(pb.device_count, len(layers))) if len(g)]
     ranges = [(layers[g[0]][0], layers[g[-1]][1]) for g in groups]
+    # the last group is the fused stage; backward stages take the other groups' ranges, top down
     plan = _full_recompute(pb, ranges[:-1], ranges[-1][0], list(reversed(ranges[:-1])))
     return make_result("uniform", pb, plan, started, groups=len(groups))
 
 
 def _roundpipe_candidates(f: np.ndarray, bwd: np.ndarray, fused: np.ndarray) -> list[float]:
     """Bottleneck candidates: contiguous-run sums of layer times within ``[Tmax, 1.1·Tmax]``."""
+    # the last layer is always in the fused stage: it has no backward stage of its own
     t_max = float(max(f.max(), bwd[:-1].max(initial=0.0), fused[-1]))
     cands = {t_max}
     for costs in (f, bwd, fused):
         prefix = np.concatenate([[0.0], np.cumsum(costs)])
         sums = (prefix[None, :] - prefix[:, None])[np.triu_indices(len(prefix), 1)]
+        # RoundPipe's candidate window, [Tmax, 1.1·Tmax] (docs/architecture.md §4)
         cands.update(float(x) for x in sums[(sums >= t_max) & (sums <= 1.1 * t_max)])
     return sorted(cands)
 
@@ -113,6 +119,7 @@ def _pack(costs: np.ndarray, weights: list[int], order: list[int], limit: float,
     stages: list[list[int]] = []
     t = w = 0.0
     for l in order:
+        # a stage takes at least one layer, even one past the limits
         if stages and t + costs[l] <= limit and w + weights[l] <= w_cap:
             stages[-1].append(l)
             t, w = t + costs[l], w + weights[l]
@@ -126,9 +133,12 @@ def _roundpipe_plan(pb: PartitionProblem, layers: list[tuple[int, int]], T: floa
                     lt: dict[str, np.ndarray], weights: list[int]) -> SegmentPlan:
     top = len(layers) - 1
     acc = lt["fused"][top]
+    # the fused stage takes top layers while its time stays within T
     while top > 0 and acc + lt["fused"][top - 1] <= T:
         top, acc = top - 1, acc + lt["fused"][top - 1]
+    # half the memory for a stage's weights, the other half for the next stage's prefetch (§4)
     cap = pb.memory_bytes / 2
+    # forward stages packed from the last layer downward, backward stages from layer 0 upward (§4)
     fwd = _pack(lt["fwd"], weights, list(range(top - 1, -1, -1)), T, cap)
     bwd = _pack(lt["bwd"], weights, list(range(top)), T, cap)
     span = lambda ls: (layers[min(ls)][0], layers[max(ls)][1])  # noqa: E731
@@ -148,12 +158,14 @@ def roundpipe(pb: PartitionProblem, *, time_limit_s: float = 10.0, seed: int = 0
     scored = []
     for T in _roundpipe_candidates(f, r + b, f + b):
         plan = _roundpipe_plan(pb, layers, T, lt, weights)
+        # RoundPipe's cost of a candidate: max(#stages, N)·T
         scored.append((max(plan.stage_count, pb.device_count) * T, T, plan))
     scored.sort(key=lambda x: (x[0], x[1]))
     for cost, T, plan in scored:
         if not validate_segment_plan(pb, plan):
             return make_result("roundpipe", pb, plan, started, bottleneck_s=T, roundpipe_cost_s=cost,
                                candidates_tried=len(scored))
+    # no candidate fits: the cheapest one, returned infeasible with its violations
     return make_result("roundpipe", pb, scored[0][2], started, bottleneck_s=scored[0][1], candidates_tried=len(scored))
 
 
@@ -172,6 +184,7 @@ def dp_of_balance(pb: PartitionProblem, bal: Balance, started: float) -> Partiti
     c = np.asarray(equal_time_factors(len(bal.t_star) - 1, pb.device_count, pb.microbatches), dtype=float)
     bound = bound_values(c, bal.t_star)
     best_bound = float(np.min(bound))
+    # the stage counts whose bound is within DP_RESCORE_WINDOW of the best, re-scored by exact time
     shortlist = [s for s in np.argsort(bound, kind="stable") if bound[s] <= best_bound * DP_RESCORE_WINDOW]
     plans = [(iteration_time(pb, p), int(s), p) for s in shortlist for p in [bal.plan(int(s))]]
     _, stages, plan = min(plans, key=lambda x: (x[0], x[1]))

@@ -46,6 +46,7 @@ def _all_pairs(cost: np.ndarray) -> np.ndarray:
     d = np.full((n1, n1), INF)
     d[0, 0] = 0.0
     for a in range(1, n1):
+        # from every p < a at once, through the last range [b, a)
         d[:a, a] = np.min(d[:a, :a] + cost[:a, a][None, :], axis=1)
         d[a, a] = 0.0
     return d
@@ -63,7 +64,9 @@ class _OpenPaths:
     def row(self, p: int) -> np.ndarray:
         if p not in self.rows:
             via = self.cost[p, :, None] + self.to_ends  # via[e, k]: first range [p, e), then on to ends[k]
+            # suffix minimum over e: the first range ends at or after i
             g = np.minimum.accumulate(via[::-1], axis=0)[::-1]
+            # at i = p the open stage is still empty and may end anywhere
             g[p] = self.to_ends[p]
             self.rows[p] = g
         return self.rows[p]
@@ -99,9 +102,11 @@ def fewest_stages(relax: StageCountBound, lam: np.ndarray, budget: int, work_lim
     work = 0
     if not np.isfinite(lower):  # the relaxation already shows that no plan meets T
         return Search("none", None, None, 0)
+    # stage counts are whole: start at the bound rounded up (less float noise)
     for level in range(max(int(np.ceil(lower - 1e-9)), 0), budget + 1):
         found = _walk(relax, lam, level, work_limit - work)
         work += found.work
+        # a plan or the work limit ends the deepening; only "none" moves to the next level
         if found.status != "none" or work >= work_limit:
             return Search(found.status, found.plan, found.stages, work)
     return Search("none", None, None, work)
@@ -116,6 +121,7 @@ def _walk(relax: StageCountBound, lam: np.ndarray, budget: int, work_limit: int)
         return Search("none", None, None, 0)
     cf, cb = relax.range_costs(lam)
     g_f, g_b = _OpenPaths(cf, ends), _OpenPaths(cb, ends)
+    # saves count twice in a forward stage's memory, once in a backward stage's (as in .lagrange)
     cap_f = np.minimum(relax.f_link, relax.f_mem / 2.0)
     cap_b = np.minimum(relax.b_link, relax.b_mem)
     f_ok, b_ok, cover = relax.f_fixed, relax.b_fixed, relax.cover
@@ -123,6 +129,7 @@ def _walk(relax: StageCountBound, lam: np.ndarray, budget: int, work_limit: int)
     end_set = set(ends.tolist())
 
     def remaining(p: int, q: int, i: int) -> float:
+        # only fused starts at or after i are still reachable
         k = int(np.searchsorted(ends, i))
         return float(np.min(g_f.row(p)[i, k:] + g_b.row(q)[i, k:])) if k < ends.size else INF
 
@@ -136,18 +143,22 @@ def _walk(relax: StageCountBound, lam: np.ndarray, budget: int, work_limit: int)
             for c, sf, sb, rs, lf, lb, hist in points:
                 close_f = p < i and f_ok[p, i] and sf <= cap_f[p, i]
                 close_b = q < i and b_ok[q, i] and sb <= cap_b[q, i] and rs >= cover[q, i] - _TOL
+                # either stage may also stay open
                 closed.setdefault((p, q), []).append((c, sf, sb, rs, lf, lb, hist))
                 if close_f:
+                    # the closed stage's flags leave with it: a new forward stage opens at i with nothing saved
                     closed.setdefault((i, q), []).append((c + 1, 0.0, sb, rs, 0.0, lb, (hist, "F", i)))
                 if close_b:
                     closed.setdefault((p, i), []).append((c + 1, sf, 0.0, 0.0, lf, 0.0, (hist, "B", i)))
                 if close_f and close_b:
                     closed.setdefault((i, i), []).append((c + 2, 0.0, 0.0, 0.0, 0.0, 0.0, (hist, "FB", i)))
+        # both stages closed at a fused start: a whole plan with c non-fused stages
         if i in end_set:
             for c, *_, hist in closed.get((i, i), ()):
                 if c <= budget and (best is None or c < best[0]):
                     best = (c, i, hist)
                     budget = c - 1  # from now on only fewer stages are worth finding
+        # the last segment is always fused: no state goes past it
         if i == n - 1:
             break
         states = {}
@@ -159,10 +170,15 @@ def _walk(relax: StageCountBound, lam: np.ndarray, budget: int, work_limit: int)
                 if c + bound + lb - lf > budget + 1e-6:
                     continue
                 grown.append((c, sf, sb, rs, lf, lb, (hist, 0, i)))
+                # saving a segment with nothing to ship or recompute changes nothing
                 if act[i] > 0 or rec[i] > 0:
+                    # a saved flag counts on both sides: the forward stage ships
+                    # it, the backward stage fetches it and sheds its recompute
                     grown.append((c, sf + act[i], sb + act[i], rs + rec[i], lf + lam[i], lb + lam[i], (hist, 1, i)))
             if not grown:
                 continue
+            # fewest stages and bytes first, most shed recompute last:
+            # a dominating state comes before those it dominates
             grown.sort(key=lambda x: (x[0], x[1], x[2], -x[3]))
             kept: list[tuple] = []
             for x in grown:
@@ -183,6 +199,7 @@ def _plan_of(n: int, best: tuple | None) -> tuple[SegmentPlan | None, int | None
     if best is None:
         return None, None
     count, a, hist = best
+    # cut positions of both sides, seeded with the chain's start and the fused start
     fwd, bwd, saved = [0, a], [0, a], [False] * n
     while hist is not None:
         hist, event, i = hist
@@ -190,8 +207,10 @@ def _plan_of(n: int, best: tuple | None) -> tuple[SegmentPlan | None, int | None
             fwd.append(i)
         if event in ("B", "FB"):
             bwd.append(i)
+        # the history holds stage closes ("F", "B", "FB") and flag choices (0, 1)
         if event == 1:
             saved[i] = True
+    # a close at the fused start repeats a seeded position
     fwd, bwd = sorted(set(fwd)), sorted(set(bwd))
     plan = SegmentPlan(forward=tuple(zip(fwd, fwd[1:])), fused=(a, n),
                        backward=tuple(reversed(list(zip(bwd, bwd[1:])))),

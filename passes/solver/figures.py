@@ -91,23 +91,30 @@ def lazy_times(pb: PartitionProblem, rows: Sequence[StageFigures], *, backlog: b
         offloading = [k for k, r in enumerate(rows) if r.offload]
     if not offloading:
         return times, held_at
+    # P, the plan's largest upload: the prefetch every stage budgets for (timing.stage_costs)
     prefetch = max(r.weight for r in rows)
     base = [r.base + prefetch for r in rows]
     for d in range(n_dev):
         mine = range(d, len(rows), n_dev)
+        # the backlog may use only what every stage of this device
+        # leaves free, so that no stage gives up its own memory for it
         room = max(0, pb.memory_bytes - max((base[k] for k in mine), default=0))
         if pb.resident_handoffs:  # one GPU: the hand-offs kept there have the other half
             room -= room // 2
         held = 0.0
+        # without backlog figures, a device's stages after the plan's last saver change no time: the walk stops there
         for k in (mine if backlog else range(d, offloading[-1] + 1, n_dev)):
             r = rows[k]
             start = held
             if r.offload:
                 need = start + m * r.offload - room  # bytes the stage must move to keep the backlog in room
+                # per microbatch the link carries the stage's own downloads and its share of what must leave the backlog
                 times[k] = r.overhead + max(r.compute, r.up_link, (max(need / m, 0.0) + r.own) / link)
+            # link time the stage's own downloads leave over drains the backlog, for each of its m microbatches
             moved = m * max(0.0, (times[k] - r.overhead) * link - r.own)
             held = max(0.0, start + m * r.offload - moved)
             if backlog:
+                # the most it holds: before it drains (start) or after its own saves join (held)
                 held_at[k] = max(start, held)
     return times, held_at
 
@@ -127,13 +134,20 @@ def transfer_times(pb: PartitionProblem, rows: Sequence[StageFigures], times: Se
         prev = rows[k - 1]
         # a predecessor slower than its compute is bound by its copies: its time already covers the way down
         slack = times[k - 1] - prev.compute - prev.overhead if k else 0.0
+        # down from the previous device and up to this one; the part of the way down
+        # already inside the previous stage's time does not delay this stage again
         handoff.append(2 * r.one_way - min(r.one_way, max(slack, 0.0)))
+        # a device's first stage uploads from the start of the iteration
+        # at the full rate; a weightless stage uploads nothing
         if k < n_dev or r.weight == 0:
             weight_s.append(r.weight_link)
             continue
         before, t = rows[k - n_dev], times[k - n_dev]
+        # the link rate (bytes/s) the previous stage k−N's activation uploads take while it runs
         busy = before.busy / max(t - before.overhead, 1e-12)
         free, span = max(0.0, link - busy), m * t
+        # what fits in the bandwidth they leave during k−N's m
+        # microbatches goes at that rate; the rest after, at the full rate
         weight_s.append(r.weight / free if free * span >= r.weight else span + (r.weight - free * span) / link)
     return handoff, weight_s
 
@@ -156,6 +170,8 @@ def reads_of(costs: Sequence[StageCost], count: Sequence[int], start: int = 0) -
             out.append(())
             continue
         lo, hi = c.start, c.stop
+        # a backward stage waits for a forward stage's saves only
+        # when their ranges overlap on at least one saved segment
         out.append(tuple(f for f, a, b in savers if a < hi and lo < b and count[min(b, hi)] > count[max(a, lo)]))
     return out
 
@@ -186,6 +202,7 @@ def walk(pb: PartitionProblem, rows: list[StageFigures], count: Sequence[int], *
     first = 0
     if anchor is not None:
         same, known, known_t = min(len(rows), len(anchor.rows)), anchor.rows, anchor.times
+        # the scorer hands back the very StageFigures object for an unchanged stage, so identity is the cheap test
         while first < same and rows[first] is known[first] and times[first] == known_t[first]:
             first += 1
     handoff, weight_s = transfer_times(pb, rows, times, first, *(
@@ -195,6 +212,7 @@ def walk(pb: PartitionProblem, rows: list[StageFigures], count: Sequence[int], *
     save_s: list[float] = []
     prefetch_s: list[float] = []
     if offloading:  # a stage reads savers before it: the first stages read what they read in the anchor
+        # an anchor without savers (reads None) read nothing in its first stages
         head = [] if anchor is None else anchor.reads[:first] if anchor.reads is not None else [()] * first
         reads = head + reads_of([r.cost for r in rows], count, first)
         out_s, save_s = [r.out_s for r in rows], [r.save_s for r in rows]
@@ -204,6 +222,7 @@ def walk(pb: PartitionProblem, rows: list[StageFigures], count: Sequence[int], *
                       base=anchor.walk if anchor is not None else None, record=record)
     walked = Walked(rows, times, handoff, weight_s, reads, record)
     h = pb.host
+    # an unlimited accumulation rate: no host adds to price
     grad_s, acc = [r.grad_s for r in rows], [r.acc for r in rows] if math.isfinite(h.accumulate_bytes_per_s) else []
     reduce = [r.reduce for r in rows]
     if overlapped:  # the first iteration's walk being this one

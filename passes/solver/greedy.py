@@ -44,6 +44,7 @@ def _fewest(cost: np.ndarray, limit: float, stop: int) -> tuple[int, list[tuple[
     for b in range(1, stop + 1):
         cand = np.where(ok[:b, b], count[:b], _NONE)
         k = int(np.argmin(cand))
+        # capped, so that a prefix with no cover stays at _NONE
         count[b], prev[b] = min(cand[k] + 1, _NONE), k
     if count[stop] >= _NONE:
         return _NONE, []
@@ -56,6 +57,7 @@ def _fewest(cost: np.ndarray, limit: float, stop: int) -> tuple[int, list[tuple[
 
 def _ratio_rank(pb: PartitionProblem) -> list[int]:
     """Position of each segment when sorted by recompute removed per byte saved, best first."""
+    # negated so that an ascending sort puts the best first; a segment of no bytes with recompute ranks first
     ratio = [-r / max(a, 1e-30) for r, a in zip(pb.rec_s, pb.act_bytes)]
     order = sorted(range(pb.n), key=ratio.__getitem__)
     rank = [0] * pb.n
@@ -72,10 +74,12 @@ def _saves(pb: PartitionProblem, forward: list[tuple[int, int]], limit: float) -
         return tuple(saved)
     rank = _ratio_rank(pb)
     for a, b in forward:
+        # what T leaves of the stage's download once its outputs are down
         room = (limit - ovh) - pb.link_out(b) / link
         ranked = sorted(range(a, b), key=rank.__getitem__)
         for i in ranked:
             cost = pb.act_bytes[i] / link
+            # saving a segment with nothing to recompute gains nothing
             if pb.rec_s[i] > 0 and cost <= room:
                 saved[i], room = True, room - cost
     return tuple(saved)
@@ -98,12 +102,14 @@ def _forward_driven(pb: PartitionProblem, t: RangeTables, fwd: BalanceTable, lim
                     b_allowed: np.ndarray) -> Attempt:
     """Balanced forward stages (nothing saved yet), ratio-greedy saves, then the fewest backward stages."""
     best: Attempt = (_NONE, None)
+    # fwd_best comes from the balance table with nothing saved: saves are added below within each stage's room
     feasible_f = [k for k in range(1, fwd.fwd_best.shape[0]) if fwd.fwd_best[k, a] <= limit]
     for f in feasible_f[:_FORWARD_COUNTS]:
         forward = fwd.forward_ranges(f, a)
         saved = _saves(pb, forward, limit)
         b_cost = np.where(b_allowed, _backward_times(pb, t, saved), INF)
         count, backward = _fewest(b_cost, limit, a)
+        # + 1: the fused stage
         if f + count + 1 < best[0]:
             clean = tuple(s if i < a else False for i, s in enumerate(saved))
             best = (f + count + 1, SegmentPlan(forward=tuple(forward), fused=(a, pb.n), backward=tuple(backward),
@@ -124,12 +130,14 @@ def _least_saves(pb: PartitionProblem, t: RangeTables, b_ok: np.ndarray,
     for a in range(n):
         work = 0.0
         for b in range(a + 1, n):
+            # bwd_s alone is the floor: only recompute can be saved away, so a longer range only adds to it
             work += pb.bwd_s[b - 1]
             if work > budget:
                 break
             up = (t.in_bytes[a] + t.out_bytes[b] + t.weight[a, b] / m) / link
             if not b_ok[a, b] or (grad_in[a] + t.grad[a, b] / m) / link > budget:
                 continue
+            # the recompute the range's saves must remove to fit the budget
             need = work + sum(pb.rec_s[a:b]) - budget
             picks: list[int] = []
             if need > 0 and pb.allow_save:
@@ -140,6 +148,7 @@ def _least_saves(pb: PartitionProblem, t: RangeTables, b_ok: np.ndarray,
                         picks.append(i)
                         need -= pb.rec_s[i]
             alpha = sum(pb.act_bytes[i] for i in picks) / link
+            # the saves come up beside the range's other uploads and must fit the same budget
             if need <= 1e-12 * budget and up + alpha <= budget:
                 cost[a, b], chosen[(a, b)] = alpha, picks
     return cost, chosen
@@ -147,6 +156,7 @@ def _least_saves(pb: PartitionProblem, t: RangeTables, b_ok: np.ndarray,
 
 def _fewest_then_lightest(cost: np.ndarray, stop: int) -> list[tuple[int, int]] | None:
     """Fewest finite-cost ranges covering ``[0, stop)``, ties broken by the least total cost (top down)."""
+    # 1 per range plus a share of the total cost below 1 over any path: the stage count wins, the cost breaks ties
     key = np.where(np.isfinite(cost), 1.0 + cost / (np.nansum(np.where(np.isfinite(cost), cost, 0)) + 1.0), INF)
     best, prev = np.full(stop + 1, INF), np.full(stop + 1, -1)
     best[0] = 0.0
@@ -175,10 +185,12 @@ def _backward_driven(pb: PartitionProblem, t: RangeTables, masks: Masks, limit: 
         for i in chosen[r]:
             saved[i] = True
     carried = np.concatenate([[0.0], np.cumsum(np.asarray(pb.act_bytes, dtype=float) * np.asarray(saved))])
+    # a forward stage's download: its outputs and the saves of its segments, per microbatch
     down = pb.stage_overhead_s + (t.out_bytes[None, :] + carried[None, :] - carried[:, None]) / pb.link_bytes_per_s
     count, forward = _fewest(np.maximum(masks[0], down), limit, a)
     plan = SegmentPlan(forward=tuple(reversed(forward)), fused=(a, pb.n), backward=tuple(backward),
                        saved=tuple(saved))
+    # no forward cover for those saves: no plan
     return count + len(backward) + 1, plan if count < _NONE else None
 
 
@@ -188,6 +200,7 @@ def _fewest_stages(pb: PartitionProblem, t: RangeTables, fwd: BalanceTable, mask
     best: Attempt = (_NONE, None)
     saves_table = _least_saves(pb, t, b_ok, limit)
     for a in np.flatnonzero(fused <= limit):
+        # the fused stage alone: one stage, the fewest any plan has (starts come in ascending order)
         if a == 0:
             return 1, SegmentPlan(forward=(), fused=(0, pb.n), backward=(), saved=(False,) * pb.n)
         for cand in (_forward_driven(pb, t, fwd, limit, int(a), b_ok),

@@ -74,10 +74,13 @@ def _ceil(x: float, unit: float) -> int:
 def _candidate_ranges(pb: PartitionProblem, t: RangeTables, b_relaxed: np.ndarray,
                       ub: float) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[int]]:
     """Ranges that can meet ``ub`` and fit memory with ``P = their own weight`` (a relaxation)."""
+    # relative: a range exactly at ub must survive float noise in the tables
     tol = ub * 1e-12
+    # P is at least a used range's own W, so need + W is what the range needs at the least
     fits_f = t.fwd_need + t.weight <= pb.memory_bytes
     fits_b = t.bwd_need + t.weight <= pb.memory_bytes
     n = pb.n
+    # b < n: the fused stage always holds the last segment, so no forward or backward range reaches it
     fwd = [(int(a), int(b)) for a, b in np.argwhere((t.fwd_time <= ub + tol) & fits_f) if b < n]
     bwd = [(int(a), int(b)) for a, b in np.argwhere((b_relaxed <= ub + tol) & fits_b) if b < n]
     fused = [a for a in range(n) if t.fused_time[a] <= ub + tol
@@ -89,11 +92,13 @@ def _add_variables(pb: PartitionProblem, ranges: tuple[list, list, list], ub: fl
                    unit: float, cp: cp_model.CpModel) -> _Model:
     fwd, bwd, fused = ranges
     ovh = pb.stage_overhead_s
+    # T leaves out the per-stage overhead; the bounds rounded outwards so that the domain keeps the optimum
     t_range = (max(0, _floor(lb - ovh, unit)), max(0, _ceil(ub - ovh, unit)))
     T = cp.new_int_var(*t_range, "T")
     xf = {r: cp.new_bool_var(f"xf_{r[0]}_{r[1]}") for r in fwd}
     xb = {r: cp.new_bool_var(f"xb_{r[0]}_{r[1]}") for r in bwd}
     z = {a: cp.new_bool_var(f"z_{a}") for a in fused}
+    # segments from the last possible fused start on are always in the fused stage, which saves nothing
     last = max(fused, default=0)
     s = {i: cp.new_bool_var(f"s_{i}") for i in range(last)} if pb.allow_save else {}
     return _Model(cp=cp, T=T, xf=xf, xb=xb, z=z, s=s, unit=unit, t_range=t_range)
@@ -107,13 +112,17 @@ def _add_flow_constraints(pb: PartitionProblem, md: _Model) -> None:
         for (a, b), v in x.items():
             out_of[a].append(v)
             into[b].append(v)
+        # position 0 is left by one forward (backward) range or is the fused start
         md.cp.add(sum(out_of[0]) + md.z.get(0, 0) == 1)
         for p in range(1, pb.n):
+            # a range that ends at p is followed by one that starts there, unless the fused stage starts at p
             md.cp.add(sum(into[p]) == sum(out_of[p]) + md.z.get(p, 0))
+    # the one fused start ends both paths
     md.cp.add_exactly_one(md.z.values())
 
 
 def _add_budget_constraint(md: _Model, stages: int) -> None:
+    # + 1: the fused stage
     md.cp.add(sum(md.xf.values()) + sum(md.xb.values()) + 1 <= stages)
 
 
@@ -124,23 +133,30 @@ def _covered(md: _Model, i: int) -> list:
 
 def _add_saved_constraints(md: _Model) -> None:
     for i, v in md.s.items():
+        # a saved flag is off when a fused start at or below segment i is chosen
         md.cp.add(v + sum(_covered(md, i)) <= 1)
 
 
 def _add_time_constraints(pb: PartitionProblem, t: RangeTables, md: _Model) -> None:
     """compute, upload and download of every used stage fit in ``T`` (overhead excluded)."""
     u, link, m, ovh = md.unit, pb.link_bytes_per_s, pb.microbatches, pb.stage_overhead_s
+    # link time of saved activations rounded down, recompute rounded up where it is
+    # subtracted: the model's T never overstates a plan, so its bound is valid in seconds
     act_lo = [_floor(x / link, u) for x in pb.act_bytes]
     rec_hi = [_ceil(x, u) for x in pb.rec_s]
+    # before segment 0 no input gradient is priced, as in RangeTables.build
     grad_in = lambda a: t.in_bytes[a] if a > 0 else 0  # noqa: E731
     for (a, b), x in md.xf.items():
+        # a forward stage's compute and upload do not depend on its saves
         fixed = max(sum(pb.fwd_s[a:b]), (t.in_bytes[a] + t.weight[a, b] / m) / link)
         md.cp.add(md.T >= _floor(fixed, u) * x)
         saves = [(act_lo[i], md.s[i]) for i in range(a, b) if i in md.s]
+        # its saves go down beside its outputs, on the same link
         down = _floor(t.out_bytes[b] / link, u)
         if saves:
             md.cp.add(sum(c * v for c, v in saves) + down <= md.T).only_enforce_if(x)
         else:
+            # no saves: the same row, linear without an enforcement literal
             md.cp.add(md.T >= down * x)
     for (a, b), x in md.xb.items():
         down = (grad_in(a) + t.grad[a, b] / m) / link
@@ -149,11 +165,14 @@ def _add_time_constraints(pb: PartitionProblem, t: RangeTables, md: _Model) -> N
         md.cp.add(md.T >= _floor(down, u) * x)
         idx = [i for i in range(a, b) if i in md.s]
         if idx:
+            # each saved segment removes its recompute from the backward
+            # stage's compute and adds its activations to its upload
             md.cp.add(_floor(full, u) - sum(rec_hi[i] * md.s[i] for i in idx) <= md.T).only_enforce_if(x)
             md.cp.add(_floor(up, u) + sum(act_lo[i] * md.s[i] for i in idx) <= md.T).only_enforce_if(x)
         else:
             md.cp.add(md.T >= _floor(max(full, up), u) * x)
     for a, x in md.z.items():
+        # fused_time includes the overhead that T leaves out
         md.cp.add(md.T >= _floor(t.fused_time[a] - ovh, u) * x)
 
 
@@ -167,19 +186,24 @@ def _add_memory_constraints(pb: PartitionProblem, t: RangeTables, md: _Model) ->
              + [(t.fused_weight[a], t.fused_need[a], v, []) for a, v in md.z.items()])
     if not items:
         return
+    # every plan holds the heaviest single segment in some stage: P is never below p_min
     p_min, p_max = t.min_weight(), max(int(w) for w, _, _, _ in items)
     worst = lambda need, sv: need + sum(b for b, _ in sv) + p_max  # noqa: E731
+    # nothing can break the limit even at the largest P with every save: no P variable needed
     if all(worst(need, sv) <= pb.memory_bytes for _, need, _, sv in items):
         return
     P = md.cp.new_int_var(p_min, max(p_min, p_max), "P")
     for w, need, v, sv in items:
+        # a W at or below p_min is implied by P's domain
         if w > p_min:
             md.cp.add(P >= int(w) * v)
+        # this range fits at the largest P with all its saves: no row for it
         if worst(need, sv) <= pb.memory_bytes:
             continue
         if sv:
             md.cp.add(P + int(need) + sum(int(b) * s for b, s in sv) <= pb.memory_bytes).only_enforce_if(v)
         else:
+            # with v = 0 this reads P <= memory, which P's domain keeps (every candidate's W fits: _candidate_ranges)
             md.cp.add(P + int(need) * v <= pb.memory_bytes)
 
 
@@ -200,12 +224,15 @@ def _add_aggregate_cuts(pb: PartitionProblem, t: RangeTables, md: _Model, stages
     below = lambda per_seg: [(per_seg(i), cover[i]) for i in range(pb.n)]  # noqa: E731
     alpha = [_floor(x / link, u) for x in pb.act_bytes]
     saved = sum(alpha[i] * v for i, v in md.s.items())
+    # compute of the segments outside the fused stage, which the forward (backward) stages share
     fwd_work = sum(_floor(c, u) * (1 - z) for c, z in below(lambda i: pb.fwd_s[i]) if c)
     bwd_work = sum(_floor(c, u) * (1 - z) for c, z in below(lambda i: pb.bwd_s[i] + pb.rec_s[i]) if c)
+    # a saved segment is not recomputed (rounded up, as subtracted)
     bwd_work -= sum(_ceil(pb.rec_s[i], u) * v for i, v in md.s.items())
     f_link = saved + sum(_floor(t.out_bytes[b] / link, u) * x for (a, b), x in md.xf.items())
     b_up = saved + sum(_floor((t.in_bytes[a] + t.out_bytes[b] + t.weight[a, b] / m) / link, u) * x
                        for (a, b), x in md.xb.items())
+    # each side has at most S − 1 stages beside the fused one
     hi = stages - 1
     for count, lhs_all in ((n_f, (fwd_work, f_link)), (n_b, (bwd_work, b_up))):
         for over in _mccormick_upper(md, count, 0, hi):
@@ -226,6 +253,8 @@ def _hint(md: _Model, plan: SegmentPlan) -> None:
 
 
 def _hint_fits(md: _Model, plan: SegmentPlan) -> bool:
+    # a hint that uses a range pruned from this model (or saves a
+    # segment without a flag) cannot be expressed: hint nothing
     return (all(r in md.xf for r in plan.forward) and all(r in md.xb for r in plan.backward)
             and plan.fused[0] in md.z and all(i in md.s for i, s in enumerate(plan.saved) if s))
 
@@ -288,8 +317,10 @@ def solve_budget(pb: PartitionProblem, t: RangeTables, b_relaxed: np.ndarray, st
     # gap first (llama-8b on 8 GPUs).
     from ortools.sat.python import cp_model
 
+    # TIME_UNITS per upper bound (max: a zero ub still needs a unit)
     unit = max(ub, 1e-12) / TIME_UNITS
     ranges = _candidate_ranges(pb, t, b_relaxed, ub)
+    # no fused stage meets ub and fits: infeasible without a model
     if not ranges[2]:
         return BudgetResult(stages=stages, status="INFEASIBLE", plan=None, bound_s=ub, det_time=0.0)
     md = _add_variables(pb, ranges, ub, lb, unit, cp_model.CpModel())
@@ -315,11 +346,15 @@ def solve_budget(pb: PartitionProblem, t: RangeTables, b_relaxed: np.ndarray, st
     dt = solver.response_proto.deterministic_time
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         plan = _decode(pb, md, solver)
+        # one unit below CP-SAT's bound: a margin over the rounding of the scaled constants
         bound = pb.stage_overhead_s + max(solver.best_objective_bound - 1, 0) * unit
+        # the caller's lower bound may be the stronger
         return BudgetResult(stages=stages, status=name, plan=plan, bound_s=max(bound, lb), det_time=dt,
                             variables=nvars)
     if status == cp_model.INFEASIBLE:
+        # no plan within the budget is as fast as ub: ub itself is a lower bound
         return BudgetResult(stages=stages, status=name, plan=None, bound_s=ub, det_time=dt, variables=nvars)
+    # stopped by a limit with nothing proven: only the caller's lower bound holds
     return BudgetResult(stages=stages, status=name, plan=None, bound_s=lb, det_time=dt, variables=nvars)
 
 

@@ -86,16 +86,20 @@ class StageCountBound:
     def __init__(self, pb: PartitionProblem, t: RangeTables, T: float) -> None:
         self.evaluations = 0  # of L(λ) by the last maximise
         n, link, m, mem = pb.n, pb.link_bytes_per_s, pb.microbatches, pb.memory_bytes
+        # T less the per-stage overhead: what a stage's compute and each of its copies may take
         tp = T - pb.stage_overhead_s
         self.n, self.ok = n, tp >= 0
+        # T below the overhead: no stage meets it, every bound is infinite
         if not self.ok:
             return
+        # a hair of slack so that a range exactly at T is not lost to float noise
         slack = 1 + _TOL
         budget = tp * link * slack  # bytes one link moves within T
         self.act = np.asarray(pb.act_bytes, dtype=np.float64)
         self.rec = np.asarray(pb.rec_s, dtype=np.float64)
         w, inb, outb = t.weight.astype(np.float64), t.in_bytes.astype(np.float64), t.out_bytes.astype(np.float64)
         p_min = max(float(t.min_weight()), 0.0)
+        # the relaxed P: at least the range's own weight and the heaviest single segment
         prefetch = np.maximum(w, p_min)
         valid = t.valid.copy()
         valid[:, n] = False  # the last segment always belongs to the fused stage
@@ -108,11 +112,15 @@ class StageCountBound:
         self.b_link = budget - (inb[:, None] + outb[None, :] + w / m)
         self.b_mem = mem * slack - t.bwd_need - prefetch
         cum_br = np.concatenate([[0.0], np.cumsum(np.asarray(pb.bwd_s) + self.rec)])
+        # > 0: the recompute its saves must remove for the stage's compute to fit T
         self.cover = (cum_br[None, :] - cum_br[:, None]) - tp * slack  # recompute that saving must remove
         rec_sum = _range_sums(self.rec)
         b_down = grad_in[:, None] + t.grad / m
+        # rec_sum >= cover: only ranges whose compute fits T once every segment is saved
         self.b_fixed = valid & (b_down <= budget) & (self.b_link >= 0) & (self.b_mem >= 0) & (rec_sum >= self.cover)
+        # fused_time and fused_need include the overhead: compared with T itself
         self.fused = (t.fused_time <= T * slack) & (t.fused_need + np.maximum(t.fused_weight, p_min) <= mem * slack)
+        # forward memory holds a microbatch's saves twice (being made, and the last ones going down), backward once
         self.fwd = self._side(self.f_fixed, self.f_link, self.f_mem, 2.0, None)
         self.bwd = self._side(self.b_fixed, self.b_link, self.b_mem, 1.0, self.cover)
 
@@ -122,12 +130,14 @@ class StageCountBound:
         lengths = np.arange(n + 1)[None, :] - np.arange(n + 1)[:, None]
         starts, feasible = [np.zeros(0, dtype=np.int64)], [np.zeros((0, 1), dtype=bool)]
         for k in range(1, MAX_ENUMERATED + 1):
+            # p + k <= n − 1: the ranges end before the last segment, which the fused stage holds
             p = np.arange(max(n - k, 0))
             p = p[fixed[p, p + k]] if p.size else p
             if p.size == 0:
                 starts.append(p)
                 feasible.append(np.zeros((0, 2 ** k), dtype=bool))
                 continue
+            # bit i of subset j is segment p + i: the link and memory a subset's saves take, the recompute it removes
             ok = (_subset_sums(self.act, k, p) <= link_cap[p, p + k][:, None])
             ok &= (_subset_sums(mem_w, k, p) <= mem_cap[p, p + k][:, None])
             if cover is not None:
@@ -136,6 +146,7 @@ class StageCountBound:
             starts.append(p[keep])
             feasible.append(ok[keep])
         lp, lq = np.nonzero(fixed & (lengths > MAX_ENUMERATED))
+        # the saved bytes both its link and its memory allow (memory counts them mem_factor times)
         cap = np.minimum(link_cap[lp, lq], mem_cap[lp, lq] / mem_factor)
         return _Side(starts=starts, feasible=feasible, long_ranges=(lp, lq, cap))
 
@@ -151,11 +162,13 @@ class StageCountBound:
                 continue
             val = np.where(side.feasible[k], _subset_sums(price, k, p), INF)
             best = np.argmin(val, axis=1)
+            # one stage, plus the least price of a saved subset that lets it meet T; best is that subset's bit mask
             cost[p, p + k] = 1.0 + val[np.arange(p.size), best]
             mask[p, p + k] = best
         lp, lq, cap = side.long_ranges
         if lp.size:
             cost[lp, lq] = 1.0 + _fractional(price, self.act, lp, lq, cap)[0]
+            # -1 marks a long range: its flags come from the fractional knapsack again in _saved
             mask[lp, lq] = -1
         return cost, mask
 
@@ -173,6 +186,7 @@ class StageCountBound:
                 continue
             lp, lq, cap = side.long_ranges
             j = int(np.flatnonzero((lp == p) & (lq == q))[0])
+            # fractional flags on a long range: the subgradient takes them as they are
             s[p:q] = _fractional(price, self.act, lp[j:j + 1], lq[j:j + 1], cap[j:j + 1])[1][0, : q - p]
         return s
 
@@ -185,6 +199,7 @@ class StageCountBound:
         cb, mb = self._costs(self.bwd, -lam)
         df, pf = _paths(cf)
         db, pb_ = _paths(cb)
+        # both sides' paths meet at a fused start whose own stage meets T
         total = np.where(self.fused, df + db, INF)
         a = int(np.argmin(total))
         if not np.isfinite(total[a]):
@@ -209,17 +224,21 @@ class StageCountBound:
                 return val, lam, []
             for flags in (s_f, s_b):
                 if not any(np.array_equal(flags, x) for x in seen):
+                    # the last _KEEP distinct flag vectors: plan_for repairs each into a plan
                     seen = (seen + [flags])[-_KEEP:]
             if val > best + 1e-12:
                 best, best_lam, stale = val, lam.copy(), 0
             else:
                 stale += 1
+                # four steps without a better L: halve the step size
                 if stale >= 4:
                     theta, stale = theta / 2, 0
             g = s_f - s_b
             norm = float(g @ g)
             if best > target or norm == 0:
                 break  # proven, or the relaxed optimum agrees on every flag (L is a real staging's count)
+            # Polyak step aimed at target + 1 (the caller's target is S − 1):
+            # the next whole stage count is what proves the budget
             lam = lam + theta * (target + 1.0 - val) / norm * g
         return best, best_lam, seen
 
@@ -229,6 +248,7 @@ class StageCountBound:
         if not self.ok:
             return None
         act, rec = _range_sums(self.act * saved), _range_sums(self.rec * saved)
+        # saves counted twice in a forward stage's memory and once in a backward stage's, as in _side
         f_ok = self.f_fixed & (act <= self.f_link) & (2 * act <= self.f_mem)
         b_ok = self.b_fixed & (act <= self.b_link) & (act <= self.b_mem) & (rec >= self.cover)
         df, pf = _paths(np.where(f_ok, 1.0, INF))
@@ -237,6 +257,7 @@ class StageCountBound:
         a = int(np.argmin(total))
         if not np.isfinite(total[a]):
             return None
+        # the fused range saves nothing
         flags = tuple(bool(x) for x in saved[:a]) + (False,) * (self.n - a)
         return SegmentPlan(forward=tuple(sorted(_ranges(pf, a))), fused=(a, self.n),
                            backward=tuple(sorted(_ranges(pb_, a), reverse=True)), saved=flags)
@@ -249,19 +270,24 @@ def _fractional(price: np.ndarray, weight: np.ndarray, p: np.ndarray, q: np.ndar
     width = int((q - p).max())
     idx = p[:, None] + np.arange(width)[None, :]
     inside = idx < q[:, None]
+    # indices past a range's end are clipped, and masked out by inside
     idx = np.minimum(idx, len(price) - 1)
+    # only a segment with a negative price gains from being saved
     gain = np.where(inside, np.maximum(-price[idx], 0.0), 0.0)
     w = np.where(inside, weight[idx], 0.0)
     with np.errstate(divide="ignore", invalid="ignore"):
+        # gain per byte, highest first: weightless gains before all, non-gains after all
         ratio = np.where(gain > 0, np.where(w > 0, gain / w, INF), -INF)
     order = np.argsort(-ratio, axis=1, kind="stable")
     g, ws = np.take_along_axis(gain, order, 1), np.take_along_axis(w, order, 1)
+    # Dantzig's greedy: whole items in ratio order while they fit, the item that crosses cap in part
     before = np.cumsum(ws, axis=1) - ws  # weight taken ahead of each item
     room = np.maximum(cap[:, None] - before, 0.0)
     with np.errstate(divide="ignore", invalid="ignore"):
         frac = np.where(g > 0, np.where(ws > 0, np.minimum(room / ws, 1.0), 1.0), 0.0)
     s = np.zeros_like(frac)
     np.put_along_axis(s, order, frac, 1)
+    # the minimum is minus the gain taken
     return -(frac * g).sum(axis=1), s
 
 

@@ -81,6 +81,7 @@ class _Pool:
         self.plans: dict[SegmentPlan, float] = {}  # plan -> its slowest stage (s)
         self.best_t = np.full(size, np.inf)
         self.best_plan: dict[int, SegmentPlan] = {}
+        # indexed by stage count, 0 .. 2n
         self.c = np.asarray(equal_time_factors(size - 1, pb.device_count, pb.microbatches), dtype=float)
 
     def add(self, plan: SegmentPlan | None) -> None:
@@ -99,6 +100,7 @@ class _Pool:
 
     def hint(self, stages: int) -> tuple[float, SegmentPlan | None]:
         """The fastest known plan with at most ``stages`` stages."""
+        # the plan with at most this many stages and the least slowest stage: argmin over the counts up to it
         s = int(np.argmin(self.best_t[: stages + 1]))
         return float(self.best_t[s]), self.best_plan.get(s)
 
@@ -116,6 +118,7 @@ def _seed(pb: PartitionProblem, pool: _Pool, tables: RangeTables,
             baselines[res.strategy] = res
         pool.add(res.plan if res.feasible else None)
     values = bound_values(pool.c[: len(bal.t_star)], bal.t_star)
+    # the no-save optima of the few stage counts with the best c(S)·T* join as seeds
     for s in np.argsort(values, kind="stable")[:8]:
         if np.isfinite(values[s]):
             pool.add(bal.plan(int(s)))
@@ -126,6 +129,7 @@ def _lower_bounds(pb: PartitionProblem, tables: RangeTables, pool: _Pool) -> tup
     """``LB[S]`` <= slowest stage of any plan with exactly ``S`` stages (saving allowed), and the relaxed
     backward range times."""
     inc = pool.incumbent()
+    # a plan that beats the incumbent has no stage slower than incumbent / c(1): c never falls as S grows
     b_relaxed = relaxed_backward_time(pb, tables, inc / pool.c[1])
     relaxed = relaxed_balance(pb, tables, b_relaxed)
     return saving_bounds(pb, tables, relaxed, pool.c, inc), b_relaxed
@@ -136,6 +140,7 @@ def _next_budget(pool: _Pool, lb: np.ndarray, tried: set[int], tolerance: float 
     values = bound_values(pool.c, lb)
     inc = pool.incumbent()
     for s in np.argsort(values, kind="stable"):
+        # sorted by bound: once one is not below the incumbent, none after it is
         if values[s] >= inc * (1 - tolerance):
             return None
         if int(s) not in tried:
@@ -148,6 +153,7 @@ def _greedy_phase(pb: PartitionProblem, tables: RangeTables, pool: _Pool, lb: np
     """Heuristic plans for the most promising stage budgets (:mod:`.greedy`); returns how many were tried (none
     starts after ``deadline``)."""
     masks = masks_for(pb, tables)
+    # greedy reads only this table's forward chains; the forward costs stand in on the other side
     fwd = balance_table(masks[0], masks[0], masks[2])
     tried: set[int] = set()
     while len(tried) < GREEDY_BUDGETS and time.perf_counter() < deadline:
@@ -157,6 +163,7 @@ def _greedy_phase(pb: PartitionProblem, tables: RangeTables, pool: _Pool, lb: np
         tried.add(s)
         hint_t, _ = pool.hint(s)
         # not capped by incumbent / c(s): a plan with a worse bound may still have the better iteration time
+        # no plan with at most s stages yet: the slowest stage any plan beating the incumbent may have
         hi = hint_t if np.isfinite(hint_t) else pool.incumbent() / pool.c[1]
         pool.add(greedy_plan(pb, tables, fwd, masks, s, float(lb[s]), hi))
     return len(tried)
@@ -167,11 +174,14 @@ def _prepare(pb: PartitionProblem, strategy: str, started: float, *, greedy_dead
     """Tables, the seeded pool (``baselines``: see :func:`_seed`), lower bounds and the greedy plans — or an
     infeasible result."""
     tables = RangeTables.build(pb)
+    # the least memory any plan needs is more than the device has: no strategy can fit
     if min_memory(tables)[0] > pb.memory_bytes:
         return infeasible_result(strategy, pb, started, tables)
+    # stage counts up to 2(n − 1) + 1
     pool = _Pool(pb, 2 * pb.n + 1)
     seeds = _seed(pb, pool, tables, baselines)
     lb, b_relaxed = _lower_bounds(pb, tables, pool)
+    # the greedy is about saving: with saving off, the seeded no-save optima stand
     greedy_tried = _greedy_phase(pb, tables, pool, lb, deadline=greedy_deadline) if pb.allow_save else 0
     return tables, pool, seeds, lb, b_relaxed, greedy_tried
 
@@ -184,6 +194,7 @@ def greedy(pb: PartitionProblem, *, time_limit_s: float = 10.0, seed: int = 0) -
     if isinstance(prep, PartitionResult):
         return prep
     _, pool, _, _, _, greedy_tried = prep
+    # ties go to the plan with fewer stages
     best = choose_stays(pb, min(pool.plans, key=lambda p: (iteration_time(pb, p), p.stage_count)))
     return make_result("greedy", pb, best, started, model_best_s=pool.incumbent(), greedy_budgets=greedy_tried)
 
@@ -244,9 +255,12 @@ def ilp(pb: PartitionProblem, *, time_limit_s: float = 10.0, seed: int = 0,
         if s is None:
             break
         tried.add(s)
+        # the deterministic time left is shared by this budget and at most two more still open
         share = det_left / min(_open_budgets(pool, lb, tried) + 1, 3)
         hint_t, hint = pool.hint(s)
+        # the T worth finding at this budget: below incumbent / c(S), and no slower than the best known plan within it
         ub = min(pool.incumbent() / pool.c[s], hint_t)
+        # a hint slower than ub breaks the model's T bound: leave it out
         res = solve_budget(pb, tables, b_relaxed, s, ub=ub, lb=float(lb[s]),
                            hint=hint if hint_t <= ub else None, det_time=max(share, MIN_SOLVE_DET),
                            wall_time=max(deadline - time.perf_counter(), 0.2), seed=seed)
@@ -274,9 +288,12 @@ def _lagrange_phase(pb: PartitionProblem, tables: RangeTables, pool: _Pool, lb: 
     def attempt(T: float, stages: int) -> bool:
         nonlocal left, lam, proven, work_left
         relax = StageCountBound(pb, tables, T)
+        # L counts non-fused stages: S − 1 of them is what a plan within the budget may have
         count, new_lam, seen = relax.maximise(stages - 1 + 1e-9, min(LAGRANGE_ITERATIONS, left), lam)
+        # a call that stopped at once still costs one evaluation, so the loop ends
         left -= max(relax.evaluations, 1)
         if np.isfinite(count):
+            # keep λ as the warm start for the next T
             lam = new_lam
         # plans this fast need at least ceil(count) + 1 stages (none exists when count is infinite)
         covered = min(len(lb), int(np.ceil(count - 1e-9)) + 1) if np.isfinite(count) else len(lb)
@@ -308,6 +325,7 @@ def _lagrange_phase(pb: PartitionProblem, tables: RangeTables, pool: _Pool, lb: 
             break
         tried.add(s)
         budgets += 1
+        # just below the incumbent's time, so that a proof shows the budget cannot even tie it
         hi = min(pool.incumbent() / pool.c[s], pool.hint(s)[0]) * (1 - 1e-9)
         if attempt(hi, s):
             continue
@@ -318,6 +336,7 @@ def _lagrange_phase(pb: PartitionProblem, tables: RangeTables, pool: _Pool, lb: 
                 break
             mid = 0.5 * (lo + hi)
             if attempt(mid, s):
+                # proven: no plan within the budget is this fast, so its optimum lies above mid
                 lo = mid
             else:
                 hi = min(mid, pool.hint(s)[0])  # the exact search may have met a plan faster than mid
@@ -345,6 +364,7 @@ def _finish(pb: PartitionProblem, pool: _Pool, lb: np.ndarray, started: float, s
         if plan.stage_count not in counts and len(ranked) < POLISH_STARTS:
             ranked.append(plan)
             counts.add(plan.stage_count)
+    # the fastest start gets the whole budget, each runner-up a share
     shares = [POLISH_EVALUATIONS] + [POLISH_EVALUATIONS // POLISH_STARTS] * (len(ranked) - 1)
     scorer = PlanScorer(pb)  # the searches meet the same stages and plans: score each once
     polished = [polish(pb, p, max_evaluations=k, deadline=deadline, scorer=scorer) for p, k in zip(ranked, shares)]
@@ -363,8 +383,10 @@ def _finish(pb: PartitionProblem, pool: _Pool, lb: np.ndarray, started: float, s
         best = min((best, tapered), key=lambda p: (iteration_time(pb, p), p.stage_count))
     best = choose_stays(pb, best)  # the weights that stay on their devices, on the settled cuts
     inc = pool.incumbent()
+    # the least proven bound over every stage count, and never above the incumbent, which is a plan's value
     bound = min(inc, float(np.min(bound_values(pool.c, lb))))
     proven = bound >= inc * (1 - 1e-9)
+    # a zero bound: a zero value has no gap, any other an infinite one
     ratio = (lambda x: x / bound - 1) if bound > 0 else (lambda x: 0.0 if x == 0 else float("inf"))
     gaps = dict(gap=ratio(inc), objective_gap=ratio(iteration_time(pb, best)))
     return make_result("ilp", pb, best, started, bound_s=bound, **gaps,

@@ -56,6 +56,7 @@ def _neighbours(rngs: Ranges, descending: bool) -> Iterator[Ranges]:
 def _packed(lo: int, hi: int, parts: int, cost, descending: bool) -> Ranges | None:
     """``[lo, hi)`` cut into at most ``parts`` contiguous stages minimising the slowest (bisection on the bound,
     greedy packing); ``cost(a, b)`` is a stage's time. ``None`` when ``parts`` exceeds the segments."""
+    # every stage needs at least one segment
     if parts < 1 or parts > hi - lo:
         return None
     memo: dict[tuple[int, int], float] = {}  # the bisection packs the same ranges again and again
@@ -70,15 +71,19 @@ def _packed(lo: int, hi: int, parts: int, cost, descending: bool) -> Ranges | No
         out, a = [], lo
         while a < hi:
             b = a + 1
+            # the longest stage from a within the limit; a single segment is taken even above it
             while b < hi and cost_of(a, b + 1) <= limit:
                 b += 1
             out.append((a, b))
             a = b
+            # the limit is too low for this many parts
             if len(out) > parts:
                 return None
         return out
 
+    # no cut beats the slowest single segment (low); one stage of everything always packs (high)
     low, high = max(cost_of(i, i + 1) for i in range(lo, hi)), cost_of(lo, hi)
+    # the fallback should no bisection step pack
     best = pack(high)
     for _ in range(40):
         mid = (low + high) / 2
@@ -89,6 +94,7 @@ def _packed(lo: int, hi: int, parts: int, cost, descending: bool) -> Ranges | No
             best, high = got, mid
         if high - low <= 1e-6 * high:
             break
+    # packed upward from lo; a backward side lists its stages from the fused stage down
     return best[::-1] if descending and best else best
 
 
@@ -125,6 +131,7 @@ def polish(pb: PartitionProblem, plan: SegmentPlan, *, max_evaluations: int = 30
     activations whose PCIe copies only lengthen the fill or the drain, or recompute what saving would hide.
     Deterministic: moves are tried in a fixed order and the first improvement is taken."""
     scorer = scorer or PlanScorer(pb)
+    # first-improvement climbs depend on the order of moves: one with local moves only, one with re-cuts first
     (t1, p1), (t2, p2) = (_climb(pb, plan, max_evaluations, macro, deadline, scorer) for macro in (False, True))
     return p1 if t1 <= t2 else p2
 
@@ -143,6 +150,7 @@ def _climb(pb: PartitionProblem, plan: SegmentPlan, budget: int, macro: bool,
 
     fwd, bwd = list(plan.forward), list(plan.backward)
     best = total(fwd, bwd)
+    # the scorer resumes each candidate's walk from this plan's first stages
     costs.anchor(fwd, plan.fused, bwd, saved)  # the candidates below move from it
     improved = True
     while improved and evaluations < budget:
@@ -154,6 +162,7 @@ def _climb(pb: PartitionProblem, plan: SegmentPlan, budget: int, macro: bool,
             desc = side == "backward"
             cost = (lambda a, b, _k=side: t(_k, a, b))
             lo, hi = 0, plan.fused[0]
+            # the macro climb tries re-cuts into f − 2 … f + 3 stages first; the local climb none
             counts = range(max(1, len(current) - 2), len(current) + 4) if macro else range(0)
             rebalanced = (_packed_once(costs, side, lo, hi, p, saved, cost) for p in counts)
             for cand in itertools.chain((c for c in rebalanced if c), _neighbours(current, descending=desc)):
@@ -162,11 +171,14 @@ def _climb(pb: PartitionProblem, plan: SegmentPlan, budget: int, macro: bool,
                 f2, b2 = (cand, bwd) if side == "forward" else (fwd, cand)
                 value = total(f2, b2)
                 evaluations += 1
+                # a gain within float noise does not count, so that the climb cannot cycle
                 if value < best * (1 - 1e-9):
+                    # the scorer prices time only: memory is checked on an improving candidate alone
                     trial = SegmentPlan(forward=tuple(f2), fused=plan.fused, backward=tuple(b2), saved=saved)
                     if not validate_segment_plan(pb, trial):
                         fwd, bwd, best, improved = f2, b2, value, True
                         costs.anchor(fwd, plan.fused, bwd, saved)
+                        # first improvement: start the moves again from the new plan
                         break
             if improved:
                 break
@@ -185,6 +197,7 @@ def _climb(pb: PartitionProblem, plan: SegmentPlan, budget: int, macro: bool,
                     best, improved = value, True
                     costs.anchor(fwd, plan.fused, bwd, saved)
                     break
+            # no gain: put the flag back
             saved = current_saved
     return best, SegmentPlan(forward=tuple(fwd), fused=plan.fused, backward=tuple(bwd), saved=saved)
 
@@ -214,6 +227,7 @@ def flip_saves(pb: PartitionProblem, plan: SegmentPlan, *, max_sweeps: int = 3,
                 break
             trial = saved[:i] + (not saved[i],) + saved[i + 1:]
             value = total(trial)
+            # a gain within float noise does not count
             if value < best * (1 - 1e-9):
                 candidate = SegmentPlan(forward=plan.forward, fused=plan.fused, backward=plan.backward, saved=trial)
                 if not validate_segment_plan(pb, candidate):
@@ -248,6 +262,7 @@ def taper(pb: PartitionProblem, plan: SegmentPlan, *, scorer: PlanScorer | None 
         out: Ranges = []
         a = 0
         while a < top:
+            # the i-th stage from segment 0 may take T·min(1, r·g^i)
             cap, b = limit * min(1.0, r * g ** len(out)), a + 1
             while b < top and stage(kind, a, b + 1).time_s <= cap * (1 + 1e-9):
                 b += 1
@@ -265,6 +280,7 @@ def taper(pb: PartitionProblem, plan: SegmentPlan, *, scorer: PlanScorer | None 
         limit = max(stage(side, a, b).time_s for a, b in current)
         for r, g in itertools.product(TAPER_RATIOS, TAPER_GROWTH):
             cut = pack(side, limit, r, g)
+            # both sides grow from segment 0, and a backward side lists its stages from the fused stage down: reversed
             f2, b2 = (cut, bwd) if side == "forward" else (fwd, cut[::-1])
             value = total(f2, b2)
             if value < best * (1 - 1e-9):

@@ -40,6 +40,7 @@ def _ints(name: str, values: Sequence[object], n: int | None = None) -> tuple[in
     if n is not None and len(out) != n:
         raise ProblemError(f"{name} has {len(out)} entries but there are {n} segments; give one per segment")
     for i, v in enumerate(out):
+        # bool is an int subclass: True must not pass for 1
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
             raise ProblemError(f"{name}[{i}] = {v!r} must be a non-negative int (bytes / ids)")
     return tuple(int(v) for v in out)  # type: ignore[call-overload]  # checked int-like just above
@@ -153,6 +154,7 @@ class PartitionProblem:
             raise ProblemError(f"layer ids must be non-decreasing along the chain, got {self.layer}")
         for key in ("fwd_s", "bwd_s", "rec_s"):
             set_(key, _times(key, getattr(self, key), n))
+        # empty means none: one zero per segment, so that every consumer can index them
         set_("transient_bytes", self.transient_bytes or (0,) * n)
         set_("derived_bytes", self.derived_bytes or (0,) * n)
         for key in ("act_bytes", "peak_bytes", "transient_bytes", "boundary_bytes", "param_bytes", "grad_bytes",

@@ -25,12 +25,16 @@ def pipeline_end(ends: Sequence[float], grad_s: Sequence[float], accumulate_s: S
                  reduce_s: Sequence[float], overlap_reduce: bool, reduce_host_s: float) -> float:
     """:func:`.timing.pipeline_time` after the walk: each stage's last microbatch ``ends``, its gradients down, added on
     the host, all-reduced."""
+    # a stage's gradients go down once, after its last microbatch (a stage past the edge list's end: none to wait for)
     landed = [e + (grad_s[k] if k < len(grad_s) else 0.0) for k, e in enumerate(ends)]
     added = lane_ends(landed, accumulate_s)
+    # the iteration waits for every gradient down and for the host thread's last add
     end = max(max(landed, default=0.0), max(added, default=0.0))
     if any(reduce_s) or reduce_host_s:
+        # the host-only tables reduce last, once every stage's gradients are added
         work = [reduce_s[k] if k < len(reduce_s) else 0.0 for k in range(len(added))] + [reduce_host_s]
         ready = added + [max(added, default=0.0)]
+        # not overlapped: the whole reduction waits for the pipeline's end
         end = max(end, max(reduce_times(ready, work, after=None if overlap_reduce else end)[1]))
     return end
 
@@ -40,6 +44,7 @@ def lane_ends(landed: Sequence[float], work: Sequence[float]) -> list[float]:
     for a stage without work)."""
     out = list(landed)
     end = 0.0
+    # by landing time (then stage order): the host thread takes the adds as they land
     for at, k in sorted((landed[k], k) for k, w in enumerate(work) if w > 0 and k < len(landed)):
         end = max(end, at) + work[k]
         out[k] = end
@@ -56,6 +61,7 @@ def reduce_times(ready: Sequence[float], reduce_s: Sequence[float], *, after: fl
         w = reduce_s[k] if k < len(reduce_s) else 0.0
         begin = max(free, r if after is None else after)
         starts.append(begin)
+        # a stage with nothing to reduce does not hold the network link
         free = begin + w if w > 0 else free
         ends.append(begin + w if w > 0 else r)
     return starts, ends
@@ -98,8 +104,10 @@ def stage_ends(stage_times: Sequence[float], devices: int, m: int, weight_s: Seq
     ``gate = (inputs, weights)``: stage ``resume`` begins the next iteration of an overlapped run
     (:func:`overlapped_ends`): its microbatches come from the host at ``inputs`` instead of from stage ``resume − 1``,
     and the weights of the next ``devices`` stages (the first on each device) go up from ``weights`` on."""
+    # -1: no stage is exempt from waiting for a hand-off
     first = resume if gate is not None else -1
     if base is not None and resume > 0:
+        # under a gate the resumed stage's microbatches come from the host, not from the stage before it
         prev = [gate[0]] * m if gate is not None else base.ends[resume - 1]
         every, last, began = base.ends[:resume], base.last[:resume], base.began[:resume]
         landed = {f: v for f, v in base.landed.items() if f < resume}
@@ -112,10 +120,12 @@ def stage_ends(stage_times: Sequence[float], devices: int, m: int, weight_s: Seq
         t = stage_times[k]
         up = weight_s[k] if k < n_weight else 0.0
         h = handoff_s[k] if 0 < k < n_handoff and k != first else 0.0  # the first stage has no one to wait for
+        # the device is free once stage k−N's last microbatch ends; k's weights start going up when k−N began
         floor, b = (last[k - devices], began[k - devices]) if k >= devices else (0.0, 0.0)
         if gate is not None and k < first + devices and gate[1] > b:
             b = gate[1]  # an overlapped iteration's weights exist once the step before last is done
         b += up
+        # the first microbatch waits for the device and for the weights to be in
         floor = b if b > floor else floor
         ready = [p + h for p in prev] if h else prev
         if k < n_reads and reads[k]:
@@ -123,6 +133,7 @@ def stage_ends(stage_times: Sequence[float], devices: int, m: int, weight_s: Seq
             for f in reads[k]:
                 if f not in landed:  # it saved 0 bytes: nothing to wait for
                     continue
+                # the saves come up before the stage computes on them (prefetch_s)
                 ready = [r if r > g else g for r, g in zip(ready, [x + pre for x in landed[f]])]
         start = ready[0]
         start = floor if floor > start else start
@@ -131,11 +142,13 @@ def stage_ends(stage_times: Sequence[float], devices: int, m: int, weight_s: Seq
         ends = [end]
         add = ends.append
         for r in ready[1:]:
+            # max-plus scan: each microbatch waits for its input and for the stage's previous microbatch
             end = (r if r > end else end) + t
             add(end)
         if k < n_save and save_s[k] > 0:
             out, save, land, lands = (out_s[k] if k < len(out_s) else 0.0), save_s[k], 0.0, []
             for e in ends:
+                # on its link each microbatch's outputs go down first, then its saves, behind the earlier saves
                 e += out
                 land = (land if land > e else e) + save
                 lands.append(land)
@@ -155,6 +168,7 @@ def equal_time_factor(stages: int, devices: int, microbatches: int) -> int:
 
 def equal_time_factors(max_stages: int, devices: int, microbatches: int) -> list[int]:
     """``[c(0), c(1), ..., c(max_stages)]`` in one pass (``c(0) = 0``)."""
+    # with T = 1 every end is a whole number; round away the float sums' error
     return [0] + [round(e) for e in stage_ends([1.0] * max_stages, devices, microbatches)]
 
 
@@ -185,6 +199,7 @@ def overlapped_ends(stage_times: Sequence[float], devices: int, microbatches: in
     cycle: the steady-state period is their mean duration once the start is behind
     (:func:`rpcompile.core.schedule.steady_period`)."""
     per, m = len(stage_times), microbatches
+    # each per-stage figure padded to one iteration's length, so the chain repeats it per iteration
     one = [[v[k] if k < len(v) else 0.0 for k in range(per)]
            for v in (stage_times, weight_s, handoff_s, out_s, save_s, prefetch_s)]
     grown: list[list[float]] = [[] for _ in range(6)]
@@ -196,6 +211,7 @@ def overlapped_ends(stage_times: Sequence[float], devices: int, microbatches: in
     for t in range(iterations):
         for have, piece in zip(grown, one):
             have.extend(piece)
+        # read stages as indices into the chain: iteration t's stage f is f + t·per
         shifted.extend(tuple(f + t * per for f in (reads[k] if k < len(reads) else ())) for k in range(per))
         if t == 0:
             if first is None:
@@ -203,13 +219,17 @@ def overlapped_ends(stage_times: Sequence[float], devices: int, microbatches: in
             else:  # the caller's walk is read, never written
                 walk = first
         else:
+            # double-buffered copies: iteration t computes with the weights step t − 2 wrote (0: the initial ones)
             done = steps[t - 2] if t >= 2 else 0.0  # the weights this iteration reads exist
+            # iteration t − 1's loss: its fused stage's last microbatch
             loss = walk.last[(t - 1) * per + fused]
             walk, base = Walk(), walk
+            # the first stage's inputs wait for that loss and for those weights (the host's lookups read them)
             stage_ends(times, devices, m, weights, handoff, outs, saves, shifted, pre, resume=t * per, base=base,
                        record=walk, gate=(max(loss, done), done))
         ends.append(pipeline_end(walk.last[t * per:], grad_s, accumulate_s, reduce_s, overlap_reduce,
                                  reduce_host_s))
+        # steps run in order on the host: step t waits for iteration t and for step t − 1
         steps.append(max(ends[-1], steps[-1] if steps else 0.0) + step_s)
         cycle = _cycle(walk, steps, per, devices, fused)
         if cycle is not None:  # every later iteration repeats the one a cycle before, shifted
@@ -231,15 +251,19 @@ def _cycle(walk: Walk, steps: Sequence[float], per: int, devices: int, fused: in
     every later iteration then repeats the one ``c`` before it shifted by ``δ``. None otherwise (or when an
     iteration has fewer stages than there are devices, and its floors reach further back)."""
     t = len(steps) - 1
+    # fewer stages than devices: the next iteration's floors lie in more than the last iteration
     if per < devices:
         return None
     b = t * per
     last, began = walk.last, walk.began
+    # relative tolerance: the ends are sums of floats
     tol = 1e-12 * max(1.0, abs(last[-1]))
+    # c ≤ t − 1 so that steps[t − 1 − c] exists
     for c in range(1, min(MAX_CYCLE, t - 1) + 1):
         a = b - c * per
         delta = last[b + fused] - last[a + fused]
         pairs = [(steps[t], steps[t - c]), (steps[t - 1], steps[t - 1 - c])]
+        # the last N stages' ends and starts are the floors the next iteration's first stages meet
         pairs += [(last[b + k], last[a + k]) for k in range(per - devices, per)]
         pairs += [(began[b + k], began[a + k]) for k in range(per - devices, per)]
         if all(abs(x - y - delta) <= tol for x, y in pairs):

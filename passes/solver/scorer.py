@@ -62,8 +62,10 @@ class PlanScorer:
         the same times, keep their figures and their part of the walk."""
 
     def _key(self, kind: StageKind, a: int, b: int, saved: tuple[bool, ...]) -> tuple[str, int, int, tuple[bool, ...]]:
+        # a stage's cost depends on the plan only through its range's saved flags
         key = (kind, a, b, saved[a:b])
         if key not in self.cache:
+            # P = 0: the figures leave the prefetch out, and the walk adds the plan's own (figures.lazy_times)
             self.cache[key] = cost = stage_cost(self.pb, kind, a, b, saved, 0)
             self.rows[key] = stage_figures(self.pb, cost)
         return key
@@ -86,6 +88,7 @@ class PlanScorer:
         """The plan the next candidates move from: they are scored resuming from its figures where their first
         stages are its own (the same values, :meth:`total`)."""
         key = (tuple(fwd), fused, tuple(bwd), saved)
+        # the plan scored last is already walked: only another one needs a walk of its own to resume from
         if self.recent is None or self.recent.key != key:
             self._total(self._rows(key), saved, key)
         self.base = self.recent

@@ -34,6 +34,7 @@ def _chain_violations(pb: PartitionProblem, plan: SegmentPlan, kind: str) -> lis
     """Rules 2 and 3: ranges non-empty, contiguous, covering ``[0, fused[0])`` in the required direction."""
     ranges = plan.forward if kind == "forward" else plan.backward
     label = "F" if kind == "forward" else "B"
+    # backward stages are named from B1 (docs/architecture.md §3: FB comes first on that side)
     first = 0 if kind == "forward" else 1
     a = plan.fused[0]
     out: list[str] = []
@@ -50,6 +51,7 @@ def _chain_violations(pb: PartitionProblem, plan: SegmentPlan, kind: str) -> lis
             continue
         edge = lo if kind == "forward" else hi
         if edge != expect:
+            # forward stages leave a gap by starting past the expected segment, backward stages by ending short of it
             what = "gap" if (edge > expect) == (kind == "forward") else "overlap"
             out.append(f"{kind} stage {name} should {'start' if kind == 'forward' else 'end'} at segment {expect} "
                        f"({_where(pb, expect)}) but does at {edge}: {what} between stages; "
@@ -65,6 +67,7 @@ def _chain_violations(pb: PartitionProblem, plan: SegmentPlan, kind: str) -> lis
 def _saved_violations(pb: PartitionProblem, plan: SegmentPlan) -> list[str]:
     if len(plan.saved) != pb.n:
         return [f"saved has {len(plan.saved)} flags but there are {pb.n} segments; give one per segment"]
+    # this rule runs even when rule 1 failed: a negative fused start must not index from the end
     out = [f"segment {i} ({_where(pb, i)}) is in the fused stage and cannot be saved; set saved[{i}] = False"
            for i in range(max(plan.fused[0], 0), pb.n) if plan.saved[i]]
     if not pb.allow_save and any(plan.saved):
@@ -109,6 +112,7 @@ def _stay_violations(pb: PartitionProblem, plan: SegmentPlan) -> list[str]:
 def structural_violations(pb: PartitionProblem, plan: SegmentPlan) -> list[str]:
     """Rules 1-5 of :func:`validate_segment_plan`."""
     out = _fused_violations(pb, plan)
+    # the chain and stay rules read fused[0], which means something only once rule 1 holds
     if not out:
         out += _chain_violations(pb, plan, "forward") + _chain_violations(pb, plan, "backward")
         out += _stay_violations(pb, plan)
@@ -120,6 +124,8 @@ def memory_violations(pb: PartitionProblem, plan: SegmentPlan, costs: Sequence[S
     out = []
     for k, c in enumerate(costs):
         if c.memory_bytes > pb.memory_bytes:
+            # name the segment most likely to break the limit: its activations and
+            # weights, and its backward transient where the stage runs a backward
             worst = max(range(c.start, c.stop), key=lambda i: pb.act_bytes[i] + pb.param_bytes[i]
                         + (pb.transient_bytes[i] if c.kind != "forward" else 0))
             out.append(f"stage {k} ({c.kind} [{c.start}, {c.stop})) needs {fmt_bytes(c.memory_bytes)} but the "
@@ -142,6 +148,7 @@ def validate_segment_plan(problem: PartitionProblem, plan: SegmentPlan, *, memor
     6. (``memory=True``) every stage fits ``memory_bytes``, the weights that stay on its device included.
     """
     problems = structural_violations(problem, plan)
+    # stage_costs needs a structurally valid plan (ranges that cover the chain)
     if memory and not problems:
         problems = memory_violations(problem, plan, stage_costs(problem, plan))
     return problems

@@ -22,5 +22,6 @@ def solver_digest() -> str:
     """Digest of :func:`solver_files`: each file's path in the folder and its bytes, in order."""
     h = hashlib.sha256()
     for path in solver_files():
+        # NUL after the path and after the bytes: no two different sets of files hash the same stream
         h.update(path.relative_to(_ROOT).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()[:16]

@@ -60,6 +60,7 @@ def choose_stays(pb: PartitionProblem, plan: SegmentPlan) -> SegmentPlan:
 
 def _weights(pb: PartitionProblem, base: SegmentPlan) -> SegmentPlan:
     """``base`` with the weights that stay chosen (:func:`choose_stays`, 1–3)."""
+    # a stay must not make the plan slower than without stays (SLOWER: float noise only)
     limit = iteration_time(pb, base) * (1 + SLOWER)
 
     def time_if_valid(p: SegmentPlan) -> float | None:
@@ -67,6 +68,7 @@ def _weights(pb: PartitionProblem, base: SegmentPlan) -> SegmentPlan:
 
     candidates = stay_candidates(pb, base)
     whole = [dataclasses.replace(base, stays=tuple(i in candidates for i in range(pb.n)))] if candidates else []
+    # a model without weights has nothing to keep resident
     if resident_allowed(pb, base) and (any(pb.param_bytes) or any(p.bytes for p in pb.shared)):
         whole.insert(0, dataclasses.replace(base, resident=True))
     scored = [(t, p) for p in whole if (t := time_if_valid(p)) is not None and t <= limit]
@@ -78,14 +80,19 @@ def _weights(pb: PartitionProblem, base: SegmentPlan) -> SegmentPlan:
     for k, (kind, a, b) in enumerate(kinds):
         for i in range(a, b):
             if i in span:
+                # forward stages come first in plan order: span[i] holds the
+                # forward stage's index until the backward one subtracts it
                 span[i] = k - span[i] if kind == "backward" else k
     flags = [False] * pb.n
     best = base
+    # the fewest stages held first, then the heaviest (the most upload
+    # spared for that memory), then by index for a stable order
     for i in sorted(candidates, key=lambda i: (span[i], -pb.param_bytes[i], i)):
         flags[i] = True
         trial = dataclasses.replace(base, stays=tuple(flags))
         t = time_if_valid(trial)
         if t is not None and t <= limit:
+            # each later stay must not be slower than the plan with the stays kept so far
             best, limit = trial, min(limit, t * (1 + SLOWER))
         else:
             flags[i] = False
@@ -115,6 +122,7 @@ def choose_sums(pb: PartitionProblem, plan: SegmentPlan) -> SegmentPlan:
         return whole
     chosen: set[int] = set()
     best = plan
+    # the largest gradients first: the most download a call spares per trial
     for group in sorted(groups, key=lambda g: -sum(pb.grad_bytes[i] for i in g)):
         p = trial(chosen | set(group))
         if p is not None:

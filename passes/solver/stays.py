@@ -54,6 +54,7 @@ NO_STAY = StayFigures()
 
 
 def _items(pb: PartitionProblem, a: int, b: int) -> set[_Item]:
+    # weightless items are left out: nothing of them to keep or upload
     own = {("segment", i) for i in range(a, b) if pb.param_bytes[i]}
     return own | {("shared", j) for j, p in enumerate(pb.shared) if any(a <= s < b for s in p.segments) and p.bytes}
 
@@ -95,6 +96,7 @@ def stay_figures(pb: PartitionProblem, plan: SegmentPlan) -> list[StayFigures] |
     walk = weight_stays(uses, pb.device_count, staying, resident=plan.resident)
     for use, st, total, own in zip(uses, walk, sums, summed):
         refresh = size(st.found & st.first, 1)  # stale after the step: uploaded again
+        # what it does not find, plus the found copies a step made stale
         upload = size(use - st.found) + refresh
         out.append(StayFigures(found=size(use) - upload, kept=size(st.kept), held=size(st.held),
                                refreshes=refresh > 0, sums=total, summed=own))
@@ -121,6 +123,8 @@ def _sums(pb: PartitionProblem, plan: SegmentPlan,
             summed[k] = sum(pb.grad_bytes[i] for i in range(a, b) if plan.accumulates[i])
     for k in range(len(stages)):
         mine = [j for j in range(len(stages)) if j % n == k % n and summed[j]]
+        # all of the device's sums (masters' dtype) and, during a call,
+        # the gradients its earlier stages computed, not yet added to them
         sums[k] = int(sum(summed[j] * ratio for j in mine) + sum(summed[j] for j in mine if j < k))
     return sums, summed
 
@@ -141,6 +145,7 @@ def stay_candidates(pb: PartitionProblem, plan: SegmentPlan) -> list[int]:
     fwd = {i: k for k, (kind, a, b) in enumerate(stages) if kind == "forward" for i in range(a, b)}
     bwd = {i: k for k, (kind, a, b) in enumerate(stages) if kind == "backward" for i in range(a, b)}
     n = pb.device_count
+    # a stay needs both stages on one device: stage k runs on device k mod N
     return [i for i in range(plan.fused[0]) if pb.param_bytes[i] and i in fwd and i in bwd
             and fwd[i] % n == bwd[i] % n]
 

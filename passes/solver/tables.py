@@ -26,6 +26,7 @@ INF = float("inf")
 
 
 def _prefix(values: tuple[float, ...] | tuple[int, ...], dtype: type) -> np.ndarray:
+    # a leading 0, so that [a, b) sums to prefix[b] − prefix[a]
     return np.concatenate([[0], np.cumsum(np.asarray(values, dtype=dtype))]).astype(dtype)
 
 
@@ -42,6 +43,7 @@ def _shared_matrix(pb: PartitionProblem, grads: bool) -> np.ndarray:
     for p in pb.shared:
         nxt = np.full(n + 1, n + 1)
         for a in range(n + 1):
+            # nxt[a]: the first segment at or after a that reads p (n + 1: none); [a, b) reads p when b > nxt[a]
             later = [s for s in p.segments if s >= a]
             nxt[a] = later[0] if later else n + 1
         out += np.where(cols[None, :] > nxt[:, None], p.grad_bytes if grads else p.bytes, 0)
@@ -53,6 +55,7 @@ def _running_max(values: tuple[int, ...]) -> np.ndarray:
     out = np.zeros((n + 1, n + 1), dtype=np.int64)
     arr = np.asarray(values, dtype=np.int64)
     for a in range(n):
+        # a stage's nodes run one at a time: the range holds the largest of its segments' figures, not their sum
         out[a, a + 1:] = np.maximum.accumulate(arr[a:])
     return out
 
@@ -90,19 +93,25 @@ class RangeTables:
         held = _range_sum(_prefix(pb.derived_bytes, np.int64))  # dequantized weights: memory, not the link
         g = _range_sum(_prefix(pb.grad_bytes, np.int64)) + _shared_matrix(pb, True)
         fwd = _range_sum(_prefix(pb.fwd_s, np.float64))
+        # nothing saved here: a backward stage recomputes every segment's forward
         bwd = _range_sum(_prefix(pb.bwd_s, np.float64)) + _range_sum(_prefix(pb.rec_s, np.float64))
         fb = _range_sum(_prefix(tuple(f + b for f, b in zip(pb.fwd_s, pb.bwd_s)), np.float64))
         act = _range_sum(_prefix(pb.act_bytes, np.int64))
         # device memory holds every boundary tensor; the link carries only what is not kept on the device
         in_mem = np.asarray([pb.in_bytes(a) for a in range(n + 1)], dtype=np.int64)  # in_bytes(n): unused
+        # out_mem[b]: what is live across the cut after segment b − 1 (index 0 unused)
         out_mem = np.asarray([0] + list(pb.boundary_bytes), dtype=np.int64)
         inb = np.asarray([pb.link_in(a) for a in range(n + 1)], dtype=np.int64)
         outb = np.asarray([0] + [pb.link_out(b) for b in range(1, n + 1)], dtype=np.int64)
         grad_in = np.where(np.arange(n + 1) > 0, inb, 0)
+        # a forward stage uploads its input every microbatch and its weights once per iteration (a 1/m share)
         up_f = inb[:, None] + w / m
         down_b = grad_in[:, None] + g / m
         f_time = ovh + np.maximum(fwd, np.maximum(up_f, outb[None, :]) / link)
+        # a backward stage uploads its output's gradient and the input it
+        # recomputes from, and downloads its input's gradient and weight gradients
         b_time = ovh + np.maximum(bwd, np.maximum(inb[:, None] + outb[None, :] + w / m, down_b) / link)
+        # the fused stage always ends at the chain's end: only column n
         fused_time = ovh + np.maximum(fb[:, n], np.maximum(up_f[:, n], down_b[:, n]) / link)
         f_need = w + held + in_mem[:, None] + out_mem[None, :] + _running_max(pb.peak_bytes)
         # + the next microbatch's input, prefetched; + the largest backward transient of a node in the range
@@ -111,10 +120,12 @@ class RangeTables:
         def mask(x: np.ndarray, fill: float) -> np.ndarray:
             return np.where(valid, x, fill)
 
+        # "infinite" for the int64 tables, small enough that adding a few of them cannot overflow
         big = np.iinfo(np.int64).max // 4
         return RangeTables(
             n=n, weight=mask(w, big), grad=mask(g, big), in_bytes=inb, out_bytes=outb, valid=valid,
             fwd_time=mask(f_time, INF), bwd_time=mask(b_time, INF),
+            # a fused stage starting at n would be empty
             fused_time=np.where(np.arange(n + 1) < n, fused_time, INF),
             fwd_need=mask(f_need, big), bwd_need=mask(b_need, big),
             fused_need=np.where(np.arange(n + 1) < n, b_need[:, n] - inb, big),  # it prefetches nothing
@@ -124,6 +135,7 @@ class RangeTables:
     def heaviest_segment(self) -> int:
         """The segment whose one-segment stage needs the most memory (the usual culprit of "does not fit")."""
         n = self.n
+        # the last segment is always in the fused stage, every other one in a forward and a backward stage
         single = [max(self.bwd_need[i, i + 1] if i < n - 1 else 0, self.fwd_need[i, i + 1] if i < n - 1 else 0,
                       self.fused_need[i] if i == n - 1 else 0) for i in range(n)]
         return int(np.argmax(single))
@@ -138,6 +150,7 @@ def minmax_path(cost: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     on a path from 0 to each position, and the predecessor achieving it."""
     n1 = cost.shape[0]
     best = np.full(n1, INF)
+    # -inf at the start, so that a path's largest arc is its first arc's cost
     best[0] = -INF
     pred = np.full(n1, -1)
     for b in range(1, n1):
@@ -152,15 +165,20 @@ def best_need(t: RangeTables, cap: float) -> float:
     fwd, _ = minmax_path(np.where(t.weight <= cap, t.fwd_need, INF))
     bwd, _ = minmax_path(np.where(t.weight <= cap, t.bwd_need, INF))
     fb = np.where(t.fused_weight <= cap, t.fused_need, INF)
+    # a plan: forward path to the fused stage's start, backward path to the same start, then the fused stage
     return float(np.min(np.maximum(np.maximum(fwd, bwd), fb)))
 
 
 def min_memory(t: RangeTables) -> tuple[int, int]:
     """``(bytes, segment)``: least ``memory_bytes`` any plan fits in (see module docstring)."""
+    # every stage weight a plan may have: its possible values of P
     caps = np.unique(np.concatenate([t.weight[t.valid], t.fused_weight[:-1]]))
+    # below the heaviest single segment no plan fits
     caps = caps[caps >= t.min_weight()]
+    # floor: the least need with no cap, below the least need at any cap
     floor, best = best_need(t, INF), INF
     for cap in caps:
+        # caps ascend and need is at least floor: no later cap beats best
         if cap + floor >= best:
             break
         best = min(best, cap + best_need(t, float(cap)))

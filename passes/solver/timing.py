@@ -83,6 +83,8 @@ def stage_cost(pb: PartitionProblem, kind: StageKind, a: int, b: int, saved: Seq
     inb, outb = pb.in_bytes(a), pb.boundary_bytes[b - 1]
     # what of them crosses the link (one GPU keeps hand-offs on the device: problem.resident_handoffs)
     link_in, link_out = pb.link_in(a), pb.link_out(b)
+    # the gradient of a stage's input goes back the way the input came; before segment 0 only the host's embedding rows
+    # have one (token ids have none)
     grad_in = link_in if a > 0 else pb.input_grad_bytes
     act = sum(pb.act_bytes[i] for i in seg)
     held = sum(pb.derived_bytes[i] for i in seg)  # dequantized once per stage, held while it runs
@@ -97,15 +99,19 @@ def stage_cost(pb: PartitionProblem, kind: StageKind, a: int, b: int, saved: Seq
         working = inb + outb + max(pb.peak_bytes[i] for i in seg) + saved_act
         buffers = saved_act
     elif kind == "fused":
+        # nothing recomputed: its forward's activations are still live when its backward runs right after
         compute = sum(pb.fwd_s[i] + pb.bwd_s[i] for i in seg)
+        # the loss is inside it: nothing goes on to a next stage, only its input's gradient goes back
         inputs, outputs = link_in, grad_in
         working = inb + outb + act + max(pb.transient_bytes[i] for i in seg)
     else:
+        # an unsaved segment's forward runs again (from the stage's input) before its backward
         compute = sum(pb.bwd_s[i] + (0.0 if saved[i] else pb.rec_s[i]) for i in seg)
         # its output gradients wait for the stage above; its input and saved activations are in host memory
         inputs, outputs, prefetch = link_out, grad_in, link_in + saved_act
         working = inb + outb + act + max(pb.transient_bytes[i] for i in seg)
         buffers = link_in + saved_act  # the next microbatch's input and saved activations, prefetched
+    # weights go up and gradients down once per stage and iteration: per microbatch, a 1/m share of the link
     up = (inputs + prefetch) + w / m  # StageCost.upload_bytes / download_bytes, spelled out (hot path)
     down = (outputs + offload) + (0 if kind == "forward" else sent) / m
     time = pb.stage_overhead_s + max(compute, up / link, down / link)  # eager copies; see offload_backlog
@@ -116,6 +122,7 @@ def stage_cost(pb: PartitionProblem, kind: StageKind, a: int, b: int, saved: Seq
                      weight_bytes=w, grad_bytes=0 if kind == "forward" else sent, reduce_bytes=reduced,
                      input_bytes=inputs, prefetch_bytes=prefetch, output_bytes=outputs, offload_bytes=offload,
                      working_bytes=working, microbatches=m, time_s=time,
+                     # w + stay.found: all its weights are on the device while it runs, uploaded or found
                      memory_bytes=w + stay.found + g + p + working + buffers + stay.held + stay.sums + held,
                      buffer_bytes=buffers, found_bytes=stay.found, kept_bytes=stay.kept, held_bytes=stay.held,
                      refreshes=stay.refreshes, sum_bytes=stay.sums + (stay.summed if deferred else 0))
@@ -129,6 +136,7 @@ def stage_costs(problem: PartitionProblem, plan: SegmentPlan, *, lazy_offload: b
     stay on the devices (:mod:`~rpcompile.passes.solver.stays`)."""
     stages = plan_stages(plan)
     stays = stay_figures(problem, plan) or [NO_STAY] * len(stages)  # weights that stay on the device (.stays)
+    # P: the next stage prefetched may be any stage, so every stage budgets for the plan's largest upload
     prefetch = max(problem.weight(a, b) - f.found for (_, a, b), f in zip(stages, stays))
     costs = tuple(stage_cost(problem, kind, a, b, plan.saved, prefetch, f, deferred)
                   for (kind, a, b), f in zip(stages, stays))
@@ -158,7 +166,9 @@ def offload_backlog(problem: PartitionProblem, costs: Sequence[StageCost]) -> tu
     times, held = lazy_times(problem, [stage_figures(problem, c) for c in costs], backlog=True)
     for k, (time, most) in enumerate(zip(times, held)):
         c = costs[k]
+        # a stage the lazy offload does not change keeps its StageCost
         if time != c.time_s or most or c.backlog_bytes:
+            # whole bytes, rounded up so that the backlog is never understated
             out[k] = dataclasses.replace(c, time_s=time, backlog_bytes=int(math.ceil(most)))
     return tuple(out)
 
@@ -218,6 +228,7 @@ def transfer_edges(problem: PartitionProblem, costs: Sequence[StageCost], times:
     rows = [stage_figures(problem, c) for c in costs]
     handoff, weight_s = transfer_times(problem, rows, [r.time for r in rows] if times is None else times)
     edges: dict[str, list] = dict(weight_s=weight_s, grad_s=[r.grad_s for r in rows], handoff_s=handoff)
+    # no stage offloads: nothing lands late, and the recurrence needs no landing edges
     if saved is not None and any(c.offload_bytes for c in costs):
         edges.update(out_s=[r.out_s for r in rows], save_s=[r.save_s for r in rows], reads=save_reads(costs, saved),
                      prefetch_s=[r.prefetch_s for r in rows])
@@ -274,6 +285,7 @@ def iteration_time(problem: PartitionProblem, plan: SegmentPlan) -> float:
     Between iterations the host steps the optimizer and refreshes the compute-precision copies, a constant per
     iteration (``HostLoad.step_s``, :class:`~rpcompile.core.stages.HostLoad`) that the solvers need not see: this
     adds it (synchronous) or takes ``max(pipeline, step)`` (``overlap_step``)."""
+    # costed on their own: the walk applies the lazy offload itself (figures.lazy_times), with the same times
     return _objective(problem, stage_costs(problem, plan, lazy_offload=False), plan.saved)
 
 
@@ -301,6 +313,7 @@ def plan_memory(problem: PartitionProblem, plan: SegmentPlan) -> int:
 def bubble_fraction(problem: PartitionProblem, plan: SegmentPlan) -> float:
     """Idle device time over ``N × iteration``: ``1 − m·Σ t_k / (N · iteration)``, the iteration being the pipeline
     (the step apart) or, with ``host.overlap_iterations``, the steady-state period."""
+    # after the lazy offload, so that busy counts each stage's time as its device spends it
     costs = stage_costs(problem, plan)
     over = overlapped_period if problem.host.overlap_iterations else _total
     total = over(problem, costs, plan.saved)

@@ -30,23 +30,29 @@ def flat_inputs(gm: fx.GraphModule, args: Sequence[Any], kwargs: Mapping[str, An
     if info is not None and info.in_spec is not None:
         spec = info.in_spec
         children = spec.children()
+        # export flattened the keyword inputs in the order it saw them: the call's
+        # reordered to match, so that the leaves line up with the placeholders
         if len(children) == 2 and children[1].context is not None:
             order = list(children[1].context)
             kwargs = {k: kwargs[k] for k in order if k in kwargs}
         return pytree.tree_leaves((tuple(args), kwargs))
     values: list[Any] = []
     it = iter(args)
+    # placeholders the host computes take no value from the call
     computed = {h.value for h in gm.meta.get("rpcompile.host", ())}  # passes/rewrite/host.py's HOST_KEY
     for node in gm.graph.find_nodes(op="placeholder"):
         if node.name in computed:
             continue
         try:
+            # positional arguments fill the placeholders first
             values.append(next(it))
         except StopIteration:
             if node.name in kwargs:
                 values.append(kwargs[node.name])
+            # a placeholder for *args or **kwargs has the stars in its target
             elif node.target.lstrip("*") in kwargs:
                 values.append(kwargs[node.target.lstrip("*")])
+            # symbolic_trace records a parameter's default as its placeholder's only argument
             elif node.args:
                 values.append(node.args[0])
             else:
@@ -63,12 +69,14 @@ def split_microbatches(values: Sequence[Any], microbatches: int) -> list[tuple[A
     if len(sizes) > 1:
         raise BatchSplitError(f"inputs disagree on the batch size (dim 0): {sorted(sizes)}; pass tensors with one "
                               "batch dimension, or constants as non-tensor arguments")
+    # no tensor with a batch dimension: a batch of one, which splits no further
     batch = sizes.pop() if sizes else 1
     if microbatches < 1 or batch < microbatches:
         raise BatchSplitError(
             f"a batch of {batch} cannot be split into {microbatches} microbatches; "
             f"use microbatches between 1 and {batch} (--microbatches) or a larger batch (--batch-size)"
         )
+    # tensor_split allows uneven pieces (the first ones one row longer); scalars and non-tensors go to every microbatch
     pieces = [
         torch.tensor_split(v, microbatches, dim=0) if isinstance(v, torch.Tensor) and v.dim() > 0 else [v] * microbatches
         for v in values

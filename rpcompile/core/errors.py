@@ -46,6 +46,7 @@ class RPCompileError(Exception):
 class TraceError(RPCompileError):
     """Neither torch.fx symbolic tracing nor torch.export could capture the model."""
 
+    # the tracer gives each error its own dict (passes/graph/trace.py); this default serves one raised without it
     failures: dict = {}
     """Tracing path (``fx``, ``export``) -> where and why it failed (the original exceptions ride along)."""
 

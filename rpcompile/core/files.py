@@ -38,6 +38,7 @@ _TEMP = re.compile(r"^\..*\.(?P<host>[A-Za-z0-9-]{1,64})\.(?P<pid>\d{1,10})\.[0-
 
 def host_name() -> str:
     """This machine's name as it appears in temporary names (letters, digits and ``-`` only)."""
+    # at most 64 characters, as the temporary-name pattern (_TEMP) expects; "host" when nothing is left
     return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:64] or "host"
 
 
@@ -49,6 +50,7 @@ def _fsync_directory(directory: Path) -> None:
         return
     try:
         os.fsync(fd)
+    # some filesystems refuse fsync on a directory: the rename stands, only its durability is best effort
     except OSError:
         pass
     finally:
@@ -57,12 +59,16 @@ def _fsync_directory(directory: Path) -> None:
 
 def _temporary_name(path: Path) -> Path:
     """An unpredictable temporary name beside ``path`` that says who made it (module docstring)."""
+    # the target's name cut to 100 characters keeps the temporary's
+    # name within filesystem limits (sweeps match the same cut)
     return path.with_name(f".{path.name[:100]}.{host_name()}.{os.getpid()}.{secrets.token_hex(8)}.tmp")
 
 
 def _create_temporary(path: Path) -> tuple[int, Path]:
     """An exclusive, unpredictable temporary beside ``path`` (never a link): its descriptor and name."""
+    # O_NOFOLLOW and O_CLOEXEC where the OS has them; the mode is left to the umask
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    # a clash of 64 random bits is all but impossible: a bounded retry, then give up
     for _ in range(100):
         tmp = _temporary_name(path)
         try:
@@ -90,6 +96,7 @@ def fsync_tree(directory: str | os.PathLike) -> None:
     root = Path(directory)
     for entry in os.scandir(root):
         if entry.is_file(follow_symlinks=False):
+            # O_NOFOLLOW: a link swapped in after the scan is not followed
             fd = os.open(entry.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
             try:
                 os.fsync(fd)
@@ -102,6 +109,7 @@ def remove_tree(path: str | os.PathLike) -> None:
     """Remove the file or directory ``path`` (a link itself, never what it points to); nothing if it is gone."""
     path = Path(path)
     try:
+        # lstat: a link is removed itself, never followed
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
         return
@@ -160,7 +168,9 @@ def _rename_directory(tmp: Path, path: Path) -> None:
             os.replace(tmp, path)  # onto nothing or an empty directory
             break
         except OSError as e:
+            # these say something is at path: move it aside and try again; anything else is a real failure
             if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+                # put the old one back only when nothing has taken its name meanwhile
                 if asides and not os.path.lexists(path):
                     os.rename(asides.pop(), path)  # the previous one back in place
                 raise
@@ -195,11 +205,13 @@ def write_atomic(path: str | os.PathLike, data: bytes | str | Callable[[IO[bytes
             else:
                 f.write(data.encode("utf-8") if isinstance(data, str) else data)
             f.flush()
+            # the data on disk before the rename, or a crash could leave the name on an empty file
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    # the rename itself made durable
     _fsync_directory(path.parent)
     sweep_temporaries(path.parent, target=path.name)
     return path
@@ -213,6 +225,7 @@ class _Hashing:
 
     def write(self, data: Any) -> int:
         self.sha.update(data)
+        # memoryview: a buffer (an array, a memoryview) may not count its len in bytes
         self.length += len(data) if isinstance(data, bytes) else memoryview(data).nbytes
         return self.f.write(data)
 
@@ -245,9 +258,11 @@ def temporary_owner(name: str) -> tuple[str, int] | None:
 
 def _dead(host: str, pid: int) -> bool:
     """Whether process ``pid`` on ``host`` is provably gone: on this host, and no such process exists."""
+    # a pid on another host says nothing about this host's processes
     if host != host_name() or pid <= 0:
         return False
     try:
+        # signal 0 sends nothing: it only asks whether the process exists
         os.kill(pid, 0)
     except ProcessLookupError:
         return True
@@ -272,9 +287,11 @@ def sweep_temporaries(directory: str | os.PathLike, *, target: str = "") -> int:
         return 0
     for name in names:
         owner = temporary_owner(name)
+        # temporaries carry the target's name cut to 100 characters (_temporary_name)
         if owner is None or (target and not name.startswith(f".{target[:100]}.")) or not _dead(*owner):
             continue
         try:
+            # a link named like a temporary is unlinked, never followed into
             if os.path.isdir(root / name) and not os.path.islink(root / name):
                 shutil.rmtree(root / name)
             else:
@@ -288,6 +305,7 @@ def sweep_temporaries(directory: str | os.PathLike, *, target: str = "") -> int:
 def read_limited(path: str | os.PathLike, limit: int) -> bytes:
     """The bytes of ``path``, refused (ValueError) when it holds more than ``limit``; OSError if unreadable."""
     with open(path, "rb") as f:
+        # one byte over the limit tells a file that is too large from one at the limit, without reading it all
         raw = f.read(limit + 1)
     if len(raw) > limit:
         raise ValueError(f"larger than {limit:,} bytes, more than such a file holds")
@@ -320,12 +338,15 @@ def parse_json(raw: bytes, *, max_depth: int, what: str = "such a file") -> Any:
     except UnicodeDecodeError as e:
         raise ValueError(f"byte {e.start} is not UTF-8 text (0x{raw[e.start]:02x})") from None
     try:
+        # NaN and Infinity refused; huge or infinite numbers refused as they are parsed
         value = json.loads(text, parse_constant=no_constant, parse_int=_parse_int, parse_float=_parse_float)
     except json.JSONDecodeError as e:
         raise ValueError(f"invalid JSON at line {e.lineno} column {e.colno} ({e.msg})") from None
+    # the decoder recurses, so very deep input can overflow before json_depth runs
     except RecursionError:
         raise ValueError(f"nested deeper than {max_depth} levels") from None
     except ValueError as e:
+        # a parse_int or parse_float refusal, or the decoder's: one bounded line
         raise ValueError(" ".join(str(e).split())[:160]) from None
     if json_depth(value) > max_depth:
         raise ValueError(f"nested deeper than {max_depth} levels")

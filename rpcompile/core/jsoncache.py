@@ -42,6 +42,7 @@ class JsonCache:
 
     def path(self, key: dict[str, Any]) -> Path:
         """The file of ``key``'s entry."""
+        # sort_keys: the same key written in any order names the same file
         digest = short_digest(json.dumps(key, sort_keys=True), 32)
         return self.root() / f"{digest}.json"
 
@@ -70,6 +71,7 @@ class JsonCache:
         was done but not kept), when the cache cannot be written."""
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
+            # allow_nan=False: only what read_json accepts back
             write_atomic(path, json.dumps(data, allow_nan=False))
             return True
         except OSError as e:
@@ -91,5 +93,6 @@ class JsonCache:
         for p in root.glob("*.json"):
             p.unlink(missing_ok=True)
             removed += 1
+        # only temporaries of writers that are gone: one in flight is left alone
         return removed + sweep_temporaries(root)
 

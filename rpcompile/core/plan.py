@@ -319,10 +319,13 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["hardware"]["spec"] = self.hardware.spec.to_dict()
+        # a field at its default is left out: such a plan's file reads as
+        # the older schema's did, and from_dict fills the default in again
         if self.hardware.host is None:
             del d["hardware"]["host"]
         if self.hardware.nodes == 1:
             del d["hardware"]["nodes"], d["hardware"]["network_bytes_per_s"]
+        # free-form stats may hold inf (the objective of a baseline that found no plan): made strict JSON
         d["stats"] = jsonable(dict(self.stats))
         if d["head_chunks"] == 1:
             del d["head_chunks"]
@@ -341,10 +344,12 @@ class Plan:
             d["inputs"] = jsonable(dict(self.inputs))
         else:
             del d["inputs"]
+        # schema_version first, where a person or a reader looks for it
         d = {"schema_version": d.pop("schema_version"), **d}
         return d
 
     def to_json(self) -> str:
+        # allow_nan=False: strict JSON, which read_json demands back (jsonable has already turned inf into null)
         return json.dumps(self.to_dict(), indent=1, allow_nan=False) + "\n"
 
     def save(self, path: str | os.PathLike) -> Path:
@@ -364,6 +369,7 @@ class Plan:
                 f"{source} has schema_version {version} but this rpcompile reads up to {SCHEMA_VERSION}; "
                 "upgrade rpcompile (pip install -U rpcompile) or re-plan with this version"
             )
+        # field by field before any constructor runs: a corrupt file gets one line naming the field, not a TypeError
         problem = plan_file_problem(cls, d)
         if problem is not None:
             raise PlanFileError(f"{source} is corrupt: {problem}; re-plan to regenerate it")

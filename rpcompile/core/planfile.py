@@ -31,6 +31,7 @@ _AT_LEAST_ONE = {"microbatches", "head_chunks", "device_count", "schema_version"
 _FREE_FORM = {"stats", "inputs"}
 """Fields whose content is free-form (solver statistics, digests of what a plan was solved from): their type (a
 JSON object), their strings (rule 5), numbers (finite) and nesting are checked."""
+# 2**53: the largest integer a double holds exactly, so a reader that parses numbers as doubles keeps it
 _MAX_INT, _MAX_FLOAT, _MAX_TEXT, _FREE_DEPTH = 2**53, 1e18, 4096, 4
 MAX_MICROBATCHES = 1 << 12
 """The most microbatches a plan (and ``compile``, ``--microbatches``) may have."""
@@ -87,6 +88,7 @@ def plan_file_problem(plan_cls: type, d: Any) -> str | None:
         return f"expected a JSON object, found {_kind(d)}"
     problem = dataclass_problem(plan_cls, d, "")
     if problem is None:
+        # the cross-field rules index fields freely: only once every field has its type
         problem = (_stage_order_problem(d["stages"]) or size_problem(len(d["stages"]), d["microbatches"])
                    or _stays_problem(d))
     return problem
@@ -101,10 +103,12 @@ def dataclass_problem(cls: type, d: Any, where: str) -> str | None:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(str(k) for k in d if k not in fields)
     if unknown:
+        # a key can be any length: the message shows a bounded part of it
         return f"{where or 'plan'}: unknown field {unknown[0][:40]!r}"
     for name, f in fields.items():
         path = f"{where}.{name}" if where else name
         if name not in d:
+            # a field with a default may be absent: older schemas, or written only when set
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 return f"missing field {path!r}"
             continue
@@ -121,6 +125,7 @@ def _value_problem(hint: Any, v: Any, path: str) -> str | None:
     if origin in (Union, types.UnionType):
         if v is None and type(None) in args:
             return None
+        # an optional field that is not null is checked as its type
         return _value_problem(next(a for a in args if a is not type(None)), v, path)
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return dataclass_problem(hint, v, path)
@@ -129,6 +134,7 @@ def _value_problem(hint: Any, v: Any, path: str) -> str | None:
     if hint is bool:
         return None if isinstance(v, bool) else f"{path}: expected true or false, found {_kind(v)}"
     if hint is int:
+        # bool is an int subclass: true is not a count
         if not isinstance(v, int) or isinstance(v, bool):
             return f"{path}: expected an integer, found {_kind(v)}"
         least = 1 if name in _AT_LEAST_ONE else 0
@@ -137,6 +143,7 @@ def _value_problem(hint: Any, v: Any, path: str) -> str | None:
             return f"{path}: must be >= {least}, found {_number(v)}"
         return None if v <= most else f"{path}: must be at most {most}, found {_number(v)}"
     if hint is float:
+        # JSON writes 0 for 0.0: an integer is a fine float
         if not isinstance(v, (int, float)) or isinstance(v, bool):
             return f"{path}: expected a number, found {_kind(v)}"
         if not math.isfinite(v) or v < 0:
@@ -171,6 +178,7 @@ def _field(path: str) -> str:
 
 def _number(v: float) -> str:
     text = str(v)
+    # a huge integer shown whole would make a huge message
     return text if len(text) <= 24 else f"{text[:12]}…({len(text)} digits)"
 
 
@@ -191,6 +199,7 @@ def _text_problem(v: Any, path: str) -> str | None:
 
 def _free_form_problem(v: Mapping[str, Any], path: str) -> str | None:
     """Free-form content (:data:`_FREE_FORM`): printable strings (keys too), finite numbers, shallow nesting."""
+    # depth first, so that the walk below is bounded
     if json_depth(v) > _FREE_DEPTH:
         return f"{path}: nested deeper than {_FREE_DEPTH} levels"
     stack: list[tuple[Any, str]] = [(v, path)]
@@ -210,6 +219,7 @@ def _free_form_problem(v: Mapping[str, Any], path: str) -> str | None:
                 return problem
         elif isinstance(x, float) and not math.isfinite(x):
             return f"{where}: {x} is not a number a plan holds"
+        # a mapping handed in from Python may hold anything; a file only JSON values
         elif x is not None and not isinstance(x, (int, float, bool)):
             return f"{where}: expected a JSON value, found {_kind(x)}"
     return None
@@ -228,6 +238,7 @@ def _stage_order_problem(stages: list[Mapping[str, Any]]) -> str | None:
     if not stages:
         return "stages: empty (a plan has at least its fused stage)"
     rank = {"forward": 0, "fused": 1, "backward": 2}
+    # every kind is one of these: dataclass_problem has checked the Literal first
     kinds = [rank[s["kind"]] for s in stages]
     if kinds.count(1) != 1 or kinds != sorted(kinds):
         order = ", ".join(f"{s['name']}:{s['kind']}" for s in stages)
@@ -259,6 +270,7 @@ def _stays_problem(d: Mapping[str, Any]) -> str | None:
             continue
         if (keeps and s["kind"] != "forward") or (finds and s["kind"] != "backward"):
             return f"{where}: only forward stages keep and only backward stages find parameters (unless resident)"
+        # stage k runs on device k mod devices
         on = kept.setdefault(k % devices, set())
         if not on.issuperset(finds):
             return f"{where}: finds parameters no earlier stage on its device kept"

@@ -61,10 +61,15 @@ class HostEmbedding:
 
     def accumulate(self, grad_weight: torch.Tensor, index: torch.Tensor, grad: torch.Tensor) -> None:
         """Add the gradient of the looked-up rows into ``grad_weight`` (the table's ``.grad``), in place."""
+        # every lookup as one row of the table's width, in the .grad's
+        # dtype (the gradients come home in the compute precision)
         idx, rows = index.reshape(-1), grad.reshape(-1, grad_weight.shape[-1]).to(grad_weight.dtype)
         if self.padding_idx is not None:
+            # as nn.Embedding: the padding row gets no gradient
             keep = idx != self.padding_idx
             idx, rows = idx[keep], rows[keep]
+        # index_add_ sums repeated indices (a token looked up twice gets
+        # both rows' gradients), where indexed assignment would keep one
         grad_weight.index_add_(0, idx, rows)
 
 
@@ -146,6 +151,7 @@ class StageProgram:
     def model_output(self, raw: Any) -> Any:
         """The fused stage's raw result in the structure the model returns (a tensor, a tuple, a HF
         ``ModelOutput``)."""
+        # only an exported graph has an output structure to rebuild; otherwise raw already is the model's result
         if getattr(self.out_codegen, "pytree_info", None) is not None:
             return self.out_codegen.process_outputs(raw)
         return raw

@@ -33,12 +33,14 @@ NF4_NESTED_BLOCK = 256
 def nf4_bytes_per_param(*, nested: bool = True, blocksize: int = NF4_BLOCK) -> float:
     """Bytes one weight costs on the host and on the link: half a byte of index plus its share of the scales (an
     8-bit absmax and a 32-bit nested absmax per 256 blocks when ``nested``, an fp32 absmax otherwise)."""
+    # nested: an 8-bit absmax per block and a 4-byte nested absmax per 256 blocks; otherwise a 4-byte absmax per block
     scales = (1 + 4 / NF4_NESTED_BLOCK) if nested else 4
     return 0.5 + scales / blocksize
 
 
 def _bitsandbytes_ops() -> object:
     """``torch.ops.bitsandbytes``, its kernels registered (importing bitsandbytes registers them)."""
+    # bitsandbytes is optional: imported only when its ops are not registered yet
     if not hasattr(torch.ops.bitsandbytes, "dequantize_4bit"):
         import bitsandbytes  # noqa: F401 - registers torch.ops.bitsandbytes.*
     return torch.ops.bitsandbytes
@@ -64,6 +66,8 @@ def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, scales: torch.Ten
     """
     ops: object = _bitsandbytes_ops()
     if absmax.dtype == torch.uint8:
+        # the fp32 bits travelled as int32: viewed back, not converted; s[0] is the offset, added once the
+        # blockwise map is undone, as bitsandbytes does
         s = scales.view(torch.float32)
         table = ops.dequantize_blockwise.default(absmax, s[1:], code.view(torch.float32),  # type: ignore[attr-defined]
                                                  NF4_NESTED_BLOCK, torch.float32) + s[0]
@@ -75,4 +79,5 @@ def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, scales: torch.Ten
 @dequantize_nf4.register_fake
 def _(packed: torch.Tensor, absmax: torch.Tensor, scales: torch.Tensor, code: torch.Tensor,
       shape: Sequence[int], blocksize: int, dtype: torch.dtype) -> torch.Tensor:
+    # fake tensors (meta-device tracing and costing): the shape and dtype are all there is
     return packed.new_empty(list(shape), dtype=dtype)

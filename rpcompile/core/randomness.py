@@ -48,7 +48,9 @@ def _attention_dropout(node: fx.Node) -> bool:
     at = ATTENTION_DROPOUT.get(target_name(node))
     if at is None:
         return False
+    # by keyword or by position; a call that leaves it out takes the default, 0
     p = node.kwargs.get("dropout_p", node.args[at] if len(node.args) > at else 0.0)
+    # a graph value (a training flag, say) is known only at run time: counted as drawing
     return isinstance(p, fx.Node) or bool(p != 0)
 
 
@@ -57,6 +59,7 @@ def op_name(target: Any) -> str:
     method's name as it is; "" for anything else (a module)."""
     if isinstance(target, str):
         return target
+    # an OpOverload's packet is named like aten.dropout: the last dotted part is the op
     return getattr(getattr(target, "_overloadpacket", target), "__name__", "").split(".")[-1]
 
 
@@ -81,6 +84,7 @@ def draws(gm: fx.GraphModule, node: fx.Node) -> bool:
         mod = gm.get_submodule(str(node.target))
         return not (isinstance(mod, DROPOUT_MODULES) and float(getattr(mod, "p")) == 0)
     if target_name(node) in DROPOUT_FUNCTIONS:
+        # F.dropout's default probability is 0.5
         p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
         return isinstance(p, fx.Node) or bool(p != 0)
     return True
@@ -91,8 +95,10 @@ def random_kind(gm: fx.GraphModule, node: fx.Node) -> Literal["dropout", "other"
     if not is_random(gm, node):
         return None
     if node.op == "call_module":
+        # a dropout module holds its options: a call with more than its input is not the plain multiplicative kind
         ok = isinstance(gm.get_submodule(str(node.target)), DROPOUT_MODULES) and len(node.args) == 1 and not node.kwargs
     else:
         ok = node.op == "call_function" and target_name(node) in DROPOUT_FUNCTIONS and bool(node.args)
+    # an option computed in the graph is not a constant: such a node is "other"
     consts = [*node.args[1:], *node.kwargs.values()]
     return "dropout" if ok and not any(isinstance(a, fx.Node) for a in consts) else "other"

@@ -47,6 +47,7 @@ class Action:
 
 def parse_action(text: str) -> Action:
     m = _ACTION.match(text)
+    # an F action names its microbatch, a W or G action none
     if not m or (m.group(2) == "F") != bool(m.group(3)):
         raise ConfigError(f"not an action: {text!r} (examples: 3W, 3F0, 3G)")
     kind = cast(ActionKind, m.group(2))  # the pattern admits W, F and G only
@@ -102,17 +103,21 @@ def weight_stays(uses: Sequence[Collection[H]], devices: int, stays: Collection[
     out: list[Stay[H] | None] = [None] * len(uses)
     for d in range(devices):
         mine = [k for k in range(len(uses)) if (k + offset) % devices == d]
+        # later[i]: what the device's stages after its i-th read, built from the last one back
         later: list[set[H]] = [set() for _ in mine]  # what the device's stages after each read
         for i in range(len(mine) - 2, -1, -1):
             later[i] = later[i + 1] | set(uses[mine[i + 1]])
+        # resident: every weight the device's stages read is already there from the last iteration
         on: set[H] = {x for k in mine for x in uses[k]} if resident else set()
         seen: set[H] = set()
         for i, k in enumerate(mine):
             use = set(uses[k])
+            # a weight stays only while a later stage on this device reads it; resident keeps every one
             keep = use if resident else {x for x in use if x in staying and x in later[i]}
             out[k] = Stay(found=frozenset(use & on), kept=frozenset(keep), held=frozenset(on - use),
                           first=frozenset(use - seen))
             seen |= use
+            # what it read leaves unless kept; other stages' weights it held stay on
             on = (on - use) | keep
     return cast("list[Stay[H]]", out)
 
@@ -135,6 +140,7 @@ def steady_period(ends: Sequence[float]) -> float:
     is over twelve, exact for cycles of 1, 2, 3, 4, 6 and 12."""
     if len(ends) < 2:
         return ends[0] if ends else 0.0
+    # leave out up to two iterations of start, keeping at least one duration to average
     skip = min(2, len(ends) - 2)
     return (ends[-1] - ends[skip]) / (len(ends) - 1 - skip)
 
@@ -148,6 +154,7 @@ def _static_chain(devices: int) -> tuple[list[int], list[int]]:
     """Chain positions of a static pipeline with one stage per device: forward F_d is position d, backward B_d is
     position 2N−1−d, so "position k−1 finished microbatch j" is the dependency for both directions."""
     fwd = list(range(devices))
+    # the backward positions continue the chain after the last forward one, in reverse device order
     bwd = [2 * devices - 1 - d for d in range(devices)]
     return fwd, bwd
 
@@ -166,6 +173,7 @@ def one_f_one_b(devices: int, microbatches: int) -> list[list[Action]]:
     fwd, bwd = _static_chain(devices)
     lists = []
     for d in range(devices):
+        # no more warm-up forwards than there are microbatches
         warm = min(devices - 1 - d, microbatches)
         acts = [Action(fwd[d], "F", j) for j in range(warm)]
         f, b = warm, 0
@@ -192,8 +200,10 @@ def interleaved_one_f_one_b(devices: int, microbatches: int, chunks: int) -> lis
     positions, total = n * v, m * v
 
     def step(i: int, d: int, forward: bool) -> Action:
+        # the i-th forward (or backward) of the device: groups of N microbatches pass through each chunk in turn
         chunk = (i // n) % v
         mb = (i // (n * v)) * n + i % n
+        # backwards run the chunks in reverse
         s = (chunk if forward else v - 1 - chunk) * n + d
         return Action(s if forward else 2 * positions - 1 - s, "F", mb)
 

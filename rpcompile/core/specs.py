@@ -98,6 +98,7 @@ class DeviceSpec:
 
     @property
     def usable_memory_bytes(self) -> int:
+        # rounded down: never more than the fraction allows
         return int(self.memory_bytes * self.usable_memory_fraction)
 
     def with_memory(self, memory_bytes: int) -> "DeviceSpec":

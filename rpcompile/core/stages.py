@@ -100,6 +100,7 @@ class HostLoad:
         machine's link (s; 0 on one node)."""
         if self.nodes < 2 or not grad_bytes:
             return 0.0
+        # a ring sends and receives 2(n−1)/n of the data per machine, reduced in the masters' dtype (fp32 .grad)
         return 2 * (self.nodes - 1) / self.nodes * grad_bytes * self.reduce_bytes_per_grad_byte / self.network_bytes_per_s
 
     def iteration_s(self, pipeline_s: float) -> float:
@@ -193,11 +194,13 @@ class StageCost:
     @property
     def upload_bytes(self) -> float:
         """Host → device per microbatch, weights amortised: ``input + prefetch + weight / microbatches``."""
+        # grouped as timing.stage_cost spells the sum out, so that the two agree bit for bit
         return (self.input_bytes + self.prefetch_bytes) + self.weight_bytes / self.microbatches
 
     @property
     def download_bytes(self) -> float:
         """Device → host per microbatch, gradients amortised: ``output + offload + grad / microbatches``."""
+        # grouped as timing.stage_cost spells the sum out, so that the two agree bit for bit
         return (self.output_bytes + self.offload_bytes) + self.grad_bytes / self.microbatches
 
     @property

@@ -18,7 +18,9 @@ def printable(value: object, *, limit: int | None = None) -> str:
     characters (with ``…``) when given. The result is one line that no terminal or parser acts on."""
     text = str(value)
     if limit is not None and len(text) > limit:
+        # limit − 1 characters and the ellipsis: limit in all
         text = text[: max(limit - 1, 0)] + "…"
     if text.isprintable():
         return text
+    # unicode_escape writes the character as \x1b, \u2028 and the like: plain ASCII
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)

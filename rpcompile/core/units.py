@@ -10,6 +10,7 @@ def fmt_params(n: float) -> str:
     """A parameter count as people write it: ``8.03B``, ``46.2k``, ``217.7k``, ``64``."""
     for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
         if abs(n) >= scale:
+            # from 100 on, one decimal (217.7k) where .3g would round to a whole number (218k)
             return f"{n / scale:.3g}{unit}" if n / scale < 100 else f"{n / scale:.1f}{unit}"
     return f"{int(n)}"
 
@@ -37,6 +38,7 @@ def fmt_ms(s: float) -> str:
     v = s * 1e3
     digits = 0 if abs(v) >= 100 else 1 if abs(v) >= 10 else 2 if abs(v) >= 1 else 3
     text = f"{v:,.{digits}f}"
+    # a value that rounds to nothing is written 0, not 0.000 (nor -0.000)
     return f"{'0' if float(text.replace(',', '')) == 0 else text} ms"
 
 

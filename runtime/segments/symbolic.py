@@ -62,7 +62,7 @@ class Guards:
         produced = shape_env.produce_guards(list(fakes), [LocalSource(f"t{i}") for i in range(len(fakes))],
                                             ignore_static=False)
         # a microbatch is a slice of its batch: its storage offset varies, and the aten graphs never read it
-        # (no guard at all: every shape runs it)
+        # ("True" where no guard is left: every shape may run the capture)
         self.text = " and ".join(g for g in produced if ".storage_offset()" not in g) or "True"
         self._code = compile(self.text, "<rpcompile guards>", "eval")
         self.symbolic = bool(shape_env.backed_var_to_val)

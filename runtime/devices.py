@@ -74,7 +74,7 @@ class Device:
         outs = []
         for t in tensors:
             out = self.upload(t, dtype)
-            # a cast made on the host is host work (on a GPU the cast would be the device's)
+            # a cast made in host memory is host work; a tensor handed on as it is costs nothing
             if self.traffic is not None and out is not t and out.device.type == "cpu":
                 self.traffic.add("upload casts", nbytes(t) + nbytes(out))
             outs.append(out)

@@ -111,10 +111,10 @@ class Offloader:
         nbytes = float(sum(t.numel() * t.element_size() for t in tensors))
         landing = Landing(what=self.what)
         with self._cv:
-            # with nothing pending a submission goes whatever its size: waiting for room could never end
+            # with nothing pending a submission goes whatever its size: waiting for room could never end; a failed
+            # copy or a close ends the wait too (_raise below says which)
             while (self.pending and (self.pending_bytes + nbytes > self.budget_bytes
                                      or (self.max_pending is not None and self.pending >= self.max_pending))
-                   # (a failed copy or a close ends the wait: _raise below says which)
                    and self._error is None and not self._closed):
                 self._cv.wait()
             self._raise()

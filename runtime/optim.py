@@ -258,7 +258,7 @@ class AdamW(torch.optim.Optimizer):
         for i, p in enumerate(group["params"]):
             grad = p.grad
             if grad is None:
-                # a mirror equals its master after every step, also a step that skips the parameter (it may have changed)
+                # a mirror equals its master after every step, even one that skips the parameter
                 if id(p) in self._mirrors:
                     self._mirrors[id(p)].copy_(p)
                 continue

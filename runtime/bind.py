@@ -25,6 +25,7 @@ __all__ = ["bind"]
 def _call_segments(gm: fx.GraphModule, segments: dict[str, SavedSegment]) -> None:
     changed = False
     for node in gm.graph.find_nodes(op="call_function", target=saved_forward):
+        # the first argument names the segment; the rest are what the segment takes
         node.target, node.args = segments[node.args[0]].forward_call, node.args[1:]
         changed = True
     for node in gm.graph.find_nodes(op="call_function", target=saved_backward):
@@ -36,6 +37,7 @@ def _call_segments(gm: fx.GraphModule, segments: dict[str, SavedSegment]) -> Non
 
 def bind(program: Program) -> Program:
     """Make ``program`` runnable (module docstring); returns it."""
+    # a segment bound already is kept: binding twice changes nothing, and its captures stay
     segments = {s.name: s if isinstance(s, SavedSegment) else SavedSegment(s) for s in program.saved}
     program.saved = tuple(segments.values())
     for prog in program.stages:

@@ -74,6 +74,7 @@ class Device:
         outs = []
         for t in tensors:
             out = self.upload(t, dtype)
+            # a cast made in host memory is host work; a tensor handed on as it is costs nothing
             if self.traffic is not None and out is not t and out.device.type == "cpu":
                 self.traffic.add("upload casts", nbytes(t) + nbytes(out))
             outs.append(out)
@@ -85,6 +86,7 @@ class Device:
         if self.handoffs is None:
             return [self.download(t) for t in tensors]
         self._handoff_seq += 1
+        # the same sequence as hand-offs: the handoff offloader is first in first out
         return self.handoffs.submit(list(tensors), priority=self._handoff_seq, ready=self._computed(), wrap=list)
 
     def wait_weights(self, ready: Any) -> None:
@@ -166,10 +168,14 @@ class CudaDevice(Device):
             # hand-off): already on its compute stream
             return t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != dtype else t
         with torch.cuda.stream(self.copy_stream):
+            # a copy from pageable memory is not asynchronous: pinned first, it runs on the copy stream by DMA
             src = t if t.is_pinned() or t.device.type != "cpu" else t.pin_memory()
             out = src.to(self.torch_device, non_blocking=True)
+            # cast on the device after the copy: the host does no cast work
             if dtype is not None and out.is_floating_point():
                 out = out.to(dtype)
+        # the kernels that read the copy queue behind it; record_stream keeps the allocator from reusing its
+        # memory (allocated on the copy stream) while the compute stream may still read it
         self.compute_stream.wait_stream(self.copy_stream)
         out.record_stream(self.compute_stream)
         return out
@@ -180,7 +186,7 @@ class CudaDevice(Device):
         stream = torch.cuda.current_stream(self.torch_device)
         stream.wait_stream(self.compute_stream)
         host = host_buffer(t, pin=True)
-        host.copy_(t, non_blocking=True)
+        host.copy_(t, non_blocking=True)  # into pinned memory: a DMA, waited for below before the host reads it
         stream.synchronize()
         return host
 
@@ -200,13 +206,14 @@ class CudaDevice(Device):
             for t in tensors:
                 cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
                 host = t
+                # only a pinned, contiguous tensor in the target dtype can go up by DMA straight from where it is
                 if not (t.dtype == cast and t.is_contiguous() and t.is_pinned()):
                     host = torch.empty(t.shape, dtype=cast, device="cpu", pin_memory=True)  # contiguous: flat
                     host.copy_(t)
                     if self.traffic is not None:
                         self.traffic.add("upload casts", nbytes(t) + nbytes(host))
                 out = torch.empty(t.shape, dtype=cast, device=self.torch_device)
-                src, dst = host.view(-1), out.view(-1)
+                src, dst = host.view(-1), out.view(-1)  # flat, so a piece is a plain slice
                 step = max(1, WEIGHT_CHUNK_BYTES // host.element_size())
                 for i in range(0, src.numel(), step):
                     self.copy_stream.synchronize()  # activation uploads first
@@ -240,6 +247,7 @@ class CudaDevice(Device):
         """On an offloader's thread: that thread's own stream (hand-offs never queue behind saves) waits for the
         compute, copies into pinned host buffers and synchronises (the device tensors are released only after)."""
         stream = getattr(self._copy_streams, "stream", None)
+        # each offloader thread gets a stream of its own, made on its first copy
         if stream is None:
             stream = self._copy_streams.stream = torch.cuda.Stream(self.torch_device)
         with torch.cuda.device(self.torch_device), torch.cuda.stream(stream):
@@ -276,7 +284,7 @@ def make_devices(devices: "list[str | torch.device | Device] | None", gpus: int 
     out: list[Device] = []
     for i, d in enumerate(devices):
         if isinstance(d, Device):
-            d.index = i
+            d.index = i  # a device object of the caller's takes its place in this list
             out.append(d)
             continue
         dev = _torch_device(d)

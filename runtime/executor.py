@@ -129,6 +129,8 @@ class Executor:
         self.grads = GradSink(params, self.traffic)
         self.stays = DeviceWeights(self.program, len(self.devices))  # weights that stay on a device (runtime/stays.py)
         self.sums = DeviceGrads(self.program, self.devices, params)  # gradients summed there (no_sync)
+        # a logical CPU device's hand-offs never leave it anyway (its download returns the tensor): nothing to
+        # keep or count
         self.resident_handoffs = len(self.devices) == 1 and not isinstance(self.devices[0], CpuDevice)
         """Hand-offs between stages stay on the device (class docstring); the host's values still come home."""
         self.resident_budget: float = math.inf
@@ -179,6 +181,7 @@ class Executor:
         threads = torch.get_num_threads()
         cpu_workers = sum(1 for d in self.devices if d.torch_device.type == "cpu")
         host = self._host_thread(store)
+        # the undo record must exist before any thread can submit a gradient (the host thread starts below)
         self.grads.begin()
         self._threads, self._open = host + workers, True
         try:
@@ -193,6 +196,7 @@ class Executor:
             except BaseException as e:  # noqa: BLE001 - Ctrl-C on the calling thread between actions
                 self._fail(e)
             self._join(started)
+            # after a failure the sink's queue is dropped by _settle's abort, not drained
             if not self.failed:
                 try:
                     self.grads.drain()  # every stage's gradients added
@@ -205,6 +209,7 @@ class Executor:
             self._settle()
             self._open = False
             raise first_failure(self.failed)
+        # the device sums join only now that the call has succeeded (DeviceGrads: a failed call leaves them)
         self.grads.commit()
         self.sums.commit(self.grads)
         self._open = False
@@ -217,7 +222,9 @@ class Executor:
         self.store, self.iteration, self.loss_fn, self.grad_scale = store, iteration, loss_fn, grad_scale
         self.targets = targets
         self.losses: dict[int, torch.Tensor] = {}
+        # W and G actions carry microbatch -1 (schedule.Action): the count comes from the F actions
         self.microbatches = 1 + max(a.microbatch for acts in schedule for a in acts)
+        # only F actions have dependents (the next stage's F of the same microbatch, the host's gradient adds)
         self.done = {(a.stage, a.microbatch): threading.Event() for acts in schedule for a in acts if a.kind == "F"}
         self.failed: list[BaseException] = []
         self.t0 = time.perf_counter()
@@ -230,6 +237,8 @@ class Executor:
         any stage may look for them."""
         if not self.program.host:
             return []
+        # futures rather than values: a stage that starts before the host thread has looked its rows up blocks on the
+        # future (stage_call.inputs) instead of finding nothing in the store
         rows: dict[tuple[str, int], Future[torch.Tensor]] = {
             (h.value, j): Future() for h in self.program.host for j in range(self.microbatches)}
         for (name, j), future in rows.items():
@@ -254,7 +263,7 @@ class Executor:
         call._watch, call.interrupted = self, False
         call.weights, call.grads = self.weights.pinned(), self.grads.fork(held)
         call._begin(schedule, store, iteration, loss_fn, targets, grad_scale)
-        call._resident_lock = threading.Lock()
+        call._resident_lock = threading.Lock()  # the copy counts its own resident bytes (_begin)
         self.timeline = call.timeline  # what pipe.timeline shows: the latest call's, filling while it drains
         return Running(call, schedule, after)
 
@@ -286,6 +295,7 @@ class Executor:
         overlapped iteration's executor (:meth:`start`), on the one watched."""
         watch = self._watch  # (an overlapped iteration whose losses are all in runs to its end: see start)
         watched = watch is not None and watch.interrupted and len(self.losses) < self.microbatches
+        # a Ctrl-C is recorded once, however many threads see the flag
         if (self.interrupted or watched) and not any(isinstance(f, KeyboardInterrupt) for f in self.failed):
             self._fail(KeyboardInterrupt())
         return bool(self.failed)
@@ -293,6 +303,7 @@ class Executor:
     def _fail(self, e: BaseException) -> None:
         """Record a failure; every thread of the call stops at its next action (or wait)."""
         self.failed.append(e)
+        # wake every thread blocked on a microbatch or the losses: each then sees the failure and stops
         for ev in self.done.values():
             ev.set()
         self._losses_in.set()
@@ -305,6 +316,7 @@ class Executor:
                 try:
                     t.ended.wait()
                 except KeyboardInterrupt as e:
+                    # a second Ctrl-C: the caller leaves now; finish() stops and settles the call later
                     if any(isinstance(f, KeyboardInterrupt) for f in self.failed):
                         raise
                     self._fail(e)
@@ -321,6 +333,7 @@ class Executor:
                 with contextlib.suppress(Exception):  # a device that failed reports it on its next use
                     device.synchronize()
         finally:
+            # in the finally: gradients are taken back even when a device's copy failed while settling
             self.sums.abort()
             self.grads.abort()
 
@@ -333,10 +346,13 @@ class Executor:
         try:
             with _ambient(device):
                 for act in actions:
+                    # checked between actions only: an action in progress runs to its end (its uploads and
+                    # hand-offs land)
                     if self._stopping():
                         return
                     self._dispatch(device, act, states, prefetched, ahead)
         except BaseException as e:  # noqa: BLE001 - reported to the caller, other workers stop
+            # a Ctrl-C stays itself so the caller re-raises it; anything else becomes one line naming the stage
             self._fail(e if isinstance(e, KeyboardInterrupt) else self._stage_error(d, act, e))
         finally:
             wait(prefetched.values())  # an upload still under way for a stage that will not run: let it finish
@@ -361,26 +377,31 @@ class Executor:
             for j in range(m):
                 for h in host:
                     if self._stopping():
-                        raise Stopped()
+                        raise Stopped()  # to the except below: it fails the futures stages wait on
                     with torch.no_grad():
                         rows = h.forward(store.get(h.index, j), self.weights.host_table(h.weight))
+                    # cast as the stages' other inputs are: they compute in the compute precision
                     pending[(h.value, j)].set_result(rows.to(self.dtype) if self.dtype is not None else rows)
+            # only fused and backward stages differentiate, so only they leave gradients for the rows
             readers = {h.value: [p.index for p in self.program.stages if p.kind != "forward" and h.value in p.inputs]
                        for h in host}
             trainable = [h for h in host if self.params[h.weight].requires_grad and readers[h.value]]
             for j in range(m):
                 for h in trainable:
                     for k in readers[h.value]:
+                        # the store sums every reader's gradient of microbatch j's rows: all must have finished it
                         self.done[(k, j)].wait()
                     if self._stopping():
                         return
                     grad = store.grad(h.value, j)
+                    # (the readers left no gradient for these rows: nothing to add)
                     if grad is None:
                         continue
                     self.grads.accumulate(h.weight, h.accumulate, store.get(h.index, j), grad)
             self.grads.notify("host")  # every row's gradient is in (data-parallel reduction)
         except BaseException as e:  # noqa: BLE001 - reported to the caller; the stages waiting for rows stop
             err: BaseException = e
+            # Stopped: the call failed elsewhere and that failure is recorded already
             if not isinstance(e, (KeyboardInterrupt, Stopped)):
                 err = PipelineError(f"the host's embedding lookup failed: {one_line(e)}")
                 err.details = traceback.format_exc()
@@ -388,6 +409,7 @@ class Executor:
                 self._fail(err)
             elif isinstance(e, KeyboardInterrupt):
                 self._fail(e)
+            # stages blocked on rows not looked up yet get the error instead of waiting for ever
             for f in pending.values():
                 if not f.done():
                     f.set_exception(err)
@@ -409,6 +431,7 @@ class Executor:
                 with torch.no_grad():
                     rows = h.forward(store.get(h.index, j), self.weights.host_table(h.weight))
                 store.put(h.value, j, rows.to(self.dtype) if self.dtype is not None else rows)
+        # evaluation needs no gradient: the fused stage (the last here) gives the model's output
         stages = [p for p in self.program.stages if p.kind != "backward"]
         ahead: Future[StageState] | None = None
         for k, prog in enumerate(stages):
@@ -451,9 +474,10 @@ class Executor:
         saved.forward_mode.save = False  # evaluation keeps nothing for a backward pass
         with torch.no_grad(), _ambient(device), device.compute():
             outs = stage_call.call(prog, state, self._inputs(device, prog, j, leaves=False), self._slot_cache,
-                                   copy_buffers=False)
+                                   copy_buffers=False)  # a real forward: it updates buffers
             if prog.kind == "fused" and loss_fn is not None:
                 target = upload_tree(device, targets[j]) if targets is not None else None
+                # losses come home in fp32 whatever the compute precision
                 return device.download(loss_fn(prog.model_output(outs), target, j).float())
         if prog.kind == "fused":  # the output on the host, like the model's on the CPU
             return prog.model_output(pytree.tree_map(lambda v: to_host(device, v), outs))
@@ -464,9 +488,11 @@ class Executor:
     def _dispatch(self, device: Device, act: Action, states: dict[int, StageState],
                   prefetched: dict[int, Future], ahead: dict[int, int]) -> None:
         prog = self.program.stages[act.stage]
+        # stage 0 reads only the batch; any later stage waits for its predecessor's microbatch
         if act.kind == "F" and act.stage > 0:
             with span("wait", f"{prog.name} mb{act.microbatch}"):
                 self.done[(act.stage - 1, act.microbatch)].wait()
+            # _fail sets every event: the wake-up may be a failure
             if self.failed:
                 return
         start = time.perf_counter() - self.t0
@@ -479,7 +505,9 @@ class Executor:
             device.offloader.wait_within_budget()
         if act.kind == "W":
             future = prefetched.pop(act.stage, None)
+            # no future: the first W of the device's list, unless an overlapped iteration prefetched it (Running)
             state = states[act.stage] = future.result() if future is not None else self._upload(device, prog)
+            # the compute stream waits for the weight stream's copies (CUDA); the host does not
             device.wait_weights(state.ready)
             start, end = state.uploaded  # the upload's own span, on whichever thread ran it
             self.timeline.append(TimelineEvent(str(act), prog.name, act.microbatch, device.index, start, end))
@@ -488,10 +516,13 @@ class Executor:
             last = act.microbatch == self.microbatches - 1
             with device.compute():
                 self._compute(device, prog, states[act.stage], act.microbatch)
+                # a backward stage's buffers are recomputation copies (copy_buffers): only real forwards write home
                 if prog.kind != "backward" and last:
                     stage_call.writeback_buffers(device, states[act.stage], self.buffers)
             if prog.kind == "forward" and last:
                 del states[act.stage]  # no gradients to wait for: the device's copy of the weights can go
+            # set only once what the stage leaves (outputs, input gradients) is in the store: the next stage reads it
+            # as soon as it wakes
             self.done[(act.stage, act.microbatch)].set()
         else:
             with span("grads out", prog.name):
@@ -513,6 +544,7 @@ class Executor:
         """Whether hand-off ``t`` stays on the device (class docstring), counted against the budget if so."""
         if not self.resident_handoffs:
             return False
+        # the whole storage: a view keeps all of it alive on the device
         size = t.untyped_storage().nbytes()
         with self._resident_lock:
             if self._resident_bytes + size > self.resident_budget:
@@ -530,6 +562,8 @@ class Executor:
                 with span("inputs", what):
                     inputs = self._inputs(device, prog, mb, leaves=False)
                 with span("compute", what):
+                    # before the call: the forward changes buffers in place, and the backward stage recomputes
+                    # from the values it read
                     kept = stage_call.buffer_copies(prog, state, self._changed_buffers)
                     outs = stage_call.call(prog, state, inputs, self._slot_cache, copy_buffers=False)
                     stage_call.keep_buffers_before(device, prog, state, kept, mb, self.store, self._changed_buffers,
@@ -543,8 +577,10 @@ class Executor:
                     else:
                         self.store.put(name, mb, to_host(device, v))
             return
+        # the fused stage runs the real forward (it updates buffers); a backward stage only replays it
         recompute = prog.kind == "backward"
         with span("inputs", what):
+            # leaves: each input that needs a gradient collects it in its .grad, for the stage before
             inputs = self._inputs(device, prog, mb, leaves=True)
             before = stage_call.buffers_before(device, prog, mb, self.store) if recompute else None
         with span("compute", what):
@@ -554,12 +590,15 @@ class Executor:
                 target = upload_tree(device, self.targets[mb]) if self.targets is not None else None
                 assert self.loss_fn is not None  # run() is given one whenever the plan has a fused stage
                 loss = self.loss_fn(prog.model_output(raw), target, mb)
+                # detached: the host copy must not keep the stage's autograd graph alive
                 self.losses[mb] = device.download(loss.detach().float())
                 self._losses_done()
+                # scaled for fp16 (its gradients stay scaled until GradScaler unscales); None: the loss's own gradient 1
                 roots, grads = [loss * self.grad_scale], [None]
         if prog.kind != "fused":
             with span("inputs", what):  # the gradients later stages left for this one's outputs
                 roots, grads = stage_call.output_grads(device, prog, raw, mb, self.store)
+        # (no gradient came back for any output: nothing to differentiate)
         if roots:
             with span("compute", what):
                 torch.autograd.backward(roots, grads)
@@ -596,6 +635,7 @@ class Running:
             # prefetch thread, as the next stage's always do (two stages' weights resident: the plan's P term)
             prog = c.program.stages[actions[0].stage]
             prefetched[prog.index] = c._prefetchers[d].submit(c._upload, c.devices[d], prog)
+        # the event, not join (see _Thread)
         if after is not None:  # the device goes on once it has finished its list of the iteration before
             after.workers[d].ended.wait()
         c._worker(d, actions, prefetched)
@@ -632,10 +672,12 @@ class Running:
         stops the call. A call that failed first raises its failure once it has settled."""
         c = self.call
         c._losses_in.wait()
+        # _losses_in is set by the last loss or by a failure: the count tells which
         if len(c.losses) < c.microbatches:  # (a failure after the losses, however soon, is the drain's: later)
             self.settled.wait()
             assert self.error is not None
             raise self.error
+        # the losses are the caller's now: a Ctrl-C from here on no longer stops this call (start's docstring)
         c._watch = None
         return [c.losses[j] for j in sorted(c.losses)]
 

@@ -43,7 +43,7 @@ def without_frames(e: BaseException) -> BaseException:
     activations (device memory an out-of-memory retry needs back); the text is on ``.details``."""
     seen: set[int] = set()
     cur: BaseException | None = e
-    while cur is not None and id(cur) not in seen:
+    while cur is not None and id(cur) not in seen:  # a chain may loop back on itself
         seen.add(id(cur))
         cur.__traceback__ = None
         cur = cur.__cause__ or cur.__context__

@@ -111,6 +111,8 @@ class Offloader:
         nbytes = float(sum(t.numel() * t.element_size() for t in tensors))
         landing = Landing(what=self.what)
         with self._cv:
+            # with nothing pending a submission goes whatever its size: waiting for room could never end; a failed
+            # copy or a close ends the wait too (_raise below says which)
             while (self.pending and (self.pending_bytes + nbytes > self.budget_bytes
                                      or (self.max_pending is not None and self.pending >= self.max_pending))
                    and self._error is None and not self._closed):
@@ -119,6 +121,7 @@ class Offloader:
             self.pending += 1
             self.pending_bytes += nbytes
             self.peak_pending_bytes = max(self.peak_pending_bytes, self.pending_bytes)
+            # the sequence number orders equal priorities by submission and keeps heapq from comparing the payloads
             heapq.heappush(self._heap, (priority, next(self._seq), (tuple(tensors), ready, wrap, landing, nbytes)))
             self._cv.notify_all()
         return landing
@@ -154,6 +157,7 @@ class Offloader:
         (restarting the thread it ended), so the next call starts with nothing pending."""
         with self._cv:
             dropped = self._drop_queued()
+            # not after a copy's error: the thread that failed has ended and will count nothing down
             while self.pending and self._error is None:
                 self._cv.wait()
             failed, self._error = self._error is not None, None
@@ -163,6 +167,7 @@ class Offloader:
         for landing in dropped:
             landing._finish(error=RuntimeError("the call failed before this copy was made"))
         if failed and not self._closed:
+            # _run returned after the failed copy: a fresh thread for the next call
             self._thread.join()
             self._thread = self._start()
 
@@ -186,8 +191,9 @@ class Offloader:
             with self._cv:
                 while not self._heap and not self._closed:
                     self._cv.wait()
-                if self._closed:
+                if self._closed:  # close() dropped and failed what was queued
                     return
+                # taken under the lock, copied outside it: submitters and waiters are not held up by the copy
                 _, _, (tensors, ready, wrap, landing, nbytes) = heapq.heappop(self._heap)
             try:
                 with span("copy out", self.what):
@@ -195,6 +201,7 @@ class Offloader:
             except BaseException as e:  # noqa: BLE001 - handed to every waiter
                 with self._cv:
                     self._error = e
+                    # this thread ends here, so nothing queued would ever be copied: fail its waiters now
                     failed = [item[2][3] for item in self._heap] + [landing]
                     self._heap.clear()
                     self._cv.notify_all()

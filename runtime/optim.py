@@ -161,6 +161,7 @@ class AdamW(torch.optim.Optimizer):
                                   f"CPU pass; it takes lr, betas, eps, weight_decay, amsgrad and maximize)")
         if isinstance(lr, torch.Tensor) and lr.numel() != 1:
             raise ConfigError(f"rpcompile AdamW: a tensor lr must have one element, got shape {tuple(lr.shape)}")
+        # written as "not >=" so that a NaN is refused too
         if not _number(lr) >= 0.0:
             raise ConfigError(f"rpcompile AdamW: lr must be >= 0, got {_number(lr)}")
         if not eps >= 0.0:
@@ -176,6 +177,7 @@ class AdamW(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
+        # an optimizer pickled without these attributes (torch's own, or an older one) still loads
         self.__dict__.setdefault("_mirrors", {})
         self.__dict__.setdefault("_backend", None)
         for group in self.param_groups:
@@ -208,6 +210,7 @@ class AdamW(torch.optim.Optimizer):
         those of parameters it skips for want of a gradient. Changing ``param`` outside a step needs
         ``mirror(param, copy)`` again.
         """
+        # by identity: "in" would compare tensors element by element
         if not any(p is param for group in self.param_groups for p in group["params"]):
             raise ConfigError("rpcompile AdamW.mirror: the tensor is not one of this optimizer's parameters")
         if copy is None:
@@ -255,6 +258,7 @@ class AdamW(torch.optim.Optimizer):
         for i, p in enumerate(group["params"]):
             grad = p.grad
             if grad is None:
+                # a mirror equals its master after every step, even one that skips the parameter
                 if id(p) in self._mirrors:
                     self._mirrors[id(p)].copy_(p)
                 continue
@@ -274,7 +278,7 @@ class AdamW(torch.optim.Optimizer):
             if amsgrad and "max_exp_avg_sq" not in state:  # amsgrad switched on after the first step
                 state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             params.append(p)
-            grads.append(grad.contiguous())
+            grads.append(grad.contiguous())  # the C++ loop walks raw memory
             exp_avgs.append(state["exp_avg"])
             exp_avg_sqs.append(state["exp_avg_sq"])
             if amsgrad:
@@ -286,13 +290,15 @@ class AdamW(torch.optim.Optimizer):
         if backend == "cpp":
             neg_step_sizes, bc2_sqrts = [], []
             for step_t in steps:
-                step_t += 1
+                step_t += 1  # in place: the count lives in the state's tensor, as torch keeps it
+                # the scalars in double per tensor, rounded to fp32 once in the kernel (class docstring)
                 step = step_t.item()
                 neg_step_sizes.append(-lr / (1.0 - beta1 ** step))
                 bc2_sqrts.append(math.sqrt(1.0 - beta2 ** step))
             _extension().adamw_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, mirrors, neg_step_sizes,
                                     bc2_sqrts, lr, beta1, beta2, weight_decay, eps, amsgrad, maximize)
             return
+        # torch's step increments the counts itself
         torch_adamw(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, fused=True, amsgrad=amsgrad,
                     beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=maximize)
         for p, copy in zip(params, mirrors):

@@ -62,6 +62,7 @@ def buckets(program: Program, params: dict[str, torch.nn.Parameter], *, bucket_b
         for name in dict.fromkeys(prog.params.values()):
             if params[name].requires_grad:
                 events.setdefault(name, set()).add(prog.index)
+                # grad stages run in index order (FB, B1, ...): the last one that computes a gradient completes it
                 order[name] = max(order.get(name, -1.0), prog.index)
     last = max((p.index for p in program.stages), default=0)
     for h in program.host:
@@ -69,9 +70,10 @@ def buckets(program: Program, params: dict[str, torch.nn.Parameter], *, bucket_b
             events.setdefault(h.weight, set()).add("host")
             order[h.weight] = last + 0.5  # after every stage: the host adds the rows once their readers are done
     out: list[Bucket] = []
-    for name in sorted(events, key=lambda n: (order[n], n)):
+    for name in sorted(events, key=lambda n: (order[n], n)):  # ties by name: every rank builds the same buckets
         p = params[name]
         b = out[-1] if out else None
+        # one flat tensor has one dtype; an empty bucket takes a parameter however large
         if b is None or b.dtype != p.dtype or (b.numel and (b.numel + p.numel()) * p.element_size() > bucket_bytes):
             b = Bucket([], set(), dtype=p.dtype)
             out.append(b)
@@ -130,6 +132,7 @@ class GradReducer:
         complete bucket next in line (on the calling thread: the sink's or the host's)."""
         with self._lock:
             self._landed.add(event)
+            # a complete bucket behind an incomplete one waits: buckets go out strictly by index
             while self._next < len(self.buckets) and self.buckets[self._next].waits_for <= self._landed:
                 self._launch(self.buckets[self._next])
                 self._next += 1
@@ -153,7 +156,7 @@ class GradReducer:
             for name, n in zip(b.names, b.sizes):
                 self.put(name, b.flat[offset:offset + n].view_as(self.params[name]))
                 offset += n
-            b.flat, b.work = None, None
+            b.flat, b.work = None, None  # the parameters' views keep the memory they need
 
     @property
     def bytes_per_call(self) -> int:
@@ -164,6 +167,8 @@ class GradReducer:
         parts = []
         for name in b.names:
             g = self.held(name)
+            # a parameter with no gradient on this rank still takes its place: the ranks' buckets must match
             parts.append(g.reshape(-1) if g is not None else torch.zeros(self.params[name].numel(), dtype=b.dtype, device="cpu"))
+        # the all_reduce writes in place: a lone part is cloned so the held gradient itself is not overwritten
         b.flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
         b.work = dist.all_reduce(b.flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)

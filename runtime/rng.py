@@ -54,9 +54,10 @@ def _without_dropout(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]
     if name in EVAL_IDENTITY:
         return args[0]
     if name == "native_dropout":
-        return args[0], torch.ones_like(args[0], dtype=torch.bool)
+        return args[0], torch.ones_like(args[0], dtype=torch.bool)  # (output, mask): nothing dropped
     at = ATTENTION_DROPOUT.get(name)
     if at is not None:
+        # dropout_p by keyword (or not given): set it so; passed by position: replaced in place
         if "dropout_p" in kwargs or len(args) <= at:
             return fn(*args, **{**kwargs, "dropout_p": 0.0})
         return fn(*args[:at], 0.0, *args[at + 1:], **kwargs)
@@ -74,15 +75,17 @@ def seeded_call(key: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> 
     mb = getattr(context, "microbatch", 0)
     device = getattr(context, "device", torch.device("cpu"))
     base = getattr(context, "seed", None)
+    # crc32, not hash(): str hashes are salted per process, and a mask must not depend on the process
     seed = zlib.crc32(f"{stream}{'' if base is None else f'{base}:'}{iteration}/{key}/{mb}".encode())
     if device.type == "cuda":
+        # the generator's state is put back after the call: the model's own random draws go on as in eager
         state = torch.cuda.get_rng_state(device)
         torch.cuda.manual_seed(seed)
         try:
             return fn(*args, **kwargs)
         finally:
             torch.cuda.set_rng_state(state, device)
-    with _CPU_LOCK:
+    with _CPU_LOCK:  # logical CPU devices share the one CPU generator
         state = torch.get_rng_state()
         torch.manual_seed(seed)
         try:
@@ -106,7 +109,7 @@ def seed_random_nodes(gm: fx.GraphModule) -> int:
             continue
         with gm.graph.inserting_before(node):
             if node.op == "call_module":
-                fn: Any = gm.graph.get_attr(node.target)
+                fn: Any = gm.graph.get_attr(node.target)  # the module itself, called by seeded_call
             elif node.op == "call_method":
                 fn = _method(node.target)
             else:
@@ -115,7 +118,7 @@ def seed_random_nodes(gm: fx.GraphModule) -> int:
         new.meta = dict(node.meta)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
-        new.name = node.name
+        new.name = node.name  # after the erase: fx would rename a name still in use
         count += 1
     if count:
         gm.recompile()
@@ -126,6 +129,7 @@ def seed_random_nodes(gm: fx.GraphModule) -> int:
 def seeded_noise(like: torch.Tensor, token: str) -> torch.Tensor:
     """Dropout's multiplicative noise for ``like`` (mask / (1 - p)), seeded like the node it replaces."""
     name, fn, args, kwargs = _NOISE[token]
+    # the dropout applied to ones gives its mask scaled by 1 / (1 - p)
     return seeded_call(name, fn, torch.ones_like(like), *args, **kwargs).clone()
 
 
@@ -144,10 +148,13 @@ def dropout_to_noise(gm: fx.GraphModule) -> bool:
         if kind is None:
             continue
         fn = gm.get_submodule(node.target) if node.op == "call_module" else node.target
+        # unique per rewrite: node names repeat across segments and stages
         token = f"{next(_TOKENS)}/{node.name}"
         _NOISE[token] = (node.name, fn, tuple(node.args[1:]), dict(node.kwargs))
         x = node.args[0]
         with gm.graph.inserting_before(node):
+            # detached: the noise depends on x's shape only, so the gradient flows through the mul alone, as
+            # dropout's does
             noise = gm.graph.call_function(torch.ops.rpcompile.seeded_noise.default,
                                            (gm.graph.call_method("detach", (x,)), token))
             new = gm.graph.call_function(torch.mul, (x, noise))

@@ -69,9 +69,11 @@ def upload(device: Device, prog: StageProgram, weights: WeightStore, masters: di
     """The device's copies of a stage's parameters and buffers (like ``model.to(dtype)``: floating buffers
     too), on the worker or on the device's prefetch thread. ``stays``: the copies that stay on the devices
     (:mod:`~rpcompile.runtime.stays`): those the stage finds there are not uploaded, those it keeps are left there."""
-    grads = prog.kind != "forward"
+    grads = prog.kind != "forward"  # forward stages run under no_grad: their copies need no .grad
+    # canonical names, once each in order: tied attributes share one parameter and one upload
     params = list(dict.fromkeys(prog.params.values()))
     buffers = list(dict.fromkeys(prog.buffers.values()))
+    # take before uploading: what a stage finds on its device does not go up again
     found = stays.take(device.index, prog.index, params, weights) if stays is not None else {}
     sent = [n for n in params if n not in found]
     start = time.perf_counter() - t0
@@ -81,13 +83,14 @@ def upload(device: Device, prog: StageProgram, weights: WeightStore, masters: di
     state = StageState(ready=ready, uploaded=(start, time.perf_counter() - t0))
     uploaded = dict(zip(sent, copies))
     if stays is not None:
+        # only what this upload made: a copy found here that the stage keeps is still in the table
         stays.leave(device.index, prog.index, uploaded, weights)
     for name in params:
         # a new leaf (on logical CPU devices sharing the host copy's storage, which other stages read at the
         # same time; a copy that stayed shares the storage of the stage that left it): its own .grad
         t = found[name] if name in found else uploaded[name]
         state.params[name] = t.detach().requires_grad_(grads and masters[name].requires_grad)
-    state.buffers = dict(zip(buffers, copies[len(sent):]))
+    state.buffers = dict(zip(buffers, copies[len(sent):]))  # buffers were queued after the parameters
     return state
 
 
@@ -98,6 +101,7 @@ def writeback_buffers(device: Device, state: StageState, host_buffers: dict[str,
     cannot tell: a batch norm's kernel writes its statistics without moving them)."""
     for name, t in state.buffers.items():
         master = host_buffers[name]
+        # fp32 on a logical CPU device: the device used the host buffer itself, which holds every write
         if t is master:
             continue
         home = device.download(t)
@@ -114,6 +118,7 @@ def download_grads(device: Device, prog: StageProgram, state: StageState, sink: 
     summed on the devices (:class:`~.stays.DeviceGrads`), which keep some or add their sums."""
     names, grads = [], []
     for name, t in state.params.items():
+        # a stage that sums gradients on its device may send nothing, or its sum with this call's gradient
         g = t.grad if sums is None else sums.take(device.index, prog.index, name, t.grad)
         if g is not None:
             names.append(name)
@@ -135,7 +140,10 @@ def inputs(device: Device, prog: StageProgram, mb: int, store: ValueStore, dtype
         elif isinstance(v, Future):  # rows the host is still looking up
             v = v.result()
         if isinstance(v, torch.Tensor):
+            # cast like the weights: a stage computes in one precision (an fp32 batch from the host included)
             v = device.upload(v, dtype)
+            # a fresh leaf per stage: autograd stops at the stage's boundary and the input's .grad is what the
+            # stage leaves for the one before (integer inputs cannot carry a gradient)
             if leaves and v.is_floating_point() and name in needs_grad:
                 v = v.detach().requires_grad_(True)
         elif isinstance(v, HostSaved):  # saved activations keep their dtype (the compute precision)
@@ -166,6 +174,7 @@ def derive(prog: StageProgram, state: StageState) -> list[torch.Tensor]:
     ``state`` for its other microbatches."""
     if state.derived is None:
         assert prog.prologue is not None  # a program with derived weights has the prologue that makes them
+        # the prologue's own attributes only, tied names each included: it reads a part of the stage's weights
         mine = {a for a, _ in prog.prologue.named_parameters(remove_duplicate=False)}
         mine |= {a for a, _ in prog.prologue.named_buffers(remove_duplicate=False)}
         tensors = {a: state.params[n] for a, n in prog.params.items() if a in mine}
@@ -199,12 +208,15 @@ def _call(prog: StageProgram, state: StageState, inputs: list[Any], slot_cache: 
     if slots is None:  # an attribute outside _parameters/_buffers: the generic path
         tensors = {attr: state.params[name] for attr, name in prog.params.items()}
         for attr, name in prog.buffers.items():
+            # a backward stage recomputes from the value the forward read for this microbatch, on a clone so
+            # that replaying a running statistic's update does not touch the device's copy
             b = (before or {}).get(name, state.buffers[name])
             tensors[attr] = b.clone() if copy_buffers else b
         return torch.func.functional_call(prog.gm, tensors, tuple(inputs), strict=False, tie_weights=False)
     originals = []
     try:
         for table, key, name, is_param in slots:
+            # recorded before the swap, so the finally restores every slot even if a later one fails
             originals.append((table, key, table[key]))
             if is_param:
                 table[key] = state.params[name]
@@ -212,6 +224,7 @@ def _call(prog: StageProgram, state: StageState, inputs: list[Any], slot_cache: 
                 b = (before or {}).get(name, state.buffers[name]) if copy_buffers else state.buffers[name]
                 table[key] = b.clone() if copy_buffers else b
         return prog.gm(*inputs)
+    # the module gets its own tensors back: it must not keep a stage's device copies alive past its state
     finally:
         for table, key, value in reversed(originals):
             table[key] = value
@@ -221,6 +234,7 @@ def buffer_copies(prog: StageProgram, state: StageState,
                   changed_buffers: dict[int, set[str]]) -> dict[str, tuple[int, torch.Tensor]]:
     """Before a forward stage runs a microbatch: ``(version, copy)`` of each buffer it changes (all of them the
     first time, until it is known which: ``changed_buffers``, per forward stage)."""
+    # the first microbatch copies every buffer; keep_buffers_before then records which ones the stage changes
     changed = changed_buffers.get(prog.index, state.buffers.keys())
     return {n: (state.buffers[n]._version, state.buffers[n].clone()) for n in changed}
 
@@ -233,6 +247,7 @@ def keep_buffers_before(device: Device, prog: StageProgram, state: StageState,
     ``on_device``: they stay on the device (one device runs every stage: the executor's resident hand-offs)."""
     changed = {n for n, (version, old) in kept.items()  # meta holds no values to compare: its version tells
                if state.buffers[n]._version != version or (not old.is_meta and not torch.equal(state.buffers[n], old))}
+    # decided at the first microbatch: a stage changes the same buffers at every microbatch
     changed_buffers.setdefault(prog.index, changed)
     for n in changed:
         store.put(_BEFORE.format(n), mb, kept[n][1] if on_device else device.handoff(kept[n][1]))
@@ -243,6 +258,7 @@ def buffers_before(device: Device, prog: StageProgram, mb: int, store: ValueStor
     recomputation reads the statistic that microbatch's forward read, not the latest one."""
     out = {}
     for name in dict.fromkeys(prog.buffers.values()):
+        # no entry: the forward did not change that buffer, and the device's copy is what it read
         v = store.values.get((_BEFORE.format(name), mb))
         if v is not None:
             out[name] = device.upload(v.wait() if isinstance(v, Landing) else v)
@@ -259,6 +275,7 @@ def _slots(prog: StageProgram, cache: SlotCache) -> list[tuple[dict, str, str, b
                 path, _, key = attr.rpartition(".")
                 mod = prog.gm.get_submodule(path) if path else prog.gm
                 table = mod._parameters if is_param else mod._buffers
+                # a parameter held as a plain attribute: the slots cannot be swapped, use functional_call
                 if key not in table:
                     slots = None
                     break
@@ -274,9 +291,10 @@ def output_grads(device: Device, prog: StageProgram, outs: Any, mb: int, store: 
     roots, grads = [], []
     for name, v in zip(prog.outputs, outs):
         g = store.grad(name, mb)
+        # an output no later stage left a gradient for (or that depends on no weight or input) is not a root
         if g is not None and isinstance(v, torch.Tensor) and v.requires_grad:
             roots.append(v)
-            grads.append(device.upload(g, v.dtype))
+            grads.append(device.upload(g, v.dtype))  # autograd wants each gradient in its output's dtype
     return roots, grads
 
 

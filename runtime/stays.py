@@ -77,6 +77,7 @@ class DeviceWeights:
         kept; a failed call stops anywhere), which its plan does not count on; a resident plan's copies stay."""
         with self._lock:
             copies = self._copies[device]
+            # stages 0..N-1 are each device's first of the call (round robin): nothing a plan counts on is here yet
             if stage < self._devices and not self._resident:
                 copies.clear()
             if stage >= len(self.finds) or not self.finds[stage]:
@@ -85,7 +86,9 @@ class DeviceWeights:
             for name in names:
                 if name not in self.finds[stage] or name not in copies:
                     continue
+                # a stage that keeps it too (a resident plan, or a later stage reads it) leaves it in the table
                 t, version = copies[name] if name in self.keeps[stage] else copies.pop(name)
+                # a copy made from a stale host copy (version None) is never current; one not current is uploaded again
                 if version is not None and version == weights.version(name):
                     out[name] = t
             self.found[device] += sum(nbytes(t) for t in out.values())
@@ -103,6 +106,7 @@ class DeviceWeights:
             self.uploaded[device] += sum(nbytes(t) for t in uploaded.values())
             if stage < len(self.keeps):
                 for name in self.keeps[stage] & uploaded.keys():
+                    # the version now, right after source() made the copy: a later step or refresh changes it
                     self._copies[device][name] = (uploaded[name], weights.version(name))
 
 
@@ -161,11 +165,13 @@ class DeviceGrads:
                     self._call.append((device, name, grad))
                     self.kept += nbytes(grad)
             return None
+        # not deferring: the call that ends the accumulation sends the sum home with its own gradient
         held = self._sums.get(name)
         if held is None:
             return grad
         if grad is None:
             return held[1]
+        # on the compute stream that made the gradient, so the add follows it
         with self._devices[device].compute():
             return held[1] + grad
 
@@ -181,6 +187,7 @@ class DeviceGrads:
             held = self._sums.get(name)
             with self._devices[d].compute():
                 if held is None:
+                    # a tensor of its own, in the master's dtype: later calls add into it in place, as into .grad
                     self._sums[name] = (d, grad.to(self._params[name].dtype, copy=True))
                 else:
                     held[1].add_(grad)
@@ -198,6 +205,7 @@ class DeviceGrads:
         """Drop the sums of every parameter whose ``.grad`` someone changed since they began (class docstring)."""
         for name, (ref, version) in list(self._marks.items()):
             g = self._params[name].grad
+            # set to None, replaced, or zeroed in place (its version moves): someone dropped the accumulation
             if g is None or ref() is not g or g._version != version:
                 del self._marks[name]
                 self._sums.pop(name, None)
@@ -211,6 +219,7 @@ class DeviceGrads:
         by_device: dict[int, list[str]] = {}
         for name, (d, _) in self._sums.items():
             by_device.setdefault(d, []).append(name)
+        # under the sink's undo record: a failed copy leaves every .grad and every sum as it was
         sink.begin()
         try:
             for d, names in by_device.items():

@@ -43,14 +43,16 @@ class ValueStore:
     def add_grad(self, name: str, mb: int, grad: Any) -> None:
         """Add a gradient contribution (a tensor, or a :class:`~.offload.Landing` of one still going down)."""
         with self.lock:
+            # locked: several stages (and their threads) may leave gradients for the same value
             self.grads.setdefault((name, mb), []).append(grad)
 
     def grad(self, name: str, mb: int) -> torch.Tensor | None:
         """The sum of the contributions, in the order they were added (waits for those still going down)."""
         with self.lock:
+            # a copy taken under the lock; the landings are waited for outside it, not holding up add_grad
             parts = list(self.grads.get((name, mb), ()))
         total = None
         for g in parts:
             g = g.wait() if isinstance(g, Landing) else g
-            total = g if total is None else total + g
+            total = g if total is None else total + g  # not in place: the parts stay in the store
         return total

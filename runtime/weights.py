@@ -143,6 +143,7 @@ class WeightStore:
         if pin and packed:
             _pin_together([e.master for e in packed])
         for name, e in self.entries.items():
+            # frozen floating weights: cast once here and stored only in the compute precision (class docstring)
             once = not e.master.requires_grad and not frozen_masters and e.master.is_floating_point()
             if _packed(e.master):
                 continue  # uploaded as it is: pinned above for GPUs
@@ -163,6 +164,7 @@ class WeightStore:
             # weight, and pinning 16 GB: ~7 s of building the pipeline on the H100 machine)
             e.lazy = True
         store = weakref.ref(self)
+        # the hook is global to the process: it holds the store weakly, and goes with the store
         handle = register_optimizer_step_post_hook(lambda opt, args, kwargs: _after_step(store, opt))
         weakref.finalize(self, handle.remove)
 
@@ -177,7 +179,7 @@ class WeightStore:
         total, seen = 0, set()
         for name in dict.fromkeys([*uploaded, *host]):
             master = params[name]
-            if id(master) in seen:
+            if id(master) in seen:  # tied parameters: one copy
                 continue
             seen.add(id(master))
             if _packed(master) and name not in host:
@@ -198,10 +200,11 @@ class WeightStore:
         e = self.entries[name]
         if e.front is None and e.lazy:
             with e.lock:
-                if e.front is None:
+                if e.front is None:  # checked again under the lock: two prefetch threads may need it at once
                     e.front = self._empty_like(e.master)
         if e.front is None:
-            return e.master.detach()
+            return e.master.detach()  # the devices get the data, never the Parameter (a leaf of the user's graph)
+        # while overlapping the front must stay the weights from before the step, however the master moves
         if not self.overlapping and e.made_from != _stamp(e.master):
             with e.lock:  # two devices may upload the same parameter at once (a stage's forward and backward)
                 if e.made_from != _stamp(e.master):
@@ -217,6 +220,7 @@ class WeightStore:
             return None if e.lazy else ("master", id(e.master), *_stamp(e.master), e.generation, self._refreshes)
         if not self.overlapping and e.made_from != _stamp(e.master):
             return None
+        # the buffer's identity too: a swap alternates two buffers, and a copy made from the other one is stale
         return id(e.front), e.generation, e.made_from
 
     def host_table(self, name: str) -> torch.Tensor:
@@ -232,6 +236,7 @@ class WeightStore:
         if not self.overlapping:
             return self
         view = copy.copy(self)
+        # frozen weights never change (no step writes them): the store's own answer stays right for them
         fronts = {n: e.front for n, e in self.entries.items() if e.master.requires_grad and e.front is not None}
         # a device copy made from a pinned front stays that front's version after the swap (weights that stay,
         # :mod:`~rpcompile.runtime.stays`): the next iteration, reading the next front, must not find it current
@@ -258,9 +263,10 @@ class WeightStore:
             if not e.master.requires_grad:
                 continue
             if e.front is None:
+                # a host table's copy keeps the master's precision: the host looks rows up in it (host_table)
                 e.front = self._empty_like(e.master, keep=name in self.host_only)
                 self._make(e, e.front)
-            elif e.made_from != _stamp(e.master):
+            elif e.made_from != _stamp(e.master):  # a stale front: the iteration must read the masters as they are now
                 self._make(e, e.front)
             if e.back is None:
                 e.back = torch.empty(e.front.shape, dtype=e.front.dtype, device="cpu", pin_memory=self.pin)
@@ -294,7 +300,8 @@ class WeightStore:
         """The step is done: its results (the back buffers) become what the devices upload."""
         for e in self.entries.values():
             if e.back is not None and e.written:
-                e.front, e.back, e.written = e.back, e.front, False
+                e.front, e.back, e.written = e.back, e.front, False  # the old front is the next back buffer
+                # the back buffer was made from the stepped master (write_back did not stamp it), so stamp it now
                 e.made_from = _stamp(e.master)
                 e.generation += 1
 
@@ -305,7 +312,7 @@ class WeightStore:
         for e in self.entries.values():
             e.back = None
             if failed:
-                e.made_from = (-1, -1)
+                e.made_from = (-1, -1)  # stale: the next source() remakes it
         if optimizer is not None and hasattr(optimizer, "mirror"):
             self._mirrored.pop(optimizer, None)  # its mirrors point at the back buffers just dropped
             self._mirror_front(optimizer)
@@ -323,6 +330,7 @@ class WeightStore:
                 e.generation += 1  # a device's copy of it is stale (torch's fused AdamW leaves _version as it was)
                 if e.front is None:
                     continue
+                # the mirror writes the copy only while p's storage is the one it was made from (p.data = t breaks it)
                 if id(p) in mirrored and e.made_from[1] == p.data_ptr():
                     e.made_from = _stamp(p)  # the optimizer wrote the copy in the pass that updated p
                 else:
@@ -353,6 +361,7 @@ class WeightStore:
         if into is e.front:  # (an overlapped step writing the back buffer changes nothing the devices read)
             e.generation += 1
         self.traffic.add("weight copies", nbytes(e.master) + nbytes(into))
+        # a back buffer is not what the devices read: only the front's stamp says whether they read current weights
         if stamp:
             e.made_from = _stamp(e.master)
 
@@ -368,8 +377,9 @@ def _pin_together(masters: list[torch.Tensor]) -> None:
     uploaded in one DMA. The pinned allocator rounds every allocation up to a power of two — pinned one by one, a
     packed weight could take up to twice its bytes — so the views are packed into allocations of one power-of-two
     size (:data:`PIN_CHUNK`, or the largest weight's), largest first, each into the first that has room."""
+    # first-fit decreasing: each weight once (tied ones share a master), largest first
     unique = sorted({id(m): m for m in masters}.values(), key=lambda m: -_aligned(m))
-    chunk = max(PIN_CHUNK, pinned_bytes(_aligned(unique[0])))
+    chunk = max(PIN_CHUNK, pinned_bytes(_aligned(unique[0])))  # the largest weight must fit one chunk
     bins: list[list[torch.Tensor]] = []
     free: list[int] = []
     for m in unique:
@@ -381,10 +391,13 @@ def _pin_together(masters: list[torch.Tensor]) -> None:
         free[k] -= _aligned(m)
     with torch.no_grad():
         for group, room in zip(bins, free):
+            # a single allocation takes only what it holds: a small base need not pin a whole chunk
             arena = torch.empty(chunk - room if len(bins) == 1 else chunk, dtype=torch.uint8, device="cpu",
                                 pin_memory=True)
             offset = 0
             for m in group:
+                # the chunk's bytes reinterpreted as the weight; m.data below moves the weight there and frees its old
+                # storage
                 view = arena[offset:offset + m.numel() * m.element_size()].view(m.dtype).view(m.shape)
                 view.copy_(m)
                 m.data = view
@@ -495,7 +508,7 @@ class GradSink:
         """Run ``fn(grad, *args)`` on parameter ``name``'s gradient buffer (zeros if it has none yet), now, under
         that parameter's lock (the host's embedding gradients: an ``index_add_``)."""
         with self._locks[name]:
-            fn(self._target(name, None), *args)
+            fn(self._target(name, None), *args)  # zero-filled if it had no gradient yet
 
     def drain(self) -> None:
         """Wait until everything submitted has been added and stop the thread; re-raise the first failure."""
@@ -519,6 +532,7 @@ class GradSink:
         try:
             self._stop()
         finally:
+            # in the finally: the next call starts clean even if the join was interrupted
             self._dropping, self._error = False, None
             undo, self._undo = self._undo or {}, None
             for name, before in undo.items():
@@ -532,7 +546,7 @@ class GradSink:
 
     def _stop(self) -> None:
         if self._thread is not None:
-            self._queue.put(None)
+            self._queue.put(None)  # after everything queued (FIFO): the thread stops once it is drained
             self._thread.join()
             self._thread = None
 
@@ -546,10 +560,10 @@ class GradSink:
         for name, g in held.items():
             p = self.params[name]
             if p.grad is None:
-                p.grad = g
+                p.grad = g  # the held buffer itself: no copy
             else:
                 p.grad.add_(g)
-                self.traffic.add("gradients", 3 * nbytes(g))
+                self.traffic.add("gradients", 3 * nbytes(g))  # two reads, one write
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
@@ -557,9 +571,12 @@ class GradSink:
             if self._error is not None or self._dropping:
                 continue  # drain what is queued; the first failure is what the caller sees
             try:
+                # the copies still landing are waited for here, on the sink's thread, so the worker went on
                 landed = grads.wait() if hasattr(grads, "wait") else grads
                 with span("grad sink"):
                     for name, g in zip(names, landed, strict=True):
+                        # other writers of the same .grad: the host thread's embedding adds, and the sinks of
+                        # overlapped iterations
                         with self._locks[name]:
                             self._target(name, g)
                 if tag is not None and self.listener is not None:
@@ -573,6 +590,7 @@ class GradSink:
         p = self.params[name]
         current = self.private.get(name) if self.private is not None else p.grad
         if self._undo is not None and name not in self._undo:  # first touch in this call: how to undo it
+            # a clone only where there was something: undoing a gradient the call created is setting it back to None
             self._undo[name] = None if current is None else (current, current.clone())
             if current is not None:
                 self.traffic.add("gradients", 2 * nbytes(current))
@@ -582,7 +600,7 @@ class GradSink:
                 current.zero_()
                 self.traffic.add("gradients", nbytes(current))
             else:
-                current.copy_(g)
+                current.copy_(g)  # into the master's dtype (g is in the compute precision)
                 self.traffic.add("gradients", nbytes(g) + nbytes(current))
             if self.private is not None:
                 self.private[name] = current
@@ -612,6 +630,7 @@ class GradSink:
         """``into += g``. A gradient in another precision goes through a small scratch buffer, a piece at a time:
         torch's in-place add with type promotion runs an unvectorised loop (~6x slower than a cast then a same-type
         add here); the piece stays in cache, so memory sees what a fused add would."""
+        # same dtype: a plain add is vectorised already; not contiguous: flat pieces cannot be taken
         if g.dtype == into.dtype or not into.is_contiguous() or not g.is_contiguous():
             into.add_(g)
             return

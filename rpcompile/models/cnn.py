@@ -57,6 +57,7 @@ class ConvBlock(nn.Module):
 
     def __init__(self, in_channels: int, out_channels: int, *, pool: bool) -> None:
         super().__init__()
+        # no bias: the batch norm right after subtracts the mean, which would cancel it
         self.conv = nn.Conv2d(in_channels, out_channels, kernel_size=3, padding=1, bias=False)
         self.bn = nn.BatchNorm2d(out_channels)
         self.relu = nn.ReLU()

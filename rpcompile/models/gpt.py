@@ -61,7 +61,7 @@ class GPTAttention(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         b, t = x.size(0), x.size(1)
-        qkv = self.qkv(x).view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        qkv = self.qkv(x).view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # [3, B, H, T, hd]
         y = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True)
         return self.dropout(self.proj(y.transpose(1, 2).flatten(2)))
 
@@ -107,7 +107,7 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(GPTBlock(cfg) for _ in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight
+        self.lm_head.weight = self.wte.weight  # tied: one Parameter (module docstring)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

@@ -83,12 +83,13 @@ def rope_tables(max_seq_len: int, head_dim: int, theta: float) -> tuple[Tensor, 
     """
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32, device="cpu"), inv_freq)
+    # the half-split layout (HF's): element i pairs with element i + head_dim/2, so both halves share a frequency
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos(), angles.sin()
 
 
 def _rotate_half(x: Tensor, half: int) -> Tensor:
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # (x1, x2) -> (-x2, x1): a quarter turn per pair
 
 
 def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor, half: int) -> Tensor:
@@ -118,6 +119,8 @@ class Attention(nn.Module):
         if rep == 1:
             return x
         b, t = x.size(0), x.size(2)
+        # expand is free; the reshape copies, each kv head repeated rep times in a row, so query head h reads
+        # kv head h // rep
         x = x[:, :, None].expand(b, self.n_kv_heads, rep, t, self.head_dim)
         return x.reshape(b, self.n_heads, t, self.head_dim)
 
@@ -178,6 +181,7 @@ class Llama(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         cos, sin = rope_tables(cfg.max_seq_len, cfg.hd, cfg.rope_theta)
+        # the tables are made on the CPU (rope_tables) and moved where the model is built
         device = torch.get_default_device()  # meta inside `with torch.device("meta")`
         self.register_buffer("rope_cos", cos.to(device), persistent=False)
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
@@ -196,7 +200,7 @@ class Llama(nn.Module):
 
     def forward(self, input_ids: Tensor) -> Tensor:
         seq_len = input_ids.size(1)
-        cos = torch.narrow(self.rope_cos, 0, 0, seq_len)
+        cos = torch.narrow(self.rope_cos, 0, 0, seq_len)  # not rope_cos[:seq_len] (module docstring)
         sin = torch.narrow(self.rope_sin, 0, 0, seq_len)
         x = self.embed(input_ids)
         for layer in self.layers:

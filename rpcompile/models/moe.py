@@ -82,13 +82,18 @@ class SparseMoE(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         batch, seq_len = x.size(0), x.size(1)
         capacity = (seq_len * self.top_k + self.num_experts - 1) // self.num_experts  # ceil(T·k/E) <= T
+        # the softmax in fp32 (as HF's Qwen3-MoE routes): in bf16 close affinities would round to ties
         affinity = F.softmax(self.router(x), dim=-1, dtype=torch.float32).to(x.dtype)  # [B, T, E]
         # per sequence (over each row's tokens): a sample's output does not depend on the rest of its batch
         weight, token = torch.topk(affinity.transpose(1, 2), capacity, dim=-1)      # [B, E, C] each
+        # each picked token's position, repeated across the hidden size: gather and scatter_add index whole rows
         index = token.flatten(1).unsqueeze(-1).expand(-1, -1, self.dim)             # [B, E·C, H]
         picked = torch.gather(x, 1, index).unflatten(1, (self.num_experts, -1))     # [B, E, C, H]
+        # expert-major: one batched matmul runs every expert on the tokens it picked in every row
         y = self.experts(picked.transpose(0, 1).flatten(1, 2))                      # [E, B·C, H]
         y = y.unflatten(1, (batch, -1)).transpose(0, 1) * weight.unsqueeze(-1)      # [B, E, C, H]
+        # a token picked by several experts gets the sum; one picked by none gets zeros (the block's residual
+        # carries it)
         return torch.zeros_like(x).scatter_add(1, index, y.flatten(1, 2))
 
 

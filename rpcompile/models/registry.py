@@ -62,6 +62,7 @@ class ModelSpec:
 
 def lm_loss(logits: Tensor, target: Tensor) -> Tensor:
     """Mean token cross-entropy: ``logits [B, T, V]`` (computed in fp32) against ``target [B, T]``."""
+    # fp32 whatever the compute precision: a bf16 log-softmax over a large vocabulary is too coarse for a loss
     return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
 
 
@@ -186,7 +187,7 @@ def model_summaries() -> list[ModelSummary]:
     for name in list_models():
         p = _PRESETS[name]
         with torch.device("meta"):
-            model = p.build(max(p.seq_len, 1))
+            model = p.build(max(p.seq_len, 1))  # image presets have no sequence (0)
         cfg = model.config
         layers = getattr(cfg, "n_layers", None) or len(getattr(cfg, "channels", ()))
         params = sum(t.numel() for t in model.parameters())
@@ -208,6 +209,7 @@ def load_model(
     model files). ``batch_size``/``seq_len`` override the preset's (image models ignore ``seq_len``; model files
     ignore both). ``seed`` fixes the random weights and example inputs; the global CPU RNG is left untouched.
     """
+    # the CPU generator only: forking a CUDA one would initialise CUDA
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if spec in _PRESETS:
@@ -233,7 +235,7 @@ def _load_preset(name: str, device: str | torch.device | None, batch: int | None
     # randint on meta would also import sympy, ~0.8 s).
     cpu = torch.device("cpu")
     if p.kind == "lm":
-        assert isinstance(model, (Llama, GPT)), f"{name}: an lm preset builds a Llama, MoE or GPT"
+        assert isinstance(model, (Llama, GPT)), f"{name}: an lm preset builds a Llama, MoE or GPT"  # MoE is a Llama
         vocab = model.config.vocab_size
         inputs: tuple[Any, ...] = (torch.randint(0, vocab, (batch, seq), device=cpu).to(dev),)
         target, loss_fn = torch.randint(0, vocab, (batch, seq), device=cpu).to(dev), lm_loss
@@ -269,6 +271,7 @@ def _load_file(spec: str) -> ModelSpec:
 
 
 def _import_file(path: Path) -> Any:
+    # one module name per file: two files with the same stem do not replace each other in sys.modules
     digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
     name = f"rpcompile_user_model_{path.stem}_{digest}"
     module_spec = importlib.util.spec_from_file_location(name, path)
@@ -279,7 +282,7 @@ def _import_file(path: Path) -> Any:
     try:
         module_spec.loader.exec_module(module)
     except Exception as e:
-        del sys.modules[name]
+        del sys.modules[name]  # no half-imported module left behind
         raise ModelSpecError(f"importing {path} failed: {type(e).__name__}: {e}") from e
     return module
 
@@ -290,7 +293,7 @@ def _as_spec(result: Any, where: str) -> ModelSpec:
     if isinstance(result, tuple) and 2 <= len(result) <= 4 and isinstance(result[0], nn.Module):
         model, inputs, *rest = result
         inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-        loss_fn, target = (*rest, None, None)[:2]
+        loss_fn, target = (*rest, None, None)[:2]  # absent ones None
         return ModelSpec(model, inputs, loss_fn, target, description=where)
     raise ModelSpecError(
         f"{where} returned {type(result).__name__}; expected a ModelSpec, (model, example_inputs), "

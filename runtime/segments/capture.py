@@ -62,11 +62,13 @@ def _like(t: torch.Tensor, layout: Layout) -> torch.Tensor:
         return t.to(dtype)
     if t.dtype == dtype and t.stride() == stride:
         return t
+    # stride 0 over a size above 1: a dimension the graph had expanded
     broadcast = [d for d, (n, s) in enumerate(zip(shape, stride)) if s == 0 and n > 1]
     if broadcast:  # an expanded tensor (a mask): one copy of its values, expanded again as the graph had it
         for d in broadcast:
             t = t.narrow(d, 0, 1)
         return t.to(dtype).expand(shape)
+    # the traced strides restored: the bw graph's kernels and views were traced on them
     out = torch.empty_strided(shape, stride, dtype=dtype, device=t.device)
     return out.copy_(t)
 
@@ -128,6 +130,7 @@ class SegmentAOT:
                                [p.meta.get("val") for p in self.bw.graph.find_nodes(op="placeholder")]
                                if self.bw is not None else [])
             binders, bw_metas = self._metas
+            # (a capture of one signature binds nothing)
             bindings = bind_sizes(binders, values) if self.guards is not None else {}
             key = frozenset(bindings.items())
             hit = self._bound.get(key)
@@ -135,6 +138,7 @@ class SegmentAOT:
                 views = {k: [(op, _resolve(a, bindings), _resolve(kw, bindings)) for op, a, kw in i[2]]
                          for k, (kind, i) in enumerate(self.saved) if kind == "view"}
                 hit = Bound([_layout(m, bindings) for m in bw_metas], views)
+                # dicts keep insertion order: the first key is the oldest
                 if len(self._bound) >= BOUND_CACHE:
                     del self._bound[next(iter(self._bound))]
                 self._bound[key] = hit
@@ -145,6 +149,7 @@ class SegmentAOT:
         outputs (its non-tensor ones evaluated for this call), the updated buffers and what goes to the host."""
         res = self.fw(*values)
         n = self.n_outputs
+        # the sizes as plain ints: they stay with the value and are never shipped
         host = HostSaved(self, tuple(res[i] for i in self.host), tuple(int(res[i]) for i in self.sizes))
         constants = self.constants
         if self.guards is not None:
@@ -163,7 +168,8 @@ class SegmentAOT:
         pool = {"input": inputs, "output": outputs, "host": host.tensors, "size": host.sizes}
         args = [pool[kind][i] if kind != "view" else _replay(pool[i[0]][i[1]], bound.views[k])
                 for k, (kind, i) in enumerate(self.saved)]
-        args += [grads[i] for i in self.tangents]
+        args += [grads[i] for i in self.tangents]  # bw takes a tangent per output that needs a gradient
+        # a host round trip made the saved tensors contiguous: back to the layouts the bw graph was traced with
         res = self.bw(*[_like(a, lay) if isinstance(a, torch.Tensor) else a for a, lay in zip(args, bound.layouts)])
         return list(res)
 
@@ -181,16 +187,19 @@ def capture_segment(fn: Callable[..., tuple], examples: Sequence[torch.Tensor], 
     def compiler(name: str) -> Callable:
         def record(gm: fx.GraphModule, _inputs: Any) -> Callable:
             graphs[name] = gm
-            return make_boxed_func(gm.forward)
+            return make_boxed_func(gm.forward)  # AOTAutograd calls compiled functions with boxed arguments
         return record
 
     def partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **kw: Any) -> Any:
+        # recorded to spot outputs AOTAutograd took out of the graph (they alias an input: Aliased below)
         graphs["num_fwd_outputs"] = num_fwd_outputs
         return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kw)
 
     with torch.enable_grad(), mode or contextlib.nullcontext():
         res = aot_function(fn, fw_compiler=compiler("fw"), bw_compiler=compiler("bw"), partition_fn=partition,
                            dynamic=mode is not None)(*examples)
+        # a backward once, with any gradients (only the trace matters): AOTAutograd compiles the bw graph, and so
+        # records it, lazily at the first backward
         diff = [r for r in res if r.requires_grad]
         if diff:
             torch.autograd.backward(diff, [torch.ones_like(r) for r in diff])
@@ -210,7 +219,7 @@ def capture_segment(fn: Callable[..., tuple], examples: Sequence[torch.Tensor], 
     def slot(node: fx.Node) -> tuple[str, int]:
         if node in places:
             return ("input", places[node])
-        if node in outs[:n_outputs]:
+        if node in outs[:n_outputs]:  # the backward stage receives the outputs anyway
             return ("output", outs.index(node))
         if node not in shipped:
             if node not in outs:  # a view's base the fw graph does not return yet
@@ -231,6 +240,7 @@ def capture_segment(fn: Callable[..., tuple], examples: Sequence[torch.Tensor], 
         else:
             saved.append(slot(node))
     fw_out = next(iter(fw.graph.find_nodes(op="output")))
+    # slot() added view bases to return: the fw graph must ship them too
     if len(outs) != len(fw_out.args[0]):
         fw_out.args = (tuple(outs),)
         fw.recompile()
@@ -247,6 +257,7 @@ def _bw_order(nodes: Sequence[fx.Node], bw: fx.GraphModule | None) -> list[fx.No
     and passes bw the sizes first; its partitioner names bw's inputs after the values."""
     names = [p.name for p in bw.graph.find_nodes(op="placeholder")][:len(nodes)] if bw is not None else []
     by_name = {n.name: n for n in nodes}
+    # names match one to one: bw's own order; otherwise the order AOT passes them in (sizes first)
     if sorted(names) == sorted(by_name) and len(by_name) == len(nodes):
         return [by_name[n] for n in names]
     is_size = [isinstance(n.meta.get("val"), torch.SymInt) for n in nodes]
@@ -317,6 +328,7 @@ def _replay(t: torch.Tensor, ops: Sequence[tuple]) -> torch.Tensor:
     shape views run as reshapes (as :mod:`rpcompile.passes.graph.portable` rewrites the graphs); the sizes of a
     symbolic capture's ops are this call's (:attr:`Bound.views`)."""
     for op, args, kwargs in ops:
+        # a view needs strides compatible with its base's; a reshape copies where they are not
         if op in _VIEW_OPS or op is torch.ops.aten.view.default:
             op = torch.ops.aten.reshape.default
         t = op(t, *args, **kwargs)
@@ -334,7 +346,9 @@ class SegmentFunction(torch.autograd.Function):
     def forward(ctx: Any, aot: SegmentAOT, host: tuple, n_in: int, *values: Any) -> Any:
         """``values``: the fw graph's inputs (tensors, and the sizes of a symbolic capture), then the outputs."""
         ctx.aot, ctx.host, ctx.n_in = aot, host, n_in
+        # new tensors (not the inputs themselves), so that this node becomes their grad_fn
         outs = tuple(t.detach() for t in values[n_in:])
+        # save_for_backward takes tensors only: a symbolic capture's sizes are kept apart
         ctx.sizes = {k: v for k, v in enumerate(values[:n_in]) if not isinstance(v, torch.Tensor)}
         ctx.save_for_backward(*[None if k in ctx.sizes else v for k, v in enumerate(values[:n_in])], *outs)
         return outs
@@ -346,6 +360,8 @@ class SegmentFunction(torch.autograd.Function):
         outs = saved[ctx.n_in:]
         aot: SegmentAOT = ctx.aot
         padded: list[torch.Tensor | None] = list(grads) + [None] * aot.n_buffers  # buffers carry no gradient
+        # bw takes a tangent for every output: zeros for one that got no gradient
         full = [g if g is not None else torch.zeros_like(o) for g, o in zip(padded, outs)] + padded[len(outs):]
         g_in = [None if k in ctx.sizes else g for k, g in enumerate(aot.backward(ins, outs, ctx.host, full))]
+        # no gradient for aot, host and n_in, nor for the shipped outputs (inputs of this node only as data)
         return (None, None, None, *g_in, *[None] * len(outs))

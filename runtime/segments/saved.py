@@ -132,7 +132,9 @@ class SavedSegment(SegmentSpec):
 
     def _run(self, flat: Sequence[Any], copy_buffers: bool) -> Any:
         p, b = len(self.params), len(self.buffers)
+        # each parameter under every attribute it is tied to
         tensors = {attr: flat[i] for i, attrs in enumerate(self.params) for attr in attrs}
+        # copies: a recomputation or a capture's example run must not update the running statistics again
         bufs = [t.clone() if copy_buffers else t for t in flat[p:p + b]]
         tensors.update(zip(self.buffers, bufs))
         outs = torch.func.functional_call(self.gm, tensors, tuple(flat[p + b:]), strict=False, tie_weights=False)
@@ -163,7 +165,7 @@ class SavedSegment(SegmentSpec):
         if aot is None:
             for candidate in self.symbolic.get(self._kind(flat), ()):
                 if candidate.guards is not None and candidate.guards.hold([flat[i] for i in candidate.inputs]):
-                    aot = self.captures[key] = candidate
+                    aot = self.captures[key] = candidate  # the next call of this signature is a plain lookup
                     break
         return aot
 
@@ -187,9 +189,10 @@ class SavedSegment(SegmentSpec):
         where there is one (:func:`~.sharing.shared_capture`)."""
         shape = structure(self)  # at the call: a module's mode may have changed since the last capture
         shared = None if shape is None else (
+            # what changes the trace besides the segment's structure: the ambient device and dtype and autocast
             shape, symbolic, torch.get_default_device(), torch.get_default_dtype(), torch.is_autocast_enabled("cpu"),
             torch.is_autocast_enabled("cuda"), self._kind(flat), self._key(flat))
-        with _CAPTURE_LOCK:
+        with _CAPTURE_LOCK:  # the shared captures are every worker's
             found = None if shared is None else shared_capture(shared, flat)
         if found is not None:
             return found
@@ -204,12 +207,15 @@ class SavedSegment(SegmentSpec):
         first_input = len(self.params) + len(self.buffers)
         where = [i for i, v in enumerate(flat)
                  if isinstance(v, torch.Tensor) or (symbolic and i >= first_input and _is_size(v))]
+        # AOTAutograd differentiates only the examples that require a gradient; integer tensors cannot
         examples = [flat[i].detach().requires_grad_(self.wants_grad[i] and flat[i].is_floating_point())
                     if isinstance(flat[i], torch.Tensor) else flat[i] for i in where]
         mode = None
         if symbolic:
+            # only the activation inputs get symbolic sizes: parameters and buffers keep theirs
             mode, examples = fake_inputs(examples, [i >= first_input for i in where])
         with torch.no_grad():
+            # one plain run, on buffer copies, tells which outputs are not tensors (the capture returns tensors only)
             plain, _ = self._run(flat, True)
         constants = tuple(None if isinstance(o, torch.Tensor) else o for o in plain)
         traced: list[Any] = []  # the outputs as traced: a symbolic capture's sizes are expressions
@@ -220,7 +226,7 @@ class SavedSegment(SegmentSpec):
                 for i, v in zip(where, values):
                     args[i] = v
                 outs, bufs = self._run(args, True)
-                traced[:] = [outs]
+                traced[:] = [outs]  # the last trace's outputs, for a symbolic capture's constants (below)
                 outs = [o.clone() if copy_outputs else o for o in outs if isinstance(o, torch.Tensor)]
                 return (*outs, *bufs)
             return fn
@@ -241,13 +247,16 @@ class SavedSegment(SegmentSpec):
         aot.inputs = tuple(where)
         if mode is not None:
             guards = Guards(mode, examples)
-            aot.guards = guards if guards.symbolic else None
+            aot.guards = guards if guards.symbolic else None  # every size specialised: a capture of one signature
             if aot.guards is not None:
+                # a symbolic capture's non-tensor outputs are size expressions, evaluated per call (capture.Bound)
                 aot.constants = tuple(None if isinstance(o, torch.Tensor) else o for o in traced[0])
         return aot
 
     def forward_call(self, *flat: Any) -> tuple:
         """Forward stage: ``(*outputs, HostSaved)``; updates the buffers in place (the real forward)."""
+        # evaluation: nothing is kept for a backward; the None stands in for the HostSaved output the stage's
+        # graph expects
         if not getattr(forward_mode, "save", False):
             outs, _ = self._run(flat, False)
             return (*outs, None)
@@ -256,9 +265,10 @@ class SavedSegment(SegmentSpec):
         aot = self._find(key, flat)
         if aot is None and (self.leaves or not self._worth_capturing(key, flat)):
             outs, _ = self._run(flat, False)  # the real forward (buffers update); the backward stage recomputes it
-            return (*outs, HostSaved(None, ()))
+            return (*outs, HostSaved(None, ()))  # key None: the backward stage recomputes
         aot = aot or self._capture(key, flat)
         tensors = [flat[i] for i in aot.inputs]
+        # the fw graph returns the updated buffers: written into the device's copies, as the real forward
         with torch.no_grad():
             outs, new_bufs, host = aot.forward(tensors)
             p = len(self.params)
@@ -273,6 +283,7 @@ class SavedSegment(SegmentSpec):
         sighting is of a class of shapes — the same kind with the same sizes of one, the sizes symbolic captures
         specialise — so the second batch of one-row microbatches is captured for every later one."""
         iteration = getattr(rng.context, "iteration", 0)
+        # symbolic captures specialise sizes of 1: where each dimension is 1 is part of a class of shapes
         sighting = (self._kind(flat), tuple(tuple(n == 1 for n in v.shape) for v in flat
                                             if isinstance(v, torch.Tensor))) if self.symbolic else key
         again = self.seen.setdefault(sighting, iteration) != iteration  # seen in an earlier iteration
@@ -294,5 +305,6 @@ class SavedSegment(SegmentSpec):
         aot = host.key
         ins = [fw_in[i] for i in aot.inputs]
         touts = [o.detach() for o, c in zip(shipped, aot.constants) if c is None]
+        # the stage's graph reads the node's outputs instead of the shipped ones, so their gradients reach the bw graph
         res = iter(SegmentFunction.apply(aot, host, len(ins), *ins, *touts))
         return tuple(next(res) if c is None else s for s, c in zip(shipped, aot.constants))

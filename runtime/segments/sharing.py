@@ -33,11 +33,13 @@ def _tensor_digest(t: torch.Tensor) -> tuple | None:
     """A tensor constant's identity by value; None for one without values (meta)."""
     if t.device.type == "meta":
         return None
+    # the raw bytes in logical order, whatever the dtype and layout (shape, strides and dtype are in the key)
     data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     return (tuple(t.shape), t.stride(), t.dtype, str(t.device), hashlib.sha1(data).hexdigest())
 
 
 def _hooked(mod: torch.nn.Module) -> bool:
+    # a hook runs Python a capture would not replay (a counter, a log)
     return bool(mod._forward_hooks or mod._forward_pre_hooks or mod._backward_hooks or mod._backward_pre_hooks)
 
 
@@ -50,6 +52,8 @@ def _settings(mod: torch.nn.Module) -> tuple | None:
             if digest is None:
                 return None
             attrs.append((key, digest))
+        # a graph module's code is keyed on its own; private attributes hold state and caches, not settings;
+        # the mode is in the key already
         elif not isinstance(mod, fx.GraphModule) and not key.startswith("_") and key != "training":
             attrs.append((key, repr(value)))
     return type(mod).__module__, type(mod).__qualname__, mod.training, tuple(attrs)
@@ -88,6 +92,7 @@ def _graph_form(gm: fx.GraphModule, where: dict[str, tuple]) -> tuple | None:
     """A segment's graph without its names: nodes by position, functions by identity, parameters and buffers by
     their place among the segment's arguments (``where``), called modules and constants by value. None where
     that cannot be told (:func:`_module_form`, a graph with its own code generator)."""
+    # a code generator of its own (export's pytree one) changes how arguments map to placeholders: keep the names
     if type(gm.graph._codegen) is not fx.graph.CodeGen:
         return None
     index: dict[fx.Node, int] = {}
@@ -118,6 +123,7 @@ def _graph_form(gm: fx.GraphModule, where: dict[str, tuple]) -> tuple | None:
             if target is None:
                 return None
         elif node.op in ("call_function", "call_method"):
+            # functions by identity; the key must be hashable, so anything else by its text
             target = node.target if _hashable(node.target) else repr(node.target)
         out.append((node.op, target, args))
     return tuple(out)
@@ -150,6 +156,7 @@ def structure(spec: SegmentSpec) -> tuple | None:
     common = (tuple(map(len, spec.params)), len(spec.buffers), len(spec.inputs), len(spec.outputs),
               tuple(spec.wants_grad), repr(spec.rewrite), torch.are_deterministic_algorithms_enabled(),
               spec.gm.training)
+    # the tags keep the positional and the named keys apart
     if form is not None:
         return ("positional", common, form)
     named = _named_structure(spec)
@@ -161,10 +168,11 @@ def shared_capture(key: tuple, flat: Sequence[Any]) -> SegmentAOT | None:
     symbolic one of the same structure and kind of signature whose guards hold for ``flat`` (what
     :meth:`~.saved.SavedSegment._find` would run within one segment). Called under the capture lock."""
     if key in _SHARED:
+        # least recently used first out (keep evicts from the front)
         _SHARED.move_to_end(key)
         return _SHARED[key]
     if key[1]:  # symbolic: key[:-1] is all but the sizes and strides
-        for k, aot in reversed(_SHARED.items()):
+        for k, aot in reversed(_SHARED.items()):  # most recently used first
             if k[:-1] == key[:-1] and aot.guards is not None and aot.guards.hold([flat[i] for i in aot.inputs]):
                 _SHARED.move_to_end(k)
                 return aot

@@ -48,7 +48,7 @@ def fake_inputs(examples: Sequence[Any], dynamic: Sequence[bool]) -> tuple[FakeT
         kind = DimDynamic.DYNAMIC if dyn else DimDynamic.STATIC
         context: StatelessSymbolicContext[..., Any] = StatelessSymbolicContext(dynamic_sizes=[kind] * t.dim())
         fake = mode.from_tensor(t, source=source, symbolic_context=context)
-        fakes.append(fake.requires_grad_(t.requires_grad) if t.is_floating_point() else fake)
+        fakes.append(fake.requires_grad_(t.requires_grad) if t.is_floating_point() else fake)  # integer tensors cannot
     return mode, fakes
 
 
@@ -62,6 +62,7 @@ class Guards:
         produced = shape_env.produce_guards(list(fakes), [LocalSource(f"t{i}") for i in range(len(fakes))],
                                             ignore_static=False)
         # a microbatch is a slice of its batch: its storage offset varies, and the aten graphs never read it
+        # ("True" where no guard is left: every shape may run the capture)
         self.text = " and ".join(g for g in produced if ".storage_offset()" not in g) or "True"
         self._code = compile(self.text, "<rpcompile guards>", "eval")
         self.symbolic = bool(shape_env.backed_var_to_val)
@@ -69,6 +70,7 @@ class Guards:
 
     def hold(self, values: Sequence[Any]) -> bool:
         """Whether a call whose inputs (tensors and ints, as the capture's examples) are ``values`` may run it."""
+        # the guard text calls sympy's helpers (SYMPY_INTERP) and names the inputs by their sources, L['t0'], ...
         return bool(eval(self._code, SYMPY_INTERP, {"L": {f"t{i}": v for i, v in enumerate(values)}}))
 
 
@@ -88,6 +90,7 @@ def size_binders(metas: Sequence[Any]) -> list[Binder]:
     out: list[Binder] = []
     for i, meta in enumerate(metas):
         if isinstance(meta, torch.Tensor):
+            # a bare symbol only: a size such as s0*s1 cannot be solved for its symbols
             out += [(i, d, _expr(m)) for d, m in enumerate(meta.shape) if isinstance(_expr(m), sympy.Symbol)]
         elif isinstance(meta, torch.SymInt) and isinstance(_expr(meta), sympy.Symbol):
             out.append((i, None, _expr(meta)))
@@ -104,6 +107,7 @@ def concrete_value(v: Any, bindings: Mapping[sympy.Symbol, int]) -> int | None:
     expr = _expr(v)
     if not isinstance(expr, sympy.Expr):
         return int(expr)
+    # what is left unbound keeps a free symbol, so the result is not a number
     value = sympy.sympify(expr.xreplace(dict(bindings)))
     return int(value) if value.is_number else None
 

@@ -88,6 +88,7 @@ class SimResult:
     def fill_s(self) -> float:
         """Mean over the devices of the time before their first compute: what a run pays once to fill."""
         first = self._first_last()[0]
+        # a device that never computes waited the whole run
         return sum(first.get(d, self._end()) for d in range(len(self.busy_s))) / max(len(self.busy_s), 1)
 
     @property
@@ -164,9 +165,11 @@ class SimResult:
         mean = sum(self.busy_s) / max(len(self.busy_s), 1)
         for d, busy in enumerate(self.busy_s):
             if self.iteration_ends_s:
+                # the mean busy time: the pointer gives every device every stage in turn, so they idle alike
                 out.append(dict(fill=0.0, drain=0.0, waits=max(span - mean, 0.0)))
                 continue
             if d not in first:
+                # a device that ran no compute filled for the whole span
                 out.append(dict(fill=span, drain=0.0, waits=0.0))
                 continue
             fill, drain = first[d], max(span - last[d], 0.0)

@@ -222,6 +222,7 @@ def simulate(
     queues = {key: deque(ts) for key, ts in sorted(lanes.items(), key=lambda kv: kv[0][1] == "compute")}
     running: dict[tuple[int, str], _Task] = {}
     now, left = 0.0, len(tasks)
+    # (static schedules: nothing waits for room; the peak is only checked against the limit)
     limit = memory_limit_bytes if memory_limit_bytes is not None and copies_wait_for_memory else _INF
     def start_ready(force: bool) -> None:
         """Start every task whose lane is free and whose dependencies are met (and, unless ``force``, that fits)."""
@@ -259,6 +260,7 @@ def simulate(
             raise SimulationError(f"the action lists deadlock at t={now:.6g}s: {', '.join(waiting)} wait for work that never runs")
         rates = _rates(running.values(), link_bytes_per_s, host_bytes_per_s,
                        host.accumulate_bytes_per_s * host.accumulate_traffic)
+        # rates hold until the next task ends (fluid model): jump straight to that instant
         dt = min((t.left / rates[id(t)] if rates[id(t)] > 0 else _INF) for t in running.values())
         if dt == _INF:
             raise SimulationError("a transfer has no bandwidth (link_bytes_per_s and host_bytes_per_s must be > 0)")
@@ -266,6 +268,7 @@ def simulate(
         for key, t in list(running.items()):
             r = rates[id(t)]
             t.left -= r * dt
+            # float residue: done when what is left is negligible against its work, or would take a negligible time
             if t.left <= 1e-9 * max(1.0, t.work) or (r > 0 and t.left / r <= 1e-12 * max(1.0, now)):
                 t.end = now
                 del running[key]
@@ -293,6 +296,7 @@ def simulate(
                 rest[t.iteration] = max(rest[t.iteration], t.end)
     if iterations > 1:
         period = steady_period(ends)
+        # a synchronous period includes the optimizer step; the pipeline's own time does not
         pipeline, iteration = (period if host.overlap_step else period - host.step_s), period
     else:
         pipeline = ends[0]
@@ -341,7 +345,7 @@ def _next(q: deque, lazy: bool) -> "_Task | None":
     work that landed first."""
     if q[0].lane == "acc":
         ready = [t for t in q if _ready(t)]
-        return min(ready, key=lambda t: max(p.end for p in t.after_end)) if ready else None
+        return min(ready, key=lambda t: max(p.end for p in t.after_end)) if ready else None  # the first to land
     if not lazy:
         return q[0] if _ready(q[0]) else None
     best = None
@@ -376,6 +380,7 @@ def _build(lists: Sequence[Sequence[Action]], sts: Sequence[StageCost], link: fl
     def copy(label, d, lane, k, j, nbytes, fixed=None):
         if fixed is not None:
             return _Task(label, d, lane, k, j, float(fixed), on_link=False)
+        # an infinite link: the copy takes no time and no share of any bandwidth
         return _Task(label, d, lane, k, j, 0.0 if free else float(nbytes), on_link=not free)
 
     for d, acts in enumerate(lists):
@@ -409,6 +414,7 @@ def _build(lists: Sequence[Sequence[Action]], sts: Sequence[StageCost], link: fl
                     c.free_end.append((d, s.prefetch_bytes))
                     if prev_compute is not None:
                         pre.after_start.append(prev_compute)
+                    # saved activations come up only once the forward positions that saved them have them in host memory
                     pre.refs.extend(("offload", k, a.microbatch) for k in s.saved_by)
                     c.after_end.append(pre)
                 if s.input_bytes or s.upload_s:
@@ -423,7 +429,7 @@ def _build(lists: Sequence[Sequence[Action]], sts: Sequence[StageCost], link: fl
                     _depend_on_producer(c, a, per)
                 if a.stage in weights:
                     c.after_end.append(weights[a.stage])
-                if a.stage not in first_compute and s.grad_bytes:
+                if a.stage not in first_compute and s.grad_bytes:  # gradients held from the stage's first microbatch
                     c.alloc_start += s.grad_bytes
                 add(c)
                 compute[(a.stage, a.microbatch)] = c
@@ -462,7 +468,7 @@ def _build(lists: Sequence[Sequence[Action]], sts: Sequence[StageCost], link: fl
     for c, d, pos, nbytes in stash_release:
         producer = compute.get((pos, c.microbatch))
         if producer is not None:
-            c.free_end.append((producer.device, nbytes))
+            c.free_end.append((producer.device, nbytes))  # the stash lives on the device that made it
     # the producer dependency may name a position that a later device list defines: resolve lazily
     for t in tasks:
         t.after_end.extend(_resolve(r, compute, out_copy, offload) for r in t.refs)
@@ -484,6 +490,7 @@ def _add_accumulation(tasks: list[_Task], lanes: dict, sts: Sequence[StageCost],
     if math.isinf(host.accumulate_bytes_per_s):
         return
     for g in [t for t in tasks if t.lane == "g_down" and sts[t.stage].grad_bytes]:
+        # on_link: its bytes go through the host's memory bandwidth beside the links' copies (the "cpu" capacity)
         acc = _Task(f"{g.stage}A", g.device, "acc", g.stage, -1, sts[g.stage].grad_bytes * host.accumulate_traffic,
                     on_link=True, iteration=g.iteration)
         acc.after_end.append(g)
@@ -509,7 +516,7 @@ def _add_reduction(tasks: list[_Task], lanes: dict, sts: Sequence[StageCost], ho
                 continue
             r = _Task(f"{k}R" if k >= 0 else "hostR", mine[k].device if k >= 0 else 0, "net", k, -1, work,
                       on_link=False, iteration=it)
-            r.after_end.extend(after if host.overlap_reduce else others)
+            r.after_end.extend(after if host.overlap_reduce else others)  # not overlapped: after all else
             tasks.append(r)
             lanes.setdefault((-1, "net"), []).append(r)
 
@@ -528,6 +535,7 @@ def _repeat(lists: Sequence[Sequence[Action]], sts: list[StageCost], iterations:
     stages: list[StageCost] = []
     for t in range(iterations):
         for d, acts in enumerate(lists):
+            # the round-robin pointer carries on: iteration t starts t·S devices further on
             out[(d + t * per) % n].extend(Action(a.stage + t * per, a.kind, a.microbatch) for a in acts)
         stages.extend(dataclasses.replace(s, saved_by=tuple(f + t * per for f in s.saved_by)) for s in sts)
     return out, stages
@@ -543,6 +551,7 @@ def _add_steps(tasks: list[_Task], lanes: dict, sts: Sequence[StageCost], host: 
     work: list[list[_Task]] = [[] for _ in range(iterations)]
     for t in tasks:
         work[t.iteration].append(t)
+    # (no fused stage: the last position gives the loss)
     fused = next((k for k, s in enumerate(sts[:per]) if s.kind == "fused"), per - 1)
     steps: list[_Task] = []
     for it in range(iterations):
@@ -563,6 +572,7 @@ def _add_steps(tasks: list[_Task], lanes: dict, sts: Sequence[StageCost], host: 
                 t.after_end.extend(work[it - 1])  # forward_backward is a barrier: the step alone overlaps
             elif first:
                 t.after_end.extend(loss)
+            # one step stale: iteration it computes with the weights step it − 2 made
             if it >= 2 and (first or t.lane == "w_up"):
                 t.after_end.append(steps[it - 2])
 
@@ -572,7 +582,7 @@ def _event(t: _Task, per: int) -> SimEvent:
     stage, label = t.stage, t.label
     if stage >= 0 and t.iteration:
         stage = stage % per
-        label = f"{stage}{label[len(str(t.stage)):]}"
+        label = f"{stage}{label[len(str(t.stage)):]}"  # the global position in the label replaced too
     lane = _LANES[t.lane]
     return SimEvent(label, t.device, lane[2], lane[1], stage, t.microbatch, t.start, t.end, iteration=t.iteration)
 
@@ -589,6 +599,7 @@ def _resolve(ref: _Ref, compute: dict, out_copy: dict, offload: dict) -> _Task:
             raise SimulationError(f"position {k} saves no activations for microbatch {j}, but a backward position "
                                   f"prefetches from it; drop {k} from its saved_by")
         return offload[(k, j)]
+    # the consumer waits for the output to reach host memory; for the compute itself only where nothing goes down
     if (k, j) in out_copy:
         return out_copy[(k, j)]
     if (k, j) not in compute:
@@ -617,8 +628,9 @@ def _fill(flows: list, cap: dict, link: float, rates: dict) -> None:
     """Progressive filling of ``flows`` into the capacities left in ``cap`` (updated in place)."""
     if not flows:
         return
-    members: dict[object, list] = {"host": list(flows)}
+    members: dict[object, list] = {"host": list(flows)}  # every copy shares the host's memory bandwidth
     for t in flows:
+        # the host's accumulation is capped by its thread's rate; a device's copies by its link, one per direction
         lane_key: object = "cpu" if t.lane in _HOST else (t.device, _LANES[t.lane][0])
         cap.setdefault(lane_key, link)
         members.setdefault(lane_key, []).append(t)
@@ -628,6 +640,7 @@ def _fill(flows: list, cap: dict, link: float, rates: dict) -> None:
         share = _INF
         for key, ts in members.items():
             n = sum(1 for t in ts if id(t) in unfrozen)
+            # the tightest resource: the smallest equal share
             if n and cap[key] / n < share:
                 best, share = key, cap[key] / n
         if best is None:
@@ -636,7 +649,8 @@ def _fill(flows: list, cap: dict, link: float, rates: dict) -> None:
             if id(t) in unfrozen:
                 rates[id(t)] = share
                 unfrozen.discard(id(t))
+                # a flow fixed here takes its share from every other resource it crosses
                 for key, ts in members.items():
                     if key != best and t in ts:
                         cap[key] = max(0.0, cap[key] - share)
-        cap[best] = 0.0
+        cap[best] = 0.0  # saturated

@@ -99,7 +99,7 @@ def chrome_trace(timeline: Sequence[Any], *, devices: int, title: str = "rpcompi
                        "ph": "X", "pid": 0, "tid": e.device, "ts": round(e.start * 1e6, 3),
                        "dur": round(max(0.0, e.end - e.start) * 1e6, 3),
                        "args": {"stage": e.stage, "action": e.action, "microbatch": e.microbatch}})
-    # strict JSON: Perfetto's parser refuses NaN and Infinity
+    # standard JSON (no NaN or Infinity), which every trace viewer parses
     return json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}, allow_nan=False)
 
 

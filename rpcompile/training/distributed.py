@@ -173,8 +173,8 @@ class DataParallel:
     def _status(self, what: str, value: float, error: BaseException | None) -> float:
         """One all-reduce of ``[value, rank failed?...]``: the sum of the values, or a one-line error naming
         the ranks that failed (this one re-raises its own error)."""
-        # float64 sums token counts and the loss without rounding; one slot per rank flags a failure, so one all-reduce
-        # both sums the value and tells every rank who failed
+        # float64: token counts sum exactly (float32 rounds past 2**24); one slot per rank flags a failure, so one
+        # all-reduce both sums the value and tells every rank who failed
         t = torch.zeros(1 + self.world, dtype=torch.float64)
         t[0] = value
         t[1 + self.rank] = error is not None

@@ -49,9 +49,8 @@ def write_pipeline(directory: Path, state: Mapping[str, Any]) -> dict[str, tuple
                                                    for k, v in scaler.items()},
             "microbatches": state["microbatches"], "precision": state["precision"], "model": state["model"],
             "cuts": state["cuts"], "stale_weights": list(stale), "plan": json.loads(state["plan"])}
+    # strict JSON: a NaN or infinity (a broken scale) fails here, at the save, not at the load
     written = {PIPELINE_FILE: write_atomic_hashed(directory / PIPELINE_FILE,
-                                                  # strict JSON: a NaN or infinity (a broken scale) fails here, at the
-                                                  # save, not at the load
                                                   json.dumps(body, indent=1, allow_nan=False) + "\n")}
     if stale:
         written[PIPELINE_TENSORS] = write_atomic_hashed(directory / PIPELINE_TENSORS,

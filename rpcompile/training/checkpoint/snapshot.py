@@ -61,7 +61,7 @@ class Snapshot:
         seen: set[int] = set()
         total = 0
         for _, _, t in self.shared():
-            # by identity: aliases (tied weights, a tensor in two states) are copied once
+            # by identity: a tensor under two names (tied weights) is copied once
             if id(t) not in seen:
                 seen.add(id(t))
                 total += t.numel() * t.element_size()

@@ -259,8 +259,8 @@ def fit_host_memory(made: Any, replan: Callable[[], Any], *, dtype: torch.dtype 
     if room is None or kept <= room:
         return made
     again = replan()
+    # room is negative when the copies, gradients and optimizer state alone outgrow the host: shown as 0
     warnings.warn(
-        # negative when the copies, gradients and optimizer state alone outgrow the host
         f"host memory: the plan kept {fmt_bytes(kept)} of activations on the host but {fmt_bytes(max(room, 0))} "
         f"are left beside the weights' copies, gradients and an AdamW optimizer's state; re-planned to recompute "
         f"them instead (allow_save=False): iteration {plan.predicted.iteration_time_s:.4g} s -> "

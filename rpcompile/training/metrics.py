@@ -94,8 +94,8 @@ def chrome_trace(timeline: Sequence[Any], *, devices: int, title: str = "rpcompi
                for d in range(devices)]
     for e in timeline:
         kind = _kind(e.action)
+        # the format counts in microseconds; the timeline in seconds
         events.append({"name": f"{e.stage} {kind}" + (f" mb{e.microbatch}" if kind == "F" else ""), "cat": kind,
-                       # the format counts in microseconds; the timeline in seconds
                        "ph": "X", "pid": 0, "tid": e.device, "ts": round(e.start * 1e6, 3),
                        "dur": round(max(0.0, e.end - e.start) * 1e6, 3),
                        "args": {"stage": e.stage, "action": e.action, "microbatch": e.microbatch}})

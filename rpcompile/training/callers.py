@@ -49,7 +49,7 @@ class OneCaller:
         me = threading.current_thread()
         with self._guard:
             owner = self._owner
-            # a thread that ended without leaving (a daemon cut off at exit) holds nothing any more
+            # a thread that ended without leaving its call can never leave it: it holds nothing any more
             if owner is not None and owner is not me and owner.is_alive():
                 raise ConcurrentCallError(
                     f"{self.what}.{call}() called from thread {me.name!r} while {self.what}.{self._call}() runs in "

@@ -189,7 +189,7 @@ def watch_model(model: torch.nn.Module, overlap: Overlap, synchronize: Callable[
     weights. A Ctrl-C waits for the step too (:mod:`rpcompile.training.interrupts`): the weights are stepped or not,
     never half, when the ``KeyboardInterrupt`` arrives; starting and collecting a step are never cut in half.
     """
-    # weak: the hooks on the user's model must keep neither the model nor the pipeline (its buffers) alive
+    # weak: hooks that live on the user's model must not keep the pipeline (its buffers) alive
     compiled, own, sync = weakref.ref(model), weakref.ref(overlap), weakref.WeakMethod(synchronize)
 
     def before_save(module: torch.nn.Module, *args: Any) -> None:

@@ -259,7 +259,7 @@ class Pipeline:
         self._overlap.check_drains()  # an overlapped iteration that failed while draining: named here
         if overlap:
             self._overlap.check_idle()  # a second overlapped step before the next iteration: one line
-        # step t-1 collected before step t is submitted: the iteration after step t computes with its weights
+        # step t-1 collected before step t is submitted: the iteration beside step t computes with its weights
         self._finish_step()
         self.sync_gradients()  # gradients summed on the devices under no_sync: home before the step reads them
         if not overlap:

@@ -109,6 +109,7 @@ def call_batch(pipe: Batched, call: str, inputs: Sequence[Any], target: Any, kwa
         if not isinstance(target, torch.Tensor):
             raise RPCompileError("this pipeline computes the loss inside its graph (head_chunks > 1): "
                                  f"pass the batch's target, {call}(x, target=y)")
+        # the loss inside the graph reads its target as a placeholder (TARGET): split and stored with the inputs
         kwargs = {**kwargs, TARGET: target}
     m = microbatches_of(inputs, kwargs, pipe.microbatches)
     store, sizes = microbatch_store(pipe.gm, pipe.program.placeholders, inputs, kwargs, m)
@@ -128,6 +129,8 @@ def call_batch(pipe: Batched, call: str, inputs: Sequence[Any], target: Any, kwa
         check_labels(label_bounds(labels), pipe.classes, "labels" if where == "own" else "target")
     bounds = [label_bounds(p) for p in pieces] if outside else []
     weights = microbatch_weights(pipe.loss_fn, pipe.loss_weight, kwargs, pieces, sizes, m)
+    # the denominator of every microbatch's weight; data-parallel, every rank's total, so that the ranks' gradients,
+    # summed, are those of the whole batch's mean
     total = total_of(sum(weights)) if total_of is not None else sum(weights)
     scale, items = accumulation
     if items is not None:
@@ -141,6 +144,7 @@ def call_batch(pipe: Batched, call: str, inputs: Sequence[Any], target: Any, kwa
     loss_of = MicrobatchLoss(pipe.loss_fn, where, weights, total, summed=summed, bounds=bounds, scale=scale,
                              checked_targets=pipe.signature is not None and pipe.signature.target is not None)
     flat = flat_inputs(pipe.gm, inputs, kwargs)
+    # read from the caller's tensors: the store holds detached ones (microbatch_store)
     wanted = {name: v for name, v in zip(pipe.program.placeholders, flat)
               if isinstance(v, torch.Tensor) and v.requires_grad}
     return CallBatch(store, m, loss_of, targets, wanted)
@@ -149,6 +153,7 @@ def call_batch(pipe: Batched, call: str, inputs: Sequence[Any], target: Any, kwa
 def microbatches_of(inputs: Sequence[Any], kwargs: Mapping[str, Any], microbatches: int) -> int:
     """The plan's ``microbatches``, or one row each for a batch with fewer rows."""
     rows = next((v.shape[0] for v in tensor_leaves((inputs, kwargs)) if v.dim() > 0), microbatches)
+    # at most one microbatch per row: split_microbatches refuses a batch smaller than its microbatches
     return max(1, min(microbatches, rows))
 
 
@@ -173,6 +178,7 @@ def microbatch_weights(loss_fn: Callable[[Any, Any], torch.Tensor] | None, loss_
     the model's own loss (``loss_fn`` None), the target ``pieces`` of ``loss_fn``, else the rows."""
     labels = kwargs.get("labels") if loss_fn is None else None
     if isinstance(labels, torch.Tensor):
+        # split as the inputs are, so each microbatch counts its own labels
         return loss_weights([p[0] for p in split_microbatches((labels,), m)], sizes, loss_weight)
     if loss_fn is not None:
         return loss_weights(pieces, sizes, loss_weight)

@@ -49,11 +49,13 @@ class OneCaller:
         me = threading.current_thread()
         with self._guard:
             owner = self._owner
+            # a thread that ended without leaving its call can never leave it: it holds nothing any more
             if owner is not None and owner is not me and owner.is_alive():
                 raise ConcurrentCallError(
                     f"{self.what}.{call}() called from thread {me.name!r} while {self.what}.{self._call}() runs in "
                     f"thread {owner.name!r}: a pipeline runs one call at a time (this one did nothing); make the "
                     "calls one after the other — from one thread, or under a lock of your own")
+            # the same thread nests (step calls synchronize): only deeper; a new owner starts from nothing
             if owner is not me:
                 self._owner, self._call, self._depth = me, call, 0
             self._depth += 1

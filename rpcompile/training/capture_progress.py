@@ -51,6 +51,7 @@ class CaptureProgress:
             if self.bar is None:
                 self.bar = self._start()
             task = self.bar.tasks[0]
+            # more captures than counted (a segment captured again at another shape): the total grows, never overflows
             self.bar.update(task.id, advance=1,
                             total=None if task.total is None else max(task.total, task.completed + 1))
 
@@ -62,6 +63,7 @@ class CaptureProgress:
         else:
             columns = [SpinnerColumn(), TextColumn(text), MofNCompleteColumn(), TimeElapsedColumn()]
         bar = Progress(*columns, transient=True, console=Console(stderr=True))
+        # a later call's captures cannot be counted ahead: no total, no time left
         bar.add_task("capture", total=self.fresh or None)
         bar.start()
         return bar

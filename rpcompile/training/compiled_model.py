@@ -35,6 +35,7 @@ class CompiledModel:
 
     def __init__(self, model: torch.nn.Module, gm: fx.GraphModule):
         self.model = model
+        # every name of a tied parameter: re-tying one name to a new Parameter shows as that name replaced
         self.parameters = dict(model.named_parameters(remove_duplicate=False))
         self.modes = {name: m.training for name, m in model.named_modules()}
         """Each module's mode when the model was traced (the model's own under the name "")."""
@@ -59,6 +60,7 @@ class CompiledModel:
             return False  # eval after a train-mode trace: the dropouts off at run time
         if not (self.mode_fixed or self.randomness):
             return now[""]  # nothing the graph fixed depends on the mode; its modules follow theirs (follow())
+        # the first module whose mode differs, to name in the message
         name = next(n for n, mode in now.items() if self.modes.get(n) != mode)
         mode, was = ("train", "eval") if now[name] else ("eval", "train")
         fixed = (f"its batch norm ({self.mode_fixed[0]}) runs as in {was} mode" if self.mode_fixed else
@@ -73,6 +75,7 @@ class CompiledModel:
         a saved segment's module too) in the mode its model module is in now: a batch norm or dropout module of an fx graph then runs as eager does
         after ``model.eval()`` / ``model.train()``."""
         now = {name: m.training for name, m in self.model.named_modules()}
+        # the modes as last set: nothing to walk
         if now == self._followed:
             return
         for gm in stages:
@@ -85,6 +88,7 @@ class CompiledModel:
 
     def _check_parameters(self) -> None:
         now = dict(self.model.named_parameters(remove_duplicate=False))
+        # identity, not values: a new Parameter equal to the old one is still one the stages do not hold
         if now.keys() == self.parameters.keys() and all(now[n] is p for n, p in self.parameters.items()):
             return
         replaced = [n for n, p in self.parameters.items() if n in now and now[n] is not p]

@@ -50,6 +50,7 @@ def data_parallel_group(data_parallel: bool | None) -> "DataParallel | None":
                           "torch.distributed.init_process_group(...) first (torchrun sets up its environment), "
                           "or leave data_parallel unset")
     backend = str(dist.get_backend())
+    # the collectives here carry CPU tensors (gradients in host memory), which NCCL does not take
     group = dist.group.WORLD if "gloo" in backend else dist.new_group(backend="gloo")
     return DataParallel(group)
 
@@ -60,6 +61,7 @@ def plan_digest(plan: Plan, *, devices: int, precision: str) -> str:
     d = plan.to_dict()
     keep = {k: d.get(k) for k in ("model", "hardware", "microbatches", "stages", "precision", "head_chunks", "host")}
     keep["run"] = {"devices": devices, "precision": precision}
+    # sorted keys: the same plan serialises to the same bytes on every rank
     return short_digest(json.dumps(keep, sort_keys=True), 12)
 
 
@@ -103,6 +105,7 @@ class DataParallel:
                 box = [{"plan": made.plan.to_dict()}]
             except Exception as e:  # noqa: BLE001 - sent to the other ranks, then raised here as it was
                 box = [{"error": one_line(e)}]
+                # the other ranks wait in this broadcast: they get the error, not a hang until the timeout
                 self._collective("sending rank 0's plan", dist.broadcast_object_list, box, src=0, group=self.group)
                 raise
         self._collective("sending rank 0's plan", dist.broadcast_object_list, box, src=0, group=self.group)
@@ -118,9 +121,11 @@ class DataParallel:
         everyone: list[Any] = [None] * self.world
         self._collective("comparing the ranks' plans", dist.all_gather_object, everyone, (digest, error),
                          group=self.group)
+        # a rank that failed has no digest to compare: named first
         failed = [f"rank {r} ({e})" for r, (_, e) in enumerate(everyone) if e]
         if failed:
             raise DistributedError(f"rank {self.rank}: {', '.join(failed)} failed before training; every rank stops")
+        # rank 0's is the plan the others were sent (shared_plan)
         base = everyone[0][0]
         differ = [r for r, (d, _) in enumerate(everyone) if d != base]
         if differ:
@@ -157,6 +162,7 @@ class DataParallel:
         assert self.reducer is not None
         try:
             if error is not None:
+                # the buckets not launched yet go anyway, so that every rank's all-reduces still pair up
                 self.reducer.abort()
             self.reducer.finish()
         except Exception as e:  # noqa: BLE001 - after a failure here, the rank's own failure is what it reports
@@ -167,11 +173,14 @@ class DataParallel:
     def _status(self, what: str, value: float, error: BaseException | None) -> float:
         """One all-reduce of ``[value, rank failed?...]``: the sum of the values, or a one-line error naming
         the ranks that failed (this one re-raises its own error)."""
+        # float64: token counts sum exactly (float32 rounds past 2**24); one slot per rank flags a failure, so one
+        # all-reduce both sums the value and tells every rank who failed
         t = torch.zeros(1 + self.world, dtype=torch.float64)
         t[0] = value
         t[1 + self.rank] = error is not None
         self._collective(what, dist.all_reduce, t, group=self.group)
         failed = [r for r in range(self.world) if t[1 + r] > 0]
+        # raised only after the collective: the other ranks wait in it for this one
         if error is not None:
             raise error
         if failed:
@@ -183,6 +192,7 @@ class DataParallel:
     def _collective(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
+        # already one line, naming the ranks
         except DistributedError:
             raise
         except Exception as e:  # noqa: BLE001 - gloo's errors (a closed peer, the timeout) in one line
@@ -215,6 +225,8 @@ class RankCalls:
             raise
         except BaseException as e:  # tell the other ranks, in the collective they wait in, then raise it here
             self.drop_held()
+            # the collective the other ranks wait in: the start's if this call failed before reaching it, else the
+            # finish's
             if self.phase == "before":
                 self.dp.start(0.0, e)
             elif self.phase == "running":
@@ -224,6 +236,7 @@ class RankCalls:
     def drop_held(self) -> None:
         """A data-parallel call failed: its gradients (held apart from ``.grad``) are dropped."""
         if self.grads.private is not None:
+            # the held buffers remade empty: still held beside an overlapped step (it reads .grad), into .grad otherwise
             self.grads.hold(self.overlapped())
 
     def global_total(self, total: float) -> float:
@@ -231,6 +244,7 @@ class RankCalls:
         gradients are held apart from ``.grad`` until they are reduced)."""
         total = self.dp.start(total, None)
         self.phase = "running"
+        # already held beside an overlapped step: what it holds stays
         if self.grads.private is None:
             self.grads.hold(True)
         return total
@@ -239,6 +253,7 @@ class RankCalls:
         """The gradients summed across the ranks (then into ``.grad``) and the whole batch's loss."""
         total = self.dp.finish(float(loss), None)
         self.phase = "done"  # the call's collectives are over
+        # beside an overlapped step the held gradients go into .grad once the step is done (the pipeline installs them)
         if not self.overlapped():
             self.grads.install()
             self.grads.hold(False)

@@ -31,5 +31,7 @@ def gpu_memory_limit(device: torch.device, spec: Any = None) -> int:
 def offload_budget(plan: Plan, device: int, devices: int) -> int:
     """Saved activations that may wait on ``device`` to go down: the memory its stages leave free (the lazy
     offload policy of :func:`rpcompile.passes.solver.timing.offload_backlog`)."""
+    # the stages this device runs in round robin (stage k on device k mod devices): what the largest of them leaves free
+    # may wait there, so no stage's own memory is given up for it
     mine = [s.memory_bytes for k, s in enumerate(plan.stages) if k % devices == device]
     return max(0, plan.hardware.memory_bytes - max(mine, default=0))

@@ -8,6 +8,7 @@ from typing import Any, Callable
 __all__ = ["Hook"]
 
 
+# at module level: pickle refers to a function by its module and name, so a closure or lambda would not pickle
 def _nothing(*args: Any, **kwargs: Any) -> None:
     return None
 

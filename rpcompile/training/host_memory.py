@@ -81,6 +81,7 @@ class HostMemory:
         low = self.frozen_bytes / max(self.frozen_params, 1)
         each = self.trainable_bytes // max(self.trainable_params, 1)
         nf4 = f" ({fmt_params(self.quantized_params)} in 4-bit NF4)" if self.quantized_params else ""
+        # a base partly in NF4 averages a fraction of a byte per weight: shown with two decimals then
         parts = [f"frozen base {fmt_params(self.frozen_params)} parameters{nf4} × {low:.{0 if low.is_integer() else 2}f}"
                  f" B = {fmt_bytes(self.frozen_bytes)}"] if self.frozen_params else []
         parts.append(f"trainable {fmt_params(self.trainable_params)} × {each} B (fp32 master, gradient, AdamW "
@@ -140,6 +141,7 @@ def available_host_memory() -> int | None:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
+                    # /proc/meminfo counts in kB (KiB)
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
@@ -154,6 +156,7 @@ def _state_bytes(params: dict[str, nn.Parameter], *, dtype: torch.dtype | None, 
     copies = WeightStore.planned_bytes(params, dtype, pin=pin, uploaded=uploaded, host_only=host_only,
                                        frozen_masters=frozen_masters)
     trainable = {id(p): p for p in params.values() if p.requires_grad}.values()
+    # a gradient that exists already is taken memory in what the OS reports available
     grads = sum(p.numel() * p.element_size() for p in trainable if p.grad is None)
     adam = ADAM_BYTES * sum(p.numel() for p in trainable if p.dtype == torch.float32)
     return copies, grads, adam
@@ -198,9 +201,14 @@ def check_host_memory(params: dict[str, nn.Parameter], plan: Plan, *, dtype: tor
         return need
     parts = (f"upload copies {fmt_bytes(copies)}, gradients {fmt_bytes(grads)}, activations on the host "
              f"{fmt_bytes(acts)} at {plan.microbatches} microbatches")
+    # only when short, and only against the OS's figure: a freed pipeline's pinned buffers stay in torch's cache, which
+    # MemAvailable counts as taken
     if need > have and available is None and release_pinned_cache():
+        # None (meminfo unreadable now): the figure from before
         have = available_host_memory() or have
     if need > have:
+        # the advice follows the largest part: the weights' copies and gradients, else activations the plan saves, else
+        # the hand-offs between stages
         if acts <= copies + grads:
             fix = f"freeze the base and train adapters (LoRA: it is kept once, in {dtype_name(dtype)})"
         elif any(s.offload_bytes for s in plan.stages):
@@ -239,6 +247,7 @@ def fit_host_memory(made: Any, replan: Callable[[], Any], *, dtype: torch.dtype 
     :class:`HostMemoryWarning` giving both plans' predicted iteration times. Not called when ``allow_save`` is
     given (``allow_save=True`` keeps the saving plan)."""
     plan = made.plan
+    # a plan that saves nothing on the host has nothing to recompute instead
     if not any(s.offload_bytes for s in plan.stages):
         return made
     kept = activation_bytes(plan)
@@ -250,6 +259,7 @@ def fit_host_memory(made: Any, replan: Callable[[], Any], *, dtype: torch.dtype 
     if room is None or kept <= room:
         return made
     again = replan()
+    # room is negative when the copies, gradients and optimizer state alone outgrow the host: shown as 0
     warnings.warn(
         f"host memory: the plan kept {fmt_bytes(kept)} of activations on the host but {fmt_bytes(max(room, 0))} "
         f"are left beside the weights' copies, gradients and an AdamW optimizer's state; re-planned to recompute "
@@ -274,12 +284,14 @@ def within_host_memory(what: str) -> Iterator[None]:
         found = _ALLOCATOR.search(str(e)) if isinstance(e, RuntimeError) else None
         if isinstance(e, RuntimeError) and found is None:
             raise
+        # torch's message names the bytes asked for; Python's MemoryError does not
         asked = f"an allocation of {fmt_bytes(int(found.group(1)))}" if found and found.group(1) else "memory"
         have = _available(None)
         available = f"; {fmt_bytes(have)} available" if have is not None else ""
         raise HostMemoryError(
             f"{what} ran out of host memory: {asked} failed {_where(e)}{available}; free host memory, or give "
             f"{what} less to do: an example batch no larger than one step's (it is run once, node by node, to "
+            # from None: this one line is the whole report (where it failed is in it)
             "measure costs), or spec='rtx4090' (any GPU spec) for analytic costs that run nothing") from None
 
 
@@ -289,6 +301,7 @@ def _where(e: BaseException) -> str:
         parts = frame.filename.replace(os.sep, "/").split("/")
         for top in ("passes", "runtime", "rpcompile"):
             if top in parts[:-1]:
+                # from the last folder so named: the checkout's own path may hold "rpcompile" higher up
                 at = "/".join(parts[len(parts) - 1 - parts[::-1].index(top):])
                 return f"in {at} ({frame.name})"
     return "in compile"

@@ -59,6 +59,7 @@ class _Guard:
             self.pending = None
             _hand_on(self.previous, signum, frame)
             return
+        # outside every block nothing is held back, but an overlapped step still writing the masters ends first
         if not self.depth:
             self.waiting = True
             try:
@@ -71,6 +72,7 @@ class _Guard:
             _hand_on(self.previous, signum, frame)
         except BaseException as e:  # noqa: BLE001 - raised when the outermost block ends
             self.pending = e
+            # from the signal handler: each stop only sets a flag (no lock may be taken here)
             for stop in self.stops:
                 stop()
 
@@ -85,9 +87,11 @@ class _Guard:
 
     def install(self) -> None:
         """Take SIGINT's place, if this is the main thread and its handler was set from Python."""
+        # Python sets signal handlers on the main thread only (signal.signal raises elsewhere)
         if self.installed or threading.current_thread() is not threading.main_thread():
             return
         current = signal.getsignal(signal.SIGINT)
+        # SIG_IGN and SIG_DFL are not callable, nor is None (a handler set from C): those stay as they are
         if callable(current) and current != self.handler:
             self.previous = current
             signal.signal(signal.SIGINT, self.handler)
@@ -146,10 +150,12 @@ class deferred:
         _GUARD.depth -= 1
         if self._stop is not None:
             _GUARD.stops.remove(self._stop)
+        # an inner block: the outermost one raises what is pending
         if _GUARD.depth:
             return
         pending = _GUARD.pending
         _GUARD.pending = None
+        # cleared, and SIGINT given back where no step needs it, before raising: the next Ctrl-C starts afresh
         _GUARD.release()
         if pending is not None and not isinstance(error, KeyboardInterrupt):  # (a step started here waits too)
             _GUARD.raise_pending(pending)

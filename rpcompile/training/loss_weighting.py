@@ -25,6 +25,7 @@ IGNORE_INDEX = -100
 def shifted_tokens(target: torch.Tensor) -> int:
     """``loss_weight=`` for a causal LM loss that shifts inside (HF's): the labels it averages over are
     ``target[:, 1:]`` that are not :data:`IGNORE_INDEX`."""
+    # labels[:, 0] is never a target: HF's loss compares logits[:, :-1] with labels[:, 1:]
     return int((target[:, 1:] != IGNORE_INDEX).sum())
 
 
@@ -41,8 +42,12 @@ def loss_weights(targets: Sequence[Any], rows: Sequence[int], weight: "str | Cal
     for t, n in zip(targets, rows):
         if callable(weight):
             out.append(float(weight(t)))
+        # floating, complex and bool targets (regression values, soft labels, masks) have no padding index: they
+        # weigh by rows
         elif weight == "auto" and isinstance(t, torch.Tensor) and not t.is_floating_point() \
                 and not t.is_complex() and t.dtype != torch.bool:
+            # every entry, not every row: a token-level mean averages over all (batch, sequence) positions that are not
+            # padding
             out.append(float((t != IGNORE_INDEX).sum()))
         else:
             out.append(float(n))
@@ -53,10 +58,12 @@ def own_loss(output: Any) -> torch.Tensor:
     """The loss a model computes itself (``loss_fn=None``): its output when that is a tensor, else the output's
     ``loss`` (an HF ``ModelOutput`` or a dict) or its first element (a tuple)."""
     if isinstance(output, Mapping):
+        # an HF ModelOutput holds loss=None when the model was given no labels
         if "loss" not in output or output["loss"] is None:
             raise LossFnError(f"loss_fn=None but the model's output ({type(output).__name__}) has no loss: pass "
                               "the batch's labels= (the model computes its loss from them) or give loss_fn=")
         return output["loss"]
+    # HF models called with return_dict=False put the loss first
     if isinstance(output, (tuple, list)) and output:
         return output[0]
     return output
@@ -140,8 +147,11 @@ class MicrobatchLoss:
                               "compile with loss_fn= (e.g. torch.nn.functional.cross_entropy), or have the model "
                               "return its loss reduced over the batch")
         if self.summed:
+            # a sum over the batch is the sum of the microbatches' sums: no weight
             return loss * self.scale if self.scale != 1.0 else loss
         if self.weights[j] == 0:  # nothing to average (all padding): the mean is nan, its gradient zero
+            # nan_to_num first (nan * 0 is nan); still computed from the loss, so the backward has a graph to run
+            # through
             return loss.nan_to_num() * 0.0
         return loss * (self.weights[j] / self.total * self.scale)
 
@@ -149,9 +159,11 @@ class MicrobatchLoss:
         assert self.loss_fn is not None
         try:
             return self.loss_fn(output, target)
+        # rpcompile's own errors are one line already: not wrapped again
         except RPCompileError:
             raise
         except Exception as e:  # noqa: BLE001 - most often a target the loss cannot take: say which
+            # torch's messages run over several lines: the first one that says something
             first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
             hint = "" if self.checked_targets else (
                 ", or compile with example_target= (one batch's target) to have every call's target checked "
@@ -179,6 +191,7 @@ def scored_classes(output: Any, target: Any) -> int | None:
         output = output.get("logits")
     elif isinstance(output, (tuple, list)):
         output = next((v for v in output if isinstance(v, torch.Tensor)), None)
+    # one output column (a regression, a binary logit) scores no classes to check labels against
     if not isinstance(output, torch.Tensor) or not isinstance(target, torch.Tensor) \
             or output.dim() != target.dim() + 1 or output.shape[-1] < 2:
         return None

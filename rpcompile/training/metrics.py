@@ -62,8 +62,10 @@ def batch_tokens(inputs: Sequence[Any], kwargs: Mapping[str, Any]) -> int:
     """Tokens in a call's batch (module docstring)."""
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor):
+        # the mask's ones: padding positions are not tokens
         return int(mask.sum())
     tensors = [v for v in (*inputs, *kwargs.values()) if isinstance(v, torch.Tensor)]
+    # integer ids of (batch, sequence): every position, padding included, where no mask tells them apart
     ids = next((t for t in tensors if not t.is_floating_point() and t.dim() >= 2), None)
     if ids is not None:
         return ids.numel()
@@ -73,6 +75,7 @@ def batch_tokens(inputs: Sequence[Any], kwargs: Mapping[str, Any]) -> int:
 def step_record(*, iteration: int, loss: torch.Tensor, wall_s: float, tokens: int, timeline: Sequence[Any],
                 devices: int, host_traffic: Mapping[str, int], no_sync: bool = False) -> StepRecord:
     """The record of a call from what the pipeline knows after it (module docstring)."""
+    # compute only: W (weights up) and G (gradients home) are transfers
     compute = [e for e in timeline if _kind(e.action) == "F"]
     stage_s: dict[str, float] = {}
     for e in compute:
@@ -91,10 +94,12 @@ def chrome_trace(timeline: Sequence[Any], *, devices: int, title: str = "rpcompi
                for d in range(devices)]
     for e in timeline:
         kind = _kind(e.action)
+        # the format counts in microseconds; the timeline in seconds
         events.append({"name": f"{e.stage} {kind}" + (f" mb{e.microbatch}" if kind == "F" else ""), "cat": kind,
                        "ph": "X", "pid": 0, "tid": e.device, "ts": round(e.start * 1e6, 3),
                        "dur": round(max(0.0, e.end - e.start) * 1e6, 3),
                        "args": {"stage": e.stage, "action": e.action, "microbatch": e.microbatch}})
+    # standard JSON (no NaN or Infinity), which every trace viewer parses
     return json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}, allow_nan=False)
 
 

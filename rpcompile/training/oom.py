@@ -40,6 +40,7 @@ def _sizes(message: str) -> tuple[int, int, int] | None:
     total = re.search(r"total capacity of " + _SIZE + r" of which " + _SIZE + r" is free", message)
     if tried is None or total is None:
         return None
+    # the capacity's number and unit, then the free memory's
     return _bytes(*tried.groups()), _bytes(*total.groups()[:2]), _bytes(*total.groups()[2:])
 
 
@@ -49,6 +50,8 @@ def fitting_limit(planned: int, limit: int, sizes: tuple[int, int, int] | None) 
         return int(limit * 0.9)
     requested, capacity, free = sizes
     needed = capacity - free + requested
+    # at least 10% under the plan's limit: where the stage needed little more than planned, the ratio alone would
+    # offer a limit no lower than the one that failed
     return min(int(limit * 0.9), int(capacity * planned / max(needed, 1)))
 
 
@@ -57,12 +60,14 @@ def _limit_arg(n: int) -> str:
     for unit in ("GiB", "MiB", "KiB"):
         size = _UNITS[unit.upper()]
         if n >= size:
+            # rounded down: rounded up, the offer could let the plan that failed through again
             return f"{int(n * 10 / size) / 10:g}{unit}"
     return str(n)
 
 
 def _plan_command(plan: Plan, limit: int, devices: Sequence[str]) -> str:
     hw = plan.hardware
+    # a measured plan is measured again on the device; an analytic one needs the spec it was made for
     costs = f"--device {devices[0]}" if plan.cost_model == "measured" else f"--spec {hw.spec.name}"
     return (f"rpcompile plan MODEL --gpus {hw.device_count} {costs} --microbatches {plan.microbatches} "
             f"--precision {plan.precision} --memory-limit {_limit_arg(limit)}")
@@ -72,6 +77,7 @@ def out_of_memory(err: PipelineError, plan: Plan, devices: Sequence[str]) -> Sta
     """``err`` as a :class:`StageOutOfMemoryError` when its cause is an out-of-memory error, else None: one line
     naming the stage, device and microbatch, what the plan predicted, and the command that plans for less."""
     cause = err.__cause__
+    # no stage to name (the host's lookups, an overlapped optimizer step): the error stays as it is
     if not isinstance(cause, torch.OutOfMemoryError) or err.stage is None:
         return None
     stage = next(s for s in plan.stages if s.name == err.stage)
@@ -85,5 +91,6 @@ def out_of_memory(err: PipelineError, plan: Plan, devices: Sequence[str]) -> Sta
         planned += f", it needed about {fmt_bytes(needed)} of the device's {fmt_bytes(sizes[1])}"
     new = StageOutOfMemoryError(f"stage {err.stage} ran out of memory on {where}{at} ({planned}); plan for less "
                                 f"memory: {_plan_command(plan, limit, devices)} (or compile(..., memory_limit={limit}))")
+    # as the PipelineError had them, for handlers that read which stage, device and microbatch failed
     new.stage, new.device, new.microbatch, new.details = err.stage, err.device, err.microbatch, err.details
     return new

@@ -44,6 +44,7 @@ Settings = list[dict[str, Any]]
 
 def settings(optimizer: Any) -> Settings:
     """An optimizer's :data:`SCHEDULED` settings, per parameter group."""
+    # cloned: a scheduler sets a tensor lr in place (fill_), which would change a kept reference with it
     return [{k: g[k].clone() if isinstance(g[k], torch.Tensor) else g[k] for k in SCHEDULED if k in g}
             for g in optimizer.param_groups]
 
@@ -53,9 +54,11 @@ def changed_setting(before: Settings, after: Settings) -> str:
     for i, (b, a) in enumerate(zip(before, after)):
         for k in sorted({*b, *a}):
             x, y = b.get(k), a.get(k)
+            # == of two tensors is a tensor, whose truth is ambiguous past one element
             same = torch.equal(x, y) if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) else x == y
             if not same:
                 return f"{k} of group {i} ({x!r} -> {y!r})"
+    # zip stops at the shorter list: a group added or removed shows as a change of their number
     return "" if len(before) == len(after) else f"parameter groups ({len(before)} -> {len(after)})"
 
 
@@ -118,6 +121,9 @@ class ZeroGradShadow:
         self.calls: list[tuple[Callable[..., Any], tuple, dict[str, Any]]] = []
         for owner in owners:
             own = getattr(owner, "__dict__", None)
+            # an owner without a __dict__ cannot be shadowed; one given twice (the same optimizer again) is shadowed
+            # once, or its second entry would save the shadow as the owner's own attribute and restore would put it back
+            # for good
             if own is None or any(owner is s[0] for s in self.saved):
                 continue
             self.saved.append((owner, "zero_grad" in own, own.get("zero_grad")))
@@ -150,16 +156,19 @@ _STEP_THREAD = threading.local()  # .on: this thread runs an overlapped step (it
 def _keys(tensors: Iterable[torch.Tensor]) -> frozenset[int]:
     """What identifies parameters across pipelines over one model: their storage (the same ``nn.Parameter``, or a
     traced graph's tensor sharing it)."""
+    # meta tensors and empty ones (data_ptr 0) have no storage to share: they match nothing
     return frozenset(t.data_ptr() for t in tensors if t.device.type != "meta" and t.data_ptr())
 
 
 def wait_for_steps(tensors: Iterable[torch.Tensor], *, besides: Overlap | None = None) -> None:
     """Wait for every overlapped step in flight over any of ``tensors`` (another pipeline's over the same model),
     except ``besides``' (a pipeline's own step runs beside its next iteration by design)."""
+    # a snapshot: other threads' collects and the garbage collector change the weak set
     others = [o for o in list(_IN_FLIGHT) if o is not besides and o.future is not None and not o.future.done()]
     if not others or getattr(_STEP_THREAD, "on", False):
         return
     keys = _keys(tensors)
+    # only the steps that write storage of these tensors: another model's step in flight does not hold this call up
     wait([f for o in others if o.keys & keys and (f := o.future) is not None])
 
 
@@ -180,15 +189,18 @@ def watch_model(model: torch.nn.Module, overlap: Overlap, synchronize: Callable[
     weights. A Ctrl-C waits for the step too (:mod:`rpcompile.training.interrupts`): the weights are stepped or not,
     never half, when the ``KeyboardInterrupt`` arrives; starting and collecting a step are never cut in half.
     """
+    # weak: hooks that live on the user's model must not keep the pipeline (its buffers) alive
     compiled, own, sync = weakref.ref(model), weakref.ref(overlap), weakref.WeakMethod(synchronize)
 
     def before_save(module: torch.nn.Module, *args: Any) -> None:
         o = own()
+        # a deep copy or pickle of the model carries these hooks too: they act on the compiled model only
         if module is compiled() and o is not None:
             o.wait()
 
     def before_load(module: torch.nn.Module, *args: Any) -> None:
         s = sync()
+        # not on the step thread: a load_state_dict reached from the step must not wait for the step itself
         if module is compiled() and s is not None and not getattr(_STEP_THREAD, "on", False):
             s()
 
@@ -268,13 +280,19 @@ class Overlap:
         for o in optimizers:
             self.weights.begin_overlap(o)
         self.grads.hold(True)  # the next iteration's gradients wait beside .grad, which the step reads
+        # by identity: an optimizer stepped again in the same overlap is one entry
         self.optimizers += [o for o in optimizers if all(o is not p for p in self.optimizers)]
         reals = [o.zero_grad for o in optimizers]  # before the shadow: the step thread clears .grad for real
         weights, grads = self.weights, self.grads
+        # the iterations since the last step: their gradients are this step's; handed, so the next step does not take
+        # them
         drains = [r for r in self.running if not r.handed]
+        # with overlapped iterations their gradients were added into self.held, and the step puts them in .grad itself;
+        # otherwise the iteration beside the step holds its own and forward_backward installs them once it is collected
         held = self.held if self.iterations else None
         for r in drains:
             r.handed = True
+        # the iterations after this step add into a new generation's buffers
         self.held = {}  # the next generation's
 
         def run() -> tuple[list[Settings], list[Settings]]:
@@ -290,6 +308,8 @@ class Overlap:
                 zero_grad(set_to_none=True)
             for s in schedulers:
                 s.step()
+            # the stepped masters into the back buffers, which become the uploaded copies when the step is collected
+            # (swap)
             for o in optimizers:
                 weights.write_back(o)
             return used, [settings(o) for o in optimizers]
@@ -298,6 +318,8 @@ class Overlap:
 
     def check_idle(self) -> None:
         """Refuse (one line) a second overlapped step while one no iteration has run beside is in flight."""
+        # with overlapped iterations forward_backward does not collect the step: one in flight is legitimate once an
+        # iteration not yet handed to a step (it ran beside it) exists
         if self.future is not None and not (self.iterations and any(not r.handed for r in self.running)):
             names = ", ".join(type(o).__name__ for o in self._stepping)
             raise ConfigError(f"pipe.step(..., overlap=True) again before the next forward_backward, while the "
@@ -325,6 +347,7 @@ class Overlap:
 
     def _submit(self, optimizers: Sequence[Any], fn: Callable[[], tuple[list[Settings], list[Settings]]],
                 shadow: Sequence[Any]) -> None:
+        # the settings as submitted: compared at collection with those the step read, to find a change that raced it
         self._stepping, self._given = list(optimizers), [settings(o) for o in optimizers]
         self._shadow = ZeroGradShadow(shadow)
         try:
@@ -336,6 +359,7 @@ class Overlap:
         # whoever reads or writes what the step writes waits for it (watch_model)
         self.keys = _keys(p for o in optimizers for g in o.param_groups for p in g["params"])
         _IN_FLIGHT.add(self)
+        # a Ctrl-C from now on waits for the step to end before it is raised (interrupts.finish_first)
         finish_first(future)
         for o in optimizers:
             if hasattr(o, "register_state_dict_pre_hook"):  # torch.optim optimizers
@@ -356,6 +380,7 @@ class Overlap:
         if self.future.exception() is not None:
             self.collect()  # raises; back to synchronous steps
         weights = self.weights
+        # cloned: at collection the front copies become the back buffers that the next step writes over
         return {n: weights.source(n).clone() for n, e in weights.entries.items() if e.master.requires_grad}
 
     def collect(self) -> None:
@@ -373,6 +398,7 @@ class Overlap:
         if future.exception() is not None:
             self.check_drains()  # an iteration the step waited for failed: that failure, naming the iteration
         self.future = None
+        # the iterations this step took the gradients of are done with; those begun since stay for the next step
         self.running = [r for r in self.running if not r.handed]
         _IN_FLIGHT.discard(self)
         finished(future)
@@ -395,6 +421,7 @@ class Overlap:
                 shadow.restore(replay=False)
             self._abandon()
             raise PipelineError(f"the overlapped optimizer step failed: {type(e).__name__}: {e}") from e
+        # only after a step that succeeded: a failed one's copies are remade from the masters instead (_abandon)
         self.weights.swap()
         if shadow is not None:
             shadow.restore(replay=True)  # before the held gradients are installed: they are the next backward's
@@ -417,6 +444,7 @@ class Overlap:
         failed after its loss was returned — once every iteration in flight has settled and the step has
         finished (not taken), the overlap ended as a failed step ends it: back to synchronous steps, the
         iterations' gradients dropped."""
+        # only a settled iteration's failure: one still running may fail later, and is found then
         failed = next((r for r in self.running if r.settled.is_set() and r.error is not None), None)
         if failed is None:
             return
@@ -453,10 +481,13 @@ class Overlap:
 
     def began(self, run: Running) -> None:
         """An overlapped iteration started (:meth:`Pipeline.forward_backward <rpcompile.Pipeline.forward_backward>`)."""
+        # a settled iteration that did not fail needs no waiting (its gradients went into held as it ran); a failed one
+        # stays for check_drains to raise
         self.running = [r for r in self.running if not r.settled.is_set() or r.error is not None] + [run]
         self.last = run
 
     def _end(self, *, failed: bool) -> None:
+        # once at least, with no optimizer: the back buffers go and the store stops overlapping either way
         for o in self.optimizers or [None]:
             self.weights.end_overlap(o, failed=failed)
         self.optimizers = []

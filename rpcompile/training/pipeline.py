@@ -141,6 +141,8 @@ class Pipeline:
         self.program = bind(program)  # runnable: the executor runs bound programs (this one and _program_for's)
         self._input_grad_programs: dict[frozenset[str], Program] = {}  # by the inputs whose gradients they send home
         self.schedule = round_robin([s.kind for s in plan.stages], len(self.devices), self.microbatches)
+        # by (microbatches, device of the first stage): a batch with fewer rows runs fewer microbatches, and an
+        # overlapped iteration starts where the iteration before left the round-robin pointer (_schedule)
         self._schedules: dict[tuple[int, int], list] = {(self.microbatches, 0): self.schedule}
         params = {n: p for n, p in gm.named_parameters()}
         buffers = {n: b for n, b in gm.named_buffers()}
@@ -162,6 +164,7 @@ class Pipeline:
         self._overlap = Overlap(self.executor.weights, self.executor.grads)
         """The overlapped optimizer step in flight and the overlap it began (:meth:`step`, :mod:`.overlap`)."""
         self._overlap.iterations = plan.predicted.overlap_iterations  # the devices go on into the next iteration
+        # executor.start shares the intra-op threads out among CPU devices while iterations overlap; back when it ends
         self._overlap.ended = self.executor.restore_threads  # type: ignore[method-assign]
         watch_model(model, self._overlap, self.synchronize)  # model.state_dict / load_state_dict wait for it
         self._no_sync = False  # inside no_sync(): gradient-accumulation calls keep summed gradients on the devices
@@ -205,6 +208,7 @@ class Pipeline:
     def refresh_weights(self) -> None:
         """Remake the devices' copies of every weight from the masters — needed only after edits through
         ``p.data``, which no version counter sees (class docstring, **Weights**)."""
+        # an overlapped step in flight is still writing the masters: copies made now could be half stepped
         self.synchronize()
         self.executor.weights.refresh()
 
@@ -255,9 +259,12 @@ class Pipeline:
         self._overlap.check_drains()  # an overlapped iteration that failed while draining: named here
         if overlap:
             self._overlap.check_idle()  # a second overlapped step before the next iteration: one line
+        # step t-1 collected before step t is submitted: the iteration beside step t computes with its weights
         self._finish_step()
         self.sync_gradients()  # gradients summed on the devices under no_sync: home before the step reads them
         if not overlap:
+            # a synchronous step ends any overlap first: the held gradients in .grad, no step thread writing the
+            # masters
             self.synchronize()
             step_now(optimizers, schedulers, self.scaler)
             return
@@ -287,6 +294,7 @@ class Pipeline:
         is refused in one line, and :meth:`step` sends them home first. ``optimizer.zero_grad()`` meanwhile drops
         them, as it drops ``.grad``. With no stage summing on its device, calls inside are ordinary ones. Not with
         an overlapped step or data-parallel ranks (refused in one line)."""
+        # restored, not cleared, on exit: a no_sync() nested in another leaves the outer one in force
         before, self._no_sync = self._no_sync, True
         try:
             yield
@@ -350,10 +358,13 @@ class Pipeline:
         iteration runs on the latest weights, and results differ in the last bits."""
         self.check_state_dict(state, optimizer=optimizer, exact=exact)
         stale = state["stale_weights"] if exact else {}
+        # any overlap ended first: what loads below (the iteration, the scaler, a resumed overlap) starts from no step
         self.synchronize()
         with deferred():  # all of it or, with a Ctrl-C before it began, none
             self.iteration = int(state["iteration"])
             self.dropout_seed = state.get("dropout_seed")  # None: a version-1 state, drawn without one
+            # a state saved without a scaler, or loaded (exact=False) into a pipeline without one, leaves the
+            # scaler alone
             if state["scaler"] is not None and self.scaler is not None and self.scaler.is_enabled():
                 self.scaler.load_state_dict(state["scaler"])
             if stale:
@@ -430,6 +441,8 @@ class Pipeline:
         any rank raises on every rank (one line naming it); that call's gradients are dropped."""
         accumulation = checked_accumulation(loss_scale, num_items)
         call = functools.partial(self._forward_backward, inputs, target, kwargs, accumulation)
+        # the signal handler sets this flag on a Ctrl-C and nothing clears it: left from an earlier call, it would stop
+        # this one at its first action
         self.executor.interrupted = False
         start = time.perf_counter()
         # a Ctrl-C stops the workers at their next action and is raised once the call is settled, never in the
@@ -496,10 +509,13 @@ class Pipeline:
                 wait([self._step])
             self._reraise(e)
         finally:
+            # the program with input gradients serves this call only
             self.executor.program = main
         with deferred():  # a Ctrl-C from here on is raised once the iteration is wholly done
             _input_gradients(store, m, wanted)
             self.iteration += 1
+            # each microbatch's loss came weighted by its share of the batch (batches.call_batch): their sum is
+            # the batch's mean, or the sum of a summed loss
             loss = torch.stack(losses).sum()
             if self._rank is not None:  # data-parallel: the gradients summed across the ranks, the batch's loss
                 loss = self._rank.reduced(loss)
@@ -518,6 +534,7 @@ class Pipeline:
         if not sums.deferring:
             return
         if self._overlap_optimizer is not None:
+            # cleared before refusing, so that the next call does not start deferring
             sums.deferring = False
             raise ConfigError("pipe.no_sync() does not run beside an overlapped step: call pipe.synchronize() and "
                               "step with overlap=False while accumulating, or accumulate outside no_sync()")
@@ -534,6 +551,8 @@ class Pipeline:
         self._overlap.check_drains()  # a failure while the iteration before drained surfaces here
         if (step := self._step) is not None and step.done() and step.exception() is not None:
             self._finish_step()  # so does a failed step's
+        # the round-robin pointer carries on across iterations: stage k of iteration i runs on device
+        # (i * stages + k) mod devices, so each device's next stage follows the last one it ran
         offset = self.iteration * len(self.plan.stages) % len(self.devices)
         run = self.executor.start(self._schedule(m, offset), store, iteration=self.iteration, loss_fn=loss_of,
                                   targets=targets, held=self._overlap.held, after=self._overlap.last)
@@ -554,6 +573,7 @@ class Pipeline:
         if isinstance(e, PipelineError):
             oom = out_of_memory(e, self.plan, [str(d.torch_device) for d in self.devices])
             if oom is not None:
+                # chained to the worker's own exception (the PipelineError's cause), not to the one-line wrapper
                 raise oom from e.__cause__
             if isinstance(e.__cause__, LossFnError):
                 raise e.__cause__ from None
@@ -573,12 +593,14 @@ class Pipeline:
         wait_for_steps(self._masters, besides=self._overlap)
         self._overlap.drain()  # the devices idle: no overlapped iteration draining
         # the in-graph loss's target rides along
+        # popped before bind (the compiled signature has no such input) and put back after it
         target = {TARGET: kwargs.pop(TARGET)} if self.loss_in_graph and TARGET in kwargs else {}
         if self.signature is not None:  # the inputs as compiled (signature.py)
             inputs, kwargs = self.signature.bind(inputs, kwargs)
         kwargs = {**kwargs, **target}
         m = microbatches_of(inputs, kwargs, self.microbatches)
         store, sizes = microbatch_store(self.gm, self.program.placeholders, inputs, kwargs, m)
+        # split as the inputs are, so each microbatch's weight counts its own labels
         pieces = [p[0] for p in split_microbatches((target[TARGET],), m)] if target else [None] * m
         try:
             outputs = self.executor.run_forward(store, iteration=self.iteration, microbatches=m)
@@ -609,6 +631,7 @@ class Pipeline:
                                                targets=targets)
         except BaseException as e:
             self._reraise(e)
+        # each microbatch's loss already weighted by its share of the batch (batches.call_batch): the sum is its mean
         return torch.stack(losses).sum().as_subclass(BatchLoss)
 
     def codegen(self, directory: str | os.PathLike) -> list[Path]:
@@ -630,6 +653,7 @@ def _input_gradients(store: ValueStore, m: int, inputs: Mapping[str, torch.Tenso
         if x.dim() == 0 or m == 1:  # one value every microbatch read (not split): the sum of their gradients
             grad = sum((g for g in parts if g is not None), torch.zeros_like(x))
         else:
+            # detached: the rows only give the shape of a microbatch that has no gradient, and make no autograd nodes
             rows = torch.tensor_split(x.detach(), m)
             grad = torch.cat([g if g is not None else torch.zeros_like(r) for g, r in zip(parts, rows)])
         with torch.enable_grad():

@@ -44,6 +44,7 @@ _ARRAYS = (list, tuple)
 
 
 def _is_sequence(v: Any) -> bool:
+    # integer tensors of two or more dimensions: token ids, masks and labels, (batch, sequence, ...)
     return isinstance(v, torch.Tensor) and v.dim() >= 2 and not v.is_floating_point()
 
 
@@ -93,13 +94,16 @@ class InputSignature:
                  devices: Sequence[str] = (), compute_dtype: torch.dtype | None = None, target: Any = None):
         self.n_args = len(args)
         self.names = list(kwargs)
+        # non-tensor keywords were traced as constants: a call must give the same value, or leave it out
         self.constants = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
         # the longest sequence planned for: dim 1 of the integer inputs (token ids, masks) of the example
         self.max_seq = max((v.shape[1] for v in tensor_leaves((args, kwargs)) if _is_sequence(v)), default=None)
         try:
             self.params = list(inspect.signature(model.forward).parameters)
+        # a forward whose signature Python cannot read (a builtin, a C extension): positional inputs go unnamed
         except (TypeError, ValueError):
             self.params = []
+        # CPU inputs are always taken: the host splits the batch and sends each microbatch where its stage runs
         self.devices = {"cpu", *devices}
         self.compute_dtype = compute_dtype
         slots = {**{self._slot(i): a for i, a in enumerate(args)}, **kwargs}
@@ -121,6 +125,7 @@ class InputSignature:
         """``(args, kwargs)`` in the compiled form: keywords naming a positional parameter move into place and
         specialised constants are filled in; anything else is refused with one line (:class:`~rpcompile.InputError`)."""
         args, kwargs = list(args), dict(kwargs)
+        # keywords that name positional parameters of forward move into place, in order
         for name in self.params[len(args):self.n_args]:
             if name in kwargs:
                 args.append(kwargs.pop(name))
@@ -146,6 +151,7 @@ class InputSignature:
             raise InputError(f"sequence length {longest} is longer than the {self.max_seq} this pipeline was "
                              f"planned for (its memory plan holds for sequences up to {self.max_seq}); compile "
                              f"again with an example of length {longest} (rpcompile plan ... --seq-len {longest})")
+        # a constant left out is filled in with the compile example's value, which the graph holds
         return tuple(args), {k: kwargs.get(k, self.constants.get(k)) for k in self.names}
 
     def _check_tensors(self, slots: Mapping[str, Any]) -> None:
@@ -167,6 +173,7 @@ class InputSignature:
                 self._check_tensor(where, t, spec)
                 if t.dim():
                     rows[where] = t.shape[0]
+                # only dims that followed the example's sequence length must agree with each other
                 if 1 in spec.dynamic and spec.shape[1] == self.max_seq and _is_sequence(t):
                     seqs[where] = t.shape[1]
             extra = [p for p, v in given.items() if isinstance(v, torch.Tensor) and p not in expected]
@@ -187,6 +194,8 @@ class InputSignature:
         if t.device.type not in self.devices:
             raise InputError(f"{where} is on {t.device} but the pipeline takes inputs on "
                              f"{' or '.join(sorted(self.devices))}; move it there ({where}.to('cpu'))")
+        # dim 0 may be any size; another dynamic dim up to the example's, an integer sequence any length here (bind
+        # refuses one longer than planned, with the fix)
         bad = t.dim() != len(spec.shape) or any(
             t.shape[d] != n and not (d in spec.dynamic and (d == 0 or t.shape[d] <= n or _is_sequence(t)))
             for d, n in enumerate(spec.shape))
@@ -294,9 +303,11 @@ def needs_target(loss_fn: Callable[..., Any] | None) -> bool:
     try:
         params = inspect.signature(loss_fn).parameters.values()
     except (TypeError, ValueError):
+        # unknown: taken to need one, so that a call without a target is refused rather than passed None
         return True
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     positional = [p for p in params if p.kind in (*kinds, inspect.Parameter.VAR_POSITIONAL)]
+    # one parameter, or *args among the first two: the target may be left out
     if len(positional) < 2 or any(p.kind not in kinds for p in positional[:2]):
         return False
     return positional[1].default is inspect.Parameter.empty
@@ -304,6 +315,7 @@ def needs_target(loss_fn: Callable[..., Any] | None) -> bool:
 
 def _numbers(v: Any) -> bool:
     """A list/tuple of numbers (nested) or a numpy array: data a model wanted as a tensor."""
+    # numpy found by its module's name: it need not be imported here
     if type(v).__module__ == "numpy" and hasattr(v, "shape"):
         return True
     if not isinstance(v, _ARRAYS) or not v:
@@ -332,6 +344,7 @@ def check_compile_arguments(model: Any, example_inputs: Any, example_kwargs: Map
                           "(e.g. torch.nn.functional.cross_entropy), or loss_fn=None for the model's own loss")
     if isinstance(devices, (str, torch.device)):
         raise ConfigError(f"devices={str(devices)!r} is one device, not a list; pass devices=[{str(devices)!r}]")
+    # bool is an int to isinstance: microbatches=True is refused
     if microbatches is not None and (isinstance(microbatches, bool) or not isinstance(microbatches, int)
                                      or microbatches < 1):
         raise ConfigError(f"microbatches={microbatches!r}; give a whole number >= 1 (or None: the planner picks)")

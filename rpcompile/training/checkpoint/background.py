@@ -48,6 +48,7 @@ def _before_step(*args: Any, **kwargs: Any) -> None:
     """The global optimizer step pre-hook, installed once and never removed (a hook removed from another thread
     while a step iterates over the hooks would break that iteration): wait for every save still copying."""
     with _LOCK:
+        # waited for outside the lock: a save's thread takes the lock to leave _COPYING when its copy is done
         copying = list(_COPYING)
     for pending in copying:
         pending.wait_copied()
@@ -107,6 +108,8 @@ class PendingSave:
     def wait_copied(self) -> None:
         """Wait until the snapshot no longer shares memory with training (not in a forked child, nor on the
         save's own thread)."""
+        # a forked child (a data loader worker) has no save thread to wait for; the save's own thread would wait for
+        # itself
         if os.getpid() == self._pid and threading.current_thread() is not self._thread:
             self.copied.wait()
 
@@ -115,6 +118,7 @@ class PendingSave:
         try:
             try:
                 snapshot.copy()
+            # set even when the copy failed: no step may wait for a copy that will never end
             finally:
                 with _LOCK:
                     if self in _COPYING:
@@ -139,6 +143,7 @@ class PendingSave:
         ``timeout`` seconds pass first."""
         if not self._done.wait(timeout):
             raise TimeoutError(f"the background save of {self.path} is still writing after {timeout} s")
+        # waited for: a later save or load into the directory goes ahead without it
         _forget(self)
         hooks, self._hooks = self._hooks, []
         for h in hooks:
@@ -175,6 +180,7 @@ def available_memory() -> int | None:
     """The host memory available to a new allocation (``MemAvailable``), or None where it cannot be read."""
     try:
         with open("/proc/meminfo", "rb") as f:
+            # bounded read: MemAvailable is near the top
             for line in f.read(1 << 16).decode("ascii", "replace").splitlines():
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
@@ -192,6 +198,8 @@ def start_background(root: Path, path: Path, snapshot: Snapshot, write: Callable
                               f"optimizer state but the host has {free / 2**30:.1f} GiB available; save with "
                               "background=False (training waits for the write) or free host memory")
     pending = PendingSave(path, snapshot, write)
+    # watched before the thread starts: the thread takes the save out of _COPYING once copied, which must come after it
+    # was put in (or it would stay there)
     pending.watch(model, optimizers)
     with _LOCK:
         _PENDING[root.resolve()] = pending

@@ -43,10 +43,13 @@ VERSION = 1
 EXTRA_FILE = "extra.pt"
 PLAN_FILE = "plan.json"
 """The plan :func:`~.save.save_checkpoint` keeps beside the checkpoints (:func:`~.load.checkpoint_plan`)."""
+# at most 19 digits: every step fits an int64 (MAX_INT)
 _DIR = re.compile(r"^ckpt-(\d{1,19})$")
 _LEGACY = re.compile(r"^ckpt-(\d{1,19})\.ckpt$")
+# a plain name of a file in the checkpoint: no separator and no leading dot, so a manifest names nothing outside it
 _FILE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
 _HEX = re.compile(r"^[0-9a-f]{64}$")
+# the manifest is read before anything is trusted: bounded
 _MAX_MANIFEST = 16 << 20
 _CHUNK = 1 << 22
 
@@ -82,10 +85,12 @@ class Manifest:
 
 
 def _digest(body: dict[str, Any]) -> str:
+    # canonical JSON (sorted keys, no spaces): the digest does not depend on how the file is laid out
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def checkpoint_name(step: int) -> str:
+    # zero-padded: the names sort by step as text too
     return f"ckpt-{step:08d}"
 
 
@@ -105,6 +110,7 @@ def checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
         return []
     found = []
     for p in root.iterdir():
+        # a link could lead anywhere: only real directories are checkpoints
         if (m := _DIR.match(p.name)) and p.is_dir() and not p.is_symlink():
             found.append((int(m[1]), 1, p))
         elif m := _LEGACY.match(p.name):
@@ -137,12 +143,14 @@ def _manifest_problem(obj: Any) -> str | None:
         return f"no format {FORMAT!r}"
     if type(obj.get("version")) is not int or obj["version"] > VERSION:
         return f"version {printable(obj.get('version'), limit=20)}, this rpcompile reads up to {VERSION}"
+    # the digest covers every other field
     body = {k: v for k, v in obj.items() if k != "digest"}
     if obj.get("digest") != _digest(body):
         return "its digest does not match its content"
     step, files, tied = obj.get("step"), obj.get("files"), obj.get("tied")
     if step is not None and (type(step) is not int or not 0 <= step <= MAX_INT):
         return f"step is {printable(step, limit=20)}"
+    # never the manifest itself: its own sha256 could not be inside it
     if not isinstance(files, dict) or not all(isinstance(k, str) and _FILE.match(k) and k != MANIFEST
                                               and isinstance(v, dict) and type(v.get("bytes")) is int
                                               and v["bytes"] >= 0 and isinstance(v.get("sha256"), str)
@@ -168,6 +176,7 @@ def verify_directory(directory: Path) -> Manifest:
 
 
 def _verify_file(path: Path, size: int, digest: str) -> None:
+    # no link followed: the file hashed is the one in the checkpoint; not inherited by child processes
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(path, flags)
@@ -176,6 +185,7 @@ def _verify_file(path: Path, size: int, digest: str) -> None:
     except OSError as e:
         raise ValueError(f"{path.name} cannot be read ({e.strerror or e})") from None
     with os.fdopen(fd, "rb") as f:
+        # the size of the file opened, the one hashed below: a stat of the path could see another
         actual = os.fstat(f.fileno()).st_size
         if actual != size:
             what = "truncated" if actual < size else "longer than written"
@@ -193,6 +203,7 @@ def verify_path(path: Path) -> None:
     if path.is_dir():
         manifest = verify_directory(path)
         m = _DIR.match(path.name)
+        # the name orders the checkpoints (checkpoints()): one renamed to another step's name is refused
         if m and manifest.step != int(m[1]):
             raise ValueError(f"{MANIFEST} says step {manifest.step}, its name {path.name}")
         return
@@ -204,12 +215,14 @@ def _move_aside(path: Path) -> str:
     """Rename a bad checkpoint to ``<name>.corrupt`` (``.corrupt-<i>`` if taken); where it went, in words."""
     for i in range(100):
         aside = path.with_name(path.name + (".corrupt" if i == 0 else f".corrupt-{i}"))
+        # lexists: os.rename would replace what is there, a dangling link included
         if os.path.lexists(aside):
             continue
         try:
             os.rename(path, aside)
             return f"moved to {aside.name}"
         except OSError:
+            # a rename refused once (a read-only directory) is refused again
             break
     return "left in place"
 
@@ -227,6 +240,7 @@ def newest_good(root: Path, *, move_aside: bool = True) -> Path | None:
             where = _move_aside(path) if move_aside else "left in place"
             warnings.warn(f"checkpoint {path} is torn or corrupt ({e}); {where}, trying the previous one",
                           CheckpointWarning, stacklevel=3)
+        # unreadable is not corrupt: it stays where it is
         except OSError as e:
             warnings.warn(f"checkpoint {path} cannot be read ({e}); trying the previous one", CheckpointWarning,
                           stacklevel=3)

@@ -51,6 +51,7 @@ class _Payload(io.RawIOBase):
         return self.f.readinto(buffer)
 
     def seek(self, offset: int, whence: int = 0) -> int:
+        # positions in the payload are past the header: an absolute seek moves by it, a relative one does not
         if whence == 0:
             offset += _HEADER.size
         return self.f.seek(offset, whence) - _HEADER.size
@@ -68,6 +69,7 @@ def verify(f: Any, size: int) -> None:
     magic, length, digest = _HEADER.unpack(head)
     if magic != _MAGIC:
         raise ValueError("no checkpoint header (torn before its header was written, or not a checkpoint)")
+    # a write cut short leaves fewer bytes than the header says; more is not ours either
     if size != _HEADER.size + length:
         raise ValueError(f"{size} bytes where the header says {_HEADER.size + length}")
     sha = hashlib.sha256()
@@ -87,6 +89,7 @@ def payload_problem(payload: Mapping[str, Any]) -> str | None:
         return f"step is {repr(step)[:40]}"
     if not isinstance(payload["pipeline"], Mapping):
         return f"pipeline is {type(payload['pipeline']).__name__}"
+    # a module's _extra_state need not be a tensor: torch.save stored it as it was
     if not isinstance(model, Mapping) or not all(isinstance(k, str) and (isinstance(v, torch.Tensor)
                                                                          or k.endswith("_extra_state"))
                                                  for k, v in model.items()):
@@ -99,6 +102,7 @@ def read_legacy(path: Path) -> Contents:
     ``torch.load(weights_only=True)`` and its layout checked; CheckpointError (one line) otherwise."""
     try:
         with open(path, "rb") as f:
+            # torch.load reads the payload as if it began at offset 0 (_Payload)
             f.seek(_HEADER.size)
             payload = torch.load(cast(IO[bytes], _Payload(f)), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - its checksum holds: what it holds cannot be loaded safely

@@ -37,6 +37,8 @@ def _torch_load(path: Path) -> Any:
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
         with os.fdopen(os.open(path, flags), "rb") as f:
+            # weights_only: nothing in the file runs as code; on the CPU, where the masters and the optimizer's state
+            # live
             return torch.load(cast(IO[bytes], f), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - whatever torch refuses (weights_only, a malformed archive)
         raise ValueError(f"{path.name}: torch.load(weights_only=True) refused it ({one_line(e)})") from None
@@ -48,10 +50,12 @@ def read_checkpoint(path: Path) -> Contents:
     if not path.is_dir():
         return read_legacy(path)
     try:
+        # verified already (newest_good): the manifest is read again only for what it lists
         manifest = read_manifest(path)
         if manifest.step is None:
             raise ValueError(f"{MANIFEST} names no step (weights alone, save_weights): load_weights reads it")
         model = read_weights(path, manifest.tied, listed=manifest.files)
+        # a file the manifest does not list was never checksummed: refused rather than read
         unlisted = next((f for f in _needed(path, manifest) if f not in manifest.files and (path / f).exists()), None)
         if unlisted is not None:
             raise ValueError(f"{unlisted} is not among the files {MANIFEST} vouches for")
@@ -91,6 +95,7 @@ def load_checkpoint(directory: str | os.PathLike, *, model: torch.nn.Module, opt
     (a fresh start). Every check passes before anything changes (all or nothing). ``exact=False``:
     :meth:`Pipeline.load_state_dict <rpcompile.Pipeline.load_state_dict>`'s."""
     root = Path(directory)
+    # a background save into it may be writing the newest checkpoint
     wait_pending(root)
     path = newest_good(root)
     if path is None:
@@ -118,6 +123,7 @@ def load_checkpoint(directory: str | os.PathLike, *, model: torch.nn.Module, opt
     except RuntimeError as e:  # checked above: not expected
         raise CheckpointError(f"{path}: the model's state does not fit this model ({one_line(e)}); load it into "
                               "the model it was saved from") from None
+    # last: a state saved right after an overlapped step resumes it, which needs the optimizer's state loaded
     pipeline.load_state_dict(contents.pipeline, optimizer=optimizer, exact=exact)
     return Checkpoint(path=path, step=contents.step, extra=contents.extra)
 
@@ -125,6 +131,7 @@ def load_checkpoint(directory: str | os.PathLike, *, model: torch.nn.Module, opt
 def _weights_at(path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     """The weights ``path`` names (module docstring of :func:`load_weights`) and where they were read from."""
     if path.is_file():
+        # a bare safetensors file has no manifest to check it against
         if path.suffix == ".safetensors":
             return path, read_file(path)[1]
         try:
@@ -142,9 +149,11 @@ def _weights_at(path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
             raise CheckpointError(f"{path} is torn or corrupt ({e}); copy it again or load an earlier checkpoint "
                                   "(rpcompile checkpoint verify lists them)") from None
         return path, read_weights(path, manifest.tied, listed=manifest.files)
+    # HF's save_pretrained writes no manifest: read as it is
     if (path / WEIGHTS_NAME).is_file() or (path / INDEX_NAME).is_file():
         return path, read_weights(path)
     wait_pending(path)
+    # loading weights only reads: a bad checkpoint is skipped, not moved aside
     newest = newest_good(path, move_aside=False)
     if newest is None:
         raise CheckpointError(f"{path} holds no weights: no checkpoint, {WEIGHTS_NAME} or {INDEX_NAME}")
@@ -161,6 +170,7 @@ def load_weights(path: str | os.PathLike, model: torch.nn.Module, *, strict: boo
         source, state = _weights_at(Path(path))
     except ValueError as e:
         raise CheckpointError(f"{path}: {e}; copy it again, or load an earlier checkpoint") from None
+    # the names untie dropped (tied weights) filled from the ones kept, as this model names them
     fill_aliases(model, state)
     problem = weights_problem(model, state, strict=strict)
     if problem is not None:

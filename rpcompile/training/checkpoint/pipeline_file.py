@@ -44,10 +44,12 @@ def write_pipeline(directory: Path, state: Mapping[str, Any]) -> dict[str, tuple
     seed = state.get("dropout_seed")
     body = {"format": state["format"], "version": state["version"], "iteration": state["iteration"],
             "dropout_seed": None if seed is None else str(int(seed)),
+            # GradScaler keeps some of its state as tensors: JSON takes their numbers
             "scaler": None if scaler is None else {k: v.item() if isinstance(v, torch.Tensor) else v
                                                    for k, v in scaler.items()},
             "microbatches": state["microbatches"], "precision": state["precision"], "model": state["model"],
             "cuts": state["cuts"], "stale_weights": list(stale), "plan": json.loads(state["plan"])}
+    # strict JSON: a NaN or infinity (a broken scale) fails here, at the save, not at the load
     written = {PIPELINE_FILE: write_atomic_hashed(directory / PIPELINE_FILE,
                                                   json.dumps(body, indent=1, allow_nan=False) + "\n")}
     if stale:
@@ -60,6 +62,7 @@ def read_pipeline(directory: Path) -> dict[str, Any]:
     """The pipeline state saved in ``directory`` as ``Pipeline.state_dict()`` returned it; ValueError (one line)
     naming the problem."""
     try:
+        # the plan's own bound and room for the few other fields
         obj = read_json(directory / PIPELINE_FILE, max_bytes=MAX_PLAN_BYTES + (1 << 20), max_depth=12,
                         what="a pipeline state")
     except FileNotFoundError:
@@ -73,11 +76,13 @@ def read_pipeline(directory: Path) -> dict[str, Any]:
     if not isinstance(plan, dict):
         raise ValueError(f"{PIPELINE_FILE} holds no plan")
     try:
+        # checked as a plan file, then back to the text state_dict() holds
         state["plan"] = Plan.from_dict(plan, source=f"{PIPELINE_FILE}'s plan").to_json()
     except PlanFileError as e:
         raise ValueError(str(e)) from None
     seed = obj.get("dropout_seed")
     if seed is not None:
+        # 20 digits hold every 64-bit number, and more: the bound is checked too
         if not isinstance(seed, str) or not _SEED.match(seed) or int(seed) > _MAX_SEED:
             raise ValueError(f"{PIPELINE_FILE}: dropout_seed is {str(seed)[:30]!r}, not a 64-bit seed as text")
         state["dropout_seed"] = int(seed)

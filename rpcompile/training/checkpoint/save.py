@@ -57,6 +57,7 @@ def save_checkpoint(directory: str | os.PathLike, *, model: torch.nn.Module, opt
     root.mkdir(parents=True, exist_ok=True)
     pipeline_sd = pipeline.state_dict()  # first: it waits for an overlapped step, so the masters are final
     wait_pending(root)  # one save at a time into a directory; a failed one raises here
+    # a resume takes the newest checkpoint: one newer than this save would hide it
     newer = [p.name for s, p in checkpoints(root) if s > step]
     if newer:
         raise CheckpointError(f"save_checkpoint: {root} already holds {newer[0]}, newer than step {step}: a resume "
@@ -65,12 +66,14 @@ def save_checkpoint(directory: str | os.PathLike, *, model: torch.nn.Module, opt
     snap = take_snapshot(step=step, model=model, optimizer=optimizer, pipeline_state=pipeline_sd,
                          extra=_copy_extra(extra))
     plan_file = root / PLAN_FILE  # first, so that every checkpoint's plan is on disk
+    # written only when it differs: every save of a run keeps the same plan
     if not plan_file.is_file() or plan_file.read_bytes() != pipeline_sd["plan"].encode():
         write_atomic(plan_file, pipeline_sd["plan"])
     path = root / checkpoint_name(step)
 
     def write(s: Snapshot) -> None:
         write_snapshot(path, s, shard_bytes)
+        # checkpoints() lists the newest first; the older ones go only once the new one is whole
         for _, old in checkpoints(root)[keep:]:
             remove_atomically(old)
 
@@ -78,6 +81,7 @@ def save_checkpoint(directory: str | os.PathLike, *, model: torch.nn.Module, opt
         optimizers = [] if optimizer is None else list(optimizer) if isinstance(optimizer, (list, tuple)) \
             else [optimizer]
         return start_background(root, path, snap, write, model=model, optimizers=optimizers)
+    # written before returning: the parameters the snapshot references (not copies) cannot step meanwhile
     write(snap)
     return path
 
@@ -138,6 +142,7 @@ def convert(old: str | os.PathLike, new: str | os.PathLike, *,
         except ValueError as e:
             raise CheckpointError(f"{source} is torn or corrupt ({e}); convert an earlier checkpoint") from None
     contents = read_legacy(source)
+    # no model at hand: aliases are found by storage alone, the first name kept
     weights, tied = untie(contents.model)
     state = contents.pipeline
     version = state.get("version") if isinstance(state, dict) else None

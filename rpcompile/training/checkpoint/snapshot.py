@@ -61,6 +61,7 @@ class Snapshot:
         seen: set[int] = set()
         total = 0
         for _, _, t in self.shared():
+            # by identity: a tensor under two names (tied weights) is copied once
             if id(t) not in seen:
                 seen.add(id(t))
                 total += t.numel() * t.element_size()
@@ -84,8 +85,11 @@ def optimizer_states(optimizer: Any) -> list[dict[str, Any]] | None:
     out = []
     for o in (optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]):
         sd = o.state_dict()
+        # a scheduler sets lr in the live groups (a tensor lr in place): the save keeps the values as they are now
         groups = [{k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in g.items()}
                   for g in sd["param_groups"]]
+        # shallow copies of each parameter's state: a later step may add entries to the live dicts; the tensors in them
+        # stay referenced until copy()
         out.append({**sd, "state": {i: dict(entry) for i, entry in sd["state"].items()}, "param_groups": groups})
     return out
 
@@ -104,6 +108,7 @@ def take_snapshot(*, step: int, model: torch.nn.Module, optimizer: Any, pipeline
     """The snapshot at this point (module docstring); ``pipeline_state`` and ``extra`` are the caller's copies."""
     state = model.state_dict()
     weights, tied = untie(state, model)
+    # by storage: state_dict() holds detached tensors, not the Parameters; empty tensors all share address 0
     params = {p.data_ptr() for p in model.parameters() if p.numel()}
     owned: set[int] = set()
     for name, t in weights.items():
@@ -111,6 +116,7 @@ def take_snapshot(*, step: int, model: torch.nn.Module, optimizer: Any, pipeline
             weights[name] = t.detach().clone()
             owned.add(id(weights[name]))
     owned |= {id(t) for t in pipeline_state["stale_weights"].values()}  # copies already
+    # the dtype config.json records (torch_dtype), taken from the weights as save_pretrained takes it
     dtype = next((t.dtype for t in weights.values() if t.is_floating_point()), None)
     return Snapshot(step=step, pipeline=pipeline_state, weights=weights, tied=tied,
                     optimizers=optimizer_states(optimizer), extra=extra, config=config_writer(model, dtype),

@@ -121,6 +121,7 @@ def pipeline_state(pipe: Resumable, stale_weights: Mapping[str, torch.Tensor]) -
     return {"format": STATE_FORMAT, "version": STATE_VERSION, "model": pipe.plan.model.digest,
             "cuts": plan_cuts(pipe.plan), "plan": pipe.plan.to_json(), "microbatches": pipe.microbatches,
             "precision": pipe.precision, "iteration": pipe.iteration, "dropout_seed": pipe.dropout_seed,
+            # None for a disabled scaler too (bf16): every state without loss scaling compares alike
             "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
             "stale_weights": dict(stale_weights)}
 
@@ -157,6 +158,7 @@ def check_pipeline_state(pipe: Resumable, state: Any, copies: Mapping[str, tuple
         raise CheckpointError(f"the pipeline state was computed with a plan cut otherwise (cuts {state['cuts']}, "
                               f"this pipeline's {plan_cuts(pipe.plan)}), which changes the last bits; {again}")
     has_scaler = pipe.scaler is not None and pipe.scaler.is_enabled()
+    # either way round the scale would change (lost, or started afresh), and with it the last bits
     if (state["scaler"] is not None) != has_scaler:
         raise CheckpointError(f"the pipeline state {'has' if state['scaler'] else 'has no'} GradScaler state but "
                               f"this pipeline {'has' if has_scaler else 'has no'} scaler; compile with "
@@ -164,6 +166,7 @@ def check_pipeline_state(pipe: Resumable, state: Any, copies: Mapping[str, tuple
                               "exact=False")
     for name, t in state["stale_weights"].items():
         mine = copies.get(name)
+        # load copies them into this pipeline's front copies (Overlap.resume): the dtype and shape must be the same
         if mine != (t.dtype, tuple(t.shape)):
             got = "none" if mine is None else f"{mine[0]} {mine[1]}"
             raise CheckpointError(f"the pipeline state's stale copy of {name} is {t.dtype} {tuple(t.shape)}, this "
@@ -185,6 +188,7 @@ def pipeline_state_problem(state: Mapping[str, Any], version: int) -> str | None
                 continue
             return f"no {name!r}"
         value = state[name]
+        # bool is an int to isinstance; no field here is negative (iteration, microbatches, seed)
         if not isinstance(value, types) or isinstance(value, bool) or (isinstance(value, int) and value < 0):
             return f"{name} is {type(value).__name__} {repr(value)[:40]}"
     bad = next((k for k, t in state["stale_weights"].items() if not isinstance(k, str)
@@ -215,11 +219,13 @@ def optimizer_state_problem(optimizer: Any, state: Any) -> str | None:
         return f"the checkpoint holds {len(groups)} parameter group(s), this optimizer has {len(mine)}"
     if any(len(g["params"]) != len(m["params"]) for g, m in zip(groups, mine)):
         return "a parameter group's size differs from this optimizer's"
+    # torch's load_state_dict matches the saved indices to parameters by position within the groups: the same map
     params = {i: p for g, m in zip(groups, optimizer.param_groups) for i, p in zip(g["params"], m["params"])}
     for index, entry in state["state"].items():
         if index not in params or not isinstance(entry, Mapping):
             return f"state for parameter {repr(index)[:20]}, which no parameter group lists"
         shape = tuple(params[index].shape)
+        # only state with one element per weight element has the parameter's shape (not a step count)
         wrong = next((k for k, v in entry.items() if k in _ELEMENTWISE and isinstance(v, torch.Tensor)
                       and tuple(v.shape) != shape), None)
         if wrong is not None:

@@ -33,7 +33,7 @@ __all__ = ["DTYPES", "MAX_HEADER_BYTES", "Entry", "Header", "write_tensors", "re
 MAX_HEADER_BYTES = 100_000_000
 """The longest header read (the ``safetensors`` package's own bound)."""
 _MAX_NAME, _MAX_DIMS = 4096, 64
-_CHUNK = 1 << 26
+_CHUNK = 1 << 26  # 64 MiB: each write a slice of the tensor's own bytes
 
 DTYPES: dict[str, torch.dtype] = {code: getattr(torch, name) for code, name in (
     ("F64", "float64"), ("F32", "float32"), ("F16", "float16"), ("BF16", "bfloat16"), ("I64", "int64"),
@@ -73,6 +73,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     flat = t.detach().as_subclass(torch.Tensor).cpu().contiguous().reshape(-1)
     if flat.dtype not in _CODES:
         raise ValueError(f"dtype {flat.dtype} has no safetensors code")
+    # as raw bytes, whatever the dtype (numpy has no bfloat16)
     return flat.view(torch.uint8).numpy().data if flat.numel() else memoryview(b"")
 
 
@@ -90,6 +91,7 @@ def _layout(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) ->
         head[name] = {"dtype": _CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
         offset += size
     raw = json.dumps(head, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    # spaces to a multiple of 8: with the data ordered by element size, every tensor starts aligned
     return raw + b" " * (-len(raw) % 8), order
 
 
@@ -110,6 +112,7 @@ def write_tensors(f: IO[bytes], tensors: Mapping[str, torch.Tensor], metadata: M
 
 
 def _pieces(header: bytes, order: list[str], tensors: Mapping[str, torch.Tensor]) -> Iterable[memoryview | bytes]:
+    # the header's length: 8 bytes, little-endian, unsigned
     yield struct.pack("<Q", len(header))
     yield header
     for name in order:
@@ -138,6 +141,7 @@ def read_header(f: IO[bytes], size: int) -> Header:
     if len(head) < 8:
         raise ValueError(f"{size} bytes, shorter than the 8 that give the header's length")
     (n,) = struct.unpack("<Q", head)
+    # bounded before a byte of it is read: a corrupt length must not allocate gigabytes
     if n > MAX_HEADER_BYTES or 8 + n > size:
         raise ValueError(f"a header of {n:,} bytes in a file of {size:,}" + (" (more than the format allows)"
                                                                              if n > MAX_HEADER_BYTES else
@@ -146,6 +150,7 @@ def read_header(f: IO[bytes], size: int) -> Header:
     if len(raw) < n:
         raise ValueError(f"the header ends after {len(raw):,} of its {n:,} bytes: truncated")
     try:
+        # the padding is spaces after the JSON
         obj = parse_json(raw.rstrip(b" "), max_depth=3, what="a safetensors header")
     except ValueError as e:
         raise ValueError(f"the header is not valid JSON ({e})") from None
@@ -155,6 +160,7 @@ def read_header(f: IO[bytes], size: int) -> Header:
     if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                  for k, v in metadata.items()):
         raise ValueError("__metadata__ is not an object of text values")
+    # the header's JSON lists the tensors in any order: sorted by offset, the tiling is a single walk
     entries = sorted((_entry(name, value) for name, value in obj.items()), key=lambda e: (e.begin, e.end))
     _check_tiling(entries, size - 8 - n)
     return Header(entries=tuple(entries), metadata=metadata, data_start=8 + n)
@@ -175,6 +181,7 @@ def _entry(name: str, value: Any) -> Entry:
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_whole(o) for o in offsets) \
             or offsets[0] > offsets[1]:
         raise ValueError(f"tensor {shown} has data_offsets {printable(offsets, limit=60)}, not [begin, end]")
+    # an empty shape is a scalar: one element
     nbytes = math.prod(shape) * DTYPES[dtype].itemsize
     if nbytes != offsets[1] - offsets[0]:
         raise ValueError(f"tensor {shown} is {dtype} {tuple(shape)}: {nbytes:,} bytes, but its data_offsets span "
@@ -183,6 +190,7 @@ def _entry(name: str, value: Any) -> Entry:
 
 
 def _whole(v: Any) -> bool:
+    # type(), not isinstance: a JSON true is not a dimension
     return type(v) is int and v >= 0
 
 
@@ -211,6 +219,7 @@ def read_file(path: Path) -> tuple[Header, dict[str, torch.Tensor]]:
         raise ValueError(f"{path.name} cannot be read ({e.strerror or e})") from None
     with os.fdopen(fd, "rb") as f:
         try:
+            # the size of the file opened, not of whatever the path names by then
             header = read_header(f, os.fstat(f.fileno()).st_size)
             return header, read_tensors(f, header)
         except ValueError as e:
@@ -224,11 +233,13 @@ def read_tensors(f: IO[bytes], header: Header, names: Iterable[str] | None = Non
     for e in header.entries:
         if wanted is not None and e.name not in wanted:
             continue
+        # fresh memory, not a mapping of the file: the tensor outlives the file (a checkpoint removed by keep=)
         t = torch.empty(e.shape, dtype=e.dtype)
         if e.end > e.begin:
             f.seek(header.data_start + e.begin)
             view = t.reshape(-1).view(torch.uint8).numpy().data
             got = 0
+            # readinto may fill less than asked: read until the tensor is whole
             while got < len(view):
                 n = f.readinto(view[got:])  # type: ignore[attr-defined]  # a binary file
                 if not n:

@@ -33,7 +33,7 @@ __all__ = ["WEIGHTS_NAME", "INDEX_NAME", "DEFAULT_SHARD_SIZE", "parse_size", "un
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
-DEFAULT_SHARD_SIZE = 5 * 10**9
+DEFAULT_SHARD_SIZE = 5 * 10**9  # 5 GB in decimal units: huggingface_hub's default
 _SHARD = re.compile(r"^model-(\d{5})-of-(\d{5})\.safetensors$")
 _FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}\.safetensors$")
 _MAX_INDEX_BYTES = 256 << 20
@@ -88,6 +88,8 @@ def untie(state: Mapping[str, Any], model: torch.nn.Module | None = None
                               "such a model's state with torch.save")
     groups: dict[tuple, list[str]] = {}
     for name, t in state.items():
+        # an alias is the same storage seen the same way (device, address, dtype, shape, strides); empty tensors all
+        # have address 0, so each stands alone
         key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) if t.numel() else ("empty", name)
         groups.setdefault(key, []).append(name)
     patterns = _tied_patterns(model)
@@ -96,6 +98,7 @@ def untie(state: Mapping[str, Any], model: torch.nn.Module | None = None
         if len(names) < 2:
             continue
         declared = [n for n in names if any(re.search(p, n) for p in patterns)]
+        # the one the others are declared tied to; where every name is declared (or none), the first
         kept = next((n for n in names if n not in declared), names[0])
         tied.update({n: kept for n in names if n != kept})
     return {k: v for k, v in state.items() if k not in tied}, tied
@@ -107,6 +110,7 @@ def shards(tensors: Mapping[str, torch.Tensor], max_bytes: int) -> list[list[str
     size = 0
     for name, t in tensors.items():
         n = t.numel() * t.element_size()
+        # a shard is never left empty: a tensor above the limit goes alone into one
         if out[-1] and size + n > max_bytes:
             out.append([])
             size = 0
@@ -158,6 +162,7 @@ def hf_config(model: torch.nn.Module) -> tuple[Any, Any] | None:
     config = getattr(model, "config", None)
     if config is None or not callable(getattr(config, "save_pretrained", None)):
         return None
+    # copies: the dtype and architectures set on them (and a background save's later write) leave the model's alone
     config = copy.deepcopy(config)
     config.architectures = [type(model).__name__]
     generation = getattr(model, "generation_config", None)
@@ -174,6 +179,7 @@ def write_config(directory: Path, config: Any, generation_config: Any, dtype: to
     ``AutoModelForCausalLM.from_pretrained(directory)`` builds it.
     """
     if dtype is not None:
+        # newer transformers call the field dtype, older ones torch_dtype
         setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype", str(dtype).split(".")[1])
     config.save_pretrained(str(directory))
     files = ["config.json"]
@@ -201,6 +207,7 @@ def weight_files(directory: Path) -> dict[str, list[str] | None]:
         raise ValueError(f"{INDEX_NAME} has no weight_map of tensor names to files")
     files: dict[str, list[str] | None] = {}
     for name, file in weight_map.items():
+        # a plain file of this directory: an index must not send the reader elsewhere (a path, "..")
         if not isinstance(file, str) or not _FILE_NAME.match(file):
             raise ValueError(f"{INDEX_NAME} puts {printable(name, limit=80)} in {printable(file, limit=80)!r}, "
                              "not a safetensors file of this directory")
@@ -222,6 +229,7 @@ def read_weights(directory: Path, tied: Mapping[str, str] | None = None,
     state: dict[str, torch.Tensor] = {}
     files = weight_files(directory)
     if listed is not None:
+        # the index too when it is there: a manifest that does not list it never checksummed it
         unlisted = next((f for f in [*files, *([INDEX_NAME] if INDEX_NAME not in files and
                                                (directory / INDEX_NAME).is_file() else [])]
                          if f not in set(listed)), None)
@@ -240,11 +248,13 @@ def read_weights(directory: Path, tied: Mapping[str, str] | None = None,
         if kept not in state:
             raise ValueError(f"{printable(dropped, limit=80)} is tied to {printable(kept, limit=80)}, which no file "
                              "holds")
+        # the same tensor under both names, as the model held it
         state[dropped] = state[kept]
     return state
 
 
 def _kind(dtype: torch.dtype) -> str:
+    # load_state_dict casts between float dtypes; integer and bool tensors (quantized data, masks) must match
     return "float" if dtype.is_floating_point or dtype.is_complex else str(dtype)
 
 
@@ -283,6 +293,7 @@ def apply_weights(model: torch.nn.Module, state: Mapping[str, torch.Tensor], *, 
 def fill_aliases(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Add to ``state`` each name of ``model`` that it lacks but whose tensor is an alias of one it has (a tied
     weight, dropped when written; a directory ``save_pretrained`` wrote lists none)."""
+    # empty tensors all have address 0: none is an alias of another
     mine = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor) and v.numel()}
     by_alias: dict[tuple, str] = {}
     for k, v in mine.items():

@@ -209,8 +209,8 @@ class PipelineTrainerMixin:
         overlap=True, scheduler=...)`` (the scheduler stepped on the step's thread, right after the optimizer, as
         the overlap requires) and its own ``lr_scheduler.step()`` nothing; the learning rate it logs is the one
         read before the step was submitted, as the Trainer reads it."""
-        # patched once per optimizer object: a Trainer that makes a new optimizer (another train()) gets it patched
-        # again
+        # patched once per optimizer object: one the Trainer replaces (another train() prepares a new one) is patched
+        # anew
         if not self.pipeline_options.overlap or self._stepping is self.optimizer:
             return
         if pipe.overlap_iterations and self.args.max_grad_norm:
@@ -225,8 +225,7 @@ class PipelineTrainerMixin:
         stepper = types.SimpleNamespace(step=scheduler.step) if scheduler is not None else None
 
         def step(*args: Any, **kwargs: Any) -> None:
-            # read before submitting: the step's thread steps the scheduler, and the Trainer logs the rate this step
-            # used
+            # read before submitting: the step's thread steps the scheduler, and the Trainer logs this step's rate
             self._lr_before_step = float(inner.get_last_lr()[0]) if inner is not None else None
             pipe.step(optimizer, overlap=True, scheduler=stepper)
 
@@ -294,7 +293,7 @@ class PipelineTrainerMixin:
             if self.pipe is not None:  # compiled already (an evaluation first): continue from the state
                 state = _pipeline_state(checkpoint)
                 if state is not None:
-                    # exact=False: this pipeline was compiled at the first batch, not necessarily with the checkpoint's plan
+                    # exact=False: compiled at the first batch, perhaps not with the checkpoint's plan
                     self.pipe.load_state_dict(state, exact=False)
             self._resume_dir = checkpoint
 

@@ -26,10 +26,13 @@ def load_for(args: argparse.Namespace, microbatches: int) -> ModelSpec:
     ``--batch-size`` says otherwise: the meta presets come with a batch of one sequence. A built-in model's batch
     is known before it is built, so it is built once (a model file's is not: it ignores ``--batch-size``)."""
     batch = preset_batch_size(args.model)
+    # a preset's batch is known before it is built: asked for big enough at once
     if args.batch_size is None and batch is not None and batch < microbatches:
         args.batch_size = microbatches
     ms = load(args)
     first = ms.example_inputs[0] if ms.example_inputs else None
+    # a model file's batch shows only once built; with --batch-size given, a too small batch is left to the split's
+    # error
     if args.batch_size is None and isinstance(first, torch.Tensor) and first.dim() and first.shape[0] < microbatches:
         args.batch_size = microbatches
         ms = load(args)

@@ -66,7 +66,8 @@ def _scaling(args: argparse.Namespace, scenarios: dict) -> dict[str, list[dict]]
         return {}
     with step(args, f"simulating {', '.join(map(str, args.nodes))} nodes"):
         return {name: scaling(sc, args.nodes, args.network) for name, sc in scenarios.items()
-                # G actions send gradients home: only round-robin schedules have them (a static one keeps its gradients on the devices)
+                # G actions send gradients home: only round-robin schedules have them (static ones keep theirs on
+                # the devices)
                 if any(a.kind == "G" for acts in sc.lists for a in acts)}
 
 

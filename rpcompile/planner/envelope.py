@@ -84,8 +84,7 @@ def link_bound(plan: Plan, tokens: int, unit: str = "tokens") -> LinkBound | Non
     bound, need, worst, worst_ratio = [], 0.0, None, 0.0
     for s in plan.stages:
         upload = s.weight_bytes / link
-        # the weights go up once per iteration while the stage computes all m microbatches: that compute can hide the
-        # upload
+        # the weights go up once per iteration, hidden while the stage computes all m microbatches if that is longer
         if upload <= m * s.compute_s:
             continue
         bound.append(s.name)

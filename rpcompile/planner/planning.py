@@ -446,8 +446,7 @@ def graph_as_planned(plan: Plan, model: torch.nn.Module, example_inputs: Any, *,
     try:
         run(c, GRAPH)
     except ValueError as e:
-        # c.times holds only finished passes: a trace that fails is no mismatch with the plan, so its error goes up as
-        # is
+        # c.times holds the passes that finished: an error of the trace itself is no mismatch with the plan
         if "trace" not in c.times:
             raise
         _same_precision(plan, c.graph, model, precision, source)  # what the trace shows is said first

@@ -194,7 +194,7 @@ def max_sequence_length(
     def _probe(length: int) -> Probe:
         t = time.perf_counter()
         ms = build(length, m)
-        # a factory that ignores seq_len would give the same inputs at every length and the search would never end right
+        # a factory that ignores seq_len gives the same inputs at every length: the answer would be a length never tried
         if not ms.example_inputs or ms.example_inputs[0].shape[-1] != length:
             raise ConfigError(f"{model if isinstance(model, str) else 'the model'} does not take a sequence length: "
                               "--max-seq-len needs a built-in language model or a build(seq_len, batch_size)")

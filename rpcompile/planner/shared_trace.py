@@ -58,6 +58,5 @@ class TraceOnce:
         if self.left > 0:
             c.gm = graph_copy(self.kept)
         else:
-            # the last compilation may rewrite the kept graph itself; dropping the reference lets it go with that
-            # compilation
+            # the last compilation takes the kept graph itself (no copy left to protect), and this lets go of it
             c.gm, self.kept = self.kept, None

@@ -31,8 +31,6 @@ def load_for(args: argparse.Namespace, microbatches: int) -> ModelSpec:
         args.batch_size = microbatches
     ms = load(args)
     first = ms.example_inputs[0] if ms.example_inputs else None
-    # a model file's batch shows only once built; with --batch-size given, a too small batch is left to the split's
-    # error
     if args.batch_size is None and isinstance(first, torch.Tensor) and first.dim() and first.shape[0] < microbatches:
         args.batch_size = microbatches
         ms = load(args)

@@ -209,8 +209,7 @@ class PipelineTrainerMixin:
         overlap=True, scheduler=...)`` (the scheduler stepped on the step's thread, right after the optimizer, as
         the overlap requires) and its own ``lr_scheduler.step()`` nothing; the learning rate it logs is the one
         read before the step was submitted, as the Trainer reads it."""
-        # patched once per optimizer object: one the Trainer replaces (another train() prepares a new one) is patched
-        # anew
+        # once per optimizer object: one the Trainer replaces (as another train() does) is patched anew
         if not self.pipeline_options.overlap or self._stepping is self.optimizer:
             return
         if pipe.overlap_iterations and self.args.max_grad_norm:

@@ -103,8 +103,8 @@ def _quantized(weight: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
                           "the meta device)") from None
     packed, state = bnb.quantize_4bit(weight.detach(), blocksize=NF4_BLOCK, quant_type="nf4",
                                       compress_statistics=True)
-    # fp32 values kept as int32 bits: every packed parameter is then an integer one, which casts to the compute
-    # precision leave alone
+    # fp32 values kept as int32 bits: every packed parameter is then an integer one, which the runtime's casts to
+    # the compute precision leave as it is
     scales = torch.cat([state.offset.reshape(1).float(), state.state2.absmax.float()]).view(torch.int32)
     return packed, state.absmax, scales, state.state2.code.float().view(torch.int32)
 

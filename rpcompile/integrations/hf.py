@@ -209,7 +209,7 @@ class PipelineTrainerMixin:
         overlap=True, scheduler=...)`` (the scheduler stepped on the step's thread, right after the optimizer, as
         the overlap requires) and its own ``lr_scheduler.step()`` nothing; the learning rate it logs is the one
         read before the step was submitted, as the Trainer reads it."""
-        # once per optimizer object: one the Trainer replaces (as another train() does) is patched anew
+        # once per optimizer object: one the Trainer puts in its place later is patched in turn
         if not self.pipeline_options.overlap or self._stepping is self.optimizer:
             return
         if pipe.overlap_iterations and self.args.max_grad_norm:

@@ -408,6 +408,7 @@ def start(model: torch.nn.Module, example_inputs: Sequence[Any], options: PlanOp
     # tensor_split makes the first piece the largest: costing it gives every microbatch's upper bound
     piece = split_microbatches((*args, *kwargs.values(), *extra), m)[0]
     dtype = compute_dtype(options.precision)
+    # the piece holds the values in the order flattened above: the positional inputs, the keyword values, the target
     return Compilation(
         model=model, args=tuple(piece[: len(args)]), kwargs=dict(zip(kwargs, piece[len(args):len(args) + len(kwargs)])),
         cost_model=make_cost_model(spec=options.spec, device=options.device, dtype=dtype,
@@ -422,6 +423,7 @@ def planned(plan: Plan, model: torch.nn.Module, example_inputs: Sequence[Any], *
     ``precision`` or its own) for one microbatch of ``example_inputs``, before any pass: :data:`GRAPH` run on it
     rebuilds the graph the plan was made from (:func:`graph_as_planned`). No target:
     ``loss_fn`` joins the graph only when the plan split the LM head with it."""
+    # host_embedding: exactly the plan's lookups; an empty tuple moves none, where True would let the pass choose
     options = PlanOptions(gpus=plan.hardware.device_count, precision=precision or plan.precision,
                           head_chunks=plan.head_chunks, host_embedding=tuple(plan.host), progress=False)
     args, kwargs = training_inputs(model, example_inputs, example_kwargs)  # as start() gives them to the trace
@@ -441,6 +443,7 @@ def graph_as_planned(plan: Plan, model: torch.nn.Module, example_inputs: Any, *,
         raise PlanMismatchError(f"{source} splits the LM head and its loss into {plan.head_chunks} chunks: give "
                                 "the model's loss_fn to rebuild that graph (a model file's factory returns "
                                 "(model, inputs, loss_fn, target))")
+    # with the whole head the loss ran after the graph: the fingerprint the plan records is of the graph without it
     c = planned(plan, model, example_inputs, loss_fn=loss_fn if plan.head_chunks > 1 else None,
                 example_kwargs=example_kwargs, precision=precision)
     try:
@@ -462,6 +465,7 @@ def graph_as_planned(plan: Plan, model: torch.nn.Module, example_inputs: Any, *,
 def _same_precision(plan: Plan, gm: fx.GraphModule, model: torch.nn.Module, precision: str, source: str) -> None:
     """:class:`~rpcompile.core.errors.PlanMismatchError` when ``gm``, exported, records its casts for the plan's
     precision and the run is in another."""
+    # only an exported graph bakes its dtype casts in; a symbolically traced one runs in any precision
     if precision != plan.precision and gm.meta.get(TRACE_DTYPE_KEY, None) != compute_dtype(plan.precision) \
             and gm.meta.get(TRACE_META_KEY) == "export":
         raise PlanMismatchError(f"{source} was made for precision={plan.precision!r} but this run is in "

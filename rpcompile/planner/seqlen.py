@@ -225,6 +225,7 @@ def max_sequence_length(
             lo = mid
         else:
             hi = mid
+    # hi is lo + granularity (checked next): its probe is the refusal one step up
     refused = probes.get(hi) if hi is not None else None
     if hi is not None and hi != lo + granularity:  # cannot happen: the bracket's ends are multiples of it
         raise AssertionError(f"bisection ended at {lo}, {hi}")

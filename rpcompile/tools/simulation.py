@@ -95,6 +95,7 @@ def model_scenarios(model: Any, example_inputs: Sequence[Any], *, gpus: int | No
             problem = partition_problem(own, hardware=hardware, microbatches=m, precision=precision,
                                         overlap_iterations=overlap)
         # every split but the last is solved in a child process while the next is prepared and solved here
+        # cache=False: solve() here bypasses the solve cache, so a result stored there must not pass for a quick lookup
         solved = solving(functools.partial(solve, problem, name, time_limit_s=time_limit_s), problem,
                          time_limit_s=time_limit_s, strategy=name, cache=False, background=k != ks[-1])
 

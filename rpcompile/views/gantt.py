@@ -229,6 +229,7 @@ def _device(d: int, bars: list[SimEvent], y0: float, chart: _Chart, names: Seque
         row_h = _ROW[lane]
         h = n_rows * row_h
         out.append(f'  <g class="lane {lane}">')
+        # the lane's name beside its first sub-row; +3.5 drops the baseline to centre 10 px text
         out.append("    " + text(_LEFT - 6, y + min(h, row_h) / 2 + 3.5, lane, class_="lane", text_anchor="end"))
         out.append("    " + rect(_LEFT, y, chart.plot_w, h, class_="idle" if lane == "compute" else "lanebg"))
         for b, r in zip(lane_bars, rows):

@@ -202,6 +202,7 @@ class PipelineTrainerMixin:
         with pipe.no_sync() if defer else contextlib.nullcontext():
             loss = pipe.forward_backward(**batch, **scale)
         self._records.append(pipe.last_step)
+        # a plain tensor: torch would carry the BatchLoss subclass into every sum the Trainer makes of the losses
         return loss.detach().as_subclass(torch.Tensor)
 
     def _overlap_steps(self, pipe: Any) -> None:
@@ -312,6 +313,7 @@ def _pipeline_state(checkpoint: str) -> dict[str, Any] | None:
         if (folder / PIPELINE_FILE).exists():
             return read_pipeline(folder)
         old = Path(checkpoint, _OLD_STATE)
+        # weights_only: a checkpoint may come from anywhere, and a full unpickle could run its code
         return torch.load(old, weights_only=True) if old.exists() else None
     except (ValueError, RuntimeError, OSError) as e:
         raise ConfigError(f"the pipeline state in {checkpoint} cannot be read ({first_line(e)}): resume from "

@@ -44,6 +44,7 @@ def _verify(args: argparse.Namespace) -> int:
         try:
             verify_path(path)
             rows.append({"path": str(path), "ok": True, "about": describe(path)})
+        # one bad checkpoint is reported and the others are still verified
         except (ValueError, OSError) as e:
             bad += 1
             rows.append({"path": str(path), "ok": False, "about": f"{path.name}: torn or corrupt ({e})"})

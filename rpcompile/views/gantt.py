@@ -72,6 +72,7 @@ def _as_bar(e: Any) -> SimEvent:
     action = str(getattr(e, "action", ""))
     m = _ACTION.match(action)
     stage = getattr(e, "stage", int(m.group(1)) if m else -1)
+    # W and G actions name no microbatch (-1): a stage uploads its weights and sends its gradients once
     mb = getattr(e, "microbatch", int(m.group(3)) if m and m.group(3) else -1)
     kind = getattr(e, "kind", None)
     if kind is None:

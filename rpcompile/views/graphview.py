@@ -176,6 +176,7 @@ def _box_svg(i: int, b: ModuleBox, x: float, y: float, plan: Plan, idx: dict[str
     bcol = stage_color(idx.get(b.backward[-1], -1)) if b.backward else stage_color(-1)
     cls = "module saved" if b.saved else "module"
     saved = "" if b.saved is None else f' data-saved="{b.saved}"'
+    # the name leaves room at the right for the "saved" badge when there is one
     out = [f'<g class="{cls}" id="box{i}" data-module="{esc(b.name)}" data-forward="{esc(" ".join(b.forward))}" '
            f'data-backward="{esc(" ".join(b.backward))}"{saved}>',
            "  " + title(_tooltip(b, plan) + (f" · feeds {len(fans)} later modules" if fans else "")),

@@ -70,6 +70,7 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'rpcompile' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
+    # cached as a module global: later look-ups find it directly and never reach __getattr__ again
     globals()[name] = value
     return value
 

@@ -134,6 +134,7 @@ def compile(
             raise ConfigError("compile measures costs on its first device with that device's share of the cores: "
                               "leave options.device and options.threads None (or plan with rpcompile.plan(options=...) "
                               "and compile(plan=...))")
+        # with devices= the count comes from them (checked against options.gpus below), so gpus is no clash then
         keywords = dict(gpus=gpus if devices is None else None, microbatches=microbatches, spec=spec,
                         head_chunks=head_chunks, host_embedding=host_embedding, **plan_options)
         if precision is not None and precision != options.precision:
@@ -144,12 +145,15 @@ def compile(
         gpus = options.gpus if devices is None else None
         microbatches, spec, head_chunks, host_embedding, precision = (
             given.pop(k) for k in ("microbatches", "spec", "head_chunks", "host_embedding", "precision"))
+        # only the fields off their defaults come back as keywords: allow_save left True then reads as the keyword left
+        # out, and re-planning without saves stays allowed below; device and threads are compile's own to choose
         plan_options = {k: v for k, v in given.items()
                         if k not in ("gpus", "device", "threads") and v != PLAN_DEFAULTS[k]}
     # checked in this order, each refused in one line before anything costly: the arguments, the precision,
     # data-parallel or not, loss_weight (TrainOptions), then the devices and the inputs (the example's signature)
     check_compile_arguments(model, example_inputs, example_kwargs, loss_fn=loss_fn, devices=devices, gpus=gpus,
                             microbatches=microbatches)
+    # named before Plan.load replaces the path, so errors about the plan name its file
     source = "the plan" if isinstance(plan, Plan) else str(plan)
     if plan is not None and not isinstance(plan, Plan):
         plan = Plan.load(plan)
@@ -158,6 +162,7 @@ def compile(
         raise ConfigError(f"precision must be one of {sorted(COMPUTE_DTYPES)}, got {precision!r}")
     dp = data_parallel_group(data_parallel)
     if dp is not None:  # one pipeline per rank, on one plan (rank 0's unless given), checked alike everywhere
+        # data_parallel=False below: each rank's own compile must not join the group again
         local = functools.partial(
             compile, model, example_inputs, loss_fn=loss_fn, gpus=gpus, devices=devices, microbatches=microbatches,
             precision=precision, example_kwargs=example_kwargs, scaler=scaler, spec=spec,
@@ -195,10 +200,13 @@ def compile(
             return pipe
         on_cpu = devs[0].torch_device.type == "cpu"
         memory_limit = plan_options.pop("memory_limit", None)
+        # on the CPU the limit stays the spec's usable memory (make_hardware's default); a GPU's is 90% of the card,
+        # capped by any spec's
         if memory_limit is None and not on_cpu:
             memory_limit = gpu_memory_limit(devs[0].torch_device, spec)
         # costs measured with the intra-op threads each logical CPU device will have
         threads = max(1, torch.get_num_threads() // len(devs)) if on_cpu and len(devs) > 1 else None
+        # spec= and device= exclude each other: analytic costs for the spec, else measured on the first device
         options = PlanOptions(  # the planner's options, made and checked once, passed down whole
             gpus=len(devs), spec=spec, device=None if spec is not None else devs[0].torch_device,
             memory_limit=memory_limit, microbatches=microbatches, precision=precision, progress=show,
@@ -278,13 +286,16 @@ def _join(dp: DataParallel, local: Callable[..., Pipeline], plan: "Plan | str | 
     if plan is None:
         pipe, plan = dp.shared_plan(local)
     try:
+        # rank 0 compiled its pipeline while planning; the other ranks compile the plan it sent
         pipe = pipe or local(plan=plan)
         digest, error = plan_digest(pipe.plan, devices=len(pipe.devices), precision=precision), ""
     except Exception as e:  # noqa: BLE001 - every rank learns which one failed, then this one raises its own
         digest, error, failure = None, one_line(e), e
     try:
+        # every rank reaches this collective, failed or not: one that skipped it would leave the others waiting forever
         dp.agree(digest, error)
     except DistributedError:
+        # a rank that failed raises its own error, not the summary naming every rank that failed
         if failure is not None:
             raise failure from None
         raise

@@ -80,8 +80,10 @@ def _main(argv: Sequence[str] | None, own: bool = False) -> int:
         return 2
     except KeyboardInterrupt:
         print("rpcompile: interrupted", file=sys.stderr)
+        # 128 + SIGINT: the status a shell reports for a command stopped by Ctrl-C
         return 130
     except BrokenPipeError:  # `rpcompile ... | head`: the reader left; say nothing more
+        # stdout to /dev/null: the interpreter's flush of stdout at exit would hit the closed pipe again and complain
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except Exception as e:  # not anticipated: still one line, the traceback behind -v

@@ -35,6 +35,7 @@ def device(text: str) -> str:
         dev = torch.device(text)
     except RuntimeError:
         raise argparse.ArgumentTypeError(f"not a device: {text!r} (examples: cpu, cuda:0, meta)") from None
+    # a bare "cuda" means cuda:0
     if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
         raise argparse.ArgumentTypeError(
             f"{text}: this machine has {torch.cuda.device_count()} CUDA device(s); for a GPU you do not have, use "
@@ -48,6 +49,7 @@ def positive_int(text: str) -> int:
     try:
         k = int(text)
     except ValueError:
+        # not a number: refused below with the same message as a number below 1
         k = 0
     if k < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
@@ -67,6 +69,7 @@ def positive_float(text: str) -> float:
         x = float(text)
     except ValueError:
         x = 0.0
+    # written as "not x > 0" so that NaN is refused too
     if not x > 0:
         raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
     return x
@@ -85,10 +88,12 @@ def parse_bytes(text: str) -> int:
     m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]i?B|B)?\s*", text, re.IGNORECASE)
     if not m:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 20GiB, 24GB, 1073741824)")
+    # KB, MB, ... are powers of 10 and KiB, MiB, ... powers of 2; the unit is matched without regard to case
     return int(float(m.group(1)) * _BYTE_UNITS[(m.group(2) or "B").upper()])
 
 
 def parse_rate(text: str) -> float:
+    # a rate is a size per second: "/s" or "ps" off, then the size parser (GB/s, GBps)
     base = text.strip().removesuffix("/s").removesuffix("ps")
     try:
         return float(parse_bytes(base))
@@ -98,11 +103,13 @@ def parse_rate(text: str) -> float:
 
 def parse_percent(text: str) -> float:
     try:
+        # "2%" is 0.02; a bare number is taken as the fraction itself
         return float(text.strip().removesuffix("%")) / 100 if text.strip().endswith("%") else float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a percentage: {text!r} (examples: 2%, 0.02)") from None
 
 
+# case matters here (b bits, B bytes): no IGNORECASE
 _NETWORK = re.compile(r"\s*([0-9.]+)\s*([kKMGT]?)(bit|b|B)?(?:/s|ps)?\s*")
 _PREFIX = {"": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
 
@@ -111,6 +118,7 @@ def network_rate(text: str) -> float:
     """A network bandwidth in bytes/s: ``25Gb/s``, ``25Gbit/s`` and ``100Gbps`` are bits (the way links are
     sold), ``3GB/s`` bytes."""
     m = _NETWORK.fullmatch(text)
+    # the unit is required: a bare number could be bits or bytes, a factor of 8 apart
     if not m or not m.group(3) or not float(m.group(1) or 0) > 0:
         raise argparse.ArgumentTypeError(f"not a network bandwidth: {text!r} (examples: 25Gb/s, 100Gbit/s, 3GB/s)")
     value = float(m.group(1)) * _PREFIX[m.group(2)]

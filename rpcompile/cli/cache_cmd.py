@@ -37,6 +37,7 @@ def cache_command(args: argparse.Namespace) -> int:
           f"{len(solves)} solved partition{'' if len(solves) == 1 else 's'}")
     now = time.time()
     for r in rows:
+        # the entry is read from a file: a missing or garbled time shows as "?" rather than failing the listing
         age = f"{(now - r['created']) / 3600:.1f} h ago" if isinstance(r["created"], (int, float)) else "?"
         say(f"  {r['device']}  {r['dtype']}  {r['nodes']} nodes  {fmt_bytes(r['bytes'])}  {age}")  # from files
     return 0

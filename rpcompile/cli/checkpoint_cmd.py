@@ -35,6 +35,7 @@ def _verify(args: argparse.Namespace) -> int:
     root = Path(args.path)
     if not root.exists():
         raise ConfigError(f"{root}: no such file or directory; give a run's checkpoint directory or one checkpoint")
+    # a directory with its own checkpoint.json is one checkpoint; any other directory is a run's, holding several
     found = checkpoints(root) if root.is_dir() and not (root / "checkpoint.json").exists() else [(None, root)]
     if not found:
         raise ConfigError(f"{root} holds no checkpoint (ckpt-<step> directories or .ckpt files)")
@@ -43,6 +44,7 @@ def _verify(args: argparse.Namespace) -> int:
         try:
             verify_path(path)
             rows.append({"path": str(path), "ok": True, "about": describe(path)})
+        # one bad checkpoint is reported and the others are still verified
         except (ValueError, OSError) as e:
             bad += 1
             rows.append({"path": str(path), "ok": False, "about": f"{path.name}: torn or corrupt ({e})"})

@@ -46,6 +46,7 @@ def plan_command(args: argparse.Namespace) -> int:
     if args.nodes > 1 and args.network is None:
         raise ConfigError(f"--nodes {args.nodes} needs the network between the machines: add --network 25Gb/s (or "
                           "their bandwidth)")
+    # the example batch must split into the microbatches the plan will have
     ms = _with_lora(args, load_for(args, args.microbatches or default_microbatches(args.gpus)))
     hardware = make_hardware(args.gpus, default_spec(args.spec, args.device, model_device(ms.model)), args.memory_limit,
                              host=_host(args), nodes=args.nodes, network_bytes_per_s=args.network or 0.0)
@@ -55,6 +56,7 @@ def plan_command(args: argparse.Namespace) -> int:
     if args.emit:
         lowering = PlanLowering(chosen, gm)  # as compile lowers it
         lowering.write(lowering.program(), args.emit)
+    # the example is the whole batch: its tokens per microbatch are those of one of m pieces
     envelope = link_bound(chosen, *microbatch_tokens(ms.example_inputs, m))
     if envelope is not None:  # the operating envelope: one line, on stderr (stdout may be --json)
         print(f"rpcompile: warning: {envelope.message()}", file=sys.stderr)
@@ -124,6 +126,7 @@ def _with_lora(args: argparse.Namespace, ms: ModelSpec) -> ModelSpec:
         return ms
     with step(args, f"adding rank-{args.lora} LoRA adapters"):
         ms = replace(ms, model=apply_lora(ms.model, rank=args.lora))
+    # after the adapters: quantize_base quantizes only a frozen base, and apply_lora is what freezes it
     if args.quantize:
         with step(args, f"quantizing the frozen base to {args.quantize}"):
             ms = replace(ms, model=quantize_base(ms.model, args.quantize))
@@ -133,6 +136,7 @@ def _with_lora(args: argparse.Namespace, ms: ModelSpec) -> ModelSpec:
 def _lora_lines(args: argparse.Namespace, ms: ModelSpec, chosen: Plan) -> list[str]:
     """What ``--lora`` adds below the tables: host memory, the largest stage, tokens/s (predictions)."""
     ids = ms.example_inputs[0]
+    # the example is one iteration's batch: all of its token ids
     tokens = ids.numel() if isinstance(ids, torch.Tensor) else 0
     p = chosen.predicted
     rate = f"; {tokens / p.iteration_time_s:,.0f} tokens/s ({tokens:,} tokens an iteration)" if tokens else ""
@@ -164,6 +168,8 @@ def _plan_fastest(args: argparse.Namespace, ms: ModelSpec, hardware: Hardware) -
     def attempt(k: int) -> Callable[[], tuple[float, tuple]]:
         gm, m = prepare(ms.model, ms.example_inputs, replace(options, head_chunks=k), loss_fn=ms.loss_fn,
                         example_target=ms.example_target, trace_pass=traced)
+        # the problem is made here, not in compare: solving needs it to choose where to run, infeasible_error to
+        # name the least memory
         # every split but the last is solved in a child process while the next one is prepared and solved here
         problem = partition_problem(gm, hardware=hardware, microbatches=m, precision=options.precision,
                                     allow_save=options.allow_save, allow_stay=options.allow_stay,
@@ -177,6 +183,7 @@ def _plan_fastest(args: argparse.Namespace, ms: ModelSpec, hardware: Hardware) -
         def finish() -> tuple[float, tuple]:
             with step(args, f"solving ({head}): ilp ≤ {limit:.3g} s, dp, roundpipe, uniform"):
                 rows = solved.result()
+            # every strategy was solved on this split, but the one asked for decides which split wins
             chosen = rows[options.strategy][1]
             if chosen is None:
                 raise infeasible_error(problem, hardware)

@@ -24,6 +24,7 @@ def check_command(args: argparse.Namespace) -> int:
         microbatches = Plan.load(args.plan).microbatches
     except PlanFileError:
         microbatches = 1  # check_plan reports the file
+    # the example batch must split into the plan's microbatches
     ms = load_for(args, microbatches)
     res = check_plan(args.plan, ms.model, ms.example_inputs, max_regression=args.max_regression,
                      time_limit_s=args.time_limit, loss_fn=ms.loss_fn, example_target=ms.example_target,
@@ -41,6 +42,7 @@ def diff_command(args: argparse.Namespace) -> int:
         print(json.dumps(d.to_dict()))
     else:
         say(*d.lines())
+    # as diff(1): exit 1 when the plans differ, so CI can fail on a changed plan
     return 1 if d.changed else 0
 
 
@@ -52,6 +54,7 @@ def show_command(args: argparse.Namespace) -> int:
     if args.graph:
         graph = None
         if args.graph_model:
+            # show has no batch or sequence options: load_for reads them from args, so they are set here
             args.model, args.batch_size, args.seq_len, args.model_device = args.graph_model, None, None, None
             ms = load_for(args, plan.microbatches)
             with step(args, f"tracing {args.graph_model}"):

@@ -40,6 +40,7 @@ def simulate_command(args: argparse.Namespace) -> int:
                | {k: v for k, v in scenarios[name].notes.items() if k == "head_chunks"} for name, r in results.items()}
         extra = ({"microbatches": m} if m else {}) | ({"skipped": left_out} if left_out else {}) \
             | ({"scaling": scaled} if scaled else {})
+        # allow_nan=False: NaN or infinity is not JSON; a figure like that fails here rather than in the reader
         print(json.dumps({"schedules": out} | extra, allow_nan=False))
         return 0
     print_table(simulate_table(results, scenarios, title=title))
@@ -65,6 +66,8 @@ def _scaling(args: argparse.Namespace, scenarios: dict) -> dict[str, list[dict]]
         return {}
     with step(args, f"simulating {', '.join(map(str, args.nodes))} nodes"):
         return {name: scaling(sc, args.nodes, args.network) for name, sc in scenarios.items()
+                # G actions send gradients home: only round-robin schedules have them (static ones keep theirs on
+                # the devices)
                 if any(a.kind == "G" for acts in sc.lists for a in acts)}
 
 
@@ -96,6 +99,7 @@ def _scenarios(args: argparse.Namespace, schedules: list[str], host: float) -> t
 def _model_scenarios(args: argparse.Namespace, schedules: list[str], host: float) -> tuple[str, dict, dict[str, str], int]:
     """The MODEL form of :func:`_scenarios`: trace, cost and plan the model for each schedule."""
     m = args.microbatches or default_microbatches(args.gpus)
+    # load_for reads the model from args.model, which simulate's positional names target
     args.model = args.target
     ms = load_for(args, m)
     title = f"{args.target} on {args.gpus} × {args.spec or args.device or 'default spec'}, {m} microbatches"
@@ -116,6 +120,7 @@ def _model_scenarios(args: argparse.Namespace, schedules: list[str], host: float
 def _write_timelines(path: str, results: dict[str, Any], title: str) -> None:
     target = Path(path)
     for name, r in results.items():
+        # several schedules: one file each, named after the schedule, next to the path given
         out = target if len(results) == 1 else target.with_name(f"{target.stem}-{name}{target.suffix or '.svg'}")
         write_timeline_svg(out, r.timeline, devices=len(r.busy_s), stage_names=list(r.stage_names),
                            title=f"{title} — {name}: {r.iteration_time_s * 1e3:.1f} ms, bubble {r.bubble_fraction:.1%}")

@@ -103,7 +103,10 @@ def _padded(batch: Mapping[str, Any], length: int | None) -> dict[str, Any]:
         return dict(batch)
     seq, out = ids.shape[1], {}
     for k, v in batch.items():
+        # only tensors laid out [batch, sequence, ...] like input_ids (attention mask, labels) grow; the rest is kept
         if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == seq:
+            # -100 is cross-entropy's ignore_index: the padded positions add nothing to the loss nor to its count of
+            # real tokens
             pad = torch.full((v.shape[0], length - seq, *v.shape[2:]), -100 if k == "labels" else 0, dtype=v.dtype)
             v = torch.cat([v, pad], dim=1)
         out[k] = v
@@ -163,6 +166,7 @@ class PipelineTrainerMixin:
         super().__init__(*args, **kwargs)
 
     # ---- placement: the model stays on the host, the pipeline uploads its stages
+    # the Trainer would move the model to args.device; the pipeline needs it on the host, where the fp32 masters live
     def _move_model_to_device(self, model: torch.nn.Module, device: Any) -> None:
         return None
 
@@ -173,8 +177,10 @@ class PipelineTrainerMixin:
             plan_path = _plan_file(self._resume_dir) if self._resume_dir else None
             if plan_path is not None:
                 options["plan"] = plan_path  # the plan the checkpoint trained with: bit for bit
+            # TRL's SFTConfig has max_length (maybe None); plain TrainingArguments has none
             length = self.pipeline_options.max_length or getattr(self.args, "max_length", None)
             example = _padded(batch, length if isinstance(length, int) else None)
+            # the batch dict is all keyword inputs; loss_fn=None makes the loss the model's own, computed from labels
             self.pipe = compile_pipeline(self.model, (), loss_fn=None, example_kwargs=example, **options)
             state = _pipeline_state(self._resume_dir) if self._resume_dir else None
             if state is not None:
@@ -184,6 +190,7 @@ class PipelineTrainerMixin:
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any],
                       num_items_in_batch: Any = None) -> torch.Tensor:
         """One ``forward_backward`` over the batch (class docstring); returns the loss the Trainer logs."""
+        # the pipeline follows the model's mode, and an evaluation may have left it in eval mode (dropout off)
         model.train()
         batch = _host(inputs)
         pipe = self._pipeline(batch)
@@ -195,6 +202,7 @@ class PipelineTrainerMixin:
         with pipe.no_sync() if defer else contextlib.nullcontext():
             loss = pipe.forward_backward(**batch, **scale)
         self._records.append(pipe.last_step)
+        # a plain tensor: torch would carry the BatchLoss subclass into every sum the Trainer makes of the losses
         return loss.detach().as_subclass(torch.Tensor)
 
     def _overlap_steps(self, pipe: Any) -> None:
@@ -202,23 +210,28 @@ class PipelineTrainerMixin:
         overlap=True, scheduler=...)`` (the scheduler stepped on the step's thread, right after the optimizer, as
         the overlap requires) and its own ``lr_scheduler.step()`` nothing; the learning rate it logs is the one
         read before the step was submitted, as the Trainer reads it."""
+        # once per optimizer object: one the Trainer puts in its place later is patched in turn
         if not self.pipeline_options.overlap or self._stepping is self.optimizer:
             return
         if pipe.overlap_iterations and self.args.max_grad_norm:
             raise ConfigError("PipelineOptions(overlap=True) with a plan made for overlapped iterations cannot clip "
                               "(the next iteration's gradients still land while the Trainer reads them): set "
                               "max_grad_norm=0, or plan without overlap=True")
+        # accelerate wraps the optimizer (AcceleratedOptimizer.optimizer) and the scheduler (.scheduler): pipe.step and
+        # get_last_lr need the torch objects inside
         optimizer, scheduler = getattr(self.optimizer, "optimizer", self.optimizer), self.lr_scheduler
         inner = getattr(scheduler, "scheduler", scheduler)
         # the scheduler's own step, for the step's thread; the Trainer's call to it becomes nothing
         stepper = types.SimpleNamespace(step=scheduler.step) if scheduler is not None else None
 
         def step(*args: Any, **kwargs: Any) -> None:
+            # read before submitting: the step's thread steps the scheduler, and the Trainer logs this step's rate
             self._lr_before_step = float(inner.get_last_lr()[0]) if inner is not None else None
             pipe.step(optimizer, overlap=True, scheduler=stepper)
 
         self.optimizer.step = step  # an instance attribute shadows the method: the Trainer's own call lands here
         if scheduler is not None:
+            # stepper above bound the real step before this shadows it
             scheduler.step = lambda *args, **kwargs: None
         self._stepping = self.optimizer
 
@@ -240,6 +253,7 @@ class PipelineTrainerMixin:
         """The Trainer's log, with the pipeline's measurements since the last one on training logs (to every logger
         the Trainer reports to): ``pipeline/tokens_per_second`` (the calls' tokens over their wall time) and
         ``pipeline/bubble`` (their devices' mean idle share; :mod:`rpcompile.training.metrics`)."""
+        # training logs carry "loss"; evaluation logs ("eval_loss") get no pipeline figures
         if self._records and "loss" in logs:
             wall = sum(r.wall_s for r in self._records)
             logs = {**logs, "pipeline/tokens_per_second": sum(r.tokens for r in self._records) / wall if wall else 0.0,
@@ -258,10 +272,13 @@ class PipelineTrainerMixin:
         if prediction_loss_only:
             return loss, None, None
         out = pipe.forward(**batch)
+        # an HF ModelOutput is a Mapping; other models may return an object with .logits, or the logits themselves
         logits = out.get("logits") if isinstance(out, Mapping) else getattr(out, "logits", out)
         return loss, logits, labels
 
     # ---- checkpoints: the pipeline's plan and state beside the Trainer's files
+    # the Trainer calls this with every checkpoint's folder (and _load_rng_state on every resume): the pipeline's files
+    # ride along with it
     def _save_rng_state(self, output_dir: str) -> None:
         super()._save_rng_state(output_dir)  # type: ignore[misc]
         if self.pipe is not None:
@@ -276,6 +293,7 @@ class PipelineTrainerMixin:
             if self.pipe is not None:  # compiled already (an evaluation first): continue from the state
                 state = _pipeline_state(checkpoint)
                 if state is not None:
+                    # exact=False: compiled at the first batch, perhaps not with the checkpoint's plan
                     self.pipe.load_state_dict(state, exact=False)
             self._resume_dir = checkpoint
 
@@ -295,6 +313,7 @@ def _pipeline_state(checkpoint: str) -> dict[str, Any] | None:
         if (folder / PIPELINE_FILE).exists():
             return read_pipeline(folder)
         old = Path(checkpoint, _OLD_STATE)
+        # weights_only: a checkpoint may come from anywhere, and a full unpickle could run its code
         return torch.load(old, weights_only=True) if old.exists() else None
     except (ValueError, RuntimeError, OSError) as e:
         raise ConfigError(f"the pipeline state in {checkpoint} cannot be read ({first_line(e)}): resume from "

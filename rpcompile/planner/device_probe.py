@@ -50,7 +50,9 @@ def probe_link(device: torch.device, *, pieces: int = 8, piece_bytes: int = WEIG
     if pieces < 1 or piece_bytes < 1 or repeats < 1:
         raise ConfigError(f"probe_link: pieces, piece_bytes and repeats must be >= 1, got {pieces}, {piece_bytes}, "
                           f"{repeats}")
+    # bf16 elements, two bytes each: a piece is as large as the runtime's weight chunks
     n = piece_bytes // 2
+    # pinned, as the runtime's host copies are: only pinned memory copies asynchronously at the link's full rate
     host = [torch.empty(n, dtype=torch.bfloat16, pin_memory=True) for _ in range(pieces)]
     dev = [torch.empty(n, dtype=torch.bfloat16, device=device) for _ in range(pieces)]
 
@@ -100,10 +102,12 @@ def probe_dispatch(device: "torch.device | str", *, repeats: int = 5, calls: int
     if repeats < 1 or calls < 1:
         raise ConfigError(f"probe_dispatch: repeats and calls must be >= 1, got {repeats}, {calls}")
     device = torch.device(device)
+    # a fixed seed for the probe model, without moving the caller's CPU generator; devices=[] leaves CUDA's alone
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         gm = torch.fx.symbolic_trace(_probe_model()).to(device)
     x = torch.randint(0, 64, (2, 16), device=device)
+    # placeholders, get_attr and output dispatch no kernel: only call nodes count
     nodes = sum(1 for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module"))
 
     def sync() -> None:
@@ -115,6 +119,7 @@ def probe_dispatch(device: "torch.device | str", *, repeats: int = 5, calls: int
             for _ in range(calls):
                 gm(x)
 
+    # the forward with autograd recording and the loss, but no backward: step() minus this is the backward alone
     def graph() -> None:
         for _ in range(calls):
             gm(x).float().sum()
@@ -127,6 +132,7 @@ def probe_dispatch(device: "torch.device | str", *, repeats: int = 5, calls: int
     with torch.enable_grad():
         backward_nodes = _autograd_nodes(gm(x).float().sum())
         backward = best_time(step, repeats, sync=sync) - best_time(graph, repeats, sync=sync)
+        # two best-of timings subtracted: noise can make the difference negative on a fast backward
         bwd = max(backward, 0.0) / (calls * backward_nodes)
     return fwd, bwd
 

@@ -68,7 +68,9 @@ def microbatch_tokens(inputs: Sequence[Any], microbatches: int = 1) -> tuple[int
     first = next((x for x in inputs if isinstance(x, torch.Tensor)), None)
     if first is None or first.dim() == 0:
         return 0, "samples"
+    # the largest piece, as torch.tensor_split cuts the batch (the one the planner costs)
     rows = math.ceil(first.shape[0] / max(1, microbatches))
+    # floating or boolean inputs are features or masks, not token ids: only their rows measure a microbatch
     if first.dtype.is_floating_point or first.dtype.is_complex or first.dtype == torch.bool:
         return rows, "samples"
     return rows * math.prod(first.shape[1:]), "tokens"
@@ -82,13 +84,17 @@ def link_bound(plan: Plan, tokens: int, unit: str = "tokens") -> LinkBound | Non
     bound, need, worst, worst_ratio = [], 0.0, None, 0.0
     for s in plan.stages:
         upload = s.weight_bytes / link
+        # the weights go up once per iteration, hidden while the stage computes all m microbatches if that is longer
         if upload <= m * s.compute_s:
             continue
         bound.append(s.name)
+        # only the compute beyond the fixed per-stage overhead grows with the tokens; a stage no longer than the
+        # overhead keeps its whole time so the ratio stays finite
         compute = m * (s.compute_s - overhead if s.compute_s > overhead else s.compute_s)
         ratio = upload / compute if compute > 0 else 0.0
         if worst is None or ratio > worst_ratio:
             worst, worst_ratio = s, ratio
+        # compute taken as linear in the tokens: ratio times as many make this stage's compute match its upload
         need = max(need, tokens * ratio)
     if worst is None or tokens <= 0:
         return None

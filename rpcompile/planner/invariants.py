@@ -31,6 +31,7 @@ def plan_violations(plan: Plan, gm: fx.GraphModule) -> list[str]:
         gm = as_planned(gm, plan.host)
     except ValueError as e:
         return [f"rule 10: {e}"]
+    # positions in the topological order of compute nodes only: rules 3 to 6 cut and cover these
     order = {n.name: i for i, n in enumerate(compute_nodes(gm))}
     by_name = {n.name: n for n in gm.graph.nodes}
     out: list[str] = []
@@ -93,6 +94,7 @@ def _check_kinds(plan: Plan) -> list[str]:
         out.append(f"rule 2: stage kinds out of order: {[s.name for s in plan.stages]}")
     expected = [f"F{i}" for i in range(kinds.count("forward"))] + ["FB"] * kinds.count("fused")
     expected += [f"B{i}" for i in range(1, kinds.count("backward") + 1)]
+    # names are checked only once the kinds are right: otherwise the expected names would repeat the kinds' error
     if [s.name for s in plan.stages] != expected and not out:
         out.append(f"rule 2: stage names {[s.name for s in plan.stages]} should be {expected}")
     return out
@@ -112,6 +114,7 @@ def _check_cover(plan: Plan, order: dict[str, int]) -> list[str]:
     for rule, kinds, what in ((4, ("forward", "fused"), "forward-or-fused"), (5, ("backward", "fused"), "backward-or-fused")):
         counts = Counter(n for s in plan.stages if s.kind in kinds for n in s.nodes)
         missing = [n for n in order if counts[n] == 0]
+        # a duplicate may be a name rule 3 refuses (not in order): it sorts first
         dup = sorted((n for n, c in counts.items() if c > 1), key=lambda n: order.get(n, -1))
         if missing:
             out.append(f"rule {rule}: {len(missing)} node(s) in no {what} stage: {_few(missing)}")
@@ -124,18 +127,21 @@ def _check_contiguous(plan: Plan, order: dict[str, int]) -> list[str]:
     out = []
     spans: dict[str, tuple[int, int]] = {}
     for s in plan.stages:
+        # unknown names are rule 3's to report; the run is checked over the known ones
         idx = [order[n] for n in s.nodes if n in order]
         if not idx:
             out.append(f"rule 6: stage {s.name} has no nodes")
             continue
         if idx != list(range(idx[0], idx[0] + len(idx))):
             out.append(f"rule 6: stage {s.name} is not a contiguous run in topological order")
+        # half-open [first, last + 1), so adjacent stages share an end
         spans[s.name] = (min(idx), max(idx) + 1)
     fwd = [spans[s.name] for s in plan.forward_stages if s.name in spans]
     bwd = [spans[s.name] for s in plan.backward_stages if s.name in spans]
     fb = spans.get(plan.fused_stage.name) if plan.fused_stage else None
     if any(a[1] > b[0] for a, b in zip(fwd, fwd[1:])):
         out.append("rule 6: forward stages do not ascend")
+    # backward stages run the graph from its end: each must begin at or after the end of the stage that follows it
     if any(a[0] < b[1] for a, b in zip(bwd, bwd[1:])):
         out.append("rule 6: backward stages do not descend")
     if fb is not None and fb[1] != len(order):
@@ -167,6 +173,7 @@ def _check_saved(plan: Plan) -> list[str]:
         if s.kind == "fused" and s.saved:
             out.append(f"rule 8: the fused stage {s.name} must not save activations")
         if s.kind == "backward":
+            # a backward stage reads its saved activations from host memory, where only a forward stage's run put them
             unsaved = [n for n in s.saved if n not in saved_fwd]
             if unsaved:
                 out.append(f"rule 8: backward stage {s.name} expects saved activations no forward stage saves: {_few(unsaved)}")
@@ -189,6 +196,8 @@ def _few(names: list[str], k: int = 5) -> str:
 
 def _check_sums(plan: Plan, gm: Any) -> list[str]:
     params = dict(gm.named_parameters())
+    # the fused and backward stages differentiate; a sum kept on one device must hold a parameter's whole gradient, so
+    # no second grad stage may read it
     grad_readers = Counter(p for s in plan.stages if s.kind != "forward" for p in s.params)
     return [f"rule 12: stage {s.name} sums gradients of {name} on its device, but it is "
             + ("not a parameter that requires grad" if name not in params or not params[name].requires_grad
@@ -199,6 +208,7 @@ def _check_sums(plan: Plan, gm: Any) -> list[str]:
 
 def _check_stays(plan: Plan) -> list[str]:
     staying = {p for s in plan.stages for p in s.keeps}
+    # the runtime's own walk is the reference: what it would keep and find from these keeps, stage by stage
     walk = weight_stays([s.params for s in plan.stages], plan.hardware.device_count, staying, resident=plan.resident)
     out = []
     for s, w in zip(plan.stages, walk):

@@ -93,6 +93,7 @@ class PlanOptions:
         if self.spec is not None and self.device is not None:
             raise ConfigError("give either spec= (analytic costs) or device= (measured costs), not both")
         head = self.head_chunks
+        # bool is a subclass of int: without the first test head_chunks=True would pass as 1
         if head != "auto" and (isinstance(head, bool) or not isinstance(head, int) or head < 1):
             raise ConfigError(f"head_chunks must be a positive integer or 'auto', got {head!r}")
 
@@ -173,6 +174,8 @@ def head_chunk_candidates(head_chunks: "int | str", loss_fn: Any, example_target
     :data:`AUTO_HEAD_CHUNKS` sequence chunks when a loss and a ``[batch, sequence]`` target are given (the split
     needs both), else the whole head only."""
     if head_chunks == "auto":
+        # every chunk needs at least one position: a sequence shorter than AUTO_HEAD_CHUNKS gets one chunk per position,
+        # and a sequence of one (or no [batch, sequence] target) cannot be split at all
         seq = example_target.shape[1] if isinstance(example_target, torch.Tensor) and example_target.dim() >= 2 else 1
         return (1, min(AUTO_HEAD_CHUNKS, seq)) if loss_fn is not None and seq > 1 else (1,)
     if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1:
@@ -217,8 +220,10 @@ def fastest(candidates: Sequence[int], attempt: Callable[[int], "Made | Callable
             except (ValueError, RPCompileError) as exc:
                 _refused(candidates, k, exc)
                 outcomes[k] = exc
+    # each plan with its candidate's index, so a tie goes to the earlier candidate (the whole head comes first)
     made = [(o, i) for i, o in enumerate(outcomes[k] for k in candidates) if isinstance(o, tuple)]
     if not made:
+        # none fitted: the first candidate's error (outcomes holds the candidates in their order)
         raise next(o for o in outcomes.values() if isinstance(o, Exception))
     return min(made, key=lambda m: (m[0][0], m[1]))[0][1]
 
@@ -226,6 +231,8 @@ def fastest(candidates: Sequence[int], attempt: Callable[[int], "Made | Callable
 def _refused(candidates: Sequence[int], k: int, exc: Exception) -> None:
     """Raise ``exc`` unless a split may be skipped for it: another candidate remains, and ``k`` is a split or the
     whole head is infeasible."""
+    # the whole head is the graph as traced: an error there other than not fitting is the model's own, raised rather
+    # than hidden behind a split's plan
     if len(candidates) == 1 or (k == 1 and not isinstance(exc, InfeasibleError)):
         raise exc
 

@@ -160,6 +160,7 @@ def _loss_head(c: Compilation) -> None:
         raise ConfigError(f"head_chunks={c.head_chunks} splits along the sequence: the target must be a "
                           f"[batch, sequence] tensor, got {getattr(target, 'shape', type(target).__name__)}")
     split_head(c.graph, loss_fn, c.head_chunks)
+    # the target feeds the placeholder split_head appended: the shape and cost passes run the graph on it
     c.kwargs = {**c.kwargs, TARGET: target}
 
 
@@ -207,6 +208,7 @@ def _shape(c: Compilation) -> None:
 
 def _cost(c: Compilation) -> None:
     """Costs; analytic ones, like shapes, from a run on meta stand-ins. Measured ones run the graph for real."""
+    # torch's intra-op thread count is process-wide: kept here to be restored below even when costing fails
     threads = torch.get_num_threads()
     if c.options.threads is not None:
         torch.set_num_threads(c.options.threads)
@@ -257,6 +259,7 @@ def cached_solve(problem: PartitionProblem, strategy: str = "ilp", *, time_limit
     found = lookup(problem, strategy, time_limit_s=time_limit_s, seed=seed) if cache else None
     if found is not None:
         return found
+    # only the ILP takes extra options (the baselines dict it fills for compare); the other strategies take none
     if strategy == "ilp":
         result = ilp(problem, time_limit_s=time_limit_s, seed=seed, **options)
     else:
@@ -277,6 +280,7 @@ def _partition(c: Compilation) -> None:
     """Solve with ``strategy`` — unless ``c.result`` already holds that solve (:func:`compile_plan` solves a split
     in the background); :class:`~rpcompile.InfeasibleError` (naming the least memory that fits) if nothing fits."""
     assert c.problem is not None and c.hardware is not None
+    # set already when compile_plan ran this solve through passes.solve_cache.solving (maybe in a child process)
     if c.result is None:
         c.result = _solve(c)
     if not c.result.feasible:
@@ -340,6 +344,7 @@ def run(c: Compilation, passes: Sequence[tuple[str, Pass]] = PASSES) -> Compilat
 @contextlib.contextmanager
 def _showing(c: Compilation, name: str) -> Iterator[None]:
     """A transient progress line on stderr while pass ``name`` runs (:func:`run`)."""
+    # progress None shows no line for these passes; the cost pass is left out always, as it draws its own bar
     if c.options.progress is not True or name == "cost":
         yield
         return
@@ -366,6 +371,7 @@ def _tick(bar: Progress, done: threading.Event) -> None:
     """Advance the solve's bar by the wall time until ``done`` (a bar against the time limit)."""
     start = time.perf_counter()
     while not done.wait(0.2):
+        # a solve may run past its limit: the bar stops full rather than overrun its total
         bar.update(bar.task_ids[0], completed=min(time.perf_counter() - start, bar.tasks[0].total or 0.0))
 
 
@@ -397,9 +403,12 @@ def start(model: torch.nn.Module, example_inputs: Sequence[Any], options: PlanOp
     if k > 1 and (loss_fn is None or example_target is None):  # before the batch split's own errors
         raise ConfigError(f"head_chunks={k} splits the LM head together with its loss: pass loss_fn= and "
                           "example_target= (a target for one batch), or use head_chunks=1")
+    # the target is split with the inputs so its rows match the microbatch; it rides as the last value of each piece
     extra = (example_target,) if with_loss else ()
+    # tensor_split makes the first piece the largest: costing it gives every microbatch's upper bound
     piece = split_microbatches((*args, *kwargs.values(), *extra), m)[0]
     dtype = compute_dtype(options.precision)
+    # the piece holds the values in the order flattened above: the positional inputs, the keyword values, the target
     return Compilation(
         model=model, args=tuple(piece[: len(args)]), kwargs=dict(zip(kwargs, piece[len(args):len(args) + len(kwargs)])),
         cost_model=make_cost_model(spec=options.spec, device=options.device, dtype=dtype,
@@ -414,6 +423,7 @@ def planned(plan: Plan, model: torch.nn.Module, example_inputs: Sequence[Any], *
     ``precision`` or its own) for one microbatch of ``example_inputs``, before any pass: :data:`GRAPH` run on it
     rebuilds the graph the plan was made from (:func:`graph_as_planned`). No target:
     ``loss_fn`` joins the graph only when the plan split the LM head with it."""
+    # host_embedding: exactly the plan's lookups; an empty tuple moves none, where True would let the pass choose
     options = PlanOptions(gpus=plan.hardware.device_count, precision=precision or plan.precision,
                           head_chunks=plan.head_chunks, host_embedding=tuple(plan.host), progress=False)
     args, kwargs = training_inputs(model, example_inputs, example_kwargs)  # as start() gives them to the trace
@@ -433,11 +443,13 @@ def graph_as_planned(plan: Plan, model: torch.nn.Module, example_inputs: Any, *,
         raise PlanMismatchError(f"{source} splits the LM head and its loss into {plan.head_chunks} chunks: give "
                                 "the model's loss_fn to rebuild that graph (a model file's factory returns "
                                 "(model, inputs, loss_fn, target))")
+    # with the whole head the loss ran after the graph: the fingerprint the plan records is of the graph without it
     c = planned(plan, model, example_inputs, loss_fn=loss_fn if plan.head_chunks > 1 else None,
                 example_kwargs=example_kwargs, precision=precision)
     try:
         run(c, GRAPH)
     except ValueError as e:
+        # c.times holds the passes that finished: an error of the trace itself is no mismatch with the plan
         if "trace" not in c.times:
             raise
         _same_precision(plan, c.graph, model, precision, source)  # what the trace shows is said first
@@ -453,6 +465,7 @@ def graph_as_planned(plan: Plan, model: torch.nn.Module, example_inputs: Any, *,
 def _same_precision(plan: Plan, gm: fx.GraphModule, model: torch.nn.Module, precision: str, source: str) -> None:
     """:class:`~rpcompile.core.errors.PlanMismatchError` when ``gm``, exported, records its casts for the plan's
     precision and the run is in another."""
+    # only an exported graph bakes its dtype casts in; a symbolically traced one runs in any precision
     if precision != plan.precision and gm.meta.get(TRACE_DTYPE_KEY, None) != compute_dtype(plan.precision) \
             and gm.meta.get(TRACE_META_KEY) == "export":
         raise PlanMismatchError(f"{source} was made for precision={plan.precision!r} but this run is in "
@@ -532,6 +545,8 @@ def compare(
     baselines: dict[str, Any] = {}  # the ILP's seeds: dp's, roundpipe's and uniform's own results, not solved again
     facts: dict = {}  # what the plans of one graph share (fingerprint, inputs record, node parameters): made once
     for name in PLAN_STRATEGIES:
+        # the ILP comes first in PLAN_STRATEGIES; unless its result came from the solve cache, its seeding left the
+        # baselines' own results here
         if name in baselines:
             result = baselines[name]
         elif name == "ilp":
@@ -560,6 +575,7 @@ def compile_plan(model: torch.nn.Module, example_inputs: Sequence[Any], options:
     limit = split_limit(float(options.time_limit_s), len(candidates))
     each = replace(options, time_limit_s=limit)
     passes = (("trace", shared_trace(len(candidates))), *PASSES[1:])
+    # front ends with the problem pass; attempt() starts the solve itself, and back's partition pass finds c.result
     front, back = passes[:SOLVE], passes[SOLVE:]
 
     def attempt(k: int) -> Callable[[], tuple[float, Compilation]]:
@@ -567,6 +583,7 @@ def compile_plan(model: torch.nn.Module, example_inputs: Sequence[Any], options:
                       example_target=example_target, head_chunks=k, hardware=hardware), front)
         # every split but the last is solved in a child process while the next split is prepared and solved here
         assert c.problem is not None
+        # the last split has nothing left to overlap with: fastest() asks for its result at once, so it runs here
         solved = solving(functools.partial(_solve, c), c.problem, time_limit_s=limit, strategy=each.strategy,
                          cache=each.cache, background=k != candidates[-1])
 

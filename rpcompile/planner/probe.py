@@ -42,6 +42,7 @@ ADAM_PARAMS = 4 * 2**20
 
 def best_time(fn: Callable[[], object], repeats: int, *, sync: Callable[[], object] = lambda: None) -> float:
     """Fastest of ``repeats`` timed calls after one warm-up (s)."""
+    # untimed warm-up: the first call allocates and loads kernels
     fn()
     sync()
     best = float("inf")
@@ -50,6 +51,7 @@ def best_time(fn: Callable[[], object], repeats: int, *, sync: Callable[[], obje
         fn()
         sync()
         best = min(best, time.perf_counter() - t0)
+    # callers divide by this time: never zero, even under a coarse clock
     return max(best, 1e-9)
 
 
@@ -58,17 +60,20 @@ def _adamw_step(n: int) -> Callable[[], object]:
     the first ``torch.optim`` optimizer of a process imports ~2.5 s of machinery, longer than the whole probe);
     ``AdamW(foreach=True)`` where this torch has no fused CPU kernel."""
     p, g, m, v = torch.zeros(n), torch.full((n,), 1e-3), torch.zeros(n), torch.zeros(n)
+    # the fused kernel takes its step count as a tensor (torch.optim keeps one per parameter)
     step = torch.zeros(())
     fused: Callable[..., object] | None = getattr(torch, "_fused_adamw_", None)
 
     def kernel() -> None:
         if fused is None:
             raise NotImplementedError("no fused AdamW kernel in this torch")
+        # torch.optim increments the count before the kernel runs: at step 0 the bias correction would divide by zero
         step.add_(1)
         fused([p], [g], [m], [v], [], [step], lr=1e-4, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8,
               amsgrad=False, maximize=False)
 
     try:
+        # one real call decides: a torch without a CPU fused kernel (or with another signature) raises here
         kernel()
         return kernel
     except (RuntimeError, TypeError, NotImplementedError):
@@ -106,6 +111,7 @@ def probe_host(*, elements: int = COPY_ELEMENTS, adam_params: int = ADAM_PARAMS,
         copy_s = best_time(lambda: dst.copy_(src), repeats)
         cast_s = best_time(lambda: half.copy_(src), repeats)
         add_s = best_time(lambda: dst.add_(half), repeats)
+        # freed before the AdamW probe allocates its own buffers
         del src, dst, half
     step_s = best_time(_adamw_step(adam_params), repeats)
     links = _link_rates(elements * 2, repeats) if (torch.cuda.is_available() if cuda is None else cuda) else {}
@@ -131,6 +137,7 @@ def load_host(path: str | os.PathLike) -> HostSpec:
         raise ConfigError(f"cannot read the host file {path}: {e.strerror or e}") from None
     except ValueError as e:
         raise ConfigError(f"{path} is not a host made by `rpcompile probe --json`: {e}") from None
+    # probe -o writes {"host": ...}; probe --json prints the host itself: either is read
     host = data.get("host", data) if isinstance(data, dict) else data
     problem = dataclass_problem(HostSpec, host, "host")
     if problem is not None:

@@ -36,6 +36,7 @@ def rollup_name(path: str, depth: int) -> str:
 
 def _auto_depth(paths: Sequence[str]) -> int:
     """Depth that keeps the index of the first module list (``layers.3``, ``model.layers.3``); 1 if none."""
+    # a depth that ends at a numeric part (a module list's index); the least is the outermost list
     depths = [i + 1 for p in paths for i, part in enumerate(p.split(".")) if _NUMERIC.match(part)]
     return min(depths) if depths else 1
 
@@ -51,6 +52,7 @@ def profile_graph(gm: fx.GraphModule, *, depth: int | None = None) -> Profile:
     groups: dict[str, list[CostRow]] = {}
     for n in nodes:
         c = node_cost(n)
+        # a parameter several nodes read (a tied embedding) counts at its first reader only, so the totals hold it once
         new = [p for p in c.params if p not in seen]
         seen.update(new)
         row = CostRow(

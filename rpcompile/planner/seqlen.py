@@ -121,6 +121,7 @@ class SeqLenResult:
 def binding_stage(plan: Plan) -> Binding:
     """The stage of ``plan`` with the most memory, split into weights (``W + G + P``, :mod:`rpcompile.passes.solver.timing`) and
     activations (the rest)."""
+    # any stage's weights may be the next to go up: the timing model counts the plan's largest as every stage's prefetch
     prefetch = max((s.weight_bytes for s in plan.stages), default=0)
     s = max(plan.stages, key=lambda s: s.memory_bytes)
     weights = s.weight_bytes + s.grad_bytes + prefetch
@@ -156,6 +157,7 @@ def max_sequence_length(
     keywords (``gpus``, ``spec``, ``precision``, ``memory_limit``, ``microbatches``, ``head_chunks``,
     ``strategy``, ``time_limit_s``, ``segments_per_layer``, ``host_embedding``) at once instead; the search's own
     (``granularity``, ``start``, ``max_seq_len``, ``host``, ``progress``) stay keywords."""
+    # this search's own defaults (bf16, a 2 s solve) differ from PlanOptions': a keyword left at them is no clash
     keywords = options_or_keywords(options, dict(
         gpus=gpus, spec=spec, precision=precision, memory_limit=memory_limit, microbatches=microbatches,
         head_chunks=head_chunks, strategy=strategy, time_limit_s=time_limit_s, segments_per_layer=segments_per_layer,
@@ -172,6 +174,7 @@ def max_sequence_length(
     if granularity < 1 or max_seq_len < granularity:
         raise ConfigError(f"granularity must be >= 1 and <= max_seq_len, got {granularity} and {max_seq_len}")
     m = microbatches or (gpus + 1 if gpus > 1 else 1)
+    # the probed models are built on the meta device, so costs are analytic: the spec given, else an RTX 4090
     spec = default_spec(spec, None, "meta")
     hardware = make_hardware(gpus, spec, memory_limit, host=host)
     build = _builder(model)
@@ -191,10 +194,12 @@ def max_sequence_length(
     def _probe(length: int) -> Probe:
         t = time.perf_counter()
         ms = build(length, m)
+        # a factory that ignores seq_len gives the same inputs at every length: the answer would be a length never tried
         if not ms.example_inputs or ms.example_inputs[0].shape[-1] != length:
             raise ConfigError(f"{model if isinstance(model, str) else 'the model'} does not take a sequence length: "
                               "--max-seq-len needs a built-in language model or a build(seq_len, batch_size)")
         best: tuple[int, str, int] | None = None
+        # most chunks first: the split head needs the least memory, so the first split that fits ends the loop
         for k in sorted(head_chunk_candidates(head_chunks, ms.loss_fn, ms.example_target), reverse=True):
             gm, _ = prepare(ms.model, ms.example_inputs, PlanOptions(gpus=gpus, spec=spec, microbatches=m,
                             precision=precision, head_chunks=k, segments_per_layer=segments_per_layer,
@@ -202,9 +207,11 @@ def max_sequence_length(
                             example_target=ms.example_target)
             problem = partition_problem(gm, hardware=hardware, microbatches=m, precision=precision)
             need, seg = min_feasible_memory(problem)
+            # the least need over the splits tried is what the probe reports when none fits
             if best is None or need < best[0]:
                 best = (need, problem.names[seg], k)
             if need <= hardware.memory_bytes:
+                # kept for the one solve at the answer, which then needs no second trace
                 graphs[length] = gm
                 break
         assert best is not None
@@ -212,11 +219,13 @@ def max_sequence_length(
 
     lo, hi = _bracket(fits, granularity, start, max_seq_len)
     while hi is not None and hi - lo > granularity:
+        # lo and hi are multiples of granularity at least two apart: mid is one too, strictly between them
         mid = lo + (hi - lo) // (2 * granularity) * granularity
         if fits(mid):
             lo = mid
         else:
             hi = mid
+    # hi is lo + granularity (checked next): its probe is the refusal one step up
     refused = probes.get(hi) if hi is not None else None
     if hi is not None and hi != lo + granularity:  # cannot happen: the bracket's ends are multiples of it
         raise AssertionError(f"bisection ended at {lo}, {hi}")
@@ -231,11 +240,13 @@ def max_sequence_length(
 def _bracket(fits: Callable[[int], bool], g: int, start: int | None, cap: int) -> tuple[int, int | None]:
     """``(lo, hi)``: ``lo`` fits, ``hi`` does not (None: ``cap`` reached), both multiples of ``g``; by doubling
     from ``start`` (default 4 g) up, or halving down when ``start`` does not fit."""
+    # start and cap rounded down to multiples of g, so every probed length is one
     length = max(g, (start or 4 * g) // g * g)
     cap = cap // g * g
     if fits(length):
         while True:
             up = min(length * 2, cap)
+            # the cap fits: no refused length to bracket with
             if up == length:
                 return length, None
             if not fits(up):

@@ -45,14 +45,18 @@ class TraceOnce:
         self.memo = RunMemo()
 
     def __call__(self, c: Any) -> None:
+        # left: how many compilations still follow this one
         self.left -= 1
+        # one memo for all: a later split's shape and cost passes reuse the first split's runs of the body
         c.memo = self.memo
         if self.kept is None:
             self.trace_pass(c)
             if self.left > 0:
+                # copied now, before the loss_head pass rewrites c.gm in place
                 self.kept = graph_copy(c.gm)
             return
         if self.left > 0:
             c.gm = graph_copy(self.kept)
         else:
+            # the last compilation takes the kept graph itself (no copy left to protect), and this lets go of it
             c.gm, self.kept = self.kept, None

@@ -51,9 +51,11 @@ def _devices() -> tuple[int, str]:
 
 def run_demo(model_name: str = "llama-demo", *, big_model: str = "llama-8b", big_gpus: int = 8, steps: int = 5,
              console: Console | None = None) -> int:
+    # the tables are wide: never narrower than 120 columns, even in a narrow or piped terminal
     console = console or Console(width=max(Console().width, 120))
     n_dev, where = _devices()
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    # enough rows for the default gpus + 1 microbatches at any device count
     ms = load_model(model_name, batch_size=4 * n_dev)
     plan, m = _plan_here(console, ms, model_name, n_dev, where, device)
     _train(console, ms, plan, model_name, n_dev, where, device, steps)
@@ -103,6 +105,7 @@ def _train(console: Console, ms: ModelSpec, plan: Plan, name: str, n_dev: int, w
         t0 = time.perf_counter()
         loss = pipe.forward_backward(x, target=ms.example_target)
         t1 = time.perf_counter()
+        # the optimizer is left out of the timed span: the plan's prediction compared below is for forward_backward
         optimizer.step()
         optimizer.zero_grad()
         took.append(t1 - t0)
@@ -116,6 +119,7 @@ def _train(console: Console, ms: ModelSpec, plan: Plan, name: str, n_dev: int, w
     ms.model.train(model_eval)
     console.print(f"after {steps} steps: pipe.evaluate(x, target=y) = {after.item():.4f} (no gradients, "
                   f"the same {pipe.microbatches} microbatches)")
+    # step 0 also captures the saved segments: left out of the median unless it is the only step
     _compare(console, plan, statistics.median(took[1:] or took), device, steps)
 
 

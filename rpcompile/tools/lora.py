@@ -47,10 +47,12 @@ def apply_lora(model: nn.Module, *, rank: int = LORA_RANK, targets: Sequence[str
     PEFT's are asked for."""
     if rank < 1:
         raise ConfigError(f"LoRA rank {rank} must be at least 1")
+    # targets are module names (q_proj), matched against each linear layer's last path component
     names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     if not names & set(targets):
         raise ConfigError(f"no nn.Linear named {', '.join(targets)} in {type(model).__name__} (its linear layers: "
                           f"{', '.join(sorted(names)) or 'none'}); LoRA targets the attention projections")
+    # rpcompile's Llama and MoE (a Llama subclass) get the planning adapters: they trace with torch.fx, PEFT's do not
     if peft is False or (peft is None and isinstance(model, Llama)):
         return LoraModel(model, rank=rank, targets=targets)
     try:
@@ -71,10 +73,12 @@ class LoraLinear(nn.Module):
         self.base_layer = base.requires_grad_(False)
         a = nn.Linear(base.in_features, rank, bias=False, device=device, dtype=dtype)
         b = nn.Linear(rank, base.out_features, bias=False, device=device, dtype=dtype)
+        # keyed by PEFT's adapter name, so the parameter paths read lora_A.default.weight as PEFT's do
         self.lora_A, self.lora_B = nn.ModuleDict({"default": a}), nn.ModuleDict({"default": b})
         self.scaling = alpha / rank
         if device.type != "meta":  # meta tensors hold no values to fill
             nn.init.kaiming_uniform_(a.weight, a=math.sqrt(5))
+            # B at zero: the adapted model starts out computing exactly the base model
             nn.init.zeros_(b.weight)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -87,7 +91,9 @@ class LoraModel(nn.Module):
 
     def __init__(self, model: nn.Module, *, rank: int, targets: Sequence[str]) -> None:
         super().__init__()
+        # the whole base frozen first: the adapters made below are the only trainable parameters
         model.requires_grad_(False)
+        # a snapshot of the modules: the loop replaces children as it walks
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
                 if name in targets and isinstance(child, nn.Linear):

@@ -134,6 +134,7 @@ class PlanDiff:
             return ["plans are identical"]
         times = [abs(v) for c in self.predicted if c.what == "iteration time" for v in (c.a, c.b)]
         times += [abs(v) for s in self.stages if s.time_s for v in s.time_s]
+        # one unit for every time in the report, so figures compare by eye
         unit = "s" if max(times, default=0.0) >= 1 else "ms"
         out = [f"{self.a_name} → {self.b_name}"]
         if self.model:
@@ -164,6 +165,7 @@ class PlanDiff:
                 parts = [f"time {_times(*s.time_s, unit)}"] if s.time_s else []
                 parts += [f"memory {_bytes(*s.memory_bytes)}"] if s.memory_bytes else []
                 text = "; ".join(parts)
+                # a row grows only over the next stage of the same kind (F2 then F3) with the same change
                 if runs and runs[-1][2] == text and _next_stage(runs[-1][1]) == s.stage:
                     runs[-1] = (runs[-1][0], s.stage, text)
                 else:
@@ -182,8 +184,10 @@ def model_differences(a: Plan, b: Plan) -> list[str]:
         return []
     params = a.model.params_digest == b.model.params_digest
     planned_apart = a.head_chunks != b.head_chunks or tuple(a.host) != tuple(b.host)
+    # same parameters, and the graphs differ where the plans chose to rewrite them differently: the same model
     if params and planned_apart:
         return []
+    # the fingerprints differ in a way differences() does not name: still say something
     return a.model.differences(b.model) or ["fingerprints differ"]
 
 
@@ -211,6 +215,7 @@ def diff_plans(a: Plan, b: Plan, *, a_name: str = "a", b_name: str = "b") -> Pla
     order = {n: i for i, n in enumerate(_order(a, b))}
     for kind in ("forward", "backward"):
         moves[kind] = _moves(_placement(a, kind, depth), _placement(b, kind, depth), _units(b, a, depth), depth)
+        # node names mean the same node only within one model
         nodes[kind] = _moved_nodes(a, b, kind, order) if same_model else Nodes((), ())
     return PlanDiff(
         a_name=a_name,
@@ -280,6 +285,7 @@ def _stage_changes(a: Plan, b: Plan) -> tuple[StageChange, ...]:
 
 
 def _rel(x: float, y: float) -> float:
+    # relative to the larger magnitude: symmetric in x and y, and no 0/0 when both are zero
     return abs(y - x) / max(abs(x), abs(y)) if x != y else 0.0
 
 
@@ -301,6 +307,7 @@ def _unit(path: str, depth: int) -> str:
     if path in ("", "(root)"):
         return "(root)"
     parts = path.split(".")
+    # inside a block the group is one level below it (layers.7.attn); outside the list, the top-level module
     return ".".join(parts[: depth + 1] if _container(path, depth) else parts[:depth])
 
 
@@ -314,6 +321,7 @@ def _placement(plan: Plan, kind: str, depth: int) -> dict[str, tuple[str, ...]]:
     out: dict[str, dict[str, None]] = {}
     for s in _stages_of(plan, kind):
         for m in s.modules:
+            # a dict as an ordered set: each stage once, in execution order
             out.setdefault(_unit(m, depth), {})[s.name] = None
     return {u: tuple(names) for u, names in out.items()}
 
@@ -333,16 +341,19 @@ def _moves(pa: dict[str, tuple[str, ...]], pb: dict[str, tuple[str, ...]], units
     while k < len(units):
         block = _container(units[k], depth)
         j = k + 1
+        # units are in forward order, so a block's groups sit together: j ends past the last of them
         while block is not None and j < len(units) and _container(units[j], depth) == block:
             j += 1
         group = [(u, pa.get(u, ()), pb.get(u, ())) for u in units[k:j]]
         moved = [g for g in group if g[1] != g[2]]
+        # reported as the block only when every group of it moved, and all from the same stages to the same stages
         if block is not None and len(moved) == len(group) and len({g[1:] for g in moved}) == 1:
             items.append((block, tuple(units[k:j]), moved[0][1], moved[0][2]))
         else:
             for u, x, y in group:
                 if u == block and len(moved) > 1:
                     continue  # the block's own ops (residual adds) follow the parts that moved
+                # None marks an unchanged group: it keeps step 2 from merging the moves on either side of it
                 items.append((u if u != block else f"{u} (own ops)", (u,), x, y) if x != y else None)
         k = j
     # 2. merge neighbours that moved alike
@@ -353,6 +364,7 @@ def _moves(pa: dict[str, tuple[str, ...]], pb: dict[str, tuple[str, ...]], units
             runs[-1].append(item)
         elif item is not None:
             runs.append([item])
+        # None included: an unchanged stretch ends a run
         previous = item
     return tuple(Move(_label([r[0] for r in run]), tuple(u for r in run for u in r[1]), run[0][2], run[0][3])
                  for run in runs)
@@ -371,6 +383,7 @@ def _label(names: Sequence[str]) -> str:
                 last[2] = int(leaf)
             else:
                 pieces.append(("range", [prefix, int(leaf), int(leaf)]))
+        # a name whose parent is a list index (layers.4.attn): a part of that block
         elif _NUMERIC.match(prefix.rpartition(".")[2]):
             if kind == "parts" and last[0] == prefix:
                 last[1].append(leaf)
@@ -396,6 +409,7 @@ def _node_stage(plan: Plan, kind: str) -> dict[str, str]:
 
 def _order(a: Plan, b: Plan) -> list[str]:
     """Every node in topological order (``b``'s, then nodes only ``a`` has)."""
+    # the forward and fused stages hold every node once, in topological order (verify_plan's rules 4 and 6)
     return list(dict.fromkeys(n for p in (b, a) for s in _stages_of(p, "forward") for n in s.nodes))
 
 
@@ -482,5 +496,6 @@ def _change_line(c: Change, unit: str) -> str:
 
 
 def _capped(rows: list[str], limit: int) -> list[str]:
+    # the note takes the last row, so a list never shows more than limit rows
     shown = rows if len(rows) <= limit else rows[: limit - 1] + [f"… {len(rows) - limit + 1} more (--json lists all)"]
     return ["  " + r for r in shown]

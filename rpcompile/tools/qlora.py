@@ -58,8 +58,10 @@ def quantize_base(model: nn.Module, scheme: str = "nf4", *, skip: Sequence[str] 
     done = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
+            # a trainable layer (a LoRA adapter's A or B) stays as it is: only a frozen base is quantized
             if name in skip or any(p.requires_grad for p in child.parameters(recurse=False)):
                 continue
+            # the exact type: a subclass of nn.Linear may compute otherwise, and replacing it would lose that
             if type(child) is nn.Linear:
                 setattr(parent, name, NF4Linear(child))
                 done += 1
@@ -79,8 +81,10 @@ def _packed(module: nn.Module, prefix: str, weight: Tensor) -> tuple[int, ...]:
     n, device = weight.numel(), weight.device
     blocks = math.ceil(n / NF4_BLOCK)
     if device.type == "meta":
+        # two 4-bit indices a byte, in the [n/2, 1] shape bitsandbytes' quantize_4bit returns
         packed = torch.empty((n + 1) // 2, 1, dtype=torch.uint8, device=device)
         absmax = torch.empty(blocks, dtype=torch.uint8, device=device)
+        # the offset, then one nested absmax per NF4_NESTED_BLOCK blocks
         scales = torch.empty(1 + math.ceil(blocks / NF4_NESTED_BLOCK), dtype=torch.int32, device=device)
         code = torch.empty(256, dtype=torch.int32, device=device)
     else:
@@ -99,6 +103,8 @@ def _quantized(weight: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
                           "the meta device)") from None
     packed, state = bnb.quantize_4bit(weight.detach(), blocksize=NF4_BLOCK, quant_type="nf4",
                                       compress_statistics=True)
+    # fp32 values kept as int32 bits: every packed parameter is then an integer one, which the runtime's casts to
+    # the compute precision leave as it is
     scales = torch.cat([state.offset.reshape(1).float(), state.state2.absmax.float()]).view(torch.int32)
     return packed, state.absmax, scales, state.state2.code.float().view(torch.int32)
 
@@ -116,10 +122,12 @@ class NF4Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = base.in_features, base.out_features
         self.shape = _packed(self, "weight", base.weight)
+        # the logical weight count, which host_memory.quantized_weights reads (the packed tensors hold fewer elements)
         self.weights = base.weight.numel()
         self.bias = base.bias
 
     def forward(self, x: Tensor) -> Tensor:
+        # dequantized into the activations' dtype: the matmul runs in the compute precision
         return F.linear(x, _weight(self, "weight", self.shape, x.dtype), self.bias)
 
 

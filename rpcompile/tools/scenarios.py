@@ -80,6 +80,7 @@ class Scenario:
     @property
     def stage_count(self) -> int:
         """Stages of the schedule (a static stage's forward and backward halves count once)."""
+        # a static schedule lists each stage twice, as a forward and a backward chain position
         static = any(s.releases >= 0 for s in self.stages)
         return len(self.stages) // 2 if static else len(self.stages)
 
@@ -96,9 +97,11 @@ def from_plan(plan: Any, *, host_bytes_per_s: float = math.inf) -> Scenario:
     has none: its stages run for their predicted ``time_s`` and transfers are not simulated."""
     hw, m = plan.hardware, plan.microbatches
     stages = []
+    # node → the forward stage that offloads its saved activation; a backward stage waits for those saves
     savers = {node: k for k, s in enumerate(plan.stages) if s.kind == "forward" and s.offload_bytes
               for node in s.saved}
     for s in plan.stages:
+        # a version-1 plan records only time_s: it then stands in for the compute
         detailed = s.compute_s > 0 or s.weight_bytes > 0
         saved_by = tuple(sorted({savers[x] for x in s.saved if x in savers})) if s.kind == "backward" else ()
         stages.append(StageCost(  # the plan's compute_s includes the per-stage overhead
@@ -160,10 +163,13 @@ def balanced_ranges(costs: Sequence[float], parts: int) -> list[tuple[int, int]]
     for c in costs:
         prefix.append(prefix[-1] + c)
     inf = math.inf
+    # best[p][i]: the least largest run sum over splits of the first i costs into p runs; cut[p][i]: where its last run
+    # starts
     best = [[inf] * (n + 1) for _ in range(parts + 1)]
     cut = [[0] * (n + 1) for _ in range(parts + 1)]
     best[0][0] = 0.0
     for p in range(1, parts + 1):
+        # i leaves at least one cost for each later run, and j at least one for each earlier run
         for i in range(p, n - (parts - p) + 1):
             for j in range(p - 1, i):
                 v = max(best[p - 1][j], prefix[i] - prefix[j])
@@ -192,6 +198,7 @@ def static_scenarios(problem: Any, *, chunks: int = 2, precision: str = "bf16", 
         if parts < n_dev * v:
             continue  # fewer layers than virtual stages: this schedule does not apply
         groups = balanced_ranges(layer_cost, parts)
+        # layer indices back to segment indices: from the first layer's first segment to the last layer's end
         ranges = [(layers[a][0], layers[b - 1][1]) for a, b in groups]
         stages = _static_stages(problem, ranges, n_dev, opt)
         if name == "gpipe":
@@ -199,6 +206,7 @@ def static_scenarios(problem: Any, *, chunks: int = 2, precision: str = "bf16", 
         elif name == "1f1b":
             lists = one_f_one_b(n_dev, m)
         else:
+            # interleaved 1F1B (as Megatron-LM's) needs microbatches a multiple of devices: skipped, not refused
             if m % n_dev:
                 continue
             lists = interleaved_one_f_one_b(n_dev, m, v)
@@ -297,6 +305,7 @@ def layer_profile_scenarios(entry: Mapping[str, Any], *, devices: int, microbatc
             if sum(counts) != L:
                 raise SimulationError(f"{name} partition {parts[name]!r} covers {sum(counts)} layers, not {L}")
             V = len(counts)
+            # stage s runs on device s mod devices: each device must hold as many stages as the next
             if V % devices:
                 raise SimulationError(f"{name} partition has {V} stages, not a multiple of {devices} devices")
             stages = []
@@ -307,6 +316,7 @@ def layer_profile_scenarios(entry: Mapping[str, Any], *, devices: int, microbatc
             for s in reversed(range(V)):
                 head = s == V - 1
                 per_layer = b + (f if static_recompute else 0.0)  # the paper's simulator: recompute, then backward
+                # a backward stage's input comes from the stage after it; releases=s frees forward s's stash
                 stages.append(StageCost(name=f"B{s}", kind="backward",
                                         compute_s=counts[s] * per_layer + (hb if head else 0.0),
                                         upload_s=comm if s < V - 1 and devices > 1 else None, releases=s))
@@ -323,6 +333,7 @@ def layer_profile_scenarios(entry: Mapping[str, Any], *, devices: int, microbatc
             top = L - sum(fwd_counts)  # layers the fused stage owns beside the head
             if bwd_counts[0] != top or sum(bwd_counts[1:]) != sum(fwd_counts):
                 raise SimulationError(f"roundpipe partition {parts['roundpipe']!r} does not cover {L} layers")
+            # full recompute, as RoundPipe runs: a backward stage pays its layers' forward again, the fused stage once
             comp = [c * f for c in fwd_counts] + [top * (f + b) + hf + hb] + [c * (f + b) for c in bwd_counts[1:]]
             forward: StageKind = "forward"
             backward: StageKind = "backward"
@@ -350,6 +361,7 @@ def layer_profile_problem(entry: Mapping[str, Any], *, devices: int, microbatche
     ms, L = 1e-3, int(entry["num_layers"])
     f, b = entry["fwd_ms_per_layer"] * ms, entry["bwd_ms_per_layer"] * ms
     zeros = (0,) * (L + 1)
+    # no bytes in a profile: memory and link are made unbounded so only the times decide
     return PartitionProblem(
         names=tuple(f"layers.{i}" for i in range(L)) + ("lm_head",), layer=tuple(range(L + 1)),
         fwd_s=(f,) * L + (entry["head_fwd_ms"] * ms,), bwd_s=(b,) * L + (entry["head_bwd_ms"] * ms,),
@@ -362,5 +374,6 @@ def layer_profile_problem(entry: Mapping[str, Any], *, devices: int, microbatche
 def _describe(plan: Any, layers: int) -> str:
     """A SegmentPlan in the fixture's ``forward|backward`` layer-count notation."""
     fwd = [b - a for a, b in plan.forward]
+    # segments are the layers and then the head: the fused stage's first segment says how many layers it holds
     top = layers - plan.fused[0]
     return ",".join(map(str, fwd)) + "|" + ",".join(map(str, [top] + [b - a for a, b in plan.backward]))

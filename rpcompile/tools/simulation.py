@@ -72,6 +72,7 @@ def model_scenarios(model: Any, example_inputs: Sequence[Any], *, gpus: int | No
         segments_per_layer, host_embedding, overlap = (given[k] for k in (
             "gpus", "spec", "device", "microbatches", "memory_limit", "precision", "time_limit_s", "progress",
             "head_chunks", "segments_per_layer", "host_embedding", "overlap"))
+    # the shared graph keeps the embeddings on the devices, as the baselines' systems do; ilp prepares its own below
     gm, m = prepare(model, example_inputs, PlanOptions(gpus=gpus, spec=spec, device=device, microbatches=microbatches,
                     precision=precision, progress=progress, segments_per_layer=segments_per_layer,
                     host_embedding=False))
@@ -85,6 +86,7 @@ def model_scenarios(model: Any, example_inputs: Sequence[Any], *, gpus: int | No
                                     host_bytes_per_s=host_bytes_per_s, schedules=static))
     def attempt(name: str, ks: tuple[int, ...], k: int) -> Callable[[], tuple[float, tuple]]:
         problem = pb
+        # a split head or embeddings on the host rewrite the graph: such a candidate traces and costs its own
         if k > 1 or (name == "ilp" and host_embedding):
             own, _ = prepare(model, example_inputs, PlanOptions(gpus=gpus, spec=spec, device=device,
                              microbatches=microbatches, precision=precision, progress=progress, head_chunks=k,
@@ -93,6 +95,7 @@ def model_scenarios(model: Any, example_inputs: Sequence[Any], *, gpus: int | No
             problem = partition_problem(own, hardware=hardware, microbatches=m, precision=precision,
                                         overlap_iterations=overlap)
         # every split but the last is solved in a child process while the next is prepared and solved here
+        # cache=False: solve() here bypasses the solve cache, so a result stored there must not pass for a quick lookup
         solved = solving(functools.partial(solve, problem, name, time_limit_s=time_limit_s), problem,
                          time_limit_s=time_limit_s, strategy=name, cache=False, background=k != ks[-1])
 
@@ -110,12 +113,14 @@ def model_scenarios(model: Any, example_inputs: Sequence[Any], *, gpus: int | No
         ks = head_chunk_candidates(head_chunks, loss_fn, example_target) if name == "ilp" else (1,)
         try:
             problem, res, k = fastest(ks, functools.partial(attempt, name, ks))
+        # nothing fits: the schedule is left out, and skipped() says why
         except InfeasibleError:
             continue
         sc = from_segment_plan(problem, res.plan, name=name, tokens_per_iteration=tokens,
                                host_bytes_per_s=host_bytes_per_s)
         sc.notes.update(stages=res.plan.stage_count, solve_time_s=res.solve_time_s, head_chunks=k)
         out[name] = sc
+    # in the order asked for, which tables keep
     return {name: out[name] for name in schedules if name in out}
 
 
@@ -169,6 +174,7 @@ def scaling(scenario: Scenario, nodes: Sequence[int], networks: Sequence[float])
     rows = []
     for bw in networks:
         for n in nodes:
+            # one machine has no all-reduce, so overlapping it or not is the same run
             for overlap in ((True,) if n == 1 else (True, False)):
                 host = dataclasses.replace(scenario.host, nodes=n, network_bytes_per_s=bw, overlap_reduce=overlap)
                 r = alone if n == 1 else dataclasses.replace(scenario, host=host).run()

@@ -82,6 +82,7 @@ def validate(pipe: Any, *inputs: Any, target: Any = None, iterations: int = 5, w
             p.grad = None
         return list(pipe.timeline)
 
+    # the first calls capture the saved segments and warm the allocator: not what the plan's costs describe
     for _ in range(warmup):
         step()
     runs = [step() for _ in range(max(1, iterations))]
@@ -89,13 +90,16 @@ def validate(pipe: Any, *inputs: Any, target: Any = None, iterations: int = 5, w
     durations: dict[str, list[float]] = {}
     for tl in runs:
         for e in tl:
+            # F actions are the per-microbatch compute; W and G are the stage's weight upload and gradients home
             if parse_action(e.action).kind == "F":
                 durations.setdefault(e.stage, []).append(e.end - e.start)
     plan = pipe.plan
+    # a version-1 plan records only time_s
     predicted = [s.compute_s if s.compute_s > 0 else s.time_s for s in plan.stages]
     stages = tuple(StageComparison(s.name, t, statistics.median(durations.get(s.name, [math.nan])))
                    for s, t in zip(plan.stages, predicted))
     cpu = all(getattr(d, "torch_device", torch.device("cpu")).type == "cpu" for d in pipe.devices)
+    # logical CPU devices share the host's memory: their transfers cost nothing here
     link = math.inf if cpu else plan.hardware.link_bytes_per_s
     sim_stages = [StageCost(name=s.name, kind=s.kind, compute_s=t) for s, t in zip(plan.stages, predicted)]
     sim = simulate(pipe.schedule, sim_stages, link_bytes_per_s=link)

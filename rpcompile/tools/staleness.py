@@ -75,6 +75,7 @@ def rescore(plan: Any, gm: Any) -> tuple[Any, list[str]]:
     stage boundaries that are no longer cut points."""
     order = {n.name: i for i, n in enumerate(compute_nodes(gm))}
     segs = segments_of(gm)
+    # node position → segment index at every cut point of today's segments, the graph's end included
     seg_at = {s.start: s.index for s in segs} | {segs[-1].stop: len(segs)}
     ranges, bad = [], []
     for s in plan.stages:
@@ -87,6 +88,7 @@ def rescore(plan: Any, gm: Any) -> tuple[Any, list[str]]:
     if bad:
         return None, bad
     saved_nodes = set(plan.saved)
+    # the plan saves nodes, the solver segments: a segment is saved when all its nodes are (an empty one never is)
     saved = tuple(bool(s.nodes) and all(n in saved_nodes for n in s.nodes) for s in segs)
     fused = next((a, b) for k, a, b in ranges if k == "fused")
     return SegmentPlan(forward=tuple((a, b) for k, a, b in ranges if k == "forward"), fused=fused,
@@ -102,6 +104,7 @@ def stays_of(plan: Any, segs: Sequence[Any], fused_start: int) -> tuple[bool, ..
     everything)."""
     kept = {p for s in plan.forward_stages for p in s.keeps}
     readers = Counter(p for s in segs for p in set(s.params))
+    # a segment's own parameters are those no other segment reads; a shared one (a tied embedding) is no segment's stay
     own = [{p for p in s.params if readers[p] == 1} for s in segs]
     return tuple(not plan.resident and bool(mine) and i < fused_start and mine <= kept for i, mine in enumerate(own))
 
@@ -129,6 +132,7 @@ def check_plan(path: str | Path, model: Any, example_inputs: Sequence[Any], *, m
         plan = Plan.load(path)
     except PlanFileError as e:
         text = str(e)
+        # the error starts with the file's name, which the result's path already says
         result.problems.append("corrupt: " + (text.split(" is corrupt: ", 1)[1] if " is corrupt: " in text else text))
         return result
     hw = plan.hardware
@@ -148,6 +152,7 @@ def check_plan(path: str | Path, model: Any, example_inputs: Sequence[Any], *, m
                        max_segments=options.get("max_segments")), loss_fn=loss_fn, example_target=example_target)
 
     try:
+        # no lookups on the host: False moves none, where True would let the pass choose by table size
         gm, m = graph(plan.host or False)
     except ValueError:  # the lookups the plan runs on the host are not in this model: the fingerprint says so
         if not plan.host:
@@ -168,6 +173,7 @@ def check_plan(path: str | Path, model: Any, example_inputs: Sequence[Any], *, m
     for v in validate_segment_plan(problem, sp):
         result.problems.append(f"does not fit: {v}")
     now = iteration_time(problem, sp)
+    # measured times differ from run to run and machine to machine: only an analytic prediction must repeat
     if not measured and abs(now / plan.predicted.iteration_time_s - 1) > max_regression:
         result.problems.append(
             f"stale prediction: the plan predicts {plan.predicted.iteration_time_s * 1e3:.3f} ms per iteration but "
@@ -179,7 +185,9 @@ def check_plan(path: str | Path, model: Any, example_inputs: Sequence[Any], *, m
         "peak": fmt_bytes(peak), "memory": fmt_bytes(hw.memory_bytes), "peak_memory_bytes": peak,
         "iteration_s": now, "fresh_iteration_s": None, "regression": None,
     }
+    # a hand-made plan may name a strategy plan_graph does not run: the fresh plan is the ILP's then
     strategy = plan.strategy if plan.strategy in ("ilp", "dp", "roundpipe", "uniform") else "ilp"
+    # today's inputs under the strategy the plan records, so they compare with what the plan recorded
     reason = _resolve_reason(plan, solve_inputs(gm, problem, hw, strategy=plan.strategy, precision=plan.precision),
                              resolve)
     result.figures |= {"resolved": reason[0], "resolve_reason": reason[1]}
@@ -222,6 +230,7 @@ def sums_of(plan: Any, segs: Sequence[Any], gm: Any) -> tuple[bool, ...]:
     the ``SegmentPlan.accumulates`` the plan was lowered from."""
     summed = {p for s in plan.stages for p in s.accumulates}
     if not summed:
+        # no sums: the empty tuple SegmentPlan itself keeps for that
         return ()
     trainable = {n for n, p in gm.named_parameters() if p.requires_grad}
     readers = Counter(p for s in segs for p in set(s.params))

@@ -31,6 +31,7 @@ __all__ = ["timeline_svg", "write_timeline_svg", "LANES"]
 
 LANES = ("compute", "upload", "download")
 _KINDS = ("compute", "weights", "activations", "gradients")
+# an action's text: stage, kind letter (W upload, F compute, G gradients home), then the microbatch if any
 _ACTION = re.compile(r"^(\d+)([WFG])(\d*)$")
 
 WIDTH = 1200.0
@@ -71,6 +72,7 @@ def _as_bar(e: Any) -> SimEvent:
     action = str(getattr(e, "action", ""))
     m = _ACTION.match(action)
     stage = getattr(e, "stage", int(m.group(1)) if m else -1)
+    # W and G actions name no microbatch (-1): a stage uploads its weights and sends its gradients once
     mb = getattr(e, "microbatch", int(m.group(3)) if m and m.group(3) else -1)
     kind = getattr(e, "kind", None)
     if kind is None:
@@ -88,6 +90,7 @@ def _stack(bars: list[SimEvent]) -> tuple[list[int], int]:
     free: list[int] = []
     rows, count = [], 0
     for b in bars:
+        # a bar that starts where another ended takes its row: float noise must not open a new one
         while busy and busy[0][0] <= b.start + 1e-12:
             heapq.heappush(free, heapq.heappop(busy)[1])
         if free:
@@ -102,6 +105,7 @@ def _stack(bars: list[SimEvent]) -> tuple[list[int], int]:
 def _nice_step(span: float, target: int = 10) -> float:
     raw = span / target
     mag = 10.0 ** math.floor(math.log10(raw))
+    # the tolerance keeps a span that is exactly a nice step from rounding up to the next one
     return next(m * mag for m in (1.0, 2.0, 2.5, 5.0, 10.0) if m * mag >= raw * (1 - 1e-9))
 
 
@@ -137,6 +141,7 @@ def _busy(bars: Iterable[SimEvent]) -> float:
     total = 0.0
     cur: tuple[float, float] | None = None  # the interval being merged
     for b in sorted(bars, key=lambda b: b.start):
+        # a gap: the merged interval is complete; touching or overlapping bars extend it instead
         if cur is None or b.start > cur[1]:
             total += (cur[1] - cur[0]) if cur is not None else 0.0
             cur = (b.start, b.end)
@@ -154,6 +159,7 @@ class _Chart:
         # A simulated iteration starts at 0; a measured one carries absolute clock readings: start at its first bar.
         self.t0 = 0.0 if 0.0 <= first <= 0.1 * max(last, 1e-30) else first
         span = last - self.t0
+        # an empty or zero-length timeline still gets an axis (1 ms)
         self.ticks = _ticks(span if span > 0 else 1e-3)
         self.unit, self.scale = _unit(self.ticks[-1])
         self.plot_w = WIDTH - _LEFT - _RIGHT
@@ -170,6 +176,7 @@ def _header(title: str, bars: Sequence[SimEvent], devices: int, chart: _Chart) -
                                              class_="title")]
     key = "compute bars: colour = stage; F forward, B backward (dark border), FB fused (dashed); hatched = idle."
     out.append("  " + text(12, 42, key, class_="key"))
+    # SVG text cannot be measured here: the legend is laid out by estimated widths
     x = 24 + text_width(key, 11)
     out.append("  " + text(x, 42, "transfers:", class_="key"))
     x += 8 + text_width("transfers:", 11)
@@ -189,6 +196,7 @@ def _compute_bar(b: SimEvent, x: float, y: float, w: float, h: float, names: Seq
            f"({_fmt(b.end - b.start, scale)} {unit})")
     out = [rect(x, y, w, h, tip=tip, class_=_stage_class(name), fill=stage_color(b.stage))]
     long = f"{name} mb{b.microbatch}" if b.microbatch >= 0 else name
+    # the longest label that fits the bar, or none
     for label in (long, name):
         if text_width(label, _LABEL_SIZE) + 6 <= w:
             out.append(text(x + w / 2, y + h / 2 + 3.5, label, class_="lbl", text_anchor="middle"))
@@ -222,11 +230,14 @@ def _device(d: int, bars: list[SimEvent], y0: float, chart: _Chart, names: Seque
         row_h = _ROW[lane]
         h = n_rows * row_h
         out.append(f'  <g class="lane {lane}">')
+        # the lane's name beside its first sub-row; +3.5 drops the baseline to centre 10 px text
         out.append("    " + text(_LEFT - 6, y + min(h, row_h) / 2 + 3.5, lane, class_="lane", text_anchor="end"))
         out.append("    " + rect(_LEFT, y, chart.plot_w, h, class_="idle" if lane == "compute" else "lanebg"))
         for b, r in zip(lane_bars, rows):
             x = chart.x(b.start)
+            # a very short action still shows as a sliver
             w = max((b.end - b.start) * chart.px_per_s, 0.6)
+            # half a pixel above and below (height row_h - 1): stacked sub-rows stay apart
             by = y + r * row_h + 0.5
             if lane == "compute" and b.kind == "compute":
                 out.extend("    " + s for s in _compute_bar(b, x, by, w, row_h - 1, names, chart.scale, chart.unit))
@@ -290,6 +301,7 @@ def timeline_svg(events: Iterable[Any], *, devices: int, title: str = "",
         lines, h = _device(d, per_device[d], y, chart, stage_names, iteration)
         groups.extend(lines)
         y += h + _DEVICE_GAP
+    # the axis and its grid come before the device groups, so the bars are drawn over the grid lines
     body += _axis(chart, _HEADER - 4, y - _DEVICE_GAP + 4) + groups
     label = title or "pipeline timeline"
     return document(WIDTH, y - _DEVICE_GAP + 4 + _AXIS, body, style=_STYLE, defs=[_IDLE_PATTERN], label=label)

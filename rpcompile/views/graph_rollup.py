@@ -86,6 +86,7 @@ def _fold(keys: Sequence[str]) -> list[str]:
     module (the residual add closes the attention or MLP half it follows, as in the partitioner's segments), else the
     next one; so a 32-layer LLaMA gives 4 boxes per layer instead of 5. A module with no box below it keeps its own.
     """
+    # every proper prefix of every key ("" the root's): the modules that have boxes below them
     ancestors = {".".join(k.split(".")[:i]) for k in keys if k for i in range(len(k.split(".")))}
     out: list[str | None] = []
     for k in keys:
@@ -96,6 +97,7 @@ def _fold(keys: Sequence[str]) -> list[str]:
             out.append(prev)
         else:
             out.append(None)  # decided by the next box
+    # right to left, so a run of undecided keys all follow the box decided after them
     for i in range(len(out) - 1, -1, -1):
         if out[i] is None:
             nxt = out[i + 1] if i + 1 < len(out) else None
@@ -109,6 +111,7 @@ def _count_boxes(paths: Sequence[str], depth: int) -> int:
 
 def _auto_depth(paths: Sequence[str]) -> int:
     lists = [i + 1 for p in paths for i, part in enumerate(p.split(".")) if _NUMERIC.match(part)]
+    # one level below the first list's index (layers.7.attn): the partitioner's groups
     depth = min(lists) + 1 if lists else 1
     while depth > 1 and _count_boxes(paths, depth) > MAX_BOXES:
         depth -= 1
@@ -134,6 +137,7 @@ def _stage_maps(plan: Plan) -> tuple[dict[str, str], dict[str, str], set[str]]:
 
 def _ordered(names: Iterable[str], plan: Plan) -> tuple[str, ...]:
     order = {s.name: i for i, s in enumerate(plan.stages)}
+    # a name that is not a stage (the host) sorts after the stages
     return tuple(sorted(set(names), key=lambda n: order.get(n, len(order))))
 
 
@@ -151,6 +155,7 @@ def _rollup_graph(plan: Plan, graph: Any, depth: int | None) -> Rollup:
     edges_between: dict[tuple[int, int], None] = {}
     for n in nodes:
         for a in n.all_input_nodes:
+            # inputs, parameters and the host's lookups belong to no box: no edge from them
             if a in box_of_node and box_of_node[a] != box_of_node[n]:
                 edges_between[(index[box_of_node[a]], index[box_of_node[n]])] = None
     boxes = tuple(
@@ -165,6 +170,7 @@ def _rollup_graph(plan: Plan, graph: Any, depth: int | None) -> Rollup:
     )
     host = _host_boxes(plan, True)
     edges = {(0, len(host)): None} if host and boxes else {}
+    # the module boxes follow the host's in the Rollup: their indices shift past them
     edges.update({(a + len(host), b + len(host)): None for a, b in edges_between})
     return Rollup(host + boxes, tuple(edges), depth, True)
 
@@ -183,6 +189,7 @@ def _rollup_plan(plan: Plan, depth: int | None) -> Rollup:
         return "" if m == ROOT else m
 
     fwd_seq = [(norm(m), s.name) for s in plan.stages if s.kind != "backward" for m in s.modules]
+    # backward stages run from the graph's end: reversed, their modules come in topological order like the forward ones
     bwd_seq = [(norm(m), s.name) for s in reversed(plan.stages) if s.kind == "backward" for m in s.modules]
     saved_of = {(s.name, norm(m)) for s in plan.forward_stages for m in s.saved_modules}
     # plans written before Stage.saved_modules existed cannot place their saved nodes on modules

@@ -41,6 +41,7 @@ def _q(s: str) -> str:
 def _dot_text(s: str) -> str:
     """``s`` inside a DOT quoted string: one line (:func:`~rpcompile.core.text.printable`), backslashes and quotes
     escaped (so a name never starts a DOT escape such as ``\\N`` or ends the string)."""
+    # backslashes first: the ones the quote escapes add must not be doubled
     return printable(s).replace("\\", "\\\\").replace('"', '\\"')
 
 
@@ -74,6 +75,7 @@ def graph_dot(plan: Plan, graph: Any = None, *, depth: int | None = None) -> str
     idx = _stage_index(plan)
     clusters: dict[str, list[int]] = {}
     for i, b in enumerate(r.boxes):
+        # a box no forward stage runs goes under "", drawn outside every cluster
         clusters.setdefault(b.forward[0] if b.forward else "", []).append(i)
     out = [
         "digraph plan {",
@@ -91,7 +93,9 @@ def graph_dot(plan: Plan, graph: Any = None, *, depth: int | None = None) -> str
             b = r.boxes[i]
             fcol = stage_color(idx.get(b.forward[0], -1)) if b.forward else stage_color(-1)
             bcol = stage_color(idx.get(b.backward[-1], -1)) if b.backward else stage_color(-1)
+            # a literal \n: DOT's own line break inside a label
             label = "\\n".join(_dot_text(t) for t in (b.name, b.stage_label, *(["saved"] if b.saved else [])))
+            # with style=striped, "a;0.5:b" fills half the box with each colour
             attrs = f'label="{label}", fillcolor="{fcol};0.5:{bcol}", tooltip={_q(_tooltip(b, plan))}'
             if b.saved:
                 attrs += ", penwidth=3"
@@ -100,6 +104,7 @@ def graph_dot(plan: Plan, graph: Any = None, *, depth: int | None = None) -> str
             out.append("  }")
     for src, dst in r.edges:
         skip = dst != src + 1
+        # constraint=false: skip edges do not rank the boxes; the chain alone lays them out
         style = ' [color="#99999980", constraint=false]' if skip else ""
         out.append(f"  {_q(r.boxes[src].name)} -> {_q(r.boxes[dst].name)}{style};")
     out.append("}")
@@ -136,6 +141,7 @@ def _fit(s: str, size: float, width: float) -> str:
     """``s``, cut from the left with an ellipsis to fit ``width`` px (the tail of a module path is its name)."""
     if text_width(s, size) <= width:
         return s
+    # the width text_width assumes per character, less one for the ellipsis
     keep = max(int(width / (0.58 * size)) - 1, 1)
     return "…" + s[-keep:]
 
@@ -145,6 +151,7 @@ class _Layout:
 
     def __init__(self, n: int, top: float) -> None:
         self.cols = max(1, math.ceil(n / ROWS_PER_COLUMN))
+        # the columns the cap needs, then the boxes spread evenly over them
         self.rows = max(1, math.ceil(n / self.cols))
         self.top = top
 
@@ -169,6 +176,7 @@ def _box_svg(i: int, b: ModuleBox, x: float, y: float, plan: Plan, idx: dict[str
     bcol = stage_color(idx.get(b.backward[-1], -1)) if b.backward else stage_color(-1)
     cls = "module saved" if b.saved else "module"
     saved = "" if b.saved is None else f' data-saved="{b.saved}"'
+    # the name leaves room at the right for the "saved" badge when there is one
     out = [f'<g class="{cls}" id="box{i}" data-module="{esc(b.name)}" data-forward="{esc(" ".join(b.forward))}" '
            f'data-backward="{esc(" ".join(b.backward))}"{saved}>',
            "  " + title(_tooltip(b, plan) + (f" · feeds {len(fans)} later modules" if fans else "")),
@@ -198,6 +206,7 @@ def _edge_svg(lay: _Layout, a: int, b: int) -> str:
     x1 = xa + _BOX_W
     if ca == cb:  # a loop out to the right of the column, wider the further it goes
         x2 = xb + _BOX_W
+        # capped below the gap between columns, so a loop never reaches the next column's boxes
         bulge = min(10 + 5 * abs(ra - rb), _COL_GAP - 12)
         d = f"M{num(x1)},{num(y1)} C{num(x1 + bulge)},{num(y1)} {num(x2 + bulge)},{num(y2)} {num(x2)},{num(y2)}"
     else:
@@ -216,6 +225,7 @@ def _edges_svg(r: Rollup, lay: _Layout) -> tuple[list[str], dict[int, list[int]]
             skips.setdefault(a, []).append(b)
     fanout = {a: bs for a, bs in skips.items() if len(bs) > FANOUT}
     out = ['<g class="edges">']
+    # a broadcast source keeps its chain connector; its other edges are the tag on its box
     out += ["  " + _edge_svg(lay, a, b) for a, b in r.edges if a not in fanout or b == a + 1]
     out.append("</g>")
     return out, fanout
@@ -239,6 +249,7 @@ def graph_svg(plan: Plan, graph: Any = None, *, depth: int | None = None) -> str
     """SVG text of the rolled-up plan (see the module docstring for the layout)."""
     r = rollup(plan, graph, depth=depth)
     idx = _stage_index(plan)
+    # never narrower than the header's key line
     width = max(_Layout(len(r.boxes), 0).width, 760.0)
     key = ("left half: forward stage · right half: backward stage · bold border + saved: activations kept in "
            "host memory, not recomputed")
@@ -256,6 +267,7 @@ def graph_svg(plan: Plan, graph: Any = None, *, depth: int | None = None) -> str
             x, y, _, _ = lay.pos(i)
             columns.extend("  " + s for s in _box_svg(i, r.boxes[i], x, y, plan, idx, fanout.get(i, ())))
         columns.append("</g>")
+    # edges before the boxes: SVG paints in order, so the boxes cover the curves that pass behind them
     return document(width, lay.height, head + swatches + edges + columns, style=_STYLE, defs=[_ARROW],
                     label=_headline(plan, r))
 

@@ -74,6 +74,7 @@ def profile_table(prof: Profile, *, nodes: bool = False, title: str = "") -> Tab
 
 
 def print_table(table: Table, console: Console | None = None) -> None:
+    # the tables are wide: at least 120 columns even where the terminal reports fewer (or none, when piped)
     (console or Console(width=max(Console().width, 120))).print(table)
 
 
@@ -81,6 +82,7 @@ def stage_range(stage) -> str:
     """A stage's node range in module terms: ``layers.3.attn → layers.5.mlp``."""
     mods = stage.modules
     if not mods:
+        # a plan without module paths for its stages: the first and last node names stand in
         return f"{stage.nodes[0]} → {stage.nodes[-1]}" if stage.nodes else "(empty)"
     return mods[0] if len(mods) == 1 else f"{mods[0]} → {mods[-1]}"
 
@@ -188,6 +190,7 @@ def bound_note(plan: Any) -> str:
     ILP's own objective, stage-count factor × slowest stage (docs/architecture.md §3), which the exact iteration time of
     an unequal plan can beat."""
     gap = plan.stats.get("gap", 0.0)  # free-form stats: an infinite gap is saved as null
+    # bool is an int subclass: a true/false in the stats is no gap
     gap_text = f"{gap:.1%}" if isinstance(gap, (int, float)) and not isinstance(gap, bool) else "unknown"
     return (f"ILP objective (stage factor × slowest stage) proven ≥ {fmt_ms(plan.predicted.bound_s)}, gap {gap_text} "
             "— a bound on that objective, not on the iteration time")
@@ -198,6 +201,7 @@ def compare_table(rows: dict, *, reference: str = "ilp") -> Table:
     table = SafeTable(title="strategies under the same timing model (predicted)")
     for col in ("strategy", "feasible", "F/B stages", "iteration", f"vs {reference}", "bubble", "recompute", "peak memory", "solve"):
         table.add_column(col, justify="left" if col == "strategy" else "right")
+    # None when the reference strategy is missing or found no plan: the ratio column then reads "-"
     ref = rows.get(reference, (None, None))[1]
     for name, (result, plan) in rows.items():
         if plan is None:
@@ -206,6 +210,7 @@ def compare_table(rows: dict, *, reference: str = "ilp") -> Table:
         p = plan.predicted
         ratio = f"{p.iteration_time_s / ref.predicted.iteration_time_s:.3f}×" if ref else "-"
         n_bwd = sum(len(s.nodes) for s in plan.backward_stages)
+        # the share of the backward stages' nodes recomputed rather than uploaded from host memory
         recompute = f"{len(plan.recomputed) / n_bwd:.0%}" if n_bwd else "-"
         table.add_row(name, "yes", f"{len(plan.forward_stages)}/{len(plan.backward_stages)}", fmt_ms(p.iteration_time_s),
                       ratio, f"{p.bubble_fraction:.1%}", recompute, fmt_bytes(p.peak_memory_bytes), fmt_ms(result.solve_time_s))
@@ -278,6 +283,7 @@ def scaling_table(rows: Sequence[dict], *, title: str = "") -> Table:
                 "of it exposed"):
         t.add_column(col, justify="right")
     for r in rows:
+        # networks are quoted in bits per second, links elsewhere in bytes
         t.add_row(str(r["nodes"]), f"{r['network_bytes_per_s'] * 8 / 1e9:g} Gb/s",
                   "—" if r["nodes"] == 1 else ("overlapped" if r["overlap"] else "after"),
                   fmt_ms(r["iteration_time_s"]), fmt_count(r["tokens_per_s"]) if r["tokens_per_s"] else "—",

@@ -49,6 +49,7 @@ def esc(value: object) -> str:
     every other control character) as visible escapes (:func:`~rpcompile.core.text.printable`), markup escaped."""
     # str.replace beats str.translate by ~5x on the short strings of a picture with 20,000 bars.
     s = printable(value)
+    # "&" first: the entities the later replacements add must not be escaped again
     if "&" in s:
         s = s.replace("&", "&amp;")
     if "<" in s:
@@ -63,6 +64,7 @@ def esc(value: object) -> str:
 def num(x: float) -> str:
     """A coordinate with at most two decimals and no trailing zeros (``12.5``, ``3``, ``0.25``)."""
     s = f"{x:.2f}".rstrip("0").rstrip(".")
+    # a tiny negative coordinate rounds to "-0.00", which the strips leave as "-0"
     return "0" if s in ("-0", "") else s
 
 
@@ -71,6 +73,7 @@ def stage_color(index: int) -> str:
     if index < 0:
         return "#bab0ac"
     hue = (index * _GOLDEN_ANGLE) % 360.0 / 360.0
+    # neighbours differ in lightness as well as hue, so adjacent stages stay apart even where hues come close
     lightness = 0.62 if index % 2 == 0 else 0.76
     r, g, b = colorsys.hls_to_rgb(hue, lightness, 0.62)
     return f"#{round(r * 255):02x}{round(g * 255):02x}{round(b * 255):02x}"
@@ -78,10 +81,12 @@ def stage_color(index: int) -> str:
 
 def text_width(s: str, size: float) -> float:
     """Rough rendered width in px of ``s`` in a sans-serif font of ``size`` px (for "does the label fit")."""
+    # about the average glyph width of a sans-serif font, in ems
     return 0.58 * size * len(s)
 
 
 def _attrs(attrs: dict[str, object]) -> str:
+    # class_ sidesteps the Python keyword, text_anchor becomes SVG's text-anchor; a None value leaves the attribute out
     return "".join(f' {k.rstrip("_").replace("_", "-")}="{esc(v)}"' for k, v in attrs.items() if v is not None)
 
 
@@ -92,6 +97,7 @@ def title(s: str) -> str:
 
 def rect(x: float, y: float, w: float, h: float, *, tip: str | None = None, **attrs: object) -> str:
     """``<rect>``; ``tip`` adds a ``<title>`` tooltip. Keyword ``class_`` becomes ``class``, ``_`` becomes ``-``."""
+    # a negative width or height is an error in SVG: clamped to an empty rectangle
     head = f'<rect x="{num(x)}" y="{num(y)}" width="{num(max(w, 0.0))}" height="{num(max(h, 0.0))}"{_attrs(attrs)}'
     return f"{head}>{title(tip)}</rect>" if tip is not None else head + "/>"
 

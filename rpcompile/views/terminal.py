@@ -32,6 +32,7 @@ class SafeTable(Table):
     cell, title and caption): names from a plan or cache file neither style the table nor reach the terminal as
     escape sequences."""
 
+    # Table's own __init__ sets title and caption by assignment too: this catches them there and after
     def __setattr__(self, name: str, value: object) -> None:
         super().__setattr__(name, term(value) if name in ("title", "caption") and isinstance(value, str) else value)
 

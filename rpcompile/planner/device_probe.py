@@ -81,8 +81,7 @@ def _probe_model() -> torch.nn.Module:
 def _autograd_nodes(root: torch.Tensor) -> int:
     """The autograd graph's nodes behind ``root`` (what a backward dispatches)."""
     # keyed by id() but holding each node: autograd hands out a fresh Python wrapper per access and frees it when
-    # dropped, so an id seen earlier could come back as another node's (the walk then stopped after 2 of 211 nodes
-    # on a GPU machine's Python)
+    # dropped, so an id seen earlier could come back as another node's and end the walk early
     seen: dict[int, Any] = {}
     stack = [root.grad_fn]
     while stack:

@@ -245,9 +245,8 @@ def chunk_loss_head(gm: fx.GraphModule, chunks: int) -> HeadSplit:
             lj = graph.node_copy(head, _replacing(x, xj))
             logits = copy(logit_steps, lj)
             tj = copy(target_steps, piece(tgt, j))
+            # summed per piece and divided once by the counted tokens below: exactly the mean over the sequence
             cj = graph.call_function(F.cross_entropy, (logits, tj),
-                                     # summed per piece and divided once by the counted tokens below: exactly the mean
-                                     # over the whole sequence
                                      {"ignore_index": ignore, "reduction": "sum", "label_smoothing": smoothing})
             total = cj if total is None else graph.call_function(operator.add, (total, cj))
             for node in graph.nodes:

@@ -43,6 +43,7 @@ def _digest(text: str) -> str:
 
 
 def costs_digest(gm: fx.GraphModule) -> str:
+    # repr of the frozen NodeCost: every field, floats exactly
     return _digest("\n".join(f"{n.name}|{n.meta.get(COST_KEY)!r}" for n in compute_nodes(gm)))
 
 
@@ -50,6 +51,7 @@ def hardware_digest(hardware: Hardware) -> str:
     d = dataclasses.asdict(hardware)
     d["spec"] = hardware.spec.to_dict()
     d["host"] = hardware.host.to_dict() if hardware.host is not None else None
+    # sorted: the digest must not depend on the order of the fields
     return _digest(repr(sorted(d.items())))
 
 

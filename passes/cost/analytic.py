@@ -225,7 +225,7 @@ def roofline_time(spec: DeviceSpec, cls: str | None, flops: float, nbytes: int, 
         return 0.0
     eff = spec.efficiency
     tensor_core = cls in _TENSOR_CORE_CLASSES
-    # an fp32 matmul gets no tensor cores: torch leaves TF32 off by default
+    # an fp32 matmul gets no tensor cores: torch leaves TF32 off for matmuls by default
     peak = spec.tensor_flops if tensor_core and dtype in TENSOR_CORE_DTYPES else spec.fp32_flops
     bandwidth = spec.memory_bandwidth * (eff["memory"] if tensor_core else eff[cls])
     return max(flops / (peak * eff[cls]), nbytes / bandwidth) + spec.kernel_overhead_s

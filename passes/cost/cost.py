@@ -105,7 +105,7 @@ def cost_pass(
         return _warm(gm, cost_model, entry, compute)  # the graph does not run at all
     label = f"profiling ({cost_model.name}{', cached' if entry is not None else ''})"
     bar, task = _progress(n_compute, label, enabled)
-    # the warm-up and calibration runs touch .grad; the user's gradients are put back below
+    # the device warm-up (prepare) clears .grad; the caller's gradients are put back below
     grads = {name: p.grad for name, p in gm.named_parameters()}
     try:
         # random nodes (dropout) draw while costing: the caller's CPU generator is left where it was

@@ -73,7 +73,7 @@ def _input_sig(value: Any) -> Any:
         # shapes, not values: the times depend on what the node sees, not on the numbers in it
         return [list(value.shape), str(value.dtype), value.device.type, value.requires_grad]
     if isinstance(value, (int, float, bool, str, type(None))):
-        # repr: 1, 1.0 and True key apart, as they may trace apart
+        # repr keeps 1, 1.0 and True apart
         return repr(value)
     if isinstance(value, (tuple, list)):
         return [_input_sig(v) for v in value]

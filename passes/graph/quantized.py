@@ -48,7 +48,6 @@ def _is_bnb(obj: Any) -> bool:
 
 def quantized_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(name, module)`` of every bitsandbytes 4-bit linear layer in ``model``."""
-    # the weight read straight from `_parameters`: no __getattr__ on modules that have none
     return [(n, m) for n, m in model.named_modules() if _is_bnb(m) and type(m.__dict__.get("_parameters", {})
             .get("weight")).__name__ == "Params4bit"]
 
@@ -131,7 +130,7 @@ def traceable(model: nn.Module) -> Iterator[list[str]]:
                 m.register_parameter(attr, t)
             # an instance attribute shadows the class's forward; deleting it below brings the class's back
             m.forward = types.MethodType(_forward, m)
-            # plain Python values in __dict__: the trace takes them as constants, not as module state
+            # shape and blocksize as plain Python values: the trace bakes them into the dequantize call as constants
             m.__dict__["_rpcompile_nf4"] = (list(weight.quant_state.shape), weight.quant_state.blocksize)
             touched.append((m, list(made)))
         yield [n for n, _ in layers]

@@ -434,7 +434,6 @@ def _rebind_attributes(model: nn.Module, unlifted: nn.Module, graph: fx.Graph) -
         else:
             node.target, first[target] = target, node
             _attach(holder, target, obj)
-    # submodules the graph calls (bodies of higher-order ops) are carried over as export made them
     for node in [n for n in graph.nodes if n.op == "call_module"]:
         _attach(holder, str(node.target), _resolve(unlifted, str(node.target)))
     return holder

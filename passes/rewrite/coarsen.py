@@ -115,7 +115,7 @@ def live_bytes(gm: fx.GraphModule) -> tuple[int, list[int], list[int]]:
     for node, last in last_use.items():
         size = _nbytes(node, dtype)
         start = pos.get(node, -1)
-        # a value read only by its own position (or never) crosses no cut
+        # a value nothing reads after its producer crosses no cut
         if size == 0 or last <= start:
             continue
         if start < 0:

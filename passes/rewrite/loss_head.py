@@ -88,7 +88,7 @@ def _attach(gm: fx.GraphModule, loss_fn: Callable[[Any, Any], torch.Tensor]) -> 
     if not isinstance(value, fx.Node):
         raise LossHeadError("the model's output is not a single tensor, and the loss can only follow a tensor output; "
                             "keep the loss outside the graph (head_chunks=1)")
-    # the last placeholder: the runtime passes the target after the model's own inputs (core.batch.TARGET)
+    # the last placeholder: the model's own inputs keep their positions; a call's target binds to it by name (TARGET)
     with graph.inserting_after(list(graph.find_nodes(op="placeholder"))[-1]):
         target = graph.placeholder(TARGET)
     env: dict[fx.Node, Any] = {}

@@ -165,7 +165,6 @@ def _run_child(fn: Callable[[], Any], send: Any) -> None:
     try:
         send.send(answer)
     except Exception:  # the result or the exception does not pickle: the caller runs it itself
-        # (None, None): "no usable answer", which _collect answers by running the work itself
         send.send((None, None))
     finally:
         send.close()

@@ -126,8 +126,8 @@ def op_class(op: torch._ops.OpOverload | torch._ops.OpOverloadPacket) -> str | N
         return _CLASS_OF_NAME[name]
     # a packet carries no tags: its first overload speaks for it
     overload = op if isinstance(op, torch._ops.OpOverload) else getattr(op, op.overloads()[0])
+    # views, export's runtime asserts, symbolic-size queries and prim metadata ops launch no kernel
     if (name in _FREE_NAMES or overload.is_view or torch.Tag.inplace_view in overload.tags
-            # export's runtime asserts, symbolic-size queries and prim metadata ops launch no kernel
             or name.startswith(("_assert", "sym_")) or overload.namespace == "prim"):
         return None
     if torch.Tag.pointwise in overload.tags:

@@ -200,8 +200,8 @@ def on_meta(gm: fx.GraphModule, args: tuple, kwargs: dict, fn: Callable[[tuple, 
     gm.meta[CANONICAL_NAMES_KEY] = {id(stand_ins[i]): name for i, name in canonical.items() if i in stand_ins}
     try:
         with torch.no_grad(), MetaSafeMode(keep_moves=True), GpuKernels():  # GPU kernels' layouts, as the real run's
+            # tie_weights=False: tied names already share one stand-in, and `state` names every one of them
             torch.func.functional_call(_Runner(gm, lambda: fn(meta_args, meta_kwargs)), state, (),
-                                       # tied names already share one stand-in, and `state` names every one of them
                                        tie_weights=False)
     except Exception as err:  # noqa: BLE001 - any failure: the real run decides (and raises its own error)
         log.debug("the graph cannot run on meta (%s: %s): running it on its real values", type(err).__name__, err)

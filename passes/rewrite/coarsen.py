@@ -96,7 +96,6 @@ def live_bytes(gm: fx.GraphModule) -> tuple[int, list[int], list[int]]:
     # backwards: a view's users come after it, so its last use is final when it is reached, and the inputs it
     # extends are reached after it
     for node in reversed(list(gm.graph.nodes)):
-        # continue
         # weights are no activations: they cross no cut
         if node.op == "get_attr":
             continue

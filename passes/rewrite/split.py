@@ -48,7 +48,6 @@ def _needs_grad(gm: fx.GraphModule, inputs: Collection[str] = ()) -> set[str]:
     out = {h.value for h in host_of(gm) if params[h.weight].requires_grad}  # a lookup of a trainable table
     out |= set(inputs)  # placeholders whose gradient the caller wants (an input that requires grad)
     for n in gm.graph.nodes:
-        # continue
         # a weight read is no value between stages; a trainable one marks its reader through node_params below
         if n.op == "get_attr":
             continue

@@ -108,8 +108,7 @@ class Later(Generic[T]):
         except OSError as exc:  # no memory to fork, too many processes: the caller does it
             log.debug("background work runs in the caller: %s", exc)
             return
-        # the caller's copy of the sending end: while it is open, a dead child's pipe would never read as closed
-        # (EOFError)
+        # the caller's copy of the sending end: while it stays open, a dead child's pipe never raises EOFError
         send.close()
         self._child = (child, receive)
         self._finalizer = weakref.finalize(self, _stop, child, receive)  # never collected: the child is stopped

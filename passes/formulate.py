@@ -154,8 +154,7 @@ def host_load(host: HostSpec | None, *, trainable_params: int, precision: str,
     from tables only the host reads. ``overlap_iterations``: the devices run on into the next iteration (implies
     ``overlap_step``)."""
     elt = 4 if precision == "fp32" else 2
-    # reduce_bytes_per_grad_byte: the reduction sums fp32 gradients, 4 / elt bytes per byte that arrives in compute
-    # precision
+    # reduce_bytes_per_grad_byte: the reduction sums fp32 gradients, 4 / elt bytes per compute-precision byte
     net = HostLoad(overlap_step=overlap_step or overlap_iterations, overlap_iterations=overlap_iterations, nodes=nodes,
                    network_bytes_per_s=network_bytes_per_s or math.inf, reduce_bytes_per_grad_byte=4 / elt,
                    host_grad_bytes=host_params * elt)
@@ -164,8 +163,7 @@ def host_load(host: HostSpec | None, *, trainable_params: int, precision: str,
     n = max(0, int(trainable_params))
     # fp32: the refresh is a plain copy, 4 B read and 4 B written per parameter
     refresh = n * 8 / host.memory_bandwidth if elt == 4 else n / host.cast_params_per_s
-    # accumulate_traffic, per byte that arrives: the fp32 .grad read and written (2 * 4 B) plus the arriving gradient
-    # (elt B)
+    # accumulate_traffic, per arriving byte: the fp32 .grad read and written (2 * 4 B) plus the gradient (elt B)
     return dataclasses.replace(net, accumulate_bytes_per_s=host.accumulate_params_per_s * elt,
                                accumulate_traffic=(2 * 4 + elt) / elt, optimizer_s=n / host.optimizer_params_per_s,
                                refresh_s=refresh)

@@ -216,8 +216,7 @@ def _figures(c: Any, microbatches: int) -> dict:
         "compute_s": c.compute_s + c.overhead_s,
         "weight_bytes": c.weight_bytes,
         "grad_bytes": c.grad_bytes,
-        # the cost's per-microbatch upload also carries the amortised weights and the prefetch: the plan lists them
-        # apart
+        # the cost's per-microbatch upload also holds the amortised weights and the prefetch: listed apart here
         "upload_bytes": round(c.upload_bytes - c.weight_bytes / microbatches - c.prefetch_bytes),
         "prefetch_bytes": c.prefetch_bytes,
         # likewise the amortised gradients and the offloaded saved tensors

@@ -122,8 +122,7 @@ def _autograd_profile(
             continue
         seen.add(key)
         if key in input_keys:
-            # a saved input's producer keeps its output: cost_pass adds it to that node's act_bytes, which only compute
-            # nodes have
+            # a saved input's producer keeps its output: cost_pass adds it to that compute node's act_bytes
             if is_compute(input_keys[key]):
                 saved_inputs.add(input_keys[key])
         # neither input nor output: a tensor the node made for its backward (an attention's log-sum-exp)

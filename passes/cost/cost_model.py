@@ -155,8 +155,7 @@ class NodeCall:
                     # the original strides: a kernel's cost and output layout depend on them
                     c = torch.empty_strided(t.shape, t.stride(), dtype=to_dtype, device="meta")
                 else:
-                    # copy=True even on the same device: a run must never mutate the reference values, and the copy is a
-                    # fresh leaf
+                    # copy=True even on the same device: a run never mutates the reference values; the copy is a leaf
                     c = t.detach().to(device=device, dtype=to_dtype, copy=True)
             if floating and id(t) in self.trainable:
                 c.requires_grad_(True)

@@ -164,8 +164,7 @@ class MeasuredCostModel(CostModel):
             with torch.enable_grad():
                 outs = [t for t in tensor_leaves(gm.forward(*flat_args)) if t.requires_grad]
                 if outs and params:
-                    # autograd.grad, not backward: parameter gradients as a step computes them, without writing the
-                    # model's .grad
+                    # autograd.grad, not backward: a step's parameter gradients, never written into the model's .grad
                     torch.autograd.grad([t.float().sum() for t in outs], params, allow_unused=True)
 
         try:
@@ -212,8 +211,7 @@ class MeasuredCostModel(CostModel):
                 fwd = [self._samples(m.run) for m in ms]
             bwd = []
             for m in ms:
-                # one forward with grad builds the graph; only its backward is timed (the thunk retains the graph to
-                # repeat)
+                # one forward with grad builds the graph; only its backward is timed (retained, so it can repeat)
                 _, backward = m.forward_backward()
                 bwd.append(self._samples(backward) if backward is not None else None)
         # the batch's one synchronisation: every CUDA event pair is read after it, in _fastest

@@ -75,8 +75,7 @@ def _signature(gm: fx.GraphModule, nodes: list[fx.Node], block: str) -> tuple:
                 return f"#{pos[a]}"
             if a.op == "get_attr":
                 return "attr:" + _tensor_sig(fetch_attr(gm, str(a.target)))
-            # an outside value by its order of first use: two blocks match when they read their inputs in the same
-            # pattern
+            # an outside value by its order of first use: blocks match when they read their inputs alike
             k = outside.setdefault(a, len(outside))
             return f"in{k}:{_shapes(a)}"
         if isinstance(a, (tuple, list)):

@@ -116,8 +116,7 @@ class Reuse:
     def lookup(self, node: fx.Node) -> Any:
         """The recorded entry of ``node`` when it is the same node as recorded and may be reused; else ``None``
         (run it, then :meth:`settle`)."""
-        # placeholders and weights always run: cheap, and their values are what decides whether the nodes after them are
-        # the same
+        # placeholders and weights always run: cheap, and their values decide whether the nodes after them are the same
         if self.recording or node.op in ("placeholder", "get_attr", "output"):
             return None
         got = self.entries.get(node.name)

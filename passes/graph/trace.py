@@ -343,8 +343,7 @@ def _outline_vmap(gm: fx.GraphModule) -> None:
             continue
         depth, j = 0, i
         for j in range(i, len(nodes)):
-            # nested vmaps: the region ends at the decrement that matches the first increment, not at the first
-            # decrement
+            # nested vmaps: the region ends at the decrement matching its first increment, not at the first one
             depth += (nodes[j].target is _VMAP_IN) - (nodes[j].target is _VMAP_OUT)
             if depth == 0:
                 break

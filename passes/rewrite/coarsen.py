@@ -172,8 +172,7 @@ def _merge(bounds: list[tuple[int, int]], time: list[float], cut_cost: list[int]
     tiny = 0.1 * max(t, default=0.0)
     while len(segs) > 1 and (len(segs) > max(target, 1) or min(t) < tiny):
         k = min(range(len(segs)), key=lambda i: (t[i], i))
-        # (cost of the cut on that side, minus the neighbour's time): the dearer cut wins, on a tie the smaller
-        # neighbour
+        # (that side's cut cost, minus the neighbour's time): the dearer cut wins; on a tie, the smaller neighbour
         left = (cut_cost[segs[k - 1][1] - 1], -t[k - 1]) if k > 0 else None
         right = (cut_cost[segs[k][1] - 1], -t[k + 1]) if k + 1 < len(segs) else None
         j = k - 1 if right is None or (left is not None and left > right) else k + 1

@@ -41,8 +41,7 @@ DERIVED_SUFFIX = "_dequantized"
 def _weight_only(gm: fx.GraphModule) -> set[fx.Node]:
     out: set[fx.Node] = set()
     for n in gm.graph.nodes:
-        # graph order: a node's inputs are classified before it; a placeholder never is, so nothing that reads the
-        # microbatch qualifies
+        # graph order: inputs are classified first; a placeholder never qualifies, nor anything reading the microbatch
         if n.op == "get_attr" or (n.op in ("call_function", "call_method") and all(a in out for a in n.all_input_nodes)):
             out.add(n)
     return out
@@ -54,8 +53,7 @@ def dequantizations(gm: fx.GraphModule, *, planning: bool = False) -> list[fx.No
     the same for every microbatch of a run, so the runtime would hold them too — the planner prices them so."""
     const = _weight_only(gm)
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is DEQUANTIZE
-            # args[:4]: the packed weight, absmax, scales and code; planning lets the dtype argument come from an
-            # activation
+            # args[:4]: the packed weight, absmax, scales and code; planning lets the dtype come from an activation
             and (n in const or (planning and all(a in const for a in n.args[:4])))]
 
 

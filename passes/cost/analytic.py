@@ -242,6 +242,7 @@ class _Recorder(TorchDispatchMode):
         if is_assert(func):  # export's checks: casting to ``dtype`` would trip them
             self.sink.append(OpRecord(str(func), None, self.phase, 0, 0, 0.0))
             return None
+        # a pure device move is a no-op on the one device that runs the stage: recorded as a free op
         kwargs, pure_move = _stay_on_meta(func, args, kwargs or {})
         out = _run_unifying_dtypes(func, args, kwargs)
         self.sink.append(self._record(func, None if pure_move else op_class(func), args, kwargs, out))

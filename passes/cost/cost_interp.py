@@ -246,6 +246,7 @@ class CostInterpreter(fx.Interpreter):
         saved = {nodes[s] for s in saved_names}
         self.patterns[n] = rec.pattern
         self.profiles[n] = (fwd_flops, bwd_flops, saved, own, transient, held)
+        # as in _cost: a node no backward runs through keeps nothing
         if self.needs_grad[n]:
             self.kept |= saved
         if n.meta.get(SHAPE_KEY) is None:
@@ -288,6 +289,7 @@ class CostInterpreter(fx.Interpreter):
         # a value the shape pass's meta run computed is taken as it is; the node is still costed below
         result = got[0] if got is not None else super().run_node(n)
         if self.values is not None and got is None:
+            # a read-only view: settling only marks a placeholder or weight with the recorded value as the same
             self.values.settle(n, result, None)
         if n.op == "get_attr":
             # a frozen weight or a buffer starts no gradient; a trainable parameter does

@@ -135,6 +135,7 @@ class Reuse:
         with the recorded value as the same."""
         if self.recording:
             if node.op in ("placeholder", "get_attr"):
+                # placeholders and weights are keyed by their value's shape and kind, other nodes by what they compute
                 self.entries[node.name] = (value_key(value), entry)
             elif node.op != "output":
                 self.entries[node.name] = (signature(self.gm, node), entry)

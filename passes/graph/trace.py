@@ -317,6 +317,7 @@ def _trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     gm.meta.update(unlifted.meta)
     gm.meta[TRACE_META_KEY] = "export"
     gm.meta[TRACE_DTYPE_KEY] = dtype
+    # first: the outlined regions become submodules, which portable_bodies below makes portable too
     _outline_vmap(gm)
     functional_inplace_pass(gm)
     portable_bodies(gm)  # bodies of higher-order ops run whole: their device constants follow the stage's device

@@ -210,6 +210,7 @@ def coarsen_pass(gm: fx.GraphModule, *, max_segments: int | None = None, segment
     running = [live[i] + last_read[i] + node_cost(node).fwd_transient_bytes for i, node in enumerate(nodes)]
     groups, layer_keys = _group_keys(nodes, deeper=2 if segments_per_layer > 2 else 1)
     runs = _runs(groups)
+    # only runs whose layer key ends in an index are layers: embeddings, the head and "(root)" are not
     n_layers = sum(1 for a, _ in _runs(layer_keys) if _NUMERIC.match(layer_keys[a].rsplit(".", 1)[-1]))
     chunks = len({n.meta[CHUNK_META] for n in nodes if CHUNK_META in n.meta})  # a split LM head's pieces
     # each piece of a split LM head gets a segment of its own on top of the default

@@ -209,6 +209,7 @@ def _capturable(sub: fx.GraphModule, nodes: Sequence[str], written: set[str]) ->
             if n.target.name() not in _CAPTURABLE_HOPS:
                 return False
         elif n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+            # _local_scalar_dense is `.item()` at the aten level: a value read, with no fake path
             if n.target.namespace not in _CAPTURABLE_NAMESPACES or n.target is torch.ops.aten._local_scalar_dense.default:
                 return False
         elif n.op == "call_method" and n.target in ("item", "tolist"):
@@ -224,6 +225,7 @@ def _containers(gm: fx.GraphModule, names: Sequence[str]) -> bool:
     for name in names:
         node = by_name.get(name)
         for user in node.users if node is not None else ():
+            # an int or str index picks an element of a container; a tensor index would be a tensor op
             if user.op == "call_function" and user.target is operator.getitem and isinstance(user.args[1], (int, str)):
                 return True
     return False
@@ -245,6 +247,7 @@ def _exports(gm: fx.GraphModule, stage: Stage, stages: Sequence[Stage], consumer
     for other in stages:
         if other.kind == "backward" and other is not stage:
             theirs = set(other.nodes)
+            # a backward stage recomputes only its own nodes: a value they read from outside must be handed on to it
             out |= {v for v in mine - theirs if consumers.get(v, set()) & theirs}
     return out
 

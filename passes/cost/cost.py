@@ -241,6 +241,7 @@ def _calibrate(gm: fx.GraphModule, partial: dict, forward_s: float, step_s: floa
     the factors are kept in ``gm.meta["rpcompile.calibration"]``."""
     fwd = sum(f["fwd_time_s"] for f in partial.values())
     bwd = sum(f["bwd_time_s"] for f in partial.values())
+    # no ratio to take: nothing was timed on one side (a graph with nothing to differentiate)
     if fwd <= 0 or bwd <= 0:
         return
     lo, hi = CALIBRATION_RANGE

@@ -39,6 +39,7 @@ def cpu_model() -> str:
     ``cpu model``) of :data:`CPUINFO`, else what :mod:`platform` says. ``platform.processor()`` alone is empty on
     Linux, so every x86_64 machine with as many cores would share one profile cache key."""
     try:
+        # the first MiB is plenty: a many-core machine repeats the same fields for every core
         text = CPUINFO.read_text(errors="replace")[: 1 << 20]
     except OSError:
         text = ""
@@ -136,6 +137,7 @@ class MeasuredCostModel(CostModel):
                 end.record()
                 # the event must have completed before elapsed_time can read it
                 end.synchronize()
+                # elapsed_time is in milliseconds
                 samples.append(start.elapsed_time(end) / 1e3)
         else:
             for _ in range(self.repeats):

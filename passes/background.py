@@ -48,6 +48,7 @@ def enabled() -> bool:
         return False
     if not sys.platform.startswith("linux") or "fork" not in multiprocessing.get_all_start_methods():
         return False
+    # the CPUs this process may run on, not the machine's: on one, child and caller would only take turns
     return len(os.sched_getaffinity(0)) > 1
 
 
@@ -64,6 +65,7 @@ def fork_cost_s() -> float:
     """What forking this process and getting a result back costs, predicted from the size of its page tables."""
     try:
         with open("/proc/self/status") as f:
+            # "VmPTE:   4920 kB": the page tables' size in KiB
             kib = next(int(line.split()[1]) for line in f if line.startswith("VmPTE:"))
     except (OSError, ValueError, IndexError, StopIteration):
         kib = 0
@@ -94,9 +96,11 @@ class Later(Generic[T]):
         return self._child is not None
 
     def _start(self) -> None:
+        # fork whatever the default start method: the child must inherit fn and its inputs, unpickled
         ctx = multiprocessing.get_context("fork")
         try:
             receive, send = ctx.Pipe(duplex=False)
+            # daemon: a child still solving when the caller exits dies with it
             child = ctx.Process(target=_run_child, args=(self._fn, send), daemon=True, name="rpcompile-later")
             with warnings.catch_warnings():  # Python 3.12+ warns of forking with threads: the child takes no locks
                 warnings.simplefilter("ignore", DeprecationWarning)
@@ -104,6 +108,7 @@ class Later(Generic[T]):
         except OSError as exc:  # no memory to fork, too many processes: the caller does it
             log.debug("background work runs in the caller: %s", exc)
             return
+        # the caller's copy of the sending end: while it stays open, a dead child's pipe never raises EOFError
         send.close()
         self._child = (child, receive)
         self._finalizer = weakref.finalize(self, _stop, child, receive)  # never collected: the child is stopped
@@ -129,6 +134,7 @@ class Later(Generic[T]):
             except (EOFError, OSError) as exc:  # the child died before it answered
                 log.debug("background work's child died (%s); running it here", exc)
             finally:
+                # the answer is in (or given up on): stop and reap the child now; a finalizer runs only once
                 self._finalizer()
         if got is not None and got[0] is False and not isinstance(got[1], RPCompileError):
             # not one of rpcompile's refusals: it may come from being in a fork (CUDA cannot be used in a forked

@@ -57,6 +57,7 @@ def partition_problem(
     segs = segments_of(gm)
     elt = PRECISION_BYTES[precision]
     params = dict(gm.named_parameters())
+    # which segments read each parameter: one reader makes it that segment's own, several a SharedParam
     users: dict[str, list[int]] = {}
     for s in segs:
         for pname in s.params:
@@ -67,6 +68,7 @@ def partition_problem(
         p = params[name]
         # a weight that is not floating (a 4-bit base's packed indices and scales) goes up as it is stored
         size = p.numel() * (elt if p.is_floating_point() else p.element_size())
+        # a frozen weight sends no gradient home; its gradient is as large as what went up
         grad = size if p.requires_grad else 0
         if len(segments) == 1:
             own_bytes[segments[0]] += size
@@ -79,12 +81,14 @@ def partition_problem(
     # backward stage dequantizes whether it recomputes or not), not in the recompute
     once = tuple(d / microbatches for d in dq_s)
     fwd = tuple(launch_bound(s.fwd_s - d + o, len(s.nodes), spec.dispatch_s) for s, d, o in zip(segs, dq_s, once))
+    # a recompute finds the weights already dequantized in the stage's prologue: none of that time is in it
     rec = fwd if not any(dq_s) else tuple(launch_bound(s.fwd_s - d, len(s.nodes), spec.dispatch_s)
                                           for s, d in zip(segs, dq_s))
     return PartitionProblem(
         names=tuple(s.name for s in segs),
         layer=tuple(s.layer for s in segs),
         fwd_s=fwd,
+        # a backward issues only the nodes that have a backward
         bwd_s=tuple(launch_bound(s.bwd_s + o, s.backward_ops, spec.backward_dispatch_s) for s, o in zip(segs, once)),
         rec_s=rec,
         # a loss that runs after the graph (the whole LM head) runs in the fused stage, which always holds the last
@@ -113,6 +117,7 @@ def partition_problem(
                        precision=precision, overlap_step=overlap_step, overlap_iterations=overlap_iterations,
                        nodes=hardware.nodes,
                        network_bytes_per_s=hardware.network_bytes_per_s,
+                       # a table no segment reads lives on the host alone: its gradient is reduced from there
                        host_params=sum(params[h.weight].numel() for h in host_of(gm)
                                        if h.weight not in users and params[h.weight].requires_grad)),
     )
@@ -132,6 +137,7 @@ def _dequantizations(gm: fx.GraphModule, segs: Sequence[Segment],
         costs = [n.meta[COST_KEY] for n in mine if COST_KEY in n.meta]
         times.append(sum(c.fwd_time_s for c in costs))
         held.append(sum(derived_bytes(n, elt) for n in mine))
+        # never more than the segment's own act_bytes, from which it is subtracted
         kept.append(min(s.act_bytes, sum(c.act_bytes for c in costs)))
     return tuple(times), tuple(held), tuple(kept)
 
@@ -148,13 +154,16 @@ def host_load(host: HostSpec | None, *, trainable_params: int, precision: str,
     from tables only the host reads. ``overlap_iterations``: the devices run on into the next iteration (implies
     ``overlap_step``)."""
     elt = 4 if precision == "fp32" else 2
+    # reduce_bytes_per_grad_byte: the reduction sums fp32 gradients, 4 / elt bytes per compute-precision byte
     net = HostLoad(overlap_step=overlap_step or overlap_iterations, overlap_iterations=overlap_iterations, nodes=nodes,
                    network_bytes_per_s=network_bytes_per_s or math.inf, reduce_bytes_per_grad_byte=4 / elt,
                    host_grad_bytes=host_params * elt)
     if host is None:
         return net
     n = max(0, int(trainable_params))
+    # fp32: the refresh is a plain copy, 4 B read and 4 B written per parameter
     refresh = n * 8 / host.memory_bandwidth if elt == 4 else n / host.cast_params_per_s
+    # accumulate_traffic, per arriving byte: the fp32 .grad read and written (2 * 4 B) plus the gradient (elt B)
     return dataclasses.replace(net, accumulate_bytes_per_s=host.accumulate_params_per_s * elt,
                                accumulate_traffic=(2 * 4 + elt) / elt, optimizer_s=n / host.optimizer_params_per_s,
                                refresh_s=refresh)
@@ -170,5 +179,6 @@ def _host_grad_bytes(gm: fx.GraphModule) -> int:
     """Bytes of the gradients of the rows the host looks up in trainable tables (per microbatch)."""
     params = dict(gm.named_parameters())
     values = {h.value for h in host_of(gm) if params[h.weight].requires_grad}
+    # aliases=True: a placeholder counts in full (as _nbytes in coarsen.py does for model inputs)
     return sum(scaled_nbytes(n.meta[SHAPE_KEY], gm.meta.get(DTYPE_KEY), aliases=True)
                for n in gm.graph.find_nodes(op="placeholder") if n.name in values and SHAPE_KEY in n.meta)

@@ -38,6 +38,7 @@ def _modules(nodes: Sequence[fx.Node], paths: dict[fx.Node, str] | None = None) 
         if paths is None:
             path = module_path(n) or "(root)"
         else:
+            # `paths` lives in the caller's facts: each node's module is looked up once across the plans of a graph
             path = paths.get(n) or paths.setdefault(n, module_path(n) or "(root)")
         if not out or out[-1] != path:
             out.append(path)
@@ -49,6 +50,7 @@ def input_tokens(gm: fx.GraphModule) -> int:
     shapes = [t for n in gm.graph.nodes if n.op == "placeholder" and SHAPE_KEY in n.meta for t in n.meta[SHAPE_KEY].tensors]
     for t in shapes:
         if t.dtype.startswith(("int", "uint")):
+            # integer input: token ids, every element a token
             return math.prod(t.shape)
     return shapes[0].shape[0] if shapes and shapes[0].shape else 0
 
@@ -107,6 +109,7 @@ def plan_from_ranges(
                 kind=kind,
                 nodes=tuple(n.name for n in run),
                 params=tuple(params),
+                # the fused stage runs forward and backward in one go: nothing of it is saved or recomputed
                 saved=tuple(n.name for n in run if n.name in saved_set) if kind != "fused" else (),
                 modules=_modules(run, paths),
                 saved_modules=_modules([n for n in run if n.name in saved_set], paths) if kind == "forward" else (),
@@ -141,6 +144,7 @@ def to_plan(gm: fx.GraphModule, problem: Any, result: Any, *, hardware: Hardware
     sp = result.plan
 
     def nodes_of(r: tuple[int, int]) -> tuple[int, int]:
+        # a half-open range of segments -> the half-open range of node positions they cover
         return segs[r[0]].start, segs[r[1] - 1].stop
 
     costs = stage_costs(problem, sp)
@@ -170,6 +174,7 @@ def to_plan(gm: fx.GraphModule, problem: Any, result: Any, *, hardware: Hardware
         strategy=result.strategy,
         cost_model=str(gm.meta.get("rpcompile.cost_model", "")),
         precision=precision,
+        # a plan is written as JSON: only plain scalars of the solver's stats are kept
         stats={k: v for k, v in result.stats.items() if isinstance(v, (int, float, str, bool))}
         | {"solve_time_s": result.solve_time_s, "segments": len(segs)},
         facts=facts,
@@ -191,12 +196,14 @@ def _with_stays(plan: Plan, segs: Sequence[Any], sp: Any, trainable: set[str]) -
     ``resident`` all of them; and those whose gradients a grad stage sums on its device (a flagged segment's own
     trainable parameters)."""
     readers = Counter(p for s in segs for p in set(s.params))
+    # a parameter another segment reads too (a tied weight) is not this segment's own to keep
     staying = {p for s, flag in zip(segs, sp.stays) if flag for p in s.params if readers[p] == 1}
     summed = {p for s, flag in zip(segs, sp.accumulates) if flag for p in s.params
               if readers[p] == 1 and p in trainable}
     walk = weight_stays([s.params for s in plan.stages], plan.hardware.device_count, staying, resident=sp.resident)
     stages = tuple(dataclasses.replace(s, keeps=tuple(p for p in s.params if p in w.kept),
                                        finds=tuple(p for p in s.params if p in w.found),
+                                       # a forward stage computes no gradients to sum
                                        accumulates=tuple(p for p in s.params if p in summed and s.kind != "forward"))
                    for s, w in zip(plan.stages, walk))
     return dataclasses.replace(plan, stages=stages, resident=sp.resident)
@@ -209,8 +216,10 @@ def _figures(c: Any, microbatches: int) -> dict:
         "compute_s": c.compute_s + c.overhead_s,
         "weight_bytes": c.weight_bytes,
         "grad_bytes": c.grad_bytes,
+        # the cost's per-microbatch upload also holds the amortised weights and the prefetch: listed apart here
         "upload_bytes": round(c.upload_bytes - c.weight_bytes / microbatches - c.prefetch_bytes),
         "prefetch_bytes": c.prefetch_bytes,
+        # likewise the amortised gradients and the offloaded saved tensors
         "download_bytes": round(c.download_bytes - c.grad_bytes / microbatches - c.offload_bytes),
         "offload_bytes": c.offload_bytes,
         "working_bytes": c.working_bytes,

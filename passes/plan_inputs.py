@@ -38,6 +38,7 @@ __all__ = ["solve_inputs", "moved_inputs", "hardware_digest"]
 
 
 def costs_digest(gm: fx.GraphModule) -> str:
+    # repr of the frozen NodeCost: every field, floats exactly
     return short_digest("\n".join(f"{n.name}|{n.meta.get(COST_KEY)!r}" for n in compute_nodes(gm)))
 
 
@@ -45,6 +46,7 @@ def hardware_digest(hardware: Hardware) -> str:
     d = dataclasses.asdict(hardware)
     d["spec"] = hardware.spec.to_dict()
     d["host"] = hardware.host.to_dict() if hardware.host is not None else None
+    # sorted: the digest must not depend on the order of the fields
     return short_digest(repr(sorted(d.items())))
 
 

@@ -56,6 +56,7 @@ _CACHE = JsonCache(root=_root, name="solve cache", afresh="solving afresh", max_
 
 def solve_key(problem: PartitionProblem, strategy: str, *, time_limit_s: float, seed: int = 0) -> dict[str, Any]:
     """Everything a solve's result depends on (module docstring)."""
+    # repr(float(...)): a limit of 10 and of 10.0 key alike, and the float is kept exactly
     return {"problem": problem.digest(), "strategy": strategy, "time_limit_s": repr(float(time_limit_s)),
             "seed": seed, "solver": solver_digest()}
 
@@ -91,6 +92,7 @@ def _load(path: Path, key: dict[str, Any], problem: PartitionProblem) -> Partiti
         score = iteration_time(problem, plan) if not problems else math.inf
     except (IndexError, ValueError, TypeError):
         problems, score = ["does not fit the problem"], math.inf
+    # the same walk over the same problem gives the same number up to float rounding; more means the entry is wrong
     if problems or not math.isclose(score, objective, rel_tol=1e-9, abs_tol=0.0):
         _ignore(path, "its plan does not check out against the problem")
         return None
@@ -101,11 +103,13 @@ def _load(path: Path, key: dict[str, Any], problem: PartitionProblem) -> Partiti
 def _segment_plan(p: Any, n: int) -> SegmentPlan:
     """An entry's plan, its types and ranges checked (ValueError, TypeError or KeyError when not as written)."""
     def pair(r: Any) -> tuple[int, int]:
+        # `type(x) is int`: JSON's true/false would pass isinstance(x, int)
         if not isinstance(r, list) or len(r) != 2 or not all(type(x) is int and 0 <= x <= n for x in r):
             raise ValueError("range")
         return r[0], r[1]
 
     lists = ("forward", "backward", "saved")
+    # no list can be longer than the segments (plus one): a corrupt entry is refused before anything is built from it
     if not isinstance(p, dict) or not all(isinstance(p[k], list) and len(p[k]) <= n + 1 for k in lists):
         raise ValueError("plan")
     stays, resident = p.get("stays", []), p.get("resident", False)  # entries before weights stayed have none
@@ -120,6 +124,7 @@ def _segment_plan(p: Any, n: int) -> SegmentPlan:
 
 
 def _number(v: Any) -> float:
+    # the range also refuses NaN, which fails every comparison
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1e12:
         raise ValueError("number")
     return float(v)
@@ -168,12 +173,14 @@ def solve_apart(problem: PartitionProblem, *, time_limit_s: float, strategy: str
         return False
     if cache and lookup(problem, strategy, time_limit_s=time_limit_s) is not None:
         return False
+    # the expected solve time: about SOLVE_S_PER_SEGMENT a segment, never much past the limit
     return min(time_limit_s, SOLVE_S_PER_SEGMENT * problem.n) >= FORK_PAYS * fork_cost_s()
 
 
 def solve_timeout(limit: float) -> float:
     """How long a solve with time limit ``limit`` may stay silent in a child before the caller gives up on it and
     solves it itself: the limit guards the phases, not the tables and bounds before them."""
+    # a floor for the unbounded set-up (tables, bounds), plus room for the bounded phases on a loaded machine
     return 60.0 + 4.0 * limit
 
 

@@ -124,7 +124,9 @@ def op_class(op: torch._ops.OpOverload | torch._ops.OpOverloadPacket) -> str | N
     name = _packet_name(op)
     if name in _CLASS_OF_NAME:
         return _CLASS_OF_NAME[name]
+    # a packet carries no tags: its first overload speaks for it
     overload = op if isinstance(op, torch._ops.OpOverload) else getattr(op, op.overloads()[0])
+    # views, export's runtime asserts, symbolic-size queries and prim metadata ops launch no kernel
     if (name in _FREE_NAMES or overload.is_view or torch.Tag.inplace_view in overload.tags
             or name.startswith(("_assert", "sym_")) or overload.namespace == "prim"):
         return None
@@ -167,6 +169,7 @@ def _span_bytes(t: torch.Tensor) -> int:
     """Bytes of memory ``t`` covers: broadcast (stride-0) dimensions count once."""
     n = 1
     for size, stride in zip(t.shape, t.stride()):
+        # a broadcast dimension spans one element (none when its size is 0)
         n *= size if stride != 0 else min(size, 1)
     return n * t.element_size()
 
@@ -177,15 +180,19 @@ def _bytes(name: str, args: tuple, kwargs: dict, out: Any) -> int:
     written = sum(_span_bytes(t) for t in _tensors(out))
     if name in _WRITE_ONLY:
         return written
+    # the first argument is the destination (copy_) or the gathered-from source: neither is streamed whole
     skip_first = name == "copy_" or name in _GATHERS
     inputs = _tensors((args[1:], kwargs) if skip_first else (args, kwargs))
+    # deduplicated by identity: `x * x` reads x once
     read = sum(_span_bytes(t) for t in {id(t): t for t in inputs}.values())
+    # a gather reads as many bytes of its source as it writes: counted in place of the whole source
     return written + read + (written if name in _GATHERS else 0)
 
 
 def _flops(func: torch._ops.OpOverload, cls: str | None, args: tuple, kwargs: dict, out: Any) -> int:
     formula = flop_registry.get(func._overloadpacket) or _EXTRA_FLOP_FORMULAS.get(func._overloadpacket)
     if formula is not None:
+        # torch's formulas take the output as `out_val` (FlopCounterMode's calling convention)
         return int(formula(*args, **kwargs, out_val=out))
     name = _packet_name(func)
     if cls is None or (cls in ("memory", "embedding") and name not in OP_FLOPS_PER_ELEMENT):
@@ -193,6 +200,7 @@ def _flops(func: torch._ops.OpOverload, cls: str | None, args: tuple, kwargs: di
     if cls == "matmul":  # mv, dot, addmv (outside torch's registry): 2 per element of the matrix
         return 2 * max((t.numel() for t in _tensors(args)), default=0)
     per = OP_FLOPS_PER_ELEMENT.get(name, 1)
+    # the per-element table counts elementwise ops per output element, reductions and norms per input element
     side = out if cls == "elementwise" else (args, kwargs)
     return per * max((t.numel() for t in _tensors(side)), default=0)
 
@@ -201,10 +209,12 @@ def _work_fraction(func: torch._ops.OpOverload, cls: str | None, args: tuple, kw
     """Share of the dense FLOPs a kernel really does: the unmasked part of a causal (top-left) attention."""
     if cls != "attention":
         return 1.0
+    # positional arguments named by the schema, so is_causal is found however it was passed
     named = {**{a.name: v for a, v in zip(func._schema.arguments, args)}, **kwargs}
     if not named.get("is_causal", False) or "query" not in named:
         return 1.0
     s_q, s_k = named["query"].shape[-2], named["key"].shape[-2]
+    # top-left causal mask: query row i sees keys 0..i; with more queries than keys, the rows past s_k see all s_k keys
     kept = s_q * (s_q + 1) // 2 if s_q <= s_k else s_k * (s_k + 1) // 2 + (s_q - s_k) * s_k
     return kept / (s_q * s_k)
 
@@ -215,6 +225,7 @@ def roofline_time(spec: DeviceSpec, cls: str | None, flops: float, nbytes: int, 
         return 0.0
     eff = spec.efficiency
     tensor_core = cls in _TENSOR_CORE_CLASSES
+    # an fp32 matmul gets no tensor cores: torch leaves TF32 off for matmuls by default
     peak = spec.tensor_flops if tensor_core and dtype in TENSOR_CORE_DTYPES else spec.fp32_flops
     bandwidth = spec.memory_bandwidth * (eff["memory"] if tensor_core else eff[cls])
     return max(flops / (peak * eff[cls]), nbytes / bandwidth) + spec.kernel_overhead_s
@@ -231,6 +242,7 @@ class _Recorder(TorchDispatchMode):
         if is_assert(func):  # export's checks: casting to ``dtype`` would trip them
             self.sink.append(OpRecord(str(func), None, self.phase, 0, 0, 0.0))
             return None
+        # a pure device move is a no-op on the one device that runs the stage: recorded as a free op
         kwargs, pure_move = _stay_on_meta(func, args, kwargs or {})
         out = _run_unifying_dtypes(func, args, kwargs)
         self.sink.append(self._record(func, None if pure_move else op_class(func), args, kwargs, out))
@@ -251,7 +263,9 @@ def _freeze(value: Any, trainable: set[int], seen: dict[int, int]) -> Any:
     """A hashable stand-in for a call argument: tensors by shape/stride/dtype/grad and by which earlier
     argument they repeat (``x * x`` reads one tensor, ``x * y`` two); containers element-wise."""
     if isinstance(value, torch.Tensor):
+        # the position of the tensor's first appearance: a repeated tensor gets the same number wherever it recurs
         first = seen.setdefault(id(value), len(seen))
+        # whether it needs a gradient changes what the backward computes
         return ("T", first, tuple(value.shape), value.stride(), value.dtype, id(value) in trainable)
     if isinstance(value, (list, tuple)):
         return (type(value).__name__, tuple(_freeze(v, trainable, seen) for v in value))
@@ -282,11 +296,13 @@ def _signature(call: NodeCall) -> tuple:
         target = ("method", node.target)
     else:
         target = _freeze(node.target, set(), {})
+    # one numbering over arguments and state: a tensor passed both ways is recognised as one
     seen: dict[int, int] = {}
     state = {**call.params, **call.buffers}
     return (
         target,
         _freeze((call.args, call.kwargs), call.trainable, seen),
+        # sorted: the key must not depend on the order parameters were registered in
         tuple((k, _freeze(v, call.trainable, seen)) for k, v in sorted(state.items())),
     )
 
@@ -376,6 +392,7 @@ class AnalyticCostModel(CostModel):
             with GpuKernels(), _Recorder(self.spec, "fwd", fwd):
                 return run()
 
+        # only the node's own forward ops are recorded, not forward_backward's ones_like output gradients
         m.run = recorded_run
         _, backward = m.forward_backward()
         if backward is not None:

@@ -95,16 +95,20 @@ def cost_pass(
     share = getattr(cost_model, "share_repeats", False) if share is None else share
     cache = getattr(cost_model, "cache", False) if cache is None else cache
     n_compute = sum(1 for n in gm.graph.nodes if is_compute(n))
+    # the driver runs the graph for real: a BatchNorm's running statistics would move (meta buffers hold no values)
     saved = {name: b.detach().clone() for name, b in gm.named_buffers() if b.device.type != "meta"}
     flat = flat_inputs(gm, example_inputs, example_kwargs)
     compute = [n for n in gm.graph.nodes if is_compute(n)]
     key, entry = _cache_entry(gm, flat, cost_model, compute) if cache else (None, None)
+    # the entry holds costs, not shapes: a node without a shape still needs the graph run
     if entry is not None and all(n.meta.get(SHAPE_KEY) is not None for n in compute):
         return _warm(gm, cost_model, entry, compute)  # the graph does not run at all
     label = f"profiling ({cost_model.name}{', cached' if entry is not None else ''})"
     bar, task = _progress(n_compute, label, enabled)
+    # the device warm-up (prepare) clears .grad; the caller's gradients are put back below
     grads = {name: p.grad for name, p in gm.named_parameters()}
     try:
+        # random nodes (dropout) draw while costing: the caller's CPU generator is left where it was
         with torch.random.fork_rng(devices=[]), bar:
             if entry is None:
                 cost_model.prepare(gm, flat)
@@ -123,9 +127,11 @@ def cost_pass(
             for name, p in gm.named_parameters():
                 p.grad = grads.get(name)
     for n, fields in interp.partial.items():
+        # a node whose output some backward reads keeps it: known only once every user has run, so added here
         if n in interp.kept:
             fields["act_bytes"] += fields["output_bytes"]
     if key is not None and entry is None:
+        # times before calibration: the entry keeps the totals beside them and _warm calibrates again on load
         raw = {n.name: dict(f) for n, f in interp.partial.items()}
         profile_cache.store(key, profile_cache.CacheEntry(raw, totals))
     gm.meta["rpcompile.profiling"] = {"nodes": n_compute, "measured": interp.measured, "shared": len(interp.shared),
@@ -172,6 +178,7 @@ def _drive(gm: fx.GraphModule, flat: list[Any], cost_model: CostModel, on_node: 
     when it names one; if that device runs out of memory holding the values, again where the graph is.
     ``memo``: used when nothing is measured (no calibration, no cache entry) and every value is on meta."""
     drive = cost_model.drive_device(gm, flat)
+    # a recorded run stands in only when costs depend on shapes alone: all on meta, nothing measured
     reusable = (memo is not None and drive is None and cached is None
                 and getattr(cost_model, "calibration", None) is None
                 and all_meta([*flat, *gm.parameters(), *gm.buffers()]))
@@ -181,11 +188,13 @@ def _drive(gm: fx.GraphModule, flat: list[Any], cost_model: CostModel, on_node: 
         interp = CostInterpreter(gm, cost_model, on_node, share=repeat_map(gm) if share else None, cached=cached,
                                  drive=where, reuse=reuse, values=values)
         try:
+            # no_grad: this run only makes the values; each node's autograd profile turns grad on for itself
             with torch.no_grad(), running_on(where or device_of(gm, flat)):
                 interp.run(*flat, enable_io_processing=False)
                 interp.finish()
             interp.record()
             return interp
+        # BaseException: an interrupted recording must not leave a half-filled memo behind
         except BaseException as err:
             if reuse is not None:
                 reuse.failed()
@@ -193,6 +202,7 @@ def _drive(gm: fx.GraphModule, flat: list[Any], cost_model: CostModel, on_node: 
                 raise
             if where is None:
                 raise
+            # the failed run's copies on the device go before the graph runs again
             del interp
             warnings.warn(f"profiling: {where} ran out of memory holding the graph's values; running the graph "
                           "where it is instead (slower)", stacklevel=3)
@@ -231,9 +241,11 @@ def _calibrate(gm: fx.GraphModule, partial: dict, forward_s: float, step_s: floa
     the factors are kept in ``gm.meta["rpcompile.calibration"]``."""
     fwd = sum(f["fwd_time_s"] for f in partial.values())
     bwd = sum(f["bwd_time_s"] for f in partial.values())
+    # no ratio to take: nothing was timed on one side (a graph with nothing to differentiate)
     if fwd <= 0 or bwd <= 0:
         return
     lo, hi = CALIBRATION_RANGE
+    # the step is a forward with grad plus the backward: what is left after the forward is the backward's share
     factors = {"forward": forward_s / fwd, "backward": (step_s - forward_s) / bwd}
     if not all(lo <= f <= hi for f in factors.values()):
         gm.meta["rpcompile.calibration"] = {**factors, "applied": False}

@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 # --------------------------------------------------------------------------------------------- the driver
 def _call_for(gm: fx.GraphModule, node: fx.Node, args: tuple, kwargs: dict, needs_grad: dict[fx.Node, bool]) -> NodeCall:
     params = node_params(gm, node)
+    # what needs a gradient here: trainable weights, and every value coming from a node that needs one
     trainable = {id(p) for p in params.values() if p.requires_grad}
     for arg_node in node.all_input_nodes:
         if needs_grad.get(arg_node, False):
@@ -46,6 +47,7 @@ def _call_for(gm: fx.GraphModule, node: fx.Node, args: tuple, kwargs: dict, need
     if node.op in ("call_module", "call_method"):  # fx names modules and methods by string
         assert isinstance(target, str), node.format_node()
         if node.op == "call_method":
+            # a method is looked up on its receiver (args[0]) at call time: a tensor method, not a graph attribute
             return call(node, _method(target), args, kwargs, {}, {}, trainable)
         mod = gm.get_submodule(target)
         return call(node, mod, args, kwargs, dict(mod.named_parameters()), dict(mod.named_buffers()), trainable)
@@ -64,6 +66,7 @@ def _method(name: str) -> Callable[..., Any]:
 def _env_lookup(args: tuple, kwargs: dict, node: fx.Node, arg_node: fx.Node) -> list[Any]:
     """Concrete values in (args, kwargs) that stand where ``arg_node`` stands in node.args/node.kwargs."""
     flat_sym, spec = pytree.tree_flatten((node.args, node.kwargs), is_leaf=lambda x: isinstance(x, fx.Node))
+    # flattened to the symbolic structure, so each value sits at the same position as the node it came from
     flat_val = spec.flatten_up_to((args, kwargs))
     return [v for s, v in zip(flat_sym, flat_val) if s is arg_node]
 
@@ -82,6 +85,7 @@ def _autograd_profile(
     saved_keys: list[torch.Tensor] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
+        # every tensor autograd saves for backward passes through here; identity packing leaves it in place
         saved_keys.append(t)
         return t
 
@@ -98,11 +102,13 @@ def _autograd_profile(
             bwd_flops = bwd_counter.get_total_flops()
         except Exception:  # noqa: BLE001 - a backward that reads values (a custom op's .tolist()) cannot run on meta
             bwd_flops = 2 * fwd_counter.get_total_flops()  # a matmul's backward: two matmuls of its size
+    # weights a backward saves are on the device anyway: they are no activation memory
     param_keys = {storage_key(m.memo[id(t)]) for t in {**call.params, **call.buffers}.values() if id(t) in m.memo}
     input_keys: dict[int, fx.Node] = {}
     for orig_id, copy in m.memo.items():
         if orig_id in producers:
             input_keys[storage_key(copy)] = producers[orig_id]
+            # an exported graph reads its weights through get_attr nodes: those are weights too
             if producers[orig_id].op == "get_attr":
                 param_keys.add(storage_key(copy))
     out_keys = {storage_key(t) for t in tensor_leaves(out)}
@@ -111,12 +117,15 @@ def _autograd_profile(
     seen: set[int] = set()
     for t in saved_keys:
         key = storage_key(t)
+        # one storage saved twice (a tensor and its view) is held once
         if key in param_keys or key in seen:
             continue
         seen.add(key)
         if key in input_keys:
+            # a saved input's producer keeps its output: cost_pass adds it to that compute node's act_bytes
             if is_compute(input_keys[key]):
                 saved_inputs.add(input_keys[key])
+        # neither input nor output: a tensor the node made for its backward (an attention's log-sum-exp)
         elif key not in out_keys:
             own += t.numel() * t.element_size()
         else:
@@ -124,6 +133,7 @@ def _autograd_profile(
     transient = _backward_transient(m, out, saved_keys, param_keys) if backward is not None else 0
     made = {storage_key(t): t.untyped_storage().nbytes() for t in tensor_leaves(out)
             if storage_key(t) not in input_keys and storage_key(t) not in param_keys}  # its output's new storage
+    # the output is priced as output_bytes: the transient is what the forward held beyond it
     held = max(0, peak.peak - sum(made.values()))
     return fwd_counter.get_total_flops(), bwd_flops, saved_inputs, own, transient, held
 
@@ -131,11 +141,13 @@ def _autograd_profile(
 def _backward_transient(m: Materialized, out: Any, saved: list[torch.Tensor], param_keys: set[int]) -> int:
     """The most bytes the node's backward (to its non-parameter inputs) allocates at once on meta: everything that
     existed before it (inputs, parameters, saved tensors, outputs, output gradients) and views of it count 0."""
+    # parameter gradients are counted in grad_bytes, not in the transient
     leaves = [t for t in m.leaves if storage_key(t) not in param_keys]
     outs = [t for t in tensor_leaves(out) if t.requires_grad]
     if not leaves or not outs:
         return 0
     grads = [torch.ones_like(t) for t in outs]
+    # everything that exists before the backward starts counts 0: only its new allocations are the transient
     peak = PeakBytes([*m.memo.values(), *saved, *tensor_leaves(out), *grads])
     try:
         with MetaSafeMode(), GpuKernels(), peak:
@@ -234,6 +246,7 @@ class CostInterpreter(fx.Interpreter):
         saved = {nodes[s] for s in saved_names}
         self.patterns[n] = rec.pattern
         self.profiles[n] = (fwd_flops, bwd_flops, saved, own, transient, held)
+        # as in _cost: a node no backward runs through keeps nothing
         if self.needs_grad[n]:
             self.kept |= saved
         if n.meta.get(SHAPE_KEY) is None:
@@ -273,10 +286,13 @@ class CostInterpreter(fx.Interpreter):
             self._cost(n, args, kwargs, result, call)
             return result
         got = self.values.lookup(n) if self.values is not None else None
+        # a value the shape pass's meta run computed is taken as it is; the node is still costed below
         result = got[0] if got is not None else super().run_node(n)
         if self.values is not None and got is None:
+            # a read-only view: settling only marks a placeholder or weight with the recorded value as the same
             self.values.settle(n, result, None)
         if n.op == "get_attr":
+            # a frozen weight or a buffer starts no gradient; a trainable parameter does
             self.needs_grad[n] = isinstance(result, torch.nn.Parameter) and result.requires_grad
         elif is_compute(n):
             self._cost(n, args, kwargs, result)
@@ -285,18 +301,22 @@ class CostInterpreter(fx.Interpreter):
     def _cost(self, n: fx.Node, args: tuple, kwargs: dict, result: Any, call: NodeCall | None = None) -> None:
         call = call if call is not None else _call_for(self.gm, n, args, kwargs, self.needs_grad)
         params = node_params(self.gm, n)
+        # an integer output (indices, a mask) carries no gradient even from trainable inputs
         self.needs_grad[n] = bool(call.trainable) and any(t.is_floating_point() for t in tensor_leaves(result))
         self.patterns[n] = _grad_pattern(call)
         profile = self._shared_profile(n)
         if profile is None:
+            # concrete input value -> the node that made it, so the profile can name which inputs a backward saves
             producers = {id(t): a for a in n.all_input_nodes if a in self.env for t in tensor_leaves(self.env[a])}
             profile = _autograd_profile(call, producers, self.dtype)
         self.profiles[n] = profile
         fwd_flops, bwd_flops, saved_inputs, own, transient, held = profile
+        # no backward runs through the node: it saves nothing and its backward costs nothing
         if not self.needs_grad[n]:
             saved_inputs, own, bwd_flops, transient = set(), 0, 0, 0
         self.kept |= saved_inputs
         if n.meta.get(SHAPE_KEY) is None:
+            # the inputs and weights are passed so an output that is a view of one is marked an alias (0 new bytes)
             n.meta[SHAPE_KEY] = describe(result, list(args) + list(kwargs.values()) + list(params.values()))
         self.partial[n] = dict(
             fwd_time_s=0.0,
@@ -317,19 +337,23 @@ class CostInterpreter(fx.Interpreter):
     def _rep(self, n: fx.Node) -> fx.Node | None:
         """The representative whose measurements ``n`` takes: same block position and same gradient pattern."""
         rep = self.share.get(n)
+        # a repeat whose tensors need gradients in another pattern runs another backward: it cannot share times
         return rep if rep is not None and self.patterns.get(rep) == self.patterns[n] else None
 
     def _shared_profile(self, n: fx.Node) -> tuple[int, int, set[fx.Node], int, int, int] | None:
         """The representative's meta profile (FLOPs, saved inputs, own saved bytes) carried over to ``n``: a saved
         input maps to the input at the same position of ``n`` (the block signatures match argument by argument)."""
         rep = self._rep(n)
+        # inputs are mapped by position below: a different count means the blocks do not line up here
         if rep is None or rep not in self.profiles or len(rep.all_input_nodes) != len(n.all_input_nodes):
             return None
         fwd_flops, bwd_flops, saved, own, transient, held = self.profiles[rep]
         where = {a: i for i, a in enumerate(rep.all_input_nodes)}
+        # a saved value that is not one of rep's own inputs cannot be mapped onto n's: profile n itself
         if any(s is not rep and s not in where for s in saved):
             return None
         mapped = {n if s is rep else n.all_input_nodes[where[s]] for s in saved}
+        # the same filter as _autograd_profile: only compute nodes' values count as kept
         return fwd_flops, bwd_flops, {s for s in mapped if s is n or is_compute(s)}, own, transient, held
 
     def _time(self, n: fx.Node, call: NodeCall) -> None:
@@ -345,6 +369,7 @@ class CostInterpreter(fx.Interpreter):
             self.shared[n] = rep
             return
         block = block_of(n)
+        # a batch's input copies sit on the device together: one repeated block, or at most BATCH_NODES outside blocks
         if self.pending and (block != self.pending_block or block is None and len(self.pending) >= BATCH_NODES):
             self.flush()
         self.pending.append(call)
@@ -375,4 +400,5 @@ class CostInterpreter(fx.Interpreter):
         """Measure what is pending and give each repeat its representative's times."""
         self.flush()
         for n, rep in self.shared.items():
+            # every representative is measured by now (flush above): its estimate is there
             self._apply(n, self.estimates[rep])

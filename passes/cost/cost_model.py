@@ -82,12 +82,16 @@ class Materialized:
         alone."""
         with torch.enable_grad(), watch if watch is not None else contextlib.nullcontext():
             out = self.run()
+        # an output that does not need a gradient (an integer index, a mask) has no backward to run
         outs = [t for t in tensor_leaves(out) if t.requires_grad]
         if not outs or not self.leaves:
             return out, None
+        # any output gradient of the right shape will do: only the backward's time and shapes matter
         grads = [torch.ones_like(t) for t in outs]
 
         def backward() -> Any:
+            # retain_graph: a measuring model runs the thunk warmup + repeats times; allow_unused: a leaf the output
+            # does not depend on gets None instead of an error
             return torch.autograd.grad(outs, self.leaves, grads, retain_graph=True, allow_unused=True)
 
         return out, backward
@@ -98,6 +102,7 @@ def _is_inplace(node: fx.Node) -> bool:
     if isinstance(target, torch._ops.OpOverload):
         return target._schema.is_mutable
     name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    # `add_` writes its first argument but `__add__` does not; `__iadd__` and friends do
     return name.endswith("_") and not name.endswith("__") or name.startswith("__i")
 
 
@@ -130,6 +135,7 @@ class NodeCall:
         """Copy the inputs to ``device`` (``meta``: shapes only), optionally casting floating tensors to
         ``dtype``; inputs are copied so running the node never mutates the reference values."""
         device = torch.device(device)
+        # a graph traced in the compute dtype has its fp32 islands baked in: casting would erase them
         dtype = None if self.as_traced else dtype
         memo: dict[int, torch.Tensor] = {}
         leaves: list[torch.Tensor] = []
@@ -139,14 +145,17 @@ class NodeCall:
                 return device
             if not isinstance(t, torch.Tensor):
                 return t
+            # the same tensor passed twice stays one copy (`x * x`), and memo maps copies back to their nodes
             if id(t) in memo:
                 return memo[id(t)]
             floating = t.is_floating_point()
             to_dtype = dtype if (dtype is not None and floating) else t.dtype
             with torch.no_grad():
                 if device.type == "meta":
+                    # the original strides: a kernel's cost and output layout depend on them
                     c = torch.empty_strided(t.shape, t.stride(), dtype=to_dtype, device="meta")
                 else:
+                    # copy=True even on the same device: a run never mutates the reference values; the copy is a leaf
                     c = t.detach().to(device=device, dtype=to_dtype, copy=True)
             if floating and id(t) in self.trainable:
                 c.requires_grad_(True)
@@ -156,12 +165,16 @@ class NodeCall:
 
         args, kwargs = pytree.tree_map(move, (self.args, self.kwargs))
         state = {name: move(t) for name, t in {**self.params, **self.buffers}.items()}
+        # autograd refuses an in-place write on a leaf that requires grad; a clone makes it a non-leaf (the
+        # analytic model drops the clone's cost again)
         clone_first = self.inplace and bool(args) and isinstance(args[0], torch.Tensor) and args[0].requires_grad
         fn = self.fn
 
         def run() -> Any:
+            # without grad the write is allowed and the copy's values do not matter to a timing, so no clone is paid
             a = (args[0].clone(), *args[1:]) if clone_first and torch.is_grad_enabled() else args
             if state:  # only a module call has parameters or buffers: fn is the module
+                # strict=False: a tensor not in `state` is taken from the module itself
                 return torch.func.functional_call(cast(torch.nn.Module, fn), state, a, kwargs, strict=False)
             return fn(*a, **kwargs)
 

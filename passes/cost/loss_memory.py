@@ -55,6 +55,7 @@ class PeakBytes(TorchDispatchMode):
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and storage_key(t) not in self.ignore:
                 storage = t.untyped_storage()
+                # a view of a storage already live adds nothing: storages are counted once, by identity
                 self.live.setdefault(storage_key(t), (StorageWeakRef(storage), storage.nbytes()))
         self.peak = max(self.peak, sum(n for _, n in self.live.values()))
         return out
@@ -74,6 +75,7 @@ def loss_memory(gm: fx.GraphModule, loss_fn: Callable[[Any, Any], torch.Tensor],
         log.debug("the graph's output is not one tensor: the loss after it is not costed")
         return 0
     t = info.tensors[0]
+    # requires_grad: the loss's backward to the logits runs in the fused stage too, and its gradients are the bulk
     output = torch.empty(t.shape, dtype=getattr(torch, t.dtype), device="meta", requires_grad=True)
     meta_target = pytree.tree_map(_stand_in, target)
     inputs = [output, *(x for x in pytree.tree_leaves(meta_target) if isinstance(x, torch.Tensor))]

@@ -39,6 +39,7 @@ def cpu_model() -> str:
     ``cpu model``) of :data:`CPUINFO`, else what :mod:`platform` says. ``platform.processor()`` alone is empty on
     Linux, so every x86_64 machine with as many cores would share one profile cache key."""
     try:
+        # the first MiB is plenty: a many-core machine repeats the same fields for every core
         text = CPUINFO.read_text(errors="replace")[: 1 << 20]
     except OSError:
         text = ""
@@ -46,6 +47,7 @@ def cpu_model() -> str:
     for line in text.splitlines():
         key, sep, value = line.partition(":")
         if sep and value.strip():
+            # every core repeats the same fields: the first processor's entry is kept
             found.setdefault(key.strip().lower(), value.strip())
     name = next((found[k] for k in ("model name", "hardware", "cpu model") if k in found), "")
     return name or platform.processor() or platform.machine()
@@ -100,10 +102,13 @@ class MeasuredCostModel(CostModel):
         if not self._holds(gm, flat_args):
             return
         with torch.enable_grad():
+            # flat_args are the graph's flat placeholders, not the model's call: no pytree (un)flattening
             out = torch.fx.Interpreter(gm).run(*flat_args, enable_io_processing=False)
             floats = [t for t in tensor_leaves(out) if t.requires_grad]
             if floats:
+                # backward needs a scalar per output; its values do not matter to a warm-up
                 torch.autograd.backward([t.float().sum() for t in floats])
+        # the warm-up's gradients must not be left in the model's .grad
         gm.zero_grad(set_to_none=True)
 
     def drive_device(self, gm: fx.GraphModule, flat_args: list[Any]) -> torch.device | None:
@@ -115,6 +120,7 @@ class MeasuredCostModel(CostModel):
     def _holds(self, gm: fx.GraphModule, flat_args: list[Any]) -> bool:
         """Whether the graph's inputs and parameters are all on the measured device (``cuda`` means ``cuda:0``
         there when it is the current one)."""
+        # a tensor's device always has an index, so a bare "cuda" is resolved to the current device before comparing
         want = self.device if self.device.index is not None or self.device.type != "cuda" else \
             torch.device("cuda", torch.cuda.current_device())
         return all(t.device == want for t in [*tensor_leaves(flat_args), *gm.parameters()])
@@ -129,7 +135,9 @@ class MeasuredCostModel(CostModel):
                 start.record()
                 fn()
                 end.record()
+                # the event must have completed before elapsed_time can read it
                 end.synchronize()
+                # elapsed_time is in milliseconds
                 samples.append(start.elapsed_time(end) / 1e3)
         else:
             for _ in range(self.repeats):
@@ -145,6 +153,7 @@ class MeasuredCostModel(CostModel):
         Node-by-node timings run each op with its inputs hot in cache and leave out autograd's bookkeeping, so
         their sum underestimates a real step (1.3–1.6× on this machine's CPU); :func:`~rpcompile.passes.cost.cost.cost_pass` scales the
         node times to these totals."""
+        # a cast dtype: the whole graph would run in the model's dtype, not the one the nodes were timed in
         if self.dtype is not None or not self._holds(gm, flat_args):
             return None
         params = [p for p in gm.parameters() if p.requires_grad]
@@ -157,6 +166,7 @@ class MeasuredCostModel(CostModel):
             with torch.enable_grad():
                 outs = [t for t in tensor_leaves(gm.forward(*flat_args)) if t.requires_grad]
                 if outs and params:
+                    # autograd.grad, not backward: a step's parameter gradients, never written into the model's .grad
                     torch.autograd.grad([t.float().sum() for t in outs], params, allow_unused=True)
 
         try:
@@ -193,15 +203,19 @@ class MeasuredCostModel(CostModel):
 
     def estimate_batch(self, calls: Sequence[NodeCall]) -> list[OpEstimate]:
         """Forward and backward times of each call, with one device synchronisation for the whole batch."""
+        # every copy to the device is made before any timing starts, so no upload lands between a run's events
         ms = [call.materialize(self.device, dtype=self.dtype) for call in calls]
         # the device as the default device, as the executor runs a stage: a portable submodule (an outlined vmap
         # region, rpcompile.passes.graph.portable) allocates there
         with running_on(self.device):
             with torch.no_grad():
+                # no autograd bookkeeping in the forward timing; the backward's time is taken separately below
                 fwd = [self._samples(m.run) for m in ms]
             bwd = []
             for m in ms:
+                # one forward with grad builds the graph; only its backward is timed (retained, so it can repeat)
                 _, backward = m.forward_backward()
                 bwd.append(self._samples(backward) if backward is not None else None)
+        # the batch's one synchronisation: every CUDA event pair is read after it, in _fastest
         _sync(self.device)
         return [OpEstimate(self._fastest(f), self._fastest(b) if b is not None else 0.0) for f, b in zip(fwd, bwd)]

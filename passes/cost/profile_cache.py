@@ -70,11 +70,14 @@ _CACHE = JsonCache(root=_profiles, name="profile cache", afresh="measuring afres
 
 def _input_sig(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
+        # shapes, not values: the times depend on what the node sees, not on the numbers in it
         return [list(value.shape), str(value.dtype), value.device.type, value.requires_grad]
     if isinstance(value, (int, float, bool, str, type(None))):
+        # repr keeps 1, 1.0 and True apart
         return repr(value)
     if isinstance(value, (tuple, list)):
         return [_input_sig(v) for v in value]
+    # anything else by its type only: its value would make the key unstable across runs
     return type(value).__name__
 
 
@@ -87,6 +90,7 @@ def profile_key(gm: fx.GraphModule, flat_inputs: Sequence[Any], identity: dict[s
         "graph": fp.graph_digest,
         "params": fp.params_digest,
         "inputs": [_input_sig(v) for v in flat_inputs],
+        # sorted: the key, hence the file name, must not depend on the order identity() lists its fields
         **{k: identity[k] for k in sorted(identity)},
     }
 
@@ -113,6 +117,7 @@ def _node(value: Any, fields: set[str]) -> dict[str, Any]:
         elif k.endswith("_s"):
             out[k] = _seconds(v, k)
         else:
+            # bool is an int to isinstance: refused as a count
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= _MAX_COUNT:
                 raise ValueError(k)
             out[k] = v
@@ -138,6 +143,7 @@ def load_profile(key: dict[str, Any], node_names: set[str], fields: set[str], *,
         if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT_VERSION:
             _ignore(path, "not this cache format", quiet)
             return None
+        # the key as it reads back from JSON (tuples become lists), so an equal key compares equal
         if data.get("key") != json.loads(json.dumps(key)):
             _ignore(path, "made for another model, device or torch", quiet)
             return None
@@ -157,6 +163,7 @@ def store(key: dict[str, Any], entry: CacheEntry) -> Path | None:
     """Write ``entry`` atomically (temporary file, then rename); the path, or None when it could not be written."""
     path = _path(key)
     data = {"format": PROFILE_FORMAT_VERSION, "key": key, "created": time.time(),
+            # lists: JSON has no tuples; _node turns them back
             "nodes": {k: {**v, "params": list(v["params"])} for k, v in entry.nodes.items()},
             "calibration": None if entry.calibration is None else list(entry.calibration)}
     return path if _CACHE.write(path, data, lost="costs were measured but not kept") else None

@@ -38,6 +38,7 @@ def block_of(node: fx.Node) -> str | None:
 def _tensor_sig(t: Any) -> str:
     if isinstance(t, torch.Tensor):
         kind = "param" if isinstance(t, torch.nn.Parameter) else "buffer"
+        # requires_grad too: a frozen block and a trainable one run different backwards
         return f"{kind}{tuple(t.shape)}:{t.dtype}:{t.requires_grad}"
     return type(t).__name__
 
@@ -70,9 +71,11 @@ def _signature(gm: fx.GraphModule, nodes: list[fx.Node], block: str) -> tuple:
     def arg(a: Any) -> Any:
         if isinstance(a, fx.Node):
             if a in pos:
+                # a node of the block by its position in it: blocks compare without their node names
                 return f"#{pos[a]}"
             if a.op == "get_attr":
                 return "attr:" + _tensor_sig(fetch_attr(gm, str(a.target)))
+            # an outside value by its order of first use: blocks match when they read their inputs alike
             k = outside.setdefault(a, len(outside))
             return f"in{k}:{_shapes(a)}"
         if isinstance(a, (tuple, list)):
@@ -82,6 +85,7 @@ def _signature(gm: fx.GraphModule, nodes: list[fx.Node], block: str) -> tuple:
         if isinstance(a, (int, float, bool, str, type(None), slice, torch.dtype, torch.device, torch.memory_format,
                           torch.layout)):
             return repr(a)
+        # any other object by its type only: its identity or repr would differ from block to block
         return type(a).__name__
 
     sig: list[Any] = [_block_type(nodes, block)]
@@ -105,6 +109,7 @@ def repeat_map(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
     first: dict[tuple, list[fx.Node]] = {}
     out: dict[fx.Node, fx.Node] = {}
     for name, nodes in blocks.items():
+        # the first block (in graph order) with a signature is its representative
         rep = first.setdefault(_signature(gm, nodes, name), nodes)
         if rep is not nodes:
             out.update(zip(nodes, rep))

@@ -40,10 +40,12 @@ def dynamic_shapes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     def dims(v: Any) -> Any:
         if not isinstance(v, Tensor) or v.dim() == 0:
             return None
+        # dim 1 only of integer inputs (token ids, masks): a floating input's dim 1 may be channels or features
         seq = v.dim() >= 2 and not v.is_floating_point()
         return {0: Dim.AUTO, **({1: Dim.AUTO} if seq else {})}
 
     try:  # tree_map: inside a batch dict too
+        # bound like the inputs themselves, so the spec has the structure export matches it against
         bound = signature.bind(*pytree.tree_map(dims, args), **pytree.tree_map(dims, kwargs))
     except TypeError:
         return None
@@ -62,6 +64,7 @@ def explicit_signature(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str
     except (TypeError, ValueError):
         yield
         return
+    # `and v`: an empty *args or **kwargs holds nothing to mis-bind
     if not any(signature.parameters[n].kind in _VAR and v for n, v in bound.arguments.items()):
         yield  # every input binds to a named parameter: nothing to rename
         return
@@ -71,12 +74,14 @@ def explicit_signature(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str
         return original(*a, **k)
 
     forward.__signature__ = inspect.Signature(_named(signature, bound))  # type: ignore[attr-defined]
+    # an instance's own forward (accelerate's hooks set one) is put back afterwards, not deleted
     own = model.__dict__.get("forward")
     model.__dict__["forward"] = forward
     try:
         yield
     finally:
         if own is None:
+            # the class's forward shows through again
             del model.__dict__["forward"]
         else:
             model.__dict__["forward"] = own

@@ -39,6 +39,7 @@ def _arg_repr(arg: Any) -> str:
         return str(arg)
     if isinstance(arg, (int, float, bool, str, type(None), slice)):
         return repr(arg)
+    # any other object by its type: a repr may hold an address, which would change the digest on every run
     return type(arg).__name__
 
 
@@ -52,6 +53,7 @@ def fingerprint(gm: fx.GraphModule) -> Fingerprint:
         g.update(f"{node.op}|{node.name}|{qualified_target(node)}|{_arg_repr(node.args)}|{_arg_repr(node.kwargs)}\n".encode())
         count += 1
     p = hashlib.sha256()
+    # sorted by name: the digest must not depend on registration order; a tied weight counts once
     params = sorted(gm.named_parameters(remove_duplicate=True))
     for name, t in params:
         p.update(f"{name}|{tuple(t.shape)}|{t.dtype}|{t.requires_grad}\n".encode())

@@ -69,6 +69,7 @@ def _functional_form(gm: fx.GraphModule, node: fx.Node) -> tuple[str, Any, tuple
         return (op, target, args, kwargs) if getattr(mod, "inplace", False) is True else None
     if op == "call_method":
         base = str(target)[:-1]
+        # `relu_` -> `relu`, when Tensor has that out-of-place method; dunders and bookkeeping methods are no compute
         if str(target).endswith("_") and not str(target).endswith("__") and target not in _NOT_COMPUTE_METHODS \
                 and callable(getattr(torch.Tensor, base, None)):
             return op, base, args, kwargs
@@ -81,16 +82,20 @@ def _functional_form(gm: fx.GraphModule, node: fx.Node) -> tuple[str, Any, tuple
         schema = target._schema
         written = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
         name = schema.name.split("::")[-1]
+        # exactly the first argument written, and an `op_` name: an `out=` variant writes another argument
         if len(written) != 1 or written[0] is not schema.arguments[0] or not name.endswith("_"):
             return None
+        # the out-of-place twin: the name without its underscore, under the same overload name
         packet = getattr(getattr(torch.ops, target.namespace), name[:-1], None)
         overload = getattr(packet, target._overloadname, None) if packet is not None else None
         return (op, overload, args, kwargs) if overload is not None else None
     bound = _inplace_kwarg(target, args, kwargs)
     if bound is not None:
+        # the same call with inplace=False
         bound.arguments["inplace"] = False
         return op, target, bound.args, bound.kwargs
     name = getattr(target, "__name__", "")
+    # torch.relu_ -> torch.relu: a public torch function and its out-of-place twin
     if name.endswith("_") and not name.endswith("__") and getattr(torch, name, None) is target \
             and callable(getattr(torch, name[:-1], None)):
         return op, getattr(torch, name[:-1]), args, kwargs
@@ -109,6 +114,7 @@ def make_functional(gm: fx.GraphModule, node: fx.Node) -> None:
     if node.op == "call_module":
         path, _, name = str(node.target).rpartition(".")
         parent = gm.get_submodule(path) if path else gm
+        # a shallow copy shares the parameters; only the flag differs (and _own_module ensures `parent` is the graph's)
         functional = copy.copy(getattr(parent, name))
         functional.inplace = False
         setattr(parent, name, functional)
@@ -124,6 +130,7 @@ def _own_module(gm: fx.GraphModule, target: str) -> bool:
     above a leaf into plain ``nn.Module`` objects), so that replacing it leaves the model alone."""
     path = str(target).rpartition(".")[0]
     parent = gm.get_submodule(path) if path else gm
+    # a model's own container has its model's class; fx's copies are plain nn.Module
     return parent is gm or type(parent) is torch.nn.Module
 
 
@@ -150,6 +157,7 @@ def _fresh(gm: fx.GraphModule, node: fx.Node, functional: set[fx.Node]) -> bool:
         return not isinstance(gm.get_submodule(str(node.target)), _ALIASING_MODULES)
     if isinstance(node.target, torch._ops.OpOverload):
         returns = node.target._schema.returns
+        # an output without alias info is a new tensor, never a view of an input
         return len(returns) == 1 and returns[0].alias_info is None
     return getattr(node.target, "__name__", str(node.target)) in _FRESH_NAMES
 
@@ -162,6 +170,7 @@ def _rewritable(gm: fx.GraphModule, node: fx.Node, functional: set[fx.Node], ord
         return False
     if not isinstance(x, fx.Node) or not _fresh(gm, x, functional - {node}):
         return False
+    # an earlier reader that is a view of x would see the write, and so would an earlier write into x itself
     earlier = [u for u in x.users if u is not node and order[u] < order[node]]
     return all(_fresh(gm, u, functional) and not (u in functional and u.args[0] is x) for u in earlier)
 
@@ -177,6 +186,7 @@ def functional_inplace_pass(gm: fx.GraphModule) -> fx.GraphModule:
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
         functional = {n for n in gm.graph.nodes if writes_first_arg(gm, n)}
         while True:
+            # to a fixed point: dropping one write can make another's target no longer count as fresh
             keep = {n for n in functional if _rewritable(gm, n, functional, order)}
             shared = {n.target for n in functional - keep if n.op == "call_module"}  # one module, every call
             keep = {n for n in keep if not (n.op == "call_module" and n.target in shared)}
@@ -185,9 +195,11 @@ def functional_inplace_pass(gm: fx.GraphModule) -> fx.GraphModule:
             functional = keep
         if not functional:
             break
+        # graph order, so a chain's later write is redirected onto its predecessor's result
         for n in sorted(functional, key=order.__getitem__):
             make_functional(gm, n)
             x = n.args[0]
+            # later readers read the op's result: before the rewrite they saw x as the op had left it
             for u in [u for u in x.users if order[u] > order[n]]:
                 u.replace_input_with(x, n)
     gm.graph.lint()
@@ -205,5 +217,6 @@ def written_nodes(gm: fx.GraphModule) -> set[str]:
         x = node.args[0] if node.args else None
         while isinstance(x, fx.Node) and x.name not in out:
             out.add(x.name)
+            # a write into a view (or what may be one) writes its base too: walk back to it
             x = x.args[0] if x.op in COMPUTE_OPS and not _fresh(gm, x, set()) and x.args else None
     return out

@@ -27,6 +27,7 @@ aten = torch.ops.aten
 
 def _rms_norm_shapes(x: torch.Tensor, weight: torch.Tensor | None, n_dims: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Stand-in for a fused RMSNorm kernel: returns (output, rstd) with the right shapes; values unset."""
+    # rstd: one fp32 value per normalised row, the normalised dimensions kept as 1s
     return torch.empty_like(x), x.new_empty(x.shape[: x.dim() - n_dims] + (1,) * n_dims, dtype=torch.float32)
 
 
@@ -45,6 +46,7 @@ _rms_norm_backward_kernel.register_fake(_rms_norm_backward_shapes)
 
 
 def _rms_norm_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+    # what the fused backward reads: the input, rstd and the weight, so the saved-tensor profile counts those
     ctx.save_for_backward(inputs[0], output[1], inputs[1])
     ctx.set_materialize_grads(False)  # rstd gets no gradient: do not charge a zeros() kernel for it
 
@@ -52,6 +54,7 @@ def _rms_norm_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
 def _rms_norm_backward(ctx: Any, grad: torch.Tensor, _grad_rstd: Any) -> tuple:
     x, rstd, weight = ctx.saved_tensors
     gx, gw = _rms_norm_backward_kernel(grad, x, rstd, weight)
+    # one gradient per forward input: x, weight, and None for n_dims
     return gx, gw if weight is not None else None, None
 
 
@@ -65,6 +68,7 @@ def _rms_norm(input: torch.Tensor, normalized_shape: Any, weight: torch.Tensor |
 def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
           dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> Any:
     """SDPA as a GPU runs it: flash attention without a mask, memory-efficient attention with one."""
+    # the fused kernels take [batch, heads, seq, dim] only; other ranks keep torch's own path
     if query.dim() != 4:
         return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
                                               enable_gqa=enable_gqa)
@@ -75,6 +79,7 @@ def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask
         key, value = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
     if attn_mask.dtype == torch.bool:  # as torch does: a boolean mask becomes an additive bias
         attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill(~attn_mask, float("-inf"))
+    # the log-sum-exp is computed (and saved) only when a backward will read it, as torch's dispatch decides
     lse = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     return aten._scaled_dot_product_efficient_attention(
         query, key, value, attn_mask, lse, dropout_p, is_causal, scale=scale)[0]

@@ -59,6 +59,7 @@ def run_unifying_dtypes(func: torch._ops.OpOverload, args: tuple, kwargs: dict) 
     try:
         return func(*args, **kwargs)
     except RuntimeError as err:
+        # only a dtype mismatch is retried; any other failure is the op's own
         if "dtype" not in str(err):
             raise
         dtype = op_dtype(args, kwargs)
@@ -72,6 +73,7 @@ def stay_on_meta(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tupl
     the one device that runs the node)."""
     if kwargs.get("device") is None or torch.device(kwargs["device"]).type == "meta":
         return kwargs, False
+    # a _to_copy that keeps the dtype only changes the device
     pure = func._overloadpacket is aten._to_copy and kwargs.get("dtype") in (None, args[0].dtype)
     return {**kwargs, "device": torch.device("meta")}, pure
 
@@ -89,6 +91,7 @@ class MetaSafeMode(TorchDispatchMode):
         if is_assert(func):
             return None
         kwargs, pure = stay_on_meta(func, args, kwargs or {})
+        # copy=True asks for new storage even on the same device: that one stays a real op
         if pure and self.keep_moves and not kwargs.get("copy"):
             return args[0]
         return run_unifying_dtypes(func, args, kwargs)
@@ -99,6 +102,7 @@ def _dynamo_skipped() -> tuple[Callable[..., Any], ...]:
     ``torch._dynamo`` on a function's first call): found by following ``__wrapped__`` and closures from the
     decomposition and meta tables, ``torch._refs`` and the dispatch modes defined so far (each one's
     ``__torch_dispatch__`` is wrapped too). Empty if torch no longer works this way."""
+    # every wrapper _disable_dynamo makes shares this code object: it is how the wrappers are recognised below
     inner = getattr(torch._compile._disable_dynamo(lambda: 0), "__code__", None)
     roots: list[Any] = list(torch._decomp.meta_table.values())
     roots += [f for table in torch._decomp.global_decomposition_table.values() for f in table.values()]
@@ -106,6 +110,7 @@ def _dynamo_skipped() -> tuple[Callable[..., Any], ...]:
               for v in list(vars(mod).values())]
     modes, i = [TorchDispatchMode], 0
     while i < len(modes):
+        # every dispatch mode class, subclasses of subclasses included
         modes += modes[i].__subclasses__()
         i += 1
     roots += [vars(cls).get("__torch_dispatch__") for cls in modes]
@@ -117,6 +122,7 @@ def _dynamo_skipped() -> tuple[Callable[..., Any], ...]:
         if code is None or id(f) in seen:
             continue
         seen.add(id(f))
+        # the wrapper holds the function it wraps in its closure cell `fn`
         cells = dict(zip(code.co_freevars, (c.cell_contents for c in (f.__closure__ or ()))))
         if code is inner and callable(cells.get("fn")):
             found[id(cells["fn"])] = cells["fn"]
@@ -135,6 +141,7 @@ def without_dynamo_import() -> Iterator[None]:
         yield
         return
     key = "__dynamo_disable"  # the attribute torch._compile._disable_dynamo's wrapper caches its function in
+    # a wrapper that already built its real function keeps it; only empty caches are filled (and emptied again)
     marked = [fn for fn in _dynamo_skipped() if getattr(fn, key, None) is None]
     for fn in marked:
         setattr(fn, key, fn)
@@ -142,6 +149,7 @@ def without_dynamo_import() -> Iterator[None]:
         yield
     finally:
         for fn in marked:
+            # only our own mark is removed: a real wrapper built meanwhile stays
             if getattr(fn, key, None) is fn:
                 delattr(fn, key)
 
@@ -151,6 +159,7 @@ def _stand_in(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor
     parameter) ``requires_grad``."""
     as_dtype = dtype if dtype is not None and t.is_floating_point() else t.dtype
     m = torch.empty_strided(t.shape, t.stride(), dtype=as_dtype, device="meta")
+    # still a Parameter with the model's requires_grad: the passes ask which weights are trainable
     return torch.nn.Parameter(m, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else m
 
 
@@ -185,11 +194,13 @@ def on_meta(gm: fx.GraphModule, args: tuple, kwargs: dict, fn: Callable[[tuple, 
     real = [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]
     canonical = canonical_names(gm)
     stand_ins = {id(t): _stand_in(t, dtype) for _, t in real}
+    # "gm.": the graph module is the _Runner's child of that name
     state = {f"gm.{name}": stand_ins[id(t)] for name, t in real}
     meta_args, meta_kwargs = pytree.tree_map_only(torch.Tensor, _stand_in, (args, kwargs))
     gm.meta[CANONICAL_NAMES_KEY] = {id(stand_ins[i]): name for i, name in canonical.items() if i in stand_ins}
     try:
         with torch.no_grad(), MetaSafeMode(keep_moves=True), GpuKernels():  # GPU kernels' layouts, as the real run's
+            # tie_weights=False: tied names already share one stand-in, and `state` names every one of them
             torch.func.functional_call(_Runner(gm, lambda: fn(meta_args, meta_kwargs)), state, (),
                                        tie_weights=False)
     except Exception as err:  # noqa: BLE001 - any failure: the real run decides (and raises its own error)

@@ -86,19 +86,23 @@ def portable_pass(gm: fx.GraphModule, *, devices: bool = True) -> fx.GraphModule
     AOT graphs), whose backward runs on autograd's own thread for that device, where the worker's default
     device is not set."""
     for name, sub in gm.named_children():  # bodies of higher-order ops (wrap_with_set_grad_enabled, cond, ...)
+        # already portable (portable_bodies at trace time, or a body two graphs share): not rewritten twice
         if isinstance(sub, fx.GraphModule) and not is_portable(sub):
             portable_pass(sub, devices=devices)
     graph = gm.graph
     for node in list(graph.nodes):
+        # they assert the trace's tensor metadata (its device), which a stage on a GPU does not match
         if node.op == "call_function" and node.target in _ASSERTS:
             graph.erase_node(node)
     for node in list(graph.nodes) if devices else ():
         if node.op in ("call_function", "call_method") and _has_device(node):
             with graph.inserting_before(node):
+                # a call right before each use, evaluated at run time inside whichever stage runs the node
                 here = graph.call_function(default_device)
             node.args, node.kwargs = _with_device((node.args, node.kwargs), here)
     written = _written_alias_groups(gm)
     for node in list(graph.nodes):
+        # a view whose alias group something writes into keeps its aliasing: reshape might copy and lose the write
         if _is_stride_view(node) and _group(written, node) not in written["groups"]:
             if node.op == "call_function":
                 node.target = RESHAPE
@@ -132,6 +136,7 @@ def _is_stride_view(node: fx.Node) -> bool:
         return True
     if node.op == "call_method" and node.target in _VIEW_METHODS:
         shape = node.args[1:]
+        # `view(torch.float32)` reinterprets bytes: no reshape can stand in for it
         return bool(shape) and not any(isinstance(a, torch.dtype) for a in shape)
     return False
 
@@ -142,6 +147,7 @@ def _aliases_input(gm: fx.GraphModule, node: fx.Node) -> bool:
         if isinstance(node.target, torch._ops.OpOverload):
             returns = node.target._schema.returns
             return bool(returns) and returns[0].alias_info is not None
+        # getitem: a piece of a split, chunk or unbind is a view of its input
         return node.target is operator.getitem or getattr(node.target, "__name__", "") in _ALIAS_METHODS
     if node.op == "call_method":
         return node.target in _ALIAS_METHODS
@@ -173,6 +179,7 @@ def _written_alias_groups(gm: fx.GraphModule) -> dict[str, Any]:
         if _aliases_input(gm, node) and node.args and isinstance(node.args[0], fx.Node):
             a, b = _group(state, node), _group(state, node.args[0])
             if a is not b:
+                # union: the node's group joins its input's
                 parent[a] = b
     for node in gm.graph.nodes:
         if _writes(gm, node):

@@ -64,6 +64,7 @@ def computing_in(module: nn.Module, dtype: torch.dtype | None, *, values: bool =
     try:
         with torch.no_grad():
             for t in tensors:
+                # `.data`, not a new Parameter: the model, the trace and any optimizer keep pointing at the same objects
                 t.data = t.data.to(dtype) if values else torch.empty_like(t.data, dtype=dtype)
         yield
     finally:

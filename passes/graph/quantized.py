@@ -42,6 +42,7 @@ _MADE: Any = WeakIdKeyDictionary()
 
 
 def _is_bnb(obj: Any) -> bool:
+    # by module name: bitsandbytes is optional, and this never imports it
     return type(obj).__module__.startswith("bitsandbytes")
 
 
@@ -127,7 +128,9 @@ def traceable(model: nn.Module) -> Iterator[list[str]]:
             made = _scales(weight, codes)
             for attr, t in made.items():
                 m.register_parameter(attr, t)
+            # an instance attribute shadows the class's forward; deleting it below brings the class's back
             m.forward = types.MethodType(_forward, m)
+            # shape and blocksize as plain Python values: the trace bakes them into the dequantize call as constants
             m.__dict__["_rpcompile_nf4"] = (list(weight.quant_state.shape), weight.quant_state.blocksize)
             touched.append((m, list(made)))
         yield [n for n, _ in layers]
@@ -149,15 +152,19 @@ def _scales(weight: Any, codes: list[nn.Parameter]) -> dict[str, nn.Parameter]:
         return nn.Parameter(t, requires_grad=False)
 
     if not state.nested:
+        # the fp32 scales viewed as int32: a precision cast skips integer tensors, so they stay exact
         made = {"weight_absmax": frozen(state.absmax.view(torch.int32))}
     else:
+        # the offset and the nested absmax in one fp32 tensor: one parameter instead of two
         nested = torch.cat([state.offset.reshape(1).float(), state.state2.absmax.float()])
         state.offset, state.state2.absmax = nested[0], nested[1:]  # one storage: bitsandbytes reads these views
         code = state.state2.code
+        # every layer with the same 256-value map shares one parameter (module docstring)
         same = next((c for c in codes if c.shape == code.shape and torch.equal(c.view(torch.float32), code)), None)
         if same is None:
             same = frozen(code.view(torch.int32))
             codes.append(same)
+        # bitsandbytes goes on reading the map, now through the shared parameter's storage
         state.state2.code = same.view(torch.float32)
         made = {"weight_absmax": frozen(state.absmax), "weight_scales": frozen(nested.view(torch.int32)),
                 "weight_code": same}
@@ -170,6 +177,7 @@ def _forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     """bitsandbytes ``Linear4bit.forward`` in training (``MatMul4Bit``), written as a dequantize and a linear."""
     shape, blocksize = self.__dict__["_rpcompile_nf4"]
     dtype = x.dtype
+    # as Linear4bit does: compute in its compute_dtype, and hand the result back in the input's dtype
     compute = getattr(self, "compute_dtype", None) or dtype
     x = x.to(compute)
     bias = None if self.bias is None else self.bias.to(compute)

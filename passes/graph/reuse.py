@@ -40,6 +40,7 @@ def _arg_key(arg: Any) -> Any:
     if isinstance(arg, slice):
         return ("slice", _arg_key(arg.start), _arg_key(arg.stop), _arg_key(arg.step))
     if isinstance(arg, _PLAIN):
+        # the type too: 1, 1.0 and True are equal in Python but may compute differently
         return (type(arg).__name__, arg)
     return ("object", id(arg))
 
@@ -49,6 +50,7 @@ def signature(gm: fx.GraphModule, node: fx.Node) -> tuple:
     target: Any = node.target
     if node.op == "call_module":
         assert isinstance(target, str), node.format_node()
+        # the module object too: the same path in another graph may hold another module
         target = (target, id(gm.get_submodule(target)))
     return (node.op, target, _arg_key(node.args), _arg_key(node.kwargs))
 
@@ -60,6 +62,7 @@ def value_key(value: Any) -> Any:
                 isinstance(value, torch.nn.Parameter))
     if isinstance(value, (tuple, list)):
         keys = tuple(value_key(v) for v in value)
+        # one element that cannot be compared makes the whole value so: never wrongly the same
         return None if any(k is None for k in keys) else (type(value).__name__, keys)
     if isinstance(value, _PLAIN):
         return (type(value).__name__, value)
@@ -84,6 +87,7 @@ class RunMemo:
         """A run of ``gm``: it reuses ``kind``'s entries recorded under the same ``key``, or records them."""
         recorded = self.runs.get(kind)
         self.reused[kind] = 0
+        # another key (another cost model, dtype or sharing) would give other results: record afresh instead
         if recorded is not None and recorded[0] == key:
             return Reuse(gm, recorded[1], recording=False, on_reuse=lambda: self._count(kind))
         entries: dict[str, tuple[Any, Any]] = {}
@@ -112,9 +116,11 @@ class Reuse:
     def lookup(self, node: fx.Node) -> Any:
         """The recorded entry of ``node`` when it is the same node as recorded and may be reused; else ``None``
         (run it, then :meth:`settle`)."""
+        # placeholders and weights always run: cheap, and their values decide whether the nodes after them are the same
         if self.recording or node.op in ("placeholder", "get_attr", "output"):
             return None
         got = self.entries.get(node.name)
+        # graph order: every input has been looked up or settled before, so `same` already says whether it is unchanged
         if got is None or any(a.name not in self.same for a in node.all_input_nodes):
             return None
         if got[0] != signature(self.gm, node):
@@ -129,6 +135,7 @@ class Reuse:
         with the recorded value as the same."""
         if self.recording:
             if node.op in ("placeholder", "get_attr"):
+                # placeholders and weights are keyed by their value's shape and kind, other nodes by what they compute
                 self.entries[node.name] = (value_key(value), entry)
             elif node.op != "output":
                 self.entries[node.name] = (signature(self.gm, node), entry)

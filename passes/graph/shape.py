@@ -60,12 +60,14 @@ def scaled_nbytes(info: ShapeInfo, dtype: torch.dtype | None, *, aliases: bool =
             continue
         traced = getattr(torch, t.dtype)
         floating = dtype is not None and traced.is_floating_point
+        # floating tensors: elements times the new element size; integer ones (token ids, indices) keep their dtype
         total += t.nbytes // torch.empty((), dtype=traced).element_size() * size if floating else t.nbytes
     return total
 
 
 def storage_key(t: torch.Tensor) -> int:
     """Identity of ``t``'s storage; equal for views of one tensor, also on the meta device."""
+    # the storage object's address, not data_ptr(): a meta tensor has no data, and views share one storage object
     return t.untyped_storage()._cdata
 
 
@@ -102,7 +104,9 @@ class _ShapeInterpreter(fx.Interpreter):
         if n.op == "call_module":
             assert isinstance(n.target, str), n.format_node()  # a call_module's target is the module's path
             mod = self.fetch_attr(n.target)
+            # a module's own weights count as its inputs: an output that is one of them allocates nothing
             inputs += list(mod.parameters()) + list(mod.buffers())
+        # described against themselves, so always aliases: a graph input or a weight allocates nothing inside the graph
         n.meta[SHAPE_KEY] = describe(result, inputs) if n.op not in ("get_attr", "placeholder") else describe(result, [result])
         return result
 
@@ -118,6 +122,7 @@ def shape_pass(
     advance BatchNorm statistics. ``memo`` (a run on ``meta``): nodes the same as in the run it recorded take
     their recorded values and shapes instead of running (:mod:`.reuse`); a first run records them.
     """
+    # running the graph for real would move a BatchNorm's running statistics: they are put back below
     saved = {name: b.detach().clone() for name, b in gm.named_buffers() if b.device.type != "meta"}
     reuse = None
     try:

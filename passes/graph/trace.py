@@ -84,6 +84,8 @@ def trace(
     # a 4-bit base is reached through its packed weights and scales (:mod:`.quantized`); refused here if it cannot
     with _buffers_kept(model), traceable_quantized(model):  # fx runs what it cannot trace for real (a buffer's += 1)
         gm = _trace(model, args, kwargs, leaves, method, dtype)
+    # only the non-tensor keyword arguments export specialised on (use_cache=False) are refilled; tensors a call
+    # must pass itself
     return _called_like_the_model(gm, {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)})
 
 
@@ -104,6 +106,7 @@ def _called_like_the_model(gm: fx.GraphModule, constants: dict[str, Any]) -> fx.
     def forward(self: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
         bound = sig.bind_partial(self, *args, **kwargs)
         for k, v in fill.items():
+            # setdefault: an argument the caller passes itself wins over the traced constant
             bound.arguments.setdefault(k, v)
         return inner(*bound.args, **bound.kwargs)
 
@@ -149,7 +152,9 @@ def _buffers_kept(model: nn.Module) -> Iterator[None]:
     finally:
         with torch.no_grad():
             for mod, name, b, value in kept:
+                # the original object goes back too, in case the forward rebound the attribute to a new tensor
                 mod._buffers[name] = b
+                # unchanged buffers are not written; one whose shape changed cannot be copied back into
                 if b.shape == value.shape and not torch.equal(b, value):
                     b.copy_(value)
 
@@ -182,6 +187,7 @@ def _accepts(model: nn.Module, name: str) -> bool:
         return True
     inner = getattr(model, "get_base_model", None)
     passes_on = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    # `base is not model`: a wrapper whose get_base_model() returns itself would recurse forever
     return passes_on and callable(inner) and isinstance(base := inner(), nn.Module) and base is not model \
         and _accepts(base, name)
 
@@ -194,6 +200,7 @@ def _split_inputs(
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     kwargs = dict(example_kwargs or {})
     if isinstance(example_inputs, Mapping):
+        # explicit example_kwargs override the same key in a dict of inputs
         return (), {**example_inputs, **kwargs}
     if isinstance(example_inputs, (tuple, list)):
         return tuple(example_inputs), kwargs
@@ -204,6 +211,7 @@ def _check_leaves(model: nn.Module, leaves: tuple[LeafSpec, ...]) -> tuple[LeafS
     names = dict(model.named_modules())
     unknown = [leaf for leaf in leaves if isinstance(leaf, str) and leaf not in names]
     if unknown:
+        # the first non-empty name: "" is the root module
         example = next((n for n in names if n), "layers.0")
         raise TraceError(
             f"leaf_modules names {unknown} but {type(model).__name__} has no such submodule; "
@@ -235,6 +243,7 @@ class _Tracer(fx.Tracer):
         )
 
     def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
+        # the mode forward is entered in; create_node flags any node recorded under another one
         self.grad_mode, self.grad_switched = torch.is_grad_enabled(), False
         return super().trace(root, concrete_args)
 
@@ -290,6 +299,7 @@ def _trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     """The export path: ``torch.export.export(..., strict=False)``. Runs the real Python with fake tensors and
     records aten-level ops; every compute node carries ``meta["nn_module_stack"]``. The graph is specialised to the
     example input shapes and to non-tensor arguments (e.g. ``use_cache=False``)."""
+    # bf16/fp16: floating inputs in the compute dtype, so the exported graph records the dtypes a stage will run in
     args, kwargs = cast_floating(args, dtype), cast_floating(kwargs, dtype)
     # On failure torch.export prints the partial graph to stderr (pages); keep it only when export succeeds.
     captured = io.StringIO()
@@ -307,6 +317,7 @@ def _trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     gm.meta.update(unlifted.meta)
     gm.meta[TRACE_META_KEY] = "export"
     gm.meta[TRACE_DTYPE_KEY] = dtype
+    # first: the outlined regions become submodules, which portable_bodies below makes portable too
     _outline_vmap(gm)
     functional_inplace_pass(gm)
     portable_bodies(gm)  # bodies of higher-order ops run whole: their device constants follow the stage's device
@@ -333,11 +344,13 @@ def _outline_vmap(gm: fx.GraphModule) -> None:
             continue
         depth, j = 0, i
         for j in range(i, len(nodes)):
+            # nested vmaps: the region ends at the decrement matching its first increment, not at the first one
             depth += (nodes[j].target is _VMAP_IN) - (nodes[j].target is _VMAP_OUT)
             if depth == 0:
                 break
         call = _outline(gm, nodes[i:j + 1], f"vmap_region_{k}")
         k += 1
+        # the region's nodes are gone: re-read the graph and go on after the new call node
         nodes = list(gm.graph.nodes)
         i = nodes.index(call) + 1
     if k:
@@ -353,6 +366,7 @@ class _VmapRegion(fx.GraphModule):
         try:
             return super().__call__(*args, **kwargs)
         except BaseException:
+            # pop only the levels this region pushed; an enclosing vmap's level stays
             while torch._C._functorch.maybe_current_level() not in (level, None):
                 torch._C._functorch._vmap_decrement_nesting()
             raise
@@ -367,6 +381,8 @@ def _outline(gm: fx.GraphModule, region: list[fx.Node], name: str) -> fx.Node:
 
     def arg(a: fx.Node) -> fx.Node:
         if a not in env:
+            # a weight stays a get_attr inside: the submodule is built with gm as its root (below), which resolves it;
+            # any other value from outside the region becomes an input of the call
             env[a] = g.get_attr(str(a.target)) if a.op == "get_attr" else g.placeholder(a.name)
             if a.op != "get_attr":
                 inputs.append(a)
@@ -374,17 +390,21 @@ def _outline(gm: fx.GraphModule, region: list[fx.Node], name: str) -> fx.Node:
 
     for n in region:
         env[n] = g.node_copy(n, arg)
+    # the region's outputs: the nodes read after it
     outs = [n for n in region if any(u not in inside for u in n.users)]
     single = len(outs) == 1  # one tensor out (a mask), not a tuple: a tuple crossing a cut hides its tensors
     g.output(env[outs[0]] if single else tuple(env[o] for o in outs))
     gm.add_submodule(name, _VmapRegion(gm, g, "VmapRegion"))
     with gm.graph.inserting_before(region[0]):
         call = gm.graph.call_module(name, tuple(inputs))
+        # the call takes the module path of the region's first node, so cost roll-ups and module paths still place it
         call.meta["nn_module_stack"] = dict(region[0].meta.get("nn_module_stack") or {})
         for idx, o in enumerate(outs):
             get = call if single else gm.graph.call_function(operator.getitem, (call, idx))
             get.meta["nn_module_stack"] = call.meta["nn_module_stack"]
+            # uses inside the region are left alone: those nodes are erased next
             o.replace_all_uses_with(get, delete_user_cb=lambda user: user not in inside)
+    # reversed: erase_node refuses a node that still has users, so users go before what they read
     for n in reversed(region):
         gm.graph.erase_node(n)
     return call
@@ -405,6 +425,7 @@ def _rebind_attributes(model: nn.Module, unlifted: nn.Module, graph: fx.Graph) -
     for node in [n for n in graph.nodes if n.op == "get_attr"]:  # graph order: a kept node precedes its twins
         obj = _resolve(unlifted, str(node.target))
         target, obj = _original(str(node.target), obj, canonical, by_name)
+        # an attribute nothing reads would otherwise become a stray tensor on the holder
         if not node.users:
             graph.erase_node(node)
         elif target in first:  # a second read of a tied weight: reuse the first node
@@ -421,6 +442,7 @@ def _rebind_attributes(model: nn.Module, unlifted: nn.Module, graph: fx.Graph) -
 def _canonical_names(model: nn.Module) -> dict[int, str]:
     names: dict[int, str] = {}
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        # first name wins: named_parameters() dedups tied weights under that name, the one the docstring promises
         names.setdefault(id(t), name)
     return names
 
@@ -429,6 +451,7 @@ def _original(target: str, obj: Any, canonical: dict[int, str], by_name: dict[st
     if id(obj) in canonical:
         return canonical[id(obj)], obj
     orig = by_name.get(target)
+    # identity lost (a torch version that copies): take the model's tensor under the same name only if it looks the same
     if isinstance(obj, Tensor) and orig is not None and orig.shape == obj.shape and orig.dtype == obj.dtype:
         return canonical[id(orig)], orig
     return target, obj  # a constant export lifted out of forward (not a model attribute)
@@ -447,6 +470,7 @@ def _attach(root: nn.Module, target: str, obj: Any) -> None:
         if not hasattr(root, part):
             root.add_module(part, nn.Module())
         root = getattr(root, part)
+    # a plain tensor as a buffer, so it moves with .to() and is listed by named_buffers; setattr registers a Parameter
     if isinstance(obj, Tensor) and not isinstance(obj, nn.Parameter):
         root.register_buffer(field, obj)
     else:

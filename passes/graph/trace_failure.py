@@ -42,6 +42,7 @@ class ModuleTracker:
     def __enter__(self) -> ModuleTracker:
         self.stack.clear()
         for name, module in self.model.named_modules():
+            # no hooks on the root (""): an empty stack is what failure() reads as the root
             if name:
                 self.handles.append(module.register_forward_pre_hook(self._push(name)))
                 self.handles.append(module.register_forward_hook(self._pop(name)))
@@ -85,6 +86,7 @@ _SITE_DIRS = tuple({sysconfig.get_paths()[key] + os.sep for key in ("purelib", "
 
 def _user_frame(exc: BaseException) -> tuple[str, str]:
     """``("file:line in func", "source line")`` of the innermost frame outside torch, stdlib and this file."""
+    # the chain runs from the raised error to its first cause: the original failure is searched first
     for e in reversed(_exception_chain(exc)):
         frames = [f for f in traceback.extract_tb(e.__traceback__) if _is_user_file(f.filename)]
         if frames:
@@ -96,6 +98,7 @@ def _user_frame(exc: BaseException) -> tuple[str, str]:
 def _exception_chain(exc: BaseException) -> list[BaseException]:
     chain: list[BaseException] = []
     cur: BaseException | None = exc
+    # `not in chain`: an exception can be its own context further up, which would loop forever
     while cur is not None and cur not in chain:
         chain.append(cur)
         cur = cur.__cause__ or cur.__context__
@@ -103,6 +106,7 @@ def _exception_chain(exc: BaseException) -> list[BaseException]:
 
 
 def _is_user_file(filename: str) -> bool:
+    # "<eval_with_key": fx's generated forward; "<frozen": importlib's frozen modules
     if filename.startswith((_TORCH_DIR, "<eval_with_key", "<frozen")) or _is_own(filename):
         return False
     # site-packages sits inside the stdlib folder; model libraries there (transformers, ...) count as user code
@@ -116,6 +120,7 @@ def _is_own(filename: str) -> bool:
 
 def _short_path(filename: str) -> str:
     rel = os.path.relpath(filename)
+    # relative only under the working directory; elsewhere the absolute path is the shorter, clearer one
     return filename if rel.startswith("..") else rel
 
 

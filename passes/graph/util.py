@@ -50,6 +50,7 @@ def canonical_names(gm: fx.GraphModule) -> dict[int, str]:
     several attribute paths but one canonical name)."""
     cache = gm.meta.get(CANONICAL_NAMES_KEY)
     if cache is None:
+        # named_parameters() lists a tied weight once, under its first name: one name per tensor
         cache = {id(t): name for name, t in [*gm.named_parameters(), *gm.named_buffers()]}
         gm.meta[CANONICAL_NAMES_KEY] = cache
     return cache
@@ -61,11 +62,13 @@ def _attr_values(gm: fx.GraphModule, node: fx.Node, kind: str) -> Iterator[tuple
         assert isinstance(node.target, str)  # a call_module node's target is the submodule's qualified name
         mod = gm.get_submodule(node.target)
         items = mod.named_parameters(prefix=node.target) if kind == "param" else mod.named_buffers(prefix=node.target)
+        # the canonical name: a tied weight reached through this module's path still reports its one name
         yield from ((names.get(id(t), name), t) for name, t in items)
     for arg in node.all_input_nodes:
         if arg.op == "get_attr":
             assert isinstance(arg.target, str)  # a get_attr node's target is the attribute's qualified name
             value = fetch_attr(gm, arg.target)
+            # parameters on one side; buffers and tensor constants on the other
             if isinstance(value, torch.nn.Parameter) == (kind == "param") and isinstance(value, torch.Tensor):
                 yield names.get(id(value), arg.target), value
 
@@ -102,6 +105,7 @@ def module_path(node: fx.Node) -> str:
     stack = node.meta.get("nn_module_stack")
     if not stack:
         return ""
+    # the stack runs from the outermost module in: the last entry is the innermost
     path, _ = list(stack.values())[-1]
     return normalise_path(str(path))
 

@@ -93,15 +93,20 @@ def live_bytes(gm: fx.GraphModule) -> tuple[int, list[int], list[int]]:
     pos = {n: i for i, n in enumerate(nodes)}
     n = len(nodes)
     last_use: dict[fx.Node, int] = {}
+    # backwards: a view's users come after it, so its last use is final when it is reached, and the inputs it
+    # extends are reached after it
     for node in reversed(list(gm.graph.nodes)):
+        # weights are no activations: they cross no cut
         if node.op == "get_attr":
             continue
         uses = [pos.get(u, n) for u in node.users]  # the output node counts as "after everything"
+        # an alias user may already have pushed this node's last use further
         last = max([last_use.get(node, -1), *uses]) if uses else last_use.get(node, -1)
         last_use[node] = last
         if node.op != "placeholder" and _is_alias(node):
             for inp in node.all_input_nodes:
                 last_use[inp] = max(last_use.get(inp, -1), last)
+    # a difference array: + size after the producer, - size after the last use; its prefix sums are the live bytes
     diff = [0] * (n + 1)
     last_read = [0] * n
     inputs = 0
@@ -109,6 +114,7 @@ def live_bytes(gm: fx.GraphModule) -> tuple[int, list[int], list[int]]:
     for node, last in last_use.items():
         size = _nbytes(node, dtype)
         start = pos.get(node, -1)
+        # a value nothing reads after its producer crosses no cut
         if size == 0 or last <= start:
             continue
         if start < 0:
@@ -117,6 +123,7 @@ def live_bytes(gm: fx.GraphModule) -> tuple[int, list[int], list[int]]:
             diff[0] += size
         else:
             diff[start] += size
+        # last == n: the output reads it, so it stays live across every later cut (slot n is past the end)
         diff[min(last, n)] -= size
         if last < n:
             last_read[last] += size
@@ -134,12 +141,14 @@ def _group_keys(nodes: Sequence[fx.Node], deeper: int = 1) -> tuple[list[str], l
     top-level children. With ``segments_per_layer > 2`` the groups lie one level deeper (``deeper=2``:
     ``layers.3.mlp.gate_proj``…), so a block can be cut, and its activations saved, in smaller pieces."""
     paths = [module_path(n) for n in nodes]
+    # the depth of every numbered path part (a module list's index): the shallowest one is the layer level
     depths = [i + 1 for p in paths for i, part in enumerate(p.split(".")) if _NUMERIC.match(part)]
     d = min(depths) if depths else 1
     groups, layers = [], []
     for node, p in zip(nodes, paths):
         parts = p.split(".") if p else []
         layered = len(parts) >= d and _NUMERIC.match(parts[d - 1] if d - 1 < len(parts) else "")
+        # inside a layer a group is `deeper` levels below it; outside one (embeddings, the head) its top-level part
         group = ".".join(parts[: d + deeper]) if layered else ".".join(parts[:d]) or "(root)"
         groups.append(node.meta.get(CHUNK_META, group))  # a split LM head: one group per chunk
         layers.append(".".join(parts[:d]) or "(root)")
@@ -163,6 +172,7 @@ def _merge(bounds: list[tuple[int, int]], time: list[float], cut_cost: list[int]
     tiny = 0.1 * max(t, default=0.0)
     while len(segs) > 1 and (len(segs) > max(target, 1) or min(t) < tiny):
         k = min(range(len(segs)), key=lambda i: (t[i], i))
+        # (that side's cut cost, minus the neighbour's time): the dearer cut wins; on a tie, the smaller neighbour
         left = (cut_cost[segs[k - 1][1] - 1], -t[k - 1]) if k > 0 else None
         right = (cut_cost[segs[k][1] - 1], -t[k + 1]) if k + 1 < len(segs) else None
         j = k - 1 if right is None or (left is not None and left > right) else k + 1
@@ -175,6 +185,7 @@ def _merge(bounds: list[tuple[int, int]], time: list[float], cut_cost: list[int]
 def default_max_segments(n_layers: int, per_layer: int = 2) -> int:
     """About ``per_layer`` segments per layer (by default two: attention and MLP halves) plus a few for
     embeddings and head."""
+    # at least 16 for small models; at most 128 layers' worth, so the solver's problem stays bounded
     return min(128 * per_layer, max(16, per_layer * n_layers + 6))
 
 
@@ -199,14 +210,18 @@ def coarsen_pass(gm: fx.GraphModule, *, max_segments: int | None = None, segment
     running = [live[i] + last_read[i] + node_cost(node).fwd_transient_bytes for i, node in enumerate(nodes)]
     groups, layer_keys = _group_keys(nodes, deeper=2 if segments_per_layer > 2 else 1)
     runs = _runs(groups)
+    # only runs whose layer key ends in an index are layers: embeddings, the head and "(root)" are not
     n_layers = sum(1 for a, _ in _runs(layer_keys) if _NUMERIC.match(layer_keys[a].rsplit(".", 1)[-1]))
     chunks = len({n.meta[CHUNK_META] for n in nodes if CHUNK_META in n.meta})  # a split LM head's pieces
+    # each piece of a split LM head gets a segment of its own on top of the default
     target = max_segments or default_max_segments(n_layers, segments_per_layer) + chunks
     time = [node_cost(n).fwd_time_s + node_cost(n).bwd_time_s for n in nodes]
+    # the bytes live across each position are the cost of cutting there
     bounds = _merge(runs, time, live, target)
     layer_index: list[int] = []
     previous: str | None = None
     for a, _ in bounds:
+        # the first segment is layer 0; the index steps up where the layer key changes
         layer_index.append(len(layer_index) and layer_index[-1] + (layer_keys[a] != previous))
         previous = layer_keys[a]
     segments = tuple(_segment(i, nodes, a, b, groups, live, running, layer_index[i]) for i, (a, b) in enumerate(bounds))

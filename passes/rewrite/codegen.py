@@ -30,6 +30,7 @@ def stage_source(prog: StageProgram, plan: Plan, host: Sequence[HostEmbedding] =
     looked_up = [f"# {printable(h.value)}: rows the host looks up, embedding({printable(h.index)}, "
                  f"{printable(h.weight)}" + (f", padding_idx={h.padding_idx})" if h.padding_idx is not None else ")")
                  for h in host if h.value in prog.inputs]
+    # attribute -> canonical name: a tied weight read under two attributes is listed once
     params = list(dict.fromkeys(prog.params.values()))
     header = [
         f"# rpcompile stage {printable(s.name)} ({printable(s.kind)}), position {prog.index} of {len(plan.stages)}, "
@@ -54,6 +55,7 @@ def _prologue(prog: StageProgram) -> str:
     ``self.…_dequantized``."""
     if prog.prologue is None:
         return ""
+    # renamed so that the file does not read as two forwards
     code = prog.prologue.code.lstrip("\n").replace("def forward(self)", "def prologue(self)", 1)
     return ("# once per stage, when its weights are up (before its first microbatch, without autograd): the\n"
             f"# {len(prog.derived)} dequantized weights it returns are held until the stage ends, read by forward as\n"
@@ -71,6 +73,7 @@ def write_stages(program: Program, plan: Plan, directory: str | os.PathLike) -> 
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for prog in program.stages:
+        # the index keeps the names unique and the files in stage order; the name part is capped at 40 characters
         path = out / f"stage_{prog.index:02d}_{re.sub(r'[^A-Za-z0-9_]', '_', prog.name)[:40]}.py"
         write_atomic(path, stage_source(prog, plan, program.host))
         paths.append(path)

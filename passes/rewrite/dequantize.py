@@ -41,6 +41,7 @@ DERIVED_SUFFIX = "_dequantized"
 def _weight_only(gm: fx.GraphModule) -> set[fx.Node]:
     out: set[fx.Node] = set()
     for n in gm.graph.nodes:
+        # graph order: inputs are classified first; a placeholder never qualifies, nor anything reading the microbatch
         if n.op == "get_attr" or (n.op in ("call_function", "call_method") and all(a in out for a in n.all_input_nodes)):
             out.add(n)
     return out
@@ -52,6 +53,7 @@ def dequantizations(gm: fx.GraphModule, *, planning: bool = False) -> list[fx.No
     the same for every microbatch of a run, so the runtime would hold them too — the planner prices them so."""
     const = _weight_only(gm)
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is DEQUANTIZE
+            # args[:4]: the packed weight, absmax, scales and code; planning lets the dtype come from an activation
             and (n in const or (planning and all(a in const for a in n.args[:4])))]
 
 
@@ -78,6 +80,7 @@ def hoist_dequantize(gm: fx.GraphModule) -> tuple[fx.GraphModule | None, tuple[s
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
+    # graph order, so every copy finds what it reads already in env
     for n in sorted(_ancestors(deq), key=order.__getitem__):
         env[n] = g.node_copy(n, env.__getitem__)
     attrs = []
@@ -88,6 +91,7 @@ def hoist_dequantize(gm: fx.GraphModule) -> tuple[fx.GraphModule | None, tuple[s
         path, _, key = attr.rpartition(".")
         owner = gm.get_submodule(path) if path else gm
         shape, dtype = list(n.args[4]), n.args[6]  # type: ignore[arg-type]  # dequantize_nf4's signature
+        # not a parameter or buffer: it is made on the device by the prologue, never uploaded as the weights are
         owner.__dict__[key] = torch.empty(shape, dtype=dtype, device="meta")  # type: ignore[arg-type]
         with gm.graph.inserting_before(n), warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # a plain attribute, on purpose: no parameter, no buffer
@@ -96,7 +100,9 @@ def hoist_dequantize(gm: fx.GraphModule) -> tuple[fx.GraphModule | None, tuple[s
         env[n]._rename(got.name)  # the prologue's value and the forward's read of it under one name in the code
         attrs.append(attr)
     g.output(tuple(env[n] for n in deq))
+    # gm as the root: the prologue's get_attr nodes resolve to the stage's own packed weights, shared, not copied
     prologue = fx.GraphModule(gm, g, class_name="Prologue")
+    # only now: the prologue copied them above, and every use was pointed at the derived weight
     for n in deq:
         gm.graph.erase_node(n)
     for n in reversed(list(gm.graph.nodes)):  # what only the dequantizations read (the no-nesting empty scales)
@@ -115,5 +121,6 @@ def derived_bytes(node: fx.Node, element_bytes: int) -> int:
     for d in shape:
         count *= int(d)
     if isinstance(dtype, torch.dtype):
+        # a dtype the trace fixed wins over the compute precision's guess
         element_bytes = dtype.itemsize
     return count * element_bytes

@@ -40,6 +40,7 @@ def _lookup(gm: fx.GraphModule, node: fx.Node) -> tuple[fx.Node, torch.nn.Parame
     if node.op == "call_module":
         assert isinstance(node.target, str)  # a call_module node's target is the submodule's qualified name
         mod = gm.get_submodule(node.target)
+        # the exact type: a subclass may change forward, which the host's plain lookup would not follow
         if type(mod) is not torch.nn.Embedding or len(args) != 1 or kwargs:
             return None
         if mod.max_norm is not None or mod.scale_grad_by_freq or mod.sparse:
@@ -57,9 +58,11 @@ def _lookup(gm: fx.GraphModule, node: fx.Node) -> tuple[fx.Node, torch.nn.Parame
         if bound.get("scale_grad_by_freq") or bound.get("sparse"):
             return None
         index, weight, padding = bound.get("indices"), bound.get("weight"), bound.get("padding_idx", -1)
+        # aten.embedding says "no padding" with -1; HostEmbedding with None
         padding = None if padding is None or padding < 0 else padding
     else:
         return None
+    # the indices must be a model input, which the host holds before any stage runs; padding must be a constant
     if not isinstance(index, fx.Node) or index.op != "placeholder" or isinstance(padding, fx.Node):
         return None
     params = node_params(gm, node)
@@ -87,6 +90,7 @@ def _pays(node: fx.Node, table: torch.Tensor, microbatches: int) -> bool:
     info = node.meta.get(SHAPE_KEY)
     if info is None or not info.tensors:
         return False
+    # every dimension but the embedding's last one counts a looked-up index
     rows_per_microbatch = math.prod(info.tensors[0].shape[:-1])
     return table.shape[0] > microbatches * rows_per_microbatch
 
@@ -130,9 +134,11 @@ def host_embedding_pass(gm: fx.GraphModule, *, microbatches: int = 1,
         found = _lookup(gm, node)
         assert found is not None  # every chosen node is a lookup (checked above)
         index, _, weight, padding = found
+        # after the last placeholder: the model's own inputs keep their positions
         last = list(graph.find_nodes(op="placeholder"))[-1]
         with graph.inserting_after(last):
             value = graph.placeholder(node.name)
+        # only the shape carries over: the placeholder does no work, so it has no cost or module of its own
         value.meta = {k: v for k, v in node.meta.items() if k == SHAPE_KEY}
         node.replace_all_uses_with(value)
         moved.append(HostEmbedding(node=node.name, value=value.name, index=index.name, weight=weight,
@@ -157,6 +163,8 @@ def as_planned(gm: fx.GraphModule, names: Sequence[str]) -> fx.GraphModule:
     if host_of(gm):
         raise ConfigError(f"the graph runs {[h.node for h in host_of(gm)]} on the host, the plan {list(names)}; "
                           "re-plan for this graph")
+    # a copy of the graph only: the new module takes gm's parameters by reference, so nothing is duplicated
     out = fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
+    # a copy: the rewrite's HOST_KEY must not land in gm's meta
     out.meta = dict(gm.meta)
     return host_embedding_pass(out, names=names)

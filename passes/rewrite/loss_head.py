@@ -56,6 +56,7 @@ class _LossTracer(fx.Tracer):
     """Traces into torch's loss modules (``nn.CrossEntropyLoss()`` becomes its ``F.cross_entropy`` call)."""
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+        # not leaves: chunk_loss_head looks for the F.cross_entropy call inside them
         return not isinstance(m, torch.nn.modules.loss._Loss) and super().is_leaf_module(m, module_qualified_name)
 
 
@@ -70,6 +71,7 @@ def _attach(gm: fx.GraphModule, loss_fn: Callable[[Any, Any], torch.Tensor]) -> 
     """:func:`attach_loss`'s rewrite of the graph, without regenerating ``gm``'s code (whoever rewrites it next
     does: ~0.2 s at 128 layers)."""
     graph = gm.graph
+    # an exported graph's pytree codegen has a fixed input spec: a new placeholder would not fit it
     if getattr(graph._codegen, "pytree_info", None) is not None:
         raise LossHeadError("the loss can only be attached to a symbolically traced graph, not a torch.export one; "
                             "keep the loss outside the graph (head_chunks=1)")
@@ -86,6 +88,7 @@ def _attach(gm: fx.GraphModule, loss_fn: Callable[[Any, Any], torch.Tensor]) -> 
     if not isinstance(value, fx.Node):
         raise LossHeadError("the model's output is not a single tensor, and the loss can only follow a tensor output; "
                             "keep the loss outside the graph (head_chunks=1)")
+    # the last placeholder: the model's own inputs keep their positions; a call's target binds to it by name (TARGET)
     with graph.inserting_after(list(graph.find_nodes(op="placeholder"))[-1]):
         target = graph.placeholder(TARGET)
     env: dict[fx.Node, Any] = {}
@@ -93,11 +96,13 @@ def _attach(gm: fx.GraphModule, loss_fn: Callable[[Any, Any], torch.Tensor]) -> 
     with graph.inserting_before(out):
         for node in loss_gm.graph.nodes:
             if node.op == "placeholder":
+                # _Loss.forward's parameters: `output` is the model's output, the other one the target
                 env[node] = value if node.target == "output" else target
             elif node.op == "output":
                 result = fx.map_arg(node.args[0], lambda n: env[n])
             else:
                 if node.op in ("call_module", "get_attr"):  # e.g. loss_fn = nn.CrossEntropyLoss()
+                    # one attribute of gm, prefixed so it cannot collide with the model's own
                     name = f"loss_{node.target}".replace(".", "_")
                     if node.op == "call_module":
                         gm.add_submodule(name, loss_gm.get_submodule(node.target))
@@ -107,6 +112,7 @@ def _attach(gm: fx.GraphModule, loss_fn: Callable[[Any, Any], torch.Tensor]) -> 
                                             fx.map_arg(node.kwargs, lambda n: env[n]))
                 else:
                     new = graph.node_copy(node, lambda n: env[n])
+                # module path "loss": roll-ups and stage headers name the loss's nodes
                 new.meta["nn_module_stack"] = {"loss": ("loss", type(loss_fn))}
                 env[node] = new
     out.args = (result,)
@@ -157,6 +163,7 @@ def _tokenwise(node: fx.Node, target_side: bool) -> bool:
         return True
     if name == "flatten":
         rest = list(node.args[1:]) + [node.kwargs.get(k) for k in ("start_dim", "end_dim") if k in node.kwargs]
+        # [batch, seq] targets become [tokens] by any of these; [batch, seq, vocab] logits only by flatten(0, 1)
         return rest in ([], [0], [0, 1], [0, -1]) if target_side else rest == [0, 1]
     shape = list(node.args[1:])
     if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
@@ -170,6 +177,7 @@ def _chain(end: Any, target_side: bool) -> tuple[fx.Node | None, list[fx.Node]]:
     node = end
     while isinstance(node, fx.Node) and _tokenwise(node, target_side):
         steps.append(node)
+        # every token-wise step takes its tensor as its first argument
         node = node.args[0]
     return (node if isinstance(node, fx.Node) else None), steps[::-1]
 
@@ -188,6 +196,7 @@ def chunk_loss_head(gm: fx.GraphModule, chunks: int) -> HeadSplit:
     if len(losses) != 1:
         return HeadSplit(1, f"expected one cross_entropy in the graph, found {len(losses)}")
     ce = losses[0]
+    # F.cross_entropy's positional parameters, in its signature's order
     opts = dict(zip(("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction",
                      "label_smoothing"), ce.args))
     opts.update(ce.kwargs)
@@ -210,10 +219,12 @@ def chunk_loss_head(gm: fx.GraphModule, chunks: int) -> HeadSplit:
     x = head.args[0]  # the hidden states, [batch, sequence, dim]
     if not isinstance(x, fx.Node):
         return HeadSplit(1, "the LM head's input is not a value of the graph")
+    # -100: F.cross_entropy's default
     ignore = opts.get("ignore_index", -100)
     smoothing = opts.get("label_smoothing", 0.0)
 
     def piece(src: fx.Node, j: int) -> fx.Node:
+        # tensor_split, not chunk: always exactly `chunks` pieces, even when they do not divide the sequence
         parts = graph.call_function(torch.tensor_split, (src, chunks), {"dim": 1})
         return graph.call_function(operator.getitem, (parts, j))
 
@@ -234,6 +245,7 @@ def chunk_loss_head(gm: fx.GraphModule, chunks: int) -> HeadSplit:
             lj = graph.node_copy(head, _replacing(x, xj))
             logits = copy(logit_steps, lj)
             tj = copy(target_steps, piece(tgt, j))
+            # summed per piece and divided once by the counted tokens below: exactly the mean over the sequence
             cj = graph.call_function(F.cross_entropy, (logits, tj),
                                      {"ignore_index": ignore, "reduction": "sum", "label_smoothing": smoothing})
             total = cj if total is None else graph.call_function(operator.add, (total, cj))
@@ -247,9 +259,11 @@ def chunk_loss_head(gm: fx.GraphModule, chunks: int) -> HeadSplit:
         if node not in before and not node.meta.get("nn_module_stack") and stack:
             node.meta["nn_module_stack"] = dict(stack)
     ce.replace_all_uses_with(loss)
+    # users before what they read: erase_node refuses a node that still has users
     for node in [ce] + logit_steps[::-1] + [head]:
         graph.erase_node(node)
     for node in target_steps[::-1]:
+        # the target's steps may feed something else too: only unused ones go
         if not node.users:
             graph.erase_node(node)
     graph.lint()
@@ -268,6 +282,7 @@ def split_head(gm: fx.GraphModule, loss_fn: Callable[[Any, Any], torch.Tensor] |
     _attach(gm, loss_fn)  # the code is regenerated once, by chunk_loss_head (or below)
     split = chunk_loss_head(gm, chunks)
     if split.chunks != chunks:
+        # the loss is attached all the same: gm's code must match its graph for a caller that catches this
         gm.recompile()
         raise LossHeadError(f"head_chunks={chunks}: the LM head cannot be split ({split.reason}); use head_chunks=1")
     return gm

@@ -48,9 +48,11 @@ def _needs_grad(gm: fx.GraphModule, inputs: Collection[str] = ()) -> set[str]:
     out = {h.value for h in host_of(gm) if params[h.weight].requires_grad}  # a lookup of a trainable table
     out |= set(inputs)  # placeholders whose gradient the caller wants (an input that requires grad)
     for n in gm.graph.nodes:
+        # a weight read is no value between stages; a trainable one marks its reader through node_params below
         if n.op == "get_attr":
             continue
         trainable = any(p.requires_grad for p in node_params(gm, n).values())
+        # graph order is topological: one pass carries the gradient requirement forward
         if trainable or any(a.name in out for a in n.all_input_nodes):
             out.add(n.name)
     return out
@@ -84,8 +86,10 @@ def _stage_graph(gm: fx.GraphModule, names: Sequence[str], exports: set[str], fu
 
     def placeholder(name: str) -> fx.Node:
         inputs.append(name)
+        # the placeholder becomes a Python argument name; `inputs` keeps the value's own name for the runtime
         return g.placeholder(name.replace(":", "_").replace(".", "_"))
 
+    # the weight-only dequantizations first (hoisted into the prologue later), then everything else in graph order
     early = [n for n in gm.graph.nodes if n.name in wanted and n.name in first]
     for n in [*early, *(n for n in gm.graph.nodes if n.name not in first)]:
         if n.name not in wanted:
@@ -95,22 +99,27 @@ def _stage_graph(gm: fx.GraphModule, names: Sequence[str], exports: set[str], fu
             env[n] = g.node_copy(n, value)
             produced.append((n.name, env[n]))
             continue
+        # a saved segment is one call, emitted at its first node; its other nodes are read from that call's outputs
         if seg.name in emitted:
             continue
         emitted.add(seg.name)
+        # the order the capture takes its arguments in: parameters, buffers, then inputs (`wants` in _saved_segments)
         attrs = [g.get_attr(a[0]) for a in seg.params] + [g.get_attr(a) for a in seg.buffers]
         args = [*attrs, *(value(by_name[i]) for i in seg.inputs)]
         if backward:
+            # no recompute: the backward reads the saved tensors and the outputs the forward stage shipped
             host = placeholder(seg.host_name)
             call = g.call_function(saved_backward, (seg.name, host, *args, *(placeholder(o) for o in seg.outputs)))
         else:
             call = g.call_function(saved_forward, (seg.name, *args))
+            # the item after the outputs: the saved tensors, handed on under host_name to the backward stage
             produced.append((seg.host_name, g.call_function(operator.getitem, (call, len(seg.outputs)))))
         for i, o in enumerate(seg.outputs):
             env[by_name[o]] = g.call_function(operator.getitem, (call, i))
             produced.append((o, env[by_name[o]]))
     if fused:
         out_node = next(iter(gm.graph.find_nodes(op="output")))
+        # the model's flat outputs as the graph returns them: model_output rebuilds their structure from the codegen
         g.output(fx.node.map_arg(out_node.args[0], value))
         outputs = []
     else:
@@ -132,6 +141,7 @@ def _saved_segments(plan: Plan, gm: fx.GraphModule, needs_grad: set[str], consum
     tensors) are recomputed. The ``weight_only`` nodes (dequantizations) stay out of them: the stage computes
     those once (:mod:`.dequantize`) and the segment reads them as inputs (not shipped: the backward stage has its
     own)."""
+    # saved on both sides: the forward stage keeps it and the backward stage does not recompute it
     saved = {n for s in plan.forward_stages for n in s.saved} & {n for s in plan.backward_stages for n in s.saved}
     written = written_values(gm) | written_nodes(gm)
     groups: dict[Any, list[str]] = {}
@@ -141,8 +151,10 @@ def _saved_segments(plan: Plan, gm: fx.GraphModule, needs_grad: set[str], consum
     stage_of = {(s.kind, n): k for k, s in enumerate(plan.stages) for n in s.nodes}
     out = []
     for index, nodes in groups.items():
+        # nodes outside any segment, and segments only partly saved, are recomputed
         if index is None or not set(nodes) <= saved:
             continue
+        # a segment cut by a stage boundary cannot be one capture
         if len({stage_of.get(("forward", n)) for n in nodes}) != 1 or len({stage_of.get(("backward", n)) for n in nodes}) != 1:
             continue
         mine = set(nodes)
@@ -156,9 +168,11 @@ def _saved_segments(plan: Plan, gm: fx.GraphModule, needs_grad: set[str], consum
             continue
         params: dict[str, list[str]] = {}
         for attr, p in sub.named_parameters(remove_duplicate=False):
+            # grouped by canonical name: a tied weight read under two attribute names is one parameter with one gradient
             params.setdefault(names.get(id(p), attr), []).append(attr)
         buffers = [attr for attr, _ in sub.named_buffers(remove_duplicate=False)]
         trainable = {names.get(id(p), a): p.requires_grad for a, p in sub.named_parameters(remove_duplicate=False)}
+        # which capture arguments want a gradient, in the argument order of _stage_graph's saved_forward call
         wants = [trainable[p] for p in params] + [False] * len(buffers) + [i in needs_grad for i in inputs]
         # captured on the device they run on, the AOT graphs keep its device constants (the bw graph runs on
         # autograd's device thread, where the worker's default device is not set): views only
@@ -195,6 +209,7 @@ def _capturable(sub: fx.GraphModule, nodes: Sequence[str], written: set[str]) ->
             if n.target.name() not in _CAPTURABLE_HOPS:
                 return False
         elif n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+            # _local_scalar_dense is `.item()` at the aten level: a value read, with no fake path
             if n.target.namespace not in _CAPTURABLE_NAMESPACES or n.target is torch.ops.aten._local_scalar_dense.default:
                 return False
         elif n.op == "call_method" and n.target in ("item", "tolist"):
@@ -210,6 +225,7 @@ def _containers(gm: fx.GraphModule, names: Sequence[str]) -> bool:
     for name in names:
         node = by_name.get(name)
         for user in node.users if node is not None else ():
+            # an int or str index picks an element of a container; a tensor index would be a tensor op
             if user.op == "call_function" and user.target is operator.getitem and isinstance(user.args[1], (int, str)):
                 return True
     return False
@@ -231,6 +247,7 @@ def _exports(gm: fx.GraphModule, stage: Stage, stages: Sequence[Stage], consumer
     for other in stages:
         if other.kind == "backward" and other is not stage:
             theirs = set(other.nodes)
+            # a backward stage recomputes only its own nodes: a value they read from outside must be handed on to it
             out |= {v for v in mine - theirs if consumers.get(v, set()) & theirs}
     return out
 
@@ -242,6 +259,7 @@ def split_plan(plan: Plan, gm: fx.GraphModule, *, input_grads: Collection[str] =
     consumers: dict[str, set[str]] = {}
     for n in gm.graph.nodes:
         for a in n.all_input_nodes:
+            # "<output>" is in no stage: a value the model returns is always handed on
             consumers.setdefault(a.name, set()).add(n.name if n.op != "output" else "<output>")
     names = canonical_names(gm)
     needs_grad = _needs_grad(gm, input_grads)
@@ -260,10 +278,12 @@ def split_plan(plan: Plan, gm: fx.GraphModule, *, input_grads: Collection[str] =
         prologue, derived = hoist_dequantize(sub)  # once per stage, not per microbatch
         params = {n: names.get(id(p), n) for n, p in sub.named_parameters(remove_duplicate=False)}
         buffers = {n: names.get(id(b), n) for n, b in sub.named_buffers(remove_duplicate=False)}
+        # the fused stage carries the codegen: it rebuilds the structure the model returns (model_output)
         programs.append(StageProgram(stage, k, sub, tuple(inputs), tuple(outputs), params, buffers,
                                      gm.graph._codegen if fused else None, prologue=prologue, derived=derived))
     host = host_of(gm)
     computed = {h.value for h in host}
+    # a moved embedding's output is a placeholder too (host.py), but the host computes it: the caller never passes it
     placeholders = tuple(n.name for n in gm.graph.find_nodes(op="placeholder") if n.name not in computed)
     return Program(programs, placeholders, frozenset(needs_grad), tuple(segments), host, resident=plan.resident)
 

@@ -1,6 +1,8 @@
-"""The cost pass's interpreter: runs the graph node by node, profiles each compute node on meta (FLOPs, savedfrom typing import Any, Callable, Mapping, Sequenceand transient bytes) and hands batches of :class:`~.cost_model.NodeCall` to the cost model, sharing repeated blocks.
+"""The cost pass's interpreter: runs the graph node by node, profiles each compute node on meta (FLOPs, saved and
+transient bytes) and hands batches of :class:`~.cost_model.NodeCall` to the cost model, sharing repeated blocks.
 
-Siblings: :mod:`.cost_model` (the data and the CostModel interface) and :mod:`~rpcompile.passes.cost.cost` (the drivers that run it).
+Siblings: :mod:`.cost_model` (the data and the CostModel interface) and :mod:`~rpcompile.passes.cost.cost` (the
+drivers that run it).
 """
 
 from __future__ import annotations

@@ -24,21 +24,25 @@ through others (no file-level import loop), every folder holds at most :data:`CE
 end's root :data:`ROOT_CEILING`), and the architecture page's table (docs/architecture.md §8) names every module,
 file for file.
 
-Module docstrings stay short (:data:`DOCSTRING_CEILING` lines, issue 37 phase 7).
+Module docstrings stay short (:data:`DOCSTRING_CEILING` lines, issue 37 phase 7), and the why of a tricky line sits
+in a comment beside it (at least :data:`COMMENT_FLOOR` comments per 1,000 lines).
 
 One home per name (issue 37 phase 3): a name sits in one module's ``__all__`` (packages re-export nothing; the
 public surface ``rpcompile/__init__.py`` points each public name at its home), and no ``_private`` name is used
 outside its module — in the package and the benchmarks; tests may reach into the module they mirror.
-:data:`KNOWN_TWO_HOMES` and :data:`KNOWN_PRIVATE` only shrink.
+:data:`KNOWN_TWO_HOMES` and :data:`KNOWN_PRIVATE` only shrink. Two modules never define the same public name (one
+word, one meaning).
 """
 
 from __future__ import annotations
 
 import ast
 import graphlib
+import io
 import re
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -413,6 +417,30 @@ def test_module_docstrings_are_short():
                       f"they describe, figures and history to benchmarks/RESULTS.md): {long}")
 
 
+#: The fewest ``#`` comments per 1,000 lines the package may have (issue 37 phase 7: the why of a tricky line sits
+#: beside it; the issue counted 28, against 68–105 in torchgpipe, torch.fx.passes, torch.distributed.pipelining and
+#: torchtitan). It only goes up.
+COMMENT_FLOOR = 70
+
+
+def comments_per_thousand_lines(files: dict[str, str]) -> float:
+    """``#`` comments (tokens, so a ``#`` inside a string is none) per 1,000 lines of ``files`` (path → source)."""
+    comments = sum(t.type == tokenize.COMMENT for source in files.values()
+                   for t in tokenize.generate_tokens(io.StringIO(source).readline))
+    return 1000 * comments / max(sum(source.count("\n") for source in files.values()), 1)
+
+
+def test_tricky_lines_say_why_beside_them():
+    density = comments_per_thousand_lines(_sources())
+    assert density >= COMMENT_FLOOR, (f"{density:.1f} comments per 1,000 lines, under {COMMENT_FLOOR}: the why of a "
+                                      f"tricky line goes in a comment beside it")
+
+
+def test_comments_are_counted_as_tokens():
+    files = {"a.py": "x = 1  # why\ns = '# not a comment'\n", "b.py": "# why\ny = 2\n"}
+    assert comments_per_thousand_lines(files) == 500
+
+
 def test_the_recurrence_is_plain_numbers():
     """``passes/solver/recurrence.py`` — the round-robin recurrence the timing model, the local search's scorer and the
     overlapped-iterations walk share (issue 35) — imports no torch, no numpy and of rpcompile only Core: plain
@@ -544,6 +572,29 @@ def test_the_surface_points_at_each_names_home():
                                   if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "_EXPORTS"))
     astray = {name: home for name, home in table.items() if name not in by_module.get(home, [])}
     assert not astray, f"public names whose table entry is not their home: {astray}"
+
+
+def defined_twice(files: dict[str, str]) -> dict[str, list[str]]:
+    """Public name → the modules that define it at their top level (a function or a class), for each defined by two
+    or more: one word meaning two things (issue 37 phase 3: distinct names for distinct things)."""
+    where: dict[str, list[str]] = {}
+    for rel, source in files.items():
+        names = {n.name for n in ast.parse(source).body
+                 if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and not n.name.startswith("_")}
+        for name in names:
+            where.setdefault(name, []).append(module_name(Path(rel)))
+    return {name: sorted(mods) for name, mods in where.items() if len(mods) > 1}
+
+
+def test_a_public_name_means_one_thing():
+    assert defined_twice(_sources()) == {}
+
+
+def test_a_name_defined_in_two_modules_is_found():
+    files = {"passes/graph/shape.py": "def describe(value): ...\n",
+             "rpcompile/training/checkpoint/load.py": "def describe(path): ...\ndef _local(): ...\n",
+             "rpcompile/cli/main.py": "def _local(): ...\n"}
+    assert defined_twice(files) == {"describe": ["rpcompile.passes.graph.shape", "rpcompile.training.checkpoint.load"]}
 
 
 def test_no_private_name_is_used_across_modules_and_the_known_ones_shrink():

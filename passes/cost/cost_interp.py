@@ -24,7 +24,7 @@ from ..graph.meta import MetaSafeMode
 from ..graph.portable import running_on
 from ..graph.precision import recorded_dtype
 from ..graph.reuse import Reuse
-from ..graph.shape import SHAPE_KEY, describe, scaled_nbytes, storage_key
+from ..graph.shape import SHAPE_KEY, scaled_nbytes, shape_info, storage_key
 from ..graph.util import is_compute, node_params
 from .cost_model import CostModel, Materialized, NodeCall, OpEstimate
 from .loss_memory import PeakBytes
@@ -284,7 +284,7 @@ class CostInterpreter(fx.Interpreter):
                 m = call.materialize(self.drive, dtype=self.dtype)
                 result = m.run()
             if n.meta.get(SHAPE_KEY) is None:  # aliases of the copies the node ran on
-                n.meta[SHAPE_KEY] = describe(result, list(m.memo.values()))
+                n.meta[SHAPE_KEY] = shape_info(result, list(m.memo.values()))
             self._cost(n, args, kwargs, result, call)
             return result
         got = self.values.lookup(n) if self.values is not None else None
@@ -319,7 +319,7 @@ class CostInterpreter(fx.Interpreter):
         self.kept |= saved_inputs
         if n.meta.get(SHAPE_KEY) is None:
             # the inputs and weights are passed so an output that is a view of one is marked an alias (0 new bytes)
-            n.meta[SHAPE_KEY] = describe(result, list(args) + list(kwargs.values()) + list(params.values()))
+            n.meta[SHAPE_KEY] = shape_info(result, list(args) + list(kwargs.values()) + list(params.values()))
         self.partial[n] = dict(
             fwd_time_s=0.0,
             bwd_time_s=0.0,

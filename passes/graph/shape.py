@@ -21,7 +21,7 @@ from rpcompile.core.batch import flat_inputs, tensor_leaves
 from .portable import device_of, running_on
 from .reuse import Reuse, RunMemo, all_meta
 
-__all__ = ["SHAPE_KEY", "TensorInfo", "ShapeInfo", "shape_pass", "describe", "storage_key", "scaled_nbytes"]
+__all__ = ["SHAPE_KEY", "TensorInfo", "ShapeInfo", "shape_pass", "shape_info", "storage_key", "scaled_nbytes"]
 
 SHAPE_KEY = "rpcompile.shape"
 
@@ -71,7 +71,7 @@ def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-def describe(value: Any, inputs: Sequence[Any] = ()) -> ShapeInfo:
+def shape_info(value: Any, inputs: Sequence[Any] = ()) -> ShapeInfo:
     """ShapeInfo of ``value``; tensors sharing storage with a tensor in ``inputs`` are marked as aliases."""
     in_keys = {storage_key(t) for t in tensor_leaves(list(inputs))}
     infos = []
@@ -107,7 +107,8 @@ class _ShapeInterpreter(fx.Interpreter):
             # a module's own weights count as its inputs: an output that is one of them allocates nothing
             inputs += list(mod.parameters()) + list(mod.buffers())
         # described against themselves, so always aliases: a graph input or a weight allocates nothing inside the graph
-        n.meta[SHAPE_KEY] = describe(result, inputs) if n.op not in ("get_attr", "placeholder") else describe(result, [result])
+        n.meta[SHAPE_KEY] = (shape_info(result, inputs) if n.op not in ("get_attr", "placeholder")
+                             else shape_info(result, [result]))
         return result
 
 

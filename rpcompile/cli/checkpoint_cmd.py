@@ -10,7 +10,7 @@ from pathlib import Path
 
 from rpcompile.core.errors import ConfigError
 from rpcompile.training.checkpoint.layout import checkpoints, verify_path
-from rpcompile.training.checkpoint.load import describe
+from rpcompile.training.checkpoint.load import checkpoint_summary
 from rpcompile.training.checkpoint.save import convert
 
 from .common import say
@@ -43,7 +43,7 @@ def _verify(args: argparse.Namespace) -> int:
     for _, path in found:
         try:
             verify_path(path)
-            rows.append({"path": str(path), "ok": True, "about": describe(path)})
+            rows.append({"path": str(path), "ok": True, "about": checkpoint_summary(path)})
         # one bad checkpoint is reported and the others are still verified
         except (ValueError, OSError) as e:
             bad += 1

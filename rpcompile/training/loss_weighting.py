@@ -169,7 +169,7 @@ class MicrobatchLoss:
                 ", or compile with example_target= (one batch's target) to have every call's target checked "
                 "before anything runs")
             raise LossFnError(f"loss_fn(output, target) failed on microbatch {j} ({type(e).__name__}: {first}); "
-                              f"it was given the target {describe(target)} and the output {describe(output)}: "
+                              f"it was given the target {_summary(target)} and the output {_summary(output)}: "
                               f"pass a target loss_fn takes (or fix loss_fn){hint}") from e
 
 
@@ -211,14 +211,14 @@ def check_labels(bounds: tuple[int, int] | None, classes: int | None, what: str,
                 "stop at a device-side assert")
 
 
-def describe(value: Any) -> str:
+def _summary(value: Any) -> str:
     """A short description of a loss's input: ``int64 (2, 8)`` for a tensor; the tensors of an HF output, a
     mapping or a tuple as ``CausalLMOutputWithPast(logits float32 (2, 8, 64))``."""
     if isinstance(value, torch.Tensor):
         return f"{str(value.dtype).removeprefix('torch.')} {tuple(value.shape)}"
     if isinstance(value, Mapping):
-        parts = [f"{k} {describe(v)}" for k, v in value.items() if isinstance(v, torch.Tensor)]
+        parts = [f"{k} {_summary(v)}" for k, v in value.items() if isinstance(v, torch.Tensor)]
         return f"{type(value).__name__}({', '.join(parts[:3])})"
     if isinstance(value, (tuple, list)):
-        return f"{type(value).__name__}({', '.join(describe(v) for v in value[:3])})"
+        return f"{type(value).__name__}({', '.join(_summary(v) for v in value[:3])})"
     return type(value).__name__

@@ -20,7 +20,7 @@ from .state import Checkpoint, CheckpointError, Contents, Resumable, optimizer_s
 from .tensorfile import read_file
 from .weights import INDEX_NAME, WEIGHTS_NAME, apply_weights, fill_aliases, read_weights, weights_problem
 
-__all__ = ["load_checkpoint", "checkpoint_plan", "load_weights", "read_checkpoint"]
+__all__ = ["load_checkpoint", "checkpoint_plan", "load_weights", "read_checkpoint", "checkpoint_summary"]
 
 _AGAIN = "load it with the rpcompile that saved it, or remove it to resume from the one before"
 
@@ -180,7 +180,7 @@ def load_weights(path: str | os.PathLike, model: torch.nn.Module, *, strict: boo
     return source
 
 
-def describe(path: Path) -> str:
+def checkpoint_summary(path: Path) -> str:
     """One line about the checkpoint ``path`` for people (``rpcompile checkpoint verify``)."""
     if not path.is_dir():
         return (f"{path.name}: the older .ckpt format; load_checkpoint reads it, rpcompile checkpoint convert "

@@ -181,7 +181,7 @@ def on_meta(gm: fx.GraphModule, args: tuple, kwargs: dict, fn: Callable[[tuple, 
     back when it returns), ``args``/``kwargs`` tensors become meta tensors, under :class:`MetaSafeMode`. A model
     on the CPU then costs no real forward pass (a Llama-3-8B shape at 2048 tokens is minutes of CPU). ``dtype``:
     the floating parameters' and buffers' stand-ins are in it (the compute precision; the real weights are not
-    cast, which for a Llama-3-8B-width 4-layer slice on this CPU was 4 s a pass). False when the graph cannot run
+    cast, which would take seconds a pass at 8B widths). False when the graph cannot run
     on meta (a data-dependent op such as ``nonzero`` or ``item``): the caller runs it on the real values instead.
     True, without swapping, when everything is on meta already in ``dtype``."""
     weights = [*gm.parameters(), *gm.buffers()]

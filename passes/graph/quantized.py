@@ -9,8 +9,8 @@ Terms:
 - *packed weight*: the layer's ``Params4bit``, a frozen uint8 parameter of packed 4-bit indices whose scales hang
   off it as a ``QuantState`` — plain attributes, which no trace sees.
 
-bitsandbytes is what ``transformers`` and ``peft`` quantize a base with (issue 39; benchmarks/RESULTS.md, QLoRA,
-says why it over torchao), but it does not trace. :func:`traceable` makes each quantized layer traceable for the
+bitsandbytes is what ``transformers`` and ``peft`` quantize a base with (benchmarks/RESULTS.md, QLoRA, says why
+it over torchao), but it does not trace. :func:`traceable` makes each quantized layer traceable for the
 trace only, so the plan holds the packed weight and its scales as the stage's parameters;
 :func:`check_quantized` refuses, in one line, what cannot train this way.
 """

@@ -41,9 +41,8 @@ COMMANDS = {
 def _command(name: str) -> Callable[..., int]:
     """The function that runs command ``name``, its module imported now.
 
-    Lazy on purpose: every command module imports torch, 2.6–3.3 s on the 2-core reference machine (a command's
-    start-up is about 4 s with OR-Tools and the passes), while ``rpcompile --help`` takes 0.15–0.2 s and
-    ``--version`` 0.1 s (measured wall times, ``/usr/bin/time``); a mistyped option fails as fast.
+    Lazy on purpose: every command module imports torch (seconds), so ``rpcompile --help``, ``--version`` and a
+    mistyped option answer at once, without it.
     """
     module, _, function = COMMANDS[name].partition(":")
     return cast("Callable[..., int]", getattr(importlib.import_module(f"{__name__}.{module}"), function))

@@ -44,7 +44,6 @@ def flat_inputs(gm: fx.GraphModule, args: Sequence[Any], kwargs: Mapping[str, An
         if node.name in computed:
             continue
         try:
-            # positional arguments fill the placeholders first
             values.append(next(it))
         except StopIteration:
             if node.name in kwargs:

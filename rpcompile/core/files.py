@@ -346,7 +346,7 @@ def parse_json(raw: bytes, *, max_depth: int, what: str = "such a file") -> Any:
     except RecursionError:
         raise ValueError(f"nested deeper than {max_depth} levels") from None
     except ValueError as e:
-        # a parse_int or parse_float refusal, or the decoder's: one bounded line
+        # a refusal from parse_int, parse_float or no_constant: one bounded line
         raise ValueError(" ".join(str(e).split())[:160]) from None
     if json_depth(value) > max_depth:
         raise ValueError(f"nested deeper than {max_depth} levels")

@@ -143,7 +143,7 @@ def _value_problem(hint: Any, v: Any, path: str) -> str | None:
             return f"{path}: must be >= {least}, found {_number(v)}"
         return None if v <= most else f"{path}: must be at most {most}, found {_number(v)}"
     if hint is float:
-        # JSON writes 0 for 0.0: an integer is a fine float
+        # JSON does not tell 0 from 0.0: an integer is a fine float
         if not isinstance(v, (int, float)) or isinstance(v, bool):
             return f"{path}: expected a number, found {_kind(v)}"
         if not math.isfinite(v) or v < 0:
@@ -199,7 +199,7 @@ def _text_problem(v: Any, path: str) -> str | None:
 
 def _free_form_problem(v: Mapping[str, Any], path: str) -> str | None:
     """Free-form content (:data:`_FREE_FORM`): printable strings (keys too), finite numbers, shallow nesting."""
-    # depth first, so that the walk below is bounded
+    # the depth is checked before the walk below, so that the walk is bounded
     if json_depth(v) > _FREE_DEPTH:
         return f"{path}: nested deeper than {_FREE_DEPTH} levels"
     stack: list[tuple[Any, str]] = [(v, path)]

@@ -33,7 +33,6 @@ NF4_NESTED_BLOCK = 256
 def nf4_bytes_per_param(*, nested: bool = True, blocksize: int = NF4_BLOCK) -> float:
     """Bytes one weight costs on the host and on the link: half a byte of index plus its share of the scales (an
     8-bit absmax and a 32-bit nested absmax per 256 blocks when ``nested``, an fp32 absmax otherwise)."""
-    # nested: an 8-bit absmax per block and a 4-byte nested absmax per 256 blocks; otherwise a 4-byte absmax per block
     scales = (1 + 4 / NF4_NESTED_BLOCK) if nested else 4
     return 0.5 + scales / blocksize
 

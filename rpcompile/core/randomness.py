@@ -59,7 +59,7 @@ def op_name(target: Any) -> str:
     method's name as it is; "" for anything else (a module)."""
     if isinstance(target, str):
         return target
-    # an OpOverload's packet is named like aten.dropout: the last dotted part is the op
+    # an OpOverload's own name carries its overload (dropout.default): its packet's is the op's alone (dropout)
     return getattr(getattr(target, "_overloadpacket", target), "__name__", "").split(".")[-1]
 
 

@@ -103,7 +103,6 @@ def weight_stays(uses: Sequence[Collection[H]], devices: int, stays: Collection[
     out: list[Stay[H] | None] = [None] * len(uses)
     for d in range(devices):
         mine = [k for k in range(len(uses)) if (k + offset) % devices == d]
-        # later[i]: what the device's stages after its i-th read, built from the last one back
         later: list[set[H]] = [set() for _ in mine]  # what the device's stages after each read
         for i in range(len(mine) - 2, -1, -1):
             later[i] = later[i + 1] | set(uses[mine[i + 1]])
@@ -173,7 +172,6 @@ def one_f_one_b(devices: int, microbatches: int) -> list[list[Action]]:
     fwd, bwd = _static_chain(devices)
     lists = []
     for d in range(devices):
-        # no more warm-up forwards than there are microbatches
         warm = min(devices - 1 - d, microbatches)
         acts = [Action(fwd[d], "F", j) for j in range(warm)]
         f, b = warm, 0

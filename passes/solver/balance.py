@@ -117,7 +117,6 @@ def balance_table(f_cost: np.ndarray, b_cost: np.ndarray, fused: np.ndarray) -> 
 def _masked(t: RangeTables, b_time: np.ndarray, limit: int,
             cap: float | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Stage times with ranges that cannot fit set to ``inf``. ``cap=None``: each range with ``P = its own W``."""
-    # cap None: the relaxation, each range's P its own weight and no weight limit
     p = t.weight if cap is None else cap
     p_fused = t.fused_weight if cap is None else cap
     ok_w = t.weight <= (INF if cap is None else cap)

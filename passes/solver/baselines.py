@@ -34,7 +34,6 @@ DP_RESCORE_WINDOW = 1.10
 
 def layer_ranges(pb: PartitionProblem) -> list[tuple[int, int]]:
     """Segment range of each layer, in order."""
-    # a layer starts wherever the layer id changes
     starts = [0] + [i for i in range(1, pb.n) if pb.layer[i] != pb.layer[i - 1]]
     return list(zip(starts, starts[1:] + [pb.n]))
 
@@ -93,7 +92,6 @@ def uniform(pb: PartitionProblem, *, time_limit_s: float = 10.0, seed: int = 0) 
     group per layer when there are fewer layers than devices)."""
     started = time.perf_counter()
     layers = layer_ranges(pb)
-    # the first groups one layer longer when uneven; fewer groups than devices when there are fewer layers
     groups = [g for g in np.array_split(np.arange(len(layers)), min(pb.device_count, len(layers))) if len(g)]
     ranges = [(layers[g[0]][0], layers[g[-1]][1]) for g in groups]
     # the last group is the fused stage; backward stages take the other groups' ranges, top down

@@ -112,13 +112,12 @@ class StageCountBound:
         self.b_link = budget - (inb[:, None] + outb[None, :] + w / m)
         self.b_mem = mem * slack - t.bwd_need - prefetch
         cum_br = np.concatenate([[0.0], np.cumsum(np.asarray(pb.bwd_s) + self.rec)])
-        # > 0: the recompute its saves must remove for the stage's compute to fit T
         self.cover = (cum_br[None, :] - cum_br[:, None]) - tp * slack  # recompute that saving must remove
         rec_sum = _range_sums(self.rec)
         b_down = grad_in[:, None] + t.grad / m
         # rec_sum >= cover: only ranges whose compute fits T once every segment is saved
         self.b_fixed = valid & (b_down <= budget) & (self.b_link >= 0) & (self.b_mem >= 0) & (rec_sum >= self.cover)
-        # fused_time and fused_need include the overhead: compared with T itself
+        # fused_time includes the overhead: compared with T itself, not with T less the overhead
         self.fused = (t.fused_time <= T * slack) & (t.fused_need + np.maximum(t.fused_weight, p_min) <= mem * slack)
         # forward memory holds a microbatch's saves twice (being made, and the last ones going down), backward once
         self.fwd = self._side(self.f_fixed, self.f_link, self.f_mem, 2.0, None)
@@ -230,7 +229,6 @@ class StageCountBound:
                 best, best_lam, stale = val, lam.copy(), 0
             else:
                 stale += 1
-                # four steps without a better L: halve the step size
                 if stale >= 4:
                     theta, stale = theta / 2, 0
             g = s_f - s_b

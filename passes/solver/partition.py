@@ -100,7 +100,6 @@ class _Pool:
 
     def hint(self, stages: int) -> tuple[float, SegmentPlan | None]:
         """The fastest known plan with at most ``stages`` stages."""
-        # the plan with at most this many stages and the least slowest stage: argmin over the counts up to it
         s = int(np.argmin(self.best_t[: stages + 1]))
         return float(self.best_t[s]), self.best_plan.get(s)
 
@@ -325,7 +324,7 @@ def _lagrange_phase(pb: PartitionProblem, tables: RangeTables, pool: _Pool, lb: 
             break
         tried.add(s)
         budgets += 1
-        # just below the incumbent's time, so that a proof shows the budget cannot even tie it
+        # just below the best known time: a plan that only ties it is no gain, so a proof need not rule it out
         hi = min(pool.incumbent() / pool.c[s], pool.hint(s)[0]) * (1 - 1e-9)
         if attempt(hi, s):
             continue

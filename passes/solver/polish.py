@@ -83,7 +83,7 @@ def _packed(lo: int, hi: int, parts: int, cost, descending: bool) -> Ranges | No
 
     # no cut beats the slowest single segment (low); one stage of everything always packs (high)
     low, high = max(cost_of(i, i + 1) for i in range(lo, hi)), cost_of(lo, hi)
-    # the fallback should no bisection step pack
+    # the fallback in case no bisection step packs
     best = pack(high)
     for _ in range(40):
         mid = (low + high) / 2

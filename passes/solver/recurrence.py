@@ -25,7 +25,7 @@ def pipeline_end(ends: Sequence[float], grad_s: Sequence[float], accumulate_s: S
                  reduce_s: Sequence[float], overlap_reduce: bool, reduce_host_s: float) -> float:
     """:func:`.timing.pipeline_time` after the walk: each stage's last microbatch ``ends``, its gradients down, added on
     the host, all-reduced."""
-    # a stage's gradients go down once, after its last microbatch (a stage past the edge list's end: none to wait for)
+    # a stage's gradients go down once, after its last microbatch (a stage beyond grad_s has none)
     landed = [e + (grad_s[k] if k < len(grad_s) else 0.0) for k, e in enumerate(ends)]
     added = lane_ends(landed, accumulate_s)
     # the iteration waits for every gradient down and for the host thread's last add
@@ -251,7 +251,6 @@ def _cycle(walk: Walk, steps: Sequence[float], per: int, devices: int, fused: in
     every later iteration then repeats the one ``c`` before it shifted by ``δ``. None otherwise (or when an
     iteration has fewer stages than there are devices, and its floors reach further back)."""
     t = len(steps) - 1
-    # fewer stages than devices: the next iteration's floors lie in more than the last iteration
     if per < devices:
         return None
     b = t * per

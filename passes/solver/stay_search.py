@@ -122,7 +122,7 @@ def choose_sums(pb: PartitionProblem, plan: SegmentPlan) -> SegmentPlan:
         return whole
     chosen: set[int] = set()
     best = plan
-    # the largest gradients first: the most download a call spares per trial
+    # the largest gradients first: their sums spare a no_sync call the most download
     for group in sorted(groups, key=lambda g: -sum(pb.grad_bytes[i] for i in g)):
         p = trial(chosen | set(group))
         if p is not None:

@@ -150,7 +150,7 @@ def minmax_path(cost: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     on a path from 0 to each position, and the predecessor achieving it."""
     n1 = cost.shape[0]
     best = np.full(n1, INF)
-    # -inf at the start, so that a path's largest arc is its first arc's cost
+    # -inf at the start: the empty path has no arc, so a path's first arc sets its running maximum
     best[0] = -INF
     pred = np.full(n1, -1)
     for b in range(1, n1):

@@ -359,7 +359,8 @@ class Pipeline:
         iteration runs on the latest weights, and results differ in the last bits."""
         self.check_state_dict(state, optimizer=optimizer, exact=exact)
         stale = state["stale_weights"] if exact else {}
-        # any overlap ended first (its step collected, its iterations drained): nothing in flight changes what loads below
+        # any overlap ended first (its step collected, its iterations drained): nothing in flight changes what
+        # loads below
         self.synchronize()
         with deferred():  # all of it or, with a Ctrl-C before it began, none
             self.iteration = int(state["iteration"])

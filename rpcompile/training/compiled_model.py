@@ -75,7 +75,7 @@ class CompiledModel:
         a saved segment's module too) in the mode its model module is in now: a batch norm or dropout module of an fx graph then runs as eager does
         after ``model.eval()`` / ``model.train()``."""
         now = {name: m.training for name, m in self.model.named_modules()}
-        # the modes as last set: nothing to walk
+        # no mode changed since the last follow: nothing to walk
         if now == self._followed:
             return
         for gm in stages:

@@ -155,7 +155,7 @@ class deferred:
             return
         pending = _GUARD.pending
         _GUARD.pending = None
-        # cleared, and SIGINT given back where no step needs it, before raising: the next Ctrl-C starts afresh
+        # SIGINT handed back before raising, unless an overlapped step in flight still needs the handler
         _GUARD.release()
         if pending is not None and not isinstance(error, KeyboardInterrupt):  # (a step started here waits too)
             _GUARD.raise_pending(pending)

@@ -292,7 +292,6 @@ class Overlap:
         held = self.held if self.iterations else None
         for r in drains:
             r.handed = True
-        # the iterations after this step add into a new generation's buffers
         self.held = {}  # the next generation's
 
         def run() -> tuple[list[Settings], list[Settings]]:

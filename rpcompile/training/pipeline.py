@@ -259,7 +259,8 @@ class Pipeline:
         self._overlap.check_drains()  # an overlapped iteration that failed while draining: named here
         if overlap:
             self._overlap.check_idle()  # a second overlapped step before the next iteration: one line
-        # step t-1 collected before step t is submitted: the iteration beside step t computes with its weights
+        # the step in flight (t-1) collected before step t is submitted: the iteration beside step t computes with
+        # step t-1's weights
         self._finish_step()
         self.sync_gradients()  # gradients summed on the devices under no_sync: home before the step reads them
         if not overlap:
@@ -358,7 +359,8 @@ class Pipeline:
         iteration runs on the latest weights, and results differ in the last bits."""
         self.check_state_dict(state, optimizer=optimizer, exact=exact)
         stale = state["stale_weights"] if exact else {}
-        # any overlap ended first: what loads below (the iteration, the scaler, a resumed overlap) starts from no step
+        # any overlap ended first (its step collected, its iterations drained): nothing in flight changes what
+        # loads below
         self.synchronize()
         with deferred():  # all of it or, with a Ctrl-C before it began, none
             self.iteration = int(state["iteration"])
@@ -534,7 +536,6 @@ class Pipeline:
         if not sums.deferring:
             return
         if self._overlap_optimizer is not None:
-            # cleared before refusing, so that the next call does not start deferring
             sums.deferring = False
             raise ConfigError("pipe.no_sync() does not run beside an overlapped step: call pipe.synchronize() and "
                               "step with overlap=False while accumulating, or accumulate outside no_sync()")

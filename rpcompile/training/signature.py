@@ -125,7 +125,6 @@ class InputSignature:
         """``(args, kwargs)`` in the compiled form: keywords naming a positional parameter move into place and
         specialised constants are filled in; anything else is refused with one line (:class:`~rpcompile.InputError`)."""
         args, kwargs = list(args), dict(kwargs)
-        # keywords that name positional parameters of forward move into place, in order
         for name in self.params[len(args):self.n_args]:
             if name in kwargs:
                 args.append(kwargs.pop(name))

@@ -43,7 +43,7 @@ VERSION = 1
 EXTRA_FILE = "extra.pt"
 PLAN_FILE = "plan.json"
 """The plan :func:`~.save.save_checkpoint` keeps beside the checkpoints (:func:`~.load.checkpoint_plan`)."""
-# at most 19 digits: every step fits an int64 (MAX_INT)
+# at most 19 digits, as many as MAX_INT (an int64) has: a name never holds an unbounded number
 _DIR = re.compile(r"^ckpt-(\d{1,19})$")
 _LEGACY = re.compile(r"^ckpt-(\d{1,19})\.ckpt$")
 # a plain name of a file in the checkpoint: no separator and no leading dot, so a manifest names nothing outside it

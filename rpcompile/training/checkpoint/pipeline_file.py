@@ -44,7 +44,7 @@ def write_pipeline(directory: Path, state: Mapping[str, Any]) -> dict[str, tuple
     seed = state.get("dropout_seed")
     body = {"format": state["format"], "version": state["version"], "iteration": state["iteration"],
             "dropout_seed": None if seed is None else str(int(seed)),
-            # GradScaler keeps some of its state as tensors: JSON takes their numbers
+            # JSON takes no tensors: one in a scaler's state is stored as its number
             "scaler": None if scaler is None else {k: v.item() if isinstance(v, torch.Tensor) else v
                                                    for k, v in scaler.items()},
             "microbatches": state["microbatches"], "precision": state["precision"], "model": state["model"],

@@ -86,7 +86,7 @@ class Device:
         if self.handoffs is None:
             return [self.download(t) for t in tensors]
         self._handoff_seq += 1
-        # the same sequence as hand-offs: the handoff offloader is first in first out
+        # numbered from the hand-offs' counter: gradients and hand-offs go down in the order they were submitted
         return self.handoffs.submit(list(tensors), priority=self._handoff_seq, ready=self._computed(), wrap=list)
 
     def wait_weights(self, ready: Any) -> None:
@@ -284,7 +284,7 @@ def make_devices(devices: "list[str | torch.device | Device] | None", gpus: int 
     out: list[Device] = []
     for i, d in enumerate(devices):
         if isinstance(d, Device):
-            d.index = i  # a device object of the caller's takes its place in this list
+            d.index = i  # a caller's device object: its index is its place in this list
             out.append(d)
             continue
         dev = _torch_device(d)

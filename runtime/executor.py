@@ -209,7 +209,7 @@ class Executor:
             self._settle()
             self._open = False
             raise first_failure(self.failed)
-        # the device sums join only now that the call has succeeded (DeviceGrads: a failed call leaves them)
+        # the call succeeded: only now do its deferred gradients join the device sums (DeviceGrads.commit)
         self.grads.commit()
         self.sums.commit(self.grads)
         self._open = False

@@ -177,7 +177,7 @@ class AdamW(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        # an optimizer pickled without these attributes (torch's own, or an older one) still loads
+        # Optimizer.__getstate__ pickles only defaults, state and param_groups: these two do not come back
         self.__dict__.setdefault("_mirrors", {})
         self.__dict__.setdefault("_backend", None)
         for group in self.param_groups:

@@ -57,7 +57,7 @@ def _without_dropout(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]
         return args[0], torch.ones_like(args[0], dtype=torch.bool)  # (output, mask): nothing dropped
     at = ATTENTION_DROPOUT.get(name)
     if at is not None:
-        # dropout_p by keyword (or not given): set it so; passed by position: replaced in place
+        # dropout_p given by keyword or not at all: passed as the keyword 0.0; given by position: replaced there
         if "dropout_p" in kwargs or len(args) <= at:
             return fn(*args, **{**kwargs, "dropout_p": 0.0})
         return fn(*args[:at], 0.0, *args[at + 1:], **kwargs)

@@ -101,7 +101,7 @@ def writeback_buffers(device: Device, state: StageState, host_buffers: dict[str,
     cannot tell: a batch norm's kernel writes its statistics without moving them)."""
     for name, t in state.buffers.items():
         master = host_buffers[name]
-        # fp32 on a logical CPU device: the device used the host buffer itself, which holds every write
+        # a logical CPU device with no cast used the host buffer itself, which holds every write already
         if t is master:
             continue
         home = device.download(t)
@@ -224,8 +224,8 @@ def _call(prog: StageProgram, state: StageState, inputs: list[Any], slot_cache: 
                 b = (before or {}).get(name, state.buffers[name]) if copy_buffers else state.buffers[name]
                 table[key] = b.clone() if copy_buffers else b
         return prog.gm(*inputs)
-    # the module gets its own tensors back: it must not keep a stage's device copies alive past its state
     finally:
+        # the module gets its own tensors back: it must not keep a stage's device copies alive past its state
         for table, key, value in reversed(originals):
             table[key] = value
 

@@ -301,7 +301,7 @@ class WeightStore:
         for e in self.entries.values():
             if e.back is not None and e.written:
                 e.front, e.back, e.written = e.back, e.front, False  # the old front is the next back buffer
-                # the back buffer was made from the stepped master (write_back did not stamp it), so stamp it now
+                # the new front holds the stepped master (write_back's copy or the optimizer's mirror), unstamped so far
                 e.made_from = _stamp(e.master)
                 e.generation += 1
 
@@ -508,7 +508,7 @@ class GradSink:
         """Run ``fn(grad, *args)`` on parameter ``name``'s gradient buffer (zeros if it has none yet), now, under
         that parameter's lock (the host's embedding gradients: an ``index_add_``)."""
         with self._locks[name]:
-            fn(self._target(name, None), *args)  # zero-filled if it had no gradient yet
+            fn(self._target(name, None), *args)
 
     def drain(self) -> None:
         """Wait until everything submitted has been added and stop the thread; re-raise the first failure."""
@@ -571,7 +571,7 @@ class GradSink:
             if self._error is not None or self._dropping:
                 continue  # drain what is queued; the first failure is what the caller sees
             try:
-                # the copies still landing are waited for here, on the sink's thread, so the worker went on
+                # copies still landing are waited for here, on the sink's thread: the submitting worker does not wait
                 landed = grads.wait() if hasattr(grads, "wait") else grads
                 with span("grad sink"):
                     for name, g in zip(names, landed, strict=True):

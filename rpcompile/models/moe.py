@@ -82,7 +82,7 @@ class SparseMoE(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         batch, seq_len = x.size(0), x.size(1)
         capacity = (seq_len * self.top_k + self.num_experts - 1) // self.num_experts  # ceil(T·k/E) <= T
-        # the softmax in fp32 (as HF's Qwen3-MoE routes): in bf16 close affinities would round to ties
+        # the softmax computed in fp32, as HF's Qwen3-MoE routes; the affinities then go back to the compute dtype
         affinity = F.softmax(self.router(x), dim=-1, dtype=torch.float32).to(x.dtype)  # [B, T, E]
         # per sequence (over each row's tokens): a sample's output does not depend on the rest of its batch
         weight, token = torch.topk(affinity.transpose(1, 2), capacity, dim=-1)      # [B, E, C] each

@@ -293,7 +293,7 @@ def _as_spec(result: Any, where: str) -> ModelSpec:
     if isinstance(result, tuple) and 2 <= len(result) <= 4 and isinstance(result[0], nn.Module):
         model, inputs, *rest = result
         inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-        loss_fn, target = (*rest, None, None)[:2]  # absent ones None
+        loss_fn, target = (*rest, None, None)[:2]
         return ModelSpec(model, inputs, loss_fn, target, description=where)
     raise ModelSpecError(
         f"{where} returned {type(result).__name__}; expected a ModelSpec, (model, example_inputs), "

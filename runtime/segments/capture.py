@@ -360,7 +360,7 @@ class SegmentFunction(torch.autograd.Function):
         outs = saved[ctx.n_in:]
         aot: SegmentAOT = ctx.aot
         padded: list[torch.Tensor | None] = list(grads) + [None] * aot.n_buffers  # buffers carry no gradient
-        # bw takes a tangent for every output: zeros for one that got no gradient
+        # autograd gives None for an output no gradient reached; the bw graph needs a tensor there: zeros
         full = [g if g is not None else torch.zeros_like(o) for g, o in zip(padded, outs)] + padded[len(outs):]
         g_in = [None if k in ctx.sizes else g for k, g in enumerate(aot.backward(ins, outs, ctx.host, full))]
         # no gradient for aot, host and n_in, nor for the shipped outputs (inputs of this node only as data)

@@ -192,7 +192,7 @@ class SavedSegment(SegmentSpec):
             # what changes the trace besides the segment's structure: the ambient device and dtype and autocast
             shape, symbolic, torch.get_default_device(), torch.get_default_dtype(), torch.is_autocast_enabled("cpu"),
             torch.is_autocast_enabled("cuda"), self._kind(flat), self._key(flat))
-        with _CAPTURE_LOCK:  # the shared captures are every worker's
+        with _CAPTURE_LOCK:  # the shared table is read and filled by every device's worker thread
             found = None if shared is None else shared_capture(shared, flat)
         if found is not None:
             return found

@@ -222,7 +222,7 @@ def simulate(
     queues = {key: deque(ts) for key, ts in sorted(lanes.items(), key=lambda kv: kv[0][1] == "compute")}
     running: dict[tuple[int, str], _Task] = {}
     now, left = 0.0, len(tasks)
-    # (static schedules: nothing waits for room; the peak is only checked against the limit)
+    # copies_wait_for_memory=False (static schedules): nothing waits for room; the peak is only checked
     limit = memory_limit_bytes if memory_limit_bytes is not None and copies_wait_for_memory else _INF
     def start_ready(force: bool) -> None:
         """Start every task whose lane is free and whose dependencies are met (and, unless ``force``, that fits)."""

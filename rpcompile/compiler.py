@@ -134,7 +134,8 @@ def compile(
             raise ConfigError("compile measures costs on its first device with that device's share of the cores: "
                               "leave options.device and options.threads None (or plan with rpcompile.plan(options=...) "
                               "and compile(plan=...))")
-        # with devices= the count comes from them (checked against options.gpus below), so gpus is no clash then
+        # with devices= the count comes from them (checked against options.gpus below): gpus is not passed, so it
+        # does not clash with options.gpus
         keywords = dict(gpus=gpus if devices is None else None, microbatches=microbatches, spec=spec,
                         head_chunks=head_chunks, host_embedding=host_embedding, **plan_options)
         if precision is not None and precision != options.precision:
@@ -286,7 +287,8 @@ def _join(dp: DataParallel, local: Callable[..., Pipeline], plan: "Plan | str | 
     if plan is None:
         pipe, plan = dp.shared_plan(local)
     try:
-        # rank 0 compiled its pipeline while planning; the other ranks compile the plan it sent
+        # when rank 0 planned, it compiled its pipeline then; the other ranks (every rank, when plan= was given)
+        # compile the plan here
         pipe = pipe or local(plan=plan)
         digest, error = plan_digest(pipe.plan, devices=len(pipe.devices), precision=precision), ""
     except Exception as e:  # noqa: BLE001 - every rank learns which one failed, then this one raises its own

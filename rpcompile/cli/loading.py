@@ -26,7 +26,7 @@ def load_for(args: argparse.Namespace, microbatches: int) -> ModelSpec:
     ``--batch-size`` says otherwise: the meta presets come with a batch of one sequence. A built-in model's batch
     is known before it is built, so it is built once (a model file's is not: it ignores ``--batch-size``)."""
     batch = preset_batch_size(args.model)
-    # a preset's batch is known before it is built: asked for big enough at once
+    # a preset's batch is known before it is built: ask for one sample per microbatch now, so it is built once
     if args.batch_size is None and batch is not None and batch < microbatches:
         args.batch_size = microbatches
     ms = load(args)

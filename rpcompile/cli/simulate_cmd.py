@@ -99,7 +99,7 @@ def _scenarios(args: argparse.Namespace, schedules: list[str], host: float) -> t
 def _model_scenarios(args: argparse.Namespace, schedules: list[str], host: float) -> tuple[str, dict, dict[str, str], int]:
     """The MODEL form of :func:`_scenarios`: trace, cost and plan the model for each schedule."""
     m = args.microbatches or default_microbatches(args.gpus)
-    # load_for reads the model from args.model, which simulate's positional names target
+    # load_for reads the model from args.model; simulate's positional argument is args.target
     args.model = args.target
     ms = load_for(args, m)
     title = f"{args.target} on {args.gpus} × {args.spec or args.device or 'default spec'}, {m} microbatches"

@@ -31,7 +31,7 @@ def plan_violations(plan: Plan, gm: fx.GraphModule) -> list[str]:
         gm = as_planned(gm, plan.host)
     except ValueError as e:
         return [f"rule 10: {e}"]
-    # positions in the topological order of compute nodes only: rules 3 to 6 cut and cover these
+    # positions in the topological order of the compute nodes only: rules 3 to 6 check the stages' nodes against it
     order = {n.name: i for i, n in enumerate(compute_nodes(gm))}
     by_name = {n.name: n for n in gm.graph.nodes}
     out: list[str] = []

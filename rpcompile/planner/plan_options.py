@@ -223,7 +223,7 @@ def fastest(candidates: Sequence[int], attempt: Callable[[int], "Made | Callable
     # each plan with its candidate's index, so a tie goes to the earlier candidate (the whole head comes first)
     made = [(o, i) for i, o in enumerate(outcomes[k] for k in candidates) if isinstance(o, tuple)]
     if not made:
-        # none fitted: the first candidate's error (outcomes holds the candidates in their order)
+        # no candidate made a plan: the first candidate's error (outcomes holds the candidates in their order)
         raise next(o for o in outcomes.values() if isinstance(o, Exception))
     return min(made, key=lambda m: (m[0][0], m[1]))[0][1]
 

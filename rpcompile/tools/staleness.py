@@ -152,7 +152,7 @@ def check_plan(path: str | Path, model: Any, example_inputs: Sequence[Any], *, m
                        max_segments=options.get("max_segments")), loss_fn=loss_fn, example_target=example_target)
 
     try:
-        # no lookups on the host: False moves none, where True would let the pass choose by table size
+        # exactly the plan's lookups; for none, False (True would let the pass choose by table size)
         gm, m = graph(plan.host or False)
     except ValueError:  # the lookups the plan runs on the host are not in this model: the fingerprint says so
         if not plan.host:
@@ -230,7 +230,7 @@ def sums_of(plan: Any, segs: Sequence[Any], gm: Any) -> tuple[bool, ...]:
     the ``SegmentPlan.accumulates`` the plan was lowered from."""
     summed = {p for s in plan.stages for p in s.accumulates}
     if not summed:
-        # no sums: the empty tuple SegmentPlan itself keeps for that
+        # no sums: (), the form SegmentPlan gives an all-False accumulates
         return ()
     trainable = {n for n, p in gm.named_parameters() if p.requires_grad}
     readers = Counter(p for s in segs for p in set(s.params))

@@ -176,13 +176,13 @@ def _box_svg(i: int, b: ModuleBox, x: float, y: float, plan: Plan, idx: dict[str
     bcol = stage_color(idx.get(b.backward[-1], -1)) if b.backward else stage_color(-1)
     cls = "module saved" if b.saved else "module"
     saved = "" if b.saved is None else f' data-saved="{b.saved}"'
-    # the name leaves room at the right for the "saved" badge when there is one
     out = [f'<g class="{cls}" id="box{i}" data-module="{esc(b.name)}" data-forward="{esc(" ".join(b.forward))}" '
            f'data-backward="{esc(" ".join(b.backward))}"{saved}>',
            "  " + title(_tooltip(b, plan) + (f" · feeds {len(fans)} later modules" if fans else "")),
            "  " + rect(x, y, _BOX_W / 2, _BOX_H, fill=fcol),
            "  " + rect(x + _BOX_W / 2, y, _BOX_W / 2, _BOX_H, fill=bcol),
            "  " + rect(x, y, _BOX_W, _BOX_H, class_="frame"),
+           # the name leaves room at the right for the "saved" badge when there is one
            "  " + text(x + 8, y + 16, _fit(b.name, 12, _BOX_W - (56 if b.saved else 16)), class_="name"),
            "  " + text(x + 8, y + 32, b.stage_label, class_="stages")]
     if b.saved:

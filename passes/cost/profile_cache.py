@@ -70,7 +70,7 @@ _CACHE = JsonCache(root=_profiles, name="profile cache", afresh="measuring afres
 
 def _input_sig(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        # shapes, not values: the times depend on what the node sees, not on the numbers in it
+        # shape, dtype, device and grad, not values: a node's time does not depend on the numbers in its inputs
         return [list(value.shape), str(value.dtype), value.device.type, value.requires_grad]
     if isinstance(value, (int, float, bool, str, type(None))):
         # repr keeps 1, 1.0 and True apart

@@ -90,7 +90,7 @@ def profile_key(gm: fx.GraphModule, flat_inputs: Sequence[Any], identity: dict[s
         "graph": fp.graph_digest,
         "params": fp.params_digest,
         "inputs": [_input_sig(v) for v in flat_inputs],
-        # sorted: the key, hence the file name, must not depend on the order identity() lists its fields
+        # sorted: a stable order in the written entry (its file name and the key comparison ignore order anyway)
         **{k: identity[k] for k in sorted(identity)},
     }
 

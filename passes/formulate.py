@@ -88,7 +88,7 @@ def partition_problem(
         names=tuple(s.name for s in segs),
         layer=tuple(s.layer for s in segs),
         fwd_s=fwd,
-        # a backward issues only the nodes that have a backward
+        # the dispatch bound counts the ops that have a backward (backward_ops), not every node
         bwd_s=tuple(launch_bound(s.bwd_s + o, s.backward_ops, spec.backward_dispatch_s) for s, o in zip(segs, once)),
         rec_s=rec,
         # a loss that runs after the graph (the whole LM head) runs in the fused stage, which always holds the last

@@ -291,7 +291,8 @@ class CostInterpreter(fx.Interpreter):
         # a value the shape pass's meta run computed is taken as it is; the node is still costed below
         result = got[0] if got is not None else super().run_node(n)
         if self.values is not None and got is None:
-            # a read-only view: settling only marks a placeholder or weight with the recorded value as the same
+            # `values` only reads: settle records nothing, it marks a placeholder or weight holding the recorded value
+            # as the same
             self.values.settle(n, result, None)
         if n.op == "get_attr":
             # a frozen weight or a buffer starts no gradient; a trainable parameter does

@@ -145,7 +145,8 @@ class NodeCall:
                 return device
             if not isinstance(t, torch.Tensor):
                 return t
-            # the same tensor passed twice stays one copy (`x * x`), and memo maps copies back to their nodes
+            # the same tensor passed twice stays one copy (`x * x`); memo (original's id -> copy) also lets the
+            # profile tie a copy back to the node that made the original
             if id(t) in memo:
                 return memo[id(t)]
             floating = t.is_floating_point()

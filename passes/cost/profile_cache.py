@@ -70,7 +70,7 @@ _CACHE = JsonCache(root=_profiles, name="profile cache", afresh="measuring afres
 
 def _input_sig(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        # shapes, not values: the times depend on what the node sees, not on the numbers in it
+        # shape, dtype, device and grad, not values: a node's time does not depend on the numbers in its inputs
         return [list(value.shape), str(value.dtype), value.device.type, value.requires_grad]
     if isinstance(value, (int, float, bool, str, type(None))):
         # repr keeps 1, 1.0 and True apart
@@ -90,7 +90,7 @@ def profile_key(gm: fx.GraphModule, flat_inputs: Sequence[Any], identity: dict[s
         "graph": fp.graph_digest,
         "params": fp.params_digest,
         "inputs": [_input_sig(v) for v in flat_inputs],
-        # sorted: the key, hence the file name, must not depend on the order identity() lists its fields
+        # sorted: a stable order in the written entry (its file name and the key comparison ignore order anyway)
         **{k: identity[k] for k in sorted(identity)},
     }
 

@@ -91,7 +91,6 @@ def _functional_form(gm: fx.GraphModule, node: fx.Node) -> tuple[str, Any, tuple
         return (op, overload, args, kwargs) if overload is not None else None
     bound = _inplace_kwarg(target, args, kwargs)
     if bound is not None:
-        # the same call with inplace=False
         bound.arguments["inplace"] = False
         return op, target, bound.args, bound.kwargs
     name = getattr(target, "__name__", "")
@@ -170,7 +169,8 @@ def _rewritable(gm: fx.GraphModule, node: fx.Node, functional: set[fx.Node], ord
         return False
     if not isinstance(x, fx.Node) or not _fresh(gm, x, functional - {node}):
         return False
-    # an earlier reader that is a view of x would see the write, and so would an earlier write into x itself
+    # an earlier reader that may be a view of x would see the write; after an earlier write into x that is rewritten
+    # too, this one waits a round (that write moves x's later readers, this one's included, onto its result)
     earlier = [u for u in x.users if u is not node and order[u] < order[node]]
     return all(_fresh(gm, u, functional) and not (u in functional and u.args[0] is x) for u in earlier)
 
@@ -195,7 +195,7 @@ def functional_inplace_pass(gm: fx.GraphModule) -> fx.GraphModule:
             functional = keep
         if not functional:
             break
-        # graph order, so a chain's later write is redirected onto its predecessor's result
+        # graph order: a reader after a chain moves from x to the first write's result, then on to the next one's
         for n in sorted(functional, key=order.__getitem__):
             make_functional(gm, n)
             x = n.args[0]

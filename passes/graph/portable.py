@@ -91,7 +91,7 @@ def portable_pass(gm: fx.GraphModule, *, devices: bool = True) -> fx.GraphModule
             portable_pass(sub, devices=devices)
     graph = gm.graph
     for node in list(graph.nodes):
-        # they assert the trace's tensor metadata (its device), which a stage on a GPU does not match
+        # _assert_tensor_metadata checks the trace's metadata (its device), which a stage on a GPU does not match
         if node.op == "call_function" and node.target in _ASSERTS:
             graph.erase_node(node)
     for node in list(graph.nodes) if devices else ():

@@ -344,7 +344,7 @@ def _outline_vmap(gm: fx.GraphModule) -> None:
             continue
         depth, j = 0, i
         for j in range(i, len(nodes)):
-            # nested vmaps: the region ends at the decrement matching its first increment, not at the first one
+            # nested vmaps: the region ends at the decrement matching its first increment, not at the first decrement
             depth += (nodes[j].target is _VMAP_IN) - (nodes[j].target is _VMAP_OUT)
             if depth == 0:
                 break
@@ -442,7 +442,7 @@ def _rebind_attributes(model: nn.Module, unlifted: nn.Module, graph: fx.Graph) -
 def _canonical_names(model: nn.Module) -> dict[int, str]:
     names: dict[int, str] = {}
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        # first name wins: named_parameters() dedups tied weights under that name, the one the docstring promises
+        # first name wins: the one named_parameters() keeps for a tied weight, as util.canonical_names gives it
         names.setdefault(id(t), name)
     return names
 
